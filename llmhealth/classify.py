@@ -1,0 +1,486 @@
+"""From timed reads of a backend to a verdict with its evidence.
+
+Pure and step-wise, after aioquic: the shell hands over what it has seen so far, and
+``decide`` answers either with a verdict or with the one thing it needs next (another
+read after a wait, or the tiny request). Time arrives inside the reads; no clock here.
+The rule that carries the weight: a backend that shows work is never sent a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from llmhealth.metrics import EngineSignals, Signals
+
+
+class VerdictKind(StrEnum):
+    BUSY = "busy"  # work present and the engine stepped in the last wait
+    IDLE = "idle"  # no work, and the tiny request was answered
+    STALLED = "stalled"  # work present, no progress over one wait: doubt, not proof
+    WEDGED = "wedged"  # work present, no progress over two consecutive waits: proof
+    UNANSWERED = "unanswered"  # no work shown, yet the tiny request failed
+    RESTARTED = "restarted"  # another process answered than the one read before
+    NO_METRICS = "no_metrics"  # no usable vLLM series; judged by the tiny request alone
+    UNRESPONSIVE = "unresponsive"  # TCP connects, HTTP does not answer in time
+    DOWN = "down"  # refused, reset, no route
+    UP = "up"  # a proxy answered GET /v1/models with a model list
+
+
+class ReadProblem(StrEnum):
+    """Why a read gave no metrics text, grouped by the verdict each implies."""
+
+    DOWN = "down"  # no connection: refused, reset, DNS, TLS, no route
+    UNRESPONSIVE = "unresponsive"  # connected, but no complete answer in time
+    UNUSABLE = "unusable"  # answered, but not with a metrics text (status, size, redirect)
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One GET /metrics: when it was taken, and either its signals or what went wrong."""
+
+    at: float
+    signals: Signals | None = None
+    problem: ReadProblem | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The tiny request: POST /v1/completions with max_tokens 1, and how it went."""
+
+    at: float
+    ok: bool
+    detail: str
+    model: str | None = None
+    models_served: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TakeRead:
+    """Wait, then read /metrics again."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendTinyRequest:
+    """The backend shows no work (or cannot show it): one tiny request may be spent."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: VerdictKind
+    healthy: bool
+    evidence: str
+    running: int | None = None
+    waiting: int | None = None
+    steps_per_s: float | None = None
+    tokens_per_s: float | None = None
+    requests_sent: int = 0
+    reads: tuple[Read, ...] = ()
+    answer: Answer | None = None
+
+
+Decision = Verdict | TakeRead | SendTinyRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Something to check: a backend (read directly) or a proxy (asked /v1/models only)."""
+
+    name: str
+    url: str
+    kind: str = "backend"
+    api_key: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    target: Target
+    verdict: Verdict
+
+
+def decide(reads: Sequence[Read], answer: Answer | None = None, *, max_reads: int = 3) -> Decision:
+    """The next step for one backend, given its reads in order and the tiny request if sent.
+
+    ``max_reads`` bounds a run (three reads are two waits, the least that proves a wedge).
+    """
+    if not reads:
+        return TakeRead("first read")
+    last = reads[-1]
+    if last.problem is ReadProblem.DOWN:
+        return _verdict(VerdictKind.DOWN, False, f"down: {last.detail}", reads)
+    if last.problem is ReadProblem.UNRESPONSIVE:
+        return _verdict(VerdictKind.UNRESPONSIVE, False, f"unresponsive: {last.detail}", reads)
+
+    restart = _first_restart(reads)
+    if restart is not None:
+        return _judge_restarted(reads, restart, answer, max_reads)
+    if last.signals is None or not last.signals.has_vllm:
+        why = last.detail or "the text has no vLLM series"
+        return _by_answer(
+            reads, answer, VerdictKind.NO_METRICS, VerdictKind.NO_METRICS, f"no metrics ({why})"
+        )
+    return _judge_work(reads, answer, max_reads)
+
+
+def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
+    """A proxy is only asked GET /v1/models: its /metrics may be any backend's, or its own."""
+    if ok and models:
+        return Verdict(VerdictKind.UP, True, f"up: /v1/models lists {', '.join(models)}")
+    return Verdict(VerdictKind.DOWN, False, f"down: {detail or '/v1/models lists no model'}")
+
+
+# --- work and progress -------------------------------------------------------------
+
+
+def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) -> Decision:
+    last_signals = _signals(reads[-1])
+    awake = [engine for engine in last_signals.engines if not engine.asleep]
+    if not awake:
+        states = ", ".join(f"engine {e.engine} {e.sleep_state}" for e in last_signals.engines)
+        return _verdict(
+            VerdictKind.IDLE, True, f"idle: asleep on purpose ({states}); no request sent", reads
+        )
+    if any(engine.work is None for engine in awake):
+        if len(reads) >= 2:
+            busy = _busy_if_progressing(reads)
+            if busy is not None:
+                return busy
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.IDLE,
+            VerdictKind.UNANSWERED,
+            "work unknown: the running/waiting gauges are absent "
+            "(several API servers publish them only after their first request)",
+        )
+
+    working = [engine for engine in awake if (engine.work or 0) > 0]
+    if not working:
+        if len(reads) >= 2:
+            busy = _busy_if_progressing(reads)
+            if busy is not None:
+                return busy
+        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, "no work")
+    if len(reads) < 2:
+        return TakeRead(f"{_describe_work(last_signals)}: watching for progress over one wait")
+
+    streaks = {engine.engine: _stall_streak(reads, engine.engine) for engine in working}
+    worst = max(streaks, key=lambda name: (streaks[name], name))
+    if streaks[worst] >= 2:
+        return _verdict(VerdictKind.WEDGED, False, _wedge_evidence(reads, worst), reads)
+    if streaks[worst] == 1:
+        if len(reads) < max_reads:
+            return TakeRead(f"engine {worst}: no progress over one wait; one more wait decides")
+        return _verdict(VerdictKind.STALLED, False, _stall_evidence(reads, worst), reads)
+    busy = _busy_if_progressing(reads)
+    if busy is not None:
+        return busy
+    # Work appeared on an engine with no comparable read before it (new engine, or work
+    # that arrived during the wait): no baseline yet, so no doubt either.
+    if len(reads) < max_reads:
+        return TakeRead(f"{_describe_work(last_signals)}: no baseline to compare yet")
+    return _verdict(
+        VerdictKind.STALLED,
+        False,
+        f"stalled: {_describe_work(last_signals)}, and no engine progressed in the last wait",
+        reads,
+    )
+
+
+def _busy_if_progressing(reads: Sequence[Read]) -> Verdict | None:
+    """Busy when any engine advanced over the last wait; work that just finished counts."""
+    before, after = _signals(reads[-2]), _signals(reads[-1])
+    elapsed = reads[-1].at - reads[-2].at
+    moved = [
+        name for name, older, newer in _engine_pairs(before, after) if _progressed(older, newer)
+    ]
+    if not moved:
+        return None
+    steps = _delta_sum(before, after, "steps")
+    tokens = _delta_sum(before, after, "generation_tokens")
+    steps_rate = steps / elapsed if elapsed > 0 else None
+    tokens_rate = tokens / elapsed if elapsed > 0 else None
+    rate_text = ""
+    if steps_rate is not None and tokens_rate is not None:
+        rate_text = f", {steps_rate:.1f} steps/s, {tokens_rate:.1f} tokens/s"
+    evidence = (
+        f"busy: {_describe_work(before)} then {_describe_work(after)}; "
+        f"engine {', '.join(moved)} progressed over {elapsed:.1f} s "
+        f"({_describe_deltas(before, after)}){rate_text}; no request sent"
+    )
+    return _verdict(
+        VerdictKind.BUSY, True, evidence, reads, steps_per_s=steps_rate, tokens_per_s=tokens_rate
+    )
+
+
+def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
+    """How many of the latest waits in a row this engine had work and made no progress."""
+    streak = 0
+    for index in range(len(reads) - 1, 0, -1):
+        older = _signals(reads[index - 1]).engine(engine_name)
+        newer = _signals(reads[index]).engine(engine_name)
+        if older is None or newer is None or older.asleep or newer.asleep:
+            break
+        if not (older.work or 0) > 0 or not (newer.work or 0) > 0:
+            break
+        if _progressed(older, newer):
+            break
+        streak += 1
+    return streak
+
+
+def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
+    """Any engine step, token, finished request or preemption, or a KV cache change.
+
+    Output tokens alone would miss a long prompt being read: vLLM emits nothing then,
+    but its KV use moves every step.
+    """
+    for name, value in newer.counters.items():
+        previous = older.counters.get(name)
+        if previous is not None and value > previous:
+            return True
+    return (
+        older.kv_usage is not None
+        and newer.kv_usage is not None
+        and older.kv_usage != newer.kv_usage
+    )
+
+
+# --- restarts ----------------------------------------------------------------------
+
+
+def _first_restart(reads: Sequence[Read]) -> int | None:
+    """Index of the first read that came from another process than the read before it."""
+    readable = [
+        (index, read.signals)
+        for index, read in enumerate(reads)
+        if read.signals is not None and read.signals.has_vllm
+    ]
+    for (_, older), (index, newer) in itertools.pairwise(readable):
+        if _restarted_between(older, newer):
+            return index
+    return None
+
+
+def _restarted_between(older: Signals, newer: Signals) -> bool:
+    """Start time changed; without start times (multiprocess mode), a counter went down."""
+    if older.process_start is not None or newer.process_start is not None:
+        return older.process_start != newer.process_start
+    for _, before, after in _engine_pairs(older, newer):
+        for name, value in after.counters.items():
+            previous = before.counters.get(name)
+            if previous is not None and value < previous:
+                return True
+    return False
+
+
+def _judge_restarted(
+    reads: Sequence[Read], restart: int, answer: Answer | None, max_reads: int
+) -> Decision:
+    """A new process is judged on its own reads only, never against the old one's counters."""
+    older, newer = _signals(reads[restart - 1]), _signals(reads[restart])
+    change = _describe_restart(older, newer)
+    since = reads[restart:]
+    last = _signals(since[-1]) if since[-1].signals is not None else None
+    if last is None or not last.has_vllm:
+        why = since[-1].detail or "no vLLM series"
+        return _by_answer(
+            reads, answer, VerdictKind.RESTARTED, VerdictKind.RESTARTED, f"{change}; then {why}"
+        )
+    awake = [engine for engine in last.engines if not engine.asleep]
+    has_work = any((engine.work or 0) > 0 for engine in awake)
+    if not has_work:
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.RESTARTED,
+            VerdictKind.RESTARTED,
+            f"{change}; the new process shows {_describe_work(last)}",
+        )
+    if len(since) >= 2:
+        busy = _busy_if_progressing(since)
+        if busy is not None:
+            return Verdict(
+                VerdictKind.RESTARTED,
+                True,
+                f"{change}; the new process is {busy.evidence}",
+                busy.running,
+                busy.waiting,
+                busy.steps_per_s,
+                busy.tokens_per_s,
+                reads=tuple(reads),
+            )
+    if len(reads) < max_reads:
+        return TakeRead(f"{change}; the new process has work: judging it from a fresh baseline")
+    return _verdict(
+        VerdictKind.RESTARTED,
+        False,
+        f"{change}; the new process shows {_describe_work(last)} and no progress yet",
+        reads,
+    )
+
+
+# --- shared pieces -----------------------------------------------------------------
+
+
+def _by_answer(
+    reads: Sequence[Read],
+    answer: Answer | None,
+    good: VerdictKind,
+    bad: VerdictKind,
+    context: str,
+) -> Decision:
+    if answer is None:
+        return SendTinyRequest(context)
+    kind = good if answer.ok else bad
+    return _verdict(
+        kind, answer.ok, f"{kind}: {context}; tiny request {answer.detail}", reads, answer
+    )
+
+
+def _verdict(
+    kind: VerdictKind,
+    healthy: bool,
+    evidence: str,
+    reads: Sequence[Read],
+    answer: Answer | None = None,
+    *,
+    steps_per_s: float | None = None,
+    tokens_per_s: float | None = None,
+) -> Verdict:
+    running, waiting = _work_counts(reads)
+    return Verdict(
+        kind,
+        healthy,
+        evidence,
+        running,
+        waiting,
+        steps_per_s,
+        tokens_per_s,
+        requests_sent=0 if answer is None else 1,
+        reads=tuple(reads),
+        answer=answer,
+    )
+
+
+def _work_counts(reads: Sequence[Read]) -> tuple[int | None, int | None]:
+    for read in reversed(reads):
+        if read.signals is not None and read.signals.has_vllm:
+            engines = read.signals.engines
+            if any(engine.running is None for engine in engines):
+                return None, None
+            return (
+                int(sum(engine.running or 0 for engine in engines)),
+                int(sum(engine.waiting or 0 for engine in engines)),
+            )
+    return None, None
+
+
+def _signals(read: Read) -> Signals:
+    return read.signals if read.signals is not None else Signals()
+
+
+def _engine_pairs(older: Signals, newer: Signals) -> list[tuple[str, EngineSignals, EngineSignals]]:
+    pairs = []
+    for engine in newer.engines:
+        before = older.engine(engine.engine)
+        if before is not None:
+            pairs.append((engine.engine, before, engine))
+    return pairs
+
+
+def _delta_sum(older: Signals, newer: Signals, counter: str) -> float:
+    total = 0.0
+    for _, before, after in _engine_pairs(older, newer):
+        previous, current = before.counters.get(counter), after.counters.get(counter)
+        if previous is not None and current is not None and current > previous:
+            total += current - previous
+    return total
+
+
+def _describe_work(signals: Signals) -> str:
+    running, waiting = _work_counts([Read(0.0, signals)])
+    if running is None:
+        return "work unknown"
+    return f"{running} running, {waiting} waiting"
+
+
+def _describe_deltas(older: Signals, newer: Signals) -> str:
+    parts = []
+    for label, counter in (
+        ("steps", "steps"),
+        ("generated", "generation_tokens"),
+        ("prompt", "prompt_tokens"),
+        ("finished", "finished"),
+        ("preempted", "preemptions"),
+    ):
+        delta = _delta_sum(older, newer, counter)
+        if delta:
+            parts.append(f"{label} +{delta:g}")
+    kv_moves = [
+        f"kv {before.kv_usage:.4f}→{after.kv_usage:.4f}"
+        for _, before, after in _engine_pairs(older, newer)
+        if before.kv_usage is not None
+        and after.kv_usage is not None
+        and before.kv_usage != after.kv_usage
+    ]
+    return ", ".join(parts + kv_moves) or "no counter moved"
+
+
+def _series(reads: Sequence[Read], engine_name: str, field_name: str) -> str:
+    values = []
+    for read in reads:
+        engine = _signals(read).engine(engine_name)
+        value = None if engine is None else getattr(engine, field_name)
+        values.append("?" if value is None else f"{value:g}")
+    return "→".join(values)
+
+
+def _wedge_evidence(reads: Sequence[Read], engine_name: str) -> str:
+    window = reads[-3:]
+    elapsed = window[-1].at - window[0].at
+    start = _signals(window[-1]).process_start
+    same_process = (
+        f"start time {start:.2f} unchanged" if start is not None else "no counter went back"
+    )
+    return (
+        f"wedged: engine {engine_name} had work and made no progress over 2 consecutive waits "
+        f"({elapsed:.1f} s): running {_series(window, engine_name, 'running')}, "
+        f"waiting {_series(window, engine_name, 'waiting')}, "
+        f"steps {_series(window, engine_name, 'steps')}, "
+        f"generated {_series(window, engine_name, 'generation_tokens')}, "
+        f"finished {_series(window, engine_name, 'finished')}, "
+        f"kv {_series(window, engine_name, 'kv_usage')}; {same_process}; engine awake"
+    )
+
+
+def _stall_evidence(reads: Sequence[Read], engine_name: str) -> str:
+    window = reads[-2:]
+    elapsed = window[-1].at - window[0].at
+    return (
+        f"stalled: engine {engine_name} had work and made no progress over one wait "
+        f"({elapsed:.1f} s): running {_series(window, engine_name, 'running')}, "
+        f"steps {_series(window, engine_name, 'steps')}, "
+        f"generated {_series(window, engine_name, 'generation_tokens')}; not yet proof"
+    )
+
+
+def _describe_restart(older: Signals, newer: Signals) -> str:
+    if older.process_start is not None or newer.process_start is not None:
+        return (
+            f"restarted: process start time {_fmt(older.process_start)} → "
+            f"{_fmt(newer.process_start)}"
+        )
+    return "restarted: counters went down (no start time: Prometheus multiprocess mode)"
+
+
+def _fmt(value: float | None) -> str:
+    return "absent" if value is None else f"{value:.2f}"

@@ -1,0 +1,299 @@
+"""TOML configuration into frozen dataclasses.
+
+Every error names the file and the key, and an unknown key is an error: a typo in a
+threshold must not silently leave the default in force on a fleet that restarts servers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_WAIT = 5.0
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_ANSWER_TIMEOUT = 10.0
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_VERDICTS_RESTARTABLE = frozenset({"wedged", "unanswered", "unresponsive", "down"})
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    min_healthy: int = 1
+    restart_on: tuple[str, ...] = ("wedged",)
+    max_concurrent_restarts: int = 1
+    restart_budget: int = 5
+    restart_budget_window: float = 86400.0
+    cooldown: float = 60.0
+    cooldown_max: float = 1800.0
+    startup_grace: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    url: str
+    restart: tuple[str, ...] = ()
+    api_key_env: str | None = None
+    expected_model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    name: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    wait: float = DEFAULT_WAIT
+    timeout: float = DEFAULT_TIMEOUT
+    answer_timeout: float = DEFAULT_ANSWER_TIMEOUT
+    max_body: int = DEFAULT_MAX_BODY
+    state: str | None = None
+    audit_log: str | None = None
+    policy: Policy = field(default_factory=Policy)
+    backends: tuple[Backend, ...] = ()
+    proxies: tuple[Proxy, ...] = ()
+    source: str = "<command line>"
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a config file; any problem is a ConfigError naming file and key."""
+    where = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from exc
+    return from_mapping(data, where)
+
+
+def from_mapping(data: Mapping[str, Any], where: str) -> Config:
+    reader = _Reader(where)
+    reader.known(
+        data,
+        "",
+        {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
+        | {"backend", "proxy"},
+    )
+    policy = _policy(reader, data.get("policy", {}))
+    backends = tuple(
+        _backend(reader, entry, f"backend[{index}]")
+        for index, entry in enumerate(reader.table_list(data, "backend"))
+    )
+    proxies = tuple(
+        _proxy(reader, entry, f"proxy[{index}]")
+        for index, entry in enumerate(reader.table_list(data, "proxy"))
+    )
+    names = [backend.name for backend in backends] + [proxy.name for proxy in proxies]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ConfigError(f"{where}: name used twice: {', '.join(duplicates)}")
+    return Config(
+        wait=reader.duration(data, "wait", DEFAULT_WAIT),
+        timeout=reader.duration(data, "timeout", DEFAULT_TIMEOUT),
+        answer_timeout=reader.duration(data, "answer_timeout", DEFAULT_ANSWER_TIMEOUT),
+        max_body=reader.integer(data, "max_body", DEFAULT_MAX_BODY, minimum=1024),
+        state=reader.optional_string(data, "state"),
+        audit_log=reader.optional_string(data, "audit_log"),
+        policy=policy,
+        backends=backends,
+        proxies=proxies,
+        source=where,
+    )
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string such as "90s", "15m", "24h"; ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    else:
+        raise ValueError(f"{value!r} is not a duration (a number of seconds, or like '90s', '15m')")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{value!r} must be a positive, finite duration")
+    return seconds
+
+
+def name_for_url(url: str) -> str:
+    """A bare URL's backend name: host and port, which is what an operator types."""
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+def check_url(url: str) -> str:
+    """A base URL with scheme and host, without trailing slash; ValueError otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} has a bad port") from exc
+    return url.strip().rstrip("/")
+
+
+def _policy(reader: _Reader, data: object) -> Policy:
+    table = reader.table(data, "policy")
+    fields = {
+        "unhealthy_threshold",
+        "healthy_threshold",
+        "min_healthy",
+        "restart_on",
+        "max_concurrent_restarts",
+        "restart_budget",
+        "restart_budget_window",
+        "cooldown",
+        "cooldown_max",
+        "startup_grace",
+    }
+    reader.known(table, "policy.", fields)
+    defaults = Policy()
+    restart_on = reader.string_list(table, "policy.restart_on", defaults.restart_on)
+    unknown = sorted(set(restart_on) - _VERDICTS_RESTARTABLE)
+    if unknown:
+        raise ConfigError(
+            f"{reader.where}: policy.restart_on: {', '.join(unknown)} cannot condemn a backend "
+            f"to a restart (choose from {', '.join(sorted(_VERDICTS_RESTARTABLE))})"
+        )
+    policy = Policy(
+        unhealthy_threshold=reader.integer(
+            table, "policy.unhealthy_threshold", defaults.unhealthy_threshold, minimum=1
+        ),
+        healthy_threshold=reader.integer(
+            table, "policy.healthy_threshold", defaults.healthy_threshold, minimum=1
+        ),
+        min_healthy=reader.integer(table, "policy.min_healthy", defaults.min_healthy, minimum=0),
+        restart_on=restart_on,
+        max_concurrent_restarts=reader.integer(
+            table, "policy.max_concurrent_restarts", defaults.max_concurrent_restarts, minimum=1
+        ),
+        restart_budget=reader.integer(
+            table, "policy.restart_budget", defaults.restart_budget, minimum=1
+        ),
+        restart_budget_window=reader.duration(
+            table, "policy.restart_budget_window", defaults.restart_budget_window
+        ),
+        cooldown=reader.duration(table, "policy.cooldown", defaults.cooldown),
+        cooldown_max=reader.duration(table, "policy.cooldown_max", defaults.cooldown_max),
+        startup_grace=reader.duration(table, "policy.startup_grace", defaults.startup_grace),
+    )
+    if policy.cooldown_max < policy.cooldown:
+        raise ConfigError(f"{reader.where}: policy.cooldown_max is shorter than policy.cooldown")
+    return policy
+
+
+def _backend(reader: _Reader, data: object, key: str) -> Backend:
+    table = reader.table(data, key)
+    reader.known(table, f"{key}.", {"name", "url", "restart", "api_key_env", "expected_model"})
+    url = reader.url(table, f"{key}.url")
+    restart = reader.string_list(table, f"{key}.restart", ())
+    if "restart" in table and not restart:
+        raise ConfigError(f"{reader.where}: {key}.restart: an empty command; leave the key out")
+    return Backend(
+        name=reader.optional_string(table, f"{key}.name") or name_for_url(url),
+        url=url,
+        restart=restart,
+        api_key_env=reader.optional_string(table, f"{key}.api_key_env"),
+        expected_model=reader.optional_string(table, f"{key}.expected_model"),
+    )
+
+
+def _proxy(reader: _Reader, data: object, key: str) -> Proxy:
+    table = reader.table(data, key)
+    reader.known(table, f"{key}.", {"name", "url"})
+    url = reader.url(table, f"{key}.url")
+    return Proxy(name=reader.optional_string(table, f"{key}.name") or name_for_url(url), url=url)
+
+
+class _Reader:
+    """Typed access to TOML values; each failure names the file and the dotted key."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {key}: {message}")
+
+    def known(self, table: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
+        for key in table:
+            if key not in allowed:
+                raise self.fail(f"{prefix}{key}", "unknown key")
+
+    def table(self, value: object, key: str) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.fail(key, "must be a table")
+        return value
+
+    def table_list(self, data: Mapping[str, Any], key: str) -> list[object]:
+        value = data.get(key, [])
+        if not isinstance(value, list):
+            raise self.fail(key, f"must be an array of tables ([[{key}]])")
+        return value
+
+    def _leaf(self, key: str) -> str:
+        return key.rsplit(".", 1)[-1]
+
+    def duration(self, table: Mapping[str, Any], key: str, default: float) -> float:
+        if self._leaf(key) not in table:
+            return default
+        try:
+            return parse_duration(table[self._leaf(key)])
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from exc
+
+    def integer(self, table: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
+        value = table.get(self._leaf(key), default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"{value!r} is not a whole number")
+        if value < minimum:
+            raise self.fail(key, f"{value} is below the least allowed value, {minimum}")
+        return value
+
+    def optional_string(self, table: Mapping[str, Any], key: str) -> str | None:
+        value = table.get(self._leaf(key))
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(key, f"{value!r} is not a non-empty string")
+        return value
+
+    def string_list(
+        self, table: Mapping[str, Any], key: str, default: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        value = table.get(self._leaf(key), list(default))
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self.fail(key, "must be a list of strings (an argv list, never a shell line)")
+        return tuple(value)
+
+    def url(self, table: Mapping[str, Any], key: str) -> str:
+        value = table.get(self._leaf(key))
+        if not isinstance(value, str):
+            raise self.fail(key, "is required: the base URL, e.g. http://10.0.0.5:8000")
+        try:
+            return check_url(value)
+        except ValueError as exc:
+            raise self.fail(key, str(exc)) from exc

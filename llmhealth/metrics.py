@@ -1,0 +1,264 @@
+"""Signals from one vLLM ``/metrics`` text, per data-parallel engine.
+
+Pure: a body goes in, values come out, and no text can make it raise. It runs on every
+read of every backend, so it looks up only the dozen series it needs by name instead of
+building every metric family (a real 53 KB text has ~90 families and ~640 samples).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
+# labels (finished_reason, model_name) are summed per engine; kv use takes the maximum.
+_SERIES: dict[str, str] = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:iteration_tokens_total_count": "steps",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:request_success_total": "finished",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    # Before vLLM 0.10 the KV gauge had this name; it is read only when the new one is absent.
+    "vllm:gpu_cache_usage_perc": "kv_usage_legacy",
+}
+_SLEEP_SERIES = "vllm:engine_sleep_state"
+_START_SERIES = "process_start_time_seconds"
+_GAUGES = frozenset({"running", "waiting", "kv_usage", "kv_usage_legacy"})
+# vLLM v0 had no engine label; its single engine is reported under this name.
+_DEFAULT_ENGINE = "0"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSignals:
+    """What one engine's series say at one moment; None where the text does not say."""
+
+    engine: str
+    running: float | None = None
+    waiting: float | None = None
+    steps: float | None = None
+    generation_tokens: float | None = None
+    prompt_tokens: float | None = None
+    finished: float | None = None
+    preemptions: float | None = None
+    kv_usage: float | None = None
+    sleep_state: str | None = None
+
+    @property
+    def work(self) -> float | None:
+        """Requests running plus waiting; None while vLLM omits the running gauge.
+
+        With several API servers vLLM publishes no gauges until its first request, and
+        "unknown" must not be mistaken for "nothing to do".
+        """
+        if self.running is None:
+            return None
+        return self.running + (self.waiting or 0.0)
+
+    @property
+    def asleep(self) -> bool:
+        """An engine put to sleep on purpose steps no more, and is not wedged."""
+        return self.sleep_state is not None and self.sleep_state != "awake"
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """The monotonic counters that are present, by name: what a restart would reset."""
+        values = {
+            "steps": self.steps,
+            "generation_tokens": self.generation_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finished": self.finished,
+            "preemptions": self.preemptions,
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """Everything llmhealth uses from one text. No engines means "no metrics"."""
+
+    engines: tuple[EngineSignals, ...] = ()
+    process_start: float | None = None
+    skipped_lines: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def has_vllm(self) -> bool:
+        return bool(self.engines)
+
+    def engine(self, name: str) -> EngineSignals | None:
+        for engine in self.engines:
+            if engine.engine == name:
+                return engine
+        return None
+
+
+def parse_metrics(body: str | bytes) -> Signals:
+    """Extract the signals; any text at all yields Signals, possibly with no engines."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    # Per (field, engine, raw label text): an exact duplicate series overwrites, as the
+    # Prometheus server would keep only one sample of it.
+    samples: dict[tuple[str, str, str], float] = {}
+    sleep: dict[str, dict[str, float]] = {}
+    process_start: float | None = None
+    skipped = 0
+    for name, line in _lines_named(text, (*_SERIES, _SLEEP_SERIES, _START_SERIES)):
+        parsed = _parse_sample(line, len(name))
+        if parsed is None:
+            skipped += 1
+            continue
+        labels_text, labels, value = parsed
+        if name == _START_SERIES:
+            if labels_text == "" and math.isfinite(value) and value > 0:
+                process_start = value
+            continue
+        engine = labels.get("engine", _DEFAULT_ENGINE)
+        if name == _SLEEP_SERIES:
+            state = labels.get("sleep_state")
+            if state is not None and math.isfinite(value):
+                sleep.setdefault(engine, {})[state] = value
+            continue
+        if not math.isfinite(value) or value < 0:
+            # A NaN, infinite or negative count says nothing usable; treat it as absent
+            # rather than let it fake progress or a restart.
+            skipped += 1
+            continue
+        samples[(_SERIES[name], engine, labels_text)] = value
+    engines = _combine(samples, sleep)
+    notes = (f"{skipped} malformed or unusable vLLM sample(s) ignored",) if skipped else ()
+    return Signals(engines, process_start, skipped, notes)
+
+
+def _combine(
+    samples: dict[tuple[str, str, str], float], sleep: dict[str, dict[str, float]]
+) -> tuple[EngineSignals, ...]:
+    per_engine: dict[str, dict[str, float]] = {}
+    for (field_name, engine, _), value in samples.items():
+        fields = per_engine.setdefault(engine, {})
+        if field_name in ("kv_usage", "kv_usage_legacy"):
+            fields[field_name] = max(fields.get(field_name, value), value)
+        else:
+            fields[field_name] = fields.get(field_name, 0.0) + value
+    for engine in sleep:
+        per_engine.setdefault(engine, {})
+    result = []
+    for engine in sorted(per_engine, key=_engine_order):
+        fields = per_engine[engine]
+        legacy_kv = fields.pop("kv_usage_legacy", None)
+        if "kv_usage" not in fields and legacy_kv is not None:
+            fields["kv_usage"] = legacy_kv
+        result.append(
+            EngineSignals(engine=engine, sleep_state=_sleep_state(sleep.get(engine)), **fields)
+        )
+    return tuple(result)
+
+
+def _engine_order(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+
+
+def _sleep_state(states: dict[str, float] | None) -> str | None:
+    if not states:
+        return None
+    active = [state for state, value in states.items() if value >= 1]
+    if not active:
+        return None
+    # "awake" wins a tie: only a clear report of sleep may excuse an engine that stopped.
+    return "awake" if "awake" in active else sorted(active)[0]
+
+
+def _lines_named(text: str, names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Find every sample line of the named series with str.find, not a per-line scan."""
+    haystack = "\n" + text  # so the first line is found like every other one
+    found: list[tuple[str, str]] = []
+    for name in names:
+        needle = "\n" + name
+        position = haystack.find(needle)
+        while position != -1:
+            start = position + 1
+            end = haystack.find("\n", start)
+            if end == -1:
+                end = len(haystack)
+            following = haystack[start + len(name) : start + len(name) + 1]
+            # A longer name that shares the prefix (…_waiting_by_reason) is another series.
+            if following in ("{", " ", "\t"):
+                found.append((name, haystack[start:end].rstrip("\r")))
+            position = haystack.find(needle, end)
+    return found
+
+
+def _parse_sample(line: str, name_length: int) -> tuple[str, dict[str, str], float] | None:
+    """Split ``name{labels} value [timestamp]``; None when the line is not well formed."""
+    rest = line[name_length:]
+    labels: dict[str, str] = {}
+    labels_text = ""
+    if rest.startswith("{"):
+        parsed = _parse_labels(rest)
+        if parsed is None:
+            return None
+        labels, consumed = parsed
+        labels_text = rest[:consumed]
+        rest = rest[consumed:]
+    parts = rest.split()
+    if not parts or len(parts) > 2:
+        return None
+    try:
+        value = float(parts[0])
+    except ValueError:
+        return None
+    return labels_text, labels, value
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _parse_labels(text: str) -> tuple[dict[str, str], int] | None:
+    """Parse ``{a="x",b="y\\"z"}`` from the start of text; return labels and length used."""
+    labels: dict[str, str] = {}
+    position = 1
+    length = len(text)
+    while True:
+        while position < length and text[position] in " \t,":
+            position += 1
+        if position >= length:
+            return None
+        if text[position] == "}":
+            return labels, position + 1
+        equals = text.find("=", position)
+        if equals == -1 or equals + 1 >= length or text[equals + 1] != '"':
+            return None
+        key = text[position:equals].strip()
+        if not key:
+            return None
+        position = equals + 2
+        closing = text.find('"', position)
+        if closing == -1:
+            return None
+        if "\\" not in text[position:closing]:
+            labels[key] = text[position:closing]
+            position = closing + 1
+            continue
+        value, position = _unescape_value(text, position)
+        if position < 0:
+            return None
+        labels[key] = value
+
+
+def _unescape_value(text: str, position: int) -> tuple[str, int]:
+    """Read an escaped label value up to its closing quote; position -1 when unterminated."""
+    chars: list[str] = []
+    length = len(text)
+    while position < length:
+        char = text[position]
+        if char == '"':
+            return "".join(chars), position + 1
+        if char == "\\" and position + 1 < length:
+            escaped = text[position + 1]
+            chars.append(_ESCAPES.get(escaped, "\\" + escaped))
+            position += 2
+            continue
+        chars.append(char)
+        position += 1
+    return "", -1

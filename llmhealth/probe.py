@@ -1,0 +1,350 @@
+"""HTTP at the edge: bounded reads of /metrics, the tiny request, a proxy's /v1/models.
+
+Every request is capped in bytes and in total time (a server trickling one byte a second
+must not hold a check past its timeout), and every httpx or socket failure is translated
+here, once, into a value: a sick backend is data, never an exception that escapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from llmhealth import __version__
+from llmhealth.classify import (
+    Answer,
+    Outcome,
+    Read,
+    ReadProblem,
+    SendTinyRequest,
+    TakeRead,
+    Target,
+    Verdict,
+    decide,
+    judge_proxy,
+)
+from llmhealth.metrics import parse_metrics
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+_SMALL_BODY = 1024 * 1024  # /v1/models and completions answers are small; cap them hard
+_TINY_PROMPT = "Hi"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    wait: float = 5.0
+    timeout: float = 5.0
+    answer_timeout: float = 10.0
+    max_body: int = 16 * 1024 * 1024
+    max_reads: int = 3
+
+
+class _RequestFailedError(Exception):
+    """Internal: a request that gave no usable answer, already classified."""
+
+    def __init__(self, problem: ReadProblem, detail: str) -> None:
+        super().__init__(detail)
+        self.problem = problem
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class _Response:
+    status: int
+    body: bytes
+    headers: httpx.Headers
+    elapsed: float
+
+
+def new_client(concurrency: int = 64) -> httpx.AsyncClient:
+    """One client for a whole check, so connections to a backend are reused between reads.
+
+    Environment proxies are ignored on purpose: a backend is read directly or not at all.
+    """
+    return httpx.AsyncClient(
+        follow_redirects=False,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10)),
+        headers={"User-Agent": f"llmhealth/{__version__}"},
+    )
+
+
+async def _request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    timeout: float,
+    max_bytes: int,
+    body: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> _Response:
+    connecting = False
+
+    async def trace(event: str, _info: Mapping[str, Any]) -> None:
+        nonlocal connecting
+        if event == "connection.connect_tcp.started":
+            connecting = True
+        elif event == "connection.connect_tcp.complete":
+            connecting = False
+
+    started = time.monotonic()
+    received = 0
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream(
+                method,
+                url,
+                json=body,
+                headers=headers,
+                timeout=httpx.Timeout(timeout),
+                extensions={"trace": trace},
+            ) as response:
+                chunks = []
+                async for chunk in response.aiter_bytes():
+                    received += len(chunk)
+                    if received > max_bytes:
+                        raise _RequestFailedError(
+                            ReadProblem.UNUSABLE,
+                            f"{method} {_path(url)} sent more than the {_size(max_bytes)} cap",
+                        )
+                    chunks.append(chunk)
+                return _Response(
+                    response.status_code,
+                    b"".join(chunks),
+                    response.headers,
+                    time.monotonic() - started,
+                )
+    except TimeoutError as exc:
+        if connecting:
+            raise _RequestFailedError(
+                ReadProblem.DOWN, f"no TCP connection within {timeout:g} s (no route?)"
+            ) from exc
+        raise _RequestFailedError(
+            ReadProblem.UNRESPONSIVE,
+            f"{method} {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
+            + (f" ({received} bytes received)" if received else ""),
+        ) from exc
+    except httpx.ConnectTimeout as exc:
+        raise _RequestFailedError(
+            ReadProblem.DOWN, f"no TCP connection within {timeout:g} s"
+        ) from exc
+    except httpx.TimeoutException as exc:
+        raise _RequestFailedError(
+            ReadProblem.UNRESPONSIVE,
+            f"{method} {_path(url)}: connected, but no HTTP answer within {timeout:g} s",
+        ) from exc
+    except httpx.ConnectError as exc:
+        raise _RequestFailedError(ReadProblem.DOWN, _connect_error(exc)) from exc
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        where = f"mid-body after {received} bytes" if received else "before an answer"
+        raise _RequestFailedError(
+            ReadProblem.DOWN, f"connection closed or reset {where}: {_reason(exc)}"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise _RequestFailedError(
+            ReadProblem.UNUSABLE, f"{method} {_path(url)}: {_reason(exc)}"
+        ) from exc
+
+
+async def read_metrics(
+    client: httpx.AsyncClient, target: Target, settings: ProbeSettings, clock: Clock
+) -> Read:
+    """One GET /metrics, as a Read; never raises for anything the server does."""
+    url = f"{target.url}/metrics"
+    try:
+        response = await _request(
+            client, "GET", url, timeout=settings.timeout, max_bytes=settings.max_body
+        )
+    except _RequestFailedError as failure:
+        return Read(clock(), problem=failure.problem, detail=failure.detail)
+    if 300 <= response.status < 400:
+        location = response.headers.get("location", "?")
+        return Read(
+            clock(),
+            problem=ReadProblem.UNUSABLE,
+            detail=f"GET /metrics redirected ({response.status}) to {location}; not followed",
+        )
+    if not 200 <= response.status < 300:
+        return Read(
+            clock(),
+            problem=ReadProblem.UNUSABLE,
+            detail=f"GET /metrics answered HTTP {response.status}",
+        )
+    signals = parse_metrics(response.body)
+    detail = ""
+    if not signals.has_vllm:
+        kind = response.headers.get("content-type", "no content type")
+        detail = f"GET /metrics sent {len(response.body)} bytes ({kind}) without vLLM series"
+    return Read(clock(), signals=signals, detail=detail)
+
+
+async def list_models(
+    client: httpx.AsyncClient, target: Target, timeout: float, headers: Mapping[str, str]
+) -> tuple[str, ...]:
+    """The model ids GET /v1/models lists; raises _RequestFailedError with the cause otherwise."""
+    response = await _request(
+        client,
+        "GET",
+        f"{target.url}/v1/models",
+        timeout=timeout,
+        max_bytes=_SMALL_BODY,
+        headers=headers,
+    )
+    if response.status != 200:
+        raise _RequestFailedError(
+            ReadProblem.UNUSABLE, f"GET /v1/models answered HTTP {response.status}"
+        )
+    try:
+        listing = json.loads(response.body)
+        models = tuple(str(entry["id"]) for entry in listing["data"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _RequestFailedError(
+            ReadProblem.UNUSABLE, "GET /v1/models did not send a model list"
+        ) from exc
+    return models
+
+
+async def ask_tiny(
+    client: httpx.AsyncClient, target: Target, settings: ProbeSettings, clock: Clock
+) -> Answer:
+    """The tiny request: one completion of one token, for the configured or listed model."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        models = await list_models(client, target, settings.timeout, headers)
+    except _RequestFailedError as failure:
+        return Answer(clock(), False, f"not sent: {failure.detail}")
+    model = target.model or (models[0] if models else None)
+    if model is None:
+        return Answer(clock(), False, "not sent: GET /v1/models lists no model")
+    try:
+        response = await _request(
+            client,
+            "POST",
+            f"{target.url}/v1/completions",
+            timeout=settings.answer_timeout,
+            max_bytes=_SMALL_BODY,
+            body={"model": model, "prompt": _TINY_PROMPT, "max_tokens": 1, "temperature": 0},
+            headers=headers,
+        )
+    except _RequestFailedError as failure:
+        return Answer(clock(), False, f"failed: {failure.detail}", model, models)
+    if response.status != 200:
+        return Answer(
+            clock(), False, f"answered HTTP {response.status} for model {model}", model, models
+        )
+    try:
+        choices = json.loads(response.body)["choices"]
+        answered = isinstance(choices, list) and len(choices) > 0
+    except (ValueError, KeyError, TypeError):
+        answered = False
+    if not answered:
+        return Answer(clock(), False, "answered 200 without a completion", model, models)
+    return Answer(
+        clock(), True, f"answered in {response.elapsed:.2f} s by model {model}", model, models
+    )
+
+
+async def examine_backend(
+    client: httpx.AsyncClient,
+    target: Target,
+    settings: ProbeSettings,
+    *,
+    clock: Clock = time.time,
+    sleep: Sleep = asyncio.sleep,
+) -> Verdict:
+    """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
+    reads: list[Read] = []
+    answer: Answer | None = None
+    while True:
+        decision = decide(reads, answer, max_reads=settings.max_reads)
+        if isinstance(decision, Verdict):
+            return decision
+        if isinstance(decision, TakeRead):
+            if reads:
+                await sleep(settings.wait)
+            reads.append(await read_metrics(client, target, settings, clock))
+        elif isinstance(decision, SendTinyRequest):
+            answer = await ask_tiny(client, target, settings, clock)
+
+
+async def examine_proxy(
+    client: httpx.AsyncClient, target: Target, settings: ProbeSettings
+) -> Verdict:
+    """Reachability only: behind a balancer, each /metrics scrape may be another backend's."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        models = await list_models(client, target, settings.timeout, headers)
+    except _RequestFailedError as failure:
+        return judge_proxy(False, failure.detail, ())
+    return judge_proxy(True, "", models)
+
+
+async def check_fleet(
+    targets: list[Target],
+    settings: ProbeSettings,
+    *,
+    clock: Clock = time.time,
+    sleep: Sleep = asyncio.sleep,
+) -> list[Outcome]:
+    """Examine every target concurrently; one hung backend costs only its own timeouts."""
+    async with new_client(len(targets)) as client:
+
+        async def one(target: Target) -> Outcome:
+            if target.kind == "proxy":
+                return Outcome(target, await examine_proxy(client, target, settings))
+            verdict = await examine_backend(client, target, settings, clock=clock, sleep=sleep)
+            return Outcome(target, verdict)
+
+        return list(await asyncio.gather(*(one(target) for target in targets)))
+
+
+def _connect_error(exc: httpx.ConnectError) -> str:
+    root = _root_cause(exc)
+    if isinstance(root, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(root, ssl.SSLError):
+        return f"TLS handshake failed: {_reason(root)}"
+    if isinstance(root, socket.gaierror):
+        return f"name does not resolve: {_reason(root)}"
+    reason = _reason(root)
+    lowered = reason.lower()
+    if "refused" in lowered:
+        return "connection refused"
+    if "ssl" in lowered or "certificate" in lowered or "tls" in lowered:
+        return f"TLS handshake failed: {reason}"
+    if "name or service" in lowered or "nodename" in lowered or "getaddrinfo" in lowered:
+        return f"name does not resolve: {reason}"
+    return f"cannot connect: {reason}"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """httpx wraps anyio wraps the socket error; the innermost one names the cause."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _path(url: str) -> str:
+    return "/" + url.split("/", 3)[3] if url.count("/") >= 3 else url
+
+
+def _size(count: int) -> str:
+    return f"{count // (1024 * 1024)} MiB" if count >= 1024 * 1024 else f"{count} bytes"

@@ -1,0 +1,148 @@
+"""The command line: exit codes, the three formats, config errors, the installed entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pytest_httpserver import HTTPServer
+from typer.testing import CliRunner
+
+from llmhealth.cli import app
+
+CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+COMPLETION = {"choices": [{"index": 0, "text": "!"}]}
+runner = CliRunner()
+
+
+def serve_idle(server: HTTPServer) -> str:
+    server.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
+    server.expect_request("/v1/models").respond_with_json(MODELS)
+    server.expect_request("/v1/completions", method="POST").respond_with_json(COMPLETION)
+    return server.url_for("").rstrip("/")
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_healthy_idle_backend_exits_0_with_a_table(httpserver: HTTPServer) -> None:
+    url = serve_idle(httpserver)
+    result = runner.invoke(app, ["check", url, "--wait", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert "idle" in result.output
+    assert "answered" in result.output
+
+
+def test_json_has_the_documented_fields(httpserver: HTTPServer) -> None:
+    url = serve_idle(httpserver)
+    down = closed_port_url()
+    result = runner.invoke(app, ["check", url, down, "--format", "json"])
+    assert result.exit_code == 2, result.output
+    document = json.loads(result.output)
+    assert document["exit_code"] == 2
+    assert isinstance(document["checked_at"], float)
+    idle, dead = document["backends"]
+    assert set(idle) >= {
+        "name",
+        "url",
+        "kind",
+        "verdict",
+        "healthy",
+        "running",
+        "waiting",
+        "steps_per_s",
+        "tokens_per_s",
+        "requests_sent",
+        "evidence",
+    }
+    assert (idle["verdict"], idle["healthy"], idle["requests_sent"]) == ("idle", True, 1)
+    assert (idle["running"], idle["waiting"], idle["kind"]) == (0, 0, "backend")
+    assert (dead["verdict"], dead["healthy"], dead["requests_sent"]) == ("down", False, 0)
+    assert dead["evidence"] == "down: connection refused"
+
+
+def test_nagios_prints_one_status_line_with_perfdata(httpserver: HTTPServer) -> None:
+    url = serve_idle(httpserver)
+    result = runner.invoke(app, ["check", url, "--format", "nagios"])
+    assert result.exit_code == 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1
+    status, perfdata = lines[0].split(" | ")
+    assert status.startswith("LLMHEALTH OK - 1 idle (")
+    name = url.removeprefix("http://")
+    assert f"'{name} healthy'=1" in perfdata
+    assert f"'{name} running'=0" in perfdata
+
+
+def test_a_proxy_down_is_critical() -> None:
+    result = runner.invoke(app, ["check", "--proxy", closed_port_url(), "--format", "nagios"])
+    assert result.exit_code == 2
+    assert result.output.startswith("LLMHEALTH CRITICAL - 1 down")
+
+
+def test_a_config_file_names_backends_and_proxies(httpserver: HTTPServer, tmp_path: Path) -> None:
+    url = serve_idle(httpserver)
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'wait = "1s"\n[[backend]]\nname = "gpu0"\nurl = "{url}"\n'
+        f'[[proxy]]\nname = "lb"\nurl = "{url}"\n'
+    )
+    result = runner.invoke(app, ["check", "--config", str(config), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    names = [(b["name"], b["kind"], b["verdict"]) for b in json.loads(result.output)["backends"]]
+    assert names == [("gpu0", "backend", "idle"), ("lb", "proxy", "up")]
+
+
+@pytest.fixture(scope="module")
+def entry_point() -> str:
+    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert found, "the llmhealth console script is not installed in this environment"
+    return found
+
+
+def run(entry_point: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [entry_point, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_the_installed_command_checks_a_real_server(
+    entry_point: str, httpserver: HTTPServer
+) -> None:
+    url = serve_idle(httpserver)
+    result = run(entry_point, "check", url, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["backends"][0]["verdict"] == "idle"
+
+
+def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
+    result = run(entry_point, "check", "not-a-url")
+    assert result.returncode == 3
+    assert "not an http(s) URL" in result.stderr
+    assert run(entry_point, "check").returncode == 3
+    assert run(entry_point, "check", "--format", "xml", "http://127.0.0.1:9").returncode == 3
+
+
+def test_an_unknown_config_key_exits_3_naming_file_and_key(
+    entry_point: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[policy]\nunhealthy_treshold = 3\n[[backend]]\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "check", "--config", str(config))
+    assert result.returncode == 3
+    assert f"{config}: policy.unhealthy_treshold: unknown key" in result.stderr
+
+
+def test_a_missing_config_file_exits_3(entry_point: str, tmp_path: Path) -> None:
+    result = run(entry_point, "check", "--config", str(tmp_path / "absent.toml"))
+    assert result.returncode == 3
+    assert "cannot read" in result.stderr

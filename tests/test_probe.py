@@ -1,0 +1,318 @@
+"""Every verdict against real HTTP servers on 127.0.0.1: pytest-httpserver and raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from pytest_httpserver import HTTPServer
+from werkzeug import Request, Response
+
+from llmhealth.classify import Target, Verdict, VerdictKind
+from llmhealth.probe import ProbeSettings, check_fleet, examine_backend, new_client
+
+CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+FAST = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
+MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+COMPLETION = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "!"}]}
+
+
+def capture(name: str) -> str:
+    return (CAPTURES / f"{name}.txt").read_text()
+
+
+class FakeClock:
+    """Reads get timestamps five seconds apart, as if the real wait had passed."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += 5.0
+
+
+class Backend:
+    """A vLLM-like HTTP backend whose /metrics walks through captures in order."""
+
+    def __init__(self, server: HTTPServer, texts: list[str], completion_ok: bool = True) -> None:
+        self.texts = texts
+        self.metrics_reads = 0
+        self.completions = 0
+        self.completion_ok = completion_ok
+        server.expect_request("/metrics").respond_with_handler(self._metrics)
+        server.expect_request("/v1/models").respond_with_json(MODELS)
+        server.expect_request("/v1/completions", method="POST").respond_with_handler(self._complete)
+        self.url = server.url_for("").rstrip("/")
+
+    def _metrics(self, _request: Request) -> Response:
+        text = self.texts[min(self.metrics_reads, len(self.texts) - 1)]
+        self.metrics_reads += 1
+        return Response(text, content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    def _complete(self, request: Request) -> Response:
+        self.completions += 1
+        body = json.loads(request.get_data())
+        assert body["max_tokens"] == 1
+        assert body["model"] == "tiny"
+        if not self.completion_ok:
+            return Response('{"error": "engine dead"}', status=500)
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+
+def examine(url: str, settings: ProbeSettings = FAST, **target: str) -> Verdict:
+    clock = FakeClock()
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            return await examine_backend(
+                client, Target("b", url, **target), settings, clock=clock, sleep=clock.sleep
+            )
+
+    return asyncio.run(run())
+
+
+def test_a_busy_server_is_judged_busy_and_never_sent_a_request(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+    verdict = examine(backend.url)
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.healthy
+    assert (verdict.running, verdict.waiting) == (4, 8)
+    assert verdict.steps_per_s == pytest.approx(684 / 5)
+    assert verdict.tokens_per_s == pytest.approx((6065 - 3329) / 5)
+    assert verdict.requests_sent == 0
+    assert backend.completions == 0
+    assert backend.metrics_reads == 2
+
+
+def test_a_wedged_server_takes_three_reads_and_no_request(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("wedge-1"), capture("wedge-2"), capture("wedge-3")])
+    verdict = examine(backend.url)
+    assert verdict.kind is VerdictKind.WEDGED
+    assert not verdict.healthy
+    assert "steps 8660→8660→8660" in verdict.evidence
+    assert backend.metrics_reads == 3
+    assert backend.completions == 0
+
+
+def test_a_pause_of_one_wait_is_only_stalled_when_reads_run_out(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("wedge-1"), capture("wedge-2")])
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0, max_reads=2)
+    verdict = examine(backend.url, settings)
+    assert verdict.kind is VerdictKind.STALLED
+    assert backend.completions == 0
+
+
+def test_an_idle_server_gets_exactly_one_tiny_request(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("idle-1")])
+    verdict = examine(backend.url)
+    assert verdict.kind is VerdictKind.IDLE
+    assert verdict.healthy
+    assert verdict.requests_sent == 1
+    assert backend.completions == 1
+    assert backend.metrics_reads == 1
+
+
+def test_an_idle_server_that_fails_the_tiny_request_is_unanswered(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("idle-1")], completion_ok=False)
+    verdict = examine(backend.url)
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "HTTP 500" in verdict.evidence
+
+
+def test_a_tiny_request_that_never_answers_is_unanswered_within_the_timeout(
+    httpserver: HTTPServer,
+) -> None:
+    release = threading.Event()
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+
+    def hang(_request: Request) -> Response:
+        release.wait(5)
+        return Response("late")
+
+    httpserver.expect_request("/v1/completions").respond_with_handler(hang)
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=0.3)
+    try:
+        verdict = examine(httpserver.url_for("").rstrip("/"), settings)
+    finally:
+        release.set()
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "within 0.3 s" in verdict.evidence
+
+
+def test_a_restart_between_reads_is_judged_by_the_tiny_request(httpserver: HTTPServer) -> None:
+    # busy-3 has work; restart-1 is a fresh process (new start time) with none.
+    backend = Backend(httpserver, [capture("busy-3"), capture("restart-1")])
+    verdict = examine(backend.url)
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert verdict.healthy
+    assert backend.completions == 1
+    assert "process start time" in verdict.evidence
+
+
+def test_metrics_that_answer_404_are_no_metrics_judged_by_the_tiny_request(
+    httpserver: HTTPServer,
+) -> None:
+    httpserver.expect_request("/metrics").respond_with_data("not here", status=404)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions").respond_with_json(COMPLETION)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert verdict.healthy
+    assert "HTTP 404" in verdict.evidence
+    assert verdict.requests_sent == 1
+
+
+def test_an_html_error_page_is_no_metrics_not_a_crash(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(
+        "<html><body>502 Bad Gateway</body></html>", content_type="text/html"
+    )
+    httpserver.expect_request("/v1/models").respond_with_data("<html>oops</html>", status=502)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert not verdict.healthy
+    assert "text/html" in verdict.evidence
+    assert "HTTP 502" in verdict.evidence
+
+
+def test_a_redirect_is_not_followed(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(
+        "", status=302, headers={"Location": "http://elsewhere.invalid/metrics"}
+    )
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions").respond_with_json(COMPLETION)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert "redirected (302) to http://elsewhere.invalid/metrics; not followed" in verdict.evidence
+
+
+def test_a_body_over_the_cap_is_cut_off_and_named(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(capture("busy-2"))
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions").respond_with_json(COMPLETION)
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0, max_body=10_000)
+    verdict = examine(httpserver.url_for("").rstrip("/"), settings)
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert "more than the 10000 bytes cap" in verdict.evidence
+
+
+def test_a_refused_connection_is_down() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    verdict = examine(f"http://127.0.0.1:{port}")
+    assert verdict.kind is VerdictKind.DOWN
+    assert verdict.evidence == "down: connection refused"
+
+
+def test_a_port_that_accepts_but_never_answers_is_unresponsive() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes the handshake; nobody ever reads
+        port = listener.getsockname()[1]
+        settings = ProbeSettings(wait=0.0, timeout=0.3, answer_timeout=0.3)
+        verdict = examine(f"http://127.0.0.1:{port}", settings)
+    assert verdict.kind is VerdictKind.UNRESPONSIVE
+    assert "connected, but no complete HTTP answer within 0.3 s" in verdict.evidence
+
+
+@contextmanager
+def raw_server(serve: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A one-connection-at-a-time TCP server whose behaviour the test writes by hand."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.settimeout(2)
+                try:
+                    connection.recv(65536)
+                    serve(connection)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_server_that_closes_mid_body_is_down_with_the_bytes_received() -> None:
+    def half(connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 50000\r\n\r\n" + b"x" * 1000)
+
+    with raw_server(half) as url:
+        verdict = examine(url)
+    assert verdict.kind is VerdictKind.DOWN
+    assert "mid-body after 1000 bytes" in verdict.evidence
+
+
+def test_a_server_that_trickles_bytes_cannot_hold_a_read_past_its_timeout() -> None:
+    stop = threading.Event()
+
+    def trickle(connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not stop.wait(0.05):
+            connection.sendall(b"v")
+
+    settings = ProbeSettings(wait=0.0, timeout=0.5, answer_timeout=0.5)
+    try:
+        with raw_server(trickle) as url:
+            verdict = examine(url, settings)
+    finally:
+        stop.set()
+    assert verdict.kind is VerdictKind.UNRESPONSIVE
+    assert "bytes received" in verdict.evidence
+
+
+def test_tls_to_a_plain_http_server_is_down_and_says_tls(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    url = httpserver.url_for("").rstrip("/").replace("http://", "https://")
+    verdict = examine(url)
+    assert verdict.kind is VerdictKind.DOWN
+    assert "TLS" in verdict.evidence
+
+
+def test_the_api_key_is_sent_as_a_bearer_token(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    httpserver.expect_request(
+        "/v1/models", headers={"Authorization": "Bearer s3cret"}
+    ).respond_with_json(MODELS)
+    httpserver.expect_request(
+        "/v1/completions", headers={"Authorization": "Bearer s3cret"}
+    ).respond_with_json(COMPLETION)
+    verdict = examine(httpserver.url_for("").rstrip("/"), api_key="s3cret")
+    assert verdict.kind is VerdictKind.IDLE
+
+
+def test_a_proxy_is_asked_only_for_its_model_list(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead_port = sock.getsockname()[1]
+    dead = Target("lb2", f"http://127.0.0.1:{dead_port}", "proxy")
+    outcomes = asyncio.run(check_fleet([proxy, dead], FAST))
+    assert [o.verdict.kind for o in outcomes] == [VerdictKind.UP, VerdictKind.DOWN]
+    assert [request.path for request, _ in httpserver.log] == ["/v1/models"]
