@@ -1,0 +1,152 @@
+"""The state file: one JSON document, replaced atomically, held under an exclusive lock.
+
+A run holds the lock from its first read of the state to its last write, so two checks on
+one fleet never both act. A file that cannot be read back is moved aside, never deleted
+and never silently replaced: it is the only record of what the fleet went through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+SCHEMA = 1
+_MAX_STATE_BYTES = 64 * 1024 * 1024
+_LOCK_POLL = 0.05
+
+T = TypeVar("T")
+
+
+class StateError(Exception):
+    """The state could not be used; the run must stop with UNKNOWN and this message."""
+
+
+class StateLockedError(StateError):
+    pass
+
+
+class StateCorruptError(StateError):
+    pass
+
+
+def default_path(environ: dict[str, str] | None = None) -> Path:
+    """systemd's StateDirectory, else the system state dir for root, else the user's."""
+    env = os.environ if environ is None else environ
+    if env.get("STATE_DIRECTORY"):
+        # systemd may pass several directories separated by ':'; the first is ours.
+        return Path(env["STATE_DIRECTORY"].split(":")[0]) / "state.json"
+    if os.geteuid() == 0:
+        return Path("/var/lib/llmhealth/state.json")
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "llmhealth" / "state.json"
+
+
+class StateFile:
+    """One state file and its lock file beside it (the state itself is renamed over)."""
+
+    def __init__(self, path: str | Path, lock_timeout: float = 10.0) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.lock_timeout = lock_timeout
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the exclusive lock, waiting up to lock_timeout for another run to finish."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StateError(f"cannot open the lock file {self.lock_path}: {exc}") from exc
+        try:
+            self._acquire(descriptor)
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(descriptor)  # closing releases the flock
+
+    def _acquire(self, descriptor: int) -> None:
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise StateError(f"cannot lock {self.lock_path}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "?"
+                raise StateLockedError(
+                    f"state {self.path} is locked by another llmhealth (PID {holder}); "
+                    f"gave up after {self.lock_timeout:g} s"
+                )
+            time.sleep(_LOCK_POLL)
+
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        """The decoded state, or None when there is none yet.
+
+        ``decode`` raises ValueError on content it cannot use; such a file is set aside.
+        """
+        try:
+            with self.path.open("rb") as handle:
+                raw = handle.read(_MAX_STATE_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"cannot read state {self.path}: {exc}") from exc
+        try:
+            if len(raw) > _MAX_STATE_BYTES:
+                raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+            document = json.loads(raw)
+            if not isinstance(document, dict):
+                raise ValueError("not a JSON object")
+            if document.get("schema") != SCHEMA:
+                raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
+            return decode(document)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            aside = self._set_aside()
+            raise StateCorruptError(
+                f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "
+                "the next run starts a fresh ledger"
+            ) from exc
+
+    def save(self, document: dict[str, Any]) -> None:
+        """Write a temp file, fsync it, rename it over the state, fsync the directory."""
+        payload = json.dumps({**document, "schema": SCHEMA}, indent=1, sort_keys=True).encode()
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with temporary.open("wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise StateError(f"cannot write state {self.path}: {exc}") from exc
+
+    def _set_aside(self) -> Path:
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        counter = 1
+        while aside.exists():
+            aside = aside.with_name(f"{aside.name.split('~')[0]}~{counter}")
+            counter += 1
+        try:
+            os.replace(self.path, aside)
+        except OSError as exc:
+            raise StateError(
+                f"state {self.path} is unreadable and cannot be moved aside: {exc}"
+            ) from exc
+        return aside

@@ -1,0 +1,159 @@
+"""The state file on a real disk: atomic replacement, the lock, and corrupt files set aside."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmhealth.state import (
+    SCHEMA,
+    StateCorruptError,
+    StateFile,
+    StateLockedError,
+    default_path,
+)
+
+
+def identity(document: dict[str, Any]) -> dict[str, Any]:
+    return document
+
+
+def test_no_file_yet_loads_as_none(tmp_path: Path) -> None:
+    store = StateFile(tmp_path / "state.json")
+    with store.locked():
+        assert store.load(identity) is None
+
+
+def test_a_saved_document_loads_back_with_its_schema(tmp_path: Path) -> None:
+    store = StateFile(tmp_path / "deep" / "state.json")
+    with store.locked():
+        store.save({"ledger": {"gpu0": "healthy"}})
+        assert store.load(identity) == {"ledger": {"gpu0": "healthy"}, "schema": SCHEMA}
+    assert not [p for p in store.path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[1, 2]", b'{"schema": 99}', b"\xff\xfe binary", b""],
+    ids=["broken-json", "not-an-object", "future-schema", "binary", "empty"],
+)
+def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: bytes) -> None:
+    store = StateFile(tmp_path / "state.json")
+    store.path.write_bytes(content)
+    with store.locked(), pytest.raises(StateCorruptError, match="moved aside to") as caught:
+        store.load(identity)
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == content  # kept, byte for byte
+    assert str(aside[0]) in str(caught.value)
+    assert not store.path.exists()
+    with store.locked():
+        assert store.load(identity) is None  # the next run starts fresh
+
+
+def test_content_the_decoder_rejects_is_set_aside_too(tmp_path: Path) -> None:
+    store = StateFile(tmp_path / "state.json")
+    with store.locked():
+        store.save({"ledger": "nonsense"})
+
+    def strict(document: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(document["ledger"], dict):
+            raise ValueError("ledger is not a table")
+        return document
+
+    with store.locked(), pytest.raises(StateCorruptError, match="ledger is not a table"):
+        store.load(strict)
+
+
+def test_a_second_holder_waits_then_gives_up_naming_the_pid(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from llmhealth.state import StateFile\n"
+            "with StateFile(sys.argv[1]).locked():\n"
+            "    print('held', flush=True); time.sleep(30)",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        with (
+            pytest.raises(StateLockedError, match=f"PID {holder.pid}"),
+            StateFile(path, lock_timeout=0.3).locked(),
+        ):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(10)
+        if holder.stdout is not None:
+            holder.stdout.close()
+    with StateFile(path, lock_timeout=5).locked():  # a dead holder's lock is released
+        pass
+
+
+WRITER = """
+import sys
+from llmhealth.state import StateFile
+store = StateFile(sys.argv[1])
+n = 0
+print("writing", flush=True)
+while True:
+    n += 1
+    with store.locked():
+        store.save({"n": n, "pad": ["x" * 100] * 2000})
+"""
+
+
+def test_a_writer_killed_at_random_moments_never_leaves_an_unloadable_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.json"
+    chooser = random.Random(20261130)
+    last_seen = 0
+    for _ in range(12):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert writer.stdout is not None
+            writer.stdout.readline()
+            time.sleep(chooser.uniform(0.0, 0.15))
+        finally:
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait(10)
+            if writer.stdout is not None:
+                writer.stdout.close()
+        if path.exists():
+            with StateFile(path).locked():
+                document = StateFile(path).load(identity)
+            assert document is not None
+            assert document["n"] >= 1
+            last_seen = max(last_seen, document["n"])
+    assert last_seen > 0
+    assert json.loads(path.read_text())["schema"] == SCHEMA
+
+
+def test_the_default_path_follows_systemd_then_root_then_the_user() -> None:
+    assert default_path({"STATE_DIRECTORY": "/var/lib/llmhealth:/other"}) == Path(
+        "/var/lib/llmhealth/state.json"
+    )
+    expected = (
+        Path("/var/lib/llmhealth/state.json")
+        if os.geteuid() == 0
+        else Path("/xdg/llmhealth/state.json")
+    )
+    assert default_path({"XDG_STATE_HOME": "/xdg"}) == expected
