@@ -1,0 +1,129 @@
+"""Config files on disk: the documented shape loads; every mistake names file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmhealth.config import Backend, ConfigError, Policy, load, parse_duration
+
+FULL = """
+wait = "5s"
+timeout = 5
+answer_timeout = "10s"
+state = "/var/lib/llmhealth/state.json"
+audit_log = "/var/lib/llmhealth/audit.jsonl"
+
+[policy]
+unhealthy_threshold = 3
+healthy_threshold = 2
+min_healthy = 1
+restart_on = ["wedged", "down"]
+max_concurrent_restarts = 1
+restart_budget = 5
+restart_budget_window = "24h"
+cooldown = "1m"
+cooldown_max = "30m"
+startup_grace = "15m"
+
+[[backend]]
+name = "gpu0"
+url = "http://10.0.0.5:8000/"
+restart = ["systemctl", "restart", "vllm@0"]
+api_key_env = "VLLM_API_KEY"
+expected_model = "meta-llama/Llama-3.1-8B-Instruct"
+
+[[backend]]
+url = "http://10.0.0.6:8000"
+
+[[proxy]]
+name = "lb"
+url = "http://10.0.0.1:8080"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "llmhealth.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_documented_example_loads(tmp_path: Path) -> None:
+    config = load(write(tmp_path, FULL))
+    assert config.wait == 5.0
+    assert config.answer_timeout == 10.0
+    assert config.policy == Policy(
+        restart_on=("wedged", "down"),
+        restart_budget_window=86400.0,
+        cooldown=60.0,
+        cooldown_max=1800.0,
+        startup_grace=900.0,
+    )
+    assert config.backends[0] == Backend(
+        "gpu0",
+        "http://10.0.0.5:8000",
+        ("systemctl", "restart", "vllm@0"),
+        "VLLM_API_KEY",
+        "meta-llama/Llama-3.1-8B-Instruct",
+    )
+    assert config.backends[1].name == "10.0.0.6:8000"  # a bare entry is named by host:port
+    assert config.proxies[0].name == "lb"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("wiat = 5", "wiat: unknown key"),
+        ("[policy]\nunhealthy_threshold = 0", "policy.unhealthy_threshold: 0 is below"),
+        ("[policy]\nhealthy_threshold = 1.5", "policy.healthy_threshold: 1.5 is not a whole"),
+        ("[policy]\ncooldown = 'soon'", "policy.cooldown: 'soon' is not a duration"),
+        ("[policy]\nrestart_on = ['busy']", "policy.restart_on: busy cannot condemn"),
+        ("[policy]\ncooldown = '10m'\ncooldown_max = '1m'", "cooldown_max is shorter"),
+        ("wait = -1", "wait: -1 must be a positive"),
+        ("[[backend]]\nname = 'a'", "backend[0].url: is required"),
+        ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
+        (
+            "[[backend]]\nurl = 'http://a:1'\nrestart = 'systemctl restart vllm'",
+            "backend[0].restart: must be a list of strings (an argv list, never a shell line)",
+        ),
+        ("[[backend]]\nurl = 'http://a:1'\nrestart = []", "backend[0].restart: an empty"),
+        ("[[backend]]\nurl = 'http://a:1'\ncolour = 'red'", "backend[0].colour: unknown key"),
+        ("[[proxy]]\nurl = 'http://a:1'\nrestart = ['x']", "proxy[0].restart: unknown key"),
+        (
+            "[[backend]]\nname='x'\nurl='http://a:1'\n[[proxy]]\nname='x'\nurl='http://b:1'",
+            "name used twice: x",
+        ),
+        ("backend = 3", "backend: must be an array of tables"),
+        ("wait = ", "not valid TOML"),
+    ],
+)
+def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+
+
+def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.toml")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load(binary)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(5, 5.0), (0.5, 0.5), ("90s", 90.0), ("15m", 900.0), ("24h", 86400.0), ("250ms", 0.25)],
+)
+def test_durations_read_as_seconds(value: object, seconds: float) -> None:
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", [0, -3, "nan", "5 parsecs", True, None, float("inf")])
+def test_nonsense_durations_are_rejected(value: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(value)
