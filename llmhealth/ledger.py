@@ -1,0 +1,942 @@
+"""The ledger: what llmhealth believes about each backend, and the only rules that change it.
+
+A pure state machine after NeMo-RL's fleet-health ledger. Verdicts and actions arrive as
+events that carry the wall time ``now``; nothing here reads a clock, the network or a file.
+Everything that decides a transition lives in the table and the rules directly below it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, Final, TypeAlias
+
+
+class State(StrEnum):
+    """Lifecycle of one backend. Only HEALTHY and SUSPECT are handed traffic."""
+
+    HEALTHY = "healthy"  # serving; nothing doubted
+    SUSPECT = "suspect"  # serving but doubted: one blip must not cost capacity
+    DEAD = "dead"  # condemned and out of the serving set; a restart candidate
+    RESTARTING = "restarting"  # a restart was issued; waiting for the new process
+    STALE = "stale"  # a new process is up but unproven; only re-admission returns it
+    RETIRED = "retired"  # out for good; only an operator reset brings it back
+
+
+class EventKind(StrEnum):
+    """What happened to a backend. Each kind has one event class below."""
+
+    GOOD_VERDICT = "good_verdict"  # busy, idle or up
+    PROBE_FAILURE = "probe_failure"  # stalled, unresponsive or down: doubt, not proof
+    REQUEST_FAILURE = "request_failure"  # unanswered, or a failure seen on real traffic
+    REQUEST_SUCCESS = "request_success"  # a real request was answered
+    PROCESS_GONE = "process_gone"  # proof the process is gone
+    WEDGE_PROVEN = "wedge_proven"  # proof the engine holds work and makes no progress
+    RESTART_ISSUED = "restart_issued"  # the shell is about to run the restart command
+    RESTART_FAILED = "restart_failed"  # the restart did not bring up a process
+    NEW_PROCESS_UP = "new_process_up"  # a replacement process answers
+    READMITTED = "readmitted"  # the replacement proved itself (tiny request, or an operator)
+    UNPLANNED_RESTART = "unplanned_restart"  # a serving backend's process changed by itself
+    RETIRE = "retire"  # give up on the backend
+    OPERATOR_RESET = "operator_reset"  # an operator takes it out of RETIRED
+
+
+class Rule(StrEnum):
+    """Table outcomes that depend on counters; each names one function below the table."""
+
+    # SUSPECT -> HEALTHY at healthy_threshold good verdicts in a row with no request
+    # failure outstanding; otherwise the state stays as it is.
+    PROMOTE_WHEN_PROVEN = "promote_when_proven"
+    # DEAD once the streak of this failure's kind reaches unhealthy_threshold; else SUSPECT.
+    CONDEMN_AT_THRESHOLD = "condemn_at_threshold"
+    # RESTARTING while attempts in the budget window are below restart_budget; else RETIRED.
+    SPEND_RESTART = "spend_restart"
+
+
+# The whole state machine. A (state, kind) pair that is missing means the event does not
+# apply in that state: it changes nothing and is reported as ignored, with the reason from
+# IGNORED_BECAUSE. The two rules that carry the most weight show as absences: from outside
+# the serving set only STALE + READMITTED leads in, and RETIRED accepts nothing but a reset.
+TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
+    State.HEALTHY: {
+        EventKind.GOOD_VERDICT: Rule.PROMOTE_WHEN_PROVEN,
+        EventKind.REQUEST_SUCCESS: Rule.PROMOTE_WHEN_PROVEN,
+        EventKind.PROBE_FAILURE: Rule.CONDEMN_AT_THRESHOLD,
+        EventKind.REQUEST_FAILURE: Rule.CONDEMN_AT_THRESHOLD,
+        EventKind.PROCESS_GONE: State.DEAD,
+        EventKind.WEDGE_PROVEN: State.DEAD,
+        EventKind.UNPLANNED_RESTART: State.STALE,
+        EventKind.RETIRE: State.RETIRED,
+    },
+    State.SUSPECT: {
+        EventKind.GOOD_VERDICT: Rule.PROMOTE_WHEN_PROVEN,
+        EventKind.REQUEST_SUCCESS: Rule.PROMOTE_WHEN_PROVEN,
+        EventKind.PROBE_FAILURE: Rule.CONDEMN_AT_THRESHOLD,
+        EventKind.REQUEST_FAILURE: Rule.CONDEMN_AT_THRESHOLD,
+        EventKind.PROCESS_GONE: State.DEAD,
+        EventKind.WEDGE_PROVEN: State.DEAD,
+        EventKind.UNPLANNED_RESTART: State.STALE,
+        EventKind.RETIRE: State.RETIRED,
+    },
+    State.DEAD: {
+        EventKind.RESTART_ISSUED: Rule.SPEND_RESTART,
+        # Replaced by someone else (systemd, docker, an operator): unproven, so STALE.
+        EventKind.NEW_PROCESS_UP: State.STALE,
+        EventKind.RETIRE: State.RETIRED,
+    },
+    State.RESTARTING: {
+        EventKind.RESTART_FAILED: State.DEAD,
+        EventKind.NEW_PROCESS_UP: State.STALE,
+        EventKind.RETIRE: State.RETIRED,
+    },
+    State.STALE: {
+        # Failures are noted (last error, streaks) for the operator but never condemn: a
+        # replacement still loading its model fails probes for minutes, and counting those
+        # to DEAD would hand a normal start-up to the restart policy.
+        EventKind.PROBE_FAILURE: State.STALE,
+        EventKind.REQUEST_FAILURE: State.STALE,
+        # The new process is alive, so proof of death or of a wedge still condemns it.
+        EventKind.PROCESS_GONE: State.DEAD,
+        EventKind.WEDGE_PROVEN: State.DEAD,
+        EventKind.READMITTED: State.HEALTHY,
+        EventKind.RETIRE: State.RETIRED,
+    },
+    State.RETIRED: {
+        # A reset backend still has to prove itself: STALE, not HEALTHY.
+        EventKind.OPERATOR_RESET: State.STALE,
+    },
+}
+
+IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
+    EventKind.GOOD_VERDICT: (
+        "probes never resurrect; a backend out of the serving set returns only through "
+        "STALE and re-admission"
+    ),
+    EventKind.PROBE_FAILURE: "it is already out of the serving set",
+    EventKind.REQUEST_FAILURE: "it is already out of the serving set",
+    EventKind.REQUEST_SUCCESS: "it takes no traffic; only re-admission returns it to serving",
+    EventKind.PROCESS_GONE: "it is already absent",
+    EventKind.WEDGE_PROVEN: "it is already absent",
+    EventKind.RESTART_ISSUED: "a restart is issued only for a DEAD backend",
+    EventKind.RESTART_FAILED: "only a RESTARTING backend can fail to restart",
+    EventKind.NEW_PROCESS_UP: (
+        "a new process is expected only after a restart or in place of a DEAD one; a serving "
+        "backend that restarted by itself is an unplanned_restart"
+    ),
+    EventKind.READMITTED: "only a STALE backend can be re-admitted",
+    EventKind.UNPLANNED_RESTART: (
+        "only a serving backend can restart unplanned; the replacement of a DEAD or "
+        "RESTARTING one is a new_process_up"
+    ),
+    EventKind.RETIRE: "it is already retired",
+    EventKind.OPERATOR_RESET: "a reset only takes a backend out of RETIRED",
+}
+
+RETIRED_IS_TERMINAL: Final = "RETIRED is terminal; only an operator reset leaves it"
+
+SERVING: Final = frozenset({State.HEALTHY, State.SUSPECT})
+# The backends whose process is gone or given up on. Deliberately not the complement of
+# SERVING: a STALE backend is withheld from traffic, yet its process is alive.
+ABSENT: Final = frozenset({State.DEAD, State.RESTARTING, State.RETIRED})
+
+SCHEMA: Final = 1  # version of the to_dict() layout; bump on any incompatible change
+
+
+class LedgerError(Exception):
+    """Base of the ledger's own errors. They mean a caller bug or bad data, never a sick server."""
+
+
+# Named for the condition, like NoServingBackend, which callers already know by that name.
+class UnknownBackend(LedgerError, LookupError):  # noqa: N818
+    """No backend of that name is in the ledger."""
+
+
+class NoServingBackend(LedgerError):  # noqa: N818
+    """select() found nothing that may be handed traffic."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerPolicy:
+    """Thresholds the transitions use; times are seconds."""
+
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    min_healthy: int = 1
+    restart_budget: int = 5
+    restart_budget_window: float = 86400.0
+    startup_grace: float = 900.0
+
+    def __post_init__(self) -> None:
+        # A threshold of 0 would condemn or promote on no evidence at all, so it is refused
+        # here rather than silently treated as 1.
+        for name, least in (
+            ("unhealthy_threshold", 1),
+            ("healthy_threshold", 1),
+            ("restart_budget", 1),
+            ("min_healthy", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        for name in ("restart_budget_window", "startup_grace"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+# Events. Fields are keyword-only so a call site reads as the record it makes, e.g.
+# ProbeFailure(now=t, reason="down", detail="connection refused").
+
+
+@dataclass(frozen=True, kw_only=True)
+class _EventBase:
+    kind: ClassVar[EventKind]
+    now: float  # wall seconds at which it happened
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.now):
+            raise ValueError(f"{type(self).__name__}.now must be a finite number, got {self.now!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoodVerdict(_EventBase):
+    """busy, idle or up. ``request_ok``: a tiny request was answered, which also clears the
+    request-failure streak; a verdict from reads alone does not."""
+
+    kind: ClassVar[EventKind] = EventKind.GOOD_VERDICT
+    request_ok: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeFailure(_EventBase):
+    """stalled, unresponsive or down. ``reason`` is the verdict name: it becomes
+    ``condemned_by`` if this failure condemns the backend, so restart_on can match it."""
+
+    kind: ClassVar[EventKind] = EventKind.PROBE_FAILURE
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestFailure(_EventBase):
+    """unanswered, or a failure reported from real traffic; ``reason`` as for ProbeFailure."""
+
+    kind: ClassVar[EventKind] = EventKind.REQUEST_FAILURE
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestSuccess(_EventBase):
+    """A real request was answered. An answered request (this, or a GoodVerdict with
+    request_ok) is the only evidence that clears the request-failure streak."""
+
+    kind: ClassVar[EventKind] = EventKind.REQUEST_SUCCESS
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessGone(_EventBase):
+    """Proof, not doubt, that the process is gone; counting more failures would only delay
+    the same conclusion."""
+
+    kind: ClassVar[EventKind] = EventKind.PROCESS_GONE
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WedgeProven(_EventBase):
+    """Work present and no progress over two consecutive waits: condemned without counting."""
+
+    kind: ClassVar[EventKind] = EventKind.WEDGE_PROVEN
+    reason: str = "wedged"
+    evidence: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartIssued(_EventBase):
+    """Fed before the restart command runs, so a refused attempt never runs it."""
+
+    kind: ClassVar[EventKind] = EventKind.RESTART_ISSUED
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartFailed(_EventBase):
+    kind: ClassVar[EventKind] = EventKind.RESTART_FAILED
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewProcessUp(_EventBase):
+    kind: ClassVar[EventKind] = EventKind.NEW_PROCESS_UP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Readmitted(_EventBase):
+    """The replacement proved itself. ``weight_version`` is recorded as given: None means
+    the admitter does not know, and an old number would be a lie about the new process."""
+
+    kind: ClassVar[EventKind] = EventKind.READMITTED
+    weight_version: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.weight_version
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"Readmitted.weight_version must be an integer or None, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnplannedRestart(_EventBase):
+    kind: ClassVar[EventKind] = EventKind.UNPLANNED_RESTART
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retire(_EventBase):
+    kind: ClassVar[EventKind] = EventKind.RETIRE
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorReset(_EventBase):
+    kind: ClassVar[EventKind] = EventKind.OPERATOR_RESET
+
+
+Event: TypeAlias = (
+    GoodVerdict
+    | ProbeFailure
+    | RequestFailure
+    | RequestSuccess
+    | ProcessGone
+    | WedgeProven
+    | RestartIssued
+    | RestartFailed
+    | NewProcessUp
+    | Readmitted
+    | UnplannedRestart
+    | Retire
+    | OperatorReset
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What one event did. ``applied`` is False when the table refused it; then nothing changed."""
+
+    name: str
+    kind: EventKind
+    from_state: State
+    to_state: State
+    applied: bool
+    reason: str
+    epoch_changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSnapshot:
+    """Everything known about one backend at one time."""
+
+    name: str
+    url: str
+    state: State
+    probe_failures: int  # probe-style failures in a row
+    request_failures: int  # request failures not yet cleared by a successful request
+    good_streak: int  # good verdicts in a row
+    restart_attempts: int  # attempts within restart_budget_window before the snapshot time
+    last_restart_at: float | None
+    last_ok_at: float | None
+    last_error: str
+    weight_version: int | None
+    condemned_by: str | None  # the verdict or cause that last condemned it; None once served
+    state_since: float | None  # None: in this state since before the ledger knew it
+
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING
+
+
+@dataclass(slots=True)
+class _Backend:
+    name: str
+    url: str
+    state: State = State.HEALTHY
+    probe_failures: int = 0
+    request_failures: int = 0
+    good_streak: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    last_ok_at: float | None = None
+    last_error: str = ""
+    weight_version: int | None = None
+    condemned_by: str | None = None
+    state_since: float | None = None
+
+
+# Rules: the counter-dependent outcomes named in the table. Each updates the record for
+# the event and returns the next state and a sentence saying why.
+
+
+def _promote_when_proven(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    match event:
+        case GoodVerdict(request_ok=request_ok):
+            b.probe_failures = 0
+            b.good_streak += 1
+            if request_ok:
+                b.request_failures = 0
+            what = "good verdict with an answered request" if request_ok else "good verdict"
+        case RequestSuccess():
+            b.request_failures = 0
+            what = "request answered"
+        case _:
+            raise AssertionError(f"{Rule.PROMOTE_WHEN_PROVEN} cannot take {event.kind}")
+    b.last_ok_at = event.now
+    if b.state is State.HEALTHY:
+        return State.HEALTHY, what
+    # A good probe says the server answers probes, not that it answers requests: without
+    # this condition a server failing every request would flap SUSPECT <-> HEALTHY forever.
+    if b.request_failures:
+        return State.SUSPECT, (
+            f"{what}; still suspect: {b.request_failures} request failure(s) not yet cleared "
+            "by an answered request"
+        )
+    if b.good_streak < policy.healthy_threshold:
+        return State.SUSPECT, (
+            f"{what}; {b.good_streak} of {policy.healthy_threshold} good verdicts in a row"
+        )
+    return State.HEALTHY, f"{what}; {b.good_streak} good verdicts in a row and no request failing"
+
+
+def _condemn_at_threshold(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    match event:
+        case ProbeFailure():
+            b.probe_failures += 1
+            streak, what = b.probe_failures, "probe failure"
+        case RequestFailure():
+            b.request_failures += 1
+            streak, what = b.request_failures, "request failure"
+        case _:
+            raise AssertionError(f"{Rule.CONDEMN_AT_THRESHOLD} cannot take {event.kind}")
+    # Good evidence must be in a row: any failure starts the count to HEALTHY again.
+    b.good_streak = 0
+    b.last_error = _error_text(event.reason, event.detail)
+    if streak >= policy.unhealthy_threshold:
+        b.condemned_by = event.reason
+        return State.DEAD, f"{what} {streak} in a row ({b.last_error}): condemned"
+    return State.SUSPECT, (
+        f"{what} {streak} of {policy.unhealthy_threshold} in a row ({b.last_error})"
+    )
+
+
+def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    window = policy.restart_budget_window
+    # Only attempts inside the window matter, and at most restart_budget of them are ever
+    # kept, so the record stays bounded however long the backend lives.
+    b.restart_times = [t for t in b.restart_times if _in_window(t, event.now, window)]
+    spent = len(b.restart_times)
+    if spent >= policy.restart_budget:
+        b.last_error = f"restart budget spent: {spent} attempts in {_span(window)}"
+        return State.RETIRED, b.last_error
+    b.restart_times.append(event.now)
+    return State.RESTARTING, (
+        f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"
+    )
+
+
+_RULES: Final = {
+    Rule.PROMOTE_WHEN_PROVEN: _promote_when_proven,
+    Rule.CONDEMN_AT_THRESHOLD: _condemn_at_threshold,
+    Rule.SPEND_RESTART: _spend_restart,
+}
+
+
+def _record(b: _Backend, event: Event) -> str:
+    """Bookkeeping for an event the table sends to a fixed state; returns why."""
+    match event:
+        case ProbeFailure() | RequestFailure():
+            b.last_error = _error_text(event.reason, event.detail)
+            if isinstance(event, ProbeFailure):
+                b.probe_failures += 1
+            else:
+                b.request_failures += 1
+            return f"noted, never condemns: a {b.state} backend takes no traffic ({b.last_error})"
+        case ProcessGone():
+            b.condemned_by = event.reason
+            b.last_error = _error_text(event.reason, event.detail)
+            return f"process gone ({b.last_error}): condemned at once"
+        case WedgeProven():
+            b.condemned_by = event.reason
+            b.last_error = _error_text(event.reason, event.evidence)
+            return f"wedge proven ({b.last_error}): condemned at once"
+        case RestartFailed():
+            # condemned_by stays: the restart failing does not change why it was condemned,
+            # and the restart policy needs that reason to try again.
+            b.last_error = f"restart failed: {event.reason}"
+            return b.last_error
+        case NewProcessUp() | UnplannedRestart():
+            # A replacement must not inherit the failures of the process it replaced.
+            _clear_streaks(b)
+            if isinstance(event, UnplannedRestart):
+                b.last_error = "process restarted unplanned"
+                return "process restarted unplanned; the new one must prove itself"
+            return "new process up; it must prove itself before serving"
+        case Readmitted():
+            _clear_streaks(b)
+            b.weight_version = event.weight_version
+            b.condemned_by = None
+            b.last_ok_at = event.now
+            if event.weight_version is None:
+                return "re-admitted"
+            return f"re-admitted with weight version {event.weight_version}"
+        case Retire():
+            b.last_error = f"retired: {event.reason}"
+            return b.last_error
+        case OperatorReset():
+            _clear_streaks(b)
+            b.restart_times.clear()
+            b.condemned_by = None
+            return "operator reset: streaks and restart attempts cleared; must prove itself"
+        case GoodVerdict() | RequestSuccess() | RestartIssued():
+            raise AssertionError(f"{event.kind} only ever goes through a rule")
+
+
+def _clear_streaks(b: _Backend) -> None:
+    b.probe_failures = 0
+    b.request_failures = 0
+    b.good_streak = 0
+
+
+def _why_ignored(state: State, kind: EventKind) -> str:
+    why = RETIRED_IS_TERMINAL if state is State.RETIRED else IGNORED_BECAUSE[kind]
+    return f"{kind} ignored in {state}: {why}"
+
+
+_EVENT_TYPES: Final = (
+    GoodVerdict,
+    ProbeFailure,
+    RequestFailure,
+    RequestSuccess,
+    ProcessGone,
+    WedgeProven,
+    RestartIssued,
+    RestartFailed,
+    NewProcessUp,
+    Readmitted,
+    UnplannedRestart,
+    Retire,
+    OperatorReset,
+)
+
+
+class Ledger:
+    """Per-backend health for one fleet, and the serving set that follows from it.
+
+    Configured backends start HEALTHY: on first sight there is no evidence against them,
+    and starting them STALE would make every fresh fleet report nothing serving until each
+    answered a proof request. Doubt is cheap to reach (one failure makes SUSPECT).
+    """
+
+    def __init__(
+        self,
+        policy: LedgerPolicy,
+        backends: Iterable[tuple[str, str]] = (),
+        *,
+        now: float | None = None,
+    ) -> None:
+        if now is not None:
+            _as_time(now, "now")
+        self._policy = policy
+        self._epoch = 0
+        self._backends: dict[str, _Backend] = {}
+        for name, url in backends:
+            self._insert(_Backend(name=name, url=url, state_since=now), "backends")
+
+    # --- mutators ---------------------------------------------------------------------
+
+    def apply(self, name: str, event: Event) -> Transition:
+        """Feed one event to one backend. An event the table refuses changes nothing."""
+        if not isinstance(event, _EVENT_TYPES):
+            raise TypeError(f"not a ledger event: {event!r}")
+        b = self._lookup(name)
+        before = b.state
+        outcome = TRANSITIONS[before].get(event.kind)
+        if outcome is None:
+            return Transition(
+                name=name,
+                kind=event.kind,
+                from_state=before,
+                to_state=before,
+                applied=False,
+                reason=_why_ignored(before, event.kind),
+                epoch_changed=False,
+            )
+        if isinstance(outcome, Rule):
+            after, why = _RULES[outcome](b, event, self._policy)
+        else:
+            after, why = outcome, _record(b, event)
+        if after is not before:
+            b.state = after
+            b.state_since = event.now
+        # Only this backend moved, so the serving set changed iff it crossed the line.
+        moved = (before in SERVING) != (after in SERVING)
+        if moved:
+            self._epoch += 1
+        return Transition(
+            name=name,
+            kind=event.kind,
+            from_state=before,
+            to_state=after,
+            applied=True,
+            reason=why,
+            epoch_changed=moved,
+        )
+
+    def expire_restarts(self, now: float) -> list[Transition]:
+        """Fail every restart whose startup grace has elapsed without a new process.
+
+        Without this a restart that never reports back would leave the backend RESTARTING
+        for ever: never retried, as it is not DEAD, and never retired, as that is driven by
+        restart attempts.
+        """
+        grace = self._policy.startup_grace
+        expired = [
+            b.name
+            for b in self._sorted()
+            if b.state is State.RESTARTING
+            # state_since is always set on entering RESTARTING; from_dict enforces it.
+            and b.state_since is not None
+            and now - b.state_since >= grace
+        ]
+        reason = f"no new process within the startup grace of {_span(grace)}"
+        return [self.apply(name, RestartFailed(now=now, reason=reason)) for name in expired]
+
+    def add(self, name: str, url: str, now: float) -> None:
+        """Add a newly configured backend, HEALTHY (see the class docstring for why)."""
+        _as_time(now, "now")
+        self._insert(_Backend(name=name, url=url, state_since=now), "add")
+        self._epoch += 1
+
+    def remove(self, name: str) -> None:
+        """Forget a backend that left the configuration."""
+        b = self._lookup(name)
+        del self._backends[name]
+        if b.state in SERVING:
+            self._epoch += 1
+
+    # --- views ------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> LedgerPolicy:
+        return self._policy
+
+    @property
+    def epoch(self) -> int:
+        """Membership epoch: moves by one each time the serving set changes, and only then."""
+        return self._epoch
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._backends))
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        return self._names_in(SERVING)
+
+    @property
+    def absent(self) -> tuple[str, ...]:
+        return self._names_in(ABSENT)
+
+    @property
+    def suspected(self) -> tuple[str, ...]:
+        return self._names_in(frozenset({State.SUSPECT}))
+
+    @property
+    def counts(self) -> dict[State, int]:
+        counts = dict.fromkeys(State, 0)
+        for b in self._backends.values():
+            counts[b.state] += 1
+        return counts
+
+    @property
+    def floor_breached(self) -> bool:
+        return len(self.serving) < self._policy.min_healthy
+
+    @property
+    def floor_message(self) -> str:
+        """Serving count against the floor, and every backend's state and last error."""
+        serving, total = len(self.serving), len(self._backends)
+        floor = self._policy.min_healthy
+        if self.floor_breached:
+            head = f"floor breached: {serving} of {total} backends serving, min_healthy is {floor}"
+        else:
+            head = f"{serving} of {total} backends serving, min_healthy is {floor}"
+        if not self._backends:
+            return f"{head}: no backends configured"
+        parts = [
+            f"{b.name} {b.state}" + (f" (last error: {b.last_error})" if b.last_error else "")
+            for b in self._sorted()
+        ]
+        return f"{head}: " + "; ".join(parts)
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        """Flat numbers for an exporter or a JSON status."""
+        flat = {
+            "backends": len(self._backends),
+            "serving": len(self.serving),
+            "absent": len(self.absent),
+            "epoch": self._epoch,
+            "floor_breached": int(self.floor_breached),
+        }
+        flat.update({str(state): n for state, n in self.counts.items()})
+        return flat
+
+    def state_of(self, name: str) -> State:
+        return self._lookup(name).state
+
+    def snapshot(self, name: str, now: float) -> BackendSnapshot:
+        """``now`` only decides which restart attempts still count against the budget."""
+        b = self._lookup(name)
+        window = self._policy.restart_budget_window
+        return BackendSnapshot(
+            name=b.name,
+            url=b.url,
+            state=b.state,
+            probe_failures=b.probe_failures,
+            request_failures=b.request_failures,
+            good_streak=b.good_streak,
+            restart_attempts=sum(1 for t in b.restart_times if _in_window(t, now, window)),
+            last_restart_at=max(b.restart_times, default=None),
+            last_ok_at=b.last_ok_at,
+            last_error=b.last_error,
+            weight_version=b.weight_version,
+            condemned_by=b.condemned_by,
+            state_since=b.state_since,
+        )
+
+    def snapshots(self, now: float) -> list[BackendSnapshot]:
+        return [self.snapshot(name, now) for name in self.names]
+
+    def by_url(self, url: str) -> str | None:
+        """The backend behind a URL, for failures reported by a router that knows only URLs."""
+        wanted = _url_key(url)
+        for b in self._backends.values():
+            if _url_key(b.url) == wanted:
+                return b.name
+        return None
+
+    def select(self, in_flight: Mapping[str, int]) -> str:
+        """The serving backend with the fewest requests in flight; ties go to the first name.
+
+        Least-in-flight steers away from a slow or stuck backend before anything has
+        diagnosed it. A backend missing from ``in_flight`` has none.
+        """
+        serving = self.serving
+        if not serving:
+            raise NoServingBackend(f"no backend is serving: {self.floor_message}")
+        return min(serving, key=lambda name: (in_flight.get(name, 0), name))
+
+    # --- persistence ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-compatible copy of the whole ledger; the policy is not part of it."""
+        return {
+            "schema": SCHEMA,
+            "epoch": self._epoch,
+            "backends": [
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "state": str(b.state),
+                    "probe_failures": b.probe_failures,
+                    "request_failures": b.request_failures,
+                    "good_streak": b.good_streak,
+                    "restart_times": list(b.restart_times),
+                    "last_ok_at": b.last_ok_at,
+                    "last_error": b.last_error,
+                    "weight_version": b.weight_version,
+                    "condemned_by": b.condemned_by,
+                    "state_since": b.state_since,
+                }
+                for b in self._sorted()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, policy: LedgerPolicy) -> Ledger:
+        """Rebuild a ledger from to_dict() output; anything malformed is a ValueError saying
+        where and what, so a damaged state file is reported instead of half-loaded."""
+        top = _as_record(data, "ledger", _TOP_KEYS)
+        schema = _as_int(top["schema"], "schema")
+        if schema != SCHEMA:
+            raise ValueError(f"schema: expected {SCHEMA}, got {schema}")
+        ledger = cls(policy)
+        ledger._epoch = _as_int(top["epoch"], "epoch")
+        items = top["backends"]
+        if not isinstance(items, list):
+            raise ValueError(f"backends: expected a list, got {_type_name(items)}")
+        for i, item in enumerate(items):
+            where = f"backends[{i}]"
+            ledger._insert(_parse_backend(item, where), where)
+        return ledger
+
+    # --- internals --------------------------------------------------------------------
+
+    def _lookup(self, name: str) -> _Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise UnknownBackend(f"no backend named {name!r} in the ledger") from None
+
+    def _insert(self, b: _Backend, where: str) -> None:
+        if not isinstance(b.name, str) or not b.name:
+            raise ValueError(f"{where}: a backend name must be a non-empty string, got {b.name!r}")
+        if not isinstance(b.url, str) or not b.url:
+            raise ValueError(f"{where}: backend {b.name!r} needs a non-empty URL, got {b.url!r}")
+        if b.name in self._backends:
+            raise ValueError(f"{where}: backend name {b.name!r} appears twice")
+        # Two names for one URL would make by_url() ambiguous and double-count one server.
+        other = self.by_url(b.url)
+        if other is not None:
+            raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
+        self._backends[b.name] = b
+
+    def _sorted(self) -> list[_Backend]:
+        return [self._backends[name] for name in sorted(self._backends)]
+
+    def _names_in(self, states: frozenset[State]) -> tuple[str, ...]:
+        return tuple(b.name for b in self._sorted() if b.state in states)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _in_window(t: float, now: float, window: float) -> bool:
+    # An attempt stamped after ``now`` (the wall clock stepped back) still counts: when in
+    # doubt, the budget errs towards restarting less.
+    return now - t < window
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _error_text(reason: str, detail: str) -> str:
+    return f"{reason}: {detail}" if detail else reason
+
+
+def _url_key(url: str) -> str:
+    return url.rstrip("/")
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+_TOP_KEYS: Final = frozenset({"schema", "epoch", "backends"})
+_BACKEND_KEYS: Final = frozenset(
+    {
+        "name",
+        "url",
+        "state",
+        "probe_failures",
+        "request_failures",
+        "good_streak",
+        "restart_times",
+        "last_ok_at",
+        "last_error",
+        "weight_version",
+        "condemned_by",
+        "state_since",
+    }
+)
+
+
+def _as_record(value: object, where: str, keys: frozenset[str]) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object, got {_type_name(value)}")
+    record: dict[str, object] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: keys must be strings, got {key!r}")
+        if key not in keys:
+            raise ValueError(f"{where}: unknown key {key!r}")
+        record[key] = item
+    missing = sorted(keys - record.keys())
+    if missing:
+        raise ValueError(f"{where}: missing key {missing[0]!r}")
+    return record
+
+
+def _as_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: must not be negative, got {value}")
+    return value
+
+
+def _as_time(value: object, where: str) -> float:
+    if not _is_number(value):
+        raise ValueError(f"{where}: expected a finite number of seconds, got {value!r}")
+    assert isinstance(value, int | float)  # narrowed by _is_number, for mypy
+    return float(value)
+
+
+def _as_optional_time(value: object, where: str) -> float | None:
+    return None if value is None else _as_time(value, where)
+
+
+def _as_str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got {_type_name(value)}")
+    return value
+
+
+def _parse_backend(value: object, where: str) -> _Backend:
+    r = _as_record(value, where, _BACKEND_KEYS)
+    raw_state = r["state"]
+    if not isinstance(raw_state, str) or raw_state not in set(State):
+        allowed = ", ".join(State)
+        raise ValueError(f"{where}.state: {raw_state!r} is not a state (expected one of {allowed})")
+    state = State(raw_state)
+    times = r["restart_times"]
+    if not isinstance(times, list):
+        raise ValueError(f"{where}.restart_times: expected a list, got {_type_name(times)}")
+    weight = r["weight_version"]
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)):
+        raise ValueError(f"{where}.weight_version: expected an integer or null, got {weight!r}")
+    condemned_by = r["condemned_by"]
+    if condemned_by is not None:
+        condemned_by = _as_str(condemned_by, f"{where}.condemned_by")
+    b = _Backend(
+        name=_as_str(r["name"], f"{where}.name"),
+        url=_as_str(r["url"], f"{where}.url"),
+        state=state,
+        probe_failures=_as_int(r["probe_failures"], f"{where}.probe_failures"),
+        request_failures=_as_int(r["request_failures"], f"{where}.request_failures"),
+        good_streak=_as_int(r["good_streak"], f"{where}.good_streak"),
+        restart_times=[_as_time(t, f"{where}.restart_times[{i}]") for i, t in enumerate(times)],
+        last_ok_at=_as_optional_time(r["last_ok_at"], f"{where}.last_ok_at"),
+        last_error=_as_str(r["last_error"], f"{where}.last_error"),
+        weight_version=weight,
+        condemned_by=None
+        if condemned_by is None
+        else _as_str(condemned_by, f"{where}.condemned_by"),
+        state_since=_as_optional_time(r["state_since"], f"{where}.state_since"),
+    )
+    # Invariants the transitions keep; data breaking them was not written by this ledger.
+    if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
+        raise ValueError(f"{where}: a healthy backend cannot have a failure streak")
+    if b.state is State.RESTARTING and b.state_since is None:
+        raise ValueError(f"{where}.state_since: a restarting backend needs the time of its restart")
+    return b

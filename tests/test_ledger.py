@@ -1,0 +1,1157 @@
+"""The ledger as walks (feed an event, assert the whole record, repeat) and as properties
+over random event sequences."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import llmhealth.ledger as ledger_module
+from llmhealth.ledger import (
+    ABSENT,
+    IGNORED_BECAUSE,
+    SCHEMA,
+    SERVING,
+    TRANSITIONS,
+    BackendSnapshot,
+    Event,
+    EventKind,
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    NoServingBackend,
+    OperatorReset,
+    ProbeFailure,
+    ProcessGone,
+    Readmitted,
+    RequestFailure,
+    RequestSuccess,
+    RestartFailed,
+    RestartIssued,
+    Retire,
+    Rule,
+    State,
+    Transition,
+    UnknownBackend,
+    UnplannedRestart,
+    WedgeProven,
+)
+
+URL_A = "http://10.0.0.5:8000"
+URL_B = "http://10.0.0.6:8000"
+URL_C = "http://10.0.0.7:8000"
+POLICY = LedgerPolicy()
+
+
+def one_backend(policy: LedgerPolicy = POLICY, now: float = 0.0) -> Ledger:
+    return Ledger(policy, [("a", URL_A)], now=now)
+
+
+def fresh(now: float = 0.0) -> BackendSnapshot:
+    """What a newly configured backend looks like."""
+    return BackendSnapshot(
+        name="a",
+        url=URL_A,
+        state=State.HEALTHY,
+        probe_failures=0,
+        request_failures=0,
+        good_streak=0,
+        restart_attempts=0,
+        last_restart_at=None,
+        last_ok_at=None,
+        last_error="",
+        weight_version=None,
+        condemned_by=None,
+        state_since=now,
+    )
+
+
+class Walk:
+    """Feeds events to backend "a" and checks the whole snapshot after each one."""
+
+    def __init__(self, policy: LedgerPolicy = POLICY) -> None:
+        self.ledger = one_backend(policy)
+        self.expected = fresh()
+        self.now = 0.0
+        assert self.ledger.snapshot("a", self.now) == self.expected
+
+    def feed(self, make: Callable[[float], Event], **changes: Any) -> Transition:
+        self.now += 10.0
+        before = self.expected.state
+        transition = self.ledger.apply("a", make(self.now))
+        if "state" in changes and changes["state"] != before:
+            changes.setdefault("state_since", self.now)
+        self.expected = replace(self.expected, **changes)
+        assert self.ledger.snapshot("a", self.now) == self.expected
+        assert transition.from_state == before
+        assert transition.to_state == self.expected.state
+        return transition
+
+    def ignore(self, make: Callable[[float], Event]) -> Transition:
+        self.now += 10.0
+        before = self.ledger.to_dict()
+        transition = self.ledger.apply("a", make(self.now))
+        assert not transition.applied
+        assert not transition.epoch_changed
+        assert transition.from_state == transition.to_state == self.expected.state
+        assert self.ledger.to_dict() == before
+        assert self.ledger.snapshot("a", self.now) == self.expected
+        return transition
+
+
+def good(request_ok: bool = False) -> Callable[[float], Event]:
+    return lambda now: GoodVerdict(now=now, request_ok=request_ok)
+
+
+def probe_fail(reason: str = "down", detail: str = "") -> Callable[[float], Event]:
+    return lambda now: ProbeFailure(now=now, reason=reason, detail=detail)
+
+
+def request_fail(reason: str = "unanswered") -> Callable[[float], Event]:
+    return lambda now: RequestFailure(now=now, reason=reason)
+
+
+def request_ok(now: float) -> Event:
+    return RequestSuccess(now=now)
+
+
+def wedge(now: float) -> Event:
+    return WedgeProven(now=now, evidence="3 running, no step over 2 waits")
+
+
+def restart(now: float) -> Event:
+    return RestartIssued(now=now)
+
+
+def new_process(now: float) -> Event:
+    return NewProcessUp(now=now)
+
+
+def unplanned(now: float) -> Event:
+    return UnplannedRestart(now=now)
+
+
+def readmit(version: int | None = None) -> Callable[[float], Event]:
+    return lambda now: Readmitted(now=now, weight_version=version)
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+def test_the_table_has_a_row_for_every_state_and_uses_every_rule() -> None:
+    assert set(TRANSITIONS) == set(State)
+    used = {outcome for row in TRANSITIONS.values() for outcome in row.values()}
+    assert set(Rule) <= used
+    assert set(IGNORED_BECAUSE) == set(EventKind)
+
+
+def test_only_readmission_from_stale_leads_into_the_serving_set_from_outside_it() -> None:
+    entries = [
+        (state, kind)
+        for state, row in TRANSITIONS.items()
+        for kind, outcome in row.items()
+        if state not in SERVING and outcome in SERVING
+    ]
+    assert entries == [(State.STALE, EventKind.READMITTED)]
+
+
+def test_retired_accepts_nothing_but_an_operator_reset() -> None:
+    assert dict(TRANSITIONS[State.RETIRED]) == {EventKind.OPERATOR_RESET: State.STALE}
+
+
+def test_the_absent_set_is_dead_restarting_and_retired_and_stale_is_neither() -> None:
+    assert {State.DEAD, State.RESTARTING, State.RETIRED} == ABSENT
+    assert {State.HEALTHY, State.SUSPECT} == SERVING
+    assert State.STALE not in ABSENT | SERVING
+
+
+def test_states_are_lower_case_strings() -> None:
+    assert [str(s) for s in State] == [
+        "healthy",
+        "suspect",
+        "dead",
+        "restarting",
+        "stale",
+        "retired",
+    ]
+
+
+# --- doubt and condemnation -----------------------------------------------------------
+
+
+def test_three_probe_failures_in_a_row_condemn_a_backend_that_kept_serving_until_then() -> None:
+    walk = Walk()
+    t = walk.feed(
+        probe_fail("down", "connection refused"),
+        state=State.SUSPECT,
+        probe_failures=1,
+        last_error="down: connection refused",
+    )
+    assert t.applied and not t.epoch_changed
+    assert walk.ledger.serving == ("a",)
+    assert walk.ledger.suspected == ("a",)
+    walk.feed(probe_fail("stalled"), probe_failures=2, last_error="stalled")
+    t = walk.feed(
+        probe_fail("unresponsive"),
+        state=State.DEAD,
+        probe_failures=3,
+        last_error="unresponsive",
+        condemned_by="unresponsive",
+    )
+    assert t.epoch_changed
+    assert "condemned" in t.reason
+    assert not walk.ledger.serving
+    assert walk.ledger.absent == ("a",)
+    assert walk.ledger.epoch == 1
+
+
+def test_a_suspect_backend_is_healthy_again_after_two_good_verdicts_in_a_row() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(good(), probe_failures=0, good_streak=1, last_ok_at=20.0)
+    t = walk.feed(good(), state=State.HEALTHY, good_streak=2, last_ok_at=30.0)
+    # SUSPECT <-> HEALTHY leaves the serving set as it was.
+    assert not t.epoch_changed
+    assert walk.ledger.epoch == 0
+    # Last error stays on record after recovery: it is history, not a state.
+    assert walk.ledger.snapshot("a", walk.now).last_error == "down"
+
+
+def test_a_probe_failure_resets_the_good_streak() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(good(), probe_failures=0, good_streak=1, last_ok_at=20.0)
+    walk.feed(probe_fail(), probe_failures=1, good_streak=0)
+    walk.feed(good(), probe_failures=0, good_streak=1, last_ok_at=40.0)
+    walk.feed(good(), state=State.HEALTHY, good_streak=2, last_ok_at=50.0)
+
+
+def test_a_good_verdict_breaks_a_probe_failure_row() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(probe_fail(), probe_failures=2)
+    walk.feed(good(), probe_failures=0, good_streak=1, last_ok_at=30.0)
+    walk.feed(probe_fail(), probe_failures=1, good_streak=0)
+    walk.feed(probe_fail(), probe_failures=2)
+    walk.feed(probe_fail(), state=State.DEAD, probe_failures=3, condemned_by="down")
+
+
+def test_a_server_that_answers_probes_but_fails_every_request_is_condemned() -> None:
+    walk = Walk()
+    walk.feed(
+        request_fail(),
+        state=State.SUSPECT,
+        request_failures=1,
+        last_error="unanswered",
+    )
+    # Good probes do not clear the request streak, so no flapping back to HEALTHY.
+    walk.feed(good(), good_streak=1, last_ok_at=20.0)
+    t = walk.feed(good(), good_streak=2, last_ok_at=30.0)
+    assert "not yet cleared" in t.reason
+    walk.feed(good(), good_streak=3, last_ok_at=40.0)
+    walk.feed(request_fail(), request_failures=2, good_streak=0)
+    walk.feed(good(), good_streak=1, last_ok_at=60.0)
+    walk.feed(
+        request_fail(),
+        state=State.DEAD,
+        request_failures=3,
+        good_streak=0,
+        condemned_by="unanswered",
+    )
+
+
+def test_only_an_answered_request_clears_the_request_failure_streak() -> None:
+    walk = Walk()
+    walk.feed(request_fail(), state=State.SUSPECT, request_failures=1, last_error="unanswered")
+    walk.feed(good(), good_streak=1, last_ok_at=20.0)
+    walk.feed(request_ok, request_failures=0, last_ok_at=30.0)
+    walk.feed(good(), state=State.HEALTHY, good_streak=2, last_ok_at=40.0)
+
+
+def test_an_answered_request_promotes_once_enough_good_verdicts_were_already_seen() -> None:
+    walk = Walk()
+    walk.feed(request_fail(), state=State.SUSPECT, request_failures=1, last_error="unanswered")
+    walk.feed(good(), good_streak=1, last_ok_at=20.0)
+    walk.feed(good(), good_streak=2, last_ok_at=30.0)
+    walk.feed(request_ok, state=State.HEALTHY, request_failures=0, last_ok_at=40.0)
+
+
+def test_a_good_verdict_with_an_answered_tiny_request_counts_as_a_request_success() -> None:
+    walk = Walk()
+    walk.feed(request_fail(), state=State.SUSPECT, request_failures=1, last_error="unanswered")
+    walk.feed(good(request_ok=True), request_failures=0, good_streak=1, last_ok_at=20.0)
+    walk.feed(good(), state=State.HEALTHY, good_streak=2, last_ok_at=30.0)
+
+
+def test_a_request_failure_also_restarts_the_count_of_good_verdicts() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(good(), probe_failures=0, good_streak=1, last_ok_at=20.0)
+    walk.feed(request_fail(), request_failures=1, good_streak=0, last_error="unanswered")
+    walk.feed(request_ok, request_failures=0, last_ok_at=40.0)
+    walk.feed(good(), good_streak=1, last_ok_at=50.0)
+    walk.feed(good(), state=State.HEALTHY, good_streak=2, last_ok_at=60.0)
+
+
+def test_probe_and_request_failures_count_on_separate_streaks() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(request_fail(), request_failures=1, last_error="unanswered")
+    walk.feed(probe_fail(), probe_failures=2, last_error="down")
+    walk.feed(request_fail(), request_failures=2, last_error="unanswered")
+    # Four failures, yet neither streak reached three.
+    walk.feed(
+        request_fail("http 500"),
+        state=State.DEAD,
+        request_failures=3,
+        last_error="http 500",
+        condemned_by="http 500",
+    )
+
+
+def test_a_healthy_backend_accepts_good_news_without_changing_state() -> None:
+    walk = Walk()
+    walk.feed(good(), good_streak=1, last_ok_at=10.0)
+    walk.feed(request_ok, last_ok_at=20.0)
+    walk.feed(good(request_ok=True), good_streak=2, last_ok_at=30.0)
+
+
+def test_a_threshold_of_one_condemns_a_healthy_backend_on_its_first_failure() -> None:
+    walk = Walk(LedgerPolicy(unhealthy_threshold=1, healthy_threshold=1))
+    walk.feed(
+        probe_fail(), state=State.DEAD, probe_failures=1, last_error="down", condemned_by="down"
+    )
+
+
+def test_proof_of_death_condemns_at_once_without_counting() -> None:
+    walk = Walk()
+    t = walk.feed(
+        lambda now: ProcessGone(now=now, reason="down", detail="unit inactive"),
+        state=State.DEAD,
+        last_error="down: unit inactive",
+        condemned_by="down",
+    )
+    assert t.epoch_changed
+
+
+def test_a_proven_wedge_condemns_a_suspect_backend_at_once_and_records_wedged() -> None:
+    walk = Walk()
+    walk.feed(probe_fail("stalled"), state=State.SUSPECT, probe_failures=1, last_error="stalled")
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+
+
+# --- restart and re-admission ----------------------------------------------------------
+
+
+def test_a_restarted_backend_serves_again_only_after_readmission() -> None:
+    walk = Walk()
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    assert walk.ledger.epoch == 1
+    t = walk.feed(restart, state=State.RESTARTING, restart_attempts=1, last_restart_at=20.0)
+    assert "restart 1 of 5" in t.reason
+    walk.ignore(good(request_ok=True))
+    walk.feed(new_process, state=State.STALE)
+    assert walk.ledger.serving == () and walk.ledger.absent == ()
+    walk.ignore(good(request_ok=True))
+    walk.ignore(request_ok)
+    t = walk.feed(
+        readmit(7),
+        state=State.HEALTHY,
+        weight_version=7,
+        condemned_by=None,
+        last_ok_at=walk.now + 10.0,
+    )
+    assert t.epoch_changed
+    assert walk.ledger.epoch == 2
+    assert list(walk.ledger.serving) == ["a"]
+
+
+def test_a_failed_restart_returns_to_dead_and_keeps_why_it_was_condemned() -> None:
+    walk = Walk()
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=1, last_restart_at=20.0)
+    walk.feed(
+        lambda now: RestartFailed(now=now, reason="exit status 1"),
+        state=State.DEAD,
+        last_error="restart failed: exit status 1",
+    )
+    assert walk.ledger.snapshot("a", walk.now).condemned_by == "wedged"
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=2, last_restart_at=40.0)
+
+
+def test_a_restart_that_outlives_the_startup_grace_is_failed_back_to_dead() -> None:
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A), ("b", URL_B)], now=0.0)
+    ledger.apply("a", WedgeProven(now=10.0))
+    ledger.apply("a", RestartIssued(now=20.0))
+    assert ledger.expire_restarts(119.0) == []
+    assert ledger.state_of("a") is State.RESTARTING
+    [t] = ledger.expire_restarts(120.0)
+    assert t == Transition(
+        name="a",
+        kind=EventKind.RESTART_FAILED,
+        from_state=State.RESTARTING,
+        to_state=State.DEAD,
+        applied=True,
+        reason="restart failed: no new process within the startup grace of 100s",
+        epoch_changed=False,
+    )
+    snap = ledger.snapshot("a", 120.0)
+    assert snap.state is State.DEAD and snap.state_since == 120.0
+    assert ledger.expire_restarts(500.0) == []
+
+
+def test_the_restart_past_the_budget_retires_the_backend_instead() -> None:
+    walk = Walk(LedgerPolicy(restart_budget=2, restart_budget_window=3600.0))
+    for attempt in (1, 2):
+        walk.feed(
+            wedge,
+            state=State.DEAD,
+            last_error="wedged: 3 running, no step over 2 waits",
+            condemned_by="wedged",
+        )
+        walk.feed(
+            restart,
+            state=State.RESTARTING,
+            restart_attempts=attempt,
+            last_restart_at=walk.now + 10.0,
+        )
+        walk.feed(new_process, state=State.STALE)
+        walk.feed(readmit(), state=State.HEALTHY, condemned_by=None, last_ok_at=walk.now + 10.0)
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    t = walk.feed(
+        restart,
+        state=State.RETIRED,
+        last_error="restart budget spent: 2 attempts in 1h",
+    )
+    assert t.reason == "restart budget spent: 2 attempts in 1h"
+    assert walk.ledger.absent == ("a",)
+
+
+def test_the_default_budget_message_speaks_of_24h() -> None:
+    ledger = one_backend(LedgerPolicy(restart_budget=1))
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=2.0))
+    ledger.apply("a", RestartFailed(now=3.0, reason="exit 1"))
+    t = ledger.apply("a", RestartIssued(now=4.0))
+    assert t.to_state is State.RETIRED
+    assert t.reason == "restart budget spent: 1 attempts in 24h"
+
+
+def test_restart_attempts_older_than_the_window_stop_counting() -> None:
+    ledger = one_backend(LedgerPolicy(restart_budget=1, restart_budget_window=100.0))
+    ledger.apply("a", WedgeProven(now=0.0))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", RestartFailed(now=20.0, reason="exit 1"))
+    assert ledger.snapshot("a", 109.0).restart_attempts == 1
+    assert ledger.snapshot("a", 110.0).restart_attempts == 0
+    t = ledger.apply("a", RestartIssued(now=110.0))
+    assert t.to_state is State.RESTARTING
+    snap = ledger.snapshot("a", 110.0)
+    assert snap.restart_attempts == 1 and snap.last_restart_at == 110.0
+
+
+def test_an_unplanned_restart_of_a_serving_backend_lands_in_stale_with_clean_streaks() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(request_fail(), request_failures=1, last_error="unanswered")
+    t = walk.feed(
+        unplanned,
+        state=State.STALE,
+        probe_failures=0,
+        request_failures=0,
+        last_error="process restarted unplanned",
+    )
+    assert t.epoch_changed
+    walk.ignore(good(request_ok=True))
+    walk.feed(readmit(), state=State.HEALTHY, last_ok_at=walk.now + 10.0)
+
+
+def test_a_dead_backend_replaced_from_outside_goes_to_stale_not_healthy() -> None:
+    walk = Walk()
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(probe_fail(), probe_failures=2)
+    walk.feed(probe_fail(), state=State.DEAD, probe_failures=3, condemned_by="down")
+    walk.feed(new_process, state=State.STALE, probe_failures=0)
+    assert walk.ledger.snapshot("a", walk.now).condemned_by == "down"
+
+
+def test_failures_of_a_stale_backend_are_noted_but_never_condemn_or_serve() -> None:
+    walk = Walk()
+    walk.feed(unplanned, state=State.STALE, last_error="process restarted unplanned")
+    for n in range(1, 6):
+        t = walk.feed(probe_fail("down", "refused"), probe_failures=n, last_error="down: refused")
+        assert t.applied and t.to_state is State.STALE and not t.epoch_changed
+    walk.feed(request_fail(), request_failures=1, last_error="unanswered")
+    # Re-admission starts the new life clean.
+    walk.feed(
+        readmit(3),
+        state=State.HEALTHY,
+        probe_failures=0,
+        request_failures=0,
+        weight_version=3,
+        last_ok_at=walk.now + 10.0,
+    )
+
+
+def test_a_stale_backend_that_dies_or_wedges_is_condemned() -> None:
+    walk = Walk()
+    walk.feed(unplanned, state=State.STALE, last_error="process restarted unplanned")
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    walk.feed(new_process, state=State.STALE)
+    walk.feed(
+        lambda now: ProcessGone(now=now, reason="down"),
+        state=State.DEAD,
+        last_error="down",
+        condemned_by="down",
+    )
+
+
+# --- retirement and reset ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [s for s in State if s is not State.RETIRED])
+def test_any_backend_not_yet_retired_can_be_retired(state: State) -> None:
+    ledger = ledger_in(state)
+    t = ledger.apply("a", Retire(now=100.0, reason="decommissioned"))
+    assert t.applied and t.to_state is State.RETIRED
+    assert t.epoch_changed == (state in SERVING)
+    snap = ledger.snapshot("a", 100.0)
+    assert snap.last_error == "retired: decommissioned"
+    assert snap.state_since == 100.0
+
+
+def test_an_operator_reset_brings_a_retired_backend_back_as_stale_with_a_clean_slate() -> None:
+    walk = Walk(LedgerPolicy(restart_budget=1))
+    walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=1, last_restart_at=30.0)
+    walk.feed(
+        lambda now: RestartFailed(now=now, reason="exit 1"),
+        state=State.DEAD,
+        last_error="restart failed: exit 1",
+    )
+    walk.feed(restart, state=State.RETIRED, last_error="restart budget spent: 1 attempts in 24h")
+    for kind in EventKind:
+        if kind is not EventKind.OPERATOR_RESET:
+            t = walk.ignore(maker_for(kind))
+            assert "RETIRED is terminal" in t.reason
+    walk.feed(
+        lambda now: OperatorReset(now=now),
+        state=State.STALE,
+        probe_failures=0,
+        restart_attempts=0,
+        last_restart_at=None,
+        condemned_by=None,
+    )
+    walk.feed(readmit(), state=State.HEALTHY, last_ok_at=walk.now + 10.0)
+
+
+# --- every ignored event ---------------------------------------------------------------
+
+
+def ledger_in(state: State) -> Ledger:
+    """A one-backend ledger whose backend "a" reached ``state`` by legal events."""
+    ledger = one_backend()
+    path: dict[State, list[Event]] = {
+        State.HEALTHY: [],
+        State.SUSPECT: [ProbeFailure(now=1.0, reason="stalled")],
+        State.DEAD: [WedgeProven(now=1.0)],
+        State.RESTARTING: [WedgeProven(now=1.0), RestartIssued(now=2.0)],
+        State.STALE: [UnplannedRestart(now=1.0)],
+        State.RETIRED: [Retire(now=1.0, reason="operator")],
+    }
+    for event in path[state]:
+        assert ledger.apply("a", event).applied
+    assert ledger.state_of("a") is state
+    return ledger
+
+
+def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
+    makers: dict[EventKind, Callable[[float], Event]] = {
+        EventKind.GOOD_VERDICT: lambda now: GoodVerdict(now=now, request_ok=flag),
+        EventKind.PROBE_FAILURE: lambda now: ProbeFailure(
+            now=now, reason="down" if flag else "stalled"
+        ),
+        EventKind.REQUEST_FAILURE: lambda now: RequestFailure(now=now, reason="unanswered"),
+        EventKind.REQUEST_SUCCESS: lambda now: RequestSuccess(now=now),
+        EventKind.PROCESS_GONE: lambda now: ProcessGone(now=now, reason="down"),
+        EventKind.WEDGE_PROVEN: lambda now: WedgeProven(now=now, evidence="no steps"),
+        EventKind.RESTART_ISSUED: lambda now: RestartIssued(now=now),
+        EventKind.RESTART_FAILED: lambda now: RestartFailed(now=now, reason="exit 1"),
+        EventKind.NEW_PROCESS_UP: lambda now: NewProcessUp(now=now),
+        EventKind.READMITTED: lambda now: Readmitted(now=now, weight_version=7 if flag else None),
+        EventKind.UNPLANNED_RESTART: lambda now: UnplannedRestart(now=now),
+        EventKind.RETIRE: lambda now: Retire(now=now, reason="operator"),
+        EventKind.OPERATOR_RESET: lambda now: OperatorReset(now=now),
+    }
+    return makers[kind]
+
+
+IGNORED_PAIRS = [
+    (state, kind) for state in State for kind in EventKind if kind not in TRANSITIONS[state]
+]
+
+
+@pytest.mark.parametrize(("state", "kind"), IGNORED_PAIRS, ids=str)
+def test_an_event_that_does_not_apply_changes_nothing_and_says_why(
+    state: State, kind: EventKind
+) -> None:
+    ledger = ledger_in(state)
+    before = ledger.to_dict()
+    for flag in (False, True):
+        t = ledger.apply("a", maker_for(kind, flag)(50.0))
+        assert t == Transition(
+            name="a",
+            kind=kind,
+            from_state=state,
+            to_state=state,
+            applied=False,
+            reason=t.reason,
+            epoch_changed=False,
+        )
+        assert t.reason.startswith(f"{kind} ignored in {state}: ")
+        assert ledger.to_dict() == before
+
+
+def test_the_ignored_set_covers_the_guards_the_callers_used_to_keep() -> None:
+    ignored = set(IGNORED_PAIRS)
+    for state in (State.DEAD, State.RESTARTING, State.STALE, State.RETIRED):
+        assert (state, EventKind.GOOD_VERDICT) in ignored
+        assert (state, EventKind.REQUEST_SUCCESS) in ignored
+    for state in set(State) - {State.STALE}:
+        assert (state, EventKind.READMITTED) in ignored
+    for state in set(State) - {State.DEAD}:
+        assert (state, EventKind.RESTART_ISSUED) in ignored
+    for state in set(State) - {State.RESTARTING}:
+        assert (state, EventKind.RESTART_FAILED) in ignored
+    for state in set(State) - {State.RESTARTING, State.DEAD}:
+        assert (state, EventKind.NEW_PROCESS_UP) in ignored
+
+
+# --- fleet views ---------------------------------------------------------------------------
+
+
+def three_backends(policy: LedgerPolicy = POLICY) -> Ledger:
+    return Ledger(policy, [("b", URL_B), ("a", URL_A), ("c", URL_C)], now=0.0)
+
+
+def test_views_sort_by_name_and_count_every_state() -> None:
+    ledger = three_backends()
+    ledger.apply("b", ProbeFailure(now=1.0, reason="stalled"))
+    ledger.apply("c", WedgeProven(now=1.0))
+    assert ledger.names == ("a", "b", "c")
+    assert ledger.serving == ("a", "b")
+    assert ledger.suspected == ("b",)
+    assert ledger.absent == ("c",)
+    assert ledger.counts == {
+        State.HEALTHY: 1,
+        State.SUSPECT: 1,
+        State.DEAD: 1,
+        State.RESTARTING: 0,
+        State.STALE: 0,
+        State.RETIRED: 0,
+    }
+    assert ledger.metrics == {
+        "backends": 3,
+        "serving": 2,
+        "absent": 1,
+        "epoch": 1,
+        "floor_breached": 0,
+        "healthy": 1,
+        "suspect": 1,
+        "dead": 1,
+        "restarting": 0,
+        "stale": 0,
+        "retired": 0,
+    }
+    assert [s.name for s in ledger.snapshots(1.0)] == ["a", "b", "c"]
+
+
+def test_the_floor_is_breached_below_min_healthy_and_the_message_names_every_cause() -> None:
+    ledger = Ledger(LedgerPolicy(min_healthy=2), [("a", URL_A), ("b", URL_B)], now=0.0)
+    assert not ledger.floor_breached
+    ledger.apply("a", ProcessGone(now=1.0, reason="down", detail="connection refused"))
+    assert ledger.floor_breached
+    assert ledger.floor_message == (
+        "floor breached: 1 of 2 backends serving, min_healthy is 2: "
+        "a dead (last error: down: connection refused); b healthy"
+    )
+    assert ledger.metrics["floor_breached"] == 1
+
+
+def test_an_empty_fleet_is_under_the_default_floor() -> None:
+    ledger = Ledger(POLICY)
+    assert ledger.floor_breached
+    assert ledger.floor_message.endswith("no backends configured")
+
+
+def test_a_floor_of_zero_is_never_breached() -> None:
+    ledger = Ledger(LedgerPolicy(min_healthy=0))
+    assert not ledger.floor_breached
+    assert not ledger.floor_message.startswith("floor breached")
+
+
+def test_select_picks_the_serving_backend_with_fewest_in_flight_ties_by_name() -> None:
+    ledger = three_backends()
+    assert ledger.select({"a": 2, "b": 1, "c": 1}) == "b"
+    assert ledger.select({}) == "a"
+    assert ledger.select({"a": 3}) == "b"
+    ledger.apply("b", WedgeProven(now=1.0))
+    assert ledger.select({"a": 2, "b": 0, "c": 5}) == "a"
+    ledger.apply("a", ProbeFailure(now=2.0, reason="stalled"))
+    # SUSPECT still serves; least-in-flight already steers around slowness.
+    assert ledger.select({"a": 0, "c": 1}) == "a"
+
+
+def test_select_with_nothing_serving_raises_and_says_why() -> None:
+    ledger = one_backend()
+    ledger.apply("a", ProcessGone(now=1.0, reason="down"))
+    with pytest.raises(NoServingBackend, match="a dead"):
+        ledger.select({"a": 0})
+
+
+def test_a_backend_is_found_by_url_with_or_without_a_trailing_slash() -> None:
+    ledger = three_backends()
+    assert ledger.by_url(URL_B) == "b"
+    assert ledger.by_url(URL_B + "/") == "b"
+    assert ledger.by_url("http://elsewhere:8000") is None
+
+
+def test_an_unknown_backend_name_is_a_typed_error() -> None:
+    ledger = one_backend()
+    with pytest.raises(UnknownBackend, match="'zz'"):
+        ledger.apply("zz", RequestSuccess(now=1.0))
+    with pytest.raises(UnknownBackend):
+        ledger.remove("zz")
+    with pytest.raises(UnknownBackend):
+        ledger.snapshot("zz", 1.0)
+
+
+def test_something_that_is_not_an_event_is_refused() -> None:
+    with pytest.raises(TypeError):
+        one_backend().apply("a", "good")  # type: ignore[arg-type]
+
+
+def test_adding_a_backend_makes_it_healthy_and_moves_the_epoch() -> None:
+    ledger = one_backend()
+    ledger.add("b", URL_B, now=5.0)
+    assert ledger.epoch == 1
+    assert ledger.serving == ("a", "b")
+    assert ledger.snapshot("b", 5.0) == replace(fresh(5.0), name="b", url=URL_B)
+
+
+def test_removing_moves_the_epoch_only_when_the_backend_was_serving() -> None:
+    ledger = three_backends()
+    ledger.apply("c", WedgeProven(now=1.0))
+    assert ledger.epoch == 1
+    ledger.remove("c")
+    assert ledger.epoch == 1
+    ledger.remove("b")
+    assert ledger.epoch == 2
+    assert ledger.names == ("a",)
+
+
+@pytest.mark.parametrize(
+    ("name", "url", "message"),
+    [
+        ("a", URL_B, "name 'a' appears twice"),
+        ("b", URL_A + "/", "share the URL"),
+        ("", URL_B, "non-empty string"),
+        ("b", "", "non-empty URL"),
+    ],
+)
+def test_adding_a_duplicate_or_empty_backend_is_refused(name: str, url: str, message: str) -> None:
+    ledger = one_backend()
+    before = ledger.to_dict()
+    with pytest.raises(ValueError, match=message):
+        ledger.add(name, url, now=1.0)
+    assert ledger.to_dict() == before
+
+
+def test_a_time_that_is_not_a_finite_number_is_refused_when_adding() -> None:
+    with pytest.raises(ValueError, match="now: expected a finite number"):
+        one_backend().add("b", URL_B, now=float("nan"))
+    with pytest.raises(ValueError, match="now: expected a finite number"):
+        Ledger(POLICY, [("a", URL_A)], now=float("inf"))
+
+
+def test_a_ledger_built_without_a_time_does_not_invent_one() -> None:
+    ledger = Ledger(POLICY, [("a", URL_A)])
+    assert ledger.snapshot("a", 0.0).state_since is None
+
+
+# --- policy and event validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("unhealthy_threshold", 0),
+        ("healthy_threshold", 0),
+        ("healthy_threshold", -1),
+        ("restart_budget", 0),
+        ("min_healthy", -1),
+        ("restart_budget_window", 0.0),
+        ("restart_budget_window", -5.0),
+        ("startup_grace", 0),
+        ("startup_grace", float("nan")),
+        ("startup_grace", float("inf")),
+        ("unhealthy_threshold", 2.5),
+        ("unhealthy_threshold", True),
+        ("startup_grace", "15m"),
+    ],
+)
+def test_a_policy_out_of_range_is_refused_naming_the_field_and_value(
+    field: str, value: object
+) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        LedgerPolicy(**{field: value})  # type: ignore[arg-type]
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_the_default_policy_matches_the_design() -> None:
+    assert LedgerPolicy() == LedgerPolicy(
+        unhealthy_threshold=3,
+        healthy_threshold=2,
+        min_healthy=1,
+        restart_budget=5,
+        restart_budget_window=86400.0,
+        startup_grace=900.0,
+    )
+
+
+@pytest.mark.parametrize("now", [float("nan"), float("inf"), "12", None])
+def test_an_event_without_a_finite_time_is_refused(now: object) -> None:
+    with pytest.raises(ValueError, match="now must be a finite number"):
+        RequestSuccess(now=now)  # type: ignore[arg-type]
+
+
+def test_a_weight_version_must_be_an_integer() -> None:
+    with pytest.raises(ValueError, match="weight_version"):
+        Readmitted(now=1.0, weight_version="7")  # type: ignore[arg-type]
+
+
+# --- persistence ---------------------------------------------------------------------------
+
+
+def busy_ledger() -> Ledger:
+    ledger = three_backends()
+    ledger.apply("a", ProbeFailure(now=1.0, reason="stalled", detail="no step in 5s"))
+    ledger.apply("b", WedgeProven(now=2.0, evidence="e"))
+    ledger.apply("b", RestartIssued(now=3.0))
+    ledger.apply("c", UnplannedRestart(now=4.0))
+    ledger.apply("c", Readmitted(now=5.0, weight_version=12))
+    return ledger
+
+
+def test_to_dict_is_plain_json_and_round_trips() -> None:
+    ledger = busy_ledger()
+    data = ledger.to_dict()
+    assert data["schema"] == SCHEMA
+    text = json.dumps(data)
+    again = Ledger.from_dict(json.loads(text), POLICY)
+    assert again.to_dict() == data
+    assert again.snapshots(6.0) == ledger.snapshots(6.0)
+    assert again.epoch == ledger.epoch
+
+
+def _break(path: list[Any], value: Any) -> dict[str, Any]:
+    data: dict[str, Any] = copy.deepcopy(busy_ledger().to_dict())
+    target: Any = data
+    for key in path[:-1]:
+        target = target[key]
+    if value is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return data
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (["schema"], 2, "schema: expected 1, got 2"),
+        (["schema"], _DELETE, "missing key 'schema'"),
+        (["extra"], 1, "unknown key 'extra'"),
+        (["epoch"], -1, "epoch: must not be negative"),
+        (["epoch"], "3", "epoch: expected an integer"),
+        (["backends"], {}, "backends: expected a list"),
+        (["backends", 0], "a", r"backends\[0\]: expected an object"),
+        (["backends", 1, "state"], "zombie", r"backends\[1\].state: 'zombie' is not a state"),
+        (["backends", 1, "state"], ["dead"], "is not a state"),
+        (["backends", 0, "probe_failures"], True, "probe_failures: expected an integer"),
+        (["backends", 0, "restart_times"], [1.0, "x"], r"restart_times\[1\]"),
+        (["backends", 0, "restart_times"], None, "restart_times: expected a list"),
+        (["backends", 0, "last_ok_at"], float("nan"), "last_ok_at: expected a finite number"),
+        (["backends", 0, "name"], 7, "name: expected a string"),
+        (["backends", 0, "name"], "b", "appears twice"),
+        (["backends", 0, "url"], URL_B, "share the URL"),
+        (["backends", 0, "weight_version"], 1.5, "weight_version"),
+        (["backends", 0, "condemned_by"], 3, "condemned_by: expected a string"),
+        (["backends", 2, "state"], "healthy", None),
+        (["backends", 1, "state_since"], None, "restarting backend needs"),
+        (["backends", 0, "color"], "red", "unknown key 'color'"),
+    ],
+)
+def test_from_dict_refuses_malformed_data_saying_what_is_wrong(
+    path: list[Any], value: Any, message: str | None
+) -> None:
+    data = _break(path, value)
+    if message is None:
+        Ledger.from_dict(data, POLICY)  # a legal edit is still accepted
+        return
+    with pytest.raises(ValueError, match=message):
+        Ledger.from_dict(data, POLICY)
+
+
+def test_from_dict_refuses_a_healthy_backend_with_a_failure_streak() -> None:
+    data = _break(["backends", 2, "request_failures"], 1)
+    with pytest.raises(ValueError, match="healthy backend cannot have a failure streak"):
+        Ledger.from_dict(data, POLICY)
+
+
+@pytest.mark.parametrize("data", [None, [], "ledger", 3, {"schema": 1}])
+def test_from_dict_refuses_what_is_not_a_ledger(data: object) -> None:
+    with pytest.raises(ValueError, match="ledger"):
+        Ledger.from_dict(data, POLICY)
+
+
+# --- purity --------------------------------------------------------------------------------
+
+
+def test_the_ledger_imports_nothing_that_does_io_or_reads_a_clock() -> None:
+    source = Path(ledger_module.__file__).read_text(encoding="utf-8")
+    imported: set[str] = set()
+    called: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called.add(node.func.id)
+    forbidden = {"httpx", "time", "subprocess", "socket", "os", "pathlib", "rich", "datetime"}
+    assert imported & forbidden == set()
+    assert {"open", "print", "input"} & called == set()
+
+
+# --- properties over random event sequences -------------------------------------------
+
+
+NAMES = ("a", "b", "c")
+ALL_KINDS: list[EventKind | str] = [*EventKind, "expire"]
+
+# Each step: backend, which event, whether to draw it from the events that apply in the
+# backend's current state (so walks get deep: restart, new process, re-admission, budget)
+# or from all of them (so ignored events keep being tried), time passing, and a flag.
+_step = st.tuples(
+    st.sampled_from(NAMES),
+    st.integers(0, 1000),
+    st.booleans(),
+    st.floats(min_value=0.0, max_value=60.0, allow_nan=False),
+    st.booleans(),
+)
+# Length drawn first: plain st.lists averages a handful of steps, too few to reach a spent
+# restart budget on one backend.
+steps = st.integers(0, 80).flatmap(lambda n: st.lists(_step, min_size=n, max_size=n))
+Step = tuple[str, int, bool, float, bool]
+
+
+def choose(ledger: Ledger, name: str, pick: int, legal: bool) -> EventKind | str:
+    kinds = [*TRANSITIONS[ledger.state_of(name)], "expire"] if legal else ALL_KINDS
+    return kinds[pick % len(kinds)]
+
+
+policies = st.builds(
+    LedgerPolicy,
+    unhealthy_threshold=st.integers(1, 3),
+    healthy_threshold=st.integers(1, 3),
+    min_healthy=st.integers(0, 3),
+    restart_budget=st.integers(1, 3),
+    restart_budget_window=st.sampled_from([50.0, 400.0]),
+    startup_grace=st.sampled_from([20.0, 150.0]),
+)
+
+
+def check_transition(
+    t: Transition,
+    before: Ledger,
+    before_dict: dict[str, object],
+    after: Ledger,
+    now: float,
+    event: Event,
+) -> None:
+    snap_before = before.snapshot(t.name, now)
+    snap_after = after.snapshot(t.name, now)
+    assert snap_before.state is t.from_state and snap_after.state is t.to_state
+    if not t.applied:
+        assert t.from_state is t.to_state
+        assert after.to_dict() == before_dict
+    # Nothing outside the serving set comes back in except STALE through re-admission.
+    if t.from_state not in SERVING and t.to_state in SERVING:
+        assert (t.from_state, t.kind) == (State.STALE, EventKind.READMITTED)
+    if t.to_state is State.HEALTHY and t.from_state is not State.HEALTHY:
+        assert t.from_state in {State.SUSPECT, State.STALE}
+    # Good probes never resurrect, and never apply outside the serving set.
+    if t.kind is EventKind.GOOD_VERDICT and t.from_state not in SERVING:
+        assert not t.applied
+    # RETIRED stays RETIRED until an operator reset.
+    if t.from_state is State.RETIRED and t.kind is not EventKind.OPERATOR_RESET:
+        assert t.to_state is State.RETIRED and not t.applied
+    # A good verdict without an answered request never clears the request-failure streak.
+    if isinstance(event, GoodVerdict) and not event.request_ok:
+        assert snap_after.request_failures == snap_before.request_failures
+    # The epoch moves by exactly one when the serving set changes, and only then.
+    changed = set(before.serving) != set(after.serving)
+    assert t.epoch_changed == changed
+    assert after.epoch == before.epoch + (1 if changed else 0)
+
+
+def check_ledger(ledger: Ledger, now: float) -> None:
+    for snap in ledger.snapshots(now):
+        if snap.state is State.HEALTHY:
+            assert snap.probe_failures == snap.request_failures == 0
+        if snap.state in SERVING:
+            assert snap.condemned_by is None
+    assert set(ledger.serving).isdisjoint(ledger.absent)
+    assert set(ledger.absent) == {s.name for s in ledger.snapshots(now) if s.state in ABSENT}
+    assert sum(ledger.counts.values()) == len(ledger.names)
+    assert ledger.floor_breached == (len(ledger.serving) < ledger.policy.min_healthy)
+    data = ledger.to_dict()
+    again = Ledger.from_dict(json.loads(json.dumps(data)), ledger.policy)
+    assert again.to_dict() == data
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies, sequence=steps)
+def test_random_event_sequences_keep_every_invariant(
+    policy: LedgerPolicy, sequence: list[Step]
+) -> None:
+    ledger = Ledger(policy, [(n, f"http://{n}.example:8000") for n in NAMES], now=0.0)
+    now = 0.0
+    for name, pick, legal, dt, flag in sequence:
+        now += dt
+        kind = choose(ledger, name, pick, legal)
+        before_dict = ledger.to_dict()
+        before = Ledger.from_dict(before_dict, policy)
+        if kind == "expire":
+            transitions = ledger.expire_restarts(now)
+            for t in transitions:
+                assert (t.from_state, t.to_state) == (State.RESTARTING, State.DEAD)
+            # Several backends may expire in one call; check them one by one on a replay.
+            replay = before
+            for t in transitions:
+                step_before = Ledger.from_dict(replay.to_dict(), policy)
+                failed = RestartFailed(now=now, reason=t.reason.removeprefix("restart failed: "))
+                replay.apply(t.name, failed)
+                check_transition(t, step_before, step_before.to_dict(), replay, now, failed)
+            assert replay.to_dict() == ledger.to_dict()
+            assert not any(
+                s.state is State.RESTARTING
+                and s.state_since is not None
+                and now - s.state_since >= policy.startup_grace
+                for s in ledger.snapshots(now)
+            )
+        else:
+            event = maker_for(EventKind(kind), flag)(now)
+            t = ledger.apply(name, event)
+            check_transition(t, before, before_dict, ledger, now, event)
+        check_ledger(ledger, now)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sequence=steps,
+    path=st.lists(
+        st.sampled_from(
+            [
+                "schema",
+                "epoch",
+                "backends",
+                0,
+                1,
+                "state",
+                "name",
+                "restart_times",
+                "last_ok_at",
+                "weight_version",
+            ]
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    value=st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 3) | st.floats() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+        max_leaves=5,
+    ),
+)
+def test_from_dict_answers_damage_with_a_value_error_or_a_valid_ledger(
+    sequence: list[Step], path: list[Any], value: Any
+) -> None:
+    ledger = three_backends()
+    now = 0.0
+    for name, pick, legal, dt, flag in sequence:
+        now += dt
+        kind = choose(ledger, name, pick, legal)
+        if kind != "expire":
+            ledger.apply(name, maker_for(EventKind(kind), flag)(now))
+    data: Any = ledger.to_dict()
+    target = data
+    for key in path[:-1]:
+        try:
+            target = target[key]
+        except (KeyError, IndexError, TypeError):
+            return
+    try:
+        target[path[-1]] = value
+    except (IndexError, TypeError):
+        return
+    try:
+        loaded = Ledger.from_dict(data, POLICY)
+    except ValueError:
+        return
+    assert Ledger.from_dict(loaded.to_dict(), POLICY).to_dict() == loaded.to_dict()
