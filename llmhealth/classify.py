@@ -106,10 +106,18 @@ class Outcome:
     verdict: Verdict
 
 
-def decide(reads: Sequence[Read], answer: Answer | None = None, *, max_reads: int = 3) -> Decision:
+def decide(
+    reads: Sequence[Read],
+    answer: Answer | None = None,
+    *,
+    max_reads: int = 3,
+    baseline: Signals | None = None,
+) -> Decision:
     """The next step for one backend, given its reads in order and the tiny request if sent.
 
     ``max_reads`` bounds a run (three reads are two waits, the least that proves a wedge).
+    ``baseline`` is what an earlier run last read from this backend: it can only reveal a
+    restart between runs; progress is never measured across runs.
     """
     if not reads:
         return TakeRead("first read")
@@ -119,9 +127,11 @@ def decide(reads: Sequence[Read], answer: Answer | None = None, *, max_reads: in
     if last.problem is ReadProblem.UNRESPONSIVE:
         return _verdict(VerdictKind.UNRESPONSIVE, False, f"unresponsive: {last.detail}", reads)
 
-    restart = _first_restart(reads)
+    restart = _last_restart(reads, baseline)
     if restart is not None:
-        return _judge_restarted(reads, restart, answer, max_reads)
+        index, before, across_runs = restart
+        change = _describe_restart(before, _signals(reads[index]), across_runs)
+        return _judge_restarted(reads, index, change, answer, max_reads)
     if last.signals is None or not last.signals.has_vllm:
         why = last.detail or "the text has no vLLM series"
         return _by_answer(
@@ -148,7 +158,10 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
         return _verdict(
             VerdictKind.IDLE, True, f"idle: asleep on purpose ({states}); no request sent", reads
         )
-    if any(engine.work is None for engine in awake):
+    working = [engine for engine in awake if (engine.work or 0) > 0]
+    # Unknown work on one engine must not open the door to a request while another
+    # engine shows work: only when no engine shows any is the tiny request the judge.
+    if not working and any(engine.work is None for engine in awake):
         if len(reads) >= 2:
             busy = _busy_if_progressing(reads)
             if busy is not None:
@@ -162,13 +175,18 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
             "(several API servers publish them only after their first request)",
         )
 
-    working = [engine for engine in awake if (engine.work or 0) > 0]
     if not working:
         if len(reads) >= 2:
             busy = _busy_if_progressing(reads)
             if busy is not None:
                 return busy
-        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, "no work")
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.IDLE,
+            VerdictKind.UNANSWERED,
+            f"no work ({_describe_work(last_signals)})",
+        )
     if len(reads) < 2:
         return TakeRead(f"{_describe_work(last_signals)}: watching for progress over one wait")
 
@@ -257,22 +275,36 @@ def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
 # --- restarts ----------------------------------------------------------------------
 
 
-def _first_restart(reads: Sequence[Read]) -> int | None:
-    """Index of the first read that came from another process than the read before it."""
-    readable = [
+def _last_restart(
+    reads: Sequence[Read], baseline: Signals | None
+) -> tuple[int, Signals, bool] | None:
+    """The last read that came from another process than the readable one before it.
+
+    The last, not the first: after two restarts only the newest process's reads are its
+    own, and counters of two processes are never compared. Returns that read's index, the
+    signals it was compared with, and whether those were the earlier run's baseline.
+    """
+    readable: list[tuple[int, Signals]] = [
         (index, read.signals)
         for index, read in enumerate(reads)
         if read.signals is not None and read.signals.has_vllm
     ]
-    for (_, older), (index, newer) in itertools.pairwise(readable):
+    if baseline is not None and baseline.has_vllm:
+        readable.insert(0, (-1, baseline))
+    last = None
+    for (older_index, older), (index, newer) in itertools.pairwise(readable):
         if _restarted_between(older, newer):
-            return index
-    return None
+            last = (index, older, older_index < 0)
+    return last
 
 
 def _restarted_between(older: Signals, newer: Signals) -> bool:
-    """Start time changed; without start times (multiprocess mode), a counter went down."""
-    if older.process_start is not None or newer.process_start is not None:
+    """Start time changed; without start times (multiprocess mode), a counter went down.
+
+    A start time present in only one of the two texts proves nothing by itself (a body
+    cut short loses it too), so then the counters decide.
+    """
+    if older.process_start is not None and newer.process_start is not None:
         return older.process_start != newer.process_start
     for _, before, after in _engine_pairs(older, newer):
         for name, value in after.counters.items():
@@ -283,11 +315,13 @@ def _restarted_between(older: Signals, newer: Signals) -> bool:
 
 
 def _judge_restarted(
-    reads: Sequence[Read], restart: int, answer: Answer | None, max_reads: int
+    reads: Sequence[Read],
+    restart: int,
+    change: str,
+    answer: Answer | None,
+    max_reads: int,
 ) -> Decision:
     """A new process is judged on its own reads only, never against the old one's counters."""
-    older, newer = _signals(reads[restart - 1]), _signals(reads[restart])
-    change = _describe_restart(older, newer)
     since = reads[restart:]
     last = _signals(since[-1]) if since[-1].signals is not None else None
     if last is None or not last.has_vllm:
@@ -311,7 +345,7 @@ def _judge_restarted(
             return Verdict(
                 VerdictKind.RESTARTED,
                 True,
-                f"{change}; the new process is {busy.evidence}",
+                f"restarted: {change}; the new process is {busy.evidence}",
                 busy.running,
                 busy.waiting,
                 busy.steps_per_s,
@@ -323,7 +357,7 @@ def _judge_restarted(
     return _verdict(
         VerdictKind.RESTARTED,
         False,
-        f"{change}; the new process shows {_describe_work(last)} and no progress yet",
+        f"restarted: {change}; the new process shows {_describe_work(last)} and no progress yet",
         reads,
     )
 
@@ -473,13 +507,13 @@ def _stall_evidence(reads: Sequence[Read], engine_name: str) -> str:
     )
 
 
-def _describe_restart(older: Signals, newer: Signals) -> str:
-    if older.process_start is not None or newer.process_start is not None:
+def _describe_restart(before: Signals, newer: Signals, across_runs: bool) -> str:
+    when = "since the last run" if across_runs else "between reads"
+    if before.process_start is not None and newer.process_start is not None:
         return (
-            f"restarted: process start time {_fmt(older.process_start)} → "
-            f"{_fmt(newer.process_start)}"
+            f"process start time {_fmt(before.process_start)} → {_fmt(newer.process_start)} {when}"
         )
-    return "restarted: counters went down (no start time: Prometheus multiprocess mode)"
+    return f"counters went down {when} (no start time: Prometheus multiprocess mode)"
 
 
 def _fmt(value: float | None) -> str:

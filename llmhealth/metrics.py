@@ -98,9 +98,10 @@ class Signals:
 def parse_metrics(body: str | bytes) -> Signals:
     """Extract the signals; any text at all yields Signals, possibly with no engines."""
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
-    # Per (field, engine, raw label text): an exact duplicate series overwrites, as the
-    # Prometheus server would keep only one sample of it.
-    samples: dict[tuple[str, str, str], float] = {}
+    # Per (field, engine, label set): a duplicate series overwrites, as the Prometheus
+    # server would keep only one sample of it. The parsed labels, not their raw text, say
+    # which series it is: label order and spacing do not make a new one.
+    samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = {}
     sleep: dict[str, dict[str, float]] = {}
     process_start: float | None = None
     skipped = 0
@@ -125,14 +126,15 @@ def parse_metrics(body: str | bytes) -> Signals:
             # rather than let it fake progress or a restart.
             skipped += 1
             continue
-        samples[(_SERIES[name], engine, labels_text)] = value
+        samples[(_SERIES[name], engine, frozenset(labels.items()))] = value
     engines = _combine(samples, sleep)
     notes = (f"{skipped} malformed or unusable vLLM sample(s) ignored",) if skipped else ()
     return Signals(engines, process_start, skipped, notes)
 
 
 def _combine(
-    samples: dict[tuple[str, str, str], float], sleep: dict[str, dict[str, float]]
+    samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float],
+    sleep: dict[str, dict[str, float]],
 ) -> tuple[EngineSignals, ...]:
     per_engine: dict[str, dict[str, float]] = {}
     for (field_name, engine, _), value in samples.items():
@@ -156,7 +158,10 @@ def _combine(
 
 
 def _engine_order(engine: str) -> tuple[int, str]:
-    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+    # isdigit() alone admits "²" (int() rejects it) and int() refuses over 4300 digits.
+    if engine.isascii() and engine.isdigit() and len(engine) <= 18:
+        return (int(engine), "")
+    return (1 << 62, engine)
 
 
 def _sleep_state(states: dict[str, float] | None) -> str | None:

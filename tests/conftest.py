@@ -1,0 +1,26 @@
+"""Shared test helpers: load files from ``fixtures/`` by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@cache
+def _load(name: str) -> str:
+    # Cached: the real captures are ~50 KB each and many tests read the same ones.
+    return (FIXTURES / name).read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def fixture_text() -> Callable[[str], str]:
+    """``fixture_text("vllm-0.32/busy-1.txt")``: a fixture file's text, by path under fixtures/.
+
+    Session-scoped so that hypothesis tests may use it too.
+    """
+    return _load

@@ -1,0 +1,773 @@
+"""decide() walked like the shell walks it, on real vLLM 0.32 texts given synthetic times."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmhealth.classify import (
+    Answer,
+    Decision,
+    Read,
+    ReadProblem,
+    SendTinyRequest,
+    TakeRead,
+    Verdict,
+    VerdictKind,
+    decide,
+    judge_proxy,
+)
+from llmhealth.metrics import parse_metrics
+
+Load = Callable[[str], str]
+
+T0 = 1_796_100_000.0
+WAIT = 5.0
+OK_DETAIL = "answered in 0.04 s by model tiny"
+FAILED_DETAIL = "timed out after 10.0 s"
+
+
+# --- building reads ------------------------------------------------------------------
+
+
+def capture(load: Load, name: str) -> str:
+    return load(f"vllm-0.32/{name}.txt")
+
+
+def relabel(text: str, engine: str) -> str:
+    """The vLLM sample lines of a text, moved from engine "0" to another engine."""
+    return "\n".join(
+        line.replace('engine="0"', f'engine="{engine}"')
+        for line in text.splitlines()
+        if line.startswith("vllm:")
+    )
+
+
+def set_sample(text: str, name: str, value: str, **labels: str) -> str:
+    """Set the value of every sample of ``name`` that carries all the given labels."""
+    lines = []
+    hits = 0
+    for line in text.splitlines():
+        head, _, _ = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            lines.append(f"{head} {value}")
+            hits += 1
+        else:
+            lines.append(line)
+    assert hits, f"no sample of {name} with {labels}"
+    return "\n".join(lines) + "\n"
+
+
+def asleep(text: str) -> str:
+    text = set_sample(text, "vllm:engine_sleep_state", "0.0", sleep_state="awake")
+    return set_sample(text, "vllm:engine_sleep_state", "1.0", sleep_state="weights_offloaded")
+
+
+def timed(texts: Sequence[str], wait: float = WAIT) -> list[Read]:
+    return [Read(T0 + index * wait, parse_metrics(text)) for index, text in enumerate(texts)]
+
+
+def reads_of(load: Load, *names: str, wait: float = WAIT) -> list[Read]:
+    return timed([capture(load, name) for name in names], wait)
+
+
+def problem(kind: ReadProblem, detail: str, at: float = T0) -> Read:
+    return Read(at, None, kind, detail)
+
+
+def answer(ok: bool, at: float = T0 + 100) -> Answer:
+    if ok:
+        return Answer(at, True, OK_DETAIL, "tiny", ("tiny",))
+    return Answer(at, False, FAILED_DETAIL)
+
+
+def shows_awake_work(read: Read) -> bool:
+    if read.signals is None:
+        return False
+    return any((e.work or 0) > 0 for e in read.signals.engines if not e.asleep)
+
+
+@dataclass
+class Walk:
+    """What the shell saw while it followed decide() to a verdict."""
+
+    verdict: Verdict
+    reads: list[Read]
+    decisions: list[Decision] = field(default_factory=list)
+    requests: int = 0
+
+
+def walk(available: Sequence[Read], answer_ok: bool | None = None, max_reads: int = 3) -> Walk:
+    """Drive decide() as the shell does: read when told to, ask when told to.
+
+    ``answer_ok`` None means the walk must never be told to send the tiny request. Every
+    walk checks the bounds: at most ``max_reads`` reads, at most one tiny request, and
+    none while the latest read shows work on an awake engine.
+    """
+    taken: list[Read] = []
+    decisions: list[Decision] = []
+    sent: Answer | None = None
+    while True:
+        decision = decide(taken, sent, max_reads=max_reads)
+        decisions.append(decision)
+        if isinstance(decision, Verdict):
+            return Walk(decision, taken, decisions, 0 if sent is None else 1)
+        if isinstance(decision, TakeRead):
+            assert len(taken) < max_reads, f"read {len(taken) + 1} asked for: {decision}"
+            assert len(taken) < len(available), f"the walk wanted more reads: {decision}"
+            taken.append(available[len(taken)])
+        else:
+            assert isinstance(decision, SendTinyRequest)
+            assert answer_ok is not None, f"a tiny request was asked for: {decision.reason}"
+            assert sent is None, "a second tiny request was asked for"
+            # The rule that carries the weight: a server that shows work is never asked.
+            assert taken, "a tiny request before any read"
+            assert not shows_awake_work(taken[-1]), decision.reason
+            sent = answer(answer_ok, taken[-1].at + 0.1 if taken else T0)
+
+
+def settled(decision: Decision) -> Verdict:
+    assert isinstance(decision, Verdict), decision
+    return decision
+
+
+def sends_a_request(decisions: Sequence[Decision]) -> bool:
+    return any(isinstance(decision, SendTinyRequest) for decision in decisions)
+
+
+# --- busy ----------------------------------------------------------------------------
+
+
+def test_a_busy_server_is_never_sent_a_request(fixture_text: Load) -> None:
+    result = walk(reads_of(fixture_text, "busy-1", "busy-2"))
+    verdict = result.verdict
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.healthy
+    assert verdict.requests_sent == 0
+    assert verdict.answer is None
+    assert (verdict.running, verdict.waiting) == (4, 8)
+    # busy-1 → busy-2: steps 998 → 1682, generated 3329 → 6065, over 5 s.
+    assert verdict.steps_per_s == pytest.approx(684 / 5)
+    assert verdict.tokens_per_s == pytest.approx(2736 / 5)
+    assert len(result.reads) == 2
+    assert [type(decision) for decision in result.decisions] == [TakeRead, TakeRead, Verdict]
+
+
+def test_a_busy_server_shown_from_any_prefix_is_never_sent_a_request(fixture_text: Load) -> None:
+    reads = reads_of(fixture_text, "busy-1", "busy-2", "busy-3")
+    for end in range(len(reads) + 1):
+        assert not isinstance(decide(reads[:end]), SendTinyRequest)
+
+
+def test_busy_rates_match_the_capture_summary_at_the_real_times(fixture_text: Load) -> None:
+    # The real epochs from INDEX.tsv: 1.56 s apart, at 1,754 generated tokens/s and 438 steps/s.
+    reads = [
+        Read(1796024490.647, parse_metrics(capture(fixture_text, "busy-1"))),
+        Read(1796024492.207, parse_metrics(capture(fixture_text, "busy-2"))),
+    ]
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.tokens_per_s == pytest.approx(1754, rel=0.01)
+    assert verdict.steps_per_s == pytest.approx(438, rel=0.01)
+
+
+def test_the_last_few_tokens_before_a_wedge_still_count_as_progress(fixture_text: Load) -> None:
+    # wedge-pre → wedge-1: the engine stopped ~1 s in; steps +4, generated +16.
+    verdict = walk(reads_of(fixture_text, "wedge-pre", "wedge-1")).verdict
+    assert verdict.kind is VerdictKind.BUSY
+    assert "steps +4" in verdict.evidence
+    assert "generated +16" in verdict.evidence
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("prefill-0", "prefill-1", "prefill-2"),
+        ("prefill-1", "prefill-2", "prefill-3"),
+        ("prefill2-1", "prefill2-2", "prefill2-3"),
+        ("prefill2-3", "prefill2-4", "prefill2-5"),
+        ("prefill2-4", "prefill2-5", "prefill2-after"),
+        ("chunk-0", "chunk-1", "chunk-2"),
+    ],
+)
+def test_a_prefill_heavy_server_is_never_stalled(
+    fixture_text: Load, names: tuple[str, ...]
+) -> None:
+    reads = reads_of(fixture_text, *names)
+    for end in range(1, len(reads) + 1):
+        decision = decide(reads[:end], answer(True))
+        if isinstance(decision, Verdict):
+            assert decision.kind not in (VerdictKind.STALLED, VerdictKind.WEDGED), decision
+    # prefill2-*: KV use holds at 0.275 % with 3 running and 95 waiting, yet prompts are read.
+    if names[0].startswith("prefill2"):
+        assert walk(reads).verdict.kind is VerdictKind.BUSY
+
+
+def test_a_change_in_kv_cache_use_alone_is_progress(fixture_text: Load) -> None:
+    before = capture(fixture_text, "wedge-1")
+    after = set_sample(before, "vllm:kv_cache_usage_perc", "0.003")
+    verdict = walk(timed([before, after])).verdict
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.requests_sent == 0
+    assert "kv 0.0015→0.0030" in verdict.evidence
+
+
+def test_prompt_tokens_rising_without_output_is_progress(fixture_text: Load) -> None:
+    # A long prompt being read: no output token, no step counted, KV use unchanged.
+    before = capture(fixture_text, "wedge-1")
+    after = set_sample(before, "vllm:prompt_tokens_total", "1674177.0")
+    verdict = walk(timed([before, after])).verdict
+    assert verdict.kind is VerdictKind.BUSY
+    assert "prompt +2000" in verdict.evidence
+    assert verdict.tokens_per_s == 0.0
+
+
+def test_a_finished_request_or_a_preemption_alone_is_progress(fixture_text: Load) -> None:
+    before = capture(fixture_text, "wedge-1")
+    for name, value, labels in (
+        ("vllm:request_success_total", "1.0", {"finished_reason": "abort"}),
+        ("vllm:num_preemptions_total", "1.0", {}),
+    ):
+        after = set_sample(before, name, value, **labels)
+        assert walk(timed([before, after])).verdict.kind is VerdictKind.BUSY
+
+
+def test_a_counter_going_down_under_the_same_start_time_is_not_a_restart(
+    fixture_text: Load,
+) -> None:
+    before = capture(fixture_text, "busy-1")
+    after = set_sample(capture(fixture_text, "busy-2"), "vllm:generation_tokens_total", "10.0")
+    verdict = walk(timed([before, after])).verdict
+    assert verdict.kind is VerdictKind.BUSY  # the steps still rose
+    assert verdict.requests_sent == 0
+
+
+# --- stalled and wedged --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run", ["wedge", "wedgeworker", "dead"])
+def test_a_frozen_engine_is_wedged_only_at_the_third_read(fixture_text: Load, run: str) -> None:
+    reads = reads_of(fixture_text, f"{run}-1", f"{run}-2", f"{run}-3")
+    assert isinstance(decide(reads[:1]), TakeRead)
+    assert isinstance(decide(reads[:2]), TakeRead)
+    result = walk(reads)
+    verdict = result.verdict
+    assert verdict.kind is VerdictKind.WEDGED
+    assert not verdict.healthy
+    assert verdict.requests_sent == 0
+    assert not sends_a_request(result.decisions)
+    assert len(result.reads) == 3
+    assert (verdict.running, verdict.waiting) == (4, 8)
+
+
+def test_a_wedge_is_reported_with_the_frozen_numbers(fixture_text: Load) -> None:
+    verdict = walk(reads_of(fixture_text, "wedge-1", "wedge-2", "wedge-3")).verdict
+    for fact in (
+        "engine 0",
+        "10.0 s",
+        "running 4→4→4",
+        "waiting 8→8→8",
+        "steps 8660→8660→8660",
+        "generated 33940→33940→33940",
+        "finished 894→894→894",
+        "start time 1796024376.26 unchanged",
+        "engine awake",
+    ):
+        assert fact in verdict.evidence
+
+
+def test_two_reads_can_only_say_stalled(fixture_text: Load) -> None:
+    verdict = walk(reads_of(fixture_text, "wedge-1", "wedge-2"), max_reads=2).verdict
+    assert verdict.kind is VerdictKind.STALLED
+    assert not verdict.healthy
+    assert verdict.requests_sent == 0
+    assert "steps 8660→8660" in verdict.evidence
+    assert "5.0 s" in verdict.evidence
+
+
+def test_an_engine_that_resumes_after_one_frozen_wait_is_busy(fixture_text: Load) -> None:
+    result = walk(reads_of(fixture_text, "wedge-2", "wedge-3", "wedge-resume-1"))
+    assert isinstance(result.decisions[1], TakeRead)
+    assert result.verdict.kind is VerdictKind.BUSY
+    assert result.verdict.healthy
+    assert "steps +346" in result.verdict.evidence
+
+
+def two_engines(load: Load, zero: str, one: str) -> str:
+    return capture(load, zero) + "\n" + relabel(capture(load, one), "1") + "\n"
+
+
+def test_one_frozen_engine_among_busy_ones_wedges_the_backend(fixture_text: Load) -> None:
+    # Engine 0 keeps decoding (busy-*), engine 1 is frozen with work (wedge-*); same process.
+    texts = [two_engines(fixture_text, f"busy-{index}", f"wedge-{index}") for index in (1, 2, 3)]
+    reads = timed(texts)
+    assert [engine.engine for engine in parse_metrics(texts[0]).engines] == ["0", "1"]
+    # After one wait engine 0 progressed, but engine 1 did not: not busy yet, read again.
+    assert isinstance(decide(reads[:2]), TakeRead)
+    result = walk(reads)
+    assert result.verdict.kind is VerdictKind.WEDGED
+    assert "engine 1" in result.verdict.evidence
+    assert (result.verdict.running, result.verdict.waiting) == (8, 12)
+    assert not sends_a_request(result.decisions)
+
+
+def test_an_asleep_engine_with_frozen_work_is_never_wedged(fixture_text: Load) -> None:
+    texts = [asleep(capture(fixture_text, f"wedge-{index}")) for index in (1, 2, 3)]
+    result = walk(timed(texts))
+    assert result.verdict.kind not in (VerdictKind.WEDGED, VerdictKind.STALLED)
+    assert result.verdict.requests_sent == 0
+    assert "weights_offloaded" in result.verdict.evidence
+
+
+def test_an_asleep_engine_beside_a_busy_one_does_not_wedge_the_backend(
+    fixture_text: Load,
+) -> None:
+    texts = [
+        capture(fixture_text, f"busy-{index}")
+        + "\n"
+        + relabel(asleep(capture(fixture_text, f"wedge-{index}")), "1")
+        for index in (1, 2, 3)
+    ]
+    result = walk(timed(texts))
+    assert result.verdict.kind is VerdictKind.BUSY
+    assert not sends_a_request(result.decisions)
+
+
+# --- idle, unanswered, work unknown --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["idle-1", "busy-after", "restart-2", "multiapi-after-load"])
+def test_an_idle_server_is_asked_once_and_is_idle_when_it_answers(
+    fixture_text: Load, name: str
+) -> None:
+    reads = reads_of(fixture_text, name)
+    assert isinstance(decide(reads), SendTinyRequest)
+    result = walk(reads, answer_ok=True)
+    verdict = result.verdict
+    assert verdict.kind is VerdictKind.IDLE
+    assert verdict.healthy
+    assert verdict.requests_sent == 1
+    assert verdict.answer is not None and verdict.answer.ok
+    assert (verdict.running, verdict.waiting) == (0, 0)
+    assert OK_DETAIL in verdict.evidence
+    assert "0 running, 0 waiting" in verdict.evidence
+
+
+def test_an_idle_server_that_does_not_answer_is_unanswered(fixture_text: Load) -> None:
+    verdict = walk(reads_of(fixture_text, "idle-1"), answer_ok=False).verdict
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert not verdict.healthy
+    assert verdict.requests_sent == 1
+    assert FAILED_DETAIL in verdict.evidence
+    assert "0 running, 0 waiting" in verdict.evidence
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_unknown_work_is_judged_by_the_tiny_request_and_never_wedged(
+    fixture_text: Load, ok: bool
+) -> None:
+    # Several API servers: no running/waiting gauges before the first request.
+    reads = reads_of(fixture_text, "multiapi-idle-1", "multiapi-idle-1", "multiapi-idle-1")
+    result = walk(reads, answer_ok=ok)
+    assert result.verdict.kind is (VerdictKind.IDLE if ok else VerdictKind.UNANSWERED)
+    assert result.verdict.healthy is ok
+    assert result.verdict.requests_sent == 1
+    assert "work unknown" in result.verdict.evidence
+    assert (result.verdict.running, result.verdict.waiting) == (None, None)
+
+
+def test_unknown_work_on_one_engine_does_not_excuse_work_on_another(fixture_text: Load) -> None:
+    # Engine 0 publishes no gauges yet; engine 1 shows 12 requests and is frozen.
+    texts = [
+        capture(fixture_text, "multiapi-idle-1")
+        + "\n"
+        + relabel(capture(fixture_text, f"wedge-{index}"), "1")
+        for index in (1, 2, 3)
+    ]
+    reads = timed(texts)
+    assert not isinstance(decide(reads[:1]), SendTinyRequest)
+    result = walk(reads)
+    assert result.verdict.kind is VerdictKind.WEDGED
+    assert "engine 1" in result.verdict.evidence
+
+
+def test_work_that_finished_during_the_wait_is_busy_without_a_request(fixture_text: Load) -> None:
+    # The shell of `watch` keeps the last read: busy-3 then busy-after, 22 s later.
+    reads = reads_of(fixture_text, "busy-3", "busy-after", wait=22.0)
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.requests_sent == 0
+
+
+# --- restarts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_changed_start_time_is_a_restart_judged_by_the_tiny_request(
+    fixture_text: Load, ok: bool
+) -> None:
+    # restart-0 is idle, so a single run would have asked it already; `watch` keeps the
+    # last read of one cycle and compares it with the first of the next.
+    reads = reads_of(fixture_text, "restart-0", "restart-1")
+    assert isinstance(decide(reads), SendTinyRequest)
+    verdict = settled(decide(reads, answer(ok)))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert verdict.healthy is ok
+    assert verdict.requests_sent == 1
+    assert "1796024376.26 → 1796024675.47" in verdict.evidence
+
+
+def test_counters_going_down_without_a_start_time_is_a_restart(fixture_text: Load) -> None:
+    # Prometheus multiprocess mode has no process start time; only the counters can tell.
+    before = capture(fixture_text, "multiapi-after-load")
+    after = capture(fixture_text, "multiapi-after-load-2")
+    for name, value in (
+        ("vllm:generation_tokens_total", "1000.0"),
+        ("vllm:iteration_tokens_total_count", "500.0"),
+        ("vllm:prompt_tokens_total", "20.0"),
+    ):
+        after = set_sample(after, name, value)
+    reads = timed([before, after])
+    assert isinstance(decide(reads), SendTinyRequest)
+    verdict = settled(decide(reads, answer(True)))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert "counters went down" in verdict.evidence
+
+
+def test_a_multiprocess_server_that_comes_back_empty_is_a_restart(fixture_text: Load) -> None:
+    # After load, then the shape of a fresh start: counters at zero, no gauges yet.
+    reads = reads_of(fixture_text, "multiapi-after-load", "multiapi-idle-1")
+    assert isinstance(decide(reads), SendTinyRequest)
+    verdict = settled(decide(reads, answer(False)))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert not verdict.healthy
+
+
+def test_equal_counters_without_a_start_time_are_the_same_process(fixture_text: Load) -> None:
+    reads = reads_of(fixture_text, "multiapi-after-load", "multiapi-after-load-2")
+    verdict = settled(decide(reads, answer(True)))
+    assert verdict.kind is VerdictKind.IDLE
+
+
+def test_a_restarted_process_with_work_is_judged_by_its_own_next_reads(
+    fixture_text: Load,
+) -> None:
+    # busy-3 is server #1 decoding; dead-pre and dead-1 are server #3, decoding 12 requests.
+    result = walk(reads_of(fixture_text, "busy-3", "dead-pre", "dead-1"))
+    assert not sends_a_request(result.decisions)
+    assert isinstance(result.decisions[1], TakeRead)
+    verdict = result.verdict
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert verdict.healthy
+    assert verdict.requests_sent == 0
+    assert "steps +5" in verdict.evidence
+
+
+def test_a_restarted_process_with_frozen_work_is_not_healthy_and_not_asked(
+    fixture_text: Load,
+) -> None:
+    result = walk(reads_of(fixture_text, "busy-3", "dead-1", "dead-2"))
+    assert not sends_a_request(result.decisions)
+    assert result.verdict.kind is VerdictKind.RESTARTED
+    assert not result.verdict.healthy
+    assert result.verdict.requests_sent == 0
+
+
+def test_counters_of_two_different_processes_are_never_compared(fixture_text: Load) -> None:
+    # Three processes, each with work: #1 (busy-3), #2 (apifreeze-pre, 513 steps), #3
+    # (dead-pre, 4,777 steps). #3's counters are above #2's, but that is nobody's progress.
+    result = walk(reads_of(fixture_text, "busy-3", "apifreeze-pre", "dead-pre"))
+    assert not sends_a_request(result.decisions)
+    verdict = result.verdict
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert not verdict.healthy
+    assert "busy" not in verdict.evidence
+    assert "1796024805.75" in verdict.evidence
+
+
+# --- reads that failed, texts without vLLM series ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected", "detail"),
+    [
+        (ReadProblem.DOWN, VerdictKind.DOWN, "connection refused"),
+        (ReadProblem.UNRESPONSIVE, VerdictKind.UNRESPONSIVE, "no answer within 5.0 s"),
+    ],
+)
+def test_a_failed_read_is_its_own_verdict_without_a_request(
+    kind: ReadProblem, expected: VerdictKind, detail: str
+) -> None:
+    result = walk([problem(kind, detail)])
+    assert result.verdict.kind is expected
+    assert not result.verdict.healthy
+    assert result.verdict.requests_sent == 0
+    assert detail in result.verdict.evidence
+
+
+def test_a_server_that_exits_while_frozen_is_down(fixture_text: Load) -> None:
+    # dead-1, dead-2, then dead-4: the engine timed out and the API server exited.
+    reads = reads_of(fixture_text, "dead-1", "dead-2")
+    reads.append(problem(ReadProblem.DOWN, "connection refused", T0 + 2 * WAIT))
+    verdict = walk(reads).verdict
+    assert verdict.kind is VerdictKind.DOWN
+    assert verdict.requests_sent == 0
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_an_unusable_metrics_answer_is_judged_by_the_tiny_request(ok: bool) -> None:
+    result = walk([problem(ReadProblem.UNUSABLE, "HTTP 404 Not Found")], answer_ok=ok)
+    verdict = result.verdict
+    assert isinstance(result.decisions[-2], SendTinyRequest)
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert verdict.healthy is ok
+    assert verdict.requests_sent == 1
+    assert "HTTP 404" in verdict.evidence
+    assert (OK_DETAIL if ok else FAILED_DETAIL) in verdict.evidence
+
+
+@pytest.mark.parametrize("name", ["proxy-metrics", "html-error", "truncated-mid-label"])
+def test_a_text_without_vllm_series_is_no_metrics(fixture_text: Load, name: str) -> None:
+    reads = timed([fixture_text(f"hostile/{name}.txt")])
+    result = walk(reads, answer_ok=True)
+    assert result.verdict.kind is VerdictKind.NO_METRICS
+    assert result.verdict.healthy
+    assert "no vLLM series" in result.verdict.evidence
+
+
+def test_no_reads_yet_means_take_one() -> None:
+    assert isinstance(decide([]), TakeRead)
+
+
+# --- proxies -------------------------------------------------------------------------
+
+
+def test_a_proxy_that_lists_models_is_up() -> None:
+    verdict = judge_proxy(True, "", ["tiny", "tiny-2"])
+    assert verdict.kind is VerdictKind.UP
+    assert verdict.healthy
+    assert "tiny, tiny-2" in verdict.evidence
+    assert verdict.requests_sent == 0
+
+
+@pytest.mark.parametrize(
+    ("ok", "detail", "models", "shown"),
+    [
+        (False, "connection refused", ["tiny"], "connection refused"),
+        (False, "HTTP 502", [], "HTTP 502"),
+        (True, "", [], "lists no model"),
+    ],
+)
+def test_a_proxy_that_does_not_list_models_is_down(
+    ok: bool, detail: str, models: list[str], shown: str
+) -> None:
+    verdict = judge_proxy(ok, detail, models)
+    assert verdict.kind is VerdictKind.DOWN
+    assert not verdict.healthy
+    assert shown in verdict.evidence
+
+
+# --- every walk, at random -----------------------------------------------------------
+
+POOL_CAPTURES = [
+    "idle-1",
+    "busy-0",
+    "busy-1",
+    "busy-2",
+    "busy-3",
+    "busy-after",
+    "prefill-1",
+    "prefill2-2",
+    "prefill2-3",
+    "wedge-pre",
+    "wedge-1",
+    "wedge-2",
+    "wedge-3",
+    "wedge-resume-1",
+    "restart-0",
+    "restart-1",
+    "apifreeze-pre",
+    "chunk-1",
+    "serve3-busy-1",
+    "dead-pre",
+    "dead-1",
+    "dead-2",
+    "multiapi-idle-1",
+    "multiapi-after-load",
+]
+POOL_SYNTHETIC = [
+    "two-engines-1",
+    "two-engines-2",
+    "asleep-1",
+    "asleep-2",
+    "unknown-beside-work",
+    "no-vllm",
+    "down",
+    "unresponsive",
+    "unusable",
+]
+
+
+@pytest.fixture(scope="session")
+def pool(fixture_text: Load) -> dict[str, Read]:
+    """Reads by name, at time 0; a walk gives each its own time."""
+    texts = {name: capture(fixture_text, name) for name in POOL_CAPTURES}
+    texts["two-engines-1"] = two_engines(fixture_text, "busy-1", "wedge-1")
+    texts["two-engines-2"] = two_engines(fixture_text, "busy-2", "wedge-2")
+    texts["asleep-1"] = asleep(capture(fixture_text, "wedge-1"))
+    texts["asleep-2"] = asleep(capture(fixture_text, "wedge-2"))
+    texts["unknown-beside-work"] = (
+        capture(fixture_text, "multiapi-idle-1")
+        + "\n"
+        + relabel(capture(fixture_text, "wedge-1"), "1")
+    )
+    texts["no-vllm"] = fixture_text("hostile/proxy-metrics.txt")
+    reads = {name: Read(0.0, parse_metrics(text)) for name, text in texts.items()}
+    reads["down"] = problem(ReadProblem.DOWN, "connection refused", 0.0)
+    reads["unresponsive"] = problem(ReadProblem.UNRESPONSIVE, "no answer within 5.0 s", 0.0)
+    reads["unusable"] = problem(ReadProblem.UNUSABLE, "HTTP 404 Not Found", 0.0)
+    return reads
+
+
+def same_process(reads: Sequence[Read]) -> bool:
+    """Equal start times where both texts carry one; else no counter of an engine went down.
+
+    A start time missing from only one text is not taken as proof of a new process: a
+    body cut short loses it as well.
+    """
+    if not all(read.signals is not None for read in reads):
+        return False
+    signals = [read.signals for read in reads if read.signals is not None]
+    for older, newer in itertools.pairwise(signals):
+        if older.process_start is not None and newer.process_start is not None:
+            if older.process_start != newer.process_start:
+                return False
+            continue
+        for engine in newer.engines:
+            before = older.engine(engine.engine)
+            if before is None:
+                continue
+            for name, value in engine.counters.items():
+                if name in before.counters and value < before.counters[name]:
+                    return False
+    return True
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.sampled_from(POOL_CAPTURES + POOL_SYNTHETIC), min_size=6, max_size=6),
+    waits=st.lists(st.floats(min_value=0.0, max_value=60.0), min_size=6, max_size=6),
+    answer_ok=st.booleans(),
+    max_reads=st.integers(min_value=2, max_value=6),
+)
+def test_any_walk_ends_within_max_reads_and_never_asks_a_server_with_work(
+    pool: dict[str, Read],
+    names: list[str],
+    waits: list[float],
+    answer_ok: bool,
+    max_reads: int,
+) -> None:
+    available = []
+    at = T0
+    for name, wait in zip(names, waits, strict=True):
+        at += wait
+        template = pool[name]
+        available.append(Read(at, template.signals, template.problem, template.detail))
+
+    result = walk(available, answer_ok, max_reads)
+    verdict, taken, asked = result.verdict, result.reads, result.requests
+    assert verdict.evidence.strip()
+    assert verdict.requests_sent == asked
+    assert verdict.reads == tuple(taken)
+    assert (verdict.answer is not None) == (asked == 1)
+    if verdict.kind is VerdictKind.WEDGED:
+        assert len(taken) >= 3
+        assert not verdict.healthy
+        assert same_process(taken[-3:])
+    if verdict.kind is VerdictKind.BUSY or (
+        verdict.kind is VerdictKind.RESTARTED and verdict.healthy and asked == 0
+    ):
+        # Progress is only ever measured between two reads of one process.
+        assert same_process(taken[-2:])
+    if verdict.kind in (VerdictKind.BUSY, VerdictKind.WEDGED, VerdictKind.STALLED):
+        assert asked == 0
+    # The same inputs give the same answer: nothing is remembered between calls.
+    assert decide(taken, verdict.answer, max_reads=max_reads) == verdict
+
+
+# --- evidence ------------------------------------------------------------------------
+
+
+def verdicts_of_every_kind(load: Load) -> dict[VerdictKind, tuple[Verdict, list[str]]]:
+    """One verdict per kind, with the numbers its evidence must show."""
+    found: dict[VerdictKind, tuple[Verdict, list[str]]] = {}
+
+    def add(result: Walk | Verdict, *facts: str) -> None:
+        verdict = result.verdict if isinstance(result, Walk) else result
+        found[verdict.kind] = (verdict, list(facts))
+
+    add(walk(reads_of(load, "busy-1", "busy-2")), "4 running, 8 waiting", "steps +684", "5.0 s")
+    add(walk(reads_of(load, "idle-1"), answer_ok=True), "0 running, 0 waiting", OK_DETAIL)
+    add(walk(reads_of(load, "idle-1"), answer_ok=False), "0 running, 0 waiting", FAILED_DETAIL)
+    add(walk(reads_of(load, "wedge-1", "wedge-2"), max_reads=2), "steps 8660→8660", "5.0 s")
+    add(walk(reads_of(load, "wedge-1", "wedge-2", "wedge-3")), "steps 8660→8660→8660", "10.0 s")
+    add(
+        settled(decide(reads_of(load, "restart-0", "restart-1"), answer(True))),
+        "1796024376.26 → 1796024675.47",
+        "0 running, 0 waiting",
+    )
+    add(walk([problem(ReadProblem.UNUSABLE, "HTTP 404")], answer_ok=True), "HTTP 404")
+    add(walk([problem(ReadProblem.UNRESPONSIVE, "no answer in 5.0 s")]), "5.0 s")
+    add(walk([problem(ReadProblem.DOWN, "connection refused")]), "connection refused")
+    add(judge_proxy(True, "", ["tiny"]), "tiny")
+    return found
+
+
+def test_every_verdict_kind_carries_the_numbers_it_relied_on(fixture_text: Load) -> None:
+    found = verdicts_of_every_kind(fixture_text)
+    assert set(found) == set(VerdictKind)
+    for kind, (verdict, facts) in found.items():
+        assert verdict.evidence.startswith(str(kind)), verdict.evidence
+        for fact in facts:
+            assert fact in verdict.evidence, (kind, fact, verdict.evidence)
+
+
+# --- the baseline from an earlier run -----------------------------------------------
+
+
+def test_a_new_start_time_since_the_last_run_is_a_restart(fixture_text: Load) -> None:
+    baseline = parse_metrics(capture(fixture_text, "restart-0"))
+    reads = reads_of(fixture_text, "restart-1")
+    assert isinstance(decide(reads, baseline=baseline), SendTinyRequest)
+    verdict = settled(decide(reads, answer(True), baseline=baseline))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert verdict.healthy
+    assert "since the last run" in verdict.evidence
+    assert "1796024376.26 → 1796024675.47" in verdict.evidence
+
+
+def test_the_same_process_as_last_run_is_judged_on_this_runs_reads_only(
+    fixture_text: Load,
+) -> None:
+    # The earlier run saw busy counters; progress is never measured across runs, so an
+    # idle read of the same process is simply idle.
+    baseline = parse_metrics(capture(fixture_text, "busy-2"))
+    reads = reads_of(fixture_text, "busy-after")
+    verdict = settled(decide(reads, answer(True), baseline=baseline))
+    assert verdict.kind is VerdictKind.IDLE
+
+
+def test_a_start_time_missing_from_one_text_alone_is_no_restart(fixture_text: Load) -> None:
+    cut = "\n".join(
+        line
+        for line in capture(fixture_text, "busy-2").splitlines()
+        if not line.startswith("process_start_time_seconds")
+    )
+    reads = timed([capture(fixture_text, "busy-1"), cut], WAIT)
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.BUSY

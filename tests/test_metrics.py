@@ -1,0 +1,602 @@
+"""parse_metrics on the real vLLM 0.32 texts, on hostile ones, and on anything at all."""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmhealth.metrics import EngineSignals, Signals, parse_metrics
+
+Load = Callable[[str], str]
+
+ROOT = Path(__file__).resolve().parent.parent
+# A real capture is a body with its response headers beside it; the other .txt files in
+# that folder are notes from the same experiments.
+CAPTURES = sorted(path.stem for path in (ROOT / "fixtures" / "vllm-0.32").glob("*.headers"))
+MULTIPROCESS = {name for name in CAPTURES if name.startswith("multiapi-")}
+
+
+def capture(load: Load, name: str) -> str:
+    return load(f"vllm-0.32/{name}.txt")
+
+
+def only_engine(signals: Signals) -> EngineSignals:
+    assert len(signals.engines) == 1, signals
+    return signals.engines[0]
+
+
+def summary_table(load: Load) -> dict[str, dict[str, str]]:
+    """SUMMARY-table.txt by capture name: ``name | t(s) | http | ... | iter_count | ...``."""
+    lines = load("vllm-0.32/SUMMARY-table.txt").splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")]
+    rows = {}
+    for line in lines[1:]:
+        cells = [cell.strip() for cell in line.split("|")]
+        rows[cells[0]] = dict(zip(header, cells, strict=False))
+    return rows
+
+
+def relabel(text: str, engine: str) -> str:
+    """The vLLM sample lines of a text, moved from engine "0" to another engine."""
+    return "\n".join(
+        line.replace('engine="0"', f'engine="{engine}"')
+        for line in text.splitlines()
+        if line.startswith("vllm:")
+    )
+
+
+# --- the real captures ---------------------------------------------------------------
+
+
+def test_the_capture_list_is_not_empty() -> None:
+    # Guards the parametrisations below against a moved fixtures folder.
+    assert len(CAPTURES) > 50
+    assert {"busy-1", "wedge-3", "multiapi-idle-1", "restart-1"} <= set(CAPTURES)
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_every_real_capture_parses_to_one_awake_engine_without_skipping_a_line(
+    fixture_text: Load, name: str
+) -> None:
+    signals = parse_metrics(capture(fixture_text, name))
+    engine = only_engine(signals)
+    assert engine.engine == "0"
+    assert engine.sleep_state == "awake"
+    assert not engine.asleep
+    assert signals.skipped_lines == 0
+    assert signals.notes == ()
+    for counter in ("steps", "generation_tokens", "prompt_tokens", "finished", "preemptions"):
+        assert counter in engine.counters
+    # Prometheus multiprocess mode (several API servers) publishes no process_* series.
+    if name in MULTIPROCESS:
+        assert signals.process_start is None
+    else:
+        assert signals.process_start is not None
+        assert 1.79e9 < signals.process_start < 1.80e9
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "idle-1",
+        "busy-1",
+        "busy-3",
+        "prefill-1",
+        "prefill2-3",
+        "wedge-2",
+        "wedgeworker-resume-2",
+        "restart-0",
+        "restart-1",
+        "chunk-1",
+        "serve3-busy-1",
+        "apifreeze-pre",
+        "multiapi-after-load",
+    ],
+)
+def test_values_match_the_capture_summary_table(fixture_text: Load, name: str) -> None:
+    row = summary_table(fixture_text)[name]
+    engine = only_engine(parse_metrics(capture(fixture_text, name)))
+    assert engine.running == float(row["run"])
+    assert engine.waiting == float(row["wait"])
+    assert engine.kv_usage is not None
+    # The table shows KV use in percent, rounded to three decimals.
+    assert engine.kv_usage * 100 == pytest.approx(float(row["kv%"]), abs=5e-4)
+    # The table prints large counts in %g form (1.67218e+06).
+    assert engine.prompt_tokens == pytest.approx(float(row["prompt_tok"]), rel=1e-5)
+    assert engine.generation_tokens == float(row["gen_tok"])
+    assert engine.steps == float(row["iter_count"])
+    # Every request in these runs ended by length, so the sum over reasons is that column.
+    assert engine.finished == float(row["succ(len)"])
+
+
+def test_a_busy_capture_reads_exactly_as_written(fixture_text: Load) -> None:
+    signals = parse_metrics(capture(fixture_text, "busy-1"))
+    assert signals.engines == (
+        EngineSignals(
+            engine="0",
+            running=4.0,
+            waiting=8.0,
+            steps=998.0,
+            generation_tokens=3329.0,
+            prompt_tokens=57.0,
+            finished=2.0,
+            preemptions=0.0,
+            kv_usage=0.001709088689495264,
+            sleep_state="awake",
+        ),
+    )
+    assert signals.process_start == 1.79602437626e09
+    assert signals.engines[0].work == 12.0
+
+
+def test_waiting_by_reason_is_not_mistaken_for_waiting(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1")
+    by_reason = (
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"}'
+    )
+    assert f"{by_reason} 8.0" in text
+    assert only_engine(parse_metrics(text)).waiting == 8.0
+    without_waiting = "\n".join(
+        line for line in text.splitlines() if not line.startswith("vllm:num_requests_waiting{")
+    )
+    assert only_engine(parse_metrics(without_waiting)).waiting is None
+
+
+def test_finished_requests_are_summed_over_every_finished_reason(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1").replace(
+        'finished_reason="stop",model_name="tiny"} 0.0',
+        'finished_reason="stop",model_name="tiny"} 5.0',
+    )
+    text = text.replace(
+        'finished_reason="abort",model_name="tiny"} 0.0',
+        'finished_reason="abort",model_name="tiny"} 3.0',
+    )
+    assert only_engine(parse_metrics(text)).finished == 2.0 + 5.0 + 3.0
+
+
+def test_created_series_are_ignored(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1")
+    created = [line for line in text.splitlines() if "_created{" in line]
+    # Each counter we read has a companion holding its creation time (~1.8e9).
+    for counter in (
+        "generation_tokens",
+        "prompt_tokens",
+        "request_success",
+        "iteration_tokens_total",
+    ):
+        assert any(line.startswith(f"vllm:{counter}_created{{") for line in created), counter
+    assert parse_metrics("\n".join(created)).engines == ()
+    openmetrics = parse_metrics(fixture_text("hostile/openmetrics.txt"))
+    engine = only_engine(openmetrics)
+    assert engine.generation_tokens == 3329.0
+    assert engine.finished == 2.0
+    assert engine.steps == 998.0
+
+
+def test_an_openmetrics_text_with_timestamps_and_eof_parses(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/openmetrics.txt"))
+    engine = only_engine(signals)
+    assert (engine.running, engine.waiting) == (4.0, 8.0)
+    # "3329.0 1796024490.647": the second number is the sample's timestamp, not its value.
+    assert engine.generation_tokens == 3329.0
+    assert signals.process_start == 1.79602437626e09
+    assert signals.skipped_lines == 0
+
+
+def test_several_api_servers_hide_work_until_the_first_request(fixture_text: Load) -> None:
+    before = only_engine(parse_metrics(capture(fixture_text, "multiapi-idle-1")))
+    assert (before.running, before.waiting, before.kv_usage) == (None, None, None)
+    assert before.work is None
+    assert before.counters == {
+        "steps": 0.0,
+        "generation_tokens": 0.0,
+        "prompt_tokens": 0.0,
+        "finished": 0.0,
+        "preemptions": 0.0,
+    }
+    after = only_engine(parse_metrics(capture(fixture_text, "multiapi-after-load")))
+    assert (after.running, after.waiting, after.kv_usage) == (0.0, 0.0, 0.0)
+    assert after.work == 0.0
+
+
+def test_the_older_kv_gauge_name_is_used_when_the_new_one_is_absent(fixture_text: Load) -> None:
+    engine = only_engine(parse_metrics(fixture_text("hostile/vllm-v0-no-engine-label.txt")))
+    assert engine.kv_usage == 0.25
+
+
+def test_the_new_kv_gauge_wins_over_the_older_name(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1") + (
+        '\nvllm:gpu_cache_usage_perc{engine="0",model_name="tiny"} 0.9\n'
+    )
+    assert only_engine(parse_metrics(text)).kv_usage == 0.001709088689495264
+
+
+def test_a_text_without_engine_label_is_engine_zero(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/vllm-v0-no-engine-label.txt"))
+    assert signals.engines == (
+        EngineSignals(
+            engine="0",
+            running=2.0,
+            waiting=1.0,
+            steps=420.0,
+            generation_tokens=1234.0,
+            prompt_tokens=567.0,
+            finished=10.0,
+            kv_usage=0.25,
+        ),
+    )
+    assert signals.process_start == 1.7e9
+
+
+def test_data_parallel_engines_are_reported_separately(fixture_text: Load) -> None:
+    # Engine 0 from a busy text, engine 1 from a wedged one, engine 10 from an idle one.
+    text = "\n".join(
+        [
+            capture(fixture_text, "busy-2"),
+            relabel(capture(fixture_text, "wedge-1"), "1"),
+            relabel(capture(fixture_text, "idle-1"), "10"),
+        ]
+    )
+    signals = parse_metrics(text)
+    assert [engine.engine for engine in signals.engines] == ["0", "1", "10"]
+    zero, one, ten = signals.engines
+    assert (zero.steps, zero.generation_tokens, zero.kv_usage) == (
+        1682.0,
+        6065.0,
+        0.0029298663248489287,
+    )
+    assert (one.steps, one.generation_tokens, one.finished) == (8660.0, 33940.0, 894.0)
+    assert (ten.running, ten.steps) == (0.0, 0.0)
+    assert signals.engine("1") == one
+    assert signals.engine("2") is None
+
+
+def test_engine_names_that_are_not_plain_numbers_do_not_break_the_order() -> None:
+    # "²" passes str.isdigit() but not int(); a 5000-digit name exceeds int()'s limit.
+    names = ["²", "9" * 5000, "1", "dp-b", "0", "\u0661"]  # the last: Arabic-Indic one
+    text = "\n".join(f'vllm:num_requests_running{{engine="{name}"}} 1' for name in names)
+    signals = parse_metrics(text)
+    assert sorted(engine.engine for engine in signals.engines) == sorted(names)
+    assert [engine.engine for engine in signals.engines][:2] == ["0", "1"]
+
+
+def test_escaped_label_values_parse(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/escaped-labels.txt"))
+    assert [engine.engine for engine in signals.engines] == ["0", '1"']
+    zero, quoted = signals.engines
+    assert (zero.running, zero.waiting, zero.generation_tokens, zero.finished) == (
+        3.0,
+        2.0,
+        77.0,
+        10.0,
+    )
+    assert quoted.running == 5.0
+    assert signals.skipped_lines == 0
+
+
+@pytest.mark.parametrize("bad", ["NaN", "nan", "+Inf", "-Inf", "-1", "-0.5e3"])
+def test_a_value_that_no_count_can_have_is_absent(bad: str) -> None:
+    text = (
+        f'vllm:generation_tokens_total{{engine="0"}} {bad}\n'
+        'vllm:iteration_tokens_total_count{engine="0"} 7\n'
+        f"process_start_time_seconds {bad}\n"
+    )
+    signals = parse_metrics(text)
+    engine = only_engine(signals)
+    assert engine.generation_tokens is None
+    assert engine.steps == 7.0
+    assert signals.process_start is None
+    assert signals.skipped_lines >= 1
+    assert signals.notes
+
+
+def test_nan_inf_and_negative_values_in_one_text_are_all_absent(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/negative-and-nan.txt"))
+    engine = only_engine(signals)
+    assert (engine.running, engine.waiting, engine.kv_usage) == (None, None, None)
+    assert (engine.generation_tokens, engine.prompt_tokens) == (None, None)
+    # Only the honest reasons count: length 2; stop -5 and abort NaN are dropped.
+    assert engine.finished == 2.0
+    assert engine.steps == 998.0
+    assert engine.work is None
+    assert signals.process_start is None
+    assert signals.skipped_lines == 7
+
+
+def test_a_duplicated_series_counts_once(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/duplicated-series.txt"))
+    engine = only_engine(signals)
+    assert (engine.running, engine.waiting) == (4.0, 8.0)
+    assert engine.generation_tokens == 3329.0
+    assert engine.finished == 3.0
+    assert engine.steps == 998.0
+    assert signals.process_start == 1.79602437626e09
+
+
+def test_a_whole_capture_given_twice_reads_as_once(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-2")
+    assert parse_metrics(text + "\n" + text) == parse_metrics(text)
+
+
+@pytest.mark.parametrize(
+    ("awake", "offloaded", "discard", "expected"),
+    [
+        ("1.0", "0.0", "0.0", "awake"),
+        ("0.0", "1.0", "0.0", "weights_offloaded"),
+        ("0.0", "0.0", "1.0", "discard_all"),
+        # Both reported: only a clear report of sleep may excuse an engine that stopped.
+        ("1.0", "1.0", "0.0", "awake"),
+        ("0.0", "0.0", "0.0", None),
+    ],
+)
+def test_the_sleep_state_is_the_one_set_to_one(
+    fixture_text: Load, awake: str, offloaded: str, discard: str, expected: str | None
+) -> None:
+    text = capture(fixture_text, "wedge-2")
+    prefix = 'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state='
+    for state, value in (
+        ("awake", awake),
+        ("weights_offloaded", offloaded),
+        ("discard_all", discard),
+    ):
+        text = text.replace(f'{prefix}"{state}"}} 1.0', f'{prefix}"{state}"}} {value}')
+        text = text.replace(f'{prefix}"{state}"}} 0.0', f'{prefix}"{state}"}} {value}')
+    engine = only_engine(parse_metrics(text))
+    assert engine.sleep_state == expected
+    assert engine.asleep is (expected not in (None, "awake"))
+
+
+def test_bytes_parse_like_the_text_they_encode(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-3")
+    assert parse_metrics(text.encode()) == parse_metrics(text)
+
+
+def test_invalid_utf8_spoils_only_the_lines_it_is_in(fixture_text: Load) -> None:
+    body = capture(fixture_text, "busy-3").encode()
+    body = body.replace(b"# HELP vllm:num_requests_running", b"# HELP \xff\xfe\xc3 running", 1)
+    body = body.replace(b'model_name="tiny"} 4.0', b'model_name="t\xffny"} 4.0', 1)
+    engine = only_engine(parse_metrics(body))
+    assert (engine.running, engine.waiting, engine.steps) == (4.0, 4.0, 2323.0)
+
+
+def test_binary_junk_gives_no_engines(fixture_text: Load) -> None:
+    body = (ROOT / "fixtures" / "hostile" / "binary-junk.bin").read_bytes()
+    signals = parse_metrics(body)
+    assert signals.engines == ()
+    assert not signals.has_vllm
+
+
+def test_windows_line_endings_read_the_same(fixture_text: Load) -> None:
+    text = capture(fixture_text, "wedge-3")
+    assert parse_metrics(text.replace("\n", "\r\n")) == parse_metrics(text)
+
+
+def test_a_sample_on_the_first_line_is_read() -> None:
+    engine = only_engine(parse_metrics("vllm:num_requests_running 3\nvllm:num_requests_waiting 1"))
+    assert (engine.running, engine.waiting) == (3.0, 1.0)
+
+
+def test_a_text_cut_mid_line_keeps_what_came_before(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/truncated-mid-line.txt"))
+    engine = only_engine(signals)
+    assert (engine.running, engine.waiting, engine.prompt_tokens) == (4.0, 8.0, 57.0)
+    # The cut line has no value; the series after it never arrived.
+    assert engine.generation_tokens is None
+    assert (engine.steps, engine.finished) == (None, None)
+    assert signals.skipped_lines == 1
+    assert signals.process_start == 1.79602437626e09
+
+
+def test_a_text_cut_mid_label_has_no_engines(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/truncated-mid-label.txt"))
+    assert signals.engines == ()
+    assert signals.skipped_lines == 1
+
+
+def test_an_html_error_page_has_no_engines(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/html-error.txt"))
+    assert signals == Signals()
+
+
+def test_a_proxy_text_with_unrelated_families_has_no_engines(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/proxy-metrics.txt"))
+    assert signals.engines == ()
+    assert not signals.has_vllm
+    assert signals.skipped_lines == 0
+
+
+@pytest.mark.parametrize("text", ["", "\n", "\n\n\n", " ", "# EOF\n", "vllm:", "{", "}"])
+def test_an_empty_or_trivial_text_has_no_engines(text: str) -> None:
+    assert parse_metrics(text).engines == ()
+
+
+def test_a_huge_text_parses_quickly_and_correctly(fixture_text: Load) -> None:
+    # ~20 MB: the real text buried in unrelated families, one 1 MB label value on a series
+    # we read, and 20,000 extra finished_reason samples that must all be summed.
+    real = capture(fixture_text, "busy-1")
+    filler = "".join(
+        f'unrelated_histogram_bucket{{le="{index}",path="/v1/completions"}} {index}.0\n'
+        for index in range(250_000)
+    )
+    reasons = "".join(
+        f'vllm:request_success_total{{engine="0",finished_reason="r{index}"}} 1.0\n'
+        for index in range(20_000)
+    )
+    long_label = 'vllm:num_preemptions_total{engine="0",note="' + "x" * 1_000_000 + '"} 3.0\n'
+    text = filler + real + "\n" + reasons + long_label + filler
+    assert len(text) > 15_000_000
+    started = time.perf_counter()
+    engine = only_engine(parse_metrics(text))
+    elapsed = time.perf_counter() - started
+    assert (engine.running, engine.waiting, engine.steps) == (4.0, 8.0, 998.0)
+    assert engine.finished == 2.0 + 20_000
+    assert engine.preemptions == 0.0 + 3.0
+    # A generous bound that still catches a quadratic scan (a real text takes well under 1 ms).
+    assert elapsed < 3.0
+
+
+# --- anything at all -----------------------------------------------------------------
+
+
+def assert_sane(signals: Signals) -> None:
+    assert isinstance(signals, Signals)
+    names = [engine.engine for engine in signals.engines]
+    assert len(names) == len(set(names))
+    for engine in signals.engines:
+        for value in (
+            engine.running,
+            engine.waiting,
+            engine.kv_usage,
+            *engine.counters.values(),
+        ):
+            assert value is None or (math.isfinite(value) and value >= 0)
+    if signals.process_start is not None:
+        assert math.isfinite(signals.process_start)
+        assert signals.process_start > 0
+
+
+FAST = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+NAMES = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_waiting_by_reason",
+    "vllm:iteration_tokens_total_count",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:engine_sleep_state",
+    "process_start_time_seconds",
+]
+label_values = st.one_of(
+    st.text(max_size=6),
+    st.sampled_from(["0", "1", "awake", "weights_offloaded", "²", "9" * 5000, '\\"', "\\"]),
+)
+values = st.one_of(
+    st.floats().map(repr),
+    st.sampled_from(["NaN", "+Inf", "-Inf", "1e309", "0x10", "1_0", ""]),
+    st.text(max_size=4),
+)
+
+
+@st.composite
+def sample_lines(draw: st.DrawFn) -> str:
+    """Lines shaped like the series we read, with every part free to be wrong."""
+    name = draw(st.sampled_from(NAMES))
+    labels = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["engine", "sleep_state", "x", ""]), label_values), max_size=3
+        )
+    )
+    label_text = ",".join(f'{key}="{value}"' for key, value in labels)
+    opening = draw(st.sampled_from(["{", "{ ", ""]))
+    closing = draw(st.sampled_from(["}", "", '"}', "}}"]))
+    separator = draw(st.sampled_from([" ", "\t", "", "  "]))
+    braces = f"{opening}{label_text}{closing}" if opening else ""
+    return f"{name}{braces}{separator}{draw(values)}{draw(st.sampled_from(['', ' 123', ' x y']))}"
+
+
+@FAST
+@given(st.text())
+def test_any_text_parses_without_raising(text: str) -> None:
+    assert_sane(parse_metrics(text))
+
+
+@FAST
+@given(st.binary())
+def test_any_bytes_parse_without_raising(body: bytes) -> None:
+    assert_sane(parse_metrics(body))
+
+
+@FAST
+@given(st.lists(sample_lines(), max_size=12), st.sampled_from(["\n", "\r\n"]))
+def test_any_sequence_of_near_vllm_lines_parses_without_raising(lines: list[str], end: str) -> None:
+    assert_sane(parse_metrics(end.join(lines)))
+
+
+MUTATED_FROM = ["busy-1", "wedge-2", "multiapi-idle-1", "prefill2-3"]
+
+
+@FAST
+@given(
+    st.sampled_from(MUTATED_FROM),
+    st.sampled_from(["truncate", "shuffle", "flip"]),
+    st.randoms(use_true_random=False),
+)
+def test_a_mutated_real_capture_parses_without_raising(
+    fixture_text: Load, name: str, mutation: str, rng: random.Random
+) -> None:
+    body = capture(fixture_text, name).encode()
+    if mutation == "truncate":
+        body = body[: rng.randrange(len(body) + 1)]
+    elif mutation == "shuffle":
+        lines = body.split(b"\n")
+        rng.shuffle(lines)
+        body = b"\n".join(lines)
+    else:
+        flipped = bytearray(body)
+        for _ in range(rng.randrange(1, 64)):
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        body = bytes(flipped)
+    assert_sane(parse_metrics(body))
+
+
+@FAST
+@given(st.sampled_from(MUTATED_FROM), st.randoms(use_true_random=False))
+def test_shuffling_the_lines_of_a_capture_changes_nothing(
+    fixture_text: Load, name: str, rng: random.Random
+) -> None:
+    text = capture(fixture_text, name)
+    lines = text.splitlines()
+    rng.shuffle(lines)
+    assert parse_metrics("\n".join(lines)) == parse_metrics(text)
+
+
+# --- purity --------------------------------------------------------------------------
+
+FORBIDDEN = {"httpx", "time", "socket", "subprocess", "os", "pathlib", "rich"}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Top-level names of every absolute import in a source text."""
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    return imported
+
+
+def called_names(source: str) -> set[str]:
+    return {
+        node.func.id
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+
+
+@pytest.mark.parametrize("module", ["metrics", "classify"])
+def test_the_pure_core_imports_no_io(module: str) -> None:
+    source = (ROOT / "llmhealth" / f"{module}.py").read_text(encoding="utf-8")
+    imported = imported_modules(source)
+    assert imported, "the walk found no imports at all"
+    assert not imported & (FORBIDDEN | {"importlib"})
+    # Nor a side door around the imports.
+    assert not called_names(source) & {"open", "__import__", "exec", "eval"}
+
+
+def test_the_import_check_sees_every_form_of_import() -> None:
+    # Guards the test above against passing because the walk misses a form.
+    source = "import os as x\nfrom pathlib import Path\nimport httpx.client\n"
+    source += "def f():\n    import subprocess\n    return open(__import__('time'))\n"
+    assert imported_modules(source) == {"os", "pathlib", "httpx", "subprocess"}
+    assert {"open", "__import__"} <= called_names(source)
