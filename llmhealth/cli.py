@@ -7,23 +7,22 @@ alert on CRITICAL always means a server, not a typo.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-import time
 import traceback
 from enum import StrEnum
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from llmhealth import config as config_module
-from llmhealth.classify import Outcome, Target
-from llmhealth.probe import ProbeSettings, check_fleet
-from llmhealth.render import print_table
-from llmhealth.report import ExitCode, as_json, exit_code, nagios_line
+from llmhealth.classify import Target
+from llmhealth.cycle import run_cycle, state_path_for
+from llmhealth.probe import ProbeSettings
+from llmhealth.render import console_for_output, print_report
+from llmhealth.report import CycleReport, ExitCode, as_json, exit_code, nagios_line
+from llmhealth.state import StateError, StateFile
 
 app = typer.Typer(
     add_completion=False,
@@ -76,6 +75,17 @@ FormatOption = Annotated[
 ]
 
 
+StateOption = Annotated[
+    str | None,
+    typer.Option(
+        "--state",
+        help="State file (ledger, holds, budgets). Default with --config: the config's "
+        "'state', else $STATE_DIRECTORY, /var/lib/llmhealth (root) or ~/.local/state. "
+        "Bare URLs without --state or --config keep no state between runs.",
+    ),
+]
+
+
 @app.command()
 def check(
     urls: Annotated[
@@ -87,29 +97,31 @@ def check(
         typer.Option("--proxy", help="A proxy's base URL: checked through /v1/models only."),
     ] = None,
     config_file: ConfigOption = None,
+    state: StateOption = None,
     wait: WaitOption = None,
     timeout: TimeoutOption = None,
     answer_timeout: AnswerTimeoutOption = None,
     output: FormatOption = OutputFormat.TABLE,
 ) -> None:
-    """Check every backend once, print the verdicts, exit 0/1/2/3.
+    """Check every backend once, update the ledger, print, exit 0/1/2/3.
 
     A backend that shows work is never sent a request: it is judged by whether its engine
     steps between reads. Only a backend with nothing to do gets one tiny request.
     """
-    settings, targets = _targets(urls or [], proxy or [], config_file)
-    settings = ProbeSettings(
-        wait=_duration(wait) or settings.wait,
-        timeout=_duration(timeout) or settings.timeout,
-        answer_timeout=_duration(answer_timeout) or settings.answer_timeout,
-        max_body=settings.max_body,
-    )
+    loaded, targets = _fleet(urls or [], proxy or [], config_file)
     if not targets:
         raise typer.BadParameter("nothing to check: give backend URLs, --proxy or --config")
-    checked_at = time.time()
-    outcomes = asyncio.run(check_fleet(targets, settings))
-    _print(outcomes, checked_at, output)
-    raise typer.Exit(int(exit_code(outcomes)))
+    settings = ProbeSettings(
+        wait=_duration(wait) or loaded.wait,
+        timeout=_duration(timeout) or loaded.timeout,
+        answer_timeout=_duration(answer_timeout) or loaded.answer_timeout,
+        max_body=loaded.max_body,
+    )
+    path = state_path_for(loaded, state, config_file is not None)
+    store = StateFile(path) if path is not None else None
+    report = run_cycle(loaded, targets, settings, store)
+    _print(report, output)
+    raise typer.Exit(int(exit_code(report)))
 
 
 @app.command()
@@ -152,12 +164,13 @@ def demo() -> None:
     """Start a small simulated fleet, check it once, show the verdicts, stop the fleet."""
     from llmhealth.demo import run_demo  # noqa: PLC0415 - only the demo needs it
 
-    raise typer.Exit(run_demo(Console()))
+    raise typer.Exit(run_demo(console_for_output()))
 
 
-def _targets(
+def _fleet(
     urls: list[str], proxies: list[str], config_file: str | None
-) -> tuple[ProbeSettings, list[Target]]:
+) -> tuple[config_module.Config, list[Target]]:
+    """The config (or defaults) and every target: configured ones first, then bare URLs."""
     loaded = config_module.load(config_file) if config_file else config_module.Config()
     targets = [
         Target(
@@ -170,34 +183,26 @@ def _targets(
         for backend in loaded.backends
     ]
     targets += [Target(proxy.name, proxy.url, "proxy") for proxy in loaded.proxies]
-    for url in urls:
-        try:
-            checked = config_module.check_url(url)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="URL") from exc
-        targets.append(Target(config_module.name_for_url(checked), checked, "backend"))
-    for url in proxies:
-        try:
-            checked = config_module.check_url(url)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--proxy") from exc
-        targets.append(Target(config_module.name_for_url(checked), checked, "proxy"))
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-    )
-    return settings, targets
+    for kind, given, hint in (("backend", urls, "URL"), ("proxy", proxies, "--proxy")):
+        for url in given:
+            try:
+                checked = config_module.check_url(url)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=hint) from exc
+            targets.append(Target(config_module.name_for_url(checked), checked, kind))
+    names = [target.name for target in targets]
+    if len(set(names)) != len(names):
+        raise typer.BadParameter("the same backend or proxy is named twice")
+    return loaded, targets
 
 
-def _print(outcomes: list[Outcome], checked_at: float, output: OutputFormat) -> None:
+def _print(report: CycleReport, output: OutputFormat) -> None:
     if output is OutputFormat.JSON:
-        print(json.dumps(as_json(outcomes, checked_at), indent=2))
+        print(json.dumps(as_json(report), indent=2))
     elif output is OutputFormat.NAGIOS:
-        print(nagios_line(outcomes))
+        print(nagios_line(report))
     else:
-        print_table(outcomes, Console())
+        print_report(report, console_for_output())
 
 
 def main() -> None:
@@ -212,7 +217,7 @@ def main() -> None:
     except typer.TyperException as exc:  # usage errors: bad arguments or options
         print(f"llmhealth: {exc.format_message()}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
-    except config_module.ConfigError as exc:
+    except (config_module.ConfigError, StateError) as exc:
         print(f"llmhealth: {exc}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
     except Exception:  # a bug of ours must not read as a CRITICAL server

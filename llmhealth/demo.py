@@ -6,7 +6,6 @@ shows is what an operator would see against servers in those states.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import subprocess
@@ -17,8 +16,10 @@ from collections.abc import Iterator
 from rich.console import Console
 
 from llmhealth.classify import Target
-from llmhealth.probe import ProbeSettings, check_fleet
-from llmhealth.render import print_table
+from llmhealth.config import Config
+from llmhealth.cycle import run_cycle
+from llmhealth.probe import ProbeSettings
+from llmhealth.render import print_report
 from llmhealth.report import exit_code
 
 _HOST = "127.0.0.1"
@@ -108,9 +109,9 @@ def run_demo(console: Console) -> int:
         time.sleep(_WEDGE_AFTER + 0.5)  # let gpu2 wedge before the first read
         command = " ".join(["llmhealth check", *urls, "--proxy", proxy_url, "--wait", "2s"])
         console.print(f"\n$ {command}\n")
-        outcomes = asyncio.run(check_fleet(targets, settings))
-        print_table(outcomes, console)
-    code = exit_code(outcomes)
+        report = run_cycle(Config(), targets, settings, None)
+        print_report(report, console)
+    code = exit_code(report)
     console.print(
         f"\nThe check would exit {int(code)} ({code.name}). The busy backend was judged by its "
         "own counters and sent no request; the wedged one was proven over two waits; "

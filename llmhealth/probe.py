@@ -31,7 +31,7 @@ from llmhealth.classify import (
     decide,
     judge_proxy,
 )
-from llmhealth.metrics import parse_metrics
+from llmhealth.metrics import Signals, parse_metrics
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -262,12 +262,13 @@ async def examine_backend(
     *,
     clock: Clock = time.time,
     sleep: Sleep = asyncio.sleep,
+    baseline: Signals | None = None,
 ) -> Verdict:
     """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
     reads: list[Read] = []
     answer: Answer | None = None
     while True:
-        decision = decide(reads, answer, max_reads=settings.max_reads)
+        decision = decide(reads, answer, max_reads=settings.max_reads, baseline=baseline)
         if isinstance(decision, Verdict):
             return decision
         if isinstance(decision, TakeRead):
@@ -296,14 +297,21 @@ async def check_fleet(
     *,
     clock: Clock = time.time,
     sleep: Sleep = asyncio.sleep,
+    baselines: Mapping[str, Signals] | None = None,
 ) -> list[Outcome]:
-    """Examine every target concurrently; one hung backend costs only its own timeouts."""
+    """Examine every target concurrently; one hung backend costs only its own timeouts.
+
+    ``baselines`` holds an earlier run's last read per backend name, to see restarts.
+    """
+    known = baselines or {}
     async with new_client(len(targets)) as client:
 
         async def one(target: Target) -> Outcome:
             if target.kind == "proxy":
                 return Outcome(target, await examine_proxy(client, target, settings))
-            verdict = await examine_backend(client, target, settings, clock=clock, sleep=sleep)
+            verdict = await examine_backend(
+                client, target, settings, clock=clock, sleep=sleep, baseline=known.get(target.name)
+            )
             return Outcome(target, verdict)
 
         return list(await asyncio.gather(*(one(target) for target in targets)))

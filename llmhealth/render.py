@@ -6,36 +6,64 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from llmhealth.classify import Outcome
-from llmhealth.report import ExitCode, verdict_exit_code
+from llmhealth.report import BackendReport, CycleReport, ExitCode, backend_exit_code
 
 _STYLE = {ExitCode.OK: "green", ExitCode.WARNING: "yellow", ExitCode.CRITICAL: "bold red"}
 
 
-def print_table(outcomes: list[Outcome], console: Console) -> None:
+def print_report(report: CycleReport, console: Console) -> None:
     """Numbers in a table, evidence below it: evidence is a sentence and needs the width."""
     table = Table()
-    for column in ("name", "kind", "verdict", "running", "waiting", "steps/s", "tok/s", "req"):
+    columns = ("name", "kind", "verdict", "state", "running", "waiting", "steps/s", "tok/s", "req")
+    for column in columns:
         table.add_column(column, no_wrap=True)
-    for outcome in outcomes:
-        verdict = outcome.verdict
-        style = _STYLE.get(verdict_exit_code(verdict), "")
-        table.add_row(
-            escape(outcome.target.name),
-            outcome.target.kind,
-            f"[{style}]{verdict.kind}[/{style}]" if style else str(verdict.kind),
-            _cell(verdict.running),
-            _cell(verdict.waiting),
-            _cell(verdict.steps_per_s),
-            _cell(verdict.tokens_per_s),
-            str(verdict.requests_sent),
-        )
+    for backend in report.backends:
+        table.add_row(*_row(backend))
     console.print(table)
-    for outcome in outcomes:
+    for backend in report.backends:
+        line = f"[bold]{escape(backend.outcome.target.name)}[/bold]: "
+        line += escape(backend.outcome.verdict.evidence)
+        for transition in backend.transitions:
+            if transition.applied and transition.from_state != transition.to_state:
+                line += (
+                    f"\n    ledger: {transition.from_state} → {transition.to_state} "
+                    f"({transition.kind})"
+                )
+        console.print(line, highlight=False)
+    fleet = report.fleet
+    if fleet.floor_breached:
+        console.print(f"[bold red]fleet[/bold red]: {escape(fleet.message)}", highlight=False)
+    elif any(backend.snapshot is not None for backend in report.backends):
         console.print(
-            f"[bold]{escape(outcome.target.name)}[/bold]: {escape(outcome.verdict.evidence)}",
+            f"[bold]fleet[/bold]: {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
+            f"membership epoch {fleet.epoch}",
             highlight=False,
         )
+    for note in report.notes:
+        console.print(f"[dim]note: {escape(note)}[/dim]", highlight=False)
+
+
+def console_for_output() -> Console:
+    """The terminal's width on a terminal; elsewhere (cron mail, journald) wide enough."""
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=132)
+
+
+def _row(backend: BackendReport) -> tuple[str, ...]:
+    verdict = backend.outcome.verdict
+    style = _STYLE.get(backend_exit_code(backend), "")
+    state = "-" if backend.snapshot is None else str(backend.snapshot.state)
+    return (
+        escape(backend.outcome.target.name),
+        backend.outcome.target.kind,
+        f"[{style}]{verdict.kind}[/{style}]" if style else str(verdict.kind),
+        f"[{style}]{state}[/{style}]" if style else state,
+        _cell(verdict.running),
+        _cell(verdict.waiting),
+        _cell(verdict.steps_per_s),
+        _cell(verdict.tokens_per_s),
+        str(verdict.requests_sent),
+    )
 
 
 def _cell(value: float | None) -> str:

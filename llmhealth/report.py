@@ -1,33 +1,72 @@
-"""What a check says to people and machines: exit code, JSON document, Nagios line.
+"""What a cycle says to people and machines: exit code, JSON document, Nagios line.
 
-Pure: outcomes in, values out. Exit codes follow the monitoring-plugin convention, so
-cron mailers, Nagios/Icinga and systemd all read the same number.
+Pure: reports in, values out. Exit codes follow the monitoring-plugin convention, so
+cron mailers, Nagios/Icinga and systemd all read the same number: the worst of what the
+verdicts show now and what the ledger holds from earlier runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from llmhealth.classify import Outcome, Verdict, VerdictKind
+from llmhealth.ledger import BackendSnapshot, Ledger, State, Transition
 
 
 class ExitCode(IntEnum):
     OK = 0
     WARNING = 1  # something doubted or degraded
-    CRITICAL = 2  # a backend wedged or failing, or a proxy down
-    UNKNOWN = 3  # could not check: bad config, bad arguments, our own error
+    CRITICAL = 2  # a backend wedged, failing or dead, a proxy down, or the fleet under its floor
+    UNKNOWN = 3  # could not check: bad config, bad arguments, state locked, our own error
+
+
+@dataclass(frozen=True, slots=True)
+class BackendReport:
+    outcome: Outcome
+    snapshot: BackendSnapshot | None  # None for a proxy: proxies are not in the ledger
+    transitions: tuple[Transition, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSummary:
+    serving: int
+    min_healthy: int
+    epoch: int
+    floor_breached: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class CycleReport:
+    checked_at: float
+    backends: tuple[BackendReport, ...]
+    fleet: FleetSummary
+    notes: tuple[str, ...] = ()
+
+
+def summarize(ledger: Ledger) -> FleetSummary:
+    return FleetSummary(
+        serving=len(ledger.serving),
+        min_healthy=ledger.policy.min_healthy,
+        epoch=ledger.epoch,
+        floor_breached=ledger.floor_breached,
+        message=ledger.floor_message,
+    )
 
 
 _CRITICAL_KINDS = frozenset(
-    {
-        VerdictKind.WEDGED,
-        VerdictKind.DOWN,
-        VerdictKind.UNRESPONSIVE,
-        VerdictKind.UNANSWERED,
-    }
+    {VerdictKind.WEDGED, VerdictKind.DOWN, VerdictKind.UNRESPONSIVE, VerdictKind.UNANSWERED}
 )
+_STATE_CODES = {
+    State.HEALTHY: ExitCode.OK,
+    State.SUSPECT: ExitCode.WARNING,
+    State.STALE: ExitCode.WARNING,
+    State.RESTARTING: ExitCode.WARNING,
+    State.RETIRED: ExitCode.WARNING,  # out by decision; the floor says if that hurts
+    State.DEAD: ExitCode.CRITICAL,
+}
 
 
 def verdict_exit_code(verdict: Verdict) -> ExitCode:
@@ -42,47 +81,79 @@ def verdict_exit_code(verdict: Verdict) -> ExitCode:
     return ExitCode.OK if verdict.healthy else ExitCode.CRITICAL
 
 
-def exit_code(outcomes: Sequence[Outcome]) -> ExitCode:
-    return max((verdict_exit_code(o.verdict) for o in outcomes), default=ExitCode.OK)
+def backend_exit_code(report: BackendReport) -> ExitCode:
+    code = verdict_exit_code(report.outcome.verdict)
+    if report.snapshot is not None:
+        code = max(code, _STATE_CODES[report.snapshot.state])
+    return code
 
 
-def as_json(outcomes: Sequence[Outcome], checked_at: float) -> dict[str, Any]:
+def exit_code(report: CycleReport) -> ExitCode:
+    code = max((backend_exit_code(b) for b in report.backends), default=ExitCode.OK)
+    return max(code, ExitCode.CRITICAL) if report.fleet.floor_breached else code
+
+
+def as_json(report: CycleReport) -> dict[str, Any]:
     return {
-        "checked_at": round(checked_at, 3),
-        "exit_code": int(exit_code(outcomes)),
-        "backends": [_backend_json(outcome) for outcome in outcomes],
+        "checked_at": round(report.checked_at, 3),
+        "exit_code": int(exit_code(report)),
+        "backends": [_backend_json(backend) for backend in report.backends],
+        "fleet": {
+            "serving": report.fleet.serving,
+            "min_healthy": report.fleet.min_healthy,
+            "epoch": report.fleet.epoch,
+            "floor_breached": report.fleet.floor_breached,
+            "message": report.fleet.message,
+        },
+        "notes": list(report.notes),
     }
 
 
-def _backend_json(outcome: Outcome) -> dict[str, Any]:
-    verdict = outcome.verdict
+def _backend_json(report: BackendReport) -> dict[str, Any]:
+    verdict = report.outcome.verdict
+    snapshot = report.snapshot
     return {
-        "name": outcome.target.name,
-        "url": outcome.target.url,
-        "kind": outcome.target.kind,
+        "name": report.outcome.target.name,
+        "url": report.outcome.target.url,
+        "kind": report.outcome.target.kind,
         "verdict": str(verdict.kind),
         "healthy": verdict.healthy,
+        "state": None if snapshot is None else str(snapshot.state),
+        "serving": None if snapshot is None else snapshot.serving,
         "running": verdict.running,
         "waiting": verdict.waiting,
         "steps_per_s": _rounded(verdict.steps_per_s),
         "tokens_per_s": _rounded(verdict.tokens_per_s),
         "requests_sent": verdict.requests_sent,
         "evidence": verdict.evidence,
+        "transitions": [
+            {"event": str(t.kind), "from": str(t.from_state), "to": str(t.to_state)}
+            for t in report.transitions
+            if t.applied and t.from_state != t.to_state
+        ],
+        "last_error": None if snapshot is None else snapshot.last_error or None,
     }
 
 
-def nagios_line(outcomes: Sequence[Outcome]) -> str:
+def nagios_line(report: CycleReport) -> str:
     """One status line, then perfdata: ``LLMHEALTH CRITICAL - … | 'gpu0 running'=4 …``."""
-    code = exit_code(outcomes)
+    code = exit_code(report)
     by_kind: dict[str, list[str]] = {}
-    for outcome in outcomes:
-        by_kind.setdefault(str(outcome.verdict.kind), []).append(outcome.target.name)
+    for backend in report.backends:
+        label = str(backend.outcome.verdict.kind)
+        if backend.snapshot is not None and backend.snapshot.state is not State.HEALTHY:
+            label = f"{label}/{backend.snapshot.state}"
+        by_kind.setdefault(label, []).append(backend.outcome.target.name)
     order = sorted(by_kind, key=lambda kind: (-_kind_weight(kind), kind))
     summary = "; ".join(f"{len(by_kind[k])} {k} ({', '.join(by_kind[k])})" for k in order)
+    fleet = report.fleet
+    if report.backends and any(b.snapshot is not None for b in report.backends):
+        floor = " FLOOR BREACHED" if fleet.floor_breached else ""
+        summary += f"; serving {fleet.serving}, min {fleet.min_healthy}{floor}"
     perfdata = []
-    for outcome in outcomes:
-        verdict = outcome.verdict
-        name = outcome.target.name
+    for backend in report.backends:
+        verdict = backend.outcome.verdict
+        name = backend.outcome.target.name
         perfdata.append(_perf(f"{name} healthy", 1 if verdict.healthy else 0))
         for label, value in (
             ("running", verdict.running),
@@ -92,10 +163,12 @@ def nagios_line(outcomes: Sequence[Outcome]) -> str:
         ):
             if value is not None:
                 perfdata.append(_perf(f"{name} {label}", value))
+    perfdata.append(_perf("serving", fleet.serving))
     return f"LLMHEALTH {code.name} - {summary or 'nothing to check'} | {' '.join(perfdata)}"
 
 
-def _kind_weight(kind: str) -> int:
+def _kind_weight(label: str) -> int:
+    kind = label.split("/", 1)[0]
     weights = {"wedged": 5, "down": 4, "unresponsive": 4, "unanswered": 4, "no_metrics": 2}
     return weights.get(kind, 3 if kind in ("stalled", "restarted") else 0)
 

@@ -1,0 +1,111 @@
+"""One cycle over a fleet: lock the state, probe, feed the ledger, act, persist.
+
+The shell around the pure core, shared by ``check`` (one cycle) and ``watch`` (one per
+wait). The state stays locked from load to save, so two runs never both act on a fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from llmhealth.classify import Target
+from llmhealth.config import Config
+from llmhealth.config import Policy as ConfigPolicy
+from llmhealth.fleet import FleetRecord
+from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.probe import ProbeSettings, check_fleet
+from llmhealth.report import BackendReport, CycleReport, summarize
+from llmhealth.state import StateFile, default_path
+
+Clock = Callable[[], float]
+
+
+def ledger_policy(policy: ConfigPolicy) -> LedgerPolicy:
+    return LedgerPolicy(
+        unhealthy_threshold=policy.unhealthy_threshold,
+        healthy_threshold=policy.healthy_threshold,
+        min_healthy=policy.min_healthy,
+        restart_budget=policy.restart_budget,
+        restart_budget_window=policy.restart_budget_window,
+        startup_grace=policy.startup_grace,
+    )
+
+
+def load_record(
+    store: StateFile | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
+) -> tuple[FleetRecord, list[str]]:
+    """The persisted record made to match the configured backends, or a fresh one.
+
+    Call with the store's lock held. The notes say which backends came or went.
+    """
+    if store is not None:
+        loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
+        if loaded is not None:
+            return loaded, loaded.reconcile(backends, now)
+    # A first run's backends are the starting membership (epoch 0), not changes to it.
+    return FleetRecord(Ledger(policy, backends.items(), now=now)), []
+
+
+def run_cycle(
+    config: Config,
+    targets: list[Target],
+    settings: ProbeSettings,
+    store: StateFile | None,
+    *,
+    clock: Clock = time.time,
+) -> CycleReport:
+    """Lock, load, probe every target, feed verdicts to the ledger, save, report."""
+    if store is None:
+        return _cycle(config, targets, settings, None, clock)
+    with store.locked():
+        return _cycle(config, targets, settings, store, clock)
+
+
+def _cycle(
+    config: Config,
+    targets: list[Target],
+    settings: ProbeSettings,
+    store: StateFile | None,
+    clock: Clock,
+) -> CycleReport:
+    started = clock()
+    backends = {t.name: t.url for t in targets if t.kind == "backend"}
+    record, notes = load_record(store, ledger_policy(config.policy), backends, started)
+    if store is None:
+        notes.append("state not persisted: bare URLs without --state or --config")
+    notes.extend(f"{t.name}: {t.reason}" for t in record.ledger.expire_restarts(started))
+    baselines = {
+        name: sighting.baseline
+        for name, sighting in record.sightings.items()
+        if sighting.baseline is not None
+    }
+    outcomes = asyncio.run(check_fleet(targets, settings, clock=clock, baselines=baselines))
+    now = clock()
+    expected = {b.name: b.expected_model for b in config.backends}
+    reports = []
+    for outcome in outcomes:
+        name = outcome.target.name
+        if outcome.target.kind != "backend":
+            reports.append(BackendReport(outcome, None))
+            continue
+        transitions = record.observe(name, outcome.verdict, now, expected.get(name))
+        reports.append(
+            BackendReport(outcome, record.ledger.snapshot(name, now), tuple(transitions))
+        )
+    if store is not None:
+        store.save(record.to_dict())
+    return CycleReport(started, tuple(reports), summarize(record.ledger), tuple(notes))
+
+
+def state_path_for(config: Config, explicit: str | None, has_config_file: bool) -> Path | None:
+    """Where this run persists, or None: bare URLs without --state or --config skip it."""
+    if explicit:
+        return Path(explicit)
+    if config.state:
+        return Path(config.state)
+    if has_config_file:
+        return default_path()
+    return None

@@ -1,0 +1,234 @@
+"""What each verdict means for a backend's record, and the fleet record that persists.
+
+Pure. This is the one place that turns verdicts into ledger events, so the meaning of
+"busy", "wedged" or "restarted" for a backend's health is written down once. The record
+(ledger, what was last seen of each process, holds, restart histories) is what the state
+file holds between runs; it is encoded and decoded here, stored by ``state``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from llmhealth.classify import ReadProblem, Verdict, VerdictKind
+from llmhealth.ledger import (
+    Event,
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    ProbeFailure,
+    Readmitted,
+    RequestFailure,
+    State,
+    Transition,
+    UnplannedRestart,
+    WedgeProven,
+)
+from llmhealth.metrics import EngineSignals, Signals
+
+_PROBE_STYLE = frozenset({VerdictKind.STALLED, VerdictKind.UNRESPONSIVE, VerdictKind.DOWN})
+_UNREACHABLE = frozenset({ReadProblem.DOWN, ReadProblem.UNRESPONSIVE})
+
+
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """What the last run saw of a backend's process: enough to tell a new one next time."""
+
+    at: float
+    reachable: bool
+    baseline: Signals | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        baseline = None
+        if self.baseline is not None:
+            baseline = {
+                "process_start": self.baseline.process_start,
+                "engines": {e.engine: e.counters for e in self.baseline.engines},
+            }
+        return {"at": self.at, "reachable": self.reachable, "baseline": baseline}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> Sighting:
+        record = _table(data, where)
+        at = _number(record.get("at"), f"{where}.at")
+        reachable = record.get("reachable")
+        if not isinstance(reachable, bool):
+            raise ValueError(f"{where}.reachable: expected true or false")
+        raw = record.get("baseline")
+        if raw is None:
+            return cls(at, reachable)
+        baseline = _table(raw, f"{where}.baseline")
+        start = baseline.get("process_start")
+        engines = []
+        for engine, counters in _table(baseline.get("engines"), f"{where}.engines").items():
+            values = _table(counters, f"{where}.engines.{engine}")
+            path = f"{where}.engines.{engine}"
+            engines.append(
+                EngineSignals(
+                    engine=str(engine),
+                    steps=_optional_number(values, "steps", path),
+                    generation_tokens=_optional_number(values, "generation_tokens", path),
+                    prompt_tokens=_optional_number(values, "prompt_tokens", path),
+                    finished=_optional_number(values, "finished", path),
+                    preemptions=_optional_number(values, "preemptions", path),
+                )
+            )
+        process_start = None if start is None else _number(start, f"{where}.process_start")
+        return cls(at, reachable, Signals(tuple(engines), process_start))
+
+
+def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sighting:
+    """The newest readable process seen in this verdict's reads, else the previous one's."""
+    reachable = not verdict.reads or verdict.reads[-1].problem not in _UNREACHABLE
+    for read in reversed(verdict.reads):
+        if read.signals is not None and read.signals.has_vllm:
+            return Sighting(at, reachable, read.signals)
+    return Sighting(at, reachable, previous.baseline if previous else None)
+
+
+def events_for(
+    verdict: Verdict,
+    state: State,
+    *,
+    now: float,
+    previous: Sighting | None,
+    expected_model: str | None = None,
+) -> list[Event]:
+    """The ledger events one verdict stands for, given where the backend is now.
+
+    A backend out of the serving set is moved only by proof about its process: a new one
+    seen (new start time, or metrics again after refusal), re-admission by the tiny
+    request, or a wedge. Good probes of an absent backend are not even sent.
+    """
+    kind = verdict.kind
+    answered = verdict.answer is not None and verdict.answer.ok
+    proven = answered and (
+        expected_model is None
+        or (verdict.answer is not None and expected_model in verdict.answer.models_served)
+    )
+    readmit: list[Event] = [Readmitted(now=now)] if proven else []
+    live = kind not in (VerdictKind.DOWN, VerdictKind.UNRESPONSIVE)
+    came_back = previous is not None and not previous.reachable and live
+
+    if state in (State.DEAD, State.RESTARTING):
+        if kind is VerdictKind.RESTARTED or came_back:
+            return [NewProcessUp(now=now), *readmit]
+        return []
+    if state is State.STALE:
+        if kind is VerdictKind.WEDGED:
+            return [WedgeProven(now=now, evidence=_detail(verdict))]
+        if readmit:
+            return readmit
+        return _failures(verdict, now)
+    if state in (State.HEALTHY, State.SUSPECT):
+        if kind is VerdictKind.RESTARTED:
+            return [UnplannedRestart(now=now), *readmit]
+        if kind is VerdictKind.WEDGED:
+            return [WedgeProven(now=now, evidence=_detail(verdict))]
+        if verdict.healthy:
+            return [GoodVerdict(now=now, request_ok=answered)]
+        return _failures(verdict, now)
+    return []  # RETIRED: only an operator reset moves it
+
+
+def _failures(verdict: Verdict, now: float) -> list[Event]:
+    if verdict.kind in _PROBE_STYLE:
+        return [ProbeFailure(now=now, reason=str(verdict.kind), detail=_detail(verdict))]
+    if verdict.answer is not None and not verdict.answer.ok:
+        return [RequestFailure(now=now, reason=str(verdict.kind), detail=_detail(verdict))]
+    return []
+
+
+def _detail(verdict: Verdict) -> str:
+    """The evidence without its leading verdict name, which the ledger records apart."""
+    return verdict.evidence.removeprefix(f"{verdict.kind}: ")
+
+
+@dataclass(slots=True)
+class FleetRecord:
+    """Everything that persists between runs, with the ledger at its centre."""
+
+    ledger: Ledger
+    sightings: dict[str, Sighting] = field(default_factory=dict)
+    holds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    restarts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
+        """Make the ledger's members the configured backends; return what changed."""
+        changes = []
+        for name in self.ledger.names:
+            if name not in backends or self.ledger.snapshot(name, now).url != backends[name]:
+                self.ledger.remove(name)
+                self.sightings.pop(name, None)
+                changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
+        for name, url in backends.items():
+            if name not in self.ledger.names:
+                self.ledger.add(name, url, now)
+                changes.append(f"{name}: new backend at {url}; starts HEALTHY")
+        return changes
+
+    def observe(
+        self, name: str, verdict: Verdict, now: float, expected_model: str | None = None
+    ) -> list[Transition]:
+        """Feed one verdict to the ledger and remember the process it showed."""
+        previous = self.sightings.get(name)
+        events = events_for(
+            verdict,
+            self.ledger.state_of(name),
+            now=now,
+            previous=previous,
+            expected_model=expected_model,
+        )
+        transitions = [self.ledger.apply(name, event) for event in events]
+        self.sightings[name] = sighting_of(verdict, now, previous)
+        return transitions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.to_dict(),
+            "sightings": {name: s.to_dict() for name, s in sorted(self.sightings.items())},
+            "holds": self.holds,
+            "restarts": self.restarts,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], policy: LedgerPolicy) -> FleetRecord:
+        """Decode a state document; any malformed part is a ValueError naming it."""
+        ledger = Ledger.from_dict(data.get("ledger"), policy)
+        sightings = {
+            str(name): Sighting.from_dict(value, f"sightings.{name}")
+            for name, value in _table(data.get("sightings", {}), "sightings").items()
+        }
+        holds = {
+            str(k): dict(_table(v, f"holds.{k}"))
+            for k, v in _table(data.get("holds", {}), "holds").items()
+        }
+        restarts = {
+            str(k): dict(_table(v, f"restarts.{k}"))
+            for k, v in _table(data.get("restarts", {}), "restarts").items()
+        }
+        return cls(ledger, sightings, holds, restarts)
+
+    def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
+        """The same record under new thresholds (a config reload)."""
+        return replace(self, ledger=Ledger.from_dict(self.ledger.to_dict(), policy))
+
+
+def _table(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a table")
+    return value
+
+
+def _number(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _optional_number(values: Mapping[str, Any], key: str, where: str) -> float | None:
+    return _number(values[key], f"{where}.{key}") if key in values else None
