@@ -1,0 +1,480 @@
+"""`llmhealth simulate` as real processes on 127.0.0.1: each mode seen from outside, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from simproc import LAUNCH, Simulator, child_env, running_simulator
+
+CAPTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+SHORT = 0.3  # a client timeout that a hung request runs into
+ENGINE0 = {"engine": "0", "model_name": "tiny"}
+TINY = {"model": "tiny", "prompt": "hello there", "max_tokens": 1}
+_BODY = json.dumps(TINY).encode()
+POST_TINY = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
+
+FLEET = [
+    "idle",
+    "busy",
+    "prefill",
+    "wedge:1",
+    "unanswered",
+    "hang",
+    "restart:1.5",
+    "no-metrics",
+    "multiproc",
+    "asleep",
+    "busy+multiproc",
+]
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Simulator]:
+    with running_simulator(FLEET, max_num_seqs=4, request_seconds=4.0) as sim:
+        yield sim
+        assert sim.stop() == 0
+        # Whatever the tests did, the simulator logged no error of its own.
+        assert sim.stderr() == ""
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    # One client for the module: building one (and its TLS context) costs tens of ms.
+    with httpx.Client(timeout=5.0) as c:
+        yield c
+
+
+def samples(text: str) -> Samples:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(got: Samples, name: str, **labels: str) -> float:
+    return got[(name, frozenset({**ENGINE0, **labels}.items()))]
+
+
+def metrics(client: httpx.Client, url: str) -> Samples:
+    reply = client.get(f"{url}/metrics")
+    assert reply.status_code == 200
+    return samples(reply.text)
+
+
+def progress(got: Samples) -> tuple[float, ...]:
+    names = ("iteration_tokens_total_count", "generation_tokens_total", "prompt_tokens_total")
+    return (
+        *(value(got, f"vllm:{n}") for n in names),
+        value(got, "vllm:request_success_total", finished_reason="length"),
+    )
+
+
+def stats(client: httpx.Client, url: str) -> dict[str, Any]:
+    reply = client.get(f"{url}/sim/stats")
+    assert reply.status_code == 200
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+def poll(check: Callable[[], bool], seconds: float = 6.0, every: float = 0.1) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {seconds} s")
+        time.sleep(every)
+
+
+def times_out(
+    client: httpx.Client, url: str, path: str = "/v1/completions", timeout: float = SHORT
+) -> bool:
+    try:
+        if path == "/v1/completions":
+            client.post(f"{url}{path}", json=TINY, timeout=timeout)
+        else:
+            client.get(f"{url}{path}", timeout=timeout)
+    except httpx.ReadTimeout:
+        return True
+    return False
+
+
+# --- startup, shape and size ---------------------------------------------------------------
+
+
+def test_each_backend_is_announced_in_order_on_consecutive_ports(fleet: Simulator) -> None:
+    ports = [int(url.rsplit(":", 1)[1]) for url in fleet.urls]
+    assert ports == list(range(ports[0], ports[0] + len(FLEET)))
+    assert all(url.startswith("http://127.0.0.1:") for url in fleet.urls)
+
+
+@pytest.mark.parametrize(
+    ("mode", "capture"),
+    [
+        ("idle", "idle-1.txt"),
+        ("busy", "busy-2.txt"),
+        ("prefill", "prefill-2.txt"),
+        ("wedge:1", "wedge-2.txt"),
+        ("restart:1.5", "restart-1.txt"),
+        ("multiproc", "multiapi-idle-1.txt"),
+        ("busy+multiproc", "multiapi-after-load.txt"),
+    ],
+)
+def test_the_metrics_text_parses_and_is_as_large_as_a_real_one(
+    fleet: Simulator, client: httpx.Client, mode: str, capture: str
+) -> None:
+    reply = client.get(f"{fleet.url(mode)}/metrics")
+    assert reply.status_code == 200
+    assert reply.headers["content-type"] == CONTENT_TYPE
+    assert list(text_string_to_metric_families(reply.text))
+    real = (CAPTURES / capture).stat().st_size
+    assert 0.7 * real <= len(reply.content) <= 1.3 * real
+
+
+def test_the_api_answers_like_vllm(fleet: Simulator, client: httpx.Client) -> None:
+    url = fleet.url("idle")
+    models = client.get(f"{url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [("tiny", "model")]
+    assert client.get(f"{url}/version").json() == {"version": "0.32.0"}
+    health = client.get(f"{url}/health")
+    assert (health.status_code, health.content) == (200, b"")
+    assert client.get(f"{url}/nothing/here").status_code == 404
+    assert client.post(f"{url}/metrics").status_code == 405
+    assert client.post(f"{url}/v1/completions", json={**TINY, "model": "other"}).status_code == 404
+    assert client.post(f"{url}/v1/completions", content=b"{not json").status_code == 400
+
+
+# --- modes ---------------------------------------------------------------------------------
+
+
+def test_an_idle_backend_answers_a_tiny_request_and_counts_it(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("idle")
+    counted_before = stats(client, url)
+    before = metrics(client, url)
+    assert value(before, "vllm:num_requests_running") == 0
+    assert value(before, "vllm:num_requests_waiting") == 0
+    assert progress(metrics(client, url)) == progress(before)
+    reply = client.post(f"{url}/v1/completions", json=TINY)
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 1
+    steps, generated, prompt, finished = progress(metrics(client, url))
+    old_steps, old_generated, old_prompt, old_finished = progress(before)
+    assert (steps, generated, finished) == (old_steps + 1, old_generated + 1, old_finished + 1)
+    assert prompt == old_prompt + body["usage"]["prompt_tokens"]
+    counted = stats(client, url)
+    assert counted["mode"] == "idle"
+    grew = {key: counted[key] - counted_before[key] for key in counted if key != "mode"}
+    assert grew == {
+        "completions_received": 1,
+        "completions_answered": 1,
+        "metrics_reads": 3,
+        "models_reads": 0,
+    }
+
+
+def test_a_busy_backend_makes_progress_with_work_present(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("busy")
+    first = metrics(client, url)
+    time.sleep(0.2)
+    second = metrics(client, url)
+    assert value(second, "vllm:num_requests_running") == 4
+    assert value(second, "vllm:num_requests_waiting") == 8
+    steps, generated, prompt, finished = progress(second)
+    assert steps > progress(first)[0]
+    assert generated > progress(first)[1]
+    assert (prompt, finished) >= progress(first)[2:]
+    assert value(second, "vllm:kv_cache_usage_perc") != value(first, "vllm:kv_cache_usage_perc")
+
+
+def test_a_completion_to_a_busy_backend_waits_in_its_queue(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("busy")
+    assert times_out(client, url)
+    counted = stats(client, url)
+    assert (counted["completions_received"], counted["completions_answered"]) == (1, 0)
+
+
+def test_a_prefilling_backend_moves_only_its_kv_use(fleet: Simulator, client: httpx.Client) -> None:
+    url = fleet.url("prefill")
+    first = metrics(client, url)
+    time.sleep(0.1)
+    second = metrics(client, url)
+    assert progress(first) == progress(second)
+    assert value(second, "vllm:num_requests_running") > 0
+    assert value(second, "vllm:num_requests_waiting") > 0
+    assert value(second, "vllm:kv_cache_usage_perc") != value(first, "vllm:kv_cache_usage_perc")
+
+
+def test_a_wedged_backend_freezes_yet_keeps_answering_reads(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("wedge:1")
+    reads: list[Samples] = [metrics(client, url)]
+
+    def frozen() -> bool:
+        reads.append(metrics(client, url))
+        return reads[-1] == reads[-2]
+
+    poll(frozen, every=0.2)
+    assert value(reads[-1], "vllm:num_requests_running") > 0
+    assert value(reads[-1], "vllm:num_requests_waiting") > 0
+    assert value(reads[-1], "vllm:iteration_tokens_total_count") > 0
+    assert client.get(f"{url}/health").status_code == 200
+    assert client.get(f"{url}/v1/models").status_code == 200
+    assert times_out(client, url)
+    assert metrics(client, url) == reads[-1]
+
+
+def test_an_unanswered_backend_shows_no_work_and_never_answers(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("unanswered")
+    got = metrics(client, url)
+    assert value(got, "vllm:num_requests_running") == 0
+    assert value(got, "vllm:num_requests_waiting") == 0
+    assert client.get(f"{url}/v1/models").status_code == 200
+    assert times_out(client, url)
+
+
+def test_a_hung_backend_accepts_connections_but_never_answers(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("hang")
+    assert times_out(client, url, "/metrics")
+
+
+def test_a_backend_without_metrics_still_serves(fleet: Simulator, client: httpx.Client) -> None:
+    url = fleet.url("no-metrics")
+    assert client.get(f"{url}/metrics").status_code == 404
+    assert client.get(f"{url}/v1/models").status_code == 200
+    assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+
+
+def test_multiprocess_mode_hides_the_process_and_the_gauges_until_a_request(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("multiproc")
+    text = client.get(f"{url}/metrics").text
+    for absent in ("process_start_time_seconds", "python_", "_created", "num_requests_running"):
+        assert absent not in text
+    assert "vllm:generation_tokens_total{" in text
+    assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+    assert value(metrics(client, url), "vllm:num_requests_running") == 0
+
+
+def test_multiprocess_mode_with_a_load_shows_work_but_no_start_time(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    text = client.get(f"{fleet.url('busy+multiproc')}/metrics").text
+    assert "process_start_time_seconds" not in text
+    assert value(samples(text), "vllm:num_requests_running") == 4
+
+
+def test_an_asleep_backend_reports_its_sleep_state(fleet: Simulator, client: httpx.Client) -> None:
+    got = metrics(client, fleet.url("asleep"))
+    assert value(got, "vllm:engine_sleep_state", sleep_state="awake") == 0
+    assert value(got, "vllm:engine_sleep_state", sleep_state="weights_offloaded") == 1
+    assert value(got, "vllm:num_requests_running") == 0
+
+
+def test_a_restarting_backend_changes_its_start_time_and_resets_its_counters(
+    fleet: Simulator, client: httpx.Client
+) -> None:
+    url = fleet.url("restart:1.5")
+    start: tuple[str, frozenset[tuple[str, str]]] = ("process_start_time_seconds", frozenset())
+    labels = frozenset({**ENGINE0, "finished_reason": "length"}.items())
+    success = "vllm:request_success_total", labels
+    counted: list[Samples] = []
+
+    def counted_in_one_process() -> bool:
+        before = metrics(client, url)
+        try:
+            answered = client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+        except httpx.RemoteProtocolError:
+            return False  # the simulated process restarted under the request: try again
+        counted.append(metrics(client, url))
+        return answered and counted[-1][start] == before[start]
+
+    poll(counted_in_one_process)
+    assert counted[-1][success] >= 1
+    restarted: list[Samples] = []
+
+    def new_process() -> bool:
+        restarted.append(metrics(client, url))
+        return restarted[-1][start] != counted[-1][start]
+
+    poll(new_process)
+    assert restarted[-1][start] > counted[-1][start]
+    assert restarted[-1][success] == 0
+    created = "vllm:request_success_created", labels
+    assert restarted[-1][created] != counted[-1][created]
+
+
+# --- HTTP edges ----------------------------------------------------------------------------
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def raw_exchange(url: str, payload: bytes, reads: int = 1) -> bytes:
+    with connect(url) as sock:
+        sock.sendall(payload)
+        received = b""
+        while received.count(b"HTTP/1.1 ") < reads:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(fleet: Simulator) -> None:
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    received = raw_exchange(fleet.url("idle"), request * 3, reads=3)
+    assert received.count(b"HTTP/1.1 200 OK\r\n") == 3
+
+
+def test_oversized_headers_and_bodies_are_refused(fleet: Simulator) -> None:
+    url = fleet.url("idle")
+    huge_header = b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+    assert raw_exchange(url, huge_header).startswith(b"HTTP/1.1 431 ")
+    huge_body = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n{"
+    assert raw_exchange(url, huge_body).startswith(b"HTTP/1.1 413 ")
+    chunked = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    assert raw_exchange(url, chunked).startswith(b"HTTP/1.1 501 ")
+    assert raw_exchange(url, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+
+# --- data-parallel engines -----------------------------------------------------------------
+
+
+def test_each_engine_reports_separately_and_wedge_one_freezes_only_the_last() -> None:
+    with (
+        running_simulator(["busy", "wedge-one:0.3"], engines=2) as sim,
+        httpx.Client(timeout=5.0) as client,
+    ):
+        busy = client.get(f"{sim.url('busy')}/metrics").text
+        running = [
+            s.labels["engine"]
+            for family in text_string_to_metric_families(busy)
+            for s in family.samples
+            if s.name == "vllm:num_requests_running"
+        ]
+        assert running == ["0", "1"]
+        url = sim.url("wedge-one:0.3")
+
+        def steps(got: Samples, engine: str) -> float:
+            labels = frozenset({"engine": engine, "model_name": "tiny"}.items())
+            return got[("vllm:iteration_tokens_total_count", labels)]
+
+        reads: list[Samples] = [metrics(client, url)]
+
+        def last_engine_frozen() -> bool:
+            reads.append(metrics(client, url))
+            return steps(reads[-1], "1") == steps(reads[-2], "1")
+
+        poll(last_engine_frozen, every=0.2)
+        time.sleep(0.1)
+        again = metrics(client, url)
+        assert steps(again, "1") == steps(reads[-1], "1")
+        assert steps(again, "0") > steps(reads[-1], "0")
+
+
+# --- proxy ---------------------------------------------------------------------------------
+
+
+def test_a_proxy_forwards_to_the_least_busy_backend_and_has_no_metrics() -> None:
+    with running_simulator(["unanswered", "idle"]) as backends:
+        proxy_mode = "proxy:" + ",".join(backends.urls)
+        with running_simulator([proxy_mode]) as proxy, httpx.Client(timeout=5.0) as client:
+            url = proxy.urls[0]
+            assert client.get(f"{url}/metrics").status_code == 404
+            models = client.get(f"{url}/v1/models")
+            assert models.status_code == 200
+            assert models.json()["data"][0]["id"] == "tiny"
+            # The models read went to the first backend, so on a tie the first completion goes
+            # to the second and the next one to the first, where it hangs.
+            assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+            with connect(url) as stuck:
+                stuck.sendall(POST_TINY)
+                poll(lambda: stats(client, backends.urls[0])["completions_received"] == 1)
+                # While it hangs there, fewest connections sends every other request elsewhere.
+                for _ in range(3):
+                    assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+            assert stats(client, backends.urls[1])["completions_answered"] == 4
+            assert stats(client, backends.urls[0])["completions_received"] == 1
+            forwarded = stats(client, url)
+            assert (forwarded["completions_received"], forwarded["completions_answered"]) == (5, 4)
+
+
+# --- process lifecycle ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_simulator_cleanly_even_with_clients_waiting(signum: int) -> None:
+    with running_simulator(["idle", "hang", "busy"]) as sim, ExitStack() as open_sockets:
+        for url in sim.urls:
+            open_sockets.enter_context(connect(url)).sendall(POST_TINY)
+        time.sleep(0.2)  # let the requests arrive and start waiting
+        assert sim.stop(signum) == 0
+        assert sim.stderr() == ""
+
+
+def run_simulator_briefly(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LAUNCH, *args],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+        env=child_env(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["bogus"], "unknown mode"),
+        (["idle", "--engines=0"], "engines"),
+        (["idle", "idle", "--port=65535"], "not all valid TCP ports"),
+    ],
+)
+def test_bad_input_exits_3_with_a_message(args: list[str], complaint: str) -> None:
+    done = run_simulator_briefly(*args)
+    assert done.returncode == 3
+    assert complaint in done.stderr
+    assert done.stdout == ""
+
+
+def test_a_taken_port_is_reported() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_simulator_briefly("idle", f"--port={port}")
+    assert done.returncode == 3
+    assert "cannot listen" in done.stderr
