@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from enum import StrEnum
 from typing import Annotated
@@ -17,11 +18,24 @@ from typing import Annotated
 import typer
 
 from llmhealth import config as config_module
+from llmhealth import operate
+from llmhealth.actions import AuditError, AuditLog
 from llmhealth.classify import Target
-from llmhealth.cycle import run_cycle, state_path_for
+from llmhealth.cycle import audit_path_for, run_cycle, state_path_for
+from llmhealth.operate import VerbResult, read_record
 from llmhealth.probe import ProbeSettings
-from llmhealth.render import console_for_output, print_report
-from llmhealth.report import CycleReport, ExitCode, as_json, exit_code, nagios_line
+from llmhealth.render import console_for_output, print_report, print_status
+from llmhealth.report import (
+    CycleReport,
+    ExitCode,
+    as_json,
+    exit_code,
+    nagios_line,
+    status_exit_code,
+    status_json,
+    status_nagios,
+    summarize,
+)
 from llmhealth.state import StateError, StateFile
 
 app = typer.Typer(
@@ -124,6 +138,119 @@ def check(
     raise typer.Exit(int(exit_code(report)))
 
 
+def _operator_context(
+    config_file: str | None, state: str | None
+) -> tuple[config_module.Config, StateFile, AuditLog]:
+    """Config (or defaults), the state file and the audit log an operator verb works on."""
+    loaded = config_module.load(config_file) if config_file else config_module.Config()
+    path = state_path_for(loaded, state, True)
+    assert path is not None  # with has_config_file=True there is always a path
+    return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
+
+
+def _verb_exit(result: VerbResult) -> None:
+    """0 when the ledger took the event; 1 when its rules refused it (nothing changed)."""
+    print(result.message, file=sys.stdout if result.applied else sys.stderr)
+    raise typer.Exit(0 if result.applied else 1)
+
+
+NameArgument = Annotated[str, typer.Argument(help="The backend's name, as in the config.")]
+
+
+@app.command()
+def status(
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+    output: FormatOption = OutputFormat.TABLE,
+) -> None:
+    """Show the ledger as saved by the last check, without touching any server."""
+    loaded, store, _ = _operator_context(config_file, state)
+    record = read_record(store, loaded)
+    now = time.time()
+    snapshots = record.ledger.snapshots(now)
+    fleet = summarize(record.ledger)
+    if output is OutputFormat.JSON:
+        print(json.dumps(status_json(snapshots, record.holds, fleet, now), indent=2))
+    elif output is OutputFormat.NAGIOS:
+        print(status_nagios(snapshots, fleet))
+    else:
+        print_status(snapshots, record.holds, fleet, now, console_for_output())
+    raise typer.Exit(int(status_exit_code(snapshots, fleet)))
+
+
+@app.command()
+def readmit(
+    name: NameArgument,
+    weight_version: Annotated[
+        int | None,
+        typer.Option(help="Weight version the backend now serves (e.g. after a weight sync)."),
+    ] = None,
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+) -> None:
+    """Return a STALE backend to serving: an operator's or trainer's proof that it is good."""
+    loaded, store, audit = _operator_context(config_file, state)
+    _verb_exit(operate.readmit(store, audit, loaded, name, weight_version))
+
+
+@app.command()
+def retire(
+    name: NameArgument,
+    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit log.")],
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+) -> None:
+    """Take a backend out for good; only 'reset' brings it back (through STALE)."""
+    loaded, store, audit = _operator_context(config_file, state)
+    _verb_exit(operate.retire(store, audit, loaded, name, reason))
+
+
+@app.command()
+def reset(name: NameArgument, config_file: ConfigOption = None, state: StateOption = None) -> None:
+    """Bring a RETIRED backend back to STALE, from where it must prove itself again."""
+    loaded, store, audit = _operator_context(config_file, state)
+    _verb_exit(operate.reset(store, audit, loaded, name))
+
+
+@app.command()
+def hold(
+    name: NameArgument,
+    duration: Annotated[str, typer.Option("--for", help="How long, e.g. '30m', '2h'.")],
+    reason: Annotated[str, typer.Option("--reason", help="Why, for the audit log.")],
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+) -> None:
+    """Keep restarts away from a backend for a while (e.g. a weight sync); checks go on."""
+    seconds = _duration(duration)
+    assert seconds is not None
+    loaded, store, audit = _operator_context(config_file, state)
+    _verb_exit(operate.hold(store, audit, loaded, name, seconds, reason))
+
+
+@app.command()
+def release(
+    name: NameArgument, config_file: ConfigOption = None, state: StateOption = None
+) -> None:
+    """End a hold early."""
+    loaded, store, audit = _operator_context(config_file, state)
+    _verb_exit(operate.release(store, audit, loaded, name))
+
+
+config_app = typer.Typer(help="Work with configuration files.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+def config_check(path: Annotated[str, typer.Argument(help="The TOML file to validate.")]) -> None:
+    """Validate a config file: exit 0 when usable, 3 with every problem named otherwise."""
+    loaded = config_module.load(path)
+    restartable = sum(1 for backend in loaded.backends if backend.restart)
+    print(
+        f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart command), "
+        f"{len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout {loaded.timeout:g}s"
+    )
+
+
 @app.command()
 def simulate(
     modes: Annotated[
@@ -146,17 +273,21 @@ def simulate(
     ] = 4.0,
 ) -> None:
     """Serve simulated vLLM backends for demos, tests and benchmarks (until Ctrl-C)."""
-    from llmhealth.simulate import run  # noqa: PLC0415 - the server is only loaded to serve
+    from llmhealth.simulate import SimulateError, run  # noqa: PLC0415 - only loaded to serve
 
-    run(
-        modes,
-        host=host,
-        port=port,
-        max_num_seqs=max_num_seqs,
-        model=model,
-        engines=engines,
-        request_seconds=request_seconds,
-    )
+    try:
+        run(
+            modes,
+            host=host,
+            port=port,
+            max_num_seqs=max_num_seqs,
+            model=model,
+            engines=engines,
+            request_seconds=request_seconds,
+        )
+    except SimulateError as exc:
+        print(f"llmhealth simulate: {exc}", file=sys.stderr)
+        raise typer.Exit(ExitCode.UNKNOWN) from None
 
 
 @app.command()
@@ -208,7 +339,8 @@ def _print(report: CycleReport, output: OutputFormat) -> None:
 def main() -> None:
     """Entry point: every way a run can end maps to one exit code here."""
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode click hands back typer.Exit's code instead of exiting.
+        code = app(standalone_mode=False)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:
@@ -217,11 +349,11 @@ def main() -> None:
     except typer.TyperException as exc:  # usage errors: bad arguments or options
         print(f"llmhealth: {exc.format_message()}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
-    except (config_module.ConfigError, StateError) as exc:
+    except (config_module.ConfigError, StateError, AuditError) as exc:
         print(f"llmhealth: {exc}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
     except Exception:  # a bug of ours must not read as a CRITICAL server
         traceback.print_exc()
         print("llmhealth: internal error (the traceback above is a bug report)", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
-    sys.exit(0)
+    sys.exit(code if isinstance(code, int) else 0)

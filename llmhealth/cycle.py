@@ -109,3 +109,8 @@ def state_path_for(config: Config, explicit: str | None, has_config_file: bool) 
     if has_config_file:
         return default_path()
     return None
+
+
+def audit_path_for(config: Config, state_path: Path) -> Path:
+    """The audit log: as configured, else beside the state file."""
+    return Path(config.audit_log) if config.audit_log else state_path.with_name("audit.jsonl")

@@ -29,6 +29,7 @@ from llmhealth.ledger import (
     WedgeProven,
 )
 from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.policy import Hold, RestartHistory
 
 _PROBE_STYLE = frozenset({VerdictKind.STALLED, VerdictKind.UNRESPONSIVE, VerdictKind.DOWN})
 _UNREACHABLE = frozenset({ReadProblem.DOWN, ReadProblem.UNRESPONSIVE})
@@ -154,8 +155,8 @@ class FleetRecord:
 
     ledger: Ledger
     sightings: dict[str, Sighting] = field(default_factory=dict)
-    holds: dict[str, dict[str, Any]] = field(default_factory=dict)
-    restarts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    holds: dict[str, Hold] = field(default_factory=dict)
+    restarts: dict[str, RestartHistory] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
@@ -164,6 +165,7 @@ class FleetRecord:
             if name not in backends or self.ledger.snapshot(name, now).url != backends[name]:
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
+                self.restarts.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
             if name not in self.ledger.names:
@@ -191,8 +193,8 @@ class FleetRecord:
         return {
             "ledger": self.ledger.to_dict(),
             "sightings": {name: s.to_dict() for name, s in sorted(self.sightings.items())},
-            "holds": self.holds,
-            "restarts": self.restarts,
+            "holds": {name: hold.to_dict() for name, hold in sorted(self.holds.items())},
+            "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
         }
 
     @classmethod
@@ -204,12 +206,12 @@ class FleetRecord:
             for name, value in _table(data.get("sightings", {}), "sightings").items()
         }
         holds = {
-            str(k): dict(_table(v, f"holds.{k}"))
-            for k, v in _table(data.get("holds", {}), "holds").items()
+            str(name): Hold.from_dict(value, f"holds.{name}")
+            for name, value in _table(data.get("holds", {}), "holds").items()
         }
         restarts = {
-            str(k): dict(_table(v, f"restarts.{k}"))
-            for k, v in _table(data.get("restarts", {}), "restarts").items()
+            str(name): RestartHistory.from_dict(value, f"restarts.{name}")
+            for name, value in _table(data.get("restarts", {}), "restarts").items()
         }
         return cls(ledger, sightings, holds, restarts)
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from llmhealth.report import BackendReport, CycleReport, ExitCode, backend_exit_code
+from llmhealth.ledger import BackendSnapshot
+from llmhealth.policy import Hold
+from llmhealth.report import (
+    BackendReport,
+    CycleReport,
+    ExitCode,
+    FleetSummary,
+    backend_exit_code,
+)
 
 _STYLE = {ExitCode.OK: "green", ExitCode.WARNING: "yellow", ExitCode.CRITICAL: "bold red"}
 
@@ -68,3 +78,42 @@ def _row(backend: BackendReport) -> tuple[str, ...]:
 
 def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:g}" if isinstance(value, int) else f"{value:.1f}"
+
+
+def print_status(
+    snapshots: Sequence[BackendSnapshot],
+    holds: Mapping[str, Hold],
+    fleet: FleetSummary,
+    now: float,
+    console: Console,
+) -> None:
+    """The ledger as saved: no probing, so it is safe to run at any moment during on-call."""
+    table = Table()
+    for column in ("name", "state", "serving", "since", "probe fails", "req fails", "restarts"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("hold / last error", overflow="fold")
+    for snap in snapshots:
+        hold = holds.get(snap.name)
+        note = hold.describe(now) if hold is not None and hold.active(now) else snap.last_error
+        table.add_row(
+            escape(snap.name),
+            str(snap.state),
+            "yes" if snap.serving else "no",
+            "-" if snap.state_since is None else _ago(now - snap.state_since),
+            str(snap.probe_failures),
+            str(snap.request_failures),
+            str(snap.restart_attempts),
+            escape(note or "-"),
+        )
+    console.print(table)
+    style = "bold red" if fleet.floor_breached else "bold"
+    console.print(f"[{style}]fleet[/{style}]: {escape(fleet.message)}", highlight=False)
+    console.print(f"membership epoch {fleet.epoch}", highlight=False)
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"

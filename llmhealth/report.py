@@ -7,12 +7,14 @@ verdicts show now and what the ledger holds from earlier runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from llmhealth.classify import Outcome, Verdict, VerdictKind
 from llmhealth.ledger import BackendSnapshot, Ledger, State, Transition
+from llmhealth.policy import Hold
 
 
 class ExitCode(IntEnum):
@@ -181,3 +183,72 @@ def _perf(label: str, value: float) -> str:
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
+
+
+# --- status: the ledger as saved, without probing ----------------------------------
+
+
+def status_exit_code(snapshots: Sequence[BackendSnapshot], fleet: FleetSummary) -> ExitCode:
+    code = max((_STATE_CODES[s.state] for s in snapshots), default=ExitCode.OK)
+    return max(code, ExitCode.CRITICAL) if fleet.floor_breached else code
+
+
+def status_json(
+    snapshots: Sequence[BackendSnapshot],
+    holds: Mapping[str, Hold],
+    fleet: FleetSummary,
+    now: float,
+) -> dict[str, Any]:
+    return {
+        "checked_at": round(now, 3),
+        "exit_code": int(status_exit_code(snapshots, fleet)),
+        "backends": [
+            {
+                "name": s.name,
+                "url": s.url,
+                "state": str(s.state),
+                "serving": s.serving,
+                "state_since": s.state_since,
+                "probe_failures": s.probe_failures,
+                "request_failures": s.request_failures,
+                "restart_attempts": s.restart_attempts,
+                "last_ok_at": s.last_ok_at,
+                "last_error": s.last_error or None,
+                "condemned_by": s.condemned_by,
+                "weight_version": s.weight_version,
+                "hold": holds[s.name].to_dict()
+                if s.name in holds and holds[s.name].active(now)
+                else None,
+            }
+            for s in snapshots
+        ],
+        "fleet": {
+            "serving": fleet.serving,
+            "min_healthy": fleet.min_healthy,
+            "epoch": fleet.epoch,
+            "floor_breached": fleet.floor_breached,
+            "message": fleet.message,
+        },
+    }
+
+
+def status_nagios(snapshots: Sequence[BackendSnapshot], fleet: FleetSummary) -> str:
+    code = status_exit_code(snapshots, fleet)
+    by_state: dict[str, list[str]] = {}
+    for snapshot in snapshots:
+        by_state.setdefault(str(snapshot.state), []).append(snapshot.name)
+    summary = "; ".join(
+        f"{len(names)} {state} ({', '.join(names)})" for state, names in sorted(by_state.items())
+    )
+    floor = " FLOOR BREACHED" if fleet.floor_breached else ""
+    perfdata = " ".join(
+        [
+            _perf("serving", fleet.serving),
+            _perf("min_healthy", fleet.min_healthy),
+            _perf("epoch", fleet.epoch),
+        ]
+    )
+    return (
+        f"LLMHEALTH {code.name} - {summary or 'no backends'}; serving {fleet.serving}, "
+        f"min {fleet.min_healthy}{floor} | {perfdata}"
+    )

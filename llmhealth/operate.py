@@ -1,0 +1,176 @@
+"""Operator verbs over the persisted fleet record: readmit, retire, reset, hold, release.
+
+Each verb takes the state lock, changes the record through the ledger's own guarded
+events (so an operator cannot do what the rules forbid, only what they allow), writes
+one audit line, and saves. A verb the ledger refuses changes nothing and says why.
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmhealth.actions import AuditLog
+from llmhealth.config import Config
+from llmhealth.cycle import ledger_policy
+from llmhealth.fleet import FleetRecord
+from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
+from llmhealth.policy import Hold
+from llmhealth.state import StateError, StateFile
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class VerbResult:
+    applied: bool
+    message: str
+
+
+def actor() -> str:
+    """Who is acting, for the audit log: the login behind sudo if there is one."""
+    try:
+        return f"operator:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "operator"
+
+
+def load_existing(store: StateFile, config: Config) -> FleetRecord:
+    """The record a verb works on; there must be one (a check creates it)."""
+    record = store.load(lambda doc: FleetRecord.from_dict(doc, ledger_policy(config.policy)))
+    if record is None:
+        raise StateError(f"no state at {store.path} yet: run 'llmhealth check' with it first")
+    return record
+
+
+def _known(record: FleetRecord, name: str) -> None:
+    if name not in record.ledger.names:
+        known = ", ".join(record.ledger.names) or "none"
+        raise StateError(f"no backend named {name!r} in the state (known: {known})")
+
+
+def apply_event(
+    store: StateFile,
+    audit: AuditLog,
+    config: Config,
+    name: str,
+    make_event: Callable[[float], Event],
+    verb: str,
+    reason: str = "",
+    *,
+    clock: Clock = time.time,
+) -> VerbResult:
+    """Lock, feed one operator event to the ledger, audit it, save."""
+    with store.locked():
+        record = load_existing(store, config)
+        _known(record, name)
+        now = clock()
+        transition = record.ledger.apply(name, make_event(now))
+        entry: dict[str, Any] = {
+            "time": now,
+            "actor": actor(),
+            "backend": name,
+            "event": verb,
+            "from": str(transition.from_state),
+            "to": str(transition.to_state),
+            "reason": reason or transition.reason,
+            "applied": transition.applied,
+        }
+        if transition.applied and verb == "readmit":
+            record.restarts.pop(name, None)  # proof that the last restart worked
+        audit.append(entry)
+        if transition.applied:
+            store.save(record.to_dict())
+            return VerbResult(
+                True, f"{name}: {transition.from_state} → {transition.to_state} ({verb})"
+            )
+        return VerbResult(
+            False, f"{name}: {verb} refused in {transition.from_state}: {transition.reason}"
+        )
+
+
+def readmit(
+    store: StateFile, audit: AuditLog, config: Config, name: str, weight_version: int | None
+) -> VerbResult:
+    return apply_event(
+        store,
+        audit,
+        config,
+        name,
+        lambda now: Readmitted(now=now, weight_version=weight_version),
+        "readmit",
+        "" if weight_version is None else f"weight version {weight_version}",
+    )
+
+
+def retire(store: StateFile, audit: AuditLog, config: Config, name: str, reason: str) -> VerbResult:
+    return apply_event(
+        store, audit, config, name, lambda now: Retire(now=now, reason=reason), "retire", reason
+    )
+
+
+def reset(store: StateFile, audit: AuditLog, config: Config, name: str) -> VerbResult:
+    return apply_event(store, audit, config, name, lambda now: OperatorReset(now=now), "reset")
+
+
+def hold(
+    store: StateFile,
+    audit: AuditLog,
+    config: Config,
+    name: str,
+    seconds: float,
+    reason: str,
+    *,
+    clock: Clock = time.time,
+) -> VerbResult:
+    """Keep remediation away from a backend for a while; verdicts are still recorded."""
+    with store.locked():
+        record = load_existing(store, config)
+        _known(record, name)
+        now = clock()
+        new_hold = Hold(reason=reason, until=now + seconds, by=actor())
+        record.holds[name] = new_hold
+        audit.append(
+            {
+                "time": now,
+                "actor": new_hold.by,
+                "backend": name,
+                "event": "hold",
+                "until": new_hold.until,
+                "reason": reason,
+            }
+        )
+        store.save(record.to_dict())
+        return VerbResult(True, f"{name}: {new_hold.describe(now)}")
+
+
+def release(
+    store: StateFile, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
+) -> VerbResult:
+    with store.locked():
+        record = load_existing(store, config)
+        _known(record, name)
+        removed = record.holds.pop(name, None)
+        if removed is None:
+            return VerbResult(False, f"{name}: not on hold")
+        now = clock()
+        audit.append(
+            {
+                "time": now,
+                "actor": actor(),
+                "backend": name,
+                "event": "release",
+                "reason": f"released hold: {removed.reason}",
+            }
+        )
+        store.save(record.to_dict())
+        return VerbResult(True, f"{name}: hold released ({removed.reason})")
+
+
+def read_record(store: StateFile, config: Config) -> FleetRecord:
+    """For ``status``: the record as saved, read under the lock so no write is half seen."""
+    with store.locked():
+        return load_existing(store, config)
