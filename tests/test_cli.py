@@ -146,3 +146,27 @@ def test_a_missing_config_file_exits_3(entry_point: str, tmp_path: Path) -> None
     result = run(entry_point, "check", "--config", str(tmp_path / "absent.toml"))
     assert result.returncode == 3
     assert "cannot read" in result.stderr
+
+
+def test_the_installed_command_exits_2_when_a_backend_is_down(entry_point: str) -> None:
+    result = run(entry_point, "check", closed_port_url(), "--format", "nagios")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.startswith("LLMHEALTH CRITICAL - 1 down/suspect")
+
+
+def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
+    entry_point: str, tmp_path: Path
+) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n'
+        'restart = ["systemctl", "restart", "vllm@0"]\n'
+    )
+    result = run(entry_point, "config", "check", str(good))
+    assert result.returncode == 0, result.stderr
+    assert "1 backends (1 with a restart command), 0 proxies" in result.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[backend]]\nurl = "http://127.0.0.1:9"\nrestart = "systemctl restart x"\n')
+    result = run(entry_point, "config", "check", str(bad))
+    assert result.returncode == 3
+    assert f"{bad}: backend[0].restart: must be a list of strings" in result.stderr

@@ -1,0 +1,126 @@
+"""Operator verbs over a real state file and audit log, through the installed command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmhealth.actions import read
+from llmhealth.fleet import FleetRecord
+from llmhealth.ledger import Ledger, LedgerPolicy, State, WedgeProven
+from llmhealth.state import StateFile
+
+T0 = 1_796_000_000.0
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    """A saved fleet of two: gpu0 healthy, gpu1 condemned for a wedge."""
+    ledger = Ledger(
+        LedgerPolicy(), [("gpu0", "http://127.0.0.1:9"), ("gpu1", "http://127.0.0.1:10")], now=T0
+    )
+    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    return path
+
+
+def llmhealth(*args: str) -> subprocess.CompletedProcess[str]:
+    command = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert command is not None
+    return subprocess.run([command, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def status(path: Path) -> dict[str, dict[str, object]]:
+    result = llmhealth("status", "--state", str(path), "--format", "json")
+    assert result.returncode in (0, 1, 2), result.stderr
+    return {b["name"]: b for b in json.loads(result.stdout)["backends"]}
+
+
+def test_status_shows_the_saved_ledger_and_exits_by_its_states(state: Path) -> None:
+    result = llmhealth("status", "--state", str(state), "--format", "json")
+    assert result.returncode == 2  # a DEAD backend is critical
+    document = json.loads(result.stdout)
+    assert document["fleet"]["serving"] == 1
+    gpu1 = document["backends"][1]
+    assert (gpu1["name"], gpu1["state"], gpu1["serving"]) == ("gpu1", "dead", False)
+    assert gpu1["condemned_by"] == "wedged"
+    table = llmhealth("status", "--state", str(state))
+    assert "gpu1" in table.stdout
+    assert "dead" in table.stdout
+
+
+def test_a_dead_backend_cannot_be_readmitted_and_nothing_changes(state: Path) -> None:
+    before = state.read_bytes()
+    result = llmhealth("readmit", "gpu1", "--state", str(state))
+    assert result.returncode == 1
+    assert "only a STALE backend can be re-admitted" in result.stderr
+    assert state.read_bytes() == before
+    [entry] = read(state.with_name("audit.jsonl"))
+    assert (entry["event"], entry["applied"], entry["from"], entry["to"]) == (
+        "readmit",
+        False,
+        "dead",
+        "dead",
+    )
+
+
+def test_retire_reset_readmit_walks_retired_stale_healthy_with_an_audit_line_each(
+    state: Path,
+) -> None:
+    assert llmhealth("retire", "gpu1", "--reason", "bad GPU", "--state", str(state)).returncode == 0
+    assert status(state)["gpu1"]["state"] == "retired"
+    assert llmhealth("reset", "gpu1", "--state", str(state)).returncode == 0
+    assert status(state)["gpu1"]["state"] == "stale"
+    result = llmhealth("readmit", "gpu1", "--weight-version", "7", "--state", str(state))
+    assert result.returncode == 0, result.stderr
+    gpu1 = status(state)["gpu1"]
+    assert (gpu1["state"], gpu1["serving"], gpu1["weight_version"]) == ("healthy", True, 7)
+    audit = read(state.with_name("audit.jsonl"))
+    assert [(e["event"], e["from"], e["to"]) for e in audit] == [
+        ("retire", "dead", "retired"),
+        ("reset", "retired", "stale"),
+        ("readmit", "stale", "healthy"),
+    ]
+    assert audit[0]["reason"] == "bad GPU"
+    assert all(str(e["actor"]).startswith("operator") for e in audit)
+
+
+def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
+    result = llmhealth(
+        "hold", "gpu1", "--for", "30m", "--reason", "weight sync", "--state", str(state)
+    )
+    assert result.returncode == 0, result.stderr
+    hold = status(state)["gpu1"]["hold"]
+    assert isinstance(hold, dict)
+    assert hold["reason"] == "weight sync"
+    assert llmhealth("release", "gpu1", "--state", str(state)).returncode == 0
+    assert status(state)["gpu1"]["hold"] is None
+    again = llmhealth("release", "gpu1", "--state", str(state))
+    assert again.returncode == 1
+    assert "not on hold" in again.stderr
+    events = [e["event"] for e in read(state.with_name("audit.jsonl"))]
+    assert events == ["hold", "release"]
+
+
+def test_verbs_on_an_unknown_backend_or_missing_state_exit_3(state: Path, tmp_path: Path) -> None:
+    result = llmhealth("retire", "gpu9", "--reason", "x", "--state", str(state))
+    assert result.returncode == 3
+    assert "no backend named 'gpu9'" in result.stderr
+    missing = llmhealth("status", "--state", str(tmp_path / "none.json"))
+    assert missing.returncode == 3
+    assert "run 'llmhealth check'" in missing.stderr
+
+
+def test_a_bad_hold_duration_exits_3(state: Path) -> None:
+    result = llmhealth("hold", "gpu1", "--for", "soon", "--reason", "x", "--state", str(state))
+    assert result.returncode == 3
+    assert "is not a duration" in result.stderr
+    assert status(state)["gpu1"]["state"] == State.DEAD
