@@ -24,7 +24,7 @@ test: lint
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python bench/run.py
+	cd bench && ../$(BIN)/python run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
