@@ -8,7 +8,6 @@ file holds between runs; it is encoded and decoded here, stored by ``state``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +26,7 @@ from llmhealth.ledger import (
     Transition,
     UnplannedRestart,
     WedgeProven,
+    is_finite_number,
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
@@ -65,9 +65,10 @@ class Sighting:
         baseline = _table(raw, f"{where}.baseline")
         start = baseline.get("process_start")
         engines = []
-        for engine, counters in _table(baseline.get("engines"), f"{where}.engines").items():
-            values = _table(counters, f"{where}.engines.{engine}")
-            path = f"{where}.engines.{engine}"
+        engines_table = _table(baseline.get("engines"), f"{where}.baseline.engines")
+        for engine, counters in engines_table.items():
+            path = f"{where}.baseline.engines.{engine}"
+            values = _table(counters, path)
             engines.append(
                 EngineSignals(
                     engine=str(engine),
@@ -78,7 +79,7 @@ class Sighting:
                     preemptions=_optional_number(values, "preemptions", path),
                 )
             )
-        process_start = None if start is None else _number(start, f"{where}.process_start")
+        process_start = None if start is None else _number(start, f"{where}.baseline.process_start")
         return cls(at, reachable, Signals(tuple(engines), process_start))
 
 
@@ -227,8 +228,9 @@ def _table(value: object, where: str) -> Mapping[str, Any]:
 
 
 def _number(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ValueError(f"{where}: expected a finite number, got {value!r}")
+    assert isinstance(value, int | float)  # narrowed by is_finite_number, for mypy
     return float(value)
 
 

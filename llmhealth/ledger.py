@@ -184,7 +184,7 @@ class LedgerPolicy:
                 raise ValueError(f"{name} must be at least {least}, got {value}")
         for name in ("restart_budget_window", "startup_grace"):
             value = getattr(self, name)
-            if not _is_number(value) or value <= 0:
+            if not is_finite_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
@@ -198,7 +198,7 @@ class _EventBase:
     now: float  # wall seconds at which it happened
 
     def __post_init__(self) -> None:
-        if not _is_number(self.now):
+        if not is_finite_number(self.now):
             raise ValueError(f"{type(self).__name__}.now must be a finite number, got {self.now!r}")
 
 
@@ -813,8 +813,18 @@ class Ledger:
 # --- helpers ----------------------------------------------------------------------------
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def is_finite_number(value: object) -> bool:
+    """A number a float can hold: not a bool, NaN, infinity, or an integer past 1e308.
+
+    State files are JSON, whose integers have no bound; math.isfinite raises
+    OverflowError on a huge one, and that must read as bad data, not as a crash.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _in_window(t: float, now: float, window: float) -> bool:
@@ -886,7 +896,7 @@ def _as_int(value: object, where: str) -> int:
 
 
 def _as_time(value: object, where: str) -> float:
-    if not _is_number(value):
+    if not is_finite_number(value):
         raise ValueError(f"{where}: expected a finite number of seconds, got {value!r}")
     assert isinstance(value, int | float)  # narrowed by _is_number, for mypy
     return float(value)

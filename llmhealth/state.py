@@ -110,7 +110,9 @@ class StateFile:
             if document.get("schema") != SCHEMA:
                 raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
             return decode(document)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors; deeply nested JSON raises
+        # RecursionError and a huge integer can raise OverflowError in a validator.
+        except (ValueError, RecursionError, OverflowError) as exc:
             aside = self._set_aside()
             raise StateCorruptError(
                 f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "

@@ -43,8 +43,8 @@ def test_a_saved_document_loads_back_with_its_schema(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b"[1, 2]", b'{"schema": 99}', b"\xff\xfe binary", b""],
-    ids=["broken-json", "not-an-object", "future-schema", "binary", "empty"],
+    [b"{not json", b"[1, 2]", b'{"schema": 99}', b"\xff\xfe binary", b"", b"[" * 200_000],
+    ids=["broken-json", "not-an-object", "future-schema", "binary", "empty", "deeply-nested"],
 )
 def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: bytes) -> None:
     store = StateFile(tmp_path / "state.json")

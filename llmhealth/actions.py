@@ -1,0 +1,415 @@
+"""Remediation I/O: run a restart command, and append what was done to the audit log.
+
+A command is an argv list run without a shell, in its own process group, bounded in time
+and in the output kept. A command that cannot run is a result, not an exception. An audit
+record that cannot be kept raises AuditError: the caller decides, nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Final
+
+DEFAULT_OUTPUT_LIMIT: Final = 4096
+KILL_GRACE: Final = 2.0  # seconds between SIGTERM and SIGKILL to a timed-out command
+# Once the command has exited, its own output is already in the pipes; only a process it
+# left behind can keep them open, and that one is not waited for.
+_DRAIN_AFTER_EXIT: Final = 1.0
+_POLL: Final = 0.1  # how often exit is checked while the pipes stay quiet
+_CHUNK: Final = 65536
+_MAX_DEPTH: Final = 32
+
+
+# --- restart commands -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """What one command did. ``exit_code`` is None when it never ran (the reason is in
+    ``stderr``) and negative when a signal ended it, as in ``subprocess``."""
+
+    argv: tuple[str, ...]
+    exit_code: int | None
+    timed_out: bool
+    duration: float  # seconds, from start to the end of reading its output
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "argv": list(self.argv),
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "duration": self.duration,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+        }
+
+
+def run_command(
+    argv: Sequence[str],
+    timeout: float,
+    output_limit: int = DEFAULT_OUTPUT_LIMIT,
+    *,
+    kill_grace: float = KILL_GRACE,
+) -> CommandResult:
+    """Run ``argv`` with no shell and no stdin, for at most ``timeout`` seconds.
+
+    Past the timeout its whole process group gets SIGTERM, then SIGKILL after
+    ``kill_grace``. A command that exits in time is never killed, nor is anything it
+    left running: a restart script may legitimately start the server in the background
+    (it should send that server's output elsewhere, as these pipes close once the command
+    has exited). Each stream keeps at most ``output_limit`` bytes, its first and last
+    halves.
+    """
+    # A str is a Sequence[str] too; iterating one would run each character as an argument.
+    if isinstance(argv, str | bytes):
+        raise TypeError("argv must be a list of arguments, not a string: no shell is used")
+    args = tuple(argv)
+    if not args or not all(isinstance(a, str) for a in args):
+        raise TypeError(f"argv must be a non-empty list of strings, got {argv!r}")
+    if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(output_limit, bool) or not isinstance(output_limit, int) or output_limit < 0:
+        raise ValueError(f"output_limit must be a whole number of bytes, got {output_limit!r}")
+
+    start = time.monotonic()
+    nul = next((i for i, a in enumerate(args) if "\0" in a), None)
+    if nul is not None:
+        return _not_run(args, start, f"argument {nul} contains a NUL byte")
+    try:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own group, so a timeout reaches its children
+            close_fds=True,
+        )
+    except OSError as exc:  # missing, not executable, not a valid binary...
+        return _not_run(args, start, exc.strerror or str(exc))
+
+    out, err = _Capture(output_limit), _Capture(output_limit)
+    assert proc.stdout is not None and proc.stderr is not None  # both are PIPE above
+    streams: dict[IO[bytes], _Capture] = {proc.stdout: out, proc.stderr: err}
+    notes: list[str] = []
+    try:
+        _collect(proc, streams, start + timeout)
+        timed_out = proc.poll() is None
+        if timed_out:
+            notes += _stop_group(proc, kill_grace)
+            # What the group wrote before it died is still in the pipes.
+            _collect(proc, streams, time.monotonic() + _DRAIN_AFTER_EXIT)
+        if any(not f.closed for f in streams):
+            notes.append("output still held open by a process the command started; stopped reading")
+    except BaseException:
+        # Interrupted (KeyboardInterrupt, a bug): do not leave the command running unowned.
+        _signal_group(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        for f in streams:
+            f.close()
+        _reap(proc)
+    stderr = err.text()
+    if notes:
+        # Our own lines are tagged, so the audit log tells them from the command's.
+        tagged = "\n".join(f"[llmhealth: {note}]" for note in notes)
+        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + tagged
+    return CommandResult(
+        argv=args,
+        exit_code=proc.returncode,
+        timed_out=timed_out,
+        duration=time.monotonic() - start,
+        stdout=out.text(),
+        stderr=stderr,
+    )
+
+
+class _Capture:
+    """One stream's first and last bytes, at most ``limit`` in all; the middle is counted
+    and dropped. The tail is kept because a failing command usually says why at its end."""
+
+    def __init__(self, limit: int) -> None:
+        self._tail_limit = limit // 2
+        self._head_limit = limit - self._tail_limit
+        self._head = bytearray()
+        self._tail = bytearray()
+        self._total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self._total += len(chunk)
+        room = self._head_limit - len(self._head)
+        if room > 0:
+            self._head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk and self._tail_limit:
+            self._tail += chunk[-self._tail_limit :]
+            del self._tail[: -self._tail_limit]
+
+    def text(self) -> str:
+        head = self._head.decode("utf-8", errors="replace")
+        tail = self._tail.decode("utf-8", errors="replace")
+        omitted = self._total - len(self._head) - len(self._tail)
+        if omitted == 0:
+            return head + tail
+        return f"{head}\n[... {omitted} bytes omitted ...]\n{tail}"
+
+
+def _collect(
+    proc: subprocess.Popen[bytes], streams: Mapping[IO[bytes], _Capture], deadline: float
+) -> None:
+    """Read every open stream until each reaches EOF, the deadline passes, or the command
+    has exited and the short drain after it is over. A stream at EOF is closed."""
+    with selectors.DefaultSelector() as selector:
+        for f, capture in streams.items():
+            if not f.closed:
+                selector.register(f, selectors.EVENT_READ, (f, capture))
+        exited_at: float | None = None
+        while selector.get_map():
+            now = time.monotonic()
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            until = deadline if exited_at is None else min(deadline, exited_at + _DRAIN_AFTER_EXIT)
+            if now >= until:
+                return
+            for key, _ in selector.select(min(until - now, _POLL)):
+                f, capture = key.data
+                data = os.read(key.fd, _CHUNK)
+                if data:
+                    capture.add(data)
+                else:
+                    selector.unregister(f)
+                    f.close()
+    # Both streams closed, yet the command may still run (it closed them itself).
+    if proc.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(deadline - time.monotonic(), 0))
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> list[str]:
+    """SIGTERM the command's process group, then SIGKILL whatever is left after ``grace``.
+    Returns notes for stderr about signals that could not be sent."""
+    pgid = proc.pid  # start_new_session made the command the leader of its own group
+    notes = [f"timed out: sent SIGTERM to process group {pgid}"]
+    problem = _signal_group(pgid, signal.SIGTERM)
+    if problem:
+        return [*notes, problem]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, so a dead leader no longer counts as a member
+        if not _group_alive(pgid):
+            return notes
+        time.sleep(0.02)
+    # Sent only while the group still has members: a process group ID cannot be reused
+    # while any member lives, so this cannot reach an unrelated process.
+    notes.append(f"still running {grace:g}s after SIGTERM: sent SIGKILL")
+    problem = _signal_group(pgid, signal.SIGKILL)
+    if problem:
+        notes.append(problem)
+    return notes
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> str | None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        # e.g. a setuid program such as sudo, when llmhealth does not run as root.
+        return f"not permitted to send {sig.name} to process group {pgid}"
+    return None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    # Bounded only for a process that outlives SIGKILL (stuck in the kernel): a hung
+    # health checker is worse, and returncode then stays None and says so.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(KILL_GRACE if proc.poll() is None else None)
+
+
+def _not_run(args: tuple[str, ...], start: float, why: str) -> CommandResult:
+    return CommandResult(
+        argv=args,
+        exit_code=None,
+        timed_out=False,
+        duration=time.monotonic() - start,
+        stdout="",
+        stderr=f"cannot run {args[0]!r}: {why}",
+    )
+
+
+# --- the audit log --------------------------------------------------------------------
+
+
+class AuditError(Exception):
+    """The audit log could not be written or read; for a write, the record was not kept."""
+
+
+class AuditLog:
+    """An append-only JSON-lines file: one object per line, one ``write`` per record.
+
+    Fields by convention (only ``time`` is filled in here; the rest are the caller's):
+
+    - ``time``: unix seconds; the record's own, else the moment of the append
+    - ``actor``: who acted, e.g. ``llmhealth``, ``operator:alice``, ``trainer``
+    - ``backend``: the backend's name
+    - ``event``: what happened: ``restart``, ``retire``, ``hold``, ``readmit``, ...
+    - ``from``, ``to``: ledger states before and after
+    - ``reason``: the sentence from the ledger or the restart plan
+    - ``evidence``: the verdict's evidence that proved it
+    - ``command``: for a restart, ``CommandResult.to_dict()``
+    - ``dry_run``: true when it was decided and logged but not done
+
+    Values JSON cannot hold are written as text (NaN as ``"nan"``, an object as its
+    ``to_dict()`` or ``str()``), so a record is never refused for its evidence.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def append(self, record: Mapping[str, object]) -> None:
+        """Write one record durably (fsync) or raise AuditError."""
+        line = _encode(record)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as exc:
+            raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
+        try:
+            # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
+            # on the others too, and for records larger than one atomic write.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            written = os.write(fd, line)
+            if written != len(line):
+                # End the fragment here, so the next record starts on a line of its own
+                # and readers skip this one as malformed instead of merging the two.
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"\n")
+                raise AuditError(
+                    f"{self.path}: short write ({written} of {len(line)} bytes, disk full?); "
+                    "the record was not kept"
+                )
+            os.fsync(fd)
+        except OSError as exc:
+            raise AuditError(f"{self.path}: cannot write the audit log: {_why(exc)}") from exc
+        finally:
+            os.close(fd)  # also releases the lock
+        if created:
+            _fsync_dir(self.path.parent)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditScan:
+    records: list[dict[str, object]]
+    malformed: int  # lines that were not a JSON object (a torn write, a hand edit)
+
+
+def scan(path: str | os.PathLike[str], last: int | None = None) -> AuditScan:
+    """The records of an audit log, oldest first; only the ``last`` ones if given. A log
+    not yet written is empty; malformed lines are skipped and counted."""
+    keep: deque[dict[str, object]] = deque(maxlen=last)
+    malformed = 0
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    value = json.loads(raw)
+                except ValueError:  # includes UnicodeDecodeError
+                    malformed += 1
+                    continue
+                if isinstance(value, dict):
+                    keep.append(value)
+                else:
+                    malformed += 1
+    except FileNotFoundError:
+        return AuditScan([], 0)
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read the audit log: {_why(exc)}") from exc
+    return AuditScan(list(keep), malformed)
+
+
+def read(path: str | os.PathLike[str]) -> list[dict[str, object]]:
+    """Every well-formed record of an audit log, oldest first."""
+    return scan(path).records
+
+
+def _encode(record: Mapping[str, object]) -> bytes:
+    if not isinstance(record, Mapping):
+        raise AuditError(f"an audit record must be a mapping, got {type(record).__name__}")
+    body = {str(key): _plain(value, 1) for key, value in record.items()}
+    stamp = body.pop("time", None)
+    if stamp is None:
+        stamp = time.time()
+    elif isinstance(stamp, bool) or not isinstance(stamp, int | float):
+        raise AuditError(f"audit record time must be unix seconds, got {stamp!r}")
+    # ensure_ascii: any str, even one holding lone surrogates, becomes encodable bytes.
+    text = json.dumps({"time": stamp, **body}, ensure_ascii=True, allow_nan=False)
+    return text.encode("ascii") + b"\n"
+
+
+def _plain(value: object, depth: int) -> object:
+    """``value`` as JSON can hold it; see AuditLog for what becomes text."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth > _MAX_DEPTH:
+        return str(value)  # a cycle, or nesting no reader wants
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset | deque):
+        return [_plain(v, depth + 1) for v in value]
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return _plain(to_dict(), depth + 1)
+    return str(value)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a new log's directory entry durable too; best effort, as some filesystems
+    # refuse to open or fsync a directory and the record itself is already on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise AuditError(f"{path}: cannot sync the audit log's directory: {_why(exc)}") from exc
+    finally:
+        os.close(fd)
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)

@@ -1,0 +1,805 @@
+"""What each verdict means for a backend in each ledger state, walks over several runs
+through the real ledger, and the fleet record that persists between runs.
+
+Verdicts are built directly, so every row of the tables below is one sentence of the
+contract: "a DEAD backend whose last sighting was refused and that now shows work has a
+new process up", and so on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
+from llmhealth.fleet import FleetRecord, Sighting, events_for, sighting_of
+from llmhealth.ledger import (
+    Event,
+    EventKind,
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    ProbeFailure,
+    Readmitted,
+    RequestFailure,
+    Retire,
+    State,
+    UnplannedRestart,
+    WedgeProven,
+)
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.policy import Hold, RestartHistory
+
+NOW = 1_000.0
+EARLIER = NOW - 60.0
+URL_0 = "http://10.0.0.5:8000"
+URL_1 = "http://10.0.0.6:8000"
+URL_2 = "http://10.0.0.7:8000"
+POLICY = LedgerPolicy()
+
+
+def signals(*, steps: float = 100.0, running: float = 4.0, start: float | None = 50.0) -> Signals:
+    engine = EngineSignals(
+        engine="0",
+        running=running,
+        waiting=0.0,
+        steps=steps,
+        generation_tokens=steps * 4,
+        prompt_tokens=48.0,
+        finished=3.0,
+        preemptions=0.0,
+        kv_usage=0.1,
+    )
+    return Signals(engines=(engine,), process_start=start)
+
+
+def readable(at: float = NOW, **kwargs: Any) -> Read:
+    return Read(at, signals(**kwargs))
+
+
+REFUSED = Read(NOW, problem=ReadProblem.DOWN, detail="connection refused")
+TIMED_OUT = Read(
+    NOW,
+    problem=ReadProblem.UNRESPONSIVE,
+    detail="GET /metrics: connected, but no complete HTTP answer within 1 s",
+)
+NOT_VLLM = Read(NOW, signals=Signals(), detail="GET /metrics sent 12 bytes without vLLM series")
+ANSWERED = Answer(NOW, True, "answered in 0.05 s by model tiny", "tiny", ("tiny",))
+FAILED = Answer(NOW, False, "failed: no complete HTTP answer within 1 s", "tiny", ("tiny",))
+
+# The evidence of each verdict after its leading "kind: ", which is what the ledger keeps.
+BUSY_DETAIL = "engine 0 progressed over 0.3 s (steps +40); no request sent"
+STALLED_DETAIL = "engine 0 had work and made no progress over one wait (0.3 s)"
+WEDGED_DETAIL = "engine 0 had work and made no progress over 2 consecutive waits (0.6 s)"
+UNANSWERED_DETAIL = "no work (0 running, 0 waiting); tiny request failed: timed out"
+NO_METRICS_FAILED_DETAIL = "no metrics (no vLLM series); tiny request failed: timed out"
+RESTARTED_FAILED_DETAIL = "process start time 50.00 → 90.00 since the last run; tiny request failed"
+
+
+def verdict(kind: VerdictKind, healthy: bool, detail: str, **kwargs: Any) -> Verdict:
+    return Verdict(kind, healthy, f"{kind}: {detail}", **kwargs)
+
+
+VERDICTS: dict[str, Verdict] = {
+    "busy": verdict(
+        VerdictKind.BUSY,
+        True,
+        BUSY_DETAIL,
+        reads=(readable(NOW - 0.3), readable(steps=140.0)),
+    ),
+    "idle answered": verdict(
+        VerdictKind.IDLE,
+        True,
+        "no work (0 running, 0 waiting); tiny request answered in 0.05 s by model tiny",
+        reads=(readable(running=0.0),),
+        answer=ANSWERED,
+        requests_sent=1,
+    ),
+    "idle unanswered": verdict(
+        VerdictKind.UNANSWERED,
+        False,
+        UNANSWERED_DETAIL,
+        reads=(readable(running=0.0),),
+        answer=FAILED,
+        requests_sent=1,
+    ),
+    "stalled": verdict(
+        VerdictKind.STALLED,
+        False,
+        STALLED_DETAIL,
+        reads=(readable(NOW - 0.6), readable(NOW - 0.3, steps=140.0), readable(steps=140.0)),
+    ),
+    "wedged": verdict(
+        VerdictKind.WEDGED,
+        False,
+        WEDGED_DETAIL,
+        reads=(readable(NOW - 0.6), readable(NOW - 0.3), readable()),
+    ),
+    "restarted answered": verdict(
+        VerdictKind.RESTARTED,
+        True,
+        "process start time 50.00 → 90.00 since the last run; tiny request answered",
+        reads=(readable(steps=3.0, running=0.0, start=90.0),),
+        answer=ANSWERED,
+        requests_sent=1,
+    ),
+    "restarted failed": verdict(
+        VerdictKind.RESTARTED,
+        False,
+        RESTARTED_FAILED_DETAIL,
+        reads=(readable(steps=3.0, running=0.0, start=90.0),),
+        answer=FAILED,
+        requests_sent=1,
+    ),
+    "restarted unjudged": verdict(
+        VerdictKind.RESTARTED,
+        False,
+        "process start time 50.00 → 90.00 between reads; the new process shows 4 running "
+        "and no progress yet",
+        reads=(readable(), readable(steps=3.0, start=90.0), readable(steps=3.0, start=90.0)),
+    ),
+    "no_metrics answered": verdict(
+        VerdictKind.NO_METRICS,
+        True,
+        "no metrics (no vLLM series); tiny request answered in 0.05 s by model tiny",
+        reads=(NOT_VLLM,),
+        answer=ANSWERED,
+        requests_sent=1,
+    ),
+    "no_metrics failed": verdict(
+        VerdictKind.NO_METRICS,
+        False,
+        NO_METRICS_FAILED_DETAIL,
+        reads=(NOT_VLLM,),
+        answer=FAILED,
+        requests_sent=1,
+    ),
+    "unresponsive": verdict(VerdictKind.UNRESPONSIVE, False, TIMED_OUT.detail, reads=(TIMED_OUT,)),
+    "down": verdict(VerdictKind.DOWN, False, REFUSED.detail, reads=(REFUSED,)),
+}
+
+REACHABLE_BEFORE = Sighting(EARLIER, True, signals())
+REFUSED_BEFORE = Sighting(EARLIER, False, signals())
+
+
+def good(request_ok: bool) -> Event:
+    return GoodVerdict(now=NOW, request_ok=request_ok)
+
+
+def probe_failure(reason: str, detail: str) -> Event:
+    return ProbeFailure(now=NOW, reason=reason, detail=detail)
+
+
+def request_failure(reason: str, detail: str) -> Event:
+    return RequestFailure(now=NOW, reason=reason, detail=detail)
+
+
+WEDGE = WedgeProven(now=NOW, evidence=WEDGED_DETAIL)
+NEW_PROCESS = NewProcessUp(now=NOW)
+READMIT = Readmitted(now=NOW)
+UNPLANNED = UnplannedRestart(now=NOW)
+
+# HEALTHY and SUSPECT read every verdict the same way: the counting is the ledger's job.
+IN_SERVICE: dict[str, list[Event]] = {
+    "busy": [good(False)],
+    "idle answered": [good(True)],
+    "idle unanswered": [request_failure("unanswered", UNANSWERED_DETAIL)],
+    "stalled": [probe_failure("stalled", STALLED_DETAIL)],
+    "wedged": [WEDGE],
+    "restarted answered": [UNPLANNED, READMIT],
+    "restarted failed": [UNPLANNED],
+    "restarted unjudged": [UNPLANNED],
+    "no_metrics answered": [good(True)],
+    "no_metrics failed": [request_failure("no_metrics", NO_METRICS_FAILED_DETAIL)],
+    "unresponsive": [probe_failure("unresponsive", TIMED_OUT.detail)],
+    "down": [probe_failure("down", REFUSED.detail)],
+}
+
+# DEAD or RESTARTING, the same process as last time: only a new start time moves it.
+ABSENT_SAME_PROCESS: dict[str, list[Event]] = {
+    **{name: [] for name in VERDICTS},
+    "restarted answered": [NEW_PROCESS, READMIT],
+    "restarted failed": [NEW_PROCESS],
+    "restarted unjudged": [NEW_PROCESS],
+}
+
+# DEAD or RESTARTING after a refusal: metrics (or any answer) again means a new process.
+ABSENT_AFTER_REFUSAL: dict[str, list[Event]] = {
+    "busy": [NEW_PROCESS],
+    "idle answered": [NEW_PROCESS, READMIT],
+    "idle unanswered": [NEW_PROCESS],
+    "stalled": [NEW_PROCESS],
+    "wedged": [NEW_PROCESS],
+    "restarted answered": [NEW_PROCESS, READMIT],
+    "restarted failed": [NEW_PROCESS],
+    "restarted unjudged": [NEW_PROCESS],
+    "no_metrics answered": [NEW_PROCESS, READMIT],
+    "no_metrics failed": [NEW_PROCESS],
+    "unresponsive": [],
+    "down": [],
+}
+
+# STALE leaves only by re-admission or proof of a wedge; failures are noted, never counted.
+STALE_EVENTS: dict[str, list[Event]] = {
+    "busy": [],
+    "idle answered": [READMIT],
+    "idle unanswered": [request_failure("unanswered", UNANSWERED_DETAIL)],
+    "stalled": [probe_failure("stalled", STALLED_DETAIL)],
+    "wedged": [WEDGE],
+    "restarted answered": [READMIT],
+    "restarted failed": [request_failure("restarted", RESTARTED_FAILED_DETAIL)],
+    "restarted unjudged": [],
+    "no_metrics answered": [READMIT],
+    "no_metrics failed": [request_failure("no_metrics", NO_METRICS_FAILED_DETAIL)],
+    "unresponsive": [probe_failure("unresponsive", TIMED_OUT.detail)],
+    "down": [probe_failure("down", REFUSED.detail)],
+}
+
+CASES = [
+    *(
+        (state, previous, name, expected)
+        for state in (State.HEALTHY, State.SUSPECT)
+        for previous in (None, REACHABLE_BEFORE, REFUSED_BEFORE)
+        for name, expected in IN_SERVICE.items()
+    ),
+    *(
+        (state, previous, name, expected)
+        for state in (State.DEAD, State.RESTARTING)
+        for previous in (None, REACHABLE_BEFORE)
+        for name, expected in ABSENT_SAME_PROCESS.items()
+    ),
+    *(
+        (state, REFUSED_BEFORE, name, expected)
+        for state in (State.DEAD, State.RESTARTING)
+        for name, expected in ABSENT_AFTER_REFUSAL.items()
+    ),
+    *(
+        (State.STALE, previous, name, expected)
+        for previous in (None, REACHABLE_BEFORE, REFUSED_BEFORE)
+        for name, expected in STALE_EVENTS.items()
+    ),
+    *(
+        (State.RETIRED, previous, name, [])
+        for previous in (None, REACHABLE_BEFORE, REFUSED_BEFORE)
+        for name in VERDICTS
+    ),
+]
+
+
+def _previous_id(previous: Sighting | None) -> str:
+    if previous is None:
+        return "never seen"
+    return "last seen reachable" if previous.reachable else "last seen refused"
+
+
+@pytest.mark.parametrize(
+    ("state", "previous", "name", "expected"),
+    CASES,
+    ids=[f"{s}-{_previous_id(p)}-{n}" for s, p, n, _ in CASES],
+)
+def test_each_verdict_stands_for_exactly_these_events_in_each_state(
+    state: State, previous: Sighting | None, name: str, expected: list[Event]
+) -> None:
+    assert events_for(VERDICTS[name], state, now=NOW, previous=previous) == expected
+
+
+def test_the_tables_cover_every_verdict_a_backend_can_get() -> None:
+    backend_kinds = set(VerdictKind) - {VerdictKind.UP}
+    assert {v.kind for v in VERDICTS.values()} == backend_kinds
+    for table in (IN_SERVICE, ABSENT_SAME_PROCESS, ABSENT_AFTER_REFUSAL, STALE_EVENTS):
+        assert table.keys() == VERDICTS.keys()
+    assert {state for state, *_ in CASES} == set(State)
+
+
+WRONG_MODEL = Answer(NOW, True, "answered by model tiny", "tiny", ("tiny",))
+RIGHT_MODEL = Answer(NOW, True, "answered by model big", "big", ("tiny", "big"))
+
+
+def restarted_with(answer: Answer) -> Verdict:
+    return verdict(VerdictKind.RESTARTED, True, "new process", answer=answer, requests_sent=1)
+
+
+def idle_with(answer: Answer) -> Verdict:
+    return verdict(VerdictKind.IDLE, True, "no work", answer=answer, requests_sent=1)
+
+
+@pytest.mark.parametrize(
+    ("state", "made", "expected_without", "expected_with"),
+    [
+        (State.HEALTHY, restarted_with, [UNPLANNED], [UNPLANNED, READMIT]),
+        (State.SUSPECT, restarted_with, [UNPLANNED], [UNPLANNED, READMIT]),
+        (State.DEAD, restarted_with, [NEW_PROCESS], [NEW_PROCESS, READMIT]),
+        (State.RESTARTING, restarted_with, [NEW_PROCESS], [NEW_PROCESS, READMIT]),
+        (State.STALE, idle_with, [], [READMIT]),
+        (State.STALE, restarted_with, [], [READMIT]),
+    ],
+)
+def test_an_answer_readmits_only_when_the_expected_model_is_served(
+    state: State,
+    made: Callable[[Answer], Verdict],
+    expected_without: list[Event],
+    expected_with: list[Event],
+) -> None:
+    def events(answer: Answer) -> list[Event]:
+        return events_for(
+            made(answer), state, now=NOW, previous=REACHABLE_BEFORE, expected_model="big"
+        )
+
+    assert events(WRONG_MODEL) == expected_without
+    assert events(RIGHT_MODEL) == expected_with
+
+
+def test_without_an_expected_model_any_answer_readmits() -> None:
+    events = events_for(idle_with(WRONG_MODEL), State.STALE, now=NOW, previous=None)
+    assert events == [READMIT]
+
+
+def test_events_carry_the_time_they_were_given() -> None:
+    for name, made in VERDICTS.items():
+        for state in State:
+            for event in events_for(made, state, now=12.5, previous=REFUSED_BEFORE):
+                assert event.now == 12.5, (name, state, event)
+
+
+# --- sightings ---------------------------------------------------------------------
+
+
+def test_a_sighting_keeps_the_newest_readable_process() -> None:
+    verdict_ = VERDICTS["busy"]
+    assert sighting_of(verdict_, NOW, REACHABLE_BEFORE) == Sighting(NOW, True, signals(steps=140))
+
+
+@pytest.mark.parametrize("name", ["down", "unresponsive"])
+def test_a_refused_or_silent_backend_is_sighted_unreachable_with_its_old_baseline(
+    name: str,
+) -> None:
+    sighted = sighting_of(VERDICTS[name], NOW, REACHABLE_BEFORE)
+    assert sighted == Sighting(NOW, False, REACHABLE_BEFORE.baseline)
+
+
+def test_a_backend_without_metrics_is_reachable_and_keeps_the_old_baseline() -> None:
+    sighted = sighting_of(VERDICTS["no_metrics answered"], NOW, REACHABLE_BEFORE)
+    assert sighted == Sighting(NOW, True, REACHABLE_BEFORE.baseline)
+
+
+def test_the_first_sighting_without_a_readable_read_has_no_baseline() -> None:
+    assert sighting_of(VERDICTS["down"], NOW, None) == Sighting(NOW, False, None)
+
+
+def test_a_read_refused_after_a_readable_one_is_unreachable_but_keeps_that_read() -> None:
+    late = readable(NOW - 0.3, steps=7.0, start=90.0)
+    gone = verdict(VerdictKind.DOWN, False, "connection refused", reads=(late, REFUSED))
+    assert sighting_of(gone, NOW, REACHABLE_BEFORE) == Sighting(NOW, False, late.signals)
+
+
+# --- the record: observe and reconcile ---------------------------------------------
+
+
+def record_of(*backends: tuple[str, str]) -> FleetRecord:
+    return FleetRecord(Ledger(POLICY, backends, now=0.0))
+
+
+def test_observe_feeds_the_ledger_and_remembers_the_process_it_saw() -> None:
+    record = record_of(("gpu0", URL_0))
+    transitions = record.observe("gpu0", VERDICTS["busy"], NOW)
+    assert [(t.kind, t.from_state, t.to_state, t.applied) for t in transitions] == [
+        (EventKind.GOOD_VERDICT, State.HEALTHY, State.HEALTHY, True)
+    ]
+    assert record.sightings == {"gpu0": Sighting(NOW, True, signals(steps=140))}
+
+    transitions = record.observe("gpu0", VERDICTS["down"], NOW + 60)
+    assert [(t.kind, t.from_state, t.to_state) for t in transitions] == [
+        (EventKind.PROBE_FAILURE, State.HEALTHY, State.SUSPECT)
+    ]
+    # The refusal shows no process, so the one seen before stays the baseline.
+    assert record.sightings == {"gpu0": Sighting(NOW + 60, False, signals(steps=140))}
+    assert record.ledger.snapshot("gpu0", NOW + 60).last_error == "down: connection refused"
+
+
+def test_observe_uses_the_previous_sighting_to_see_a_process_come_back() -> None:
+    record = record_of(("gpu0", URL_0))
+    for step in range(3):
+        record.observe("gpu0", VERDICTS["down"], NOW + step)
+    assert record.ledger.state_of("gpu0") is State.DEAD
+    transitions = record.observe("gpu0", VERDICTS["busy"], NOW + 3)
+    assert [(t.kind, t.to_state) for t in transitions] == [(EventKind.NEW_PROCESS_UP, State.STALE)]
+
+
+def test_observe_passes_the_expected_model_to_readmission() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", restarted_with(WRONG_MODEL), NOW, expected_model="big")
+    assert record.ledger.state_of("gpu0") is State.STALE
+    record.observe("gpu0", idle_with(RIGHT_MODEL), NOW + 1, expected_model="big")
+    assert record.ledger.state_of("gpu0") is State.HEALTHY
+
+
+def test_reconcile_adds_new_backends_and_says_so() -> None:
+    record = record_of(("gpu0", URL_0))
+    changes = record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW)
+    assert changes == [f"gpu1: new backend at {URL_1}; starts HEALTHY"]
+    assert record.ledger.names == ("gpu0", "gpu1")
+    assert record.ledger.state_of("gpu1") is State.HEALTHY
+    assert record.ledger.epoch == 1  # the serving set grew
+
+
+def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() -> None:
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.observe("gpu1", VERDICTS["busy"], NOW)
+    record.restarts["gpu1"] = RestartHistory(failures=1, last_attempt_at=NOW)
+    changes = record.reconcile({"gpu0": URL_0}, NOW)
+    assert changes == ["gpu1: no longer configured (or its URL changed); forgotten"]
+    assert record.ledger.names == ("gpu0",)
+    assert "gpu1" not in record.sightings
+    assert "gpu1" not in record.restarts
+    assert record.ledger.epoch == 1  # a serving backend left
+
+
+def test_reconcile_starts_a_re_urled_backend_afresh() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["wedged"], NOW)
+    assert record.ledger.state_of("gpu0") is State.DEAD
+    changes = record.reconcile({"gpu0": URL_2}, NOW + 1)
+    assert changes == [
+        "gpu0: no longer configured (or its URL changed); forgotten",
+        f"gpu0: new backend at {URL_2}; starts HEALTHY",
+    ]
+    snapshot = record.ledger.snapshot("gpu0", NOW + 1)
+    assert (snapshot.url, snapshot.state, snapshot.condemned_by) == (URL_2, State.HEALTHY, None)
+    # The old process's counters must never be compared with the new server's.
+    assert "gpu0" not in record.sightings
+
+
+def test_reconcile_with_the_same_backends_changes_nothing() -> None:
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    before = record.to_dict()
+    assert record.reconcile({"gpu1": URL_1, "gpu0": URL_0}, NOW + 1) == []
+    assert record.to_dict() == before
+
+
+# --- walks over several runs with the real ledger ----------------------------------
+
+
+def whole(record: FleetRecord, name: str = "gpu0") -> tuple[State, int, int, int]:
+    snapshot = record.ledger.snapshot(name, NOW)
+    return (
+        snapshot.state,
+        snapshot.probe_failures,
+        snapshot.request_failures,
+        record.ledger.epoch,
+    )
+
+
+def walk(record: FleetRecord, names: list[str]) -> list[tuple[State, int, int, int]]:
+    """Observe one verdict per run, a minute apart; the whole state after each."""
+    seen = [whole(record)]
+    for run, name in enumerate(names, start=1):
+        record.observe("gpu0", VERDICTS[name], NOW + 60 * run)
+        seen.append(whole(record))
+    return seen
+
+
+H, S, D, T = State.HEALTHY, State.SUSPECT, State.DEAD, State.STALE
+
+
+def test_three_downs_in_a_row_condemn_a_backend() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["down", "down", "down"]) == [
+        (H, 0, 0, 0),
+        (S, 1, 0, 0),
+        (S, 2, 0, 0),
+        (D, 3, 0, 1),
+    ]
+    assert record.ledger.snapshot("gpu0", NOW).condemned_by == "down"
+
+
+def test_one_wedge_condemns_a_backend_at_once() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["wedged"]) == [(H, 0, 0, 0), (D, 0, 0, 1)]
+    assert record.ledger.snapshot("gpu0", NOW).condemned_by == "wedged"
+
+
+def test_a_dead_backend_comes_back_through_stale_and_the_epoch_moves_exactly_twice() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["wedged"], NOW)
+    transitions = record.observe("gpu0", VERDICTS["restarted answered"], NOW + 60)
+    assert [(t.from_state, t.to_state, t.epoch_changed) for t in transitions] == [
+        (D, T, False),
+        (T, H, True),
+    ]
+    assert whole(record) == (H, 0, 0, 2)
+    assert record.ledger.snapshot("gpu0", NOW).condemned_by is None
+
+
+def test_a_dead_backend_showing_work_from_the_same_process_stays_dead() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["wedged", "busy", "busy", "idle answered"]) == [
+        (H, 0, 0, 0),
+        (D, 0, 0, 1),
+        (D, 0, 0, 1),
+        (D, 0, 0, 1),
+        (D, 0, 0, 1),
+    ]
+
+
+def test_a_refused_backend_that_shows_work_again_must_still_be_readmitted() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["down", "down", "down", "busy", "busy", "idle answered"]) == [
+        (H, 0, 0, 0),
+        (S, 1, 0, 0),
+        (S, 2, 0, 0),
+        (D, 3, 0, 1),
+        (T, 0, 0, 1),  # metrics again after refusal: a new process, unproven
+        (T, 0, 0, 1),  # good probes never readmit
+        (H, 0, 0, 2),  # the tiny request did
+    ]
+
+
+def test_busy_verdicts_do_not_clear_a_request_failure_streak() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["idle unanswered", "busy", "busy", "busy"]) == [
+        (H, 0, 0, 0),
+        (S, 0, 1, 0),
+        (S, 0, 1, 0),
+        (S, 0, 1, 0),
+        (S, 0, 1, 0),
+    ]
+    # Only an answered request clears it.
+    record.observe("gpu0", VERDICTS["idle answered"], NOW + 600)
+    assert whole(record) == (H, 0, 0, 0)
+
+
+def test_request_failures_between_busy_verdicts_still_condemn() -> None:
+    record = record_of(("gpu0", URL_0))
+    seen = walk(record, ["idle unanswered", "busy", "idle unanswered", "busy", "idle unanswered"])
+    assert seen[-1] == (D, 0, 3, 1)
+    assert record.ledger.snapshot("gpu0", NOW).condemned_by == "unanswered"
+
+
+def test_a_serving_backend_that_restarted_and_answered_is_readmitted_in_the_same_run() -> None:
+    record = record_of(("gpu0", URL_0))
+    transitions = record.observe("gpu0", VERDICTS["restarted answered"], NOW)
+    assert [(t.kind, t.from_state, t.to_state) for t in transitions] == [
+        (EventKind.UNPLANNED_RESTART, H, T),
+        (EventKind.READMITTED, T, H),
+    ]
+    assert record.ledger.epoch == 2
+
+
+def test_a_serving_backend_that_restarted_unanswered_is_withheld_from_traffic() -> None:
+    record = record_of(("gpu0", URL_0))
+    assert walk(record, ["restarted failed", "down", "down", "down", "down"]) == [
+        (H, 0, 0, 0),
+        (T, 0, 0, 1),
+        # STALE notes failures but never condemns: a new process may still be loading.
+        (T, 1, 0, 1),
+        (T, 2, 0, 1),
+        (T, 3, 0, 1),
+        (T, 4, 0, 1),
+    ]
+
+
+def test_a_retired_backend_ignores_every_verdict() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.ledger.apply("gpu0", Retire(now=NOW, reason="restart budget spent"))
+    before = record.ledger.to_dict()
+    for made in VERDICTS.values():
+        assert record.observe("gpu0", made, NOW + 1) == []
+    assert record.ledger.to_dict() == before
+
+
+# --- encoding ----------------------------------------------------------------------
+
+
+def rich_record() -> FleetRecord:
+    """A record with something in every part: states, baselines, holds, restarts."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu1", VERDICTS["wedged"], NOW)
+    record.observe("gpu2", VERDICTS["down"], NOW)
+    multiproc = Signals(
+        engines=(EngineSignals("0", steps=5.0), EngineSignals("1", finished=2.0)),
+        process_start=None,
+    )
+    record.sightings["gpu2"] = Sighting(NOW + 1, False, multiproc)
+    record.holds["gpu1"] = Hold(reason="weight sync", until=NOW + 600, by="trainer")
+    record.restarts["gpu1"] = RestartHistory(failures=2, last_attempt_at=NOW - 30)
+    return record
+
+
+def test_a_record_survives_to_dict_and_from_dict() -> None:
+    record = rich_record()
+    decoded = FleetRecord.from_dict(record.to_dict(), POLICY)
+    assert decoded.to_dict() == record.to_dict()
+    assert decoded.holds == record.holds
+    assert decoded.restarts == record.restarts
+
+
+def test_a_record_survives_a_trip_through_json_text() -> None:
+    record = rich_record()
+    text = json.dumps(record.to_dict())
+    decoded = FleetRecord.from_dict(json.loads(text), POLICY)
+    assert json.dumps(decoded.to_dict()) == text
+    # The baselines keep what a restart would reset: the start time and the counters.
+    for name, sighting in record.sightings.items():
+        baseline, restored = sighting.baseline, decoded.sightings[name].baseline
+        assert baseline is not None and restored is not None
+        assert restored.process_start == baseline.process_start
+        assert [e.counters for e in restored.engines] == [e.counters for e in baseline.engines]
+
+
+def test_a_decoded_baseline_still_reveals_a_restart() -> None:
+    record = rich_record()
+    decoded = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), POLICY)
+    events = events_for(
+        VERDICTS["restarted answered"],
+        decoded.ledger.state_of("gpu0"),
+        now=NOW,
+        previous=decoded.sightings["gpu0"],
+    )
+    assert events == [UNPLANNED, READMIT]
+
+
+def valid_document() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(json.dumps(rich_record().to_dict()))
+    return document
+
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(path: tuple[str | int, ...], value: object) -> Mutation:
+    def mutate(document: dict[str, Any]) -> None:
+        target: Any = document
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: tuple[str | int, ...]) -> Mutation:
+    def mutate(document: dict[str, Any]) -> None:
+        target: Any = document
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+
+    return mutate
+
+
+MALFORMED: list[tuple[str, Mutation, str]] = [
+    ("no ledger", _delete(("ledger",)), "ledger"),
+    ("ledger not a table", _set(("ledger",), []), "ledger"),
+    ("unknown state", _set(("ledger", "backends", 0, "state"), "zombie"), "backends[0].state"),
+    ("negative streak", _set(("ledger", "backends", 1, "probe_failures"), -1), "backends[1]"),
+    ("epoch a string", _set(("ledger", "epoch"), "7"), "epoch"),
+    ("sightings a list", _set(("sightings",), []), "sightings"),
+    ("sighting a number", _set(("sightings", "gpu0"), 3), "sightings.gpu0"),
+    ("sighting time a string", _set(("sightings", "gpu0", "at"), "noon"), "sightings.gpu0.at"),
+    ("sighting time NaN", _set(("sightings", "gpu0", "at"), math.nan), "sightings.gpu0.at"),
+    ("sighting time missing", _delete(("sightings", "gpu0", "at")), "sightings.gpu0.at"),
+    (
+        "reachable a string",
+        _set(("sightings", "gpu0", "reachable"), "yes"),
+        "sightings.gpu0.reachable",
+    ),
+    ("baseline a list", _set(("sightings", "gpu0", "baseline"), []), "sightings.gpu0.baseline"),
+    ("engines missing", _delete(("sightings", "gpu0", "baseline", "engines")), "sightings.gpu0"),
+    (
+        "counter a string",
+        _set(("sightings", "gpu0", "baseline", "engines", "0", "steps"), "many"),
+        "steps",
+    ),
+    ("start time a bool", _set(("sightings", "gpu0", "baseline", "process_start"), True), "gpu0"),
+    ("holds a string", _set(("holds",), "none"), "holds"),
+    ("hold until a string", _set(("holds", "gpu1", "until"), "later"), "holds.gpu1.until"),
+    ("hold without reason", _delete(("holds", "gpu1", "reason")), "holds.gpu1"),
+    ("restart failures negative", _set(("restarts", "gpu1", "failures"), -1), "restarts.gpu1"),
+    ("restarts a list", _set(("restarts",), [1]), "restarts"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutation", "where"), [(m, w) for _, m, w in MALFORMED], ids=[n for n, _, _ in MALFORMED]
+)
+def test_a_malformed_document_is_a_value_error_naming_where(mutation: Mutation, where: str) -> None:
+    document = valid_document()
+    mutation(document)
+    with pytest.raises(ValueError, match=r".") as caught:
+        FleetRecord.from_dict(document, POLICY)
+    assert where in str(caught.value)
+
+
+def test_a_bad_baseline_counter_is_named_by_its_full_path() -> None:
+    document = valid_document()
+    document["sightings"]["gpu0"]["baseline"]["engines"]["0"]["steps"] = "many"
+    with pytest.raises(ValueError, match=r"sightings\.gpu0\.baseline\.engines\.0\.steps"):
+        FleetRecord.from_dict(document, POLICY)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [("sightings", "gpu0", "at"), ("ledger", "backends", 0, "last_ok_at")],
+    ids=["sighting time", "ledger time"],
+)
+def test_a_number_too_large_for_a_float_is_a_value_error(path: tuple[str | int, ...]) -> None:
+    document = valid_document()
+    _set(path, 10**400)(document)
+    with pytest.raises(ValueError, match=r"."):
+        FleetRecord.from_dict(document, POLICY)
+
+
+# Random damage to a valid document. Integers stay within what a float can hold: the
+# overflow above is pinned by its own test, so this one keeps looking for other faults.
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _containers(value: object, path: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """The path of every dict and list inside a document, the root included."""
+    if not isinstance(value, dict | list):
+        return []
+    found = [path]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _containers(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += _containers(item, (*path, index))
+    return found
+
+
+@st.composite
+def damaged_documents(draw: st.DrawFn) -> dict[str, Any]:
+    document = valid_document()
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        places = _containers(document)
+        path = draw(st.sampled_from(places))
+        target: Any = document
+        for key in path:
+            target = target[key]
+        keys = list(target) if isinstance(target, dict) else list(range(len(target)))
+        action = draw(st.sampled_from(["replace", "delete", "add"] if keys else ["add"]))
+        if action == "add":
+            if isinstance(target, dict):
+                target[draw(st.text(max_size=6))] = draw(json_values)
+            else:
+                target.append(draw(json_values))
+        elif action == "delete":
+            del target[draw(st.sampled_from(keys))]
+        else:
+            target[draw(st.sampled_from(keys))] = draw(json_values)
+    return document
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(damaged_documents())
+def test_a_randomly_damaged_document_decodes_or_is_a_value_error(document: dict[str, Any]) -> None:
+    try:
+        record = FleetRecord.from_dict(document, POLICY)
+    except ValueError as exc:
+        assert str(exc)
+        return
+    # Whatever was accepted is a record that encodes and decodes to itself.
+    encoded = json.loads(json.dumps(record.to_dict()))
+    assert FleetRecord.from_dict(encoded, POLICY).to_dict() == encoded
