@@ -232,7 +232,7 @@ def _decide(
     # count of attempts inside the window are what predict the outcome.
     budget = ledger.policy.restart_budget
     window = _span(ledger.policy.restart_budget_window)
-    if snap.restart_attempts > budget:
+    if snap.restart_attempts >= budget:
         return Action.RETIRE, (
             f"restart budget spent: {_plural(snap.restart_attempts, 'attempt')} in {window} "
             f"(restart_budget {budget}): the next attempt retires it"

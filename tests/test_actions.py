@@ -1,0 +1,325 @@
+"""Restart commands and the audit log, with real processes and a real disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmhealth.actions import (
+    AuditError,
+    AuditLog,
+    CommandResult,
+    read,
+    run_command,
+    scan,
+)
+
+PY = sys.executable
+
+
+def python(code: str) -> list[str]:
+    return [PY, "-c", code]
+
+
+def live_members(pgid: int) -> list[int]:
+    """PIDs in process group ``pgid`` that are not zombies (a zombie holds no resources,
+    and whether one lingers depends on the container's init, not on us)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it exited while we looked
+        # The command name is in parentheses and may hold spaces; fields follow the last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(pgid: int, bound: float = 10.0) -> list[int]:
+    # Killed children are reparented and reaped asynchronously; this bounds the wait for
+    # that bookkeeping and says nothing about speed.
+    deadline = time.monotonic() + bound
+    while (members := live_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return members
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+
+# --- run_command ------------------------------------------------------------------------
+
+
+def test_a_command_that_succeeds_reports_both_streams() -> None:
+    result = run_command(["sh", "-c", "echo restarted; echo 'a warning' >&2"], timeout=30)
+    assert result.ok
+    assert (result.exit_code, result.timed_out) == (0, False)
+    assert (result.stdout, result.stderr) == ("restarted\n", "a warning\n")
+    assert result.argv == ("sh", "-c", "echo restarted; echo 'a warning' >&2")
+    assert 0 <= result.duration < 30
+
+
+def test_a_non_zero_exit_is_recorded_and_not_ok() -> None:
+    result = run_command(["sh", "-c", "echo 'Job for vllm@0.service failed' >&2; exit 3"], 30)
+    assert not result.ok
+    assert (result.exit_code, result.timed_out) == (3, False)
+    assert result.stderr == "Job for vllm@0.service failed\n"
+
+
+@needs_proc
+def test_a_command_past_its_timeout_is_killed_with_its_children() -> None:
+    script = 'sleep 60 & echo "$$ $!"; sleep 60'
+    result = run_command(["sh", "-c", script], timeout=1.0)
+    pgid, child = map(int, result.stdout.split())
+    assert result.timed_out and not result.ok
+    assert result.exit_code is not None and result.exit_code < 0  # ended by a signal
+    assert result.duration < 30
+    assert f"timed out: sent SIGTERM to process group {pgid}" in result.stderr
+    assert wait_until_gone(pgid) == []
+    assert child not in live_members(pgid)
+
+
+@needs_proc
+def test_a_group_that_ignores_sigterm_gets_sigkill_after_the_grace() -> None:
+    # An ignored signal stays ignored in children, so the whole group shrugs off SIGTERM.
+    script = 'trap "" TERM; sleep 60 & echo "$$"; sleep 60'
+    result = run_command(["sh", "-c", script], timeout=1.0, kill_grace=0.5)
+    pgid = int(result.stdout)
+    assert result.timed_out
+    assert result.exit_code == -9
+    assert "still running 0.5s after SIGTERM: sent SIGKILL" in result.stderr
+    assert wait_until_gone(pgid) == []
+
+
+@needs_proc
+def test_a_command_that_closes_its_output_is_still_bounded_by_the_timeout() -> None:
+    result = run_command(["sh", "-c", "exec >&- 2>&-; sleep 60"], timeout=1.0)
+    assert result.timed_out and result.exit_code is not None and result.exit_code < 0
+
+
+def test_what_a_successful_command_leaves_running_is_not_killed() -> None:
+    # A restart script may start the server in the background; killing its group on a
+    # clean exit would kill the server it just started.
+    result = run_command(["sh", "-c", 'sleep 30 & echo "$!"'], timeout=30)
+    child = int(result.stdout)
+    try:
+        assert result.ok
+        assert "output still held open by a process the command started" in result.stderr
+        os.kill(child, 0)  # still there
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_the_command_runs_in_its_own_session_with_no_stdin() -> None:
+    code = "import os, sys; print(os.getsid(0) == os.getpid(), repr(sys.stdin.read()))"
+    result = run_command(python(code), timeout=30)
+    assert result.stdout == "True ''\n"
+
+
+def test_long_output_keeps_its_first_and_last_bytes_within_the_limit() -> None:
+    code = "import sys; sys.stdout.write('a' * 3000 + 'b' * 3000); sys.stderr.write('e' * 10)"
+    result = run_command(python(code), timeout=30, output_limit=4096)
+    assert result.ok
+    assert result.stdout == "a" * 2048 + "\n[... 1904 bytes omitted ...]\n" + "b" * 2048
+    assert result.stderr == "e" * 10
+
+
+def test_megabytes_on_both_streams_neither_deadlock_nor_pile_up() -> None:
+    # Far past a pipe buffer on both streams at once: reading one stream at a time would
+    # leave the command blocked writing the other.
+    code = (
+        "import sys\n"
+        "for i in range(64):\n"
+        "    sys.stdout.write('o' * 32768); sys.stderr.write('e' * 32768)\n"
+        "sys.stdout.write('END'); sys.stderr.write('END')\n"
+    )
+    result = run_command(python(code), timeout=60, output_limit=1000)
+    assert result.ok
+    for text, letter in ((result.stdout, "o"), (result.stderr, "e")):
+        assert text.startswith(letter * 500) and text.endswith(letter * 497 + "END")
+        assert f"[... {64 * 32768 + 3 - 1000} bytes omitted ...]" in text
+        assert len(text) < 1100
+
+
+def test_output_that_is_not_utf8_is_replaced_not_fatal() -> None:
+    result = run_command(["printf", "ok \\377\\n"], timeout=30)
+    assert result.ok
+    assert result.stdout == "ok \ufffd\n"
+
+
+def test_shell_metacharacters_in_argv_are_passed_literally(tmp_path: Path) -> None:
+    marker = tmp_path / "x"
+    text = f"$(touch {marker}); rm -rf {tmp_path} `touch {marker}` | > {marker} &&"
+    result = run_command(["printf", "%s", text], timeout=30)
+    assert result.ok
+    assert result.stdout == text
+    assert not marker.exists()
+    assert tmp_path.is_dir()
+
+
+def test_a_missing_executable_is_a_result_not_an_exception() -> None:
+    result = run_command(["/nonexistent/bin/systemctl", "restart", "vllm@0"], timeout=30)
+    assert not result.ok
+    assert (result.exit_code, result.timed_out, result.stdout) == (None, False, "")
+    assert "/nonexistent/bin/systemctl" in result.stderr
+    assert "No such file or directory" in result.stderr
+
+
+def test_a_file_without_execute_permission_is_a_result_not_an_exception(tmp_path: Path) -> None:
+    script = tmp_path / "restart.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)  # even root cannot exec a file with no execute bit at all
+    result = run_command([str(script)], timeout=30)
+    assert result.exit_code is None
+    assert "Permission denied" in result.stderr
+
+
+def test_a_nul_byte_in_an_argument_is_a_result_not_an_exception() -> None:
+    result = run_command(["echo", "a\0b"], timeout=30)
+    assert result.exit_code is None
+    assert "argument 1 contains a NUL byte" in result.stderr
+
+
+def test_a_string_is_refused_as_argv_since_no_shell_will_split_it() -> None:
+    with pytest.raises(TypeError, match="not a string"):
+        run_command("systemctl restart vllm@0", timeout=30)
+    with pytest.raises(TypeError, match="non-empty list"):
+        run_command([], timeout=30)
+    with pytest.raises(ValueError, match="timeout"):
+        run_command(["true"], timeout=0)
+
+
+def test_a_result_reads_as_a_plain_record() -> None:
+    result = CommandResult(("true",), 0, False, 0.5, "", "")
+    assert json.loads(json.dumps(result.to_dict())) == {
+        "argv": ["true"],
+        "exit_code": 0,
+        "timed_out": False,
+        "duration": 0.5,
+        "stdout": "",
+        "stderr": "",
+    }
+
+
+# --- the audit log ----------------------------------------------------------------------
+
+
+def test_records_are_json_lines_stamped_with_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "er" / "audit.jsonl"  # directories are created
+    log = AuditLog(path)
+    before = time.time()
+    log.append({"actor": "llmhealth", "backend": "gpu0", "event": "restart", "from": "dead"})
+    log.append({"time": 1234.5, "actor": "operator:alice", "event": "hold"})
+    lines = path.read_text(encoding="ascii").splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert list(first) == ["time", "actor", "backend", "event", "from"]
+    assert before <= first["time"] <= time.time()
+    assert second == {"time": 1234.5, "actor": "operator:alice", "event": "hold"}
+
+
+def test_a_second_writer_appends_and_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).append({"event": "restart", "n": 1})
+    AuditLog(path).append({"event": "restart", "n": 2})
+    AuditLog(str(path)).append({"event": "restart", "n": 3})
+    assert [r["n"] for r in read(path)] == [1, 2, 3]
+
+
+def test_a_restart_record_carries_the_command_result(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    result = run_command(["sh", "-c", "echo done"], timeout=30)
+    log.append({"event": "restart", "backend": "gpu0", "command": result})
+    (record,) = read(log.path)
+    assert record["command"] == json.loads(json.dumps(result.to_dict()))
+
+
+def test_values_json_cannot_hold_are_written_as_text(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append(
+        {
+            "evidence": {"kv": float("nan"), "steps": (1, 2), 3: "key", "path": tmp_path},
+            "reason": "caf\u00e9 \udcff",
+        }
+    )
+    (record,) = read(log.path)
+    assert record["evidence"] == {"kv": "nan", "steps": [1, 2], "3": "key", "path": str(tmp_path)}
+    assert record["reason"] == "caf\u00e9 \udcff"
+
+
+def test_a_record_with_a_bad_time_is_refused_loudly(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    with pytest.raises(AuditError, match="time"):
+        log.append({"time": "yesterday", "event": "restart"})
+    assert read(log.path) == []
+
+
+def test_a_log_that_cannot_be_written_raises_audit_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(AuditError, match="cannot open the audit log"):
+        AuditLog(blocker / "audit.jsonl").append({"event": "restart"})
+    with pytest.raises(AuditError, match="cannot open the audit log"):
+        AuditLog(tmp_path).append({"event": "restart"})  # a directory
+
+
+def test_reading_skips_and_counts_malformed_lines(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.append({"n": 1})
+    with path.open("ab") as f:
+        f.write(b'{"n": 2, "torn\n[1, 2]\n\n\xff\xfe\n')
+    log.append({"n": 3})
+    found = scan(path)
+    assert [r["n"] for r in found.records] == [1, 3]
+    assert found.malformed == 3
+    assert [r["n"] for r in scan(path, last=1).records] == [3]
+
+
+def test_a_log_not_yet_written_reads_as_empty(tmp_path: Path) -> None:
+    assert read(tmp_path / "absent.jsonl") == []
+    assert scan(tmp_path / "absent.jsonl").malformed == 0
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from llmhealth.actions import AuditLog
+path, writer, go = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+while not go.exists():  # start together, so that the appends really interleave
+    time.sleep(0.005)
+log = AuditLog(path)
+for seq in range(50):
+    log.append({"actor": "test", "writer": writer, "seq": seq, "pad": str(writer) * 3000})
+"""
+
+
+def test_four_processes_appending_at_once_leave_every_line_whole(tmp_path: Path) -> None:
+    path, go = tmp_path / "audit.jsonl", tmp_path / "go"
+    writers = [
+        subprocess.Popen([PY, "-c", _WRITER, str(path), str(w), str(go)], env=os.environ.copy())
+        for w in range(4)
+    ]
+    go.touch()
+    for w in writers:
+        assert w.wait(timeout=60) == 0
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 200
+    records = [json.loads(line) for line in lines]
+    assert sorted((r["writer"], r["seq"]) for r in records) == [
+        (w, s) for w in range(4) for s in range(50)
+    ]
+    assert all(r["pad"] == str(r["writer"]) * 3000 for r in records)
+    assert scan(path).malformed == 0

@@ -1,0 +1,603 @@
+"""The restart policy: one rule per test, then a property over random fleets fed through a
+real ledger, with the plan's restarts and retirements fed back into it."""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import llmhealth.policy as policy_module
+from llmhealth.config import Backend, Policy
+from llmhealth.ledger import (
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    ProbeFailure,
+    ProcessGone,
+    Readmitted,
+    RequestFailure,
+    RestartFailed,
+    RestartIssued,
+    Retire,
+    State,
+    UnplannedRestart,
+    WedgeProven,
+)
+from llmhealth.policy import (
+    Action,
+    Hold,
+    RestartDecision,
+    RestartHistory,
+    cooldown_ends_at,
+    cooldown_for,
+    plan_restarts,
+)
+
+# 2025-11-30 13:50 UTC: a wall time, so hold expiries read as clock times.
+T0 = datetime(2025, 11, 30, 13, 50, tzinfo=UTC).timestamp()
+POLICY = Policy()
+LEDGER_POLICY = LedgerPolicy()
+
+
+def command_for(name: str) -> tuple[str, ...]:
+    return ("systemctl", "restart", f"vllm@{name}")
+
+
+def configured(*names: str) -> dict[str, Backend]:
+    return {n: Backend(n, f"http://{n}.example:8000", restart=command_for(n)) for n in names}
+
+
+@dataclass
+class Fleet:
+    """A real ledger plus what the shell keeps beside it, driven the way the shell would."""
+
+    ledger: Ledger
+    backends: dict[str, Backend]
+    holds: dict[str, Hold] = field(default_factory=dict)
+    histories: dict[str, RestartHistory] = field(default_factory=dict)
+    policy: Policy = POLICY
+
+    def plan(self, now: float) -> list[RestartDecision]:
+        return plan_restarts(
+            self.ledger, self.backends, self.holds, self.histories, self.policy, now
+        )
+
+    def decision(self, name: str, now: float) -> RestartDecision:
+        (found,) = [d for d in self.plan(now) if d.name == name]
+        return found
+
+    def condemn(self, name: str, now: float, cause: str = "wedged") -> None:
+        if cause == "wedged":
+            self.ledger.apply(name, WedgeProven(now=now, evidence="no step in 2 waits"))
+        else:
+            for _ in range(self.ledger.policy.unhealthy_threshold):
+                self.ledger.apply(name, ProbeFailure(now=now, reason=cause))
+        assert self.ledger.state_of(name) is State.DEAD
+
+    def issue(self, name: str, now: float) -> State:
+        """Feed RestartIssued as the shell does for an acting decision."""
+        t = self.ledger.apply(name, RestartIssued(now=now))
+        if t.to_state is State.RESTARTING:
+            self.histories[name] = self.history(name).record_attempt(now)
+        return t.to_state
+
+    def fail(self, name: str, now: float) -> None:
+        t = self.ledger.apply(name, RestartFailed(now=now, reason="exit status 1"))
+        assert t.applied
+        self.histories[name] = self.history(name).record_failure()
+
+    def history(self, name: str) -> RestartHistory:
+        return self.histories.get(name, RestartHistory())
+
+
+def fleet(
+    *names: str, ledger_policy: LedgerPolicy = LEDGER_POLICY, policy: Policy = POLICY
+) -> Fleet:
+    ledger = Ledger(ledger_policy, [(n, f"http://{n}.example:8000") for n in names], now=T0)
+    return Fleet(ledger, configured(*names), policy=policy)
+
+
+# --- one rule at a time -------------------------------------------------------------------
+
+
+def test_a_wedged_backend_with_a_restart_command_is_restarted() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    assert f.plan(T0) == [
+        RestartDecision(
+            "a", Action.RESTART, "condemned by wedged: restart 1 of 5 allowed in 24h", "wedged"
+        )
+    ]
+    assert f.plan(T0)[0].act
+    assert f.issue("a", T0) is State.RESTARTING
+
+
+def test_only_dead_backends_get_a_decision_and_in_name_order() -> None:
+    f = fleet("healthy", "suspect", "dead2", "dead1", "restarting", "stale", "retired")
+    f.ledger.apply("suspect", ProbeFailure(now=T0, reason="stalled"))
+    for name in ("dead1", "dead2", "restarting", "stale", "retired"):
+        f.condemn(name, T0)
+    f.issue("restarting", T0)
+    f.ledger.apply("stale", NewProcessUp(now=T0))
+    f.ledger.apply("retired", Retire(now=T0, reason="operator"))
+    f.policy = Policy(max_concurrent_restarts=3)
+    assert [d.name for d in f.plan(T0)] == ["dead1", "dead2"]
+
+
+@pytest.mark.parametrize("cause", ["down", "stalled", "unresponsive"])
+def test_a_backend_condemned_by_a_verdict_outside_restart_on_is_left_dead(cause: str) -> None:
+    f = fleet("a")
+    f.condemn("a", T0, cause)
+    d = f.decision("a", T0)
+    assert d.action is Action.SKIP and not d.act
+    assert d.reason == f"condemned by {cause}, restart_on is [wedged]"
+    assert d.condemned_by == cause
+
+
+def test_restart_on_decides_which_condemnations_restart() -> None:
+    f = fleet("a", "b", policy=Policy(restart_on=("down",), max_concurrent_restarts=2))
+    f.condemn("a", T0, "down")
+    f.condemn("b", T0, "wedged")
+    # A failed restart leaves it DEAD and still condemned by down, so it is tried again.
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    assert {d.name: d.action for d in f.plan(T0 + 3600)} == {
+        "a": Action.RESTART,
+        "b": Action.SKIP,
+    }
+    assert f.decision("b", T0).reason == "condemned by wedged, restart_on is [down]"
+
+
+def test_a_process_gone_counts_as_its_reason() -> None:
+    f = fleet("a", policy=Policy(restart_on=("wedged", "down")))
+    f.ledger.apply("a", ProcessGone(now=T0, reason="down", detail="connection refused"))
+    assert f.decision("a", T0).action is Action.RESTART
+
+
+def test_a_backend_without_a_restart_command_is_never_restarted() -> None:
+    f = fleet("a")
+    f.backends["a"] = Backend("a", "http://a.example:8000")
+    f.condemn("a", T0)
+    d = f.decision("a", T0)
+    assert (d.action, d.reason) == (Action.SKIP, "no restart command configured")
+
+
+def test_a_name_missing_from_the_configured_backends_is_never_restarted() -> None:
+    # A proxy, or a backend since dropped from the config, may still be in the ledger.
+    f = fleet("a", "lb")
+    del f.backends["lb"]
+    f.condemn("lb", T0)
+    d = f.decision("lb", T0)
+    assert d.action is Action.SKIP
+    assert d.reason.startswith("not a configured backend")
+    assert "never a proxy" in d.reason
+
+
+def test_a_held_backend_is_not_restarted_until_the_hold_expires() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    until = datetime(2025, 11, 30, 14, 5, tzinfo=UTC).timestamp()
+    f.holds["a"] = Hold(reason="weight sync", until=until, by="trainer")
+    d = f.decision("a", T0)
+    assert (d.action, d.reason) == (Action.SKIP, "on hold until 14:05 UTC by trainer: weight sync")
+    assert f.decision("a", until - 1).action is Action.SKIP
+    assert f.decision("a", until).action is Action.RESTART
+
+
+def test_a_hold_into_another_day_names_the_date_and_seconds_show_when_set() -> None:
+    until = datetime(2025, 12, 1, 2, 0, 30, tzinfo=UTC).timestamp()
+    hold = Hold(reason="maintenance", until=until, by="operator:alice")
+    assert (
+        hold.describe(T0) == "on hold until 2025-12-01 02:00:30 UTC by operator:alice: maintenance"
+    )
+    assert hold.active(T0) and not hold.active(until)
+
+
+def test_a_hold_on_another_backend_does_not_hold_this_one() -> None:
+    f = fleet("a", "b")
+    f.condemn("a", T0)
+    f.holds["b"] = Hold(reason="weight sync", until=T0 + 600, by="trainer")
+    assert f.decision("a", T0).action is Action.RESTART
+
+
+def test_after_failed_attempts_the_cooldown_doubles_and_says_how_long_is_left() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 5)
+    # One failure: twice the base cooldown of 1m, from the attempt.
+    assert f.decision("a", T0 + 60).reason == "cooling down: 1m left after 1 failed attempt"
+    assert f.decision("a", T0 + 120).action is Action.RESTART
+    f.issue("a", T0 + 120)
+    f.fail("a", T0 + 125)
+    d = f.decision("a", T0 + 120 + 140)
+    assert (d.action, d.reason) == (Action.SKIP, "cooling down: 1m40s left after 2 failed attempts")
+    assert f.decision("a", T0 + 120 + 240).action is Action.RESTART
+
+
+def test_a_backend_that_wedges_again_after_readmission_waits_the_base_cooldown() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 10))
+    f.ledger.apply("a", Readmitted(now=T0 + 20))
+    f.histories["a"] = f.history("a").record_success()
+    f.condemn("a", T0 + 30)
+    d = f.decision("a", T0 + 30)
+    assert d.reason == "cooling down: 30s left after the last attempt"
+    assert f.decision("a", T0 + 60).action is Action.RESTART
+
+
+def test_the_ledgers_last_restart_still_cools_down_when_the_history_is_lost() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    f.histories.clear()
+    assert f.decision("a", T0 + 59).action is Action.SKIP
+    assert f.decision("a", T0 + 60).action is Action.RESTART
+
+
+@pytest.mark.parametrize(
+    ("failures", "seconds"),
+    [(0, 60.0), (1, 120.0), (2, 240.0), (4, 960.0), (5, 1800.0), (6, 1800.0), (10**6, 1800.0)],
+)
+def test_cooldown_doubles_per_failed_attempt_up_to_the_cap(failures: int, seconds: float) -> None:
+    assert cooldown_for(failures, POLICY) == seconds
+
+
+def test_cooldown_refuses_a_negative_count() -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        cooldown_for(-1, POLICY)
+
+
+def test_no_previous_attempt_means_no_cooldown() -> None:
+    assert cooldown_ends_at(RestartHistory(), None, POLICY) is None
+    assert cooldown_ends_at(RestartHistory(failures=3), None, POLICY) is None
+
+
+def test_one_restart_at_a_time_by_default_and_the_first_name_goes_first() -> None:
+    f = fleet("b", "a", "c")
+    for name in ("c", "b", "a"):
+        f.condemn(name, T0)
+    plan = f.plan(T0)
+    assert [(d.name, d.action) for d in plan] == [
+        ("a", Action.RESTART),
+        ("b", Action.SKIP),
+        ("c", Action.SKIP),
+    ]
+    assert plan[1].reason == "1 restart already under way (max_concurrent_restarts 1)"
+
+
+def test_restarting_backends_count_against_the_limit() -> None:
+    f = fleet("a", "b", "c", policy=Policy(max_concurrent_restarts=2))
+    for name in ("a", "b", "c"):
+        f.condemn(name, T0)
+    f.issue("b", T0)
+    f.issue("c", T0)
+    assert f.decision("a", T0).reason == "2 restarts already under way (max_concurrent_restarts 2)"
+    f.ledger.apply("c", NewProcessUp(now=T0 + 1))
+    assert f.decision("a", T0 + 1).action is Action.RESTART
+
+
+def test_a_spent_budget_is_an_explicit_retire_that_the_ledger_carries_out() -> None:
+    f = fleet("a", ledger_policy=LedgerPolicy(restart_budget=2))
+    f.condemn("a", T0)
+    for at in (T0, T0 + 600):
+        assert f.decision("a", at).action is Action.RESTART
+        f.issue("a", at)
+        f.fail("a", at + 1)
+    d = f.decision("a", T0 + 1200)
+    assert d.action is Action.RETIRE and d.act
+    assert d.reason == (
+        "restart budget spent: 2 attempts in 24h (restart_budget 2): the next attempt retires it"
+    )
+    assert f.issue("a", T0 + 1200) is State.RETIRED
+
+
+def test_a_retirement_waits_out_the_cooldown_as_the_attempt_it_stands_for() -> None:
+    f = fleet("a", ledger_policy=LedgerPolicy(restart_budget=1))
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    assert f.decision("a", T0 + 60).action is Action.SKIP
+    assert f.decision("a", T0 + 120).action is Action.RETIRE
+
+
+def test_a_retirement_takes_no_restart_slot() -> None:
+    f = fleet("a", "b", ledger_policy=LedgerPolicy(restart_budget=1))
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    f.condemn("b", T0 + 500)
+    assert [(d.name, d.action) for d in f.plan(T0 + 500)] == [
+        ("a", Action.RETIRE),
+        ("b", Action.RESTART),
+    ]
+
+
+def test_the_budget_frees_up_as_old_attempts_leave_the_window() -> None:
+    f = fleet("a", ledger_policy=LedgerPolicy(restart_budget=1, restart_budget_window=3600))
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    assert f.decision("a", T0 + 3599).action is Action.RETIRE
+    d = f.decision("a", T0 + 3600)
+    assert (d.action, d.reason) == (
+        Action.RESTART,
+        "condemned by wedged: restart 1 of 1 allowed in 1h",
+    )
+
+
+def test_a_hold_keeps_even_a_spent_budget_from_retiring_it() -> None:
+    f = fleet("a", ledger_policy=LedgerPolicy(restart_budget=1))
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    f.holds["a"] = Hold(reason="weight sync", until=T0 + 7200, by="trainer")
+    assert f.decision("a", T0 + 600).action is Action.SKIP
+
+
+def test_a_decision_reads_as_a_plain_record() -> None:
+    d = RestartDecision("a", Action.RETIRE, "budget", "wedged")
+    assert json.loads(json.dumps(d.to_dict())) == {
+        "backend": "a",
+        "action": "retire",
+        "reason": "budget",
+        "condemned_by": "wedged",
+    }
+
+
+def test_plan_refuses_a_time_that_is_not_a_number() -> None:
+    f = fleet("a")
+    with pytest.raises(ValueError, match="now"):
+        f.plan(float("nan"))
+
+
+# --- histories and holds as data --------------------------------------------------------
+
+
+def test_a_history_records_attempts_failures_and_success() -> None:
+    h = RestartHistory().record_attempt(10.0).record_failure().record_attempt(20.0)
+    assert h == RestartHistory(failures=1, last_attempt_at=20.0)
+    h = h.record_failure()
+    assert h.failures == 2
+    assert h.record_success() == RestartHistory(failures=0, last_attempt_at=20.0)
+
+
+@pytest.mark.parametrize(
+    "history", [RestartHistory(), RestartHistory(failures=3, last_attempt_at=1.7e9 + 0.25)]
+)
+def test_a_history_survives_json(history: RestartHistory) -> None:
+    assert RestartHistory.from_dict(json.loads(json.dumps(history.to_dict()))) == history
+
+
+def test_a_hold_survives_json() -> None:
+    hold = Hold(reason="weight sync", until=T0 + 60, by="trainer")
+    assert Hold.from_dict(json.loads(json.dumps(hold.to_dict()))) == hold
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "h: expected an object, got list"),
+        (None, "h: expected an object, got null"),
+        ({"failures": 0}, "h: missing key 'last_attempt_at'"),
+        ({"failures": 0, "last_attempt_at": None, "x": 1}, "h: unknown key 'x'"),
+        ({"failures": -1, "last_attempt_at": None}, "h.failures: must not be negative"),
+        ({"failures": True, "last_attempt_at": None}, "h.failures: expected a whole number"),
+        ({"failures": 1.0, "last_attempt_at": None}, "h.failures: expected a whole number"),
+        ({"failures": 0, "last_attempt_at": "yesterday"}, "h.last_attempt_at: expected a finite"),
+        ({"failures": 0, "last_attempt_at": float("inf")}, "h.last_attempt_at: expected a finite"),
+        # JSON integers have no bound; one past a float's range is bad data, not a crash.
+        ({"failures": 0, "last_attempt_at": 10**400}, "h.last_attempt_at: expected a finite"),
+    ],
+)
+def test_a_damaged_history_is_a_value_error_naming_the_key(data: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        RestartHistory.from_dict(data, where="h")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"reason": "", "until": 1.0, "by": "x"}, "hold.reason: expected a non-empty string"),
+        ({"reason": "r", "until": "soon", "by": "x"}, "hold.until: expected a finite number"),
+        ({"reason": "r", "until": 10**400, "by": "x"}, "hold.until: expected a finite number"),
+        ({"reason": "r", "until": 1.0}, "hold: missing key 'by'"),
+    ],
+)
+def test_a_damaged_hold_is_a_value_error_naming_the_key(data: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Hold.from_dict(data)
+
+
+def test_policy_module_does_no_io() -> None:
+    forbidden = {"httpx", "time", "subprocess", "socket", "os", "pathlib", "rich"}
+    tree = ast.parse(Path(policy_module.__file__).read_text(encoding="utf-8"))
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    assert imported, "the walk found no imports at all: the test is broken"
+    assert not imported & forbidden
+
+
+# --- the property -------------------------------------------------------------------------
+
+NAMES = ("a", "b", "c", "d")
+# Weighted by repetition: wedges, plans and restart outcomes often enough that cooldowns,
+# budgets and the concurrency limit all come into play within one sequence.
+OPS = (
+    *("wedged",) * 4,
+    *("stalled", "unresponsive", "down", "down", "unanswered", "gone", "good", "unplanned"),
+    *("plan",) * 6,
+    *("fail", "fail", "fail", "up", "up", "readmit", "readmit", "expire"),
+    *("hold", "hold", "release"),
+)
+
+Op = tuple[str, str, float, int]
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(NAMES),
+        st.sampled_from(OPS),
+        st.sampled_from([0.0, 0.0, 1.0, 1.0, 5.0, 10.0, 20.0, 45.0, 120.0, 900.0]),
+        st.integers(0, 5),
+    ),
+    # Hypothesis favours short lists; a fleet needs a few dozen steps to wedge, restart,
+    # fail, cool down and run out of budget.
+    min_size=20,
+    max_size=120,
+)
+policies = st.builds(
+    Policy,
+    restart_on=st.sampled_from(
+        [("wedged",), ("wedged",), ("wedged", "down"), ("down", "unanswered"), ()]
+    ),
+    max_concurrent_restarts=st.integers(1, 3),
+    cooldown=st.sampled_from([10.0, 60.0]),
+    cooldown_max=st.sampled_from([60.0, 300.0]),
+)
+ledger_policies = st.builds(
+    LedgerPolicy,
+    unhealthy_threshold=st.integers(1, 3),
+    restart_budget=st.integers(1, 3),
+    restart_budget_window=st.sampled_from([600.0, 5000.0]),
+    startup_grace=st.sampled_from([100.0, 900.0]),
+)
+configs = st.fixed_dictionaries(
+    {n: st.sampled_from(["command", "command", "command", "none", "missing"]) for n in NAMES}
+)
+
+
+def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
+    """Every decision against an oracle written from the rules, not from the code."""
+    snaps = {s.name: s for s in f.ledger.snapshots(now)}
+    dead = sorted(n for n, s in snaps.items() if s.state is State.DEAD)
+    assert [d.name for d in plan] == dead
+    under_way = sum(1 for s in snaps.values() if s.state is State.RESTARTING)
+    assert under_way <= f.policy.max_concurrent_restarts
+    for d in plan:
+        snap = snaps[d.name]
+        assert d.reason and d.condemned_by == snap.condemned_by
+        backend = f.backends.get(d.name)
+        hold = f.holds.get(d.name)
+        history = f.history(d.name)
+        last = max(
+            (t for t in (history.last_attempt_at, snap.last_restart_at) if t is not None),
+            default=None,
+        )
+        eligible = (
+            backend is not None
+            and bool(backend.restart)
+            and snap.condemned_by in f.policy.restart_on
+            and not (hold is not None and now < hold.until)
+            and (last is None or now >= last + cooldown_for(history.failures, f.policy))
+        )
+        spent = snap.restart_attempts >= f.ledger.policy.restart_budget
+        room = under_way < f.policy.max_concurrent_restarts
+        if d.action is Action.RESTART:
+            assert eligible and not spent and room
+            under_way += 1
+        elif d.action is Action.RETIRE:
+            assert eligible and spent
+        else:
+            # A skip must have a rule behind it: the plan is not allowed to be timid either.
+            assert not eligible or (not spent and not room)
+    assert under_way <= f.policy.max_concurrent_restarts
+
+
+def edges(f: Fleet, now: float) -> list[float]:
+    """Times not before ``now`` just before and at each hold expiry, cooldown end and
+    budget-window end of the fleet."""
+    window = f.ledger.policy.restart_budget_window
+    found: list[float] = []
+    for snap in f.ledger.snapshots(now):
+        hold = f.holds.get(snap.name)
+        ends = [
+            hold.until if hold else None,
+            cooldown_ends_at(f.history(snap.name), snap.last_restart_at, f.policy),
+            snap.last_restart_at + window if snap.last_restart_at is not None else None,
+        ]
+        found += [t for end in ends if end is not None for t in (end - 0.001, end) if t >= now]
+    return sorted(set(found))
+
+
+def step(f: Fleet, name: str, op: str, now: float, k: int) -> None:
+    ledger = f.ledger
+    match op:
+        case "wedged":
+            ledger.apply(name, WedgeProven(now=now))
+        case "stalled" | "unresponsive" | "down":
+            ledger.apply(name, ProbeFailure(now=now, reason=op))
+        case "unanswered":
+            ledger.apply(name, RequestFailure(now=now, reason=op))
+        case "gone":
+            ledger.apply(name, ProcessGone(now=now, reason="down", detail="connection refused"))
+        case "good":
+            ledger.apply(name, GoodVerdict(now=now, request_ok=k % 2 == 0))
+        case "unplanned":
+            ledger.apply(name, UnplannedRestart(now=now))
+        case "fail":
+            if ledger.apply(name, RestartFailed(now=now, reason="exit status 1")).applied:
+                f.histories[name] = f.history(name).record_failure()
+        case "expire":
+            for t in ledger.expire_restarts(now):
+                f.histories[t.name] = f.history(t.name).record_failure()
+        case "up":
+            ledger.apply(name, NewProcessUp(now=now))
+        case "readmit":
+            if ledger.apply(name, Readmitted(now=now)).applied:
+                f.histories[name] = f.history(name).record_success()
+        case "hold":
+            f.holds[name] = Hold(reason="weight sync", until=now + 60.0 * k, by="trainer")
+        case "release":
+            f.holds.pop(name, None)
+        case "plan":
+            # The plan is pure, so it can also be asked about the moments where a rule
+            # changes its mind; a step of a few seconds would rarely land on them.
+            for at in edges(f, now):
+                check_plan(f, f.plan(at), at)
+            plan = f.plan(now)
+            check_plan(f, plan, now)
+            for d in plan:
+                if d.act:
+                    to = f.issue(d.name, now)
+                    # The plan predicts the ledger: a restart starts, a retirement retires.
+                    expected = State.RESTARTING if d.action is Action.RESTART else State.RETIRED
+                    assert to is expected
+            restarting = sum(1 for n in ledger.names if ledger.state_of(n) is State.RESTARTING)
+            assert restarting <= f.policy.max_concurrent_restarts
+        case _:
+            raise AssertionError(op)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies, ledger_policy=ledger_policies, config=configs, sequence=ops)
+def test_random_fleets_only_ever_restart_what_every_rule_allows(
+    policy: Policy, ledger_policy: LedgerPolicy, config: dict[str, str], sequence: list[Op]
+) -> None:
+    ledger = Ledger(ledger_policy, [(n, f"http://{n}.example:8000") for n in NAMES], now=T0)
+    backends = {
+        n: Backend(
+            n, f"http://{n}.example:8000", restart=command_for(n) if kind == "command" else ()
+        )
+        for n, kind in config.items()
+        if kind != "missing"
+    }
+    f = Fleet(ledger, backends, policy=policy)
+    now = T0
+    for name, op, dt, k in sequence:
+        now += dt
+        step(f, name, op, now, k)
+    step(f, "a", "plan", now, 0)
