@@ -24,6 +24,7 @@ from llmhealth.classify import Target
 from llmhealth.cycle import audit_path_for, run_cycle, state_path_for
 from llmhealth.operate import VerbResult, read_record
 from llmhealth.probe import ProbeSettings
+from llmhealth.remediate import Mode
 from llmhealth.render import console_for_output, print_report, print_status
 from llmhealth.report import (
     CycleReport,
@@ -116,8 +117,15 @@ def check(
     timeout: TimeoutOption = None,
     answer_timeout: AnswerTimeoutOption = None,
     output: FormatOption = OutputFormat.TABLE,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Decide restarts and log them, but run no command."),
+    ] = False,
+    no_restart: Annotated[
+        bool, typer.Option("--no-restart", help="No remediation at all for this run.")
+    ] = False,
 ) -> None:
-    """Check every backend once, update the ledger, print, exit 0/1/2/3.
+    """Check every backend once, update the ledger, restart proven wedges, print, exit 0-3.
 
     A backend that shows work is never sent a request: it is judged by whether its engine
     steps between reads. Only a backend with nothing to do gets one tiny request.
@@ -133,7 +141,8 @@ def check(
     )
     path = state_path_for(loaded, state, config_file is not None)
     store = StateFile(path) if path is not None else None
-    report = run_cycle(loaded, targets, settings, store)
+    mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
+    report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
     raise typer.Exit(int(exit_code(report)))
 

@@ -41,6 +41,7 @@ class Policy:
     cooldown: float = 60.0
     cooldown_max: float = 1800.0
     startup_grace: float = 900.0
+    restart_timeout: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,7 @@ def _policy(reader: _Reader, data: object) -> Policy:
         "cooldown",
         "cooldown_max",
         "startup_grace",
+        "restart_timeout",
     }
     reader.known(table, "policy.", fields)
     defaults = Policy()
@@ -200,6 +202,7 @@ def _policy(reader: _Reader, data: object) -> Policy:
         cooldown=reader.duration(table, "policy.cooldown", defaults.cooldown),
         cooldown_max=reader.duration(table, "policy.cooldown_max", defaults.cooldown_max),
         startup_grace=reader.duration(table, "policy.startup_grace", defaults.startup_grace),
+        restart_timeout=reader.duration(table, "policy.restart_timeout", defaults.restart_timeout),
     )
     if policy.cooldown_max < policy.cooldown:
         raise ConfigError(f"{reader.where}: policy.cooldown_max is shorter than policy.cooldown")

@@ -10,14 +10,17 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from llmhealth.classify import Target
+from llmhealth.actions import AuditLog
+from llmhealth.classify import Outcome, Target
 from llmhealth.config import Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.ledger import Ledger, LedgerPolicy, Transition
 from llmhealth.probe import ProbeSettings, check_fleet
-from llmhealth.report import BackendReport, CycleReport, summarize
+from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
+from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateFile, default_path
 
 Clock = Callable[[], float]
@@ -55,13 +58,14 @@ def run_cycle(
     settings: ProbeSettings,
     store: StateFile | None,
     *,
+    mode: Mode = Mode.ACT,
     clock: Clock = time.time,
 ) -> CycleReport:
-    """Lock, load, probe every target, feed verdicts to the ledger, save, report."""
+    """Lock, load, probe every target, feed the ledger, remediate, save, report."""
     if store is None:
-        return _cycle(config, targets, settings, None, clock)
+        return _cycle(config, targets, settings, None, mode, clock)
     with store.locked():
-        return _cycle(config, targets, settings, store, clock)
+        return _cycle(config, targets, settings, store, mode, clock)
 
 
 def _cycle(
@@ -69,14 +73,19 @@ def _cycle(
     targets: list[Target],
     settings: ProbeSettings,
     store: StateFile | None,
+    mode: Mode,
     clock: Clock,
 ) -> CycleReport:
     started = clock()
     backends = {t.name: t.url for t in targets if t.kind == "backend"}
     record, notes = load_record(store, ledger_policy(config.policy), backends, started)
+    audit = AuditLog(audit_path_for(config, store.path)) if store is not None else None
     if store is None:
         notes.append("state not persisted: bare URLs without --state or --config")
-    notes.extend(f"{t.name}: {t.reason}" for t in record.ledger.expire_restarts(started))
+    for expired in record.ledger.expire_restarts(started):
+        record.restart_failed(expired.name)
+        notes.append(f"{expired.name}: {expired.reason}")
+        _audit_transition(audit, expired, started, {})
     baselines = {
         name: sighting.baseline
         for name, sighting in record.sightings.items()
@@ -85,19 +94,77 @@ def _cycle(
     outcomes = asyncio.run(check_fleet(targets, settings, clock=clock, baselines=baselines))
     now = clock()
     expected = {b.name: b.expected_model for b in config.backends}
-    reports = []
+    observed: dict[str, tuple[Outcome, tuple[Transition, ...]]] = {}
+    evidence: dict[str, dict[str, Any]] = {}
     for outcome in outcomes:
         name = outcome.target.name
         if outcome.target.kind != "backend":
-            reports.append(BackendReport(outcome, None))
             continue
-        transitions = record.observe(name, outcome.verdict, now, expected.get(name))
-        reports.append(
-            BackendReport(outcome, record.ledger.snapshot(name, now), tuple(transitions))
-        )
+        transitions = tuple(record.observe(name, outcome.verdict, now, expected.get(name)))
+        observed[name] = (outcome, transitions)
+        evidence[name] = {
+            "verdict": str(outcome.verdict.kind),
+            "evidence": outcome.verdict.evidence,
+            "reads": reads_evidence(outcome.verdict),
+        }
+        for transition in transitions:
+            _audit_transition(audit, transition, now, evidence[name])
+    restarts = remediate(
+        record,
+        config,
+        now,
+        mode=mode if store is not None else Mode.OFF,
+        audit=audit,
+        evidence=evidence,
+    )
     if store is not None:
         store.save(record.to_dict())
-    return CycleReport(started, tuple(reports), summarize(record.ledger), tuple(notes))
+    reports = []
+    for outcome in outcomes:
+        name = outcome.target.name
+        if name not in observed:
+            reports.append(BackendReport(outcome, None))
+            continue
+        reports.append(BackendReport(outcome, record.ledger.snapshot(name, now), observed[name][1]))
+    return CycleReport(
+        started,
+        tuple(reports),
+        summarize(record.ledger),
+        tuple(notes),
+        tuple(_restart_note(o, mode) for o in restarts),
+    )
+
+
+def _audit_transition(
+    audit: AuditLog | None, transition: Transition, now: float, evidence: dict[str, Any]
+) -> None:
+    """Ledger moves made by a check are written down with the evidence that caused them."""
+    if audit is None or not transition.applied or transition.from_state == transition.to_state:
+        return
+    audit.append(
+        {
+            "time": now,
+            "actor": ACTOR,
+            "backend": transition.name,
+            "event": str(transition.kind),
+            "from": str(transition.from_state),
+            "to": str(transition.to_state),
+            "reason": transition.reason,
+            "evidence": evidence,
+        }
+    )
+
+
+def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:
+    command = outcome.command
+    return RestartNote(
+        name=outcome.decision.name,
+        action=str(outcome.decision.action),
+        reason=outcome.decision.reason,
+        ran=command is not None,
+        ok=None if command is None else command.ok,
+        dry_run=mode is Mode.DRY_RUN,
+    )
 
 
 def state_path_for(config: Config, explicit: str | None, has_config_file: bool) -> Path | None:

@@ -15,6 +15,7 @@ from typing import Any
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind
 from llmhealth.ledger import (
     Event,
+    EventKind,
     GoodVerdict,
     Ledger,
     LedgerPolicy,
@@ -188,7 +189,17 @@ class FleetRecord:
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         self.sightings[name] = sighting_of(verdict, now, previous)
+        if any(t.applied and t.kind is EventKind.READMITTED for t in transitions):
+            self.restart_worked(name)
         return transitions
+
+    def restart_worked(self, name: str) -> None:
+        """Re-admission is the only proof a restart worked: its failures stop counting."""
+        if name in self.restarts:
+            self.restarts[name] = self.restarts[name].record_success()
+
+    def restart_failed(self, name: str) -> None:
+        self.restarts[name] = self.restarts.get(name, RestartHistory()).record_failure()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -80,7 +80,7 @@ def apply_event(
             "applied": transition.applied,
         }
         if transition.applied and verb == "readmit":
-            record.restarts.pop(name, None)  # proof that the last restart worked
+            record.restart_worked(name)
         audit.append(entry)
         if transition.applied:
             store.save(record.to_dict())

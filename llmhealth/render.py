@@ -49,6 +49,17 @@ def print_report(report: CycleReport, console: Console) -> None:
             f"membership epoch {fleet.epoch}",
             highlight=False,
         )
+    for restart in report.restarts:
+        if restart.dry_run and restart.action != "skip":
+            done = "dry run: would " + restart.action
+        elif restart.ran:
+            done = "restarted" if restart.ok else "restart FAILED"
+        else:
+            done = restart.action
+        console.print(
+            f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(restart.reason)}",
+            highlight=False,
+        )
     for note in report.notes:
         console.print(f"[dim]note: {escape(note)}[/dim]", highlight=False)
 

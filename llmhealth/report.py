@@ -41,11 +41,24 @@ class FleetSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartNote:
+    """One decision about a DEAD backend, as the report shows it."""
+
+    name: str
+    action: str  # restart, retire or skip
+    reason: str
+    ran: bool  # the restart command was run
+    ok: bool | None  # its outcome; None when it was not run
+    dry_run: bool
+
+
+@dataclass(frozen=True, slots=True)
 class CycleReport:
     checked_at: float
     backends: tuple[BackendReport, ...]
     fleet: FleetSummary
     notes: tuple[str, ...] = ()
+    restarts: tuple[RestartNote, ...] = ()
 
 
 def summarize(ledger: Ledger) -> FleetSummary:
@@ -108,6 +121,17 @@ def as_json(report: CycleReport) -> dict[str, Any]:
             "message": report.fleet.message,
         },
         "notes": list(report.notes),
+        "restarts": [
+            {
+                "name": note.name,
+                "action": note.action,
+                "reason": note.reason,
+                "ran": note.ran,
+                "ok": note.ok,
+                "dry_run": note.dry_run,
+            }
+            for note in report.restarts
+        ],
     }
 
 
