@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from llmhealth.config import Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import Ledger, LedgerPolicy, Transition
+from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, check_fleet
 from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
@@ -82,26 +84,56 @@ def _cycle(
     audit = AuditLog(audit_path_for(config, store.path)) if store is not None else None
     if store is None:
         notes.append("state not persisted: bare URLs without --state or --config")
-    for expired in record.ledger.expire_restarts(started):
+        mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
+    notes += expire_restarts(record, audit, started)
+    outcomes = asyncio.run(
+        check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
+    )
+    report = settle(record, config, outcomes, clock(), mode=mode, audit=audit, notes=notes)
+    if store is not None:
+        store.save(record.to_dict())
+    return replace(report, checked_at=started)
+
+
+def expire_restarts(record: FleetRecord, audit: AuditLog | None, now: float) -> list[str]:
+    """Restarts that outlived their startup grace failed: back to DEAD, cooldown doubled."""
+    notes = []
+    for expired in record.ledger.expire_restarts(now):
         record.restart_failed(expired.name)
         notes.append(f"{expired.name}: {expired.reason}")
-        _audit_transition(audit, expired, started, {})
-    baselines = {
+        _audit_transition(audit, expired, now, {})
+    return notes
+
+
+def baselines_of(record: FleetRecord) -> dict[str, Signals]:
+    """What earlier runs last read of each backend: the only way to see a restart between."""
+    return {
         name: sighting.baseline
         for name, sighting in record.sightings.items()
         if sighting.baseline is not None
     }
-    outcomes = asyncio.run(check_fleet(targets, settings, clock=clock, baselines=baselines))
-    now = clock()
+
+
+def settle(
+    record: FleetRecord,
+    config: Config,
+    outcomes: Sequence[Outcome],
+    now: float,
+    *,
+    mode: Mode,
+    audit: AuditLog | None,
+    notes: Sequence[str] = (),
+) -> CycleReport:
+    """Feed verdicts to the ledger, act on the restart plan, and say what happened."""
     expected = {b.name: b.expected_model for b in config.backends}
-    observed: dict[str, tuple[Outcome, tuple[Transition, ...]]] = {}
+    reports = []
     evidence: dict[str, dict[str, Any]] = {}
     for outcome in outcomes:
         name = outcome.target.name
-        if outcome.target.kind != "backend":
+        if outcome.target.kind != "backend" or name not in record.ledger.names:
+            reports.append(BackendReport(outcome, None))
             continue
         transitions = tuple(record.observe(name, outcome.verdict, now, expected.get(name)))
-        observed[name] = (outcome, transitions)
         evidence[name] = {
             "verdict": str(outcome.verdict.kind),
             "evidence": outcome.verdict.evidence,
@@ -109,25 +141,17 @@ def _cycle(
         }
         for transition in transitions:
             _audit_transition(audit, transition, now, evidence[name])
-    restarts = remediate(
-        record,
-        config,
-        now,
-        mode=mode if store is not None else Mode.OFF,
-        audit=audit,
-        evidence=evidence,
-    )
-    if store is not None:
-        store.save(record.to_dict())
-    reports = []
-    for outcome in outcomes:
-        name = outcome.target.name
-        if name not in observed:
-            reports.append(BackendReport(outcome, None))
-            continue
-        reports.append(BackendReport(outcome, record.ledger.snapshot(name, now), observed[name][1]))
+        reports.append(BackendReport(outcome, None, transitions))
+    restarts = remediate(record, config, now, mode=mode, audit=audit, evidence=evidence)
+    # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
+    reports = [
+        report
+        if report.outcome.target.name not in evidence
+        else replace(report, snapshot=record.ledger.snapshot(report.outcome.target.name, now))
+        for report in reports
+    ]
     return CycleReport(
-        started,
+        now,
         tuple(reports),
         summarize(record.ledger),
         tuple(notes),
