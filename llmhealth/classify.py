@@ -163,7 +163,7 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     # engine shows work: only when no engine shows any is the tiny request the judge.
     if not working and any(engine.work is None for engine in awake):
         if len(reads) >= 2:
-            busy = _busy_if_progressing(reads)
+            busy = _healthy_if_progressing(reads)
             if busy is not None:
                 return busy
         return _by_answer(
@@ -177,9 +177,10 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
 
     if not working:
         if len(reads) >= 2:
-            busy = _busy_if_progressing(reads)
-            if busy is not None:
-                return busy
+            kind = VerdictKind.BUSY if _had_work(reads[-2]) else VerdictKind.IDLE
+            progressed = _healthy_if_progressing(reads, kind)
+            if progressed is not None:
+                return progressed
         return _by_answer(
             reads,
             answer,
@@ -198,7 +199,7 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
         if len(reads) < max_reads:
             return TakeRead(f"engine {worst}: no progress over one wait; one more wait decides")
         return _verdict(VerdictKind.STALLED, False, _stall_evidence(reads, worst), reads)
-    busy = _busy_if_progressing(reads)
+    busy = _healthy_if_progressing(reads)
     if busy is not None:
         return busy
     # Work appeared on an engine with no comparable read before it (new engine, or work
@@ -213,8 +214,14 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     )
 
 
-def _busy_if_progressing(reads: Sequence[Read]) -> Verdict | None:
-    """Busy when any engine advanced over the last wait; work that just finished counts."""
+def _healthy_if_progressing(
+    reads: Sequence[Read], kind: VerdictKind = VerdictKind.BUSY
+) -> Verdict | None:
+    """Healthy when any engine advanced over the last wait; work that just finished counts.
+
+    ``kind`` IDLE is for a backend with no work before or after whose engine still
+    stepped: alive and idle, proven without spending a request.
+    """
     before, after = _signals(reads[-2]), _signals(reads[-1])
     elapsed = reads[-1].at - reads[-2].at
     moved = [
@@ -230,13 +237,16 @@ def _busy_if_progressing(reads: Sequence[Read]) -> Verdict | None:
     if steps_rate is not None and tokens_rate is not None:
         rate_text = f", {steps_rate:.1f} steps/s, {tokens_rate:.1f} tokens/s"
     evidence = (
-        f"busy: {_describe_work(before)} then {_describe_work(after)}; "
+        f"{kind}: {_describe_work(before)} then {_describe_work(after)}; "
         f"engine {', '.join(moved)} progressed over {elapsed:.1f} s "
         f"({_describe_deltas(before, after)}){rate_text}; no request sent"
     )
-    return _verdict(
-        VerdictKind.BUSY, True, evidence, reads, steps_per_s=steps_rate, tokens_per_s=tokens_rate
-    )
+    return _verdict(kind, True, evidence, reads, steps_per_s=steps_rate, tokens_per_s=tokens_rate)
+
+
+def _had_work(read: Read) -> bool:
+    signals = _signals(read)
+    return any((engine.work or 0) > 0 for engine in signals.engines if not engine.asleep)
 
 
 def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
@@ -340,7 +350,7 @@ def _judge_restarted(
             f"{change}; the new process shows {_describe_work(last)}",
         )
     if len(since) >= 2:
-        busy = _busy_if_progressing(since)
+        busy = _healthy_if_progressing(since)
         if busy is not None:
             return Verdict(
                 VerdictKind.RESTARTED,

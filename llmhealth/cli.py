@@ -7,15 +7,18 @@ alert on CRITICAL always means a server, not a typo.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 import time
 import traceback
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from llmhealth import config as config_module
 from llmhealth import operate
@@ -145,6 +148,71 @@ def check(
     report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
     raise typer.Exit(int(exit_code(report)))
+
+
+@app.command()
+def watch(
+    urls: Annotated[
+        list[str] | None,
+        typer.Argument(help="Backend base URLs, besides those in --config."),
+    ] = None,
+    proxy: Annotated[
+        list[str] | None,
+        typer.Option("--proxy", help="A proxy's base URL: checked through /v1/models only."),
+    ] = None,
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+    wait: WaitOption = None,
+    listen: Annotated[
+        str,
+        typer.Option(
+            "--listen",
+            help="HOST:PORT for llmhealth's own /metrics; loopback unless told otherwise. "
+            "'off' serves none.",
+        ),
+    ] = "127.0.0.1:9464",
+    serving_file: Annotated[
+        str | None,
+        typer.Option(
+            "--serving-file",
+            help="Write the serving set here whenever it changes: JSON, or an nginx "
+            "'server' include when the name ends in .conf.",
+        ),
+    ] = None,
+) -> None:
+    """Run the check cycle every wait as a daemon: ledger, restarts, metrics, systemd notify.
+
+    SIGHUP reloads the config (an invalid one is reported and the old one kept); SIGTERM
+    finishes the cycle in progress, saves, and exits 0.
+    """
+    from llmhealth.daemon import Daemon  # noqa: PLC0415 - only the daemon needs it
+
+    given_urls, given_proxies = urls or [], proxy or []
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return _fleet(given_urls, given_proxies, config_file)
+
+    loaded, targets = load()
+    if not targets:
+        raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
+    path = state_path_for(loaded, state, True)
+    assert path is not None  # with has_config_file=True there is always a path
+    daemon = Daemon(
+        load,
+        StateFile(path),
+        listen=None if listen == "off" else _host_port(listen),
+        wait_override=_duration(wait),
+        serving_file=Path(serving_file) if serving_file else None,
+        console=Console(stderr=True),
+    )
+    raise typer.Exit(asyncio.run(daemon.run()))
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise typer.BadParameter(f"{value!r} is not HOST:PORT", param_hint="--listen")
+    return host.strip("[]"), int(port)
 
 
 def _operator_context(

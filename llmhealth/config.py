@@ -19,6 +19,7 @@ DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_ANSWER_TIMEOUT = 10.0
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
+DEFAULT_STALL_TIMEOUT = 600.0
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -67,6 +68,8 @@ class Config:
     max_body: int = DEFAULT_MAX_BODY
     state: str | None = None
     audit_log: str | None = None
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    on_serving_change: tuple[str, ...] = ()
     policy: Policy = field(default_factory=Policy)
     backends: tuple[Backend, ...] = ()
     proxies: tuple[Proxy, ...] = ()
@@ -95,7 +98,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         data,
         "",
         {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
-        | {"backend", "proxy"},
+        | {"backend", "proxy", "stall_timeout", "on_serving_change"},
     )
     policy = _policy(reader, data.get("policy", {}))
     backends = tuple(
@@ -117,6 +120,8 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         max_body=reader.integer(data, "max_body", DEFAULT_MAX_BODY, minimum=1024),
         state=reader.optional_string(data, "state"),
         audit_log=reader.optional_string(data, "audit_log"),
+        stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
+        on_serving_change=reader.string_list(data, "on_serving_change", ()),
         policy=policy,
         backends=backends,
         proxies=proxies,

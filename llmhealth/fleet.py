@@ -247,3 +247,39 @@ def _number(value: object, where: str) -> float:
 
 def _optional_number(values: Mapping[str, Any], key: str, where: str) -> float | None:
     return _number(values[key], f"{where}.{key}") if key in values else None
+
+
+@dataclass(slots=True)
+class StallWatch:
+    """Is the fleet as a whole making progress? A question no per-backend check answers.
+
+    It alerts when work is waiting somewhere and no backend has finished a request for
+    ``stall_timeout``; it never restarts anything, because the cause may be outside every
+    backend (a shared store, the network, a client that stopped reading).
+    """
+
+    started_at: float
+    last_finished_at: float | None = None
+    work_pending: bool = False
+    _finished: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, signals_by_backend: Mapping[str, Signals], now: float) -> None:
+        """Feed each backend's newest readable signals of this cycle."""
+        pending = False
+        for name, signals in signals_by_backend.items():
+            finished = sum(e.finished or 0.0 for e in signals.engines)
+            previous = self._finished.get(name)
+            # A lower count is a new process, not progress; it only resets the baseline.
+            if previous is not None and finished > previous:
+                self.last_finished_at = now
+            self._finished[name] = finished
+            pending = pending or any((e.work or 0) > 0 for e in signals.engines if not e.asleep)
+        self.work_pending = pending
+
+    def seconds_since_finished(self, now: float) -> float:
+        """Since the last finished request seen, or since watching began if none was."""
+        since = self.last_finished_at if self.last_finished_at is not None else self.started_at
+        return max(0.0, now - since)
+
+    def stalled(self, now: float, stall_timeout: float) -> bool:
+        return self.work_pending and self.seconds_since_finished(now) >= stall_timeout

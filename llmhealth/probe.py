@@ -28,6 +28,7 @@ from llmhealth.classify import (
     TakeRead,
     Target,
     Verdict,
+    VerdictKind,
     decide,
     judge_proxy,
 )
@@ -281,6 +282,34 @@ async def examine_backend(
             reads.append(await read_metrics(client, target, settings, clock))
         elif isinstance(decision, SendTinyRequest):
             answer = await ask_tiny(client, target, settings, clock)
+
+
+async def examine_once(
+    client: httpx.AsyncClient,
+    target: Target,
+    settings: ProbeSettings,
+    window: list[Read],
+    *,
+    clock: Clock = time.time,
+    baseline: Signals | None = None,
+) -> Verdict | None:
+    """One read for the watch loop, judged with the reads of earlier cycles.
+
+    In ``watch`` the wait between two reads is the loop interval, so a verdict needs no
+    sleeping here: ``window`` keeps this backend's last reads across cycles (at most
+    ``max_reads``). None means "not decided yet" (a first read that shows work, or one
+    wait without progress), never a failure: failures are verdicts.
+    """
+    window.append(await read_metrics(client, target, settings, clock))
+    del window[: -settings.max_reads]
+    decision = decide(window, None, max_reads=settings.max_reads, baseline=baseline)
+    if isinstance(decision, SendTinyRequest):
+        answer = await ask_tiny(client, target, settings, clock)
+        decision = decide(window, answer, max_reads=settings.max_reads, baseline=baseline)
+    if isinstance(decision, Verdict) and decision.kind is VerdictKind.RESTARTED:
+        # The new process's reads start here: the old one's must not be compared again.
+        del window[:-1]
+    return decision if isinstance(decision, Verdict) else None
 
 
 async def examine_proxy(

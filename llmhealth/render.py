@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.policy import Hold
@@ -22,6 +23,11 @@ _STYLE = {ExitCode.OK: "green", ExitCode.WARNING: "yellow", ExitCode.CRITICAL: "
 
 
 def print_report(report: CycleReport, console: Console) -> None:
+    for renderable in report_renderables(report):
+        console.print(renderable, highlight=False)
+
+
+def report_renderables(report: CycleReport) -> list[RenderableType]:
     """Numbers in a table, evidence below it: evidence is a sentence and needs the width."""
     table = Table()
     columns = ("name", "kind", "verdict", "state", "running", "waiting", "steps/s", "tok/s", "req")
@@ -29,7 +35,7 @@ def print_report(report: CycleReport, console: Console) -> None:
         table.add_column(column, no_wrap=True)
     for backend in report.backends:
         table.add_row(*_row(backend))
-    console.print(table)
+    lines: list[RenderableType] = [table]
     for backend in report.backends:
         line = f"[bold]{escape(backend.outcome.target.name)}[/bold]: "
         line += escape(backend.outcome.verdict.evidence)
@@ -39,15 +45,16 @@ def print_report(report: CycleReport, console: Console) -> None:
                     f"\n    ledger: {transition.from_state} → {transition.to_state} "
                     f"({transition.kind})"
                 )
-        console.print(line, highlight=False)
+        lines.append(Text.from_markup(line))
     fleet = report.fleet
     if fleet.floor_breached:
-        console.print(f"[bold red]fleet[/bold red]: {escape(fleet.message)}", highlight=False)
+        lines.append(Text.from_markup(f"[bold red]fleet[/bold red]: {escape(fleet.message)}"))
     elif any(backend.snapshot is not None for backend in report.backends):
-        console.print(
-            f"[bold]fleet[/bold]: {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
-            f"membership epoch {fleet.epoch}",
-            highlight=False,
+        lines.append(
+            Text.from_markup(
+                f"[bold]fleet[/bold]: {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
+                f"membership epoch {fleet.epoch}"
+            )
         )
     for restart in report.restarts:
         if restart.dry_run and restart.action != "skip":
@@ -56,12 +63,13 @@ def print_report(report: CycleReport, console: Console) -> None:
             done = "restarted" if restart.ok else "restart FAILED"
         else:
             done = restart.action
-        console.print(
-            f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(restart.reason)}",
-            highlight=False,
+        lines.append(
+            Text.from_markup(
+                f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(restart.reason)}"
+            )
         )
-    for note in report.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]", highlight=False)
+    lines += [Text(f"note: {note}", style="dim") for note in report.notes]
+    return lines
 
 
 def console_for_output() -> Console:

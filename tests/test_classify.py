@@ -771,3 +771,13 @@ def test_a_start_time_missing_from_one_text_alone_is_no_restart(fixture_text: Lo
     reads = timed([capture(fixture_text, "busy-1"), cut], WAIT)
     verdict = settled(decide(reads))
     assert verdict.kind is VerdictKind.BUSY
+
+
+def test_an_idle_engine_that_stepped_is_idle_and_spends_no_request(fixture_text: Load) -> None:
+    # chunk-0 → chunk-2: nothing running at either read, yet two requests finished in
+    # between (in `watch`, often llmhealth's own tiny request of the cycle before).
+    verdict = settled(decide(reads_of(fixture_text, "chunk-0", "chunk-2")))
+    assert verdict.kind is VerdictKind.IDLE
+    assert verdict.healthy
+    assert verdict.requests_sent == 0
+    assert "finished +2" in verdict.evidence

@@ -1,0 +1,400 @@
+"""`llmhealth watch`: the check cycle as a daemon under systemd.
+
+Each target has its own probing task that reads it once per wait, so one hung backend
+costs only its own timeouts. Every wait the daemon settles what came in: ledger, restart
+plan, state file (locked per cycle, so operator verbs interleave), its own metrics, the
+serving file, and a WATCHDOG=1 to systemd that proves the loop itself still turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+
+from llmhealth import config as config_module
+from llmhealth.actions import AuditLog, run_command
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.cycle import (
+    audit_path_for,
+    baselines_of,
+    expire_restarts,
+    ledger_policy,
+    load_record,
+    settle,
+)
+from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
+from llmhealth.fleet import StallWatch
+from llmhealth.metrics import Signals
+from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
+from llmhealth.remediate import Mode
+from llmhealth.render import report_renderables
+from llmhealth.report import CycleReport
+from llmhealth.state import StateError, StateFile
+
+SHUTDOWN_GRACE = 10.0  # seconds a cycle in progress may take to finish after SIGTERM
+_ERROR_KINDS = {
+    VerdictKind.DOWN: "down",
+    VerdictKind.UNRESPONSIVE: "unresponsive",
+    VerdictKind.UNANSWERED: "unanswered",
+}
+
+Loader = Callable[[], tuple[config_module.Config, list[Target]]]
+
+
+class Notifier:
+    """systemd's sd_notify over $NOTIFY_SOCKET; silent when systemd did not ask for it."""
+
+    def __init__(self, address: str | None) -> None:
+        self._address = address
+        if address and address.startswith("@"):
+            self._address = "\0" + address[1:]  # the abstract socket namespace
+
+    def send(self, *fields: str) -> None:
+        if not self._address:
+            return
+        message = "\n".join(fields).encode()
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(message, self._address)
+
+
+@dataclass(slots=True)
+class _Probe:
+    """What a target's probing task last produced, for the next settle to pick up."""
+
+    outcome: Outcome | None = None
+    seconds: float | None = None
+    fresh: bool = False
+
+
+@dataclass(slots=True)
+class WatchState:
+    """The daemon's memory between cycles (the ledger itself lives in the state file)."""
+
+    stall: StallWatch
+    probes: dict[str, _Probe] = field(default_factory=dict)
+    latest: dict[str, Outcome] = field(default_factory=dict)
+    probe_errors: Counter[tuple[str, str]] = field(default_factory=Counter)
+    restarts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    serving_written: tuple[tuple[str, str], ...] | None = None
+    cycles: int = 0
+
+
+class Daemon:
+    def __init__(
+        self,
+        load: Loader,
+        store: StateFile,
+        *,
+        listen: tuple[str, int] | None,
+        wait_override: float | None,
+        serving_file: Path | None,
+        console: Console,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._load = load
+        self._config, self._targets = load()
+        self._store = store
+        self._listen = listen
+        self._wait_override = wait_override
+        self._serving_file = serving_file
+        self._console = console
+        self._clock = clock
+        self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
+        self._collector = FleetCollector()
+        self._state = WatchState(StallWatch(started_at=clock()))
+        self._stop = asyncio.Event()
+        self._reload = False
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._baselines: dict[str, Signals] = {}
+
+    @property
+    def settings(self) -> ProbeSettings:
+        wait = self._wait_override or self._config.wait
+        return ProbeSettings(
+            wait=wait,
+            timeout=self._config.timeout,
+            answer_timeout=self._config.answer_timeout,
+            max_body=self._config.max_body,
+        )
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._ask_reload)
+        server = None
+        if self._listen is not None:
+            server, _ = serve(self._collector, *self._listen)
+            self._log(f"metrics on http://{self._listen[0]}:{self._listen[1]}/metrics")
+        try:
+            self._baselines = await asyncio.to_thread(self._read_baselines)
+            self._start_probes()
+            await self._loop()
+        finally:
+            self._notifier.send("STOPPING=1")
+            for task in self._tasks.values():
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        self._log("stopped")
+        return 0
+
+    def _ask_reload(self) -> None:
+        self._reload = True
+
+    async def _loop(self) -> None:
+        live = (
+            Live(console=self._console, auto_refresh=False) if self._console.is_terminal else None
+        )
+        with live if live is not None else contextlib.nullcontext():
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=self.settings.wait)
+                if self._stop.is_set():
+                    break
+                if self._reload:
+                    self._reload = False
+                    self._reload_config()
+                started = time.monotonic()
+                cycle = asyncio.ensure_future(asyncio.to_thread(self._settle, self._take_fresh()))
+                # SIGTERM during a cycle: let it finish within a bound, then leave; the
+                # state file is only ever replaced whole, so an abandoned cycle loses
+                # its own verdicts and nothing else.
+                done, _ = await asyncio.wait(
+                    {cycle, asyncio.ensure_future(self._stop.wait())},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if cycle not in done:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(cycle), SHUTDOWN_GRACE)
+                    if not cycle.done():
+                        self._log("stopping with a cycle unfinished")
+                        return
+                try:
+                    report = cycle.result()
+                except StateError as exc:
+                    self._log(f"cycle skipped: {exc}")
+                    self._notifier.send("WATCHDOG=1", f"STATUS=state unusable: {exc}")
+                    continue
+                self._after_cycle(report, time.monotonic() - started, live)
+
+    def _read_baselines(self) -> dict[str, Signals]:
+        try:
+            with self._store.locked():
+                backends = {t.name: t.url for t in self._targets if t.kind == "backend"}
+                record, _ = load_record(
+                    self._store, ledger_policy(self._config.policy), backends, self._clock()
+                )
+        except StateError as exc:
+            self._log(f"starting without earlier reads: {exc}")
+            return {}
+        return baselines_of(record)
+
+    def _start_probes(self) -> None:
+        wanted = {target.name: target for target in self._targets}
+        for name in list(self._tasks):
+            if name not in wanted:
+                self._tasks.pop(name).cancel()
+                self._state.probes.pop(name, None)
+                self._state.latest.pop(name, None)
+        for name, target in wanted.items():
+            if name in self._tasks:
+                self._tasks.pop(name).cancel()
+            self._state.probes.setdefault(name, _Probe())
+            self._tasks[name] = asyncio.create_task(self._probe_forever(target))
+
+    async def _probe_forever(self, target: Target) -> None:
+        """Read one target every wait, forever; its verdicts wait for the next settle."""
+        window: list[Read] = []
+        baseline = self._baselines.pop(target.name, None)
+        async with new_client() as client:
+            while True:
+                settings = self.settings
+                started = time.monotonic()
+                if target.kind == "proxy":
+                    verdict: Verdict | None = await examine_proxy(client, target, settings)
+                else:
+                    verdict = await examine_once(
+                        client, target, settings, window, clock=self._clock, baseline=baseline
+                    )
+                    baseline = None  # only the first read is compared with the last run
+                probe = self._state.probes.setdefault(target.name, _Probe())
+                probe.seconds = time.monotonic() - started
+                if verdict is not None:
+                    probe.outcome = Outcome(target, verdict)
+                    probe.fresh = True
+                await asyncio.sleep(max(0.0, started + settings.wait - time.monotonic()))
+
+    def _take_fresh(self) -> list[Outcome]:
+        """Verdicts that came in since the last cycle; called on the event loop's thread."""
+        fresh = []
+        for probe in self._state.probes.values():
+            if probe.fresh and probe.outcome is not None:
+                probe.fresh = False
+                fresh.append(probe.outcome)
+        return fresh
+
+    def _settle(self, fresh: list[Outcome]) -> CycleReport:
+        """One cycle's bookkeeping, in a worker thread: it may run a restart command."""
+        now = self._clock()
+        backends = {t.name: t.url for t in self._targets if t.kind == "backend"}
+        with self._store.locked():
+            record, notes = load_record(
+                self._store, ledger_policy(self._config.policy), backends, now
+            )
+            audit = AuditLog(audit_path_for(self._config, self._store.path))
+            notes += expire_restarts(record, audit, now)
+            report = settle(
+                record, self._config, fresh, now, mode=Mode.ACT, audit=audit, notes=notes
+            )
+            self._store.save(record.to_dict())
+        self._write_serving(record.ledger.serving, backends)
+        return report
+
+    def _after_cycle(self, report: CycleReport, seconds: float, live: Live | None) -> None:
+        state = self._state
+        state.cycles += 1
+        now = self._clock()
+        signals: dict[str, Signals] = {}
+        for backend in report.backends:
+            outcome = backend.outcome
+            state.latest[outcome.target.name] = outcome
+            error = _ERROR_KINDS.get(outcome.verdict.kind)
+            if outcome.verdict.kind is VerdictKind.NO_METRICS and not outcome.verdict.healthy:
+                error = "no_metrics"
+            if error is not None:
+                state.probe_errors[(outcome.target.name, error)] += 1
+            for read in reversed(outcome.verdict.reads):
+                if read.signals is not None and read.signals.has_vllm:
+                    signals[outcome.target.name] = read.signals
+                    break
+        for note in report.restarts:
+            if note.ran:
+                state.restarts[(note.name, "ok" if note.ok else "failed")] += 1
+            elif note.action == "retire":
+                state.restarts[(note.name, "retired")] += 1
+        state.stall.observe(signals, now)
+        stalled = state.stall.stalled(now, self._config.stall_timeout)
+        snapshots = {b.outcome.target.name: b.snapshot for b in report.backends}
+        views = []
+        for target in self._targets:
+            latest = state.latest.get(target.name)
+            snapshot = snapshots.get(target.name)
+            verdict = latest.verdict if latest else None
+            probe = state.probes.get(target.name)
+            views.append(
+                BackendView(
+                    name=target.name,
+                    kind=target.kind,
+                    verdict=str(verdict.kind) if verdict else None,
+                    state=str(snapshot.state) if snapshot else None,
+                    serving=snapshot.serving if snapshot else None,
+                    running=verdict.running if verdict else None,
+                    waiting=verdict.waiting if verdict else None,
+                    steps_per_s=verdict.steps_per_s if verdict else None,
+                    tokens_per_s=verdict.tokens_per_s if verdict else None,
+                    probe_seconds=probe.seconds if probe else None,
+                )
+            )
+        self._collector.publish(
+            ExportView(
+                backends=tuple(views),
+                fleet=report.fleet,
+                seconds_since_finished=state.stall.seconds_since_finished(now),
+                fleet_stalled=stalled,
+                last_cycle_at=now,
+                cycle_seconds=seconds,
+                probe_errors=dict(state.probe_errors),
+                restarts=dict(state.restarts),
+            )
+        )
+        fleet = report.fleet
+        status = (
+            f"{fleet.serving} serving (min {fleet.min_healthy}), epoch {fleet.epoch}"
+            + (", FLOOR BREACHED" if fleet.floor_breached else "")
+            + (", FLEET STALLED" if stalled else "")
+        )
+        if state.cycles == 1:
+            self._notifier.send("READY=1", f"STATUS={status}")
+        self._notifier.send("WATCHDOG=1", f"STATUS={status}")
+        if stalled:
+            self._log(
+                "fleet stall: work is pending and no backend finished a request for "
+                f"{state.stall.seconds_since_finished(now):.0f} s (stall_timeout "
+                f"{self._config.stall_timeout:g} s); nothing is restarted for this"
+            )
+        if live is not None:
+            live.update(Group(*report_renderables(report)), refresh=True)
+            return
+        self._log(f"cycle {state.cycles}: {status}, settled in {seconds:.2f} s")
+        for backend in report.backends:
+            for transition in backend.transitions:
+                if transition.applied and transition.from_state != transition.to_state:
+                    self._log(
+                        f"{transition.name}: {transition.from_state} -> {transition.to_state}: "
+                        f"{backend.outcome.verdict.evidence}"
+                    )
+        for note in report.restarts:
+            if note.action != "skip" or note.ran:
+                self._log(f"{note.name}: {note.action}: {note.reason}")
+
+    def _reload_config(self) -> None:
+        try:
+            config, targets = self._load()
+        except (config_module.ConfigError, ValueError) as exc:
+            self._log(f"reload refused, keeping the running config: {exc}")
+            return
+        self._config, self._targets = config, targets
+        self._start_probes()
+        self._log(f"config reloaded: {len(targets)} targets")
+
+    def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:
+        """Tell an existing balancer which backends serve: a file, then an optional hook."""
+        current = tuple((name, urls[name]) for name in serving if name in urls)
+        if self._serving_file is None or current == self._state.serving_written:
+            return
+        path = self._serving_file
+        if path.suffix == ".conf":
+            lines = ["# written by llmhealth watch: the backends that may be handed traffic"]
+            lines += [f"server {_host_port(url)};" for _, url in current]
+            if not current:
+                # nginx refuses an upstream without servers; a down one keeps it loadable.
+                lines.append("server 127.0.0.1:9 down;")
+            text = "\n".join(lines) + "\n"
+        else:
+            text = json.dumps(
+                {"serving": [{"name": name, "url": url} for name, url in current]}, indent=1
+            )
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(text)
+        os.replace(temporary, path)
+        self._state.serving_written = current
+        if self._config.on_serving_change:
+            result = run_command(self._config.on_serving_change, 30.0)
+            if not result.ok:
+                self._log(f"on_serving_change failed ({result.exit_code}): {result.stderr}")
+
+    def _log(self, message: str) -> None:
+        if self._console.is_terminal:
+            self._console.log(message)
+        else:  # journald adds its own timestamp
+            print(message, file=sys.stderr, flush=True)
+
+
+def _host_port(url: str) -> str:
+    return url.split("://", 1)[-1].split("/", 1)[0]

@@ -1,0 +1,191 @@
+"""llmhealth's own Prometheus metrics, served by ``watch``.
+
+The daemon hands over one immutable view per cycle and a scrape renders the latest one,
+so a scrape never sees half a cycle and never waits for one. Names carry the
+``llmhealth_`` prefix and a unit suffix; counters end in ``_total``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmhealth.classify import VerdictKind
+from llmhealth.ledger import State
+from llmhealth.report import FleetSummary
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    name: str
+    kind: str  # backend or proxy
+    verdict: str | None  # None until the first verdict
+    state: str | None  # None for a proxy
+    serving: bool | None
+    running: int | None = None
+    waiting: int | None = None
+    steps_per_s: float | None = None
+    tokens_per_s: float | None = None
+    probe_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExportView:
+    backends: tuple[BackendView, ...] = ()
+    fleet: FleetSummary | None = None
+    seconds_since_finished: float = 0.0
+    fleet_stalled: bool = False
+    last_cycle_at: float = 0.0
+    cycle_seconds: float = 0.0
+    probe_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    restarts: Mapping[tuple[str, str], int] = field(default_factory=dict)
+
+
+class FleetCollector(Collector):
+    """Renders the latest ExportView; ``publish`` swaps it in atomically."""
+
+    def __init__(self) -> None:
+        self._view = ExportView()
+        self._lock = threading.Lock()
+
+    def publish(self, view: ExportView) -> None:
+        with self._lock:
+            self._view = view
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            view = self._view
+        yield from _backend_families(view)
+        yield from _fleet_families(view)
+
+
+def _backend_families(view: ExportView) -> Iterator[Metric]:
+    verdict = GaugeMetricFamily(
+        "llmhealth_backend_verdict",
+        "The latest verdict on a backend or proxy: 1 for the current one.",
+        labels=["backend", "verdict"],
+    )
+    state = GaugeMetricFamily(
+        "llmhealth_backend_state",
+        "The backend's ledger state: 1 for the current one.",
+        labels=["backend", "state"],
+    )
+    serving = GaugeMetricFamily(
+        "llmhealth_backend_serving", "1 when the backend may be handed traffic.", labels=["backend"]
+    )
+    running = GaugeMetricFamily(
+        "llmhealth_backend_running_requests",
+        "Requests running, as the backend's /metrics said.",
+        labels=["backend"],
+    )
+    waiting = GaugeMetricFamily(
+        "llmhealth_backend_waiting_requests",
+        "Requests waiting, as the backend's /metrics said.",
+        labels=["backend"],
+    )
+    steps = GaugeMetricFamily(
+        "llmhealth_backend_engine_steps_per_second",
+        "Engine steps per second over the last wait.",
+        labels=["backend"],
+    )
+    tokens = GaugeMetricFamily(
+        "llmhealth_backend_generated_tokens_per_second",
+        "Generated tokens per second over the last wait.",
+        labels=["backend"],
+    )
+    duration = GaugeMetricFamily(
+        "llmhealth_backend_probe_duration_seconds",
+        "How long the last probe of the backend took.",
+        labels=["backend"],
+    )
+    for backend in view.backends:
+        for kind in VerdictKind:
+            verdict.add_metric([backend.name, str(kind)], float(backend.verdict == str(kind)))
+        if backend.state is not None:
+            for each in State:
+                state.add_metric([backend.name, str(each)], float(backend.state == str(each)))
+        if backend.serving is not None:
+            serving.add_metric([backend.name], float(backend.serving))
+        for family, value in (
+            (running, backend.running),
+            (waiting, backend.waiting),
+            (steps, backend.steps_per_s),
+            (tokens, backend.tokens_per_s),
+            (duration, backend.probe_seconds),
+        ):
+            if value is not None:
+                family.add_metric([backend.name], float(value))
+    errors = CounterMetricFamily(
+        "llmhealth_backend_probe_errors",
+        "Failed probes by kind (down, unresponsive, unanswered, no_metrics).",
+        labels=["backend", "kind"],
+    )
+    for (name, error), count in sorted(view.probe_errors.items()):
+        errors.add_metric([name, error], float(count))
+    restarts = CounterMetricFamily(
+        "llmhealth_backend_restarts",
+        "Restart decisions carried out, by outcome (ok, failed, retired).",
+        labels=["backend", "outcome"],
+    )
+    for (name, outcome), count in sorted(view.restarts.items()):
+        restarts.add_metric([name, outcome], float(count))
+    yield from (verdict, state, serving, running, waiting, steps, tokens, duration)
+    yield from (errors, restarts)
+
+
+def _fleet_families(view: ExportView) -> Iterator[Metric]:
+    fleet = view.fleet
+    if fleet is not None:
+        yield GaugeMetricFamily(
+            "llmhealth_fleet_serving_backends",
+            "Backends that may be handed traffic.",
+            fleet.serving,
+        )
+        yield GaugeMetricFamily(
+            "llmhealth_fleet_min_healthy",
+            "The configured floor of serving backends.",
+            fleet.min_healthy,
+        )
+        yield GaugeMetricFamily(
+            "llmhealth_fleet_membership_epoch",
+            "Increases by one each time the serving set changes.",
+            fleet.epoch,
+        )
+        yield GaugeMetricFamily(
+            "llmhealth_fleet_floor_breached",
+            "1 when fewer backends serve than min_healthy.",
+            float(fleet.floor_breached),
+        )
+    yield GaugeMetricFamily(
+        "llmhealth_fleet_seconds_since_last_finished_request",
+        "Seconds since any backend last finished a request (since start if none has).",
+        view.seconds_since_finished,
+    )
+    yield GaugeMetricFamily(
+        "llmhealth_fleet_stalled",
+        "1 when work is pending and no backend finished a request within stall_timeout.",
+        float(view.fleet_stalled),
+    )
+    yield GaugeMetricFamily(
+        "llmhealth_last_cycle_timestamp_seconds",
+        "Unix time the last watch cycle completed.",
+        view.last_cycle_at,
+    )
+    yield GaugeMetricFamily(
+        "llmhealth_cycle_duration_seconds",
+        "How long the last watch cycle took to settle (ledger, restarts, state file).",
+        view.cycle_seconds,
+    )
+
+
+def serve(collector: FleetCollector, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+    """Serve /metrics on host:port from a thread; the caller shuts the server down."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return start_http_server(port, addr=host, registry=registry)
