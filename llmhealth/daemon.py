@@ -154,6 +154,10 @@ class Daemon:
         self._log("stopped")
         return 0
 
+    def stop(self) -> None:
+        """Ask the loop to finish, as SIGTERM does."""
+        self._stop.set()
+
     def _ask_reload(self) -> None:
         self._reload = True
 
@@ -350,7 +354,10 @@ class Daemon:
                         f"{backend.outcome.verdict.evidence}"
                     )
         for note in report.restarts:
-            if note.action != "skip" or note.ran:
+            if note.ran:
+                done = "restart command ran" if note.ok else "restart command FAILED"
+                self._log(f"{note.name}: {done}: {note.reason}")
+            elif note.action != "skip":
                 self._log(f"{note.name}: {note.action}: {note.reason}")
 
     def _reload_config(self) -> None:

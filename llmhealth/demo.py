@@ -1,36 +1,53 @@
-"""`llmhealth demo`: a simulated fleet on loopback, one check of it, and everything stopped.
+"""`llmhealth demo`: a simulated fleet on loopback, checked once, then watched live.
 
-It runs the real simulator as a child process and the real check against it, so what it
-shows is what an operator would see against servers in those states.
+It runs the real simulator as a child process and the real check and watch against it,
+so what it shows is what an operator would see. In the watch part one backend is wedged;
+the daemon proves it, runs a real restart command (it asks the simulator to start a new
+"process"), sees the new process and re-admits it. Everything stops by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 from rich.console import Console
 
+from llmhealth.actions import read
 from llmhealth.classify import Target
-from llmhealth.config import Config
+from llmhealth.config import Config, from_mapping
 from llmhealth.cycle import run_cycle
+from llmhealth.daemon import Daemon
+from llmhealth.operate import read_record
 from llmhealth.probe import ProbeSettings
-from llmhealth.render import print_report
-from llmhealth.report import exit_code
+from llmhealth.render import print_report, print_status
+from llmhealth.report import exit_code, summarize
+from llmhealth.state import StateFile
 
 _HOST = "127.0.0.1"
 _READY_WITHIN = 30.0
 _WEDGE_AFTER = 1.0
+_WATCH_FOR = 10.0
 # name, simulator mode; the proxy fronts the first two backends
 _FLEET = (
     ("gpu0-busy", "busy"),
     ("gpu1-idle", "idle"),
     ("gpu2-wedging", f"wedge:{_WEDGE_AFTER:g}"),
     ("gpu3-no-metrics", "no-metrics"),
+)
+# The demo's restart command: ask the simulator for a new process in idle mode. A real
+# fleet would have e.g. ["systemctl", "restart", "vllm@2"]; either way it is an argv.
+_RESTART_CODE = (
+    "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request("
+    "sys.argv[1] + '/sim/restart', data=b'{\"mode\": \"idle\"}', method='POST'), timeout=5)"
 )
 
 
@@ -93,28 +110,104 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
 
 
 def run_demo(console: Console) -> int:
-    base = free_port_block(len(_FLEET) + 1)
+    base = free_port_block(len(_FLEET) + 2)
     urls = [f"http://{_HOST}:{base + index}" for index in range(len(_FLEET))]
     proxy_url = f"http://{_HOST}:{base + len(_FLEET)}"
+    metrics_port = base + len(_FLEET) + 1
     modes = [mode for _, mode in _FLEET] + [f"proxy:{urls[0]},{urls[1]}"]
-    targets = [Target(name, url) for (name, _), url in zip(_FLEET, urls, strict=True)]
-    targets.append(Target("lb", proxy_url, "proxy"))
-    settings = ProbeSettings(wait=2.0, timeout=3.0, answer_timeout=5.0)
 
     console.rule("llmhealth demo")
     console.print(f"Simulated fleet on {_HOST}:{base}-{base + len(_FLEET)}:")
-    for target, mode in zip(targets, modes, strict=True):
-        console.print(f"  {target.name:<16} {target.url}  simulator mode {mode}")
-    with simulated_fleet(modes, base):
+    for (name, mode), url in zip(_FLEET, urls, strict=True):
+        console.print(f"  {name:<16} {url}  simulator mode {mode}")
+    console.print(f"  {'lb':<16} {proxy_url}  a least-connections proxy in front of gpu0, gpu1")
+    with simulated_fleet(modes, base), tempfile.TemporaryDirectory() as scratch:
         time.sleep(_WEDGE_AFTER + 0.5)  # let gpu2 wedge before the first read
-        command = " ".join(["llmhealth check", *urls, "--proxy", proxy_url, "--wait", "2s"])
-        console.print(f"\n$ {command}\n")
-        report = run_cycle(Config(), targets, settings, None)
-        print_report(report, console)
+        _one_check(console, urls, proxy_url)
+        _watch_live(console, urls, proxy_url, Path(scratch), metrics_port)
+    console.print("\nSimulator stopped; the demo's state and audit log were in a temp dir.")
+    return 0
+
+
+def _one_check(console: Console, urls: list[str], proxy_url: str) -> None:
+    console.rule("1. one check, as cron or an operator runs it")
+    targets = [Target(name, url) for (name, _), url in zip(_FLEET, urls, strict=True)]
+    targets.append(Target("lb", proxy_url, "proxy"))
+    command = " ".join(["llmhealth check", *urls, "--proxy", proxy_url, "--wait 2s"])
+    console.print(f"$ {command}\n")
+    report = run_cycle(Config(), targets, ProbeSettings(wait=2.0, timeout=3.0), None)
+    print_report(report, console)
     code = exit_code(report)
     console.print(
-        f"\nThe check would exit {int(code)} ({code.name}). The busy backend was judged by its "
-        "own counters and sent no request; the wedged one was proven over two waits; "
-        "the proxy was only asked for /v1/models. Simulator stopped."
+        f"\nExit {int(code)} ({code.name}). The busy backend was judged by its own counters "
+        "and sent no request; the wedged one was proven over two waits; the proxy was only "
+        "asked for /v1/models."
     )
-    return 0
+
+
+def _watch_live(
+    console: Console, urls: list[str], proxy_url: str, scratch: Path, metrics_port: int
+) -> None:
+    console.rule(f"2. llmhealth watch for {_WATCH_FOR:g} s, with a restart command for gpu2")
+    backends: list[dict[str, object]] = [
+        {"name": name, "url": url} for (name, _), url in zip(_FLEET, urls, strict=True)
+    ]
+    backends[2]["restart"] = [sys.executable, "-c", _RESTART_CODE, urls[2]]
+    config = from_mapping(
+        {
+            "wait": "1s",
+            "timeout": "2s",
+            "answer_timeout": "3s",
+            "state": str(scratch / "state.json"),
+            "backend": backends,
+            "proxy": [{"name": "lb", "url": proxy_url}],
+        },
+        "<demo>",
+    )
+
+    def load() -> tuple[Config, list[Target]]:
+        targets = [Target(b.name, b.url) for b in config.backends]
+        return config, [*targets, Target("lb", proxy_url, "proxy")]
+
+    store = StateFile(scratch / "state.json")
+    daemon = Daemon(
+        load,
+        store,
+        listen=(_HOST, metrics_port),
+        wait_override=None,
+        serving_file=scratch / "serving.json",
+        console=console,
+    )
+
+    async def bounded() -> int:
+        task = asyncio.create_task(daemon.run())
+        await asyncio.sleep(_WATCH_FOR)
+        console.print(_own_metrics(metrics_port))
+        daemon.stop()
+        return await task
+
+    asyncio.run(bounded())
+    console.rule("3. what it left behind")
+    console.print("$ llmhealth status\n")
+    record = read_record(store, config)
+    now = time.time()
+    print_status(record.ledger.snapshots(now), record.holds, summarize(record.ledger), now, console)
+    console.print("\n$ tail audit.jsonl  (one line per ledger move and restart decision)\n")
+    for entry in read(scratch / "audit.jsonl"):
+        console.print(
+            f"  {entry.get('backend')}: {entry.get('event')} {entry.get('from')} → "
+            f"{entry.get('to')}",
+            highlight=False,
+        )
+
+
+def _own_metrics(port: int) -> str:
+    """A few lines of the daemon's own /metrics, as Prometheus would scrape them."""
+    text = httpx.get(f"http://{_HOST}:{port}/metrics", timeout=5).text
+    wanted = (
+        "llmhealth_fleet_",
+        "llmhealth_backend_restarts_total",
+        'llmhealth_backend_state{backend="gpu2-wedging",state="healthy"}',
+    )
+    lines = [line for line in text.splitlines() if line.startswith(wanted)]
+    return f"\n$ curl -s {_HOST}:{port}/metrics | grep ...\n" + "\n".join(lines)

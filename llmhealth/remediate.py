@@ -18,9 +18,10 @@ from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import RestartFailed, RestartIssued, State, Transition
-from llmhealth.policy import RestartDecision, RestartHistory, plan_restarts
+from llmhealth.policy import Action, RestartDecision, RestartHistory, plan_restarts
 
 Runner = Callable[[Sequence[str], float], CommandResult]
+_AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
 
 
@@ -87,7 +88,7 @@ def remediate(
             "time": now,
             "actor": ACTOR,
             "backend": decision.name,
-            "event": f"restart_{decision.action}",
+            "event": _AUDIT_EVENTS[decision.action],
             "from": str(snapshot.state),
             "to": str(snapshot.state),
             "reason": decision.reason,

@@ -265,6 +265,7 @@ class _Stats:
     completions_answered: int = 0
     metrics_reads: int = 0
     models_reads: int = 0
+    restarts: int = 0
 
     def response(self) -> _Response:
         return _json(200, self.__dict__)
@@ -295,11 +296,35 @@ class _Backend:
             return await self._completion(request, conn)
         if path == "/ping" and method == "POST":
             return _Response(200)
+        if path == "/sim/restart" and method == "POST":
+            return self._restart(request)
         if path not in _GET_ROUTES:
             return _detail(404)
         if method != "GET":
             return _detail(405)
         return _GET_ROUTES[path](self)
+
+    def _restart(self, request: _Request) -> _Response:
+        """Stand in for a process restart, so a restart command can be exercised for real.
+
+        The new "process" has a new start time and counters from zero, in the mode the
+        body names (``{"mode": "idle"}``; the current one when absent). Requests still
+        held by the old one finish against it.
+        """
+        try:
+            payload = json.loads(request.body or b"{}")
+            spec = simengine.parse_mode(str(payload.get("mode", self.spec.text)))
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            return _error(400, f"body must be a JSON object: {exc}")
+        except simengine.ModeError as exc:
+            return _error(400, str(exc))
+        if spec.is_proxy or spec.multiproc != self.spec.multiproc:
+            return _error(400, "a restart keeps the backend's kind and metrics mode")
+        self.spec = spec
+        self.model = simengine.SimBackend(spec, self.config, born=self.clock())
+        self.stats.mode = spec.text
+        self.stats.restarts += 1
+        return _json(200, {"mode": spec.text, "start_time": self.model.start_time(self.clock())})
 
     def _metrics(self) -> _Response:
         self.stats.metrics_reads += 1

@@ -478,3 +478,25 @@ def test_a_taken_port_is_reported() -> None:
         done = run_simulator_briefly("idle", f"--port={port}")
     assert done.returncode == 3
     assert "cannot listen" in done.stderr
+
+
+def test_a_restart_request_brings_a_new_process_in_the_mode_asked(client: httpx.Client) -> None:
+    with running_simulator(["wedge:0.1"]) as sim:
+        url = sim.urls[0]
+        before = metrics(client, url)
+        assert value(before, "vllm:num_requests_running") > 0
+        answer = client.post(f"{url}/sim/restart", json={"mode": "idle"})
+        assert answer.status_code == 200, answer.text
+        after = metrics(client, url)
+        start = ("process_start_time_seconds", frozenset[tuple[str, str]]())
+        assert after[start] > before[start]
+        assert value(after, "vllm:num_requests_running") == 0
+        assert value(after, "vllm:iteration_tokens_total_count") == 0
+        done = client.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}
+        )
+        assert done.status_code == 200
+        assert client.get(f"{url}/sim/stats").json()["restarts"] == 1
+        refused = client.post(f"{url}/sim/restart", json={"mode": "multiproc"})
+        assert refused.status_code == 400
+        assert client.post(f"{url}/sim/restart", json={"mode": "bogus"}).status_code == 400
