@@ -104,16 +104,20 @@ StateOption = Annotated[
 ]
 
 
+UrlsArgument = Annotated[
+    list[str] | None,
+    typer.Argument(help="Backend base URLs, e.g. http://10.0.0.5:8000 (read directly)."),
+]
+ProxyOption = Annotated[
+    list[str] | None,
+    typer.Option("--proxy", help="A proxy's base URL: checked through /v1/models only."),
+]
+
+
 @app.command()
 def check(
-    urls: Annotated[
-        list[str] | None,
-        typer.Argument(help="Backend base URLs, e.g. http://10.0.0.5:8000 (read directly)."),
-    ] = None,
-    proxy: Annotated[
-        list[str] | None,
-        typer.Option("--proxy", help="A proxy's base URL: checked through /v1/models only."),
-    ] = None,
+    urls: UrlsArgument = None,
+    proxy: ProxyOption = None,
     config_file: ConfigOption = None,
     state: StateOption = None,
     wait: WaitOption = None,
@@ -142,8 +146,8 @@ def check(
         answer_timeout=_duration(answer_timeout) or loaded.answer_timeout,
         max_body=loaded.max_body,
     )
-    path = state_path_for(loaded, state, config_file is not None)
-    store = StateFile(path) if path is not None else None
+    # Bare URLs without --state or --config keep no state: a quick look changes nothing.
+    store = StateFile(state_path_for(loaded, state)) if state or config_file else None
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
     report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
@@ -152,14 +156,8 @@ def check(
 
 @app.command()
 def watch(
-    urls: Annotated[
-        list[str] | None,
-        typer.Argument(help="Backend base URLs, besides those in --config."),
-    ] = None,
-    proxy: Annotated[
-        list[str] | None,
-        typer.Option("--proxy", help="A proxy's base URL: checked through /v1/models only."),
-    ] = None,
+    urls: UrlsArgument = None,
+    proxy: ProxyOption = None,
     config_file: ConfigOption = None,
     state: StateOption = None,
     wait: WaitOption = None,
@@ -195,11 +193,9 @@ def watch(
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
-    path = state_path_for(loaded, state, True)
-    assert path is not None  # with has_config_file=True there is always a path
     daemon = Daemon(
         load,
-        StateFile(path),
+        StateFile(state_path_for(loaded, state)),
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait),
         serving_file=Path(serving_file) if serving_file else None,
@@ -220,8 +216,7 @@ def _operator_context(
 ) -> tuple[config_module.Config, StateFile, AuditLog]:
     """Config (or defaults), the state file and the audit log an operator verb works on."""
     loaded = config_module.load(config_file) if config_file else config_module.Config()
-    path = state_path_for(loaded, state, True)
-    assert path is not None  # with has_config_file=True there is always a path
+    path = state_path_for(loaded, state)
     return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
 
 

@@ -191,15 +191,11 @@ def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:
     )
 
 
-def state_path_for(config: Config, explicit: str | None, has_config_file: bool) -> Path | None:
-    """Where this run persists, or None: bare URLs without --state or --config skip it."""
+def state_path_for(config: Config, explicit: str | None) -> Path:
+    """``--state``, else the config's ``state``, else the default state directory."""
     if explicit:
         return Path(explicit)
-    if config.state:
-        return Path(config.state)
-    if has_config_file:
-        return default_path()
-    return None
+    return Path(config.state) if config.state else default_path()
 
 
 def audit_path_for(config: Config, state_path: Path) -> Path:

@@ -7,9 +7,10 @@ one audit line, and saves. A verb the ledger refuses changes nothing and says wh
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +47,15 @@ def load_existing(store: StateFile, config: Config) -> FleetRecord:
     return record
 
 
-def _known(record: FleetRecord, name: str) -> None:
-    if name not in record.ledger.names:
-        known = ", ".join(record.ledger.names) or "none"
-        raise StateError(f"no backend named {name!r} in the state (known: {known})")
+@contextlib.contextmanager
+def _editing(store: StateFile, config: Config, name: str) -> Iterator[FleetRecord]:
+    """The saved record of a fleet that has this backend, with the state lock held."""
+    with store.locked():
+        record = load_existing(store, config)
+        if name not in record.ledger.names:
+            known = ", ".join(record.ledger.names) or "none"
+            raise StateError(f"no backend named {name!r} in the state (known: {known})")
+        yield record
 
 
 def apply_event(
@@ -64,9 +70,7 @@ def apply_event(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Lock, feed one operator event to the ledger, audit it, save."""
-    with store.locked():
-        record = load_existing(store, config)
-        _known(record, name)
+    with _editing(store, config, name) as record:
         now = clock()
         transition = record.ledger.apply(name, make_event(now))
         entry: dict[str, Any] = {
@@ -127,9 +131,7 @@ def hold(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Keep remediation away from a backend for a while; verdicts are still recorded."""
-    with store.locked():
-        record = load_existing(store, config)
-        _known(record, name)
+    with _editing(store, config, name) as record:
         now = clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         record.holds[name] = new_hold
@@ -150,9 +152,7 @@ def hold(
 def release(
     store: StateFile, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
-    with store.locked():
-        record = load_existing(store, config)
-        _known(record, name)
+    with _editing(store, config, name) as record:
         removed = record.holds.pop(name, None)
         if removed is None:
             return VerbResult(False, f"{name}: not on hold")
