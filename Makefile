@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check llmhealth tests bench
 	$(BIN)/mypy llmhealth
 
-test: lint
+# promtool and systemd-analyze for tests/test_deploy.py; returns at once when both exist.
+tools:
+	scripts/install-tools.sh
+
+test: lint tools
 	$(BIN)/pytest -q
 
 bench: $(STAMP)

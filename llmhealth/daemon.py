@@ -324,7 +324,16 @@ class Daemon:
                 last_cycle_at=now,
                 cycle_seconds=seconds,
                 probe_errors=dict(state.probe_errors),
-                restarts=dict(state.restarts),
+                # Zero series from the start, so increase() sees a backend's first failure.
+                restarts={
+                    **{
+                        (backend.name, outcome): 0
+                        for backend in self._config.backends
+                        if backend.restart
+                        for outcome in ("ok", "failed", "retired")
+                    },
+                    **state.restarts,
+                },
             )
         )
         fleet = report.fleet
