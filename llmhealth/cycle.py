@@ -18,7 +18,7 @@ from llmhealth.classify import Outcome, Target
 from llmhealth.config import Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import Ledger, LedgerPolicy, Transition
+from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, check_fleet
 from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
@@ -127,27 +127,32 @@ def settle(
     """Feed verdicts to the ledger, act on the restart plan, and say what happened."""
     expected = {b.name: b.expected_model for b in config.backends}
     reports = []
-    evidence: dict[str, dict[str, Any]] = {}
+    in_ledger = set()
     for outcome in outcomes:
         name = outcome.target.name
         if outcome.target.kind != "backend" or name not in record.ledger.names:
             reports.append(BackendReport(outcome, None))
             continue
+        in_ledger.add(name)
         transitions = tuple(record.observe(name, outcome.verdict, now, expected.get(name)))
-        evidence[name] = {
-            "verdict": str(outcome.verdict.kind),
-            "evidence": outcome.verdict.evidence,
-            "reads": reads_evidence(outcome.verdict),
-        }
-        for transition in transitions:
-            _audit_transition(audit, transition, now, evidence[name])
+        moved = [t for t in transitions if t.applied and t.from_state != t.to_state]
+        if moved:  # evidence as plain values only when something is written down
+            evidence = {
+                "verdict": str(outcome.verdict.kind),
+                "evidence": outcome.verdict.evidence,
+                "reads": reads_evidence(outcome.verdict),
+            }
+            for transition in moved:
+                _audit_transition(audit, transition, now, evidence)
+            if record.ledger.state_of(name) is State.DEAD:
+                record.proofs[name] = evidence
         reports.append(BackendReport(outcome, None, transitions))
-    restarts = remediate(record, config, now, mode=mode, audit=audit, evidence=evidence)
+    restarts = remediate(record, config, now, mode=mode, audit=audit)
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
     reports = [
-        report
-        if report.outcome.target.name not in evidence
-        else replace(report, snapshot=record.ledger.snapshot(report.outcome.target.name, now))
+        replace(report, snapshot=record.ledger.snapshot(report.outcome.target.name, now))
+        if report.outcome.target.name in in_ledger
+        else report
         for report in reports
     ]
     return CycleReport(
@@ -163,7 +168,7 @@ def _audit_transition(
     audit: AuditLog | None, transition: Transition, now: float, evidence: dict[str, Any]
 ) -> None:
     """Ledger moves made by a check are written down with the evidence that caused them."""
-    if audit is None or not transition.applied or transition.from_state == transition.to_state:
+    if audit is None:
         return
     audit.append(
         {

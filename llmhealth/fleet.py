@@ -159,6 +159,9 @@ class FleetRecord:
     sightings: dict[str, Sighting] = field(default_factory=dict)
     holds: dict[str, Hold] = field(default_factory=dict)
     restarts: dict[str, RestartHistory] = field(default_factory=dict)
+    # The evidence that condemned each backend, kept until it serves again: a restart in a
+    # later run must be audited with the proof, not with whatever that run happened to see.
+    proofs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
@@ -168,6 +171,7 @@ class FleetRecord:
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
+                self.proofs.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
             if name not in self.ledger.names:
@@ -191,6 +195,7 @@ class FleetRecord:
         self.sightings[name] = sighting_of(verdict, now, previous)
         if any(t.applied and t.kind is EventKind.READMITTED for t in transitions):
             self.restart_worked(name)
+            self.proofs.pop(name, None)
         return transitions
 
     def restart_worked(self, name: str) -> None:
@@ -207,6 +212,7 @@ class FleetRecord:
             "sightings": {name: s.to_dict() for name, s in sorted(self.sightings.items())},
             "holds": {name: hold.to_dict() for name, hold in sorted(self.holds.items())},
             "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
+            "proofs": dict(sorted(self.proofs.items())),
         }
 
     @classmethod
@@ -225,7 +231,11 @@ class FleetRecord:
             str(name): RestartHistory.from_dict(value, f"restarts.{name}")
             for name, value in _table(data.get("restarts", {}), "restarts").items()
         }
-        return cls(ledger, sightings, holds, restarts)
+        proofs = {
+            str(name): dict(_table(value, f"proofs.{name}"))
+            for name, value in _table(data.get("proofs", {}), "proofs").items()
+        }
+        return cls(ledger, sightings, holds, restarts, proofs)
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""

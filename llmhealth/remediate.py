@@ -8,7 +8,7 @@ decision about a DEAD backend, to act or not, becomes one audit line with its ev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -68,13 +68,12 @@ def remediate(
     *,
     mode: Mode,
     audit: AuditLog | None,
-    evidence: Mapping[str, Mapping[str, Any]] | None = None,
     run: Runner = run_command,
 ) -> list[RestartOutcome]:
     """Plan restarts for every DEAD backend and carry out what the plan allows.
 
-    ``evidence`` holds this cycle's proof per backend (the verdict's evidence and reads);
-    a backend condemned in an earlier run is described by its ledger record instead.
+    Each audit line carries the proof kept when the backend was condemned (the verdict's
+    evidence and reads), whichever run that was; failing that, the ledger's last error.
     """
     if mode is Mode.OFF:
         return []
@@ -93,8 +92,7 @@ def remediate(
             "to": str(snapshot.state),
             "reason": decision.reason,
             "condemned_by": decision.condemned_by,
-            "evidence": dict((evidence or {}).get(decision.name, {}))
-            or {"last_error": snapshot.last_error},
+            "evidence": record.proofs.get(decision.name) or {"last_error": snapshot.last_error},
             "dry_run": mode is Mode.DRY_RUN,
         }
         outcome = RestartOutcome(decision)

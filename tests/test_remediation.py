@@ -1,0 +1,687 @@
+"""Restart only proven wedges: remediation end to end, with real processes and no mocks.
+
+Every scenario runs the installed `llmhealth check` several times on one state file
+against simulated vLLM servers that the configured restart command really replaces
+(tests/restartable.py): the old process is killed, a new one with a new start time takes
+its port. Each run is a fresh process, so all a run knows of the last came through the
+state file. What is asserted is what an operator sees: the JSON report, the exit status,
+the state file and the audit log beside it. Reads are fast (wait 0.3 s) and every server
+is stopped when its test ends, failing or not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from restartable import Fleet, Server, alive, restartable_fleet, stop
+
+from llmhealth.actions import read as read_audit
+
+WEDGE = "wedge:0.3"  # busy, then the engine freezes 0.3 s after the process started
+# One HTTP read. No test waits for it to expire; 2 s rather than 1 s so that a simulator
+# starved of CPU for a moment (this machine is shared) is not judged unresponsive.
+TIMEOUT = "2s"
+RUN_TIMEOUT = 60.0  # a bound for a hung run, far above the ~1.5 s a run takes here
+BASE_POLICY: dict[str, object] = {"cooldown": "1s", "cooldown_max": "4s"}
+# Fails like a broken `systemctl restart`, and leaves a mark for every time it ran.
+FAILING = "import sys; open(sys.argv[1], 'a').write('x'); sys.exit(3)"
+TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()"
+# The audit log's name for each kind of restart decision (remediate._AUDIT_EVENTS).
+RESTART, SKIPPED, RETIRE = "restart", "restart_skipped", "retire"
+
+
+@pytest.fixture(scope="module")
+def entry_point() -> str:
+    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert found, "the llmhealth console script is not installed next to this Python"
+    return found
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with restartable_fleet(tmp_path) as servers:
+        yield servers
+
+
+def until_frozen(*servers: Server) -> None:
+    """Sleep until each wedging server's engine has frozen, so every read sees the wedge
+    (a first read taken before the freeze would show progress: stalled, not wedged). The
+    engine freezes 0.3 s after its process started, which was before it first answered."""
+    sleep_until(max(server.ready_at for server in servers) + 0.4)
+
+
+# --- running llmhealth ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def report(self) -> dict[str, Any]:
+        assert self.stdout, f"no JSON on stdout (exit {self.code}); stderr:\n{self.stderr}"
+        document: dict[str, Any] = json.loads(self.stdout)
+        assert document["exit_code"] == self.code, "the JSON and the exit status disagree"
+        return document
+
+    def backend(self, name: str) -> dict[str, Any]:
+        found: dict[str, Any] = next(b for b in self.report["backends"] if b["name"] == name)
+        return found
+
+    def seen(self, name: str) -> tuple[str, str | None, bool | None, int]:
+        """verdict, ledger state, serving, and this run's exit code."""
+        backend = self.backend(name)
+        return backend["verdict"], backend["state"], backend["serving"], self.code
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        notes: list[dict[str, Any]] = self.report["restarts"]
+        return notes
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One fleet's config, state file and audit log, and the CLI run on them."""
+
+    entry_point: str
+    config: Path
+
+    @property
+    def state(self) -> Path:
+        return self.config.with_name("state.json")
+
+    @property
+    def audit_path(self) -> Path:
+        return self.config.with_name("audit.jsonl")
+
+    def where(self) -> list[str]:
+        return ["--config", str(self.config), "--state", str(self.state)]
+
+    def check(self, *flags: str) -> Run:
+        completed = self._run("check", *self.where(), "--format", "json", *flags)
+        return Run(completed.returncode, completed.stdout, completed.stderr)
+
+    def verb(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self._run(*args, *self.where())
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        started = time.monotonic()
+        completed = subprocess.run(
+            [self.entry_point, *args],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,  # on expiry subprocess.run kills the child before raising
+            check=False,
+        )
+        # Shown by pytest only when the test fails: what ran, how long, what it said.
+        print(f"llmhealth {args[0]}: exit {completed.returncode} after", end=" ")
+        print(f"{time.monotonic() - started:.2f} s\n{completed.stdout}{completed.stderr}")
+        assert "Traceback" not in completed.stderr, completed.stderr
+        return completed
+
+    def audit(self) -> list[dict[str, Any]]:
+        return read_audit(self.audit_path)
+
+    def restart_lines(self) -> list[dict[str, Any]]:
+        """The audit lines of restart decisions: llmhealth's own, not an operator's retire."""
+        decided = (RESTART, SKIPPED, RETIRE)
+        return [r for r in self.audit() if r["actor"] == "llmhealth" and r["event"] in decided]
+
+    def saved(self, name: str) -> dict[str, Any]:
+        document = json.loads(self.state.read_text())
+        found: dict[str, Any] = next(b for b in document["ledger"]["backends"] if b["name"] == name)
+        return found
+
+    def history(self, name: str) -> dict[str, Any]:
+        found: dict[str, Any] = json.loads(self.state.read_text())["restarts"][name]
+        return found
+
+
+def configure(
+    entry_point: str,
+    folder: Path,
+    backends: Sequence[tuple[str, str, Sequence[str] | None]],
+    *,
+    proxies: Sequence[tuple[str, str]] = (),
+    **policy: object,
+) -> Setup:
+    lines = ['wait = "0.3s"', f'timeout = "{TIMEOUT}"', 'answer_timeout = "2s"', "", "[policy]"]
+    lines += [f"{key} = {_toml(value)}" for key, value in {**BASE_POLICY, **policy}.items()]
+    for name, url, restart in backends:
+        lines += ["", "[[backend]]", f"name = {_toml(name)}", f"url = {_toml(url)}"]
+        if restart is not None:
+            lines.append(f"restart = {_toml(list(restart))}")
+    for name, url in proxies:
+        lines += ["", "[[proxy]]", f"name = {_toml(name)}", f"url = {_toml(url)}"]
+    config = folder / "fleet.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return Setup(entry_point, config)
+
+
+def transitions(run: Run, name: str) -> list[tuple[str, str, str]]:
+    return [(t["event"], t["from"], t["to"]) for t in run.backend(name)["transitions"]]
+
+
+def sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.time()))
+
+
+# --- the scenarios --------------------------------------------------------------------
+
+
+def test_a_wedged_backend_is_restarted_once_and_readmitted_by_the_tiny_request_next_run(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    restart = gpu.restart_argv("idle")
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, restart)])
+    until_frozen(gpu)
+    wedged_pid = gpu.pid
+    first = setup.check()
+    new_pid = gpu.pid
+    second = setup.check()
+    third = setup.check()
+    stats = gpu.stats()
+
+    # Run 1: the wedge is proven (DEAD at once), the plan allows a restart, the ledger
+    # hears RestartIssued (RESTARTING) and the command replaces the process.
+    assert first.seen("gpu0") == ("wedged", "restarting", False, 2)
+    assert transitions(first, "gpu0") == [("wedge_proven", "healthy", "dead")]
+    assert first.restarts == [
+        {
+            "name": "gpu0",
+            "action": "restart",
+            "reason": "condemned by wedged: restart 1 of 5 allowed in 24h",
+            "ran": True,
+            "ok": True,
+            "dry_run": False,
+        }
+    ]
+    assert [(e["mode"], e["by"]) for e in gpu.launches()] == [(WEDGE, "start"), ("idle", "restart")]
+    assert wedged_pid is not None and new_pid not in (None, wedged_pid)
+    assert not alive(wedged_pid)
+
+    # Run 2 does both steps, RESTARTING → STALE → HEALTHY, in one run: run 1 saved the
+    # wedged process's start time as the baseline, so the first read of run 2 shows
+    # another process (verdict `restarted`, a NewProcessUp). That new process has no work,
+    # so the classifier sends the tiny request; it is answered, which is re-admission, and
+    # fleet.events_for feeds NewProcessUp and Readmitted together. A restart is a WARNING.
+    assert second.seen("gpu0") == ("restarted", "healthy", True, 1)
+    assert transitions(second, "gpu0") == [
+        ("new_process_up", "restarting", "stale"),
+        ("readmitted", "stale", "healthy"),
+    ]
+    assert "since the last run" in second.backend("gpu0")["evidence"]
+    assert second.backend("gpu0")["requests_sent"] == 1
+    assert second.report["fleet"]["epoch"] == 2  # out of the serving set, and back in
+    assert second.restarts == []
+    assert third.seen("gpu0") == ("idle", "healthy", True, 0)
+    assert third.restarts == []
+    assert [e["pid"] for e in gpu.launches()] == [wedged_pid, new_pid]  # restarted once
+    assert stats["mode"] == "idle"
+    assert stats["completions_answered"] == 2  # the tiny requests of runs 2 and 3
+
+    # The audit log: the wedge, the restart decision with its proof, the way back.
+    audit = setup.audit()
+    assert [r["event"] for r in audit] == [
+        "wedge_proven",
+        RESTART,
+        "new_process_up",
+        "readmitted",
+    ]
+    decision = audit[1]
+    assert (decision["backend"], decision["from"], decision["to"]) == ("gpu0", "dead", "restarting")
+    assert decision["condemned_by"] == "wedged"
+    assert decision["dry_run"] is False
+    command = decision["command"]
+    assert command["argv"] == restart
+    assert (command["exit_code"], command["timed_out"]) == (0, False)
+    assert f"-> {new_pid} (idle)" in command["stdout"]
+    proof = decision["evidence"]
+    assert proof["verdict"] == "wedged"
+    assert "no progress over 2 consecutive waits" in proof["evidence"]
+    reads = proof["reads"]
+    assert len(reads) == 3  # two waits
+    assert all(later["at"] - earlier["at"] >= 0.25 for earlier, later in itertools.pairwise(reads))
+    assert len({read["process_start"] for read in reads}) == 1  # one process throughout
+    engines = [read["engines"]["0"] for read in reads]
+    assert all(e["running"] > 0 and e["waiting"] > 0 for e in engines)  # work present...
+    for counter in ("steps", "generation_tokens", "running", "waiting", "kv_usage"):
+        assert len({e[counter] for e in engines}) == 1, counter  # ...and nothing moved
+    assert setup.saved("gpu0")["state"] == "healthy"
+    assert setup.history("gpu0") == {"failures": 0, "last_attempt_at": decision["time"]}
+
+
+def test_a_saturated_backend_that_progresses_is_never_restarted_nor_sent_a_request(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", "busy")
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, gpu.restart_argv("idle"))])
+    runs = [setup.check() for _ in range(6)]
+    stats = gpu.stats()
+    assert [run.seen("gpu0") for run in runs] == [("busy", "healthy", True, 0)] * 6
+    assert [run.backend("gpu0")["requests_sent"] for run in runs] == [0] * 6
+    assert [run.restarts for run in runs] == [[]] * 6
+    assert stats["completions_received"] == 0
+    assert stats["models_reads"] == 0  # not even asked which model it serves
+    assert len(gpu.launches()) == 1  # the restart command never ran
+    assert setup.audit() == []  # no decision, no transition: nothing to write down
+    assert setup.saved("gpu0")["state"] == "healthy"
+
+
+def test_a_proxy_in_front_of_a_wedged_backend_is_only_asked_for_models_and_never_restarted(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    proxy = fleet.start("lb", f"proxy:{gpu.url}")
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, gpu.restart_argv("idle"))],
+        proxies=[("lb", proxy.url)],
+    )
+    until_frozen(gpu)
+    proxy_pid = proxy.pid
+    runs = [setup.check() for _ in range(3)]
+    proxy_stats = proxy.stats()
+
+    for run in runs:
+        assert run.backend("lb")["kind"] == "proxy"
+        assert run.seen("lb")[:3] == ("up", None, None)  # no ledger state: not a backend
+    assert runs[0].seen("gpu0") == ("wedged", "restarting", False, 2)
+    assert [note["name"] for run in runs for note in run.restarts] == ["gpu0"]
+    assert runs[2].seen("gpu0") == ("idle", "healthy", True, 0)
+    # The proxy: never replaced, never in the ledger, never in the audit log...
+    assert proxy_pid is not None and alive(proxy_pid)
+    assert proxy.pid == proxy_pid and len(proxy.launches()) == 1
+    ledger = json.loads(setup.state.read_text())["ledger"]
+    assert [backend["name"] for backend in ledger["backends"]] == ["gpu0"]
+    assert all(record["backend"] == "gpu0" for record in setup.audit())
+    # ...and asked nothing but GET /v1/models, once per run.
+    assert proxy_stats["metrics_reads"] == 0
+    assert proxy_stats["completions_received"] == 0
+    assert proxy_stats["models_reads"] == len(runs)
+
+
+def test_with_one_restart_at_a_time_the_second_wedge_waits_until_the_first_is_back(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    first_gpu = fleet.start("gpu-a", WEDGE)
+    second_gpu = fleet.start("gpu-b", WEDGE)
+    go = tmp_path / "gpu-a.go"  # gpu-a's new process starts serving only once this exists
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [
+            ("gpu-a", first_gpu.url, first_gpu.restart_argv("idle", start_when=go)),
+            ("gpu-b", second_gpu.url, second_gpu.restart_argv("idle")),
+        ],
+        max_concurrent_restarts=1,
+    )
+    until_frozen(first_gpu, second_gpu)
+    first = setup.check()
+    second = setup.check()
+    go.touch()
+    first_gpu.wait_ready("idle")
+    third = setup.check()
+    fourth = setup.check()
+    waiting = "1 restart already under way (max_concurrent_restarts 1)"
+
+    # Run 1: both wedged at once; the first by name is restarted, the other waits.
+    assert first.seen("gpu-a") == ("wedged", "restarting", False, 2)
+    assert first.seen("gpu-b") == ("wedged", "dead", False, 2)
+    assert [(n["name"], n["action"], n["ran"]) for n in first.restarts] == [
+        ("gpu-a", "restart", True),
+        ("gpu-b", "skip", False),
+    ]
+    assert first.restarts[1]["reason"] == waiting
+    # Run 2: gpu-a's new process is not up yet (refused): still RESTARTING, so gpu-b waits.
+    assert second.seen("gpu-a") == ("down", "restarting", False, 2)
+    assert [(n["name"], n["action"], n["reason"]) for n in second.restarts] == [
+        ("gpu-b", "skip", waiting)
+    ]
+    # Run 3: gpu-a is back and re-admitted before the plan is made; now gpu-b's turn.
+    assert third.seen("gpu-a") == ("restarted", "healthy", True, 2)
+    assert third.seen("gpu-b") == ("wedged", "restarting", False, 2)
+    assert [(n["name"], n["action"], n["ran"], n["ok"]) for n in third.restarts] == [
+        ("gpu-b", "restart", True, True)
+    ]
+    assert fourth.seen("gpu-b") == ("restarted", "healthy", True, 1)
+    assert fourth.seen("gpu-a") == ("idle", "healthy", True, 1)
+    assert fourth.restarts == []
+
+    issued = [
+        (r["backend"], r["to"])
+        for r in setup.restart_lines()
+        if r["event"] == RESTART and r["to"] == "restarting"
+    ]
+    assert issued == [("gpu-a", "restarting"), ("gpu-b", "restarting")]
+    assert [len(first_gpu.launches()), len(second_gpu.launches())] == [2, 2]
+
+
+def test_a_failing_restart_command_cools_down_is_retried_then_retires_past_its_budget(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    ran = tmp_path / "attempts"  # one "x" per time the command ran
+    restart = [sys.executable, "-c", FAILING, str(ran)]
+    # A 2 s base cooldown, 4 s after a failure: run 2 lands well inside it, even on a
+    # loaded machine (a run takes about 1 s here).
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, restart)],
+        cooldown="2s",
+        cooldown_max="4s",
+        restart_budget=2,
+    )
+    until_frozen(gpu)
+
+    first = setup.check()
+    assert first.seen("gpu0") == ("wedged", "dead", False, 2)  # RESTARTING, then back
+    assert [(n["action"], n["ran"], n["ok"]) for n in first.restarts] == [("restart", True, False)]
+    assert ran.read_text() == "x"
+    assert setup.saved("gpu0")["last_error"] == "restart failed: restart command exited 3"
+    attempted = setup.history("gpu0")
+    assert attempted["failures"] == 1
+
+    second = setup.check()  # at once: inside the doubled cooldown
+    assert second.seen("gpu0") == ("wedged", "dead", False, 2)
+    [note] = second.restarts
+    assert (note["action"], note["ran"]) == ("skip", False)
+    assert note["reason"].startswith("cooling down: ")
+    assert note["reason"].endswith(" left after 1 failed attempt")
+    assert ran.read_text() == "x"
+
+    sleep_until(attempted["last_attempt_at"] + 4.0)
+    third = setup.check()  # out of the cooldown: tried again, fails again
+    assert [(n["action"], n["reason"], n["ran"], n["ok"]) for n in third.restarts] == [
+        ("restart", "condemned by wedged: restart 2 of 2 allowed in 24h", True, False)
+    ]
+    assert third.seen("gpu0") == ("wedged", "dead", False, 2)
+    assert ran.read_text() == "xx"
+    attempted = setup.history("gpu0")
+    assert attempted["failures"] == 2
+
+    sleep_until(attempted["last_attempt_at"] + 4.0)  # 1 s doubled twice, capped at 4 s
+    fourth = setup.check()  # the attempt past the budget retires it; nothing runs
+    assert [(n["action"], n["ran"]) for n in fourth.restarts] == [("retire", False)]
+    assert fourth.restarts[0]["reason"].startswith("restart budget spent: 2 attempts in 24h")
+    assert fourth.seen("gpu0") == ("wedged", "retired", False, 2)
+    fifth = setup.check()  # RETIRED is out for good: no more decisions
+    assert fifth.seen("gpu0") == ("wedged", "retired", False, 2)
+    assert fifth.restarts == []
+    assert ran.read_text() == "xx"
+
+    lines = setup.restart_lines()
+    assert [(r["event"], r["from"], r["to"]) for r in lines] == [
+        (RESTART, "dead", "dead"),
+        (SKIPPED, "dead", "dead"),
+        (RESTART, "dead", "dead"),
+        (RETIRE, "dead", "retired"),
+    ]
+    assert [r.get("command", {}).get("exit_code") for r in lines] == [3, None, 3, None]
+    assert all(r["command"]["argv"] == restart for r in lines if "command" in r)
+    assert setup.saved("gpu0")["state"] == "retired"
+    assert setup.saved("gpu0")["last_error"] == "restart budget spent: 2 attempts in 24h"
+    assert len(gpu.launches()) == 1
+
+
+def test_a_held_backend_is_not_restarted_until_the_hold_is_released(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, gpu.restart_argv("idle"))])
+    until_frozen(gpu)
+    condemned = setup.check("--no-restart")  # a first run creates the state to hold in
+    assert condemned.seen("gpu0") == ("wedged", "dead", False, 2)
+
+    held = setup.verb("hold", "gpu0", "--for", "1h", "--reason", "weight sync")
+    assert held.returncode == 0, held.stderr
+    status = setup.verb("status", "--format", "json")
+    assert json.loads(status.stdout)["backends"][0]["hold"]["reason"] == "weight sync"
+
+    while_held = setup.check()
+    [note] = while_held.restarts
+    assert (note["action"], note["ran"]) == ("skip", False)
+    assert note["reason"].startswith("on hold until ")
+    assert note["reason"].endswith(": weight sync")
+    assert while_held.seen("gpu0") == ("wedged", "dead", False, 2)  # verdicts go on
+    assert len(gpu.launches()) == 1
+
+    released = setup.verb("release", "gpu0")
+    assert released.returncode == 0, released.stderr
+    after = setup.check()
+    assert [(n["action"], n["ran"], n["ok"]) for n in after.restarts] == [("restart", True, True)]
+    assert after.seen("gpu0") == ("wedged", "restarting", False, 2)
+    assert setup.check().seen("gpu0") == ("restarted", "healthy", True, 1)
+    assert [e["mode"] for e in gpu.launches()] == [WEDGE, "idle"]
+    assert [r["event"] for r in setup.audit()] == [
+        "wedge_proven",
+        "hold",
+        SKIPPED,
+        "release",
+        RESTART,
+        "new_process_up",
+        "readmitted",
+    ]
+
+
+def test_a_restarted_backend_that_never_answers_stays_stale_and_out_of_serving(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, gpu.restart_argv("unanswered"))])
+    until_frozen(gpu)
+    first = setup.check()
+    later = [setup.check() for _ in range(3)]
+    stats = gpu.stats()
+
+    assert first.seen("gpu0") == ("wedged", "restarting", False, 2)
+    # The new process is seen (STALE) but the tiny request goes unanswered: no
+    # re-admission; a new process failing its request is CRITICAL, and nothing serves.
+    assert later[0].seen("gpu0") == ("restarted", "stale", False, 2)
+    assert transitions(later[0], "gpu0") == [("new_process_up", "restarting", "stale")]
+    assert [run.seen("gpu0") for run in later[1:]] == [("unanswered", "stale", False, 2)] * 2
+    for run in later:
+        assert run.restarts == []  # STALE is not DEAD: no second restart
+        assert run.report["fleet"]["serving"] == 0
+        assert run.backend("gpu0")["requests_sent"] == 1
+    assert stats["mode"] == "unanswered"
+    assert (stats["completions_received"], stats["completions_answered"]) == (3, 0)
+    assert len(gpu.launches()) == 2
+    assert setup.saved("gpu0")["state"] == "stale"
+
+
+def test_dry_run_logs_the_decision_without_acting_and_no_restart_logs_nothing(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    marker = tmp_path / "restarted"
+    restart = [sys.executable, "-c", TOUCH, str(marker)]
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, restart)])
+    until_frozen(gpu)
+
+    dry = setup.check("--dry-run")
+    assert dry.seen("gpu0") == ("wedged", "dead", False, 2)
+    assert dry.restarts == [
+        {
+            "name": "gpu0",
+            "action": "restart",
+            "reason": "condemned by wedged: restart 1 of 5 allowed in 24h",
+            "ran": False,
+            "ok": None,
+            "dry_run": True,
+        }
+    ]
+    assert not marker.exists()
+    [decision] = setup.restart_lines()
+    assert decision["dry_run"] is True
+    assert (decision["event"], decision["from"], decision["to"]) == (
+        RESTART,
+        "dead",
+        "dead",
+    )
+    assert "command" not in decision
+    assert decision["evidence"]["verdict"] == "wedged"
+    # Nothing was spent: no attempt in the ledger's budget, no cooldown started.
+    assert setup.saved("gpu0")["restart_times"] == []
+    assert json.loads(setup.state.read_text())["restarts"] == {}
+    logged = len(setup.audit())
+
+    off = setup.check("--no-restart")
+    assert off.seen("gpu0") == ("wedged", "dead", False, 2)
+    assert off.restarts == []
+    assert len(setup.audit()) == logged  # not a line: no decision was even made
+    assert not marker.exists()
+
+    # The control: the same config, acting, does run the command.
+    acting = setup.check()
+    assert acting.seen("gpu0") == ("wedged", "restarting", False, 2)
+    assert marker.exists()
+    assert [r["dry_run"] for r in setup.restart_lines()] == [True, False]
+
+
+def test_two_checks_started_together_issue_exactly_one_restart(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, gpu.restart_argv("idle"))])
+    until_frozen(gpu)
+    argv = [entry_point, "check", *setup.where(), "--format", "json"]
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(2):
+            processes.append(
+                subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+        outputs = [process.communicate(timeout=RUN_TIMEOUT) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    runs = [Run(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
+
+    issued = [
+        r
+        for r in setup.audit()
+        if r["actor"] == "llmhealth" and r["event"] == RESTART and r["to"] == "restarting"
+    ]
+    assert len(issued) == 1
+    assert len(gpu.launches()) == 2  # the command ran once
+    finished = []
+    for index, run in enumerate(runs):
+        assert "Traceback" not in run.stderr, run.stderr
+        if run.code == 3:  # gave up waiting for the lock, naming its holder
+            holder = processes[1 - index].pid
+            assert f"locked by another llmhealth (PID {holder})" in run.stderr, run.stderr
+        else:
+            finished.append(run)
+    assert finished, "neither run got the lock"
+    restarted = [run for run in finished if run.restarts]
+    assert len(restarted) == 1
+    assert restarted[0].seen("gpu0") == ("wedged", "restarting", False, 2)
+    for run in finished:
+        if run is not restarted[0]:
+            # It took the lock after the first let go, and saw the replacement process.
+            assert run.seen("gpu0") == ("restarted", "healthy", True, 1)
+
+
+def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_is_retried(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    go = tmp_path / "gpu0.go"  # until this exists, no restart brings up a server
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, gpu.restart_argv("idle", start_when=go))],
+        # Long enough for the second restart's server to be seen in the run after it,
+        # even on a loaded machine; the first one's is waited out.
+        startup_grace="4s",
+    )
+    until_frozen(gpu)
+    first = setup.check()  # the command exits 0, yet nothing will listen
+    assert first.seen("gpu0") == ("wedged", "restarting", False, 2)
+    issued_at = setup.history("gpu0")["last_attempt_at"]
+
+    # Past the grace (and the cooldown after one failure, 1 s doubled): the next run fails
+    # the restart before probing, and the plan made after probing tries again.
+    sleep_until(issued_at + 4.0)
+    second = setup.check()
+    assert second.seen("gpu0") == ("down", "restarting", False, 2)
+    assert any(
+        note.startswith("gpu0: ") and "no new process within the startup grace of 4s" in note
+        for note in second.report["notes"]
+    ), second.report["notes"]
+    assert [(n["action"], n["reason"], n["ran"], n["ok"]) for n in second.restarts] == [
+        ("restart", "condemned by wedged: restart 2 of 5 allowed in 24h", True, True)
+    ]
+    assert setup.history("gpu0")["failures"] == 1
+
+    go.touch()
+    gpu.wait_ready("idle")
+    third = setup.check()
+    assert third.seen("gpu0") == ("restarted", "healthy", True, 1)
+    assert setup.history("gpu0")["failures"] == 0  # re-admission proved the restart
+
+    assert [(r["event"], r["from"], r["to"]) for r in setup.audit()] == [
+        ("wedge_proven", "healthy", "dead"),
+        (RESTART, "dead", "restarting"),
+        ("restart_failed", "restarting", "dead"),
+        (RESTART, "dead", "restarting"),
+        ("new_process_up", "restarting", "stale"),
+        ("readmitted", "stale", "healthy"),
+    ]
+    # Three processes were launched: the wedged one, one that never served (stopped by
+    # the second restart), and the one that came up.
+    assert [e["by"] for e in gpu.launches()] == ["start", "restart", "restart"]
+
+
+def test_a_restart_of_a_backend_condemned_in_an_earlier_run_is_audited_with_its_proof(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, gpu.restart_argv("idle"))])
+    until_frozen(gpu)
+    condemned = setup.check("--no-restart")
+    assert condemned.seen("gpu0") == ("wedged", "dead", False, 2)
+    wedge_proof = condemned.backend("gpu0")["evidence"]
+    assert "no progress over 2 consecutive waits" in wedge_proof
+
+    # The wedged process dies before the next run (OOM killer, an impatient operator).
+    wedged_pid = gpu.pid
+    assert wedged_pid is not None
+    stop(wedged_pid)
+    restarted = setup.check()
+    assert restarted.seen("gpu0") == ("down", "restarting", False, 2)
+    [decision] = setup.restart_lines()
+    assert (decision["event"], decision["condemned_by"]) == (RESTART, "wedged")
+    # The line must carry what proved the wedge, not only this run's unrelated verdict.
+    evidence = decision["evidence"]
+    assert "no progress over 2 consecutive waits" in json.dumps(evidence), evidence
