@@ -188,7 +188,10 @@ def watch(
     given_urls, given_proxies = urls or [], proxy or []
 
     def load() -> tuple[config_module.Config, list[Target]]:
-        return _fleet(given_urls, given_proxies, config_file)
+        try:
+            return _fleet(given_urls, given_proxies, config_file)
+        except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
+            raise config_module.ConfigError(exc.format_message()) from exc
 
     loaded, targets = load()
     if not targets:

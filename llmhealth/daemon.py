@@ -15,11 +15,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -37,6 +39,7 @@ from llmhealth.cycle import (
 )
 from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
 from llmhealth.fleet import StallWatch
+from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
 from llmhealth.remediate import Mode
@@ -52,6 +55,7 @@ _ERROR_KINDS = {
 }
 
 Loader = Callable[[], tuple[config_module.Config, list[Target]]]
+T = TypeVar("T")
 
 
 class Notifier:
@@ -119,6 +123,7 @@ class Daemon:
         self._reload = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._baselines: dict[str, Signals] = {}
+        self._snapshots: dict[str, BackendSnapshot] = {}
 
     @property
     def settings(self) -> ProbeSettings:
@@ -137,7 +142,13 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._ask_reload)
         server = None
         if self._listen is not None:
-            server, _ = serve(self._collector, *self._listen)
+            try:
+                server, _ = serve(self._collector, *self._listen)
+            except OSError as exc:
+                host, port = self._listen
+                raise config_module.ConfigError(
+                    f"--listen {host}:{port}: cannot serve metrics there: {exc.strerror or exc}"
+                ) from exc
             self._log(f"metrics on http://{self._listen[0]}:{self._listen[1]}/metrics")
         try:
             self._baselines = await asyncio.to_thread(self._read_baselines)
@@ -175,15 +186,16 @@ class Daemon:
                     self._reload = False
                     self._reload_config()
                 started = time.monotonic()
-                cycle = asyncio.ensure_future(asyncio.to_thread(self._settle, self._take_fresh()))
+                cycle = _in_daemon_thread(self._settle, self._take_fresh())
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
-                # its own verdicts and nothing else.
-                done, _ = await asyncio.wait(
-                    {cycle, asyncio.ensure_future(self._stop.wait())},
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if cycle not in done:
+                # its own verdicts and nothing else. The cycle runs in a daemon thread,
+                # so a restart command still running cannot hold the exit.
+                stopping = asyncio.ensure_future(self._stop.wait())
+                either: list[asyncio.Future[Any]] = [cycle, stopping]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                if not cycle.done():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.shield(cycle), SHUTDOWN_GRACE)
                     if not cycle.done():
@@ -267,6 +279,7 @@ class Daemon:
                 record, self._config, fresh, now, mode=Mode.ACT, audit=audit, notes=notes
             )
             self._store.save(record.to_dict())
+        self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
         self._write_serving(record.ledger.serving, backends)
         return report
 
@@ -294,7 +307,8 @@ class Daemon:
                 state.restarts[(note.name, "retired")] += 1
         state.stall.observe(signals, now)
         stalled = state.stall.stalled(now, self._config.stall_timeout)
-        snapshots = {b.outcome.target.name: b.snapshot for b in report.backends}
+        # Every backend's ledger state, not only those whose probe reported this cycle.
+        snapshots = self._snapshots
         views = []
         for target in self._targets:
             latest = state.latest.get(target.name)
@@ -397,8 +411,13 @@ class Daemon:
                 {"serving": [{"name": name, "url": url} for name, url in current]}, indent=1
             )
         temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        try:
+            temporary.write_text(text)
+            os.replace(temporary, path)
+        except OSError as exc:
+            # The balancer keeps its last file; watching goes on, and the next cycle retries.
+            self._log(f"cannot write the serving file {path}: {exc}")
+            return
         self._state.serving_written = current
         if self._config.on_serving_change:
             result = run_command(self._config.on_serving_change, 30.0)
@@ -410,6 +429,32 @@ class Daemon:
             self._console.log(message)
         else:  # journald adds its own timestamp
             print(message, file=sys.stderr, flush=True)
+
+
+def _in_daemon_thread(
+    function: Callable[[list[Outcome]], T], fresh: list[Outcome]
+) -> asyncio.Future[T]:
+    """Run ``function`` in a daemon thread; asyncio.to_thread's pool would be joined at exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def deliver(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = function(fresh)
+        except BaseException as exc:  # handed to the loop, which decides what it means
+            error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(deliver, lambda: future.set_exception(error))
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(deliver, lambda: future.set_result(result))
+
+    threading.Thread(target=run, name="llmhealth-cycle", daemon=True).start()
+    return future
 
 
 def _host_port(url: str) -> str:

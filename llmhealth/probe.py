@@ -53,10 +53,13 @@ class ProbeSettings:
 class _RequestFailedError(Exception):
     """Internal: a request that gave no usable answer, already classified."""
 
-    def __init__(self, problem: ReadProblem, detail: str) -> None:
+    def __init__(
+        self, problem: ReadProblem, detail: str, *, stale_connection: bool = False
+    ) -> None:
         super().__init__(detail)
         self.problem = problem
         self.detail = detail
+        self.stale_connection = stale_connection  # a kept-alive connection, already closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +97,36 @@ async def _request(
     body: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> _Response:
+    """One bounded request; once more on a fresh connection if a kept-alive one was dead.
+
+    A server closes idle connections on its own clock (uvicorn after 5 s, the default
+    wait), so a read on a connection it just closed fails before anything is sent back.
+    That says nothing about the server: only a failure on a new connection does.
+    """
+    try:
+        return await _request_once(client, method, url, timeout, max_bytes, body, headers)
+    except _RequestFailedError as failure:
+        if not failure.stale_connection:
+            raise
+    return await _request_once(client, method, url, timeout, max_bytes, body, headers)
+
+
+async def _request_once(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    timeout: float,
+    max_bytes: int,
+    body: Mapping[str, Any] | None,
+    headers: Mapping[str, str] | None,
+) -> _Response:
     connecting = False
+    opened = False
 
     async def trace(event: str, _info: Mapping[str, Any]) -> None:
-        nonlocal connecting
+        nonlocal connecting, opened
         if event == "connection.connect_tcp.started":
-            connecting = True
+            connecting = opened = True
         elif event == "connection.connect_tcp.complete":
             connecting = False
 
@@ -154,7 +181,9 @@ async def _request(
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
         where = f"mid-body after {received} bytes" if received else "before an answer"
         raise _RequestFailedError(
-            ReadProblem.DOWN, f"connection closed or reset {where}: {_reason(exc)}"
+            ReadProblem.DOWN,
+            f"connection closed or reset {where}: {_reason(exc)}",
+            stale_connection=not opened and not received,
         ) from exc
     except httpx.HTTPError as exc:
         raise _RequestFailedError(
