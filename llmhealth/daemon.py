@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -122,6 +123,9 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reload = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._probing: dict[str, Target] = {}
+        # One TLS context for every client: building one costs ~20 ms and ~1 MiB.
+        self._tls = ssl.create_default_context()
         self._baselines: dict[str, Signals] = {}
         self._snapshots: dict[str, BackendSnapshot] = {}
 
@@ -177,9 +181,12 @@ class Daemon:
             Live(console=self._console, auto_refresh=False) if self._console.is_terminal else None
         )
         with live if live is not None else contextlib.nullcontext():
+            due = time.monotonic()
             while not self._stop.is_set():
+                # Cycles keep a fixed period: the settle's own time is not added to the wait.
+                due = max(due + self.settings.wait, time.monotonic())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=self.settings.wait)
+                    await asyncio.wait_for(self._stop.wait(), timeout=due - time.monotonic())
                 if self._stop.is_set():
                     break
                 if self._reload:
@@ -222,23 +229,30 @@ class Daemon:
         return baselines_of(record)
 
     def _start_probes(self) -> None:
+        """Start a task per target; on reload, only for targets that are new or changed.
+
+        An unchanged target keeps its task and so its window of reads: a reload must not
+        cost two waits of wedge detection, nor hide a restart that happens across it.
+        """
         wanted = {target.name: target for target in self._targets}
         for name in list(self._tasks):
-            if name not in wanted:
+            if wanted.get(name) != self._probing.get(name):
                 self._tasks.pop(name).cancel()
-                self._state.probes.pop(name, None)
-                self._state.latest.pop(name, None)
+                self._probing.pop(name, None)
+                if name not in wanted:
+                    self._state.probes.pop(name, None)
+                    self._state.latest.pop(name, None)
         for name, target in wanted.items():
-            if name in self._tasks:
-                self._tasks.pop(name).cancel()
-            self._state.probes.setdefault(name, _Probe())
-            self._tasks[name] = asyncio.create_task(self._probe_forever(target))
+            if name not in self._tasks:
+                self._state.probes.setdefault(name, _Probe())
+                self._probing[name] = target
+                self._tasks[name] = asyncio.create_task(self._probe_forever(target))
 
     async def _probe_forever(self, target: Target) -> None:
         """Read one target every wait, forever; its verdicts wait for the next settle."""
         window: list[Read] = []
         baseline = self._baselines.pop(target.name, None)
-        async with new_client() as client:
+        async with new_client(self._tls) as client:
             while True:
                 settings = self.settings
                 started = time.monotonic()

@@ -162,6 +162,9 @@ class FleetRecord:
     # The evidence that condemned each backend, kept until it serves again: a restart in a
     # later run must be audited with the proof, not with whatever that run happened to see.
     proofs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The last restart-skip reason written to the audit log per backend, so an unchanged
+    # one is not written again every cycle.
+    skips: dict[str, str] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
@@ -172,6 +175,7 @@ class FleetRecord:
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
                 self.proofs.pop(name, None)
+                self.skips.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
             if name not in self.ledger.names:
@@ -213,6 +217,7 @@ class FleetRecord:
             "holds": {name: hold.to_dict() for name, hold in sorted(self.holds.items())},
             "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
             "proofs": dict(sorted(self.proofs.items())),
+            "skips": dict(sorted(self.skips.items())),
         }
 
     @classmethod
@@ -235,7 +240,11 @@ class FleetRecord:
             str(name): dict(_table(value, f"proofs.{name}"))
             for name, value in _table(data.get("proofs", {}), "proofs").items()
         }
-        return cls(ledger, sightings, holds, restarts, proofs)
+        skips = {
+            str(name): str(reason)
+            for name, reason in _table(data.get("skips", {}), "skips").items()
+        }
+        return cls(ledger, sightings, holds, restarts, proofs, skips)
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""

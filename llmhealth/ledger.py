@@ -550,6 +550,7 @@ class Ledger:
         self._policy = policy
         self._epoch = 0
         self._backends: dict[str, _Backend] = {}
+        self._by_url: dict[str, str] = {}  # URL key -> name: a lookup per load, not a scan
         for name, url in backends:
             self._insert(_Backend(name=name, url=url, state_since=now), "backends")
 
@@ -622,6 +623,7 @@ class Ledger:
         """Forget a backend that left the configuration."""
         b = self._lookup(name)
         del self._backends[name]
+        self._by_url.pop(_url_key(b.url), None)
         if b.state in SERVING:
             self._epoch += 1
 
@@ -721,11 +723,7 @@ class Ledger:
 
     def by_url(self, url: str) -> str | None:
         """The backend behind a URL, for failures reported by a router that knows only URLs."""
-        wanted = _url_key(url)
-        for b in self._backends.values():
-            if _url_key(b.url) == wanted:
-                return b.name
-        return None
+        return self._by_url.get(_url_key(url))
 
     def select(self, in_flight: Mapping[str, int]) -> str:
         """The serving backend with the fewest requests in flight; ties go to the first name.
@@ -802,6 +800,7 @@ class Ledger:
         if other is not None:
             raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
         self._backends[b.name] = b
+        self._by_url[_url_key(b.url)] = b.name
 
     def _sorted(self) -> list[_Backend]:
         return [self._backends[name] for name in sorted(self._backends)]

@@ -8,6 +8,7 @@ decision about a DEAD backend, to act or not, becomes one audit line with its ev
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -21,6 +22,7 @@ from llmhealth.ledger import RestartFailed, RestartIssued, State, Transition
 from llmhealth.policy import Action, RestartDecision, RestartHistory, plan_restarts
 
 Runner = Callable[[Sequence[str], float], CommandResult]
+_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
 
@@ -80,6 +82,9 @@ def remediate(
     backends = {backend.name: backend for backend in config.backends}
     holds = {name: hold for name, hold in record.holds.items() if hold.active(now)}
     decisions = plan_restarts(record.ledger, backends, holds, record.restarts, config.policy, now)
+    for name in list(record.skips):  # a backend that left DEAD starts afresh
+        if name not in record.ledger.names or record.ledger.state_of(name) is not State.DEAD:
+            del record.skips[name]
     outcomes = []
     for decision in decisions:
         snapshot = record.ledger.snapshot(decision.name, now)
@@ -107,10 +112,27 @@ def remediate(
                 entry["reason"] = (
                     f"{decision.reason}; the ledger refused: {outcome.transition.reason}"
                 )
-        if audit is not None:
+        if audit is not None and _worth_writing(record, decision, mode):
             audit.append(entry)
         outcomes.append(outcome)
     return outcomes
+
+
+def _worth_writing(record: FleetRecord, decision: RestartDecision, mode: Mode) -> bool:
+    """Every act is written; a skip only when its reason changed since the last one written.
+
+    watch settles every wait, and a DEAD backend that will not be restarted would
+    otherwise add the same line, fsync'd, every few seconds. Numbers (time left in a
+    cooldown) do not make a new reason.
+    """
+    if decision.act or mode is Mode.DRY_RUN:
+        record.skips.pop(decision.name, None)
+        return True
+    reason = _NUMBERS.sub("#", decision.reason)
+    if record.skips.get(decision.name) == reason:
+        return False
+    record.skips[decision.name] = reason
+    return True
 
 
 def _carry_out(

@@ -188,6 +188,7 @@ def test_an_idle_backend_answers_a_tiny_request_and_counts_it(
         "completions_answered": 1,
         "metrics_reads": 3,
         "models_reads": 0,
+        "restarts": 0,
     }
 
 

@@ -1,0 +1,1142 @@
+"""`llmhealth watch` as systemd runs it: a real daemon process against real simulators.
+
+Each test starts the installed `llmhealth watch` with `--wait 0.5`, a TOML config with
+short timeouts, its state in tmp_path and its own /metrics on a free loopback port, then
+watches it from outside: its metrics page (parsed with prometheus_client), its stderr, its
+state file, its serving file and the datagrams it sends to a NOTIFY_SOCKET. One simulator
+process serves every backend of the module; one test brings its own small server that
+drops reused connections. Every wait polls against a deadline, and every process started
+here is stopped when its test ends, failing or not.
+
+Then two tests run the Daemon class in this process (what a subprocess cannot show: its
+asyncio tasks, a shortened shutdown grace), and at the end come unit tests of the
+sd_notify client and of the fleet stall watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from rich.console import Console
+from simproc import Simulator, child_env, free_port_block, running_simulator
+
+from llmhealth import config as config_module
+from llmhealth import daemon as daemon_module
+from llmhealth.classify import Target
+from llmhealth.daemon import Daemon, Notifier
+from llmhealth.fleet import StallWatch
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
+from llmhealth.simulate import TEMPLATE_NAME
+from llmhealth.state import StateFile
+
+WAIT = 0.5
+STOP_BOUND = 5.0  # SIGTERM to exit; far above what a daemon with nothing to finish needs
+POLL = 0.05
+# Bounds for "eventually": each is met in 1-4 s here, but this machine is shared and its
+# load sometimes starves a process for seconds; a bound only has to end a hung test.
+PATIENCE = 30.0
+MODES = ["busy", "idle", "hang", "wedge:0.5", "wedge:0.5", "prefill", "unanswered", "busy"]
+# Port 9 (discard) on loopback: nothing listens there, so a read is refused at once.
+REFUSED_URL = "http://127.0.0.1:9"
+
+
+class NotObservedError(Exception):
+    """The daemon did not show, in time, what a test waits for before its assertions.
+
+    Not an AssertionError: "the machine was too slow to get there" and "what it showed
+    was wrong" are different failures.
+    """
+
+
+class DaemonExitedError(Exception):
+    """The daemon process ended while a test still expected it to run."""
+
+
+@pytest.fixture(scope="module")
+def entry_point() -> str:
+    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert found, "the llmhealth console script is not installed next to this Python"
+    return found
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Simulator]:
+    # The wedging engines freeze 0.5 s after this starts, so by the first daemon they are
+    # wedged from its first read on: proven after three reads, about one second.
+    with running_simulator(MODES) as simulator:
+        yield simulator
+
+
+@dataclass(frozen=True)
+class Urls:
+    busy: str
+    idle: str
+    hang: str
+    wedge_a: str
+    wedge_b: str
+    prefill: str
+    unanswered: str
+    busy2: str
+
+
+@pytest.fixture(scope="module")
+def urls(sim: Simulator) -> Urls:
+    return Urls(*sim.urls)
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def toml_value(value: object) -> str:
+    # JSON strings and arrays of strings are valid TOML basic strings and arrays.
+    return json.dumps(value)
+
+
+def fleet_config(
+    backends: Sequence[Mapping[str, object]],
+    *,
+    proxies: Sequence[Mapping[str, object]] = (),
+    timeout: str = "1s",
+    answer_timeout: str = "1s",
+    **top: object,
+) -> str:
+    lines = [f"timeout = {toml_value(timeout)}", f"answer_timeout = {toml_value(answer_timeout)}"]
+    lines += [f"{key} = {toml_value(value)}" for key, value in top.items()]
+    for kind, tables in (("backend", backends), ("proxy", proxies)):
+        for table in tables:
+            lines.append(f"\n[[{kind}]]")
+            lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_config(path: Path, text: str) -> Path:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)  # the daemon never reads a half-written file
+    return path
+
+
+def touch_command(marker: Path) -> list[str]:
+    return ["touch", str(marker)]
+
+
+def append_command(log: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        "import sys; open(sys.argv[1], 'a').write('changed\\n')",
+        str(log),
+    ]
+
+
+# --- the metrics page -----------------------------------------------------------------------
+
+
+class Page:
+    """One scrape of the daemon's /metrics: the raw text and the parsed families."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def samples(self, family: str) -> list[Sample]:
+        found = self.families.get(family)
+        return list(found.samples) if found is not None else []
+
+    def get(self, family: str, **labels: str) -> float | None:
+        matching = [s.value for s in self.samples(family) if s.labels == labels]
+        assert len(matching) <= 1, (family, labels)
+        return matching[0] if matching else None
+
+    def ones(self, family: str, backend: str, label: str) -> list[str]:
+        return [
+            s.labels[label]
+            for s in self.samples(family)
+            if s.labels.get("backend") == backend and s.value == 1.0
+        ]
+
+    def verdict(self, backend: str) -> str | None:
+        current = self.ones("llmhealth_backend_verdict", backend, "verdict")
+        assert len(current) <= 1, f"{backend} has several current verdicts: {current}"
+        return current[0] if current else None
+
+    def state(self, backend: str) -> str | None:
+        current = self.ones("llmhealth_backend_state", backend, "state")
+        assert len(current) <= 1, f"{backend} has several current states: {current}"
+        return current[0] if current else None
+
+    def counts(self, family: str, label: str) -> dict[tuple[str, str], float]:
+        return {(s.labels["backend"], s.labels[label]): s.value for s in self.samples(family)}
+
+    @property
+    def last_cycle(self) -> float | None:
+        return self.get("llmhealth_last_cycle_timestamp_seconds")
+
+    @property
+    def cycled(self) -> bool:
+        return "llmhealth_fleet_serving_backends" in self.families
+
+
+class Watch:
+    """A running `llmhealth watch` process and what can be seen of it from outside."""
+
+    def __init__(self, process: subprocess.Popen[bytes], port: int, stderr: IO[bytes]) -> None:
+        self.process = process
+        self.port = port
+        self._stderr = stderr
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def scrape(self) -> Page | None:
+        try:
+            response = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=2.0)
+        except httpx.TransportError:
+            return None  # not listening yet
+        assert response.status_code == 200
+        return Page(response.text)
+
+    def _alive(self, waiting_for: str) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise DaemonExitedError(
+                f"llmhealth watch exited with {code} while waiting for {waiting_for}; "
+                f"stderr:\n{self.stderr()}"
+            )
+
+    def until(
+        self, what: str, predicate: Callable[[Page], bool], timeout: float = PATIENCE
+    ) -> Page:
+        """The first scrape for which `predicate` holds; fails naming `what` at the deadline."""
+        deadline = time.monotonic() + timeout
+        last: Page | None = None
+        while time.monotonic() < deadline:
+            self._alive(what)
+            page = self.scrape()
+            if page is not None:
+                last = page
+                if predicate(page):
+                    return page
+            time.sleep(POLL)
+        shown = last.text if last is not None else "(no scrape answered)"
+        raise NotObservedError(
+            f"no {what} within {timeout} s; last page:\n{shown}\n{self.stderr()}"
+        )
+
+    def next_cycle(self, after: Page, timeout: float = PATIENCE) -> Page:
+        seen = after.last_cycle or 0.0
+        return self.until("a later cycle", lambda p: (p.last_cycle or 0.0) > seen, timeout)
+
+    def logged(self, text: str, timeout: float = PATIENCE) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.stderr()
+            if text in log:
+                return log
+            self._alive(repr(text))
+            time.sleep(POLL)
+        raise NotObservedError(f"{text!r} not logged within {timeout} s; stderr:\n{self.stderr()}")
+
+    def signal(self, signum: int) -> None:
+        self._alive(f"signal {signum}")
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = STOP_BOUND) -> tuple[int, float]:
+        """SIGTERM, then the exit code and how long the exit took (killed past `timeout`)."""
+        started = time.monotonic()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+                raise AssertionError(
+                    f"llmhealth watch ignored SIGTERM for {timeout} s; stderr:\n{self.stderr()}"
+                ) from None
+        return self.process.returncode, time.monotonic() - started
+
+
+@contextmanager
+def watching(
+    entry_point: str,
+    config: Path,
+    state: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[Watch]:
+    port = free_port_block(1)
+    environment = child_env()
+    environment.pop("NOTIFY_SOCKET", None)
+    environment.update(env or {})
+    argv = [entry_point, "watch", "--config", str(config), "--state", str(state)]
+    argv += ["--wait", str(WAIT), "--listen", f"127.0.0.1:{port}", *args]
+    with ExitStack() as stack:
+        stderr = stack.enter_context(tempfile.TemporaryFile())
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=environment,
+        )
+        watch = Watch(process, port, stderr)
+
+        def reap() -> None:
+            if process.poll() is None:
+                process.kill()
+            process.wait(STOP_BOUND)
+
+        stack.callback(reap)
+        yield watch
+        assert "Traceback" not in watch.stderr(), watch.stderr()
+
+
+# --- the metrics page of a running daemon ---------------------------------------------------
+
+
+def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fleet(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [
+                {"name": "busy", "url": urls.busy},
+                {"name": "idle", "url": urls.idle},
+                {"name": "mute", "url": urls.unanswered},
+                {"name": "gone", "url": REFUSED_URL},
+            ],
+            proxies=[{"name": "lb", "url": urls.busy}],
+        ),
+    )
+    names = ["busy", "idle", "mute", "gone"]
+
+    def complete(page: Page) -> bool:
+        errors = page.counts("llmhealth_backend_probe_errors", "kind")
+        return (
+            page.cycled
+            and all(page.verdict(name) is not None for name in [*names, "lb"])
+            and ("mute", "unanswered") in errors
+            and ("gone", "down") in errors
+        )
+
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until("every target judged, with errors counted", complete)
+        later = watch.next_cycle(page)
+        rc, _ = watch.stop()
+    assert rc == 0
+
+    # One current verdict per target, the one each simulator mode calls for.
+    assert {name: page.verdict(name) for name in [*names, "lb"]} == {
+        "busy": "busy",
+        "idle": "idle",
+        "mute": "unanswered",
+        "gone": "down",
+        "lb": "up",
+    }
+    # One current ledger state per backend; the failing ones are doubted or condemned.
+    assert page.state("busy") == page.state("idle") == "healthy"
+    assert page.state("mute") in {"suspect", "dead"}
+    assert page.state("gone") in {"suspect", "dead"}
+    for name in names:
+        states = [s for s in page.samples("llmhealth_backend_state") if s.labels["backend"] == name]
+        assert len(states) == 6, "every state is exported, all but one as 0"
+    # A proxy is not in the ledger: a verdict, no state, no serving flag.
+    assert page.ones("llmhealth_backend_state", "lb", "state") == []
+    assert page.get("llmhealth_backend_serving", backend="lb") is None
+
+    assert page.get("llmhealth_backend_serving", backend="busy") == 1.0
+    assert page.get("llmhealth_backend_running_requests", backend="busy") == 4.0
+    assert page.get("llmhealth_backend_waiting_requests", backend="busy") == 8.0
+    assert page.get("llmhealth_backend_running_requests", backend="idle") == 0.0
+    steps = page.get("llmhealth_backend_engine_steps_per_second", backend="busy")
+    assert steps is not None and steps > 0
+    durations = {
+        s.labels["backend"]: s.value
+        for s in page.samples("llmhealth_backend_probe_duration_seconds")
+    }
+    assert set(durations) == {*names, "lb"}
+    assert durations["busy"] < 1.0
+    # The unanswered backend's probe includes its tiny request's 1 s timeout.
+    assert 0.9 <= durations["mute"] < 3.0
+
+    errors = page.counts("llmhealth_backend_probe_errors", "kind")
+    assert set(errors) == {("mute", "unanswered"), ("gone", "down")}
+    assert all(count >= 1 for count in errors.values())
+    assert page.samples("llmhealth_backend_restarts") == []  # no restart commands
+
+    serving = [s for s in page.samples("llmhealth_backend_serving") if s.value == 1.0]
+    assert page.get("llmhealth_fleet_serving_backends") == len(serving) >= 2
+    assert page.get("llmhealth_fleet_min_healthy") == 1.0
+    epoch = page.get("llmhealth_fleet_membership_epoch")
+    assert epoch is not None and epoch >= 0 and epoch == int(epoch)
+    assert page.get("llmhealth_fleet_floor_breached") == 0.0
+    assert page.get("llmhealth_fleet_stalled") == 0.0
+    since = page.get("llmhealth_fleet_seconds_since_last_finished_request")
+    assert since is not None and 0.0 <= since < 5.0  # the busy backend finishes one a second
+    cycle_seconds = page.get("llmhealth_cycle_duration_seconds")
+    assert cycle_seconds is not None and 0.0 <= cycle_seconds < WAIT
+    assert page.last_cycle is not None and later.last_cycle is not None
+    assert later.last_cycle > page.last_cycle
+    assert abs(later.last_cycle - time.time()) < 10.0
+
+    assert all(name.startswith("llmhealth_") for name in page.families)
+    counters = {n for n, f in page.families.items() if f.type == "counter"}
+    assert counters == {"llmhealth_backend_probe_errors", "llmhealth_backend_restarts"}
+    for line in page.text.splitlines():
+        if line.startswith("# TYPE") and line.endswith(" counter"):
+            assert line.split()[2].endswith("_total"), line
+        elif line.startswith("llmhealth_backend_probe_errors"):
+            assert line.startswith("llmhealth_backend_probe_errors_total{"), line
+
+
+def test_a_hung_backend_does_not_hold_up_the_cycles_of_the_others(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "busy", "url": urls.busy}, {"name": "hung", "url": urls.hang}],
+            timeout="3s",
+        ),
+    )
+    # Each scrape while hung is unjudged: last cycle timestamp, busy's verdict, and hung's
+    # ledger state and serving flag (HEALTHY and serving from the start, so shown as such).
+    unjudged: list[tuple[float, str | None, str | None, float | None]] = []
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+
+        def hung_judged(page: Page) -> bool:
+            if page.verdict("hung") is not None:
+                return True
+            if page.cycled and page.last_cycle is not None:
+                serving = page.get("llmhealth_backend_serving", backend="hung")
+                unjudged.append(
+                    (page.last_cycle, page.verdict("busy"), page.state("hung"), serving)
+                )
+            return False
+
+        judged = watch.until("a verdict on the hung backend", hung_judged)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert judged.verdict("hung") == "unresponsive"
+    assert judged.verdict("busy") == "busy"
+    hung_probe = judged.get("llmhealth_backend_probe_duration_seconds", backend="hung")
+    assert hung_probe is not None and hung_probe >= 2.9
+
+    assert "busy" in [verdict for _, verdict, _, _ in unjudged], (
+        "the busy backend was never judged while the hung one was out"
+    )
+    # A backend whose read is still out keeps its ledger state on the page meanwhile.
+    assert {(state, serving) for _, _, state, serving in unjudged} == {("healthy", 1.0)}
+    cycles = sorted({stamp for stamp, _, _, _ in unjudged})
+    assert len(cycles) >= 3, f"only {len(cycles)} cycles completed during the 3 s read"
+    gaps = [later - earlier for earlier, later in itertools.pairwise(cycles)]
+    # Waiting on the hung read would open a gap of about 3 s; one wait is 0.5 s.
+    assert max(gaps) < 2.0, f"cycles {gaps} apart with a wait of {WAIT} s"
+
+
+def test_a_wedged_backend_goes_dead_and_one_with_a_restart_command_is_restarted(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    marker = tmp_path / "restarted"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [
+                {"name": "busy", "url": urls.busy},
+                {"name": "wedge-a", "url": urls.wedge_a},
+                {"name": "wedge-b", "url": urls.wedge_b, "restart": touch_command(marker)},
+            ]
+        ),
+    )
+
+    def settled(page: Page) -> bool:
+        restarts = page.counts("llmhealth_backend_restarts", "outcome")
+        return (
+            page.state("wedge-a") == "dead"
+            and page.state("wedge-b") == "restarting"
+            and restarts.get(("wedge-b", "ok"), 0) >= 1
+        )
+
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until("wedge-a dead and wedge-b restarting", settled)
+        watch.logged("wedge-b: restart")
+        rc, _ = watch.stop()
+        log = watch.stderr()
+    assert rc == 0
+    assert marker.exists(), "the restart command did not run"
+    assert page.verdict("wedge-a") == page.verdict("wedge-b") == "wedged"
+    assert page.state("busy") == "healthy"
+    assert page.get("llmhealth_backend_serving", backend="wedge-a") == 0.0
+    assert page.get("llmhealth_backend_serving", backend="wedge-b") == 0.0
+    assert page.get("llmhealth_fleet_serving_backends") == 1.0
+    epoch = page.get("llmhealth_fleet_membership_epoch")
+    assert epoch is not None and epoch >= 1
+    # One restart. A backend with a command has its counters from the start, at 0; one
+    # without a command has none, and stays DEAD.
+    assert page.counts("llmhealth_backend_restarts", "outcome") == {
+        ("wedge-b", "ok"): 1.0,
+        ("wedge-b", "failed"): 0.0,
+        ("wedge-b", "retired"): 0.0,
+    }
+    assert "wedge-a: healthy -> dead: wedged: " in log
+
+
+def test_a_dead_backend_left_alone_is_audited_once_not_once_per_cycle(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "busy", "url": urls.busy}, {"name": "wedge", "url": urls.wedge_a}]),
+    )
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until("wedge dead", lambda p: p.state("wedge") == "dead")
+        for _ in range(4):
+            page = watch.next_cycle(page)
+        rc, _ = watch.stop()
+    assert rc == 0
+    entries = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    about = [(e["event"], e["reason"]) for e in entries if e["backend"] == "wedge"]
+    assert about[0][0] == "wedge_proven"
+    skipped = [reason for event, reason in about if event == "restart_skipped"]
+    assert len(set(skipped)) == 1, "one reason: it has no restart command"
+    assert len(skipped) == 1, f"the same decision written {len(skipped)} times in 5 cycles"
+
+
+# --- signals ------------------------------------------------------------------------------
+
+
+def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    path = tmp_path / "fleet.toml"
+    write_config(path, fleet_config([{"name": "busy", "url": urls.busy}]))
+    with watching(entry_point, path, tmp_path / "state.json") as watch:
+        watch.until("a verdict on busy", lambda p: p.verdict("busy") == "busy")
+
+        two = [{"name": "busy", "url": urls.busy}, {"name": "newcomer", "url": urls.idle}]
+        write_config(path, fleet_config(two))
+        watch.signal(signal.SIGHUP)
+        added = watch.until(
+            "the added backend's series",
+            lambda p: p.verdict("newcomer") == "idle" and p.state("newcomer") == "healthy",
+        )
+        assert "config reloaded: 2 targets" in watch.stderr()
+
+        three = [*two, {"name": "never", "url": urls.busy2}]
+        write_config(path, "colour = 'blue'\n" + fleet_config(three))
+        watch.signal(signal.SIGHUP)
+        log = watch.logged("reload refused")
+        after = watch.next_cycle(watch.next_cycle(added))
+        rc, _ = watch.stop()
+    assert rc == 0
+    refusal = next(line for line in log.splitlines() if "reload refused" in line)
+    assert "colour" in refusal and str(path) in refusal
+    # Still running the old config: the two backends, not the third.
+    shown = {s.labels["backend"] for s in after.samples("llmhealth_backend_verdict")}
+    assert shown == {"busy", "newcomer"}
+    assert after.verdict("newcomer") == "idle"
+
+
+def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    path = tmp_path / "fleet.toml"
+    write_config(path, fleet_config([{"name": "busy", "url": urls.busy}]))
+    bare = urls.idle.removeprefix("http://")  # a bare URL's backend is named host:port
+    with watching(entry_point, path, tmp_path / "state.json", urls.idle) as watch:
+        first = watch.until("a verdict on both", lambda p: p.verdict(bare) == "idle")
+        twice = [{"name": "busy", "url": urls.busy}, {"name": bare, "url": urls.busy2}]
+        write_config(path, fleet_config(twice))
+        watch.signal(signal.SIGHUP)
+        log = watch.logged("reload refused")
+        after = watch.next_cycle(watch.next_cycle(first))
+        rc, _ = watch.stop()
+    assert rc == 0
+    refusal = next(line for line in log.splitlines() if "reload refused" in line)
+    assert "named twice" in refusal
+    assert after.verdict(bare) == "idle"  # still the command line's backend, unchanged
+
+
+def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "busy", "url": urls.busy}, {"name": "hung", "url": urls.hang}],
+            timeout="10s",
+        ),
+    )
+    state = tmp_path / "state.json"
+    with watching(entry_point, config, state) as watch:
+        watch.until("two cycles with busy judged", lambda p: p.verdict("busy") == "busy")
+        # hung's first 10 s read is still out: SIGTERM must not wait for it.
+        rc, took = watch.stop()
+        log = watch.stderr()
+    assert rc == 0
+    assert took < 4.0, f"exit took {took:.1f} s after SIGTERM"
+    assert log.rstrip().endswith("stopped")
+
+    document = json.loads(state.read_text())
+    saved = {b["name"]: b["state"] for b in document["ledger"]["backends"]}
+    assert saved.keys() == {"busy", "hung"}
+    assert saved["busy"] == "healthy"
+    assert not list(tmp_path.glob(".state.json.*"))  # no temporary file left behind
+
+    status = subprocess.run(
+        [entry_point, "status", "--state", str(state), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30.0,
+        check=False,
+    )
+    assert status.returncode in {0, 1, 2}, status.stderr
+    shown = json.loads(status.stdout)
+    assert shown["exit_code"] == status.returncode
+    assert {b["name"]: b["state"] for b in shown["backends"]} == saved
+
+
+def test_systemd_hears_ready_after_the_first_cycle_then_watchdogs_then_stopping(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "fleet.toml", fleet_config([{"name": "b", "url": urls.busy}]))
+    state = tmp_path / "state.json"
+    address = str(tmp_path / "notify.sock")
+    assert len(address) < 100, "a unix socket path must fit in sun_path"
+    messages: list[list[str]] = []
+    state_when_ready: bool | None = None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)
+
+        def receive(until: Callable[[], bool], timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not until():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NotObservedError(f"systemd heard only {messages}")
+                sock.settimeout(remaining)
+                try:
+                    data = sock.recv(4096)
+                except TimeoutError:
+                    continue
+                messages.append(data.decode().split("\n"))
+
+        with watching(entry_point, config, state, env={"NOTIFY_SOCKET": address}) as watch:
+            receive(lambda: bool(messages), PATIENCE)
+            state_when_ready = state.exists()
+            receive(lambda: sum("WATCHDOG=1" in m for m in messages) >= 3, PATIENCE)
+            rc, _ = watch.stop()
+            receive(lambda: "STOPPING=1" in messages[-1], STOP_BOUND)
+    assert rc == 0
+    first = messages[0]
+    assert first[0] == "READY=1"
+    assert first[1].startswith("STATUS=1 serving (min 1), epoch 0")
+    assert state_when_ready, "READY=1 came before the first cycle had saved the state"
+    assert sum("READY=1" in m for m in messages) == 1
+    watchdogs = [m for m in messages if "WATCHDOG=1" in m]
+    assert all(len(m) == 2 and m[1].startswith("STATUS=") for m in watchdogs)
+    assert messages[-1] == ["STOPPING=1"]
+
+
+# --- connections the server closes -----------------------------------------------------------
+
+
+class DroppingBackend:
+    """A busy simulated vLLM that answers the first request on each connection and closes
+    the connection, unanswered, when the next request arrives on it.
+
+    That is what a client sees when it reuses a kept-alive connection just as the server's
+    keep-alive timeout closes it. uvicorn, and so vLLM, closes idle connections after 5 s,
+    as `llmhealth simulate` does; the default wait is 5 s, so `watch` reuses each
+    connection right at that moment. Here the race is lost every time, at any wait.
+    """
+
+    def __init__(self) -> None:
+        template = importlib.resources.files("llmhealth").joinpath(TEMPLATE_NAME)
+        self._text = MetricsText(
+            template.read_text("utf-8"), engines=1, model="tiny", multiproc=False
+        )
+        self._model = SimBackend(parse_mode("busy"), SimConfig(), born=time.time())
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.answered = 0
+        self.dropped = 0
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def __enter__(self) -> DroppingBackend:
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(STOP_BOUND)
+        self._listener.close()
+
+    def _spawn(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._spawn(self._serve, connection)
+
+    def _request(self, connection: socket.socket) -> bool:
+        """Read one request head (GETs only); False when the peer closed or we stop."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if self._stop.is_set():
+                return False
+            try:
+                chunk = connection.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            data += chunk
+        return True
+
+    def _serve(self, connection: socket.socket) -> None:
+        connection.settimeout(0.2)
+        with connection:
+            if not self._request(connection):
+                return
+            with self._lock:
+                body = self._text.render(self._model.observe(time.time())).encode()
+                self.answered += 1
+            head = (
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                f"content-length: {len(body)}\r\n\r\n"
+            )
+            connection.sendall(head.encode() + body)
+            if self._request(connection):
+                with self._lock:
+                    self.dropped += 1
+            # Leaving the block closes the connection without a word.
+
+    @property
+    def reads(self) -> int:
+        with self._lock:
+            return self.answered + self.dropped
+
+
+def test_a_kept_alive_connection_closed_by_the_server_is_retried_not_judged_down(
+    entry_point: str, tmp_path: Path
+) -> None:
+    with DroppingBackend() as backend:
+        config = write_config(
+            tmp_path / "fleet.toml", fleet_config([{"name": "busy", "url": backend.url}])
+        )
+        with watching(entry_point, config, tmp_path / "state.json") as watch:
+            page = watch.until("five reads", lambda p: backend.reads >= 5 and p.cycled)
+            page = watch.next_cycle(page)
+            rc, _ = watch.stop()
+            log = watch.stderr()
+    assert rc == 0
+    if backend.dropped == 0:
+        return  # the daemon never reused a connection: nothing could go wrong
+    assert page.counts("llmhealth_backend_probe_errors", "kind") == {}, log
+    assert "-> suspect" not in log
+    assert page.verdict("busy") == "busy"
+
+
+# --- the serving file and its hook ----------------------------------------------------------
+
+
+def poll_file(path: Path, done: Callable[[str], bool], timeout: float = PATIENCE) -> list[str]:
+    """Every distinct content `path` had, polled until `done` holds for the latest one."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            text = None
+        if text is not None and (not seen or seen[-1] != text):
+            seen.append(text)
+            if done(text):
+                return seen
+        time.sleep(POLL / 2)
+    raise NotObservedError(f"{path} never reached what was expected; contents seen: {seen}")
+
+
+def nginx_servers(text: str) -> set[str]:
+    return {line for line in text.splitlines() if not line.startswith("#")}
+
+
+def server_line(url: str) -> str:
+    return f"server {url.removeprefix('http://')};"
+
+
+def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_runs(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    hook_log = tmp_path / "hook.log"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [
+                {"name": "busy", "url": urls.busy},
+                {"name": "idle", "url": urls.idle},
+                {"name": "wedge", "url": urls.wedge_a},
+            ],
+            on_serving_change=append_command(hook_log),
+        ),
+    )
+    serving = tmp_path / "upstream.conf"
+    survivors = {server_line(urls.busy), server_line(urls.idle)}
+    with watching(
+        entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+    ) as watch:
+        seen = poll_file(serving, lambda text: nginx_servers(text) == survivors)
+        page = watch.until("wedge dead", lambda p: p.state("wedge") == "dead")
+        hooks = poll_file(hook_log, lambda text: text.count("changed") >= 2)
+        watch.next_cycle(watch.next_cycle(page))
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert nginx_servers(seen[0]) == {*survivors, server_line(urls.wedge_a)}
+    assert seen[0].startswith("# ")
+    assert len(seen) == 2, f"the file changed more often than the serving set: {seen}"
+    assert hooks[-1] == hook_log.read_text() == "changed\nchanged\n"  # once per change
+    assert not list(tmp_path.glob(".upstream.conf*"))
+
+
+def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "busy", "url": urls.busy}, {"name": "wedge", "url": urls.wedge_b}]),
+    )
+    serving = tmp_path / "serving.json"
+    after = {"serving": [{"name": "busy", "url": urls.busy}]}
+    with watching(
+        entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+    ) as watch:
+        seen = poll_file(serving, lambda text: json.loads(text) == after)
+        rc, _ = watch.stop()
+    assert rc == 0
+    first: dict[str, Any] = json.loads(seen[0])
+    assert sorted(first["serving"], key=lambda entry: entry["name"]) == [
+        {"name": "busy", "url": urls.busy},
+        {"name": "wedge", "url": urls.wedge_b},
+    ]
+
+
+def test_a_serving_file_that_can_no_longer_be_written_is_reported_and_watching_goes_on(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "busy", "url": urls.busy}, {"name": "wedge", "url": urls.wedge_a}]),
+    )
+    folder = tmp_path / "balancer"
+    folder.mkdir()
+    serving = folder / "upstream.conf"
+    with watching(
+        entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+    ) as watch:
+        poll_file(serving, lambda text: "server " in text)
+        shutil.rmtree(folder)  # gone, like an unmounted volume: the next write fails
+        page = watch.until("wedge dead", lambda p: p.state("wedge") == "dead")
+        log = watch.logged(f"cannot write the serving file {serving}")
+        watch.next_cycle(watch.next_cycle(page))
+        folder.mkdir()  # back: a later cycle writes what it could not
+        written = poll_file(serving, lambda text: nginx_servers(text) == {server_line(urls.busy)})
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert len(written) == 1
+    failure = next(line for line in log.splitlines() if "cannot write" in line)
+    assert "No such file or directory" in failure
+
+
+# --- the fleet stall watch -------------------------------------------------------------------
+
+
+def test_pending_work_with_no_finished_request_stalls_the_fleet_and_restarts_nothing(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    marker = tmp_path / "restarted"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "reader", "url": urls.prefill, "restart": touch_command(marker)}],
+            stall_timeout="1s",
+        ),
+    )
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until("a fleet stall", lambda p: p.get("llmhealth_fleet_stalled") == 1.0)
+        log = watch.logged("fleet stall")
+        rc, _ = watch.stop()
+    assert rc == 0
+    # Each backend alone is fine: its KV use moves, so it is busy, healthy and serving.
+    assert page.verdict("reader") == "busy"
+    assert page.state("reader") == "healthy"
+    since = page.get("llmhealth_fleet_seconds_since_last_finished_request")
+    assert since is not None and since >= 1.0
+    assert "nothing is restarted" in log
+    assert page.counts("llmhealth_backend_restarts", "outcome") == {
+        ("reader", "ok"): 0.0,
+        ("reader", "failed"): 0.0,
+        ("reader", "retired"): 0.0,
+    }
+    assert "restart" not in log.replace("nothing is restarted", "")
+    assert not marker.exists()
+
+
+# --- the daemon in this process ---------------------------------------------------------------
+
+
+def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.05,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    log = ""
+
+    def cycles() -> int:
+        nonlocal log
+        log += capsys.readouterr().err
+        found = re.findall(r"^cycle (\d+):", log, re.MULTILINE)
+        return int(found[-1]) if found else 0
+
+    async def scenario() -> tuple[int, int]:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + 15.0
+        while cycles() < 2:
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"not enough cycles:\n{log}")
+            await asyncio.sleep(POLL)
+        early = len(asyncio.all_tasks())
+        while cycles() < 30:
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"not enough cycles:\n{log}")
+            await asyncio.sleep(POLL)
+        late = len(asyncio.all_tasks())
+        daemon.stop()
+        assert await asyncio.wait_for(running, STOP_BOUND) == 0
+        return early, late
+
+    early, late = asyncio.run(scenario())
+    assert late <= early + 1, f"{early} tasks after 2 cycles, {late} after 30"
+
+
+def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 0.5)
+    marker = tmp_path / "restart.pid"
+    command = (
+        sys.executable,
+        "-c",
+        "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(4.5)",
+        str(marker),
+    )
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    stopped_at = 0.0
+
+    async def scenario() -> int:
+        nonlocal stopped_at
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not (marker.exists() and marker.read_text()):
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("the restart command did not start")
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        stopped_at = time.monotonic()
+        return await asyncio.wait_for(running, STOP_BOUND)
+
+    try:
+        assert asyncio.run(scenario()) == 0
+        took = time.monotonic() - stopped_at
+    finally:
+        # Whatever the outcome, the command started for this test does not outlive it.
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert took < 2.5, f"stopping took {took:.1f} s with a grace of 0.5 s"
+
+
+# --- sd_notify, unit ----------------------------------------------------------------------
+
+
+def receive_one(sock: socket.socket) -> bytes:
+    sock.settimeout(5.0)
+    return sock.recv(4096)
+
+
+def test_the_notifier_sends_one_datagram_of_newline_separated_fields_to_a_path(
+    tmp_path: Path,
+) -> None:
+    address = str(tmp_path / "n.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)
+        Notifier(address).send("READY=1", "STATUS=3 serving")
+        Notifier(address).send("WATCHDOG=1")
+        assert receive_one(sock) == b"READY=1\nSTATUS=3 serving"
+        assert receive_one(sock) == b"WATCHDOG=1"
+
+
+def test_the_notifier_reaches_an_abstract_socket_named_with_an_at_sign() -> None:
+    name = f"llmhealth-test-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        Notifier("@" + name).send("STOPPING=1")
+        assert receive_one(sock) == b"STOPPING=1"
+
+
+def test_the_notifier_is_silent_without_systemd_and_when_nobody_listens(tmp_path: Path) -> None:
+    Notifier(None).send("READY=1")
+    Notifier("").send("READY=1")
+    Notifier(str(tmp_path / "nobody.sock")).send("READY=1")  # no such socket: no error
+    Notifier("@" + uuid.uuid4().hex).send("WATCHDOG=1")
+
+
+# --- the fleet stall watch, unit -------------------------------------------------------------
+
+START = 1_000.0
+
+
+def engine(
+    running: float | None = 4.0,
+    waiting: float = 8.0,
+    finished: float = 0.0,
+    sleep_state: str | None = None,
+) -> Signals:
+    one = EngineSignals(
+        "0", running=running, waiting=waiting, finished=finished, sleep_state=sleep_state
+    )
+    return Signals(engines=(one,))
+
+
+IDLE = engine(running=0.0, waiting=0.0)
+
+
+def test_a_fleet_with_work_and_no_finished_request_stalls_at_the_timeout_not_before() -> None:
+    watch = StallWatch(started_at=START)
+    for at in (START + 1, START + 5, START + 9.9):
+        watch.observe({"a": engine(finished=3)}, at)
+        assert not watch.stalled(at, 10.0)
+    watch.observe({"a": engine(finished=3)}, START + 10)
+    assert watch.stalled(START + 10, 10.0)
+    assert watch.seconds_since_finished(START + 10) == 10.0
+
+
+def test_a_fleet_with_nothing_to_do_never_stalls() -> None:
+    watch = StallWatch(started_at=START)
+    watch.observe({"a": IDLE, "b": IDLE}, START + 3600)
+    assert watch.work_pending is False
+    assert not watch.stalled(START + 3600, 10.0)
+    assert watch.seconds_since_finished(START + 3600) == 3600.0
+
+
+def test_one_backend_finishing_a_request_clears_the_stall_of_the_whole_fleet() -> None:
+    watch = StallWatch(started_at=START)
+    watch.observe({"a": engine(finished=5), "b": engine(finished=0)}, START + 1)
+    watch.observe({"a": engine(finished=5), "b": engine(finished=0)}, START + 20)
+    assert watch.stalled(START + 20, 10.0)
+    watch.observe({"a": engine(finished=5), "b": engine(finished=1)}, START + 21)
+    assert not watch.stalled(START + 21, 10.0)
+    assert watch.last_finished_at == START + 21
+    assert watch.seconds_since_finished(START + 25) == 4.0
+
+
+def test_the_first_sighting_of_a_backend_is_a_baseline_not_progress() -> None:
+    watch = StallWatch(started_at=START)
+    watch.observe({"a": engine(finished=1_000)}, START + 20)
+    assert watch.last_finished_at is None
+    assert watch.stalled(START + 20, 10.0)
+
+
+def test_a_counter_that_went_down_is_a_new_process_not_progress() -> None:
+    watch = StallWatch(started_at=START)
+    watch.observe({"a": engine(finished=50)}, START + 1)
+    watch.observe({"a": engine(finished=2)}, START + 15)  # restarted: counts from zero
+    assert watch.last_finished_at is None
+    assert watch.stalled(START + 15, 10.0)
+    watch.observe({"a": engine(finished=3)}, START + 16)  # progress from the new baseline
+    assert watch.last_finished_at == START + 16
+    assert not watch.stalled(START + 16, 10.0)
+
+
+def test_work_on_a_sleeping_engine_or_of_unknown_size_is_not_pending_work() -> None:
+    watch = StallWatch(started_at=START)
+    watch.observe({"asleep": engine(sleep_state="sleeping")}, START + 60)
+    assert not watch.stalled(START + 60, 10.0)
+    watch.observe({"multiproc": engine(running=None, waiting=0.0)}, START + 61)
+    assert not watch.stalled(START + 61, 10.0)
+    watch.observe({"awake": engine(sleep_state="awake")}, START + 62)
+    assert watch.stalled(START + 62, 10.0)
+
+
+def test_time_since_the_last_finished_request_is_never_negative() -> None:
+    watch = StallWatch(started_at=START)
+    assert watch.seconds_since_finished(START - 5) == 0.0
+    watch.observe({"a": engine(finished=1)}, START + 1)
+    watch.observe({"a": engine(finished=2)}, START + 2)
+    assert watch.seconds_since_finished(START + 1.5) == 0.0

@@ -1,0 +1,319 @@
+"""llmhealth's own metrics page: synthetic views rendered the way a scrape renders them.
+
+Each test publishes an ``ExportView`` to a ``FleetCollector``, renders it with
+``prometheus_client.generate_latest`` and parses the text back with prometheus_client's
+own parser, so what is checked is the exposition a Prometheus server would read. The last
+tests serve the page over real HTTP on a loopback port the kernel picks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from llmhealth.classify import VerdictKind
+from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
+from llmhealth.ledger import State
+from llmhealth.report import FleetSummary
+
+VERDICTS = [str(kind) for kind in VerdictKind]
+STATES = [str(state) for state in State]
+
+BACKEND_FAMILIES = {
+    "llmhealth_backend_verdict": "gauge",
+    "llmhealth_backend_state": "gauge",
+    "llmhealth_backend_serving": "gauge",
+    "llmhealth_backend_running_requests": "gauge",
+    "llmhealth_backend_waiting_requests": "gauge",
+    "llmhealth_backend_engine_steps_per_second": "gauge",
+    "llmhealth_backend_generated_tokens_per_second": "gauge",
+    "llmhealth_backend_probe_duration_seconds": "gauge",
+    "llmhealth_backend_probe_errors": "counter",
+    "llmhealth_backend_restarts": "counter",
+}
+FLEET_FAMILIES = {
+    "llmhealth_fleet_serving_backends": "gauge",
+    "llmhealth_fleet_min_healthy": "gauge",
+    "llmhealth_fleet_membership_epoch": "gauge",
+    "llmhealth_fleet_floor_breached": "gauge",
+}
+ALWAYS_FAMILIES = {
+    "llmhealth_fleet_seconds_since_last_finished_request": "gauge",
+    "llmhealth_fleet_stalled": "gauge",
+    "llmhealth_last_cycle_timestamp_seconds": "gauge",
+    "llmhealth_cycle_duration_seconds": "gauge",
+}
+
+
+def busy(name: str) -> BackendView:
+    return BackendView(
+        name=name,
+        kind="backend",
+        verdict="busy",
+        state="healthy",
+        serving=True,
+        running=4,
+        waiting=8,
+        steps_per_s=400.5,
+        tokens_per_s=1602.0,
+        probe_seconds=0.004,
+    )
+
+
+def wedged(name: str) -> BackendView:
+    return BackendView(
+        name=name,
+        kind="backend",
+        verdict="wedged",
+        state="dead",
+        serving=False,
+        running=4,
+        waiting=8,
+        steps_per_s=0.0,
+        tokens_per_s=0.0,
+        probe_seconds=0.006,
+    )
+
+
+def proxy(name: str) -> BackendView:
+    return BackendView(
+        name=name, kind="proxy", verdict="up", state=None, serving=None, probe_seconds=0.002
+    )
+
+
+FLEET_VIEW = ExportView(
+    backends=(busy("gpu0"), wedged("gpu1"), proxy("lb")),
+    fleet=FleetSummary(
+        serving=1, min_healthy=2, epoch=3, floor_breached=True, message="floor breached"
+    ),
+    seconds_since_finished=12.5,
+    fleet_stalled=True,
+    last_cycle_at=1_800_000_000.25,
+    cycle_seconds=0.031,
+    probe_errors={("gpu1", "unresponsive"): 2, ("gpu0", "down"): 1},
+    restarts={("gpu1", "ok"): 1, ("gpu1", "failed"): 3},
+)
+
+
+class Page:
+    """One rendered exposition: the raw text and the families prometheus_client parsed."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def samples(self, family: str) -> list[Sample]:
+        return list(self.families[family].samples)
+
+    def value(self, family: str, **labels: str) -> float:
+        matching = [s.value for s in self.samples(family) if s.labels == labels]
+        assert len(matching) == 1, (family, labels, self.samples(family))
+        return matching[0]
+
+    def backends_of(self, family: str) -> set[str]:
+        return {s.labels["backend"] for s in self.samples(family)}
+
+    def ones(self, family: str, backend: str, label: str) -> list[str]:
+        """The label values whose series is 1 for one backend."""
+        return [
+            s.labels[label]
+            for s in self.samples(family)
+            if s.labels["backend"] == backend and s.value == 1.0
+        ]
+
+
+def render(view: ExportView) -> Page:
+    collector = FleetCollector()
+    collector.publish(view)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return Page(generate_latest(registry).decode())
+
+
+def test_every_family_is_typed_documented_and_named_with_the_llmhealth_prefix() -> None:
+    page = render(FLEET_VIEW)
+    expected = BACKEND_FAMILIES | FLEET_FAMILIES | ALWAYS_FAMILIES
+    assert {name: f.type for name, f in page.families.items()} == expected
+    for name, family in page.families.items():
+        assert name.startswith("llmhealth_")
+        assert family.documentation.strip(), f"{name} has no HELP text"
+    helped = {line.split()[2] for line in page.text.splitlines() if line.startswith("# HELP ")}
+    typed = {line.split()[2] for line in page.text.splitlines() if line.startswith("# TYPE ")}
+    assert helped == typed
+
+
+def test_counters_end_in_total_in_the_exposition_and_carry_their_counts() -> None:
+    page = render(FLEET_VIEW)
+    counter_lines = [
+        line
+        for line in page.text.splitlines()
+        if line.startswith(("llmhealth_backend_probe_errors", "llmhealth_backend_restarts"))
+    ]
+    assert counter_lines
+    assert all(line.split("{", 1)[0].endswith("_total") for line in counter_lines)
+    assert "# TYPE llmhealth_backend_restarts_total counter" in page.text
+    errors = page.families["llmhealth_backend_probe_errors"]
+    assert {(s.labels["backend"], s.labels["kind"]): s.value for s in errors.samples} == {
+        ("gpu1", "unresponsive"): 2.0,
+        ("gpu0", "down"): 1.0,
+    }
+    restarts = page.families["llmhealth_backend_restarts"]
+    assert {s.name for s in restarts.samples} == {"llmhealth_backend_restarts_total"}
+    assert {(s.labels["backend"], s.labels["outcome"]): s.value for s in restarts.samples} == {
+        ("gpu1", "ok"): 1.0,
+        ("gpu1", "failed"): 3.0,
+    }
+
+
+def test_each_backend_has_exactly_one_current_verdict_and_one_current_state() -> None:
+    page = render(FLEET_VIEW)
+    for name, verdict, state in (("gpu0", "busy", "healthy"), ("gpu1", "wedged", "dead")):
+        assert page.ones("llmhealth_backend_verdict", name, "verdict") == [verdict]
+        assert page.ones("llmhealth_backend_state", name, "state") == [state]
+        # Every possible value is present, as 0, so a query never meets an absent series.
+        verdicts = [
+            s.labels["verdict"]
+            for s in page.samples("llmhealth_backend_verdict")
+            if s.labels["backend"] == name
+        ]
+        states = [
+            s.labels["state"]
+            for s in page.samples("llmhealth_backend_state")
+            if s.labels["backend"] == name
+        ]
+        assert sorted(verdicts) == sorted(VERDICTS)
+        assert sorted(states) == sorted(STATES)
+
+
+def test_a_proxy_has_a_verdict_but_no_ledger_state_and_no_serving_flag() -> None:
+    page = render(FLEET_VIEW)
+    assert page.ones("llmhealth_backend_verdict", "lb", "verdict") == ["up"]
+    assert "lb" not in page.backends_of("llmhealth_backend_state")
+    assert "lb" not in page.backends_of("llmhealth_backend_serving")
+    assert page.backends_of("llmhealth_backend_state") == {"gpu0", "gpu1"}
+    assert page.value("llmhealth_backend_probe_duration_seconds", backend="lb") == 0.002
+
+
+def test_per_backend_gauges_carry_the_values_of_the_view() -> None:
+    page = render(FLEET_VIEW)
+    assert page.value("llmhealth_backend_serving", backend="gpu0") == 1.0
+    assert page.value("llmhealth_backend_serving", backend="gpu1") == 0.0
+    assert page.value("llmhealth_backend_running_requests", backend="gpu0") == 4.0
+    assert page.value("llmhealth_backend_waiting_requests", backend="gpu1") == 8.0
+    assert page.value("llmhealth_backend_engine_steps_per_second", backend="gpu0") == 400.5
+    assert page.value("llmhealth_backend_generated_tokens_per_second", backend="gpu0") == 1602.0
+    assert page.value("llmhealth_backend_probe_duration_seconds", backend="gpu1") == 0.006
+    # A proxy reads no /metrics: it has none of the engine gauges.
+    for family in ("running_requests", "waiting_requests", "engine_steps_per_second"):
+        assert "lb" not in page.backends_of(f"llmhealth_backend_{family}")
+
+
+def test_fleet_gauges_carry_the_summary_the_stall_and_the_cycle() -> None:
+    page = render(FLEET_VIEW)
+    assert page.value("llmhealth_fleet_serving_backends") == 1.0
+    assert page.value("llmhealth_fleet_min_healthy") == 2.0
+    assert page.value("llmhealth_fleet_membership_epoch") == 3.0
+    assert page.value("llmhealth_fleet_floor_breached") == 1.0
+    assert page.value("llmhealth_fleet_seconds_since_last_finished_request") == 12.5
+    assert page.value("llmhealth_fleet_stalled") == 1.0
+    assert page.value("llmhealth_last_cycle_timestamp_seconds") == 1_800_000_000.25
+    assert page.value("llmhealth_cycle_duration_seconds") == 0.031
+
+
+def test_before_the_first_cycle_the_page_has_no_backends_and_no_fleet_summary() -> None:
+    page = render(ExportView())
+    assert set(page.families) == set(BACKEND_FAMILIES) | set(ALWAYS_FAMILIES)
+    for family in BACKEND_FAMILIES:
+        assert page.samples(family) == []
+    assert page.value("llmhealth_fleet_stalled") == 0.0
+    assert page.value("llmhealth_last_cycle_timestamp_seconds") == 0.0
+
+
+def test_a_backend_not_judged_yet_has_no_current_verdict_and_no_engine_gauges() -> None:
+    fresh = BackendView(name="gpu9", kind="backend", verdict=None, state="healthy", serving=True)
+    page = render(ExportView(backends=(fresh,)))
+    assert page.ones("llmhealth_backend_verdict", "gpu9", "verdict") == []
+    assert len(page.samples("llmhealth_backend_verdict")) == len(VERDICTS)
+    assert page.ones("llmhealth_backend_state", "gpu9", "state") == ["healthy"]
+    assert page.samples("llmhealth_backend_running_requests") == []
+    assert page.samples("llmhealth_backend_probe_duration_seconds") == []
+
+
+def test_backend_names_with_quotes_and_backslashes_survive_the_exposition() -> None:
+    odd = 'gpu "7" \\ rack\nB'
+    page = render(ExportView(backends=(busy(odd),)))
+    assert page.ones("llmhealth_backend_verdict", odd, "verdict") == ["busy"]
+    assert page.value("llmhealth_backend_running_requests", backend=odd) == 4.0
+
+
+def test_a_scrape_sees_one_whole_view_while_views_are_being_published() -> None:
+    collector = FleetCollector()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+
+    def view(generation: int) -> ExportView:
+        backends = tuple(
+            BackendView(f"b{i}", "backend", "busy", "healthy", True, running=generation)
+            for i in range(50)
+        )
+        return ExportView(backends=backends, cycle_seconds=float(generation))
+
+    collector.publish(view(0))
+    stop = threading.Event()
+
+    def publish() -> None:
+        generation = 0
+        while not stop.is_set():
+            generation += 1
+            collector.publish(view(generation))
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    try:
+        for _ in range(30):
+            page = Page(generate_latest(registry).decode())
+            running = {s.value for s in page.samples("llmhealth_backend_running_requests")}
+            assert running == {page.value("llmhealth_cycle_duration_seconds")}
+    finally:
+        stop.set()
+        publisher.join(5.0)
+    assert not publisher.is_alive()
+
+
+@contextmanager
+def served(collector: FleetCollector) -> Iterator[int]:
+    # Port 0: the kernel picks a free one, so there is no race with other tests.
+    server, thread = serve(collector, "127.0.0.1", 0)
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+
+def test_serve_answers_a_real_scrape_on_loopback_and_then_shuts_down() -> None:
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    with served(collector) as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+        response = httpx.get(url, timeout=5.0)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        page = Page(response.text)
+        assert page.ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
+        # Only llmhealth's own families: no process or platform collectors mixed in.
+        assert set(page.families) == set(BACKEND_FAMILIES | FLEET_FAMILIES | ALWAYS_FAMILIES)
+        # A new view is what the next scrape shows.
+        collector.publish(ExportView(backends=(busy("gpu1"),)))
+        again = Page(httpx.get(url, timeout=5.0).text)
+        assert again.ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url, timeout=2.0)
