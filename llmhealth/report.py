@@ -66,7 +66,8 @@ def summarize(ledger: Ledger) -> FleetSummary:
         serving=len(ledger.serving),
         min_healthy=ledger.policy.min_healthy,
         epoch=ledger.epoch,
-        floor_breached=ledger.floor_breached,
+        # A run over proxies alone has no backends to fall short of the floor with.
+        floor_breached=ledger.floor_breached and bool(ledger.names),
         message=ledger.floor_message,
     )
 

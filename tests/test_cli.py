@@ -170,3 +170,13 @@ def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     result = run(entry_point, "config", "check", str(bad))
     assert result.returncode == 3
     assert f"{bad}: backend[0].restart: must be a list of strings" in result.stderr
+
+
+def test_a_check_of_a_healthy_proxy_alone_exits_0(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    url = httpserver.url_for("").rstrip("/")
+    result = runner.invoke(app, ["check", "--proxy", url, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.output)
+    assert document["backends"][0]["verdict"] == "up"
+    assert document["fleet"]["floor_breached"] is False
