@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from simproc import running_simulator  # noqa: E402 - the test helper starts the simulator
+from simproc import running_simulator
 
-from llmhealth.classify import Target  # noqa: E402
-from llmhealth.probe import ProbeSettings, check_fleet  # noqa: E402
+from llmhealth.classify import Target
+from llmhealth.probe import ProbeSettings, check_fleet
 
 WAIT = 1.0
 

@@ -20,7 +20,9 @@ SAMPLES = ("idle-1", "busy-2", "prefill2-3", "wedge-2", "multiapi-after-load")
 TARGET_RATIO = 30.0
 
 
-def per_call_us(function: Callable[[str], object], text: str, rounds: int, repeat: int) -> list[float]:
+def per_call_us(
+    function: Callable[[str], object], text: str, rounds: int, repeat: int
+) -> list[float]:
     """Microseconds per call, one figure per round of ``repeat`` calls."""
     figures = []
     for _ in range(rounds):
