@@ -1,0 +1,691 @@
+"""What checking costs, and how the cost grows with the fleet.
+
+- Signal extraction against prometheus_client's full parser (bench_parse, reused).
+- Bytes read per check, per kind of backend: each read of /metrics is a whole ~50 KB
+  text, so the number of reads a verdict needs is the cost that matters.
+- One `check` over 100, 1000 and 3000 simulated backends, and one `watch` daemon over the
+  same fleets: wall time, CPU time, peak memory, and how each grows (1000/100 and
+  3000/1000; linear growth would be 10x and 3x).
+
+Every measured run is a fresh child process (`bench_scale.py child ...`), so peak memory
+is that run's own and not the high-water mark of everything before it. The simulator is
+another process on the same two cores: it renders every /metrics text the check reads,
+so wall times include its share of the machine, as they would on a busy monitoring host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import bench_parse
+from bench_check import fleet_modes
+from report import Section, Table, spread
+from simproc import child_env, running_simulator
+
+from llmhealth import config as config_module
+from llmhealth.classify import Target
+from llmhealth.cycle import run_cycle
+from llmhealth.probe import ProbeSettings, check_fleet
+from llmhealth.remediate import Mode
+from llmhealth.state import StateFile
+
+HERE = Path(__file__).resolve().parent
+SIZES = (100, 1000, 3000)
+REPEATS = 3
+WAIT = 1.0  # check: the two waits a wedge needs are 2 s of every check's wall time
+WATCH_WAIT = 5.0  # watch: the default wait; each backend is read once per wait
+WATCH_CYCLES = 4  # the first settled cycle is warm-up; two cycles are measured after it
+WATCH_SIZES = SIZES  # sizes at which `watch` is measured too
+PARSE_ROUNDS = 7
+CLIENTS = 200  # httpx clients made to price one client per backend
+READ_TIMEOUT = 10.0  # generous: 3000 concurrent reads share two cores with the simulator
+CHILD_TIMEOUT = 300.0
+SIM_READY_TIMEOUT = 180.0
+
+
+def log(message: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def raise_open_files(wanted: int) -> None:
+    """A connection per backend (plus the simulator's side) passes a default limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (Linux), MiB."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --- children: one measured run each ------------------------------------------------------
+
+
+def fleet_config(urls: list[str], wait: float, workdir: Path) -> config_module.Config:
+    """The config an operator would write for this fleet (no restart commands)."""
+    return config_module.from_mapping(
+        {
+            "wait": wait,
+            "timeout": READ_TIMEOUT,
+            "answer_timeout": READ_TIMEOUT,
+            "state": str(workdir / "state.json"),
+            "audit_log": str(workdir / "audit.jsonl"),
+            "backend": [{"name": f"b{i}", "url": url} for i, url in enumerate(urls)],
+        },
+        "<bench_scale>",
+    )
+
+
+def wrong_verdicts(kinds_by_index: dict[int, str], size: int) -> Counter[str]:
+    """Verdicts that do not match the backend's simulated mode, as `mode->verdict` counts."""
+    expected = {"busy": "busy", "idle": "idle", "wedge:0": "wedged"}
+    modes = fleet_modes(size)
+    return Counter(
+        f"{modes[i]}->{kind}"
+        for i, kind in kinds_by_index.items()
+        if expected.get(modes[i]) != kind
+    )
+
+
+def child_check(urls: list[str], whole: bool) -> dict[str, Any]:
+    """One check: the probe alone (`check_fleet`), or the whole `run_cycle` with its state."""
+    raise_open_files(4 * len(urls) + 256)
+    with tempfile.TemporaryDirectory(prefix="llmhealth-scale-") as tmp:
+        config = fleet_config(urls, WAIT, Path(tmp))
+        targets = [Target(b.name, b.url) for b in config.backends]
+        settings = ProbeSettings(wait=WAIT, timeout=READ_TIMEOUT, answer_timeout=READ_TIMEOUT)
+        store = StateFile(Path(tmp) / "state.json")
+        before = rss_mib()
+        cpu = time.process_time()
+        started = time.perf_counter()
+        if whole:
+            report = run_cycle(config, targets, settings, store, mode=Mode.ACT)
+            outcomes = [backend.outcome for backend in report.backends]
+        else:
+            outcomes = asyncio.run(check_fleet(targets, settings))
+        wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu
+    by_index = {int(o.target.name[1:]): str(o.verdict.kind) for o in outcomes}
+    wrong = wrong_verdicts(by_index, len(urls))
+    examples: dict[str, str] = {}
+    modes = fleet_modes(len(urls))
+    for outcome in outcomes:
+        key = f"{modes[int(outcome.target.name[1:])]}->{outcome.verdict.kind}"
+        if key in wrong and key not in examples:
+            examples[key] = outcome.verdict.evidence[:240]
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "rss_before": before,
+        "peak": peak_mib(),
+        "kinds": Counter(by_index.values()),
+        "wrong": wrong,
+        "examples": examples,
+    }
+
+
+def child_watch(urls: list[str], wait: float, cycles: int) -> dict[str, Any]:
+    """`watch` over the fleet for a few cycles: settle time, CPU per cycle, peak memory."""
+    from rich.console import Console  # noqa: PLC0415 - only this child needs them
+
+    from llmhealth.daemon import Daemon  # noqa: PLC0415
+
+    raise_open_files(4 * len(urls) + 256)
+    log_text = io.StringIO()
+    samples: list[tuple[float, float, int]] = []
+    with tempfile.TemporaryDirectory(prefix="llmhealth-scale-") as tmp:
+        config = fleet_config(urls, wait, Path(tmp))
+        targets = [Target(b.name, b.url) for b in config.backends]
+        daemon = Daemon(
+            lambda: (config, targets),
+            StateFile(Path(tmp) / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(file=io.StringIO()),  # not a terminal: plain lines on stderr
+        )
+        before = rss_mib()
+
+        async def main() -> None:
+            task = asyncio.create_task(daemon.run())
+            deadline = time.monotonic() + (cycles + 4) * wait + 240.0
+            while not task.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                done = sum(
+                    1 for line in log_text.getvalue().splitlines() if line.startswith("cycle ")
+                )
+                samples.append((time.monotonic(), time.process_time(), done))
+                if done >= cycles:
+                    daemon.stop()
+            daemon.stop()
+            await asyncio.wait_for(task, 30.0)
+
+        with contextlib.redirect_stderr(log_text):
+            asyncio.run(main())
+    settled = [
+        float(line.rsplit("settled in ", 1)[1].split()[0])
+        for line in log_text.getvalue().splitlines()
+        if line.startswith("cycle ") and "settled in " in line
+    ]
+    # CPU per cycle in the steady state: the first settled cycle (every backend's first
+    # verdict, the state file created) is warm-up; measure from the second to the last.
+    first = next((s for s in samples if s[2] >= min(2, cycles - 1)), None)
+    last = next((s for s in samples if s[2] >= cycles), samples[-1] if samples else None)
+    cpu_per_cycle = wall_per_cycle = None
+    if first and last and last[2] > first[2]:
+        cpu_per_cycle = (last[1] - first[1]) / (last[2] - first[2])
+        wall_per_cycle = (last[0] - first[0]) / (last[2] - first[2])
+    return {
+        "cycles": len(settled),
+        "settle": settled,
+        "cpu_per_cycle": cpu_per_cycle,
+        "wall_per_cycle": wall_per_cycle,
+        "rss_before": before,
+        "peak": peak_mib(),
+    }
+
+
+def child_clients(shared: bool) -> dict[str, Any]:
+    """What `llmhealth.probe.new_client` costs per backend, with or without a shared TLS context.
+
+    `check` builds one TLS context for the fleet and hands it to every client; `watch`
+    calls `new_client()` once per backend without one, so each client builds its own.
+    """
+    import ssl  # noqa: PLC0415
+
+    from llmhealth.probe import new_client  # noqa: PLC0415
+
+    context = ssl.create_default_context() if shared else None
+    before = rss_mib()
+    cpu = time.process_time()
+    clients = [new_client(context) for _ in range(CLIENTS)]
+    cpu = time.process_time() - cpu
+    result = {"cpu": cpu / CLIENTS, "rss": (peak_mib() - before) / CLIENTS}
+
+    async def close() -> None:
+        await asyncio.gather(*(client.aclose() for client in clients))
+
+    asyncio.run(close())
+    return result
+
+
+def run_child(args: list[str]) -> dict[str, Any]:
+    """Run `bench_scale.py child ...` and return the JSON it prints; bounded in time."""
+    argv = [sys.executable, str(HERE / "bench_scale.py"), "child", *args]
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+        env=child_env(),
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+# --- sections -----------------------------------------------------------------------------
+
+
+def parse_section() -> Section:
+    began = time.monotonic()
+    log("signal extraction vs prometheus_client")
+    rows = bench_parse.run(rounds=PARSE_ROUNDS)
+    worst = min(float(row["ratio"]) for row in rows)
+    table = Table(
+        ["capture", "bytes", "llmhealth µs", "prometheus_client µs", "ratio"],
+        [
+            [
+                str(row["capture"]),
+                f"{row['bytes']:.0f}",
+                f"{row['llmhealth_us']:.1f} (±{float(row['llmhealth_spread_us']) / 2:.1f})",
+                f"{row['prometheus_client_us']:.0f} "
+                f"(±{float(row['prometheus_client_spread_us']) / 2:.0f})",
+                f"{row['ratio']:.1f}x",
+            ]
+            for row in rows
+        ],
+    )
+    return Section(
+        title="3a. Signal extraction vs prometheus_client",
+        command="cd bench && ../.venv/bin/python bench_parse.py",
+        intro=[
+            "`llmhealth.metrics.parse_metrics` against `prometheus_client`'s full text "
+            "parser on the real vLLM 0.32 captures in `fixtures/`, both in one process, "
+            f"median of {PARSE_ROUNDS} rounds (± half the min-max spread)."
+        ],
+        tables=[table],
+        notes=[
+            f"Worst ratio {worst:.1f}x: "
+            + ("**meets**" if worst >= bench_parse.TARGET_RATIO else "**MISSES**")
+            + f" the {bench_parse.TARGET_RATIO:.0f}x target."
+        ],
+        seconds=time.monotonic() - began,
+    )
+
+
+def bytes_section() -> Section:
+    """Reads per verdict x body size: what one check costs each backend, in bytes."""
+    began = time.monotonic()
+    log("bytes read per check")
+    modes = ["busy", "idle", "wedge:0", "no-metrics", "idle"]  # the last: a yardstick
+    measured = modes[:4]
+    with running_simulator(modes) as sim:
+        time.sleep(0.5)  # wedge:0 freezes at once; let its first read be frozen already
+        targets = [Target(mode, url) for mode, url in zip(measured, sim.urls, strict=False)]
+        settings = ProbeSettings(wait=WAIT, timeout=READ_TIMEOUT, answer_timeout=READ_TIMEOUT)
+        with httpx.Client(trust_env=False, timeout=10.0) as client:
+            before = [client.get(f"{u}/sim/stats").json() for u in sim.urls[:4]]
+            outcomes = asyncio.run(check_fleet(targets, settings))
+            after = [client.get(f"{u}/sim/stats").json() for u in sim.urls[:4]]
+            # Body sizes, read after the counts so these reads are not counted.
+            metrics_size = [len(client.get(f"{u}/metrics").content) for u in sim.urls[:4]]
+            spare = sim.urls[4]
+            models_size = len(client.get(f"{spare}/v1/models").content)
+            tiny = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+            tiny_size = len(client.post(f"{spare}/v1/completions", json=tiny).content)
+            chat = {"model": "tiny", "prompt": "Reply with OK.", "max_tokens": 16}
+            chat_size = len(client.post(f"{spare}/v1/completions", json=chat).content)
+    rows = []
+    for index, outcome in enumerate(outcomes):
+        reads = after[index]["metrics_reads"] - before[index]["metrics_reads"]
+        models = after[index]["models_reads"] - before[index]["models_reads"]
+        completions = after[index]["completions_received"] - before[index]["completions_received"]
+        total = reads * metrics_size[index] + models * models_size + completions * tiny_size
+        rows.append(
+            [
+                f"`{measured[index]}`",
+                str(outcome.verdict.kind),
+                f"{reads} x {metrics_size[index]:,}",
+                str(models),
+                str(completions),
+                f"{total:,}",
+                "0" if completions == 0 else f"{completions} (max_tokens 1)",
+            ]
+        )
+    rows += [
+        [
+            "any (active checker, per check)",
+            "-",
+            "0",
+            "0",
+            "1",
+            f"{chat_size:,}",
+            "1 (16 tokens), queued behind real work",
+        ],
+        ["any (`/health` poller, per probe)", "-", "0", "0", "0", "0 (empty 200)", "0"],
+        [
+            "any (a Prometheus scrape, per scrape)",
+            "-",
+            f"1 x {metrics_size[0]:,}",
+            "0",
+            "0",
+            f"{metrics_size[0]:,}",
+            "0",
+        ],
+    ]
+    table = Table(
+        [
+            "backend",
+            "llmhealth verdict",
+            "/metrics reads x bytes",
+            "/v1/models",
+            "completions",
+            "bytes received (bodies)",
+            "request slots used",
+        ],
+        rows,
+    )
+    return Section(
+        title="3b. Bytes read per check",
+        command="cd bench && ../.venv/bin/python bench_scale.py bytes",
+        intro=[
+            "One `check` (wait 1 s) of four simulated backends; request counts from each "
+            "backend's `/sim/stats`, body sizes measured on the same simulator afterwards. "
+            "Response headers (about 150 bytes each) and request bodies are not counted. "
+            "The checkers of section 1 are listed for comparison."
+        ],
+        tables=[table],
+        notes=[
+            "A busy backend costs two reads and no slot; a wedged one three reads; only a "
+            "backend with no work (or no metrics) costs a `/v1/models` and one 1-token "
+            "completion."
+        ],
+        seconds=time.monotonic() - began,
+    )
+
+
+def _ratio(values: dict[int, list[float]], big: int, small: int) -> str:
+    if not values.get(big) or not values.get(small):
+        return "-"
+    return f"{statistics.median(values[big]) / statistics.median(values[small]):.2f}x"
+
+
+def fsync_ms(count: int = 20) -> list[float]:
+    """Milliseconds for one small append + fsync, as the audit log writes each record."""
+    times = []
+    with tempfile.TemporaryDirectory(prefix="llmhealth-scale-") as tmp:
+        path = Path(tmp) / "audit.jsonl"
+        for index in range(count):
+            started = time.perf_counter()
+            with path.open("a") as handle:
+                handle.write(json.dumps({"record": index}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
+def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Section:
+    began = time.monotonic()
+    raise_open_files(4 * max(sizes) + 512)
+    kinds = ("check", "watch")
+    wall: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
+    cpu: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
+    peak: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
+    growth: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
+    settle: dict[int, list[float]] = {}
+    first_settle: dict[int, list[float]] = {}
+    verdicts: dict[int, list[str]] = {}
+    wrong: dict[int, list[Counter[str]]] = {}
+    examples: dict[int, dict[str, str]] = {}
+    for size in sizes:
+        log(f"{size} backends: starting the simulator")
+        with (
+            tempfile.TemporaryDirectory(prefix="llmhealth-scale-") as tmp,
+            running_simulator(fleet_modes(size), ready_timeout=SIM_READY_TIMEOUT) as sim,
+        ):
+            urls_file = Path(tmp) / "urls.json"
+            urls_file.write_text(json.dumps(sim.urls))
+            time.sleep(0.5)
+            for repeat in range(repeats):
+                result = run_child(["check", str(urls_file)])
+                wall["check"].setdefault(size, []).append(result["wall"])
+                cpu["check"].setdefault(size, []).append(result["cpu"])
+                peak["check"].setdefault(size, []).append(result["peak"])
+                growth["check"].setdefault(size, []).append(result["peak"] - result["rss_before"])
+                verdicts.setdefault(size, []).append(
+                    ", ".join(f"{k} {v}" for k, v in sorted(result["kinds"].items()))
+                )
+                wrong.setdefault(size, []).append(Counter(result["wrong"]))
+                for key, text in result["examples"].items():
+                    examples.setdefault(size, {}).setdefault(key, text)
+                log(
+                    f"  {size} backends, check {repeat + 1}/{repeats}: wall "
+                    f"{result['wall']:.2f} s, cpu {result['cpu']:.2f} s, peak "
+                    f"{result['peak']:.0f} MiB, {sum(result['wrong'].values())} wrong verdicts"
+                )
+                if size not in WATCH_SIZES:
+                    continue
+                result = run_child(["watch", str(urls_file)])
+                if result["cpu_per_cycle"] is not None:
+                    cpu["watch"].setdefault(size, []).append(result["cpu_per_cycle"])
+                    wall["watch"].setdefault(size, []).append(result["wall_per_cycle"])
+                peak["watch"].setdefault(size, []).append(result["peak"])
+                growth["watch"].setdefault(size, []).append(result["peak"] - result["rss_before"])
+                first_settle.setdefault(size, []).extend(result["settle"][:1])
+                settle.setdefault(size, []).extend(result["settle"][1:])
+                log(
+                    f"  {size} backends, watch {repeat + 1}/{repeats}: "
+                    f"{result['cycles']} cycles, cpu/cycle {result['cpu_per_cycle'] or 0:.2f} s, "
+                    f"peak {result['peak']:.0f} MiB"
+                )
+    names = {
+        "check": "one `check` (`run_cycle`: probe, ledger, state, audit)",
+        "watch": f"`watch`, one cycle (wait {WATCH_WAIT:g} s)",
+    }
+    absolute = Table(
+        [
+            "what",
+            "backends",
+            "wall s",
+            "CPU s",
+            "CPU ms / backend",
+            "peak RSS MiB",
+            "RSS growth MiB",
+        ],
+        [],
+    )
+    for kind in kinds:
+        for size in sizes:
+            if size not in peak[kind]:
+                continue
+            per_backend = [c / size * 1000 for c in cpu[kind].get(size, [])]
+            absolute.rows.append(
+                [
+                    names[kind],
+                    str(size),
+                    spread(wall[kind].get(size, [])),
+                    spread(cpu[kind].get(size, [])),
+                    spread(per_backend),
+                    spread(peak[kind][size], 0),
+                    spread(growth[kind][size], 0),
+                ]
+            )
+    ratios = Table(
+        [
+            "what",
+            "wall 1000/100",
+            "wall 3000/1000",
+            "CPU 1000/100",
+            "CPU 3000/1000",
+            "RSS growth 1000/100",
+            "RSS growth 3000/1000",
+        ],
+        [
+            [
+                names[kind],
+                _ratio(wall[kind], 1000, 100),
+                _ratio(wall[kind], 3000, 1000),
+                _ratio(cpu[kind], 1000, 100),
+                _ratio(cpu[kind], 3000, 1000),
+                _ratio(growth[kind], 1000, 100),
+                _ratio(growth[kind], 3000, 1000),
+            ]
+            for kind in kinds
+        ],
+        caption="Growth (medians; linear would be 10x and 3x; every check's wall time holds "
+        f"a fixed {2 * WAIT:g} s of waiting, and a watch cycle's is its wait):",
+    )
+    judged = Table(
+        [
+            "backends",
+            "check verdicts, per run",
+            "wrong verdicts, per run",
+            "watch: first settle (s)",
+            "watch: later settles (s)",
+        ],
+        [
+            [
+                str(size),
+                "; ".join(verdicts.get(size, [])) or "-",
+                "; ".join(
+                    ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "0"
+                    for c in wrong.get(size, [])
+                )
+                or "-",
+                spread(first_settle.get(size, []), 3),
+                spread(settle.get(size, []), 3),
+            ]
+            for size in sizes
+        ],
+        caption="What each check concluded (a verdict is wrong when it does not match the "
+        "backend's simulated mode: busy, idle, wedged):",
+    )
+    own = run_child(["clients-own"])
+    shared = run_child(["clients-shared"])
+    syncs = fsync_ms()
+    costs = Table(
+        ["unit cost", "CPU ms", "RSS MiB", "wall ms"],
+        [
+            [
+                "one httpx client building its own TLS context (`new_client()` without one)",
+                f"{own['cpu'] * 1000:.2f}",
+                f"{own['rss']:.3f}",
+                "-",
+            ],
+            [
+                "one httpx client sharing the fleet's TLS context (as `check` and `watch` "
+                "make them)",
+                f"{shared['cpu'] * 1000:.2f}",
+                f"{shared['rss']:.3f}",
+                "-",
+            ],
+            [
+                "one audit record's append + fsync (every ledger move and restart decision)",
+                "-",
+                "-",
+                spread(syncs, 1),
+            ],
+        ],
+        caption=f"Where the time and memory go ({CLIENTS} clients made in a fresh child; "
+        f"{len(syncs)} fsyncs in a temporary directory):",
+    )
+    notes = []
+    for size in sizes:
+        bad = [sum(c.values()) for c in wrong.get(size, [])]
+        if any(bad):
+            notes.append(
+                f"**Wrong verdicts at {size} backends** in {sum(1 for b in bad if b)} of "
+                f"{len(bad)} runs (up to {max(bad)} of {size}). `check_fleet` starts every "
+                f"backend's read at once, and each read must finish within {READ_TIMEOUT:g} s "
+                "of its own start, its parsing included: the CPU time above is the work one "
+                "event loop has to get through for all of them, on two cores shared with the "
+                "simulator (and, on this shared machine, with other jobs). A read reported "
+                "unresponsive with its whole body received timed out in llmhealth's own "
+                "process, not in the server. The evidence llmhealth gave, one example per kind: "
+                + "; ".join(
+                    f'{key}: "{text}"' for key, text in sorted(examples.get(size, {}).items())
+                )
+                + "."
+            )
+    for kind in kinds:
+        for small, big in itertools.pairwise(sizes):
+            if not (cpu[kind].get(small) and cpu[kind].get(big)):
+                continue
+            ratio = statistics.median(cpu[kind][big]) / statistics.median(cpu[kind][small])
+            linear = big / small
+            if ratio > 1.2 * linear:
+                per_small = statistics.median(cpu[kind][small]) / small * 1000
+                per_big = statistics.median(cpu[kind][big]) / big * 1000
+                notes.append(
+                    f"**CPU grew faster than the fleet** for {names[kind]} from {small} to "
+                    f"{big} backends: {ratio:.2f}x for {linear:g}x the backends, "
+                    f"{per_small:.2f} → {per_big:.2f} ms per backend."
+                )
+    for size in sizes:
+        per_cycle = wall["watch"].get(size)
+        cycle_cpu = cpu["watch"].get(size)
+        if per_cycle and max(per_cycle) > 1.2 * WATCH_WAIT:
+            notes.append(
+                f"**At {size} backends a `watch` cycle took up to {max(per_cycle):.1f} s** "
+                f"against its wait of {WATCH_WAIT:g} s (median "
+                f"{statistics.median(per_cycle):.1f} s)"
+                + (
+                    f"; its CPU per cycle, {statistics.median(cycle_cpu):.1f} s (median), "
+                    + ("exceeds" if statistics.median(cycle_cpu) > WATCH_WAIT else "is within")
+                    + " the wait, and the daemon reads every backend from one event loop."
+                    if cycle_cpu
+                    else "."
+                )
+            )
+    return Section(
+        title="3c. One check and one watch cycle over 100, 1000 and 3000 backends",
+        command="cd bench && ../.venv/bin/python bench_scale.py scale",
+        intro=[
+            "One simulator process serves every backend (one port each): half busy, a "
+            "quarter idle, a quarter wedged, so every kind of verdict is paid for. Each "
+            f"figure is the median (min-max) of {repeats} runs, each in a fresh child "
+            f"process. `check` is `run_cycle` with a state file and audit log (no restart "
+            f"commands), wait {WAIT:g} s, read timeouts {READ_TIMEOUT:g} s. `watch` runs the "
+            f"daemon in the child for {WATCH_CYCLES} settled cycles at its default wait, "
+            "no metrics listener; its wall and CPU are per cycle from the second settled "
+            "cycle to the last (the first is warm-up). A settle is the daemon's bookkeeping "
+            "per cycle (its `settled in` log figure: ledger, state file, audit, restart "
+            "plan), in a worker thread beside the event loop that reads; the first one "
+            "takes every backend's first verdict. *RSS growth* is the peak minus the "
+            "child's resident memory before the run (interpreter and imports). Section 3d "
+            "has `check_fleet` "
+            "alone at 200 backends."
+        ],
+        tables=[absolute, ratios, judged, costs],
+        notes=notes,
+        seconds=time.monotonic() - began,
+    )
+
+
+def run(
+    which: str = "all", sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS
+) -> list[Section]:
+    sections = []
+    if which in ("all", "parse"):
+        sections.append(parse_section())
+    if which in ("all", "bytes"):
+        sections.append(bytes_section())
+    if which in ("all", "scale"):
+        sections.append(scale_section(sizes, repeats))
+    return sections
+
+
+def main() -> None:
+    from report import section_markdown  # noqa: PLC0415 - only the standalone run prints
+
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        kind = sys.argv[2]
+        urls = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else []
+        if kind == "watch":
+            result = child_watch(urls, WATCH_WAIT, WATCH_CYCLES)
+        elif kind.startswith("clients"):
+            result = child_clients(shared=kind == "clients-shared")
+        else:
+            result = child_check(urls, whole=kind == "check")
+        print(json.dumps(result), flush=True)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "which", nargs="?", default="all", choices=("all", "parse", "bytes", "scale")
+    )
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="e.g. 100,1000,3000")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    args = parser.parse_args()
+    sizes = tuple(int(size) for size in args.sizes.split(","))
+    for section in run(args.which, sizes, args.repeats):
+        print(section_markdown(section), flush=True)
+
+
+if __name__ == "__main__":
+    main()

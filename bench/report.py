@@ -1,0 +1,136 @@
+"""The figures of one `make bench` as Markdown: `bench/RESULTS.md`.
+
+Every benchmark hands back `Section`s (prose, tables, a verdict on its target) instead of
+printing as it goes, so the console and RESULTS.md show the same numbers from the same
+run, and the file also says on which machine, when, and by which command they were seen:
+a figure without its machine is not comparable with the next one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+PYTHON = "../.venv/bin/python"
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+@dataclass
+class Section:
+    """One heading of RESULTS.md: what was measured, how, the tables, and the verdict."""
+
+    title: str
+    command: str
+    intro: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # how long producing it took
+    preformatted: str = ""  # text printed by an older benchmark, kept verbatim
+
+
+def spread(values: Sequence[float], digits: int = 2, unit: str = "") -> str:
+    """`median (min-max)`, the form every repeated figure takes in the tables."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def machine() -> dict[str, str]:
+    """Cores, memory, CPU model, Python and kernel: what the figures depend on."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = "unknown"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    except (OSError, ValueError):
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    return {
+        "CPU": model,
+        "cores": f"{os.cpu_count()} ({usable} usable by this process)",
+        "memory": memory,
+        "Python": f"{platform.python_implementation()} {platform.python_version()}",
+        "kernel": f"{platform.system()} {platform.release()}",
+    }
+
+
+def markdown_table(table: Table) -> str:
+    lines = []
+    if table.caption:
+        lines += [table.caption, ""]
+    lines.append("| " + " | ".join(table.headers) + " |")
+    lines.append("| " + " | ".join("---" for _ in table.headers) + " |")
+    for row in table.rows:
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    return "\n".join(lines)
+
+
+def section_markdown(section: Section) -> str:
+    parts = [f"## {section.title}", ""]
+    for paragraph in section.intro:
+        parts += [paragraph, ""]
+    if section.preformatted:
+        parts += ["```", section.preformatted.rstrip("\n"), "```", ""]
+    for table in section.tables:
+        parts += [markdown_table(table), ""]
+    for note in section.notes:
+        parts += [note, ""]
+    parts += [f"Command: `{section.command}` ({section.seconds:.0f} s)", ""]
+    return "\n".join(parts)
+
+
+def document(sections: Sequence[Section], started: datetime.datetime, seconds: float) -> str:
+    facts = machine()
+    header = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (`cd bench && ../.venv/bin/python run.py`); do not edit by "
+        "hand, run it again. Every figure below was measured in that one run.",
+        "",
+        f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}",
+        *(f"- {key}: {value}" for key, value in facts.items()),
+        f"- whole run: {seconds / 60:.1f} min",
+        "",
+        "Times are medians with (min-max) over the repeats stated; the machine is shared and "
+        "noisy, so compare ratios and counts before absolute times.",
+        "",
+    ]
+    return "\n".join(header + [section_markdown(s) for s in sections]).rstrip("\n") + "\n"
+
+
+def write(
+    sections: Sequence[Section],
+    started: datetime.datetime,
+    seconds: float,
+    path: Path = RESULTS,
+) -> Path:
+    path.write_text(document(sections, started, seconds))
+    return path
