@@ -1,7 +1,9 @@
-"""Shared test helpers: load files from ``fixtures/`` by name."""
+"""Shared test helpers: fixture files by name, and the installed command."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -24,3 +26,11 @@ def fixture_text() -> Callable[[str], str]:
     Session-scoped so that hypothesis tests may use it too.
     """
     return _load
+
+
+@pytest.fixture(scope="session")
+def entry_point() -> str:
+    """The installed `llmhealth` console script: tests run the command operators run."""
+    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert found, "the llmhealth console script is not installed next to this Python"
+    return found

@@ -9,16 +9,13 @@ simulator and every check process is stopped when its test ends, failing or not.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from simproc import running_simulator
 
 from llmhealth.metrics import parse_metrics
@@ -26,13 +23,6 @@ from llmhealth.metrics import parse_metrics
 FAST = ["--format", "json", "--wait", "0.3", "--timeout", "1", "--answer-timeout", "1"]
 RUN_TIMEOUT = 30.0  # a bound for a hung run, far above the ~1.5 s a run takes here
 RESTART_PERIOD = 4.0  # restart:4: a new simulated process every 4 s
-
-
-@pytest.fixture(scope="module")
-def entry_point() -> str:
-    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
-    assert found, "the llmhealth console script is not installed next to this Python"
-    return found
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from pytest_httpserver import HTTPServer
 from typer.testing import CliRunner
 
@@ -100,13 +97,6 @@ def test_a_config_file_names_backends_and_proxies(httpserver: HTTPServer, tmp_pa
     assert result.exit_code == 0, result.output
     names = [(b["name"], b["kind"], b["verdict"]) for b in json.loads(result.output)["backends"]]
     assert names == [("gpu0", "backend", "idle"), ("lb", "proxy", "up")]
-
-
-@pytest.fixture(scope="module")
-def entry_point() -> str:
-    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
-    assert found, "the llmhealth console script is not installed in this environment"
-    return found
 
 
 def run(entry_point: str, *args: str) -> subprocess.CompletedProcess[str]:

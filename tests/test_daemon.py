@@ -78,13 +78,6 @@ class DaemonExitedError(Exception):
 
 
 @pytest.fixture(scope="module")
-def entry_point() -> str:
-    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
-    assert found, "the llmhealth console script is not installed next to this Python"
-    return found
-
-
-@pytest.fixture(scope="module")
 def sim() -> Iterator[Simulator]:
     # The wedging engines freeze 0.5 s after this starts, so by the first daemon they are
     # wedged from its first read on: proven after three reads, about one second.

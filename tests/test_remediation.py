@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -38,13 +37,6 @@ FAILING = "import sys; open(sys.argv[1], 'a').write('x'); sys.exit(3)"
 TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()"
 # The audit log's name for each kind of restart decision (remediate._AUDIT_EVENTS).
 RESTART, SKIPPED, RETIRE = "restart", "restart_skipped", "retire"
-
-
-@pytest.fixture(scope="module")
-def entry_point() -> str:
-    found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
-    assert found, "the llmhealth console script is not installed next to this Python"
-    return found
 
 
 @pytest.fixture
