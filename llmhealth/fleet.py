@@ -33,7 +33,10 @@ from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
 
 _PROBE_STYLE = frozenset({VerdictKind.STALLED, VerdictKind.UNRESPONSIVE, VerdictKind.DOWN})
-_UNREACHABLE = frozenset({ReadProblem.DOWN, ReadProblem.UNRESPONSIVE})
+# Only a refused or reset connection says the process may be gone. A read that timed out
+# reached a live process (a busy machine can be slow): were it counted, the next good read
+# would pass for "metrics again after refusal" and move a DEAD backend to STALE.
+_UNREACHABLE = frozenset({ReadProblem.DOWN})
 
 
 @dataclass(frozen=True, slots=True)
