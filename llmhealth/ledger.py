@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
 
+from llmhealth.choice import fewest_in_flight
+
 
 class State(StrEnum):
     """Lifecycle of one backend. Only HEALTHY and SUSPECT are handed traffic."""
@@ -728,13 +730,13 @@ class Ledger:
     def select(self, in_flight: Mapping[str, int]) -> str:
         """The serving backend with the fewest requests in flight; ties go to the first name.
 
-        Least-in-flight steers away from a slow or stuck backend before anything has
-        diagnosed it. A backend missing from ``in_flight`` has none.
+        The rule itself is ``choice.fewest_in_flight``; this only supplies the serving set.
+        A backend missing from ``in_flight`` has none.
         """
-        serving = self.serving
-        if not serving:
+        chosen = fewest_in_flight(self.serving, in_flight)
+        if chosen is None:
             raise NoServingBackend(f"no backend is serving: {self.floor_message}")
-        return min(serving, key=lambda name: (in_flight.get(name, 0), name))
+        return chosen
 
     # --- persistence ------------------------------------------------------------------
 
