@@ -1,0 +1,123 @@
+"""The leadership rule and the rendezvous shares, as values: no etcd, no clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmhealth.leadership import (
+    LeaseFacts,
+    LeaseTiming,
+    Standing,
+    decide,
+    owner,
+    renewal_due,
+    share_of,
+)
+from tests.test_metrics import FORBIDDEN, called_names, imported_modules
+
+TIMING = LeaseTiming.for_ttl(10.0)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_timing_keeps_a_third_of_the_lease_in_hand() -> None:
+    assert TIMING.renew_deadline == pytest.approx(10.0 * 2 / 3)
+    assert TIMING.retry_period < TIMING.renew_deadline < TIMING.ttl
+
+
+def test_a_timing_whose_deadline_reaches_the_lease_is_refused() -> None:
+    with pytest.raises(ValueError, match="renew_deadline < ttl"):
+        LeaseTiming(ttl=10.0, renew_deadline=10.0, retry_period=1.0)
+    with pytest.raises(ValueError, match="retry_period < renew_deadline"):
+        LeaseTiming(ttl=10.0, renew_deadline=2.0, retry_period=3.0)
+
+
+def test_a_daemon_without_the_leader_key_is_a_standby() -> None:
+    decision = decide(LeaseFacts(lease_id=7, renewed_at=100.0), TIMING, 100.5)
+    assert decision.standing is Standing.STANDBY
+    assert not decision.may_act
+    assert decision.acts_until is None
+
+
+def test_a_leader_acts_until_its_renew_deadline_and_not_a_moment_after() -> None:
+    facts = LeaseFacts(lease_id=7, renewed_at=100.0, leader_since=99.0)
+    inside = decide(facts, TIMING, 100.0 + TIMING.renew_deadline - 0.001)
+    assert inside.may_act
+    assert inside.acts_until == pytest.approx(100.0 + TIMING.renew_deadline)
+    at_deadline = decide(facts, TIMING, 100.0 + TIMING.renew_deadline)
+    assert at_deadline.standing is Standing.STEPPING_DOWN
+    assert "past the renew deadline" in at_deadline.reason
+
+
+def test_a_leader_paused_past_its_lease_steps_down_before_hearing_anything() -> None:
+    # SIGSTOP at 100 s for 30 s: the first thing it sees on waking is its own clock.
+    facts = LeaseFacts(lease_id=7, renewed_at=100.0, leader_since=50.0)
+    decision = decide(facts, TIMING, 130.0)
+    assert decision.standing is Standing.STEPPING_DOWN
+    assert not decision.may_act
+
+
+def test_a_leader_key_on_no_known_lease_is_never_acted_on() -> None:
+    decision = decide(LeaseFacts(leader_since=1.0), TIMING, 1.0)
+    assert decision.standing is Standing.STEPPING_DOWN
+
+
+def test_renewal_is_due_a_retry_period_after_the_last_one_was_sent() -> None:
+    assert renewal_due(LeaseFacts(), TIMING, 5.0) == 5.0
+    facts = LeaseFacts(lease_id=1, renewed_at=10.0)
+    assert renewal_due(facts, TIMING, 10.5) == pytest.approx(10.0 + TIMING.retry_period)
+    assert renewal_due(facts, TIMING, 99.0) == 99.0  # late: at once
+
+
+@given(
+    ttl=st.floats(min_value=2.0, max_value=120.0),
+    renewed_at=st.floats(min_value=0.0, max_value=1e6),
+    elapsed=st.floats(min_value=0.0, max_value=1e3),
+)
+def test_no_leader_ever_acts_once_its_lease_may_have_expired(
+    ttl: float, renewed_at: float, elapsed: float
+) -> None:
+    timing = LeaseTiming.for_ttl(ttl)
+    decision = decide(LeaseFacts(1, renewed_at, renewed_at), timing, renewed_at + elapsed)
+    if decision.may_act:
+        # etcd cannot expire the lease before renewed_at + ttl: acting ends well before.
+        assert decision.acts_until is not None
+        assert renewed_at + elapsed < decision.acts_until < renewed_at + ttl
+    else:
+        assert elapsed >= timing.renew_deadline
+
+
+BACKENDS = [f"gpu{i}" for i in range(60)]
+
+
+def test_every_backend_has_exactly_one_reader() -> None:
+    members = ["node-a", "node-b", "node-c"]
+    shares = {member: share_of(member, BACKENDS, members) for member in members}
+    read = [backend for share in shares.values() for backend in share]
+    assert sorted(read) == sorted(BACKENDS)
+    assert all(shares.values()), "60 backends over 3 members leave nobody idle"
+
+
+def test_a_member_that_leaves_hands_on_only_its_own_share() -> None:
+    before = {backend: owner(backend, ["a", "b", "c"]) for backend in BACKENDS}
+    after = {backend: owner(backend, ["a", "b"]) for backend in BACKENDS}
+    moved = {backend for backend in BACKENDS if before[backend] != after[backend]}
+    assert moved == {backend for backend in BACKENDS if before[backend] == "c"}
+
+
+def test_shares_do_not_depend_on_the_order_members_are_listed() -> None:
+    assert share_of("b", BACKENDS, ["c", "a", "b"]) == share_of("b", BACKENDS, ["a", "b", "c"])
+    assert owner("gpu1", []) is None
+    # A member not yet listed still gets the share it will have once it is.
+    assert share_of("d", BACKENDS, ["a", "b"]) == share_of("d", BACKENDS, ["a", "b", "d"])
+
+
+def test_the_leadership_rule_does_no_io() -> None:
+    source = (ROOT / "llmhealth" / "leadership.py").read_text(encoding="utf-8")
+    imported = imported_modules(source)
+    assert "hashlib" in imported
+    assert not imported & (FORBIDDEN | {"importlib"})
+    assert not called_names(source) & {"open", "__import__", "exec", "eval"}
