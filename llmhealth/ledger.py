@@ -43,6 +43,10 @@ class EventKind(StrEnum):
     UNPLANNED_RESTART = "unplanned_restart"  # a serving backend's process changed by itself
     RETIRE = "retire"  # give up on the backend
     OPERATOR_RESET = "operator_reset"  # an operator takes it out of RETIRED
+    CONDEMNED = "condemned"  # a caller's judgement on independent evidence, e.g. a process
+    # that answers probes yet did not take part in a collective
+    WEIGHTS_PARTIAL = "weights_partial"  # an aborted weight sync left mixed weights behind
+    WEIGHTS_STAMPED = "weights_stamped"  # a completed weight sync reached a serving backend
 
 
 class Rule(StrEnum):
@@ -71,6 +75,12 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         EventKind.WEDGE_PROVEN: State.DEAD,
         EventKind.UNPLANNED_RESTART: State.STALE,
         EventKind.RETIRE: State.RETIRED,
+        EventKind.CONDEMNED: State.DEAD,
+        EventKind.WEIGHTS_PARTIAL: State.STALE,
+        # A stamp, not a transition: nothing but the weight version changes, and above all
+        # not the request-failure streak, the one counter that condemns an engine that
+        # still answers every probe.
+        EventKind.WEIGHTS_STAMPED: State.HEALTHY,
     },
     State.SUSPECT: {
         EventKind.GOOD_VERDICT: Rule.PROMOTE_WHEN_PROVEN,
@@ -81,6 +91,10 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         EventKind.WEDGE_PROVEN: State.DEAD,
         EventKind.UNPLANNED_RESTART: State.STALE,
         EventKind.RETIRE: State.RETIRED,
+        EventKind.CONDEMNED: State.DEAD,
+        # STALE remembers SUSPECT, so suspected() still names it after the sync broke.
+        EventKind.WEIGHTS_PARTIAL: State.STALE,
+        EventKind.WEIGHTS_STAMPED: State.SUSPECT,
     },
     State.DEAD: {
         EventKind.RESTART_ISSUED: Rule.SPEND_RESTART,
@@ -102,6 +116,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # The new process is alive, so proof of death or of a wedge still condemns it.
         EventKind.PROCESS_GONE: State.DEAD,
         EventKind.WEDGE_PROVEN: State.DEAD,
+        # DEAD, not STALE: a STALE process still joins the next weight sync, which is what
+        # a silent participant just broke.
+        EventKind.CONDEMNED: State.DEAD,
         EventKind.READMITTED: State.HEALTHY,
         EventKind.RETIRE: State.RETIRED,
     },
@@ -134,6 +151,15 @@ IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
     ),
     EventKind.RETIRE: "it is already retired",
     EventKind.OPERATOR_RESET: "a reset only takes a backend out of RETIRED",
+    EventKind.CONDEMNED: "it is already absent",
+    EventKind.WEIGHTS_PARTIAL: (
+        "only a serving backend's weights can be left partial; an absent one received "
+        "nothing, and a STALE one is already withheld until re-admission"
+    ),
+    EventKind.WEIGHTS_STAMPED: (
+        "only a serving backend is stamped; an absent one received no weights, and a STALE "
+        "one returns with its weight version through re-admission"
+    ),
 }
 
 RETIRED_IS_TERMINAL: Final = "RETIRED is terminal; only an operator reset leaves it"
@@ -274,7 +300,16 @@ class RestartFailed(_EventBase):
 
 @dataclass(frozen=True, kw_only=True)
 class NewProcessUp(_EventBase):
+    """A replacement process answers. ``url``: where, when it bound a new address; the
+    serving URLs must follow it, or traffic goes to a socket nobody listens on."""
+
     kind: ClassVar[EventKind] = EventKind.NEW_PROCESS_UP
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.url is not None and (not isinstance(self.url, str) or not self.url):
+            raise ValueError(f"NewProcessUp.url must be a non-empty string, got {self.url!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,6 +343,38 @@ class OperatorReset(_EventBase):
     kind: ClassVar[EventKind] = EventKind.OPERATOR_RESET
 
 
+@dataclass(frozen=True, kw_only=True)
+class Condemned(_EventBase):
+    """A judgement, not an observation: the caller owes an independent reason to believe
+    this backend is the culprit (it answers probes, yet broke a collective)."""
+
+    kind: ClassVar[EventKind] = EventKind.CONDEMNED
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsPartial(_EventBase):
+    """An aborted weight sync left this backend with a mix of old and new weights: alive,
+    but it must not serve until a completed sync re-admits it."""
+
+    kind: ClassVar[EventKind] = EventKind.WEIGHTS_PARTIAL
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsStamped(_EventBase):
+    """A completed weight sync reached this serving backend; only its version changes."""
+
+    kind: ClassVar[EventKind] = EventKind.WEIGHTS_STAMPED
+    weight_version: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.weight_version
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"WeightsStamped.weight_version must be an integer, got {v!r}")
+
+
 Event: TypeAlias = (
     GoodVerdict
     | ProbeFailure
@@ -322,6 +389,9 @@ Event: TypeAlias = (
     | UnplannedRestart
     | Retire
     | OperatorReset
+    | Condemned
+    | WeightsPartial
+    | WeightsStamped
 )
 
 
@@ -355,6 +425,8 @@ class BackendSnapshot:
     weight_version: int | None
     condemned_by: str | None  # the verdict or cause that last condemned it; None once served
     state_since: float | None  # None: in this state since before the ledger knew it
+    # While STALE after a partial weight sync: the serving state it had when the sync broke.
+    state_before_partial: State | None = None
 
     @property
     def serving(self) -> bool:
@@ -375,6 +447,7 @@ class _Backend:
     weight_version: int | None = None
     condemned_by: str | None = None
     state_since: float | None = None
+    state_before_partial: State | None = None
 
 
 # Rules: the counter-dependent outcomes named in the table. Each updates the record for
@@ -495,6 +568,18 @@ def _record(b: _Backend, event: Event) -> str:
         case Retire():
             b.last_error = f"retired: {event.reason}"
             return b.last_error
+        case Condemned():
+            b.condemned_by = event.reason
+            b.last_error = _error_text(event.reason, event.detail)
+            return f"condemned ({b.last_error})"
+        case WeightsPartial():
+            # Kept because the sync overwrote the suspicion microseconds before anyone asks
+            # which backend the ledger already doubted.
+            b.state_before_partial = b.state
+            return f"weights partial after an aborted sync (was {b.state}): withheld"
+        case WeightsStamped():
+            b.weight_version = event.weight_version
+            return f"weight version {event.weight_version} recorded"
         case OperatorReset():
             _clear_streaks(b)
             b.restart_times.clear()
@@ -529,6 +614,9 @@ _EVENT_TYPES: Final = (
     UnplannedRestart,
     Retire,
     OperatorReset,
+    Condemned,
+    WeightsPartial,
+    WeightsStamped,
 )
 
 
@@ -575,13 +663,20 @@ class Ledger:
                 reason=_why_ignored(before, event.kind),
                 epoch_changed=False,
             )
+        if isinstance(event, NewProcessUp) and event.url is not None:
+            self._check_url_free(event.url, name)
         if isinstance(outcome, Rule):
             after, why = _RULES[outcome](b, event, self._policy)
         else:
             after, why = outcome, _record(b, event)
+        if isinstance(event, NewProcessUp) and event.url is not None:
+            self._move(b, event.url)
+            why = f"{why}; now at {event.url}"
         if after is not before:
             b.state = after
             b.state_since = event.now
+        if after is not State.STALE:
+            b.state_before_partial = None  # remembered only while the weights are in doubt
         # Only this backend moved, so the serving set changed iff it crossed the line.
         moved = (before in SERVING) != (after in SERVING)
         if moved:
@@ -654,7 +749,17 @@ class Ledger:
 
     @property
     def suspected(self) -> tuple[str, ...]:
-        return self._names_in(frozenset({State.SUSPECT}))
+        """SUSPECT, or STALE having been SUSPECT when a weight sync broke.
+
+        Not for routing: for a caller with independent evidence that something stopped
+        taking part, asking which backend the ledger already doubted.
+        """
+        return tuple(
+            b.name
+            for b in self._sorted()
+            if b.state is State.SUSPECT
+            or (b.state is State.STALE and b.state_before_partial is State.SUSPECT)
+        )
 
     @property
     def counts(self) -> dict[State, int]:
@@ -718,6 +823,7 @@ class Ledger:
             weight_version=b.weight_version,
             condemned_by=b.condemned_by,
             state_since=b.state_since,
+            state_before_partial=b.state_before_partial,
         )
 
     def snapshots(self, now: float) -> list[BackendSnapshot]:
@@ -759,6 +865,9 @@ class Ledger:
                     "weight_version": b.weight_version,
                     "condemned_by": b.condemned_by,
                     "state_since": b.state_since,
+                    "state_before_partial": None
+                    if b.state_before_partial is None
+                    else str(b.state_before_partial),
                 }
                 for b in self._sorted()
             ],
@@ -789,6 +898,16 @@ class Ledger:
             return self._backends[name]
         except KeyError:
             raise UnknownBackend(f"no backend named {name!r} in the ledger") from None
+
+    def _check_url_free(self, url: str, name: str) -> None:
+        other = self.by_url(url)
+        if other is not None and other != name:
+            raise ValueError(f"{name!r} cannot move to {url!r}: backend {other!r} is there")
+
+    def _move(self, b: _Backend, url: str) -> None:
+        self._by_url.pop(_url_key(b.url), None)
+        b.url = url
+        self._by_url[_url_key(url)] = b.name
 
     def _insert(self, b: _Backend, where: str) -> None:
         if not isinstance(b.name, str) or not b.name:
@@ -870,16 +989,20 @@ _BACKEND_KEYS: Final = frozenset(
         "state_since",
     }
 )
+# Keys added after schema 1 was first written: absent in older files, so not required.
+_LATER_BACKEND_KEYS: Final = frozenset({"state_before_partial"})
 
 
-def _as_record(value: object, where: str, keys: frozenset[str]) -> dict[str, object]:
+def _as_record(
+    value: object, where: str, keys: frozenset[str], later: frozenset[str] = frozenset()
+) -> dict[str, object]:
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected an object, got {_type_name(value)}")
     record: dict[str, object] = {}
     for key, item in value.items():
         if not isinstance(key, str):
             raise ValueError(f"{where}: keys must be strings, got {key!r}")
-        if key not in keys:
+        if key not in keys and key not in later:
             raise ValueError(f"{where}: unknown key {key!r}")
         record[key] = item
     missing = sorted(keys - record.keys())
@@ -914,12 +1037,21 @@ def _as_str(value: object, where: str) -> str:
 
 
 def _parse_backend(value: object, where: str) -> _Backend:
-    r = _as_record(value, where, _BACKEND_KEYS)
+    r = _as_record(value, where, _BACKEND_KEYS, _LATER_BACKEND_KEYS)
     raw_state = r["state"]
     if not isinstance(raw_state, str) or raw_state not in set(State):
         allowed = ", ".join(State)
         raise ValueError(f"{where}.state: {raw_state!r} is not a state (expected one of {allowed})")
     state = State(raw_state)
+    raw_before = r.get("state_before_partial")
+    before_partial = None
+    if raw_before is not None:
+        if state is not State.STALE or raw_before not in (State.HEALTHY, State.SUSPECT):
+            raise ValueError(
+                f"{where}.state_before_partial: {raw_before!r} can only be healthy or suspect, "
+                "on a stale backend"
+            )
+        before_partial = State(str(raw_before))
     times = r["restart_times"]
     if not isinstance(times, list):
         raise ValueError(f"{where}.restart_times: expected a list, got {_type_name(times)}")
@@ -944,6 +1076,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
         if condemned_by is None
         else _as_str(condemned_by, f"{where}.condemned_by"),
         state_since=_as_optional_time(r["state_since"], f"{where}.state_since"),
+        state_before_partial=before_partial,
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):

@@ -23,6 +23,7 @@ from llmhealth.ledger import (
     SERVING,
     TRANSITIONS,
     BackendSnapshot,
+    Condemned,
     Event,
     EventKind,
     GoodVerdict,
@@ -45,6 +46,8 @@ from llmhealth.ledger import (
     UnknownBackend,
     UnplannedRestart,
     WedgeProven,
+    WeightsPartial,
+    WeightsStamped,
 )
 
 URL_A = "http://10.0.0.5:8000"
@@ -623,6 +626,9 @@ def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
         EventKind.UNPLANNED_RESTART: lambda now: UnplannedRestart(now=now),
         EventKind.RETIRE: lambda now: Retire(now=now, reason="operator"),
         EventKind.OPERATOR_RESET: lambda now: OperatorReset(now=now),
+        EventKind.CONDEMNED: lambda now: Condemned(now=now, reason="silent participant"),
+        EventKind.WEIGHTS_PARTIAL: lambda now: WeightsPartial(now=now),
+        EventKind.WEIGHTS_STAMPED: lambda now: WeightsStamped(now=now, weight_version=3),
     }
     return makers[kind]
 
@@ -959,6 +965,74 @@ def test_from_dict_refuses_what_is_not_a_ledger(data: object) -> None:
         Ledger.from_dict(data, POLICY)
 
 
+# --- the weight-sync events and caller judgements -----------------------------------------
+
+
+def test_a_partial_sync_makes_a_serving_backend_stale_and_remembers_what_it_was() -> None:
+    ledger = three_backends()
+    ledger.apply("a", ProbeFailure(now=1.0, reason="stalled"))
+    for name in ("a", "b"):
+        t = ledger.apply(name, WeightsPartial(now=2.0))
+        assert (t.applied, t.to_state, t.epoch_changed) == (True, State.STALE, True)
+    assert ledger.snapshot("a", 2.0).state_before_partial is State.SUSPECT
+    assert ledger.snapshot("b", 2.0).state_before_partial is State.HEALTHY
+    assert ledger.suspected == ("a",)
+    # Re-admission forgets it: the new weights settle the doubt about the old ones.
+    ledger.apply("a", Readmitted(now=3.0, weight_version=4))
+    assert ledger.snapshot("a", 3.0).state_before_partial is None
+    assert ledger.suspected == ()
+
+
+def test_a_weight_stamp_changes_the_version_and_nothing_else() -> None:
+    ledger = one_backend()
+    ledger.apply("a", RequestFailure(now=1.0, reason="unanswered"))
+    before = ledger.snapshot("a", 2.0)
+    t = ledger.apply("a", WeightsStamped(now=2.0, weight_version=9))
+    assert t.applied and t.from_state is t.to_state is State.SUSPECT
+    assert ledger.snapshot("a", 2.0) == replace(before, weight_version=9)
+
+
+def test_a_condemned_stale_backend_is_dead_with_the_reason() -> None:
+    ledger = ledger_in(State.STALE)
+    t = ledger.apply("a", Condemned(now=5.0, reason="silent participant", detail="refit 3"))
+    assert t.applied and t.to_state is State.DEAD
+    snap = ledger.snapshot("a", 5.0)
+    assert snap.last_error == "silent participant: refit 3"
+    assert snap.condemned_by == "silent participant"
+
+
+def test_a_replacement_on_a_new_address_moves_the_backend_url() -> None:
+    ledger = ledger_in(State.RESTARTING)
+    t = ledger.apply("a", NewProcessUp(now=3.0, url="http://10.0.0.5:9001"))
+    assert t.applied and t.to_state is State.STALE
+    assert ledger.snapshot("a", 3.0).url == "http://10.0.0.5:9001"
+    assert ledger.by_url("http://10.0.0.5:9001") == "a"
+    assert ledger.by_url(URL_A) is None
+
+
+def test_a_replacement_cannot_take_another_backends_address_and_nothing_changes() -> None:
+    ledger = three_backends()
+    ledger.apply("a", WedgeProven(now=1.0))
+    before = ledger.to_dict()
+    with pytest.raises(ValueError, match="backend 'b' is there"):
+        ledger.apply("a", NewProcessUp(now=2.0, url=URL_B + "/"))
+    assert ledger.to_dict() == before
+
+
+def test_a_state_file_written_before_partial_syncs_existed_still_loads() -> None:
+    data: Any = one_backend().to_dict()
+    for backend in data["backends"]:
+        del backend["state_before_partial"]
+    assert Ledger.from_dict(data, POLICY).snapshot("a", 0.0).state_before_partial is None
+
+
+def test_a_remembered_state_on_a_backend_that_is_not_stale_is_refused_on_load() -> None:
+    data: Any = one_backend().to_dict()
+    data["backends"][0]["state_before_partial"] = "suspect"
+    with pytest.raises(ValueError, match="state_before_partial"):
+        Ledger.from_dict(data, POLICY)
+
+
 # --- purity --------------------------------------------------------------------------------
 
 
@@ -1044,6 +1118,14 @@ def check_transition(
     # A good verdict without an answered request never clears the request-failure streak.
     if isinstance(event, GoodVerdict) and not event.request_ok:
         assert snap_after.request_failures == snap_before.request_failures
+    # A weight stamp is not a transition: only the version moves, never a streak.
+    if t.kind is EventKind.WEIGHTS_STAMPED and t.applied:
+        assert isinstance(event, WeightsStamped)
+        assert snap_after == replace(snap_before, weight_version=event.weight_version)
+    # A partial sync remembers the serving state it interrupted.
+    if t.kind is EventKind.WEIGHTS_PARTIAL and t.applied:
+        assert snap_after.state_before_partial is t.from_state
+        assert t.from_state in SERVING
     # The epoch moves by exactly one when the serving set changes, and only then.
     changed = set(before.serving) != set(after.serving)
     assert t.epoch_changed == changed
@@ -1056,6 +1138,8 @@ def check_ledger(ledger: Ledger, now: float) -> None:
             assert snap.probe_failures == snap.request_failures == 0
         if snap.state in SERVING:
             assert snap.condemned_by is None
+        if snap.state is not State.STALE:
+            assert snap.state_before_partial is None
     assert set(ledger.serving).isdisjoint(ledger.absent)
     assert set(ledger.absent) == {s.name for s in ledger.snapshots(now) if s.state in ABSENT}
     assert sum(ledger.counts.values()) == len(ledger.names)
