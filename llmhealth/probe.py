@@ -2,7 +2,9 @@
 
 Every request is capped in bytes and in total time (a server trickling one byte a second
 must not hold a check past its timeout), and every httpx or socket failure is translated
-here, once, into a value: a sick backend is data, never an exception that escapes.
+here, once, into a value: a sick backend is data, never an exception that escapes. Any
+other exception while examining one backend becomes that backend's verdict too, and
+everything the server said is made printable here, before anything shows it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -33,6 +35,7 @@ from llmhealth.classify import (
     judge_proxy,
 )
 from llmhealth.metrics import Signals, parse_metrics
+from llmhealth.text import printable
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -83,7 +86,9 @@ def new_client(tls: ssl.SSLContext | None = None) -> httpx.AsyncClient:
         follow_redirects=False,
         trust_env=False,
         limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-        headers={"User-Agent": f"llmhealth/{__version__}"},
+        # identity: the byte caps count what the server sent, and a few kilobytes of
+        # gzip can never inflate to gigabytes here (httpx would ask for gzip by default).
+        headers={"User-Agent": f"llmhealth/{__version__}", "Accept-Encoding": "identity"},
     )
 
 
@@ -101,14 +106,18 @@ async def _request(
 
     A server closes idle connections on its own clock (uvicorn after 5 s, the default
     wait), so a read on a connection it just closed fails before anything is sent back.
-    That says nothing about the server: only a failure on a new connection does.
+    That says nothing about the server: only a failure on a new connection does. Both
+    attempts share one ``timeout``: the retry gets what the first left, so a read never
+    takes longer than ``timeout`` in all.
     """
+    deadline = asyncio.get_running_loop().time() + timeout
+    attempt = (client, method, url, timeout, deadline, max_bytes, body, headers)
     try:
-        return await _request_once(client, method, url, timeout, max_bytes, body, headers)
+        return await _request_once(*attempt)
     except _RequestFailedError as failure:
-        if not failure.stale_connection:
+        if not failure.stale_connection or asyncio.get_running_loop().time() >= deadline:
             raise
-    return await _request_once(client, method, url, timeout, max_bytes, body, headers)
+    return await _request_once(*attempt)
 
 
 async def _request_once(
@@ -116,10 +125,12 @@ async def _request_once(
     method: str,
     url: str,
     timeout: float,
+    deadline: float,
     max_bytes: int,
     body: Mapping[str, Any] | None,
     headers: Mapping[str, str] | None,
 ) -> _Response:
+    """One attempt, over by ``deadline`` (event-loop time); ``timeout`` is the whole budget."""
     connecting = False
     opened = False
 
@@ -133,17 +144,20 @@ async def _request_once(
     started = time.monotonic()
     received = 0
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout_at(deadline):
             async with client.stream(
                 method,
                 url,
                 json=body,
                 headers=headers,
-                timeout=httpx.Timeout(timeout),
+                timeout=httpx.Timeout(max(0.0, deadline - asyncio.get_running_loop().time())),
                 extensions={"trace": trace},
             ) as response:
+                _refuse_encoded(response, method, url)
                 chunks = []
-                async for chunk in response.aiter_bytes():
+                # Raw bytes, never decoded: what is counted is what came over the wire,
+                # and with no encoding accepted it is also all there is to parse.
+                async for chunk in response.aiter_raw():
                     received += len(chunk)
                     if received > max_bytes:
                         raise _RequestFailedError(
@@ -203,7 +217,7 @@ async def read_metrics(
     except _RequestFailedError as failure:
         return Read(clock(), problem=failure.problem, detail=failure.detail)
     if 300 <= response.status < 400:
-        location = response.headers.get("location", "?")
+        location = _shortened(printable(response.headers.get("location", "?")))
         return Read(
             clock(),
             problem=ReadProblem.UNUSABLE,
@@ -215,10 +229,18 @@ async def read_metrics(
             problem=ReadProblem.UNUSABLE,
             detail=f"GET /metrics answered HTTP {response.status}",
         )
-    signals = parse_metrics(response.body)
+    try:
+        signals = _printable_signals(parse_metrics(response.body))
+    except Exception as exc:  # the parser must never raise; if it does, this read is unusable
+        return Read(
+            clock(),
+            problem=ReadProblem.UNUSABLE,
+            detail=f"GET /metrics: its {len(response.body)} bytes could not be read "
+            f"({_exception(exc)})",
+        )
     detail = ""
     if not signals.has_vllm:
-        kind = response.headers.get("content-type", "no content type")
+        kind = printable(response.headers.get("content-type", "no content type"))
         detail = f"GET /metrics sent {len(response.body)} bytes ({kind}) without vLLM series"
     return Read(clock(), signals=signals, detail=detail)
 
@@ -241,8 +263,9 @@ async def list_models(
         )
     try:
         listing = json.loads(response.body)
-        models = tuple(str(entry["id"]) for entry in listing["data"])
-    except (ValueError, KeyError, TypeError) as exc:
+        models = tuple(printable(str(entry["id"])) for entry in listing["data"])
+    # RecursionError: 200,000 nested brackets fit well under the body cap.
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise _RequestFailedError(
             ReadProblem.UNUSABLE, "GET /v1/models did not send a model list"
         ) from exc
@@ -280,7 +303,7 @@ async def ask_tiny(
     try:
         choices = json.loads(response.body)["choices"]
         answered = isinstance(choices, list) and len(choices) > 0
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         answered = False
     if not answered:
         return Answer(clock(), False, "answered 200 without a completion", model, models)
@@ -301,16 +324,19 @@ async def examine_backend(
     """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
     reads: list[Read] = []
     answer: Answer | None = None
-    while True:
-        decision = decide(reads, answer, max_reads=settings.max_reads, baseline=baseline)
-        if isinstance(decision, Verdict):
-            return decision
-        if isinstance(decision, TakeRead):
-            if reads:
-                await sleep(settings.wait)
-            reads.append(await read_metrics(client, target, settings, clock))
-        elif isinstance(decision, SendTinyRequest):
-            answer = await ask_tiny(client, target, settings, clock)
+    try:
+        while True:
+            decision = decide(reads, answer, max_reads=settings.max_reads, baseline=baseline)
+            if isinstance(decision, Verdict):
+                return decision
+            if isinstance(decision, TakeRead):
+                if reads:
+                    await sleep(settings.wait)
+                reads.append(await read_metrics(client, target, settings, clock))
+            elif isinstance(decision, SendTinyRequest):
+                answer = await ask_tiny(client, target, settings, clock)
+    except Exception as exc:  # one backend's problem must not end the fleet's check
+        return _unexamined(exc)
 
 
 async def examine_once(
@@ -329,12 +355,16 @@ async def examine_once(
     ``max_reads``). None means "not decided yet" (a first read that shows work, or one
     wait without progress), never a failure: failures are verdicts.
     """
-    window.append(await read_metrics(client, target, settings, clock))
-    del window[: -settings.max_reads]
-    decision = decide(window, None, max_reads=settings.max_reads, baseline=baseline)
-    if isinstance(decision, SendTinyRequest):
-        answer = await ask_tiny(client, target, settings, clock)
-        decision = decide(window, answer, max_reads=settings.max_reads, baseline=baseline)
+    try:
+        window.append(await read_metrics(client, target, settings, clock))
+        del window[: -settings.max_reads]
+        decision = decide(window, None, max_reads=settings.max_reads, baseline=baseline)
+        if isinstance(decision, SendTinyRequest):
+            answer = await ask_tiny(client, target, settings, clock)
+            decision = decide(window, answer, max_reads=settings.max_reads, baseline=baseline)
+    except Exception as exc:  # a verdict, and a fresh window: these reads judged nothing
+        window.clear()
+        return _unexamined(exc)
     if isinstance(decision, Verdict) and decision.kind is VerdictKind.RESTARTED:
         # The new process's reads start here: the old one's must not be compared again.
         del window[:-1]
@@ -350,6 +380,8 @@ async def examine_proxy(
         models = await list_models(client, target, settings.timeout, headers)
     except _RequestFailedError as failure:
         return judge_proxy(False, failure.detail, ())
+    except Exception as exc:  # one proxy's problem must not end the fleet's check
+        return judge_proxy(False, _not_judged(exc), ())
     return judge_proxy(True, "", models)
 
 
@@ -409,8 +441,66 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
+    """An exception's message, printable and short: it may quote what the server sent."""
+    return _shortened(printable(str(exc) or type(exc).__name__))
+
+
+def _exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_reason(exc)}"
+
+
+def _shortened(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _refuse_encoded(response: httpx.Response, method: str, url: str) -> None:
+    """Only identity was asked for; any other encoding, or a stack of them, is unusable.
+
+    Decoding would make the byte cap count inflated bytes (a few KB of gzip, twice
+    stacked, inflates to hundreds of MiB); refusing keeps wire bytes = parsed bytes.
+    """
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _RequestFailedError(
+            ReadProblem.UNUSABLE,
+            f"{method} {_path(url)} sent Content-Encoding: "
+            f"{_shortened(printable(encoding))}, though asked for identity; not decoded",
+        )
+
+
+def _printable_signals(signals: Signals) -> Signals:
+    """Engine labels and sleep states as printable text: they reach tables, logs and audits."""
+    if all(
+        engine.engine.isprintable()
+        and (engine.sleep_state is None or engine.sleep_state.isprintable())
+        for engine in signals.engines
+    ):
+        return signals
+    engines = tuple(
+        replace(
+            engine,
+            engine=printable(engine.engine),
+            sleep_state=None if engine.sleep_state is None else printable(engine.sleep_state),
+        )
+        for engine in signals.engines
+    )
+    return replace(signals, engines=engines)
+
+
+def _not_judged(exc: Exception) -> str:
+    return (
+        f"not judged: examining it raised {_exception(exc)} "
+        "(input llmhealth cannot handle, or a bug in llmhealth)"
+    )
+
+
+def _unexamined(exc: Exception) -> Verdict:
+    """A failure of llmhealth itself while examining one backend: that backend's verdict.
+
+    Unhealthy, so the run says CRITICAL and a person looks; yet no ledger event follows
+    from it (no read and no answer to count), so our own bug never condemns a backend.
+    """
+    return Verdict(VerdictKind.NO_METRICS, False, f"{VerdictKind.NO_METRICS}: {_not_judged(exc)}")
 
 
 def _path(url: str) -> str:

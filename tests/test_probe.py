@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,8 +16,15 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from llmhealth.classify import Target, Verdict, VerdictKind
-from llmhealth.probe import ProbeSettings, check_fleet, examine_backend, new_client
+from llmhealth.classify import Read, ReadProblem, Target, Verdict, VerdictKind
+from llmhealth.metrics import EngineSignals
+from llmhealth.probe import (
+    ProbeSettings,
+    check_fleet,
+    examine_backend,
+    new_client,
+    read_metrics,
+)
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
 FAST = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
@@ -316,3 +325,228 @@ def test_a_proxy_is_asked_only_for_its_model_list(httpserver: HTTPServer) -> Non
     outcomes = asyncio.run(check_fleet([proxy, dead], FAST))
     assert [o.verdict.kind for o in outcomes] == [VerdictKind.UP, VerdictKind.DOWN]
     assert [request.path for request, _ in httpserver.log] == ["/v1/models"]
+
+
+# --- hostile servers: every one is a verdict, within the same bounds -----------------
+
+NESTED = "[" * 200_000  # 200 KB, far under the body caps, deeper than any recursion limit
+
+
+def test_a_deeply_nested_model_list_is_a_verdict_with_evidence(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data("no metrics here", status=404)
+    httpserver.expect_request("/v1/models").respond_with_data(
+        NESTED, content_type="application/json"
+    )
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert not verdict.healthy
+    assert "GET /v1/models did not send a model list" in verdict.evidence
+
+
+def test_a_deeply_nested_completion_is_unanswered_not_a_crash(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions").respond_with_data(
+        '{"choices": ' + NESTED, content_type="application/json"
+    )
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "answered 200 without a completion" in verdict.evidence
+
+
+def test_a_hostile_backend_does_not_cost_its_neighbours_their_verdicts(
+    httpserver: HTTPServer,
+) -> None:
+    healthy = HTTPServer(host="127.0.0.1")
+    healthy.start()
+    try:
+        Backend(healthy, [capture("busy-1"), capture("busy-2")])
+        httpserver.expect_request("/metrics").respond_with_data("", status=404)
+        httpserver.expect_request("/v1/models").respond_with_data(NESTED)
+        hostile = Target("hostile", httpserver.url_for("").rstrip("/"))
+        neighbour = Target("neighbour", healthy.url_for("").rstrip("/"))
+        proxy = Target("lb", hostile.url, "proxy")
+        outcomes = asyncio.run(check_fleet([hostile, neighbour, proxy], FAST))
+    finally:
+        healthy.clear()
+        healthy.stop()
+    assert [(o.target.name, o.verdict.kind) for o in outcomes] == [
+        ("hostile", VerdictKind.NO_METRICS),
+        ("neighbour", VerdictKind.BUSY),
+        ("lb", VerdictKind.DOWN),
+    ]
+
+
+def test_an_exception_while_judging_becomes_that_backends_verdict(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of ours, simulated where no server input can reach yet: still one verdict."""
+    Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+
+    def broken_decide(*_args: object, **_kwargs: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("llmhealth.probe.decide", broken_decide)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert not verdict.healthy
+    assert "not judged: examining it raised RecursionError" in verdict.evidence
+
+
+def test_a_parser_failure_makes_the_read_unusable_not_the_check(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Backend(httpserver, [capture("idle-1")])
+
+    def broken_parse(_body: bytes) -> None:
+        raise ValueError("a parser bug")
+
+    monkeypatch.setattr("llmhealth.probe.parse_metrics", broken_parse)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert verdict.healthy  # judged by the tiny request, which was answered
+    assert "could not be read (ValueError: a parser bug)" in verdict.evidence
+
+
+def test_every_request_asks_for_the_identity_encoding(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture("idle-1")])
+    examine(backend.url)
+    paths = [
+        (request.path, request.headers.get("Accept-Encoding")) for request, _ in httpserver.log
+    ]
+    assert paths == [
+        ("/metrics", "identity"),
+        ("/v1/models", "identity"),
+        ("/v1/completions", "identity"),
+    ]
+
+
+def gzip_bomb(layers: int) -> bytes:
+    """64 MiB of zeros, compressed ``layers`` times: a few dozen KB on the wire."""
+    body = b"\0" * (64 * 1024 * 1024)
+    for _ in range(layers):
+        body = gzip.compress(body, compresslevel=9)
+    return body
+
+
+@pytest.mark.parametrize(("encoding", "layers"), [("gzip, gzip", 2), ("gzip", 1), ("br", 0)])
+def test_a_compressed_body_is_unusable_and_never_inflated(
+    httpserver: HTTPServer, encoding: str, layers: int
+) -> None:
+    body = gzip_bomb(layers) if layers else b"\x1b\x00" * 100
+    httpserver.expect_request("/metrics").respond_with_data(
+        body, headers={"Content-Encoding": encoding}
+    )
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions").respond_with_json(COMPLETION)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert verdict.healthy  # judged by the tiny request
+    assert (
+        f"GET /metrics sent Content-Encoding: {encoding}, though asked for identity; not decoded"
+        in verdict.evidence
+    )
+
+
+def test_an_endless_chunked_body_is_cut_off_at_the_cap_on_the_wire() -> None:
+    """No Content-Length to trust: the cap counts bytes as they arrive."""
+    stop = threading.Event()
+
+    def endless(connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"a" * 64 * 1024)
+        while not stop.is_set():
+            connection.sendall(chunk)
+
+    settings = ProbeSettings(wait=0.0, timeout=2.0, answer_timeout=1.0, max_body=1024 * 1024)
+    try:
+        with raw_server(endless) as url:
+            read = asyncio.run(_read_once(url, settings))
+    finally:
+        stop.set()
+    assert read.problem is ReadProblem.UNUSABLE
+    assert read.detail == "GET /metrics sent more than the 1 MiB cap"
+
+
+async def _read_once(url: str, settings: ProbeSettings) -> Read:
+    async with new_client() as client:
+        return await read_metrics(client, Target("b", url), settings, FakeClock())
+
+
+def test_control_characters_from_the_server_arrive_printable(httpserver: HTTPServer) -> None:
+    hostile = capture("idle-1").replace('engine="0"', 'engine="0\x1b[2J\x9b\u202e"')
+    httpserver.expect_request("/metrics").respond_with_data(hostile)
+    httpserver.expect_request("/v1/models").respond_with_json(
+        {"data": [{"id": "tiny\x1b]0;owned\x07"}]}
+    )
+    httpserver.expect_request("/v1/completions").respond_with_data("nope", status=500)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    shown = [verdict.evidence, *(read.detail for read in verdict.reads)]
+    shown += [engine.engine for read in verdict.reads for engine in _engines(read)]
+    assert verdict.answer is not None
+    shown += [verdict.answer.detail, *verdict.answer.models_served]
+    assert all(text.isprintable() for text in shown), shown
+    assert [engine.engine for engine in _engines(verdict.reads[0])] == ["0\\x1b[2J\\x9b\\u202e"]
+    assert "tiny\\x1b]0;owned\\x07" in verdict.evidence
+
+
+def _engines(read: Read) -> tuple[EngineSignals, ...]:
+    return read.signals.engines if read.signals is not None else ()
+
+
+def test_a_stale_keep_alive_retry_stays_within_one_timeout() -> None:
+    """The server answers one read, then drops the kept-alive connection just before the
+    timeout; a fresh connection is accepted and never answered. Both attempts together
+    must end within one --timeout (before, the retry got a second full one)."""
+    timeout, held = 1.0, 0.95
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    metrics = capture("idle-1").encode()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(metrics), metrics)
+    held_open: list[socket.socket] = []
+
+    def serve() -> None:
+        first = True
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            if not first:
+                held_open.append(connection)  # accepted, read by nobody, closed at the end
+                continue
+            first = False
+            with connection:
+                connection.recv(65536)
+                connection.sendall(answer)
+                connection.recv(65536)  # the second request on the kept-alive connection
+                stop.wait(held)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    settings = ProbeSettings(wait=0.0, timeout=timeout, answer_timeout=timeout)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def two_reads() -> tuple[Read, float]:
+        async with new_client() as client:
+            await read_metrics(client, Target("b", url), settings, FakeClock())
+            started = time.monotonic()
+            second = await read_metrics(client, Target("b", url), settings, FakeClock())
+            return second, time.monotonic() - started
+
+    try:
+        second, took = asyncio.run(two_reads())
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+        for connection in held_open:
+            connection.close()
+    assert second.problem is ReadProblem.UNRESPONSIVE
+    assert f"within {timeout:g} s" in second.detail
+    # Before: held + a full second timeout, never under 1.95 s. Now one timeout, with
+    # 0.7 s to spare for a loaded machine.
+    assert took < timeout + 0.7, took
