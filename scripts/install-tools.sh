@@ -1,14 +1,15 @@
 #!/bin/sh
-# Install the two tools tests/test_deploy.py verifies the deployment files with:
-#   promtool         (Debian package "prometheus")  checks and unit-tests alerts/
-#   systemd-analyze  (Debian package "systemd")     verifies the units in systemd/
+# Install the system tools the tests use:
+#   promtool         (Debian package "prometheus")   checks and unit-tests alerts/
+#   systemd-analyze  (Debian package "systemd")      verifies the units in systemd/
+#   etcd             (Debian package "etcd-server")  the cluster tests start their own
 #
-# Idempotent: when both are on PATH it exits 0 at once and touches no network.
+# Idempotent: when all are on PATH it exits 0 at once and touches no network.
 # Otherwise it runs "apt-get update" once and installs only what is missing, quietly,
 # from Debian's own archive. It needs root (or password-less sudo).
 #
-# The prometheus package ships a server and enables prometheus.service. Tests need only
-# promtool, so no server may come up from this: a policy-rc.d refusing every service
+# The prometheus and etcd-server packages ship servers and enable their units. Tests need
+# only the binaries (they start etcd themselves), so no server may come up from this: a policy-rc.d refusing every service
 # start is in place for the install (kept if the machine already has one), recommends
 # (prometheus-node-exporter, another daemon) are skipped, and when this script is the
 # one that installed prometheus its unit is disabled again so it does not start at the
@@ -18,6 +19,7 @@ set -eu
 missing=""
 command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
 command -v systemd-analyze >/dev/null 2>&1 || missing="$missing systemd"
+command -v etcd >/dev/null 2>&1 || missing="$missing etcd-server"
 [ -z "$missing" ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -64,17 +66,22 @@ if ! {
 fi
 
 case " $missing " in
-*" prometheus "*)
+*" prometheus "*) units="prometheus.service" ;;
+*) units="" ;;
+esac
+case " $missing " in
+*" etcd-server "*) units="$units etcd.service" ;;
+esac
+for unit in $units; do
     # Enabled by the package's postinst; not wanted on a machine that only runs tests.
     # systemctl edits the wants/ symlinks even where systemd is not PID 1.
     if command -v systemctl >/dev/null 2>&1; then
-        systemctl disable --now prometheus.service >/dev/null 2>&1 ||
-            systemctl disable prometheus.service >/dev/null 2>&1 || true
+        systemctl disable --now "$unit" >/dev/null 2>&1 ||
+            systemctl disable "$unit" >/dev/null 2>&1 || true
     fi
-    ;;
-esac
+done
 
-for tool in promtool systemd-analyze; do
+for tool in promtool systemd-analyze etcd; do
     if ! command -v "$tool" >/dev/null 2>&1; then
         echo "install-tools: $tool still missing after the install" >&2
         exit 1

@@ -338,14 +338,14 @@ def _tool_dir(directory: Path, tools: Sequence[str]) -> Path:
     return directory
 
 
-def test_install_tools_does_nothing_when_both_tools_are_present(tmp_path: Path) -> None:
-    bin_dir = _tool_dir(tmp_path / "bin", ["promtool", "systemd-analyze"])
+def test_install_tools_does_nothing_when_every_tool_is_present(tmp_path: Path) -> None:
+    bin_dir = _tool_dir(tmp_path / "bin", ["promtool", "systemd-analyze", "etcd"])
     status, output = _run(["/bin/sh", str(INSTALL_TOOLS)], cwd=tmp_path, env={"PATH": str(bin_dir)})
     assert (status, output) == (0, "")
 
 
 def test_install_tools_names_what_it_could_not_install(tmp_path: Path) -> None:
-    bin_dir = _tool_dir(tmp_path / "bin", ["systemd-analyze"])
+    bin_dir = _tool_dir(tmp_path / "bin", ["systemd-analyze", "etcd"])
     status, output = _run(["/bin/sh", str(INSTALL_TOOLS)], cwd=tmp_path, env={"PATH": str(bin_dir)})
     assert status == 1
     # Only the missing package is named: ": prometheus", then the end or "(run: sudo ...)".

@@ -1,0 +1,477 @@
+"""Several daemons on one fleet: membership and leadership on etcd leases, fenced state.
+
+I/O around ``leadership``. Each daemon keeps a lease alive from its own thread (never the
+cycle's), holds a member key on it, and tries to create the leader key on it. The fleet
+record lives in one etcd key; every write of it is a transaction that compares the
+revision that was read *and* the leader key's creation revision (the fencing token), so
+a deposed leader's write fails whole. etcd is reached through etcd3gw (the v3 JSON
+gateway, ``/v3/`` on etcd 3.4), from threads; each request is bounded by a timeout and
+etcd bounds what it returns by its request size limit. Its errors become
+``ClusterUnavailableError`` here, once.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import etcd3gw
+from etcd3gw import exceptions as etcd_errors
+
+from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
+from llmhealth.state import SCHEMA, StateCorruptError, StateError
+
+T = TypeVar("T")
+Log = Callable[[str], None]
+REQUEST_TIMEOUT = 2.0  # one etcd request; a leader renews several times per deadline
+
+
+class ClusterUnavailableError(StateError):
+    """No etcd endpoint answered: nobody may act, probing goes on."""
+
+
+class NotLeaderError(StateError):
+    """This daemon does not lead (or no longer may act); the message says who does."""
+
+
+class FencedOutError(StateError):
+    """A fenced write failed: the state moved, or the leader key is not ours any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _kv(item: tuple[bytes, Mapping[str, Any]]) -> KeyValue:
+    value, meta = item
+    return KeyValue(
+        value=value,
+        mod_revision=int(meta.get("mod_revision", 0)),
+        create_revision=int(meta.get("create_revision", 0)),
+        lease=int(meta.get("lease", 0)),
+    )
+
+
+def _name(item: tuple[bytes, Mapping[str, Any]]) -> str:
+    key = item[1].get("key", b"")
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
+def put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        request["lease"] = str(lease)
+    return {"request_put": request}
+
+
+def compare_created(key: str, revision: int) -> dict[str, Any]:
+    """The key was created at ``revision`` (0: the key does not exist)."""
+    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": revision}
+
+
+def compare_modified(key: str, revision: int) -> dict[str, Any]:
+    """The key was last written at ``revision`` (0: the key does not exist)."""
+    return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": revision}
+
+
+class Etcd:
+    """The etcd endpoints, tried in turn; the one that answered last is tried first."""
+
+    def __init__(self, endpoints: Sequence[str], timeout: float = REQUEST_TIMEOUT) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoint")
+        self.endpoints = tuple(endpoints)
+        self._clients = [self._client(url, timeout) for url in self.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _client(url: str, timeout: float) -> etcd3gw.Etcd3Client:
+        parts = urlsplit(url)
+        return etcd3gw.Etcd3Client(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 2379,
+            protocol=parts.scheme or "http",
+            timeout=timeout,
+            api_path="/v3/",  # etcd 3.4 and later
+        )
+
+    def call(self, request: Callable[[etcd3gw.Etcd3Client], T]) -> T:
+        with self._lock:
+            first = self._current
+        problems = []
+        for step in range(len(self._clients)):
+            index = (first + step) % len(self._clients)
+            try:
+                result = request(self._clients[index])
+            except etcd_errors.Etcd3Exception as exc:
+                # An answer from etcd that is not "unavailable" is a real error, not a dead
+                # endpoint: trying the next one would hide it.
+                if not isinstance(
+                    exc,
+                    etcd_errors.ConnectionFailedError | etcd_errors.ConnectionTimeoutError,
+                ):
+                    raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {exc}") from exc
+                problems.append(f"{self.endpoints[index]}: {type(exc).__name__}")
+                continue
+            with self._lock:
+                self._current = index
+            return result
+        raise ClusterUnavailableError("no etcd endpoint answered (" + "; ".join(problems) + ")")
+
+    def get(self, key: str) -> KeyValue | None:
+        found = self.call(lambda client: client.get(key, metadata=True))
+        return _kv(found[0]) if found else None
+
+    def get_prefix(self, prefix: str) -> dict[str, KeyValue]:
+        found = self.call(lambda client: client.get_prefix(prefix))
+        return {_name(item): _kv(item) for item in found}
+
+    def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+    ) -> tuple[bool, int, list[dict[str, Any]]]:
+        """Whether the compares held, the revision after it, and the branch's responses."""
+        body = {"compare": compare, "success": success, "failure": failure or []}
+        response: dict[str, Any] = dict(self.call(lambda client: client.transaction(body)))
+        revision = int(response.get("header", {}).get("revision", 0))
+        return bool(response.get("succeeded")), revision, list(response.get("responses") or [])
+
+    def grant(self, ttl: int) -> int:
+        return self.call(lambda client: client.lease(ttl)).id
+
+    def keepalive(self, lease: int) -> int:
+        """Renew a lease; its TTL, or -1 when etcd no longer has it."""
+        return self.call(lambda client: etcd3gw.Lease(lease, client).refresh())
+
+    def revoke(self, lease: int) -> None:
+        self.call(lambda client: etcd3gw.Lease(lease, client).revoke())
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Where a fleet lives under its prefix."""
+
+    prefix: str
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}/leader"
+
+    @property
+    def state(self) -> str:
+        return f"{self.prefix}/state"
+
+    @property
+    def members(self) -> str:
+        return f"{self.prefix}/members/"
+
+    def member(self, name: str) -> str:
+        return f"{self.members}{name}"
+
+
+def default_member_name() -> str:
+    """Unique on one machine too (two daemons in a test), readable in ``status``."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """Who leads, as the leader key says."""
+
+    member: str
+    lease: int
+    fence: int  # the leader key's creation revision: larger for every later leader
+    since: float  # wall time, as the leader wrote it
+
+
+def read_leader(etcd: Etcd, keys: Keys) -> Leader | None:
+    found = etcd.get(keys.leader)
+    if found is None:
+        return None
+    try:
+        value = json.loads(found.value)
+        return Leader(
+            str(value["member"]), found.lease, found.create_revision, float(value["since"])
+        )
+    except (ValueError, KeyError, TypeError):
+        return Leader("?", found.lease, found.create_revision, 0.0)
+
+
+class Elector:
+    """Keeps this daemon's lease alive and its member key on it, and campaigns to lead.
+
+    Runs in its own thread so that neither a slow settle nor a restart command can delay
+    a renewal. The cycle asks ``decision()`` before every act; the answer depends only on
+    the facts gathered here and the monotonic clock, never on a request made then.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        member: str,
+        timing: LeaseTiming,
+        *,
+        log: Log,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.member = member
+        self.timing = timing
+        self._log = log
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._facts = LeaseFacts()
+        self._fence: int | None = None
+        self._report: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.transitions = 0  # times this daemon became leader
+        self.last_error: str | None = None
+
+    # --- what the cycle asks -------------------------------------------------------------
+
+    def decision(self) -> Decision:
+        with self._lock:
+            facts = self._facts
+        return decide(facts, self.timing, self._clock())
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token while this daemon may act, else None."""
+        with self._lock:
+            fence = self._fence
+        return fence if self.decision().may_act else None
+
+    @property
+    def lease_id(self) -> int | None:
+        with self._lock:
+            return self._facts.lease_id
+
+    def report(self, summary: dict[str, Any]) -> None:
+        """What the member key says about this daemon's last cycle (written on renewal)."""
+        with self._lock:
+            self._report = summary
+
+    # --- the thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="llmhealth-elector", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, resign: bool = True) -> None:
+        """Stop renewing; resigning revokes the lease so a standby takes over at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timing.ttl)
+        with self._lock:
+            lease, self._facts, self._fence = self._facts.lease_id, LeaseFacts(), None
+        if resign and lease is not None:
+            with contextlib.suppress(StateError):
+                self.etcd.revoke(lease)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except StateError as exc:
+                if str(exc) != self.last_error:
+                    self._log(f"cluster: {exc}")
+                self.last_error = str(exc)
+            with self._lock:
+                due = renewal_due(self._facts, self.timing, self._clock())
+            self._stop.wait(max(0.05, due - self._clock()))
+
+    def step(self) -> None:
+        """One round: step down if late, renew or get a lease, then hold or try the lead."""
+        decision = self.decision()
+        if decision.standing is Standing.STEPPING_DOWN:
+            self._step_down(decision.reason)
+        lease = self._renew()
+        if lease is None:
+            return
+        with self._lock:
+            leading = self._fence is not None
+        if leading:
+            self._confirm()
+        else:
+            self._campaign(lease)
+        self.last_error = None
+
+    def _renew(self) -> int | None:
+        with self._lock:
+            lease = self._facts.lease_id
+        sent = self._clock()
+        if lease is None:
+            lease = self.etcd.grant(max(1, round(self.timing.ttl)))
+            with self._lock:
+                self._facts = LeaseFacts(lease, sent, None)
+        elif self.etcd.keepalive(lease) <= 0:
+            self._lose(f"etcd no longer has lease {lease:x}")
+            return None
+        else:
+            with self._lock:
+                self._facts = LeaseFacts(lease, sent, self._facts.leader_since)
+        self._put_member(lease)
+        return lease
+
+    def _put_member(self, lease: int) -> None:
+        with self._lock:
+            report = dict(self._report)
+            leading = self._fence is not None
+        value = {
+            "member": self.member,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "lease": lease,
+            "leader": leading,
+            "renewed_at": self._wall(),
+            "last_report": report,
+        }
+        self.etcd.txn([], [put(self.keys.member(self.member), json.dumps(value).encode(), lease)])
+
+    def _campaign(self, lease: int) -> None:
+        """Create the leader key on our lease if nobody holds it (etcd's election, simply)."""
+        since = self._wall()
+        value = json.dumps({"member": self.member, "since": since}).encode()
+        won, revision, _ = self.etcd.txn(
+            [compare_created(self.keys.leader, 0)], [put(self.keys.leader, value, lease)]
+        )
+        if not won:
+            return
+        with self._lock:
+            facts = self._facts
+            if facts.lease_id != lease:
+                return
+            self._facts = LeaseFacts(lease, facts.renewed_at, self._clock())
+            self._fence = revision
+        self.transitions += 1
+        self._log(f"cluster: {self.member} leads (lease {lease:x}, fence {revision})")
+
+    def _confirm(self) -> None:
+        """The leader key is still the one we created (an operator may have deleted it)."""
+        current = self.etcd.get(self.keys.leader)
+        with self._lock:
+            fence = self._fence
+        if current is None or current.create_revision != fence:
+            self._lose("the leader key is gone or belongs to another member")
+
+    def _step_down(self, why: str) -> None:
+        with self._lock:
+            lease = self._facts.lease_id
+            self._facts, self._fence = LeaseFacts(), None
+        self._log(f"cluster: {self.member} steps down: {why}")
+        if lease is not None:
+            # Best effort: a revoked lease lets a standby lead at once instead of after TTL.
+            with contextlib.suppress(StateError):
+                self.etcd.revoke(lease)
+
+    def _lose(self, why: str) -> None:
+        with self._lock:
+            was_leading = self._fence is not None
+            self._facts, self._fence = LeaseFacts(), None
+        if was_leading:
+            self._log(f"cluster: {self.member} is no longer leader: {why}")
+
+
+class EtcdStore:
+    """The fleet record in one etcd key, with the same face as ``StateFile``.
+
+    ``locked`` admits only a leader that may act now (or, without an elector, an operator
+    verb); ``load`` remembers the revision it read; ``save`` writes only if that revision
+    is still current and, for a leader, its leader key is still the one it created. A
+    record saved twice in one section (a restart committed before its command runs, then
+    the command's outcome) compares against its own previous write.
+    """
+
+    def __init__(self, etcd: Etcd, keys: Keys, elector: Elector | None) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.elector = elector
+        self.path = keys.state  # where it lives, for messages
+        self._read_revision: int | None = None
+        self._fence: int | None = None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        fence = None
+        if self.elector is not None:
+            decision = self.elector.decision()
+            fence = self.elector.fence
+            if not decision.may_act or fence is None:
+                raise NotLeaderError(f"{self.elector.member} does not lead: {decision.reason}")
+        self._fence, self._read_revision = fence, None
+        try:
+            yield
+        finally:
+            self._fence, self._read_revision = None, None
+
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        found = self.etcd.get(self.keys.state)
+        self._read_revision = 0 if found is None else found.mod_revision
+        if found is None:
+            return None
+        try:
+            document = json.loads(found.value)
+            if not isinstance(document, dict):
+                raise ValueError("not a JSON object")
+            if document.get("schema") != SCHEMA:
+                raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
+            return decode(document)
+        except (ValueError, RecursionError, OverflowError) as exc:
+            aside = f"{self.keys.state}.corrupt-{found.mod_revision}"
+            self.etcd.txn(
+                [compare_modified(self.keys.state, found.mod_revision)],
+                [put(aside, found.value), {"request_delete_range": {"key": _b64(self.keys.state)}}],
+            )
+            raise StateCorruptError(
+                f"state {self.keys.state} is unreadable ({exc}); copied aside to {aside}; "
+                "the next settle starts a fresh ledger"
+            ) from exc
+
+    def save(self, document: dict[str, Any]) -> None:
+        if self._read_revision is None:
+            raise StateError("save without a load in this section: nothing to compare with")
+        payload = json.dumps({**document, "schema": SCHEMA}, sort_keys=True).encode()
+        compare = [compare_modified(self.keys.state, self._read_revision)]
+        if self.elector is not None:
+            if self._fence is None or not self.elector.decision().may_act:
+                raise NotLeaderError(f"{self.elector.member} may no longer act; nothing written")
+            compare.append(compare_created(self.keys.leader, self._fence))
+        written, revision, _ = self.etcd.txn(compare, [put(self.keys.state, payload)])
+        if not written:
+            holder = read_leader(self.etcd, self.keys)
+            who = f"{holder.member} leads (fence {holder.fence})" if holder else "nobody leads"
+            raise FencedOutError(
+                f"the fenced write of {self.keys.state} failed: {who}; nothing written"
+            )
+        self._read_revision = revision
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the section in progress, for restart commands' environment."""
+        return self._fence
