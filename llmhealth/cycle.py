@@ -1,15 +1,17 @@
-"""One cycle over a fleet: lock the state, probe, feed the ledger, act, persist.
+"""One settle of a fleet: lock the state, load, expire, gather verdicts, act, persist.
 
-The shell around the pure core, shared by ``check`` (one cycle) and ``watch`` (one per
-wait). The state stays locked from load to save, so two runs never both act on a fleet.
+The shell around the pure core, and the one path by which ``check`` (one cycle) and
+``watch`` (one per wait) change the record. The store stays locked from load to save, so
+two runs never both act on a fleet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, check_fleet
 from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
-from llmhealth.state import StateFile, default_path
+from llmhealth.state import StateFile, Store, default_path
 
 Clock = Callable[[], float]
 
@@ -39,8 +41,13 @@ def ledger_policy(policy: ConfigPolicy) -> LedgerPolicy:
     )
 
 
+def backend_urls(targets: Sequence[Target]) -> dict[str, str]:
+    """The backends a run knows, by name: the ledger's members (proxies are not)."""
+    return {target.name: target.url for target in targets if target.kind == "backend"}
+
+
 def load_record(
-    store: StateFile | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
+    store: Store | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
 ) -> tuple[FleetRecord, list[str]]:
     """The persisted record made to match the configured backends, or a fresh one.
 
@@ -54,6 +61,42 @@ def load_record(
     return FleetRecord(Ledger(policy, backends.items(), now=now)), []
 
 
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What one settle did (the report) and the record as it saved it."""
+
+    report: CycleReport
+    record: FleetRecord
+
+
+def settle_fleet(
+    store: Store | None,
+    config: Config,
+    backends: Mapping[str, str],
+    gather: Callable[[FleetRecord], Sequence[Outcome]],
+    *,
+    mode: Mode,
+    audit: AuditLog | None,
+    clock: Clock = time.time,
+    notes: Sequence[str] = (),
+) -> Settled:
+    """The one settle path: lock, load, expire, gather verdicts, settle, save.
+
+    ``check`` and ``watch`` both come through here, and differ only in ``gather``: check
+    probes the fleet (with the record's baselines), watch hands over what its probing
+    tasks read since the last settle. Without a store nothing is kept between runs.
+    """
+    with store.locked() if store is not None else contextlib.nullcontext():
+        started = clock()
+        record, changes = load_record(store, ledger_policy(config.policy), backends, started)
+        notes = [*notes, *changes, *expire_restarts(record, audit, started)]
+        outcomes = gather(record)
+        report = settle(record, config, outcomes, clock(), mode=mode, audit=audit, notes=notes)
+        if store is not None:
+            store.save(record.to_dict())
+    return Settled(replace(report, checked_at=started), record)
+
+
 def run_cycle(
     config: Config,
     targets: list[Target],
@@ -63,36 +106,29 @@ def run_cycle(
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
 ) -> CycleReport:
-    """Lock, load, probe every target, feed the ledger, remediate, save, report."""
-    if store is None:
-        return _cycle(config, targets, settings, None, mode, clock)
-    with store.locked():
-        return _cycle(config, targets, settings, store, mode, clock)
-
-
-def _cycle(
-    config: Config,
-    targets: list[Target],
-    settings: ProbeSettings,
-    store: StateFile | None,
-    mode: Mode,
-    clock: Clock,
-) -> CycleReport:
-    started = clock()
-    backends = {t.name: t.url for t in targets if t.kind == "backend"}
-    record, notes = load_record(store, ledger_policy(config.policy), backends, started)
+    """One ``check``: probe every target inside the settle, so two runs never both act."""
+    notes = []
     audit = AuditLog(audit_path_for(config, store.path)) if store is not None else None
     if store is None:
         notes.append("state not persisted: bare URLs without --state or --config")
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
-    notes += expire_restarts(record, audit, started)
-    outcomes = asyncio.run(
-        check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
+
+    def probe(record: FleetRecord) -> list[Outcome]:
+        return asyncio.run(
+            check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
+        )
+
+    settled = settle_fleet(
+        store,
+        config,
+        backend_urls(targets),
+        probe,
+        mode=mode,
+        audit=audit,
+        clock=clock,
+        notes=notes,
     )
-    report = settle(record, config, outcomes, clock(), mode=mode, audit=audit, notes=notes)
-    if store is not None:
-        store.save(record.to_dict())
-    return replace(report, checked_at=started)
+    return settled.report
 
 
 def expire_restarts(record: FleetRecord, audit: AuditLog | None, now: float) -> list[str]:

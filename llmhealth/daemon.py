@@ -32,11 +32,11 @@ from llmhealth.actions import AuditLog, run_command
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cycle import (
     audit_path_for,
+    backend_urls,
     baselines_of,
-    expire_restarts,
     ledger_policy,
     load_record,
-    settle,
+    settle_fleet,
 )
 from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
 from llmhealth.fleet import StallWatch
@@ -219,9 +219,11 @@ class Daemon:
     def _read_baselines(self) -> dict[str, Signals]:
         try:
             with self._store.locked():
-                backends = {t.name: t.url for t in self._targets if t.kind == "backend"}
                 record, _ = load_record(
-                    self._store, ledger_policy(self._config.policy), backends, self._clock()
+                    self._store,
+                    ledger_policy(self._config.policy),
+                    backend_urls(self._targets),
+                    self._clock(),
                 )
         except StateError as exc:
             self._log(f"starting without earlier reads: {exc}")
@@ -280,22 +282,21 @@ class Daemon:
         return fresh
 
     def _settle(self, fresh: list[Outcome]) -> CycleReport:
-        """One cycle's bookkeeping, in a worker thread: it may run a restart command."""
-        now = self._clock()
-        backends = {t.name: t.url for t in self._targets if t.kind == "backend"}
-        with self._store.locked():
-            record, notes = load_record(
-                self._store, ledger_policy(self._config.policy), backends, now
-            )
-            audit = AuditLog(audit_path_for(self._config, self._store.path))
-            notes += expire_restarts(record, audit, now)
-            report = settle(
-                record, self._config, fresh, now, mode=Mode.ACT, audit=audit, notes=notes
-            )
-            self._store.save(record.to_dict())
-        self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
-        self._write_serving(record.ledger.serving, backends)
-        return report
+        """One cycle's bookkeeping, in a worker thread: it may wait for the state lock."""
+        backends = backend_urls(self._targets)
+        settled = settle_fleet(
+            self._store,
+            self._config,
+            backends,
+            lambda _record: fresh,
+            mode=Mode.ACT,
+            audit=AuditLog(audit_path_for(self._config, self._store.path)),
+            clock=self._clock,
+        )
+        now = settled.report.checked_at
+        self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
+        self._write_serving(settled.record.ledger.serving, backends)
+        return settled.report
 
     def _after_cycle(self, report: CycleReport, seconds: float, live: Live | None) -> None:
         state = self._state

@@ -14,8 +14,9 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 SCHEMA = 1
 _MAX_STATE_BYTES = 64 * 1024 * 1024
@@ -46,6 +47,22 @@ def default_path(environ: dict[str, str] | None = None) -> Path:
         return Path("/var/lib/llmhealth/state.json")
     base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "llmhealth" / "state.json"
+
+
+class Store(Protocol):
+    """Where the fleet record lives between settles: what the one settle path needs.
+
+    ``locked`` is the exclusive section in which a writer loads, changes and saves the
+    record, so two writers never interleave; ``load`` gives None when there is no record
+    yet. ``StateFile`` is one such store; a replicated one (etcd with a fenced write) is
+    meant to be another, with the settle itself unchanged.
+    """
+
+    def locked(self) -> AbstractContextManager[None]: ...
+
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None: ...
+
+    def save(self, document: dict[str, Any]) -> None: ...
 
 
 class StateFile:

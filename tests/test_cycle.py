@@ -1,0 +1,122 @@
+"""The one settle path (``cycle.settle_fleet``) over a real state file and audit log."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from llmhealth.actions import AuditLog, read
+from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
+from llmhealth.config import Backend, Config
+from llmhealth.cycle import backend_urls, settle_fleet
+from llmhealth.fleet import FleetRecord
+from llmhealth.remediate import Mode
+from llmhealth.state import StateFile, StateLockedError
+
+T0 = 1_796_000_000.0
+GPU0 = Target("gpu0", "http://127.0.0.1:9")
+GPU1 = Target("gpu1", "http://127.0.0.1:10")
+CONFIG = Config(backends=(Backend("gpu0", GPU0.url), Backend("gpu1", GPU1.url)))
+
+
+def ticking(start: float = T0) -> Callable[[], float]:
+    """A clock for the settle: each call is one second after the last."""
+    seconds = itertools.count(1)
+    return lambda: start + next(seconds)
+
+
+def wedged(target: Target) -> Outcome:
+    return Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
+
+
+def saved(path: Path) -> dict[str, dict[str, object]]:
+    document = json.loads(path.read_text())
+    return {b["name"]: b for b in document["ledger"]["backends"]}
+
+
+def test_the_backends_of_a_run_are_its_backend_targets_not_its_proxies() -> None:
+    proxy = Target("lb", "http://127.0.0.1:11", "proxy")
+    assert backend_urls([GPU0, proxy, GPU1]) == {"gpu0": GPU0.url, "gpu1": GPU1.url}
+
+
+def test_a_settle_holds_the_lock_while_it_gathers_and_saves_what_it_settled(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    seen_locked = []
+
+    def gather(record: FleetRecord) -> Sequence[Outcome]:
+        # Another writer (a verb, a second check) cannot get in while verdicts are gathered.
+        with pytest.raises(StateLockedError), StateFile(path, lock_timeout=0.0).locked():
+            pass
+        seen_locked.append(record.ledger.names)
+        return [wedged(GPU0)]
+
+    times = ticking()
+    settled = settle_fleet(
+        store,
+        CONFIG,
+        backend_urls([GPU0, GPU1]),
+        gather,
+        mode=Mode.ACT,
+        audit=audit,
+        clock=times,
+    )
+    assert seen_locked == [("gpu0", "gpu1")]
+    assert settled.report.checked_at == T0 + 1.0  # when the record was loaded
+    assert settled.record.ledger.state_of("gpu0") == "dead"
+    backends = saved(path)
+    assert (backends["gpu0"]["state"], backends["gpu1"]["state"]) == ("dead", "healthy")
+    lines = [(line["backend"], line["event"], line["to"]) for line in read(audit.path)]
+    # Condemned with its proof, then the restart decision: none, as it has no command.
+    assert lines == [("gpu0", "wedge_proven", "dead"), ("gpu0", "restart_skipped", "dead")]
+    with StateFile(path, lock_timeout=0.0).locked():  # and let go afterwards
+        pass
+
+
+def test_a_settle_reconciles_the_saved_record_with_the_backends_and_says_so(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    times = ticking()
+    settle_fleet(
+        store,
+        CONFIG,
+        {"gpu0": GPU0.url},
+        lambda _record: [],
+        mode=Mode.ACT,
+        audit=None,
+        clock=times,
+    )
+    settled = settle_fleet(
+        store,
+        CONFIG,
+        backend_urls([GPU0, GPU1]),
+        lambda _record: [],
+        mode=Mode.ACT,
+        audit=None,
+        clock=times,
+        notes=["first"],
+    )
+    assert settled.report.notes == ("first", f"gpu1: new backend at {GPU1.url}; starts HEALTHY")
+    assert set(saved(path)) == {"gpu0", "gpu1"}
+
+
+def test_without_a_store_a_settle_keeps_nothing(tmp_path: Path) -> None:
+    settled = settle_fleet(
+        None,
+        CONFIG,
+        backend_urls([GPU0]),
+        lambda _record: [wedged(GPU0)],
+        mode=Mode.OFF,
+        audit=None,
+    )
+    assert settled.record.ledger.state_of("gpu0") == "dead"
+    assert list(tmp_path.iterdir()) == []
