@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ from llmhealth.remediate import Mode
 from llmhealth.render import report_renderables
 from llmhealth.report import CycleReport
 from llmhealth.state import StateError, StateFile
+from llmhealth.text import printable
 
 SHUTDOWN_GRACE = 10.0  # seconds a cycle in progress may take to finish after SIGTERM
 _ERROR_KINDS = {
@@ -93,6 +95,7 @@ class WatchState:
     latest: dict[str, Outcome] = field(default_factory=dict)
     probe_errors: Counter[tuple[str, str]] = field(default_factory=Counter)
     restarts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    probe_task_restarts: Counter[str] = field(default_factory=Counter)
     serving_written: tuple[tuple[str, str], ...] | None = None
     cycles: int = 0
 
@@ -248,10 +251,29 @@ class Daemon:
             if name not in self._tasks:
                 self._state.probes.setdefault(name, _Probe())
                 self._probing[name] = target
-                self._tasks[name] = asyncio.create_task(self._probe_forever(target))
+                self._start_probe(target)
 
-    async def _probe_forever(self, target: Target) -> None:
+    def _start_probe(self, target: Target, delay: float = 0.0) -> None:
+        task = asyncio.create_task(self._probe_forever(target, delay))
+        task.add_done_callback(functools.partial(self._probe_ended, target))
+        self._tasks[target.name] = task
+
+    def _probe_ended(self, target: Target, task: asyncio.Task[None]) -> None:
+        """A probing task ends only when cancelled: one that died is logged, counted and
+        started again, one wait later (a task that dies at once every time costs a log
+        line per wait, not a busy loop). Without this a backend would silently keep its
+        last verdict forever."""
+        if task.cancelled() or self._stop.is_set() or self._tasks.get(target.name) is not task:
+            return
+        error = task.exception()
+        cause = f"{type(error).__name__}: {error}" if error is not None else "it returned"
+        self._state.probe_task_restarts[target.name] += 1
+        self._log(f"{target.name}: probing task died ({cause}); started again")
+        self._start_probe(target, delay=self.settings.wait)
+
+    async def _probe_forever(self, target: Target, delay: float = 0.0) -> None:
         """Read one target every wait, forever; its verdicts wait for the next settle."""
+        await asyncio.sleep(delay)
         window: list[Read] = []
         baseline = self._baselines.pop(target.name, None)
         async with new_client(self._tls) as client:
@@ -353,6 +375,10 @@ class Daemon:
                 last_cycle_at=now,
                 cycle_seconds=seconds,
                 probe_errors=dict(state.probe_errors),
+                probe_task_restarts={
+                    **{target.name: 0 for target in self._targets},
+                    **state.probe_task_restarts,
+                },
                 # Zero series from the start, so increase() sees a backend's first failure.
                 restarts={
                     **{
@@ -440,8 +466,10 @@ class Daemon:
                 self._log(f"on_serving_change failed ({result.exit_code}): {result.stderr}")
 
     def _log(self, message: str) -> None:
+        # Printable, and never read as markup: messages quote evidence and command output.
+        message = printable(message)
         if self._console.is_terminal:
-            self._console.log(message)
+            self._console.log(message, markup=False, highlight=False)
         else:  # journald adds its own timestamp
             print(message, file=sys.stderr, flush=True)
 

@@ -45,6 +45,7 @@ class ExportView:
     cycle_seconds: float = 0.0
     probe_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     restarts: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    probe_task_restarts: Mapping[str, int] = field(default_factory=dict)
 
 
 class FleetCollector(Collector):
@@ -135,8 +136,15 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
     )
     for (name, outcome), count in sorted(view.restarts.items()):
         restarts.add_metric([name, outcome], float(count))
+    task_restarts = CounterMetricFamily(
+        "llmhealth_backend_probe_task_restarts",
+        "Probing tasks that died of an exception (a bug in llmhealth) and were started again.",
+        labels=["backend"],
+    )
+    for name, count in sorted(view.probe_task_restarts.items()):
+        task_restarts.add_metric([name], float(count))
     yield from (verdict, state, serving, running, waiting, steps, tokens, duration)
-    yield from (errors, restarts)
+    yield from (errors, restarts, task_restarts)
 
 
 def _fleet_families(view: ExportView) -> Iterator[Metric]:

@@ -170,3 +170,58 @@ def test_a_check_of_a_healthy_proxy_alone_exits_0(httpserver: HTTPServer) -> Non
     document = json.loads(result.output)
     assert document["backends"][0]["verdict"] == "up"
     assert document["fleet"]["floor_breached"] is False
+
+
+# --- hostile servers, as the operator sees them ---------------------------------------------
+
+
+def test_a_backend_that_breaks_the_json_parser_costs_no_other_its_report(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    healthy = serve_idle(httpserver)
+    hostile = HTTPServer(host="127.0.0.1")
+    hostile.start()
+    try:
+        hostile.expect_request("/metrics").respond_with_data("", status=404)
+        hostile.expect_request("/v1/models").respond_with_data("[" * 200_000)
+        state = tmp_path / "state.json"
+        urls = [healthy, hostile.url_for("").rstrip("/")]
+        options = ["--state", str(state), "--format", "json", "--wait", "0.1"]
+        result = runner.invoke(app, ["check", *urls, *options])
+    finally:
+        hostile.clear()
+        hostile.stop()
+    assert result.exit_code == 2, result.output
+    verdicts = [(b["verdict"], b["healthy"]) for b in json.loads(result.output)["backends"]]
+    assert verdicts == [("idle", True), ("no_metrics", False)]
+    assert state.exists(), "the run saved its state"
+
+
+ESCAPES = ("\x1b", "\x9b", "\x07", "\\u001b", "\\u009b", "\\u0007")
+
+
+def test_control_characters_a_server_sends_reach_no_output(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """Table, JSON, Nagios line, state file and audit log: none carries a raw escape."""
+    text = (CAPTURES / "idle-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(
+        text.replace('engine="0"', 'engine="0\x1b[2J\x9b"')
+    )
+    httpserver.expect_request("/v1/models").respond_with_json(
+        {"data": [{"id": "tiny\x1b]0;owned\x07"}]}
+    )
+    httpserver.expect_request("/v1/completions").respond_with_data("no", status=500)
+    url = httpserver.url_for("").rstrip("/")
+    state = tmp_path / "state.json"
+    outputs = {}
+    for output in ("table", "json", "nagios"):
+        result = runner.invoke(app, ["check", url, "--state", str(state), "--format", output])
+        assert result.exit_code == 2, result.output
+        outputs[output] = result.output
+    outputs["state"] = state.read_text()
+    outputs["audit"] = (tmp_path / "audit.jsonl").read_text()
+    for where, shown in outputs.items():
+        assert not [escape for escape in ESCAPES if escape in shown], (where, shown)
+    assert "tiny\\x1b]0;owned\\x07" in outputs["table"]  # escaped, not dropped
+    assert "tiny\\\\x1b]0;owned\\\\x07" in outputs["audit"]

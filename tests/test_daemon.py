@@ -195,6 +195,15 @@ class Page:
         return "llmhealth_fleet_serving_backends" in self.families
 
 
+def scrape(port: int) -> Page | None:
+    try:
+        response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0)
+    except httpx.TransportError:
+        return None  # not listening yet
+    assert response.status_code == 200
+    return Page(response.text)
+
+
 class Watch:
     """A running `llmhealth watch` process and what can be seen of it from outside."""
 
@@ -208,12 +217,7 @@ class Watch:
         return self._stderr.read().decode(errors="replace")
 
     def scrape(self) -> Page | None:
-        try:
-            response = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=2.0)
-        except httpx.TransportError:
-            return None  # not listening yet
-        assert response.status_code == 200
-        return Page(response.text)
+        return scrape(self.port)
 
     def _alive(self, waiting_for: str) -> None:
         code = self.process.poll()
@@ -402,7 +406,15 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
 
     assert all(name.startswith("llmhealth_") for name in page.families)
     counters = {n for n, f in page.families.items() if f.type == "counter"}
-    assert counters == {"llmhealth_backend_probe_errors", "llmhealth_backend_restarts"}
+    assert counters == {
+        "llmhealth_backend_probe_errors",
+        "llmhealth_backend_restarts",
+        "llmhealth_backend_probe_task_restarts",
+    }
+    # Every target's probing task is counted from zero, so increase() sees the first death.
+    assert page.counts("llmhealth_backend_probe_task_restarts", "backend") == {
+        (name, name): 0.0 for name in [*names, "lb"]
+    }
     for line in page.text.splitlines():
         if line.startswith("# TYPE") and line.endswith(" counter"):
             assert line.split()[2].endswith("_total"), line
@@ -1133,3 +1145,57 @@ def test_time_since_the_last_finished_request_is_never_negative() -> None:
     watch.observe({"a": engine(finished=1)}, START + 1)
     watch.observe({"a": engine(finished=2)}, START + 2)
     assert watch.seconds_since_finished(START + 1.5) == 0.0
+
+
+def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examine_once turns any failure into a verdict; this injects one past that guard, as
+    a future bug would, to show the task is not lost silently."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    real_examine_once = daemon_module.examine_once
+    calls = 0
+
+    async def dies_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("injected \x1b[2J fault")
+        return await real_examine_once(*args, **kwargs)
+
+    monkeypatch.setattr(daemon_module, "examine_once", dies_once)
+    port = free_port_block(1)
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=("127.0.0.1", port),
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> Page:
+        running = asyncio.create_task(daemon.run())
+        try:
+            deadline = time.monotonic() + PATIENCE
+            while True:
+                page = await asyncio.to_thread(scrape, port)
+                if page is not None and page.verdict("b") == "busy":
+                    return page
+                if time.monotonic() > deadline or running.done():
+                    raise NotObservedError("no verdict from the restarted probing task")
+                await asyncio.sleep(POLL)
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, STOP_BOUND) == 0
+
+    page = asyncio.run(scenario())
+    log = capsys.readouterr().err
+    assert "b: probing task died (RuntimeError: injected \\x1b[2J fault); started again" in log
+    assert "\x1b" not in log
+    assert page.get("llmhealth_backend_probe_task_restarts", backend="b") == 1.0
+    assert calls >= 2

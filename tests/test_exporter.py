@@ -37,6 +37,7 @@ BACKEND_FAMILIES = {
     "llmhealth_backend_probe_duration_seconds": "gauge",
     "llmhealth_backend_probe_errors": "counter",
     "llmhealth_backend_restarts": "counter",
+    "llmhealth_backend_probe_task_restarts": "counter",
 }
 FLEET_FAMILIES = {
     "llmhealth_fleet_serving_backends": "gauge",
@@ -99,6 +100,7 @@ FLEET_VIEW = ExportView(
     cycle_seconds=0.031,
     probe_errors={("gpu1", "unresponsive"): 2, ("gpu0", "down"): 1},
     restarts={("gpu1", "ok"): 1, ("gpu1", "failed"): 3},
+    probe_task_restarts={"gpu0": 0, "gpu1": 2, "lb": 0},
 )
 
 
@@ -169,6 +171,12 @@ def test_counters_end_in_total_in_the_exposition_and_carry_their_counts() -> Non
     assert {(s.labels["backend"], s.labels["outcome"]): s.value for s in restarts.samples} == {
         ("gpu1", "ok"): 1.0,
         ("gpu1", "failed"): 3.0,
+    }
+    task_restarts = page.families["llmhealth_backend_probe_task_restarts"]
+    assert {s.labels["backend"]: s.value for s in task_restarts.samples} == {
+        "gpu0": 0.0,
+        "gpu1": 2.0,
+        "lb": 0.0,
     }
 
 
