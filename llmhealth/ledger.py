@@ -59,12 +59,19 @@ class Rule(StrEnum):
     CONDEMN_AT_THRESHOLD = "condemn_at_threshold"
     # RESTARTING while attempts in the budget window are below restart_budget; else RETIRED.
     SPEND_RESTART = "spend_restart"
+    # DEAD -> STALE when the process that was condemned, with no restart pending, shows
+    # enough good verdicts in a row (recovery in place); refused when the policy is off,
+    # the process is another one or unknown, a restart is pending, or the cap is reached.
+    RECOVER_IN_PLACE = "recover_in_place"
+    # A failure in DEAD: the good streak towards recovery in place starts again.
+    BREAK_RECOVERY = "break_recovery"
 
 
 # The whole state machine. A (state, kind) pair that is missing means the event does not
 # apply in that state: it changes nothing and is reported as ignored, with the reason from
-# IGNORED_BECAUSE. The two rules that carry the most weight show as absences: from outside
-# the serving set only STALE + READMITTED leads in, and RETIRED accepts nothing but a reset.
+# IGNORED_BECAUSE; a rule may refuse an event the same way, saying why. The two rules that
+# carry the most weight show as absences: from outside the serving set only STALE +
+# READMITTED leads in, and RETIRED accepts nothing but a reset.
 TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
     State.HEALTHY: {
         EventKind.GOOD_VERDICT: Rule.PROMOTE_WHEN_PROVEN,
@@ -100,6 +107,14 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         EventKind.RESTART_ISSUED: Rule.SPEND_RESTART,
         # Replaced by someone else (systemd, docker, an operator): unproven, so STALE.
         EventKind.NEW_PROCESS_UP: State.STALE,
+        # The condemned process itself comes back: doubt, not proof, condemned it. With
+        # policy.recover_in_place off (the library's default) these are ignored, as in
+        # seed 000; on, they lead to STALE at most, never straight to serving.
+        EventKind.GOOD_VERDICT: Rule.RECOVER_IN_PLACE,
+        EventKind.REQUEST_SUCCESS: Rule.RECOVER_IN_PLACE,
+        EventKind.PROBE_FAILURE: Rule.BREAK_RECOVERY,
+        EventKind.REQUEST_FAILURE: Rule.BREAK_RECOVERY,
+        EventKind.WEDGE_PROVEN: Rule.BREAK_RECOVERY,
         EventKind.RETIRE: State.RETIRED,
     },
     State.RESTARTING: {
@@ -195,6 +210,12 @@ class LedgerPolicy:
     restart_budget: int = 5
     restart_budget_window: float = 86400.0
     startup_grace: float = 900.0
+    # Off by default, as in seed 000: a trainer's supervisor restarts every DEAD shard.
+    # The CLI turns it on (config policy.recover_in_place).
+    recover_in_place: bool = False
+    # In-place recoveries allowed within restart_budget_window; the next one is refused
+    # and the backend stays DEAD for an operator.
+    max_in_place_recoveries: int = 3
 
     def __post_init__(self) -> None:
         # A threshold of 0 would condemn or promote on no evidence at all, so it is refused
@@ -204,6 +225,7 @@ class LedgerPolicy:
             ("healthy_threshold", 1),
             ("restart_budget", 1),
             ("min_healthy", 0),
+            ("max_in_place_recoveries", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -214,6 +236,46 @@ class LedgerPolicy:
             value = getattr(self, name)
             if not is_finite_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.recover_in_place, bool):
+            flag = self.recover_in_place
+            raise ValueError(f"recover_in_place must be true or false, got {flag!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSeen:
+    """Which process a verdict's reads came from, as far as its /metrics text shows.
+
+    ``counters`` are the vLLM counters summed over engines (steps, tokens, finished
+    requests...): within one process they never go down. The ledger keeps the one it
+    condemned, so that only that same process may come back in place.
+    """
+
+    start: float | None  # process_start_time_seconds; absent in Prometheus multiprocess mode
+    counters: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.start is not None and not is_finite_number(self.start):
+            raise ValueError(f"ProcessSeen.start must be a finite number, got {self.start!r}")
+        for name, value in self.counters.items():
+            if not isinstance(name, str) or not is_finite_number(value):
+                raise ValueError(f"ProcessSeen.counters: bad entry {name!r}: {value!r}")
+
+    def differs_from(self, condemned: ProcessSeen) -> str | None:
+        """Why this cannot be shown to be the ``condemned`` process; None when it is."""
+        if None not in (self.start, condemned.start) and self.start != condemned.start:
+            return f"start time {condemned.start:.2f} -> {self.start:.2f}: another process"
+        went_back = sorted(
+            name
+            for name, value in self.counters.items()
+            if name in condemned.counters and value < condemned.counters[name]
+        )
+        if went_back:
+            return f"{', '.join(went_back)} went back: another process"
+        if (self.start is None or condemned.start is None) and not (
+            self.counters.keys() & condemned.counters.keys()
+        ):
+            return "neither a start time nor a counter to compare: the process is unknown"
+        return None
 
 
 # Events. Fields are keyword-only so a call site reads as the record it makes, e.g.
@@ -231,16 +293,31 @@ class _EventBase:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GoodVerdict(_EventBase):
-    """busy, idle or up. ``request_ok``: a tiny request was answered, which also clears the
-    request-failure streak; a verdict from reads alone does not."""
-
-    kind: ClassVar[EventKind] = EventKind.GOOD_VERDICT
-    request_ok: bool = False
+class _SeenEventBase(_EventBase):
+    # The process the evidence came from, when a /metrics read showed it. The ledger keeps
+    # the last one seen, and while DEAD the one it condemned.
+    process: ProcessSeen | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProbeFailure(_EventBase):
+class GoodVerdict(_SeenEventBase):
+    """busy, idle or up. ``request_ok``: a tiny request was answered, which also clears the
+    request-failure streak; a verdict from reads alone does not.
+
+    Two facts matter only to a DEAD backend: ``requests_finished``, the reads show
+    requests finishing (vllm:request_success climbing), which for a backend with work
+    stands in for the tiny request it is never sent; ``restart_pending``, the restart
+    policy will restart this backend, so it is the restart that decides, not this process.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.GOOD_VERDICT
+    request_ok: bool = False
+    requests_finished: bool = False
+    restart_pending: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeFailure(_SeenEventBase):
     """stalled, unresponsive or down. ``reason`` is the verdict name: it becomes
     ``condemned_by`` if this failure condemns the backend, so restart_on can match it."""
 
@@ -250,7 +327,7 @@ class ProbeFailure(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RequestFailure(_EventBase):
+class RequestFailure(_SeenEventBase):
     """unanswered, or a failure reported from real traffic; ``reason`` as for ProbeFailure."""
 
     kind: ClassVar[EventKind] = EventKind.REQUEST_FAILURE
@@ -259,11 +336,13 @@ class RequestFailure(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RequestSuccess(_EventBase):
+class RequestSuccess(_SeenEventBase):
     """A real request was answered. An answered request (this, or a GoodVerdict with
-    request_ok) is the only evidence that clears the request-failure streak."""
+    request_ok) is the only evidence that clears the request-failure streak.
+    ``restart_pending`` as for GoodVerdict."""
 
     kind: ClassVar[EventKind] = EventKind.REQUEST_SUCCESS
+    restart_pending: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,7 +356,7 @@ class ProcessGone(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class WedgeProven(_EventBase):
+class WedgeProven(_SeenEventBase):
     """Work present and no progress over two consecutive waits: condemned without counting."""
 
     kind: ClassVar[EventKind] = EventKind.WEDGE_PROVEN
@@ -299,9 +378,10 @@ class RestartFailed(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class NewProcessUp(_EventBase):
+class NewProcessUp(_SeenEventBase):
     """A replacement process answers. ``url``: where, when it bound a new address; the
-    serving URLs must follow it, or traffic goes to a socket nobody listens on."""
+    serving URLs must follow it, or traffic goes to a socket nobody listens on. ``process``:
+    the new one, when a read showed it; None leaves it unknown until one does."""
 
     kind: ClassVar[EventKind] = EventKind.NEW_PROCESS_UP
     url: str | None = None
@@ -328,7 +408,7 @@ class Readmitted(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnplannedRestart(_EventBase):
+class UnplannedRestart(_SeenEventBase):
     kind: ClassVar[EventKind] = EventKind.UNPLANNED_RESTART
 
 
@@ -427,6 +507,7 @@ class BackendSnapshot:
     state_since: float | None  # None: in this state since before the ledger knew it
     # While STALE after a partial weight sync: the serving state it had when the sync broke.
     state_before_partial: State | None = None
+    in_place_recoveries: int = 0  # DEAD -> STALE by the same process, within the budget window
 
     @property
     def serving(self) -> bool:
@@ -448,6 +529,20 @@ class _Backend:
     condemned_by: str | None = None
     state_since: float | None = None
     state_before_partial: State | None = None
+    # The process last seen; while DEAD, the one that was condemned.
+    process: ProcessSeen | None = None
+    recovery_times: list[float] = field(default_factory=list)  # in-place recoveries
+
+
+class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
+    """Raised by a rule, before it changes anything, to refuse its event with a reason."""
+
+    def __init__(self, state: State, kind: EventKind, why: str, *, off: bool = False) -> None:
+        # A rule the policy turned off reads exactly as an absent table entry.
+        self.reason = (
+            f"{_why_ignored(state, kind)} ({why})" if off else f"{kind} refused in {state}: {why}"
+        )
+        super().__init__(self.reason)
 
 
 # Rules: the counter-dependent outcomes named in the table. Each updates the record for
@@ -520,10 +615,104 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
     )
 
 
+def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    """The condemned process proves itself again: DEAD -> STALE, never straight to serving.
+
+    What condemned it was doubt (failures counted) or a wedge that has since ended; the
+    weights it holds are the ones it served with. A new process is never let through
+    here: it arrives as new_process_up and must answer as any replacement does.
+    """
+    if not isinstance(event, GoodVerdict | RequestSuccess):
+        raise AssertionError(f"{Rule.RECOVER_IN_PLACE} cannot take {event.kind}")
+    if not policy.recover_in_place:
+        raise _Refused(b.state, event.kind, "policy.recover_in_place is off", off=True)
+    if event.restart_pending:
+        raise _Refused(
+            b.state, event.kind, "a restart is pending: the restart decides, not this process"
+        )
+    window = policy.restart_budget_window
+    recent = [t for t in b.recovery_times if _in_window(t, event.now, window)]
+    done = len(recent)
+    if done >= policy.max_in_place_recoveries:
+        raise _Refused(
+            b.state,
+            event.kind,
+            f"{done} in-place recoveries in {_span(window)} (max_in_place_recoveries "
+            f"{policy.max_in_place_recoveries}): it stays DEAD for an operator",
+        )
+    answered = isinstance(event, RequestSuccess) or event.request_ok or event.requests_finished
+    if event.process is None or b.process is None:
+        if not answered or not b.request_failures:
+            raise _Refused(
+                b.state,
+                event.kind,
+                "which process answered is unknown: only a /metrics read shows it",
+            )
+        # An answered request clears the request-failure streak whichever process it was;
+        # it cannot count towards recovery in place without knowing that process.
+        b.request_failures = 0
+        b.last_ok_at = event.now
+        return State.DEAD, (
+            "request answered: request failures cleared; which process answered is unknown, "
+            "so it does not count towards recovery in place"
+        )
+    other = event.process.differs_from(b.process)
+    if other is not None:
+        raise _Refused(
+            b.state, event.kind, f"{other}; a new process goes through new_process_up and STALE"
+        )
+    b.probe_failures = 0
+    b.good_streak += 1
+    b.last_ok_at = event.now
+    if answered:
+        b.request_failures = 0
+    # Each recovery in the window doubles the good time asked of the next (Envoy's
+    # ejection multiplier); at a steady probing interval, verdicts in a row are that time.
+    needed = policy.healthy_threshold * 2**done
+    so_far = f"{b.good_streak} of {needed} good verdicts in a row from the same process"
+    if b.request_failures:
+        return State.DEAD, (
+            f"{so_far}; {b.request_failures} request failure(s) not yet cleared by an "
+            "answered request"
+        )
+    if b.good_streak < needed:
+        return State.DEAD, so_far
+    since = b.state_since if b.state_since is not None else event.now
+    # Only recoveries inside the window are kept, at most the cap: the record stays bounded.
+    b.recovery_times = [*recent, event.now]
+    _clear_streaks(b)
+    return State.STALE, (
+        f"same process, back after {max(0.0, event.now - since):.0f} s: in-place recovery "
+        f"{done + 1} of {policy.max_in_place_recoveries} allowed in {_span(window)}; "
+        "re-admission returns it to serving"
+    )
+
+
+def _break_recovery(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    """A failure of a DEAD backend: good verdicts towards recovery must be in a row."""
+    if not isinstance(event, ProbeFailure | RequestFailure | WedgeProven):
+        raise AssertionError(f"{Rule.BREAK_RECOVERY} cannot take {event.kind}")
+    if not policy.recover_in_place:
+        raise _Refused(b.state, event.kind, "policy.recover_in_place is off", off=True)
+    b.good_streak = 0
+    match event:
+        case WedgeProven():
+            b.last_error = _error_text(event.reason, event.evidence)
+        case ProbeFailure():
+            b.probe_failures += 1
+            b.last_error = _error_text(event.reason, event.detail)
+        case RequestFailure():
+            b.request_failures += 1
+            b.last_error = _error_text(event.reason, event.detail)
+    return State.DEAD, f"still failing ({b.last_error}): the good streak starts again"
+
+
 _RULES: Final = {
     Rule.PROMOTE_WHEN_PROVEN: _promote_when_proven,
     Rule.CONDEMN_AT_THRESHOLD: _condemn_at_threshold,
     Rule.SPEND_RESTART: _spend_restart,
+    Rule.RECOVER_IN_PLACE: _recover_in_place,
+    Rule.BREAK_RECOVERY: _break_recovery,
 }
 
 
@@ -539,10 +728,12 @@ def _record(b: _Backend, event: Event) -> str:
             return f"noted, never condemns: a {b.state} backend takes no traffic ({b.last_error})"
         case ProcessGone():
             b.condemned_by = event.reason
+            b.good_streak = 0  # good verdicts before the proof count for nothing after it
             b.last_error = _error_text(event.reason, event.detail)
             return f"process gone ({b.last_error}): condemned at once"
         case WedgeProven():
             b.condemned_by = event.reason
+            b.good_streak = 0
             b.last_error = _error_text(event.reason, event.evidence)
             return f"wedge proven ({b.last_error}): condemned at once"
         case RestartFailed():
@@ -551,8 +742,10 @@ def _record(b: _Backend, event: Event) -> str:
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
         case NewProcessUp() | UnplannedRestart():
-            # A replacement must not inherit the failures of the process it replaced.
+            # A replacement must not inherit the failures of the process it replaced, nor
+            # its identity: unknown until a read shows it.
             _clear_streaks(b)
+            b.process = event.process
             if isinstance(event, UnplannedRestart):
                 b.last_error = "process restarted unplanned"
                 return "process restarted unplanned; the new one must prove itself"
@@ -570,6 +763,7 @@ def _record(b: _Backend, event: Event) -> str:
             return b.last_error
         case Condemned():
             b.condemned_by = event.reason
+            b.good_streak = 0
             b.last_error = _error_text(event.reason, event.detail)
             return f"condemned ({b.last_error})"
         case WeightsPartial():
@@ -583,10 +777,26 @@ def _record(b: _Backend, event: Event) -> str:
         case OperatorReset():
             _clear_streaks(b)
             b.restart_times.clear()
+            b.recovery_times.clear()
             b.condemned_by = None
-            return "operator reset: streaks and restart attempts cleared; must prove itself"
+            return (
+                "operator reset: streaks, restart attempts and in-place recoveries cleared; "
+                "must prove itself"
+            )
         case GoodVerdict() | RequestSuccess() | RestartIssued():
             raise AssertionError(f"{event.kind} only ever goes through a rule")
+
+
+def _unchanged(name: str, event: Event, state: State, reason: str) -> Transition:
+    return Transition(
+        name=name,
+        kind=event.kind,
+        from_state=state,
+        to_state=state,
+        applied=False,
+        reason=reason,
+        epoch_changed=False,
+    )
 
 
 def _clear_streaks(b: _Backend) -> None:
@@ -654,24 +864,24 @@ class Ledger:
         before = b.state
         outcome = TRANSITIONS[before].get(event.kind)
         if outcome is None:
-            return Transition(
-                name=name,
-                kind=event.kind,
-                from_state=before,
-                to_state=before,
-                applied=False,
-                reason=_why_ignored(before, event.kind),
-                epoch_changed=False,
-            )
+            return _unchanged(name, event, before, _why_ignored(before, event.kind))
         if isinstance(event, NewProcessUp) and event.url is not None:
             self._check_url_free(event.url, name)
         if isinstance(outcome, Rule):
-            after, why = _RULES[outcome](b, event, self._policy)
+            try:
+                after, why = _RULES[outcome](b, event, self._policy)
+            except _Refused as refused:
+                return _unchanged(name, event, before, refused.reason)
         else:
             after, why = outcome, _record(b, event)
         if isinstance(event, NewProcessUp) and event.url is not None:
             self._move(b, event.url)
             why = f"{why}; now at {event.url}"
+        seen = event.process if isinstance(event, _SeenEventBase) else None
+        # While DEAD the record keeps the process it condemned, so that only that same
+        # process can come back in place; anywhere else it follows the latest one seen.
+        if seen is not None and not (before is State.DEAD and after is State.DEAD):
+            b.process = seen
         if after is not before:
             b.state = after
             b.state_since = event.now
@@ -824,6 +1034,7 @@ class Ledger:
             condemned_by=b.condemned_by,
             state_since=b.state_since,
             state_before_partial=b.state_before_partial,
+            in_place_recoveries=sum(1 for t in b.recovery_times if _in_window(t, now, window)),
         )
 
     def snapshots(self, now: float) -> list[BackendSnapshot]:
@@ -868,6 +1079,8 @@ class Ledger:
                     "state_before_partial": None
                     if b.state_before_partial is None
                     else str(b.state_before_partial),
+                    "process": None if b.process is None else _process_dict(b.process),
+                    "recovery_times": list(b.recovery_times),
                 }
                 for b in self._sorted()
             ],
@@ -990,7 +1203,7 @@ _BACKEND_KEYS: Final = frozenset(
     }
 )
 # Keys added after schema 1 was first written: absent in older files, so not required.
-_LATER_BACKEND_KEYS: Final = frozenset({"state_before_partial"})
+_LATER_BACKEND_KEYS: Final = frozenset({"state_before_partial", "process", "recovery_times"})
 
 
 def _as_record(
@@ -1036,6 +1249,32 @@ def _as_str(value: object, where: str) -> str:
     return value
 
 
+def _times(value: object, where: str) -> list[float]:
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list, got {_type_name(value)}")
+    return [_as_time(t, f"{where}[{i}]") for i, t in enumerate(value)]
+
+
+def _process_dict(process: ProcessSeen) -> dict[str, object]:
+    return {"start": process.start, "counters": dict(sorted(process.counters.items()))}
+
+
+def _parse_process(value: object, where: str) -> ProcessSeen | None:
+    if value is None:
+        return None
+    r = _as_record(value, where, frozenset({"start", "counters"}))
+    counters = r["counters"]
+    if not isinstance(counters, dict):
+        raise ValueError(f"{where}.counters: expected an object, got {_type_name(counters)}")
+    return ProcessSeen(
+        start=_as_optional_time(r["start"], f"{where}.start"),
+        counters={
+            _as_str(name, f"{where}.counters"): _as_time(v, f"{where}.counters.{name}")
+            for name, v in counters.items()
+        },
+    )
+
+
 def _parse_backend(value: object, where: str) -> _Backend:
     r = _as_record(value, where, _BACKEND_KEYS, _LATER_BACKEND_KEYS)
     raw_state = r["state"]
@@ -1052,9 +1291,6 @@ def _parse_backend(value: object, where: str) -> _Backend:
                 "on a stale backend"
             )
         before_partial = State(str(raw_before))
-    times = r["restart_times"]
-    if not isinstance(times, list):
-        raise ValueError(f"{where}.restart_times: expected a list, got {_type_name(times)}")
     weight = r["weight_version"]
     if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)):
         raise ValueError(f"{where}.weight_version: expected an integer or null, got {weight!r}")
@@ -1068,7 +1304,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
         probe_failures=_as_int(r["probe_failures"], f"{where}.probe_failures"),
         request_failures=_as_int(r["request_failures"], f"{where}.request_failures"),
         good_streak=_as_int(r["good_streak"], f"{where}.good_streak"),
-        restart_times=[_as_time(t, f"{where}.restart_times[{i}]") for i, t in enumerate(times)],
+        restart_times=_times(r["restart_times"], f"{where}.restart_times"),
         last_ok_at=_as_optional_time(r["last_ok_at"], f"{where}.last_ok_at"),
         last_error=_as_str(r["last_error"], f"{where}.last_error"),
         weight_version=weight,
@@ -1077,6 +1313,8 @@ def _parse_backend(value: object, where: str) -> _Backend:
         else _as_str(condemned_by, f"{where}.condemned_by"),
         state_since=_as_optional_time(r["state_since"], f"{where}.state_since"),
         state_before_partial=before_partial,
+        process=_parse_process(r.get("process"), f"{where}.process"),
+        recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):

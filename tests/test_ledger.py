@@ -34,6 +34,7 @@ from llmhealth.ledger import (
     OperatorReset,
     ProbeFailure,
     ProcessGone,
+    ProcessSeen,
     Readmitted,
     RequestFailure,
     RequestSuccess,
@@ -611,7 +612,9 @@ def ledger_in(state: State) -> Ledger:
 
 def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
     makers: dict[EventKind, Callable[[float], Event]] = {
-        EventKind.GOOD_VERDICT: lambda now: GoodVerdict(now=now, request_ok=flag),
+        EventKind.GOOD_VERDICT: lambda now: GoodVerdict(
+            now=now, request_ok=flag, process=ProcessSeen(start=7.0, counters={"steps": now})
+        ),
         EventKind.PROBE_FAILURE: lambda now: ProbeFailure(
             now=now, reason="down" if flag else "stalled"
         ),
@@ -621,7 +624,9 @@ def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
         EventKind.WEDGE_PROVEN: lambda now: WedgeProven(now=now, evidence="no steps"),
         EventKind.RESTART_ISSUED: lambda now: RestartIssued(now=now),
         EventKind.RESTART_FAILED: lambda now: RestartFailed(now=now, reason="exit 1"),
-        EventKind.NEW_PROCESS_UP: lambda now: NewProcessUp(now=now),
+        EventKind.NEW_PROCESS_UP: lambda now: NewProcessUp(
+            now=now, process=ProcessSeen(start=now) if flag else None
+        ),
         EventKind.READMITTED: lambda now: Readmitted(now=now, weight_version=7 if flag else None),
         EventKind.UNPLANNED_RESTART: lambda now: UnplannedRestart(now=now),
         EventKind.RETIRE: lambda now: Retire(now=now, reason="operator"),
@@ -661,9 +666,21 @@ def test_an_event_that_does_not_apply_changes_nothing_and_says_why(
 
 def test_the_ignored_set_covers_the_guards_the_callers_used_to_keep() -> None:
     ignored = set(IGNORED_PAIRS)
-    for state in (State.DEAD, State.RESTARTING, State.STALE, State.RETIRED):
+    for state in (State.RESTARTING, State.STALE, State.RETIRED):
         assert (state, EventKind.GOOD_VERDICT) in ignored
         assert (state, EventKind.REQUEST_SUCCESS) in ignored
+    # In DEAD they meet the in-place rule, which the default policy (off) turns away
+    # exactly as an absent entry would: seed 000's semantics.
+    for kind in (EventKind.GOOD_VERDICT, EventKind.REQUEST_SUCCESS):
+        assert TRANSITIONS[State.DEAD][kind] is Rule.RECOVER_IN_PLACE
+        ledger = ledger_in(State.DEAD)
+        before = ledger.to_dict()
+        for flag in (False, True):
+            t = ledger.apply("a", maker_for(kind, flag)(50.0))
+            assert not t.applied and t.to_state is State.DEAD
+            assert t.reason.startswith(f"{kind} ignored in dead: ")
+            assert t.reason.endswith("(policy.recover_in_place is off)")
+            assert ledger.to_dict() == before
     for state in set(State) - {State.STALE}:
         assert (state, EventKind.READMITTED) in ignored
     for state in set(State) - {State.DEAD}:
@@ -672,6 +689,387 @@ def test_the_ignored_set_covers_the_guards_the_callers_used_to_keep() -> None:
         assert (state, EventKind.RESTART_FAILED) in ignored
     for state in set(State) - {State.RESTARTING, State.DEAD}:
         assert (state, EventKind.NEW_PROCESS_UP) in ignored
+
+
+# --- recovery in place ----------------------------------------------------------------
+
+RECOVER = LedgerPolicy(recover_in_place=True)
+
+
+def seen(start: float | None = 1000.0, steps: float = 50.0, finished: float = 5.0) -> ProcessSeen:
+    return ProcessSeen(start=start, counters={"steps": steps, "finished": finished})
+
+
+def good_from(
+    process: ProcessSeen | None,
+    *,
+    request_ok: bool = False,
+    requests_finished: bool = False,
+    restart_pending: bool = False,
+) -> Callable[[float], Event]:
+    return lambda now: GoodVerdict(
+        now=now,
+        request_ok=request_ok,
+        requests_finished=requests_finished,
+        restart_pending=restart_pending,
+        process=process,
+    )
+
+
+def condemned_by_probes(walk: Walk, process: ProcessSeen | None = None) -> None:
+    """Serving with ``process`` known, then three unanswered /metrics reads: DEAD."""
+    walk.feed(good_from(process or seen(steps=40.0)), last_ok_at=walk.now + 10.0, good_streak=1)
+    unresponsive = probe_fail("unresponsive", "no answer in 5 s")
+    walk.feed(
+        unresponsive,
+        state=State.SUSPECT,
+        probe_failures=1,
+        good_streak=0,
+        last_error="unresponsive: no answer in 5 s",
+    )
+    walk.feed(unresponsive, probe_failures=2)
+    walk.feed(unresponsive, state=State.DEAD, probe_failures=3, condemned_by="unresponsive")
+
+
+def test_the_same_process_answering_again_goes_from_dead_to_stale_then_serves_on_readmission() -> (
+    None
+):
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk)
+    dead_at = walk.now
+    t = walk.feed(
+        good_from(seen(steps=60.0), request_ok=True),
+        probe_failures=0,
+        good_streak=1,
+        last_ok_at=walk.now + 10.0,
+    )
+    assert t.applied and t.to_state is State.DEAD
+    assert t.reason == "1 of 2 good verdicts in a row from the same process"
+    t = walk.feed(
+        good_from(seen(steps=70.0), request_ok=True),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+    assert t.reason.startswith(f"same process, back after {walk.now - dead_at:.0f} s: ")
+    assert "in-place recovery 1 of 3 allowed in 24h" in t.reason
+    assert not t.epoch_changed and walk.ledger.serving == ()
+    # From STALE it re-enters exactly as any STALE backend does, and only so.
+    walk.ignore(good_from(seen(steps=80.0), request_ok=True))
+    t = walk.feed(readmit(), state=State.HEALTHY, condemned_by=None, last_ok_at=walk.now + 10.0)
+    assert t.epoch_changed and walk.ledger.serving == ("a",)
+
+
+def test_a_backend_condemned_by_unanswered_tiny_requests_needs_an_answered_one_to_recover() -> None:
+    walk = Walk(RECOVER)
+    walk.feed(good_from(seen()), last_ok_at=10.0, good_streak=1)
+    unanswered = lambda now: RequestFailure(now=now, reason="unanswered", process=seen())  # noqa: E731
+    walk.feed(
+        unanswered,
+        state=State.SUSPECT,
+        request_failures=1,
+        good_streak=0,
+        last_error="unanswered",
+    )
+    walk.feed(unanswered, request_failures=2)
+    walk.feed(unanswered, state=State.DEAD, request_failures=3, condemned_by="unanswered")
+    # Reads alone show the process alive, not that it answers requests.
+    t = walk.feed(good_from(seen()), good_streak=1, last_ok_at=walk.now + 10.0)
+    assert "3 request failure(s) not yet cleared" in t.reason
+    t = walk.feed(good_from(seen()), good_streak=2, last_ok_at=walk.now + 10.0)
+    assert t.to_state is State.DEAD
+    walk.feed(
+        good_from(seen(), request_ok=True),
+        state=State.STALE,
+        request_failures=0,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+
+
+def test_a_backend_condemned_by_traffic_recovers_on_requests_finishing_with_no_tiny_request() -> (
+    None
+):
+    walk = Walk(RECOVER)
+    walk.feed(good_from(seen()), last_ok_at=10.0, good_streak=1)
+    # The router reports by URL, with no /metrics read: no process attached.
+    failed = request_fail("upstream_5xx")
+    walk.feed(
+        failed, state=State.SUSPECT, request_failures=1, good_streak=0, last_error="upstream_5xx"
+    )
+    walk.feed(failed, request_failures=2)
+    walk.feed(failed, state=State.DEAD, request_failures=3, condemned_by="upstream_5xx")
+    # A request the router saw answered clears the request streak, but says nothing of
+    # which process answered, so it does not count towards the good streak.
+    t = walk.feed(request_ok, request_failures=0, last_ok_at=walk.now + 10.0)
+    assert t.to_state is State.DEAD and "which process answered is unknown" in t.reason
+    walk.ignore(request_ok)  # nothing left to clear, nothing it can prove
+    # Busy, with vllm:request_success climbing: the finishing requests are the proof.
+    walk.feed(
+        good_from(seen(steps=90.0, finished=9.0), requests_finished=True),
+        good_streak=1,
+        last_ok_at=walk.now + 10.0,
+    )
+    walk.feed(
+        good_from(seen(steps=99.0, finished=12.0), requests_finished=True),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+
+
+def test_a_wedge_that_ends_without_a_restart_is_a_same_process_recovery() -> None:
+    walk = Walk(RECOVER)
+    walk.feed(good_from(seen(steps=40.0)), last_ok_at=10.0, good_streak=1)
+    walk.feed(
+        lambda now: WedgeProven(now=now, evidence="no step over 2 waits", process=seen()),
+        state=State.DEAD,
+        good_streak=0,
+        condemned_by="wedged",
+        last_error="wedged: no step over 2 waits",
+    )
+    # The engine steps again (a long compile, a collective that resolved).
+    walk.feed(good_from(seen(steps=51.0)), good_streak=1, last_ok_at=walk.now + 10.0)
+    t = walk.feed(
+        good_from(seen(steps=63.0)),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+    assert "same process" in t.reason
+    assert walk.ledger.snapshot("a", walk.now).condemned_by == "wedged"
+
+
+def test_a_failure_while_dead_starts_the_good_streak_again() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk)
+    walk.feed(good_from(seen()), probe_failures=0, good_streak=1, last_ok_at=walk.now + 10.0)
+    t = walk.feed(
+        probe_fail("stalled", "no step"),
+        probe_failures=1,
+        good_streak=0,
+        last_error="stalled: no step",
+    )
+    assert t.applied and "the good streak starts again" in t.reason
+    walk.feed(good_from(seen()), probe_failures=0, good_streak=1, last_ok_at=walk.now + 10.0)
+    walk.feed(
+        good_from(seen()),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+
+
+def test_another_process_never_recovers_in_place_and_goes_through_stale_as_before() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk, seen(start=1000.0))
+    for _ in range(5):
+        t = walk.ignore(good_from(seen(start=2000.0), request_ok=True))
+        assert t.reason == (
+            "good_verdict refused in dead: start time 1000.00 -> 2000.00: another process; "
+            "a new process goes through new_process_up and STALE"
+        )
+    walk.feed(
+        lambda now: NewProcessUp(now=now, process=seen(start=2000.0, steps=0.0)),
+        state=State.STALE,
+        probe_failures=0,
+    )
+    assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 0
+
+
+def test_counters_that_went_back_mark_another_process_when_there_is_no_start_time() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk, seen(start=None, steps=400.0, finished=30.0))
+    t = walk.ignore(good_from(seen(start=None, steps=3.0, finished=1.0), request_ok=True))
+    assert "finished, steps went back: another process" in t.reason
+    # Counters that kept climbing are the same process.
+    walk.feed(
+        good_from(seen(start=None, steps=450.0, finished=31.0), request_ok=True),
+        probe_failures=0,
+        good_streak=1,
+        last_ok_at=walk.now + 10.0,
+    )
+
+
+def test_a_process_that_cannot_be_identified_never_recovers_in_place() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk)
+    t = walk.ignore(good_from(None, request_ok=True))
+    assert "which process answered is unknown" in t.reason
+    t = walk.ignore(good_from(ProcessSeen(start=None), request_ok=True))
+    assert "neither a start time nor a counter to compare" in t.reason
+
+
+def test_a_pending_restart_is_left_to_decide() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk)
+    for _ in range(4):
+        t = walk.ignore(good_from(seen(), request_ok=True, restart_pending=True))
+        assert t.reason == (
+            "good_verdict refused in dead: a restart is pending: the restart decides, "
+            "not this process"
+        )
+    t = walk.ignore(lambda now: RequestSuccess(now=now, process=seen(), restart_pending=True))
+    assert "a restart is pending" in t.reason
+
+
+def recover_once(walk: Walk, verdicts: int) -> Transition:
+    """Condemn by probes, then feed good verdicts from the same process until STALE."""
+    condemned = walk.expected
+    condemned_by_probes(walk)
+    for _ in range(verdicts - 1):
+        t = walk.ledger.apply("a", GoodVerdict(now=walk.now, process=seen()))
+        assert t.applied and t.to_state is State.DEAD
+    t = walk.ledger.apply("a", GoodVerdict(now=walk.now, process=seen()))
+    assert t.to_state is State.STALE, t.reason
+    walk.ledger.apply("a", Readmitted(now=walk.now))
+    walk.expected = walk.ledger.snapshot("a", walk.now)
+    assert condemned.state is State.HEALTHY
+    return t
+
+
+def test_each_recovery_in_the_window_doubles_the_good_time_and_past_the_cap_it_stays_dead() -> None:
+    walk = Walk(RECOVER)
+    assert "recovery 1 of 3" in recover_once(walk, 2).reason
+    t = recover_once(walk, 4)
+    assert "recovery 2 of 3" in t.reason
+    t = recover_once(walk, 8)
+    assert "recovery 3 of 3" in t.reason
+    assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 3
+    condemned_by_probes(walk)
+    for _ in range(20):
+        t = walk.ignore(good_from(seen(), request_ok=True))
+        assert t.reason == (
+            "good_verdict refused in dead: 3 in-place recoveries in 24h "
+            "(max_in_place_recoveries 3): it stays DEAD for an operator"
+        )
+
+
+def test_recoveries_older_than_the_window_stop_counting() -> None:
+    walk = Walk(LedgerPolicy(recover_in_place=True, restart_budget_window=1000.0))
+    recover_once(walk, 2)
+    first = walk.now
+    walk.now += 500.0
+    recover_once(walk, 4)
+    second = walk.now
+    walk.now = first + 1000.0
+    walk.expected = walk.ledger.snapshot("a", walk.now)
+    assert walk.expected.in_place_recoveries == 1
+    recover_once(walk, 4)  # one recovery in the window: twice the base again, not four times
+    walk.now = max(second, walk.now) + 1000.0
+    walk.expected = walk.ledger.snapshot("a", walk.now)
+    assert walk.expected.in_place_recoveries == 0
+    recover_once(walk, 2)
+
+
+def test_a_cap_of_zero_never_recovers_in_place() -> None:
+    walk = Walk(LedgerPolicy(recover_in_place=True, max_in_place_recoveries=0))
+    condemned_by_probes(walk)
+    t = walk.ignore(good_from(seen(), request_ok=True))
+    assert "it stays DEAD for an operator" in t.reason
+
+
+def test_an_operator_reset_clears_the_in_place_recoveries() -> None:
+    walk = Walk(RECOVER)
+    recover_once(walk, 2)
+    walk.ledger.apply("a", Retire(now=walk.now, reason="operator"))
+    t = walk.ledger.apply("a", OperatorReset(now=walk.now))
+    assert "in-place recoveries cleared" in t.reason
+    assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 0
+
+
+def test_the_condemned_process_and_recoveries_survive_a_round_trip_and_old_files_load() -> None:
+    walk = Walk(RECOVER)
+    recover_once(walk, 2)
+    condemned_by_probes(walk, seen(start=77.5, steps=3.0))
+    data = walk.ledger.to_dict()
+    again = Ledger.from_dict(json.loads(json.dumps(data)), RECOVER)
+    assert again.to_dict() == data
+    refused = again.apply("a", GoodVerdict(now=walk.now, process=seen(start=1000.0)))
+    assert "start time 77.50 -> 1000.00" in refused.reason
+    # A state file from before recovery in place has neither key: nothing known, none done.
+    for backend in data["backends"]:  # type: ignore[attr-defined]
+        del backend["process"], backend["recovery_times"]
+    old = Ledger.from_dict(data, RECOVER)
+    assert old.snapshot("a", walk.now).in_place_recoveries == 0
+    assert "unknown" in old.apply("a", GoodVerdict(now=walk.now, process=seen())).reason
+
+
+@pytest.mark.parametrize(
+    ("process", "message"),
+    [
+        ({"start": "x", "counters": {}}, r"process.start: expected a finite number"),
+        ({"start": 1.0}, r"process: missing key 'counters'"),
+        ({"start": 1.0, "counters": []}, r"process.counters: expected an object"),
+        ({"start": 1.0, "counters": {"steps": None}}, r"process.counters.steps"),
+    ],
+)
+def test_a_damaged_condemned_process_is_a_value_error(process: object, message: str) -> None:
+    data: Any = busy_ledger().to_dict()
+    data["backends"][0]["process"] = process
+    with pytest.raises(ValueError, match=message):
+        Ledger.from_dict(data, POLICY)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    condemned_start=st.floats(0.0, 1e9, allow_nan=False),
+    later=st.lists(
+        st.tuples(
+            st.sampled_from(["good", "success", "probe_fail", "request_fail", "wedge"]),
+            st.floats(0.0, 1e9, allow_nan=False),
+            st.booleans(),
+            st.floats(0.0, 1e6, allow_nan=False),
+        ),
+        max_size=40,
+    ),
+    how=st.sampled_from(["probes", "requests", "wedge"]),
+    healthy_threshold=st.integers(1, 3),
+)
+def test_a_backend_whose_start_time_changed_never_recovers_in_place(
+    condemned_start: float,
+    later: list[tuple[str, float, bool, float]],
+    how: str,
+    healthy_threshold: int,
+) -> None:
+    policy = LedgerPolicy(recover_in_place=True, healthy_threshold=healthy_threshold)
+    ledger = one_backend(policy)
+    condemned = ProcessSeen(start=condemned_start, counters={"steps": 10.0})
+    ledger.apply("a", GoodVerdict(now=1.0, process=condemned))
+    for i in range(policy.unhealthy_threshold):
+        if how == "probes":
+            ledger.apply("a", ProbeFailure(now=2.0 + i, reason="unresponsive"))
+        elif how == "requests":
+            ledger.apply("a", RequestFailure(now=2.0 + i, reason="unanswered", process=condemned))
+        else:
+            ledger.apply("a", WedgeProven(now=2.0 + i, process=condemned))
+    assert ledger.state_of("a") is State.DEAD
+    now = 10.0
+    for kind, start, flag, steps in later:
+        now += 5.0
+        # Any start time but the condemned one: another process, whatever its counters.
+        other = ProcessSeen(
+            start=start if start != condemned_start else start + 1.0, counters={"steps": steps}
+        )
+        event: Event
+        if kind == "good":
+            event = GoodVerdict(now=now, request_ok=flag, requests_finished=flag, process=other)
+        elif kind == "success":
+            event = RequestSuccess(now=now, process=other if flag else None)
+        elif kind == "probe_fail":
+            event = ProbeFailure(now=now, reason="stalled", process=other)
+        elif kind == "request_fail":
+            event = RequestFailure(now=now, reason="unanswered", process=other if flag else None)
+        else:
+            event = WedgeProven(now=now, process=other)
+        t = ledger.apply("a", event)
+        assert ledger.state_of("a") is State.DEAD, t.reason
+        assert ledger.snapshot("a", now).in_place_recoveries == 0
 
 
 # --- fleet views ---------------------------------------------------------------------------
@@ -845,6 +1243,8 @@ def test_a_ledger_built_without_a_time_does_not_invent_one() -> None:
         ("unhealthy_threshold", 2.5),
         ("unhealthy_threshold", True),
         ("startup_grace", "15m"),
+        ("max_in_place_recoveries", -1),
+        ("recover_in_place", "yes"),
     ],
 )
 def test_a_policy_out_of_range_is_refused_naming_the_field_and_value(
@@ -863,6 +1263,9 @@ def test_the_default_policy_matches_the_design() -> None:
         restart_budget=5,
         restart_budget_window=86400.0,
         startup_grace=900.0,
+        # Seed 000's semantics unless asked: a DEAD backend never comes back in place.
+        recover_in_place=False,
+        max_in_place_recoveries=3,
     )
 
 
@@ -1081,6 +1484,8 @@ def choose(ledger: Ledger, name: str, pick: int, legal: bool) -> EventKind | str
 
 policies = st.builds(
     LedgerPolicy,
+    recover_in_place=st.booleans(),
+    max_in_place_recoveries=st.integers(0, 2),
     unhealthy_threshold=st.integers(1, 3),
     healthy_threshold=st.integers(1, 3),
     min_healthy=st.integers(0, 3),
@@ -1109,9 +1514,18 @@ def check_transition(
         assert (t.from_state, t.kind) == (State.STALE, EventKind.READMITTED)
     if t.to_state is State.HEALTHY and t.from_state is not State.HEALTHY:
         assert t.from_state in {State.SUSPECT, State.STALE}
-    # Good probes never resurrect, and never apply outside the serving set.
-    if t.kind is EventKind.GOOD_VERDICT and t.from_state not in SERVING:
-        assert not t.applied
+    # Good probes never resurrect. Outside the serving set they apply only to a DEAD
+    # backend under recover_in_place, and lead at most to STALE.
+    if t.kind is EventKind.GOOD_VERDICT and t.from_state not in SERVING and t.applied:
+        assert before.policy.recover_in_place and t.from_state is State.DEAD
+        assert t.to_state in {State.DEAD, State.STALE}
+    # Only the very process that was condemned comes back in place.
+    if t.from_state is State.DEAD and t.to_state is State.STALE:
+        assert t.kind is EventKind.NEW_PROCESS_UP or (
+            isinstance(event, GoodVerdict | RequestSuccess)
+            and event.process is not None
+            and not event.restart_pending
+        )
     # RETIRED stays RETIRED until an operator reset.
     if t.from_state is State.RETIRED and t.kind is not EventKind.OPERATOR_RESET:
         assert t.to_state is State.RETIRED and not t.applied
