@@ -17,6 +17,7 @@ from collections.abc import Callable
 import bench_check
 import bench_compare
 import bench_scale
+import bench_startup
 import report
 from report import Section
 
@@ -46,6 +47,7 @@ STEPS: list[tuple[str, Callable[[], list[Section]]]] = [
     ("3b. bytes per check (bench_scale)", lambda: bench_scale.run("bytes")),
     ("3c. check and watch at scale (bench_scale)", lambda: bench_scale.run("scale")),
     ("3d. check over 200 backends (bench_check)", check_200),
+    ("4. start-up (bench_startup)", bench_startup.run),
 ]
 
 

@@ -7,7 +7,6 @@ alert on CRITICAL always means a server, not a typo.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -15,32 +14,25 @@ import time
 import traceback
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from llmhealth import config as config_module
-from llmhealth import operate
-from llmhealth.actions import AuditError, AuditLog
+from llmhealth.actions import AuditError
 from llmhealth.classify import Target
-from llmhealth.cycle import audit_path_for, run_cycle, state_path_for
-from llmhealth.operate import VerbResult, read_record
-from llmhealth.probe import ProbeSettings
-from llmhealth.remediate import Mode
-from llmhealth.render import console_for_output, print_report, print_status
-from llmhealth.report import (
-    CycleReport,
-    ExitCode,
-    as_json,
-    exit_code,
-    nagios_line,
-    status_exit_code,
-    status_json,
-    status_nagios,
-    summarize,
-)
-from llmhealth.state import StateError, StateFile
+from llmhealth.report import ExitCode
+from llmhealth.state import StateError
+
+if TYPE_CHECKING:
+    from llmhealth.actions import AuditLog
+    from llmhealth.operate import VerbResult
+    from llmhealth.report import CycleReport
+    from llmhealth.state import StateFile
+
+# Each verb imports what it alone needs (the cycle and its HTTP client, rich, the daemon,
+# the simulator) inside its body: a shell check or a once-a-minute timer pays for the
+# interpreter and these few modules, not for every verb's, before its first request.
 
 app = typer.Typer(
     add_completion=False,
@@ -137,6 +129,12 @@ def check(
     A backend that shows work is never sent a request: it is judged by whether its engine
     steps between reads. Only a backend with nothing to do gets one tiny request.
     """
+    # The cycle brings the HTTP client, the ledger and remediation: only a check needs them.
+    from llmhealth.cycle import run_cycle, state_path_for  # noqa: PLC0415
+    from llmhealth.probe import ProbeSettings  # noqa: PLC0415
+    from llmhealth.remediate import Mode  # noqa: PLC0415
+    from llmhealth.state import StateFile  # noqa: PLC0415
+
     loaded, targets = _fleet(urls or [], proxy or [], config_file)
     if not targets:
         raise typer.BadParameter("nothing to check: give backend URLs, --proxy or --config")
@@ -151,6 +149,8 @@ def check(
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
     report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
+    from llmhealth.report import exit_code  # noqa: PLC0415
+
     raise typer.Exit(int(exit_code(report)))
 
 
@@ -183,7 +183,13 @@ def watch(
     SIGHUP reloads the config (an invalid one is reported and the old one kept); SIGTERM
     finishes the cycle in progress, saves, and exits 0.
     """
-    from llmhealth.daemon import Daemon  # noqa: PLC0415 - only the daemon needs it
+    import asyncio  # noqa: PLC0415 - only the daemon needs these
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cycle import state_path_for  # noqa: PLC0415
+    from llmhealth.daemon import Daemon  # noqa: PLC0415
+    from llmhealth.state import StateFile  # noqa: PLC0415
 
     given_urls, given_proxies = urls or [], proxy or []
 
@@ -218,6 +224,10 @@ def _operator_context(
     config_file: str | None, state: str | None
 ) -> tuple[config_module.Config, StateFile, AuditLog]:
     """Config (or defaults), the state file and the audit log an operator verb works on."""
+    from llmhealth.actions import AuditLog  # noqa: PLC0415
+    from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
+    from llmhealth.state import StateFile  # noqa: PLC0415
+
     loaded = config_module.load(config_file) if config_file else config_module.Config()
     path = state_path_for(loaded, state)
     return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
@@ -239,6 +249,15 @@ def status(
     output: FormatOption = OutputFormat.TABLE,
 ) -> None:
     """Show the ledger as saved by the last check, without touching any server."""
+    from llmhealth.operate import read_record  # noqa: PLC0415
+    from llmhealth.render import console_for_output, print_status  # noqa: PLC0415
+    from llmhealth.report import (  # noqa: PLC0415
+        status_exit_code,
+        status_json,
+        status_nagios,
+        summarize,
+    )
+
     loaded, store, _ = _operator_context(config_file, state)
     record = read_record(store, loaded)
     now = time.time()
@@ -265,6 +284,8 @@ def readmit(
 ) -> None:
     """Return a STALE backend to serving: an operator's or trainer's proof that it is good."""
     loaded, store, audit = _operator_context(config_file, state)
+    from llmhealth import operate  # noqa: PLC0415
+
     _verb_exit(operate.readmit(store, audit, loaded, name, weight_version))
 
 
@@ -277,6 +298,8 @@ def retire(
 ) -> None:
     """Take a backend out for good; only 'reset' brings it back (through STALE)."""
     loaded, store, audit = _operator_context(config_file, state)
+    from llmhealth import operate  # noqa: PLC0415
+
     _verb_exit(operate.retire(store, audit, loaded, name, reason))
 
 
@@ -284,6 +307,8 @@ def retire(
 def reset(name: NameArgument, config_file: ConfigOption = None, state: StateOption = None) -> None:
     """Bring a RETIRED backend back to STALE, from where it must prove itself again."""
     loaded, store, audit = _operator_context(config_file, state)
+    from llmhealth import operate  # noqa: PLC0415
+
     _verb_exit(operate.reset(store, audit, loaded, name))
 
 
@@ -299,6 +324,8 @@ def hold(
     seconds = _duration(duration)
     assert seconds is not None
     loaded, store, audit = _operator_context(config_file, state)
+    from llmhealth import operate  # noqa: PLC0415
+
     _verb_exit(operate.hold(store, audit, loaded, name, seconds, reason))
 
 
@@ -308,6 +335,8 @@ def release(
 ) -> None:
     """End a hold early."""
     loaded, store, audit = _operator_context(config_file, state)
+    from llmhealth import operate  # noqa: PLC0415
+
     _verb_exit(operate.release(store, audit, loaded, name))
 
 
@@ -369,6 +398,7 @@ def simulate(
 def demo() -> None:
     """Start a small simulated fleet, check it once, show the verdicts, stop the fleet."""
     from llmhealth.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+    from llmhealth.render import console_for_output  # noqa: PLC0415
 
     raise typer.Exit(run_demo(console_for_output()))
 
@@ -403,6 +433,9 @@ def _fleet(
 
 
 def _print(report: CycleReport, output: OutputFormat) -> None:
+    from llmhealth.render import console_for_output, print_report  # noqa: PLC0415
+    from llmhealth.report import as_json, nagios_line  # noqa: PLC0415
+
     if output is OutputFormat.JSON:
         print(json.dumps(as_json(report), indent=2))
     elif output is OutputFormat.NAGIOS:
