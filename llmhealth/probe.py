@@ -1,8 +1,8 @@
 """HTTP at the edge: bounded reads of /metrics, the tiny request, a proxy's /v1/models.
 
 Every request is capped in bytes and in total time (a server trickling one byte a second
-must not hold a check past its timeout), and every httpx or socket failure is translated
-here, once, into a value: a sick backend is data, never an exception that escapes. Any
+must not hold a check past its timeout), and every wire, httpx or socket failure is
+translated here, once, into a value: a sick backend is data, never an exception that escapes. Any
 other exception while examining one backend becomes that backend's verdict too, and
 everything the server said is made printable here, before anything shows it.
 """
@@ -16,11 +16,10 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from llmhealth import __version__
+from llmhealth import __version__, wire
 from llmhealth.classify import (
     Answer,
     Outcome,
@@ -37,11 +36,15 @@ from llmhealth.classify import (
 from llmhealth.metrics import Signals, parse_metrics
 from llmhealth.text import printable
 
+if TYPE_CHECKING:
+    import httpx
+
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
 _SMALL_BODY = 1024 * 1024  # /v1/models and completions answers are small; cap them hard
 _TINY_PROMPT = "Hi"
+_USER_AGENT = f"llmhealth/{__version__}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,31 +72,68 @@ class _RequestFailedError(Exception):
 class _Response:
     status: int
     body: bytes
-    headers: httpx.Headers
+    headers: Mapping[str, str]
     elapsed: float
 
 
-def new_client(tls: ssl.SSLContext | None = None) -> httpx.AsyncClient:
-    """A client for one target, so its connection is reused between that target's reads.
+class Client:
+    """How one target is read: its own /metrics connection, and httpx only when needed.
 
-    One client per target, not one for the fleet: httpcore's pool scans every connection
-    it holds for every request, which made a 200-backend check spend most of its CPU
-    there. The TLS context is built once and shared (building one costs milliseconds).
-    Environment proxies are ignored on purpose: a backend is read directly or not at all.
+    Every ``/metrics`` read goes through ``wire`` (a tenth of httpx's CPU per read, see
+    wire.py); ``/v1/models`` and the tiny request, rare by design, go through httpx,
+    which is imported and built on the first of them. One client per target, so its
+    connection is reused between that target's reads and no pool is ever scanned.
     """
-    return httpx.AsyncClient(
-        verify=tls if tls is not None else ssl.create_default_context(),
-        follow_redirects=False,
-        trust_env=False,
-        limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-        # identity: the byte caps count what the server sent, and a few kilobytes of
-        # gzip can never inflate to gigabytes here (httpx would ask for gzip by default).
-        headers={"User-Agent": f"llmhealth/{__version__}", "Accept-Encoding": "identity"},
-    )
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls
+        self.metrics = wire.Connection(tls, _USER_AGENT)
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            import httpx  # noqa: PLC0415 - most checks never need it: no import, no client
+
+            self._http = httpx.AsyncClient(
+                verify=self._tls if self._tls is not None else _default_tls(),
+                follow_redirects=False,
+                # A backend is read directly or not at all: environment proxies ignored.
+                trust_env=False,
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+                # identity: the byte caps count what the server sent, and a few kilobytes
+                # of gzip can never inflate to gigabytes here (httpx asks for gzip by
+                # default).
+                headers={"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"},
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        await self.metrics.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()
+
+
+@cache
+def _default_tls() -> ssl.SSLContext:
+    """One default TLS context per process: building one costs about 20 ms of CPU."""
+    return ssl.create_default_context()
+
+
+def new_client(tls: ssl.SSLContext | None = None) -> Client:
+    """A client for one target; ``tls`` is shared by the fleet (None: the default context,
+    built only if an https target or a tiny request needs it)."""
+    return Client(tls)
 
 
 async def _request(
-    client: httpx.AsyncClient,
+    client: Client,
     method: str,
     url: str,
     *,
@@ -121,7 +161,7 @@ async def _request(
 
 
 async def _request_once(
-    client: httpx.AsyncClient,
+    client: Client,
     method: str,
     url: str,
     timeout: float,
@@ -131,6 +171,8 @@ async def _request_once(
     headers: Mapping[str, str] | None,
 ) -> _Response:
     """One attempt, over by ``deadline`` (event-loop time); ``timeout`` is the whole budget."""
+    import httpx  # noqa: PLC0415 - only the tiny request and the model list use httpx
+
     connecting = False
     opened = False
 
@@ -145,7 +187,7 @@ async def _request_once(
     received = 0
     try:
         async with asyncio.timeout_at(deadline):
-            async with client.stream(
+            async with client.http.stream(
                 method,
                 url,
                 json=body,
@@ -153,7 +195,7 @@ async def _request_once(
                 timeout=httpx.Timeout(max(0.0, deadline - asyncio.get_running_loop().time())),
                 extensions={"trace": trace},
             ) as response:
-                _refuse_encoded(response, method, url)
+                _refuse_encoded(response.status_code, response.headers, method, url)
                 chunks = []
                 # Raw bytes, never decoded: what is counted is what came over the wire,
                 # and with no encoding accepted it is also all there is to parse.
@@ -191,7 +233,7 @@ async def _request_once(
             f"{method} {_path(url)}: connected, but no HTTP answer within {timeout:g} s",
         ) from exc
     except httpx.ConnectError as exc:
-        raise _RequestFailedError(ReadProblem.DOWN, _connect_error(exc)) from exc
+        raise _RequestFailedError(ReadProblem.DOWN, _connect_error(_root_cause(exc))) from exc
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
         where = f"mid-body after {received} bytes" if received else "before an answer"
         raise _RequestFailedError(
@@ -205,15 +247,57 @@ async def _request_once(
         ) from exc
 
 
+async def _get_metrics(client: Client, url: str, timeout: float, max_bytes: int) -> _Response:
+    """GET /metrics through ``wire``, its failures translated as httpx's are in _request."""
+    started = time.monotonic()
+    deadline = asyncio.get_running_loop().time() + timeout
+    try:
+        answer = await client.metrics.get(
+            url,
+            deadline=deadline,
+            max_bytes=max_bytes,
+            accept=lambda status, headers: _refuse_encoded(status, headers, "GET", url),
+        )
+    except wire.WireError as exc:
+        raise _wire_failure(exc, url, timeout, max_bytes) from exc
+    return _Response(answer.status, answer.body, answer.headers, time.monotonic() - started)
+
+
+def _wire_failure(
+    exc: wire.WireError, url: str, timeout: float, max_bytes: int
+) -> _RequestFailedError:
+    """The same problem and evidence an httpx read gave for the same server behaviour."""
+    failure, received = exc.failure, exc.received
+    if failure is wire.Failure.CONNECT_TIMEOUT:
+        return _RequestFailedError(
+            ReadProblem.DOWN, f"no TCP connection within {timeout:g} s (no route?)"
+        )
+    if failure is wire.Failure.CONNECT_FAILED:
+        return _RequestFailedError(ReadProblem.DOWN, _connect_error(_root_cause(exc)))
+    if failure is wire.Failure.ANSWER_TIMEOUT:
+        return _RequestFailedError(
+            ReadProblem.UNRESPONSIVE,
+            f"GET {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
+            + (f" ({received} bytes received)" if received else ""),
+        )
+    if failure is wire.Failure.TOO_BIG:
+        return _RequestFailedError(
+            ReadProblem.UNUSABLE, f"GET {_path(url)} sent more than the {_size(max_bytes)} cap"
+        )
+    # CLOSED and MALFORMED: as httpx's ReadError and RemoteProtocolError were.
+    where = f"mid-body after {received} bytes" if received else "before an answer"
+    return _RequestFailedError(
+        ReadProblem.DOWN, f"connection closed or reset {where}: {_reason(exc)}"
+    )
+
+
 async def read_metrics(
-    client: httpx.AsyncClient, target: Target, settings: ProbeSettings, clock: Clock
+    client: Client, target: Target, settings: ProbeSettings, clock: Clock
 ) -> Read:
     """One GET /metrics, as a Read; never raises for anything the server does."""
     url = f"{target.url}/metrics"
     try:
-        response = await _request(
-            client, "GET", url, timeout=settings.timeout, max_bytes=settings.max_body
-        )
+        response = await _get_metrics(client, url, settings.timeout, settings.max_body)
     except _RequestFailedError as failure:
         return Read(clock(), problem=failure.problem, detail=failure.detail)
     if 300 <= response.status < 400:
@@ -246,7 +330,7 @@ async def read_metrics(
 
 
 async def list_models(
-    client: httpx.AsyncClient, target: Target, timeout: float, headers: Mapping[str, str]
+    client: Client, target: Target, timeout: float, headers: Mapping[str, str]
 ) -> tuple[str, ...]:
     """The model ids GET /v1/models lists; raises _RequestFailedError with the cause otherwise."""
     response = await _request(
@@ -272,9 +356,7 @@ async def list_models(
     return models
 
 
-async def ask_tiny(
-    client: httpx.AsyncClient, target: Target, settings: ProbeSettings, clock: Clock
-) -> Answer:
+async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, clock: Clock) -> Answer:
     """The tiny request: one completion of one token, for the configured or listed model."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
@@ -313,7 +395,7 @@ async def ask_tiny(
 
 
 async def examine_backend(
-    client: httpx.AsyncClient,
+    client: Client,
     target: Target,
     settings: ProbeSettings,
     *,
@@ -340,7 +422,7 @@ async def examine_backend(
 
 
 async def examine_once(
-    client: httpx.AsyncClient,
+    client: Client,
     target: Target,
     settings: ProbeSettings,
     window: list[Read],
@@ -371,9 +453,7 @@ async def examine_once(
     return decision if isinstance(decision, Verdict) else None
 
 
-async def examine_proxy(
-    client: httpx.AsyncClient, target: Target, settings: ProbeSettings
-) -> Verdict:
+async def examine_proxy(client: Client, target: Target, settings: ProbeSettings) -> Verdict:
     """Reachability only: behind a balancer, each /metrics scrape may be another backend's."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
@@ -398,10 +478,10 @@ async def check_fleet(
     ``baselines`` holds an earlier run's last read per backend name, to see restarts.
     """
     known = baselines or {}
-    tls = ssl.create_default_context()
 
     async def one(target: Target) -> Outcome:
-        async with new_client(tls) as client:
+        # One TLS context for the fleet (the process's default), built only if needed.
+        async with new_client() as client:
             if target.kind == "proxy":
                 return Outcome(target, await examine_proxy(client, target, settings))
             verdict = await examine_backend(
@@ -412,8 +492,8 @@ async def check_fleet(
     return list(await asyncio.gather(*(one(target) for target in targets)))
 
 
-def _connect_error(exc: httpx.ConnectError) -> str:
-    root = _root_cause(exc)
+def _connect_error(root: BaseException) -> str:
+    """What stopped a connection, from the innermost error (socket, TLS or name lookup)."""
     if isinstance(root, ConnectionRefusedError):
         return "connection refused"
     if isinstance(root, ssl.SSLError):
@@ -432,7 +512,8 @@ def _connect_error(exc: httpx.ConnectError) -> str:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """httpx wraps anyio wraps the socket error; the innermost one names the cause."""
+    """httpx wraps anyio wraps the socket error (wire wraps it once); the innermost one
+    names the cause."""
     seen = {id(exc)}
     while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
         seen.add(id(inner))
@@ -453,13 +534,13 @@ def _shortened(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _refuse_encoded(response: httpx.Response, method: str, url: str) -> None:
+def _refuse_encoded(_status: int, headers: Mapping[str, str], method: str, url: str) -> None:
     """Only identity was asked for; any other encoding, or a stack of them, is unusable.
 
     Decoding would make the byte cap count inflated bytes (a few KB of gzip, twice
     stacked, inflates to hundreds of MiB); refusing keeps wire bytes = parsed bytes.
     """
-    encoding = response.headers.get("content-encoding", "").strip().lower()
+    encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise _RequestFailedError(
             ReadProblem.UNUSABLE,

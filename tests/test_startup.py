@@ -15,6 +15,7 @@ from pathlib import Path
 
 # Loaded by other verbs, or after the first request: never before a check's first read.
 _NOT_BEFORE_THE_FIRST_READ = (
+    "httpx",  # only for the tiny request and model lists; /metrics goes through wire.py
     "rich",
     "prometheus_client",
     "llmhealth.daemon",
@@ -24,7 +25,7 @@ _NOT_BEFORE_THE_FIRST_READ = (
     "llmhealth.operate",
 )
 # Nothing that reads, serves or renders: the command line module only parses arguments.
-_NOT_ON_IMPORT = (*_NOT_BEFORE_THE_FIRST_READ, "httpx", "asyncio", "ssl", "llmhealth.cycle")
+_NOT_ON_IMPORT = (*_NOT_BEFORE_THE_FIRST_READ, "asyncio", "ssl", "llmhealth.cycle")
 
 
 def _imported(importtime_output: str) -> set[str]:

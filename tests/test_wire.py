@@ -1,0 +1,262 @@
+"""The /metrics client against raw sockets on 127.0.0.1: framing, reuse, bounds, failures.
+
+The hostile-server tests in test_probe.py run through it too; these pin what only the
+client itself decides: how a body is framed, when a connection is reused, what is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from llmhealth.wire import MAX_HEAD_BYTES, Connection, Failure, WireError, WireResponse
+
+Handler = Callable[[socket.socket, int], None]  # a connection, and its number from 0
+
+
+@contextmanager
+def tcp_server(handle: Handler) -> Iterator[tuple[str, list[bytes]]]:
+    """Each accepted connection runs ``handle`` in its own thread; every byte received
+    by the server is kept, so a test can see exactly what the client sent."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+    received: list[bytes] = []
+    threads: list[threading.Thread] = []
+
+    def run(connection: socket.socket, number: int) -> None:
+        with connection, contextlib.suppress(OSError):
+            connection.settimeout(5)
+            handle(connection, number)
+
+    def accept() -> None:
+        number = 0
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            thread = threading.Thread(target=run, args=(_Recorder(connection, received), number))
+            thread.start()
+            threads.append(thread)
+            number += 1
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", received
+    finally:
+        stop.set()
+        acceptor.join(5)
+        for thread in threads:
+            thread.join(5)
+        listener.close()
+
+
+class _Recorder(socket.socket):
+    """A socket whose received bytes are also appended to a shared list."""
+
+    def __init__(self, connection: socket.socket, received: list[bytes]) -> None:
+        super().__init__(fileno=connection.detach())
+        self._received = received
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        data = super().recv(size, flags)
+        self._received.append(data)
+        return data
+
+
+def read_request(connection: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = connection.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def get(url: str, *, times: int = 1, max_bytes: int = 1 << 20) -> list[WireResponse]:
+    async def run() -> list[WireResponse]:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            return [
+                await connection.get(url, deadline=loop.time() + 5, max_bytes=max_bytes)
+                for _ in range(times)
+            ]
+        finally:
+            await connection.aclose()
+
+    return asyncio.run(run())
+
+
+def failure_of(url: str, *, max_bytes: int = 1 << 20) -> WireError:
+    with pytest.raises(WireError) as caught:
+        get(url, max_bytes=max_bytes)
+    return caught.value
+
+
+def test_the_request_asks_for_identity_names_the_host_and_nothing_else() -> None:
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    with tcp_server(answer) as (url, received):
+        (response,) = get(f"{url}/metrics")
+    port = url.rsplit(":", 1)[1]
+    assert b"".join(received) == (
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:" + port.encode() + b"\r\n"
+        b"User-Agent: llmhealth/test\r\nAccept: */*\r\nAccept-Encoding: identity\r\n\r\n"
+    )
+    assert (response.status, response.body) == (200, b"ok")
+
+
+def test_a_kept_alive_connection_is_reused_for_the_next_read() -> None:
+    def answer_many(connection: socket.socket, _number: int) -> None:
+        while read_request(connection):
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+
+    connections = []
+
+    def counted(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        answer_many(connection, number)
+
+    with tcp_server(counted) as (url, _):
+        responses = get(f"{url}/metrics", times=3)
+    assert [response.body for response in responses] == [b"hello"] * 3
+    assert connections == [0]
+
+
+def test_chunked_bodies_are_joined_and_their_trailers_skipped() -> None:
+    def chunked(connection: socket.socket, _number: int) -> None:
+        while read_request(connection):
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5;ext=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-Trailer: 1\r\n\r\n"
+            )
+
+    with tcp_server(chunked) as (url, _):
+        responses = get(f"{url}/metrics", times=2)  # framing right: the second read works
+    assert [response.body for response in responses] == [b"hello world"] * 2
+
+
+def test_a_body_without_length_runs_to_the_close_and_the_connection_is_not_reused() -> None:
+    def close_delimited(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.0 200 OK\r\n\r\nall of it")
+
+    with tcp_server(close_delimited) as (url, _):
+        responses = get(f"{url}/metrics", times=2)
+    assert [response.body for response in responses] == [b"all of it"] * 2
+
+
+def test_informational_answers_are_skipped() -> None:
+    def with_continue(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx"
+        )
+
+    with tcp_server(with_continue) as (url, _):
+        (response,) = get(f"{url}/metrics")
+    assert (response.status, response.body) == (200, b"x")
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_without_a_failure() -> None:
+    def one_answer_then_close(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        # Keep-alive was promised; the connection closes anyway, as uvicorn's does
+        # after its idle timeout, before or while the next request is on its way.
+
+    with tcp_server(one_answer_then_close) as (url, _):
+        responses = get(f"{url}/metrics", times=3)
+    assert [response.body for response in responses] == [b"ok"] * 3
+
+
+def test_a_fresh_connection_closed_before_an_answer_is_a_failure_not_retried() -> None:
+    attempts = []
+
+    def close_at_once(connection: socket.socket, number: int) -> None:
+        attempts.append(number)
+        read_request(connection)
+
+    with tcp_server(close_at_once) as (url, _):
+        error = failure_of(f"{url}/metrics")
+    assert error.failure is Failure.CLOSED
+    assert attempts == [0]
+
+
+def test_a_content_length_over_the_cap_is_refused_before_the_body_is_read() -> None:
+    def announce_a_lot(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\n\r\n")
+
+    with tcp_server(announce_a_lot) as (url, _):
+        error = failure_of(f"{url}/metrics", max_bytes=1000)
+    assert error.failure is Failure.TOO_BIG
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"SMTP ready\r\n\r\n",
+        b"HTTP/1.1 2x0 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n",
+    ],
+)
+def test_answers_that_are_not_http_as_framed_are_malformed(head: bytes) -> None:
+    def send(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(head)
+
+    with tcp_server(send) as (url, _):
+        error = failure_of(f"{url}/metrics")
+    assert error.failure is Failure.MALFORMED
+
+
+def test_environment_proxies_are_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\ndirect")
+
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing there
+    with tcp_server(answer) as (url, _):
+        (response,) = get(f"{url}/metrics")
+    assert response.body == b"direct"
+
+
+def test_a_deadline_before_the_connection_says_so_after_it_says_answer() -> None:
+    def hold(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        connection.recv(1)  # held until the client gives up
+
+    async def run(url: str) -> WireError:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.get(url, deadline=loop.time() + 0.5, max_bytes=100)
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+        raise AssertionError("the read should have timed out")
+
+    with tcp_server(hold) as (url, _):
+        error = asyncio.run(run(f"{url}/metrics"))
+    assert (error.failure, error.received) == (Failure.ANSWER_TIMEOUT, 3)
