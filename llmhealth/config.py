@@ -23,7 +23,11 @@ DEFAULT_STALL_TIMEOUT = 600.0
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_VERDICTS_RESTARTABLE = frozenset({"wedged", "unanswered", "unresponsive", "down"})
+# request_failures: condemned by real traffic through `route`; opt-in, since a wedge proven
+# by reads is the only cause that says a restart will help.
+_VERDICTS_RESTARTABLE = frozenset(
+    {"wedged", "unanswered", "unresponsive", "down", "request_failures"}
+)
 
 
 class ConfigError(Exception):

@@ -26,6 +26,7 @@ from llmhealth.probe import ProbeSettings, check_fleet
 from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateFile, Store, default_path
+from llmhealth.traffic import RequestOutcome
 
 Clock = Callable[[], float]
 
@@ -79,19 +80,31 @@ def settle_fleet(
     audit: AuditLog | None,
     clock: Clock = time.time,
     notes: Sequence[str] = (),
+    requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
 ) -> Settled:
     """The one settle path: lock, load, expire, gather verdicts, settle, save.
 
     ``check`` and ``watch`` both come through here, and differ only in ``gather``: check
     probes the fleet (with the record's baselines), watch hands over what its probing
-    tasks read since the last settle. Without a store nothing is kept between runs.
+    tasks read since the last settle. ``requests`` are what real traffic through
+    ``route`` showed since then, per backend in order. Without a store nothing is kept
+    between runs.
     """
     with store.locked() if store is not None else contextlib.nullcontext():
         started = clock()
         record, changes = load_record(store, ledger_policy(config.policy), backends, started)
         notes = [*notes, *changes, *expire_restarts(record, audit, started)]
         outcomes = gather(record)
-        report = settle(record, config, outcomes, clock(), mode=mode, audit=audit, notes=notes)
+        report = settle(
+            record,
+            config,
+            outcomes,
+            clock(),
+            mode=mode,
+            audit=audit,
+            notes=notes,
+            requests=requests,
+        )
         if store is not None:
             store.save(record.to_dict())
     return Settled(replace(report, checked_at=started), record)
@@ -159,8 +172,13 @@ def settle(
     mode: Mode,
     audit: AuditLog | None,
     notes: Sequence[str] = (),
+    requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
 ) -> CycleReport:
-    """Feed verdicts to the ledger, act on the restart plan, and say what happened."""
+    """Feed verdicts, then real-traffic outcomes, to the ledger; act; say what happened.
+
+    Verdicts go first: a wedge they prove is the stronger cause for the restart policy,
+    and request failures that follow it are then noted without condemning twice.
+    """
     expected = {b.name: b.expected_model for b in config.backends}
     reports = []
     in_ledger = set()
@@ -183,6 +201,14 @@ def settle(
             if record.ledger.state_of(name) is State.DEAD:
                 record.proofs[name] = evidence
         reports.append(BackendReport(outcome, None, transitions))
+    traffic = []
+    for name, seen in (requests or {}).items():
+        if name not in record.ledger.names:
+            continue  # left the configuration since the request was forwarded
+        for transition in record.observe_requests(name, seen):
+            traffic.append(transition)
+            if transition.applied and transition.from_state != transition.to_state:
+                _audit_transition(audit, transition, now, record.proofs.get(name, {}))
     restarts = remediate(record, config, now, mode=mode, audit=audit)
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
     reports = [
@@ -197,6 +223,7 @@ def settle(
         summarize(record.ledger),
         tuple(notes),
         tuple(_restart_note(o, mode) for o in restarts),
+        tuple(traffic),
     )
 
 

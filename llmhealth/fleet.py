@@ -8,7 +8,7 @@ file holds between runs; it is encoded and decoded here, stored by ``state``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,6 +23,7 @@ from llmhealth.ledger import (
     ProbeFailure,
     Readmitted,
     RequestFailure,
+    RequestSuccess,
     State,
     Transition,
     UnplannedRestart,
@@ -31,6 +32,10 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
+from llmhealth.traffic import RequestOutcome
+
+# What a backend condemned by real traffic is condemned by: the word restart_on matches.
+TRAFFIC_CAUSE = "request_failures"
 
 _PROBE_STYLE = frozenset({VerdictKind.STALLED, VerdictKind.UNRESPONSIVE, VerdictKind.DOWN})
 # Only a refused or reset connection says the process may be gone. A read that timed out
@@ -203,6 +208,34 @@ class FleetRecord:
         if any(t.applied and t.kind is EventKind.READMITTED for t in transitions):
             self.restart_worked(name)
             self.proofs.pop(name, None)
+        return transitions
+
+    def observe_requests(self, name: str, outcomes: Sequence[RequestOutcome]) -> list[Transition]:
+        """Feed real-traffic outcomes to the ledger, each at its own time, in order.
+
+        A condemnation keeps the failed requests of the streak as its proof, so the audit
+        log and a later restart name the requests, not whatever a probe saw next.
+        """
+        transitions = []
+        streak: list[RequestOutcome] = []
+        for outcome in outcomes:
+            event: Event
+            if outcome.ok:
+                streak.clear()
+                event = RequestSuccess(now=outcome.at)
+            else:
+                streak.append(outcome)
+                event = RequestFailure(
+                    now=outcome.at, reason=TRAFFIC_CAUSE, detail=outcome.describe()
+                )
+            transition = self.ledger.apply(name, event)
+            transitions.append(transition)
+            if transition.applied and transition.to_state is State.DEAD:
+                self.proofs[name] = {
+                    "verdict": TRAFFIC_CAUSE,
+                    "evidence": transition.reason,
+                    "requests": [failed.to_dict() for failed in streak],
+                }
         return transitions
 
     def restart_worked(self, name: str) -> None:

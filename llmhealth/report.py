@@ -59,6 +59,7 @@ class CycleReport:
     fleet: FleetSummary
     notes: tuple[str, ...] = ()
     restarts: tuple[RestartNote, ...] = ()
+    traffic: tuple[Transition, ...] = ()  # what real requests through `route` did to the ledger
 
 
 def summarize(ledger: Ledger) -> FleetSummary:

@@ -1,0 +1,143 @@
+"""Real-traffic outcomes: kept in order, bounded, and fed to the ledger in that order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmhealth.actions import AuditLog
+from llmhealth.config import Backend, Config, Policy
+from llmhealth.cycle import settle
+from llmhealth.fleet import TRAFFIC_CAUSE, FleetRecord
+from llmhealth.ledger import GoodVerdict, Ledger, LedgerPolicy, State
+from llmhealth.remediate import Mode
+from llmhealth.report import CycleReport
+from llmhealth.traffic import MAX_PENDING, FailureKind, RequestLog, RequestOutcome
+
+T0 = 1_700_000_000.0
+
+
+def ok(at: float) -> RequestOutcome:
+    return RequestOutcome(at, "POST", "/v1/chat/completions")
+
+
+def failed(at: float, kind: FailureKind = FailureKind.SERVER_ERROR) -> RequestOutcome:
+    status = 500 if kind is FailureKind.SERVER_ERROR else None
+    return RequestOutcome(at, "POST", "/v1/chat/completions", kind, status, "")
+
+
+def record(policy: LedgerPolicy | None = None) -> FleetRecord:
+    return FleetRecord(Ledger(policy or LedgerPolicy(), [("a", "http://a"), ("b", "http://b")]))
+
+
+def test_the_log_keeps_order_per_backend_and_empties_on_drain() -> None:
+    log = RequestLog()
+    for outcome in (failed(T0), ok(T0 + 1), failed(T0 + 2)):
+        log.record("a", outcome)
+    log.record("b", ok(T0 + 3))
+    assert log.drain() == {"a": (failed(T0), ok(T0 + 1), failed(T0 + 2)), "b": (ok(T0 + 3),)}
+    assert log.drain() == {}
+
+
+def test_a_run_of_successes_is_kept_as_its_newest() -> None:
+    log = RequestLog()
+    for i in range(1000):
+        log.record("a", ok(T0 + i))
+    log.record("a", failed(T0 + 1000))
+    log.record("a", ok(T0 + 1001))
+    assert log.drain()["a"] == (ok(T0 + 999), failed(T0 + 1000), ok(T0 + 1001))
+
+
+def test_the_log_is_bounded_and_keeps_the_newest() -> None:
+    log = RequestLog()
+    for i in range(MAX_PENDING * 3):
+        log.record("a", failed(T0 + i))
+    drained = log.drain()["a"]
+    assert len(drained) == MAX_PENDING
+    assert drained[-1] == failed(T0 + MAX_PENDING * 3 - 1)
+
+
+def test_has_failure_sees_only_what_was_not_yet_drained() -> None:
+    log = RequestLog()
+    log.record("a", failed(T0))
+    assert log.has_failure("a") and not log.has_failure("b")
+    log.drain()
+    assert not log.has_failure("a")
+
+
+def test_failures_in_a_row_condemn_with_the_requests_as_proof() -> None:
+    fleet = record()
+    outcomes = [failed(T0), failed(T0 + 1, FailureKind.FIRST_BYTE_TIMEOUT), failed(T0 + 2)]
+    transitions = fleet.observe_requests("a", outcomes)
+    assert [t.to_state for t in transitions] == [State.SUSPECT, State.SUSPECT, State.DEAD]
+    snap = fleet.ledger.snapshot("a", T0 + 3)
+    assert snap.condemned_by == TRAFFIC_CAUSE
+    assert snap.last_error == f"{TRAFFIC_CAUSE}: server_error HTTP 500 on POST /v1/chat/completions"
+    proof = fleet.proofs["a"]
+    assert proof["verdict"] == TRAFFIC_CAUSE
+    assert [r["at"] for r in proof["requests"]] == [T0, T0 + 1, T0 + 2]
+    assert proof["requests"][1]["failure"] == "first_byte_timeout"
+    assert fleet.ledger.state_of("b") is State.HEALTHY
+
+
+def test_order_decides_a_success_between_failures_breaks_the_streak() -> None:
+    broken = record()
+    broken.observe_requests("a", [failed(T0), failed(T0 + 1), ok(T0 + 2), failed(T0 + 3)])
+    assert broken.ledger.state_of("a") is State.SUSPECT
+    assert broken.ledger.snapshot("a", T0 + 4).request_failures == 1
+    # The same outcomes in another order condemn: the streak is the one on the wire.
+    unbroken = record()
+    unbroken.observe_requests("a", [ok(T0 + 2), failed(T0), failed(T0 + 1), failed(T0 + 3)])
+    assert unbroken.ledger.state_of("a") is State.DEAD
+
+
+def test_a_passing_probe_never_clears_the_traffic_streak() -> None:
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+    for i in range(5):
+        fleet.ledger.apply("a", GoodVerdict(now=T0 + 3 + i))
+    assert fleet.ledger.state_of("a") is State.SUSPECT
+    fleet.observe_requests("a", [failed(T0 + 10)])
+    assert fleet.ledger.state_of("a") is State.DEAD
+
+
+def test_outcomes_for_a_backend_out_of_service_change_nothing() -> None:
+    fleet = record(LedgerPolicy(unhealthy_threshold=1))
+    fleet.observe_requests("a", [failed(T0)])
+    assert fleet.ledger.state_of("a") is State.DEAD
+    transitions = fleet.observe_requests("a", [ok(T0 + 1), failed(T0 + 2)])
+    assert not any(t.applied for t in transitions)
+    assert fleet.ledger.state_of("a") is State.DEAD
+
+
+def settle_traffic(tmp_path: Path, restart_on: tuple[str, ...]) -> tuple[CycleReport, list[Any]]:
+    config = Config(
+        policy=Policy(restart_on=restart_on),
+        backends=(Backend("a", "http://a", restart=("true",)), Backend("b", "http://b")),
+    )
+    audit = tmp_path / "audit.jsonl"
+    report = settle(
+        record(),
+        config,
+        [],
+        T0 + 10,
+        mode=Mode.DRY_RUN,
+        audit=AuditLog(audit),
+        requests={"a": [failed(T0), failed(T0 + 1), failed(T0 + 2)], "gone": [failed(T0)]},
+    )
+    return report, [json.loads(line) for line in audit.read_text().splitlines()]
+
+
+def test_a_settle_audits_a_traffic_condemnation_and_restarts_only_when_opted_in(
+    tmp_path: Path,
+) -> None:
+    report, audit = settle_traffic(tmp_path / "default", ("wedged",))
+    assert [t.to_state for t in report.traffic] == [State.SUSPECT, State.SUSPECT, State.DEAD]
+    condemned = next(line for line in audit if line.get("to") == "dead")
+    assert len(condemned["evidence"]["requests"]) == 3
+    assert [note.action for note in report.restarts] == ["skip"]
+    assert "restart_on is [wedged]" in report.restarts[0].reason
+
+    report, _ = settle_traffic(tmp_path / "opted", ("wedged", "request_failures"))
+    assert [note.action for note in report.restarts] == ["restart"]
