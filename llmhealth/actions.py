@@ -18,10 +18,12 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
+
+from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
 KILL_GRACE: Final = 2.0  # seconds between SIGTERM and SIGKILL to a timed-out command
@@ -63,12 +65,36 @@ class CommandResult:
         }
 
 
+def restart_environment(
+    inherited: Mapping[str, str],
+    secrets: Iterable[str],
+    *,
+    backend: str,
+    url: str,
+    reason: str,
+) -> dict[str, str]:
+    """A restart command's environment: the daemon's, less every backend's API key.
+
+    ``secrets`` are the variable names some backend's ``api_key_env`` points at: a
+    restart script has no business with any key, least of all another backend's. What
+    it may want instead is which backend to restart and why.
+    """
+    environment = {name: value for name, value in inherited.items() if name not in set(secrets)}
+    environment["LLMHEALTH_BACKEND"] = backend
+    environment["LLMHEALTH_URL"] = url
+    # An environment value cannot hold NUL, and a script may echo it: printable, bounded.
+    shown = printable(reason)
+    environment["LLMHEALTH_REASON"] = shown if len(shown) <= 1000 else shown[:997] + "..."
+    return environment
+
+
 def run_command(
     argv: Sequence[str],
     timeout: float,
     output_limit: int = DEFAULT_OUTPUT_LIMIT,
     *,
     kill_grace: float = KILL_GRACE,
+    env: Mapping[str, str] | None = None,
 ) -> CommandResult:
     """Run ``argv`` with no shell and no stdin, for at most ``timeout`` seconds.
 
@@ -102,6 +128,7 @@ def run_command(
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own group, so a timeout reaches its children
             close_fds=True,
+            env=env,  # None: this process's own
         )
     except OSError as exc:  # missing, not executable, not a valid binary...
         return _not_run(args, start, exc.strerror or str(exc))

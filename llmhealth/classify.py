@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from llmhealth.metrics import EngineSignals, Signals
@@ -96,7 +96,7 @@ class Target:
     name: str
     url: str
     kind: str = "backend"
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr
     model: str | None = None
 
 

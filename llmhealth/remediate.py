@@ -8,20 +8,27 @@ decision about a DEAD backend, to act or not, becomes one audit line with its ev
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
-from llmhealth.actions import AuditLog, CommandResult, run_command
+from llmhealth.actions import AuditLog, CommandResult, restart_environment, run_command
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import RestartFailed, RestartIssued, State, Transition
 from llmhealth.policy import Action, RestartDecision, RestartHistory, plan_restarts
 
-Runner = Callable[[Sequence[str], float], CommandResult]
+
+class Runner(Protocol):
+    def __call__(
+        self, argv: Sequence[str], timeout: float, *, env: Mapping[str, str] | None = None
+    ) -> CommandResult: ...
+
+
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
@@ -148,7 +155,15 @@ def _carry_out(
         return RestartOutcome(decision, issued)  # retired past the budget, or refused
     history = record.restarts.get(decision.name, RestartHistory())
     record.restarts[decision.name] = history.record_attempt(now)
-    result = run(argv, config.policy.restart_timeout)
+    snapshot = record.ledger.snapshot(decision.name, now)
+    environment = restart_environment(
+        os.environ,
+        {backend.api_key_env for backend in config.backends if backend.api_key_env},
+        backend=decision.name,
+        url=snapshot.url,
+        reason=snapshot.last_error or decision.reason,
+    )
+    result = run(argv, config.policy.restart_timeout, env=environment)
     if result.ok:
         return RestartOutcome(decision, issued, result)
     why = "timed out" if result.timed_out else f"exited {result.exit_code}"

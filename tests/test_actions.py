@@ -17,6 +17,7 @@ from llmhealth.actions import (
     AuditLog,
     CommandResult,
     read,
+    restart_environment,
     run_command,
     scan,
 )
@@ -323,3 +324,30 @@ def test_four_processes_appending_at_once_leave_every_line_whole(tmp_path: Path)
     ]
     assert all(r["pad"] == str(r["writer"]) * 3000 for r in records)
     assert scan(path).malformed == 0
+
+
+def test_a_restart_environment_drops_every_key_variable_and_names_the_backend() -> None:
+    inherited = {"PATH": "/usr/bin", "GPU0_KEY": "a", "GPU1_KEY": "b", "LLMHEALTH_URL": "old"}
+    environment = restart_environment(
+        inherited,
+        {"GPU0_KEY", "GPU1_KEY", "UNSET_KEY"},
+        backend="gpu0",
+        url="http://10.0.0.5:8000",
+        reason="wedged: engine 0\x00\x1b had work",
+    )
+    assert environment == {
+        "PATH": "/usr/bin",
+        "LLMHEALTH_BACKEND": "gpu0",
+        "LLMHEALTH_URL": "http://10.0.0.5:8000",
+        # NUL cannot be in an environment value at all; an escape must not reach a script's log.
+        "LLMHEALTH_REASON": "wedged: engine 0\\x00\\x1b had work",
+    }
+
+
+def test_a_command_runs_with_exactly_the_environment_it_is_given() -> None:
+    script = "import json, os; print(json.dumps(dict(os.environ)))"
+    result = run_command([sys.executable, "-c", script], 10.0, env={"ONLY": "this"})
+    assert result.ok, result
+    shown = json.loads(result.stdout)
+    assert shown.get("ONLY") == "this"
+    assert "PATH" not in shown

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from pytest_httpserver import HTTPServer
 from typer.testing import CliRunner
 
-from llmhealth.cli import app
+from llmhealth.cli import app, main
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
@@ -225,3 +227,41 @@ def test_control_characters_a_server_sends_reach_no_output(
         assert not [escape for escape in ESCAPES if escape in shown], (where, shown)
     assert "tiny\\x1b]0;owned\\x07" in outputs["table"]  # escaped, not dropped
     assert "tiny\\\\x1b]0;owned\\\\x07" in outputs["audit"]
+
+
+SECRET_URL = "http://alice:s3cret@127.0.0.1:9"
+
+
+def test_a_url_with_a_password_is_refused_on_every_path_and_never_echoed(
+    entry_point: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[[backend]]\nname = "gpu0"\nurl = "{SECRET_URL}"\n')
+    state = str(tmp_path / "state.json")
+    attempts = [
+        ["check", SECRET_URL, "--state", state],
+        ["check", "--proxy", SECRET_URL, "--state", state],
+        ["check", "--config", str(config), "--state", state, "--format", "json"],
+        ["check", "--config", str(config), "--state", state, "--format", "nagios"],
+        ["config", "check", str(config)],
+        ["watch", "--config", str(config), "--state", state],
+        ["watch", SECRET_URL, "--state", state],
+    ]
+    for argv in attempts:  # through main(), the one place errors become exit codes
+        monkeypatch.setattr(sys, "argv", ["llmhealth", *argv])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        shown = capsys.readouterr()
+        assert exited.value.code == 3, (argv, shown)
+        assert "api_key_env" in shown.err, (argv, shown.err)
+        assert "s3cret" not in shown.out + shown.err, argv
+        assert "alice" not in shown.out + shown.err, argv
+    # Once through the installed command, for what really reaches a terminal.
+    installed = run(entry_point, *attempts[0])
+    assert installed.returncode == 3
+    assert "api_key_env" in installed.stderr
+    assert "s3cret" not in installed.stdout + installed.stderr
+    assert list(tmp_path.iterdir()) == [config], "nothing was written anywhere"

@@ -127,3 +127,28 @@ def test_durations_read_as_seconds(value: object, seconds: float) -> None:
 def test_nonsense_durations_are_rejected(value: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://alice:s3cret@10.0.0.5:8000",
+        "http://:s3cret@10.0.0.5:8000",
+        "https://s3cret@10.0.0.5",
+        "http://alice:s3/cr@t@10.0.0.5:8000",  # '/' and '@' in the password
+        "alice:s3cret@10.0.0.5:8000",  # no scheme: still not echoed
+    ],
+)
+@pytest.mark.parametrize("table", ["backend", "proxy"])
+def test_credentials_in_a_url_are_refused_without_echoing_them(
+    tmp_path: Path, url: str, table: str
+) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(f'[[{table}]]\nname = "gpu0"\nurl = "{url}"\n')
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    message = str(raised.value)
+    assert f"{table}[0].url" in message
+    assert "api_key_env" in message
+    assert "s3" not in message and "alice" not in message
+    assert "10.0.0.5" in message  # what to write instead

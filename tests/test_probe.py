@@ -16,7 +16,7 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from llmhealth.classify import Read, ReadProblem, Target, Verdict, VerdictKind
+from llmhealth.classify import Outcome, Read, ReadProblem, Target, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals
 from llmhealth.probe import (
     ProbeSettings,
@@ -550,3 +550,10 @@ def test_a_stale_keep_alive_retry_stays_within_one_timeout() -> None:
     # Before: held + a full second timeout, never under 1.95 s. Now one timeout, with
     # 0.7 s to spare for a loaded machine.
     assert took < timeout + 0.7, took
+
+
+def test_the_api_key_is_never_in_a_targets_repr() -> None:
+    """Targets end up in exception messages and debug output; the key must not."""
+    target = Target("gpu0", "http://10.0.0.5:8000", api_key="s3cret")
+    assert "s3cret" not in repr(target)
+    assert "s3cret" not in repr(Outcome(target, Verdict(VerdictKind.IDLE, True, "idle")))

@@ -677,3 +677,34 @@ def test_a_restart_of_a_backend_condemned_in_an_earlier_run_is_audited_with_its_
     # The line must carry what proved the wedge, not only this run's unrelated verdict.
     evidence = decision["evidence"]
     assert "no progress over 2 consecutive waits" in json.dumps(evidence), evidence
+
+
+# Writes the environment it was given, as JSON, to the file named by its argument.
+DUMP_ENVIRONMENT = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+
+
+def test_the_restart_command_gets_no_api_key_and_is_told_what_to_restart_and_why(
+    entry_point: str, fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    dumped = tmp_path / "restart-env.json"
+    restart = [sys.executable, "-c", DUMP_ENVIRONMENT, str(dumped)]
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, restart)])
+    # Two backends with keys: gpu0's own, and a neighbour's that is none of its business.
+    text = setup.config.read_text().replace("restart = [", 'api_key_env = "GPU0_KEY"\nrestart = [')
+    text += '\n[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:9"\napi_key_env = "GPU1_KEY"\n'
+    setup.config.write_text(text)
+    monkeypatch.setenv("GPU0_KEY", "s3cret-zero")
+    monkeypatch.setenv("GPU1_KEY", "s3cret-one")
+    monkeypatch.setenv("UNRELATED_SETTING", "kept")
+    until_frozen(gpu)
+    run = setup.check()
+    assert run.restarts[0]["ran"], run.report
+    environment = json.loads(dumped.read_text())
+    assert "GPU0_KEY" not in environment
+    assert "GPU1_KEY" not in environment
+    assert not [name for name, value in environment.items() if "s3cret" in value]
+    assert environment["UNRELATED_SETTING"] == "kept"
+    assert environment["LLMHEALTH_BACKEND"] == "gpu0"
+    assert environment["LLMHEALTH_URL"] == gpu.url
+    assert environment["LLMHEALTH_REASON"].startswith("wedged: engine 0 had work and made no")
