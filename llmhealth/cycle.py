@@ -1,4 +1,4 @@
-"""One settle of a fleet: lock the state, load, expire, gather verdicts, act, persist.
+"""One settle of a fleet: lock the state, load, gather verdicts, settle, act, persist.
 
 The shell around the pure core, and the one path by which ``check`` (one cycle) and
 ``watch`` (one per wait) change the record. The store stays locked from load to save, so
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmhealth.actions import AuditLog
-from llmhealth.classify import Outcome, Target
+from llmhealth.classify import Outcome, Target, Verdict
 from llmhealth.config import Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
@@ -82,7 +82,7 @@ def settle_fleet(
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
 ) -> Settled:
-    """The one settle path: lock, load, expire, gather verdicts, settle, save.
+    """The one settle path: lock, load, gather verdicts, settle, save.
 
     ``check`` and ``watch`` both come through here, and differ only in ``gather``: check
     probes the fleet (with the record's baselines), watch hands over what its probing
@@ -93,7 +93,7 @@ def settle_fleet(
     with store.locked() if store is not None else contextlib.nullcontext():
         started = clock()
         record, changes = load_record(store, ledger_policy(config.policy), backends, started)
-        notes = [*notes, *changes, *expire_restarts(record, audit, started)]
+        notes = [*notes, *changes]
         outcomes = gather(record)
         report = settle(
             record,
@@ -144,13 +144,31 @@ def run_cycle(
     return settled.report
 
 
-def expire_restarts(record: FleetRecord, audit: AuditLog | None, now: float) -> list[str]:
-    """Restarts that outlived their startup grace failed: back to DEAD, cooldown doubled."""
+def expire_restarts(
+    record: FleetRecord, audit: AuditLog | None, now: float, verdicts: Mapping[str, Verdict]
+) -> list[str]:
+    """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled.
+
+    Called after this settle's verdicts were fed, so a replacement re-admitted just now is
+    not failed. The audit line says what was waited for and what was last seen.
+    """
     notes = []
+    before = {snap.name: snap for snap in record.ledger.snapshots(now)}
     for expired in record.ledger.expire_restarts(now):
         record.restart_failed(expired.name)
         notes.append(f"{expired.name}: {expired.reason}")
-        _audit_transition(audit, expired, now, {})
+        snap = before[expired.name]
+        evidence: dict[str, Any] = {
+            "restarted_at": snap.last_restart_at,
+            "startup_grace": record.ledger.policy.startup_grace,
+            "in_state_since": snap.state_since,
+            "last_error": snap.last_error,
+        }
+        verdict = verdicts.get(expired.name)
+        if verdict is not None:
+            evidence["verdict"] = str(verdict.kind)
+            evidence["evidence"] = verdict.evidence
+        _audit_transition(audit, expired, now, evidence)
     return notes
 
 
@@ -174,10 +192,12 @@ def settle(
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
 ) -> CycleReport:
-    """Feed verdicts, then real-traffic outcomes, to the ledger; act; say what happened.
+    """Feed verdicts, then real-traffic outcomes, to the ledger; fail the restarts left
+    unproven past their startup grace; act; say what happened.
 
     Verdicts go first: a wedge they prove is the stronger cause for the restart policy,
-    and request failures that follow it are then noted without condemning twice.
+    and request failures that follow it are then noted without condemning twice. Overdue
+    restarts come after both, so a replacement re-admitted in this settle is spared.
     """
     expected = {b.name: b.expected_model for b in config.backends}
     reports = []
@@ -209,6 +229,8 @@ def settle(
             traffic.append(transition)
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
+    verdicts = {outcome.target.name: outcome.verdict for outcome in outcomes}
+    notes = [*notes, *expire_restarts(record, audit, now, verdicts)]
     restarts = remediate(record, config, now, mode=mode, audit=audit)
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
     reports = [

@@ -38,6 +38,7 @@ class EventKind(StrEnum):
     WEDGE_PROVEN = "wedge_proven"  # proof the engine holds work and makes no progress
     RESTART_ISSUED = "restart_issued"  # the shell is about to run the restart command
     RESTART_FAILED = "restart_failed"  # the restart did not bring up a process
+    STARTUP_EXPIRED = "startup_expired"  # startup_grace since the restart ran out unproven
     NEW_PROCESS_UP = "new_process_up"  # a replacement process answers
     READMITTED = "readmitted"  # the replacement proved itself (tiny request, or an operator)
     UNPLANNED_RESTART = "unplanned_restart"  # a serving backend's process changed by itself
@@ -65,6 +66,10 @@ class Rule(StrEnum):
     RECOVER_IN_PLACE = "recover_in_place"
     # A failure in DEAD: the good streak towards recovery in place starts again.
     BREAK_RECOVERY = "break_recovery"
+    # DEAD once startup_grace has passed since the last restart and the backend has not
+    # been re-admitted since; else the state stays (a STALE spell no restart began, after
+    # an unplanned restart or a reset, has no grace to run out).
+    FAIL_OVERDUE_RESTART = "fail_overdue_restart"
 
 
 # The whole state machine. A (state, kind) pair that is missing means the event does not
@@ -119,6 +124,7 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
     },
     State.RESTARTING: {
         EventKind.RESTART_FAILED: State.DEAD,
+        EventKind.STARTUP_EXPIRED: Rule.FAIL_OVERDUE_RESTART,
         EventKind.NEW_PROCESS_UP: State.STALE,
         EventKind.RETIRE: State.RETIRED,
     },
@@ -135,6 +141,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # a silent participant just broke.
         EventKind.CONDEMNED: State.DEAD,
         EventKind.READMITTED: State.HEALTHY,
+        # A replacement that never proves itself (it died again, or never answers) would
+        # otherwise stay STALE for ever: out of serving, and never restarted again.
+        EventKind.STARTUP_EXPIRED: Rule.FAIL_OVERDUE_RESTART,
         EventKind.RETIRE: State.RETIRED,
     },
     State.RETIRED: {
@@ -155,6 +164,9 @@ IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
     EventKind.WEDGE_PROVEN: "it is already absent",
     EventKind.RESTART_ISSUED: "a restart is issued only for a DEAD backend",
     EventKind.RESTART_FAILED: "only a RESTARTING backend can fail to restart",
+    EventKind.STARTUP_EXPIRED: (
+        "only a restart not yet proven (RESTARTING, or STALE since it) can run out of grace"
+    ),
     EventKind.NEW_PROCESS_UP: (
         "a new process is expected only after a restart or in place of a DEAD one; a serving "
         "backend that restarted by itself is an unplanned_restart"
@@ -378,6 +390,15 @@ class RestartFailed(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartupExpired(_EventBase):
+    """The startup grace after a restart ran out with nothing proven: no new process
+    (RESTARTING), or one that was never re-admitted (STALE). A failed restart, so the
+    restart policy takes over again: cooldown, budget, RETIRED past it."""
+
+    kind: ClassVar[EventKind] = EventKind.STARTUP_EXPIRED
+
+
+@dataclass(frozen=True, kw_only=True)
 class NewProcessUp(_SeenEventBase):
     """A replacement process answers. ``url``: where, when it bound a new address; the
     serving URLs must follow it, or traffic goes to a socket nobody listens on. ``process``:
@@ -464,6 +485,7 @@ Event: TypeAlias = (
     | WedgeProven
     | RestartIssued
     | RestartFailed
+    | StartupExpired
     | NewProcessUp
     | Readmitted
     | UnplannedRestart
@@ -707,12 +729,46 @@ def _break_recovery(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[St
     return State.DEAD, f"still failing ({b.last_error}): the good streak starts again"
 
 
+def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    grace = policy.startup_grace
+    if _overdue_restart(b, event.now, grace) is None:
+        return b.state, f"no restart of it is overdue (startup grace {_span(grace)})"
+    # condemned_by stays, as for RestartFailed: the policy needs it to try again.
+    if b.state is State.RESTARTING:
+        b.last_error = f"restart failed: no new process within the startup grace of {_span(grace)}"
+    else:
+        b.last_error = (
+            "restart failed: the new process was not re-admitted within the startup grace "
+            f"of {_span(grace)}"
+        )
+    return State.DEAD, b.last_error
+
+
+def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
+    """When the restart this backend still waits on was issued, if its grace ran out."""
+    if b.state is State.RESTARTING:
+        # Set on entering RESTARTING (by the restart itself); from_dict enforces it.
+        restarted_at = b.state_since
+    elif b.state is State.STALE and b.restart_times:
+        restarted_at = max(b.restart_times)
+        # Good since (re-admitted, or recovered in place, then STALE again by an unplanned
+        # restart or a partial weight sync): that restart is not what this spell waits on.
+        if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
+            return None
+    else:
+        return None
+    if restarted_at is None or now - restarted_at < grace:
+        return None
+    return restarted_at
+
+
 _RULES: Final = {
     Rule.PROMOTE_WHEN_PROVEN: _promote_when_proven,
     Rule.CONDEMN_AT_THRESHOLD: _condemn_at_threshold,
     Rule.SPEND_RESTART: _spend_restart,
     Rule.RECOVER_IN_PLACE: _recover_in_place,
     Rule.BREAK_RECOVERY: _break_recovery,
+    Rule.FAIL_OVERDUE_RESTART: _fail_overdue_restart,
 }
 
 
@@ -783,7 +839,7 @@ def _record(b: _Backend, event: Event) -> str:
                 "operator reset: streaks, restart attempts and in-place recoveries cleared; "
                 "must prove itself"
             )
-        case GoodVerdict() | RequestSuccess() | RestartIssued():
+        case GoodVerdict() | RequestSuccess() | RestartIssued() | StartupExpired():
             raise AssertionError(f"{event.kind} only ever goes through a rule")
 
 
@@ -819,6 +875,7 @@ _EVENT_TYPES: Final = (
     WedgeProven,
     RestartIssued,
     RestartFailed,
+    StartupExpired,
     NewProcessUp,
     Readmitted,
     UnplannedRestart,
@@ -902,23 +959,16 @@ class Ledger:
         )
 
     def expire_restarts(self, now: float) -> list[Transition]:
-        """Fail every restart whose startup grace has elapsed without a new process.
+        """Fail every restart whose startup grace ran out before it was proven.
 
         Without this a restart that never reports back would leave the backend RESTARTING
-        for ever: never retried, as it is not DEAD, and never retired, as that is driven by
+        for ever, and a replacement that dies again or never answers would stay STALE for
+        ever: never retried, as neither is DEAD, and never retired, as that is driven by
         restart attempts.
         """
         grace = self._policy.startup_grace
-        expired = [
-            b.name
-            for b in self._sorted()
-            if b.state is State.RESTARTING
-            # state_since is always set on entering RESTARTING; from_dict enforces it.
-            and b.state_since is not None
-            and now - b.state_since >= grace
-        ]
-        reason = f"no new process within the startup grace of {_span(grace)}"
-        return [self.apply(name, RestartFailed(now=now, reason=reason)) for name in expired]
+        overdue = [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
+        return [self.apply(name, StartupExpired(now=now)) for name in overdue]
 
     def add(self, name: str, url: str, now: float) -> None:
         """Add a newly configured backend, HEALTHY (see the class docstring for why)."""

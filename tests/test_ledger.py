@@ -42,6 +42,7 @@ from llmhealth.ledger import (
     RestartIssued,
     Retire,
     Rule,
+    StartupExpired,
     State,
     Transition,
     UnknownBackend,
@@ -417,7 +418,7 @@ def test_a_restart_that_outlives_the_startup_grace_is_failed_back_to_dead() -> N
     [t] = ledger.expire_restarts(120.0)
     assert t == Transition(
         name="a",
-        kind=EventKind.RESTART_FAILED,
+        kind=EventKind.STARTUP_EXPIRED,
         from_state=State.RESTARTING,
         to_state=State.DEAD,
         applied=True,
@@ -427,6 +428,80 @@ def test_a_restart_that_outlives_the_startup_grace_is_failed_back_to_dead() -> N
     snap = ledger.snapshot("a", 120.0)
     assert snap.state is State.DEAD and snap.state_since == 120.0
     assert ledger.expire_restarts(500.0) == []
+
+
+def test_a_replacement_never_readmitted_within_the_grace_is_a_failed_restart() -> None:
+    walk = Walk(LedgerPolicy(startup_grace=100.0))
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=1, last_restart_at=20.0)
+    walk.feed(new_process, state=State.STALE)
+    walk.feed(request_fail(), state=State.STALE, request_failures=1, last_error="unanswered")
+    assert walk.ledger.expire_restarts(119.0) == []  # 99 s after the restart: not yet
+    [t] = walk.ledger.expire_restarts(120.0)
+    why = "restart failed: the new process was not re-admitted within the startup grace of 100s"
+    assert t == Transition(
+        name="a",
+        kind=EventKind.STARTUP_EXPIRED,
+        from_state=State.STALE,
+        to_state=State.DEAD,
+        applied=True,
+        reason=why,
+        epoch_changed=False,
+    )
+    walk.now = 120.0
+    walk.expected = replace(walk.expected, state=State.DEAD, state_since=120.0, last_error=why)
+    assert walk.ledger.snapshot("a", 120.0) == walk.expected
+    # Still condemned by the wedge, so the restart policy can try again; the next attempt
+    # spends the budget like any other.
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=2, last_restart_at=130.0)
+
+
+def test_startup_expired_before_the_grace_or_after_readmission_changes_nothing() -> None:
+    walk = Walk(LedgerPolicy(startup_grace=100.0))
+    walk.feed(
+        wedge,
+        state=State.DEAD,
+        last_error="wedged: 3 running, no step over 2 waits",
+        condemned_by="wedged",
+    )
+    walk.feed(restart, state=State.RESTARTING, restart_attempts=1, last_restart_at=20.0)
+    t = walk.feed(lambda now: StartupExpired(now=now), state=State.RESTARTING)
+    assert t.applied and t.reason == "no restart of it is overdue (startup grace 100s)"
+    walk.feed(new_process, state=State.STALE)
+    walk.feed(readmit(), state=State.HEALTHY, condemned_by=None, last_ok_at=50.0)
+    # An unplanned restart long after: STALE again, but no restart of ours awaits proof.
+    walk.now = 1000.0
+    walk.feed(
+        lambda now: UnplannedRestart(now=now),
+        state=State.STALE,
+        last_error="process restarted unplanned",
+    )
+    assert walk.ledger.expire_restarts(5000.0) == []
+    t = walk.feed(lambda now: StartupExpired(now=now), state=State.STALE)
+    assert t.applied and t.from_state is t.to_state is State.STALE
+
+
+def test_a_stale_backend_no_restart_began_never_runs_out_of_grace() -> None:
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", UnplannedRestart(now=10.0))
+    assert ledger.expire_restarts(10_000.0) == []
+    assert ledger.state_of("a") is State.STALE
+
+
+def test_an_overdue_replacement_past_the_budget_retires_on_its_next_restart() -> None:
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0, restart_budget=1), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=10.0))
+    ledger.apply("a", RestartIssued(now=20.0))
+    ledger.apply("a", NewProcessUp(now=30.0))
+    [t] = ledger.expire_restarts(120.0)
+    assert (t.from_state, t.to_state) == (State.STALE, State.DEAD)
+    retired = ledger.apply("a", RestartIssued(now=200.0))
+    assert retired.to_state is State.RETIRED
 
 
 def test_the_restart_past_the_budget_retires_the_backend_instead() -> None:
@@ -624,6 +699,7 @@ def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
         EventKind.WEDGE_PROVEN: lambda now: WedgeProven(now=now, evidence="no steps"),
         EventKind.RESTART_ISSUED: lambda now: RestartIssued(now=now),
         EventKind.RESTART_FAILED: lambda now: RestartFailed(now=now, reason="exit 1"),
+        EventKind.STARTUP_EXPIRED: lambda now: StartupExpired(now=now),
         EventKind.NEW_PROCESS_UP: lambda now: NewProcessUp(
             now=now, process=ProcessSeen(start=now) if flag else None
         ),
@@ -1578,19 +1654,29 @@ def test_random_event_sequences_keep_every_invariant(
         if kind == "expire":
             transitions = ledger.expire_restarts(now)
             for t in transitions:
-                assert (t.from_state, t.to_state) == (State.RESTARTING, State.DEAD)
+                assert t.from_state in (State.RESTARTING, State.STALE)
+                assert t.to_state is State.DEAD
             # Several backends may expire in one call; check them one by one on a replay.
             replay = before
             for t in transitions:
                 step_before = Ledger.from_dict(replay.to_dict(), policy)
-                failed = RestartFailed(now=now, reason=t.reason.removeprefix("restart failed: "))
-                replay.apply(t.name, failed)
-                check_transition(t, step_before, step_before.to_dict(), replay, now, failed)
+                expired = StartupExpired(now=now)
+                replay.apply(t.name, expired)
+                check_transition(t, step_before, step_before.to_dict(), replay, now, expired)
             assert replay.to_dict() == ledger.to_dict()
             assert not any(
                 s.state is State.RESTARTING
                 and s.state_since is not None
                 and now - s.state_since >= policy.startup_grace
+                for s in ledger.snapshots(now)
+            )
+            # No restart of ours is left unproven past its grace: a STALE backend still
+            # here was re-admitted since its last restart, or was never restarted.
+            assert not any(
+                s.state is State.STALE
+                and s.last_restart_at is not None
+                and now - s.last_restart_at >= policy.startup_grace
+                and (s.last_ok_at is None or s.last_ok_at < s.last_restart_at)
                 for s in ledger.snapshots(now)
             )
         else:

@@ -509,6 +509,54 @@ def test_a_restarted_backend_that_never_answers_stays_stale_and_out_of_serving(
     assert setup.saved("gpu0")["state"] == "stale"
 
 
+def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_restart(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    gpu = fleet.start("gpu0", WEDGE)
+    # Long enough for the run after the restart to see the replacement STALE first, even
+    # on a loaded machine.
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, gpu.restart_argv("unanswered"))],
+        startup_grace="6s",
+    )
+    until_frozen(gpu)
+    assert setup.check().seen("gpu0") == ("wedged", "restarting", False, 2)
+    issued_at = setup.history("gpu0")["last_attempt_at"]
+    assert setup.check().seen("gpu0") == ("restarted", "stale", False, 2)
+
+    # Past the grace: the STALE replacement counts as a failed restart (DEAD, the cooldown
+    # doubled), and, out of that cooldown, the plan restarts it again.
+    sleep_until(issued_at + 6.0)
+    third = setup.check()
+    assert any(
+        note.startswith(
+            "gpu0: restart failed: the new process was not re-admitted within "
+            "the startup grace of 6s"
+        )
+        for note in third.report["notes"]
+    ), third.report["notes"]
+    assert [(n["action"], n["reason"], n["ran"]) for n in third.restarts] == [
+        ("restart", "condemned by wedged: restart 2 of 5 allowed in 24h", True)
+    ]
+    assert third.seen("gpu0")[1] == "restarting"
+    [expired] = [r for r in setup.audit() if r["event"] == "startup_expired"]
+    assert (expired["from"], expired["to"]) == ("stale", "dead")
+    assert expired["evidence"]["restarted_at"] == issued_at
+    assert expired["evidence"]["startup_grace"] == 6.0
+    # What this run saw of it: up, yet its tiny request still unanswered.
+    assert expired["evidence"]["verdict"] == "unanswered"
+    assert "tiny request failed" in expired["evidence"]["evidence"]
+    assert [(r["event"], r["from"], r["to"]) for r in setup.audit()] == [
+        ("wedge_proven", "healthy", "dead"),
+        (RESTART, "dead", "restarting"),
+        ("new_process_up", "restarting", "stale"),
+        ("startup_expired", "stale", "dead"),
+        (RESTART, "dead", "restarting"),
+    ]
+
+
 def test_dry_run_logs_the_decision_without_acting_and_no_restart_logs_nothing(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -623,7 +671,7 @@ def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_
     issued_at = setup.history("gpu0")["last_attempt_at"]
 
     # Past the grace (and the cooldown after one failure, 1 s doubled): the next run fails
-    # the restart before probing, and the plan made after probing tries again.
+    # the restart after its verdicts are fed, and the plan made then tries again.
     sleep_until(issued_at + 4.0)
     second = setup.check()
     assert second.seen("gpu0") == ("down", "restarting", False, 2)
@@ -645,7 +693,7 @@ def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_
     assert [(r["event"], r["from"], r["to"]) for r in setup.audit()] == [
         ("wedge_proven", "healthy", "dead"),
         (RESTART, "dead", "restarting"),
-        ("restart_failed", "restarting", "dead"),
+        ("startup_expired", "restarting", "dead"),
         (RESTART, "dead", "restarting"),
         ("new_process_up", "restarting", "stale"),
         ("readmitted", "stale", "healthy"),
