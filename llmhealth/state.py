@@ -2,7 +2,9 @@
 
 A run holds the lock from its first read of the state to its last write, so two checks on
 one fleet never both act. A file that cannot be read back is moved aside, never deleted
-and never silently replaced: it is the only record of what the fleet went through.
+and never silently replaced: it is the only record of what the fleet went through. The
+state, its temp file and the lock are the owner's alone (0600) whatever the umask: the
+state holds every backend's URL and evidence.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -78,9 +81,11 @@ class StateFile:
         """Hold the exclusive lock, waiting up to lock_timeout for another run to finish."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StateError(f"cannot open the lock file {self.lock_path}: {exc}") from exc
+        with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
+            os.fchmod(descriptor, 0o600)
         try:
             self._acquire(descriptor)
             os.ftruncate(descriptor, 0)
@@ -139,9 +144,15 @@ class StateFile:
     def save(self, document: dict[str, Any]) -> None:
         """Write a temp file, fsync it, rename it over the state, fsync the directory."""
         payload = json.dumps({**document, "schema": SCHEMA}, indent=1, sort_keys=True).encode()
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temporary: Path | None = None
         try:
-            with temporary.open("wb") as handle:
+            # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
+            # would let anyone who can write the directory plant a symlink there first.
+            descriptor, name = tempfile.mkstemp(
+                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+            )
+            temporary = Path(name)
+            with os.fdopen(descriptor, "wb") as handle:
                 handle.write(payload)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -152,8 +163,9 @@ class StateFile:
             finally:
                 os.close(directory)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
             raise StateError(f"cannot write state {self.path}: {exc}") from exc
 
     def _set_aside(self) -> Path:

@@ -6,14 +6,18 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from llmhealth import state as state_module
+from llmhealth.actions import AuditLog
 from llmhealth.state import (
     SCHEMA,
     StateCorruptError,
@@ -157,3 +161,76 @@ def test_the_default_path_follows_systemd_then_root_then_the_user() -> None:
         else Path("/xdg/llmhealth/state.json")
     )
     assert default_path({"XDG_STATE_HOME": "/xdg"}) == expected
+
+
+# --- who may read it --------------------------------------------------------------------
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The most permissive umask: whatever the files get is what llmhealth asked for."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_state_its_temp_file_and_the_lock_are_the_owners_alone(
+    tmp_path: Path, open_umask: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = StateFile(tmp_path / "state.json")
+    temporaries: list[tuple[str, int]] = []
+    real_replace = os.replace
+
+    def replace(source: Any, target: Any) -> None:  # sees the temp file just before it is renamed
+        temporaries.append((Path(source).name, mode(Path(source))))
+        real_replace(source, target)
+
+    monkeypatch.setattr(state_module.os, "replace", replace)
+    for _ in range(2):
+        with store.locked():
+            store.save({"n": 1})
+    monkeypatch.undo()
+    assert mode(store.path) == 0o600
+    assert mode(store.lock_path) == 0o600
+    assert [m for _, m in temporaries] == [0o600, 0o600]
+    first, second = (name for name, _ in temporaries)
+    assert first != second, "temp names are not predictable"
+    assert first.startswith(".state.json.") and first.endswith(".tmp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.lock"]
+
+
+def test_a_symlink_planted_at_a_temp_name_is_never_written_through(tmp_path: Path) -> None:
+    """Before, the temp name was .state.json.<pid>.tmp, opened without O_EXCL."""
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    store = StateFile(tmp_path / "state.json")
+    (tmp_path / f".state.json.{os.getpid()}.tmp").symlink_to(victim)
+    with store.locked():
+        store.save({"n": 1})
+    assert victim.read_text() == "untouched"
+    assert json.loads(store.path.read_text())["n"] == 1
+    assert not store.path.is_symlink()
+
+
+def test_an_older_world_readable_lock_file_is_made_the_owners_alone(
+    tmp_path: Path, open_umask: None
+) -> None:
+    store = StateFile(tmp_path / "state.json")
+    store.lock_path.touch(mode=0o644)
+    with store.locked():
+        pass
+    assert mode(store.lock_path) == 0o600
+
+
+def test_the_audit_log_is_readable_by_the_group_and_no_one_else(
+    tmp_path: Path, open_umask: None
+) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append({"event": "x"})
+    assert mode(tmp_path / "audit.jsonl") == 0o640
