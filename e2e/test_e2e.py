@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import Nginx, record, start_server, watch_log
 from helpers import (
     FINISHED,
@@ -334,15 +333,6 @@ def test_a_restart_without_start_time_is_seen_by_counters_going_down(
 # --- a wedge that llmhealth restarts itself ---------------------------------------------
 
 
-def _restart_supported() -> bool:
-    try:
-        from llmhealth import remediate  # noqa: PLC0415 - only to know whether it exists
-    except ImportError:
-        return False
-    return hasattr(remediate, "remediate")
-
-
-@pytest.mark.skipif(not _restart_supported(), reason="this llmhealth has no restart support")
 def test_a_wedge_is_restarted_by_its_command_and_readmitted(
     vllm: VllmServer, spare_servers: list[VllmServer], tmp_path: Path
 ) -> None:
