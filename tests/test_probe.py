@@ -22,6 +22,7 @@ from llmhealth.probe import (
     ProbeSettings,
     check_fleet,
     examine_backend,
+    examine_once,
     new_client,
     read_metrics,
 )
@@ -557,3 +558,26 @@ def test_the_api_key_is_never_in_a_targets_repr() -> None:
     target = Target("gpu0", "http://10.0.0.5:8000", api_key="s3cret")
     assert "s3cret" not in repr(target)
     assert "s3cret" not in repr(Outcome(target, Verdict(VerdictKind.IDLE, True, "idle")))
+
+
+def test_watch_gets_a_verdict_too_when_judging_one_read_raises(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examine_once, the watch loop's per-read step, has the same guard as check's."""
+    Backend(httpserver, [capture("busy-1")])
+
+    def broken_decide(*_args: object, **_kwargs: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("llmhealth.probe.decide", broken_decide)
+    window: list[Read] = []
+
+    async def once() -> Verdict | None:
+        async with new_client() as client:
+            target = Target("b", httpserver.url_for("").rstrip("/"))
+            return await examine_once(client, target, FAST, window, clock=FakeClock())
+
+    verdict = asyncio.run(once())
+    assert verdict is not None and verdict.kind is VerdictKind.NO_METRICS
+    assert "not judged: examining it raised RecursionError" in verdict.evidence
+    assert window == [], "reads that judged nothing are not compared again"
