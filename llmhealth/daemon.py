@@ -17,6 +17,7 @@ import signal
 import socket
 import ssl
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -451,11 +452,22 @@ class Daemon:
             text = json.dumps(
                 {"serving": [{"name": name, "url": url} for name, url in current]}, indent=1
             )
-        temporary = path.with_name(f".{path.name}.tmp")
+        temporary: Path | None = None
         try:
-            temporary.write_text(text)
+            # A random name opened with O_EXCL (a fixed one could be a planted symlink),
+            # then 0644: the balancer, another user, must read it.
+            descriptor, name = tempfile.mkstemp(
+                prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+            )
+            temporary = Path(name)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                os.fchmod(handle.fileno(), 0o644)
+                handle.write(text)
             os.replace(temporary, path)
         except OSError as exc:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
             # The balancer keeps its last file; watching goes on, and the next cycle retries.
             self._log(f"cannot write the serving file {path}: {exc}")
             return

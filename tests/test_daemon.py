@@ -854,6 +854,10 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
         fleet_config([{"name": "busy", "url": urls.busy}, {"name": "wedge", "url": urls.wedge_b}]),
     )
     serving = tmp_path / "serving.json"
+    # The temp name an older version always used: a symlink planted there is not followed.
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (tmp_path / ".serving.json.tmp").symlink_to(victim)
     after = {"serving": [{"name": "busy", "url": urls.busy}]}
     with watching(
         entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
@@ -861,6 +865,9 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
         seen = poll_file(serving, lambda text: json.loads(text) == after)
         rc, _ = watch.stop()
     assert rc == 0
+    assert victim.read_text() == "untouched"
+    assert not serving.is_symlink()
+    assert serving.stat().st_mode & 0o777 == 0o644  # the balancer, another user, reads it
     first: dict[str, Any] = json.loads(seen[0])
     assert sorted(first["serving"], key=lambda entry: entry["name"]) == [
         {"name": "busy", "url": urls.busy},
