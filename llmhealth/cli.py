@@ -213,11 +213,71 @@ def watch(
     raise typer.Exit(asyncio.run(daemon.run()))
 
 
+@app.command()
+def route(
+    urls: UrlsArgument = None,
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+    wait: WaitOption = None,
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            "--listen",
+            help="HOST:PORT the router serves on (its /metrics included); else the "
+            f"config's [router] listen, else {DEFAULT_ROUTE_LISTEN}.",
+        ),
+    ] = None,
+) -> None:
+    """Route OpenAI-compatible requests to serving backends, and watch them as `watch` does.
+
+    One process, one ledger: probing, settling, restarts and systemd notify as in `watch`,
+    plus real-traffic failures counted against the backend that caused them.
+    """
+    import asyncio  # noqa: PLC0415 - only the daemon needs these
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cycle import routed_backends, state_path_for  # noqa: PLC0415
+    from llmhealth.daemon import Daemon  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+    from llmhealth.state import StateFile  # noqa: PLC0415
+
+    given_urls = urls or []
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        try:
+            return _fleet(given_urls, [], config_file)
+        except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
+            raise config_module.ConfigError(exc.format_message()) from exc
+
+    loaded, targets = load()
+    backends = routed_backends(loaded, targets)
+    if not backends:
+        raise typer.BadParameter("nothing to route to: give backend URLs or --config")
+    address = _host_port(listen or loaded.router.listen or DEFAULT_ROUTE_LISTEN)
+    wait_seconds = _duration(wait)
+    router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)
+    daemon = Daemon(
+        load,
+        StateFile(state_path_for(loaded, state)),
+        listen=None,
+        wait_override=wait_seconds,
+        serving_file=None,
+        console=Console(stderr=True),
+        router=router,
+        router_listen=address,
+    )
+    raise typer.Exit(asyncio.run(daemon.run()))
+
+
+DEFAULT_ROUTE_LISTEN = "127.0.0.1:8200"
+
+
 def _host_port(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise typer.BadParameter(f"{value!r} is not HOST:PORT", param_hint="--listen")
-    return host.strip("[]"), int(port)
+    try:
+        return config_module.parse_listen(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--listen") from None
 
 
 def _operator_context(

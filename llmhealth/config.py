@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmhealth.choice import Affinity
+
 DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_ANSWER_TIMEOUT = 10.0
@@ -64,6 +66,35 @@ class Proxy:
     url: str
 
 
+DEFAULT_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """``[router]``: how ``llmhealth route`` forwards. Times are seconds, sizes bytes."""
+
+    listen: str | None = None  # HOST:PORT; --listen wins
+    routes: tuple[str, ...] = DEFAULT_ROUTES  # forwarded paths; anything else is a JSON 404
+    affinity: str | None = None  # "header:NAME" or "body:FIELD": keep a session on a backend
+    affinity_slack: int = 4  # requests in flight beyond the least loaded that break affinity
+    max_body: int = 16 * 1024 * 1024  # a larger request body gets 413
+    body_timeout: float = 30.0  # to receive a whole request body, else 408
+    connect_timeout: float = 3.0  # to connect to a backend; a miss is retried elsewhere
+    # Response headers from a backend: vLLM sends them for a non-streamed answer only when
+    # the whole answer is generated, so this must exceed the longest such generation.
+    first_byte_timeout: float = 300.0
+    stream_idle_timeout: float = 60.0  # silence in a started response that ends it
+    client_timeout: float = 60.0  # a client that takes no data for this long is dropped
+    no_backend_status: int = 503
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     wait: float = DEFAULT_WAIT
@@ -77,6 +108,7 @@ class Config:
     policy: Policy = field(default_factory=Policy)
     backends: tuple[Backend, ...] = ()
     proxies: tuple[Proxy, ...] = ()
+    router: Router = field(default_factory=Router)
     source: str = "<command line>"
 
 
@@ -102,7 +134,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         data,
         "",
         {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
-        | {"backend", "proxy", "stall_timeout", "on_serving_change"},
+        | {"backend", "proxy", "stall_timeout", "on_serving_change", "router"},
     )
     policy = _policy(reader, data.get("policy", {}))
     backends = tuple(
@@ -129,6 +161,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         policy=policy,
         backends=backends,
         proxies=proxies,
+        router=_router(reader, data.get("router", {})),
         source=where,
     )
 
@@ -229,6 +262,68 @@ def _policy(reader: _Reader, data: object) -> Policy:
     if policy.cooldown_max < policy.cooldown:
         raise ConfigError(f"{reader.where}: policy.cooldown_max is shorter than policy.cooldown")
     return policy
+
+
+def _router(reader: _Reader, data: object) -> Router:
+    table = reader.table(data, "router")
+    reader.known(table, "router.", set(Router.__dataclass_fields__))
+    defaults = Router()
+    listen = reader.optional_string(table, "router.listen")
+    if listen is not None:
+        try:
+            parse_listen(listen)
+        except ValueError as exc:
+            raise reader.fail("router.listen", str(exc)) from exc
+    routes = reader.string_list(table, "router.routes", defaults.routes)
+    bad = [route for route in routes if not route.startswith("/") or route in _ROUTER_OWN]
+    if bad:
+        raise reader.fail(
+            "router.routes",
+            f"{bad[0]!r}: a route is a path starting with '/', and not one the router "
+            f"answers itself ({', '.join(sorted(_ROUTER_OWN))})",
+        )
+    affinity = reader.optional_string(table, "router.affinity")
+    if affinity is not None:
+        try:
+            Affinity.parse(affinity)
+        except ValueError as exc:
+            raise reader.fail("router.affinity", str(exc)) from exc
+    status = reader.integer(
+        table, "router.no_backend_status", defaults.no_backend_status, minimum=400
+    )
+    if status > 599:
+        raise reader.fail("router.no_backend_status", f"{status} is not an HTTP error status")
+    return Router(
+        listen=listen,
+        routes=routes,
+        affinity=affinity,
+        affinity_slack=reader.integer(
+            table, "router.affinity_slack", defaults.affinity_slack, minimum=1
+        ),
+        max_body=reader.integer(table, "router.max_body", defaults.max_body, minimum=1024),
+        body_timeout=reader.duration(table, "router.body_timeout", defaults.body_timeout),
+        connect_timeout=reader.duration(table, "router.connect_timeout", defaults.connect_timeout),
+        first_byte_timeout=reader.duration(
+            table, "router.first_byte_timeout", defaults.first_byte_timeout
+        ),
+        stream_idle_timeout=reader.duration(
+            table, "router.stream_idle_timeout", defaults.stream_idle_timeout
+        ),
+        client_timeout=reader.duration(table, "router.client_timeout", defaults.client_timeout),
+        no_backend_status=status,
+    )
+
+
+_ROUTER_OWN = frozenset({"/v1/models", "/metrics", "/health"})
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as a host and a port; ValueError otherwise."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    return host, int(port)
 
 
 def _backend(reader: _Reader, data: object, key: str) -> Backend:

@@ -17,7 +17,7 @@ from typing import Any
 
 from llmhealth.actions import AuditLog
 from llmhealth.classify import Outcome, Target, Verdict
-from llmhealth.config import Config
+from llmhealth.config import Backend, Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
@@ -45,6 +45,16 @@ def ledger_policy(policy: ConfigPolicy) -> LedgerPolicy:
 def backend_urls(targets: Sequence[Target]) -> dict[str, str]:
     """The backends a run knows, by name: the ledger's members (proxies are not)."""
     return {target.name: target.url for target in targets if target.kind == "backend"}
+
+
+def routed_backends(config: Config, targets: Sequence[Target]) -> list[Backend]:
+    """Every backend a router may forward to: as configured, or bare from a URL given."""
+    configured = {backend.name: backend for backend in config.backends}
+    return [
+        configured.get(target.name) or Backend(target.name, target.url)
+        for target in targets
+        if target.kind == "backend"
+    ]
 
 
 def load_record(

@@ -21,16 +21,17 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
 from llmhealth.actions import AuditLog, run_command
+from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cycle import (
     audit_path_for,
@@ -38,6 +39,7 @@ from llmhealth.cycle import (
     baselines_of,
     ledger_policy,
     load_record,
+    routed_backends,
     settle_fleet,
 )
 from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
@@ -50,6 +52,10 @@ from llmhealth.render import report_renderables
 from llmhealth.report import CycleReport
 from llmhealth.state import StateError, StateFile
 from llmhealth.text import printable
+from llmhealth.traffic import RequestOutcome
+
+if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
+    from llmhealth.router import Router
 
 SHUTDOWN_GRACE = 10.0  # seconds a cycle in progress may take to finish after SIGTERM
 _ERROR_KINDS = {
@@ -112,6 +118,8 @@ class Daemon:
         serving_file: Path | None,
         console: Console,
         clock: Callable[[], float] = time.time,
+        router: Router | None = None,
+        router_listen: tuple[str, int] | None = None,
     ) -> None:
         self._load = load
         self._config, self._targets = load()
@@ -132,6 +140,13 @@ class Daemon:
         self._tls = ssl.create_default_context()
         self._baselines: dict[str, Signals] = {}
         self._snapshots: dict[str, BackendSnapshot] = {}
+        # `route`: the router in front of the backends, fed the serving set after every
+        # settle, and drained of what real traffic showed before the next.
+        self._router = router
+        self._router_listen = router_listen
+        if router is not None:  # one /metrics: the router's series and the daemon's
+            router.registry.register(self._collector)
+        self._models: dict[str, frozenset[str]] = {}  # as the tiny request last listed them
 
     @property
     def settings(self) -> ProbeSettings:
@@ -160,6 +175,8 @@ class Daemon:
             self._log(f"metrics on http://{self._listen[0]}:{self._listen[1]}/metrics")
         try:
             self._baselines = await asyncio.to_thread(self._read_baselines)
+            if self._router is not None and self._router_listen is not None:
+                await self._start_router(self._router, *self._router_listen)
             self._start_probes()
             await self._loop()
         finally:
@@ -170,8 +187,36 @@ class Daemon:
             if server is not None:
                 server.shutdown()
                 server.server_close()
+            if self._router is not None:
+                await self._router.close()
         self._log("stopped")
         return 0
+
+    async def _start_router(self, router: Router, host: str, port: int) -> None:
+        try:
+            await router.start(host, port)
+        except OSError as exc:
+            raise config_module.ConfigError(
+                f"--listen {host}:{port}: cannot route there: {exc.strerror or exc}"
+            ) from exc
+        self._push_router()  # the saved ledger's serving set, until the first settle
+        self._log(f"routing on http://{host}:{port}")
+
+    def _push_router(self) -> None:
+        """Hand the router the serving set, each backend with the models it serves."""
+        if self._router is None:
+            return
+        expected = {b.name: b.expected_model for b in self._config.backends}
+        serving: dict[str, Models] = {}
+        for name, snapshot in self._snapshots.items():
+            if not snapshot.serving:
+                continue
+            models = set(self._models.get(name, ()))
+            if expected.get(name):
+                models.add(str(expected[name]))
+            serving[name] = frozenset(models) if models else ANY_MODEL
+        states = {name: str(snapshot.state) for name, snapshot in self._snapshots.items()}
+        self._router.push(serving, states, self._config.policy.min_healthy)
 
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does."""
@@ -197,7 +242,11 @@ class Daemon:
                     self._reload = False
                     self._reload_config()
                 started = time.monotonic()
-                cycle = _in_daemon_thread(self._settle, self._take_fresh())
+                # Drained here, on the loop's thread: the router records on it too.
+                requests = self._router.drain() if self._router is not None else None
+                cycle = _in_daemon_thread(
+                    functools.partial(self._settle, requests=requests), self._take_fresh()
+                )
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
                 # its own verdicts and nothing else. The cycle runs in a daemon thread,
@@ -218,6 +267,8 @@ class Daemon:
                     self._log(f"cycle skipped: {exc}")
                     self._notifier.send("WATCHDOG=1", f"STATUS=state unusable: {exc}")
                     continue
+                self._remember_models(report)
+                self._push_router()
                 self._after_cycle(report, time.monotonic() - started, live)
 
     def _read_baselines(self) -> dict[str, Signals]:
@@ -232,6 +283,8 @@ class Daemon:
         except StateError as exc:
             self._log(f"starting without earlier reads: {exc}")
             return {}
+        now = self._clock()
+        self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
         return baselines_of(record)
 
     def _start_probes(self) -> None:
@@ -304,7 +357,11 @@ class Daemon:
                 fresh.append(probe.outcome)
         return fresh
 
-    def _settle(self, fresh: list[Outcome]) -> CycleReport:
+    def _settle(
+        self,
+        fresh: list[Outcome],
+        requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
+    ) -> CycleReport:
         """One cycle's bookkeeping, in a worker thread: it may wait for the state lock."""
         backends = backend_urls(self._targets)
         settled = settle_fleet(
@@ -315,11 +372,20 @@ class Daemon:
             mode=Mode.ACT,
             audit=AuditLog(audit_path_for(self._config, self._store.path)),
             clock=self._clock,
+            requests=requests,
         )
         now = settled.report.checked_at
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
         self._write_serving(settled.record.ledger.serving, backends)
         return settled.report
+
+    def _remember_models(self, report: CycleReport) -> None:
+        """The model lists the tiny request saw; kept while the backend is busy and so
+        not asked again."""
+        for backend in report.backends:
+            answer = backend.outcome.verdict.answer
+            if answer is not None and answer.models_served:
+                self._models[backend.outcome.target.name] = frozenset(answer.models_served)
 
     def _after_cycle(self, report: CycleReport, seconds: float, live: Live | None) -> None:
         state = self._state
@@ -433,6 +499,8 @@ class Daemon:
             return
         self._config, self._targets = config, targets
         self._start_probes()
+        if self._router is not None:  # [router] settings themselves take a restart
+            self._router.configure(routed_backends(config, targets))
         self._log(f"config reloaded: {len(targets)} targets")
 
     def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:

@@ -173,6 +173,9 @@ class FleetRecord:
     # The last restart-skip reason written to the audit log per backend, so an unchanged
     # one is not written again every cycle.
     skips: dict[str, str] = field(default_factory=dict)
+    # The failed real requests of each backend's current request-failure streak (at most
+    # unhealthy_threshold), kept across settles: the proof a condemnation names.
+    request_streaks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
@@ -184,6 +187,7 @@ class FleetRecord:
                 self.restarts.pop(name, None)
                 self.proofs.pop(name, None)
                 self.skips.pop(name, None)
+                self.request_streaks.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
             if name not in self.ledger.names:
@@ -217,25 +221,34 @@ class FleetRecord:
         log and a later restart name the requests, not whatever a probe saw next.
         """
         transitions = []
-        streak: list[RequestOutcome] = []
+        streak = self.request_streaks.setdefault(name, [])
+        keep = self.ledger.policy.unhealthy_threshold
         for outcome in outcomes:
             event: Event
             if outcome.ok:
-                streak.clear()
                 event = RequestSuccess(now=outcome.at)
             else:
-                streak.append(outcome)
                 event = RequestFailure(
                     now=outcome.at, reason=TRAFFIC_CAUSE, detail=outcome.describe()
                 )
             transition = self.ledger.apply(name, event)
             transitions.append(transition)
-            if transition.applied and transition.to_state is State.DEAD:
+            if not transition.applied:
+                continue
+            if not outcome.ok:
+                streak[:] = [*streak, outcome.to_dict()][-keep:]
+            # The ledger's own count decides when the streak is over (an answered request,
+            # a new process), so this list never disagrees with it.
+            if self.ledger.snapshot(name, outcome.at).request_failures == 0:
+                streak.clear()
+            if transition.to_state is State.DEAD:
                 self.proofs[name] = {
                     "verdict": TRAFFIC_CAUSE,
                     "evidence": transition.reason,
-                    "requests": [failed.to_dict() for failed in streak],
+                    "requests": list(streak),
                 }
+        if not streak:
+            self.request_streaks.pop(name, None)
         return transitions
 
     def restart_worked(self, name: str) -> None:
@@ -254,6 +267,7 @@ class FleetRecord:
             "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
             "proofs": dict(sorted(self.proofs.items())),
             "skips": dict(sorted(self.skips.items())),
+            "request_streaks": dict(sorted(self.request_streaks.items())),
         }
 
     @classmethod
@@ -280,7 +294,12 @@ class FleetRecord:
             str(name): str(reason)
             for name, reason in _table(data.get("skips", {}), "skips").items()
         }
-        return cls(ledger, sightings, holds, restarts, proofs, skips)
+        streaks = {}  # absent from files written before `route`
+        for name, value in _table(data.get("request_streaks", {}), "request_streaks").items():
+            if not isinstance(value, list) or not all(isinstance(r, Mapping) for r in value):
+                raise ValueError(f"request_streaks.{name}: expected a list of tables")
+            streaks[str(name)] = [dict(r) for r in value]
+        return cls(ledger, sightings, holds, restarts, proofs, skips, streaks)
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""

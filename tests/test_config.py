@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from llmhealth.config import Backend, ConfigError, Policy, load, parse_duration
+from llmhealth.config import (
+    Backend,
+    ConfigError,
+    Policy,
+    Router,
+    load,
+    parse_duration,
+    parse_listen,
+)
 
 FULL = """
 wait = "5s"
@@ -95,6 +103,16 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "name used twice: x",
         ),
         ("backend = 3", "backend: must be an array of tables"),
+        ("[router]\nlisten = 'nowhere'", "router.listen: 'nowhere' is not HOST:PORT"),
+        ("[router]\naffinity = 'cookie:x'", "router.affinity: 'cookie:x' is not an affinity"),
+        ("[router]\naffinity_slack = 0", "router.affinity_slack: 0 is below"),
+        ("[router]\nroutes = ['/metrics']", "router.routes: '/metrics': a route is a path"),
+        ("[router]\nroutes = ['v1/x']", "router.routes: 'v1/x': a route is a path"),
+        ("[router]\nno_backend_status = 200", "router.no_backend_status: 200 is below"),
+        ("[router]\nno_backend_status = 700", "router.no_backend_status: 700 is not an HTTP"),
+        ("[router]\nfirst_byte_timeout = 'never'", "router.first_byte_timeout: 'never'"),
+        ("[router]\nretries = 2", "router.retries: unknown key"),
+        ("[policy]\nrestart_on = ['requests']", "policy.restart_on: requests cannot condemn"),
         ("wait = ", "not valid TOML"),
     ],
 )
@@ -152,3 +170,29 @@ def test_credentials_in_a_url_are_refused_without_echoing_them(
     assert "api_key_env" in message
     assert "s3" not in message and "alice" not in message
     assert "10.0.0.5" in message  # what to write instead
+
+
+def test_the_router_table_has_documented_defaults_and_takes_each_key(tmp_path: Path) -> None:
+    path = tmp_path / "llmhealth.toml"
+    path.write_text("")
+    assert load(path).router == Router()
+    assert Router().routes[0] == "/v1/chat/completions"
+    path.write_text(
+        "[policy]\nrestart_on = ['wedged', 'request_failures']\n"
+        "[router]\nlisten = '[::1]:8300'\naffinity = 'body:user'\naffinity_slack = 2\n"
+        "first_byte_timeout = '30s'\nstream_idle_timeout = '1m'\nno_backend_status = 429\n"
+        "routes = ['/v1/completions']\nmax_body = 4096\n"
+    )
+    config = load(path)
+    assert config.policy.restart_on == ("wedged", "request_failures")
+    assert config.router == Router(
+        listen="[::1]:8300",
+        routes=("/v1/completions",),
+        affinity="body:user",
+        affinity_slack=2,
+        max_body=4096,
+        first_byte_timeout=30.0,
+        stream_idle_timeout=60.0,
+        no_backend_status=429,
+    )
+    assert parse_listen("[::1]:8300") == ("::1", 8300)

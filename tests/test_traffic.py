@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from llmhealth.actions import AuditLog
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle
@@ -141,3 +143,29 @@ def test_a_settle_audits_a_traffic_condemnation_and_restarts_only_when_opted_in(
 
     report, _ = settle_traffic(tmp_path / "opted", ("wedged", "request_failures"))
     assert [note.action for note in report.restarts] == ["restart"]
+
+
+def test_the_proof_names_the_streak_across_settles_and_survives_the_state_file() -> None:
+    fleet = record()
+    fleet.observe_requests("a", [ok(T0), failed(T0 + 1)])
+    fleet = FleetRecord.from_dict(json.loads(json.dumps(fleet.to_dict())), LedgerPolicy())
+    fleet.observe_requests("a", [failed(T0 + 2, FailureKind.FIRST_BYTE_TIMEOUT)])
+    fleet.observe_requests("a", [failed(T0 + 3)])
+    assert fleet.ledger.state_of("a") is State.DEAD
+    assert [r["at"] for r in fleet.proofs["a"]["requests"]] == [T0 + 1, T0 + 2, T0 + 3]
+
+
+def test_an_answered_request_ends_the_streak_it_would_prove() -> None:
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+    fleet.observe_requests("a", [ok(T0 + 2)])
+    assert fleet.request_streaks == {}
+    fleet.observe_requests("a", [failed(T0 + 3), failed(T0 + 4), failed(T0 + 5)])
+    assert [r["at"] for r in fleet.proofs["a"]["requests"]] == [T0 + 3, T0 + 4, T0 + 5]
+
+
+def test_a_malformed_streak_in_the_state_file_is_named() -> None:
+    document = record().to_dict()
+    document["request_streaks"] = {"a": "nonsense"}
+    with pytest.raises(ValueError, match=r"request_streaks\.a"):
+        FleetRecord.from_dict(document, LedgerPolicy())

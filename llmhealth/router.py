@@ -1,0 +1,536 @@
+"""`llmhealth route`'s HTTP edge: an OpenAI-compatible router over the serving set.
+
+I/O around the pure choice (``choice.choose``) and the ledger's second writer
+(``traffic.RequestLog``). The daemon pushes the serving set in after every settle and
+drains what real requests showed before the next; in between, the router steers on its
+own: a backend with a counted failure leaves the pick set at once (the reflex drop).
+Streams pass through chunk by chunk, both ways bounded in bytes and time, and every
+failure a client sees is a named, deliberate answer: a 500 JSON, an SSE ``error`` event,
+or ``no_backend_status`` with ``Retry-After``, never a hang until the client gives up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as CounterMetric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from llmhealth.choice import ANY_MODEL, Affinity, Models, choose, serves
+from llmhealth.config import Backend
+from llmhealth.config import Router as RouterConfig
+from llmhealth.text import printable
+from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
+
+# RFC 9110 section 7.6.1: headers that describe one connection, never forwarded. Host and
+# Content-Length are set again for the hop they travel on.
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+# Below uvicorn's 5 s keep-alive (vLLM's server), so the router never sends a request on
+# a connection the backend is closing: that race would read as a reset and be counted.
+UPSTREAM_KEEPALIVE = 2.0
+_JSON = "application/json"
+
+
+class BadRequestError(Exception):
+    """The client's request cannot be routed; the message says why (a 4xx, never counted)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
+    """The request's ``model`` and its parsed JSON object; an empty body has neither.
+
+    The body itself is forwarded byte for byte: this parse only decides the choice.
+    """
+    if not body.strip():
+        return None, None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: a body nested thousands deep is the client's fault like any other.
+        raise BadRequestError(400, f"the request body is not valid JSON: {_short(exc)}") from None
+    if not isinstance(parsed, dict):
+        raise BadRequestError(400, "the request body must be a JSON object")
+    model = parsed.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequestError(400, "the request body names no model: the router chooses by model")
+    return model, parsed
+
+
+def upstream_headers(
+    incoming: Mapping[str, str] | CIMultiDictProxy[str], api_key: str | None
+) -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop ones; the backend's own key when it has one."""
+    named = _connection_tokens(incoming)
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in named:
+            continue
+        if api_key is not None and lower == "authorization":
+            continue
+        headers.add(name, value)
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def downstream_headers(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The backend's response headers minus hop-by-hop ones (Content-Length is kept)."""
+    named = _connection_tokens(incoming)
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in named or (lower in HOP_BY_HOP and lower != "content-length"):
+            continue
+        headers.add(name, value)
+    return headers
+
+
+def _connection_tokens(headers: Mapping[str, str] | CIMultiDictProxy[str]) -> set[str]:
+    value = headers.get("Connection", "")
+    return {token.strip().lower() for token in value.split(",") if token.strip()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Retry:
+    """The request never reached the backend: the caller may send it elsewhere once."""
+
+    detail: str
+
+
+class RouterMetrics:
+    """The router's own series; labels are configured backend names, never client input."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = CounterMetric(
+            "llmhealth_router_requests",
+            "Requests answered, by backend ('none' when none was chosen) and HTTP status.",
+            ["backend", "code"],
+            registry=registry,
+        )
+        self.failures = CounterMetric(
+            "llmhealth_router_backend_failures",
+            "Failures counted against a backend, by kind.",
+            ["backend", "kind"],
+            registry=registry,
+        )
+        self.no_backend = CounterMetric(
+            "llmhealth_router_no_backend",
+            "Requests answered no_backend_status: nothing serving served the model.",
+            registry=registry,
+        )
+        self.retries = CounterMetric(
+            "llmhealth_router_retries",
+            "Requests sent to a second backend after the first refused the connection.",
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "llmhealth_router_in_flight_requests",
+            "Requests forwarded to a backend and not yet finished.",
+            ["backend"],
+            registry=registry,
+        )
+        self.first_byte = Histogram(
+            "llmhealth_router_time_to_first_byte_seconds",
+            "From choosing a backend to its response headers.",
+            ["backend"],
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.duration = Histogram(
+            "llmhealth_router_request_duration_seconds",
+            "From choosing a backend to the last byte of its response.",
+            ["backend"],
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+        self.serving = Gauge(
+            "llmhealth_router_serving_backends",
+            "Backends in the router's pick set (serving, and not dropped after a failure).",
+            registry=registry,
+        )
+
+    def start_backend(self, name: str) -> None:
+        """Zero series from the start, so a rate() sees a backend's first failure."""
+        self.in_flight.labels(name)
+        for kind in FailureKind:
+            self.failures.labels(name, str(kind))
+
+
+class Router:
+    """The router's state between settles, and its request handler."""
+
+    def __init__(
+        self,
+        settings: RouterConfig,
+        backends: Iterable[Backend],
+        *,
+        clock: Callable[[], float] = time.time,
+        retry_after: float = 5.0,
+        collectors: Iterable[Collector] = (),
+    ) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._retry_after = str(max(1, math.ceil(retry_after)))
+        self._routes = frozenset(settings.routes)
+        self._affinity = Affinity.parse(settings.affinity) if settings.affinity else None
+        self._log = RequestLog()
+        self._in_flight: Counter[str] = Counter()
+        self._serving: dict[str, Models] = {}
+        self._states: dict[str, str] = {}
+        self._dropped: set[str] = set()
+        self._min_healthy = 1
+        self._backends: dict[str, Backend] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        for collector in collectors:
+            self.registry.register(collector)
+        self.metrics = RouterMetrics(self.registry)
+        self.configure(backends)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    # --- what the daemon calls ---------------------------------------------------------
+
+    def configure(self, backends: Iterable[Backend]) -> None:
+        """The configured backends (at start and on reload): URLs and keys to use."""
+        self._backends = {backend.name: backend for backend in backends}
+        for name in self._backends:
+            self.metrics.start_backend(name)
+
+    def push(
+        self, serving: Mapping[str, Models], states: Mapping[str, str], min_healthy: int
+    ) -> None:
+        """The serving set after a settle, each backend with the models it serves.
+
+        A backend that failed since the last drain stays dropped: the settle that pushes
+        this has not heard of that failure yet.
+        """
+        self._serving = {name: models for name, models in serving.items() if name in self._backends}
+        self._states = dict(states)
+        self._min_healthy = min_healthy
+        self._dropped = {name for name in self._dropped if self._log.has_failure(name)}
+        self.metrics.serving.set(len(self._pick_set()))
+
+    def drain(self) -> dict[str, tuple[RequestOutcome, ...]]:
+        """Every outcome since the last drain, per backend in order, for the settle."""
+        return self._log.drain()
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        return {name: count for name, count in self._in_flight.items() if count}
+
+    async def start(self, host: str, port: int) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # bounded by max_connections clients, each holding at most one
+            keepalive_timeout=UPSTREAM_KEEPALIVE,
+            enable_cleanup_closed=False,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self._settings.connect_timeout, sock_read=None
+            ),
+            auto_decompress=False,  # bytes pass as the backend sent them, encoding and all
+            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        app = web.Application(client_max_size=self._settings.max_body)
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        # handler_cancellation: a client that goes away cancels its handler, and with it
+        # the upstream request, so the engine aborts the generation and frees the slot.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, keepalive_timeout=75.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await site.start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # --- requests ----------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path == "/health":
+            return self._health()
+        if path == "/metrics":
+            return web.Response(
+                body=generate_latest(self.registry),
+                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+            )
+        if path == "/v1/models":
+            return self._models()
+        if path not in self._routes:
+            return self._answer(None, 404, {"error": f"not routed: {printable(path[:200])}"})
+        try:
+            body = await asyncio.wait_for(request.read(), self._settings.body_timeout)
+            model, parsed = model_of(body)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self._settings.max_body
+            return self._answer(None, 413, {"error": f"request body over {limit} bytes"})
+        except TimeoutError:
+            seconds = self._settings.body_timeout
+            return self._answer(None, 408, {"error": f"request body not received in {seconds:g} s"})
+        except BadRequestError as exc:
+            return self._answer(None, exc.status, {"error": str(exc)})
+        key = self._affinity.key_of(request.headers, parsed) if self._affinity else None
+        tried: set[str] = set()
+        while True:
+            pool = {n: m for n, m in self._pick_set().items() if n not in tried}
+            name = choose(
+                pool, self._in_flight, model=model, key=key, slack=self._settings.affinity_slack
+            )
+            if name is None:
+                if tried:  # the one retry found nowhere to go: the client hears why
+                    first = next(iter(tried))
+                    return self._backend_failed(
+                        first, "connection refused, and no other backend serves"
+                    )
+                return self._no_backend(model)
+            result = await self._forward(request, name, body)
+            if isinstance(result, web.StreamResponse):
+                return result
+            tried.add(name)
+            if len(tried) > 1:
+                return self._backend_failed(name, result.detail)
+            self.metrics.retries.inc()
+
+    async def _forward(
+        self, request: web.Request, name: str, body: bytes
+    ) -> web.StreamResponse | _Retry:
+        """One attempt on one backend, from connect to the last byte to the client."""
+        backend = self._backends[name]
+        assert self._session is not None
+        api_key = os.environ.get(backend.api_key_env) if backend.api_key_env else None
+        started = time.monotonic()
+        self._in_flight[name] += 1
+        self.metrics.in_flight.labels(name).inc()
+        upstream: aiohttp.ClientResponse | None = None
+        finished = False
+        try:
+            try:
+                async with asyncio.timeout(self._settings.first_byte_timeout):
+                    upstream = await self._session.request(
+                        request.method,
+                        backend.url + request.rel_url.raw_path_qs,
+                        data=body or None,
+                        headers=upstream_headers(request.headers, api_key),
+                        allow_redirects=False,
+                    )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                # Never connected, so never sent: safe to send elsewhere.
+                self._fail(name, request, FailureKind.REFUSED, None, _short(exc))
+                return _Retry(f"connection failed: {_short(exc)}")
+            except TimeoutError:
+                seconds = self._settings.first_byte_timeout
+                detail = f"no response headers within {seconds:g} s"
+                self._fail(name, request, FailureKind.FIRST_BYTE_TIMEOUT, None, detail)
+                return self._backend_failed(name, detail)
+            except (aiohttp.ClientError, OSError) as exc:
+                detail = f"connection broke before the response: {_short(exc)}"
+                self._fail(name, request, FailureKind.BROKEN, None, detail)
+                return self._backend_failed(name, detail)
+            self.metrics.first_byte.labels(name).observe(time.monotonic() - started)
+            response, finished = await self._relay(request, name, upstream)
+            return response
+        finally:
+            if upstream is not None and not finished:
+                upstream.close()  # never back to the pool half read: the backend sees it end
+            elif upstream is not None:
+                upstream.release()
+            self._in_flight[name] -= 1
+            self.metrics.in_flight.labels(name).dec()
+            self.metrics.duration.labels(name).observe(time.monotonic() - started)
+
+    async def _relay(
+        self, request: web.Request, name: str, upstream: aiohttp.ClientResponse
+    ) -> tuple[web.StreamResponse, bool]:
+        """Pass the backend's response on as it comes; True when it ended cleanly."""
+        status = upstream.status
+        if status >= 500:
+            # Passed through unchanged (vLLM says why in the body), and counted now, so the
+            # reflex drop applies before this response has even been relayed.
+            self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason or "")
+        response = web.StreamResponse(status=status, reason=upstream.reason)
+        response.headers.extend(downstream_headers(upstream.headers))
+        self.metrics.requests.labels(name, str(status)).inc()
+        event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        try:
+            await asyncio.wait_for(response.prepare(request), self._settings.client_timeout)
+            while True:
+                try:
+                    async with asyncio.timeout(self._settings.stream_idle_timeout):
+                        chunk = await upstream.content.readany()
+                except TimeoutError:
+                    seconds = self._settings.stream_idle_timeout
+                    detail = f"response silent for {seconds:g} s after it started"
+                    self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
+                    await self._end_broken(request, response, name, detail, event_stream)
+                    return response, False
+                except (aiohttp.ClientError, OSError) as exc:
+                    detail = f"response cut off: {_short(exc)}"
+                    self._fail(name, request, FailureKind.BROKEN, status, detail)
+                    await self._end_broken(request, response, name, detail, event_stream)
+                    return response, False
+                if not chunk:
+                    break
+                await asyncio.wait_for(response.write(chunk), self._settings.client_timeout)
+            await asyncio.wait_for(response.write_eof(), self._settings.client_timeout)
+        except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
+            # The client stopped reading or went away: its doing, never the backend's.
+            _abort(request)
+            return response, False
+        if status < 400:
+            self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
+        return response, True
+
+    async def _end_broken(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        name: str,
+        detail: str,
+        event_stream: bool,
+    ) -> None:
+        """A response that broke after it started. An SSE client hears an ``error`` event
+        (the OpenAI SDKs raise it), then the stream's end and the connection's close; any
+        other body is cut off, so no client takes part of a body for the whole."""
+        if not event_stream:
+            _abort(request)
+            return
+        event = {"error": {"message": f"backend failed: {detail}", "type": "backend_failed"}}
+        payload = f"event: error\ndata: {json.dumps({**event, 'backend': name})}\n\n"
+        response.force_close()
+        try:
+            async with asyncio.timeout(self._settings.client_timeout):
+                await response.write(payload.encode())
+                await response.write_eof()
+        except (TimeoutError, ConnectionError, aiohttp.ClientError):
+            _abort(request)
+
+    # --- the router's own answers ------------------------------------------------------
+
+    def _fail(
+        self,
+        name: str,
+        request: web.Request,
+        kind: FailureKind,
+        status: int | None,
+        detail: str,
+    ) -> None:
+        """Count a failure against a backend and drop it from choice until the next push."""
+        self._log.record(
+            name,
+            RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),
+        )
+        self._dropped.add(name)
+        self.metrics.failures.labels(name, str(kind)).inc()
+        self.metrics.serving.set(len(self._pick_set()))
+
+    def _pick_set(self) -> dict[str, Models]:
+        return {n: m for n, m in self._serving.items() if n not in self._dropped}
+
+    def _backend_failed(self, name: str, detail: str) -> web.Response:
+        # 500, not 502/504: the OpenAI SDKs retry 5xx either way, and a gateway timeout
+        # would blame the network for what the backend did.
+        return self._answer(name, 500, {"error": f"backend failed: {detail}", "backend": name})
+
+    def _no_backend(self, model: str | None) -> web.Response:
+        self.metrics.no_backend.inc()
+        wanted = f"model {model!r}" if model else "this request"
+        backends = {}
+        for name in sorted(self._backends):
+            state = self._states.get(name, "unknown")
+            if name in self._dropped:
+                state += " (dropped after a failed request, until the next settle)"
+            elif name in self._serving and not serves(self._serving[name], model):
+                state += " (serves other models)"
+            backends[name] = state
+        return self._answer(
+            None,
+            self._settings.no_backend_status,
+            {"error": f"no backend is serving {wanted}", "backends": backends},
+            headers={"Retry-After": self._retry_after},
+        )
+
+    def _health(self) -> web.Response:
+        serving = sorted(self._serving)
+        healthy = len(serving) >= self._min_healthy
+        body = {
+            "status": "ok" if healthy else "floor breached",
+            "serving": len(serving),
+            "min_healthy": self._min_healthy,
+            "backends": {
+                name: self._states.get(name, "unknown") for name in sorted(self._backends)
+            },
+            "in_flight": self.in_flight,
+        }
+        return web.json_response(body, status=200 if healthy else 503)
+
+    def _models(self) -> web.Response:
+        models = sorted(
+            {
+                model
+                for served in self._serving.values()
+                if served is not ANY_MODEL
+                for model in served
+            }
+        )
+        data = [{"id": model, "object": "model", "owned_by": "llmhealth"} for model in models]
+        return web.json_response({"object": "list", "data": data})
+
+    def _answer(
+        self,
+        backend: str | None,
+        status: int,
+        body: dict[str, object],
+        headers: Mapping[str, str] | None = None,
+    ) -> web.Response:
+        self.metrics.requests.labels(backend or "none", str(status)).inc()
+        return web.json_response(body, status=status, headers=headers)
+
+
+def _abort(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+
+
+def _short(exc: BaseException) -> str:
+    """An error's text, short and printable: it goes into logs and JSON answers."""
+    return printable((str(exc) or type(exc).__name__)[:200])

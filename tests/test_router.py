@@ -1,0 +1,627 @@
+"""The router over real HTTP on both sides: pytest-httpserver backends, raw misbehaving
+sockets, and a real client. Waits are event-driven with generous bounds, never timed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import httpx
+import pytest
+from pytest_httpserver import HTTPServer
+from werkzeug import Request, Response
+
+from llmhealth.choice import ANY_MODEL, Models
+from llmhealth.config import Backend
+from llmhealth.config import Router as RouterConfig
+from llmhealth.router import Router, downstream_headers, model_of, upstream_headers
+from llmhealth.traffic import FailureKind
+
+BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def refused_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+
+
+@contextlib.asynccontextmanager
+async def routing(
+    backends: Mapping[str, str],
+    settings: RouterConfig | None = None,
+    models: Mapping[str, Models] | None = None,
+    keys: Mapping[str, str] | None = None,
+) -> AsyncIterator[tuple[Router, str]]:
+    """A router on a free port over ``backends`` (name -> URL), all serving."""
+    configured = [
+        Backend(name, url, api_key_env=(keys or {}).get(name)) for name, url in backends.items()
+    ]
+    router = Router(settings or RouterConfig(), configured, retry_after=5.0)
+    port = free_port()
+    await router.start("127.0.0.1", port)
+    serving = {name: (models or {}).get(name, ANY_MODEL) for name in backends}
+    router.push(serving, dict.fromkeys(backends, "healthy"), 1)
+    try:
+        yield router, f"http://127.0.0.1:{port}"
+    finally:
+        await router.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_backend(handler: Handler) -> AsyncIterator[str]:
+    """A backend that is only a socket: it says exactly what ``handler`` writes."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """Read one request's head and Content-Length body off a raw socket."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head + await reader.readexactly(length)
+
+
+def run(scenario: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(scenario, 60))
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=BOUND)
+
+
+async def quiet(router: Router) -> None:
+    """Wait until no request is in flight: a handler records its outcome after the client
+    already has the last byte."""
+    async with asyncio.timeout(BOUND):
+        while router.in_flight:
+            await asyncio.sleep(0.01)
+
+
+async def drained(router: Router) -> dict[str, Any]:
+    await quiet(router)
+    return dict(router.drain())
+
+
+async def failures(router: Router) -> list[tuple[str, FailureKind | None, int | None]]:
+    await quiet(router)
+    return [
+        (name, outcome.failure, outcome.status)
+        for name, outcomes in router.drain().items()
+        for outcome in outcomes
+    ]
+
+
+# --- pure helpers ------------------------------------------------------------------------
+
+
+def test_the_model_is_read_from_the_body_and_bad_bodies_are_the_clients_fault() -> None:
+    assert model_of(BODY)[0] == "tiny"
+    assert model_of(b"") == (None, None)
+    for body, why in [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"prompt": "x"}', "names no model"),
+        (b'{"model": 7}', "names no model"),
+        (b"[" * 100_000, "not valid JSON"),
+    ]:
+        with pytest.raises(Exception, match=why) as caught:
+            model_of(body)
+        assert getattr(caught.value, "status", None) == 400
+
+
+def test_hop_by_hop_headers_are_stripped_and_the_key_replaced_when_configured() -> None:
+    incoming = {
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "1",
+        "Keep-Alive": "timeout=5",
+        "Transfer-Encoding": "chunked",
+        "Host": "router",
+        "Authorization": "Bearer client",
+        "X-Request-Id": "r1",
+    }
+    passed = upstream_headers(incoming, None)
+    assert dict(passed) == {"Authorization": "Bearer client", "X-Request-Id": "r1"}
+    assert upstream_headers(incoming, "secret")["Authorization"] == "Bearer secret"
+    back = downstream_headers({"Content-Length": "3", "Connection": "close", "X-A": "b"})
+    assert dict(back) == {"Content-Length": "3", "X-A": "b"}
+
+
+# --- forwarding ----------------------------------------------------------------------------
+
+
+def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
+    httpserver: HTTPServer,
+) -> None:
+    seen: list[Request] = []
+
+    def answer(request: Request) -> Response:
+        seen.append(request)
+        return Response('{"ok": true}', content_type="application/json")
+
+    httpserver.expect_request(CHAT, method="POST").respond_with_handler(answer)
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (router, url), client() as http:
+            response = await http.post(
+                url + CHAT + "?x=1",
+                content=BODY,
+                headers={"Authorization": "Bearer client-key", "X-Trace": "t1"},
+            )
+            assert response.status_code == 200
+            assert response.json() == {"ok": True}
+            assert await failures(router) == [("a", None, None)]
+
+    run(scenario())
+    (request,) = seen
+    assert request.get_data() == BODY
+    assert request.args["x"] == "1"
+    assert request.headers["Authorization"] == "Bearer client-key"
+    assert request.headers["X-Trace"] == "t1"
+
+
+def test_a_configured_api_key_replaces_the_clients(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROUTER_TEST_KEY", "backend-key")
+    httpserver.expect_request(
+        CHAT, headers={"Authorization": "Bearer backend-key"}
+    ).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        backends = {"a": httpserver.url_for("")}
+        async with (
+            routing(backends, keys={"a": "ROUTER_TEST_KEY"}) as (_, url),
+            client() as http,
+        ):
+            headers = {"Authorization": "Bearer client-key"}
+            response = await http.post(url + CHAT, content=BODY, headers=headers)
+            assert response.status_code == 200
+
+    run(scenario())
+
+
+def test_the_router_answers_models_health_metrics_and_unrouted_paths_itself(
+    httpserver: HTTPServer,
+) -> None:
+    # Any request reaching the backend would fail the test: the router must answer alone.
+    async def scenario() -> None:
+        models = {"a": frozenset({"llama"}), "b": frozenset({"qwen", "llama"})}
+        backends = {"a": httpserver.url_for(""), "b": httpserver.url_for("/b")}
+        async with routing(backends, models=models) as (router, url), client() as http:
+            listed = (await http.get(url + "/v1/models")).json()
+            assert [m["id"] for m in listed["data"]] == ["llama", "qwen"]
+            health = await http.get(url + "/health")
+            assert health.status_code == 200
+            assert health.json()["backends"] == {"a": "healthy", "b": "healthy"}
+            metrics = (await http.get(url + "/metrics")).text
+            assert "llmhealth_router_serving_backends 2.0" in metrics
+            assert "vllm:" not in metrics
+            missing = await http.post(url + "/v1/secret", content=BODY)
+            assert missing.status_code == 404
+            assert missing.json() == {"error": "not routed: /v1/secret"}
+            router.push({}, {"a": "dead", "b": "suspect"}, 1)
+            health = await http.get(url + "/health")
+            assert health.status_code == 503
+            assert health.json()["status"] == "floor breached"
+
+    run(scenario())
+    assert httpserver.log == []
+
+
+def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer) -> None:
+    async def scenario() -> None:
+        settings = RouterConfig(max_body=2048)
+        async with (
+            routing({"a": httpserver.url_for("")}, settings) as (router, url),
+            client() as http,
+        ):
+            for body, status in [
+                (b"{broken", 400),
+                (b'{"prompt": "no model"}', 400),
+                (b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}', 413),
+            ]:
+                response = await http.post(url + CHAT, content=body)
+                assert response.status_code == status
+                assert "error" in response.json()
+            assert (await drained(router)) == {}
+
+    run(scenario())
+    assert httpserver.log == []
+
+
+def test_nothing_serving_the_model_is_answered_at_once_naming_every_backend() -> None:
+    async def scenario() -> None:
+        backends = {"a": refused_url(), "b": refused_url()}
+        async with (
+            routing(backends, models={"a": frozenset({"llama"})}) as (router, url),
+            client() as http,
+        ):
+            router.push({"a": frozenset({"llama"})}, {"a": "healthy", "b": "dead"}, 1)
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 503
+            assert response.headers["Retry-After"] == "5"
+            assert response.json() == {
+                "error": "no backend is serving model 'tiny'",
+                "backends": {"a": "healthy (serves other models)", "b": "dead"},
+            }
+
+    run(scenario())
+
+
+# --- failures, counted where they happen -----------------------------------------------------
+
+
+def test_a_refused_connection_is_retried_once_elsewhere_and_counted_against_the_first(
+    httpserver: HTTPServer,
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        # "a" sorts first, so an idle router tries it first.
+        backends = {"a": refused_url(), "b": httpserver.url_for("")}
+        async with routing(backends) as (router, url), client() as http:
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200
+            assert await failures(router) == [("a", FailureKind.REFUSED, None), ("b", None, None)]
+            # Reflex drop: "a" is not tried again before the next settle.
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200
+            assert await failures(router) == [("b", None, None)]
+            metrics = (await http.get(url + "/metrics")).text
+            assert 'llmhealth_router_backend_failures_total{backend="a",kind="refused"} 1.0' in (
+                metrics
+            )
+            assert "llmhealth_router_retries_total 1.0" in metrics
+
+    run(scenario())
+
+
+def test_a_retry_with_nowhere_to_go_is_a_deliberate_500() -> None:
+    async def scenario() -> None:
+        async with routing({"a": refused_url()}) as (router, url), client() as http:
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 500
+            assert response.json()["backend"] == "a"
+            assert response.json()["error"].startswith("backend failed: connection refused")
+            assert await failures(router) == [("a", FailureKind.REFUSED, None)]
+
+    run(scenario())
+
+
+def test_no_response_headers_within_first_byte_timeout_is_a_500_and_counted() -> None:
+    requests_seen = asyncio.Event()
+
+    async def accepts_and_says_nothing(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        requests_seen.set()
+        await reader.read()  # until the router gives up and closes
+        writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(first_byte_timeout=0.5)
+        async with (
+            raw_backend(accepts_and_says_nothing) as hung,
+            routing({"a": hung}, settings) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert requests_seen.is_set()
+            assert response.status_code == 500
+            assert response.json() == {
+                "error": "backend failed: no response headers within 0.5 s",
+                "backend": "a",
+            }
+            assert await failures(router) == [("a", FailureKind.FIRST_BYTE_TIMEOUT, None)]
+            # Dropped at once: the next request is told nothing serves, not held again.
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 503
+
+    run(scenario())
+
+
+def test_a_stream_that_goes_silent_ends_with_an_sse_error_event_and_is_counted() -> None:
+    async def one_chunk_then_silence(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(stream_idle_timeout=0.5)
+        async with (
+            raw_backend(one_chunk_then_silence) as silent,
+            routing({"a": silent}, settings) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200  # the headers had gone out already
+            assert response.text.startswith('data: {"choices"')
+            assert "event: error\ndata: " in response.text
+            event = response.text.split("event: error\ndata: ", 1)[1].strip()
+            assert json.loads(event)["backend"] == "a"
+            assert "silent for 0.5 s" in json.loads(event)["error"]["message"]
+            assert await failures(router) == [("a", FailureKind.STREAM_IDLE, 200)]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("status", "counted"), [(500, True), (503, True), (400, False), (404, False), (429, False)]
+)
+def test_a_backends_5xx_is_passed_through_and_counted_and_its_4xx_never(
+    httpserver: HTTPServer, status: int, counted: bool
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_json({"error": "from vllm"}, status=status)
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (router, url), client() as http:
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == status
+            assert response.json() == {"error": "from vllm"}
+            expected = [("a", FailureKind.SERVER_ERROR, status)] if counted else []
+            assert await failures(router) == expected
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"this is not HTTP\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part",
+        b"",
+    ],
+    ids=["garbage", "closed-mid-body", "closed-before-answering"],
+)
+def test_a_backend_that_sends_garbage_or_closes_early_is_counted(reply: bytes) -> None:
+    async def misbehaves(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(misbehaves) as bad,
+            routing({"a": bad}) as (router, url),
+            client() as http,
+        ):
+            with contextlib.suppress(httpx.HTTPError):  # a cut-off body is cut off here too
+                response = await http.post(url + CHAT, content=BODY)
+                assert response.status_code in (200, 500)
+            assert await failures(router) == [
+                ("a", FailureKind.BROKEN, 200 if b"only" in reply else None)
+            ]
+
+    run(scenario())
+
+
+# --- streaming and disconnects ---------------------------------------------------------
+
+
+def test_each_chunk_reaches_the_client_before_the_backend_produces_the_next() -> None:
+    """The backend sends chunk n+1 only once the client has chunk n: a router that held
+    chunks back would deadlock here, and the bounded wait would fail the test."""
+    received = [asyncio.Event() for _ in range(5)]
+
+    async def lockstep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for index, event in enumerate(received):
+            chunk = b"data: %d\n\n" % index
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await asyncio.wait_for(event.wait(), BOUND)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(lockstep) as backend,
+            routing({"a": backend}) as (router, url),
+            client() as http,
+            http.stream("POST", url + CHAT, content=BODY) as response,
+        ):
+            seen = b""
+            async for piece in response.aiter_raw():
+                seen += piece
+                for index, event in enumerate(received):
+                    if b"data: %d\n\n" % index in seen:
+                        event.set()
+            assert seen == b"".join(b"data: %d\n\n" % i for i in range(5))
+        assert await failures(router) == [("a", None, None)]
+
+    run(scenario())
+
+
+def test_a_client_that_goes_away_closes_the_upstream_request_and_counts_nothing() -> None:
+    backend_saw_close = asyncio.Event()
+
+    async def streams_until_closed(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        if await reader.read() == b"":  # the router closed its side
+            backend_saw_close.set()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(streams_until_closed) as backend,
+            routing({"a": backend}) as (router, url),
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            await writer.drain()
+            assert b"hello" in await reader.readuntil(b"hello")
+            assert router.in_flight == {"a": 1}
+            writer.close()
+            await asyncio.wait_for(backend_saw_close.wait(), BOUND)
+            assert (await drained(router)) == {}
+
+    run(scenario())
+
+
+def test_a_client_disconnect_while_waiting_for_headers_closes_the_upstream_too() -> None:
+    backend_saw_close = asyncio.Event()
+    request_arrived = asyncio.Event()
+
+    async def thinks_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        request_arrived.set()
+        if await reader.read() == b"":
+            backend_saw_close.set()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(thinks_forever) as backend,
+            routing({"a": backend}) as (router, url),
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            await asyncio.wait_for(request_arrived.wait(), BOUND)
+            writer.close()
+            await asyncio.wait_for(backend_saw_close.wait(), BOUND)
+            assert (await drained(router)) == {}
+
+    run(scenario())
+
+
+def test_a_request_body_that_never_finishes_arriving_gets_a_408(httpserver: HTTPServer) -> None:
+    async def scenario() -> None:
+        settings = RouterConfig(body_timeout=0.5)
+        async with routing({"a": httpserver.url_for("")}, settings) as (router, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{" % CHAT.encode()
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            assert head.startswith(b"HTTP/1.1 408")
+            writer.close()
+            assert (await drained(router)) == {}
+
+    run(scenario())
+    assert httpserver.log == []
+
+
+# --- choice through the router ---------------------------------------------------------
+
+
+def test_a_session_stays_on_one_backend_and_load_goes_to_the_least_busy(
+    httpserver: HTTPServer,
+) -> None:
+    served: list[str] = []
+
+    def answer(request: Request) -> Response:
+        served.append(request.path)
+        return Response("{}", content_type="application/json")
+
+    for name in ("a", "b", "c"):
+        httpserver.expect_request(f"/{name}{CHAT}").respond_with_handler(answer)
+
+    async def scenario() -> None:
+        backends = {name: httpserver.url_for(f"/{name}") for name in ("a", "b", "c")}
+        settings = RouterConfig(affinity="header:X-Session-Id")
+        async with routing(backends, settings) as (_, url), client() as http:
+            for session in ("s1", "s2", "s3", "s4", "s5", "s6"):
+                for _ in range(3):
+                    headers = {"X-Session-Id": session}
+                    await http.post(url + CHAT, content=BODY, headers=headers)
+
+    run(scenario())
+    by_session = [served[i : i + 3] for i in range(0, len(served), 3)]
+    assert all(len(set(turns)) == 1 for turns in by_session)  # each session stayed put
+    assert len({turns[0] for turns in by_session}) > 1  # and sessions spread out
+
+
+def test_a_push_restores_a_dropped_backend_unless_it_failed_after_the_drain(
+    httpserver: HTTPServer,
+) -> None:
+    httpserver.expect_request(f"/a{CHAT}").respond_with_json({}, status=500)
+    httpserver.expect_request(f"/b{CHAT}").respond_with_json({})
+
+    async def scenario() -> None:
+        backends = {"a": httpserver.url_for("/a"), "b": httpserver.url_for("/b")}
+        async with routing(backends) as (router, url), client() as http:
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500
+            everyone = dict.fromkeys(backends, ANY_MODEL)
+            states = dict.fromkeys(backends, "healthy")
+            router.push(everyone, states, 1)  # not drained: "a" failed after this settle's drain
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200
+            assert [o.failure for o in (await drained(router))["a"]] == [FailureKind.SERVER_ERROR]
+            router.push(everyone, states, 1)  # the settle heard of it: "a" may serve again
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500
+
+    run(scenario())
+
+
+def test_outcomes_drain_in_the_order_they_happened(httpserver: HTTPServer) -> None:
+    statuses = iter([200, 500, 200, 502, 429])
+
+    def answer(_: Request) -> Response:
+        return Response("{}", status=next(statuses), content_type="application/json")
+
+    httpserver.expect_request(CHAT).respond_with_handler(answer)
+
+    async def scenario() -> None:
+        backend = {"a": httpserver.url_for("")}
+        seen: list[Any] = []
+        async with routing(backend) as (router, url), client() as http:
+            for _ in range(5):
+                await http.post(url + CHAT, content=BODY)
+                # A settle after every request: drain, then push "a" back into service.
+                seen += (await drained(router)).get("a", ())
+                router.push(dict.fromkeys(backend, ANY_MODEL), {"a": "suspect"}, 1)
+        # The 429 counts for nothing: not the backend's failure, and not an answer.
+        assert [o.status for o in seen] == [None, 500, None, 502]
+
+    run(scenario())
