@@ -21,10 +21,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from llmhealth.actions import KILL_GRACE
 from llmhealth.classify import VerdictKind
-from llmhealth.config import DEFAULT_WAIT, Policy
+from llmhealth.config import DEFAULT_WAIT, Backend, Policy
+from llmhealth.config import Router as RouterSettings
 from llmhealth.exporter import BackendView, ExportView, FleetCollector
 from llmhealth.ledger import State
 from llmhealth.report import FleetSummary
+from llmhealth.router import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
@@ -32,8 +34,13 @@ ALERTS = ROOT / "alerts"
 RULES = ALERTS / "llmhealth.rules.yml"
 RULE_TESTS = ALERTS / "llmhealth.tests.yml"
 INSTALL_TOOLS = ROOT / "scripts" / "install-tools.sh"
-UNIT_FILES = ("llmhealth.service", "llmhealth-check.service", "llmhealth-check.timer")
-SERVICES = ("llmhealth.service", "llmhealth-check.service")
+UNIT_FILES = (
+    "llmhealth.service",
+    "llmhealth-route.service",
+    "llmhealth-check.service",
+    "llmhealth-check.timer",
+)
+SERVICES = ("llmhealth.service", "llmhealth-route.service", "llmhealth-check.service")
 INSTALLED_BINARY = "/usr/local/bin/llmhealth"
 
 # Lines `systemd-analyze verify` may print that say something about the machine running
@@ -209,6 +216,21 @@ def test_the_watch_service_waits_longer_than_its_longest_cycle() -> None:
     assert settings["Service.StateDirectory"] == ["llmhealth"]
 
 
+def test_the_route_service_is_the_watch_service_with_a_router() -> None:
+    """Same timing and sandbox as watch; only what routing needs differs."""
+    watch, route = _unit_settings("llmhealth.service"), _unit_settings("llmhealth-route.service")
+    assert route["Service.ExecStart"] == [
+        watch["Service.ExecStart"][0].replace(" watch ", " route ")
+    ]
+    assert route["Unit.Conflicts"] == ["llmhealth.service"]  # one ledger, one process
+    assert int(route["Service.LimitNOFILE"][0]) >= 65536
+    differ = {"Unit.Description", "Unit.Conflicts", "Service.ExecStart"}
+    differ |= {"Service.SyslogIdentifier", "Service.LimitNOFILE"}
+    assert {k: v for k, v in route.items() if k not in differ} == {
+        k: v for k, v in watch.items() if k not in differ
+    }
+
+
 def test_the_check_service_fails_only_on_critical_or_unknown() -> None:
     settings = _unit_settings("llmhealth-check.service")
     assert settings["Service.Type"] == ["oneshot"]
@@ -292,7 +314,12 @@ def _exported_text() -> str:
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    return generate_latest(registry).decode()
+    # `route` serves the router's own series beside the watch series.
+    router = Router(RouterSettings(), [Backend("gpu0", "http://127.0.0.1:9")])
+    router.metrics.requests.labels("gpu0", "200").inc()
+    router.metrics.first_byte.labels("gpu0").observe(0.01)
+    router.metrics.duration.labels("gpu0").observe(0.5)
+    return generate_latest(registry).decode() + generate_latest(router.registry).decode()
 
 
 def test_the_rules_use_only_series_and_labels_the_daemon_exports() -> None:
