@@ -8,7 +8,6 @@ alert on CRITICAL always means a server, not a typo.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import traceback
@@ -468,28 +467,10 @@ def _fleet(
 ) -> tuple[config_module.Config, list[Target]]:
     """The config (or defaults) and every target: configured ones first, then bare URLs."""
     loaded = config_module.load(config_file) if config_file else config_module.Config()
-    targets = [
-        Target(
-            backend.name,
-            backend.url,
-            "backend",
-            api_key=os.environ.get(backend.api_key_env) if backend.api_key_env else None,
-            model=backend.expected_model,
-        )
-        for backend in loaded.backends
-    ]
-    targets += [Target(proxy.name, proxy.url, "proxy") for proxy in loaded.proxies]
-    for kind, given, hint in (("backend", urls, "URL"), ("proxy", proxies, "--proxy")):
-        for url in given:
-            try:
-                checked = config_module.check_url(url)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint=hint) from exc
-            targets.append(Target(config_module.name_for_url(checked), checked, kind))
-    names = [target.name for target in targets]
-    if len(set(names)) != len(names):
-        raise typer.BadParameter("the same backend or proxy is named twice")
-    return loaded, targets
+    try:
+        return loaded, config_module.targets_for(loaded, urls, proxies)
+    except config_module.BadTargetError as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.hint) from exc
 
 
 def _print(report: CycleReport, output: OutputFormat) -> None:

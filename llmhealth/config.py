@@ -7,15 +7,17 @@ threshold must not silently leave the default in force on a fleet that restarts 
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
+from llmhealth.classify import Target
 
 DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
@@ -417,3 +419,41 @@ class _Reader:
             return check_url(value)
         except ValueError as exc:
             raise self.fail(key, str(exc)) from exc
+
+
+class BadTargetError(ValueError):
+    """A URL that cannot be checked, or two targets with one name; ``hint`` names the input."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> list[Target]:
+    """Every target: configured backends and proxies first, then bare URLs.
+
+    API keys are read here from the environment variables the config names, so a key is
+    never written into a config file or a state file.
+    """
+    targets = [
+        Target(
+            backend.name,
+            backend.url,
+            "backend",
+            api_key=os.environ.get(backend.api_key_env) if backend.api_key_env else None,
+            model=backend.expected_model,
+        )
+        for backend in config.backends
+    ]
+    targets += [Target(proxy.name, proxy.url, "proxy") for proxy in config.proxies]
+    for kind, given, hint in (("backend", urls, "URL"), ("proxy", proxies, "--proxy")):
+        for url in given:
+            try:
+                checked = check_url(url)
+            except ValueError as exc:
+                raise BadTargetError(str(exc), hint) from exc
+            targets.append(Target(name_for_url(checked), checked, kind))
+    names = [target.name for target in targets]
+    if len(set(names)) != len(names):
+        raise BadTargetError("the same backend or proxy is named twice")
+    return targets

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -101,23 +101,74 @@ def settle_fleet(
     between runs.
     """
     with store.locked() if store is not None else contextlib.nullcontext():
-        started = clock()
-        record, changes = load_record(store, ledger_policy(config.policy), backends, started)
-        notes = [*notes, *changes]
-        outcomes = gather(record)
-        report = settle(
-            record,
-            config,
-            outcomes,
-            clock(),
-            mode=mode,
-            audit=audit,
-            notes=notes,
-            requests=requests,
-        )
-        if store is not None:
-            store.save(record.to_dict())
-    return Settled(replace(report, checked_at=started), record)
+        opened = _open(store, config, backends, clock, notes)
+        outcomes = gather(opened.record)
+        return _close(store, config, opened, outcomes, mode, audit, clock, requests)
+
+
+async def settle_fleet_async(
+    store: Store | None,
+    config: Config,
+    backends: Mapping[str, str],
+    gather: Callable[[FleetRecord], Awaitable[Sequence[Outcome]]],
+    *,
+    mode: Mode,
+    audit: AuditLog | None,
+    clock: Clock = time.time,
+    notes: Sequence[str] = (),
+) -> Settled:
+    """settle_fleet for a ``gather`` that must run in the caller's event loop."""
+    with store.locked() if store is not None else contextlib.nullcontext():
+        opened = _open(store, config, backends, clock, notes)
+        outcomes = await gather(opened.record)
+        return _close(store, config, opened, outcomes, mode, audit, clock, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    record: FleetRecord
+    started: float
+    notes: list[str]
+
+
+def _open(
+    store: Store | None,
+    config: Config,
+    backends: Mapping[str, str],
+    clock: Clock,
+    notes: Sequence[str],
+) -> _Opened:
+    """The first half of a settle, with the lock held: load the record."""
+    started = clock()
+    record, changes = load_record(store, ledger_policy(config.policy), backends, started)
+    return _Opened(record, started, [*notes, *changes])
+
+
+def _close(
+    store: Store | None,
+    config: Config,
+    opened: _Opened,
+    outcomes: Sequence[Outcome],
+    mode: Mode,
+    audit: AuditLog | None,
+    clock: Clock,
+    requests: Mapping[str, Sequence[RequestOutcome]] | None,
+) -> Settled:
+    """The second half, with the lock still held: settle the verdicts, act, save."""
+    record = opened.record
+    report = settle(
+        record,
+        config,
+        outcomes,
+        clock(),
+        mode=mode,
+        audit=audit,
+        notes=opened.notes,
+        requests=requests,
+    )
+    if store is not None:
+        store.save(record.to_dict())
+    return Settled(replace(report, checked_at=opened.started), record)
 
 
 def run_cycle(
@@ -130,18 +181,29 @@ def run_cycle(
     clock: Clock = time.time,
 ) -> CycleReport:
     """One ``check``: probe every target inside the settle, so two runs never both act."""
+    return asyncio.run(run_cycle_async(config, targets, settings, store, mode=mode, clock=clock))
+
+
+async def run_cycle_async(
+    config: Config,
+    targets: list[Target],
+    settings: ProbeSettings,
+    store: StateFile | None,
+    *,
+    mode: Mode = Mode.ACT,
+    clock: Clock = time.time,
+) -> CycleReport:
+    """run_cycle inside a running event loop (the library's check_async)."""
     notes = []
     audit = AuditLog(audit_path_for(config, store.path)) if store is not None else None
     if store is None:
         notes.append("state not persisted: bare URLs without --state or --config")
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
 
-    def probe(record: FleetRecord) -> list[Outcome]:
-        return asyncio.run(
-            check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
-        )
+    async def probe(record: FleetRecord) -> list[Outcome]:
+        return await check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
 
-    settled = settle_fleet(
+    settled = await settle_fleet_async(
         store,
         config,
         backend_urls(targets),
