@@ -1,3 +1,75 @@
-"""llmhealth: health checks for LLM inference fleets that read the server's own metrics first."""
+"""llmhealth: health checks for LLM inference fleets that read the server's own metrics first.
 
-__version__ = "0.1.0"
+The public API is exactly ``__all__``; everything else is internal and may change. Names
+are imported on first use, so ``import llmhealth`` (and the CLI's start-up) loads neither
+httpx nor rich until a check or a prober is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"  # the same as pyproject.toml; a test holds them together
+
+if TYPE_CHECKING:
+    from llmhealth.classify import VerdictKind
+    from llmhealth.fleet import StallWatch
+    from llmhealth.fleet_health import FleetExhausted, FleetHealth, FleetPolicy, Key
+    from llmhealth.ledger import (
+        BackendSnapshot,
+        NoServingBackend,
+        State,
+        Transition,
+        UnknownBackend,
+    )
+    from llmhealth.report import ExitCode, FleetSummary
+    from llmhealth.selector import Selector
+
+_HOMES = {
+    "ExitCode": "llmhealth.report",
+    "FleetSummary": "llmhealth.report",
+    "VerdictKind": "llmhealth.classify",
+    "FleetHealth": "llmhealth.fleet_health",
+    "FleetPolicy": "llmhealth.fleet_health",
+    "FleetExhausted": "llmhealth.fleet_health",
+    "Key": "llmhealth.fleet_health",
+    "State": "llmhealth.ledger",
+    "BackendSnapshot": "llmhealth.ledger",
+    "Transition": "llmhealth.ledger",
+    "UnknownBackend": "llmhealth.ledger",
+    "NoServingBackend": "llmhealth.ledger",
+    "Selector": "llmhealth.selector",
+    "StallWatch": "llmhealth.fleet",
+}
+
+__all__ = [
+    "BackendSnapshot",
+    "ExitCode",
+    "FleetExhausted",
+    "FleetHealth",
+    "FleetPolicy",
+    "FleetSummary",
+    "Key",
+    "NoServingBackend",
+    "Selector",
+    "StallWatch",
+    "State",
+    "Transition",
+    "UnknownBackend",
+    "VerdictKind",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'llmhealth' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

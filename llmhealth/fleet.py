@@ -108,12 +108,15 @@ def events_for(
     now: float,
     previous: Sighting | None,
     expected_model: str | None = None,
+    readmit_on_answer: bool = True,
 ) -> list[Event]:
     """The ledger events one verdict stands for, given where the backend is now.
 
     A backend out of the serving set is moved only by proof about its process: a new one
     seen (new start time, or metrics again after refusal), re-admission by the tiny
     request, or a wedge. Good probes of an absent backend are not even sent.
+    ``readmit_on_answer=False`` is for a caller that re-admits by its own proof (a trainer
+    after a completed weight sync): an answered tiny request then proves nothing more.
     """
     kind = verdict.kind
     answered = verdict.answer is not None and verdict.answer.ok
@@ -121,7 +124,7 @@ def events_for(
         expected_model is None
         or (verdict.answer is not None and expected_model in verdict.answer.models_served)
     )
-    readmit: list[Event] = [Readmitted(now=now)] if proven else []
+    readmit: list[Event] = [Readmitted(now=now)] if proven and readmit_on_answer else []
     live = kind not in (VerdictKind.DOWN, VerdictKind.UNRESPONSIVE)
     came_back = previous is not None and not previous.reachable and live
 

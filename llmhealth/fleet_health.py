@@ -1,0 +1,331 @@
+"""The ledger for a program that drives its own fleet: a trainer's verbs over one Ledger.
+
+No I/O: the caller probes, restarts and syncs weights, and tells this object what happened;
+the only thing read here is the injectable clock. Every verb is one event of the ledger's
+transition table (``llmhealth/ledger.py``), so ``check``, ``watch``, the router and this
+API share one state machine. A verb the table refuses changes nothing and returns why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from llmhealth.classify import Verdict
+from llmhealth.fleet import events_for
+from llmhealth.ledger import (
+    BackendSnapshot,
+    Condemned,
+    Event,
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    ProbeFailure,
+    ProcessGone,
+    Readmitted,
+    RequestFailure,
+    RequestSuccess,
+    RestartFailed,
+    RestartIssued,
+    Retire,
+    State,
+    Transition,
+    UnknownBackend,
+    WeightsPartial,
+    WeightsStamped,
+)
+
+# A backend is named by its shard index when the fleet was given a list of URLs, and by
+# its name when it was given a mapping of names to URLs.
+Key: TypeAlias = int | str
+Clock: TypeAlias = Callable[[], float]
+
+_MAX_ERROR_TEXT = 300  # an exception's text ends up in status output; keep it bounded
+
+
+class FleetExhausted(RuntimeError):  # noqa: N818 - named for the condition, as in seed 000
+    """Too few backends serve for the run to be worth continuing; names every backend."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPolicy:
+    """Thresholds for a FleetHealth. Refused at construction, field named, when out of range.
+
+    ``max_restart_attempts`` counts ``mark_restarting`` calls per backend within
+    ``restart_window`` seconds; the attempt past it retires the backend.
+    """
+
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    max_restart_attempts: int = 5
+    min_healthy: int = 1
+    restart_window: float = 86400.0
+
+    def __post_init__(self) -> None:
+        for name, least in (
+            ("unhealthy_threshold", 1),
+            ("healthy_threshold", 1),
+            ("max_restart_attempts", 1),
+            ("min_healthy", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"FleetPolicy.{name} must be an integer, got {value!r}")
+            if value < least:
+                raise ValueError(f"FleetPolicy.{name} must be at least {least}, got {value}")
+        window = self.restart_window
+        if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+            raise ValueError(
+                f"FleetPolicy.restart_window must be a positive number of seconds, got {window!r}"
+            )
+        if window == float("inf"):
+            raise ValueError("FleetPolicy.restart_window must be finite, got inf")
+
+    def ledger_policy(self) -> LedgerPolicy:
+        return LedgerPolicy(
+            unhealthy_threshold=self.unhealthy_threshold,
+            healthy_threshold=self.healthy_threshold,
+            min_healthy=self.min_healthy,
+            restart_budget=self.max_restart_attempts,
+            restart_budget_window=float(self.restart_window),
+        )
+
+
+class FleetHealth:
+    """Per-backend health for a fleet the caller drives, and the serving set it implies.
+
+    ``base_urls``: a list (backends are shard indices 0..n-1) or a mapping of names to
+    URLs. Every verb takes that index or name; an unknown one raises ``UnknownBackend``
+    (a ``LookupError``). ``clock`` defaults to ``time.monotonic``; tests inject their own.
+    """
+
+    def __init__(
+        self,
+        base_urls: Sequence[str] | Mapping[str, str],
+        *,
+        policy: FleetPolicy | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self._policy = policy if policy is not None else FleetPolicy()
+        self._clock: Clock = clock if clock is not None else time.monotonic
+        if isinstance(base_urls, str | bytes):
+            raise TypeError("base_urls must be a list of URLs or a mapping of names to URLs")
+        if isinstance(base_urls, Mapping):
+            self._keys: tuple[Key, ...] = tuple(base_urls)
+            for key in self._keys:
+                if not isinstance(key, str) or not key:
+                    raise ValueError(f"backend names must be non-empty strings, got {key!r}")
+            urls = [base_urls[str(key)] for key in self._keys]
+        else:
+            urls = list(base_urls)
+            self._keys = tuple(range(len(urls)))
+        if not self._keys:
+            raise ValueError("a fleet needs at least one backend URL")
+        if self._policy.min_healthy > len(self._keys):
+            raise ValueError(
+                f"FleetPolicy.min_healthy is {self._policy.min_healthy}, more than the "
+                f"{len(self._keys)} backends given: the fleet would start exhausted"
+            )
+        self._names = {key: str(key) for key in self._keys}
+        self._key_of = {name: key for key, name in self._names.items()}
+        self._ledger = Ledger(
+            self._policy.ledger_policy(),
+            [(self._names[key], url) for key, url in zip(self._keys, urls, strict=True)],
+            now=self._clock(),
+        )
+
+    # --- verbs: what the caller saw or did -------------------------------------------
+
+    def record_probe(self, key: Key, *, ok: bool, error: str = "") -> Transition:
+        """Fold one probe result in. Probes never resurrect: outside the serving set a good
+        one is ignored, because an answer says nothing about the weights."""
+        if ok:
+            return self._apply(key, GoodVerdict(now=self._clock()))
+        failure = ProbeFailure(now=self._clock(), reason="probe failed", detail=error)
+        return self._apply(key, failure)
+
+    def record_actor_death(self, key: Key, error: str = "") -> Transition:
+        """Proof the process is gone: DEAD at once, with no counting of further rounds.
+
+        Waiting for ``unhealthy_threshold`` probes would only delay the same conclusion,
+        long enough for a weight sync hung on that process to abort first. Repeating it
+        for an absent backend changes nothing.
+        """
+        return self._apply(key, ProcessGone(now=self._clock(), reason="process gone", detail=error))
+
+    def condemn_silent_participant(self, key: Key, *, reason: str) -> Transition:
+        """DEAD for a process that answers yet did not take part in a collective.
+
+        A judgement, not an observation: ``reason`` must say why this backend is the
+        culprit. DEAD rather than STALE, since a STALE process still joins the next sync.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError("condemning a backend needs a reason")
+        return self._apply(
+            key, Condemned(now=self._clock(), reason="silent participant", detail=reason)
+        )
+
+    def report_failure(self, key: Key, error: BaseException | str) -> Transition:
+        """A real request failed on this backend. Counted on its own streak, which only a
+        completed request clears (never a good probe): a server that answers every probe
+        and fails every request is still condemned."""
+        return self._apply(
+            key,
+            RequestFailure(now=self._clock(), reason="request failed", detail=_describe(error)),
+        )
+
+    def report_success(self, key: Key) -> Transition:
+        """A real request completed: clears the request-failure streak."""
+        return self._apply(key, RequestSuccess(now=self._clock()))
+
+    def mark_restarting(self, key: Key) -> Transition:
+        """A replacement is being brought up for a DEAD backend; past the attempt budget
+        the backend is retired instead."""
+        return self._apply(key, RestartIssued(now=self._clock()))
+
+    def mark_loaded(self, key: Key, *, base_url: str | None = None) -> Transition:
+        """The replacement is up: STALE, holding whatever weights it loaded at start.
+
+        ``base_url``: the replacement's address when it bound a new one; the serving URLs
+        follow it, or traffic would go to a socket nobody listens on.
+        """
+        return self._apply(key, NewProcessUp(now=self._clock(), url=base_url))
+
+    def mark_restart_failed(self, key: Key, *, error: str = "") -> Transition:
+        """The restart did not bring the engine up: back to DEAD, ``last_error`` saying
+        what the reload failed on (a held GPU and a bad config want different answers)."""
+        return self._apply(
+            key, RestartFailed(now=self._clock(), reason=error or "the engine did not come up")
+        )
+
+    def mark_weights_partial(self, key: Key) -> Transition:
+        """An aborted weight sync left this backend with mixed weights: STALE until a
+        completed refit, remembering whether it was SUSPECT. Absent backends are left alone."""
+        return self._apply(key, WeightsPartial(now=self._clock()))
+
+    def record_weight_version(self, key: Key, *, weight_version: int) -> Transition:
+        """This serving backend received this sync's weights. Nothing else changes: a
+        transition here would clear the request-failure streak after every sync."""
+        return self._apply(key, WeightsStamped(now=self._clock(), weight_version=weight_version))
+
+    def report_refit(self, key: Key, *, weight_version: int) -> Transition:
+        """A completed refit: the only way for a STALE backend back into the serving set."""
+        return self._apply(key, Readmitted(now=self._clock(), weight_version=weight_version))
+
+    def retire(self, key: Key, *, reason: str) -> Transition:
+        """Out for good; the run continues on what is left."""
+        return self._apply(key, Retire(now=self._clock(), reason=reason))
+
+    def record_verdict(self, key: Key, verdict: Verdict) -> list[Transition]:
+        """Feed one of llmhealth's own verdicts (``Prober`` does), with the meaning ``check``
+        gives it, except that an answered tiny request never re-admits: here only
+        ``report_refit`` does, because an answer says nothing about the weights."""
+        events = events_for(
+            verdict,
+            self.state_of(key),
+            now=self._clock(),
+            previous=None,
+            readmit_on_answer=False,
+        )
+        return [self._apply(key, event) for event in events]
+
+    def raise_if_exhausted(self) -> None:
+        """Raise ``FleetExhausted`` when fewer than ``min_healthy`` backends serve.
+
+        The message names every backend's state and last error, so the failure says why.
+        """
+        if self._ledger.floor_breached:
+            raise FleetExhausted(self._ledger.floor_message)
+
+    # --- views -----------------------------------------------------------------------
+
+    @property
+    def policy(self) -> FleetPolicy:
+        return self._policy
+
+    @property
+    def keys(self) -> tuple[Key, ...]:
+        """Every backend's index or name, in the order given."""
+        return self._keys
+
+    @property
+    def membership_epoch(self) -> int:
+        """Moves by one each time the serving set changes, and only then."""
+        return self._ledger.epoch
+
+    def state_of(self, key: Key) -> State:
+        return self._ledger.state_of(self._name(key))
+
+    def base_url_of(self, key: Key) -> str:
+        return self._ledger.snapshot(self._name(key), self._clock()).url
+
+    def snapshot(self) -> dict[Key, BackendSnapshot]:
+        """Everything known about each backend, in the order given."""
+        now = self._clock()
+        return {key: self._ledger.snapshot(self._names[key], now) for key in self._keys}
+
+    def serving_shards(self) -> list[Key]:
+        """The backends that may be handed traffic (HEALTHY or SUSPECT)."""
+        return self._in(self._ledger.serving)
+
+    def absent_shards(self) -> list[Key]:
+        """The backends whose process cannot take part in a collective (DEAD, RESTARTING,
+        RETIRED). Not the complement of serving: a STALE process is alive and refits."""
+        return self._in(self._ledger.absent)
+
+    def suspected_shards(self) -> list[Key]:
+        """SUSPECT, or STALE having been SUSPECT when a weight sync broke. Not for routing:
+        for a caller with independent evidence that something stopped taking part."""
+        return self._in(self._ledger.suspected)
+
+    def serving_base_urls(self) -> list[str]:
+        """The serving backends' URLs, e.g. to push to a router."""
+        now = self._clock()
+        return [self._ledger.snapshot(self._names[key], now).url for key in self.serving_shards()]
+
+    def shard_for_base_url(self, url: str) -> Key | None:
+        """The backend behind a URL, for failures reported by something that knows URLs."""
+        name = self._ledger.by_url(url)
+        return None if name is None else self._key_of[name]
+
+    def counts_by_state(self) -> dict[State, int]:
+        return self._ledger.counts
+
+    def as_metrics(self) -> dict[str, float]:
+        """Flat numbers for a training logger: ``fleet/serving``, ``fleet/dead``, …"""
+        return {f"fleet/{key}": float(value) for key, value in self._ledger.metrics.items()}
+
+    @property
+    def floor_message(self) -> str:
+        return self._ledger.floor_message
+
+    # --- internals -------------------------------------------------------------------
+
+    def _apply(self, key: Key, event: Event) -> Transition:
+        # Transition.name is the ledger's name; callers know the backend by its key.
+        return self._ledger.apply(self._name(key), event)
+
+    def _name(self, key: Key) -> str:
+        # bool is an int and 1.0 hashes as 1: either would silently mean shard 1.
+        known = type(key) in (int, str) and key in self._names
+        if not known:
+            raise UnknownBackend(f"no backend {key!r} in this fleet; it has {_listing(self._keys)}")
+        return self._names[key]
+
+    def _in(self, names: Sequence[str]) -> list[Key]:
+        wanted = set(names)
+        return [key for key in self._keys if self._names[key] in wanted]
+
+
+def _listing(keys: Sequence[Key]) -> str:
+    if all(isinstance(key, int) for key in keys):
+        return f"shards 0..{len(keys) - 1}"
+    return "backends " + ", ".join(repr(key) for key in keys)
+
+
+def _describe(error: BaseException | str) -> str:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
+    return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."

@@ -1,0 +1,86 @@
+"""Which serving backend takes the next request, and the bookkeeping around one request.
+
+The rule is ``choice.fewest_in_flight`` over the fleet's serving set, in the fleet's own
+order (shard indices ascending, or names as given), so ties always go the same way. The
+counts of requests in flight live here, in the caller's process; the ledger only hears
+how each request ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from llmhealth.choice import fewest_in_flight
+from llmhealth.fleet_health import FleetHealth, Key
+from llmhealth.ledger import NoServingBackend
+
+
+def _every_exception(_: Exception) -> bool:
+    return True
+
+
+class Selector:
+    """Least-outstanding selection over a FleetHealth's serving set.
+
+    Least in flight rather than round-robin: it steers away from a backend that is merely
+    slow or stuck before anything has diagnosed it. Not thread-safe; one event loop or one
+    thread owns it, as the fleet it reads.
+    """
+
+    def __init__(self, fleet: FleetHealth) -> None:
+        self._fleet = fleet
+        self._inflight: dict[Key, int] = {}
+
+    @property
+    def fleet(self) -> FleetHealth:
+        return self._fleet
+
+    def next_shard(self) -> Key:
+        """The serving backend with the fewest requests in flight; ``NoServingBackend``
+        (with every backend's state and last error) when nothing serves."""
+        chosen = fewest_in_flight(self._fleet.serving_shards(), self._inflight)
+        if chosen is None:
+            raise NoServingBackend(f"no backend is serving: {self._fleet.floor_message}")
+        return chosen
+
+    def acquire(self, key: Key) -> None:
+        """Count one more request in flight on ``key``."""
+        self._fleet.state_of(key)  # an unknown key is refused before it is counted
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+
+    def release(self, key: Key) -> None:
+        """Count one request fewer; releasing more than was acquired is a caller bug."""
+        count = self._inflight.get(key, 0)
+        if count == 0:
+            raise ValueError(f"release({key!r}) without a matching acquire")
+        if count == 1:
+            del self._inflight[key]
+        else:
+            self._inflight[key] = count - 1
+
+    def inflight(self, key: Key) -> int:
+        self._fleet.state_of(key)
+        return self._inflight.get(key, 0)
+
+    @contextmanager
+    def lease(self, *, counts: Callable[[Exception], bool] = _every_exception) -> Iterator[Key]:
+        """``with selector.lease() as key:`` a backend for one request.
+
+        Released on any exit. A normal exit reports a success to the ledger; an exception
+        for which ``counts`` is true reports a failure (pass a predicate to spare, say, a
+        client's own 4xx). Cancellation and interrupts are never the backend's fault, so
+        they report nothing.
+        """
+        key = self.next_shard()
+        self.acquire(key)
+        try:
+            yield key
+        except Exception as exc:
+            if counts(exc):
+                self._fleet.report_failure(key, exc)
+            raise
+        else:
+            self._fleet.report_success(key)
+        finally:
+            self.release(key)
