@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import bench_check
 import bench_compare
+import bench_read
 import bench_scale
 import bench_startup
 import report
@@ -47,6 +48,7 @@ STEPS: list[tuple[str, Callable[[], list[Section]]]] = [
     ("3b. bytes per check (bench_scale)", lambda: bench_scale.run("bytes")),
     ("3c. check and watch at scale (bench_scale)", lambda: bench_scale.run("scale")),
     ("3d. check over 200 backends (bench_check)", check_200),
+    ("3e. CPU per /metrics read (bench_read)", bench_read.run),
     ("4. start-up (bench_startup)", bench_startup.run),
 ]
 
