@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import socket
 import subprocess
 import sys
@@ -30,12 +32,15 @@ from llmhealth.operate import read_record
 from llmhealth.probe import ProbeSettings
 from llmhealth.render import print_report, print_status
 from llmhealth.report import exit_code, summarize
+from llmhealth.router import Router
 from llmhealth.state import StateFile
 
 _HOST = "127.0.0.1"
 _READY_WITHIN = 30.0
 _WEDGE_AFTER = 1.0
 _WATCH_FOR = 10.0
+_ROUTE_WEDGE_AFTER = 4.0
+_ROUTE_FOR = 14.0
 # name, simulator mode; the proxy fronts the first two backends
 _FLEET = (
     ("gpu0-busy", "busy"),
@@ -75,9 +80,12 @@ def free_port_block(count: int, attempts: int = 50) -> int:
 
 
 @contextlib.contextmanager
-def simulated_fleet(modes: list[str], base_port: int) -> Iterator[subprocess.Popen[str]]:
+def simulated_fleet(
+    modes: list[str], base_port: int, request_seconds: float = 4.0
+) -> Iterator[subprocess.Popen[str]]:
     """Run ``llmhealth simulate`` until the block exits; it is always stopped."""
     argv = [sys.executable, "-m", "llmhealth", "simulate", *modes, "--port", str(base_port)]
+    argv.append(f"--request-seconds={request_seconds:g}")
     process = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )
@@ -125,7 +133,9 @@ def run_demo(console: Console) -> int:
         time.sleep(_WEDGE_AFTER + 0.5)  # let gpu2 wedge before the first read
         _one_check(console, urls, proxy_url)
         _watch_live(console, urls, proxy_url, Path(scratch), metrics_port)
-    console.print("\nSimulator stopped; the demo's state and audit log were in a temp dir.")
+    with tempfile.TemporaryDirectory() as scratch:
+        _route_live(console, Path(scratch))
+    console.print("\nSimulators stopped; the demo's state and audit logs were in temp dirs.")
     return 0
 
 
@@ -211,3 +221,120 @@ def _own_metrics(port: int) -> str:
     )
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     return f"\n$ curl -s {_HOST}:{port}/metrics | grep ...\n" + "\n".join(lines)
+
+
+_ROUTE_FLEET = (("r0-wedging", f"wedge:{_ROUTE_WEDGE_AFTER:g}"), ("r1-idle", "idle"))
+_STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "stream": True}
+
+
+def _route_live(console: Console, scratch: Path) -> None:
+    console.rule(
+        f"4. llmhealth route for {_ROUTE_FOR:g} s: a client streams through the router "
+        "while r0 wedges"
+    )
+    base = free_port_block(len(_ROUTE_FLEET) + 1)
+    urls = [f"http://{_HOST}:{base + index}" for index in range(len(_ROUTE_FLEET))]
+    router_url = f"http://{_HOST}:{base + len(_ROUTE_FLEET)}"
+    for (name, mode), url in zip(_ROUTE_FLEET, urls, strict=True):
+        console.print(f"  {name:<11} {url}  simulator mode {mode}")
+    console.print(
+        f"  router      {router_url}  first_byte_timeout 3 s, stream_idle_timeout 2 s\n"
+        f"$ llmhealth route --config demo.toml --listen {router_url.removeprefix('http://')}\n"
+    )
+    backends: list[dict[str, object]] = [
+        {"name": name, "url": url} for (name, _), url in zip(_ROUTE_FLEET, urls, strict=True)
+    ]
+    backends[0]["restart"] = [sys.executable, "-c", _RESTART_CODE, urls[0]]
+    config = from_mapping(
+        {
+            "wait": "1s",
+            "timeout": "2s",
+            "answer_timeout": "3s",
+            "state": str(scratch / "state.json"),
+            "backend": backends,
+            "router": {"first_byte_timeout": "3s", "stream_idle_timeout": "2s"},
+        },
+        "<demo>",
+    )
+    targets = [Target(b.name, b.url) for b in config.backends]
+    router = Router(config.router, config.backends, retry_after=config.wait)
+    daemon = Daemon(
+        lambda: (config, targets),
+        StateFile(scratch / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        # The daemon's own live table would fight the client's lines: it draws elsewhere.
+        console=Console(file=io.StringIO(), force_terminal=True),
+        router=router,
+        router_listen=(_HOST, base + len(_ROUTE_FLEET)),
+    )
+
+    async def bounded() -> None:
+        task = asyncio.create_task(daemon.run())
+        try:
+            await _stream_client(console, router_url, time.monotonic() + _ROUTE_FOR)
+        finally:
+            daemon.stop()
+            await task
+
+    modes = [mode for _, mode in _ROUTE_FLEET]
+    with simulated_fleet(modes, base, request_seconds=0.4):
+        asyncio.run(bounded())
+    console.print(
+        "\nThe wedged backend cost the client one stream (or a few, until the reads "
+        "proved the wedge), each ended by an SSE error event within stream_idle_timeout; "
+        "the router steered the next ones to r1 at once, and back to r0 once its new "
+        "process was re-admitted."
+    )
+    console.print("\n$ tail audit.jsonl\n")
+    for entry in read(scratch / "audit.jsonl"):
+        console.print(
+            f"  {entry.get('backend')}: {entry.get('event')} {entry.get('from')} → "
+            f"{entry.get('to')}",
+            highlight=False,
+        )
+
+
+async def _stream_client(console: Console, url: str, until: float) -> None:
+    """Stream one completion after another through the router, a line per stream."""
+    states: dict[str, str] = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        while True:  # the daemon reads the saved ledger before it listens
+            with contextlib.suppress(httpx.ConnectError):
+                await http.get(f"{url}/health")
+                break
+            if time.monotonic() > until:
+                raise RuntimeError(f"the router at {url} did not come up")
+            await asyncio.sleep(0.1)
+        number = 0
+        while time.monotonic() < until:
+            number += 1
+            started = time.monotonic()
+            tokens, error = 0, ""
+            try:
+                async with http.stream("POST", f"{url}/v1/completions", json=_STREAM) as reply:
+                    backend = reply.headers.get("X-LLMHealth-Backend", "-")
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line.removeprefix("data: "))
+                        if "error" in event:
+                            error = str(event["error"]["message"])
+                        else:
+                            tokens += 1
+                    status = reply.status_code
+            except httpx.HTTPError as exc:
+                backend, status, error = "-", 0, f"{type(exc).__name__}: {exc}"
+            took = time.monotonic() - started
+            line = f"  stream {number:>2} via {backend:<11} {tokens:>3} tokens in {took:4.1f} s"
+            if status != 200:
+                line += f"  HTTP {status}"
+            if error:
+                line += f"  [red]error event: {error}[/red]"
+            console.print(line)
+            health = (await http.get(f"{url}/health")).json()["backends"]
+            for name, state in health.items():
+                if states.get(name, state) != state:
+                    console.print(f"      [bold]{name}: {states[name]} → {state}[/bold]")
+                states[name] = state

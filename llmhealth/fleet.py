@@ -37,6 +37,9 @@ from llmhealth.traffic import RequestOutcome
 # What a backend condemned by real traffic is condemned by: the word restart_on matches.
 TRAFFIC_CAUSE = "request_failures"
 
+_FRESH_START = frozenset(
+    {EventKind.NEW_PROCESS_UP, EventKind.UNPLANNED_RESTART, EventKind.READMITTED}
+)
 _PROBE_STYLE = frozenset({VerdictKind.STALLED, VerdictKind.UNRESPONSIVE, VerdictKind.DOWN})
 # Only a refused or reset connection says the process may be gone. A read that timed out
 # reached a live process (a busy machine can be slow): were it counted, the next good read
@@ -179,6 +182,9 @@ class FleetRecord:
     # The failed real requests of each backend's current request-failure streak (at most
     # unhealthy_threshold), kept across settles: the proof a condemnation names.
     request_streaks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # When each backend last got a new process or was re-admitted: real-traffic outcomes
+    # from before then are about what it was, and are not counted.
+    fresh_since: dict[str, float] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
@@ -191,6 +197,7 @@ class FleetRecord:
                 self.proofs.pop(name, None)
                 self.skips.pop(name, None)
                 self.request_streaks.pop(name, None)
+                self.fresh_since.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
             if name not in self.ledger.names:
@@ -212,6 +219,8 @@ class FleetRecord:
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         self.sightings[name] = sighting_of(verdict, now, previous)
+        if any(t.applied and t.kind in _FRESH_START for t in transitions):
+            self.fresh_since[name] = now
         if any(t.applied and t.kind is EventKind.READMITTED for t in transitions):
             self.restart_worked(name)
             self.proofs.pop(name, None)
@@ -226,7 +235,12 @@ class FleetRecord:
         transitions = []
         streak = self.request_streaks.setdefault(name, [])
         keep = self.ledger.policy.unhealthy_threshold
+        since = self.fresh_since.get(name)
         for outcome in outcomes:
+            if since is not None and outcome.at < since:
+                # About the process before a restart or re-admission, drained only now:
+                # the new one must not inherit it.
+                continue
             event: Event
             if outcome.ok:
                 event = RequestSuccess(now=outcome.at)
@@ -271,6 +285,7 @@ class FleetRecord:
             "proofs": dict(sorted(self.proofs.items())),
             "skips": dict(sorted(self.skips.items())),
             "request_streaks": dict(sorted(self.request_streaks.items())),
+            "fresh_since": dict(sorted(self.fresh_since.items())),
         }
 
     @classmethod
@@ -302,7 +317,11 @@ class FleetRecord:
             if not isinstance(value, list) or not all(isinstance(r, Mapping) for r in value):
                 raise ValueError(f"request_streaks.{name}: expected a list of tables")
             streaks[str(name)] = [dict(r) for r in value]
-        return cls(ledger, sightings, holds, restarts, proofs, skips, streaks)
+        fresh_since = {
+            str(name): _number(at, f"fresh_since.{name}")
+            for name, at in _table(data.get("fresh_since", {}), "fresh_since").items()
+        }
+        return cls(ledger, sightings, holds, restarts, proofs, skips, streaks, fresh_since)
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""

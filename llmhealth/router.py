@@ -56,7 +56,7 @@ HOP_BY_HOP: Final = frozenset(
 # Below uvicorn's 5 s keep-alive (vLLM's server), so the router never sends a request on
 # a connection the backend is closing: that race would read as a reset and be counted.
 UPSTREAM_KEEPALIVE = 2.0
-_JSON = "application/json"
+BACKEND_HEADER: Final = "X-LLMHealth-Backend"
 
 
 class BadRequestError(Exception):
@@ -388,6 +388,7 @@ class Router:
             self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason or "")
         response = web.StreamResponse(status=status, reason=upstream.reason)
         response.headers.extend(downstream_headers(upstream.headers))
+        response.headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.requests.labels(name, str(status)).inc()
         event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         try:

@@ -177,6 +177,11 @@ class _Connection:
         del self._buffer[:length]
         return _Request(method, target, version, headers, body)
 
+    async def send(self, data: bytes) -> None:
+        """Part of a response that is written as it is made (a stream)."""
+        self._writer.write(data)
+        await self._writer.drain()
+
     async def until_peer_closes(self) -> None:
         """Return when the client closes; keep what it sends meanwhile, up to a bound."""
         while not self._eof and len(self._buffer) <= MAX_HEADER_BYTES + MAX_BODY_BYTES:
@@ -349,8 +354,7 @@ class _Backend:
         model = payload.get("model", self.config.model)
         if model != self.config.model:
             return _error(404, f"The model `{model}` does not exist.")
-        if payload.get("stream"):
-            return _error(400, "streaming is not simulated")
+        stream = payload.get("stream") is True
         max_tokens = payload.get("max_tokens", simengine.DEFAULT_MAX_TOKENS)
         if (
             not isinstance(max_tokens, int)
@@ -362,6 +366,9 @@ class _Backend:
         if prompt_tokens is None:
             return _error(400, "prompt must be a string, a list of strings or of token ids")
         ticket = self.model.submit(self.clock(), prompt_tokens, max_tokens)
+        if stream:
+            await self._stream(ticket, conn)
+            return None
         if ticket.outcome is Outcome.HANG:
             await conn.until_peer_closes()
             return None
@@ -371,6 +378,40 @@ class _Backend:
             return None  # the simulated process went away under the request
         self.stats.completions_answered += 1
         return _json(200, _completion_body(self.config.model, ticket, int(self.clock())))
+
+    async def _stream(self, ticket: simengine.Ticket, conn: _Connection) -> None:
+        """``stream: true`` as vLLM answers it: headers at once, then one SSE event per
+        token, spread evenly until the ticket's time, then ``data: [DONE]``. A request the
+        engine will never finish (HANG) gets the headers and then silence, as a wedged
+        vLLM gives; the connection closes after the stream either way."""
+        await conn.send(
+            b"HTTP/1.1 200 OK\r\nserver: llmhealth-simulate\r\n"
+            b"content-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        if ticket.outcome is Outcome.HANG:
+            await conn.until_peer_closes()
+            return
+        tokens = ticket.completion_tokens
+        for index in range(tokens):
+            if not await conn.wait_unless_closed((ticket.at - self.clock()) / (tokens - index)):
+                return
+            if ticket.outcome is Outcome.DROP and self.clock() >= ticket.at:
+                return  # the simulated process went away mid-stream
+            event = {
+                "object": "text_completion",
+                "model": self.config.model,
+                "choices": [{"index": 0, "text": " sim", "finish_reason": None}],
+            }
+            await conn.send(_chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
+        if ticket.outcome is Outcome.DROP:
+            return
+        self.stats.completions_answered += 1
+        await conn.send(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 _GET_ROUTES: dict[str, Callable[[_Backend], _Response]] = {

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from pytest_httpserver import HTTPServer
+from simproc import running_simulator
 from werkzeug import Request, Response
 
 from llmhealth.choice import ANY_MODEL, Models
@@ -625,3 +626,26 @@ def test_outcomes_drain_in_the_order_they_happened(httpserver: HTTPServer) -> No
         assert [o.status for o in seen] == [None, 500, None, 502]
 
     run(scenario())
+
+
+def test_a_simulated_stream_passes_through_and_a_hung_one_ends_with_an_error_event() -> None:
+    completion = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True})
+
+    async def scenario(live: str, hung: str) -> None:
+        settings = RouterConfig(stream_idle_timeout=0.5)
+        async with routing({"a": live, "b": hung}, settings) as (router, url), client() as http:
+            response = await http.post(url + "/v1/completions", content=completion)
+            assert response.headers["X-LLMHealth-Backend"] == "a"
+            events = [line for line in response.text.split("\n") if line.startswith("data: ")]
+            assert len(events) == 6 and events[-1] == "data: [DONE]"
+            router.push({"b": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
+            response = await http.post(url + "/v1/completions", content=completion)
+            assert response.headers["X-LLMHealth-Backend"] == "b"
+            assert "event: error" in response.text
+            assert await failures(router) == [
+                ("a", None, None),
+                ("b", FailureKind.STREAM_IDLE, 200),
+            ]
+
+    with running_simulator(["idle", "busy+unanswered"], request_seconds=0.05) as sim:
+        run(scenario(*sim.urls))

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from llmhealth.actions import AuditLog
+from llmhealth.classify import Answer, Verdict, VerdictKind
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle
 from llmhealth.fleet import TRAFFIC_CAUSE, FleetRecord
-from llmhealth.ledger import GoodVerdict, Ledger, LedgerPolicy, State
+from llmhealth.ledger import GoodVerdict, Ledger, LedgerPolicy, NewProcessUp, State, WedgeProven
 from llmhealth.remediate import Mode
 from llmhealth.report import CycleReport
 from llmhealth.traffic import MAX_PENDING, FailureKind, RequestLog, RequestOutcome
@@ -169,3 +170,20 @@ def test_a_malformed_streak_in_the_state_file_is_named() -> None:
     document["request_streaks"] = {"a": "nonsense"}
     with pytest.raises(ValueError, match=r"request_streaks\.a"):
         FleetRecord.from_dict(document, LedgerPolicy())
+
+
+def test_a_failure_from_before_a_re_admission_is_not_held_against_the_new_process() -> None:
+    """Found by the demo: a stream that failed on the wedged process was drained in the
+    settle that re-admitted its replacement, and made the new process SUSPECT."""
+    fleet = record()
+    fleet.ledger.apply("a", WedgeProven(now=T0 + 1))
+    fleet.ledger.apply("a", NewProcessUp(now=T0 + 2))
+    idle = Verdict(VerdictKind.IDLE, True, "idle", answer=Answer(T0 + 3, True, "answered"))
+    fleet.observe("a", idle, T0 + 3)
+    assert fleet.ledger.state_of("a") is State.HEALTHY
+    fleet.observe_requests("a", [failed(T0 + 0.5), failed(T0 + 2.5)])
+    assert fleet.ledger.state_of("a") is State.HEALTHY
+    fleet = FleetRecord.from_dict(json.loads(json.dumps(fleet.to_dict())), LedgerPolicy())
+    fleet.observe_requests("a", [failed(T0 + 2.9), failed(T0 + 4)])
+    assert fleet.ledger.state_of("a") is State.SUSPECT
+    assert fleet.ledger.snapshot("a", T0 + 5).request_failures == 1
