@@ -441,7 +441,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pidfile.write_text(f"{pid}\n", encoding="utf-8")
     print(f"started vLLM as pid {pid} on port {args.port}, log {args.log}")
     if args.wait:
-        server.wait_ready()
+        try:
+            server.wait_ready()
+        except BaseException:
+            # Not ready in time (a loaded machine): a server nobody will adopt must not be
+            # left running, so the caller's clean-up has nothing to miss.
+            server.stop()
+            args.pidfile.unlink(missing_ok=True)
+            raise
     return 0
 
 
