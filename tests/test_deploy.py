@@ -310,6 +310,7 @@ def _exported_text() -> str:
             cycle_seconds=0.02,
             probe_errors={("gpu0", "down"): 1},
             restarts={("gpu0", "failed"): 2},
+            probe_task_restarts={"gpu0": 0, "lb": 0},
         )
     )
     registry = CollectorRegistry(auto_describe=False)
