@@ -311,7 +311,9 @@ class AuditLog:
     - ``from``, ``to``: ledger states before and after
     - ``reason``: the sentence from the ledger or the restart plan
     - ``evidence``: the verdict's evidence that proved it
-    - ``command``: for a restart, ``CommandResult.to_dict()``
+    - ``argv``: for an issued ``restart``, the command about to run
+    - ``command``: for a ``restart_command`` (how it went, written once it finished),
+      ``CommandResult.to_dict()``
     - ``dry_run``: true when it was decided and logged but not done
 
     Values JSON cannot hold are written as text (NaN as ``"nan"``, an object as its

@@ -117,10 +117,18 @@ def check(
     output: FormatOption = OutputFormat.TABLE,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Decide restarts and log them, but run no command."),
+        typer.Option(
+            "--dry-run",
+            help="Decide restarts and log them, but issue and run none. Verdicts, and the "
+            "ledger moves they cause, are still saved.",
+        ),
     ] = False,
     no_restart: Annotated[
-        bool, typer.Option("--no-restart", help="No remediation at all for this run.")
+        bool,
+        typer.Option(
+            "--no-restart",
+            help="No restart decisions at all for this run; verdicts are still saved.",
+        ),
     ] = False,
 ) -> None:
     """Check every backend once, update the ledger, restart proven wedges, print, exit 0-3.

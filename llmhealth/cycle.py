@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmhealth.actions import AuditLog
+from llmhealth.actions import AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.config import Policy as ConfigPolicy
@@ -23,7 +23,16 @@ from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, check_fleet
-from llmhealth.remediate import ACTOR, Mode, RestartOutcome, reads_evidence, remediate
+from llmhealth.remediate import (
+    ACTOR,
+    CommandDone,
+    Mode,
+    RestartOrder,
+    RestartOutcome,
+    hear_commands,
+    reads_evidence,
+    remediate,
+)
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateFile, Store, default_path
 from llmhealth.traffic import RequestOutcome
@@ -74,10 +83,12 @@ def load_record(
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """What one settle did (the report) and the record as it saved it."""
+    """What one settle did (the report), the record as it saved it, and the restart
+    commands it ordered: saved as issued, to be run by the caller outside the lock."""
 
     report: CycleReport
     record: FleetRecord
+    orders: tuple[RestartOrder, ...] = ()
 
 
 def settle_fleet(
@@ -91,19 +102,21 @@ def settle_fleet(
     clock: Clock = time.time,
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
+    commands: Sequence[CommandDone] = (),
 ) -> Settled:
     """The one settle path: lock, load, gather verdicts, settle, save.
 
     ``check`` and ``watch`` both come through here, and differ only in ``gather``: check
     probes the fleet (with the record's baselines), watch hands over what its probing
     tasks read since the last settle. ``requests`` are what real traffic through
-    ``route`` showed since then, per backend in order. Without a store nothing is kept
-    between runs.
+    ``route`` showed since then, per backend in order; ``commands`` the restart commands
+    that finished. No command runs in here: the restarts it issues come back as orders.
+    Without a store nothing is kept between runs.
     """
     with store.locked() if store is not None else contextlib.nullcontext():
         opened = _open(store, config, backends, clock, notes)
         outcomes = gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, requests)
+        return _close(store, config, opened, outcomes, mode, audit, clock, requests, commands)
 
 
 async def settle_fleet_async(
@@ -116,12 +129,13 @@ async def settle_fleet_async(
     audit: AuditLog | None,
     clock: Clock = time.time,
     notes: Sequence[str] = (),
+    commands: Sequence[CommandDone] = (),
 ) -> Settled:
     """settle_fleet for a ``gather`` that must run in the caller's event loop."""
     with store.locked() if store is not None else contextlib.nullcontext():
         opened = _open(store, config, backends, clock, notes)
         outcomes = await gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, None)
+        return _close(store, config, opened, outcomes, mode, audit, clock, None, commands)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +167,11 @@ def _close(
     audit: AuditLog | None,
     clock: Clock,
     requests: Mapping[str, Sequence[RequestOutcome]] | None,
+    commands: Sequence[CommandDone],
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
-    report = settle(
+    report, orders = settle(
         record,
         config,
         outcomes,
@@ -165,10 +180,11 @@ def _close(
         audit=audit,
         notes=opened.notes,
         requests=requests,
+        commands=commands,
     )
     if store is not None:
         store.save(record.to_dict())
-    return Settled(replace(report, checked_at=opened.started), record)
+    return Settled(replace(report, checked_at=opened.started), record, tuple(orders))
 
 
 def run_cycle(
@@ -180,7 +196,11 @@ def run_cycle(
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
 ) -> CycleReport:
-    """One ``check``: probe every target inside the settle, so two runs never both act."""
+    """One ``check``: probe every target inside the settle, so two runs never both act.
+
+    The restart commands it orders run after the settle let go of the lock, one after
+    another, and a second settle records how they went; only then does the check report.
+    """
     return asyncio.run(run_cycle_async(config, targets, settings, store, mode=mode, clock=clock))
 
 
@@ -213,7 +233,52 @@ async def run_cycle_async(
         clock=clock,
         notes=notes,
     )
-    return settled.report
+    if not settled.orders:
+        return settled.report
+    done = [
+        CommandDone(
+            order,
+            await asyncio.to_thread(run_command, order.argv, order.timeout, env=order.env),
+        )
+        for order in settled.orders
+    ]
+
+    async def nothing(_record: FleetRecord) -> list[Outcome]:
+        return []
+
+    heard = await settle_fleet_async(
+        store,
+        config,
+        backend_urls(targets),
+        nothing,
+        mode=Mode.OFF,  # this settle records the commands; the plan was made above
+        audit=audit,
+        clock=clock,
+        commands=done,
+    )
+    return _with_commands(settled.report, heard)
+
+
+def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:
+    """A check's report once its commands ran: each restart with its outcome, and every
+    backend in the state the record now holds (DEAD again after a failed command)."""
+    ledger, now = heard.record.ledger, heard.report.checked_at
+    outcomes = {note.name: note for note in heard.report.restarts}
+    return replace(
+        first,
+        backends=tuple(
+            replace(backend, snapshot=ledger.snapshot(backend.outcome.target.name, now))
+            if backend.snapshot is not None and backend.outcome.target.name in ledger.names
+            else backend
+            for backend in first.backends
+        ),
+        fleet=heard.report.fleet,
+        notes=first.notes + heard.report.notes,
+        restarts=tuple(
+            outcomes.get(note.name, note) if note.action == "restart" else note
+            for note in first.restarts
+        ),
+    )
 
 
 def expire_restarts(
@@ -263,14 +328,17 @@ def settle(
     audit: AuditLog | None,
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
-) -> CycleReport:
-    """Feed verdicts, then real-traffic outcomes, to the ledger; fail the restarts left
-    unproven past their startup grace; act; say what happened.
+    commands: Sequence[CommandDone] = (),
+) -> tuple[CycleReport, list[RestartOrder]]:
+    """Feed finished restart commands, verdicts, then real-traffic outcomes to the ledger;
+    fail the restarts left unproven past their startup grace; plan and issue restarts;
+    say what happened, and which restart commands are to run.
 
     Verdicts go first: a wedge they prove is the stronger cause for the restart policy,
     and request failures that follow it are then noted without condemning twice. Overdue
     restarts come after both, so a replacement re-admitted in this settle is spared.
     """
+    hear_commands(record, commands, audit, now)
     expected = {b.name: b.expected_model for b in config.backends}
     reports = []
     in_ledger = set()
@@ -311,14 +379,26 @@ def settle(
         else report
         for report in reports
     ]
-    return CycleReport(
+    heard = [
+        RestartNote(
+            name=done.order.name,
+            action="restart",
+            reason=done.order.reason,
+            ran=True,
+            ok=done.result.ok,
+            dry_run=False,
+        )
+        for done in commands
+    ]
+    report = CycleReport(
         now,
         tuple(reports),
         summarize(record.ledger),
         tuple(notes),
-        tuple(_restart_note(o, mode) for o in restarts),
+        (*heard, *(_restart_note(o, mode) for o in restarts)),
         tuple(traffic),
     )
+    return report, [outcome.order for outcome in restarts if outcome.order is not None]
 
 
 def _audit_transition(
@@ -342,13 +422,13 @@ def _audit_transition(
 
 
 def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:
-    command = outcome.command
+    """A decision as the report shows it; an issued restart's command has not run yet."""
     return RestartNote(
         name=outcome.decision.name,
         action=str(outcome.decision.action),
         reason=outcome.decision.reason,
-        ran=command is not None,
-        ok=None if command is None else command.ok,
+        ran=False,
+        ok=None,
         dry_run=mode is Mode.DRY_RUN,
     )
 

@@ -30,10 +30,11 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
-from llmhealth.actions import AuditLog, run_command
+from llmhealth.actions import AuditLog, CommandResult, run_command
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cycle import (
+    Settled,
     audit_path_for,
     backend_urls,
     baselines_of,
@@ -47,7 +48,7 @@ from llmhealth.fleet import StallWatch
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
-from llmhealth.remediate import Mode
+from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.render import report_renderables
 from llmhealth.report import CycleReport
 from llmhealth.state import StateError, StateFile
@@ -57,7 +58,9 @@ from llmhealth.traffic import RequestOutcome
 if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
     from llmhealth.router import Router
 
-SHUTDOWN_GRACE = 10.0  # seconds a cycle in progress may take to finish after SIGTERM
+# After SIGTERM: seconds a settle in progress may take to finish, and then seconds the
+# restart commands still running may take, their outcomes saved by one last settle.
+SHUTDOWN_GRACE = 10.0
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -66,6 +69,7 @@ _ERROR_KINDS = {
 
 Loader = Callable[[], tuple[config_module.Config, list[Target]]]
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 class Notifier:
@@ -147,6 +151,10 @@ class Daemon:
         if router is not None:  # one /metrics: the router's series and the daemon's
             router.registry.register(self._collector)
         self._models: dict[str, frozenset[str]] = {}  # as the tiny request last listed them
+        # Restart commands run beside the loop, never inside a settle or the state lock;
+        # what they finished waits here for the next settle. Touched on the loop only.
+        self._commands_running: dict[asyncio.Future[CommandResult], RestartOrder] = {}
+        self._commands_done: list[CommandDone] = []
 
     @property
     def settings(self) -> ProbeSettings:
@@ -179,6 +187,7 @@ class Daemon:
                 await self._start_router(self._router, *self._router_listen)
             self._start_probes()
             await self._loop()
+            await self._finish_commands()
         finally:
             self._notifier.send("STOPPING=1")
             for task in self._tasks.values():
@@ -244,13 +253,12 @@ class Daemon:
                 started = time.monotonic()
                 # Drained here, on the loop's thread: the router records on it too.
                 requests = self._router.drain() if self._router is not None else None
-                cycle = _in_daemon_thread(
-                    functools.partial(self._settle, requests=requests), self._take_fresh()
-                )
+                news = News(self._take_fresh(), self._take_commands(), requests)
+                cycle = _in_daemon_thread(self._settle, news)
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
-                # its own verdicts and nothing else. The cycle runs in a daemon thread,
-                # so a restart command still running cannot hold the exit.
+                # its own verdicts and nothing else. It runs in a daemon thread, which
+                # the interpreter does not wait for at exit.
                 stopping = asyncio.ensure_future(self._stop.wait())
                 either: list[asyncio.Future[Any]] = [cycle, stopping]
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -262,14 +270,63 @@ class Daemon:
                         self._log("stopping with a cycle unfinished")
                         return
                 try:
-                    report = cycle.result()
+                    settled = cycle.result()
                 except StateError as exc:
+                    self._commands_done[:0] = news.commands  # for the next settle to hear
                     self._log(f"cycle skipped: {exc}")
                     self._notifier.send("WATCHDOG=1", f"STATUS=state unusable: {exc}")
                     continue
-                self._remember_models(report)
+                # Saved as RESTARTING first; only now, outside the lock, do commands run.
+                for order in settled.orders:
+                    self._launch(order)
+                self._remember_models(settled.report)
                 self._push_router()
-                self._after_cycle(report, time.monotonic() - started, live)
+                self._after_cycle(settled.report, time.monotonic() - started, live)
+
+    def _launch(self, order: RestartOrder) -> None:
+        """Run a restart command in its own thread; its outcome waits for a later settle."""
+        running = _in_daemon_thread(_run_order, order)
+        self._commands_running[running] = order
+        running.add_done_callback(self._command_finished)
+
+    def _command_finished(self, running: asyncio.Future[CommandResult]) -> None:
+        order = self._commands_running.pop(running)
+        if running.cancelled():
+            return
+        error = running.exception()
+        if error is not None:  # a bug of ours; the startup grace will fail the restart
+            self._log(f"{order.name}: the restart command could not be run: {error!r}")
+            return
+        self._commands_done.append(CommandDone(order, running.result()))
+
+    def _take_commands(self) -> list[CommandDone]:
+        """Restart commands finished since the last settle; called on the loop's thread."""
+        done, self._commands_done = self._commands_done, []
+        return done
+
+    async def _finish_commands(self) -> None:
+        """On the way out, give running restart commands the shutdown grace, then save how
+        every finished one went. A command still running after that is left to itself
+        (under systemd, KillMode=mixed ends it); its restart stays on record as issued,
+        RESTARTING, which the startup grace fails if no new process shows."""
+        if self._commands_running:
+            self._log(
+                f"waiting up to {SHUTDOWN_GRACE:g} s for "
+                f"{len(self._commands_running)} restart command(s)"
+            )
+            await asyncio.wait(set(self._commands_running), timeout=SHUTDOWN_GRACE)
+            for order in self._commands_running.values():
+                self._log(f"{order.name}: restart command still running; its restart stays issued")
+        done = self._take_commands()
+        if not done:
+            return
+        last = _in_daemon_thread(self._settle, News([], done, final=True))
+        try:
+            await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
+        except TimeoutError:
+            self._log("stopping before the restart commands' outcomes were saved")
+        except StateError as exc:
+            self._log(f"the restart commands' outcomes were not saved: {exc}")
 
     def _read_baselines(self) -> dict[str, Signals]:
         try:
@@ -357,27 +414,25 @@ class Daemon:
                 fresh.append(probe.outcome)
         return fresh
 
-    def _settle(
-        self,
-        fresh: list[Outcome],
-        requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
-    ) -> CycleReport:
-        """One cycle's bookkeeping, in a worker thread: it may wait for the state lock."""
+    def _settle(self, news: News) -> Settled:
+        """One cycle's bookkeeping, in a worker thread: it may wait for the state lock, but
+        never for a restart command (those it issues come back as orders to launch)."""
         backends = backend_urls(self._targets)
         settled = settle_fleet(
             self._store,
             self._config,
             backends,
-            lambda _record: fresh,
-            mode=Mode.ACT,
+            lambda _record: news.verdicts,
+            mode=Mode.OFF if news.final else Mode.ACT,
             audit=AuditLog(audit_path_for(self._config, self._store.path)),
             clock=self._clock,
-            requests=requests,
+            requests=news.requests,
+            commands=news.commands,
         )
         now = settled.report.checked_at
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
         self._write_serving(settled.record.ledger.serving, backends)
-        return settled.report
+        return settled
 
     def _remember_models(self, report: CycleReport) -> None:
         """The model lists the tiny request saw; kept while the backend is busy and so
@@ -554,9 +609,23 @@ class Daemon:
             print(message, file=sys.stderr, flush=True)
 
 
-def _in_daemon_thread(
-    function: Callable[[list[Outcome]], T], fresh: list[Outcome]
-) -> asyncio.Future[T]:
+@dataclass(frozen=True, slots=True)
+class News:
+    """What a settle feeds to the ledger: fresh verdicts, finished restart commands and
+    what real traffic showed. ``final``: the last settle on the way out, which issues no
+    new restart."""
+
+    verdicts: list[Outcome]
+    commands: list[CommandDone]
+    requests: Mapping[str, Sequence[RequestOutcome]] | None = None
+    final: bool = False
+
+
+def _run_order(order: RestartOrder) -> CommandResult:
+    return run_command(order.argv, order.timeout, env=order.env)
+
+
+def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future[T]:
     """Run ``function`` in a daemon thread; asyncio.to_thread's pool would be joined at exit."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -567,7 +636,7 @@ def _in_daemon_thread(
 
     def run() -> None:
         try:
-            result = function(fresh)
+            result = function(argument)
         except BaseException as exc:  # handed to the loop, which decides what it means
             error = exc
             with contextlib.suppress(RuntimeError):  # the loop is already closed

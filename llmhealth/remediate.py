@@ -1,9 +1,12 @@
-"""Acting on the restart plan: feed the ledger, run the command, write down what happened.
+"""Acting on the restart plan: feed the ledger, order the command, hear how it went.
 
 The shell around ``policy.plan_restarts``, shared by ``check`` and ``watch``. The ledger
-hears ``RestartIssued`` before the command runs and the command runs only if the ledger
-answered RESTARTING, so its guards and its budget hold even against a bug here. Every
-decision about a DEAD backend, to act or not, becomes one audit line with its evidence.
+hears ``RestartIssued`` and the state is saved before any command runs, and a command is
+ordered only if the ledger answered RESTARTING, so its guards and its budget hold even
+against a bug here. The command itself runs outside the settle and the state lock (watch:
+its own task; check: after the save), and its outcome comes back to a later settle as a
+``CommandDone``. Every decision about a DEAD backend, to act or not, becomes one audit
+line with its evidence; every command outcome another.
 """
 
 from __future__ import annotations
@@ -11,23 +14,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
-from llmhealth.actions import AuditLog, CommandResult, restart_environment, run_command
+from llmhealth.actions import AuditLog, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import RestartFailed, RestartIssued, State, Transition
+from llmhealth.ledger import RestartFailed, RestartIssued, State
 from llmhealth.policy import Action, RestartDecision, RestartHistory, plan_restarts
-
-
-class Runner(Protocol):
-    def __call__(
-        self, argv: Sequence[str], timeout: float, *, env: Mapping[str, str] | None = None
-    ) -> CommandResult: ...
-
 
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
@@ -36,15 +32,35 @@ ACTOR = "llmhealth"
 
 class Mode(StrEnum):
     ACT = "act"  # restart what the plan allows
-    DRY_RUN = "dry_run"  # decide and log, run nothing, change nothing
+    DRY_RUN = "dry_run"  # decide and log every restart, issue and run none (verdicts still count)
     OFF = "off"  # --no-restart: no plan at all for this run
+
+
+@dataclass(frozen=True, slots=True)
+class RestartOrder:
+    """A restart the ledger accepted (RESTARTING, saved), whose command is still to run."""
+
+    name: str
+    argv: tuple[str, ...]
+    timeout: float
+    issued_at: float  # the ledger's time of the restart: a later one makes this one moot
+    reason: str  # the plan's, for the report once the command is done
+    env: Mapping[str, str] = field(repr=False)  # never shown: the daemon's environment
+
+
+@dataclass(frozen=True, slots=True)
+class CommandDone:
+    """A restart command's outcome, for the next settle to feed to the ledger."""
+
+    order: RestartOrder
+    result: CommandResult
 
 
 @dataclass(frozen=True, slots=True)
 class RestartOutcome:
     decision: RestartDecision
-    transition: Transition | None = None  # None when nothing was fed to the ledger
-    command: CommandResult | None = None
+    refused: str | None = None  # why the ledger refused to issue it, when it did
+    order: RestartOrder | None = None  # the command to run once the state is saved
 
 
 def reads_evidence(verdict: Verdict) -> list[dict[str, Any]]:
@@ -77,9 +93,11 @@ def remediate(
     *,
     mode: Mode,
     audit: AuditLog | None,
-    run: Runner = run_command,
 ) -> list[RestartOutcome]:
-    """Plan restarts for every DEAD backend and carry out what the plan allows.
+    """Plan restarts for every DEAD backend and issue what the plan allows.
+
+    An issued restart is RESTARTING in the ledger and comes back as a ``RestartOrder``:
+    running its command is the caller's business, after the state is saved.
 
     Each audit line carries the proof kept when the backend was condemned (the verdict's
     evidence and reads), whichever run that was; failing that, the ledger's last error.
@@ -109,16 +127,12 @@ def remediate(
         }
         outcome = RestartOutcome(decision)
         if decision.act and mode is Mode.ACT:
-            outcome = _carry_out(
-                record, decision, backends[decision.name].restart, config, now, run
-            )
+            outcome = _issue(record, decision, backends[decision.name].restart, config, now)
             entry["to"] = str(record.ledger.state_of(decision.name))
-            if outcome.command is not None:
-                entry["command"] = outcome.command.to_dict()
-            if outcome.transition is not None and not outcome.transition.applied:
-                entry["reason"] = (
-                    f"{decision.reason}; the ledger refused: {outcome.transition.reason}"
-                )
+            if outcome.order is not None:
+                entry["argv"] = list(outcome.order.argv)
+            if outcome.refused is not None:
+                entry["reason"] = f"{decision.reason}; the ledger refused: {outcome.refused}"
         if audit is not None and _worth_writing(record, decision, mode):
             audit.append(entry)
         outcomes.append(outcome)
@@ -142,17 +156,16 @@ def _worth_writing(record: FleetRecord, decision: RestartDecision, mode: Mode) -
     return True
 
 
-def _carry_out(
+def _issue(
     record: FleetRecord,
     decision: RestartDecision,
     argv: tuple[str, ...],
     config: Config,
     now: float,
-    run: Runner,
 ) -> RestartOutcome:
     issued = record.ledger.apply(decision.name, RestartIssued(now=now))
-    if issued.to_state is not State.RESTARTING:
-        return RestartOutcome(decision, issued)  # retired past the budget, or refused
+    if issued.to_state is not State.RESTARTING:  # retired past the budget, or refused
+        return RestartOutcome(decision, None if issued.applied else issued.reason)
     history = record.restarts.get(decision.name, RestartHistory())
     record.restarts[decision.name] = history.record_attempt(now)
     snapshot = record.ledger.snapshot(decision.name, now)
@@ -163,12 +176,48 @@ def _carry_out(
         url=snapshot.url,
         reason=snapshot.last_error or decision.reason,
     )
-    result = run(argv, config.policy.restart_timeout, env=environment)
-    if result.ok:
-        return RestartOutcome(decision, issued, result)
-    why = "timed out" if result.timed_out else f"exited {result.exit_code}"
-    record.ledger.apply(
-        decision.name, RestartFailed(now=now + result.duration, reason=f"restart command {why}")
+    order = RestartOrder(
+        decision.name, argv, config.policy.restart_timeout, now, decision.reason, environment
     )
-    record.restart_failed(decision.name)
-    return RestartOutcome(decision, issued, result)
+    return RestartOutcome(decision, order=order)
+
+
+def hear_commands(
+    record: FleetRecord, done: Sequence[CommandDone], audit: AuditLog | None, now: float
+) -> None:
+    """Feed finished restart commands to the ledger: a failed one sends it back to DEAD.
+
+    A command that exited 0 proves nothing (only a new process, then re-admission, does),
+    so it changes no state; its outcome is still audited. The outcome of a restart the
+    ledger has since moved past (failed by its startup grace, replaced by a newer restart,
+    the backend gone from the config) is audited and changes nothing.
+    """
+    for finished in done:
+        order, result = finished.order, finished.result
+        name = order.name
+        entry: dict[str, Any] = {
+            "time": now,
+            "actor": ACTOR,
+            "backend": name,
+            "event": "restart_command",
+            "reason": order.reason,
+            "command": result.to_dict(),
+        }
+        current = name in record.ledger.names and (
+            record.ledger.snapshot(name, now).last_restart_at == order.issued_at
+        )
+        if current:
+            state = record.ledger.state_of(name)
+            entry["from"] = entry["to"] = str(state)
+            if not result.ok:
+                why = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                failed = record.ledger.apply(
+                    name, RestartFailed(now=now, reason=f"restart command {why}")
+                )
+                entry["to"] = str(failed.to_state)
+                if failed.applied:
+                    record.restart_failed(name)
+        else:
+            entry["superseded"] = True
+        if audit is not None:
+            audit.append(entry)

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from pytest_httpserver import HTTPServer
+from typer.core import TyperGroup
 from typer.testing import CliRunner
 
 from llmhealth.cli import app, main
@@ -265,3 +267,14 @@ def test_a_url_with_a_password_is_refused_on_every_path_and_never_echoed(
     assert "api_key_env" in installed.stderr
     assert "s3cret" not in installed.stdout + installed.stderr
     assert list(tmp_path.iterdir()) == [config], "nothing was written anywhere"
+
+
+def test_dry_run_and_no_restart_say_that_verdicts_are_still_saved() -> None:
+    """What they do (tests/test_remediation.py): restarts decided or not, verdicts saved."""
+    command = typer.main.get_command(app)
+    assert isinstance(command, TyperGroup)
+    check = command.commands["check"]
+    helps = {opt: param.help or "" for param in check.params for opt in param.opts}
+    assert "issue and run none" in helps["--dry-run"]
+    assert "ledger moves they cause, are still saved" in helps["--dry-run"]
+    assert "verdicts are still saved" in helps["--no-restart"]

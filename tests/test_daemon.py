@@ -984,6 +984,153 @@ def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
     assert late <= early + 1, f"{early} tasks after 2 cycles, {late} after 30"
 
 
+# Writes its first argument, then waits for its second to exist (at most 2 minutes) and
+# exits 0: a `systemctl restart` that takes as long as the test wants.
+SLOW_RESTART = (
+    "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+    "deadline = time.monotonic() + 120\n"
+    "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline: time.sleep(0.05)"
+)
+
+
+def until_exists(path: Path, watch: Watch, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not (path.exists() and path.read_text()):
+        if time.monotonic() > deadline:
+            raise NotObservedError(f"no {what} within {PATIENCE} s:\n{watch.stderr()}")
+        watch._alive(what)
+        time.sleep(POLL)
+
+
+def verb(
+    entry_point: str, config: Path, state: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    argv = [entry_point, *args, "--config", str(config), "--state", str(state)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_slow_restart_command_holds_neither_the_settles_nor_the_operator_verbs(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    started, go = tmp_path / "command.pid", tmp_path / "command.go"
+    command = [sys.executable, "-c", SLOW_RESTART, str(started), str(go)]
+    state = tmp_path / "state.json"
+    try:
+        with running_simulator(["idle"]) as doomed:  # its own process, to kill mid-command
+            config = write_config(
+                tmp_path / "fleet.toml",
+                fleet_config(
+                    [
+                        {"name": "slow", "url": urls.wedge_a, "restart": command},
+                        {"name": "doomed", "url": doomed.urls[0]},
+                        {"name": "busy", "url": urls.busy},
+                    ]
+                ),
+            )
+            with watching(entry_point, config, state) as watch:
+                until_exists(started, watch, "restart command started")
+                # The command runs now, and goes on until `go` exists. Before, it ran
+                # inside the settle and the state lock: both verbs gave up on the lock
+                # after 10 s with exit 3, and no backend's verdict was settled.
+                status = verb(entry_point, config, state, "status", "--format", "json")
+                assert status.returncode in (0, 1, 2), status.stderr
+                shown = {b["name"]: b["state"] for b in json.loads(status.stdout)["backends"]}
+                assert shown["slow"] == "restarting"  # committed before the command ran
+                held = verb(
+                    entry_point, config, state, "hold", "busy", "--for", "1m", "--reason", "t"
+                )
+                assert held.returncode == 0, held.stderr
+                doomed.stop()  # a second backend dies while the command runs
+                page = watch.until("doomed out of serving", lambda p: p.state("doomed") == "dead")
+                assert not go.exists()  # so the command was still running all along
+                assert page.state("slow") == "restarting"
+                assert page.get("llmhealth_backend_serving", backend="doomed") == 0.0
+                assert page.counts("llmhealth_backend_restarts", "outcome")[("slow", "ok")] == 0
+                go.touch()
+                watch.until(
+                    "the command's outcome heard",
+                    lambda p: (
+                        p.counts("llmhealth_backend_restarts", "outcome")[("slow", "ok")] == 1
+                    ),
+                )
+                rc, _ = watch.stop()
+        assert rc == 0
+    finally:
+        go.touch()  # whatever happened, the command ends by itself
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    slow = [(r["event"], r.get("from"), r.get("to")) for r in audit if r["backend"] == "slow"]
+    assert slow == [
+        ("wedge_proven", "healthy", "dead"),
+        ("restart", "dead", "restarting"),
+        ("restart_command", "restarting", "restarting"),  # exit 0 proves nothing yet
+    ]
+    [heard] = [r for r in audit if r["event"] == "restart_command"]
+    assert (heard["command"]["exit_code"], heard["command"]["argv"]) == (0, command)
+    assert [r["event"] for r in audit if r["backend"] == "busy"] == ["hold"]
+
+
+def test_sigterm_while_a_restart_command_runs_leaves_the_restart_on_record(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    started, go = tmp_path / "command.pid", tmp_path / "command.go"
+    command = [sys.executable, "-c", SLOW_RESTART, str(started), str(go)]
+    state = tmp_path / "state.json"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "slow", "url": urls.wedge_a, "restart": command}]),
+    )
+    try:
+        with watching(entry_point, config, state) as watch:
+            until_exists(started, watch, "restart command started")
+            # The daemon gives the command its shutdown grace, then leaves it running.
+            rc, _ = watch.stop(timeout=daemon_module.SHUTDOWN_GRACE + STOP_BOUND)
+            log = watch.stderr()
+            assert not go.exists()
+    finally:
+        go.touch()
+    assert rc == 0
+    assert "slow: restart command still running; its restart stays issued" in log
+    [saved] = json.loads(state.read_text())["ledger"]["backends"]
+    assert saved["state"] == "restarting"
+    assert len(saved["restart_times"]) == 1
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["to"]) for r in audit] == [
+        ("wedge_proven", "dead"),
+        ("restart", "restarting"),
+    ]
+    # status reads it as it was left, a restart in progress.
+    status = verb(entry_point, config, state, "status", "--format", "json")
+    assert json.loads(status.stdout)["backends"][0]["state"] == "restarting"
+
+
+def test_sigterm_waits_for_a_restart_command_that_ends_within_the_grace_and_saves_it(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    started, go = tmp_path / "command.pid", tmp_path / "command.go"
+    command = [sys.executable, "-c", SLOW_RESTART, str(started), str(go)]
+    state = tmp_path / "state.json"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "slow", "url": urls.wedge_a, "restart": command}]),
+    )
+    try:
+        with watching(entry_point, config, state) as watch:
+            until_exists(started, watch, "restart command started")
+            watch.signal(signal.SIGTERM)
+            watch.logged("waiting up to")
+            go.touch()  # the command ends inside the grace
+            rc, _ = watch.stop(timeout=daemon_module.SHUTDOWN_GRACE + STOP_BOUND)
+    finally:
+        go.touch()
+    assert rc == 0
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["to"]) for r in audit] == [
+        ("wedge_proven", "dead"),
+        ("restart", "restarting"),
+        ("restart_command", "restarting"),
+    ]
+
+
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
     urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

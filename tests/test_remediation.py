@@ -37,6 +37,7 @@ FAILING = "import sys; open(sys.argv[1], 'a').write('x'); sys.exit(3)"
 TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()"
 # The audit log's name for each kind of restart decision (remediate._AUDIT_EVENTS).
 RESTART, SKIPPED, RETIRE = "restart", "restart_skipped", "retire"
+COMMAND = "restart_command"  # how a restart command went, written once it has finished
 
 
 @pytest.fixture
@@ -242,6 +243,7 @@ def test_a_wedged_backend_is_restarted_once_and_readmitted_by_the_tiny_request_n
     assert [r["event"] for r in audit] == [
         "wedge_proven",
         RESTART,
+        COMMAND,
         "new_process_up",
         "readmitted",
     ]
@@ -249,7 +251,11 @@ def test_a_wedged_backend_is_restarted_once_and_readmitted_by_the_tiny_request_n
     assert (decision["backend"], decision["from"], decision["to"]) == ("gpu0", "dead", "restarting")
     assert decision["condemned_by"] == "wedged"
     assert decision["dry_run"] is False
-    command = decision["command"]
+    assert decision["argv"] == restart
+    # Issued and saved first; how the command went is a line of its own, after it ran.
+    heard = audit[2]
+    assert (heard["backend"], heard["from"], heard["to"]) == ("gpu0", "restarting", "restarting")
+    command = heard["command"]
     assert command["argv"] == restart
     assert (command["exit_code"], command["timed_out"]) == (0, False)
     assert f"-> {new_pid} (idle)" in command["stdout"]
@@ -431,13 +437,16 @@ def test_a_failing_restart_command_cools_down_is_retried_then_retires_past_its_b
 
     lines = setup.restart_lines()
     assert [(r["event"], r["from"], r["to"]) for r in lines] == [
-        (RESTART, "dead", "dead"),
+        (RESTART, "dead", "restarting"),
         (SKIPPED, "dead", "dead"),
-        (RESTART, "dead", "dead"),
+        (RESTART, "dead", "restarting"),
         (RETIRE, "dead", "retired"),
     ]
-    assert [r.get("command", {}).get("exit_code") for r in lines] == [3, None, 3, None]
-    assert all(r["command"]["argv"] == restart for r in lines if "command" in r)
+    commands = [r for r in setup.audit() if r["event"] == COMMAND]
+    assert [(r["from"], r["to"], r["command"]["exit_code"]) for r in commands] == [
+        ("restarting", "dead", 3)
+    ] * 2
+    assert all(r["command"]["argv"] == restart for r in commands)
     assert setup.saved("gpu0")["state"] == "retired"
     assert setup.saved("gpu0")["last_error"] == "restart budget spent: 2 attempts in 24h"
     assert len(gpu.launches()) == 1
@@ -478,6 +487,7 @@ def test_a_held_backend_is_not_restarted_until_the_hold_is_released(
         SKIPPED,
         "release",
         RESTART,
+        COMMAND,
         "new_process_up",
         "readmitted",
     ]
@@ -551,9 +561,11 @@ def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_resta
     assert [(r["event"], r["from"], r["to"]) for r in setup.audit()] == [
         ("wedge_proven", "healthy", "dead"),
         (RESTART, "dead", "restarting"),
+        (COMMAND, "restarting", "restarting"),
         ("new_process_up", "restarting", "stale"),
         ("startup_expired", "stale", "dead"),
         (RESTART, "dead", "restarting"),
+        (COMMAND, "restarting", "restarting"),
     ]
 
 
@@ -588,7 +600,9 @@ def test_dry_run_logs_the_decision_without_acting_and_no_restart_logs_nothing(
     )
     assert "command" not in decision
     assert decision["evidence"]["verdict"] == "wedged"
-    # Nothing was spent: no attempt in the ledger's budget, no cooldown started.
+    # The verdict and the ledger move it caused are saved; nothing was issued or spent:
+    # no attempt in the ledger's budget, no cooldown started.
+    assert setup.saved("gpu0")["state"] == "dead"
     assert setup.saved("gpu0")["restart_times"] == []
     assert json.loads(setup.state.read_text())["restarts"] == {}
     logged = len(setup.audit())
@@ -645,11 +659,16 @@ def test_two_checks_started_together_issue_exactly_one_restart(
     assert finished, "neither run got the lock"
     restarted = [run for run in finished if run.restarts]
     assert len(restarted) == 1
-    assert restarted[0].seen("gpu0") == ("wedged", "restarting", False, 2)
+    # Its report shows the state after its command: still RESTARTING, unless the other
+    # run took the lock meanwhile and saw the replacement (STALE, or re-admitted).
+    assert restarted[0].seen("gpu0")[0] == "wedged"
+    assert restarted[0].seen("gpu0")[1] in ("restarting", "stale", "healthy")
     for run in finished:
         if run is not restarted[0]:
-            # It took the lock after the first let go, and saw the replacement process.
-            assert run.seen("gpu0") == ("restarted", "healthy", True, 1)
+            # It took the lock after the first let go, which is before the first's command
+            # ran: it saw the restart under way (or done), and issued none of its own.
+            assert run.seen("gpu0")[1] in ("restarting", "stale", "healthy"), run.report
+            assert run.restarts == []
 
 
 def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_is_retried(
@@ -693,8 +712,10 @@ def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_
     assert [(r["event"], r["from"], r["to"]) for r in setup.audit()] == [
         ("wedge_proven", "healthy", "dead"),
         (RESTART, "dead", "restarting"),
+        (COMMAND, "restarting", "restarting"),
         ("startup_expired", "restarting", "dead"),
         (RESTART, "dead", "restarting"),
+        (COMMAND, "restarting", "restarting"),
         ("new_process_up", "restarting", "stale"),
         ("readmitted", "stale", "healthy"),
     ]

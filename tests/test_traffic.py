@@ -120,7 +120,7 @@ def settle_traffic(tmp_path: Path, restart_on: tuple[str, ...]) -> tuple[CycleRe
         backends=(Backend("a", "http://a", restart=("true",)), Backend("b", "http://b")),
     )
     audit = tmp_path / "audit.jsonl"
-    report = settle(
+    report, _orders = settle(
         record(),
         config,
         [],
