@@ -77,8 +77,13 @@ def load_record(
         loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
         if loaded is not None:
             return loaded, loaded.reconcile(backends, now)
-    # A first run's backends are the starting membership (epoch 0), not changes to it.
-    return FleetRecord(Ledger(policy, backends.items(), now=now)), []
+    return fresh_record(policy, backends, now), []
+
+
+def fresh_record(policy: LedgerPolicy, backends: Mapping[str, str], now: float) -> FleetRecord:
+    """The record a fleet starts from: its backends are the starting membership (epoch 0,
+    every one HEALTHY), not changes to it."""
+    return FleetRecord(Ledger(policy, backends.items(), now=now))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 Each verb takes the state lock, changes the record through the ledger's own guarded
 events (so an operator cannot do what the rules forbid, only what they allow), writes
 one audit line, and saves. A verb the ledger refuses changes nothing and says why.
+Before the first check, a verb on a backend the config names works on the record a
+check would start from, so maintenance can be declared on a new deployment.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from llmhealth.actions import AuditLog
 from llmhealth.config import Config
-from llmhealth.cycle import ledger_policy
+from llmhealth.cycle import fresh_record, ledger_policy
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
 from llmhealth.policy import Hold
@@ -48,10 +50,30 @@ def load_existing(store: StateFile, config: Config) -> FleetRecord:
 
 
 @contextlib.contextmanager
-def _editing(store: StateFile, config: Config, name: str) -> Iterator[FleetRecord]:
-    """The saved record of a fleet that has this backend, with the state lock held."""
+def _editing(store: StateFile, config: Config, name: str, clock: Clock) -> Iterator[FleetRecord]:
+    """The record of a fleet that has this backend, with the state lock held.
+
+    With no saved record yet, the one a first check would start from (every configured
+    backend HEALTHY); a configured backend the saved record does not know yet (added
+    since the last check) is added as a check would add it. Either is saved only if the
+    verb changes something.
+    """
     with store.locked():
-        record = load_existing(store, config)
+        policy = ledger_policy(config.policy)
+        record = store.load(lambda doc: FleetRecord.from_dict(doc, policy))
+        configured = {backend.name: backend.url for backend in config.backends}
+        if record is None:
+            if name not in configured:
+                raise StateError(
+                    f"no state at {store.path} yet, and no backend named {name!r} in the "
+                    "config: name the config with --config, or run 'llmhealth check' first"
+                )
+            record = fresh_record(policy, configured, clock())
+        elif name not in record.ledger.names and name in configured:
+            try:
+                record.ledger.add(name, configured[name], clock())
+            except ValueError as exc:  # e.g. its URL is another saved backend's
+                raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
         if name not in record.ledger.names:
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
@@ -70,7 +92,7 @@ def apply_event(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Lock, feed one operator event to the ledger, audit it, save."""
-    with _editing(store, config, name) as record:
+    with _editing(store, config, name, clock) as record:
         now = clock()
         transition = record.ledger.apply(name, make_event(now))
         entry: dict[str, Any] = {
@@ -131,7 +153,7 @@ def hold(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Keep remediation away from a backend for a while; verdicts are still recorded."""
-    with _editing(store, config, name) as record:
+    with _editing(store, config, name, clock) as record:
         now = clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         record.holds[name] = new_hold
@@ -152,7 +174,7 @@ def hold(
 def release(
     store: StateFile, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
-    with _editing(store, config, name) as record:
+    with _editing(store, config, name, clock) as record:
         removed = record.holds.pop(name, None)
         if removed is None:
             return VerbResult(False, f"{name}: not on hold")

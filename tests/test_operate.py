@@ -124,3 +124,73 @@ def test_a_bad_hold_duration_exits_3(state: Path) -> None:
     assert result.returncode == 3
     assert "is not a duration" in result.stderr
     assert status(state)["gpu1"]["state"] == State.DEAD
+
+
+def fleet_config(tmp_path: Path, *names: str) -> Path:
+    lines = []
+    for port, name in enumerate(names, start=9):
+        lines += ["[[backend]]", f'name = "{name}"', f'url = "http://127.0.0.1:{port}"', ""]
+    path = tmp_path / "fleet.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def test_verbs_before_the_first_check_work_on_the_state_the_config_starts(
+    tmp_path: Path,
+) -> None:
+    config, state = fleet_config(tmp_path, "gpu0", "gpu1"), tmp_path / "state.json"
+    where = ["--config", str(config), "--state", str(state)]
+    held = llmhealth("hold", "gpu0", "--for", "2h", "--reason", "maintenance", *where)
+    assert held.returncode == 0, held.stderr
+    shown = status(state)
+    assert {name: b["state"] for name, b in shown.items()} == {
+        "gpu0": "healthy",
+        "gpu1": "healthy",
+    }
+    hold = shown["gpu0"]["hold"]
+    assert isinstance(hold, dict)
+    assert hold["reason"] == "maintenance"
+    retired = llmhealth("retire", "gpu1", "--reason", "not racked yet", *where)
+    assert retired.returncode == 0, retired.stderr
+    assert status(state)["gpu1"]["state"] == "retired"
+    audit = read(state.with_name("audit.jsonl"))
+    assert [(e["backend"], e["event"]) for e in audit] == [("gpu0", "hold"), ("gpu1", "retire")]
+    # Made as a first check makes it (epoch 0); only the retirement moved the serving set.
+    document = json.loads(state.read_text())
+    assert document["ledger"]["epoch"] == 1
+
+
+def test_a_refused_verb_before_the_first_check_saves_no_state(tmp_path: Path) -> None:
+    config, state = fleet_config(tmp_path, "gpu0"), tmp_path / "state.json"
+    where = ["--config", str(config), "--state", str(state)]
+    refused = llmhealth("readmit", "gpu0", *where)  # HEALTHY: nothing to re-admit
+    assert refused.returncode == 1
+    assert "only a STALE backend can be re-admitted" in refused.stderr
+    assert not state.exists()
+    unknown = llmhealth("hold", "gpu7", "--for", "1h", "--reason", "x", *where)
+    assert unknown.returncode == 3
+    assert "no backend named 'gpu7' in the config" in unknown.stderr
+    assert not state.exists()
+
+
+def test_a_backend_configured_since_the_last_check_can_be_held_before_the_next(
+    state: Path, tmp_path: Path
+) -> None:
+    # The saved fleet has gpu0 (port 9) and gpu1 (port 10); the config now adds gpu2.
+    config = fleet_config(tmp_path, "gpu0", "gpu1", "gpu2")
+    held = llmhealth(
+        "hold",
+        "gpu2",
+        "--for",
+        "1h",
+        "--reason",
+        "burn-in",
+        "--config",
+        str(config),
+        "--state",
+        str(state),
+    )
+    assert held.returncode == 0, held.stderr
+    shown = status(state)
+    assert (shown["gpu1"]["state"], shown["gpu2"]["state"]) == ("dead", "healthy")
+    assert isinstance(shown["gpu2"]["hold"], dict)
