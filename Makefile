@@ -16,8 +16,8 @@ demo: $(STAMP)
 	$(BIN)/llmhealth demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check llmhealth tests bench e2e scripts
-	$(BIN)/ruff format --check llmhealth tests bench e2e scripts
+	$(BIN)/ruff check llmhealth tests bench e2e scripts examples
+	$(BIN)/ruff format --check llmhealth tests bench e2e scripts examples
 	$(BIN)/mypy llmhealth
 
 # promtool and systemd-analyze for tests/test_deploy.py, etcd for the cluster tests;

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"  # the same as pyproject.toml; a test holds them together
 
 if TYPE_CHECKING:
+    from llmhealth.api import BackendResult, CheckReport, check, check_async
     from llmhealth.classify import VerdictKind
     from llmhealth.fleet import StallWatch
     from llmhealth.fleet_health import FleetExhausted, FleetHealth, FleetPolicy, Key
@@ -23,10 +24,15 @@ if TYPE_CHECKING:
         Transition,
         UnknownBackend,
     )
+    from llmhealth.prober import Prober, ProbeResult
     from llmhealth.report import ExitCode, FleetSummary
     from llmhealth.selector import Selector
 
 _HOMES = {
+    "check": "llmhealth.api",
+    "check_async": "llmhealth.api",
+    "CheckReport": "llmhealth.api",
+    "BackendResult": "llmhealth.api",
     "ExitCode": "llmhealth.report",
     "FleetSummary": "llmhealth.report",
     "VerdictKind": "llmhealth.classify",
@@ -40,11 +46,15 @@ _HOMES = {
     "UnknownBackend": "llmhealth.ledger",
     "NoServingBackend": "llmhealth.ledger",
     "Selector": "llmhealth.selector",
+    "Prober": "llmhealth.prober",
+    "ProbeResult": "llmhealth.prober",
     "StallWatch": "llmhealth.fleet",
 }
 
 __all__ = [
+    "BackendResult",
     "BackendSnapshot",
+    "CheckReport",
     "ExitCode",
     "FleetExhausted",
     "FleetHealth",
@@ -52,6 +62,8 @@ __all__ = [
     "FleetSummary",
     "Key",
     "NoServingBackend",
+    "ProbeResult",
+    "Prober",
     "Selector",
     "StallWatch",
     "State",
@@ -59,6 +71,8 @@ __all__ = [
     "UnknownBackend",
     "VerdictKind",
     "__version__",
+    "check",
+    "check_async",
 ]
 
 

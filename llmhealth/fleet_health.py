@@ -56,6 +56,9 @@ class FleetPolicy:
 
     ``max_restart_attempts`` counts ``mark_restarting`` calls per backend within
     ``restart_window`` seconds; the attempt past it retires the backend.
+    ``recover_in_place`` (off, as in seed 000: a trainer restarts every DEAD shard) lets
+    the condemned process itself back to STALE when verdicts identify it as the same one;
+    ``max_in_place_recoveries`` bounds that within ``restart_window``.
     """
 
     unhealthy_threshold: int = 3
@@ -63,6 +66,8 @@ class FleetPolicy:
     max_restart_attempts: int = 5
     min_healthy: int = 1
     restart_window: float = 86400.0
+    recover_in_place: bool = False
+    max_in_place_recoveries: int = 3
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -70,6 +75,7 @@ class FleetPolicy:
             ("healthy_threshold", 1),
             ("max_restart_attempts", 1),
             ("min_healthy", 0),
+            ("max_in_place_recoveries", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -83,6 +89,9 @@ class FleetPolicy:
             )
         if window == float("inf"):
             raise ValueError("FleetPolicy.restart_window must be finite, got inf")
+        if not isinstance(self.recover_in_place, bool):
+            flag = self.recover_in_place
+            raise ValueError(f"FleetPolicy.recover_in_place must be True or False, got {flag!r}")
 
     def ledger_policy(self) -> LedgerPolicy:
         return LedgerPolicy(
@@ -91,6 +100,8 @@ class FleetPolicy:
             min_healthy=self.min_healthy,
             restart_budget=self.max_restart_attempts,
             restart_budget_window=float(self.restart_window),
+            recover_in_place=self.recover_in_place,
+            max_in_place_recoveries=self.max_in_place_recoveries,
         )
 
 

@@ -107,11 +107,19 @@ def test_an_unknown_backend_name_is_a_lookup_error_and_changes_nothing() -> None
         ("restart_window", 0),
         ("restart_window", float("nan")),
         ("restart_window", float("inf")),
+        ("recover_in_place", "yes"),
+        ("max_in_place_recoveries", -1),
     ],
 )
 def test_an_out_of_range_policy_value_is_refused_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"FleetPolicy.{field}"):
         FleetPolicy(**{field: value})
+
+
+def test_in_place_recovery_is_off_unless_the_policy_turns_it_on() -> None:
+    assert not FleetPolicy().ledger_policy().recover_in_place
+    on = FleetPolicy(recover_in_place=True, max_in_place_recoveries=1).ledger_policy()
+    assert on.recover_in_place and on.max_in_place_recoveries == 1
 
 
 def test_a_floor_above_the_fleet_size_is_refused_at_construction() -> None:

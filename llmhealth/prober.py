@@ -1,0 +1,129 @@
+"""A probe pump for a program that runs its own event loop and keeps a FleetHealth.
+
+Each ``await prober.probe()`` reads every serving backend once, concurrently, and judges
+it with the same logic as ``watch``: the wait between two reads is the caller's own loop
+interval, so a call never sleeps. Verdicts go to the fleet through ``record_verdict``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.fleet import StallWatch
+from llmhealth.fleet_health import FleetHealth, Key
+from llmhealth.ledger import Transition
+from llmhealth.metrics import Signals
+from llmhealth.probe import Client, ProbeSettings, examine_once, new_client
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What one call learned about one backend. ``verdict`` is None while undecided: a
+    first read that shows work, or one wait without progress, needs the next call's read."""
+
+    key: Key
+    verdict: VerdictKind | None
+    evidence: str
+    transitions: tuple[Transition, ...]
+
+
+@dataclass(slots=True)
+class _Slot:
+    url: str
+    client: Client
+    window: list[Read] = field(default_factory=list)  # this backend's last reads
+
+
+class Prober:
+    """Probes a FleetHealth's serving backends once per call and feeds it the verdicts.
+
+    Use as ``async with Prober(fleet) as prober:`` (or call ``aclose``) so its
+    connections are closed. ``stall``: a ``StallWatch`` to feed with every read, on
+    ``time.monotonic`` time; it never acts, it only answers whether the fleet as a whole
+    is still finishing requests.
+    """
+
+    def __init__(
+        self,
+        fleet: FleetHealth,
+        *,
+        timeout: float = 5.0,
+        answer_timeout: float = 10.0,
+        api_key: str | None = None,
+        model: str | None = None,
+        stall: StallWatch | None = None,
+    ) -> None:
+        for name, value in (("timeout", timeout), ("answer_timeout", answer_timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self._fleet = fleet
+        self._settings = ProbeSettings(timeout=timeout, answer_timeout=answer_timeout)
+        self._api_key = api_key
+        self._model = model
+        self._stall = stall
+        self._tls: ssl.SSLContext | None = None  # built by the client if https needs it
+        self._slots: dict[Key, _Slot] = {}
+
+    @property
+    def stall(self) -> StallWatch | None:
+        return self._stall
+
+    async def probe(self) -> list[ProbeResult]:
+        """One read of each serving backend (and a tiny request to an idle one), judged and
+        fed to the fleet. A backend out of the serving set is not probed: an answer would
+        not bring it back, and its next reads start afresh."""
+        keys = self._fleet.serving_shards()
+        for key in [k for k in self._slots if k not in keys]:
+            await self._slots.pop(key).client.aclose()
+        verdicts = await asyncio.gather(*(self._examine(key) for key in keys))
+        results = []
+        for key, verdict in zip(keys, verdicts, strict=True):
+            if verdict is None:
+                results.append(ProbeResult(key, None, "undecided: needs the next read", ()))
+                continue
+            transitions = tuple(self._fleet.record_verdict(key, verdict))
+            results.append(ProbeResult(key, verdict.kind, verdict.evidence, transitions))
+        if self._stall is not None:
+            self._stall.observe(self._newest_signals(), time.monotonic())
+        return results
+
+    async def aclose(self) -> None:
+        slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            await slot.client.aclose()
+
+    async def __aenter__(self) -> Prober:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _examine(self, key: Key) -> Verdict | None:
+        url = self._fleet.base_url_of(key)
+        slot = self._slots.get(key)
+        if slot is None or slot.url != url:
+            # A new address is a new process: its reads must not be compared with the old.
+            if slot is not None:
+                await slot.client.aclose()
+            slot = self._slots[key] = _Slot(url, new_client(self._tls))
+        target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
+        return await examine_once(
+            slot.client, target, self._settings, slot.window, clock=time.monotonic
+        )
+
+    def _newest_signals(self) -> dict[str, Signals]:
+        newest = {}
+        for key, slot in self._slots.items():
+            if slot.window and slot.window[-1].signals is not None:
+                newest[str(key)] = slot.window[-1].signals
+        return newest

@@ -1,0 +1,162 @@
+"""llmhealth.check and check_async against real simulated vLLM processes: the same report
+the CLI prints, as typed objects, from a blocking call or inside a running loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from simproc import running_simulator
+
+import llmhealth
+from llmhealth import ExitCode, State, VerdictKind
+from llmhealth.state import StateFile, StateLockedError
+
+FAST: dict[str, Any] = {"wait": 0.3, "timeout": 1.0, "answer_timeout": 2.0}
+CLI_FAST = ["--wait", "0.3", "--timeout", "1", "--answer-timeout", "2"]
+
+
+def completions_received(url: str) -> int:
+    stats: dict[str, Any] = httpx.get(f"{url}/sim/stats", timeout=2.0).json()
+    return int(stats["completions_received"])
+
+
+def shape(value: Any) -> Any:
+    """The keys and value types of a document, recursively: what must match exactly."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(item) for item in value]
+    return type(value).__name__
+
+
+def test_to_dict_is_the_document_check_format_json_prints(entry_point: str) -> None:
+    with running_simulator(["idle", "unanswered"]) as sim:
+        cli = subprocess.run(
+            [entry_point, "check", *sim.urls, "--format", "json", *CLI_FAST],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        printed = json.loads(cli.stdout)
+        report = llmhealth.check(sim.urls, **FAST)
+    ours = report.to_dict()
+    assert shape(ours) == shape(printed)
+    assert ours["exit_code"] == printed["exit_code"] == cli.returncode == report.exit_code == 2
+    for field in ("name", "url", "kind", "verdict", "healthy", "state", "serving"):
+        assert [b[field] for b in ours["backends"]] == [b[field] for b in printed["backends"]]
+    assert ours["fleet"] == printed["fleet"]
+    # The typed objects say the same as the document.
+    for typed, plain in zip(report.backends, ours["backends"], strict=True):
+        assert (typed.name, typed.verdict, typed.healthy) == (
+            plain["name"],
+            plain["verdict"],
+            plain["healthy"],
+        )
+        assert (typed.state, typed.evidence, typed.requests_sent) == (
+            plain["state"],
+            plain["evidence"],
+            plain["requests_sent"],
+        )
+    idle, unanswered = report.backends
+    assert idle.verdict is VerdictKind.IDLE and idle.exit_code is ExitCode.OK
+    assert unanswered.verdict is VerdictKind.UNANSWERED and unanswered.state is State.SUSPECT
+
+
+def test_a_busy_backend_checked_from_code_is_never_sent_a_request() -> None:
+    with running_simulator(["busy"]) as sim:
+        report = llmhealth.check(sim.urls, **FAST)
+        assert completions_received(sim.urls[0]) == 0
+    busy = report.backends[0]
+    assert busy.verdict is VerdictKind.BUSY and busy.healthy
+    assert busy.requests_sent == 0
+    assert busy.running is not None and busy.running > 0
+    assert busy.steps_per_s is not None and busy.steps_per_s > 0
+    assert report.healthy
+
+
+def test_check_async_runs_in_the_callers_loop_without_holding_it() -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    async def main(urls: list[str]) -> llmhealth.CheckReport:
+        beat = asyncio.create_task(ticker())
+        try:
+            return await llmhealth.check_async(urls, **FAST)
+        finally:
+            beat.cancel()
+
+    with running_simulator(["busy"]) as sim:
+        report = asyncio.run(main(sim.urls))
+    assert report.backends[0].verdict is VerdictKind.BUSY
+    # A busy verdict needs a wait between two reads; the loop kept running through it.
+    assert ticks > 0
+
+
+def test_check_refuses_to_start_a_loop_inside_a_running_one() -> None:
+    async def main() -> None:
+        llmhealth.check(["http://127.0.0.1:9"], **FAST)
+
+    with pytest.raises(RuntimeError, match="running event loop"):
+        asyncio.run(main())
+
+
+def test_a_state_file_keeps_the_ledger_between_calls(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    with running_simulator(["unanswered"]) as sim:
+        seen = [llmhealth.check(sim.urls, state=state, **FAST).backends[0] for _ in range(3)]
+    assert [b.state for b in seen] == [State.SUSPECT, State.SUSPECT, State.DEAD]
+    assert seen[-1].last_error is not None and "unanswered" in seen[-1].last_error
+
+
+def test_check_async_does_not_wait_for_a_state_another_run_holds(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    with StateFile(state).locked(), pytest.raises(StateLockedError):
+        asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=state, **FAST))
+
+
+def test_check_async_runs_no_restart_command(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\nrestart = ["true"]\n'
+    )
+    with pytest.raises(ValueError, match="no_restart"):
+        asyncio.run(llmhealth.check_async(config=config, state=tmp_path / "s.json"))
+
+
+@pytest.mark.parametrize(
+    ("urls", "options", "error"),
+    [
+        ([], {}, ValueError),
+        (["not a url"], {}, ValueError),
+        ("http://127.0.0.1:9", {}, TypeError),
+        (["http://127.0.0.1:9", "http://127.0.0.1:9/"], {}, ValueError),
+        (["http://127.0.0.1:9"], {"wait": -1.0}, ValueError),
+        (["http://127.0.0.1:9"], {"timeout": float("nan")}, ValueError),
+    ],
+)
+def test_bad_arguments_are_errors_that_name_the_problem(
+    urls: Any, options: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        llmhealth.check(urls, **options)
+
+
+def test_a_backend_that_is_down_is_in_the_report_not_an_exception() -> None:
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+    report = llmhealth.check([url], **FAST)
+    assert report.backends[0].verdict is VerdictKind.DOWN
+    assert report.exit_code is ExitCode.CRITICAL
+    assert report.backend(report.backends[0].name) is report.backends[0]

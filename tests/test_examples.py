@@ -1,0 +1,100 @@
+"""examples/ run as their users run them: real processes against real simulated backends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+from simproc import child_env, running_simulator
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+HEALTH = EXAMPLES / "llm-health.py"
+TRAINER = EXAMPLES / "trainer_loop.py"
+RUN_TIMEOUT = 120.0  # a bound for a hung example, far above what a run takes
+
+
+def run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env=child_env(),
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def health(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return run(HEALTH, url, "--wait", "0.3", "--timeout", "1", *args)
+
+
+def completions_received(url: str) -> int:
+    stats: dict[str, Any] = httpx.get(f"{url}/sim/stats", timeout=2.0).json()
+    return int(stats["completions_received"])
+
+
+def test_the_health_script_is_well_under_fifty_lines() -> None:
+    assert len(HEALTH.read_text(encoding="utf-8").splitlines()) < 50
+
+
+def test_the_health_script_says_ok_for_an_idle_server() -> None:
+    with running_simulator(["idle"]) as sim:
+        done = health(sim.urls[0])
+    assert done.returncode == 0
+    assert done.stdout.startswith("OK - idle: ")
+    assert len(done.stdout.splitlines()) == 1
+
+
+def test_the_health_script_never_sends_a_busy_server_a_request_nor_restarts_it(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "restarted"
+    with running_simulator(["busy"]) as sim:
+        done = health(sim.urls[0], "--restart-cmd", f"touch {marker}")
+        assert completions_received(sim.urls[0]) == 0
+    assert done.returncode == 0 and done.stdout.startswith("OK - busy: ")
+    assert not marker.exists()
+
+
+def test_the_health_script_restarts_a_proven_wedge(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted"
+    with running_simulator(["wedge:0.1"]) as sim:
+        done = health(sim.urls[0], "--restart-cmd", f"touch {marker}")
+    assert done.returncode == 2
+    assert done.stdout.startswith("CRITICAL - wedged: ")
+    assert "restart command exited 0" in done.stdout
+    assert marker.exists()
+
+
+def test_the_health_script_does_not_restart_a_server_that_is_down(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted"
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+    done = health(url, "--restart-cmd", f"touch {marker}")
+    assert done.returncode == 2 and done.stdout.startswith("CRITICAL - down: ")
+    assert not marker.exists()
+
+
+def test_the_health_script_is_unknown_for_a_bad_url() -> None:
+    done = health("not-a-url")
+    assert done.returncode == 3 and done.stdout.startswith("UNKNOWN - ")
+
+
+def test_the_trainer_loop_condemns_restarts_and_refits_back_to_a_full_fleet() -> None:
+    with running_simulator(["idle", "unanswered"], request_seconds=0.2) as sim:
+        done = run(TRAINER, *sim.urls, "--request-timeout", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    # Shard 1 never answers: its failed rollouts condemn it, and the controller rebuilds it.
+    assert any(line.startswith("restarting shard 1 (request failed: ") for line in lines)
+    assert "step 1: 4 of 4 rollouts" in lines  # retried on shard 0, nothing lost
+    assert any(line.startswith("weight sync 2 aborted") for line in lines)
+    assert lines[-2:] == [
+        "shard 0: healthy weight_version=4",
+        "shard 1: healthy weight_version=4",
+    ]

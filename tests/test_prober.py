@@ -1,0 +1,116 @@
+"""The Prober feeding a FleetHealth from inside the caller's loop, against real simulated
+vLLM processes. Between two probe() calls the test sleeps as a controller's loop would:
+that interval is the wait between reads, never an assertion about time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from simproc import running_simulator
+
+from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
+
+INTERVAL = 0.4  # the controller's probe interval in these tests
+MAX_ROUNDS = 30  # bounds every loop that waits for the fleet to reach a state
+
+
+async def probe_until(
+    prober: Prober, fleet: FleetHealth, key: int, state: State
+) -> list[list[ProbeResult]]:
+    rounds = []
+    for _ in range(MAX_ROUNDS):
+        rounds.append(await prober.probe())
+        if fleet.state_of(key) is state:
+            return rounds
+        await asyncio.sleep(INTERVAL)
+    raise AssertionError(f"shard {key} never reached {state}: {fleet.snapshot()[key]}")
+
+
+def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
+    async def main(urls: list[str]) -> tuple[list[ProbeResult], list[ProbeResult]]:
+        fleet = FleetHealth(urls)
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            first = await prober.probe()
+            await asyncio.sleep(INTERVAL)
+            second = await prober.probe()
+        assert fleet.serving_shards() == [0, 1]
+        return first, second
+
+    with running_simulator(["idle", "busy"]) as sim:
+        first, second = asyncio.run(main(sim.urls))
+    assert first[0].verdict is VerdictKind.IDLE
+    # One read of a busy engine proves nothing yet; the next call's read does.
+    assert first[1].verdict is None
+    assert second[1].verdict is VerdictKind.BUSY
+
+
+def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
+    async def main(urls: list[str]) -> FleetHealth:
+        fleet = FleetHealth(urls)
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            rounds = await probe_until(prober, fleet, 0, State.DEAD)
+            assert rounds[-1][0].verdict is VerdictKind.WEDGED
+            assert [r.key for r in await prober.probe()] == []
+        return fleet
+
+    with running_simulator(["wedge:0.5"]) as sim:
+        fleet = asyncio.run(main(sim.urls))
+    assert fleet.snapshot()[0].condemned_by == "wedged"
+
+
+def test_a_backend_that_restarted_by_itself_is_stale_until_a_refit() -> None:
+    async def main(urls: list[str]) -> FleetHealth:
+        fleet = FleetHealth(urls)
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            await probe_until(prober, fleet, 0, State.STALE)
+            # Answering probes proves nothing about the weights it loaded at start.
+            for _ in range(3):
+                assert await prober.probe() == []
+            assert fleet.state_of(0) is State.STALE
+        fleet.report_refit(0, weight_version=5)
+        return fleet
+
+    with running_simulator(["restart:1.5"]) as sim:
+        fleet = asyncio.run(main(sim.urls))
+    assert fleet.state_of(0) is State.HEALTHY
+
+
+def test_a_backend_that_went_away_is_counted_down_to_dead() -> None:
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+
+    async def main() -> list[list[ProbeResult]]:
+        fleet = FleetHealth([url], policy=FleetPolicy(unhealthy_threshold=3))
+        async with Prober(fleet, timeout=1.0) as prober:
+            return await probe_until(prober, fleet, 0, State.DEAD)
+
+    rounds = asyncio.run(main())
+    assert len(rounds) == 3
+    assert {r[0].verdict for r in rounds} == {VerdictKind.DOWN}
+
+
+def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
+    async def main(urls: list[str]) -> StallWatch:
+        stall = StallWatch(started_at=time.monotonic())
+        fleet = FleetHealth(urls)
+        async with Prober(fleet, timeout=2.0, stall=stall) as prober:
+            for _ in range(MAX_ROUNDS):
+                await prober.probe()
+                if stall.last_finished_at is not None:
+                    break
+                await asyncio.sleep(INTERVAL)
+        return stall
+
+    with running_simulator(["busy"], request_seconds=0.3) as sim:
+        stall = asyncio.run(main(sim.urls))
+    assert stall.last_finished_at is not None
+    assert stall.work_pending
+    assert not stall.stalled(time.monotonic(), 3600.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
+def test_a_prober_with_a_bad_timeout_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        Prober(FleetHealth(["http://127.0.0.1:9"]), timeout=bad)
