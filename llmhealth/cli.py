@@ -187,8 +187,10 @@ def watch(
 ) -> None:
     """Run the check cycle every wait as a daemon: ledger, restarts, metrics, systemd notify.
 
-    SIGHUP reloads the config (an invalid one is reported and the old one kept); SIGTERM
-    finishes the cycle in progress, saves, and exits 0.
+    SIGHUP reloads the config (an invalid one is reported and the old one kept). SIGTERM
+    lets the settle in progress and running restart commands finish (10 s each at most),
+    saves what they did, and exits 0; a restart whose command still runs stays on record
+    as issued.
     """
     import asyncio  # noqa: PLC0415 - only the daemon needs these
 

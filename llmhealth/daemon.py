@@ -2,8 +2,9 @@
 
 Each target has its own probing task that reads it once per wait, so one hung backend
 costs only its own timeouts. Every wait the daemon settles what came in: ledger, restart
-plan, state file (locked per cycle, so operator verbs interleave), its own metrics, the
+plan, state file (locked per settle, so operator verbs interleave), its own metrics, the
 serving file, and a WATCHDOG=1 to systemd that proves the loop itself still turns.
+Restart commands and the serving hook run beside the loop, so no settle waits for one.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
 # After SIGTERM: seconds a settle in progress may take to finish, and then seconds the
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
+SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -155,6 +157,11 @@ class Daemon:
         # what they finished waits here for the next settle. Touched on the loop only.
         self._commands_running: dict[asyncio.Future[CommandResult], RestartOrder] = {}
         self._commands_done: list[CommandDone] = []
+        # on_serving_change runs the same way: one at a time, once more if the serving
+        # file changed again while it ran.
+        self._serving_changed = False
+        self._hook: asyncio.Future[CommandResult] | None = None
+        self._hook_again = False
 
     @property
     def settings(self) -> ProbeSettings:
@@ -279,6 +286,9 @@ class Daemon:
                 # Saved as RESTARTING first; only now, outside the lock, do commands run.
                 for order in settled.orders:
                     self._launch(order)
+                if self._serving_changed:
+                    self._serving_changed = False
+                    self._run_serving_hook()
                 self._remember_models(settled.report)
                 self._push_router()
                 self._after_cycle(settled.report, time.monotonic() - started, live)
@@ -298,6 +308,29 @@ class Daemon:
             self._log(f"{order.name}: the restart command could not be run: {error!r}")
             return
         self._commands_done.append(CommandDone(order, running.result()))
+
+    def _run_serving_hook(self) -> None:
+        """Tell the balancer, beside the loop: a slow `nginx -s reload` holds no settle."""
+        argv = self._config.on_serving_change
+        if not argv:
+            return
+        if self._hook is not None:
+            self._hook_again = True
+            return
+        self._hook = _in_daemon_thread(_run_hook, argv)
+        self._hook.add_done_callback(self._serving_hook_finished)
+
+    def _serving_hook_finished(self, hook: asyncio.Future[CommandResult]) -> None:
+        self._hook = None
+        if not hook.cancelled():
+            error = hook.exception()
+            if error is not None:
+                self._log(f"on_serving_change could not be run: {error!r}")
+            elif not (result := hook.result()).ok:
+                self._log(f"on_serving_change failed ({result.exit_code}): {result.stderr}")
+        if self._hook_again and not self._stop.is_set():
+            self._hook_again = False
+            self._run_serving_hook()
 
     def _take_commands(self) -> list[CommandDone]:
         """Restart commands finished since the last settle; called on the loop's thread."""
@@ -595,10 +628,7 @@ class Daemon:
             self._log(f"cannot write the serving file {path}: {exc}")
             return
         self._state.serving_written = current
-        if self._config.on_serving_change:
-            result = run_command(self._config.on_serving_change, 30.0)
-            if not result.ok:
-                self._log(f"on_serving_change failed ({result.exit_code}): {result.stderr}")
+        self._serving_changed = True  # the loop runs on_serving_change, not this thread
 
     def _log(self, message: str) -> None:
         # Printable, and never read as markup: messages quote evidence and command output.
@@ -623,6 +653,10 @@ class News:
 
 def _run_order(order: RestartOrder) -> CommandResult:
     return run_command(order.argv, order.timeout, env=order.env)
+
+
+def _run_hook(argv: tuple[str, ...]) -> CommandResult:
+    return run_command(argv, SERVING_HOOK_TIMEOUT)
 
 
 def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future[T]:

@@ -1131,6 +1131,53 @@ def test_sigterm_waits_for_a_restart_command_that_ends_within_the_grace_and_save
     ]
 
 
+# Appends a line to its first argument, then waits (at most 2 minutes) for its second to
+# exist: an on_serving_change hook as slow as the test wants.
+SLOW_HOOK = (
+    "import os, sys, time; open(sys.argv[1], 'a').write('ran\\n')\n"
+    "deadline = time.monotonic() + 120\n"
+    "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline: time.sleep(0.05)"
+)
+
+
+def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    ran, go = tmp_path / "hook.log", tmp_path / "hook.go"
+    serving = tmp_path / "serving.json"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "busy", "url": urls.busy}, {"name": "gone", "url": REFUSED_URL}],
+            on_serving_change=[sys.executable, "-c", SLOW_HOOK, str(ran), str(go)],
+        ),
+    )
+
+    def named() -> list[str]:
+        return [b["name"] for b in json.loads(serving.read_text())["serving"]]
+
+    try:
+        with watching(
+            entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+        ) as watch:
+            until_exists(ran, watch, "the hook started")
+            # While the first hook waits, `gone` is condemned over three more settles and
+            # the serving file follows it: before, the settle ran the hook itself and
+            # stood still until it returned.
+            watch.until("gone condemned", lambda p: p.state("gone") == "dead")
+            assert named() == ["busy"]
+            assert ran.read_text() == "ran\n"  # one run so far, still waiting
+            go.touch()
+            deadline = time.monotonic() + PATIENCE
+            while ran.read_text() != "ran\nran\n":  # once more, for the later change
+                assert time.monotonic() < deadline, watch.stderr()
+                time.sleep(POLL)
+            rc, _ = watch.stop()
+    finally:
+        go.touch()
+    assert rc == 0
+
+
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
     urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
