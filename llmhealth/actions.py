@@ -65,6 +65,14 @@ class CommandResult:
         }
 
 
+def without_keys(inherited: Mapping[str, str], secrets: Iterable[str]) -> dict[str, str]:
+    """The environment for a command llmhealth runs (a restart, the serving-change hook):
+    its own, less the variables some backend's ``api_key_env`` names. No such command has
+    any business with a key, least of all another backend's."""
+    hidden = frozenset(secrets)
+    return {name: value for name, value in inherited.items() if name not in hidden}
+
+
 def restart_environment(
     inherited: Mapping[str, str],
     secrets: Iterable[str],
@@ -73,13 +81,8 @@ def restart_environment(
     url: str,
     reason: str,
 ) -> dict[str, str]:
-    """A restart command's environment: the daemon's, less every backend's API key.
-
-    ``secrets`` are the variable names some backend's ``api_key_env`` points at: a
-    restart script has no business with any key, least of all another backend's. What
-    it may want instead is which backend to restart and why.
-    """
-    environment = {name: value for name, value in inherited.items() if name not in set(secrets)}
+    """A restart command's environment: no API key, and which backend to restart and why."""
+    environment = without_keys(inherited, secrets)
     environment["LLMHEALTH_BACKEND"] = backend
     environment["LLMHEALTH_URL"] = url
     # An environment value cannot hold NUL, and a script may echo it: printable, bounded.

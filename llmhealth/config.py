@@ -113,6 +113,11 @@ class Config:
     router: Router = field(default_factory=Router)
     source: str = "<command line>"
 
+    @property
+    def key_variables(self) -> frozenset[str]:
+        """The environment variables that hold an API key: no command llmhealth runs gets them."""
+        return frozenset(backend.api_key_env for backend in self.backends if backend.api_key_env)
+
 
 def load(path: str | Path) -> Config:
     """Read and validate a config file; any problem is a ConfigError naming file and key."""

@@ -31,7 +31,7 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
-from llmhealth.actions import AuditLog, CommandResult, run_command
+from llmhealth.actions import AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cycle import (
@@ -317,7 +317,9 @@ class Daemon:
         if self._hook is not None:
             self._hook_again = True
             return
-        self._hook = _in_daemon_thread(_run_hook, argv)
+        # Like a restart command, the hook has no business with any backend's API key.
+        environment = without_keys(os.environ, self._config.key_variables)
+        self._hook = _in_daemon_thread(_run_hook, (argv, environment))
         self._hook.add_done_callback(self._serving_hook_finished)
 
     def _serving_hook_finished(self, hook: asyncio.Future[CommandResult]) -> None:
@@ -655,8 +657,9 @@ def _run_order(order: RestartOrder) -> CommandResult:
     return run_command(order.argv, order.timeout, env=order.env)
 
 
-def _run_hook(argv: tuple[str, ...]) -> CommandResult:
-    return run_command(argv, SERVING_HOOK_TIMEOUT)
+def _run_hook(command: tuple[tuple[str, ...], Mapping[str, str]]) -> CommandResult:
+    argv, environment = command
+    return run_command(argv, SERVING_HOOK_TIMEOUT, env=environment)
 
 
 def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future[T]:

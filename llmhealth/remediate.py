@@ -171,7 +171,7 @@ def _issue(
     snapshot = record.ledger.snapshot(decision.name, now)
     environment = restart_environment(
         os.environ,
-        {backend.api_key_env for backend in config.backends if backend.api_key_env},
+        config.key_variables,
         backend=decision.name,
         url=snapshot.url,
         reason=snapshot.last_error or decision.reason,

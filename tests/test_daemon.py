@@ -139,10 +139,12 @@ def touch_command(marker: Path) -> list[str]:
 
 
 def append_command(log: Path) -> list[str]:
+    """Appends "changed", and "KEY LEAKED" if it was handed the BUSY_KEY variable."""
     return [
         sys.executable,
         "-c",
-        "import sys; open(sys.argv[1], 'a').write('changed\\n')",
+        "import os, sys; open(sys.argv[1], 'a').write("
+        "'changed\\n' + ('KEY LEAKED\\n' if 'BUSY_KEY' in os.environ else ''))",
         str(log),
     ]
 
@@ -821,7 +823,7 @@ def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_r
         tmp_path / "fleet.toml",
         fleet_config(
             [
-                {"name": "busy", "url": urls.busy},
+                {"name": "busy", "url": urls.busy, "api_key_env": "BUSY_KEY"},
                 {"name": "idle", "url": urls.idle},
                 {"name": "wedge", "url": urls.wedge_a},
             ],
@@ -831,7 +833,12 @@ def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_r
     serving = tmp_path / "upstream.conf"
     survivors = {server_line(urls.busy), server_line(urls.idle)}
     with watching(
-        entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+        entry_point,
+        config,
+        tmp_path / "state.json",
+        "--serving-file",
+        str(serving),
+        env={"BUSY_KEY": "s3cret"},  # the hook must not get it
     ) as watch:
         seen = poll_file(serving, lambda text: nginx_servers(text) == survivors)
         page = watch.until("wedge dead", lambda p: p.state("wedge") == "dead")
