@@ -1,7 +1,7 @@
 """Which backend gets a request: the one selection rule, and the router's choice around it.
 
-Pure: candidates and in-flight counts in, one candidate out. The ledger's ``select``, the
-library's ``Selector`` and the router's ``choose`` all end in ``fewest_in_flight``, so
+Pure: candidates and in-flight counts in, one candidate out. The library's ``Selector``
+and the router's ``choose`` both end in ``fewest_in_flight``, so
 "least in flight, ties in a fixed order" is written once. ``choose`` adds the router's
 filtering: the pick set, the request's model, and optional session affinity (rendezvous
 hashing, kept while the sticky backend is less than ``slack`` requests busier).
@@ -23,7 +23,7 @@ def fewest_in_flight(candidates: Iterable[Key], in_flight: Mapping[Key, int]) ->
     Least-outstanding rather than round-robin because it steers away from a backend that
     is merely slow or stuck before anything has diagnosed it. A candidate missing from
     ``in_flight`` has none. Ties go to the earliest candidate in the order given, so the
-    choice is deterministic: the ledger passes names sorted, a shard list passes indices
+    choice is deterministic: the router passes names sorted, a shard list passes indices
     in order.
     """
     best: Key | None = None

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
 
-from llmhealth.choice import fewest_in_flight
-
 
 class State(StrEnum):
     """Lifecycle of one backend. Only HEALTHY and SUSPECT are handed traffic."""
@@ -1093,17 +1091,6 @@ class Ledger:
     def by_url(self, url: str) -> str | None:
         """The backend behind a URL, for failures reported by a router that knows only URLs."""
         return self._by_url.get(_url_key(url))
-
-    def select(self, in_flight: Mapping[str, int]) -> str:
-        """The serving backend with the fewest requests in flight; ties go to the first name.
-
-        The rule itself is ``choice.fewest_in_flight``; this only supplies the serving set.
-        A backend missing from ``in_flight`` has none.
-        """
-        chosen = fewest_in_flight(self.serving, in_flight)
-        if chosen is None:
-            raise NoServingBackend(f"no backend is serving: {self.floor_message}")
-        return chosen
 
     # --- persistence ------------------------------------------------------------------
 

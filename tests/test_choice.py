@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from test_metrics import FORBIDDEN, called_names, imported_modules
 
 from llmhealth.choice import ANY_MODEL, Affinity, choose, fewest_in_flight, serves
-from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.fleet_health import FleetHealth
+from llmhealth.selector import Selector
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,12 +87,17 @@ def test_an_empty_pick_set_chooses_nothing() -> None:
     assert choose({}, {}, model=None, key="s") is None
 
 
-def test_the_ledger_selects_by_the_same_rule() -> None:
-    ledger = Ledger(LedgerPolicy(), [("b", "http://b"), ("a", "http://a")])
+def test_the_library_selector_chooses_by_the_same_rule() -> None:
+    fleet = FleetHealth({"a": "http://a:8000", "b": "http://b:8000"})
     for in_flight in ({}, {"a": 3, "b": 1}, {"a": 1, "b": 1}):
-        assert ledger.select(in_flight) == fewest_in_flight(ledger.serving, in_flight)
-        assert ledger.select(in_flight) == choose(
-            dict.fromkeys(ledger.serving, ANY_MODEL), in_flight, model=None
+        selector = Selector(fleet)
+        for name, count in in_flight.items():
+            for _ in range(count):
+                selector.acquire(name)
+        serving = fleet.serving_shards()
+        assert selector.next_shard() == fewest_in_flight(serving, in_flight)
+        assert selector.next_shard() == choose(
+            dict.fromkeys(serving, ANY_MODEL), in_flight, model=None
         )
 
 

@@ -30,7 +30,6 @@ from llmhealth.ledger import (
     Ledger,
     LedgerPolicy,
     NewProcessUp,
-    NoServingBackend,
     OperatorReset,
     ProbeFailure,
     ProcessGone,
@@ -1209,25 +1208,6 @@ def test_a_floor_of_zero_is_never_breached() -> None:
     ledger = Ledger(LedgerPolicy(min_healthy=0))
     assert not ledger.floor_breached
     assert not ledger.floor_message.startswith("floor breached")
-
-
-def test_select_picks_the_serving_backend_with_fewest_in_flight_ties_by_name() -> None:
-    ledger = three_backends()
-    assert ledger.select({"a": 2, "b": 1, "c": 1}) == "b"
-    assert ledger.select({}) == "a"
-    assert ledger.select({"a": 3}) == "b"
-    ledger.apply("b", WedgeProven(now=1.0))
-    assert ledger.select({"a": 2, "b": 0, "c": 5}) == "a"
-    ledger.apply("a", ProbeFailure(now=2.0, reason="stalled"))
-    # SUSPECT still serves; least-in-flight already steers around slowness.
-    assert ledger.select({"a": 0, "c": 1}) == "a"
-
-
-def test_select_with_nothing_serving_raises_and_says_why() -> None:
-    ledger = one_backend()
-    ledger.apply("a", ProcessGone(now=1.0, reason="down"))
-    with pytest.raises(NoServingBackend, match="a dead"):
-        ledger.select({"a": 0})
 
 
 def test_a_backend_is_found_by_url_with_or_without_a_trailing_slash() -> None:
