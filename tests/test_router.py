@@ -649,3 +649,59 @@ def test_a_simulated_stream_passes_through_and_a_hung_one_ends_with_an_error_eve
 
     with running_simulator(["idle", "busy+unanswered"], request_seconds=0.05) as sim:
         run(scenario(*sim.urls))
+
+
+def test_a_client_that_never_reads_is_dropped_and_the_upstream_closed() -> None:
+    backend_saw_close = asyncio.Event()
+
+    async def floods(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n")
+        writer.write(b"Content-Length: %d\r\n\r\n" % (256 * 1024 * 1024))
+        block = b"x" * (1024 * 1024)
+        try:
+            for _ in range(256):  # far more than every socket buffer on the way holds
+                writer.write(block)
+                await writer.drain()
+        except ConnectionError:
+            backend_saw_close.set()
+            return
+        writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(client_timeout=0.5)
+        async with (
+            raw_backend(floods) as backend,
+            routing({"a": backend}, settings) as (router, url),
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            await writer.drain()  # and then never read a byte
+            await asyncio.wait_for(backend_saw_close.wait(), BOUND)
+            assert await drained(router) == {}  # the client's doing: counted against nobody
+            writer.close()
+
+    run(scenario())
+
+
+def test_hundreds_of_idle_client_connections_do_not_stop_anyone_else(
+    httpserver: HTTPServer,
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (_, url), client() as http:
+            port = int(url.rsplit(":", 1)[1])
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(300)]
+            half_sent = idle[0][1]
+            half_sent.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200
+            for _, writer in idle:
+                writer.close()
+
+    run(scenario())
