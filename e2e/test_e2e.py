@@ -17,6 +17,7 @@ the server shows, not about how fast a starved machine answers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -47,6 +48,8 @@ from helpers import (
     work,
 )
 from vllm_server import MAX_NUM_SEQS, MODEL_NAME, VllmServer, free_port, process_state
+
+import llmhealth
 
 WAIT = "5s"  # llmhealth's default between reads: busy after one wait, wedged after two
 TIMEOUT = "15s"  # one HTTP read; generous, see the module docstring
@@ -134,6 +137,52 @@ def test_a_busy_server_is_judged_busy_and_sent_no_request(server: VllmServer) ->
     assert load.all_ok, load.summary()
     assert after[FINISHED] - before[FINISHED] == load.sent, (before, after, load.sent)
     assert len(access_lines(server, offset, "POST /v1/completions")) == load.sent
+
+
+# --- the library --------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_the_library_its_prober_and_the_health_script_send_a_busy_server_no_request(
+    server: VllmServer,
+) -> None:
+    before = wait_quiet(server)
+    offset = log_size(server)
+    load = start_decode_load(server)
+    try:
+        report = llmhealth.check([server.url], wait=5.0, timeout=15.0)
+        script = subprocess.run(
+            [sys.executable, str(EXAMPLES / "llm-health.py"), server.url, "--timeout", "15"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        probed = asyncio.run(probe_twice(server.url))
+    finally:
+        finish(load)
+    backend = report.backends[0]
+    assert backend.verdict is llmhealth.VerdictKind.BUSY, report.to_dict()
+    assert backend.requests_sent == 0 and backend.running == MAX_NUM_SEQS, report.to_dict()
+    assert script.returncode == OK, script
+    assert script.stdout.startswith("OK - busy: "), script
+    assert probed == [None, llmhealth.VerdictKind.BUSY]
+    after = wait_quiet(server)
+    assert load.all_ok, load.summary()
+    assert after[FINISHED] - before[FINISHED] == load.sent, (before, after, load.sent)
+    assert len(access_lines(server, offset, "POST /v1/completions")) == load.sent
+
+
+async def probe_twice(url: str) -> list[llmhealth.VerdictKind | None]:
+    """Two probe() calls one wait apart, as a controller's loop would make them."""
+    fleet = llmhealth.FleetHealth([url])
+    async with llmhealth.Prober(fleet, timeout=15.0) as prober:
+        first = await prober.probe()
+        await asyncio.sleep(5.0)
+        second = await prober.probe()
+    assert fleet.state_of(0) is llmhealth.State.HEALTHY
+    return [first[0].verdict, second[0].verdict]
 
 
 # --- prefill-heavy -----------------------------------------------------------------------
