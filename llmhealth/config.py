@@ -51,6 +51,9 @@ class Policy:
     cooldown_max: float = 1800.0
     startup_grace: float = 900.0
     restart_timeout: float = 120.0
+    # On for check, watch and route: a process condemned by doubt may prove its way back.
+    recover_in_place: bool = True
+    max_in_place_recoveries: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +236,8 @@ def _policy(reader: _Reader, data: object) -> Policy:
         "cooldown_max",
         "startup_grace",
         "restart_timeout",
+        "recover_in_place",
+        "max_in_place_recoveries",
     }
     reader.known(table, "policy.", fields)
     defaults = Policy()
@@ -265,6 +270,12 @@ def _policy(reader: _Reader, data: object) -> Policy:
         cooldown_max=reader.duration(table, "policy.cooldown_max", defaults.cooldown_max),
         startup_grace=reader.duration(table, "policy.startup_grace", defaults.startup_grace),
         restart_timeout=reader.duration(table, "policy.restart_timeout", defaults.restart_timeout),
+        recover_in_place=reader.boolean(
+            table, "policy.recover_in_place", defaults.recover_in_place
+        ),
+        max_in_place_recoveries=reader.integer(
+            table, "policy.max_in_place_recoveries", defaults.max_in_place_recoveries, minimum=0
+        ),
     )
     if policy.cooldown_max < policy.cooldown:
         raise ConfigError(f"{reader.where}: policy.cooldown_max is shorter than policy.cooldown")
@@ -398,6 +409,12 @@ class _Reader:
             raise self.fail(key, f"{value!r} is not a whole number")
         if value < minimum:
             raise self.fail(key, f"{value} is below the least allowed value, {minimum}")
+        return value
+
+    def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:
+        value = table.get(self._leaf(key), default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"{value!r} is not true or false")
         return value
 
     def optional_string(self, table: Mapping[str, Any], key: str) -> str | None:

@@ -30,6 +30,7 @@ from llmhealth.remediate import (
     RestartOrder,
     RestartOutcome,
     hear_commands,
+    pending_restarts,
     reads_evidence,
     remediate,
 )
@@ -48,6 +49,8 @@ def ledger_policy(policy: ConfigPolicy) -> LedgerPolicy:
         restart_budget=policy.restart_budget,
         restart_budget_window=policy.restart_budget_window,
         startup_grace=policy.startup_grace,
+        recover_in_place=policy.recover_in_place,
+        max_in_place_recoveries=policy.max_in_place_recoveries,
     )
 
 
@@ -345,6 +348,7 @@ def settle(
     """
     hear_commands(record, commands, audit, now)
     expected = {b.name: b.expected_model for b in config.backends}
+    pending = pending_restarts(record, config, now)
     reports = []
     in_ledger = set()
     for outcome in outcomes:
@@ -353,7 +357,15 @@ def settle(
             reports.append(BackendReport(outcome, None))
             continue
         in_ledger.add(name)
-        transitions = tuple(record.observe(name, outcome.verdict, now, expected.get(name)))
+        transitions = tuple(
+            record.observe(
+                name,
+                outcome.verdict,
+                now,
+                expected.get(name),
+                restart_pending=name in pending,
+            )
+        )
         moved = [t for t in transitions if t.applied and t.from_state != t.to_state]
         if moved:  # evidence as plain values only when something is written down
             evidence = {

@@ -521,6 +521,7 @@ class Daemon:
                     steps_per_s=verdict.steps_per_s if verdict else None,
                     tokens_per_s=verdict.tokens_per_s if verdict else None,
                     probe_seconds=probe.seconds if probe else None,
+                    in_place_recoveries=snapshot.in_place_recoveries if snapshot else None,
                 )
             )
         self._collector.publish(

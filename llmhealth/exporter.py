@@ -33,6 +33,7 @@ class BackendView:
     steps_per_s: float | None = None
     tokens_per_s: float | None = None
     probe_seconds: float | None = None
+    in_place_recoveries: int | None = None  # None for a proxy
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,12 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
         "How long the last probe of the backend took.",
         labels=["backend"],
     )
+    in_place = GaugeMetricFamily(
+        "llmhealth_backend_in_place_recoveries",
+        "Times the backend's same process came back from DEAD within restart_budget_window; "
+        "at policy.max_in_place_recoveries it stays DEAD for an operator.",
+        labels=["backend"],
+    )
     for backend in view.backends:
         for kind in VerdictKind:
             verdict.add_metric([backend.name, str(kind)], float(backend.verdict == str(kind)))
@@ -119,6 +126,7 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
             (steps, backend.steps_per_s),
             (tokens, backend.tokens_per_s),
             (duration, backend.probe_seconds),
+            (in_place, backend.in_place_recoveries),
         ):
             if value is not None:
                 family.add_metric([backend.name], float(value))
@@ -143,7 +151,7 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
     )
     for name, count in sorted(view.probe_task_restarts.items()):
         task_restarts.add_metric([name], float(count))
-    yield from (verdict, state, serving, running, waiting, steps, tokens, duration)
+    yield from (verdict, state, serving, running, waiting, steps, tokens, duration, in_place)
     yield from (errors, restarts, task_restarts)
 
 

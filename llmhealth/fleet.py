@@ -21,6 +21,7 @@ from llmhealth.ledger import (
     LedgerPolicy,
     NewProcessUp,
     ProbeFailure,
+    ProcessSeen,
     Readmitted,
     RequestFailure,
     RequestSuccess,
@@ -98,9 +99,9 @@ class Sighting:
 def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sighting:
     """The newest readable process seen in this verdict's reads, else the previous one's."""
     reachable = not verdict.reads or verdict.reads[-1].problem not in _UNREACHABLE
-    for read in reversed(verdict.reads):
-        if read.signals is not None and read.signals.has_vllm:
-            return Sighting(at, reachable, read.signals)
+    newest = _newest_signals(verdict)
+    if newest is not None:
+        return Sighting(at, reachable, newest)
     return Sighting(at, reachable, previous.baseline if previous else None)
 
 
@@ -112,12 +113,15 @@ def events_for(
     previous: Sighting | None,
     expected_model: str | None = None,
     readmit_on_answer: bool = True,
+    restart_pending: bool = False,
 ) -> list[Event]:
     """The ledger events one verdict stands for, given where the backend is now.
 
     A backend out of the serving set is moved only by proof about its process: a new one
     seen (new start time, or metrics again after refusal), re-admission by the tiny
-    request, or a wedge. Good probes of an absent backend are not even sent.
+    request, or a wedge; or, for a DEAD one, its own process proving itself again (the
+    ledger decides whether that may count). Every event names the process its reads came
+    from, so the ledger knows which one it condemned.
     ``readmit_on_answer=False`` is for a caller that re-admits by its own proof (a trainer
     after a completed weight sync): an answered tiny request then proves nothing more.
     """
@@ -130,33 +134,96 @@ def events_for(
     readmit: list[Event] = [Readmitted(now=now)] if proven and readmit_on_answer else []
     live = kind not in (VerdictKind.DOWN, VerdictKind.UNRESPONSIVE)
     came_back = previous is not None and not previous.reachable and live
+    process = process_seen(verdict)
 
     if state in (State.DEAD, State.RESTARTING):
         if kind is VerdictKind.RESTARTED or came_back:
-            return [NewProcessUp(now=now), *readmit]
-        return []
+            return [NewProcessUp(now=now, process=process), *readmit]
+        if state is State.RESTARTING:
+            return []
+        if kind is VerdictKind.WEDGED:
+            return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
+        if verdict.healthy:
+            if answered and not proven:
+                return []  # it answers, but not for the model it must serve: no proof
+            good = GoodVerdict(
+                now=now,
+                request_ok=answered,
+                requests_finished=requests_finished(verdict, previous),
+                restart_pending=restart_pending,
+                process=process,
+            )
+            return [good]
+        return _failures(verdict, now, process)
     if state is State.STALE:
         if kind is VerdictKind.WEDGED:
-            return [WedgeProven(now=now, evidence=_detail(verdict))]
+            return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
         if readmit:
             return readmit
-        return _failures(verdict, now)
+        return _failures(verdict, now, process)
     if state in (State.HEALTHY, State.SUSPECT):
         if kind is VerdictKind.RESTARTED:
-            return [UnplannedRestart(now=now), *readmit]
+            return [UnplannedRestart(now=now, process=process), *readmit]
         if kind is VerdictKind.WEDGED:
-            return [WedgeProven(now=now, evidence=_detail(verdict))]
+            return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
         if verdict.healthy:
-            return [GoodVerdict(now=now, request_ok=answered)]
-        return _failures(verdict, now)
+            return [GoodVerdict(now=now, request_ok=answered, process=process)]
+        return _failures(verdict, now, process)
     return []  # RETIRED: only an operator reset moves it
 
 
-def _failures(verdict: Verdict, now: float) -> list[Event]:
+def process_seen(verdict: Verdict) -> ProcessSeen | None:
+    """The process behind the verdict's newest readable read, as the ledger compares it.
+
+    Counters are kept per engine, so an engine missing from one text does not look like
+    a counter that went back.
+    """
+    signals = _newest_signals(verdict)
+    if signals is None:
+        return None
+    counters = {
+        f"engine {engine.engine} {name}": value
+        for engine in signals.engines
+        for name, value in engine.counters.items()
+    }
+    return ProcessSeen(start=signals.process_start, counters=counters)
+
+
+def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:
+    """vllm:request_success climbed: over this verdict's reads, or since the last sighting
+    of the same process. For a backend with work this is the answered request it is never
+    sent."""
+    totals = [
+        _finished_total(read.signals)
+        for read in verdict.reads
+        if read.signals is not None and read.signals.has_vllm
+    ]
+    # Never across a restart: counters of two processes are not compared.
+    baseline = previous.baseline if previous is not None else None
+    if baseline is not None and verdict.kind is not VerdictKind.RESTARTED:
+        totals.insert(0, _finished_total(baseline))
+    known = [total for total in totals if total is not None]
+    return len(known) >= 2 and known[-1] > known[0]
+
+
+def _newest_signals(verdict: Verdict) -> Signals | None:
+    for read in reversed(verdict.reads):
+        if read.signals is not None and read.signals.has_vllm:
+            return read.signals
+    return None
+
+
+def _finished_total(signals: Signals) -> float | None:
+    values = [engine.finished for engine in signals.engines if engine.finished is not None]
+    return sum(values) if values else None
+
+
+def _failures(verdict: Verdict, now: float, process: ProcessSeen | None) -> list[Event]:
+    reason, detail = str(verdict.kind), _detail(verdict)
     if verdict.kind in _PROBE_STYLE:
-        return [ProbeFailure(now=now, reason=str(verdict.kind), detail=_detail(verdict))]
+        return [ProbeFailure(now=now, reason=reason, detail=detail, process=process)]
     if verdict.answer is not None and not verdict.answer.ok:
-        return [RequestFailure(now=now, reason=str(verdict.kind), detail=_detail(verdict))]
+        return [RequestFailure(now=now, reason=reason, detail=detail, process=process)]
     return []
 
 
@@ -206,9 +273,19 @@ class FleetRecord:
         return changes
 
     def observe(
-        self, name: str, verdict: Verdict, now: float, expected_model: str | None = None
+        self,
+        name: str,
+        verdict: Verdict,
+        now: float,
+        expected_model: str | None = None,
+        *,
+        restart_pending: bool = False,
     ) -> list[Transition]:
-        """Feed one verdict to the ledger and remember the process it showed."""
+        """Feed one verdict to the ledger and remember the process it showed.
+
+        ``restart_pending``: the restart policy will restart this backend if it is DEAD,
+        so its own process may not prove its way back meanwhile.
+        """
         previous = self.sightings.get(name)
         events = events_for(
             verdict,
@@ -216,6 +293,7 @@ class FleetRecord:
             now=now,
             previous=previous,
             expected_model=expected_model,
+            restart_pending=restart_pending,
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         self.sightings[name] = sighting_of(verdict, now, previous)

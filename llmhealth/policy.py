@@ -198,6 +198,46 @@ def cooldown_ends_at(
     return max(times) + cooldown_for(history.failures, policy)
 
 
+def restart_pending(
+    snap: BackendSnapshot,
+    backend: Backend | None,
+    hold: Hold | None,
+    policy: Policy,
+    now: float,
+) -> bool:
+    """Will the restart policy restart this DEAD backend, now or once its cooldown or a
+    concurrency slot allows? Then its own process must not prove its way back meanwhile:
+    the restart decides. Not when nothing would restart it (no command, a cause outside
+    restart_on, an active hold): then recovery in place is its only way back."""
+    return _not_restartable(snap, backend, hold, policy, now) is None
+
+
+def _not_restartable(
+    snap: BackendSnapshot,
+    backend: Backend | None,
+    hold: Hold | None,
+    policy: Policy,
+    now: float,
+) -> str | None:
+    """Why no restart will follow for now, whatever the time; None if one will."""
+    if backend is None:
+        return (
+            "not a configured backend: only a [[backend]] with a restart command is "
+            "restarted, never a proxy"
+        )
+    cause = snap.condemned_by
+    if cause not in policy.restart_on:
+        return (
+            f"condemned by {cause or 'an unrecorded cause'}, "
+            f"restart_on is [{', '.join(policy.restart_on)}]"
+        )
+    if not backend.restart:
+        return "no restart command configured"
+    if hold is not None and hold.active(now):
+        return hold.describe(now)
+    return None
+
+
 def _decide(
     snap: BackendSnapshot,
     backend: Backend | None,
@@ -208,21 +248,10 @@ def _decide(
     under_way: int,
     now: float,
 ) -> tuple[Action, str]:
-    if backend is None:
-        return Action.SKIP, (
-            "not a configured backend: only a [[backend]] with a restart command is "
-            "restarted, never a proxy"
-        )
+    refusal = _not_restartable(snap, backend, hold, policy, now)
+    if refusal is not None:
+        return Action.SKIP, refusal
     cause = snap.condemned_by
-    if cause not in policy.restart_on:
-        return Action.SKIP, (
-            f"condemned by {cause or 'an unrecorded cause'}, "
-            f"restart_on is [{', '.join(policy.restart_on)}]"
-        )
-    if not backend.restart:
-        return Action.SKIP, "no restart command configured"
-    if hold is not None and hold.active(now):
-        return Action.SKIP, hold.describe(now)
     ready_at = cooldown_ends_at(history, snap.last_restart_at, policy)
     if ready_at is not None and now < ready_at:
         return Action.SKIP, (

@@ -23,7 +23,13 @@ from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import RestartFailed, RestartIssued, State
-from llmhealth.policy import Action, RestartDecision, RestartHistory, plan_restarts
+from llmhealth.policy import (
+    Action,
+    RestartDecision,
+    RestartHistory,
+    plan_restarts,
+    restart_pending,
+)
 
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
@@ -84,6 +90,21 @@ def reads_evidence(verdict: Verdict) -> list[dict[str, Any]]:
             }
         rows.append(row)
     return rows
+
+
+def pending_restarts(record: FleetRecord, config: Config, now: float) -> set[str]:
+    """The DEAD backends the restart policy will restart, now or later: their own process
+    may not prove its way back meanwhile. Whatever this run's mode: ``--no-restart`` and
+    ``--dry-run`` postpone a restart, they do not cancel it."""
+    backends = {backend.name: backend for backend in config.backends}
+    return {
+        snap.name
+        for snap in record.ledger.snapshots(now)
+        if snap.state is State.DEAD
+        and restart_pending(
+            snap, backends.get(snap.name), record.holds.get(snap.name), config.policy, now
+        )
+    }
 
 
 def remediate(

@@ -108,7 +108,8 @@ def print_status(
 ) -> None:
     """The ledger as saved: no probing, so it is safe to run at any moment during on-call."""
     table = Table()
-    for column in ("name", "state", "serving", "since", "probe fails", "req fails", "restarts"):
+    columns = ("name", "state", "serving", "since", "probe fails", "req fails", "restarts")
+    for column in (*columns, "back in place"):
         table.add_column(column, no_wrap=True)
     table.add_column("hold / last error", overflow="fold")
     for snap in snapshots:
@@ -122,6 +123,7 @@ def print_status(
             str(snap.probe_failures),
             str(snap.request_failures),
             str(snap.restart_attempts),
+            str(snap.in_place_recoveries),
             escape(note or "-"),
         )
     console.print(table)

@@ -238,6 +238,7 @@ def status_json(
                 "probe_failures": s.probe_failures,
                 "request_failures": s.request_failures,
                 "restart_attempts": s.restart_attempts,
+                "in_place_recoveries": s.in_place_recoveries,
                 "last_ok_at": s.last_ok_at,
                 "last_error": s.last_error or None,
                 "condemned_by": s.condemned_by,

@@ -288,6 +288,9 @@ class _Backend:
         self.clock = clock
         self.model = simengine.SimBackend(spec, config, born=clock())
         self.stats = _Stats(spec.text)
+        # POST /sim/metrics {"hang": true}: /metrics stops answering (a long pause, a
+        # partition) while the process and its engines go on, until {"hang": false}.
+        self.metrics_hang = False
 
     async def handle(self, request: _Request, conn: _Connection) -> _Response | None:
         if self.spec.hang:
@@ -303,6 +306,11 @@ class _Backend:
             return _Response(200)
         if path == "/sim/restart" and method == "POST":
             return self._restart(request)
+        if path == "/sim/metrics" and method == "POST":
+            return self._set_metrics_hang(request)
+        if path == "/metrics" and self.metrics_hang:
+            await conn.until_peer_closes()
+            return None
         if path not in _GET_ROUTES:
             return _detail(404)
         if method != "GET":
@@ -330,6 +338,18 @@ class _Backend:
         self.stats.mode = spec.text
         self.stats.restarts += 1
         return _json(200, {"mode": spec.text, "start_time": self.model.start_time(self.clock())})
+
+    def _set_metrics_hang(self, request: _Request) -> _Response:
+        """Make /metrics hang or answer again; the process (start time, counters) stays."""
+        try:
+            payload = json.loads(request.body or b"{}")
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _error(400, f"body must be a JSON object: {exc}")
+        hang = payload.get("hang") if isinstance(payload, dict) else None
+        if not isinstance(hang, bool):
+            return _error(400, 'body must be {"hang": true} or {"hang": false}')
+        self.metrics_hang = hang
+        return _json(200, {"metrics_hang": hang})
 
     def _metrics(self) -> _Response:
         self.stats.metrics_reads += 1

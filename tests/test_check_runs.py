@@ -308,3 +308,68 @@ def test_the_floor_alone_makes_a_run_critical(entry_point: str, tmp_path: Path) 
     # one serving backend against a floor of two makes the run critical.
     assert second.seen("gpu0") == ("busy", "healthy", True, 1, True, 2)
     assert second.seen("gpu1") == ("busy", "retired", False, 1, True, 2)
+
+
+def _metrics_hang(url: str, hang: bool) -> None:
+    reply = httpx.post(f"{url}/sim/metrics", json={"hang": hang}, timeout=2.0)
+    assert reply.json() == {"metrics_hang": hang}
+
+
+def test_a_server_whose_metrics_hung_for_three_runs_serves_again_with_no_restart_or_operator(
+    entry_point: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "state.json"
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+        start = _process_start(url)
+        serving = check(entry_point, state, url)  # the process llmhealth will know again
+        _metrics_hang(url, True)  # a long pause: the process lives, /metrics does not answer
+        condemned = [check(entry_point, state, url) for _ in range(3)]
+        _metrics_hang(url, False)
+        back = [check(entry_point, state, url) for _ in range(3)]
+        stats = sim_stats(url)
+        assert _process_start(url) == start
+    assert serving.seen() == ("idle", "healthy", True, 0, False, 0)
+    assert condemned[-1].seen() == ("unresponsive", "dead", False, 1, True, 2)
+    # healthy_threshold (2) good verdicts from the same process, then re-admission: three
+    # runs, and nothing restarted it (no restart command; restart_on is only wedged).
+    assert [run.seen()[:3] for run in back] == [
+        ("idle", "dead", False),
+        ("idle", "stale", False),
+        ("idle", "healthy", True),
+    ]
+    assert back[1].backend()["transitions"] == [
+        {"event": "good_verdict", "from": "dead", "to": "stale"}
+    ]
+    assert back[2].backend()["transitions"] == [
+        {"event": "readmitted", "from": "stale", "to": "healthy"}
+    ]
+    assert back[2].seen()[3:] == (2, False, 0)
+    assert stats["restarts"] == 0
+    saved = saved_backend(state, back[2].backend()["name"])
+    assert saved["recovery_times"] and len(saved["recovery_times"]) == 1
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    recovered = [entry for entry in audit if entry["from"] == "dead" and entry["to"] == "stale"]
+    assert len(recovered) == 1
+    assert recovered[0]["reason"].startswith("same process, back after ")
+    assert "in-place recovery 1 of 3 allowed in 24h" in recovered[0]["reason"]
+    assert recovered[0]["evidence"]["verdict"] == "idle"
+
+
+def test_with_recovery_in_place_off_the_same_process_stays_dead(
+    entry_point: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "state.json"
+    config = tmp_path / "fleet.toml"
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+        config.write_text(
+            f'[policy]\nrecover_in_place = false\n\n[[backend]]\nname = "gpu0"\nurl = "{url}"\n'
+        )
+        check(entry_point, state, "--config", str(config))
+        _metrics_hang(url, True)
+        for _ in range(3):
+            check(entry_point, state, "--config", str(config))
+        _metrics_hang(url, False)
+        back = [check(entry_point, state, "--config", str(config)) for _ in range(3)]
+    assert [run.seen("gpu0")[:3] for run in back] == [("idle", "dead", False)] * 3

@@ -88,6 +88,8 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[policy]\ncooldown = 'soon'", "policy.cooldown: 'soon' is not a duration"),
         ("[policy]\nrestart_on = ['busy']", "policy.restart_on: busy cannot condemn"),
         ("[policy]\ncooldown = '10m'\ncooldown_max = '1m'", "cooldown_max is shorter"),
+        ("[policy]\nrecover_in_place = 'yes'", "policy.recover_in_place: 'yes' is not true or"),
+        ("[policy]\nmax_in_place_recoveries = -1", "policy.max_in_place_recoveries: -1 is below"),
         ("wait = -1", "wait: -1 must be a positive"),
         ("[[backend]]\nname = 'a'", "backend[0].url: is required"),
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
@@ -122,6 +124,15 @@ def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, mess
         load(path)
     assert str(caught.value).startswith(f"{path}: ")
     assert message in str(caught.value)
+
+
+def test_recovery_in_place_is_on_by_default_and_can_be_turned_off_or_capped(
+    tmp_path: Path,
+) -> None:
+    assert Policy().recover_in_place and Policy().max_in_place_recoveries == 3
+    text = "[policy]\nrecover_in_place = false\nmax_in_place_recoveries = 1\n"
+    policy = load(write(tmp_path, text)).policy
+    assert (policy.recover_in_place, policy.max_in_place_recoveries) == (False, 1)
 
 
 def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:

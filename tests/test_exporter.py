@@ -35,6 +35,7 @@ BACKEND_FAMILIES = {
     "llmhealth_backend_engine_steps_per_second": "gauge",
     "llmhealth_backend_generated_tokens_per_second": "gauge",
     "llmhealth_backend_probe_duration_seconds": "gauge",
+    "llmhealth_backend_in_place_recoveries": "gauge",
     "llmhealth_backend_probe_errors": "counter",
     "llmhealth_backend_restarts": "counter",
     "llmhealth_backend_probe_task_restarts": "counter",
@@ -80,6 +81,7 @@ def wedged(name: str) -> BackendView:
         steps_per_s=0.0,
         tokens_per_s=0.0,
         probe_seconds=0.006,
+        in_place_recoveries=3,
     )
 
 
@@ -218,6 +220,9 @@ def test_per_backend_gauges_carry_the_values_of_the_view() -> None:
     assert page.value("llmhealth_backend_engine_steps_per_second", backend="gpu0") == 400.5
     assert page.value("llmhealth_backend_generated_tokens_per_second", backend="gpu0") == 1602.0
     assert page.value("llmhealth_backend_probe_duration_seconds", backend="gpu1") == 0.006
+    # At the cap: the dashboard shows why this DEAD backend will not come back by itself.
+    assert page.value("llmhealth_backend_in_place_recoveries", backend="gpu1") == 3.0
+    assert "lb" not in page.backends_of("llmhealth_backend_in_place_recoveries")
     # A proxy reads no /metrics: it has none of the engine gauges.
     for family in ("running_requests", "waiting_requests", "engine_steps_per_second"):
         assert "lb" not in page.backends_of(f"llmhealth_backend_{family}")

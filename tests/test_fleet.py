@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
-from llmhealth.fleet import FleetRecord, Sighting, events_for, sighting_of
+from llmhealth.fleet import FleetRecord, Sighting, events_for, requests_finished, sighting_of
 from llmhealth.ledger import (
     Event,
     EventKind,
@@ -27,6 +28,7 @@ from llmhealth.ledger import (
     LedgerPolicy,
     NewProcessUp,
     ProbeFailure,
+    ProcessSeen,
     Readmitted,
     RequestFailure,
     Retire,
@@ -202,9 +204,19 @@ IN_SERVICE: dict[str, list[Event]] = {
     "down": [probe_failure("down", REFUSED.detail)],
 }
 
-# DEAD or RESTARTING, the same process as last time: only a new start time moves it.
+# RESTARTING, the same process as last time: only a new start time moves it.
 ABSENT_SAME_PROCESS: dict[str, list[Event]] = {
     **{name: [] for name in VERDICTS},
+    "restarted answered": [NEW_PROCESS, READMIT],
+    "restarted failed": [NEW_PROCESS],
+    "restarted unjudged": [NEW_PROCESS],
+}
+
+# DEAD, the same process as last time: read as in service, for the ledger to decide
+# whether this process may come back in place (and to break a good streak). An answer for
+# no expected model is good; a new start time is a new process.
+DEAD_SAME_PROCESS: dict[str, list[Event]] = {
+    **IN_SERVICE,
     "restarted answered": [NEW_PROCESS, READMIT],
     "restarted failed": [NEW_PROCESS],
     "restarted unjudged": [NEW_PROCESS],
@@ -250,16 +262,23 @@ CASES = [
         for name, expected in IN_SERVICE.items()
     ),
     *(
-        (state, previous, name, expected)
-        for state in (State.DEAD, State.RESTARTING)
+        (State.RESTARTING, previous, name, expected)
         for previous in (None, REACHABLE_BEFORE)
         for name, expected in ABSENT_SAME_PROCESS.items()
+    ),
+    *(
+        (State.DEAD, previous, name, expected)
+        for previous in (None, REACHABLE_BEFORE)
+        for name, expected in DEAD_SAME_PROCESS.items()
     ),
     *(
         (state, REFUSED_BEFORE, name, expected)
         for state in (State.DEAD, State.RESTARTING)
         for name, expected in ABSENT_AFTER_REFUSAL.items()
+        # Still refused: a DEAD backend's failures still break a good streak.
+        if not (state is State.DEAD and name in ("unresponsive", "down"))
     ),
+    *((State.DEAD, REFUSED_BEFORE, name, IN_SERVICE[name]) for name in ("unresponsive", "down")),
     *(
         (State.STALE, previous, name, expected)
         for previous in (None, REACHABLE_BEFORE, REFUSED_BEFORE)
@@ -287,13 +306,53 @@ def _previous_id(previous: Sighting | None) -> str:
 def test_each_verdict_stands_for_exactly_these_events_in_each_state(
     state: State, previous: Sighting | None, name: str, expected: list[Event]
 ) -> None:
-    assert events_for(VERDICTS[name], state, now=NOW, previous=previous) == expected
+    events = events_for(VERDICTS[name], state, now=NOW, previous=previous)
+    # Which process each event came from is the next test's business.
+    assert [_without_process(event) for event in events] == expected
+
+
+def _without_process(event: Event) -> Event:
+    return replace(event, process=None) if hasattr(event, "process") else event
+
+
+def test_every_event_names_the_process_its_newest_readable_read_came_from() -> None:
+    busy = events_for(VERDICTS["busy"], State.HEALTHY, now=NOW, previous=None)
+    assert busy == [
+        GoodVerdict(
+            now=NOW,
+            process=ProcessSeen(
+                start=50.0,
+                counters={
+                    "engine 0 steps": 140.0,
+                    "engine 0 generation_tokens": 560.0,
+                    "engine 0 prompt_tokens": 48.0,
+                    "engine 0 finished": 3.0,
+                    "engine 0 preemptions": 0.0,
+                },
+            ),
+        )
+    ]
+    restarted = events_for(VERDICTS["restarted failed"], State.DEAD, now=NOW, previous=None)
+    assert [e.process.start for e in restarted if isinstance(e, NewProcessUp) and e.process] == [
+        90.0
+    ]
+    for name in ("unresponsive", "down", "no_metrics answered"):
+        for state in (State.HEALTHY, State.DEAD, State.STALE):
+            for event in events_for(VERDICTS[name], state, now=NOW, previous=None):
+                assert getattr(event, "process", None) is None, (name, state)
 
 
 def test_the_tables_cover_every_verdict_a_backend_can_get() -> None:
     backend_kinds = set(VerdictKind) - {VerdictKind.UP}
     assert {v.kind for v in VERDICTS.values()} == backend_kinds
-    for table in (IN_SERVICE, ABSENT_SAME_PROCESS, ABSENT_AFTER_REFUSAL, STALE_EVENTS):
+    tables = (
+        IN_SERVICE,
+        ABSENT_SAME_PROCESS,
+        DEAD_SAME_PROCESS,
+        ABSENT_AFTER_REFUSAL,
+        STALE_EVENTS,
+    )
+    for table in tables:
         assert table.keys() == VERDICTS.keys()
     assert {state for state, *_ in CASES} == set(State)
 
@@ -532,6 +591,65 @@ def test_a_dead_backend_showing_work_from_the_same_process_stays_dead() -> None:
     ]
 
 
+RECOVER = LedgerPolicy(recover_in_place=True)
+
+
+def test_a_wedge_that_ends_brings_the_same_process_back_through_stale_under_recover_in_place() -> (
+    None
+):
+    record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)  # the process llmhealth knows
+    assert walk(record, ["wedged", "busy", "busy", "busy", "idle answered"]) == [
+        (H, 0, 0, 0),
+        (D, 0, 0, 1),
+        (D, 0, 0, 1),  # the engine steps again: 1 of 2 in a row
+        (T, 0, 0, 1),  # same process, back: STALE, not serving
+        (T, 0, 0, 1),  # re-admission still needs its proof
+        (H, 0, 0, 2),
+    ]
+    assert record.ledger.snapshot("gpu0", NOW).in_place_recoveries == 1
+
+
+def test_a_dead_backend_with_a_restart_pending_says_so_to_the_ledger_and_stays_dead() -> None:
+    record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    for run in range(4):
+        (t,) = record.observe("gpu0", VERDICTS["busy"], NOW + 2 + run, restart_pending=True)
+        assert not t.applied and "a restart is pending" in t.reason
+    assert whole(record) == (D, 0, 0, 1)
+
+
+def test_a_dead_backend_answering_for_another_model_shows_no_proof() -> None:
+    wrong = events_for(
+        VERDICTS["idle answered"], State.DEAD, now=NOW, previous=None, expected_model="big"
+    )
+    assert wrong == []
+
+
+def _finished_read(at: float, finished: float, start: float = 50.0) -> Read:
+    engine = EngineSignals(engine="0", running=2.0, waiting=0.0, steps=at, finished=finished)
+    return Read(at, Signals(engines=(engine,), process_start=start))
+
+
+def test_requests_finishing_are_seen_over_the_reads_or_since_the_last_sighting() -> None:
+    climbing = verdict(
+        VerdictKind.BUSY, True, "x", reads=(_finished_read(1.0, 5.0), _finished_read(2.0, 7.0))
+    )
+    flat = verdict(
+        VerdictKind.BUSY, True, "x", reads=(_finished_read(1.0, 5.0), _finished_read(2.0, 5.0))
+    )
+    assert requests_finished(climbing, None)
+    assert not requests_finished(flat, None)
+    before = Sighting(EARLIER, True, _finished_read(0.0, 4.0).signals)
+    assert requests_finished(flat, before)
+    # Never across a restart: a new process's count says nothing against the old one's.
+    restarted = verdict(VerdictKind.RESTARTED, True, "x", reads=(_finished_read(2.0, 9.0, 90.0),))
+    assert not requests_finished(restarted, before)
+    busy = events_for(climbing, State.DEAD, now=NOW, previous=None)
+    assert [e.requests_finished for e in busy if isinstance(e, GoodVerdict)] == [True]
+
+
 def test_a_refused_backend_that_shows_work_again_must_still_be_readmitted() -> None:
     record = record_of(("gpu0", URL_0))
     assert walk(record, ["down", "down", "down", "busy", "busy", "idle answered"]) == [
@@ -647,7 +765,7 @@ def test_a_decoded_baseline_still_reveals_a_restart() -> None:
         now=NOW,
         previous=decoded.sightings["gpu0"],
     )
-    assert events == [UNPLANNED, READMIT]
+    assert [_without_process(event) for event in events] == [UNPLANNED, READMIT]
 
 
 def valid_document() -> dict[str, Any]:

@@ -39,6 +39,7 @@ from llmhealth.policy import (
     cooldown_ends_at,
     cooldown_for,
     plan_restarts,
+    restart_pending,
 )
 
 # 2025-11-30 13:50 UTC: a wall time, so hold expiries read as clock times.
@@ -286,6 +287,42 @@ def test_restarting_backends_count_against_the_limit() -> None:
     assert f.decision("a", T0).reason == "2 restarts already under way (max_concurrent_restarts 2)"
     f.ledger.apply("c", NewProcessUp(now=T0 + 1))
     assert f.decision("a", T0 + 1).action is Action.RESTART
+
+
+def test_a_restart_is_pending_whenever_the_plan_would_restart_or_retire_the_backend() -> None:
+    f = fleet("gpu0", "gpu1")
+    f.condemn("gpu0", T0)
+    f.condemn("gpu1", T0)
+
+    def pending(name: str, now: float) -> bool:
+        snap = f.ledger.snapshot(name, now)
+        return restart_pending(snap, f.backends.get(name), f.holds.get(name), f.policy, now)
+
+    # gpu1 waits for the one restart slot, gpu0 then cools down: both still pending.
+    assert [d.action for d in f.plan(T0)] == [Action.RESTART, Action.SKIP]
+    assert pending("gpu0", T0) and pending("gpu1", T0)
+    f.issue("gpu0", T0)
+    f.fail("gpu0", T0 + 1)
+    assert "cooling down" in f.decision("gpu0", T0 + 2).reason
+    assert pending("gpu0", T0 + 2)
+
+
+@pytest.mark.parametrize("why", ["cause", "command", "hold", "unconfigured"])
+def test_no_restart_is_pending_when_nothing_would_ever_restart_the_backend(why: str) -> None:
+    f = fleet("gpu0")
+    f.condemn("gpu0", T0, cause="unresponsive" if why == "cause" else "wedged")
+    if why == "command":
+        f.backends["gpu0"] = Backend("gpu0", "http://gpu0.example:8000")
+    if why == "hold":
+        f.holds["gpu0"] = Hold("weight sync", T0 + 600, "trainer")
+    if why == "unconfigured":
+        del f.backends["gpu0"]
+    backend = f.backends.get("gpu0")
+    snap = f.ledger.snapshot("gpu0", T0)
+    assert not restart_pending(snap, backend, f.holds.get("gpu0"), f.policy, T0)
+    assert f.decision("gpu0", T0).action is Action.SKIP
+    if why == "hold":  # once the hold ends, the restart is pending again
+        assert restart_pending(snap, backend, f.holds["gpu0"], f.policy, T0 + 600)
 
 
 def test_a_spent_budget_is_an_explicit_retire_that_the_ledger_carries_out() -> None:
