@@ -336,7 +336,8 @@ class FleetRecord:
             # a new process), so this list never disagrees with it.
             if self.ledger.snapshot(name, outcome.at).request_failures == 0:
                 streak.clear()
-            if transition.to_state is State.DEAD:
+            # Only the move into DEAD condemns; a DEAD one's late failures replace no proof.
+            if transition.to_state is State.DEAD and transition.from_state is not State.DEAD:
                 self.proofs[name] = {
                     "verdict": TRAFFIC_CAUSE,
                     "evidence": transition.reason,

@@ -13,7 +13,15 @@ from llmhealth.classify import Answer, Verdict, VerdictKind
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle
 from llmhealth.fleet import TRAFFIC_CAUSE, FleetRecord
-from llmhealth.ledger import GoodVerdict, Ledger, LedgerPolicy, NewProcessUp, State, WedgeProven
+from llmhealth.ledger import (
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    NewProcessUp,
+    ProcessSeen,
+    State,
+    WedgeProven,
+)
 from llmhealth.remediate import Mode
 from llmhealth.report import CycleReport
 from llmhealth.traffic import MAX_PENDING, FailureKind, RequestLog, RequestOutcome
@@ -187,3 +195,23 @@ def test_a_failure_from_before_a_re_admission_is_not_held_against_the_new_proces
     fleet.observe_requests("a", [failed(T0 + 2.9), failed(T0 + 4)])
     assert fleet.ledger.state_of("a") is State.SUSPECT
     assert fleet.ledger.snapshot("a", T0 + 5).request_failures == 1
+
+
+def test_a_backend_condemned_by_traffic_comes_back_in_place_keeping_its_proof() -> None:
+    fleet = record(LedgerPolicy(recover_in_place=True))
+    process = ProcessSeen(start=T0 - 600, counters={"engine 0 finished": 40.0})
+    fleet.ledger.apply("a", GoodVerdict(now=T0 - 1, process=process))  # the process it knows
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1), failed(T0 + 2)])
+    proof = fleet.proofs["a"]
+    # A request still in flight fails late: it breaks no proof, only the good streak.
+    (late,) = fleet.observe_requests("a", [failed(T0 + 3)])
+    assert late.applied and late.to_state is State.DEAD
+    assert fleet.proofs["a"] == proof
+    # One the router saw answered clears the failures, though it cannot say which process.
+    (answered,) = fleet.observe_requests("a", [ok(T0 + 4)])
+    assert answered.applied and "which process answered is unknown" in answered.reason
+    assert fleet.ledger.snapshot("a", T0 + 4).request_failures == 0
+    climbing = ProcessSeen(start=T0 - 600, counters={"engine 0 finished": 45.0})
+    for i in range(2):
+        fleet.ledger.apply("a", GoodVerdict(now=T0 + 5 + i, process=climbing))
+    assert fleet.ledger.state_of("a") is State.STALE
