@@ -316,8 +316,9 @@ class GoodVerdict(_SeenEventBase):
 
     Two facts matter only to a DEAD backend: ``requests_finished``, the reads show
     requests finishing (vllm:request_success climbing), which for a backend with work
-    stands in for the tiny request it is never sent; ``restart_pending``, the restart
-    policy will restart this backend, so it is the restart that decides, not this process.
+    stands in for the tiny request it is never sent (it proves the process answers, but
+    clears no request-failure streak); ``restart_pending``, the restart policy will
+    restart this backend, so it is the restart that decides, not this process.
     """
 
     kind: ClassVar[EventKind] = EventKind.GOOD_VERDICT
@@ -660,7 +661,12 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
             f"{done} in-place recoveries in {_span(window)} (max_in_place_recoveries "
             f"{policy.max_in_place_recoveries}): it stays DEAD for an operator",
         )
-    answered = isinstance(event, RequestSuccess) or event.request_ok or event.requests_finished
+    # Only a request seen answered (the tiny one, or real traffic) clears a request-failure
+    # streak, as in service: requests finishing for other clients say nothing of the ones
+    # that failed. They do prove that a backend with work answers, where no tiny request
+    # may be sent.
+    answered = isinstance(event, RequestSuccess) or event.request_ok
+    proof = answered or (isinstance(event, GoodVerdict) and event.requests_finished)
     if event.process is None or b.process is None:
         if not answered or not b.request_failures:
             raise _Refused(
@@ -680,6 +686,13 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     if other is not None:
         raise _Refused(
             b.state, event.kind, f"{other}; a new process goes through new_process_up and STALE"
+        )
+    if not proof:
+        raise _Refused(
+            b.state,
+            event.kind,
+            "the engine steps but no request finished or was answered: a condemned process "
+            "proves itself by requests",
         )
     b.probe_failures = 0
     b.good_streak += 1

@@ -599,14 +599,19 @@ def test_a_wedge_that_ends_brings_the_same_process_back_through_stale_under_reco
 ):
     record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
     record.observe("gpu0", VERDICTS["busy"], NOW)  # the process llmhealth knows
-    assert walk(record, ["wedged", "busy", "busy", "busy", "idle answered"]) == [
-        (H, 0, 0, 0),
-        (D, 0, 0, 1),
-        (D, 0, 0, 1),  # the engine steps again: 1 of 2 in a row
-        (T, 0, 0, 1),  # same process, back: STALE, not serving
-        (T, 0, 0, 1),  # re-admission still needs its proof
-        (H, 0, 0, 2),
-    ]
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 60)
+    assert whole(record) == (D, 0, 0, 1)
+    # The engine steps again, but until a request finishes that proves nothing.
+    record.observe("gpu0", VERDICTS["busy"], NOW + 120)
+    assert record.ledger.snapshot("gpu0", NOW).good_streak == 0
+    seen = []
+    for run, finished in enumerate((5.0, 8.0, 11.0), start=3):
+        reads = (_finished_read(NOW + 60 * run - 0.3, finished - 1), _finished_read(NOW, finished))
+        record.observe("gpu0", verdict(VerdictKind.BUSY, True, "x", reads=reads), NOW + 60 * run)
+        seen.append(whole(record))
+    assert seen == [(D, 0, 0, 1), (T, 0, 0, 1), (T, 0, 0, 1)]  # STALE: not serving yet
+    record.observe("gpu0", VERDICTS["idle answered"], NOW + 600)  # re-admission's proof
+    assert whole(record) == (H, 0, 0, 2)
     assert record.ledger.snapshot("gpu0", NOW).in_place_recoveries == 1
 
 

@@ -778,10 +778,11 @@ def seen(start: float | None = 1000.0, steps: float = 50.0, finished: float = 5.
 def good_from(
     process: ProcessSeen | None,
     *,
-    request_ok: bool = False,
+    request_ok: bool = True,
     requests_finished: bool = False,
     restart_pending: bool = False,
 ) -> Callable[[float], Event]:
+    """A good verdict from ``process``: by default idle, the tiny request answered."""
     return lambda now: GoodVerdict(
         now=now,
         request_ok=request_ok,
@@ -849,10 +850,19 @@ def test_a_backend_condemned_by_unanswered_tiny_requests_needs_an_answered_one_t
     )
     walk.feed(unanswered, request_failures=2)
     walk.feed(unanswered, state=State.DEAD, request_failures=3, condemned_by="unanswered")
-    # Reads alone show the process alive, not that it answers requests.
-    t = walk.feed(good_from(seen()), good_streak=1, last_ok_at=walk.now + 10.0)
+    # Requests finishing for others show the process answers, not that the tiny request
+    # it failed would now be answered: they count, and clear nothing.
+    t = walk.feed(
+        good_from(seen(), request_ok=False, requests_finished=True),
+        good_streak=1,
+        last_ok_at=walk.now + 10.0,
+    )
     assert "3 request failure(s) not yet cleared" in t.reason
-    t = walk.feed(good_from(seen()), good_streak=2, last_ok_at=walk.now + 10.0)
+    t = walk.feed(
+        good_from(seen(), request_ok=False, requests_finished=True),
+        good_streak=2,
+        last_ok_at=walk.now + 10.0,
+    )
     assert t.to_state is State.DEAD
     walk.feed(
         good_from(seen(), request_ok=True),
@@ -864,7 +874,7 @@ def test_a_backend_condemned_by_unanswered_tiny_requests_needs_an_answered_one_t
     )
 
 
-def test_a_backend_condemned_by_traffic_recovers_on_requests_finishing_with_no_tiny_request() -> (
+def test_a_backend_condemned_by_traffic_recovers_on_requests_finishing_once_one_is_answered() -> (
     None
 ):
     walk = Walk(RECOVER)
@@ -876,24 +886,35 @@ def test_a_backend_condemned_by_traffic_recovers_on_requests_finishing_with_no_t
     )
     walk.feed(failed, request_failures=2)
     walk.feed(failed, state=State.DEAD, request_failures=3, condemned_by="upstream_5xx")
-    # A request the router saw answered clears the request streak, but says nothing of
-    # which process answered, so it does not count towards the good streak.
+    # Busy, vllm:request_success climbing: the finishing requests prove the process
+    # answers (no tiny request is sent to a backend with work), but the requests that
+    # failed on the router's side are cleared only by one seen answered.
+    for streak, finished in ((1, 9.0), (2, 12.0)):
+        t = walk.feed(
+            good_from(seen(finished=finished), request_ok=False, requests_finished=True),
+            good_streak=streak,
+            last_ok_at=walk.now + 10.0,
+        )
+        assert "3 request failure(s) not yet cleared" in t.reason
+    # One the router saw answered clears them, though it cannot say which process answered.
     t = walk.feed(request_ok, request_failures=0, last_ok_at=walk.now + 10.0)
     assert t.to_state is State.DEAD and "which process answered is unknown" in t.reason
-    walk.ignore(request_ok)  # nothing left to clear, nothing it can prove
-    # Busy, with vllm:request_success climbing: the finishing requests are the proof.
+    walk.ignore(request_ok)  # nothing left to clear, and nothing it can prove
     walk.feed(
-        good_from(seen(steps=90.0, finished=9.0), requests_finished=True),
-        good_streak=1,
-        last_ok_at=walk.now + 10.0,
-    )
-    walk.feed(
-        good_from(seen(steps=99.0, finished=12.0), requests_finished=True),
+        good_from(seen(finished=15.0), request_ok=False, requests_finished=True),
         state=State.STALE,
         good_streak=0,
         in_place_recoveries=1,
         last_ok_at=walk.now + 10.0,
     )
+
+
+def test_an_engine_that_steps_while_no_request_finishes_proves_nothing() -> None:
+    walk = Walk(RECOVER)
+    condemned_by_probes(walk)
+    for steps in (60.0, 70.0, 80.0):
+        t = walk.ignore(good_from(seen(steps=steps), request_ok=False))
+        assert "no request finished or was answered" in t.reason
 
 
 def test_a_wedge_that_ends_without_a_restart_is_a_same_process_recovery() -> None:
@@ -906,10 +927,15 @@ def test_a_wedge_that_ends_without_a_restart_is_a_same_process_recovery() -> Non
         condemned_by="wedged",
         last_error="wedged: no step over 2 waits",
     )
-    # The engine steps again (a long compile, a collective that resolved).
-    walk.feed(good_from(seen(steps=51.0)), good_streak=1, last_ok_at=walk.now + 10.0)
+    # The engine steps again (a long compile, a collective that resolved) and the stuck
+    # requests finish: busy, so no tiny request, and the finishing requests are the proof.
+    walk.feed(
+        good_from(seen(steps=51.0, finished=6.0), request_ok=False, requests_finished=True),
+        good_streak=1,
+        last_ok_at=walk.now + 10.0,
+    )
     t = walk.feed(
-        good_from(seen(steps=63.0)),
+        good_from(seen(steps=63.0, finished=8.0), request_ok=False, requests_finished=True),
         state=State.STALE,
         good_streak=0,
         in_place_recoveries=1,
@@ -998,9 +1024,9 @@ def recover_once(walk: Walk, verdicts: int) -> Transition:
     condemned = walk.expected
     condemned_by_probes(walk)
     for _ in range(verdicts - 1):
-        t = walk.ledger.apply("a", GoodVerdict(now=walk.now, process=seen()))
+        t = walk.ledger.apply("a", GoodVerdict(now=walk.now, request_ok=True, process=seen()))
         assert t.applied and t.to_state is State.DEAD
-    t = walk.ledger.apply("a", GoodVerdict(now=walk.now, process=seen()))
+    t = walk.ledger.apply("a", GoodVerdict(now=walk.now, request_ok=True, process=seen()))
     assert t.to_state is State.STALE, t.reason
     walk.ledger.apply("a", Readmitted(now=walk.now))
     walk.expected = walk.ledger.snapshot("a", walk.now)

@@ -213,5 +213,6 @@ def test_a_backend_condemned_by_traffic_comes_back_in_place_keeping_its_proof() 
     assert fleet.ledger.snapshot("a", T0 + 4).request_failures == 0
     climbing = ProcessSeen(start=T0 - 600, counters={"engine 0 finished": 45.0})
     for i in range(2):
-        fleet.ledger.apply("a", GoodVerdict(now=T0 + 5 + i, process=climbing))
+        busy = GoodVerdict(now=T0 + 5 + i, requests_finished=True, process=climbing)
+        fleet.ledger.apply("a", busy)
     assert fleet.ledger.state_of("a") is State.STALE
