@@ -714,10 +714,12 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     # Only recoveries inside the window are kept, at most the cap: the record stays bounded.
     b.recovery_times = [*recent, event.now]
     _clear_streaks(b)
+    last = done + 1 == policy.max_in_place_recoveries
     return State.STALE, (
         f"same process, back after {max(0.0, event.now - since):.0f} s: in-place recovery "
-        f"{done + 1} of {policy.max_in_place_recoveries} allowed in {_span(window)}; "
-        "re-admission returns it to serving"
+        f"{done + 1} of {policy.max_in_place_recoveries} allowed in {_span(window)}"
+        + ("; the last: condemned again, it stays DEAD for an operator" if last else "")
+        + "; re-admission returns it to serving"
     )
 
 

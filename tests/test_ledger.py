@@ -1040,7 +1040,7 @@ def test_each_recovery_in_the_window_doubles_the_good_time_and_past_the_cap_it_s
     t = recover_once(walk, 4)
     assert "recovery 2 of 3" in t.reason
     t = recover_once(walk, 8)
-    assert "recovery 3 of 3" in t.reason
+    assert "recovery 3 of 3 allowed in 24h; the last: condemned again, it stays DEAD" in t.reason
     assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 3
     condemned_by_probes(walk)
     for _ in range(20):

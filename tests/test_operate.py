@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from llmhealth.actions import read
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import Ledger, LedgerPolicy, State, WedgeProven
+from llmhealth.ledger import (
+    GoodVerdict,
+    Ledger,
+    LedgerPolicy,
+    ProcessSeen,
+    Readmitted,
+    State,
+    WedgeProven,
+)
 from llmhealth.state import StateFile
 
 T0 = 1_796_000_000.0
@@ -194,3 +204,38 @@ def test_a_backend_configured_since_the_last_check_can_be_held_before_the_next(
     shown = status(state)
     assert (shown["gpu1"]["state"], shown["gpu2"]["state"]) == ("dead", "healthy")
     assert isinstance(shown["gpu2"]["hold"], dict)
+
+
+def test_status_counts_in_place_recoveries_within_the_window(tmp_path: Path) -> None:
+    """A backend at the cap stays DEAD for an operator; status says how often it came back."""
+    now = time.time()
+    ledger = Ledger(LedgerPolicy(recover_in_place=True), [("gpu0", "http://127.0.0.1:9")], now=now)
+    process = ProcessSeen(start=now - 3600, counters={"engine 0 finished": 10.0})
+    ledger.apply("gpu0", GoodVerdict(now=now - 900, request_ok=True, process=process))
+    for recovery in range(3):
+        at = now - 800 + 100 * recovery
+        ledger.apply("gpu0", WedgeProven(now=at, process=process))
+        while ledger.state_of("gpu0") is State.DEAD:
+            ledger.apply("gpu0", GoodVerdict(now=at + 1, request_ok=True, process=process))
+        ledger.apply("gpu0", Readmitted(now=at + 2))
+    ledger.apply("gpu0", WedgeProven(now=now - 60, process=process))
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    gpu0 = status(path)["gpu0"]
+    assert (gpu0["state"], gpu0["in_place_recoveries"]) == ("dead", 3)
+    command = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert command is not None
+    table = subprocess.run(
+        [command, "status", "--state", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},  # one line per row: the header whole
+    )
+    header = next(line for line in table.stdout.splitlines() if "back in place" in line)
+    row = next(line for line in table.stdout.splitlines() if "gpu0" in line)
+    cells = dict(zip(header.strip("┃").split("┃"), row.strip("│").split("│"), strict=True))
+    assert {name.strip(): value.strip() for name, value in cells.items()}["back in place"] == "3"
