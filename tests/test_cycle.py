@@ -5,16 +5,17 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from llmhealth.actions import AuditLog, read
+from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
 from llmhealth.cycle import backend_urls, settle_fleet
 from llmhealth.fleet import FleetRecord
-from llmhealth.remediate import Mode
+from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateFile, StateLockedError
 
 T0 = 1_796_000_000.0
@@ -120,3 +121,87 @@ def test_without_a_store_a_settle_keeps_nothing(tmp_path: Path) -> None:
     )
     assert settled.record.ledger.state_of("gpu0") == "dead"
     assert list(tmp_path.iterdir()) == []
+
+
+RESTART = ("systemctl", "restart", "vllm@0")
+RESTARTABLE = Config(backends=(Backend("gpu0", GPU0.url, restart=RESTART),))
+
+
+def issued(tmp_path: Path) -> tuple[StateFile, AuditLog, RestartOrder]:
+    """gpu0 wedged and a restart issued by a settle: saved RESTARTING, command not run."""
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    settled = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [wedged(GPU0)],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(),
+    )
+    [order] = settled.orders
+    return store, audit, order
+
+
+def hear(
+    store: StateFile, audit: AuditLog, done: CommandDone, start: float = T0 + 100
+) -> FleetRecord:
+    settled = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [],
+        mode=Mode.OFF,
+        audit=audit,
+        clock=ticking(start),
+        commands=[done],
+    )
+    assert settled.orders == ()
+    return settled.record
+
+
+def result(exit_code: int) -> CommandResult:
+    return CommandResult(RESTART, exit_code, False, 1.5, "", "")
+
+
+def test_a_settle_issues_a_restart_and_saves_it_before_any_command_runs(tmp_path: Path) -> None:
+    store, audit, order = issued(tmp_path)
+    assert (order.name, order.argv, order.issued_at) == ("gpu0", RESTART, T0 + 2.0)
+    assert order.env["LLMHEALTH_BACKEND"] == "gpu0"
+    assert "LLMHEALTH_BACKEND" not in repr(order)  # the environment is never shown
+    assert saved(store.path)["gpu0"]["state"] == "restarting"
+    [line] = [r for r in read(audit.path) if r["event"] == "restart"]
+    assert (line["to"], line["argv"]) == ("restarting", list(RESTART))
+    assert "command" not in line  # not run yet
+
+
+def test_a_failed_command_heard_later_sends_the_backend_back_to_dead(tmp_path: Path) -> None:
+    store, audit, order = issued(tmp_path)
+    record = hear(store, audit, CommandDone(order, result(1)))
+    assert record.ledger.state_of("gpu0") == "dead"
+    assert record.restarts["gpu0"].failures == 1  # the cooldown doubles
+    assert saved(store.path)["gpu0"]["last_error"] == "restart failed: restart command exited 1"
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert (line["from"], line["to"], line["command"]["exit_code"]) == ("restarting", "dead", 1)
+
+
+def test_a_command_that_exited_0_proves_nothing_and_changes_no_state(tmp_path: Path) -> None:
+    store, audit, order = issued(tmp_path)
+    record = hear(store, audit, CommandDone(order, result(0)))
+    assert record.ledger.state_of("gpu0") == "restarting"
+    assert record.restarts["gpu0"].failures == 0
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert (line["from"], line["to"]) == ("restarting", "restarting")
+
+
+def test_the_outcome_of_a_restart_the_ledger_moved_past_changes_nothing(tmp_path: Path) -> None:
+    store, audit, order = issued(tmp_path)
+    # A later restart of the same backend, as if the grace had failed this one and the
+    # plan had tried again: the late failure of the first command must not fail it.
+    outdated = CommandDone(replace(order, issued_at=order.issued_at - 50.0), result(1))
+    record = hear(store, audit, outdated)
+    assert record.ledger.state_of("gpu0") == "restarting"
+    assert record.restarts["gpu0"].failures == 0
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert line["superseded"] is True
+    assert "to" not in line
