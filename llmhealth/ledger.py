@@ -59,8 +59,10 @@ class Rule(StrEnum):
     # RESTARTING while attempts in the budget window are below restart_budget; else RETIRED.
     SPEND_RESTART = "spend_restart"
     # DEAD -> STALE when the process that was condemned, with no restart pending, shows
-    # enough good verdicts in a row (recovery in place); refused when the policy is off,
-    # the process is another one or unknown, a restart is pending, or the cap is reached.
+    # healthy_threshold good verdicts in a row proven by requests, doubled for each such
+    # recovery in the budget window (recovery in place); refused when the policy is off,
+    # the process is another one or unknown, a restart is pending, no request proves it,
+    # or max_in_place_recoveries is reached.
     RECOVER_IN_PLACE = "recover_in_place"
     # A failure in DEAD: the good streak towards recovery in place starts again.
     BREAK_RECOVERY = "break_recovery"

@@ -537,6 +537,38 @@ def test_a_dead_backend_left_alone_is_audited_once_not_once_per_cycle(
     assert len(skipped) == 1, f"the same decision written {len(skipped)} times in 5 cycles"
 
 
+def test_a_backend_whose_metrics_hang_comes_back_in_place_under_watch(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """Condemned by doubt, then the same process proves itself: no restart, no operator."""
+    with running_simulator(["idle"]) as own:
+        url = own.urls[0]
+        config = write_config(
+            tmp_path / "fleet.toml", fleet_config([{"name": "paused", "url": url}])
+        )
+
+        def hang(value: bool) -> None:
+            reply = httpx.post(f"{url}/sim/metrics", json={"hang": value}, timeout=2.0)
+            assert reply.json() == {"metrics_hang": value}
+
+        with watching(entry_point, config, tmp_path / "state.json") as watch:
+            watch.until("paused seen idle", lambda p: p.verdict("paused") == "idle")
+            hang(True)
+            watch.until("paused dead", lambda p: p.state("paused") == "dead")
+            hang(False)
+            page = watch.until("paused serving again", lambda p: p.state("paused") == "healthy")
+            rc, _ = watch.stop()
+        stats = httpx.get(f"{url}/sim/stats", timeout=2.0).json()
+    assert rc == 0
+    assert stats["restarts"] == 0
+    assert page.get("llmhealth_backend_in_place_recoveries", backend="paused") == 1.0
+    entries = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    moves = [(e["from"], e["to"]) for e in entries if e["backend"] == "paused" and "from" in e]
+    assert ("dead", "stale") in moves and moves[-1] == ("stale", "healthy")
+    (back,) = [e for e in entries if (e.get("from"), e.get("to")) == ("dead", "stale")]
+    assert back["reason"].startswith("same process, back after ")
+
+
 # --- signals ------------------------------------------------------------------------------
 
 

@@ -501,3 +501,26 @@ def test_a_restart_request_brings_a_new_process_in_the_mode_asked(client: httpx.
         refused = client.post(f"{url}/sim/restart", json={"mode": "multiproc"})
         assert refused.status_code == 400
         assert client.post(f"{url}/sim/restart", json={"mode": "bogus"}).status_code == 400
+
+
+def test_metrics_can_be_made_to_hang_and_answer_again_from_the_same_process(
+    client: httpx.Client,
+) -> None:
+    with running_simulator(["busy"]) as sim:
+        url = sim.urls[0]
+        before = metrics(client, url)
+        assert client.post(f"{url}/sim/metrics", json={"hang": True}).json() == {
+            "metrics_hang": True
+        }
+        with pytest.raises(httpx.ReadTimeout):
+            client.get(f"{url}/metrics", timeout=0.5)
+        # Everything else still answers: only /metrics is paused.
+        assert client.get(f"{url}/v1/models").status_code == 200
+        assert client.post(f"{url}/sim/metrics", json={"hang": False}).status_code == 200
+        after = metrics(client, url)
+        start = ("process_start_time_seconds", frozenset[tuple[str, str]]())
+        assert after[start] == before[start]  # the same process, its counters still climbing
+        steps = "vllm:iteration_tokens_total_count"
+        assert value(after, steps) >= value(before, steps)
+        for bad in ({"hang": "yes"}, {}, []):
+            assert client.post(f"{url}/sim/metrics", json=bad).status_code == 400
