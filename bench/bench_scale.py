@@ -56,7 +56,7 @@ WATCH_WAIT = 5.0  # watch: the default wait; each backend is read once per wait
 WATCH_CYCLES = 4  # the first settled cycle is warm-up; two cycles are measured after it
 WATCH_SIZES = SIZES  # sizes at which `watch` is measured too
 PARSE_ROUNDS = 7
-CLIENTS = 200  # httpx clients made to price one client per backend
+CLIENTS = 200  # clients made to price one client per backend
 READ_TIMEOUT = 10.0  # generous: 3000 concurrent reads share two cores with the simulator
 CHILD_TIMEOUT = 300.0
 SIM_READY_TIMEOUT = 180.0
@@ -216,20 +216,13 @@ def child_watch(urls: list[str], wait: float, cycles: int) -> dict[str, Any]:
     }
 
 
-def child_clients(shared: bool) -> dict[str, Any]:
-    """What `llmhealth.probe.new_client` costs per backend, with or without a shared TLS context.
-
-    `check` builds one TLS context for the fleet and hands it to every client; `watch`
-    calls `new_client()` once per backend without one, so each client builds its own.
-    """
-    import ssl  # noqa: PLC0415
-
+def child_clients() -> dict[str, Any]:
+    """What `llmhealth.probe.new_client` costs per backend (its TLS context is shared)."""
     from llmhealth.probe import new_client  # noqa: PLC0415
 
-    context = ssl.create_default_context() if shared else None
     before = rss_mib()
     cpu = time.process_time()
-    clients = [new_client(context) for _ in range(CLIENTS)]
+    clients = [new_client() for _ in range(CLIENTS)]
     cpu = time.process_time() - cpu
     result = {"cpu": cpu / CLIENTS, "rss": (peak_mib() - before) / CLIENTS}
 
@@ -546,23 +539,15 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
         caption="What each check concluded (a verdict is wrong when it does not match the "
         "backend's simulated mode: busy, idle, wedged):",
     )
-    own = run_child(["clients-own"])
-    shared = run_child(["clients-shared"])
+    clients = run_child(["clients"])
     syncs = fsync_ms()
     costs = Table(
         ["unit cost", "CPU ms", "RSS MiB", "wall ms"],
         [
             [
-                "one httpx client building its own TLS context (`new_client()` without one)",
-                f"{own['cpu'] * 1000:.2f}",
-                f"{own['rss']:.3f}",
-                "-",
-            ],
-            [
-                "one httpx client sharing the fleet's TLS context (as `check` and `watch` "
-                "make them)",
-                f"{shared['cpu'] * 1000:.2f}",
-                f"{shared['rss']:.3f}",
+                "one target's client (`new_client()`: a `wire` connection, not yet open)",
+                f"{clients['cpu'] * 1000:.3f}",
+                f"{clients['rss']:.3f}",
                 "-",
             ],
             [
@@ -675,8 +660,8 @@ def main() -> None:
         urls = json.loads(Path(sys.argv[3]).read_text()) if len(sys.argv) > 3 else []
         if kind == "watch":
             result = child_watch(urls, WATCH_WAIT, WATCH_CYCLES)
-        elif kind.startswith("clients"):
-            result = child_clients(shared=kind == "clients-shared")
+        elif kind == "clients":
+            result = child_clients()
         else:
             result = child_check(urls, whole=kind == "check")
         print(json.dumps(result), flush=True)

@@ -1,8 +1,8 @@
 """HTTP at the edge: bounded reads of /metrics, the tiny request, a proxy's /v1/models.
 
-Every request is capped in bytes and in total time (a server trickling one byte a second
-must not hold a check past its timeout), and every wire, httpx or socket failure is
-translated here, once, into a value: a sick backend is data, never an exception that escapes. Any
+Every request goes through ``wire`` and is capped in bytes and in total time (a server
+trickling one byte a second must not hold a check past its timeout), and every failure
+is translated here, once, into a value: a sick backend is data, never an exception that escapes. Any
 other exception while examining one backend becomes that backend's verdict too, and
 everything the server said is made printable here, before anything shows it.
 """
@@ -16,8 +16,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmhealth import __version__, wire
 from llmhealth.classify import (
@@ -35,9 +34,6 @@ from llmhealth.classify import (
 )
 from llmhealth.metrics import Signals, parse_metrics
 from llmhealth.text import printable
-
-if TYPE_CHECKING:
-    import httpx
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -59,13 +55,10 @@ class ProbeSettings:
 class _RequestFailedError(Exception):
     """Internal: a request that gave no usable answer, already classified."""
 
-    def __init__(
-        self, problem: ReadProblem, detail: str, *, stale_connection: bool = False
-    ) -> None:
+    def __init__(self, problem: ReadProblem, detail: str) -> None:
         super().__init__(detail)
         self.problem = problem
         self.detail = detail
-        self.stale_connection = stale_connection  # a kept-alive connection, already closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,41 +70,18 @@ class _Response:
 
 
 class Client:
-    """How one target is read: its own /metrics connection, and httpx only when needed.
+    """One target's connection: every request to it goes through ``wire``, in turn.
 
-    Every ``/metrics`` read goes through ``wire`` (a tenth of httpx's CPU per read, see
-    wire.py); ``/v1/models`` and the tiny request, rare by design, go through httpx,
-    which is imported and built on the first of them. One client per target, so its
-    connection is reused between that target's reads and no pool is ever scanned.
+    One client per target, so its connection is reused between that target's requests
+    and no pool is ever searched; a target's requests are sequential, so one connection
+    is all it needs. The TLS context is the fleet's, shared.
     """
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self._tls = tls
-        self.metrics = wire.Connection(tls, _USER_AGENT)
-        self._http: httpx.AsyncClient | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            import httpx  # noqa: PLC0415 - most checks never need it: no import, no client
-
-            self._http = httpx.AsyncClient(
-                verify=self._tls if self._tls is not None else _default_tls(),
-                follow_redirects=False,
-                # A backend is read directly or not at all: environment proxies ignored.
-                trust_env=False,
-                limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-                # identity: the byte caps count what the server sent, and a few kilobytes
-                # of gzip can never inflate to gigabytes here (httpx asks for gzip by
-                # default).
-                headers={"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"},
-            )
-        return self._http
+        self.connection = wire.Connection(tls, _USER_AGENT)
 
     async def aclose(self) -> None:
-        await self.metrics.aclose()
-        if self._http is not None:
-            await self._http.aclose()
+        await self.connection.aclose()
 
     async def __aenter__(self) -> Client:
         return self
@@ -120,15 +90,9 @@ class Client:
         await self.aclose()
 
 
-@cache
-def _default_tls() -> ssl.SSLContext:
-    """One default TLS context per process: building one costs about 20 ms of CPU."""
-    return ssl.create_default_context()
-
-
 def new_client(tls: ssl.SSLContext | None = None) -> Client:
-    """A client for one target; ``tls`` is shared by the fleet (None: the default context,
-    built only if an https target or a tiny request needs it)."""
+    """A client for one target; ``tls`` is shared by the fleet (None: the process's default
+    context, built only if an https target needs it)."""
     return Client(tls)
 
 
@@ -142,131 +106,37 @@ async def _request(
     body: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> _Response:
-    """One bounded request; once more on a fresh connection if a kept-alive one was dead.
+    """One bounded request: connect to last byte within ``timeout``, at most ``max_bytes``.
 
-    A server closes idle connections on its own clock (uvicorn after 5 s, the default
-    wait), so a read on a connection it just closed fails before anything is sent back.
-    That says nothing about the server: only a failure on a new connection does. Both
-    attempts share one ``timeout``: the retry gets what the first left, so a read never
-    takes longer than ``timeout`` in all.
+    ``wire`` retries once on a fresh connection when a kept-alive one turns out dead
+    before any byte of the answer (a server closes idle connections on its own clock:
+    uvicorn after 5 s, the default wait), within the same ``timeout``.
     """
-    deadline = asyncio.get_running_loop().time() + timeout
-    attempt = (client, method, url, timeout, deadline, max_bytes, body, headers)
-    try:
-        return await _request_once(*attempt)
-    except _RequestFailedError as failure:
-        if not failure.stale_connection or asyncio.get_running_loop().time() >= deadline:
-            raise
-    return await _request_once(*attempt)
-
-
-async def _request_once(
-    client: Client,
-    method: str,
-    url: str,
-    timeout: float,
-    deadline: float,
-    max_bytes: int,
-    body: Mapping[str, Any] | None,
-    headers: Mapping[str, str] | None,
-) -> _Response:
-    """One attempt, over by ``deadline`` (event-loop time); ``timeout`` is the whole budget."""
-    import httpx  # noqa: PLC0415 - only the tiny request and the model list use httpx
-
-    connecting = False
-    opened = False
-
-    async def trace(event: str, _info: Mapping[str, Any]) -> None:
-        nonlocal connecting, opened
-        if event == "connection.connect_tcp.started":
-            connecting = opened = True
-        elif event == "connection.connect_tcp.complete":
-            connecting = False
-
-    started = time.monotonic()
-    received = 0
-    try:
-        async with asyncio.timeout_at(deadline):
-            async with client.http.stream(
-                method,
-                url,
-                json=body,
-                headers=headers,
-                timeout=httpx.Timeout(max(0.0, deadline - asyncio.get_running_loop().time())),
-                extensions={"trace": trace},
-            ) as response:
-                _refuse_encoded(response.status_code, response.headers, method, url)
-                chunks = []
-                # Raw bytes, never decoded: what is counted is what came over the wire,
-                # and with no encoding accepted it is also all there is to parse.
-                async for chunk in response.aiter_raw():
-                    received += len(chunk)
-                    if received > max_bytes:
-                        raise _RequestFailedError(
-                            ReadProblem.UNUSABLE,
-                            f"{method} {_path(url)} sent more than the {_size(max_bytes)} cap",
-                        )
-                    chunks.append(chunk)
-                return _Response(
-                    response.status_code,
-                    b"".join(chunks),
-                    response.headers,
-                    time.monotonic() - started,
-                )
-    except TimeoutError as exc:
-        if connecting:
-            raise _RequestFailedError(
-                ReadProblem.DOWN, f"no TCP connection within {timeout:g} s (no route?)"
-            ) from exc
-        raise _RequestFailedError(
-            ReadProblem.UNRESPONSIVE,
-            f"{method} {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
-            + (f" ({received} bytes received)" if received else ""),
-        ) from exc
-    except httpx.ConnectTimeout as exc:
-        raise _RequestFailedError(
-            ReadProblem.DOWN, f"no TCP connection within {timeout:g} s"
-        ) from exc
-    except httpx.TimeoutException as exc:
-        raise _RequestFailedError(
-            ReadProblem.UNRESPONSIVE,
-            f"{method} {_path(url)}: connected, but no HTTP answer within {timeout:g} s",
-        ) from exc
-    except httpx.ConnectError as exc:
-        raise _RequestFailedError(ReadProblem.DOWN, _connect_error(_root_cause(exc))) from exc
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        where = f"mid-body after {received} bytes" if received else "before an answer"
-        raise _RequestFailedError(
-            ReadProblem.DOWN,
-            f"connection closed or reset {where}: {_reason(exc)}",
-            stale_connection=not opened and not received,
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise _RequestFailedError(
-            ReadProblem.UNUSABLE, f"{method} {_path(url)}: {_reason(exc)}"
-        ) from exc
-
-
-async def _get_metrics(client: Client, url: str, timeout: float, max_bytes: int) -> _Response:
-    """GET /metrics through ``wire``, its failures translated as httpx's are in _request."""
     started = time.monotonic()
     deadline = asyncio.get_running_loop().time() + timeout
+    payload = None
+    if body is not None:
+        # RecursionError and non-JSON values are ours to get wrong, not the server's.
+        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     try:
-        answer = await client.metrics.get(
+        answer = await client.connection.request(
+            method,
             url,
             deadline=deadline,
             max_bytes=max_bytes,
-            accept=lambda status, headers: _refuse_encoded(status, headers, "GET", url),
+            body=payload,
+            headers=headers,
+            accept=lambda status, got: _refuse_encoded(status, got, method, url),
         )
     except wire.WireError as exc:
-        raise _wire_failure(exc, url, timeout, max_bytes) from exc
+        raise _wire_failure(exc, method, url, timeout, max_bytes) from exc
     return _Response(answer.status, answer.body, answer.headers, time.monotonic() - started)
 
 
 def _wire_failure(
-    exc: wire.WireError, url: str, timeout: float, max_bytes: int
+    exc: wire.WireError, method: str, url: str, timeout: float, max_bytes: int
 ) -> _RequestFailedError:
-    """The same problem and evidence an httpx read gave for the same server behaviour."""
+    """What a failed request says about the server: the problem, and the evidence."""
     failure, received = exc.failure, exc.received
     if failure is wire.Failure.CONNECT_TIMEOUT:
         return _RequestFailedError(
@@ -277,14 +147,14 @@ def _wire_failure(
     if failure is wire.Failure.ANSWER_TIMEOUT:
         return _RequestFailedError(
             ReadProblem.UNRESPONSIVE,
-            f"GET {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
+            f"{method} {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
             + (f" ({received} bytes received)" if received else ""),
         )
     if failure is wire.Failure.TOO_BIG:
         return _RequestFailedError(
-            ReadProblem.UNUSABLE, f"GET {_path(url)} sent more than the {_size(max_bytes)} cap"
+            ReadProblem.UNUSABLE, f"{method} {_path(url)} sent more than the {_size(max_bytes)} cap"
         )
-    # CLOSED and MALFORMED: as httpx's ReadError and RemoteProtocolError were.
+    # CLOSED, and MALFORMED (not HTTP as framed): the connection gave no usable answer.
     where = f"mid-body after {received} bytes" if received else "before an answer"
     return _RequestFailedError(
         ReadProblem.DOWN, f"connection closed or reset {where}: {_reason(exc)}"
@@ -297,7 +167,9 @@ async def read_metrics(
     """One GET /metrics, as a Read; never raises for anything the server does."""
     url = f"{target.url}/metrics"
     try:
-        response = await _get_metrics(client, url, settings.timeout, settings.max_body)
+        response = await _request(
+            client, "GET", url, timeout=settings.timeout, max_bytes=settings.max_body
+        )
     except _RequestFailedError as failure:
         return Read(clock(), problem=failure.problem, detail=failure.detail)
     if 300 <= response.status < 400:
@@ -512,8 +384,7 @@ def _connect_error(root: BaseException) -> str:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """httpx wraps anyio wraps the socket error (wire wraps it once); the innermost one
-    names the cause."""
+    """The innermost error (socket, TLS, name lookup) names the cause."""
     seen = {id(exc)}
     while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
         seen.add(id(inner))

@@ -1,10 +1,11 @@
-"""A bounded HTTP/1.1 GET on asyncio streams: the client every ``/metrics`` read goes through.
+"""A bounded HTTP/1.1 client on asyncio streams: every request the probe sends goes through it.
 
 Why not httpx here: a 53 KB ``/metrics`` read through httpx costs about 1 ms of CPU in its
 layers (client, transport, pool, h11, anyio) before the body is even looked at; this does
-the same GET, with the same bounds, in about a tenth of that (figures in bench/RESULTS.md).
-It does only what a read needs: GET, ``Accept-Encoding: identity``, one kept-alive
-connection reused, bodies framed by Content-Length, chunked or the end of the connection.
+the same read, with the same bounds, in about a sixth of that (bench/bench_read.py).
+It does only what the probe needs: a GET or a small POST, ``Accept-Encoding: identity``,
+one kept-alive connection reused, bodies framed by Content-Length, chunked or the end of
+the connection.
 Its rules: everything ends by ``deadline`` (event-loop time), bytes are counted as they
 arrive against ``max_bytes`` (headers against their own cap), redirects are returned,
 never followed, no proxy is ever used, TLS uses the context given. Every failure is a
@@ -15,13 +16,13 @@ between a DOWN backend and an UNRESPONSIVE one.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from urllib.parse import SplitResult, quote, unquote, urlsplit
+from functools import cache
+from urllib.parse import SplitResult, quote, urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
@@ -85,17 +86,28 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def get(
-        self, url: str, *, deadline: float, max_bytes: int, accept: Accept | None = None
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        deadline: float,
+        max_bytes: int,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        accept: Accept | None = None,
     ) -> WireResponse:
-        """GET ``url`` within ``deadline``; once more on a fresh connection if a reused one
-        turns out to be dead before any byte of the answer (servers close idle keep-alive
-        connections on their own clock, which says nothing about the server)."""
+        """``method url`` within ``deadline``; once more on a fresh connection if a reused
+        one turns out to be dead before any byte of the answer (servers close idle
+        keep-alive connections on their own clock, which says nothing about the server).
+
+        ``body`` is sent as JSON, ``headers`` added to the request's own.
+        """
         parts = urlsplit(url)
         host = parts.hostname or ""
         scheme = parts.scheme
         origin = (scheme, host, parts.port or (443 if scheme == "https" else 80))
-        request = self._request_bytes(parts)
+        request = self._request_bytes(method, parts, body, headers or {})
         loop = asyncio.get_running_loop()
         while True:
             reused = self._origin == origin and self._writer is not None
@@ -140,7 +152,9 @@ class Connection:
                     async with asyncio.timeout(0.1):
                         await writer.wait_closed()
 
-    def _request_bytes(self, split: SplitResult) -> bytes:
+    def _request_bytes(
+        self, method: str, split: SplitResult, body: bytes | None, headers: Mapping[str, str]
+    ) -> bytes:
         target = quote(split.path or "/", safe=_PATH_SAFE)
         if split.query:
             target += "?" + quote(split.query, safe=_PATH_SAFE + "?")
@@ -149,17 +163,19 @@ class Connection:
         if split.port is not None:
             host_header += f":{split.port}"
         lines = [
-            f"GET {target} HTTP/1.1",
+            f"{method} {target} HTTP/1.1",
             f"Host: {host_header.encode('idna').decode('ascii')}",
             f"User-Agent: {self._user_agent}",
             "Accept: */*",
             "Accept-Encoding: identity",
         ]
-        if split.username is not None:
-            credentials = f"{unquote(split.username)}:{unquote(split.password or '')}"
-            token = base64.b64encode(credentials.encode("utf-8")).decode("ascii")
-            lines.append(f"Authorization: Basic {token}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
+        if body is not None:
+            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        for name, value in headers.items():
+            if not _is_header_safe(name) or not _is_header_safe(value):
+                raise ValueError("a request header may not hold control characters")
+            lines.append(f"{name}: {value}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
     async def _exchange(
         self,
@@ -190,9 +206,18 @@ class Connection:
         return WireResponse(status, headers, body)
 
     def _context(self) -> ssl.SSLContext:
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
+        return self._tls if self._tls is not None else _default_tls()
+
+
+@cache
+def _default_tls() -> ssl.SSLContext:
+    """One default TLS context per process: building one costs about 20 ms of CPU."""
+    return ssl.create_default_context()
+
+
+def _is_header_safe(text: str) -> bool:
+    """No CR, LF or other control character: nothing may end a header line early."""
+    return text.isprintable() and text.isascii()
 
 
 async def _read_head(

@@ -88,7 +88,7 @@ def get(url: str, *, times: int = 1, max_bytes: int = 1 << 20) -> list[WireRespo
         loop = asyncio.get_running_loop()
         try:
             return [
-                await connection.get(url, deadline=loop.time() + 5, max_bytes=max_bytes)
+                await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=max_bytes)
                 for _ in range(times)
             ]
         finally:
@@ -250,7 +250,7 @@ def test_a_deadline_before_the_connection_says_so_after_it_says_answer() -> None
         connection = Connection(None, "llmhealth/test")
         loop = asyncio.get_running_loop()
         try:
-            await connection.get(url, deadline=loop.time() + 0.5, max_bytes=100)
+            await connection.request("GET", url, deadline=loop.time() + 0.5, max_bytes=100)
         except WireError as error:
             return error
         finally:
@@ -260,3 +260,58 @@ def test_a_deadline_before_the_connection_says_so_after_it_says_answer() -> None
     with tcp_server(hold) as (url, _):
         error = asyncio.run(run(f"{url}/metrics"))
     assert (error.failure, error.received) == (Failure.ANSWER_TIMEOUT, 3)
+
+
+def test_a_post_sends_its_json_body_with_its_length_and_the_headers_given() -> None:
+    def answer(connection: socket.socket, _number: int) -> None:
+        body = read_request(connection).partition(b"\r\n\r\n")[2]
+        while len(body) < 10:
+            body += connection.recv(65536)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    async def post(url: str) -> WireResponse:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            return await connection.request(
+                "POST",
+                url,
+                deadline=loop.time() + 5,
+                max_bytes=100,
+                body=b'{"a":"\xc3\xa9"}',
+                headers={"Authorization": "Bearer k"},
+            )
+        finally:
+            await connection.aclose()
+
+    with tcp_server(answer) as (url, received):
+        response = asyncio.run(post(f"{url}/v1/completions"))
+    sent = b"".join(received)
+    assert sent.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert b"\r\nContent-Type: application/json\r\nContent-Length: 10\r\n" in sent
+    assert b"\r\nAuthorization: Bearer k\r\n\r\n" in sent
+    assert sent.endswith(b'\r\n\r\n{"a":"\xc3\xa9"}')
+    assert response.body == b"{}"
+
+
+def test_a_header_that_would_end_its_line_early_is_refused_before_sending() -> None:
+    async def send(url: str) -> None:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request(
+                "GET",
+                url,
+                deadline=loop.time() + 5,
+                max_bytes=100,
+                headers={"Authorization": "Bearer k\r\nX-Forged: 1"},
+            )
+        finally:
+            await connection.aclose()
+
+    with (
+        tcp_server(lambda _connection, _number: None) as (url, received),
+        pytest.raises(ValueError, match="control characters"),
+    ):
+        asyncio.run(send(f"{url}/v1/models"))
+    assert received == []
