@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import socket
-import ssl
 import sys
 import tempfile
 import threading
@@ -63,6 +62,7 @@ if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
+STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this much of it
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -142,8 +142,6 @@ class Daemon:
         self._reload = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._probing: dict[str, Target] = {}
-        # One TLS context for every client: building one costs ~20 ms and ~1 MiB.
-        self._tls = ssl.create_default_context()
         self._baselines: dict[str, Signals] = {}
         self._snapshots: dict[str, BackendSnapshot] = {}
         # `route`: the router in front of the backends, fed the serving set after every
@@ -393,11 +391,14 @@ class Daemon:
                 if name not in wanted:
                     self._state.probes.pop(name, None)
                     self._state.latest.pop(name, None)
-        for name, target in wanted.items():
-            if name not in self._tasks:
-                self._state.probes.setdefault(name, _Probe())
-                self._probing[name] = target
-                self._start_probe(target)
+        starting = [target for name, target in wanted.items() if name not in self._tasks]
+        for index, target in enumerate(starting):
+            self._state.probes.setdefault(target.name, _Probe())
+            self._probing[target.name] = target
+            # Spread over the first half of the wait: all at once, a big fleet's reads
+            # held every body in memory together and queued on one burst of CPU; by
+            # half the wait they are all done, in time for the first settle.
+            self._start_probe(target, delay=STAGGER * self.settings.wait * index / len(starting))
 
     def _start_probe(self, target: Target, delay: float = 0.0) -> None:
         task = asyncio.create_task(self._probe_forever(target, delay))
@@ -422,7 +423,8 @@ class Daemon:
         await asyncio.sleep(delay)
         window: list[Read] = []
         baseline = self._baselines.pop(target.name, None)
-        async with new_client(self._tls) as client:
+        # No TLS context of its own: every client shares the process's (wire.py).
+        async with new_client() as client:
             while True:
                 settings = self.settings
                 started = time.monotonic()

@@ -1439,3 +1439,26 @@ def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     assert "\x1b" not in log
     assert page.get("llmhealth_backend_probe_task_restarts", backend="b") == 1.0
     assert calls >= 2
+
+
+def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All at once, a big fleet's first reads held every 53 KB body in memory together."""
+    backends = [{"name": f"b{i}", "url": f"http://127.0.0.1:{9 + i}"} for i in range(4)]
+    config = config_module.from_mapping({"wait": 2.0, "backend": backends}, "<test>")
+    targets = [Target(b.name, b.url) for b in config.backends]
+    daemon = Daemon(
+        lambda: (config, targets),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(quiet=True),
+    )
+    started: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        daemon, "_start_probe", lambda target, delay=0.0: started.append((target.name, delay))
+    )
+    daemon._start_probes()
+    assert started == [("b0", 0.0), ("b1", 0.25), ("b2", 0.5), ("b3", 0.75)]
