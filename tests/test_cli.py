@@ -251,6 +251,10 @@ def test_a_url_with_a_password_is_refused_on_every_path_and_never_echoed(
         ["config", "check", str(config)],
         ["watch", "--config", str(config), "--state", state],
         ["watch", SECRET_URL, "--state", state],
+        ["route", "--config", str(config), "--state", state],
+        ["route", SECRET_URL, "--state", state],
+        ["status", "--config", str(config), "--state", state],
+        ["hold", "gpu0", "--for", "1h", "--reason", "r", "--config", str(config), "--state", state],
     ]
     for argv in attempts:  # through main(), the one place errors become exit codes
         monkeypatch.setattr(sys, "argv", ["llmhealth", *argv])
