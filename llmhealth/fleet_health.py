@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from llmhealth.classify import Verdict
+from llmhealth.config import check_url
 from llmhealth.fleet import events_for
 from llmhealth.ledger import (
     BackendSnapshot,
@@ -109,8 +110,10 @@ class FleetHealth:
     """Per-backend health for a fleet the caller drives, and the serving set it implies.
 
     ``base_urls``: a list (backends are shard indices 0..n-1) or a mapping of names to
-    URLs. Every verb takes that index or name; an unknown one raises ``UnknownBackend``
-    (a ``LookupError``). ``clock`` defaults to ``time.monotonic``; tests inject their own.
+    URLs, each a server's root (``http://10.0.0.5:8000``, as for ``check``), since the
+    ``Prober`` reads ``/metrics`` beside ``/v1``. Every verb takes that index or name; an
+    unknown one raises ``UnknownBackend`` (a ``LookupError``). ``clock`` defaults to
+    ``time.monotonic``; tests inject their own.
     """
 
     def __init__(
@@ -129,9 +132,9 @@ class FleetHealth:
             for key in self._keys:
                 if not isinstance(key, str) or not key:
                     raise ValueError(f"backend names must be non-empty strings, got {key!r}")
-            urls = [base_urls[str(key)] for key in self._keys]
+            urls = [_base_url(base_urls[str(key)]) for key in self._keys]
         else:
-            urls = list(base_urls)
+            urls = [_base_url(url) for url in base_urls]
             self._keys = tuple(range(len(urls)))
         if not self._keys:
             raise ValueError("a fleet needs at least one backend URL")
@@ -203,7 +206,8 @@ class FleetHealth:
         ``base_url``: the replacement's address when it bound a new one; the serving URLs
         follow it, or traffic would go to a socket nobody listens on.
         """
-        return self._apply(key, NewProcessUp(now=self._clock(), url=base_url))
+        url = None if base_url is None else _base_url(base_url)
+        return self._apply(key, NewProcessUp(now=self._clock(), url=url))
 
     def mark_restart_failed(self, key: Key, *, error: str = "") -> Transition:
         """The restart did not bring the engine up: back to DEAD, ``last_error`` saying
@@ -329,6 +333,12 @@ class FleetHealth:
     def _in(self, names: Sequence[str]) -> list[Key]:
         wanted = set(names)
         return [key for key in self._keys if self._names[key] in wanted]
+
+
+def _base_url(url: object) -> str:
+    if not isinstance(url, str):
+        raise ValueError(f"a backend URL must be a string, got {url!r}")
+    return check_url(url)  # ValueError naming the URL when it is not http(s) with a host
 
 
 def _listing(keys: Sequence[Key]) -> str:

@@ -133,6 +133,9 @@ def test_a_floor_above_the_fleet_size_is_refused_at_construction() -> None:
         ([], ValueError),
         ([URLS[0], URLS[0] + "/"], ValueError),
         (["http://10.0.0.1:8000", ""], ValueError),
+        (["10.0.0.1:8000"], ValueError),
+        ([b"http://10.0.0.1:8000"], ValueError),
+        ({"gpu0": None}, ValueError),
         ("http://10.0.0.1:8000", TypeError),
     ],
 )
@@ -303,6 +306,16 @@ def test_a_replacement_on_a_new_port_moves_the_serving_urls() -> None:
     assert f.serving_base_urls() == [URLS[0], moved, URLS[2]]
     assert f.shard_for_base_url(moved) == 1
     assert f.shard_for_base_url(URLS[1]) is None
+
+
+def test_a_replacement_at_a_url_that_is_not_one_is_refused_and_nothing_changes() -> None:
+    f, _ = fleet()
+    make_dead(f, 1)
+    f.mark_restarting(1)
+    with pytest.raises(ValueError, match="not an http"):
+        f.mark_loaded(1, base_url="10.0.0.2:8011")
+    assert f.state_of(1) is State.RESTARTING
+    assert f.base_url_of(1) == URLS[1]
 
 
 def test_a_failed_restart_is_dead_again_and_says_what_the_reload_failed_on() -> None:
