@@ -8,7 +8,9 @@ building every metric family (a real 53 KB text has ~90 families and ~640 sample
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from functools import cache
 
 # vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
 # labels (finished_reason, model_name) are summed per engine; kv use takes the maximum.
@@ -110,9 +112,9 @@ def parse_metrics(body: str | bytes) -> Signals:
         if parsed is None:
             skipped += 1
             continue
-        labels_text, labels, value = parsed
+        labels, value = parsed
         if name == _START_SERIES:
-            if labels_text == "" and math.isfinite(value) and value > 0:
+            if not labels and math.isfinite(value) and value > 0:  # `{}` is no labels too
                 process_start = value
             continue
         engine = labels.get("engine", _DEFAULT_ENGINE)
@@ -175,36 +177,41 @@ def _sleep_state(states: dict[str, float] | None) -> str | None:
 
 
 def _lines_named(text: str, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Find every sample line of the named series with str.find, not a per-line scan."""
-    haystack = "\n" + text  # so the first line is found like every other one
-    found: list[tuple[str, str]] = []
-    for name in names:
-        needle = "\n" + name
-        position = haystack.find(needle)
-        while position != -1:
-            start = position + 1
-            end = haystack.find("\n", start)
-            if end == -1:
-                end = len(haystack)
-            following = haystack[start + len(name) : start + len(name) + 1]
-            # A longer name that shares the prefix (…_waiting_by_reason) is another series.
-            if following in ("{", " ", "\t"):
-                found.append((name, haystack[start:end].rstrip("\r")))
-            position = haystack.find(needle, end)
-    return found
+    """Every sample line of the named series, found by one regular-expression scan.
+
+    One pass in C over the text, whatever the number of names (a ``str.find`` loop per
+    name scanned the whole text once per name). A name must start a line and be followed
+    by ``{``, a space or a tab: a longer name sharing the prefix is another series.
+    """
+    found = _line_pattern(names).finditer("\n" + text)  # so the first line is found too
+    return [(match[1], match[0][1:].rstrip("\r")) for match in found]
 
 
-def _parse_sample(line: str, name_length: int) -> tuple[str, dict[str, str], float] | None:
+@cache
+def _line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    """The pattern for ``names``, vLLM's grouped behind their common ``vllm:``.
+
+    Every match then starts with the literal ``\nvllm:`` or another name's first
+    letters, which the regex engine looks for before it tries the alternatives; longest
+    names first, so a name that is a prefix of another never shadows it.
+    """
+    vllm = sorted((name[5:] for name in names if name.startswith("vllm:")), key=len, reverse=True)
+    others = sorted((name for name in names if not name.startswith("vllm:")), key=len, reverse=True)
+    alternatives = [f"vllm:(?:{'|'.join(map(re.escape, vllm))})"] if vllm else []
+    alternatives += map(re.escape, others)
+    return re.compile(rf"\n({'|'.join(alternatives)})(?=[{{ \t])[^\n]*")
+
+
+def _parse_sample(line: str, name_length: int) -> tuple[dict[str, str], float] | None:
     """Split ``name{labels} value [timestamp]``; None when the line is not well formed."""
     rest = line[name_length:]
     labels: dict[str, str] = {}
-    labels_text = ""
     if rest.startswith("{"):
-        parsed = _parse_labels(rest)
+        parsed = _labels_of(rest)
         if parsed is None:
             return None
-        labels, consumed = parsed
-        labels_text = rest[:consumed]
+        known, consumed = parsed
+        labels = dict(known)  # the cached dict is shared: callers get their own
         rest = rest[consumed:]
     parts = rest.split()
     if not parts or len(parts) > 2:
@@ -213,7 +220,34 @@ def _parse_sample(line: str, name_length: int) -> tuple[str, dict[str, str], flo
         value = float(parts[0])
     except ValueError:
         return None
-    return labels_text, labels, value
+    return labels, value
+
+
+# Label sets by their text: a backend sends the same few dozen every read, and a fleet's
+# backends send the same ones, so each is parsed once per process, not once per line.
+# Memoization only (the answer is what _parse_labels gives); cleared when it grows past
+# its bound, so a server inventing new label values cannot grow it without limit.
+_LABELS_SEEN: dict[str, tuple[dict[str, str], int] | None] = {}
+_LABELS_SEEN_MAX = 4096
+
+
+def _labels_of(rest: str) -> tuple[dict[str, str], int] | None:
+    """``_parse_labels(rest)``, remembered by the text up to the line's last ``}``.
+
+    That text is all the parser can read: a parse that ends well stops at a ``}`` no later
+    than the last one, and every ``find`` and character it looks at lies before it.
+    """
+    key = rest[: rest.rfind("}") + 1]
+    if not key:
+        return None  # no closing brace at all: _parse_labels cannot succeed either
+    try:
+        return _LABELS_SEEN[key]
+    except KeyError:
+        pass
+    if len(_LABELS_SEEN) >= _LABELS_SEEN_MAX:
+        _LABELS_SEEN.clear()
+    parsed = _LABELS_SEEN[key] = _parse_labels(key)
+    return parsed
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
