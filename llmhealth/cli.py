@@ -13,7 +13,7 @@ import time
 import traceback
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -25,9 +25,12 @@ from llmhealth.state import StateError
 
 if TYPE_CHECKING:
     from llmhealth.actions import AuditLog
+    from llmhealth.cluster import Seat
     from llmhealth.operate import VerbResult
+    from llmhealth.probe import ProbeSettings
+    from llmhealth.remediate import Mode
     from llmhealth.report import CycleReport
-    from llmhealth.state import StateFile
+    from llmhealth.state import Store
 
 # Each verb imports what it alone needs (the cycle and its HTTP client, rich, the daemon,
 # the simulator) inside its body: a shell check or a once-a-minute timer pays for the
@@ -151,14 +154,63 @@ def check(
         answer_timeout=_duration(answer_timeout) or loaded.answer_timeout,
         max_body=loaded.max_body,
     )
-    # Bare URLs without --state or --config keep no state: a quick look changes nothing.
-    store = StateFile(state_path_for(loaded, state)) if state or config_file else None
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
-    report = run_cycle(loaded, targets, settings, store, mode=mode)
+    if loaded.cluster is not None:
+        report = _check_in_cluster(loaded, loaded.cluster, targets, settings, mode, state)
+    else:
+        # Bare URLs without --state or --config keep no state: a quick look changes nothing.
+        store = StateFile(state_path_for(loaded, state)) if state or config_file else None
+        report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
     from llmhealth.report import exit_code  # noqa: PLC0415
 
     raise typer.Exit(int(exit_code(report)))
+
+
+def _seat(cluster: config_module.Cluster) -> Seat:
+    from llmhealth.cluster import Seat, default_member_name  # noqa: PLC0415
+    from llmhealth.text import printable  # noqa: PLC0415
+
+    def log(message: str) -> None:  # etcd's own error texts are quoted in these
+        print(printable(message), file=sys.stderr, flush=True)
+
+    member = cluster.member or default_member_name()
+    return Seat(cluster.etcd, cluster.prefix, member, cluster.lease_ttl, log=log)
+
+
+def _check_in_cluster(
+    loaded: config_module.Config,
+    cluster: config_module.Cluster,
+    targets: list[Target],
+    settings: ProbeSettings,
+    mode: Mode,
+    state: str | None,
+) -> CycleReport:
+    """A check from cron next to daemons: it acts only if it wins the lease for the run.
+
+    Otherwise it reads and reports as a standby does, says who leads, and writes nothing.
+    """
+    from llmhealth.actions import AuditLog  # noqa: PLC0415
+    from llmhealth.cluster import ClusterError  # noqa: PLC0415
+    from llmhealth.cycle import audit_path_for, run_cycle, state_path_for  # noqa: PLC0415
+    from llmhealth.remediate import Mode  # noqa: PLC0415
+
+    seat = _seat(cluster)
+    try:
+        seat.elector.step()
+    except ClusterError as exc:
+        note = f"etcd unreachable, nothing acted on or written: {exc}"
+        return run_cycle(loaded, targets, settings, None, mode=Mode.OFF, notes=[note])
+    if not seat.elector.decision().may_act:
+        note = f"not acting: {seat.standing()}; nothing restarted or written"
+        seat.elector.stop()
+        return run_cycle(loaded, targets, settings, seat.reader, mode=Mode.OFF, notes=[note])
+    seat.elector.start()  # keeps the lease renewed while the reads take their waits
+    try:
+        audit = AuditLog(audit_path_for(loaded, state_path_for(loaded, state)))
+        return run_cycle(loaded, targets, settings, seat.store, mode=mode, audit=audit)
+    finally:
+        seat.elector.stop()  # resigns: the daemons' next round elects one of them
 
 
 @app.command()
@@ -196,7 +248,7 @@ def watch(
 
     from rich.console import Console  # noqa: PLC0415
 
-    from llmhealth.cycle import state_path_for  # noqa: PLC0415
+    from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
@@ -211,9 +263,11 @@ def watch(
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
+    path = state_path_for(loaded, state)
     daemon = Daemon(
         load,
-        StateFile(state_path_for(loaded, state)),
+        _seat(loaded.cluster) if loaded.cluster is not None else StateFile(path),
+        audit_path=audit_path_for(loaded, path),
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait),
         serving_file=Path(serving_file) if serving_file else None,
@@ -291,15 +345,25 @@ def _host_port(value: str) -> tuple[str, int]:
 
 def _operator_context(
     config_file: str | None, state: str | None
-) -> tuple[config_module.Config, StateFile, AuditLog]:
-    """Config (or defaults), the state file and the audit log an operator verb works on."""
+) -> tuple[config_module.Config, Store, AuditLog]:
+    """Config (or defaults), the store and the audit log an operator verb works on.
+
+    In a cluster the store is the etcd record, written with a compare on the revision
+    read: a verb never overwrites a settle it did not see (nor a settle the verb).
+    """
     from llmhealth.actions import AuditLog  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
     loaded = config_module.load(config_file) if config_file else config_module.Config()
     path = state_path_for(loaded, state)
-    return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
+    audit = AuditLog(audit_path_for(loaded, path))
+    if loaded.cluster is not None:
+        from llmhealth.cluster import Etcd, EtcdStore, Keys  # noqa: PLC0415
+
+        etcd = Etcd(loaded.cluster.etcd)
+        return loaded, EtcdStore(etcd, Keys(loaded.cluster.prefix), None), audit
+    return loaded, StateFile(path), audit
 
 
 def _verb_exit(result: VerbResult) -> None:
@@ -332,13 +396,46 @@ def status(
     now = time.time()
     snapshots = record.ledger.snapshots(now)
     fleet = summarize(record.ledger)
+    cluster = None
+    if loaded.cluster is not None:
+        from llmhealth.cluster import EtcdStore, describe  # noqa: PLC0415
+
+        assert isinstance(store, EtcdStore)
+        cluster = describe(store.etcd, store.keys, store.revision)
     if output is OutputFormat.JSON:
-        print(json.dumps(status_json(snapshots, record.holds, fleet, now), indent=2))
+        document = status_json(snapshots, record.holds, fleet, now)
+        print(json.dumps({**document, "cluster": cluster} if cluster else document, indent=2))
     elif output is OutputFormat.NAGIOS:
         print(status_nagios(snapshots, fleet))
     else:
         print_status(snapshots, record.holds, fleet, now, console_for_output())
+        if cluster is not None:
+            print(_cluster_lines(cluster, now))
     raise typer.Exit(int(status_exit_code(snapshots, fleet)))
+
+
+def _cluster_lines(cluster: dict[str, Any], now: float) -> str:
+    """Who leads, on which lease, and when each member last reported: under the table."""
+    leader = cluster["leader"]
+    lines = [
+        f"cluster {cluster['prefix']}: "
+        + (
+            f"{leader['member']} leads since {_ago(now, leader['since'])} "
+            f"(lease {leader['lease']}, fence {leader['fence']})"
+            if leader
+            else "NO LEADER: nobody acts on this fleet"
+        )
+        + f", record revision {cluster['revision']}"
+    ]
+    for name, report in cluster["members"].items():
+        at = report.get("at") if isinstance(report, dict) else None
+        seen = _ago(now, at) if isinstance(at, int | float) else "no report yet"
+        lines.append(f"  member {name}: last report {seen}")
+    return "\n".join(lines)
+
+
+def _ago(now: float, then: float) -> str:
+    return f"{max(0.0, now - then):.0f} s ago"
 
 
 @app.command()

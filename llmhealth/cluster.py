@@ -29,21 +29,26 @@ from etcd3gw import exceptions as etcd_errors
 
 from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
 from llmhealth.state import SCHEMA, StateCorruptError, StateError
+from llmhealth.text import printable
 
 T = TypeVar("T")
 Log = Callable[[str], None]
 REQUEST_TIMEOUT = 2.0  # one etcd request; a leader renews several times per deadline
 
 
-class ClusterUnavailableError(StateError):
+class ClusterError(StateError):
+    """Why this daemon did not settle this cycle; it keeps probing and reporting."""
+
+
+class ClusterUnavailableError(ClusterError):
     """No etcd endpoint answered: nobody may act, probing goes on."""
 
 
-class NotLeaderError(StateError):
+class NotLeaderError(ClusterError):
     """This daemon does not lead (or no longer may act); the message says who does."""
 
 
-class FencedOutError(StateError):
+class FencedOutError(ClusterError):
     """A fenced write failed: the state moved, or the leader key is not ours any more."""
 
 
@@ -205,15 +210,35 @@ class Leader:
     since: float  # wall time, as the leader wrote it
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What this daemon last saw of the cluster, for its metrics and ``status``."""
+
+    etcd_up: bool = False
+    leader: Leader | None = None
+    members: tuple[tuple[str, dict[str, Any]], ...] = ()  # name, what its key says
+
+
+def read_members(etcd: Etcd, keys: Keys) -> tuple[tuple[str, dict[str, Any]], ...]:
+    members = []
+    for key, found in sorted(etcd.get_prefix(keys.members).items()):
+        try:
+            value = json.loads(found.value)
+        except ValueError:
+            value = {}
+        name = printable(key.removeprefix(keys.members))  # another member wrote it
+        members.append((name, value if isinstance(value, dict) else {}))
+    return tuple(members)
+
+
 def read_leader(etcd: Etcd, keys: Keys) -> Leader | None:
     found = etcd.get(keys.leader)
     if found is None:
         return None
     try:
         value = json.loads(found.value)
-        return Leader(
-            str(value["member"]), found.lease, found.create_revision, float(value["since"])
-        )
+        member = printable(str(value["member"]))  # another member wrote it
+        return Leader(member, found.lease, found.create_revision, float(value["since"]))
     except (ValueError, KeyError, TypeError):
         return Leader("?", found.lease, found.create_revision, 0.0)
 
@@ -252,6 +277,7 @@ class Elector:
         self._thread: threading.Thread | None = None
         self.transitions = 0  # times this daemon became leader
         self.last_error: str | None = None
+        self.observed = Observation()
 
     # --- what the cycle asks -------------------------------------------------------------
 
@@ -298,10 +324,14 @@ class Elector:
         while not self._stop.is_set():
             try:
                 self.step()
+                self.observed = Observation(
+                    True, read_leader(self.etcd, self.keys), read_members(self.etcd, self.keys)
+                )
             except StateError as exc:
                 if str(exc) != self.last_error:
                     self._log(f"cluster: {exc}")
                 self.last_error = str(exc)
+                self.observed = Observation(False, None, self.observed.members)
             with self._lock:
                 due = renewal_due(self._facts, self.timing, self._clock())
             self._stop.wait(max(0.05, due - self._clock()))
@@ -414,7 +444,9 @@ class EtcdStore:
         self.elector = elector
         self.path = keys.state  # where it lives, for messages
         self._read_revision: int | None = None
+        self._last_revision = 0
         self._fence: int | None = None
+        self._saved_fence: int | None = None  # the fence of the last successful save
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -433,6 +465,7 @@ class EtcdStore:
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
         self._read_revision = 0 if found is None else found.mod_revision
+        self._last_revision = self._read_revision
         if found is None:
             return None
         try:
@@ -456,12 +489,17 @@ class EtcdStore:
     def save(self, document: dict[str, Any]) -> None:
         if self._read_revision is None:
             raise StateError("save without a load in this section: nothing to compare with")
-        payload = json.dumps({**document, "schema": SCHEMA}, sort_keys=True).encode()
         compare = [compare_modified(self.keys.state, self._read_revision)]
+        # Who wrote the record, for operators reading etcd (and tests proving who did not).
+        writer: dict[str, Any] = {"member": None, "fence": None}
         if self.elector is not None:
             if self._fence is None or not self.elector.decision().may_act:
                 raise NotLeaderError(f"{self.elector.member} may no longer act; nothing written")
             compare.append(compare_created(self.keys.leader, self._fence))
+            writer = {"member": self.elector.member, "fence": self._fence}
+        payload = json.dumps(
+            {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True
+        ).encode()
         written, revision, _ = self.etcd.txn(compare, [put(self.keys.state, payload)])
         if not written:
             holder = read_leader(self.etcd, self.keys)
@@ -469,9 +507,96 @@ class EtcdStore:
             raise FencedOutError(
                 f"the fenced write of {self.keys.state} failed: {who}; nothing written"
             )
-        self._read_revision = revision
+        self._read_revision = self._last_revision = revision
+        self._saved_fence = self._fence
 
     @property
-    def fence(self) -> int | None:
-        """The fencing token of the section in progress, for restart commands' environment."""
-        return self._fence
+    def revision(self) -> int:
+        """The record's revision as last read or written here (0: none yet)."""
+        return self._last_revision
+
+    def command_env(self) -> dict[str, str]:
+        """The fencing token for a restart command the last save ordered.
+
+        The token is the leader key's creation revision, larger for every later leader, so
+        a restart tool can refuse one smaller than the largest it has seen. Refused (and
+        the command not run) once this daemon may not act, or leads under another token
+        than the one its last save was fenced with: the restart then stays RESTARTING in
+        the record and expires to DEAD after startup_grace, at most once, never twice.
+        """
+        if self.elector is None:
+            return {}
+        fence = self.elector.fence
+        if fence is None or fence != self._saved_fence:
+            why = self.elector.decision().reason
+            raise NotLeaderError(f"{self.elector.member} may no longer act ({why}); not run")
+        lease = self.elector.lease_id
+        return {
+            "LLMHEALTH_FENCE": str(fence),
+            "LLMHEALTH_LEASE": "" if lease is None else f"{lease:x}",
+            "LLMHEALTH_MEMBER": self.elector.member,
+        }
+
+
+class ReadOnlyStore(EtcdStore):
+    """The record as a standby or a ``check`` that lost the election sees it: never written."""
+
+    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+        super().__init__(etcd, keys, None)
+
+    def save(self, document: dict[str, Any]) -> None:
+        """A non-leader keeps what it concluded to itself; the leader settles for real."""
+
+
+class Seat:
+    """One process's place in a cluster: its elector, and the stores it writes and reads."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        prefix: str,
+        member: str,
+        lease_ttl: float,
+        *,
+        log: Log,
+    ) -> None:
+        self.etcd = Etcd(endpoints)
+        self.keys = Keys(prefix)
+        self.elector = Elector(
+            self.etcd, self.keys, member, LeaseTiming.for_ttl(lease_ttl), log=log
+        )
+        self.store = EtcdStore(self.etcd, self.keys, self.elector)  # fenced, for the leader
+        self.reader = ReadOnlyStore(self.etcd, self.keys)  # for standbys and views
+
+    @property
+    def member(self) -> str:
+        return self.elector.member
+
+    def standing(self) -> str:
+        """One line for logs and systemd's STATUS: who acts, seen from here."""
+        decision = self.elector.decision()
+        if decision.may_act:
+            return f"leader ({self.member})"
+        observed = self.elector.observed
+        if not observed.etcd_up:
+            return "standby: etcd unreachable, nobody here acts"
+        leader = observed.leader
+        return f"standby ({leader.member} leads)" if leader else "standby (no leader yet)"
+
+
+def describe(etcd: Etcd, keys: Keys, revision: int) -> dict[str, Any]:
+    """Who leads, since when, on which lease, and each member's last report: for ``status``."""
+    leader = read_leader(etcd, keys)
+    return {
+        "prefix": keys.prefix,
+        "leader": None
+        if leader is None
+        else {
+            "member": leader.member,
+            "since": leader.since,
+            "lease": f"{leader.lease:x}",
+            "fence": leader.fence,
+        },
+        "revision": revision,
+        "members": {name: value.get("last_report", {}) for name, value in read_members(etcd, keys)},
+    }

@@ -24,6 +24,9 @@ DEFAULT_TIMEOUT = 5.0
 DEFAULT_ANSWER_TIMEOUT = 10.0
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 DEFAULT_STALL_TIMEOUT = 600.0
+DEFAULT_LEASE_TTL = 10.0
+DEFAULT_PREFIX = "/llmhealth/default"
+MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 s)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -101,6 +104,16 @@ class Router:
 
 
 @dataclass(frozen=True, slots=True)
+class Cluster:
+    """Several daemons on one fleet: etcd holds the lease, the leader key and the record."""
+
+    etcd: tuple[str, ...]
+    prefix: str = DEFAULT_PREFIX
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    member: str | None = None  # default: host name and PID
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     wait: float = DEFAULT_WAIT
     timeout: float = DEFAULT_TIMEOUT
@@ -114,6 +127,7 @@ class Config:
     backends: tuple[Backend, ...] = ()
     proxies: tuple[Proxy, ...] = ()
     router: Router = field(default_factory=Router)
+    cluster: Cluster | None = None
     source: str = "<command line>"
 
     @property
@@ -144,7 +158,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         data,
         "",
         {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
-        | {"backend", "proxy", "stall_timeout", "on_serving_change", "router"},
+        | {"backend", "proxy", "stall_timeout", "on_serving_change", "router", "cluster"},
     )
     policy = _policy(reader, data.get("policy", {}))
     backends = tuple(
@@ -172,6 +186,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         backends=backends,
         proxies=proxies,
         router=_router(reader, data.get("router", {})),
+        cluster=_cluster(reader, data["cluster"]) if "cluster" in data else None,
         source=where,
     )
 
@@ -342,6 +357,34 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{value!r} is not HOST:PORT")
     return host, int(port)
+
+
+def _cluster(reader: _Reader, data: object) -> Cluster:
+    table = reader.table(data, "cluster")
+    reader.known(table, "cluster.", {"etcd", "prefix", "lease_ttl", "member"})
+    endpoints = reader.string_list(table, "cluster.etcd", ())
+    if not endpoints:
+        raise reader.fail(
+            "cluster.etcd", 'is required: etcd client URLs, e.g. ["http://10.0.0.1:2379"]'
+        )
+    for endpoint in endpoints:
+        try:
+            check_url(endpoint)
+        except ValueError as exc:
+            raise reader.fail("cluster.etcd", str(exc)) from exc
+    prefix = reader.optional_string(table, "cluster.prefix") or DEFAULT_PREFIX
+    if not prefix.startswith("/") or prefix.endswith("/"):
+        raise reader.fail("cluster.prefix", f"{prefix!r} must start with '/' and not end with one")
+    lease_ttl = reader.duration(table, "cluster.lease_ttl", DEFAULT_LEASE_TTL)
+    if lease_ttl < MIN_LEASE_TTL or lease_ttl != round(lease_ttl):
+        raise reader.fail(
+            "cluster.lease_ttl",
+            f"{lease_ttl:g} s: etcd leases are whole seconds, at least {MIN_LEASE_TTL:g}",
+        )
+    member = reader.optional_string(table, "cluster.member")
+    if member is not None and ("/" in member or not member.isprintable()):
+        raise reader.fail("cluster.member", f"{member!r} must be printable and have no '/'")
+    return Cluster(tuple(check_url(e) for e in endpoints), prefix, lease_ttl, member)
 
 
 def _backend(reader: _Reader, data: object, key: str) -> Backend:

@@ -35,7 +35,7 @@ from llmhealth.remediate import (
     remediate,
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
-from llmhealth.state import StateFile, Store, default_path
+from llmhealth.state import StateError, StateFile, Store, default_path
 from llmhealth.traffic import RequestOutcome
 
 Clock = Callable[[], float]
@@ -199,31 +199,44 @@ def run_cycle(
     config: Config,
     targets: list[Target],
     settings: ProbeSettings,
-    store: StateFile | None,
+    store: Store | None,
     *,
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
+    audit: AuditLog | None = None,
+    notes: Sequence[str] = (),
 ) -> CycleReport:
     """One ``check``: probe every target inside the settle, so two runs never both act.
 
     The restart commands it orders run after the settle let go of the lock, one after
     another, and a second settle records how they went; only then does the check report.
     """
-    return asyncio.run(run_cycle_async(config, targets, settings, store, mode=mode, clock=clock))
+    return asyncio.run(
+        run_cycle_async(
+            config, targets, settings, store, mode=mode, clock=clock, audit=audit, notes=notes
+        )
+    )
 
 
 async def run_cycle_async(
     config: Config,
     targets: list[Target],
     settings: ProbeSettings,
-    store: StateFile | None,
+    store: Store | None,
     *,
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
+    audit: AuditLog | None = None,
+    notes: Sequence[str] = (),
 ) -> CycleReport:
-    """run_cycle inside a running event loop (the library's check_async)."""
-    notes = []
-    audit = AuditLog(audit_path_for(config, store.path)) if store is not None else None
+    """run_cycle inside a running event loop (the library's check_async).
+
+    The audit log is the given one, else the state file's neighbour; a store that is not
+    a file (a cluster's) writes none unless given one.
+    """
+    notes = list(notes)
+    if audit is None and isinstance(store, StateFile):
+        audit = AuditLog(audit_path_for(config, store.path))
     if store is None:
         notes.append("state not persisted: bare URLs without --state or --config")
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
@@ -243,13 +256,18 @@ async def run_cycle_async(
     )
     if not settled.orders:
         return settled.report
-    done = [
-        CommandDone(
-            order,
-            await asyncio.to_thread(run_command, order.argv, order.timeout, env=order.env),
-        )
-        for order in settled.orders
-    ]
+    done = []
+    for order in settled.orders:
+        assert store is not None  # orders come only from a settle that saved them
+        try:
+            # A cluster leader's store refuses once its lease may have passed on, and
+            # otherwise adds its fencing token to the command's environment.
+            env = {**order.env, **store.command_env()}
+        except StateError as exc:
+            note = f"{order.name}: restart saved but not run: {exc}"
+            return replace(settled.report, notes=(*settled.report.notes, note))
+        result = await asyncio.to_thread(run_command, order.argv, order.timeout, env=env)
+        done.append(CommandDone(order, result))
 
     async def nothing(_record: FleetRecord) -> list[Outcome]:
         return []

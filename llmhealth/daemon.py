@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,25 +33,27 @@ from llmhealth import config as config_module
 from llmhealth.actions import AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.cluster import ClusterError, Seat
 from llmhealth.cycle import (
     Settled,
     audit_path_for,
     backend_urls,
     baselines_of,
+    fresh_record,
     ledger_policy,
     load_record,
     routed_backends,
     settle_fleet,
 )
-from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
-from llmhealth.fleet import StallWatch
+from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
+from llmhealth.fleet import FleetRecord, StallWatch
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.render import report_renderables
-from llmhealth.report import CycleReport
-from llmhealth.state import StateError, StateFile
+from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
+from llmhealth.state import StateError, StateFile, Store
 from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
 
@@ -117,8 +119,9 @@ class Daemon:
     def __init__(
         self,
         load: Loader,
-        store: StateFile,
+        store: StateFile | Seat,
         *,
+        audit_path: Path | None = None,
         listen: tuple[str, int] | None,
         wait_override: float | None,
         serving_file: Path | None,
@@ -129,7 +132,15 @@ class Daemon:
     ) -> None:
         self._load = load
         self._config, self._targets = load()
-        self._store = store
+        # With a cluster seat only its leader settles (through the fenced store); every
+        # daemon probes, and a standby reports from the record it reads.
+        self._seat = store if isinstance(store, Seat) else None
+        self._store: Store = store.store if isinstance(store, Seat) else store
+        self._reader: Store = store.reader if isinstance(store, Seat) else store
+        if audit_path is None:  # beside the state file, unless the config says otherwise
+            assert isinstance(store, StateFile), "a cluster daemon is given its audit log"
+            audit_path = audit_path_for(self._config, store.path)
+        self._audit_path = audit_path
         self._listen = listen
         self._wait_override = wait_override
         self._serving_file = serving_file
@@ -144,6 +155,9 @@ class Daemon:
         self._probing: dict[str, Target] = {}
         self._baselines: dict[str, Signals] = {}
         self._snapshots: dict[str, BackendSnapshot] = {}
+        self._fleet: FleetSummary | None = None
+        self._record: FleetRecord | None = None  # as last settled or read
+        self._leading = False  # this daemon's last settle was a leader's
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
         self._router = router
@@ -186,6 +200,8 @@ class Daemon:
                     f"--listen {host}:{port}: cannot serve metrics there: {exc.strerror or exc}"
                 ) from exc
             self._log(f"metrics on http://{self._listen[0]}:{self._listen[1]}/metrics")
+        if self._seat is not None:
+            self._seat.elector.start()
         try:
             self._baselines = await asyncio.to_thread(self._read_baselines)
             if self._router is not None and self._router_listen is not None:
@@ -195,6 +211,9 @@ class Daemon:
             await self._finish_commands()
         finally:
             self._notifier.send("STOPPING=1")
+            if self._seat is not None:
+                # Resigning revokes the lease: a standby leads at its next round, not a TTL on.
+                await asyncio.to_thread(self._seat.elector.stop)
             for task in self._tasks.values():
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
@@ -292,7 +311,16 @@ class Daemon:
                 self._after_cycle(settled.report, time.monotonic() - started, live)
 
     def _launch(self, order: RestartOrder) -> None:
-        """Run a restart command in its own thread; its outcome waits for a later settle."""
+        """Run a restart command in its own thread; its outcome waits for a later settle.
+
+        Only if the store may still act on the save that ordered it (a cluster leader
+        whose fence holds and whose deadline has not passed), with its fencing token.
+        """
+        try:
+            order = replace(order, env={**order.env, **self._store.command_env()})
+        except StateError as exc:
+            self._log(f"{order.name}: restart saved but not run: {exc}")
+            return
         running = _in_daemon_thread(_run_order, order)
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
@@ -363,9 +391,9 @@ class Daemon:
 
     def _read_baselines(self) -> dict[str, Signals]:
         try:
-            with self._store.locked():
+            with self._reader.locked():
                 record, _ = load_record(
-                    self._store,
+                    self._reader,
                     ledger_policy(self._config.policy),
                     backend_urls(self._targets),
                     self._clock(),
@@ -422,7 +450,6 @@ class Daemon:
         """Read one target every wait, forever; its verdicts wait for the next settle."""
         await asyncio.sleep(delay)
         window: list[Read] = []
-        baseline = self._baselines.pop(target.name, None)
         # No TLS context of its own: every client shares the process's (wire.py).
         async with new_client() as client:
             while True:
@@ -431,10 +458,13 @@ class Daemon:
                 if target.kind == "proxy":
                     verdict: Verdict | None = await examine_proxy(client, target, settings)
                 else:
+                    # What the record last saw of this backend, when there is news of it (at
+                    # start, or on taking the lead): one read is compared with it, so a
+                    # restart that happened meanwhile is seen; the window is kept.
+                    baseline = self._baselines.pop(target.name, None)
                     verdict = await examine_once(
                         client, target, settings, window, clock=self._clock, baseline=baseline
                     )
-                    baseline = None  # only the first read is compared with the last run
                 probe = self._state.probes.setdefault(target.name, _Probe())
                 probe.seconds = time.monotonic() - started
                 if verdict is not None:
@@ -455,21 +485,71 @@ class Daemon:
         """One cycle's bookkeeping, in a worker thread: it may wait for the state lock, but
         never for a restart command (those it issues come back as orders to launch)."""
         backends = backend_urls(self._targets)
-        settled = settle_fleet(
-            self._store,
-            self._config,
-            backends,
-            lambda _record: news.verdicts,
-            mode=Mode.OFF if news.final else Mode.ACT,
-            audit=AuditLog(audit_path_for(self._config, self._store.path)),
-            clock=self._clock,
-            requests=news.requests,
-            commands=news.commands,
-        )
+        seat = self._seat
+        if seat is not None and not seat.elector.decision().may_act:
+            self._leading = False
+            return self._stand_by(news, seat.standing())
+        taking_over = seat is not None and not self._leading
+
+        def gather(record: FleetRecord) -> list[Outcome]:
+            if taking_over:
+                # A standby's windows never saw the record: hand each probe the process
+                # the last leader wrote down, so a restart it ran (or saw) is not missed.
+                self._baselines.update(baselines_of(record))
+            return news.verdicts
+
+        try:
+            settled = settle_fleet(
+                self._store,
+                self._config,
+                backends,
+                gather,
+                mode=Mode.OFF if news.final else Mode.ACT,
+                audit=AuditLog(self._audit_path),
+                clock=self._clock,
+                requests=news.requests,
+                commands=news.commands,
+            )
+        except ClusterError as exc:
+            self._leading = False
+            # Deposed, fenced out or cut off from etcd mid-settle: nothing was written, no
+            # restart ordered; this cycle's verdicts are still reported.
+            return self._stand_by(news, f"did not settle: {exc}")
+        self._leading = True
         now = settled.report.checked_at
+        self._record = settled.record
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
+        self._fleet = settled.report.fleet
         self._write_serving(settled.record.ledger.serving, backends)
         return settled
+
+    def _stand_by(self, news: News, why: str) -> Settled:
+        """A cycle that acts on nothing: the verdicts with the ledger as the leader keeps it.
+
+        The serving file keeps its last content: only a leader writes it. Outcomes of
+        commands this daemon ran while it led wait for a settle of its own as leader.
+        """
+        self._commands_done[:0] = news.commands
+        now = self._clock()
+        policy = ledger_policy(self._config.policy)
+        try:
+            with self._reader.locked():
+                record = self._reader.load(lambda doc: FleetRecord.from_dict(doc, policy))
+        except StateError:
+            record = None  # etcd away: the last ledger seen stands
+        if record is not None:
+            self._record = record
+            self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
+            self._fleet = summarize(record.ledger)
+        fleet = self._fleet or FleetSummary(
+            0, self._config.policy.min_healthy, 0, False, "no fleet record seen yet"
+        )
+        reports = tuple(
+            BackendReport(outcome, self._snapshots.get(outcome.target.name))
+            for outcome in news.verdicts
+        )
+        seen = self._record or fresh_record(policy, backend_urls(self._targets), now)
+        return Settled(CycleReport(now, reports, fleet, (why,)), seen)
 
     def _remember_models(self, report: CycleReport) -> None:
         """The model lists the tiny request saw; kept while the backend is busy and so
@@ -549,11 +629,13 @@ class Daemon:
                     },
                     **state.restarts,
                 },
+                cluster=self._cluster_view(report, now),
             )
         )
         fleet = report.fleet
         status = (
-            f"{fleet.serving} serving (min {fleet.min_healthy}), epoch {fleet.epoch}"
+            (f"{self._seat.standing()}: " if self._seat is not None else "")
+            + f"{fleet.serving} serving (min {fleet.min_healthy}), epoch {fleet.epoch}"
             + (", FLOOR BREACHED" if fleet.floor_breached else "")
             + (", FLEET STALLED" if stalled else "")
         )
@@ -583,6 +665,37 @@ class Daemon:
                 self._log(f"{note.name}: {done}: {note.reason}")
             elif note.action != "skip":
                 self._log(f"{note.name}: {note.action}: {note.reason}")
+
+    def _cluster_view(self, report: CycleReport, now: float) -> ClusterView | None:
+        """Who leads as seen from here, for the metrics; and this member's own report."""
+        seat = self._seat
+        if seat is None:
+            return None
+        seat.elector.report(
+            {
+                "at": now,
+                "cycles": self._state.cycles,
+                "verdicts": len(report.backends),
+                "serving": report.fleet.serving,
+            }
+        )
+        observed = seat.elector.observed
+        leader = observed.leader
+        members = {}
+        for name, value in observed.members:
+            last = value.get("last_report", {})
+            at = last.get("at") if isinstance(last, dict) else None
+            members[name] = float(at) if isinstance(at, int | float) else 0.0
+        return ClusterView(
+            member=seat.member,
+            leading=seat.elector.decision().may_act,
+            etcd_up=observed.etcd_up,
+            leader=leader.member if leader else None,
+            leader_since=leader.since if leader else None,
+            fence=leader.fence if leader else 0,
+            revision=max(seat.store.revision, seat.reader.revision),
+            members=members,
+        )
 
     def _reload_config(self) -> None:
         try:

@@ -37,6 +37,20 @@ class BackendView:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterView:
+    """This daemon's place in a cluster, as its last cycle saw it."""
+
+    member: str
+    leading: bool  # this daemon may act now
+    etcd_up: bool
+    leader: str | None = None
+    leader_since: float | None = None  # unix time
+    fence: int = 0  # the leader key's creation revision; a new value is a new leader
+    revision: int = 0  # of the fleet record, as last read or written here
+    members: Mapping[str, float] = field(default_factory=dict)  # name -> last report time
+
+
+@dataclass(frozen=True, slots=True)
 class ExportView:
     backends: tuple[BackendView, ...] = ()
     fleet: FleetSummary | None = None
@@ -47,6 +61,7 @@ class ExportView:
     probe_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     restarts: Mapping[tuple[str, str], int] = field(default_factory=dict)
     probe_task_restarts: Mapping[str, int] = field(default_factory=dict)
+    cluster: ClusterView | None = None
 
 
 class FleetCollector(Collector):
@@ -65,6 +80,8 @@ class FleetCollector(Collector):
             view = self._view
         yield from _backend_families(view)
         yield from _fleet_families(view)
+        if view.cluster is not None:
+            yield from _cluster_families(view.cluster)
 
 
 def _backend_families(view: ExportView) -> Iterator[Metric]:
@@ -198,6 +215,49 @@ def _fleet_families(view: ExportView) -> Iterator[Metric]:
         "How long the last watch cycle took to settle (ledger, restarts, state file).",
         view.cycle_seconds,
     )
+
+
+def _cluster_families(cluster: ClusterView) -> Iterator[Metric]:
+    leader = GaugeMetricFamily(
+        "llmhealth_cluster_leader",
+        "1 when this daemon leads (may act) now; summed over members, 1 when all is well.",
+        labels=["member"],
+    )
+    leader.add_metric([cluster.member], float(cluster.leading))
+    yield leader
+    yield GaugeMetricFamily(
+        "llmhealth_cluster_etcd_up",
+        "1 when etcd answered this daemon's last round.",
+        float(cluster.etcd_up),
+    )
+    yield GaugeMetricFamily(
+        "llmhealth_cluster_leader_fence",
+        "The leader's fencing token (the leader key's creation revision); 0 with no leader. "
+        "Every change is a new leader.",
+        float(cluster.fence),
+    )
+    if cluster.leader_since is not None:
+        yield GaugeMetricFamily(
+            "llmhealth_cluster_leader_since_timestamp_seconds",
+            "Unix time the current leader took the lead.",
+            cluster.leader_since,
+        )
+    yield GaugeMetricFamily(
+        "llmhealth_cluster_state_revision",
+        "etcd revision of the fleet record as last read or written by this daemon.",
+        float(cluster.revision),
+    )
+    yield GaugeMetricFamily(
+        "llmhealth_cluster_members", "Daemons holding a live member key.", len(cluster.members)
+    )
+    reports = GaugeMetricFamily(
+        "llmhealth_cluster_member_last_report_timestamp_seconds",
+        "Unix time each member last renewed its member key with a report.",
+        labels=["member"],
+    )
+    for name, at in sorted(cluster.members.items()):
+        reports.add_metric([name], at)
+    yield reports
 
 
 def serve(collector: FleetCollector, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:

@@ -22,7 +22,7 @@ from llmhealth.cycle import fresh_record, ledger_policy
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
 from llmhealth.policy import Hold
-from llmhealth.state import StateError, StateFile
+from llmhealth.state import StateError, Store
 
 Clock = Callable[[], float]
 
@@ -41,7 +41,7 @@ def actor() -> str:
         return "operator"
 
 
-def load_existing(store: StateFile, config: Config) -> FleetRecord:
+def load_existing(store: Store, config: Config) -> FleetRecord:
     """The record a verb works on; there must be one (a check creates it)."""
     record = store.load(lambda doc: FleetRecord.from_dict(doc, ledger_policy(config.policy)))
     if record is None:
@@ -50,7 +50,7 @@ def load_existing(store: StateFile, config: Config) -> FleetRecord:
 
 
 @contextlib.contextmanager
-def _editing(store: StateFile, config: Config, name: str, clock: Clock) -> Iterator[FleetRecord]:
+def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[FleetRecord]:
     """The record of a fleet that has this backend, with the state lock held.
 
     With no saved record yet, the one a first check would start from (every configured
@@ -81,7 +81,7 @@ def _editing(store: StateFile, config: Config, name: str, clock: Clock) -> Itera
 
 
 def apply_event(
-    store: StateFile,
+    store: Store,
     audit: AuditLog,
     config: Config,
     name: str,
@@ -119,7 +119,7 @@ def apply_event(
 
 
 def readmit(
-    store: StateFile, audit: AuditLog, config: Config, name: str, weight_version: int | None
+    store: Store, audit: AuditLog, config: Config, name: str, weight_version: int | None
 ) -> VerbResult:
     return apply_event(
         store,
@@ -132,18 +132,18 @@ def readmit(
     )
 
 
-def retire(store: StateFile, audit: AuditLog, config: Config, name: str, reason: str) -> VerbResult:
+def retire(store: Store, audit: AuditLog, config: Config, name: str, reason: str) -> VerbResult:
     return apply_event(
         store, audit, config, name, lambda now: Retire(now=now, reason=reason), "retire", reason
     )
 
 
-def reset(store: StateFile, audit: AuditLog, config: Config, name: str) -> VerbResult:
+def reset(store: Store, audit: AuditLog, config: Config, name: str) -> VerbResult:
     return apply_event(store, audit, config, name, lambda now: OperatorReset(now=now), "reset")
 
 
 def hold(
-    store: StateFile,
+    store: Store,
     audit: AuditLog,
     config: Config,
     name: str,
@@ -172,7 +172,7 @@ def hold(
 
 
 def release(
-    store: StateFile, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
+    store: Store, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
     with _editing(store, config, name, clock) as record:
         removed = record.holds.pop(name, None)
@@ -192,7 +192,7 @@ def release(
         return VerbResult(True, f"{name}: hold released ({removed.reason})")
 
 
-def read_record(store: StateFile, config: Config) -> FleetRecord:
+def read_record(store: Store, config: Config) -> FleetRecord:
     """For ``status``: the record as saved, read under the lock so no write is half seen."""
     with store.locked():
         return load_existing(store, config)

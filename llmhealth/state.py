@@ -57,15 +57,25 @@ class Store(Protocol):
 
     ``locked`` is the exclusive section in which a writer loads, changes and saves the
     record, so two writers never interleave; ``load`` gives None when there is no record
-    yet. ``StateFile`` is one such store; a replicated one (etcd with a fenced write) is
-    meant to be another, with the settle itself unchanged.
+    yet. ``StateFile`` is one such store; ``cluster.EtcdStore`` (a fenced write in etcd)
+    is another, with the settle itself unchanged.
     """
+
+    @property
+    def path(self) -> Path | str:
+        """Where the record lives, for messages: a file, or an etcd key."""
+        ...
 
     def locked(self) -> AbstractContextManager[None]: ...
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None: ...
 
     def save(self, document: dict[str, Any]) -> None: ...
+
+    def command_env(self) -> dict[str, str]:
+        """Extra environment for a restart command ordered by the last save, outside the
+        section; raises StateError when this store may no longer act on that save."""
+        ...
 
 
 class StateFile:
@@ -167,6 +177,10 @@ class StateFile:
                 with contextlib.suppress(OSError):
                     temporary.unlink()
             raise StateError(f"cannot write state {self.path}: {exc}") from exc
+
+    def command_env(self) -> dict[str, str]:
+        """One machine acts under the file lock: there is no token to hand on."""
+        return {}
 
     def _set_aside(self) -> Path:
         aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -152,6 +152,7 @@ def _etcd_binary() -> str:
 
 @contextmanager
 def running_etcd(directory: Path, members: int = 1) -> Iterator[EtcdCluster]:
+    directory.mkdir(parents=True, exist_ok=True)
     names = [f"m{index}" for index in range(members)]
     ports = [(free_port(), free_port()) for _ in names]
     initial = ",".join(

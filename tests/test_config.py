@@ -8,6 +8,7 @@ import pytest
 
 from llmhealth.config import (
     Backend,
+    Cluster,
     ConfigError,
     Policy,
     Router,
@@ -116,6 +117,14 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[router]\nretries = 2", "router.retries: unknown key"),
         ("[policy]\nrestart_on = ['requests']", "policy.restart_on: requests cannot condemn"),
         ("wait = ", "not valid TOML"),
+        ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
+        ("[cluster]\netcd = 'http://e:2379'", "cluster.etcd: must be a list of strings"),
+        ("[cluster]\netcd = ['e:2379']", "cluster.etcd: 'e:2379' is not an http(s) URL"),
+        ("[cluster]\netcd = ['http://e:1']\nprefix = 'f'", "cluster.prefix: 'f' must start"),
+        ("[cluster]\netcd = ['http://e:1']\nlease_ttl = '1s'", "cluster.lease_ttl: 1 s: etcd"),
+        ("[cluster]\netcd = ['http://e:1']\nlease_ttl = 2.5", "whole seconds"),
+        ("[cluster]\netcd = ['http://e:1']\nmember = 'a/b'", "cluster.member: 'a/b' must"),
+        ("[cluster]\netcd = ['http://e:1']\nttl = 3", "cluster.ttl: unknown key"),
     ],
 )
 def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
@@ -207,3 +216,19 @@ def test_the_router_table_has_documented_defaults_and_takes_each_key(tmp_path: P
         no_backend_status=429,
     )
     assert parse_listen("[::1]:8300") == ("::1", 8300)
+
+
+def test_a_cluster_section_has_defaults_for_all_but_the_endpoints(tmp_path: Path) -> None:
+    config = load(write(tmp_path, "[cluster]\netcd = ['http://10.0.0.1:2379/']"))
+    assert config.cluster == Cluster(("http://10.0.0.1:2379",), "/llmhealth/default", 10.0, None)
+    assert load(write(tmp_path, "wait = 5")).cluster is None
+    three = load(
+        write(
+            tmp_path,
+            "[cluster]\netcd = ['http://a:2379', 'http://b:2379', 'http://c:2379']\n"
+            "prefix = '/llmhealth/prod'\nlease_ttl = '15s'\nmember = 'node-a'",
+        )
+    )
+    assert three.cluster == Cluster(
+        ("http://a:2379", "http://b:2379", "http://c:2379"), "/llmhealth/prod", 15.0, "node-a"
+    )

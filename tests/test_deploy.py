@@ -24,7 +24,7 @@ from llmhealth.classify import VerdictKind
 from llmhealth.config import DEFAULT_WAIT, Backend, Policy
 from llmhealth.config import Router as RouterSettings
 from llmhealth.daemon import SHUTDOWN_GRACE
-from llmhealth.exporter import BackendView, ExportView, FleetCollector
+from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector
 from llmhealth.ledger import State
 from llmhealth.report import FleetSummary
 from llmhealth.router import Router
@@ -319,6 +319,9 @@ def _exported_text() -> str:
             probe_errors={("gpu0", "down"): 1},
             restarts={("gpu0", "failed"): 2},
             probe_task_restarts={"gpu0": 0, "lb": 0},
+            cluster=ClusterView(
+                "node-a", True, True, "node-a", 1.7e9, 42, 97, {"node-a": 1.7e9, "node-b": 1.7e9}
+            ),
         )
     )
     registry = CollectorRegistry(auto_describe=False)
