@@ -1,0 +1,134 @@
+"""Test helper: real `llmhealth watch` daemons on one fleet, a real etcd, real faults.
+
+A scene is its own etcd (free ports, data in a temp dir) and a restartable simulated
+backend whose restart command writes one line (the fencing token and the member that ran
+it) before it really restarts the server: the line count is the number of restarts,
+whoever ran them. Used by tests/test_cluster_faults.py (the quick faults) and
+e2e/test_cluster.py (pauses, outages, several etcd members, cron beside daemons).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from etcdproc import EtcdCluster, running_etcd
+from restartable import Server, restartable_fleet
+from test_daemon import PATIENCE, Page, Watch, fleet_config, watching, write_config
+
+from llmhealth.cluster import Etcd, Keys
+
+TTL = 3  # seconds; the daemons' renew deadline is 2 s, their retry period 0.4 s
+WAIT = 0.5  # the daemons' --wait, from test_daemon.watching
+PREFIX = "/llmhealth/faults"
+
+
+@dataclass
+class Restarts:
+    """The log every restart command appends to: one line per command that ran."""
+
+    path: Path
+
+    def lines(self) -> list[tuple[int, str]]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return []
+        return [
+            (int(fence), member) for fence, member in (line.split() for line in text.splitlines())
+        ]
+
+    def argv(self, server: Server, mode: str = "idle") -> list[str]:
+        # $0 is the log, "$@" the real restart; nothing a server said reaches this shell.
+        script = 'echo "$LLMHEALTH_FENCE $LLMHEALTH_MEMBER" >> "$0"; exec "$@" >> "$0.out" 2>&1'
+        return ["sh", "-c", script, str(self.path), *server.restart_argv(mode)]
+
+
+def member_of(page: Page) -> str:
+    samples = page.samples("llmhealth_cluster_leader")
+    assert len(samples) == 1, samples
+    return samples[0].labels["member"]
+
+
+def leads(page: Page) -> bool:
+    samples = page.samples("llmhealth_cluster_leader")
+    return bool(samples) and samples[0].value == 1.0
+
+
+def inject_wedge(server: Server) -> None:
+    """The simulator's own restart into a mode that wedges at once (a new "process")."""
+    request = urllib.request.Request(
+        f"{server.url}/sim/restart", data=json.dumps({"mode": "wedge:0"}).encode(), method="POST"
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=5.0) as response:
+        assert response.status == 200
+
+
+def until(what: str, predicate: Callable[[], bool], timeout: float = PATIENCE) -> float:
+    """Poll until ``predicate`` holds; the monotonic time it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+@dataclass
+class Scene:
+    etcd: EtcdCluster
+    gpu: Server
+    restarts: Restarts
+    config: Path
+    folder: Path
+    entry_point: str
+
+    @contextmanager
+    def daemon(self, name: str) -> Iterator[Watch]:
+        # Each daemon has its own state path: only its audit log goes there in a cluster.
+        state = self.folder / f"{name}-state.json"
+        with watching(self.entry_point, self.config, state) as watch:
+            yield watch
+
+    def record(self) -> dict[str, object]:
+        found = Etcd(self.etcd.endpoints).get(Keys(PREFIX).state)
+        assert found is not None
+        value: dict[str, object] = json.loads(found.value)
+        return value
+
+
+@contextmanager
+def staged(
+    entry_point: str, tmp_path: Path, etcd_members: int = 1, policy: str = ""
+) -> Iterator[Scene]:
+    """A scene; ``policy`` is the body of a [policy] table for the config, if any."""
+    with ExitStack() as stack:
+        etcd = stack.enter_context(running_etcd(tmp_path / "etcd-data", etcd_members))
+        fleet = stack.enter_context(restartable_fleet(tmp_path))
+        gpu = fleet.start("gpu", "busy")
+        restarts = Restarts(tmp_path / "restarts.log")
+        text = fleet_config([{"name": "gpu", "url": gpu.url, "restart": restarts.argv(gpu)}])
+        text += (
+            f'\n[cluster]\netcd = {json.dumps(etcd.endpoints)}\nprefix = "{PREFIX}"\n'
+            f"lease_ttl = {TTL}\n"
+        )
+        if policy:
+            text += f"\n[policy]\n{policy}\n"
+        config = write_config(tmp_path / "fleet.toml", text)
+        yield Scene(etcd, gpu, restarts, config, tmp_path, entry_point)
+
+
+def two_daemons(scene: Scene, stack: ExitStack) -> tuple[Watch, Watch]:
+    """The first daemon leads, the second has cycled as a standby."""
+    first = stack.enter_context(scene.daemon("a"))
+    first.until("the first daemon leading", leads)
+    second = stack.enter_context(scene.daemon("b"))
+    page = second.until("the second daemon cycling", lambda p: p.cycled)
+    assert not leads(page)
+    return first, second
