@@ -19,6 +19,7 @@ import bench_compare
 import bench_read
 import bench_scale
 import bench_startup
+import bench_takeover
 import report
 from report import Section
 
@@ -50,6 +51,7 @@ STEPS: list[tuple[str, Callable[[], list[Section]]]] = [
     ("3d. check over 200 backends (bench_check)", check_200),
     ("3e. CPU per /metrics read (bench_read)", bench_read.run),
     ("4. start-up (bench_startup)", bench_startup.run),
+    ("5. takeover on etcd (bench_takeover)", bench_takeover.run),
 ]
 
 
