@@ -39,7 +39,7 @@ ACTOR = "llmhealth"
 class Mode(StrEnum):
     ACT = "act"  # restart what the plan allows
     DRY_RUN = "dry_run"  # decide and log every restart, issue and run none (verdicts still count)
-    OFF = "off"  # --no-restart: no plan at all for this run
+    OFF = "off"  # no plan at all: --no-restart, or a settle that only hears commands
 
 
 @dataclass(frozen=True, slots=True)
