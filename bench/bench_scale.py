@@ -420,8 +420,8 @@ def _targets(
         notes.append(
             f"Target: {LARGE:,} backends with the cycle's CPU inside its wait, on both "
             f"cores: {verdict(False)}: {used:.2f} s of CPU per {WATCH_WAIT:g} s cycle, on "
-            "one event loop in one process (reads are not spread over processes yet; see "
-            "RESULTS.md's closing notes)."
+            "one event loop in one process: the reads are not spread over processes yet "
+            "(bench/README.md has the profile of where a cycle's CPU goes)."
         )
     if wall["check"].get(3000):
         bound = 2 * WAIT + 2.0

@@ -107,7 +107,12 @@ def section_markdown(section: Section) -> str:
     return "\n".join(parts)
 
 
-def document(sections: Sequence[Section], started: datetime.datetime, seconds: float) -> str:
+def document(
+    sections: Sequence[Section],
+    started: datetime.datetime,
+    seconds: float,
+    loads: Sequence[tuple[str, float]] = (),
+) -> str:
     facts = machine()
     header = [
         "# Benchmark results",
@@ -118,6 +123,14 @@ def document(sections: Sequence[Section], started: datetime.datetime, seconds: f
         f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}",
         *(f"- {key}: {value}" for key, value in facts.items()),
         f"- whole run: {seconds / 60:.1f} min",
+        *(
+            [
+                "- load average (1 min) as each step began, on this shared machine: "
+                + ", ".join(f"{name} {load:.1f}" for name, load in loads)
+            ]
+            if loads
+            else []
+        ),
         "",
         "Times are medians with (min-max) over the repeats stated; the machine is shared and "
         "noisy, so compare ratios and counts before absolute times.",
@@ -130,7 +143,8 @@ def write(
     sections: Sequence[Section],
     started: datetime.datetime,
     seconds: float,
+    loads: Sequence[tuple[str, float]] = (),
     path: Path = RESULTS,
 ) -> Path:
-    path.write_text(document(sections, started, seconds))
+    path.write_text(document(sections, started, seconds, loads))
     return path

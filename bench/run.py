@@ -9,6 +9,7 @@ status says so: a partial RESULTS.md must not pass for a complete one.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 import traceback
@@ -60,8 +61,10 @@ def main() -> int:
     began = time.monotonic()
     sections: list[Section] = []
     failed = []
+    loads: list[tuple[str, float]] = []
     for name, step in STEPS:
-        print(f"== {name}", flush=True)
+        loads.append((name.split(" ", 1)[0].rstrip("."), os.getloadavg()[0]))
+        print(f"== {name} (load {loads[-1][1]:.1f})", flush=True)
         step_began = time.monotonic()
         try:
             produced = step()
@@ -79,7 +82,8 @@ def main() -> int:
             print(report.section_markdown(section), flush=True)
         sections.extend(produced)
     seconds = time.monotonic() - began
-    path = report.write(sections, started, seconds)
+    loads.append(("end", os.getloadavg()[0]))
+    path = report.write(sections, started, seconds, loads)
     print(f"wrote {path} after {seconds / 60:.1f} min", flush=True)
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
