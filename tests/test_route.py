@@ -129,3 +129,23 @@ def test_a_backend_busy_to_probes_but_failing_every_request_is_condemned_by_traf
     assert len(requests) == 3
     assert all(r["failure"] == "first_byte_timeout" for r in requests)
     assert [r["at"] for r in requests] == sorted(r["at"] for r in requests)
+
+
+def test_route_refuses_to_start_without_backends_or_with_a_bad_address(
+    tmp_path: Path, entry_point: str
+) -> None:
+    nothing = subprocess.run(
+        [entry_point, "route"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert nothing.returncode == 3, nothing.stderr
+    assert "nothing to route to" in nothing.stderr
+    config = write_config(tmp_path, {"a": "http://127.0.0.1:9"})
+    bad = subprocess.run(
+        [entry_point, "route", "--config", str(config), "--listen", "nowhere"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 3, bad.stderr
+    assert "'nowhere' is not HOST:PORT" in bad.stderr
