@@ -1,0 +1,601 @@
+"""`llmhealth route` beside the usual ways to spread requests over vLLM backends.
+
+Four contenders, side by side in one run, against the same backends and the same load
+generator (a separate process, aiohttp, one keep-alive pool):
+  direct       the client talks to the backend itself (the baseline; no failover)
+  nginx        Debian's nginx, least_conn, passive max_fails=1 fail_timeout=10s
+  vllm-router  the PyPI wheel (Rust), policy power_of_two, installed into its own venv
+               (bench/.venv-vllm-router) by this script: a contender, never a dependency
+  llmhealth    `llmhealth route` with defaults but for the same 10 s first-byte bound
+
+Sections: added latency of small requests at 64 concurrent clients; streams (time to the
+first chunk, gaps between chunks); throughput and CPU per request of the router process;
+and the headline, one of four simulated backends wedging under load (counters frozen,
+connections accepted): client-visible failures and seconds until no new request reaches
+it. `python bench_router.py` prints the section and writes it into RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import httpx
+import report
+from report import Section, Table
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENV_ROUTER = HERE / ".venv-vllm-router"
+PYTHON = sys.executable
+SMALL_SECONDS = 8.0
+CONCURRENCY = 64
+STREAMS = 8
+STREAM_CHUNKS, STREAM_GAP_MS = 20, 20
+WEDGE_AFTER = 6.0  # seconds after the simulator starts
+WEDGE_RUN = 36.0  # seconds of load per contender in the wedge run
+WEDGE_CLIENTS = 16
+FAILURE_BOUND = 10  # seconds: nginx proxy_read_timeout, vllm-router and llmhealth timeouts
+CONTENDERS = ("direct", "nginx", "vllm-router", "llmhealth")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and all its descendants, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = fields
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        if current in stats:
+            total += (int(stats[current][11]) + int(stats[current][12])) / tick
+        todo += children.get(current, [])
+    return total
+
+
+@contextlib.contextmanager
+def process(
+    argv: list[str], ready: str | None = None, **kwargs: Any
+) -> Iterator[subprocess.Popen[str]]:
+    """A child process until the block ends; ``ready`` is a line its stdout prints."""
+    child = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    assert child.stdout is not None
+    tail: collections.deque[str] = collections.deque(maxlen=50)
+    seen = threading.Event()
+
+    def drain(stream: IO[str]) -> None:
+        # Read everything, always: a child that logs into a full pipe stops dead.
+        for line in stream:
+            tail.append(line)
+            if ready is not None and ready in line:
+                seen.set()
+
+    threading.Thread(target=drain, args=(child.stdout,), daemon=True).start()
+    try:
+        if ready is not None and not seen.wait(60):
+            raise RuntimeError(f"{argv[0]} not ready:\n{''.join(tail)}")
+        yield child
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait(5)
+
+
+def wait_http(url: str, path: str = "/v1/models", timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}{path} not answering after {timeout:.0f} s")
+
+
+# --- contenders ------------------------------------------------------------------------
+
+NGINX = """daemon off; master_process on; worker_processes 1; pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/cb; proxy_temp_path {dir}/px; fastcgi_temp_path {dir}/fc;
+  uwsgi_temp_path {dir}/uw; scgi_temp_path {dir}/sc;
+  upstream backends {{ least_conn; {servers} keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://backends; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_read_timeout {bound}s; proxy_connect_timeout 3s;
+    }}
+  }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def contender(name: str, backends: list[str], scratch: Path) -> Iterator[tuple[str, int | None]]:
+    """The URL a client uses for ``name`` over ``backends``, and the PID whose CPU counts."""
+    if name == "direct":
+        yield backends[0], None
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "nginx":
+        directory = scratch / f"nginx-{port}"
+        directory.mkdir()
+        servers = " ".join(
+            f"server {b.removeprefix('http://')} max_fails=1 fail_timeout=10s;" for b in backends
+        )
+        conf = directory / "nginx.conf"
+        conf.write_text(
+            NGINX.format(dir=directory, servers=servers, port=port, bound=FAILURE_BOUND)
+        )
+        argv = [nginx_binary(), "-p", str(directory), "-c", str(conf), "-e", "stderr"]
+    elif name == "vllm-router":
+        argv = [str(VENV_ROUTER / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port"]
+        # power_of_two refuses a single worker; round_robin is the same thing over one.
+        policy = "power_of_two" if len(backends) > 1 else "round_robin"
+        argv += [str(port), "--policy", policy, "--worker-urls", *backends]
+        argv += ["--request-timeout-secs", str(FAILURE_BOUND), "--log-level", "warning"]
+    else:
+        config = scratch / f"route-{port}.toml"
+        lines = [f'state = "{scratch / f"state-{port}.json"}"', "[router]"]
+        lines.append(f'first_byte_timeout = "{FAILURE_BOUND}s"')
+        for index, backend in enumerate(backends):
+            lines += ["[[backend]]", f'name = "b{index}"', f'url = "{backend}"']
+        config.write_text("\n".join(lines) + "\n")
+        llmhealth = str(Path(PYTHON).with_name("llmhealth"))
+        argv = [llmhealth, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"]
+    with process(argv) as child:
+        wait_http(url, "/health" if name == "llmhealth" else "/v1/models")
+        yield url, child.pid
+
+
+def nginx_binary() -> str:
+    for candidate in ("/usr/sbin/nginx", "/usr/bin/nginx"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError("nginx is not installed: apt-get install nginx-light")
+
+
+def install_vllm_router() -> str:
+    """The contender's own venv; never part of llmhealth's dependencies."""
+    binary = VENV_ROUTER / "bin" / "vllm-router"
+    if not binary.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV_ROUTER)], check=True)
+        pip = [str(VENV_ROUTER / "bin" / "pip"), "install", "--quiet", "vllm-router"]
+        subprocess.run(pip, check=True)
+    done = subprocess.run(
+        [str(VENV_ROUTER / "bin" / "pip"), "show", "vllm-router"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+# --- the load generator (a child process, the same for every contender) ----------------
+
+
+async def _small(url: str, concurrency: int, seconds: float) -> dict[str, Any]:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    latencies: list[float] = []
+    failures = 0
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal failures
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    async with session.post(
+                        url + "/v1/completions",
+                        data=body,
+                        headers={"Content-Type": "application/json"},
+                    ) as reply:
+                        await reply.read()
+                        ok = reply.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - started)
+                else:
+                    failures += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"latencies": latencies, "failures": failures, "seconds": seconds}
+
+
+async def _streams(url: str, concurrency: int, rounds: int) -> dict[str, Any]:
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "hi",
+            "stream": True,
+            "chunks": STREAM_CHUNKS,
+            "gap_ms": STREAM_GAP_MS,
+        }
+    ).encode()
+    first: list[float] = []
+    gaps: list[float] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def worker() -> None:
+            for _ in range(rounds):
+                started = time.perf_counter()
+                last = None
+                async with session.post(
+                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as reply:
+                    buffer = b""
+                    async for piece in reply.content.iter_any():
+                        now = time.perf_counter()
+                        buffer += piece
+                        events = buffer.count(b"\n\n")
+                        buffer = buffer.rsplit(b"\n\n", 1)[-1]
+                        for _ in range(events):
+                            if last is None:
+                                first.append(now - started)
+                            else:
+                                gaps.append(now - last)
+                            last = now
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"first": first, "gaps": gaps}
+
+
+async def _wedge_load(url: str, clients: int, seconds: float, timeout: float) -> dict[str, Any]:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4}).encode()
+    outcomes: list[tuple[float, float, str]] = []  # sent at, took, outcome
+    deadline = time.time() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+
+        async def worker() -> None:
+            while time.time() < deadline:
+                sent = time.time()
+                try:
+                    async with session.post(
+                        url + "/v1/completions",
+                        data=body,
+                        headers={"Content-Type": "application/json"},
+                    ) as reply:
+                        await reply.read()
+                        outcome = str(reply.status)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    outcome = type(exc).__name__
+                outcomes.append((sent, time.time() - sent, outcome))
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return {"outcomes": outcomes}
+
+
+def load(kind: str, url: str, *args: str) -> dict[str, Any]:
+    """Run the load generator as its own process (its CPU is not the router's)."""
+    argv = [PYTHON, str(Path(__file__)), "load", kind, url, *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def _load_main(argv: list[str]) -> None:
+    kind, url, *rest = argv
+    if kind == "small":
+        result = asyncio.run(_small(url, int(rest[0]), float(rest[1])))
+    elif kind == "streams":
+        result = asyncio.run(_streams(url, int(rest[0]), int(rest[1])))
+    else:
+        result = asyncio.run(_wedge_load(url, int(rest[0]), float(rest[1]), float(rest[2])))
+    print(json.dumps(result))
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Speed:
+    p50: float
+    p99: float
+    worst: float
+    rps: float
+    failures: int
+    cpu_per_request_ms: float | None
+    first_p50: float
+    first_p99: float
+    gap_p50: float
+    gap_p99: float
+    gap_worst: float
+
+
+def measure_speed(name: str, backend: str, scratch: Path) -> Speed:
+    with contender(name, [backend], scratch) as (url, pid):
+        load("small", url, "8", "2")  # warm-up: connections, caches
+        cpu_before = cpu_seconds(pid) if pid else 0.0
+        small = load("small", url, str(CONCURRENCY), str(SMALL_SECONDS))
+        cpu = (cpu_seconds(pid) - cpu_before) if pid else None
+        streams = load("streams", url, str(STREAMS), "3")
+    latencies = small["latencies"]
+    return Speed(
+        p50=quantile(latencies, 0.5) * 1000,
+        p99=quantile(latencies, 0.99) * 1000,
+        worst=max(latencies) * 1000,
+        rps=len(latencies) / small["seconds"],
+        failures=small["failures"],
+        cpu_per_request_ms=None if cpu is None else cpu / max(1, len(latencies)) * 1000,
+        first_p50=quantile(streams["first"], 0.5) * 1000,
+        first_p99=quantile(streams["first"], 0.99) * 1000,
+        gap_p50=quantile(streams["gaps"], 0.5) * 1000,
+        gap_p99=quantile(streams["gaps"], 0.99) * 1000,
+        gap_worst=max(streams["gaps"]) * 1000,
+    )
+
+
+@dataclass
+class Wedge:
+    failures: int
+    requests: int
+    slowest_failure: float
+    avoid_seconds: float | None
+    hung_on_wedged: int
+
+
+def measure_wedge(name: str, scratch: Path) -> Wedge:
+    """Four busy simulated backends, the last wedging WEDGE_AFTER s after start."""
+    base = free_port_block(4)
+    modes = ["busy", "busy", "busy", f"wedge:{WEDGE_AFTER:g}"]
+    argv = [PYTHON, "-m", "llmhealth", "simulate", *modes, "--port", str(base)]
+    argv += ["--max-num-seqs", "64", "--request-seconds", "0.2"]
+    backends = [f"http://127.0.0.1:{base + i}" for i in range(4)]
+    with process(argv, ready="ready") as _:
+        born = time.time()
+        wedged_at = born + WEDGE_AFTER
+        if name == "direct":  # a client of one fixed backend: the one that wedges
+            backends = [backends[3], *backends[:3]]
+        with contender(name, backends, scratch) as (url, _pid):
+            received: list[tuple[float, int]] = []
+            stop = time.time() + WEDGE_RUN
+            with subprocess.Popen(
+                [
+                    PYTHON,
+                    str(Path(__file__)),
+                    "load",
+                    "wedge",
+                    url,
+                    str(WEDGE_CLIENTS),
+                    str(WEDGE_RUN),
+                    "60",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            ) as loader:
+                while time.time() < stop + 1:
+                    with contextlib.suppress(httpx.HTTPError):
+                        stats = httpx.get(
+                            backends[3 if name != "direct" else 0] + "/sim/stats", timeout=2
+                        ).json()
+                        received.append((time.time(), int(stats["completions_received"])))
+                    time.sleep(0.25)
+                output, _ = loader.communicate(timeout=120)
+    outcomes = json.loads(output)["outcomes"]
+    failed = [o for o in outcomes if o[2] != "200"]
+    # The last moment a new request reached the wedged backend, after the wedge.
+    last_new = None
+    for (_, n0), (t1, n1) in itertools.pairwise(received):
+        if n1 > n0 and t1 > wedged_at:
+            last_new = t1
+    at_wedge = next((n for t, n in received if t >= wedged_at), 0)
+    final = received[-1][1] if received else 0
+    return Wedge(
+        failures=len(failed),
+        requests=len(outcomes),
+        slowest_failure=max((o[1] for o in failed), default=0.0),
+        avoid_seconds=None if last_new is None else last_new - wedged_at,
+        hung_on_wedged=final - at_wedge,
+    )
+
+
+def free_port_block(count: int) -> int:
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65000 and all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run() -> list[Section]:
+    began = time.monotonic()
+    version = install_vllm_router()
+    speeds: dict[str, Speed] = {}
+    wedges: dict[str, Wedge] = {}
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        backend_port = free_port()
+        with process([PYTHON, str(HERE / "fast_backend.py"), str(backend_port)], ready="ready"):
+            backend = f"http://127.0.0.1:{backend_port}"
+            for name in CONTENDERS:
+                print(f"  speed: {name}", flush=True)
+                speeds[name] = measure_speed(name, backend, scratch)
+        for name in CONTENDERS:
+            print(f"  wedge: {name}", flush=True)
+            wedges[name] = measure_wedge(name, scratch)
+    return [section(speeds, wedges, version, time.monotonic() - began)]
+
+
+def section(
+    speeds: dict[str, Speed], wedges: dict[str, Wedge], version: str, seconds: float
+) -> Section:
+    direct = speeds["direct"]
+    speed_rows = []
+    for name, s in speeds.items():
+        added = (
+            "-" if name == "direct" else f"{s.p50 - direct.p50:+.2f} / {s.p99 - direct.p99:+.2f}"
+        )
+        cpu = "-" if s.cpu_per_request_ms is None else f"{s.cpu_per_request_ms:.3f}"
+        speed_rows.append(
+            [
+                name,
+                f"{s.p50:.2f} / {s.p99:.2f} / {s.worst:.1f}",
+                added,
+                f"{s.rps:.0f}",
+                str(s.failures),
+                cpu,
+            ]
+        )
+    stream_rows = []
+    for name, s in speeds.items():
+        added = "-" if name == "direct" else f"{s.first_p50 - direct.first_p50:+.2f}"
+        stream_rows.append(
+            [
+                name,
+                f"{s.first_p50:.2f} / {s.first_p99:.2f}",
+                added,
+                f"{s.gap_p50:.2f} / {s.gap_p99:.2f} / {s.gap_worst:.1f}",
+            ]
+        )
+    wedge_rows = []
+    for name, w in wedges.items():
+        avoid = (
+            "never"
+            if w.avoid_seconds is None and name == "direct"
+            else ("-" if w.avoid_seconds is None else f"{w.avoid_seconds:.1f}")
+        )
+        wedge_rows.append(
+            [
+                name,
+                f"{w.failures} of {w.requests}",
+                f"{w.slowest_failure:.1f}",
+                avoid,
+                str(w.hung_on_wedged),
+            ]
+        )
+    return Section(
+        title="5. The router against nginx and vllm-router (bench_router)",
+        command="cd bench && ../.venv/bin/python bench_router.py",
+        intro=[
+            f"One fast backend (`fast_backend.py`: answers at once; streams {STREAM_CHUNKS} "
+            f"chunks {STREAM_GAP_MS} ms apart) behind each contender: direct, Debian nginx "
+            f"(least_conn, max_fails=1 fail_timeout=10s, proxy_buffering off, keepalive), "
+            f"vllm-router {version} (PyPI wheel in its own venv, power_of_two) and "
+            "`llmhealth route` (defaults). Load from a separate aiohttp process: "
+            f"{CONCURRENCY} concurrent clients for {SMALL_SECONDS:g} s of `max_tokens: 1` "
+            f"requests; {STREAMS} concurrent streams, 3 each. Times in ms; CPU is the router "
+            "process tree's user+system time over the small-request run divided by the "
+            "requests answered. Everything shares the same 2 cores, the load generator too.",
+        ],
+        tables=[
+            Table(
+                [
+                    "contender",
+                    "latency p50 / p99 / max",
+                    "added p50 / p99",
+                    "requests/s",
+                    "failed",
+                    "CPU ms/request",
+                ],
+                speed_rows,
+                f"Small non-streaming requests at {CONCURRENCY} concurrent",
+            ),
+            Table(
+                ["contender", "first chunk p50 / p99", "added p50", "gap p50 / p99 / max"],
+                stream_rows,
+                f"Streams ({STREAM_GAP_MS} ms between chunks at the backend)",
+            ),
+            Table(
+                [
+                    "contender",
+                    "client-visible failures",
+                    "slowest failure s",
+                    "s until no new request reaches it",
+                    "requests it got after the wedge",
+                ],
+                wedge_rows,
+                f"One of four busy simulated backends wedges {WEDGE_AFTER:g} s after start "
+                f"(counters frozen, connections accepted); {WEDGE_CLIENTS} clients for "
+                f"{WEDGE_RUN:g} s, client timeout 60 s, every contender's failure bound "
+                f"{FAILURE_BOUND} s. Direct: the clients hold the wedging backend's URL.",
+            ),
+        ],
+        seconds=seconds,
+    )
+
+
+def main() -> int:
+    sections = run()
+    text = "\n".join(report.section_markdown(s) for s in sections)
+    print(text)
+    results = HERE / "RESULTS.md"
+    current = results.read_text() if results.exists() else ""
+    marker = "\n## 5. The router"
+    if marker in current:
+        head, _, tail = current.partition(marker)
+        rest = tail.split("\n## ", 1)
+        current = head + ("\n## " + rest[1] if len(rest) > 1 else "\n")
+    results.write_text(current.rstrip("\n") + "\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "load":
+        _load_main(sys.argv[2:])
+        sys.exit(0)
+    sys.exit(main())
