@@ -169,6 +169,7 @@ class Daemon:
         # what they finished waits here for the next settle. Touched on the loop only.
         self._commands_running: dict[asyncio.Future[CommandResult], RestartOrder] = {}
         self._commands_done: list[CommandDone] = []
+        self._orders_waiting: dict[str, RestartOrder] = {}  # for a command still running
         # on_serving_change runs the same way: one at a time, once more if the serving
         # file changed again while it ran.
         self._serving_changed = False
@@ -315,7 +316,13 @@ class Daemon:
 
         Only if the store may still act on the save that ordered it (a cluster leader
         whose fence holds and whose deadline has not passed), with its fencing token.
+        One command per backend at a time: a restart issued while the previous one's
+        command still runs (its startup grace ran out first) waits for that to end.
         """
+        if any(running.name == order.name for running in self._commands_running.values()):
+            self._orders_waiting[order.name] = order
+            self._log(f"{order.name}: restart issued; its command waits for the previous one")
+            return
         try:
             order = replace(order, env={**order.env, **self._store.command_env()})
         except StateError as exc:
@@ -327,6 +334,9 @@ class Daemon:
 
     def _command_finished(self, running: asyncio.Future[CommandResult]) -> None:
         order = self._commands_running.pop(running)
+        waiting = self._orders_waiting.pop(order.name, None)
+        if waiting is not None and not self._stop.is_set():
+            self._launch(waiting)
         if running.cancelled():
             return
         error = running.exception()
@@ -378,6 +388,8 @@ class Daemon:
             await asyncio.wait(set(self._commands_running), timeout=SHUTDOWN_GRACE)
             for order in self._commands_running.values():
                 self._log(f"{order.name}: restart command still running; its restart stays issued")
+        for order in self._orders_waiting.values():
+            self._log(f"{order.name}: its restart stays issued; its command never ran")
         done = self._take_commands()
         if not done:
             return

@@ -1217,6 +1217,46 @@ def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
     assert rc == 0
 
 
+def test_a_restart_issued_while_the_last_command_still_runs_waits_for_it(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    ran, go = tmp_path / "command.log", tmp_path / "command.go"
+    command = [sys.executable, "-c", SLOW_HOOK, str(ran), str(go)]  # logs, then waits
+    # A startup grace shorter than the command: the first restart fails while its
+    # command still runs, and the plan issues a second one once the cooldown is over.
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "slow", "url": urls.wedge_a, "restart": command}])
+        + '\n[policy]\nstartup_grace = "1s"\ncooldown = "1s"\ncooldown_max = "2s"\n',
+    )
+    try:
+        with watching(entry_point, config, tmp_path / "state.json") as watch:
+            watch.logged("slow: restart issued; its command waits for the previous one")
+            assert ran.read_text() == "ran\n"  # never two commands for one backend at once
+            go.touch()
+            deadline = time.monotonic() + PATIENCE
+            while ran.read_text().count("ran") < 2:  # the second one once the first ended
+                assert time.monotonic() < deadline, watch.stderr()
+                time.sleep(POLL)
+            watch.logged("slow: restart command ran")
+            rc, _ = watch.stop()
+    finally:
+        go.touch()
+    assert rc == 0
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    heard = [r for r in audit if r["event"] == "restart_command"]
+    # The first command's outcome came after the restart it served had failed: noted,
+    # and it fails nothing.
+    assert heard[0]["superseded"] is True
+    decided = [r["event"] for r in audit if r["event"] != "restart_skipped"]  # cooldowns
+    assert decided[:4] == [
+        "wedge_proven",
+        "restart",
+        "startup_expired",
+        "restart",
+    ]
+
+
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
     urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
