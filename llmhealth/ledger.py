@@ -630,8 +630,11 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
     b.restart_times = [t for t in b.restart_times if _in_window(t, event.now, window)]
     spent = len(b.restart_times)
     if spent >= policy.restart_budget:
-        b.last_error = f"restart budget spent: {spent} attempts in {_span(window)}"
-        return State.RETIRED, b.last_error
+        why = f"restart budget spent: {spent} attempts in {_span(window)}"
+        # Retirement ends the record, so it keeps what the backend last failed on: a reload
+        # that could not get its GPU and one with a bad config want different answers.
+        b.last_error = f"{why}; last error: {b.last_error}" if b.last_error else why
+        return State.RETIRED, why
     b.restart_times.append(event.now)
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"

@@ -529,7 +529,8 @@ def test_the_restart_past_the_budget_retires_the_backend_instead() -> None:
     t = walk.feed(
         restart,
         state=State.RETIRED,
-        last_error="restart budget spent: 2 attempts in 1h",
+        last_error="restart budget spent: 2 attempts in 1h; "
+        "last error: wedged: 3 running, no step over 2 waits",
     )
     assert t.reason == "restart budget spent: 2 attempts in 1h"
     assert walk.ledger.absent == ("a",)
@@ -648,7 +649,11 @@ def test_an_operator_reset_brings_a_retired_backend_back_as_stale_with_a_clean_s
         state=State.DEAD,
         last_error="restart failed: exit 1",
     )
-    walk.feed(restart, state=State.RETIRED, last_error="restart budget spent: 1 attempts in 24h")
+    walk.feed(
+        restart,
+        state=State.RETIRED,
+        last_error="restart budget spent: 1 attempts in 24h; last error: restart failed: exit 1",
+    )
     for kind in EventKind:
         if kind is not EventKind.OPERATOR_RESET:
             t = walk.ignore(maker_for(kind))
