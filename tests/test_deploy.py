@@ -311,7 +311,19 @@ def _exported_text() -> str:
     collector.publish(
         ExportView(
             backends=(
-                BackendView("gpu0", "backend", "busy", "healthy", True, 4, 8, 400.0, 1600.0, 0.01),
+                BackendView(
+                    "gpu0",
+                    "backend",
+                    "busy",
+                    "healthy",
+                    True,
+                    4,
+                    8,
+                    400.0,
+                    1600.0,
+                    0.01,
+                    in_place_recoveries=0,
+                ),
                 BackendView("lb", "proxy", "up", None, None, probe_seconds=0.002),
             ),
             fleet=FleetSummary(1, 1, 3, False, "1 serving"),
