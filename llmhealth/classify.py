@@ -303,12 +303,12 @@ def _last_restart(
         readable.insert(0, (-1, baseline))
     last = None
     for (older_index, older), (index, newer) in itertools.pairwise(readable):
-        if _restarted_between(older, newer):
+        if restarted_between(older, newer):
             last = (index, older, older_index < 0)
     return last
 
 
-def _restarted_between(older: Signals, newer: Signals) -> bool:
+def restarted_between(older: Signals, newer: Signals) -> bool:
     """Start time changed; without start times (multiprocess mode), a counter went down.
 
     A start time present in only one of the two texts proves nothing by itself (a body

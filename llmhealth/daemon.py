@@ -157,7 +157,6 @@ class Daemon:
         self._snapshots: dict[str, BackendSnapshot] = {}
         self._fleet: FleetSummary | None = None
         self._record: FleetRecord | None = None  # as last settled or read
-        self._leading = False  # this daemon's last settle was a leader's
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
         self._router = router
@@ -499,23 +498,15 @@ class Daemon:
         backends = backend_urls(self._targets)
         seat = self._seat
         if seat is not None and not seat.elector.decision().may_act:
-            self._leading = False
             return self._stand_by(news, seat.standing())
-        taking_over = seat is not None and not self._leading
-
-        def gather(record: FleetRecord) -> list[Outcome]:
-            if taking_over:
-                # A standby's windows never saw the record: hand each probe the process
-                # the last leader wrote down, so a restart it ran (or saw) is not missed.
-                self._baselines.update(baselines_of(record))
-            return news.verdicts
-
+        # A standby that takes over never saw the processes the old leader wrote down: the
+        # record's sightings show the ledger a restart its windows missed (fleet.py).
         try:
             settled = settle_fleet(
                 self._store,
                 self._config,
                 backends,
-                gather,
+                lambda _record: news.verdicts,
                 mode=Mode.OFF if news.final else Mode.ACT,
                 audit=AuditLog(self._audit_path),
                 clock=self._clock,
@@ -523,11 +514,9 @@ class Daemon:
                 commands=news.commands,
             )
         except ClusterError as exc:
-            self._leading = False
             # Deposed, fenced out or cut off from etcd mid-settle: nothing was written, no
             # restart ordered; this cycle's verdicts are still reported.
             return self._stand_by(news, f"did not settle: {exc}")
-        self._leading = True
         now = settled.report.checked_at
         self._record = settled.record
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}

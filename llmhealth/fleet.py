@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from llmhealth.classify import ReadProblem, Verdict, VerdictKind
+from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
     Event,
     EventKind,
@@ -137,7 +137,7 @@ def events_for(
     process = process_seen(verdict)
 
     if state in (State.DEAD, State.RESTARTING):
-        if kind is VerdictKind.RESTARTED or came_back:
+        if kind is VerdictKind.RESTARTED or came_back or _another_process(verdict, previous):
             return [NewProcessUp(now=now, process=process), *readmit]
         if state is State.RESTARTING:
             return []
@@ -187,6 +187,19 @@ def process_seen(verdict: Verdict) -> ProcessSeen | None:
         for name, value in engine.counters.items()
     }
     return ProcessSeen(start=signals.process_start, counters=counters)
+
+
+def _another_process(verdict: Verdict, previous: Sighting | None) -> bool:
+    """The verdict's process is not the one last sighted (and written down).
+
+    A read window can miss a restart on its own: it starts afresh after a failed read,
+    and a daemon that takes over from another never saw the old process at all. The
+    record's sighting still did; the comparison is classify's own.
+    """
+    newest = _newest_signals(verdict)
+    if newest is None or previous is None or previous.baseline is None:
+        return False
+    return restarted_between(previous.baseline, newest)
 
 
 def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:

@@ -31,6 +31,7 @@ from llmhealth.ledger import (
     ProcessSeen,
     Readmitted,
     RequestFailure,
+    RestartIssued,
     Retire,
     State,
     UnplannedRestart,
@@ -929,3 +930,51 @@ def test_a_randomly_damaged_document_decodes_or_is_a_value_error(document: dict[
     # Whatever was accepted is a record that encodes and decodes to itself.
     encoded = json.loads(json.dumps(record.to_dict()))
     assert FleetRecord.from_dict(encoded, POLICY).to_dict() == encoded
+
+
+@pytest.mark.parametrize("state", [State.RESTARTING, State.DEAD])
+def test_a_process_other_than_the_one_sighted_is_a_new_process_even_unannounced(
+    state: State,
+) -> None:
+    # The read window that would have said "restarted" started afresh (a failed read, or
+    # a daemon that took over from another): the record's sighting still knows the old one.
+    old = Sighting(EARLIER, True, signals(start=50.0))
+    new = verdict(
+        VerdictKind.IDLE,
+        True,
+        "no work (0 running, 0 waiting); tiny request answered in 0.05 s by model tiny",
+        reads=(readable(running=0.0, start=90.0, steps=3.0),),
+        answer=ANSWERED,
+    )
+    events = events_for(new, state, now=NOW, previous=old)
+    assert [type(event) for event in events] == [NewProcessUp, Readmitted]
+    # The same process, or nothing sighted to compare with, is no news.
+    same = replace(new, reads=(readable(running=0.0, start=50.0, steps=140.0),))
+    assert not any(
+        isinstance(e, NewProcessUp) for e in events_for(same, state, now=NOW, previous=old)
+    )
+    assert not any(
+        isinstance(e, NewProcessUp) for e in events_for(new, state, now=NOW, previous=None)
+    )
+    # A counter that went back is another process too, where no start time is shown.
+    multiproc_old = Sighting(EARLIER, True, signals(start=None, steps=500.0))
+    multiproc_new = replace(new, reads=(readable(running=0.0, start=None, steps=3.0),))
+    events = events_for(multiproc_new, state, now=NOW, previous=multiproc_old)
+    assert [type(event) for event in events] == [NewProcessUp, Readmitted]
+
+
+def test_a_restart_the_window_missed_still_ends_restarting() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    record.ledger.apply("gpu0", RestartIssued(now=NOW + 2))
+    assert record.ledger.state_of("gpu0") is State.RESTARTING
+    fresh = verdict(
+        VerdictKind.IDLE,
+        True,
+        "no work (0 running, 0 waiting); tiny request answered in 0.05 s by model tiny",
+        reads=(readable(running=0.0, start=999.0, steps=1.0),),
+        answer=ANSWERED,
+    )
+    record.observe("gpu0", fresh, NOW + 3)
+    assert record.ledger.state_of("gpu0") is State.HEALTHY
