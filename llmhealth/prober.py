@@ -16,7 +16,7 @@ from types import TracebackType
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
-from llmhealth.ledger import Transition
+from llmhealth.ledger import State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client
 
@@ -76,8 +76,9 @@ class Prober:
     async def probe(self) -> list[ProbeResult]:
         """One read of each serving backend (and a tiny request to an idle one), judged and
         fed to the fleet. A backend out of the serving set is not probed: an answer would
-        not bring it back, and its next reads start afresh."""
-        keys = self._fleet.serving_shards()
+        not bring it back, and its next reads start afresh. The exception is a DEAD one
+        when the policy allows recovery in place: its own process may prove itself."""
+        keys = self._targets()
         for key in [k for k in self._slots if k not in keys]:
             await self._slots.pop(key).client.aclose()
         verdicts = await asyncio.gather(*(self._examine(key) for key in keys))
@@ -91,6 +92,12 @@ class Prober:
         if self._stall is not None:
             self._stall.observe(self._newest_signals(), time.monotonic())
         return results
+
+    def _targets(self) -> list[Key]:
+        fleet = self._fleet
+        if not fleet.policy.recover_in_place:
+            return fleet.serving_shards()
+        return [k for k in fleet.keys if k in fleet.serving_shards() or _dead(fleet, k)]
 
     async def aclose(self) -> None:
         slots, self._slots = list(self._slots.values()), {}
@@ -127,3 +134,7 @@ class Prober:
             if slot.window and slot.window[-1].signals is not None:
                 newest[str(key)] = slot.window[-1].signals
         return newest
+
+
+def _dead(fleet: FleetHealth, key: Key) -> bool:
+    return fleet.state_of(key) is State.DEAD

@@ -91,6 +91,36 @@ def test_a_backend_that_went_away_is_counted_down_to_dead() -> None:
     assert {r[0].verdict for r in rounds} == {VerdictKind.DOWN}
 
 
+def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place() -> None:
+    """Condemned by failed requests while its process is fine: with recover_in_place its
+    own process proves itself back to STALE (a refit still decides); without, it is left
+    alone, as seed 000 has it."""
+
+    async def main(url: str, recover: bool) -> tuple[FleetHealth, int]:
+        fleet = FleetHealth([url], policy=FleetPolicy(recover_in_place=recover))
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            await prober.probe()  # idle: the ledger learns which process this is
+            for _ in range(3):
+                fleet.report_failure(0, "500 from a generation")
+            assert fleet.state_of(0) is State.DEAD
+            probed = 0
+            for _ in range(4):
+                probed += len(await prober.probe())
+                if fleet.state_of(0) is not State.DEAD:
+                    break
+                await asyncio.sleep(INTERVAL)
+        return fleet, probed
+
+    with running_simulator(["idle"]) as sim:
+        off, probed_off = asyncio.run(main(sim.urls[0], recover=False))
+        on, probed_on = asyncio.run(main(sim.urls[0], recover=True))
+    assert off.state_of(0) is State.DEAD and probed_off == 0
+    assert on.state_of(0) is State.STALE and probed_on >= 2
+    assert 0 not in on.serving_shards()
+    on.report_refit(0, weight_version=1)
+    assert on.state_of(0) is State.HEALTHY
+
+
 def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
     async def main(urls: list[str]) -> StallWatch:
         stall = StallWatch(started_at=time.monotonic())
