@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -325,9 +325,43 @@ class AuditLog:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._batching = False
+        self._unsynced = False  # written inside a batch, not yet made durable
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Appends inside are written as they come and made durable together, by one
+        fsync when the batch ends, even if it ends by an exception (AuditError if that
+        fsync fails). A batch inside a batch is part of it.
+
+        A settle that proves 750 wedges writes 1,500 records; one fsync each took
+        seconds on a busy disk, inside the settle. The settle ends its batch before it
+        saves the state file, so no saved state ever runs ahead of its audit records.
+        """
+        if self._batching:
+            yield
+            return
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            if self._unsynced:
+                self._unsynced = False
+                self._sync()
+
+    def _sync(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise AuditError(f"{self.path}: cannot make the records durable: {_why(exc)}") from exc
 
     def append(self, record: Mapping[str, object]) -> None:
-        """Write one record durably (fsync) or raise AuditError."""
+        """Write one record durably (fsync, or at the end of a batch) or raise AuditError."""
         line = _encode(record)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -349,7 +383,10 @@ class AuditLog:
                     f"{self.path}: short write ({written} of {len(line)} bytes, disk full?); "
                     "the record was not kept"
                 )
-            os.fsync(fd)
+            if self._batching:
+                self._unsynced = True  # made durable when the batch ends
+            else:
+                os.fsync(fd)
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot write the audit log: {_why(exc)}") from exc
         finally:

@@ -179,17 +179,19 @@ def _close(
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
-    report, orders = settle(
-        record,
-        config,
-        outcomes,
-        clock(),
-        mode=mode,
-        audit=audit,
-        notes=opened.notes,
-        requests=requests,
-        commands=commands,
-    )
+    # One fsync for the settle's audit records, before the state that follows from them.
+    with audit.batch() if audit is not None else contextlib.nullcontext():
+        report, orders = settle(
+            record,
+            config,
+            outcomes,
+            clock(),
+            mode=mode,
+            audit=audit,
+            notes=opened.notes,
+            requests=requests,
+            commands=commands,
+        )
     if store is not None:
         store.save(record.to_dict())
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -351,3 +352,40 @@ def test_a_command_runs_with_exactly_the_environment_it_is_given() -> None:
     shown = json.loads(result.stdout)
     assert shown.get("ONLY") == "this"
     assert "PATH" not in shown
+
+
+def test_a_batch_of_appends_is_made_durable_by_one_fsync_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.append({"event": "first"})  # the file exists: no directory fsync below
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    with log.batch():
+        for number in range(50):
+            log.append({"event": "moved", "n": number})
+        with log.batch():  # inside a batch: part of it
+            log.append({"event": "inner"})
+        assert synced == []
+    assert len(synced) == 1
+    records = read(tmp_path / "audit.jsonl")
+    assert [record["event"] for record in records] == ["first", *["moved"] * 50, "inner"]
+    log.append({"event": "alone"})  # outside a batch: its own fsync again
+    assert len(synced) == 2
+
+
+def test_a_batch_whose_fsync_fails_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+
+    def failing(_fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    with pytest.raises(AuditError, match="cannot make the records durable"), log.batch():
+        log.append({"event": "moved"})
+        monkeypatch.setattr(os, "fsync", failing)
