@@ -28,7 +28,7 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
 from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
-from llmhealth.state import SCHEMA, StateCorruptError, StateError
+from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
 
 T = TypeVar("T")
@@ -469,13 +469,8 @@ class EtcdStore:
         if found is None:
             return None
         try:
-            document = json.loads(found.value)
-            if not isinstance(document, dict):
-                raise ValueError("not a JSON object")
-            if document.get("schema") != SCHEMA:
-                raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
-            return decode(document)
-        except (ValueError, RecursionError, OverflowError) as exc:
+            return decode_record(found.value, decode)
+        except UNREADABLE as exc:
             aside = f"{self.keys.state}.corrupt-{found.mod_revision}"
             self.etcd.txn(
                 [compare_modified(self.keys.state, found.mod_revision)],

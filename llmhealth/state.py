@@ -40,6 +40,25 @@ class StateCorruptError(StateError):
     pass
 
 
+# What a stored record that cannot be used raises in decode_record: JSONDecodeError and
+# UnicodeDecodeError are ValueErrors; deeply nested JSON raises RecursionError and a huge
+# integer can raise OverflowError in a validator.
+UNREADABLE = (ValueError, RecursionError, OverflowError)
+
+
+def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
+    """A stored record, read the same way from every store: a JSON object of our SCHEMA.
+
+    Raises one of UNREADABLE; the store sets such a record aside.
+    """
+    document = json.loads(raw)
+    if not isinstance(document, dict):
+        raise ValueError("not a JSON object")
+    if document.get("schema") != SCHEMA:
+        raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
+    return decode(document)
+
+
 def default_path(environ: dict[str, str] | None = None) -> Path:
     """systemd's StateDirectory, else the system state dir for root, else the user's."""
     env = os.environ if environ is None else environ
@@ -136,15 +155,8 @@ class StateFile:
         try:
             if len(raw) > _MAX_STATE_BYTES:
                 raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
-            document = json.loads(raw)
-            if not isinstance(document, dict):
-                raise ValueError("not a JSON object")
-            if document.get("schema") != SCHEMA:
-                raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
-            return decode(document)
-        # JSONDecodeError and UnicodeDecodeError are ValueErrors; deeply nested JSON raises
-        # RecursionError and a huge integer can raise OverflowError in a validator.
-        except (ValueError, RecursionError, OverflowError) as exc:
+            return decode_record(raw, decode)
+        except UNREADABLE as exc:
             aside = self._set_aside()
             raise StateCorruptError(
                 f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "
