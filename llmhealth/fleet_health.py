@@ -51,6 +51,10 @@ class FleetExhausted(RuntimeError):  # noqa: N818 - named for the condition, as 
     """Too few backends serve for the run to be worth continuing; names every backend."""
 
 
+# LedgerPolicy field -> the FleetPolicy field it comes from, where the names differ.
+_FIELD_FOR = {"restart_budget": "max_restart_attempts", "restart_budget_window": "restart_window"}
+
+
 @dataclass(frozen=True, slots=True)
 class FleetPolicy:
     """Thresholds for a FleetHealth. Refused at construction, field named, when out of range.
@@ -71,28 +75,13 @@ class FleetPolicy:
     max_in_place_recoveries: int = 3
 
     def __post_init__(self) -> None:
-        for name, least in (
-            ("unhealthy_threshold", 1),
-            ("healthy_threshold", 1),
-            ("max_restart_attempts", 1),
-            ("min_healthy", 0),
-            ("max_in_place_recoveries", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"FleetPolicy.{name} must be an integer, got {value!r}")
-            if value < least:
-                raise ValueError(f"FleetPolicy.{name} must be at least {least}, got {value}")
-        window = self.restart_window
-        if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
-            raise ValueError(
-                f"FleetPolicy.restart_window must be a positive number of seconds, got {window!r}"
-            )
-        if window == float("inf"):
-            raise ValueError("FleetPolicy.restart_window must be finite, got inf")
-        if not isinstance(self.recover_in_place, bool):
-            flag = self.recover_in_place
-            raise ValueError(f"FleetPolicy.recover_in_place must be True or False, got {flag!r}")
+        # The ledger's policy holds the range of every field (one rule, not two copies);
+        # only the names differ, and the error names ours.
+        try:
+            self.ledger_policy()
+        except ValueError as exc:
+            field, _, rule = str(exc).partition(" ")
+            raise ValueError(f"FleetPolicy.{_FIELD_FOR.get(field, field)} {rule}") from None
 
     def ledger_policy(self) -> LedgerPolicy:
         return LedgerPolicy(
@@ -100,7 +89,7 @@ class FleetPolicy:
             healthy_threshold=self.healthy_threshold,
             min_healthy=self.min_healthy,
             restart_budget=self.max_restart_attempts,
-            restart_budget_window=float(self.restart_window),
+            restart_budget_window=self.restart_window,
             recover_in_place=self.recover_in_place,
             max_in_place_recoveries=self.max_in_place_recoveries,
         )
