@@ -354,22 +354,3 @@ def test_a_server_whose_metrics_hung_for_three_runs_serves_again_with_no_restart
     assert recovered[0]["reason"].startswith("same process, back after ")
     assert "in-place recovery 1 of 3 allowed in 24h" in recovered[0]["reason"]
     assert recovered[0]["evidence"]["verdict"] == "idle"
-
-
-def test_with_recovery_in_place_off_the_same_process_stays_dead(
-    entry_point: str, tmp_path: Path
-) -> None:
-    state = tmp_path / "state.json"
-    config = tmp_path / "fleet.toml"
-    with running_simulator(["idle"]) as sim:
-        url = sim.urls[0]
-        config.write_text(
-            f'[policy]\nrecover_in_place = false\n\n[[backend]]\nname = "gpu0"\nurl = "{url}"\n'
-        )
-        check(entry_point, state, "--config", str(config))
-        _metrics_hang(url, True)
-        for _ in range(3):
-            check(entry_point, state, "--config", str(config))
-        _metrics_hang(url, False)
-        back = [check(entry_point, state, "--config", str(config)) for _ in range(3)]
-    assert [run.seen("gpu0")[:3] for run in back] == [("idle", "dead", False)] * 3

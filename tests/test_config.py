@@ -16,6 +16,7 @@ from llmhealth.config import (
     parse_duration,
     parse_listen,
 )
+from llmhealth.cycle import ledger_policy
 
 FULL = """
 wait = "5s"
@@ -142,6 +143,10 @@ def test_recovery_in_place_is_on_by_default_and_can_be_turned_off_or_capped(
     text = "[policy]\nrecover_in_place = false\nmax_in_place_recoveries = 1\n"
     policy = load(write(tmp_path, text)).policy
     assert (policy.recover_in_place, policy.max_in_place_recoveries) == (False, 1)
+    # What check, watch and route hand the ledger; off there means seed 000's rule.
+    ledger = ledger_policy(policy)
+    assert (ledger.recover_in_place, ledger.max_in_place_recoveries) == (False, 1)
+    assert ledger_policy(Policy()).recover_in_place
 
 
 def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
