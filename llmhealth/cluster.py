@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
+from llmhealth.config import check_url
 from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
 from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
@@ -103,7 +104,8 @@ class Etcd:
     def __init__(self, endpoints: Sequence[str], timeout: float = REQUEST_TIMEOUT) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
-        self.endpoints = tuple(endpoints)
+        # Checked here too, not only in the config: an endpoint is named in every error.
+        self.endpoints = tuple(check_url(url) for url in endpoints)
         self._clients = [self._client(url, timeout) for url in self.endpoints]
         self._current = 0
         self._lock = threading.Lock()

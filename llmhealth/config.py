@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
+from llmhealth.text import refuse_user_info
 
 DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
@@ -215,18 +216,10 @@ def name_for_url(url: str) -> str:
 def check_url(url: str) -> str:
     """A base URL with scheme and host, without trailing slash; ValueError otherwise.
 
-    A URL with user-info (``http://alice:s3cret@host``) is refused: it would be shown in
-    every report, stored in the state file and the audit log, and exported as a label.
-    The error never repeats what came before the ``@`` (the password may contain ``/``
-    or ``@``, so only what follows the last ``@`` is safe to show).
+    A URL with user-info is refused (``text.refuse_user_info``, the one rule for every URL
+    llmhealth keeps).
     """
-    if "@" in url:
-        shown = url.rpartition("@")[2].strip()
-        raise ValueError(
-            f"a URL with a user name or password in it (before '@') is not accepted; "
-            f"give 'http(s)://{shown}' and put the API key in the environment variable "
-            "named by the backend's api_key_env"
-        )
+    refuse_user_info(url)
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http(s) URL with a host")

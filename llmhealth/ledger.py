@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
 
+from llmhealth.text import refuse_user_info
+
 
 class State(StrEnum):
     """Lifecycle of one backend. Only HEALTHY and SUSPECT are handed traffic."""
@@ -410,8 +412,10 @@ class NewProcessUp(_SeenEventBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.url is not None and (not isinstance(self.url, str) or not self.url):
-            raise ValueError(f"NewProcessUp.url must be a non-empty string, got {self.url!r}")
+        if self.url is not None:
+            if not isinstance(self.url, str) or not self.url:
+                raise ValueError(f"NewProcessUp.url must be a non-empty string, got {self.url!r}")
+            refuse_user_info(self.url)  # the ledger's URLs reach the state file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1184,6 +1188,10 @@ class Ledger:
             raise ValueError(f"{where}: a backend name must be a non-empty string, got {b.name!r}")
         if not isinstance(b.url, str) or not b.url:
             raise ValueError(f"{where}: backend {b.name!r} needs a non-empty URL, got {b.url!r}")
+        try:
+            refuse_user_info(b.url)
+        except ValueError as exc:
+            raise ValueError(f"{where}: backend {b.name!r}: {exc}") from None
         if b.name in self._backends:
             raise ValueError(f"{where}: backend name {b.name!r} appears twice")
         # Two names for one URL would make by_url() ambiguous and double-count one server.

@@ -1,9 +1,11 @@
-"""Text a server sent, made safe to show: no control or format character survives.
+"""Text made safe to show and keep: a server's words escaped, a URL's secrets refused.
 
 Pure. A label value, a header or a model id is the server's to choose; an ESC in one
 would drive the operator's terminal, a newline would forge a log line, a bidi override
 would reorder what they read. Everything a server said passes through ``printable``
 where it enters llmhealth (probe.py), before any table, log, audit line or state file.
+Every URL llmhealth keeps (backends, proxies, etcd endpoints, a library caller's base
+URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 """
 
 from __future__ import annotations
@@ -20,3 +22,19 @@ def printable(text: str) -> str:
     return "".join(
         character if character.isprintable() else repr(character)[1:-1] for character in text
     )
+
+
+def refuse_user_info(url: str) -> None:
+    """ValueError when ``url`` carries a user name or password (``http://alice:s3cret@host``).
+
+    Such a URL would be shown in every report, stored in the state file and the audit
+    log, and exported as a label. The error never repeats what came before the ``@``: a
+    password may itself hold ``/`` or ``@``, so only what follows the last one is safe.
+    """
+    if "@" in url:
+        shown = printable(url.rpartition("@")[2].strip())
+        raise ValueError(
+            "a URL with a user name or password in it (before '@') is not accepted; "
+            f"give 'http(s)://{shown}' and put a key in the environment (for a backend, "
+            "the variable its api_key_env names)"
+        )

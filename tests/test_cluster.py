@@ -214,3 +214,10 @@ def test_no_endpoint_answering_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ClusterUnavailableError):
         lonely.step()
     assert lonely.decision().standing is Standing.STANDBY
+
+
+def test_an_etcd_endpoint_with_a_password_is_refused_without_repeating_it() -> None:
+    # Each endpoint is named in every "unavailable" error: a password in one would be printed.
+    with pytest.raises(ValueError, match="user name or password") as refused:
+        Etcd(["http://127.0.0.1:2379", "http://root:s3cret@127.0.0.1:2380"])
+    assert "s3cret" not in str(refused.value) and "root" not in str(refused.value)

@@ -182,16 +182,19 @@ def test_nonsense_durations_are_rejected(value: object) -> None:
         "alice:s3cret@10.0.0.5:8000",  # no scheme: still not echoed
     ],
 )
-@pytest.mark.parametrize("table", ["backend", "proxy"])
+@pytest.mark.parametrize("table", ["backend", "proxy", "cluster"])
 def test_credentials_in_a_url_are_refused_without_echoing_them(
     tmp_path: Path, url: str, table: str
 ) -> None:
     path = tmp_path / "fleet.toml"
-    path.write_text(f'[[{table}]]\nname = "gpu0"\nurl = "{url}"\n')
+    if table == "cluster":
+        path.write_text(f'[cluster]\netcd = ["http://10.0.0.9:2379", "{url}"]\n')
+    else:
+        path.write_text(f'[[{table}]]\nname = "gpu0"\nurl = "{url}"\n')
     with pytest.raises(ConfigError) as raised:
         load(path)
     message = str(raised.value)
-    assert f"{table}[0].url" in message
+    assert ("cluster.etcd" if table == "cluster" else f"{table}[0].url") in message
     assert "api_key_env" in message
     assert "s3" not in message and "alice" not in message
     assert "10.0.0.5" in message  # what to write instead

@@ -318,6 +318,21 @@ def test_a_replacement_at_a_url_that_is_not_one_is_refused_and_nothing_changes()
     assert f.base_url_of(1) == URLS[1]
 
 
+def test_a_base_url_with_a_password_is_refused_without_repeating_it() -> None:
+    secret = "http://trainer:s3cret@10.0.0.2:8011"
+    with pytest.raises(ValueError, match="user name or password") as given:
+        FleetHealth([URLS[0], secret])
+    f, _ = fleet()
+    make_dead(f, 1)
+    f.mark_restarting(1)
+    with pytest.raises(ValueError, match="user name or password") as moved:
+        f.mark_loaded(1, base_url=secret)
+    assert f.state_of(1) is State.RESTARTING
+    assert f.base_url_of(1) == URLS[1]
+    for refused in (given, moved):
+        assert "s3cret" not in str(refused.value) and "trainer" not in str(refused.value)
+
+
 def test_a_failed_restart_is_dead_again_and_says_what_the_reload_failed_on() -> None:
     f, _ = fleet()
     make_dead(f, 0)

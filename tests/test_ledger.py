@@ -1500,6 +1500,20 @@ def test_a_replacement_on_a_new_address_moves_the_backend_url() -> None:
     assert ledger.by_url(URL_A) is None
 
 
+def test_a_url_with_a_password_is_never_stored_in_the_ledger() -> None:
+    ledger = ledger_in(State.RESTARTING)
+    before = ledger.to_dict()
+    with pytest.raises(ValueError, match="user name or password") as moved:
+        ledger.apply("a", NewProcessUp(now=3.0, url="http://root:s3cret@10.0.0.5:9001"))
+    with pytest.raises(ValueError, match="user name or password") as added:
+        ledger.add("b", "http://root:s3cret@10.0.0.6:8000", now=3.0)
+    with pytest.raises(ValueError, match="user name or password") as built:
+        Ledger(POLICY, [("c", "http://root:s3cret@10.0.0.7:8000")], now=0.0)
+    assert ledger.to_dict() == before
+    for refused in (moved, added, built):
+        assert "s3cret" not in str(refused.value) and "root" not in str(refused.value)
+
+
 def test_a_replacement_cannot_take_another_backends_address_and_nothing_changes() -> None:
     ledger = three_backends()
     ledger.apply("a", WedgeProven(now=1.0))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmhealth.text import printable
+from llmhealth.text import printable, refuse_user_info
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,27 @@ def test_anything_at_all_comes_out_printable(sent: str) -> None:
 @given(st.text().filter(str.isprintable))
 def test_printable_text_is_left_alone(sent: str) -> None:
     assert printable(sent) == sent
+
+
+SECRET_URLS = [
+    "http://alice:s3cret@10.0.0.5:8000",
+    "http://:s3cret@10.0.0.5:8000",
+    "https://s3cret@10.0.0.5",
+    "http://alice:s3/cr@t@10.0.0.5:8000",  # '/' and '@' in the password
+    "alice:s3cret@10.0.0.5:8000",  # no scheme
+]
+
+
+@pytest.mark.parametrize("url", SECRET_URLS)
+def test_a_url_with_user_info_is_refused_showing_only_what_follows_the_last_at(
+    url: str,
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        refuse_user_info(url)
+    message = str(raised.value)
+    assert "s3" not in message and "alice" not in message
+    assert "10.0.0.5" in message and "api_key_env" in message
+
+
+def test_a_url_without_user_info_passes() -> None:
+    refuse_user_info("http://10.0.0.5:8000/v1")
