@@ -51,6 +51,7 @@ STREAM_CHUNKS, STREAM_GAP_MS = 20, 20
 WEDGE_AFTER = 6.0  # seconds after the simulator starts
 WEDGE_RUN = 36.0  # seconds of load per contender in the wedge run
 WEDGE_CLIENTS = 16
+SLOW = 5.0  # seconds: an answer this late hides a timeout and a retry
 FAILURE_BOUND = 10  # seconds: nginx proxy_read_timeout, vllm-router and llmhealth timeouts
 CONTENDERS = ("direct", "nginx", "vllm-router", "llmhealth")
 
@@ -106,6 +107,7 @@ def process(
                 seen.set()
 
     threading.Thread(target=drain, args=(child.stdout,), daemon=True).start()
+    child.tail = tail  # type: ignore[attr-defined]  # for wait_http's error message
     try:
         if ready is not None and not seen.wait(60):
             raise RuntimeError(f"{argv[0]} not ready:\n{''.join(tail)}")
@@ -121,14 +123,19 @@ def process(
             child.wait(5)
 
 
-def wait_http(url: str, path: str = "/v1/models", timeout: float = 90) -> None:
+def wait_http(
+    url: str, path: str, child: subprocess.Popen[str] | None = None, timeout: float = 180
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return
+        if child is not None and child.poll() is not None:
+            break
         time.sleep(0.2)
-    raise RuntimeError(f"{url}{path} not answering after {timeout:.0f} s")
+    output = "".join(getattr(child, "tail", ())) if child is not None else ""
+    raise RuntimeError(f"{url}{path} not answering after {timeout:.0f} s:\n{output}")
 
 
 # --- contenders ------------------------------------------------------------------------
@@ -187,7 +194,7 @@ def contender(name: str, backends: list[str], scratch: Path) -> Iterator[tuple[s
         llmhealth = str(Path(PYTHON).with_name("llmhealth"))
         argv = [llmhealth, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"]
     with process(argv) as child:
-        wait_http(url, "/health" if name == "llmhealth" else "/v1/models")
+        wait_http(url, "/health" if name == "llmhealth" else "/v1/models", child)
         yield url, child.pid
 
 
@@ -386,6 +393,8 @@ class Wedge:
     failures: int
     requests: int
     slowest_failure: float
+    slow_successes: int  # answered, but after more than SLOW seconds (a retry hidden inside)
+    slowest_success: float
     avoid_seconds: float | None
     hung_on_wedged: int
 
@@ -440,6 +449,8 @@ def measure_wedge(name: str, scratch: Path) -> Wedge:
         failures=len(failed),
         requests=len(outcomes),
         slowest_failure=max((o[1] for o in failed), default=0.0),
+        slow_successes=sum(1 for o in outcomes if o[2] == "200" and o[1] > SLOW),
+        slowest_success=max((o[1] for o in outcomes if o[2] == "200"), default=0.0),
         avoid_seconds=None if last_new is None else last_new - wedged_at,
         hung_on_wedged=final - at_wedge,
     )
@@ -464,6 +475,7 @@ def _bindable(port: int) -> bool:
 
 def run() -> list[Section]:
     began = time.monotonic()
+    load_before = os.getloadavg()[0]
     version = install_vllm_router()
     speeds: dict[str, Speed] = {}
     wedges: dict[str, Wedge] = {}
@@ -478,7 +490,12 @@ def run() -> list[Section]:
         for name in CONTENDERS:
             print(f"  wedge: {name}", flush=True)
             wedges[name] = measure_wedge(name, scratch)
-    return [section(speeds, wedges, version, time.monotonic() - began)]
+    done = section(speeds, wedges, version, time.monotonic() - began)
+    done.intro.append(
+        f"Load average when the run began: {load_before:.1f}, and {os.getloadavg()[0]:.1f} "
+        "when it ended (2 cores; other work on the machine counts against every contender)."
+    )
+    return [done]
 
 
 def section(
@@ -514,21 +531,22 @@ def section(
         )
     wedge_rows = []
     for name, w in wedges.items():
-        avoid = (
-            "never"
-            if w.avoid_seconds is None and name == "direct"
-            else ("-" if w.avoid_seconds is None else f"{w.avoid_seconds:.1f}")
-        )
+        if name == "direct":
+            avoid = "never: one fixed URL"
+        else:
+            avoid = "-" if w.avoid_seconds is None else f"{w.avoid_seconds:.1f}"
         wedge_rows.append(
             [
                 name,
                 f"{w.failures} of {w.requests}",
                 f"{w.slowest_failure:.1f}",
+                f"{w.slow_successes} (slowest {w.slowest_success:.1f} s)",
                 avoid,
                 str(w.hung_on_wedged),
             ]
         )
     return Section(
+        notes=verdicts(speeds, wedges),
         title="5. The router against nginx and vllm-router (bench_router)",
         command="cd bench && ../.venv/bin/python bench_router.py",
         intro=[
@@ -565,6 +583,7 @@ def section(
                     "contender",
                     "client-visible failures",
                     "slowest failure s",
+                    f"answers slower than {SLOW:g} s",
                     "s until no new request reaches it",
                     "requests it got after the wedge",
                 ],
@@ -577,6 +596,34 @@ def section(
         ],
         seconds=seconds,
     )
+
+
+def verdicts(speeds: dict[str, Speed], wedges: dict[str, Wedge]) -> list[str]:
+    """The issue's targets for llmhealth, each met or **MISSED** by this run's figures."""
+    ours, direct = speeds["llmhealth"], speeds["direct"]
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "**MISSED**"
+
+    added_p50, added_p99 = ours.p50 - direct.p50, ours.p99 - direct.p99
+    others = [w for name, w in wedges.items() if name not in ("llmhealth", "direct")]
+    mine = wedges["llmhealth"]
+    fewer = all(mine.failures < w.failures for w in others)
+    avoid = mine.avoid_seconds
+    sooner = avoid is not None and all(
+        w.avoid_seconds is None or avoid < w.avoid_seconds for w in others
+    )
+    gap_held = ours.gap_p99 - direct.gap_p99
+    return [
+        "Targets for llmhealth: "
+        f"added p50 ≤ 1 ms: {verdict(added_p50 <= 1)} ({added_p50:+.2f} ms); "
+        f"added p99 ≤ 5 ms: {verdict(added_p99 <= 5)} ({added_p99:+.2f} ms); "
+        f"≥ 2,000 requests/s: {verdict(ours.rps >= 2000)} ({ours.rps:.0f}, one process, sharing "
+        "the 2 cores with the backend and the load generator); chunks never held: "
+        f"{verdict(gap_held <= 5)} (p99 gap {gap_held:+.2f} ms against direct); fewer "
+        f"client-visible failures than every other contender on the wedge: {verdict(fewer)}; "
+        f"shorter time until no new request reaches the wedged backend: {verdict(sooner)}.",
+    ]
 
 
 def main() -> int:

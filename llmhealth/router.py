@@ -298,7 +298,8 @@ class Router:
         if path not in self._routes:
             return self._answer(None, 404, {"error": f"not routed: {printable(path[:200])}"})
         try:
-            body = await asyncio.wait_for(request.read(), self._settings.body_timeout)
+            async with asyncio.timeout(self._settings.body_timeout):
+                body = await request.read()
             model, parsed = model_of(body)
         except web.HTTPRequestEntityTooLarge:
             limit = self._settings.max_body
@@ -392,7 +393,10 @@ class Router:
         self.metrics.requests.labels(name, str(status)).inc()
         event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         try:
-            await asyncio.wait_for(response.prepare(request), self._settings.client_timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per call,
+            # and this path runs for every chunk of every response.
+            async with asyncio.timeout(self._settings.client_timeout):
+                await response.prepare(request)
             while True:
                 try:
                     async with asyncio.timeout(self._settings.stream_idle_timeout):
@@ -410,8 +414,10 @@ class Router:
                     return response, False
                 if not chunk:
                     break
-                await asyncio.wait_for(response.write(chunk), self._settings.client_timeout)
-            await asyncio.wait_for(response.write_eof(), self._settings.client_timeout)
+                async with asyncio.timeout(self._settings.client_timeout):
+                    await response.write(chunk)
+            async with asyncio.timeout(self._settings.client_timeout):
+                await response.write_eof()
         except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
             # The client stopped reading or went away: its doing, never the backend's.
             _abort(request)
