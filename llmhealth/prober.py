@@ -8,7 +8,6 @@ interval, so a call never sleeps. Verdicts go to the fleet through ``record_verd
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -66,7 +65,6 @@ class Prober:
         self._api_key = api_key
         self._model = model
         self._stall = stall
-        self._tls: ssl.SSLContext | None = None  # built by the client if https needs it
         self._slots: dict[Key, _Slot] = {}
 
     @property
@@ -122,7 +120,8 @@ class Prober:
             # A new address is a new process: its reads must not be compared with the old.
             if slot is not None:
                 await slot.client.aclose()
-            slot = self._slots[key] = _Slot(url, new_client(self._tls))
+            # The client builds a TLS context only if an https backend needs one.
+            slot = self._slots[key] = _Slot(url, new_client())
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         return await examine_once(
             slot.client, target, self._settings, slot.window, clock=time.monotonic
