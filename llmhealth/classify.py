@@ -3,24 +3,41 @@
 Pure and step-wise, after aioquic: the shell hands over what it has seen so far, and
 ``decide`` answers either with a verdict or with the one thing it needs next (another
 read after a wait, or the tiny request). Time arrives inside the reads; no clock here.
-The rule that carries the weight: a backend that shows work is never sent a request.
+The rules that carry the weight: a backend that shows work is never sent a request, and
+a freeze proves a wedge only once it outlasts the engine's window (``llmhealth.window``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.window import (
+    DEFAULT_RULES,
+    CpuSample,
+    LongestStep,
+    WedgeRules,
+    Window,
+    cpu_used,
+    cpu_was_idle,
+    describe_cpu,
+    longer,
+    longest_step,
+    wedge_window,
+)
+
+# Evidence names at most this many engines; a text may legally carry 40,000 of them.
+_NAMED_ENGINES = 8
 
 
 class VerdictKind(StrEnum):
     BUSY = "busy"  # work present and the engine stepped in the last wait
     IDLE = "idle"  # no work, and the tiny request was answered
-    STALLED = "stalled"  # work present, no progress over one wait: doubt, not proof
-    WEDGED = "wedged"  # work present, no progress over two consecutive waits: proof
+    STALLED = "stalled"  # no progress for less than the engine's window: doubt, not proof
+    WEDGED = "wedged"  # work present, no progress over two waits and the window: proof
     UNANSWERED = "unanswered"  # no work shown, yet the tiny request failed
     RESTARTED = "restarted"  # another process answered than the one read before
     NO_METRICS = "no_metrics"  # no usable vLLM series; judged by the tiny request alone
@@ -45,6 +62,7 @@ class Read:
     signals: Signals | None = None
     problem: ReadProblem | None = None
     detail: str = ""
+    cpu: CpuSample | None = None  # the engine's local CPU time, when it runs on this host
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +74,7 @@ class Answer:
     detail: str
     model: str | None = None
     models_served: tuple[str, ...] = ()
+    timed_out: bool = False  # sent, and no answer came within its timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +103,7 @@ class Verdict:
     requests_sent: int = 0
     reads: tuple[Read, ...] = ()
     answer: Answer | None = None
+    longest_step: LongestStep | None = None  # what is known of the engine's steps now
 
 
 Decision = Verdict | TakeRead | SendTinyRequest
@@ -112,15 +132,62 @@ def decide(
     *,
     max_reads: int = 3,
     baseline: Signals | None = None,
+    learned: LongestStep | None = None,
+    rules: WedgeRules = DEFAULT_RULES,
 ) -> Decision:
     """The next step for one backend, given its reads in order and the tiny request if sent.
 
-    ``max_reads`` bounds a run (three reads are two waits, the least that proves a wedge).
-    ``baseline`` is what an earlier run last read from this backend: it can only reveal a
-    restart between runs; progress is never measured across runs.
+    ``max_reads`` bounds a run (three reads are two waits, the least that proves a wedge;
+    a longer window needs more). ``baseline`` is what an earlier run last read from this
+    backend: it can only reveal a restart between runs; progress is never measured across
+    runs. ``learned`` is the longest step earlier runs saw this backend take.
     """
     if not reads:
         return TakeRead("first read")
+    known = learned_step(reads, learned)
+    decision = _decide(reads, answer, max_reads, baseline, _Freeze(known, rules))
+    if isinstance(decision, Verdict):
+        return replace(decision, longest_step=known)
+    return decision
+
+
+def learned_step(reads: Sequence[Read], learned: LongestStep | None) -> LongestStep | None:
+    """The longest step known: earlier runs' figure, or what these reads' histograms say."""
+    for read in reversed(reads):
+        if read.signals is not None and read.signals.has_vllm:
+            # Histograms only grow within a process: its newest text knows the most.
+            return longer(learned, longest_step(read.signals))
+    return learned
+
+
+def window_for(
+    reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules = DEFAULT_RULES
+) -> Window:
+    """The wedge window that applies to the newest process seen in these reads."""
+    age = None
+    for read in reversed(reads):
+        if read.signals is not None and read.signals.has_vllm:
+            start = read.signals.process_start
+            age = None if start is None else read.at - start
+            break
+    return wedge_window(rules, learned_step(reads, learned), age)
+
+
+@dataclass(frozen=True, slots=True)
+class _Freeze:
+    """What decides how long a freeze may last: the step known and the configured rules."""
+
+    learned: LongestStep | None
+    rules: WedgeRules
+
+
+def _decide(
+    reads: Sequence[Read],
+    answer: Answer | None,
+    max_reads: int,
+    baseline: Signals | None,
+    freeze: _Freeze,
+) -> Decision:
     last = reads[-1]
     if last.problem is ReadProblem.DOWN:
         return _verdict(VerdictKind.DOWN, False, f"down: {last.detail}", reads)
@@ -137,7 +204,7 @@ def decide(
         return _by_answer(
             reads, answer, VerdictKind.NO_METRICS, VerdictKind.NO_METRICS, f"no metrics ({why})"
         )
-    return _judge_work(reads, answer, max_reads)
+    return _judge_work(reads, answer, max_reads, freeze)
 
 
 def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
@@ -150,11 +217,15 @@ def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
 # --- work and progress -------------------------------------------------------------
 
 
-def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) -> Decision:
+def _judge_work(
+    reads: Sequence[Read], answer: Answer | None, max_reads: int, freeze: _Freeze
+) -> Decision:
     last_signals = _signals(reads[-1])
     awake = [engine for engine in last_signals.engines if not engine.asleep]
     if not awake:
-        states = ", ".join(f"engine {e.engine} {e.sleep_state}" for e in last_signals.engines)
+        states = _first_few(
+            [f"engine {e.engine} {e.sleep_state}" for e in last_signals.engines], "engines"
+        )
         return _verdict(
             VerdictKind.IDLE, True, f"idle: asleep on purpose ({states}); no request sent", reads
         )
@@ -163,14 +234,14 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     # engine shows work: only when no engine shows any is the tiny request the judge.
     if not working and any(engine.work is None for engine in awake):
         if len(reads) >= 2:
-            busy = _healthy_if_progressing(reads)
+            busy = _healthy_if_progressing(reads, answer=answer)
             if busy is not None:
                 return busy
-        return _by_answer(
+        return _ask_or_doubt(
             reads,
             answer,
-            VerdictKind.IDLE,
-            VerdictKind.UNANSWERED,
+            max_reads,
+            freeze,
             "work unknown: the running/waiting gauges are absent "
             "(several API servers publish them only after their first request)",
         )
@@ -178,15 +249,11 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     if not working:
         if len(reads) >= 2:
             kind = VerdictKind.BUSY if _had_work(reads[-2]) else VerdictKind.IDLE
-            progressed = _healthy_if_progressing(reads, kind)
+            progressed = _healthy_if_progressing(reads, kind, answer)
             if progressed is not None:
                 return progressed
-        return _by_answer(
-            reads,
-            answer,
-            VerdictKind.IDLE,
-            VerdictKind.UNANSWERED,
-            f"no work ({_describe_work(last_signals)})",
+        return _ask_or_doubt(
+            reads, answer, max_reads, freeze, f"no work ({_describe_work(last_signals)})"
         )
     if len(reads) < 2:
         return TakeRead(f"{_describe_work(last_signals)}: watching for progress over one wait")
@@ -194,7 +261,7 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     streaks = {engine.engine: _stall_streak(reads, engine.engine) for engine in working}
     worst = max(streaks, key=lambda name: (streaks[name], name))
     if streaks[worst] >= 2:
-        return _verdict(VerdictKind.WEDGED, False, _wedge_evidence(reads, worst), reads)
+        return _judge_freeze(reads, worst, streaks[worst], max_reads, freeze)
     if streaks[worst] == 1:
         if len(reads) < max_reads:
             return TakeRead(f"engine {worst}: no progress over one wait; one more wait decides")
@@ -214,13 +281,102 @@ def _judge_work(reads: Sequence[Read], answer: Answer | None, max_reads: int) ->
     )
 
 
+def _judge_freeze(
+    reads: Sequence[Read], worst: str, streak: int, max_reads: int, freeze: _Freeze
+) -> Decision:
+    """Two or more waits without progress: proof once the freeze outlasts the window.
+
+    CPU time settles it sooner only one way: engine processes that used none over two
+    waits are stopped or deadlocked, whatever their window; CPU used proves nothing.
+    """
+    frozen = reads[-1 - streak :]
+    elapsed = frozen[-1].at - frozen[0].at
+    window = window_for(reads, freeze.learned, freeze.rules)
+    used = cpu_used(frozen[0].cpu, frozen[-1].cpu)
+    cpu_text = "" if used is None else f"; {describe_cpu(used, elapsed)}"
+    if used is not None and cpu_was_idle(used, elapsed):
+        why = "no wait beyond two: the engine is doing nothing"
+        return _verdict(
+            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
+        )
+    if elapsed >= window.seconds:
+        return _verdict(
+            VerdictKind.WEDGED,
+            False,
+            _wedge_evidence(frozen, worst, _window_text(window, frozen) + cpu_text),
+            reads,
+        )
+    if len(reads) < max_reads:
+        return TakeRead(
+            f"engine {worst}: no progress for {elapsed:.1f} s, inside its window "
+            f"{window.seconds:g} s ({window.why}){cpu_text}"
+        )
+    return _verdict(
+        VerdictKind.STALLED,
+        False,
+        f"stalled: engine {worst} had work and made no progress over {streak} waits "
+        f"({elapsed:.1f} s), short of its window {window.seconds:g} s ({window.why})"
+        f"{cpu_text}; this run's reads ran out first (max_check_time); not yet proof",
+        reads,
+    )
+
+
+def _window_text(window: Window, frozen: Sequence[Read]) -> str:
+    two_waits = frozen[2].at - frozen[0].at
+    if window.seconds >= two_waits:
+        return f"window {window.seconds:g} s: {window.why}"
+    if window.extended:
+        return f"window two waits ({two_waits:.1f} s), longer than {window.why}"
+    return "window two waits: no long step known"
+
+
+def _ask_or_doubt(
+    reads: Sequence[Read], answer: Answer | None, max_reads: int, freeze: _Freeze, context: str
+) -> Decision:
+    """No work shown: the tiny request judges, unless it timed out behind a long step.
+
+    vLLM publishes its gauges when a step ends, so an engine inside a long first step
+    shows no work while it computes, and the tiny request queues behind it. A timeout
+    then proves nothing about an engine known to take long steps (or young, or busy on
+    its CPU) while no counter moved: that is doubt, never ``unanswered``.
+    """
+    if answer is None or answer.ok or not answer.timed_out:
+        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
+    window = window_for(reads, freeze.learned, freeze.rules)
+    # Only what could excuse the timeout is worth another read: a long window, or CPU
+    # time to compare. An engine with short steps and no local evidence is unanswered.
+    could_excuse = window.extended or reads[-1].cpu is not None
+    if reads[-1].at <= answer.at:
+        if could_excuse and len(reads) < max_reads:
+            return TakeRead("the tiny request timed out: one more read shows if the engine moved")
+        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
+    elapsed = reads[-1].at - reads[0].at
+    used = cpu_used(reads[0].cpu, reads[-1].cpu)
+    computing = used is not None and not cpu_was_idle(used, elapsed)
+    if not window.extended and not computing:
+        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
+    reasons = [f"window {window.seconds:g} s: {window.why}"] if window.extended else []
+    if used is not None:
+        reasons.append(describe_cpu(used, elapsed))
+    return _verdict(
+        VerdictKind.STALLED,
+        False,
+        f"stalled: {context}; tiny request {answer.detail}, and no counter moved over "
+        f"{elapsed:.1f} s; an engine inside one long step shows no work and answers late "
+        f"({'; '.join(reasons)}); not proof of a failure",
+        reads,
+        answer,
+    )
+
+
 def _healthy_if_progressing(
-    reads: Sequence[Read], kind: VerdictKind = VerdictKind.BUSY
+    reads: Sequence[Read], kind: VerdictKind = VerdictKind.BUSY, answer: Answer | None = None
 ) -> Verdict | None:
     """Healthy when any engine advanced over the last wait; work that just finished counts.
 
     ``kind`` IDLE is for a backend with no work before or after whose engine still
-    stepped: alive and idle, proven without spending a request.
+    stepped: alive and idle, proven without spending a request (or with one that timed
+    out while the engine moved: queued, not ignored).
     """
     before, after = _signals(reads[-2]), _signals(reads[-1])
     elapsed = reads[-1].at - reads[-2].at
@@ -236,12 +392,15 @@ def _healthy_if_progressing(
     rate_text = ""
     if steps_rate is not None and tokens_rate is not None:
         rate_text = f", {steps_rate:.1f} steps/s, {tokens_rate:.1f} tokens/s"
+    asked = "no request sent" if answer is None else f"tiny request {answer.detail}"
     evidence = (
         f"{kind}: {_describe_work(before)} then {_describe_work(after)}; "
-        f"engine {', '.join(moved)} progressed over {elapsed:.1f} s "
-        f"({_describe_deltas(before, after)}){rate_text}; no request sent"
+        f"{_first_few(moved, 'engines', prefix='engine ')} progressed over {elapsed:.1f} s "
+        f"({_describe_deltas(before, after)}){rate_text}; {asked}"
     )
-    return _verdict(kind, True, evidence, reads, steps_per_s=steps_rate, tokens_per_s=tokens_rate)
+    return _verdict(
+        kind, True, evidence, reads, answer, steps_per_s=steps_rate, tokens_per_s=tokens_rate
+    )
 
 
 def _had_work(read: Read) -> bool:
@@ -476,7 +635,17 @@ def _describe_deltas(older: Signals, newer: Signals) -> str:
         and after.kv_usage is not None
         and before.kv_usage != after.kv_usage
     ]
+    if len(kv_moves) > 1:
+        kv_moves = [f"kv moved on {len(kv_moves)} engines"]
     return ", ".join(parts + kv_moves) or "no counter moved"
+
+
+def _first_few(items: Sequence[str], what: str, prefix: str = "") -> str:
+    """A list for evidence, cut after a few: the rest are counted, not named."""
+    if len(items) <= _NAMED_ENGINES:
+        return prefix + ", ".join(items)
+    shown = ", ".join(items[:_NAMED_ENGINES])
+    return f"{prefix}{shown} and {len(items) - _NAMED_ENGINES} more {what}"
 
 
 def _series(reads: Sequence[Read], engine_name: str, field_name: str) -> str:
@@ -485,24 +654,27 @@ def _series(reads: Sequence[Read], engine_name: str, field_name: str) -> str:
         engine = _signals(read).engine(engine_name)
         value = None if engine is None else getattr(engine, field_name)
         values.append("?" if value is None else f"{value:g}")
+    if len(values) > 4:  # a long window: the ends say it, the middle is counted
+        return f"{values[0]}→{values[1]}→…({len(values) - 3} more)…→{values[-1]}"
     return "→".join(values)
 
 
-def _wedge_evidence(reads: Sequence[Read], engine_name: str) -> str:
-    window = reads[-3:]
-    elapsed = window[-1].at - window[0].at
-    start = _signals(window[-1]).process_start
+def _wedge_evidence(frozen: Sequence[Read], engine_name: str, window_text: str) -> str:
+    elapsed = frozen[-1].at - frozen[0].at
+    start = _signals(frozen[-1]).process_start
     same_process = (
         f"start time {start:.2f} unchanged" if start is not None else "no counter went back"
     )
     return (
-        f"wedged: engine {engine_name} had work and made no progress over 2 consecutive waits "
-        f"({elapsed:.1f} s): running {_series(window, engine_name, 'running')}, "
-        f"waiting {_series(window, engine_name, 'waiting')}, "
-        f"steps {_series(window, engine_name, 'steps')}, "
-        f"generated {_series(window, engine_name, 'generation_tokens')}, "
-        f"finished {_series(window, engine_name, 'finished')}, "
-        f"kv {_series(window, engine_name, 'kv_usage')}; {same_process}; engine awake"
+        f"wedged: engine {engine_name} had work and made no progress over "
+        f"{len(frozen) - 1} consecutive waits "
+        f"({elapsed:.1f} s): running {_series(frozen, engine_name, 'running')}, "
+        f"waiting {_series(frozen, engine_name, 'waiting')}, "
+        f"steps {_series(frozen, engine_name, 'steps')}, "
+        f"generated {_series(frozen, engine_name, 'generation_tokens')}, "
+        f"finished {_series(frozen, engine_name, 'finished')}, "
+        f"kv {_series(frozen, engine_name, 'kv_usage')}; {same_process}; engine awake; "
+        f"{window_text}"
     )
 
 

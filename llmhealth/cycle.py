@@ -37,6 +37,7 @@ from llmhealth.remediate import (
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path
 from llmhealth.traffic import RequestOutcome
+from llmhealth.window import LongestStep
 
 Clock = Callable[[], float]
 
@@ -244,7 +245,13 @@ async def run_cycle_async(
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
 
     async def probe(record: FleetRecord) -> list[Outcome]:
-        return await check_fleet(targets, settings, clock=clock, baselines=baselines_of(record))
+        return await check_fleet(
+            targets,
+            settings,
+            clock=clock,
+            baselines=baselines_of(record),
+            learned=learned_steps_of(record),
+        )
 
     settled = await settle_fleet_async(
         store,
@@ -343,6 +350,15 @@ def baselines_of(record: FleetRecord) -> dict[str, Signals]:
         name: sighting.baseline
         for name, sighting in record.sightings.items()
         if sighting.baseline is not None
+    }
+
+
+def learned_steps_of(record: FleetRecord) -> dict[str, LongestStep]:
+    """The longest step earlier runs saw each backend take: it widens the wedge window."""
+    return {
+        name: sighting.longest_step
+        for name, sighting in record.sightings.items()
+        if sighting.longest_step is not None
     }
 
 

@@ -34,6 +34,7 @@ from llmhealth.ledger import (
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
 from llmhealth.traffic import RequestOutcome
+from llmhealth.window import LongestStep, longer
 
 # What a backend condemned by real traffic is condemned by: the word restart_on matches.
 TRAFFIC_CAUSE = "request_failures"
@@ -50,11 +51,17 @@ _UNREACHABLE = frozenset({ReadProblem.DOWN})
 
 @dataclass(frozen=True, slots=True)
 class Sighting:
-    """What the last run saw of a backend's process: enough to tell a new one next time."""
+    """What the last run saw of a backend's process: enough to tell a new one next time.
+
+    ``longest_step`` is the longest step the backend's engines have been seen to take,
+    kept across runs and restarts (the hardware does not change with the process), so a
+    cron ``check`` widens the wedge window with what earlier runs learned.
+    """
 
     at: float
     reachable: bool
     baseline: Signals | None = None
+    longest_step: LongestStep | None = None
 
     def to_dict(self) -> dict[str, Any]:
         baseline = None
@@ -63,7 +70,14 @@ class Sighting:
                 "process_start": self.baseline.process_start,
                 "engines": {e.engine: e.counters for e in self.baseline.engines},
             }
-        return {"at": self.at, "reachable": self.reachable, "baseline": baseline}
+        document: dict[str, Any] = {
+            "at": self.at,
+            "reachable": self.reachable,
+            "baseline": baseline,
+        }
+        if self.longest_step is not None:
+            document["longest_step"] = self.longest_step.to_dict()
+        return document
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> Sighting:
@@ -72,9 +86,13 @@ class Sighting:
         reachable = record.get("reachable")
         if not isinstance(reachable, bool):
             raise ValueError(f"{where}.reachable: expected true or false")
+        step = record.get("longest_step")
+        longest_step = (
+            None if step is None else LongestStep.from_dict(step, f"{where}.longest_step")
+        )
         raw = record.get("baseline")
         if raw is None:
-            return cls(at, reachable)
+            return cls(at, reachable, longest_step=longest_step)
         baseline = _table(raw, f"{where}.baseline")
         start = baseline.get("process_start")
         engines = []
@@ -93,16 +111,17 @@ class Sighting:
                 )
             )
         process_start = None if start is None else _number(start, f"{where}.baseline.process_start")
-        return cls(at, reachable, Signals(tuple(engines), process_start))
+        return cls(at, reachable, Signals(tuple(engines), process_start), longest_step)
 
 
 def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sighting:
     """The newest readable process seen in this verdict's reads, else the previous one's."""
     reachable = not verdict.reads or verdict.reads[-1].problem not in _UNREACHABLE
+    step = longer(previous.longest_step if previous else None, verdict.longest_step)
     newest = _newest_signals(verdict)
     if newest is not None:
-        return Sighting(at, reachable, newest)
-    return Sighting(at, reachable, previous.baseline if previous else None)
+        return Sighting(at, reachable, newest, step)
+    return Sighting(at, reachable, previous.baseline if previous else None, step)
 
 
 def events_for(

@@ -34,6 +34,7 @@ from llmhealth.classify import (
 )
 from llmhealth.metrics import Signals, parse_metrics
 from llmhealth.text import printable
+from llmhealth.window import LongestStep
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -249,7 +250,10 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
             headers=headers,
         )
     except _RequestFailedError as failure:
-        return Answer(clock(), False, f"failed: {failure.detail}", model, models)
+        timed_out = failure.problem is ReadProblem.UNRESPONSIVE
+        return Answer(
+            clock(), False, f"failed: {failure.detail}", model, models, timed_out=timed_out
+        )
     if response.status != 200:
         return Answer(
             clock(), False, f"answered HTTP {response.status} for model {model}", model, models
@@ -274,13 +278,16 @@ async def examine_backend(
     clock: Clock = time.time,
     sleep: Sleep = asyncio.sleep,
     baseline: Signals | None = None,
+    learned: LongestStep | None = None,
 ) -> Verdict:
     """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
     reads: list[Read] = []
     answer: Answer | None = None
     try:
         while True:
-            decision = decide(reads, answer, max_reads=settings.max_reads, baseline=baseline)
+            decision = decide(
+                reads, answer, max_reads=settings.max_reads, baseline=baseline, learned=learned
+            )
             if isinstance(decision, Verdict):
                 return decision
             if isinstance(decision, TakeRead):
@@ -344,12 +351,15 @@ async def check_fleet(
     clock: Clock = time.time,
     sleep: Sleep = asyncio.sleep,
     baselines: Mapping[str, Signals] | None = None,
+    learned: Mapping[str, LongestStep] | None = None,
 ) -> list[Outcome]:
     """Examine every target concurrently; one hung backend costs only its own timeouts.
 
-    ``baselines`` holds an earlier run's last read per backend name, to see restarts.
+    ``baselines`` holds an earlier run's last read per backend name, to see restarts;
+    ``learned`` the longest step earlier runs saw each backend take.
     """
     known = baselines or {}
+    steps = learned or {}
 
     async def one(target: Target) -> Outcome:
         # One TLS context for the fleet (the process's default), built only if needed.
@@ -357,7 +367,13 @@ async def check_fleet(
             if target.kind == "proxy":
                 return Outcome(target, await examine_proxy(client, target, settings))
             verdict = await examine_backend(
-                client, target, settings, clock=clock, sleep=sleep, baseline=known.get(target.name)
+                client,
+                target,
+                settings,
+                clock=clock,
+                sleep=sleep,
+                baseline=known.get(target.name),
+                learned=steps.get(target.name),
             )
             return Outcome(target, verdict)
 

@@ -39,6 +39,7 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
+from llmhealth.window import LongestStep
 
 NOW = 1_000.0
 EARLIER = NOW - 60.0
@@ -436,6 +437,24 @@ def test_the_first_sighting_without_a_readable_read_has_no_baseline() -> None:
     assert sighting_of(VERDICTS["down"], NOW, None) == Sighting(NOW, False, None)
 
 
+LONG_STEP = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
+
+
+def test_a_sighting_keeps_the_longest_step_ever_seen_across_processes() -> None:
+    learned = replace(VERDICTS["busy"], longest_step=LongestStep(0.05, "gaps up to 0.05 s"))
+    first = sighting_of(learned, NOW, None)
+    assert first.longest_step == LongestStep(0.05, "gaps up to 0.05 s")
+    before = Sighting(NOW - 60, True, signals(steps=100), LONG_STEP)
+    # A shorter figure (a new process with fresh histograms) does not shrink it ...
+    assert sighting_of(learned, NOW, before).longest_step == LONG_STEP
+    # ... and a read that showed nothing keeps it too.
+    assert sighting_of(VERDICTS["down"], NOW, before).longest_step == LONG_STEP
+    longer_step = LongestStep(300.0, "gaps over 300 s")
+    assert sighting_of(replace(learned, longest_step=longer_step), NOW, before).longest_step == (
+        longer_step
+    )
+
+
 def test_a_read_refused_after_a_readable_one_is_unreachable_but_keeps_that_read() -> None:
     late = readable(NOW - 0.3, steps=7.0, start=90.0)
     gone = verdict(VerdictKind.DOWN, False, "connection refused", reads=(late, REFUSED))
@@ -735,7 +754,7 @@ def rich_record() -> FleetRecord:
         engines=(EngineSignals("0", steps=5.0), EngineSignals("1", finished=2.0)),
         process_start=None,
     )
-    record.sightings["gpu2"] = Sighting(NOW + 1, False, multiproc)
+    record.sightings["gpu2"] = Sighting(NOW + 1, False, multiproc, LONG_STEP)
     record.holds["gpu1"] = Hold(reason="weight sync", until=NOW + 600, by="trainer")
     record.restarts["gpu1"] = RestartHistory(failures=2, last_attempt_at=NOW - 30)
     return record
@@ -826,6 +845,16 @@ MALFORMED: list[tuple[str, Mutation, str]] = [
         "steps",
     ),
     ("start time a bool", _set(("sightings", "gpu0", "baseline", "process_start"), True), "gpu0"),
+    (
+        "longest step negative",
+        _set(("sightings", "gpu2", "longest_step", "seconds"), -1),
+        "sightings.gpu2.longest_step.seconds",
+    ),
+    (
+        "longest step without why",
+        _delete(("sightings", "gpu2", "longest_step", "why")),
+        "sightings.gpu2.longest_step.why",
+    ),
     ("holds a string", _set(("holds",), "none"), "holds"),
     ("hold until a string", _set(("holds", "gpu1", "until"), "later"), "holds.gpu1.until"),
     ("hold without reason", _delete(("holds", "gpu1", "reason")), "holds.gpu1"),

@@ -131,10 +131,55 @@ def test_a_busy_capture_reads_exactly_as_written(fixture_text: Load) -> None:
             preemptions=0.0,
             kv_usage=0.001709088689495264,
             sleep_state="awake",
+            longest_gap=0.025,
+            largest_step_tokens=64.0,
+            prefill_seconds=0.1003197850000106,
         ),
     )
     assert signals.process_start == 1.79602437626e09
     assert signals.engines[0].work == 12.0
+
+
+@pytest.mark.parametrize(
+    ("name", "gap", "step_tokens", "prefill"),
+    [
+        ("idle-1", None, None, 0.0),
+        ("prefill2-after", 0.05, 2048.0, 10.705545284998948),
+        # After the engine was SIGSTOPped for 20 s, its histogram holds that gap.
+        ("wedge-after", 20.0, 2048.0, 20.71081692599887),
+    ],
+)
+def test_the_step_histograms_are_read(
+    fixture_text: Load, name: str, gap: float | None, step_tokens: float | None, prefill: float
+) -> None:
+    engine = only_engine(parse_metrics(capture(fixture_text, name)))
+    assert (engine.longest_gap, engine.gap_beyond) == (gap, False)
+    assert engine.largest_step_tokens == step_tokens
+    assert engine.prefill_seconds == prefill
+
+
+def test_a_gap_past_the_last_bucket_is_known_only_to_exceed_it(fixture_text: Load) -> None:
+    lines = []
+    for line in capture(fixture_text, "busy-1").splitlines():
+        head, _, value = line.rpartition(" ")
+        counted = head.startswith("vllm:inter_token_latency_seconds_count") or (
+            head.startswith("vllm:inter_token_latency_seconds_bucket") and 'le="+Inf"' in head
+        )
+        lines.append(f"{head} {float(value) + 1}" if counted else line)
+    # A second model name on the same engine with short gaps does not hide the long one.
+    lines.append('vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="b"} 3')
+    lines.append('vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="b"} 3')
+    engine = only_engine(parse_metrics("\n".join(lines)))
+    assert (engine.longest_gap, engine.gap_beyond) == (80.0, True)
+
+
+@pytest.mark.parametrize("bound", ["x", "NaN", "-1", ""])
+def test_a_bucket_with_an_unusable_bound_is_skipped(bound: str) -> None:
+    text = f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="{bound}"}} 3\n'
+    text += 'vllm:num_requests_running{engine="0"} 1\n'
+    signals = parse_metrics(text)
+    assert only_engine(signals).longest_gap is None
+    assert signals.skipped_lines == 1
 
 
 def test_waiting_by_reason_is_not_mistaken_for_waiting(fixture_text: Load) -> None:
@@ -584,7 +629,7 @@ def called_names(source: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("module", ["metrics", "classify"])
+@pytest.mark.parametrize("module", ["metrics", "classify", "window"])
 def test_the_pure_core_imports_no_io(module: str) -> None:
     source = (ROOT / "llmhealth" / f"{module}.py").read_text(encoding="utf-8")
     imported = imported_modules(source)

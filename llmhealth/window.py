@@ -1,0 +1,183 @@
+"""How long an engine may show no progress before that proves a wedge.
+
+Pure. vLLM publishes its counters and gauges when a step ends, so an engine inside one
+long step (a big prefill on a CPU, a new shape compiling) looks frozen for as long as the
+step lasts. Two waits without progress prove a wedge only for an engine whose steps are
+short; for the others the window is the larger of two waits, the operator's
+``wedge_after`` floor, a multiple of the longest step the engine itself recorded in its
+histograms, and ``startup_wedge_after`` while its process is young. CPU time used by the
+engine's local processes can only settle a freeze one way: none used is proof at two
+waits; some used never proves health, it only lets the window run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llmhealth.metrics import Signals
+
+# Frozen engine processes that used less than this share of one CPU did nothing at all
+# (a stopped or deadlocked process uses none; a computing one uses about one per thread).
+CPU_IDLE_SHARE = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class LongestStep:
+    """The longest step an engine is known to take, and where that figure came from."""
+
+    seconds: float
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "why": self.why}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> LongestStep:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a table")
+        seconds, why = data.get("seconds"), data.get("why")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise ValueError(f"{where}.seconds: expected a number of seconds, got {seconds!r}")
+        if not isinstance(why, str):
+            raise ValueError(f"{where}.why: expected a string")
+        return cls(float(seconds), why)
+
+
+@dataclass(frozen=True, slots=True)
+class WedgeRules:
+    """The configured part of the window (seconds; 0 turns a term off)."""
+
+    wedge_after: float = 0.0
+    step_factor: float = 3.0
+    startup_grace: float = 900.0
+    startup_wedge_after: float = 300.0
+
+
+DEFAULT_RULES = WedgeRules()
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """How long a freeze must last to prove a wedge beyond two waits; 0 means two waits."""
+
+    seconds: float
+    why: str
+
+    @property
+    def extended(self) -> bool:
+        return self.seconds > 0
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU seconds the engine's local processes had used when a read was taken.
+
+    ``processes`` names them (pids): two samples compare only over the same processes,
+    since a process that exited takes its CPU time with it.
+    """
+
+    seconds: float
+    processes: tuple[int, ...]
+
+
+def longest_step(signals: Signals) -> LongestStep | None:
+    """The longest step any engine of this text has recorded, from its own histograms.
+
+    Two figures: the highest non-empty inter-token-latency bucket (a decode request
+    waits out every step of the batch it is in), and the prefill time per prompt token
+    times the most tokens the engine has put in one step.
+    """
+    best: LongestStep | None = None
+    for engine in signals.engines:
+        if engine.longest_gap is not None and engine.longest_gap > 0:
+            gap = engine.longest_gap
+            why = (
+                f"an inter-token gap over {gap:g} s"
+                if engine.gap_beyond
+                else f"inter-token gaps up to {gap:g} s"
+            )
+            best = longer(best, LongestStep(gap, f"engine {engine.engine}: {why}"))
+        if (
+            engine.prefill_seconds
+            and engine.prompt_tokens
+            and engine.largest_step_tokens
+            and engine.prompt_tokens > 0
+        ):
+            per_token = engine.prefill_seconds / engine.prompt_tokens
+            seconds = per_token * engine.largest_step_tokens
+            why = (
+                f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
+                f"x up to {engine.largest_step_tokens:g} tokens in one step"
+            )
+            best = longer(best, LongestStep(seconds, why))
+    return best
+
+
+def longer(first: LongestStep | None, second: LongestStep | None) -> LongestStep | None:
+    if first is None:
+        return second
+    if second is None or second.seconds <= first.seconds:
+        return first
+    return second
+
+
+def wedge_window(
+    rules: WedgeRules, learned: LongestStep | None, process_age: float | None
+) -> Window:
+    """The window for an engine with this longest step, in a process this old."""
+    terms: list[tuple[float, str]] = []
+    if rules.wedge_after > 0:
+        terms.append((rules.wedge_after, f"wedge_after {rules.wedge_after:g} s"))
+    if learned is not None and rules.step_factor > 0:
+        terms.append(
+            (
+                learned.seconds * rules.step_factor,
+                f"longest step seen {learned.seconds:g} s x{rules.step_factor:g} ({learned.why})",
+            )
+        )
+    if (
+        process_age is not None
+        and 0 <= process_age < rules.startup_grace
+        and rules.startup_wedge_after > 0
+    ):
+        terms.append(
+            (
+                rules.startup_wedge_after,
+                f"process {process_age:.0f} s old, within startup_grace "
+                f"{rules.startup_grace:g} s: startup_wedge_after {rules.startup_wedge_after:g} s "
+                "(a young engine compiles)",
+            )
+        )
+    if not terms:
+        return Window(0.0, "two waits")
+    seconds, why = max(terms, key=lambda term: term[0])
+    return Window(seconds, why)
+
+
+def cpu_used(first: CpuSample | None, last: CpuSample | None) -> float | None:
+    """CPU seconds used between two samples of the same processes; None when unknown."""
+    if first is None or last is None or first.processes != last.processes:
+        return None
+    if not first.processes or last.seconds < first.seconds:
+        return None
+    return last.seconds - first.seconds
+
+
+def cpu_was_idle(used: float, elapsed: float) -> bool:
+    return elapsed > 0 and used < CPU_IDLE_SHARE * elapsed
+
+
+def describe_cpu(used: float, elapsed: float) -> str:
+    if cpu_was_idle(used, elapsed):
+        return (
+            f"engine processes used {used:.2f} s CPU in {elapsed:.1f} s: "
+            "stopped or deadlocked, not computing"
+        )
+    return f"engine processes used {used:.1f} s CPU in {elapsed:.1f} s: compiling or computing"

@@ -1,0 +1,75 @@
+"""The wedge window: which term applies, and what the engine's histograms teach."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.window import (
+    CpuSample,
+    LongestStep,
+    WedgeRules,
+    cpu_used,
+    describe_cpu,
+    longest_step,
+    wedge_window,
+)
+
+
+def test_an_engine_with_no_histograms_teaches_nothing() -> None:
+    assert longest_step(Signals((EngineSignals("0", running=1.0),))) is None
+
+
+def test_the_prefill_cost_of_the_largest_step_can_be_the_longest() -> None:
+    # 2 s of prefill over 1,000 prompt tokens, and steps of up to 4,096 tokens: ~8.2 s,
+    # longer than the 0.05 s the inter-token gaps show.
+    engine = EngineSignals(
+        "3",
+        prompt_tokens=1000.0,
+        prefill_seconds=2.0,
+        largest_step_tokens=4096.0,
+        longest_gap=0.05,
+    )
+    step = longest_step(Signals((engine,)))
+    assert step is not None
+    assert step.seconds == pytest.approx(8.192)
+    assert step.why == "engine 3: prefill 2 ms per prompt token x up to 4096 tokens in one step"
+
+
+def test_the_longest_of_several_engines_counts() -> None:
+    engines = (
+        EngineSignals("0", longest_gap=0.5),
+        EngineSignals("1", longest_gap=80.0, gap_beyond=True),
+    )
+    assert longest_step(Signals(engines)) == LongestStep(
+        80.0, "engine 1: an inter-token gap over 80 s"
+    )
+
+
+def test_the_largest_term_sets_the_window_and_says_why() -> None:
+    rules = WedgeRules(wedge_after=120.0, startup_grace=900.0, startup_wedge_after=300.0)
+    step = LongestStep(31.0, "engine 0: inter-token gaps up to 40 s")
+    assert wedge_window(rules, None, None).why == "wedge_after 120 s"
+    window = wedge_window(WedgeRules(), step, 5000.0)
+    assert (window.seconds, window.extended) == (93.0, True)
+    assert window.why.startswith("longest step seen 31 s x3")
+    young = wedge_window(rules, step, 60.0)
+    assert young.seconds == 300.0
+    assert "process 60 s old" in young.why
+    none = wedge_window(WedgeRules(startup_wedge_after=0), None, 60.0)
+    assert (none.seconds, none.extended, none.why) == (0.0, False, "two waits")
+
+
+def test_cpu_is_compared_only_over_the_same_processes() -> None:
+    assert cpu_used(CpuSample(1.0, (5,)), CpuSample(3.5, (5,))) == 2.5
+    assert cpu_used(CpuSample(1.0, (5,)), CpuSample(3.5, (6,))) is None
+    assert cpu_used(CpuSample(4.0, (5,)), CpuSample(3.5, (5,))) is None
+    assert cpu_used(None, CpuSample(3.5, (5,))) is None
+    assert "stopped or deadlocked" in describe_cpu(0.01, 10.0)
+    assert "compiling or computing" in describe_cpu(19.6, 10.0)
+
+
+@pytest.mark.parametrize("bad", [None, [], {"seconds": -1, "why": "x"}, {"seconds": 1.0}])
+def test_a_malformed_longest_step_is_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match="step"):
+        LongestStep.from_dict(bad, "step")
