@@ -58,7 +58,6 @@ from simproc import SimulatorStartError, child_env, running_simulator
 from llmhealth import config as config_module
 from llmhealth.classify import Target
 from llmhealth.cycle import run_cycle
-from llmhealth.metrics import parse_metrics
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import Mode
 from llmhealth.report import CycleReport
@@ -905,10 +904,11 @@ async def _wedge_run(urls: dict[str, str], workdir: Path, phase: float) -> Wedge
     async with new_client() as client:
         wedge_at = {}
         for name, url in urls.items():
-            body = (await client.get(f"{url}/metrics", timeout=5.0)).content
-            start = parse_metrics(body).process_start
-            if start is None:
-                raise RuntimeError(f"{url}/metrics shows no process start time")
+            # The simulator's real start (its /metrics claims the process is an hour old).
+            stats = (await client.get(f"{url}/sim/stats", timeout=5.0)).json()
+            start = stats.get("start_time")
+            if not isinstance(start, float):
+                raise RuntimeError(f"{url}/sim/stats shows no start time")
             wedge_at[name] = start + WEDGE_AFTER
     check = CheckTimer("check", urls["check"], workdir / "check", after)
     watch = WatchProcess("watch", urls["watch"], workdir / "watch", after)

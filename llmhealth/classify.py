@@ -21,6 +21,7 @@ from llmhealth.window import (
     LongestStep,
     WedgeRules,
     Window,
+    cpu_span,
     cpu_used,
     cpu_was_idle,
     describe_cpu,
@@ -118,6 +119,8 @@ class Target:
     kind: str = "backend"
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr
     model: str | None = None
+    rules: WedgeRules = DEFAULT_RULES  # this backend's wedge window rules
+    cgroup: str | None = None  # where its processes' CPU time is, when not by its port
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,9 +295,16 @@ def _judge_freeze(
     frozen = reads[-1 - streak :]
     elapsed = frozen[-1].at - frozen[0].at
     window = window_for(reads, freeze.learned, freeze.rules)
-    used = cpu_used(frozen[0].cpu, frozen[-1].cpu)
-    cpu_text = "" if used is None else f"; {describe_cpu(used, elapsed)}"
-    if used is not None and cpu_was_idle(used, elapsed):
+    # The shell samples CPU only once a long window makes it worth its cost, so the
+    # samples may start after the freeze did: they must span two waits of it themselves.
+    sampled = [read.cpu for read in frozen if read.cpu is not None]
+    used = cpu_used(sampled[0], sampled[-1]) if len(sampled) >= 3 else None
+    apart = 0.0
+    if used is not None:
+        first_at = next(read.at for read in frozen if read.cpu is not None)
+        apart = cpu_span(sampled[0], sampled[-1], frozen[-1].at - first_at)
+    cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
+    if used is not None and cpu_was_idle(used, apart):
         why = "no wait beyond two: the engine is doing nothing"
         return _verdict(
             VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
@@ -337,33 +347,45 @@ def _ask_or_doubt(
 
     vLLM publishes its gauges when a step ends, so an engine inside a long first step
     shows no work while it computes, and the tiny request queues behind it. A timeout
-    then proves nothing about an engine known to take long steps (or young, or busy on
-    its CPU) while no counter moved: that is doubt, never ``unanswered``.
+    then proves nothing about an engine whose window is longer than the request waited
+    (known long steps, a young process, a floor) while no counter moved: that is doubt,
+    never ``unanswered``, unless its processes used no CPU meanwhile.
     """
     if answer is None or answer.ok or not answer.timed_out:
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
     window = window_for(reads, freeze.learned, freeze.rules)
-    # Only what could excuse the timeout is worth another read: a long window, or CPU
-    # time to compare. An engine with short steps and no local evidence is unanswered.
-    could_excuse = window.extended or reads[-1].cpu is not None
+    asked_after = [read for read in reads if read.at <= answer.at]
+    waited = answer.at - asked_after[-1].at if asked_after else 0.0
+    # Only a window longer than the request waited can excuse the timeout (a step that
+    # long may hold it); otherwise the engine should have answered at once.
+    if not window.seconds > waited:
+        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
     if reads[-1].at <= answer.at:
-        if could_excuse and len(reads) < max_reads:
+        if len(reads) < max_reads:
             return TakeRead("the tiny request timed out: one more read shows if the engine moved")
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
-    elapsed = reads[-1].at - reads[0].at
-    used = cpu_used(reads[0].cpu, reads[-1].cpu)
-    computing = used is not None and not cpu_was_idle(used, elapsed)
-    if not window.extended and not computing:
-        return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
-    reasons = [f"window {window.seconds:g} s: {window.why}"] if window.extended else []
-    if used is not None:
-        reasons.append(describe_cpu(used, elapsed))
+    asked = asked_after[-1] if asked_after else reads[0]
+    elapsed = reads[-1].at - asked.at
+    used = cpu_used(asked.cpu, reads[-1].cpu)
+    apart = elapsed
+    if asked.cpu is not None and reads[-1].cpu is not None:
+        apart = cpu_span(asked.cpu, reads[-1].cpu, elapsed)
+    if used is not None and cpu_was_idle(used, apart):
+        # No CPU used while holding our request: not inside a step, but stuck.
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.IDLE,
+            VerdictKind.UNANSWERED,
+            f"{context}; {describe_cpu(used, apart)}",
+        )
+    cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
     return _verdict(
         VerdictKind.STALLED,
         False,
         f"stalled: {context}; tiny request {answer.detail}, and no counter moved over "
         f"{elapsed:.1f} s; an engine inside one long step shows no work and answers late "
-        f"({'; '.join(reasons)}); not proof of a failure",
+        f"(window {window.seconds:g} s: {window.why}{cpu_text}); not proof of a failure",
         reads,
         answer,
     )

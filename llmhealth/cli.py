@@ -153,6 +153,7 @@ def check(
         timeout=_duration(timeout) or loaded.timeout,
         answer_timeout=_duration(answer_timeout) or loaded.answer_timeout,
         max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
     )
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
     if loaded.cluster is not None:
@@ -541,6 +542,14 @@ def simulate(
     request_seconds: Annotated[
         float, typer.Option(help="How long one synthetic request holds its slot.")
     ] = 4.0,
+    age: Annotated[
+        float,
+        typer.Option(
+            help="Seconds before its real start each simulated process says it started "
+            "(process_start_time_seconds); 0 shows a young process, judged with "
+            "startup_wedge_after."
+        ),
+    ] = 3600.0,
 ) -> None:
     """Serve simulated vLLM backends for demos, tests and benchmarks (until Ctrl-C)."""
     from llmhealth.simulate import SimulateError, run  # noqa: PLC0415 - only loaded to serve
@@ -554,6 +563,7 @@ def simulate(
             model=model,
             engines=engines,
             request_seconds=request_seconds,
+            age=age,
         )
     except SimulateError as exc:
         print(f"llmhealth simulate: {exc}", file=sys.stderr)

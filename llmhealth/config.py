@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
 from llmhealth.text import refuse_user_info
+from llmhealth.window import WedgeRules
 
 DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
@@ -28,6 +29,7 @@ DEFAULT_STALL_TIMEOUT = 600.0
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_PREFIX = "/llmhealth/default"
 MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 s)
+DEFAULT_MAX_CHECK_TIME = 300.0
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -58,6 +60,10 @@ class Policy:
     # On for check, watch and route: a process condemned by doubt may prove its way back.
     recover_in_place: bool = True
     max_in_place_recoveries: int = 3
+    # The wedge window's configured terms (llmhealth.window): a floor for every backend
+    # (0: two waits), and the window of a process younger than startup_grace.
+    wedge_after: float = 0.0
+    startup_wedge_after: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,8 @@ class Backend:
     restart: tuple[str, ...] = ()
     api_key_env: str | None = None
     expected_model: str | None = None
+    wedge_after: float | None = None  # this backend's floor; None: the policy's
+    cgroup: str | None = None  # cgroup v2 directory of its processes, for CPU evidence
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +132,7 @@ class Config:
     audit_log: str | None = None
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
     on_serving_change: tuple[str, ...] = ()
+    max_check_time: float = DEFAULT_MAX_CHECK_TIME
     policy: Policy = field(default_factory=Policy)
     backends: tuple[Backend, ...] = ()
     proxies: tuple[Proxy, ...] = ()
@@ -135,6 +144,17 @@ class Config:
     def key_variables(self) -> frozenset[str]:
         """The environment variables that hold an API key: no command llmhealth runs gets them."""
         return frozenset(backend.api_key_env for backend in self.backends if backend.api_key_env)
+
+    def wedge_rules(self, backend: Backend | None = None) -> WedgeRules:
+        """The wedge window's rules for a configured backend, or for a bare URL."""
+        floor = self.policy.wedge_after
+        if backend is not None and backend.wedge_after is not None:
+            floor = backend.wedge_after
+        return WedgeRules(
+            wedge_after=floor,
+            startup_grace=self.policy.startup_grace,
+            startup_wedge_after=self.policy.startup_wedge_after,
+        )
 
 
 def load(path: str | Path) -> Config:
@@ -159,7 +179,8 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         data,
         "",
         {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
-        | {"backend", "proxy", "stall_timeout", "on_serving_change", "router", "cluster"},
+        | {"backend", "proxy", "stall_timeout", "on_serving_change", "router", "cluster"}
+        | {"max_check_time"},
     )
     policy = _policy(reader, data.get("policy", {}))
     backends = tuple(
@@ -183,6 +204,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         audit_log=reader.optional_string(data, "audit_log"),
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
         on_serving_change=reader.string_list(data, "on_serving_change", ()),
+        max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
         policy=policy,
         backends=backends,
         proxies=proxies,
@@ -246,6 +268,8 @@ def _policy(reader: _Reader, data: object) -> Policy:
         "restart_timeout",
         "recover_in_place",
         "max_in_place_recoveries",
+        "wedge_after",
+        "startup_wedge_after",
     }
     reader.known(table, "policy.", fields)
     defaults = Policy()
@@ -283,6 +307,12 @@ def _policy(reader: _Reader, data: object) -> Policy:
         ),
         max_in_place_recoveries=reader.integer(
             table, "policy.max_in_place_recoveries", defaults.max_in_place_recoveries, minimum=0
+        ),
+        wedge_after=reader.duration(
+            table, "policy.wedge_after", defaults.wedge_after, zero_is_off=True
+        ),
+        startup_wedge_after=reader.duration(
+            table, "policy.startup_wedge_after", defaults.startup_wedge_after, zero_is_off=True
         ),
     )
     if policy.cooldown_max < policy.cooldown:
@@ -382,7 +412,11 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
 
 def _backend(reader: _Reader, data: object, key: str) -> Backend:
     table = reader.table(data, key)
-    reader.known(table, f"{key}.", {"name", "url", "restart", "api_key_env", "expected_model"})
+    reader.known(
+        table,
+        f"{key}.",
+        {"name", "url", "restart", "api_key_env", "expected_model", "wedge_after", "cgroup"},
+    )
     url = reader.url(table, f"{key}.url")
     restart = reader.string_list(table, f"{key}.restart", ())
     if "restart" in table and not restart:
@@ -393,6 +427,12 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
         restart=restart,
         api_key_env=reader.optional_string(table, f"{key}.api_key_env"),
         expected_model=reader.optional_string(table, f"{key}.expected_model"),
+        wedge_after=(
+            reader.duration(table, f"{key}.wedge_after", 0.0, zero_is_off=True)
+            if "wedge_after" in table
+            else None
+        ),
+        cgroup=reader.optional_string(table, f"{key}.cgroup"),
     )
 
 
@@ -431,11 +471,17 @@ class _Reader:
     def _leaf(self, key: str) -> str:
         return key.rsplit(".", 1)[-1]
 
-    def duration(self, table: Mapping[str, Any], key: str, default: float) -> float:
+    def duration(
+        self, table: Mapping[str, Any], key: str, default: float, *, zero_is_off: bool = False
+    ) -> float:
+        """A positive duration; 0 too where it turns something off."""
         if self._leaf(key) not in table:
             return default
+        value = table[self._leaf(key)]
+        if zero_is_off and not isinstance(value, bool) and value in (0, "0", "0s"):
+            return 0.0
         try:
-            return parse_duration(table[self._leaf(key)])
+            return parse_duration(value)
         except ValueError as exc:
             raise self.fail(key, str(exc)) from exc
 
@@ -500,6 +546,8 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
             "backend",
             api_key=os.environ.get(backend.api_key_env) if backend.api_key_env else None,
             model=backend.expected_model,
+            rules=config.wedge_rules(backend),
+            cgroup=backend.cgroup,
         )
         for backend in config.backends
     ]
@@ -510,7 +558,7 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
                 checked = check_url(url)
             except ValueError as exc:
                 raise BadTargetError(str(exc), hint) from exc
-            targets.append(Target(name_for_url(checked), checked, kind))
+            targets.append(Target(name_for_url(checked), checked, kind, rules=config.wedge_rules()))
     names = [target.name for target in targets]
     if len(set(names)) != len(names):
         raise BadTargetError("the same backend or proxy is named twice")

@@ -40,6 +40,7 @@ from llmhealth.cycle import (
     backend_urls,
     baselines_of,
     fresh_record,
+    learned_steps_of,
     ledger_policy,
     load_record,
     routed_backends,
@@ -48,6 +49,7 @@ from llmhealth.cycle import (
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.fleet import FleetRecord, StallWatch
 from llmhealth.ledger import BackendSnapshot
+from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
@@ -56,6 +58,7 @@ from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import StateError, StateFile, Store
 from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
+from llmhealth.window import LongestStep, longer
 
 if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
     from llmhealth.router import Router
@@ -154,6 +157,7 @@ class Daemon:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._probing: dict[str, Target] = {}
         self._baselines: dict[str, Signals] = {}
+        self._learned: dict[str, LongestStep] = {}
         self._snapshots: dict[str, BackendSnapshot] = {}
         self._fleet: FleetSummary | None = None
         self._record: FleetRecord | None = None  # as last settled or read
@@ -183,6 +187,7 @@ class Daemon:
             timeout=self._config.timeout,
             answer_timeout=self._config.answer_timeout,
             max_body=self._config.max_body,
+            max_check_time=self._config.max_check_time,
         )
 
     async def run(self) -> int:
@@ -203,7 +208,7 @@ class Daemon:
         if self._seat is not None:
             self._seat.elector.start()
         try:
-            self._baselines = await asyncio.to_thread(self._read_baselines)
+            self._baselines, self._learned = await asyncio.to_thread(self._read_baselines)
             if self._router is not None and self._router_listen is not None:
                 await self._start_router(self._router, *self._router_listen)
             self._start_probes()
@@ -400,7 +405,8 @@ class Daemon:
         except StateError as exc:
             self._log(f"the restart commands' outcomes were not saved: {exc}")
 
-    def _read_baselines(self) -> dict[str, Signals]:
+    def _read_baselines(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
+        """What earlier runs last read of each backend, and the longest step each took."""
         try:
             with self._reader.locked():
                 record, _ = load_record(
@@ -411,10 +417,10 @@ class Daemon:
                 )
         except StateError as exc:
             self._log(f"starting without earlier reads: {exc}")
-            return {}
+            return {}, {}
         now = self._clock()
         self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
-        return baselines_of(record)
+        return baselines_of(record), learned_steps_of(record)
 
     def _start_probes(self) -> None:
         """Start a task per target; on reload, only for targets that are new or changed.
@@ -461,6 +467,8 @@ class Daemon:
         """Read one target every wait, forever; its verdicts wait for the next settle."""
         await asyncio.sleep(delay)
         window: list[Read] = []
+        cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
+        learned: LongestStep | None = None
         # No TLS context of its own: every client shares the process's (wire.py).
         async with new_client() as client:
             while True:
@@ -473,9 +481,19 @@ class Daemon:
                     # start, or on taking the lead): one read is compared with it, so a
                     # restart that happened meanwhile is seen; the window is kept.
                     baseline = self._baselines.pop(target.name, None)
+                    learned = longer(learned, self._learned.pop(target.name, None))
                     verdict = await examine_once(
-                        client, target, settings, window, clock=self._clock, baseline=baseline
+                        client,
+                        target,
+                        settings,
+                        window,
+                        clock=self._clock,
+                        baseline=baseline,
+                        learned=learned,
+                        cpu=cpu,
                     )
+                    if verdict is not None:
+                        learned = longer(learned, verdict.longest_step)
                 probe = self._state.probes.setdefault(target.name, _Probe())
                 probe.seconds = time.monotonic() - started
                 if verdict is not None:

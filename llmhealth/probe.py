@@ -14,7 +14,7 @@ import json
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,10 +31,13 @@ from llmhealth.classify import (
     VerdictKind,
     decide,
     judge_proxy,
+    learned_step,
+    window_for,
 )
+from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals, parse_metrics
 from llmhealth.text import printable
-from llmhealth.window import LongestStep
+from llmhealth.window import LongestStep, WedgeRules
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -50,7 +53,43 @@ class ProbeSettings:
     timeout: float = 5.0
     answer_timeout: float = 10.0
     max_body: int = 16 * 1024 * 1024
-    max_reads: int = 3
+    # A run keeps reading a frozen backend until its wedge window is covered, for at
+    # most this long; ``max_reads`` fixes the number of reads instead, where given.
+    max_check_time: float = 300.0
+    max_reads: int | None = None
+
+    @property
+    def read_limit(self) -> int:
+        """Reads one verdict may take: three (two waits) at least."""
+        if self.max_reads is not None:
+            return self.max_reads
+        if self.wait <= 0:
+            return 3
+        return max(3, 1 + int(self.max_check_time // self.wait))
+
+    def wants_cpu(
+        self, reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules
+    ) -> bool:
+        """Is local CPU time worth sampling: only a window past two waits can use it.
+
+        Finding a backend's processes scans /proc; a fleet of engines with short steps
+        never pays for it.
+        """
+        return window_for(reads, learned, rules).seconds > 2 * self.wait
+
+    def for_answer(
+        self, reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules
+    ) -> ProbeSettings:
+        """The tiny request waits as long as the engine's longest steps can make it queue.
+
+        An engine inside a long step answers only after it; the same multiple of the
+        longest step known as the wedge window uses, bounded by ``max_check_time``.
+        """
+        step = learned_step(reads, learned)
+        if step is None:
+            return self
+        grown = min(self.max_check_time, rules.step_factor * step.seconds)
+        return replace(self, answer_timeout=max(self.answer_timeout, grown))
 
 
 class _RequestFailedError(Exception):
@@ -283,19 +322,27 @@ async def examine_backend(
     """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
     reads: list[Read] = []
     answer: Answer | None = None
+    cpu = LocalCpu(target.url, target.cgroup)
     try:
         while True:
             decision = decide(
-                reads, answer, max_reads=settings.max_reads, baseline=baseline, learned=learned
+                reads,
+                answer,
+                max_reads=settings.read_limit,
+                baseline=baseline,
+                learned=learned,
+                rules=target.rules,
             )
             if isinstance(decision, Verdict):
                 return decision
             if isinstance(decision, TakeRead):
                 if reads:
                     await sleep(settings.wait)
-                reads.append(await read_metrics(client, target, settings, clock))
+                read = await read_metrics(client, target, settings, clock)
+                reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
             elif isinstance(decision, SendTinyRequest):
-                answer = await ask_tiny(client, target, settings, clock)
+                answer_settings = settings.for_answer(reads, learned, target.rules)
+                answer = await ask_tiny(client, target, answer_settings, clock)
     except Exception as exc:  # one backend's problem must not end the fleet's check
         return _unexamined(exc)
 
@@ -308,21 +355,51 @@ async def examine_once(
     *,
     clock: Clock = time.time,
     baseline: Signals | None = None,
+    learned: LongestStep | None = None,
+    cpu: LocalCpu | None = None,
 ) -> Verdict | None:
     """One read for the watch loop, judged with the reads of earlier cycles.
 
     In ``watch`` the wait between two reads is the loop interval, so a verdict needs no
-    sleeping here: ``window`` keeps this backend's last reads across cycles (at most
-    ``max_reads``). None means "not decided yet" (a first read that shows work, or one
-    wait without progress), never a failure: failures are verdicts.
+    sleeping here: ``window`` keeps this backend's last reads across cycles (as many as
+    ``max_check_time`` holds, so a long wedge window is covered). None means "not
+    decided yet" (a first read that shows work, or a freeze still inside its window),
+    never a failure: failures are verdicts.
     """
+    limit = settings.read_limit
     try:
-        window.append(await read_metrics(client, target, settings, clock))
-        del window[: -settings.max_reads]
-        decision = decide(window, None, max_reads=settings.max_reads, baseline=baseline)
+        read = await read_metrics(client, target, settings, clock)
+        window.append(await _with_cpu(read, window, cpu, settings, learned, target.rules))
+        del window[:-limit]
+        decision = decide(
+            window, None, max_reads=limit, baseline=baseline, learned=learned, rules=target.rules
+        )
         if isinstance(decision, SendTinyRequest):
-            answer = await ask_tiny(client, target, settings, clock)
-            decision = decide(window, answer, max_reads=settings.max_reads, baseline=baseline)
+            answer = await ask_tiny(
+                client, target, settings.for_answer(window, learned, target.rules), clock
+            )
+            decision = decide(
+                window,
+                answer,
+                max_reads=limit,
+                baseline=baseline,
+                learned=learned,
+                rules=target.rules,
+            )
+            if isinstance(decision, TakeRead):
+                # A timed-out tiny request wants one more read to see whether the engine
+                # moved meanwhile; the answer does not outlive this cycle, so read now.
+                read = await read_metrics(client, target, settings, clock)
+                window.append(await _with_cpu(read, window, cpu, settings, learned, target.rules))
+                del window[:-limit]
+                decision = decide(
+                    window,
+                    answer,
+                    max_reads=limit,
+                    baseline=baseline,
+                    learned=learned,
+                    rules=target.rules,
+                )
     except Exception as exc:  # a verdict, and a fresh window: these reads judged nothing
         window.clear()
         return _unexamined(exc)
@@ -330,6 +407,27 @@ async def examine_once(
         # The new process's reads start here: the old one's must not be compared again.
         del window[:-1]
     return decision if isinstance(decision, Verdict) else None
+
+
+async def _with_cpu(
+    read: Read,
+    earlier: Sequence[Read],
+    cpu: LocalCpu | None,
+    settings: ProbeSettings,
+    learned: LongestStep | None,
+    rules: WedgeRules,
+) -> Read:
+    """The read with the engine processes' CPU time, when that is worth sampling.
+
+    Sampled right after the text arrived, so that two samples span about the same time
+    as the two texts; decided with this read included, so a process that this very read
+    shows to be young is sampled from its first read on.
+    """
+    if cpu is None or not cpu.applies or read.signals is None:
+        return read
+    if not settings.wants_cpu([*earlier, read], learned, rules):
+        return read
+    return replace(read, cpu=await asyncio.to_thread(cpu.sample))
 
 
 async def examine_proxy(client: Client, target: Target, settings: ProbeSettings) -> Verdict:

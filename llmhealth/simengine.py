@@ -63,8 +63,14 @@ class SimConfig:
     request_seconds: float = 4.0  # how long one synthetic request lasts
     engines: int = 1
     model: str = "tiny"
+    # How long before it really started each simulated process says it started: a
+    # server that has been up an hour by default, so a freeze is judged as on one (a
+    # young process gets minutes of startup window); 0 shows a young process.
+    age: float = 3600.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.age < math.inf:
+            raise ValueError("age must be a finite number of seconds, 0 or more")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.engines < 1:
@@ -304,7 +310,9 @@ class SimBackend:
                 s.first_done_at <= min(now, self._wedge_at(i, start))
                 for i, s in enumerate(self._engines)
             )
-        return BackendSnapshot(start_time=start, gauges_visible=visible, engines=engines)
+        return BackendSnapshot(
+            start_time=start - self.config.age, gauges_visible=visible, engines=engines
+        )
 
     def _engine_snapshot(self, index: int, start: float, now: float) -> EngineSnapshot:
         # A wedged engine shows exactly what it showed when it froze.

@@ -292,6 +292,11 @@ class _Backend:
         # partition) while the process and its engines go on, until {"hang": false}.
         self.metrics_hang = False
 
+    def stats_response(self) -> _Response:
+        """The counters, and when the current simulated process really started."""
+        start = self.model.start_time(self.clock())
+        return _json(200, {**self.stats.__dict__, "start_time": start})
+
     async def handle(self, request: _Request, conn: _Connection) -> _Response | None:
         if self.spec.hang:
             # A frozen API server: the connection opens, the request is read, nothing comes back.
@@ -441,7 +446,7 @@ _GET_ROUTES: dict[str, Callable[[_Backend], _Response]] = {
     "/ping": lambda b: _Response(200),
     "/version": lambda b: _json(200, {"version": VERSION}),
     "/load": lambda b: _json(200, {"server_load": 0}),
-    "/sim/stats": lambda b: b.stats.response(),
+    "/sim/stats": lambda b: b.stats_response(),
 }
 
 
@@ -706,6 +711,7 @@ def run(
     model: str = "tiny",
     engines: int = 1,
     request_seconds: float = 4.0,
+    age: float = 3600.0,
 ) -> None:
     """Blocks serving one simulated backend per mode on port, port+1, ... until SIGINT/SIGTERM.
 
@@ -719,6 +725,7 @@ def run(
             request_seconds=request_seconds,
             engines=engines,
             model=model,
+            age=age,
         )
     except ValueError as exc:
         raise SimulateError(str(exc)) from exc

@@ -80,11 +80,13 @@ class CpuSample:
     """CPU seconds the engine's local processes had used when a read was taken.
 
     ``processes`` names them (pids): two samples compare only over the same processes,
-    since a process that exited takes its CPU time with it.
+    since a process that exited takes its CPU time with it. ``at`` is when the sample
+    was taken, which may be a while after its read (finding the processes takes time).
     """
 
     seconds: float
     processes: tuple[int, ...]
+    at: float | None = None
 
 
 def longest_step(signals: Signals) -> LongestStep | None:
@@ -159,6 +161,13 @@ def wedge_window(
         return Window(0.0, "two waits")
     seconds, why = max(terms, key=lambda term: term[0])
     return Window(seconds, why)
+
+
+def cpu_span(first: CpuSample, last: CpuSample, reads_apart: float) -> float:
+    """The time two samples are apart: their own times when known, else their reads'."""
+    if first.at is not None and last.at is not None:
+        return last.at - first.at
+    return reads_apart
 
 
 def cpu_used(first: CpuSample | None, last: CpuSample | None) -> float | None:

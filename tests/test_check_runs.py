@@ -18,8 +18,6 @@ from typing import Any
 import httpx
 from simproc import running_simulator
 
-from llmhealth.metrics import parse_metrics
-
 FAST = ["--format", "json", "--wait", "0.3", "--timeout", "1", "--answer-timeout", "1"]
 RUN_TIMEOUT = 30.0  # a bound for a hung run, far above the ~1.5 s a run takes here
 RESTART_PERIOD = 4.0  # restart:4: a new simulated process every 4 s
@@ -136,8 +134,9 @@ def test_a_busy_server_stays_healthy_and_is_never_sent_a_request(
 
 
 def _process_start(url: str) -> float:
-    start = parse_metrics(httpx.get(f"{url}/metrics", timeout=2.0).text).process_start
-    assert start is not None
+    """When the simulated process really started (its /metrics claims an hour earlier)."""
+    start = sim_stats(url)["start_time"]
+    assert isinstance(start, float)
     return start
 
 

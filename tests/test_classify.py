@@ -1024,3 +1024,29 @@ def test_a_legal_text_with_40000_engines_gets_a_verdict(fixture_text: Load) -> N
     busy = settled(decide([reads[0], Read(T0 + WAIT, later)]))
     assert busy.kind is VerdictKind.BUSY
     assert "and 39992 more engines progressed" in busy.evidence
+
+
+def test_a_tiny_request_timeout_while_the_engine_used_no_cpu_is_unanswered(
+    fixture_text: Load,
+) -> None:
+    idle = parse_metrics(with_gap_histogram(capture(fixture_text, "idle-2"), "+Inf"))
+    reads = [
+        Read(T0, idle, cpu=CpuSample(50.0, (7,))),
+        Read(T0 + WAIT, idle, cpu=CpuSample(50.0, (7,))),
+    ]
+    verdict = settled(decide(reads, timed_out(T0 + 3.0)))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "used 0.00 s CPU in 5.0 s" in verdict.evidence
+
+
+def test_cpu_samples_that_start_late_must_span_two_waits_themselves(fixture_text: Load) -> None:
+    frozen = parse_metrics(capture(fixture_text, "wedge-1"))
+    long_steps = LongestStep(80.0, "engine 0: an inter-token gap over 80 s")
+    samples = [None, CpuSample(5.0, (7,)), CpuSample(5.0, (7,)), CpuSample(5.0, (7,))]
+    reads = [Read(T0 + index * WAIT, frozen, cpu=cpu) for index, cpu in enumerate(samples)]
+    # Two samples (one wait of CPU evidence) prove nothing yet ...
+    assert isinstance(decide(reads[:3], learned=long_steps, max_reads=10), TakeRead)
+    # ... three do: the stopped engine is wedged without waiting out its 240 s window.
+    verdict = settled(decide(reads, learned=long_steps, max_reads=10))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "used 0.00 s CPU in 10.0 s" in verdict.evidence

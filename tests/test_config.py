@@ -17,6 +17,7 @@ from llmhealth.config import (
     parse_listen,
 )
 from llmhealth.cycle import ledger_policy
+from llmhealth.window import WedgeRules
 
 FULL = """
 wait = "5s"
@@ -117,6 +118,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[router]\nfirst_byte_timeout = 'never'", "router.first_byte_timeout: 'never'"),
         ("[router]\nretries = 2", "router.retries: unknown key"),
         ("[policy]\nrestart_on = ['requests']", "policy.restart_on: requests cannot condemn"),
+        ("[policy]\nwedge_after = -5", "policy.wedge_after: -5 must be a positive"),
+        ("[policy]\nstartup_wedge_after = 'soon'", "policy.startup_wedge_after: 'soon'"),
+        ("max_check_time = 0", "max_check_time: 0 must be a positive"),
+        ("[[backend]]\nurl = 'http://a:1'\nwedge_after = true", "backend[0].wedge_after"),
         ("wait = ", "not valid TOML"),
         ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
         ("[cluster]\netcd = 'http://e:2379'", "cluster.etcd: must be a list of strings"),
@@ -147,6 +152,41 @@ def test_recovery_in_place_is_on_by_default_and_can_be_turned_off_or_capped(
     ledger = ledger_policy(policy)
     assert (ledger.recover_in_place, ledger.max_in_place_recoveries) == (False, 1)
     assert ledger_policy(Policy()).recover_in_place
+
+
+def test_the_wedge_window_keys_load_per_policy_and_per_backend(tmp_path: Path) -> None:
+    text = """
+max_check_time = "8m"
+[policy]
+wedge_after = "2m"
+startup_wedge_after = "6m"
+startup_grace = "20m"
+[[backend]]
+name = "cpu0"
+url = "http://10.0.0.7:8000"
+wedge_after = "10m"
+[[backend]]
+name = "gpu0"
+url = "http://10.0.0.8:8000"
+[[backend]]
+name = "fast"
+url = "http://10.0.0.9:8000"
+wedge_after = 0
+"""
+    config = load(write(tmp_path, text))
+    assert config.max_check_time == 480.0
+    cpu0, gpu0, fast = config.backends
+    assert config.wedge_rules(cpu0) == WedgeRules(
+        wedge_after=600.0, startup_grace=1200.0, startup_wedge_after=360.0
+    )
+    assert config.wedge_rules(gpu0).wedge_after == 120.0  # the policy's floor
+    assert config.wedge_rules(fast).wedge_after == 0.0  # 0: two waits, for this one only
+    assert config.wedge_rules().wedge_after == 120.0  # a bare URL gets the policy's
+
+
+def test_the_wedge_window_defaults_are_two_waits_and_five_young_minutes() -> None:
+    assert Policy().wedge_after == 0.0
+    assert Policy().startup_wedge_after == 300.0
 
 
 def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:

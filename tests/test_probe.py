@@ -581,3 +581,71 @@ def test_watch_gets_a_verdict_too_when_judging_one_read_raises(
     assert verdict is not None and verdict.kind is VerdictKind.NO_METRICS
     assert "not judged: examining it raised RecursionError" in verdict.evidence
     assert window == [], "reads that judged nothing are not compared again"
+
+
+# --- long steps: the tiny request waits for them, and a timeout behind one is doubt ------
+
+
+def with_long_gap(text: str) -> str:
+    """A capture whose inter-token histogram holds one gap past its last bucket (80 s)."""
+    lines = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        counted = head.startswith("vllm:inter_token_latency_seconds_count") or (
+            head.startswith("vllm:inter_token_latency_seconds_bucket") and 'le="+Inf"' in head
+        )
+        lines.append(f"{head} {float(value) + 1}" if counted else line)
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def engine_inside_a_long_step(server: HTTPServer) -> Iterator[Backend]:
+    """Idle gauges, a known 80 s+ step, and a completion that queues past any timeout here.
+
+    The hanging answer ends after 1.5 s: pytest-httpserver serves one request at a time,
+    and the read that follows must get through.
+    """
+    backend = Backend(server, [with_long_gap(capture("idle-2"))])
+
+    def queued(_request: Request) -> Response:
+        backend.completions += 1
+        time.sleep(1.5)
+        return Response("late")
+
+    server.clear()
+    server.expect_request("/metrics").respond_with_handler(backend._metrics)
+    server.expect_request("/v1/models").respond_with_json(MODELS)
+    server.expect_request("/v1/completions").respond_with_handler(queued)
+    yield backend
+
+
+LONG_STEP_SETTINGS = ProbeSettings(wait=0.0, timeout=3.0, answer_timeout=0.3, max_check_time=1.0)
+
+
+def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_stalled(
+    httpserver: HTTPServer,
+) -> None:
+    with engine_inside_a_long_step(httpserver) as backend:
+        verdict = examine(backend.url, LONG_STEP_SETTINGS)
+    # The timeout grew from 0.3 s towards 3 x 80 s, bounded by max_check_time (1 s).
+    assert verdict.answer is not None and "within 1 s" in verdict.answer.detail
+    assert verdict.kind is VerdictKind.STALLED
+    assert verdict.requests_sent == 1
+    assert backend.completions == 1
+    assert backend.metrics_reads == 2  # the read after the timeout shows nothing moved
+    assert "window 240 s" in verdict.evidence
+
+
+def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
+    httpserver: HTTPServer,
+) -> None:
+    with engine_inside_a_long_step(httpserver) as backend:
+
+        async def run() -> Verdict | None:
+            async with new_client() as client:
+                return await examine_once(client, Target("b", backend.url), LONG_STEP_SETTINGS, [])
+
+        verdict = asyncio.run(run())
+    assert verdict is not None
+    assert verdict.kind is VerdictKind.STALLED
+    assert backend.metrics_reads == 2

@@ -23,7 +23,9 @@ TEMPLATE = importlib.resources.files("llmhealth").joinpath("vllm_metrics_templat
 
 
 def backend(mode: str, **config: object) -> SimBackend:
-    return SimBackend(parse_mode(mode), SimConfig(**config), born=BORN)  # type: ignore[arg-type]
+    # age 0: the start times below are the simulated process's real ones.
+    settings = {"age": 0.0, **config}
+    return SimBackend(parse_mode(mode), SimConfig(**settings), born=BORN)  # type: ignore[arg-type]
 
 
 def at(seconds: float) -> float:
@@ -98,6 +100,8 @@ def test_a_config_without_slots_or_engines_is_rejected() -> None:
         SimConfig(engines=0)
     with pytest.raises(ValueError, match="request_seconds"):
         SimConfig(request_seconds=0)
+    with pytest.raises(ValueError, match="age"):
+        SimConfig(age=-1.0)
 
 
 # --- counters over time --------------------------------------------------------------------
@@ -173,6 +177,11 @@ def test_only_the_last_engine_wedges_with_wedge_one() -> None:
     assert late[2] == early[2]
     assert late[0].steps > early[0].steps
     assert late[1].steps > early[1].steps
+
+
+def test_a_simulated_process_may_claim_to_be_older_than_it_is() -> None:
+    old = backend("wedge:1", age=3600.0)
+    assert old.observe(at(2)).start_time == BORN - 3600.0
 
 
 def test_a_restart_gives_a_new_start_time_and_counters_from_zero() -> None:

@@ -182,7 +182,11 @@ def test_an_idle_backend_answers_a_tiny_request_and_counts_it(
     assert prompt == old_prompt + body["usage"]["prompt_tokens"]
     counted = stats(client, url)
     assert counted["mode"] == "idle"
-    grew = {key: counted[key] - counted_before[key] for key in counted if key != "mode"}
+    grew = {
+        key: counted[key] - counted_before[key]
+        for key in counted
+        if key not in ("mode", "start_time")
+    }
     assert grew == {
         "completions_received": 1,
         "completions_answered": 1,
@@ -190,6 +194,10 @@ def test_an_idle_backend_answers_a_tiny_request_and_counts_it(
         "models_reads": 0,
         "restarts": 0,
     }
+    # The simulated process really started then, an hour after its /metrics says (--age).
+    assert counted["start_time"] == counted_before["start_time"]
+    claimed = before[("process_start_time_seconds", frozenset())]
+    assert claimed == pytest.approx(counted["start_time"] - 3600.0, abs=0.01)
 
 
 def test_a_busy_backend_makes_progress_with_work_present(

@@ -1,0 +1,170 @@
+"""CPU time of a backend's engine processes, when the backend runs on this host.
+
+I/O: reads /proc (Linux) or a cgroup's ``cpu.stat``, nothing else, and never raises: no
+evidence is a value (None). The processes are found through the port the backend listens
+on: the listening process is vLLM's API server, and its descendants are the engine core
+and its workers; when it has none, the engine runs inside it. A configured cgroup (a
+systemd unit's) counts every process in it instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from llmhealth.window import CpuSample
+
+_PROC = Path("/proc")
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+_MAX_PROCESSES = 4096  # a bound on one scan of /proc; a host with more is not read
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    pid: int
+    started: int  # /proc/<pid>/stat starttime: a reused pid is another process
+
+
+class LocalCpu:
+    """Samples the engine processes behind one backend URL; remembers who listens."""
+
+    def __init__(self, url: str, cgroup: str | None = None) -> None:
+        self._cgroup = Path(cgroup) if cgroup else None
+        self._port = _local_port(url)
+        self._found: _Found | None = None
+
+    @property
+    def applies(self) -> bool:
+        """Is there anything to read: a configured cgroup, or a port on this host."""
+        return self._cgroup is not None or self._port is not None
+
+    def sample(self) -> CpuSample | None:
+        """The CPU seconds used so far by the engine processes; None when unknown."""
+        try:
+            if self._cgroup is not None:
+                return _cgroup_sample(self._cgroup)
+            if self._port is None:
+                return None
+            listener = self._listener()
+            if listener is None:
+                return None
+            processes = _descendants(listener.pid) or [listener.pid]
+            seconds = sum(_cpu_seconds(pid) for pid in processes)
+            return CpuSample(seconds, tuple(sorted(processes)), time.time())
+        except (OSError, ValueError):
+            return None
+
+    def _listener(self) -> _Found | None:
+        if self._found is not None and _start_of(self._found.pid) == self._found.started:
+            return self._found
+        assert self._port is not None
+        pid = _listening_pid(self._port)
+        started = None if pid is None else _start_of(pid)
+        self._found = None if pid is None or started is None else _Found(pid, started)
+        return self._found
+
+
+def _local_port(url: str) -> int | None:
+    """The port of a URL whose host is this machine's loopback; None for anything else."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if host == "localhost":
+        return port
+    try:
+        return port if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:
+        return None
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (_PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _LISTEN:
+                continue
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _listening_pid(port: int) -> int | None:
+    """The process that holds the listening socket of this port (one scan of /proc)."""
+    wanted = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    if not wanted:
+        return None
+    for count, entry in enumerate(_PROC.iterdir()):
+        if count >= _MAX_PROCESSES:
+            return None
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) in wanted:
+                    return int(entry.name)
+        except OSError:
+            continue  # gone meanwhile, or not ours to look into
+    return None
+
+
+def _stat_fields(pid: int) -> list[str]:
+    text = (_PROC / str(pid) / "stat").read_text()
+    # The command name is in parentheses and may hold spaces or parentheses itself.
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _start_of(pid: int) -> int | None:
+    try:
+        return int(_stat_fields(pid)[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below root, from the parent pid in each /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for count, entry in enumerate(_PROC.iterdir()):
+        if count >= _MAX_PROCESSES:
+            break
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int(_stat_fields(int(entry.name))[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    pending = list(children.get(root, []))
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending.extend(children.get(pid, []))
+    return found
+
+
+def _cgroup_sample(path: Path) -> CpuSample | None:
+    """cgroup v2 ``cpu.stat``: usage_usec counts every process in the group."""
+    for line in (path / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            # One stable identity for the group: its inode (a recreated unit is another).
+            return CpuSample(int(value) / 1e6, (path.stat().st_ino,), time.time())
+    return None

@@ -1,0 +1,215 @@
+"""CPU evidence from /proc, against real processes: a listener and the child it started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from llmhealth.classify import Target, Verdict, VerdictKind
+from llmhealth.localcpu import LocalCpu
+from llmhealth.probe import ProbeSettings, examine_backend, new_client
+from llmhealth.window import LongestStep
+
+# A stand-in for vLLM's API server: it listens, prints its port, and starts one child
+# (the "engine core") that spins on the CPU until stopped.
+SERVER = """
+import socket, subprocess, sys
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+engine = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+print(listener.getsockname()[1], engine.pid, flush=True)
+try:
+    sys.stdin.read()
+finally:
+    engine.kill()
+    engine.wait()
+"""
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
+
+
+@contextmanager
+def api_server_with_engine() -> Iterator[tuple[int, int, int]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        port, engine = (int(field) for field in process.stdout.readline().split())
+        yield port, process.pid, engine
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
+def test_the_engine_processes_are_found_through_the_listening_port() -> None:
+    with api_server_with_engine() as (port, server, engine):
+        cpu = LocalCpu(f"http://127.0.0.1:{port}")
+        assert cpu.applies
+        first = cpu.sample()
+        assert first is not None
+        # The listener's descendants are the engine: the API server itself is left out.
+        assert first.processes == (engine,)
+        assert server not in first.processes
+        deadline = time.monotonic() + 10
+        while (later := cpu.sample()) is not None and later.seconds <= first.seconds:
+            assert time.monotonic() < deadline, "a spinning engine used no CPU"
+            time.sleep(0.1)
+
+
+def test_a_stopped_engine_uses_no_cpu() -> None:
+    with api_server_with_engine() as (port, _server, engine):
+        cpu = LocalCpu(f"http://localhost:{port}")
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # let the last tick land
+            before = cpu.sample()
+            time.sleep(0.5)
+            after = cpu.sample()
+        finally:
+            os.kill(engine, signal.SIGCONT)
+    assert before is not None and after is not None
+    assert before.processes == after.processes
+    assert after.seconds - before.seconds < 0.02
+
+
+def test_a_backend_on_another_host_or_without_a_listener_gives_no_evidence() -> None:
+    assert not LocalCpu("http://10.0.0.5:8000").applies
+    assert not LocalCpu("http://gpu0.example:8000").applies
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]  # bound, not listening
+        assert LocalCpu(f"http://127.0.0.1:{port}").sample() is None
+
+
+def test_a_configured_cgroup_is_read_from_its_cpu_stat(tmp_path: Path) -> None:
+    (tmp_path / "cpu.stat").write_text("usage_usec 19600000\nuser_usec 19000000\n")
+    cpu = LocalCpu("http://10.0.0.5:8000", cgroup=str(tmp_path))
+    assert cpu.applies
+    sample = cpu.sample()
+    assert sample is not None
+    assert sample.seconds == pytest.approx(19.6)
+    (tmp_path / "cpu.stat").write_text("garbage\n")
+    assert cpu.sample() is None
+    assert LocalCpu("http://x:1", cgroup=str(tmp_path / "absent")).sample() is None
+
+
+# A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the
+# listener, and the "engine core" child is the process that gets stopped.
+FROZEN_SERVER = """
+import http.server, subprocess, sys
+text = open(sys.argv[1], "rb").read()
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
+print(server.server_address[1], engine.pid, flush=True)
+try:
+    server.serve_forever()
+finally:
+    engine.kill()
+"""
+
+
+def frozen_text(folder: Path, *, young: bool = False) -> Path:
+    """wedge-1 (work, frozen) whose histogram holds one gap past 80 s: window 240 s.
+
+    ``young``: its process started a minute ago instead, and took no long step yet.
+    """
+    capture = Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt"
+    lines = []
+    for line in capture.read_text().splitlines():
+        head, _, value = line.rpartition(" ")
+        counted = head.startswith("vllm:inter_token_latency_seconds_count") or (
+            head.startswith("vllm:inter_token_latency_seconds_bucket") and 'le="+Inf"' in head
+        )
+        if young and head == "process_start_time_seconds":
+            lines.append(f"{head} {time.time() - 60:.2f}")
+        elif counted and not young:
+            lines.append(f"{head} {float(value) + 1}")
+        else:
+            lines.append(line)
+    path = folder / "frozen.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@contextmanager
+def frozen_backend(
+    folder: Path, engine_code: str, *, young: bool = False
+) -> Iterator[tuple[str, int]]:
+    text = frozen_text(folder, young=young)
+    process = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_SERVER, str(text), engine_code],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port, engine = (int(field) for field in process.stdout.readline().split())
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def examine(url: str, learned: LongestStep | None = None) -> Verdict:
+    settings = ProbeSettings(wait=0.5, timeout=5.0, answer_timeout=1.0, max_reads=4)
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            return await examine_backend(client, Target("cpu0", url), settings, learned=learned)
+
+    return asyncio.run(run())
+
+
+SLEEPER = "import time\nwhile True: time.sleep(1)"
+LEARNED = LongestStep(80.0, "engine 0: an inter-token gap over 80 s")
+
+
+@pytest.mark.parametrize(
+    ("young", "learned"), [(False, LEARNED), (True, None)], ids=["learned", "young"]
+)
+def test_a_stopped_engine_behind_a_long_window_is_wedged_in_two_waits(
+    tmp_path: Path, young: bool, learned: LongestStep | None
+) -> None:
+    # Either an earlier run learned 80 s+ steps (window 240 s), or the process is a
+    # minute old on a first run (startup window 300 s): no CPU used proves it anyway.
+    with frozen_backend(tmp_path, SLEEPER, young=young) as (url, engine):
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            verdict = examine(url, learned)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+    assert verdict.kind is VerdictKind.WEDGED
+    assert len(verdict.reads) == 3
+    assert "stopped or deadlocked, not computing" in verdict.evidence
+
+
+def test_an_engine_computing_behind_a_long_window_is_only_stalled(tmp_path: Path) -> None:
+    with frozen_backend(tmp_path, "while True: pass") as (url, _engine):
+        verdict = examine(url, LEARNED)
+    assert verdict.kind is VerdictKind.STALLED
+    assert "compiling or computing" in verdict.evidence
+    assert "window 240 s" in verdict.evidence
