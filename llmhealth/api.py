@@ -162,6 +162,7 @@ async def _run(urls: Sequence[str], options: _Options, *, may_block: bool) -> Ch
         timeout=_seconds(options.timeout, "timeout", loaded.timeout),
         answer_timeout=_seconds(options.answer_timeout, "answer_timeout", loaded.answer_timeout),
         max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
     )
     mode = Mode.OFF if options.no_restart else Mode.DRY_RUN if options.dry_run else Mode.ACT
     if not may_block and mode is Mode.ACT and any(b.restart for b in loaded.backends):
