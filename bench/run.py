@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import bench_check
 import bench_compare
+import bench_longsteps
 import bench_read
 import bench_scale
 import bench_startup
@@ -46,6 +47,7 @@ def check_200() -> list[Section]:
 STEPS: list[tuple[str, Callable[[], list[Section]]]] = [
     ("1. saturation (bench_compare)", bench_compare.saturation),
     ("2. wedge detection (bench_compare)", bench_compare.wedge),
+    ("2b. long steps and the wedge window (bench_longsteps)", bench_longsteps.run),
     ("3a. signal extraction (bench_scale)", lambda: bench_scale.run("parse")),
     ("3b. bytes per check (bench_scale)", lambda: bench_scale.run("bytes")),
     ("3c. check and watch at scale (bench_scale)", lambda: bench_scale.run("scale")),

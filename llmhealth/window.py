@@ -18,9 +18,10 @@ from typing import Any
 
 from llmhealth.metrics import Signals
 
-# Frozen engine processes that used less than this share of one CPU did nothing at all
-# (a stopped or deadlocked process uses none; a computing one uses about one per thread).
-CPU_IDLE_SHARE = 0.02
+# Frozen engine processes that used less than this share of one CPU did nothing at all:
+# a stopped or deadlocked process uses none, a computing one about one CPU per thread, and
+# even on a host loaded eight times over its cores it gets far more than this.
+CPU_IDLE_SHARE = 0.005
 
 
 @dataclass(frozen=True, slots=True)

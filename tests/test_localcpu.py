@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -110,7 +111,7 @@ def test_a_configured_cgroup_is_read_from_its_cpu_stat(tmp_path: Path) -> None:
 # A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the
 # listener, and the "engine core" child is the process that gets stopped.
 FROZEN_SERVER = """
-import http.server, subprocess, sys
+import http.server, signal, subprocess, sys
 text = open(sys.argv[1], "rb").read()
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -123,6 +124,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 engine = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
 print(server.server_address[1], engine.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the engine goes too
 try:
     server.serve_forever()
 finally:
@@ -163,6 +165,7 @@ def frozen_backend(
         stdout=subprocess.PIPE,
         text=True,
     )
+    engine: int | None = None
     try:
         assert process.stdout is not None
         port, engine = (int(field) for field in process.stdout.readline().split())
@@ -170,6 +173,9 @@ def frozen_backend(
     finally:
         process.terminate()
         process.wait(timeout=10)
+        if engine is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)  # gone with its server already, normally
         assert process.stdout is not None
         process.stdout.close()
 

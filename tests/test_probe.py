@@ -17,6 +17,7 @@ from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
 from llmhealth.classify import Outcome, Read, ReadProblem, Target, Verdict, VerdictKind
+from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import EngineSignals
 from llmhealth.probe import (
     ProbeSettings,
@@ -598,6 +599,14 @@ def with_long_gap(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.fixture
+def no_local_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend below runs inside this test process, so the "engine processes" found by
+    its port would be whatever children pytest has at that moment; local CPU evidence is
+    tested against real process trees in test_localcpu.py."""
+    monkeypatch.setattr(LocalCpu, "applies", property(lambda _self: False))
+
+
 @contextmanager
 def engine_inside_a_long_step(server: HTTPServer) -> Iterator[Backend]:
     """Idle gauges, a known 80 s+ step, and a completion that queues past any timeout here.
@@ -622,6 +631,7 @@ def engine_inside_a_long_step(server: HTTPServer) -> Iterator[Backend]:
 LONG_STEP_SETTINGS = ProbeSettings(wait=0.0, timeout=3.0, answer_timeout=0.3, max_check_time=1.0)
 
 
+@pytest.mark.usefixtures("no_local_cpu")
 def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_stalled(
     httpserver: HTTPServer,
 ) -> None:
@@ -636,6 +646,7 @@ def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_s
     assert "window 240 s" in verdict.evidence
 
 
+@pytest.mark.usefixtures("no_local_cpu")
 def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     httpserver: HTTPServer,
 ) -> None:
