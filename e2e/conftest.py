@@ -2,7 +2,8 @@
 
 The suite runs with the dev venv's pytest (and the project's `filterwarnings = error`);
 vLLM itself runs from `.venv-e2e` in other processes. Every process started here belongs
-to a fixture whose finalizer stops its whole process group, failing test or not. A failing
+to a fixture whose finalizer stops its whole process group, failing test or not (the process
+guard of tests/process_guard.py fails the session, and kills, whatever is left). A failing
 test gets the tail of every server log it used attached to its report, and the session
 ends with the time each phase took.
 """
@@ -22,7 +23,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The process guard lives with the unit tests; here it checks at the session's end only.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from process_guard import register as register_process_guard
 from vllm_server import MODEL_DIR, ROOT, VENV_PYTHON, VllmServer, free_port
 
 # Logs, state files and nginx's directory live here, not under /tmp/pytest-of-*: other pytest
@@ -38,6 +42,9 @@ _MAIN_LOG = "vLLM log tail (shared server)"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Session-wide only: the shared vLLM server is (re)started by function-scoped fixtures
+    # and lives until the session ends.
+    register_process_guard(config, per_test=False)
     if not config.option.basetemp:
         config.option.basetemp = str(BASETEMP)
 

@@ -1,4 +1,4 @@
-"""Shared test helpers: fixture files by name, and the installed command."""
+"""Shared test helpers: fixture files by name, the installed command, and the process guard."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from process_guard import register as register_process_guard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -34,3 +35,7 @@ def entry_point() -> str:
     found = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
     assert found, "the llmhealth console script is not installed next to this Python"
     return found
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    register_process_guard(config, per_test=True)
