@@ -184,6 +184,9 @@ def contender(name: str, backends: list[str], scratch: Path) -> Iterator[tuple[s
         policy = "power_of_two" if len(backends) > 1 else "round_robin"
         argv += [str(port), "--policy", policy, "--worker-urls", *backends]
         argv += ["--request-timeout-secs", str(FAILURE_BOUND), "--log-level", "warning"]
+        # Its metrics exporter binds a fixed port by default: a second one on the machine
+        # would panic at start.
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     else:
         config = scratch / f"route-{port}.toml"
         lines = [f'state = "{scratch / f"state-{port}.json"}"', "[router]"]
