@@ -9,11 +9,11 @@
 # from Debian's own archive. It needs root (or password-less sudo).
 #
 # The prometheus and etcd-server packages ship servers and enable their units. Tests need
-# only the binaries (they start etcd themselves), so no server may come up from this: a policy-rc.d refusing every service
-# start is in place for the install (kept if the machine already has one), recommends
-# (prometheus-node-exporter, another daemon) are skipped, and when this script is the
-# one that installed prometheus its unit is disabled again so it does not start at the
-# next boot either.
+# only the binaries (the cluster tests start etcd themselves), so no server may come up
+# from this: a policy-rc.d refusing every service start is in place for the install
+# (kept if the machine already has one), recommends (prometheus-node-exporter, another
+# daemon) are skipped, and the unit of each package this script installed is disabled
+# again so it does not start at the next boot either.
 set -eu
 
 missing=""

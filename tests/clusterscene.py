@@ -35,13 +35,16 @@ class Restarts:
     path: Path
 
     def lines(self) -> list[tuple[int, str]]:
+        """(fence, member) per restart; (0, "") for one run by a daemon without a cluster."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return []
-        return [
-            (int(fence), member) for fence, member in (line.split() for line in text.splitlines())
-        ]
+        restarts = []
+        for line in text.splitlines():
+            fence, _, member = line.strip().partition(" ")
+            restarts.append((int(fence) if fence else 0, member))
+        return restarts
 
     def argv(self, server: Server, mode: str = "idle") -> list[str]:
         # $0 is the log, "$@" the real restart; nothing a server said reaches this shell.
