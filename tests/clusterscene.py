@@ -64,9 +64,13 @@ def leads(page: Page) -> bool:
 
 
 def inject_wedge(server: Server) -> None:
-    """The simulator's own restart into a mode that wedges at once (a new "process")."""
+    """The simulator's own restart into a mode that wedges (a new "process").
+
+    It wedges one second in, once its synthetic load is running: a process that froze
+    before taking any work shows none, and is judged by the tiny request instead.
+    """
     request = urllib.request.Request(
-        f"{server.url}/sim/restart", data=json.dumps({"mode": "wedge:0"}).encode(), method="POST"
+        f"{server.url}/sim/restart", data=json.dumps({"mode": "wedge:1"}).encode(), method="POST"
     )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=5.0) as response:
