@@ -244,6 +244,10 @@ def run() -> list[Section]:
                 "window; a stopped engine still proven at two waits by its CPU time; the cost "
                 "of the window is the detection time of a wedge of a computing engine with "
                 "long steps (three times its longest step).",
+                "One run per case and rule. `restarts decided` counts the checks whose plan "
+                "was a restart: in dry run the backend stays DEAD, so every later check "
+                "decides it again. A check inside a freeze keeps reading until the window is "
+                "covered or the engine moves, so fewer checks fit in a window run.",
             ],
             seconds=time.monotonic() - began,
         )
