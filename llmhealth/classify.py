@@ -27,6 +27,7 @@ from llmhealth.window import (
     describe_cpu,
     longer,
     longest_step,
+    stopped_throughout,
     wedge_window,
 )
 
@@ -309,6 +310,15 @@ def _judge_freeze(
         return _verdict(
             VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
         )
+    stopped = stopped_throughout(sampled) if len(sampled) >= 3 else ()
+    if stopped:
+        why = (
+            f"no wait beyond two: engine process {', '.join(map(str, stopped))} stayed stopped "
+            "by a signal (state T) throughout"
+        )
+        return _verdict(
+            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
+        )
     if elapsed >= window.seconds:
         return _verdict(
             VerdictKind.WEDGED,
@@ -378,6 +388,16 @@ def _ask_or_doubt(
             VerdictKind.IDLE,
             VerdictKind.UNANSWERED,
             f"{context}; {describe_cpu(used, apart)}",
+        )
+    held = [read.cpu for read in (asked, reads[-1]) if read.cpu is not None]
+    stopped = stopped_throughout(held) if len(held) == 2 else ()
+    if stopped:
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.IDLE,
+            VerdictKind.UNANSWERED,
+            f"{context}; engine process {', '.join(map(str, stopped))} stopped by a signal",
         )
     cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
     return _verdict(

@@ -54,8 +54,10 @@ class LocalCpu:
             if listener is None:
                 return None
             processes = _descendants(listener.pid) or [listener.pid]
-            seconds = sum(_cpu_seconds(pid) for pid in processes)
-            return CpuSample(seconds, tuple(sorted(processes)), time.time())
+            stats = {pid: _stat_fields(pid) for pid in processes}
+            seconds = sum((int(f[11]) + int(f[12])) / _TICKS for f in stats.values())
+            stopped = tuple(sorted(pid for pid, f in stats.items() if f[0] in ("T", "t")))
+            return CpuSample(seconds, tuple(sorted(processes)), time.time(), stopped)
         except (OSError, ValueError):
             return None
 
@@ -131,11 +133,6 @@ def _start_of(pid: int) -> int | None:
         return int(_stat_fields(pid)[19])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = _stat_fields(pid)
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
 def _descendants(root: int) -> list[int]:

@@ -83,11 +83,14 @@ class CpuSample:
     ``processes`` names them (pids): two samples compare only over the same processes,
     since a process that exited takes its CPU time with it. ``at`` is when the sample
     was taken, which may be a while after its read (finding the processes takes time).
+    ``stopped`` names those stopped by a signal (SIGSTOP, a debugger): a stopped engine
+    core is frozen whatever its workers do (they may spin waiting for it).
     """
 
     seconds: float
     processes: tuple[int, ...]
     at: float | None = None
+    stopped: tuple[int, ...] = ()
 
 
 def longest_step(signals: Signals) -> LongestStep | None:
@@ -178,6 +181,16 @@ def cpu_used(first: CpuSample | None, last: CpuSample | None) -> float | None:
     if not first.processes or last.seconds < first.seconds:
         return None
     return last.seconds - first.seconds
+
+
+def stopped_throughout(samples: list[CpuSample]) -> tuple[int, ...]:
+    """The engine processes that every sample found stopped by a signal."""
+    if not samples:
+        return ()
+    stopped = set(samples[0].stopped)
+    for sample in samples[1:]:
+        stopped &= set(sample.stopped)
+    return tuple(sorted(stopped))
 
 
 def cpu_was_idle(used: float, elapsed: float) -> bool:

@@ -1050,3 +1050,30 @@ def test_cpu_samples_that_start_late_must_span_two_waits_themselves(fixture_text
     verdict = settled(decide(reads, learned=long_steps, max_reads=10))
     assert verdict.kind is VerdictKind.WEDGED
     assert "used 0.00 s CPU in 10.0 s" in verdict.evidence
+
+
+def test_an_engine_process_stopped_throughout_proves_the_wedge_while_others_spin(
+    fixture_text: Load,
+) -> None:
+    frozen = parse_metrics(capture(fixture_text, "wedge-1"))
+    long_steps = LongestStep(80.0, "engine 0: an inter-token gap over 80 s")
+    samples = [CpuSample(5.0 + 4.9 * index, (7, 8), stopped=(7,)) for index in range(3)]
+    reads = [Read(T0 + index * WAIT, frozen, cpu=cpu) for index, cpu in enumerate(samples)]
+    verdict = settled(decide(reads, learned=long_steps, max_reads=10))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "engine process 7 stayed stopped by a signal (state T) throughout" in verdict.evidence
+    # Stopped in one sample only (a debugger that let go) proves nothing.
+    samples[1] = CpuSample(9.9, (7, 8))
+    reads = [Read(T0 + index * WAIT, frozen, cpu=cpu) for index, cpu in enumerate(samples)]
+    assert isinstance(decide(reads, learned=long_steps, max_reads=10), TakeRead)
+
+
+def test_a_tiny_request_held_by_a_stopped_engine_is_unanswered(fixture_text: Load) -> None:
+    idle = parse_metrics(with_gap_histogram(capture(fixture_text, "idle-2"), "+Inf"))
+    reads = [
+        Read(T0, idle, cpu=CpuSample(50.0, (7, 8), stopped=(7,))),
+        Read(T0 + WAIT, idle, cpu=CpuSample(55.0, (7, 8), stopped=(7,))),
+    ]
+    verdict = settled(decide(reads, timed_out(T0 + 3.0)))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "engine process 7 stopped by a signal" in verdict.evidence

@@ -122,13 +122,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-engine = subprocess.Popen([sys.executable, "-c", sys.argv[2]])
-print(server.server_address[1], engine.pid, flush=True)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the engine goes too
+# The engine core, then any workers: one child process per code given.
+children = [subprocess.Popen([sys.executable, "-c", code]) for code in sys.argv[2:]]
+print(server.server_address[1], *(child.pid for child in children), flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the children go too
 try:
     server.serve_forever()
 finally:
-    engine.kill()
+    for child in children:
+        child.kill()
 """
 
 
@@ -157,25 +159,25 @@ def frozen_text(folder: Path, *, young: bool = False) -> Path:
 
 @contextmanager
 def frozen_backend(
-    folder: Path, engine_code: str, *, young: bool = False
+    folder: Path, engine_code: str, *workers: str, young: bool = False
 ) -> Iterator[tuple[str, int]]:
     text = frozen_text(folder, young=young)
     process = subprocess.Popen(
-        [sys.executable, "-c", FROZEN_SERVER, str(text), engine_code],
+        [sys.executable, "-c", FROZEN_SERVER, str(text), engine_code, *workers],
         stdout=subprocess.PIPE,
         text=True,
     )
-    engine: int | None = None
+    children: list[int] = []
     try:
         assert process.stdout is not None
-        port, engine = (int(field) for field in process.stdout.readline().split())
-        yield f"http://127.0.0.1:{port}", engine
+        port, *children = (int(field) for field in process.stdout.readline().split())
+        yield f"http://127.0.0.1:{port}", children[0]
     finally:
         process.terminate()
         process.wait(timeout=10)
-        if engine is not None:
+        for child in children:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(engine, signal.SIGKILL)  # gone with its server already, normally
+                os.kill(child, signal.SIGKILL)  # gone with its server already, normally
         assert process.stdout is not None
         process.stdout.close()
 
@@ -219,3 +221,20 @@ def test_an_engine_computing_behind_a_long_window_is_only_stalled(tmp_path: Path
     assert verdict.kind is VerdictKind.STALLED
     assert "compiling or computing" in verdict.evidence
     assert "window 240 s" in verdict.evidence
+
+
+def test_a_stopped_engine_core_is_wedged_while_its_worker_spins(tmp_path: Path) -> None:
+    # vLLM's worker polls for the engine core's next batch, so with the core stopped the
+    # engine's processes still use CPU: the stopped state of the core is the evidence.
+    with frozen_backend(tmp_path, SLEEPER, "while True: pass", young=True) as (url, engine):
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            verdict = examine(url)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+    assert verdict.kind is VerdictKind.WEDGED
+    assert len(verdict.reads) == 3
+    assert f"engine process {engine} stayed stopped by a signal (state T) throughout" in (
+        verdict.evidence
+    )
+    assert "compiling or computing" in verdict.evidence
