@@ -31,6 +31,8 @@ from llmhealth.window import (
     wedge_window,
 )
 
+# Reads that span two waits: what every verdict but a long window's needs at most.
+_TWO_WAITS = 3
 # Evidence names at most this many engines; a text may legally carry 40,000 of them.
 _NAMED_ENGINES = 8
 
@@ -274,8 +276,9 @@ def _judge_work(
     if busy is not None:
         return busy
     # Work appeared on an engine with no comparable read before it (new engine, or work
-    # that arrived during the wait): no baseline yet, so no doubt either.
-    if len(reads) < max_reads:
+    # that arrived during the wait): no baseline yet, so no doubt either. The next read
+    # gives one; only a frozen engine's window may take a run past three reads.
+    if len(reads) < min(max_reads, _TWO_WAITS):
         return TakeRead(f"{_describe_work(last_signals)}: no baseline to compare yet")
     return _verdict(
         VerdictKind.STALLED,
@@ -563,7 +566,9 @@ def _judge_restarted(
                 busy.tokens_per_s,
                 reads=tuple(reads),
             )
-    if len(reads) < max_reads:
+    # One wait of the new process's own reads, as before a wedge window existed: a run
+    # that may read for minutes must not wait them out before it says "restarted".
+    if len(since) < 2 and len(reads) < min(max_reads, _TWO_WAITS + 1):
         return TakeRead(f"{change}; the new process has work: judging it from a fresh baseline")
     return _verdict(
         VerdictKind.RESTARTED,

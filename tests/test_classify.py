@@ -480,6 +480,18 @@ def test_a_restarted_process_with_frozen_work_is_not_healthy_and_not_asked(
     assert result.verdict.requests_sent == 0
 
 
+def test_a_restarted_process_with_frozen_work_is_judged_after_one_wait_of_its_own(
+    fixture_text: Load,
+) -> None:
+    # A run allowed many reads (a long max_check_time, or watch's kept reads) must not
+    # hold the verdict on a new process until they run out: that kept a standby daemon
+    # from ever proving a wedge that came with a restart.
+    result = walk(reads_of(fixture_text, "busy-3", "dead-1", "dead-2", "dead-3"), max_reads=60)
+    assert len(result.reads) == 3
+    assert result.verdict.kind is VerdictKind.RESTARTED
+    assert not result.verdict.healthy
+
+
 def test_counters_of_two_different_processes_are_never_compared(fixture_text: Load) -> None:
     # Three processes, each with work: #1 (busy-3), #2 (apifreeze-pre, 513 steps), #3
     # (dead-pre, 4,777 steps). #3's counters are above #2's, but that is nobody's progress.
