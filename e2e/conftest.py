@@ -31,8 +31,10 @@ from vllm_server import MODEL_DIR, ROOT, VENV_PYTHON, VllmServer, free_port
 
 # Logs, state files and nginx's directory live here, not under /tmp/pytest-of-*: other pytest
 # runs on the same machine prune that directory to their last three, mid-run. Kept after
-# the run (cleared at the next), so a failure's full logs can be read.
-BASETEMP = ROOT / ".e2e" / "tmp"
+# the run (cleared at the next), so a failure's full logs can be read. One per checkout, not
+# inside .e2e: worktrees share .e2e through a link, and pytest empties the basetemp at the
+# start of a run, which deleted the files of another checkout's e2e run under way.
+BASETEMP = ROOT / ".e2e-tmp"
 
 # (what, seconds), printed at the end of the session.
 TIMINGS: list[tuple[str, float]] = []
