@@ -13,6 +13,8 @@ first chunk, gaps between chunks); throughput and CPU per request of the router 
 and the headline, one of four simulated backends wedging under load (counters frozen,
 connections accepted): client-visible failures and seconds until no new request reaches
 it. `python bench_router.py` prints the section and writes it into RESULTS.md.
+`python bench_router.py --baseline REF [ROUNDS]` runs only the speed part, the router of
+git REF against this tree's, alternated (section 5b).
 """
 
 from __future__ import annotations
@@ -160,13 +162,20 @@ http {{
 
 
 @contextlib.contextmanager
-def contender(name: str, backends: list[str], scratch: Path) -> Iterator[tuple[str, int | None]]:
-    """The URL a client uses for ``name`` over ``backends``, and the PID whose CPU counts."""
+def contender(
+    name: str, backends: list[str], scratch: Path, source: Path | None = None
+) -> Iterator[tuple[str, int | None]]:
+    """The URL a client uses for ``name`` over ``backends``, and the PID whose CPU counts.
+
+    ``source``: a directory holding another version of the ``llmhealth`` package, run in
+    place of this tree's (``--baseline``).
+    """
     if name == "direct":
         yield backends[0], None
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    env = None
     if name == "nginx":
         directory = scratch / f"nginx-{port}"
         directory.mkdir()
@@ -194,9 +203,11 @@ def contender(name: str, backends: list[str], scratch: Path) -> Iterator[tuple[s
         for index, backend in enumerate(backends):
             lines += ["[[backend]]", f'name = "b{index}"', f'url = "{backend}"']
         config.write_text("\n".join(lines) + "\n")
-        llmhealth = str(Path(PYTHON).with_name("llmhealth"))
-        argv = [llmhealth, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"]
-    with process(argv) as child:
+        argv = [PYTHON, "-m", "llmhealth", "route", "--config", str(config)]
+        argv += ["--listen", f"127.0.0.1:{port}"]
+        if source is not None:  # ahead of the installed (editable) package on sys.path
+            env = {**os.environ, "PYTHONPATH": str(source)}
+    with process(argv, env=env) as child:
         wait_http(url, "/health" if name == "llmhealth" else "/v1/models", child)
         yield url, child.pid
 
@@ -368,8 +379,8 @@ class Speed:
     gap_worst: float
 
 
-def measure_speed(name: str, backend: str, scratch: Path) -> Speed:
-    with contender(name, [backend], scratch) as (url, pid):
+def measure_speed(name: str, backend: str, scratch: Path, source: Path | None = None) -> Speed:
+    with contender(name, [backend], scratch, source) as (url, pid):
         load("small", url, "8", "2")  # warm-up: connections, caches
         cpu_before = cpu_seconds(pid) if pid else 0.0
         small = load("small", url, str(CONCURRENCY), str(SMALL_SECONDS))
@@ -629,13 +640,95 @@ def verdicts(speeds: dict[str, Speed], wedges: dict[str, Wedge]) -> list[str]:
     ]
 
 
+def run_baseline(ref: str, rounds: int) -> Section:
+    """The speed section only, this tree's router against the one at git ``ref``,
+    alternated round by round against one backend, so both see the same machine load."""
+    began = time.monotonic()
+    load_before = os.getloadavg()[0]
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        source = scratch / "baseline"
+        source.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", commit, "llmhealth"],
+            capture_output=True,
+            check=True,
+        )
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+        backend_port = free_port()
+        with process([PYTHON, str(HERE / "fast_backend.py"), str(backend_port)], ready="ready"):
+            backend = f"http://127.0.0.1:{backend_port}"
+            for index in range(1, rounds + 1):
+                direct = measure_speed("direct", backend, scratch)
+                for label, tree in (
+                    (f"llmhealth {commit}", source),
+                    ("llmhealth (this tree)", None),
+                ):
+                    print(f"  round {index}: {label}", flush=True)
+                    s = measure_speed("llmhealth", backend, scratch, tree)
+                    rows.append(
+                        [
+                            f"{label}, round {index}",
+                            f"{direct.p50:.2f} / {direct.p99:.2f}",
+                            f"{s.p50:.2f} / {s.p99:.2f} / {s.worst:.1f}",
+                            f"{s.p50 - direct.p50:+.2f} / {s.p99 - direct.p99:+.2f}",
+                            f"{s.rps:.0f}",
+                            str(s.failures),
+                            f"{s.cpu_per_request_ms:.3f}",
+                            f"{s.gap_p99:.2f}",
+                        ]
+                    )
+    return Section(
+        title="5b. The router before and after (bench_router --baseline)",
+        command=f"cd bench && ../.venv/bin/python bench_router.py --baseline {ref} {rounds}",
+        intro=[
+            f"The small-request and stream runs of section 5 ({CONCURRENCY} concurrent "
+            f"clients for {SMALL_SECONDS:g} s; {STREAMS} streams), `llmhealth route` at "
+            f"{commit} and from this tree alternating against one `fast_backend.py`, each "
+            "round with its own direct run just before. Times in ms; CPU is the router "
+            "process's user+system time per request answered. Load average when the run "
+            f"began: {load_before:.1f}, and {os.getloadavg()[0]:.1f} when it ended (2 cores, "
+            "shared with the backend, the load generator and other work).",
+        ],
+        tables=[
+            Table(
+                [
+                    "router",
+                    "direct p50 / p99",
+                    "latency p50 / p99 / max",
+                    "added p50 / p99",
+                    "requests/s",
+                    "failed",
+                    "CPU ms/request",
+                    "stream gap p99",
+                ],
+                rows,
+                "Small non-streaming requests, and the gaps of streams",
+            )
+        ],
+        seconds=time.monotonic() - began,
+    )
+
+
 def main() -> int:
-    sections = run()
+    if len(sys.argv) > 2 and sys.argv[1] == "--baseline":
+        rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+        sections = [run_baseline(sys.argv[2], rounds)]
+        marker = "\n## 5b. The router"
+    else:
+        sections = run()
+        marker = "\n## 5. The router"
     text = "\n".join(report.section_markdown(s) for s in sections)
     print(text)
     results = HERE / "RESULTS.md"
     current = results.read_text() if results.exists() else ""
-    marker = "\n## 5. The router"
     if marker in current:
         head, _, tail = current.partition(marker)
         rest = tail.split("\n## ", 1)

@@ -181,11 +181,44 @@ class RouterMetrics:
             registry=registry,
         )
 
+        # Labelled children looked up once: ``labels()`` takes a lock and builds a key on
+        # every call, five times per request otherwise. Keys are configured backend names
+        # (and the HTTP statuses they answer), so these stay small.
+        self._series: dict[str, _BackendSeries] = {}
+        self._answered: dict[tuple[str, int], CounterMetric] = {}
+
     def start_backend(self, name: str) -> None:
         """Zero series from the start, so a rate() sees a backend's first failure."""
-        self.in_flight.labels(name)
+        self.backend(name)
         for kind in FailureKind:
             self.failures.labels(name, str(kind))
+
+    def backend(self, name: str) -> _BackendSeries:
+        """The per-request series of one backend."""
+        series = self._series.get(name)
+        if series is None:
+            series = _BackendSeries(
+                self.in_flight.labels(name),
+                self.first_byte.labels(name),
+                self.duration.labels(name),
+            )
+            self._series[name] = series
+        return series
+
+    def answered(self, backend: str, status: int) -> None:
+        """One request answered with ``status`` (``backend`` is "none" for the router's own)."""
+        counter = self._answered.get((backend, status))
+        if counter is None:
+            counter = self.requests.labels(backend, str(status))
+            self._answered[backend, status] = counter
+        counter.inc()
+
+
+@dataclass(frozen=True, slots=True)
+class _BackendSeries:
+    in_flight: Gauge
+    first_byte: Histogram
+    duration: Histogram
 
 
 class Router:
@@ -298,7 +331,9 @@ class Router:
         if path not in self._routes:
             return self._answer(None, 404, {"error": f"not routed: {printable(path[:200])}"})
         try:
-            async with asyncio.timeout(self._settings.body_timeout):
+            # A body that came whole with the headers has nothing left to wait for: no timer.
+            waiting = not request.content.is_eof()
+            async with asyncio.timeout(self._settings.body_timeout if waiting else None):
                 body = await request.read()
             model, parsed = model_of(body)
         except web.HTTPRequestEntityTooLarge:
@@ -339,8 +374,9 @@ class Router:
         assert self._session is not None
         api_key = os.environ.get(backend.api_key_env) if backend.api_key_env else None
         started = time.monotonic()
+        series = self.metrics.backend(name)
         self._in_flight[name] += 1
-        self.metrics.in_flight.labels(name).inc()
+        series.in_flight.inc()
         upstream: aiohttp.ClientResponse | None = None
         finished = False
         try:
@@ -366,7 +402,7 @@ class Router:
                 detail = f"connection broke before the response: {_short(exc)}"
                 self._fail(name, request, FailureKind.BROKEN, None, detail)
                 return self._backend_failed(name, detail)
-            self.metrics.first_byte.labels(name).observe(time.monotonic() - started)
+            series.first_byte.observe(time.monotonic() - started)
             response, finished = await self._relay(request, name, upstream)
             return response
         finally:
@@ -375,8 +411,8 @@ class Router:
             elif upstream is not None:
                 upstream.release()
             self._in_flight[name] -= 1
-            self.metrics.in_flight.labels(name).dec()
-            self.metrics.duration.labels(name).observe(time.monotonic() - started)
+            series.in_flight.dec()
+            series.duration.observe(time.monotonic() - started)
 
     async def _relay(
         self, request: web.Request, name: str, upstream: aiohttp.ClientResponse
@@ -387,11 +423,15 @@ class Router:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
             self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason or "")
-        response = web.StreamResponse(status=status, reason=upstream.reason)
-        response.headers.extend(downstream_headers(upstream.headers))
-        response.headers[BACKEND_HEADER] = name  # which backend answered, for the operator
-        self.metrics.requests.labels(name, str(status)).inc()
+        headers = downstream_headers(upstream.headers)
+        headers[BACKEND_HEADER] = name  # which backend answered, for the operator
+        self.metrics.answered(name, status)
         event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if not event_stream and upstream.content.is_eof() and upstream.content.exception() is None:
+            # The whole body came with the headers (a short answer): relay it in one send,
+            # headers and body together, without the read loop's waits.
+            return await self._relay_whole(request, name, upstream, headers)
+        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per call,
             # and this path runs for every chunk of every response.
@@ -422,9 +462,38 @@ class Router:
             # The client stopped reading or went away: its doing, never the backend's.
             _abort(request)
             return response, False
+        self._record_success(name, request, status)
+        return response, True
+
+    async def _relay_whole(
+        self,
+        request: web.Request,
+        name: str,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+    ) -> tuple[web.StreamResponse, bool]:
+        """A response already read whole: one write to the client, bounded like any other."""
+        status = upstream.status
+        response = web.Response(
+            body=upstream.content.read_nowait(),
+            status=status,
+            reason=upstream.reason,
+            headers=headers,
+        )
+        try:
+            async with asyncio.timeout(self._settings.client_timeout):
+                await response.prepare(request)
+                await response.write_eof()
+        except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
+            _abort(request)  # the client's doing, as in the streamed relay
+            return response, False
+        self._record_success(name, request, status)
+        return response, True
+
+    def _record_success(self, name: str, request: web.Request, status: int) -> None:
+        """A request the backend answered below 400: it served, whatever the client did next."""
         if status < 400:
             self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
-        return response, True
 
     async def _end_broken(
         self,
@@ -528,7 +597,7 @@ class Router:
         body: dict[str, object],
         headers: Mapping[str, str] | None = None,
     ) -> web.Response:
-        self.metrics.requests.labels(backend or "none", str(status)).inc()
+        self.metrics.answered(backend or "none", status)
         return web.json_response(body, status=status, headers=headers)
 
 
