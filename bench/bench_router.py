@@ -167,8 +167,8 @@ def contender(
 ) -> Iterator[tuple[str, int | None]]:
     """The URL a client uses for ``name`` over ``backends``, and the PID whose CPU counts.
 
-    ``source``: a directory holding another version of the ``llmhealth`` package, run in
-    place of this tree's (``--baseline``).
+    ``source``: a directory holding another version of the ``llmhealth`` package, put
+    first on the router's PYTHONPATH (``--baseline``).
     """
     if name == "direct":
         yield backends[0], None
@@ -662,15 +662,13 @@ def run_baseline(ref: str, rounds: int) -> Section:
             check=True,
         )
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+        variants = [(f"llmhealth {commit}", source), ("llmhealth (this tree)", None)]
         backend_port = free_port()
         with process([PYTHON, str(HERE / "fast_backend.py"), str(backend_port)], ready="ready"):
             backend = f"http://127.0.0.1:{backend_port}"
             for index in range(1, rounds + 1):
                 direct = measure_speed("direct", backend, scratch)
-                for label, tree in (
-                    (f"llmhealth {commit}", source),
-                    ("llmhealth (this tree)", None),
-                ):
+                for label, tree in variants:
                     print(f"  round {index}: {label}", flush=True)
                     s = measure_speed("llmhealth", backend, scratch, tree)
                     rows.append(

@@ -19,7 +19,13 @@ from werkzeug import Request, Response
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
-from llmhealth.router import Router, downstream_headers, model_of, upstream_headers
+from llmhealth.router import (
+    BACKEND_HEADER,
+    Router,
+    downstream_headers,
+    model_of,
+    upstream_headers,
+)
 from llmhealth.traffic import FailureKind
 
 BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
@@ -181,6 +187,47 @@ def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
     assert request.args["x"] == "1"
     assert request.headers["Authorization"] == "Bearer client-key"
     assert request.headers["X-Trace"] == "t1"
+
+
+@pytest.mark.parametrize("pieces", [1, 2], ids=["whole-with-the-headers", "body-later"])
+def test_an_answer_keeps_the_backends_status_headers_and_bytes(pieces: int) -> None:
+    # One write: the body is in hand with the headers (relayed in one send). Two, the body
+    # a moment later: the streamed relay. The client must not be able to tell them apart.
+    body = b"\x00\xff raw bytes, passed on as they came"
+    head = (
+        b"HTTP/1.1 201 Made\r\nContent-Type: application/octet-stream\r\n"
+        b"X-Request-Id: r-1\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+
+    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if pieces == 1:
+            writer.write(head + body)
+        else:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(body)
+        await writer.drain()
+        await reader.read()  # until the router closes its end
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(answers) as backend,
+            routing({"a": backend}) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert (response.status_code, response.reason_phrase) == (201, "Made")
+            assert response.headers["X-Request-Id"] == "r-1"
+            assert response.headers["Content-Type"] == "application/octet-stream"
+            assert response.headers["Content-Length"] == str(len(body))
+            assert response.headers[BACKEND_HEADER] == "a"
+            assert await response.aread() == body
+            assert await failures(router) == [("a", None, None)]
+
+    run(scenario())
 
 
 def test_a_configured_api_key_replaces_the_clients(
