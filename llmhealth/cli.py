@@ -417,6 +417,8 @@ def status(
 
 def _cluster_lines(cluster: dict[str, Any], now: float) -> str:
     """Who leads, on which lease, and when each member last reported: under the table."""
+    from llmhealth.text import printable  # noqa: PLC0415
+
     leader = cluster["leader"]
     lines = [
         f"cluster {cluster['prefix']}: "
@@ -432,7 +434,9 @@ def _cluster_lines(cluster: dict[str, Any], now: float) -> str:
         at = report.get("at") if isinstance(report, dict) else None
         seen = _ago(now, at) if isinstance(at, int | float) else "no report yet"
         lines.append(f"  member {name}: last report {seen}")
-    return "\n".join(lines)
+    # Member names, the prefix and the lease come from etcd, which any member can write:
+    # each line is made printable so none of them can drive the operator's terminal.
+    return "\n".join(printable(line) for line in lines)
 
 
 def _ago(now: float, then: float) -> str:

@@ -282,3 +282,20 @@ def test_dry_run_and_no_restart_say_that_verdicts_are_still_saved() -> None:
     assert "issue and run none" in helps["--dry-run"]
     assert "ledger moves they cause, are still saved" in helps["--dry-run"]
     assert "verdicts are still saved" in helps["--no-restart"]
+
+
+def test_cluster_lines_from_etcd_reach_the_terminal_printable() -> None:
+    # Any member can write its name into etcd; an ESC in it must not drive the terminal.
+    from llmhealth.cli import _cluster_lines  # noqa: PLC0415
+
+    cluster = {
+        "prefix": "/llmhealth/\x1b]0;owned\x07",
+        "revision": 7,
+        "leader": {"member": "node-a\x1b[2J", "since": 90.0, "lease": 5, "fence": 3},
+        "members": {"node-b\x1b[31m": {"at": 95.0}},
+    }
+    text = _cluster_lines(cluster, now=100.0)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "node-a\\x1b[2J leads since 10 s ago" in text
+    assert "member node-b\\x1b[31m: last report 5 s ago" in text
+    assert text.count("\n") == 1  # the two lines stay two lines
