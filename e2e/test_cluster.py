@@ -216,9 +216,20 @@ def test_two_daemons_and_cron_restart_each_of_many_wedges_exactly_once(
         second.until("gpu healthy at the end", lambda p: p.state("gpu") == "healthy", timeout=60)
         lines = scene.restarts.lines()
         launches = scene.gpu.launches()
+        trail = [r for r in scene.audit_command() if r["backend"] == "gpu"]
+        audited = scene.audited_restarts()
     assert len(lines) == wedges, lines
     assert len(launches) == wedges + 1, launches
     assert len({fence for fence, _ in lines}) >= 1
+    # The fleet's audit trail in etcd, as `llmhealth audit` prints it: each wedge is
+    # restarted once and proven back before the next restart, whoever led at the time.
+    steps = [
+        "restart" if r["event"] == "restart" and r["to"] == "restarting" else "back"
+        for r in trail
+        if (r["event"] == "restart" and r["to"] == "restarting") or r["to"] == "healthy"
+    ]
+    assert steps == ["restart", "back"] * wedges, steps
+    assert [r["fence"] for r in audited] == [fence for fence, _ in lines]
     assert checks, "cron never ran a check"
     for done in checks:
         assert "Traceback" not in done.stderr, done.stderr

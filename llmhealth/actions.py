@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Final, Protocol
 
 from llmhealth.text import printable
 
@@ -302,6 +302,16 @@ class AuditError(Exception):
     """The audit log could not be written or read; for a write, the record was not kept."""
 
 
+class Audit(Protocol):
+    """Where a settle's or a verb's audit records go: ``AuditLog`` (a local file), or a
+    cluster's etcd trail (``cluster.EtcdAudit``), whose records are written in the same
+    fenced transaction as the state they led to."""
+
+    def append(self, record: Mapping[str, object]) -> None: ...
+
+    def batch(self) -> contextlib.AbstractContextManager[None]: ...
+
+
 class AuditLog:
     """An append-only JSON-lines file: one object per line, one ``write`` per record.
 
@@ -362,7 +372,7 @@ class AuditLog:
 
     def append(self, record: Mapping[str, object]) -> None:
         """Write one record durably (fsync, or at the end of a batch) or raise AuditError."""
-        line = _encode(record)
+        line = encode_record(record)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not self.path.exists()
@@ -432,7 +442,8 @@ def read(path: str | os.PathLike[str]) -> list[dict[str, object]]:
     return scan(path).records
 
 
-def _encode(record: Mapping[str, object]) -> bytes:
+def encode_record(record: Mapping[str, object]) -> bytes:
+    """One audit record as a JSON line (``time`` first), as every audit trail keeps it."""
     if not isinstance(record, Mapping):
         raise AuditError(f"an audit record must be a mapping, got {type(record).__name__}")
     body = {str(key): _plain(value, 1) for key, value in record.items()}

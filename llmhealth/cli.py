@@ -24,7 +24,7 @@ from llmhealth.report import ExitCode
 from llmhealth.state import StateError
 
 if TYPE_CHECKING:
-    from llmhealth.actions import AuditLog
+    from llmhealth.actions import Audit
     from llmhealth.cluster import Seat
     from llmhealth.operate import VerbResult
     from llmhealth.probe import ProbeSettings
@@ -176,7 +176,14 @@ def _seat(cluster: config_module.Cluster) -> Seat:
         print(printable(message), file=sys.stderr, flush=True)
 
     member = cluster.member or default_member_name()
-    return Seat(cluster.etcd, cluster.prefix, member, cluster.lease_ttl, log=log)
+    return Seat(
+        cluster.etcd,
+        cluster.prefix,
+        member,
+        cluster.lease_ttl,
+        log=log,
+        audit_keep=cluster.audit_keep,
+    )
 
 
 def _check_in_cluster(
@@ -191,9 +198,8 @@ def _check_in_cluster(
 
     Otherwise it reads and reports as a standby does, says who leads, and writes nothing.
     """
-    from llmhealth.actions import AuditLog  # noqa: PLC0415
     from llmhealth.cluster import ClusterError  # noqa: PLC0415
-    from llmhealth.cycle import audit_path_for, run_cycle, state_path_for  # noqa: PLC0415
+    from llmhealth.cycle import run_cycle  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
 
     seat = _seat(cluster)
@@ -208,8 +214,8 @@ def _check_in_cluster(
         return run_cycle(loaded, targets, settings, seat.reader, mode=Mode.OFF, notes=[note])
     seat.elector.start()  # keeps the lease renewed while the reads take their waits
     try:
-        audit = AuditLog(audit_path_for(loaded, state_path_for(loaded, state)))
-        return run_cycle(loaded, targets, settings, seat.store, mode=mode, audit=audit)
+        # Its audit records go to etcd with the state, as the daemons' do.
+        return run_cycle(loaded, targets, settings, seat.store, mode=mode, audit=seat.store.audit)
     finally:
         seat.elector.stop()  # resigns: the daemons' next round elects one of them
 
@@ -346,11 +352,12 @@ def _host_port(value: str) -> tuple[str, int]:
 
 def _operator_context(
     config_file: str | None, state: str | None
-) -> tuple[config_module.Config, Store, AuditLog]:
-    """Config (or defaults), the store and the audit log an operator verb works on.
+) -> tuple[config_module.Config, Store, Audit]:
+    """Config (or defaults), the store and the audit trail an operator verb works on.
 
     In a cluster the store is the etcd record, written with a compare on the revision
-    read: a verb never overwrites a settle it did not see (nor a settle the verb).
+    read: a verb never overwrites a settle it did not see (nor a settle the verb); its
+    audit record is written with it, into the cluster's trail.
     """
     from llmhealth.actions import AuditLog  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
@@ -358,13 +365,13 @@ def _operator_context(
 
     loaded = config_module.load(config_file) if config_file else config_module.Config()
     path = state_path_for(loaded, state)
-    audit = AuditLog(audit_path_for(loaded, path))
     if loaded.cluster is not None:
         from llmhealth.cluster import Etcd, EtcdStore, Keys  # noqa: PLC0415
 
         etcd = Etcd(loaded.cluster.etcd)
-        return loaded, EtcdStore(etcd, Keys(loaded.cluster.prefix), None), audit
-    return loaded, StateFile(path), audit
+        store = EtcdStore(etcd, Keys(loaded.cluster.prefix), None)
+        return loaded, store, store.audit
+    return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
 
 
 def _verb_exit(result: VerbResult) -> None:
@@ -441,6 +448,42 @@ def _cluster_lines(cluster: dict[str, Any], now: float) -> str:
 
 def _ago(now: float, then: float) -> str:
     return f"{max(0.0, now - then):.0f} s ago"
+
+
+@app.command()
+def audit(
+    last: Annotated[
+        int | None,
+        typer.Option("--last", min=0, help="Only the newest N records (default: all kept)."),
+    ] = None,
+    config_file: ConfigOption = None,
+    state: StateOption = None,
+) -> None:
+    """Print the audit trail as JSON lines, oldest first: every ledger move, restart
+    decision, command outcome and operator verb, with its evidence.
+
+    From etcd with a [cluster] config (the trail every leader wrote, with each record's
+    member and fence), else from the audit log beside the state file.
+    """
+    from llmhealth.actions import scan  # noqa: PLC0415
+    from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
+
+    loaded = config_module.load(config_file) if config_file else config_module.Config()
+    if loaded.cluster is not None:
+        from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
+
+        trail = read_audit(Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix), last)
+        records, malformed, where = trail.records, trail.malformed, loaded.cluster.prefix
+    else:
+        path = audit_path_for(loaded, state_path_for(loaded, state))
+        scanned = scan(path, last)
+        records, malformed, where = scanned.records, scanned.malformed, str(path)
+    for record in records:
+        # ensure_ascii escapes every control character but DEL; nothing a server said
+        # reaches the terminal raw.
+        print(json.dumps(record, ensure_ascii=True).replace("\x7f", "\\u007f"))
+    if malformed:
+        print(f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr)
 
 
 @app.command()

@@ -4,7 +4,9 @@ I/O around ``leadership``. Each daemon keeps a lease alive from its own thread (
 cycle's), holds a member key on it, and tries to create the leader key on it. The fleet
 record lives in one etcd key; every write of it is a transaction that compares the
 revision that was read *and* the leader key's creation revision (the fencing token), so
-a deposed leader's write fails whole. etcd is reached through etcd3gw (the v3 JSON
+a deposed leader's write fails whole. The audit records of a settle ride in that same
+transaction (one key per write, the newest ``audit_keep`` records kept), so a deposed
+leader's records fail with its state. etcd is reached through etcd3gw (the v3 JSON
 gateway, ``/v3/`` on etcd 3.4), from threads; each request is bounded by a timeout and
 etcd bounds what it returns by its request size limit. Its errors become
 ``ClusterUnavailableError`` here, once.
@@ -16,6 +18,7 @@ import base64
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -27,7 +30,8 @@ from urllib.parse import urlsplit
 import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
-from llmhealth.config import check_url
+from llmhealth.actions import AuditError, encode_record
+from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
 from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
 from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
@@ -35,6 +39,14 @@ from llmhealth.text import printable
 T = TypeVar("T")
 Log = Callable[[str], None]
 REQUEST_TIMEOUT = 2.0  # one etcd request; a leader renews several times per deadline
+# One audit record as kept in etcd, and one write's records together: the state and its
+# records share a transaction, and etcd refuses a request past 1.5 MiB by default. A
+# record over its share keeps its decision whole and has its bulkiest fields cut.
+AUDIT_RECORD_BYTES = 8 * 1024
+AUDIT_BATCH_BYTES = 256 * 1024
+AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of them
+_AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
+_AUDIT_PAGE = 64  # audit keys read per request, newest first
 
 
 class ClusterError(StateError):
@@ -79,6 +91,11 @@ def _kv(item: tuple[bytes, Mapping[str, Any]]) -> KeyValue:
 def _name(item: tuple[bytes, Mapping[str, Any]]) -> str:
     key = item[1].get("key", b"")
     return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
+def _after_prefix(prefix: str) -> str:
+    """The first key past every key that starts with ``prefix`` (ours are ASCII)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 def put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
@@ -152,6 +169,24 @@ class Etcd:
         found = self.call(lambda client: client.get_prefix(prefix))
         return {_name(item): _kv(item) for item in found}
 
+    def scan_down(
+        self, prefix: str, end: str | None, limit: int, *, keys_only: bool = False
+    ) -> list[tuple[str, KeyValue]]:
+        """Up to ``limit`` keys under ``prefix`` below ``end`` (exclusive), largest first."""
+        range_end = end if end is not None else _after_prefix(prefix)
+        found = self.call(
+            lambda client: client.get(
+                prefix,
+                metadata=True,
+                range_end=range_end,
+                sort_order="descend",
+                sort_target="key",
+                limit=limit,
+                keys_only=keys_only,
+            )
+        )
+        return [(_name(item), _kv(item)) for item in found]
+
     def txn(
         self,
         compare: list[dict[str, Any]],
@@ -195,6 +230,16 @@ class Keys:
 
     def member(self, name: str) -> str:
         return f"{self.members}{name}"
+
+    @property
+    def audit(self) -> str:
+        return f"{self.prefix}/audit/"
+
+    def audit_batch(self, revision: int, count: int) -> str:
+        """One write's audit records: after the state revision the write compared with, so
+        keys sort as the writes happened; a nonce keeps apart two record-only writes at
+        one revision; the record count lets the trail be trimmed from key names alone."""
+        return f"{self.audit}{revision:020d}-{secrets.token_hex(4)}-{count:06d}"
 
 
 def default_member_name() -> str:
@@ -438,17 +483,33 @@ class EtcdStore:
     is still current and, for a leader, its leader key is still the one it created. A
     record saved twice in one section (a restart committed before its command runs, then
     the command's outcome) compares against its own previous write.
+
+    ``audit`` takes the section's audit records; each save writes those appended since
+    the last one in its own transaction, and records left at the end of a section that
+    saved nothing (a verb the ledger refused) are written alone under the same compares.
+    A failed save or a section ended by an error writes none of them.
     """
 
-    def __init__(self, etcd: Etcd, keys: Keys, elector: Elector | None) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        elector: Elector | None,
+        *,
+        audit_keep: int = DEFAULT_AUDIT_KEEP,
+    ) -> None:
         self.etcd = etcd
         self.keys = keys
         self.elector = elector
         self.path = keys.state  # where it lives, for messages
+        self.audit = EtcdAudit(self)
+        self.audit_keep = audit_keep
         self._read_revision: int | None = None
         self._last_revision = 0
         self._fence: int | None = None
         self._saved_fence: int | None = None  # the fence of the last successful save
+        self._pending: list[bytes] | None = None  # audit lines of the open section
+        self._records_untrimmed: int | None = None  # None: not trimmed by this process yet
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -458,11 +519,13 @@ class EtcdStore:
             fence = self.elector.fence
             if not decision.may_act or fence is None:
                 raise NotLeaderError(f"{self.elector.member} does not lead: {decision.reason}")
-        self._fence, self._read_revision = fence, None
+        self._fence, self._read_revision, self._pending = fence, None, []
         try:
             yield
+            if self._pending:
+                self._write_records_alone()
         finally:
-            self._fence, self._read_revision = None, None
+            self._fence, self._read_revision, self._pending = None, None, None
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
@@ -483,29 +546,85 @@ class EtcdStore:
                 "the next settle starts a fresh ledger"
             ) from exc
 
-    def save(self, document: dict[str, Any]) -> None:
+    def _compares(self) -> list[dict[str, Any]]:
+        """What a write in this section stands on: the record as read and, for a leader,
+        the leader key it created; raises when it may not write at all."""
         if self._read_revision is None:
             raise StateError("save without a load in this section: nothing to compare with")
         compare = [compare_modified(self.keys.state, self._read_revision)]
-        # Who wrote the record, for operators reading etcd (and tests proving who did not).
-        writer: dict[str, Any] = {"member": None, "fence": None}
         if self.elector is not None:
             if self._fence is None or not self.elector.decision().may_act:
                 raise NotLeaderError(f"{self.elector.member} may no longer act; nothing written")
             compare.append(compare_created(self.keys.leader, self._fence))
+        return compare
+
+    def _records_put(self) -> tuple[list[dict[str, Any]], int]:
+        """The put of the section's unwritten audit records (none if there are none)."""
+        assert self._read_revision is not None
+        lines = self._pending or []
+        if not lines:
+            return [], 0
+        key = self.keys.audit_batch(self._read_revision, len(lines))
+        return [put(key, audit_value(lines))], len(lines)
+
+    def save(self, document: dict[str, Any]) -> None:
+        compare = self._compares()
+        # Who wrote the record, for operators reading etcd (and tests proving who did not).
+        writer: dict[str, Any] = {"member": None, "fence": None}
+        if self.elector is not None:
             writer = {"member": self.elector.member, "fence": self._fence}
         payload = json.dumps(
             {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True
         ).encode()
-        written, revision, _ = self.etcd.txn(compare, [put(self.keys.state, payload)])
+        records, count = self._records_put()
+        written, revision, _ = self.etcd.txn(compare, [put(self.keys.state, payload), *records])
         if not written:
-            holder = read_leader(self.etcd, self.keys)
-            who = f"{holder.member} leads (fence {holder.fence})" if holder else "nobody leads"
-            raise FencedOutError(
-                f"the fenced write of {self.keys.state} failed: {who}; nothing written"
-            )
+            raise self._fenced_out(f"the fenced write of {self.keys.state} failed")
         self._read_revision = self._last_revision = revision
         self._saved_fence = self._fence
+        self._pending = []
+        self._trim_after(count)
+
+    def _write_records_alone(self) -> None:
+        """Audit records of a section that saved nothing, under the same compares."""
+        compare = self._compares()
+        records, count = self._records_put()
+        written, _, _ = self.etcd.txn(compare, records)
+        if not written:
+            raise self._fenced_out("the audit records of this section were not written")
+        self._pending = []
+        self._trim_after(count)
+
+    def _fenced_out(self, what: str) -> FencedOutError:
+        holder = read_leader(self.etcd, self.keys)
+        who = f"{holder.member} leads (fence {holder.fence})" if holder else "nobody leads"
+        return FencedOutError(f"{what}: {who}; nothing written")
+
+    def _trim_after(self, written: int) -> None:
+        """Keep the newest ``audit_keep`` records: trimmed by a leader, on its first write
+        of records and then after every tenth of ``audit_keep`` more (an operator's verb
+        adds a record and leaves trimming to the daemons). Best effort: a trail a little
+        long is no reason to fail a settle that was written."""
+        if written == 0 or self.elector is None:
+            return
+        untrimmed = self._records_untrimmed
+        if untrimmed is not None and untrimmed + written < max(1, self.audit_keep // 10):
+            self._records_untrimmed = untrimmed + written
+            return
+        with contextlib.suppress(StateError):
+            trim_audit(self.etcd, self.keys, self.audit_keep, self._fence)
+            self._records_untrimmed = 0
+
+    def append_record(self, record: Mapping[str, object]) -> None:
+        """One audit record into the open section (``EtcdAudit.append``)."""
+        if self._pending is None:
+            raise AuditError(
+                f"an audit record outside a section of {self.keys.state} would be written "
+                "by no transaction; it was not kept"
+            )
+        if self.elector is not None:  # which leader decided, under which token
+            record = {**record, "member": self.elector.member, "fence": self._fence}
+        self._pending.append(encode_record(record))
 
     @property
     def revision(self) -> int:
@@ -535,6 +654,115 @@ class EtcdStore:
         }
 
 
+class EtcdAudit:
+    """A cluster's audit trail as a settle sees it: ``AuditLog``'s face, records held by
+    the store until the transaction that writes the state they led to."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self._store = store
+
+    def append(self, record: Mapping[str, object]) -> None:
+        self._store.append_record(record)
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Every record is written with the next save already: one transaction, no fsync."""
+        return contextlib.nullcontext()
+
+
+def audit_value(lines: Sequence[bytes]) -> bytes:
+    """One write's records as JSON lines, each within its share of the batch's bytes."""
+    bounded = [bounded_record(line, AUDIT_RECORD_BYTES) for line in lines]
+    if sum(map(len, bounded)) > AUDIT_BATCH_BYTES:
+        share = max(AUDIT_SHARE_FLOOR, AUDIT_BATCH_BYTES // len(lines))
+        bounded = [bounded_record(line, share) for line in lines]
+    return b"".join(bounded)
+
+
+def bounded_record(line: bytes, limit: int) -> bytes:
+    """An audit line of at most about ``limit`` bytes: who, what, from, to kept whole, the
+    bulkiest other fields (reads, command output) cut to a prefix of their JSON that says
+    how long it was."""
+    if len(line) <= limit:
+        return line
+    record = json.loads(line)
+    sizes = {
+        key: len(json.dumps(value)) for key, value in record.items() if key not in _AUDIT_WHOLE
+    }
+    keep = max(48, limit // 8)
+    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if sizes[key] <= keep:
+            break
+        text = json.dumps(record[key])
+        record[key] = f"{text[:keep]}... ({len(text)} bytes, cut to fit etcd)"
+        line = encode_record(record)
+        if len(line) <= limit:
+            break
+    return line
+
+
+def _records_in(key: str) -> int:
+    """How many records a batch key says it holds (1 for a key written by hand)."""
+    count = key.rpartition("-")[2]
+    return int(count) if count.isdigit() else 1
+
+
+def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
+    """Delete the oldest audit batches while at least ``keep`` records remain; how many
+    records went. Fenced by the leader key when a leader trims."""
+    names = [name for name, _ in etcd.scan_down(keys.audit, None, 1 << 30, keys_only=True)]
+    kept, cut = 0, None
+    for index, name in enumerate(names):  # newest first
+        if kept >= keep:
+            cut = index
+            break
+        kept += _records_in(name)
+    if cut is None:
+        return 0
+    oldest_kept = names[cut - 1]
+    compare = [] if fence is None else [compare_created(keys.leader, fence)]
+    delete = {"request_delete_range": {"key": _b64(keys.audit), "range_end": _b64(oldest_kept)}}
+    written, _, _ = etcd.txn(compare, [delete])
+    return sum(_records_in(name) for name in names[cut:]) if written else 0
+
+
+@dataclass(frozen=True, slots=True)
+class AuditTrail:
+    records: list[dict[str, Any]]
+    malformed: int  # lines that were not a JSON object (a hand edit)
+
+
+def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditTrail:
+    """The audit records under the prefix, oldest first; only the ``last`` ones if given.
+
+    Read newest first a page of keys at a time, so ``--last 20`` reads a few keys, not
+    the whole trail; ordered by the revision each batch was written at.
+    """
+    batches: list[tuple[int, str, bytes]] = []
+    held, end = 0, None
+    while last is None or held < last:
+        page = etcd.scan_down(keys.audit, end, _AUDIT_PAGE)
+        for name, found in page:
+            batches.append((found.create_revision, name, found.value))
+            held += _records_in(name)
+        if len(page) < _AUDIT_PAGE:
+            break
+        end = page[-1][0]
+    records: list[dict[str, Any]] = []
+    malformed = 0
+    for _, _, value in sorted(batches):
+        for raw in value.splitlines():
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                malformed += 1
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                malformed += 1
+    return AuditTrail(records if last is None else records[-last:] if last else [], malformed)
+
+
 class ReadOnlyStore(EtcdStore):
     """The record as a standby or a ``check`` that lost the election sees it: never written."""
 
@@ -543,6 +771,9 @@ class ReadOnlyStore(EtcdStore):
 
     def save(self, document: dict[str, Any]) -> None:
         """A non-leader keeps what it concluded to itself; the leader settles for real."""
+
+    def append_record(self, record: Mapping[str, object]) -> None:
+        raise AuditError("a standby's view of the record keeps no audit records")
 
 
 class Seat:
@@ -556,13 +787,15 @@ class Seat:
         lease_ttl: float,
         *,
         log: Log,
+        audit_keep: int = DEFAULT_AUDIT_KEEP,
     ) -> None:
         self.etcd = Etcd(endpoints)
         self.keys = Keys(prefix)
         self.elector = Elector(
             self.etcd, self.keys, member, LeaseTiming.for_ttl(lease_ttl), log=log
         )
-        self.store = EtcdStore(self.etcd, self.keys, self.elector)  # fenced, for the leader
+        # Fenced, for the leader; its audit trail rides in the same transactions.
+        self.store = EtcdStore(self.etcd, self.keys, self.elector, audit_keep=audit_keep)
         self.reader = ReadOnlyStore(self.etcd, self.keys)  # for standbys and views
 
     @property

@@ -29,6 +29,8 @@ DEFAULT_STALL_TIMEOUT = 600.0
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_PREFIX = "/llmhealth/default"
 MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 s)
+DEFAULT_AUDIT_KEEP = 10_000  # audit records kept in etcd: at most 8 KiB each, 80 MiB in all
+MIN_AUDIT_KEEP = 100
 DEFAULT_MAX_CHECK_TIME = 300.0
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -120,6 +122,7 @@ class Cluster:
     prefix: str = DEFAULT_PREFIX
     lease_ttl: float = DEFAULT_LEASE_TTL
     member: str | None = None  # default: host name and PID
+    audit_keep: int = DEFAULT_AUDIT_KEEP  # the newest audit records kept under the prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +387,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def _cluster(reader: _Reader, data: object) -> Cluster:
     table = reader.table(data, "cluster")
-    reader.known(table, "cluster.", {"etcd", "prefix", "lease_ttl", "member"})
+    reader.known(table, "cluster.", {"etcd", "prefix", "lease_ttl", "member", "audit_keep"})
     endpoints = reader.string_list(table, "cluster.etcd", ())
     if not endpoints:
         raise reader.fail(
@@ -407,7 +410,10 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
     member = reader.optional_string(table, "cluster.member")
     if member is not None and ("/" in member or not member.isprintable()):
         raise reader.fail("cluster.member", f"{member!r} must be printable and have no '/'")
-    return Cluster(tuple(check_url(e) for e in endpoints), prefix, lease_ttl, member)
+    audit_keep = reader.integer(
+        table, "cluster.audit_keep", DEFAULT_AUDIT_KEEP, minimum=MIN_AUDIT_KEEP
+    )
+    return Cluster(tuple(check_url(e) for e in endpoints), prefix, lease_ttl, member, audit_keep)
 
 
 def _backend(reader: _Reader, data: object, key: str) -> Backend:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmhealth.actions import AuditLog, run_command
+from llmhealth.actions import Audit, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.config import Policy as ConfigPolicy
@@ -107,7 +107,7 @@ def settle_fleet(
     gather: Callable[[FleetRecord], Sequence[Outcome]],
     *,
     mode: Mode,
-    audit: AuditLog | None,
+    audit: Audit | None,
     clock: Clock = time.time,
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
@@ -135,7 +135,7 @@ async def settle_fleet_async(
     gather: Callable[[FleetRecord], Awaitable[Sequence[Outcome]]],
     *,
     mode: Mode,
-    audit: AuditLog | None,
+    audit: Audit | None,
     clock: Clock = time.time,
     notes: Sequence[str] = (),
     commands: Sequence[CommandDone] = (),
@@ -173,7 +173,7 @@ def _close(
     opened: _Opened,
     outcomes: Sequence[Outcome],
     mode: Mode,
-    audit: AuditLog | None,
+    audit: Audit | None,
     clock: Clock,
     requests: Mapping[str, Sequence[RequestOutcome]] | None,
     commands: Sequence[CommandDone],
@@ -206,7 +206,7 @@ def run_cycle(
     *,
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
-    audit: AuditLog | None = None,
+    audit: Audit | None = None,
     notes: Sequence[str] = (),
 ) -> CycleReport:
     """One ``check``: probe every target inside the settle, so two runs never both act.
@@ -229,7 +229,7 @@ async def run_cycle_async(
     *,
     mode: Mode = Mode.ACT,
     clock: Clock = time.time,
-    audit: AuditLog | None = None,
+    audit: Audit | None = None,
     notes: Sequence[str] = (),
 ) -> CycleReport:
     """run_cycle inside a running event loop (the library's check_async).
@@ -317,7 +317,7 @@ def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:
 
 
 def expire_restarts(
-    record: FleetRecord, audit: AuditLog | None, now: float, verdicts: Mapping[str, Verdict]
+    record: FleetRecord, audit: Audit | None, now: float, verdicts: Mapping[str, Verdict]
 ) -> list[str]:
     """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled.
 
@@ -369,7 +369,7 @@ def settle(
     now: float,
     *,
     mode: Mode,
-    audit: AuditLog | None,
+    audit: Audit | None,
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
     commands: Sequence[CommandDone] = (),
@@ -455,7 +455,7 @@ def settle(
 
 
 def _audit_transition(
-    audit: AuditLog | None, transition: Transition, now: float, evidence: dict[str, Any]
+    audit: Audit | None, transition: Transition, now: float, evidence: dict[str, Any]
 ) -> None:
     """Ledger moves made by a check are written down with the evidence that caused them."""
     if audit is None:

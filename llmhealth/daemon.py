@@ -30,7 +30,7 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
-from llmhealth.actions import AuditLog, CommandResult, run_command, without_keys
+from llmhealth.actions import Audit, AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cluster import ClusterError, Seat
@@ -140,10 +140,13 @@ class Daemon:
         self._seat = store if isinstance(store, Seat) else None
         self._store: Store = store.store if isinstance(store, Seat) else store
         self._reader: Store = store.reader if isinstance(store, Seat) else store
-        if audit_path is None:  # beside the state file, unless the config says otherwise
-            assert isinstance(store, StateFile), "a cluster daemon is given its audit log"
-            audit_path = audit_path_for(self._config, store.path)
-        self._audit_path = audit_path
+        # A cluster's audit trail is in etcd, written with the state; else a local file,
+        # beside the state file unless the config says otherwise.
+        self._audit: Audit
+        if isinstance(store, Seat):
+            self._audit = store.store.audit
+        else:
+            self._audit = AuditLog(audit_path or audit_path_for(self._config, store.path))
         self._listen = listen
         self._wait_override = wait_override
         self._serving_file = serving_file
@@ -526,7 +529,7 @@ class Daemon:
                 backends,
                 lambda _record: news.verdicts,
                 mode=Mode.OFF if news.final else Mode.ACT,
-                audit=AuditLog(self._audit_path),
+                audit=self._audit,
                 clock=self._clock,
                 requests=news.requests,
                 commands=news.commands,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from llmhealth.actions import AuditLog
+from llmhealth.actions import Audit
 from llmhealth.config import Config
 from llmhealth.cycle import fresh_record, ledger_policy
 from llmhealth.fleet import FleetRecord
@@ -82,7 +82,7 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
 
 def apply_event(
     store: Store,
-    audit: AuditLog,
+    audit: Audit,
     config: Config,
     name: str,
     make_event: Callable[[float], Event],
@@ -119,7 +119,7 @@ def apply_event(
 
 
 def readmit(
-    store: Store, audit: AuditLog, config: Config, name: str, weight_version: int | None
+    store: Store, audit: Audit, config: Config, name: str, weight_version: int | None
 ) -> VerbResult:
     return apply_event(
         store,
@@ -132,19 +132,19 @@ def readmit(
     )
 
 
-def retire(store: Store, audit: AuditLog, config: Config, name: str, reason: str) -> VerbResult:
+def retire(store: Store, audit: Audit, config: Config, name: str, reason: str) -> VerbResult:
     return apply_event(
         store, audit, config, name, lambda now: Retire(now=now, reason=reason), "retire", reason
     )
 
 
-def reset(store: Store, audit: AuditLog, config: Config, name: str) -> VerbResult:
+def reset(store: Store, audit: Audit, config: Config, name: str) -> VerbResult:
     return apply_event(store, audit, config, name, lambda now: OperatorReset(now=now), "reset")
 
 
 def hold(
     store: Store,
-    audit: AuditLog,
+    audit: Audit,
     config: Config,
     name: str,
     seconds: float,
@@ -172,7 +172,7 @@ def hold(
 
 
 def release(
-    store: Store, audit: AuditLog, config: Config, name: str, *, clock: Clock = time.time
+    store: Store, audit: Audit, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
     with _editing(store, config, name, clock) as record:
         removed = record.holds.pop(name, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from llmhealth.actions import AuditLog, CommandResult, restart_environment
+from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
@@ -113,7 +113,7 @@ def remediate(
     now: float,
     *,
     mode: Mode,
-    audit: AuditLog | None,
+    audit: Audit | None,
 ) -> list[RestartOutcome]:
     """Plan restarts for every DEAD backend and issue what the plan allows.
 
@@ -204,7 +204,7 @@ def _issue(
 
 
 def hear_commands(
-    record: FleetRecord, done: Sequence[CommandDone], audit: AuditLog | None, now: float
+    record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
     """Feed finished restart commands to the ledger: a failed one sends it back to DEAD.
 

@@ -10,6 +10,7 @@ e2e/test_cluster.py (pauses, outages, several etcd members, cron beside daemons)
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from etcdproc import EtcdCluster, running_etcd
 from restartable import Server, restartable_fleet
 from test_daemon import PATIENCE, Page, Watch, fleet_config, watching, write_config
 
-from llmhealth.cluster import Etcd, Keys
+from llmhealth.cluster import Etcd, Keys, read_audit
 
 TTL = 3  # seconds; the daemons' renew deadline is 2 s, their retry period 0.4 s
 WAIT = 0.5  # the daemons' --wait, from test_daemon.watching
@@ -98,10 +99,26 @@ class Scene:
 
     @contextmanager
     def daemon(self, name: str) -> Iterator[Watch]:
-        # Each daemon has its own state path: only its audit log goes there in a cluster.
+        # Each daemon has its own state path; in a cluster nothing is written there.
         state = self.folder / f"{name}-state.json"
         with watching(self.entry_point, self.config, state) as watch:
             yield watch
+
+    def audited_restarts(self) -> list[dict[str, object]]:
+        """The restarts the fleet's audit trail in etcd holds: one per restart issued."""
+        records = read_audit(Etcd(self.etcd.endpoints), Keys(PREFIX)).records
+        return [r for r in records if r.get("event") == "restart" and r.get("to") == "restarting"]
+
+    def audit_command(self) -> list[dict[str, object]]:
+        """``llmhealth audit`` as an operator runs it, every record parsed."""
+        done = subprocess.run(
+            [self.entry_point, "audit", "-c", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return [json.loads(line) for line in done.stdout.splitlines()]
 
     def record(self) -> dict[str, object]:
         found = Etcd(self.etcd.endpoints).get(Keys(PREFIX).state)

@@ -299,3 +299,24 @@ def test_cluster_lines_from_etcd_reach_the_terminal_printable() -> None:
     assert "node-a\\x1b[2J leads since 10 s ago" in text
     assert "member node-b\\x1b[31m: last report 5 s ago" in text
     assert text.count("\n") == 1  # the two lines stay two lines
+
+
+def test_audit_prints_the_local_trail_as_json_lines_with_nothing_raw_for_the_terminal(
+    tmp_path: Path,
+) -> None:
+    from llmhealth.actions import AuditLog  # noqa: PLC0415
+
+    state = tmp_path / "state.json"
+    log = AuditLog(tmp_path / "audit.jsonl")
+    for index in range(3):
+        log.append({"time": 1.0 + index, "backend": "gpu", "event": "restart", "n": index})
+    log.append({"time": 9.0, "backend": "gpu", "event": "hold", "reason": "a\x1b[31m\x7fb"})
+    with (tmp_path / "audit.jsonl").open("ab") as handle:
+        handle.write(b"{torn\n")
+    result = CliRunner().invoke(app, ["audit", "--state", str(state), "--last", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert [json.loads(line).get("n") for line in lines] == [2, None]
+    assert json.loads(lines[1])["reason"] == "a\x1b[31m\x7fb"  # kept, but escaped
+    assert "\x1b" not in result.stdout and "\x7f" not in result.stdout
+    assert "1 malformed audit lines skipped" in result.stderr

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from llmhealth.actions import AuditError
 from llmhealth.cluster import (
+    AUDIT_RECORD_BYTES,
     ClusterUnavailableError,
     Elector,
     Etcd,
@@ -20,8 +22,10 @@ from llmhealth.cluster import (
     FencedOutError,
     Keys,
     NotLeaderError,
+    read_audit,
     read_leader,
 )
+from llmhealth.config import Backend, Config
 from llmhealth.leadership import LeaseTiming, Standing
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
 
@@ -221,3 +225,171 @@ def test_an_etcd_endpoint_with_a_password_is_refused_without_repeating_it() -> N
     with pytest.raises(ValueError, match="user name or password") as refused:
         Etcd(["http://127.0.0.1:2379", "http://root:s3cret@127.0.0.1:2380"])
     assert "s3cret" not in str(refused.value) and "root" not in str(refused.value)
+
+
+# --- the audit trail in etcd ----------------------------------------------------------
+
+
+def audit_record(index: int, **extra: object) -> dict[str, object]:
+    return {
+        "time": 1000.0 + index,
+        "actor": "llmhealth",
+        "backend": "gpu",
+        "event": "restart",
+        "n": index,
+        **extra,
+    }
+
+
+def test_a_settles_audit_records_are_written_in_the_transaction_of_its_state(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    leader = elector(etcd, keys, "a", clock, log)
+    leader.step()
+    store = EtcdStore(etcd, keys, leader)
+    with store.locked():
+        store.load(dict)
+        store.audit.append(audit_record(1))
+        store.audit.append(audit_record(2))
+        store.save(document(1))
+    state = etcd.get(keys.state)
+    batches = etcd.get_prefix(keys.audit)
+    assert state is not None and len(batches) == 1
+    # One transaction: the batch key was created at the revision that wrote the state.
+    (batch,) = batches.values()
+    assert batch.create_revision == state.mod_revision
+    trail = read_audit(etcd, keys)
+    assert [record["n"] for record in trail.records] == [1, 2]
+    assert all(r["member"] == "a" and r["fence"] == leader.fence for r in trail.records)
+    assert trail.malformed == 0
+    leader.stop()
+
+
+def test_a_deposed_leaders_audit_records_fail_with_its_write(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    old, new = elector(etcd, keys, "old", clock, log), elector(etcd, keys, "new", clock, log)
+    old.step()
+    new.step()
+    old_store = EtcdStore(etcd, keys, old)
+    with pytest.raises(FencedOutError), old_store.locked():
+        old_store.load(dict)
+        old_lease = old.lease_id
+        assert old_lease is not None
+        etcd.revoke(old_lease)  # deposed behind its back, as in a pause
+        new.step()
+        old_store.audit.append(audit_record(99))
+        old_store.save(document(99))
+    assert read_audit(etcd, keys).records == []
+    # Nor does a record left over reach the next section's write.
+    new_store = EtcdStore(etcd, keys, new)
+    with new_store.locked():
+        new_store.load(dict)
+        new_store.audit.append(audit_record(1))
+        new_store.save(document(1))
+    assert [(r["n"], r["member"]) for r in read_audit(etcd, keys).records] == [(1, "new")]
+    old.stop()
+    new.stop()
+
+
+def test_records_of_a_section_that_saved_nothing_are_written_only_on_the_record_read(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    etcd = Etcd(etcd_server.endpoints)
+    verb = EtcdStore(etcd, keys, None)  # an operator's verb that the ledger refused
+    with verb.locked():
+        verb.load(dict)
+        verb.audit.append(audit_record(1, applied=False))
+    assert [r["n"] for r in read_audit(etcd, keys).records] == [1]
+    assert "member" not in read_audit(etcd, keys).records[0]  # no leader wrote it
+    other = EtcdStore(etcd, keys, None)
+    with pytest.raises(FencedOutError, match="audit records of this section"), verb.locked():
+        verb.load(dict)
+        verb.audit.append(audit_record(2, applied=False))
+        with other.locked():  # a settle lands in between: the refusal was of a stale record
+            other.load(dict)
+            other.save(document(5))
+    assert [r["n"] for r in read_audit(etcd, keys).records] == [1]
+
+
+def test_a_record_outside_any_section_is_refused_not_lost_silently(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    store = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with pytest.raises(AuditError, match="not kept"):
+        store.audit.append(audit_record(1))
+
+
+def test_the_trail_keeps_the_newest_records_and_reads_them_in_order(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    leader = elector(etcd, keys, "a", clock, log)
+    leader.step()
+    store = EtcdStore(etcd, keys, leader, audit_keep=100)
+    for index in range(150):  # more batches than one page of keys read
+        with store.locked():
+            store.load(dict)
+            store.audit.append(audit_record(index))
+            store.save(document(index))
+    kept = [r["n"] for r in read_audit(etcd, keys).records]
+    # Trimmed on the first write, then after every tenth of audit_keep more records.
+    assert 100 <= len(kept) < 100 + 10, len(kept)
+    assert kept == list(range(150 - len(kept), 150))
+    assert [r["n"] for r in read_audit(etcd, keys, last=70).records] == list(range(80, 150))
+    assert read_audit(etcd, keys, last=0).records == []
+    leader.stop()
+
+
+def test_a_huge_record_is_cut_to_fit_and_keeps_its_decision(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    with store.locked():
+        store.load(dict)
+        store.audit.append(audit_record(1, evidence={"reads": ["x" * 100_000]}, reason="wedged"))
+        store.save(document(1))
+    (batch,) = etcd.get_prefix(keys.audit).values()
+    assert len(batch.value) <= AUDIT_RECORD_BYTES
+    (record,) = read_audit(etcd, keys).records
+    assert (record["backend"], record["event"], record["reason"]) == ("gpu", "restart", "wedged")
+    assert isinstance(record["evidence"], str) and "cut to fit etcd" in record["evidence"]
+
+
+def test_a_settle_with_thousands_of_records_still_fits_one_etcd_request(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # 750 wedges proven at once write 1,500 records with their reads: etcd refuses a
+    # request past 1.5 MiB (its default), and the state rides in the same one.
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    reads = [{"at": float(i), "engines": {"0": {"running": 3, "waiting": 1}}} for i in range(40)]
+    with store.locked():
+        store.load(dict)
+        for index in range(1500):
+            store.audit.append(audit_record(index, evidence={"reads": reads}))
+        store.save({"value": 1, "padding": "p" * 500_000})
+    trail = read_audit(etcd, keys)
+    assert [r["n"] for r in trail.records] == list(range(1500))
+    assert sum(len(found.value) for found in etcd.get_prefix(keys.audit).values()) <= 600_000
+
+
+def test_operator_verbs_on_a_cluster_write_their_records_into_its_trail(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    from llmhealth import operate  # noqa: PLC0415
+
+    config = Config(backends=(Backend("gpu", "http://127.0.0.1:9"),))
+    store = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    held = operate.hold(store, store.audit, config, "gpu", 600.0, "weight sync")
+    refused = operate.readmit(store, store.audit, config, "gpu", None)  # HEALTHY already
+    assert held.applied and not refused.applied
+    trail = read_audit(store.etcd, keys).records
+    assert [(r["event"], r.get("applied")) for r in trail] == [("hold", None), ("readmit", False)]
+    assert trail[0]["reason"] == "weight sync"

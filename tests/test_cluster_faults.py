@@ -46,6 +46,13 @@ def test_a_standby_proves_and_restarts_once_a_wedge_its_killed_leader_was_provin
         lines = scene.restarts.lines()
     assert len(lines) == 1, lines
     assert lines[0][1] == standby  # the new leader ran it, with its own fencing token
+    # The fleet's audit trail in etcd says the same: one restart, by the standby, under
+    # the token its command was given; no daemon kept a local audit log.
+    audited = scene.audited_restarts()
+    assert [(r["backend"], r["member"], r["fence"]) for r in audited] == [
+        ("gpu", standby, lines[0][0])
+    ]
+    assert not list(scene.folder.glob("*.jsonl"))
     # The first process and one restart (the script records it once the server answers).
     until("the restart recorded", lambda: len(scene.gpu.launches()) >= 2)
     assert len(scene.gpu.launches()) == 2
@@ -69,6 +76,13 @@ def test_a_leader_killed_just_after_committing_a_restart_is_not_repeated(
     assert len(lines) == 1, lines
     until("the restart recorded", lambda: len(scene.gpu.launches()) >= 2)
     assert len(scene.gpu.launches()) == 2
+    # The killed leader's restart is in the trail (written with RESTARTING), once; the new
+    # leader's later records (the re-admission) follow it under a larger token.
+    trail = scene.audit_command()
+    restarts = [r for r in trail if r["event"] == "restart" and r["to"] == "restarting"]
+    assert [r["fence"] for r in restarts] == [lines[0][0]], restarts
+    readmitted = [r for r in trail if r["backend"] == "gpu" and r["to"] == "healthy"]
+    assert readmitted and all(int(r["fence"]) > lines[0][0] for r in readmitted), trail
     record = scene.record()
     written_by = record["written_by"]
     assert isinstance(written_by, dict)
