@@ -136,6 +136,9 @@ class Config:
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
     on_serving_change: tuple[str, ...] = ()
     max_check_time: float = DEFAULT_MAX_CHECK_TIME
+    # `watch`'s reading processes; None is "auto": as many as the fleet's size calls for,
+    # up to the cores (readers.worker_count); 1 reads in the daemon's own event loop.
+    read_workers: int | None = None
     policy: Policy = field(default_factory=Policy)
     backends: tuple[Backend, ...] = ()
     proxies: tuple[Proxy, ...] = ()
@@ -183,7 +186,7 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         "",
         {"wait", "timeout", "answer_timeout", "max_body", "state", "audit_log", "policy"}
         | {"backend", "proxy", "stall_timeout", "on_serving_change", "router", "cluster"}
-        | {"max_check_time"},
+        | {"max_check_time", "read_workers"},
     )
     policy = _policy(reader, data.get("policy", {}))
     backends = tuple(
@@ -208,6 +211,9 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
         on_serving_change=reader.string_list(data, "on_serving_change", ()),
         max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
+        read_workers=None
+        if data.get("read_workers", "auto") == "auto"
+        else reader.integer(data, "read_workers", 1, minimum=1),
         policy=policy,
         backends=backends,
         proxies=proxies,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -49,16 +48,16 @@ from llmhealth.cycle import (
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.fleet import FleetRecord, StallWatch
 from llmhealth.ledger import BackendSnapshot
-from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
-from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
+from llmhealth.probe import ProbeSettings
+from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import StateError, StateFile, Store
 from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
-from llmhealth.window import LongestStep, longer
+from llmhealth.window import LongestStep
 
 if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
     from llmhealth.router import Router
@@ -67,7 +66,6 @@ if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
-STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this much of it
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -157,10 +155,11 @@ class Daemon:
         self._state = WatchState(StallWatch(started_at=clock()))
         self._stop = asyncio.Event()
         self._reload = False
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._probing: dict[str, Target] = {}
-        self._baselines: dict[str, Signals] = {}
-        self._learned: dict[str, LongestStep] = {}
+        # Who reads: tasks in this loop, or read worker processes for a large fleet
+        # (chosen when `run` starts; a changed read_workers takes a restart).
+        self._reading: ReadTasks | ReadPool = ReadTasks(
+            lambda: self.settings, clock, self._heard, self._probe_task_died
+        )
         self._snapshots: dict[str, BackendSnapshot] = {}
         self._fleet: FleetSummary | None = None
         self._record: FleetRecord | None = None  # as last settled or read
@@ -211,7 +210,21 @@ class Daemon:
         if self._seat is not None:
             self._seat.elector.start()
         try:
-            self._baselines, self._learned = await asyncio.to_thread(self._read_baselines)
+            baselines, learned = await asyncio.to_thread(self._read_baselines)
+            workers = worker_count(self._config.read_workers, len(self._targets), usable_cores())
+            if workers > 1:
+                self._reading = ReadPool(
+                    workers,
+                    lambda: self.settings,
+                    self._heard,
+                    self._probe_task_died,
+                    self._log,
+                    self._record_news,
+                )
+                await self._reading.start()
+                pids = ", ".join(map(str, self._reading.pids))
+                self._log(f"reading with {workers} read worker processes (pids {pids})")
+            self._reading.remember(baselines, learned)
             if self._router is not None and self._router_listen is not None:
                 await self._start_router(self._router, *self._router_listen)
             self._start_probes()
@@ -222,9 +235,7 @@ class Daemon:
             if self._seat is not None:
                 # Resigning revokes the lease: a standby leads at its next round, not a TTL on.
                 await asyncio.to_thread(self._seat.elector.stop)
-            for task in self._tasks.values():
-                task.cancel()
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await self._reading.close()
             if server is not None:
                 server.shutdown()
                 server.server_close()
@@ -426,83 +437,41 @@ class Daemon:
         return baselines_of(record), learned_steps_of(record)
 
     def _start_probes(self) -> None:
-        """Start a task per target; on reload, only for targets that are new or changed.
-
-        An unchanged target keeps its task and so its window of reads: a reload must not
-        cost two waits of wedge detection, nor hide a restart that happens across it.
-        """
-        wanted = {target.name: target for target in self._targets}
-        for name in list(self._tasks):
-            if wanted.get(name) != self._probing.get(name):
-                self._tasks.pop(name).cancel()
-                self._probing.pop(name, None)
-                if name not in wanted:
-                    self._state.probes.pop(name, None)
-                    self._state.latest.pop(name, None)
-        starting = [target for name, target in wanted.items() if name not in self._tasks]
-        for index, target in enumerate(starting):
+        """Have every target read; on reload, forget the ones no longer configured."""
+        wanted = {target.name for target in self._targets}
+        for name in [name for name in self._state.probes if name not in wanted]:
+            self._state.probes.pop(name, None)
+            self._state.latest.pop(name, None)
+        for target in self._targets:
             self._state.probes.setdefault(target.name, _Probe())
-            self._probing[target.name] = target
-            # Spread over the first half of the wait: all at once, a big fleet's reads
-            # held every body in memory together and queued on one burst of CPU; by
-            # half the wait they are all done, in time for the first settle.
-            self._start_probe(target, delay=STAGGER * self.settings.wait * index / len(starting))
+        self._reading.assign(self._targets)
 
-    def _start_probe(self, target: Target, delay: float = 0.0) -> None:
-        task = asyncio.create_task(self._probe_forever(target, delay))
-        task.add_done_callback(functools.partial(self._probe_ended, target))
-        self._tasks[target.name] = task
+    def hear(self, target: Target, verdict: Verdict | None, seconds: float) -> None:
+        """What one examination of a target concluded, wherever it was read (a task in
+        this loop, a read worker): it waits here for the next settle. Called on the
+        event loop's thread."""
+        probe = self._state.probes.setdefault(target.name, _Probe())
+        probe.seconds = seconds
+        if verdict is not None:
+            probe.outcome = Outcome(target, verdict)
+            probe.fresh = True
 
-    def _probe_ended(self, target: Target, task: asyncio.Task[None]) -> None:
-        """A probing task ends only when cancelled: one that died is logged, counted and
-        started again, one wait later (a task that dies at once every time costs a log
-        line per wait, not a busy loop). Without this a backend would silently keep its
-        last verdict forever."""
-        if task.cancelled() or self._stop.is_set() or self._tasks.get(target.name) is not task:
-            return
-        error = task.exception()
-        cause = f"{type(error).__name__}: {error}" if error is not None else "it returned"
-        self._state.probe_task_restarts[target.name] += 1
-        self._log(f"{target.name}: probing task died ({cause}); started again")
-        self._start_probe(target, delay=self.settings.wait)
+    def _heard(
+        self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
+    ) -> None:
+        self.hear(target, verdict, seconds)
 
-    async def _probe_forever(self, target: Target, delay: float = 0.0) -> None:
-        """Read one target every wait, forever; its verdicts wait for the next settle."""
-        await asyncio.sleep(delay)
-        window: list[Read] = []
-        cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
-        learned: LongestStep | None = None
-        # No TLS context of its own: every client shares the process's (wire.py).
-        async with new_client() as client:
-            while True:
-                settings = self.settings
-                started = time.monotonic()
-                if target.kind == "proxy":
-                    verdict: Verdict | None = await examine_proxy(client, target, settings)
-                else:
-                    # What the record last saw of this backend, when there is news of it (at
-                    # start, or on taking the lead): one read is compared with it, so a
-                    # restart that happened meanwhile is seen; the window is kept.
-                    baseline = self._baselines.pop(target.name, None)
-                    learned = longer(learned, self._learned.pop(target.name, None))
-                    verdict = await examine_once(
-                        client,
-                        target,
-                        settings,
-                        window,
-                        clock=self._clock,
-                        baseline=baseline,
-                        learned=learned,
-                        cpu=cpu,
-                    )
-                    if verdict is not None:
-                        learned = longer(learned, verdict.longest_step)
-                probe = self._state.probes.setdefault(target.name, _Probe())
-                probe.seconds = time.monotonic() - started
-                if verdict is not None:
-                    probe.outcome = Outcome(target, verdict)
-                    probe.fresh = True
-                await asyncio.sleep(max(0.0, started + settings.wait - time.monotonic()))
+    def _probe_task_died(self, name: str, cause: str) -> None:
+        """A probing task ended by itself (a bug past every guard): logged and counted;
+        it was started again."""
+        self._state.probe_task_restarts[name] += 1
+        self._log(f"{name}: probing task died ({cause}); started again")
+
+    def _record_news(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
+        """What the last settled record saw of each backend, for reads that start afresh."""
+        if self._record is None:
+            return {}, {}
+        return baselines_of(self._record), learned_steps_of(self._record)
 
     def _take_fresh(self) -> list[Outcome]:
         """Verdicts that came in since the last cycle; called on the event loop's thread."""

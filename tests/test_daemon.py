@@ -46,6 +46,7 @@ from simproc import Simulator, child_env, free_port_block, running_simulator
 
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
+from llmhealth import readers
 from llmhealth.classify import Target
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import StallWatch
@@ -1433,7 +1434,7 @@ def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     """examine_once turns any failure into a verdict; this injects one past that guard, as
     a future bug would, to show the task is not lost silently."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    real_examine_once = daemon_module.examine_once
+    real_examine_once = readers.examine_once
     calls = 0
 
     async def dies_once(*args: Any, **kwargs: Any) -> Any:
@@ -1443,7 +1444,7 @@ def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
             raise RuntimeError("injected \x1b[2J fault")
         return await real_examine_once(*args, **kwargs)
 
-    monkeypatch.setattr(daemon_module, "examine_once", dies_once)
+    monkeypatch.setattr(readers, "examine_once", dies_once)
     port = free_port_block(1)
 
     def load() -> tuple[config_module.Config, list[Target]]:
@@ -1497,8 +1498,10 @@ def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
         console=Console(quiet=True),
     )
     started: list[tuple[str, float]] = []
+    reading = daemon._reading
+    assert isinstance(reading, readers.ReadTasks)  # four targets: read in the daemon's loop
     monkeypatch.setattr(
-        daemon, "_start_probe", lambda target, delay=0.0: started.append((target.name, delay))
+        reading, "_start", lambda target, delay=0.0: started.append((target.name, delay))
     )
     daemon._start_probes()
     assert started == [("b0", 0.0), ("b1", 0.25), ("b2", 0.5), ("b3", 0.75)]

@@ -1,0 +1,500 @@
+"""Reading the fleet for `watch`: one probing task per target, here or in read workers.
+
+Each target has one task that reads it once per wait, so one hung backend costs only its
+own timeouts, and hands what it concluded to the daemon. ``ReadTasks`` runs those tasks
+in the daemon's own event loop. ``ReadPool`` runs them in worker processes (``main``
+below), each reading a share of the fleet with the same tasks, so reading and judging a
+large fleet use every core; what they conclude comes back over a pipe and is settled by
+the daemon alone, so the state keeps one writer however it was read.
+
+Over the pipe goes each read once (about 300 bytes), not each verdict's whole window of
+reads: the daemon keeps a copy of every window and gives each verdict its reads back
+(pickling a verdict with a full 61-read window costs more CPU than the read itself).
+Frames are pickles between two processes of this program, parent and child, over their
+own pipes, and are bounded in size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import os
+import pickle
+import signal
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.localcpu import LocalCpu
+from llmhealth.metrics import Signals
+from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
+from llmhealth.window import LongestStep, longer
+
+STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this much of it
+# A worker's frames: flushed this long after the first verdict waiting, so a wait's
+# thousands of verdicts travel in a few dozen writes yet none waits long for a settle.
+FLUSH_AFTER = 0.02
+MAX_FRAME = 256 * 1024 * 1024  # a frame longer than this is not ours: the worker is dropped
+STOP_TIMEOUT = 5.0  # for a worker to leave after its stdin closed, before it is killed
+# Targets per read worker before `read_workers = "auto"` adds one: at about 1 ms of CPU
+# per backend per cycle, 2,000 fill 40% of one core at the default 5 s wait.
+AUTO_SHARE = 2000
+
+Clock = Callable[[], float]
+# What one examination of one target concluded: the verdict (None while undecided), how
+# long the examination took, and the target's window of reads as it now stands.
+Deliver = Callable[[Target, Verdict | None, float, Sequence[Read]], None]
+Died = Callable[[str, str], None]  # a probing task ended by itself: the target, the cause
+Log = Callable[[str], None]
+_HEADER = struct.Struct(">I")
+
+
+def worker_count(setting: int | None, targets: int, cores: int) -> int:
+    """Read workers for a fleet: the configured number, or for ``None`` ("auto") one per
+    AUTO_SHARE targets up to the usable cores, and none (reading in the daemon's own
+    loop) for a fleet one loop reads with room to spare."""
+    if setting is not None:
+        return setting
+    wanted = min(max(1, cores), math.ceil(targets / AUTO_SHARE))
+    return wanted if wanted > 1 else 1
+
+
+def share_of(name: str, workers: int) -> int:
+    """The read worker that reads a target: by its name, so a reload moves no other."""
+    return zlib.crc32(name.encode()) % workers
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+class ReadTasks:
+    """A probing task per target, in the running event loop.
+
+    ``settings`` is asked before every read, so a reload's new wait applies at once.
+    ``remember`` passes what earlier runs last read of some targets (a restart meanwhile
+    is then seen at the next read) and the longest steps they took.
+    """
+
+    def __init__(
+        self,
+        settings: Callable[[], ProbeSettings],
+        clock: Clock,
+        deliver: Deliver,
+        died: Died,
+    ) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._deliver = deliver
+        self._died = died
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._probing: dict[str, Target] = {}
+        self._baselines: dict[str, Signals] = {}
+        self._learned: dict[str, LongestStep] = {}
+        self._closing = False
+
+    def remember(
+        self, baselines: Mapping[str, Signals], learned: Mapping[str, LongestStep]
+    ) -> None:
+        self._baselines.update(baselines)
+        self._learned.update(learned)
+
+    def assign(self, targets: Sequence[Target]) -> None:
+        """Read these targets; on reload, start tasks only for the new or changed ones.
+
+        An unchanged target keeps its task and so its window of reads: a reload must not
+        cost two waits of wedge detection, nor hide a restart that happens across it.
+        """
+        wanted = {target.name: target for target in targets}
+        for name in list(self._tasks):
+            if wanted.get(name) != self._probing.get(name):
+                self._tasks.pop(name).cancel()
+                self._probing.pop(name, None)
+        starting = [target for name, target in wanted.items() if name not in self._tasks]
+        wait = self._settings().wait
+        for index, target in enumerate(starting):
+            self._probing[target.name] = target
+            # Spread over the first half of the wait: all at once, a big fleet's reads
+            # held every body in memory together and queued on one burst of CPU; by
+            # half the wait they are all done, in time for the first settle.
+            self._start(target, delay=STAGGER * wait * index / len(starting))
+
+    async def close(self) -> None:
+        self._closing = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start(self, target: Target, delay: float = 0.0) -> None:
+        task = asyncio.create_task(self._read_forever(target, delay))
+        task.add_done_callback(functools.partial(self._ended, target))
+        self._tasks[target.name] = task
+
+    def _ended(self, target: Target, task: asyncio.Task[None]) -> None:
+        """A probing task ends only when cancelled: one that died is reported and started
+        again, one wait later (a task that dies at once every time costs a report per
+        wait, not a busy loop). Without this a backend would silently keep its last
+        verdict forever."""
+        if task.cancelled() or self._closing or self._tasks.get(target.name) is not task:
+            return
+        error = task.exception()
+        self._died(target.name, f"{type(error).__name__}: {error}" if error else "it returned")
+        self._start(target, delay=self._settings().wait)
+
+    async def _read_forever(self, target: Target, delay: float = 0.0) -> None:
+        """Read one target every wait, forever; what it concludes goes to ``deliver``."""
+        await asyncio.sleep(delay)
+        window: list[Read] = []
+        cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
+        learned: LongestStep | None = None
+        # No TLS context of its own: every client shares the process's (wire.py).
+        async with new_client() as client:
+            while True:
+                settings = self._settings()
+                started = time.monotonic()
+                if target.kind == "proxy":
+                    verdict: Verdict | None = await examine_proxy(client, target, settings)
+                else:
+                    # What the record last saw of this backend, when there is news of it (at
+                    # start, or on taking the lead): one read is compared with it, so a
+                    # restart that happened meanwhile is seen; the window is kept.
+                    baseline = self._baselines.pop(target.name, None)
+                    learned = longer(learned, self._learned.pop(target.name, None))
+                    verdict = await examine_once(
+                        client,
+                        target,
+                        settings,
+                        window,
+                        clock=self._clock,
+                        baseline=baseline,
+                        learned=learned,
+                        cpu=cpu,
+                    )
+                    if verdict is not None:
+                        learned = longer(learned, verdict.longest_step)
+                self._deliver(target, verdict, time.monotonic() - started, window)
+                await asyncio.sleep(max(0.0, started + settings.wait - time.monotonic()))
+
+
+# --- the pipe between the daemon and its read workers --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Share:
+    """Daemon → worker: what to read, with what settings, and what earlier runs saw."""
+
+    settings: ProbeSettings
+    targets: tuple[Target, ...]
+    baselines: Mapping[str, Signals]
+    learned: Mapping[str, LongestStep]
+
+
+@dataclass(frozen=True, slots=True)
+class _Heard:
+    """Worker → daemon: one examination. ``fresh`` are the window's reads not sent before
+    (all of it when ``reset``: the window was cut or started afresh); ``kept`` is the
+    window's length now. ``verdict`` travels without its reads: ``reads`` says how many
+    of the window's newest are its own, or holds them when they are not the window's."""
+
+    name: str
+    seconds: float
+    fresh: tuple[Read, ...]
+    reset: bool
+    kept: int
+    verdict: Verdict | None
+    reads: int | tuple[Read, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _TaskDied:
+    name: str
+    cause: str
+
+
+def _frame(message: object) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+async def _next_frame(stream: asyncio.StreamReader) -> object:
+    """The next message; IncompleteReadError at the end of the stream."""
+    (size,) = _HEADER.unpack(await stream.readexactly(_HEADER.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes, over the {MAX_FRAME} limit")
+    return pickle.loads(await stream.readexactly(size))
+
+
+def _heard(
+    target: Target,
+    verdict: Verdict | None,
+    seconds: float,
+    window: Sequence[Read],
+    sent: Read | None,
+) -> _Heard:
+    """What to send of one examination, given the last read already sent of the window."""
+    index = next((i for i in range(len(window) - 1, -1, -1) if window[i] is sent), None)
+    reset = index is None
+    fresh = tuple(window if index is None else window[index + 1 :])
+    reads: int | tuple[Read, ...] = 0
+    if verdict is not None and verdict.reads:
+        count = len(verdict.reads)
+        suffix = window[-count:] if count <= len(window) else ()
+        own = len(suffix) == count and all(
+            a is b for a, b in zip(verdict.reads, suffix, strict=True)
+        )
+        reads = count if own else verdict.reads
+        verdict = replace(verdict, reads=())
+    return _Heard(target.name, seconds, fresh, reset, len(window), verdict, reads)
+
+
+class _Sender:
+    """The worker's side: examinations batched into frames on its stdout."""
+
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
+        self._transport = transport
+        self._waiting: list[object] = []
+        self._sent: dict[str, Read | None] = {}
+
+    def deliver(
+        self, target: Target, verdict: Verdict | None, seconds: float, window: Sequence[Read]
+    ) -> None:
+        self._queue(_heard(target, verdict, seconds, window, self._sent.get(target.name)))
+        self._sent[target.name] = window[-1] if window else None
+
+    def died(self, name: str, cause: str) -> None:
+        self._sent.pop(name, None)  # its next task starts a new window
+        self._queue(_TaskDied(name, cause))
+
+    def _queue(self, message: object) -> None:
+        if not self._waiting:
+            asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush)
+        self._waiting.append(message)
+
+    def _flush(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        if waiting and not self._transport.is_closing():
+            self._transport.write(_frame(waiting))
+
+
+async def _work() -> None:
+    """A read worker: read the share the daemon sends, send back what each read found;
+    leave when the daemon closes the pipe (or dies)."""
+    loop = asyncio.get_running_loop()
+    incoming = asyncio.StreamReader(limit=MAX_FRAME)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(incoming), os.fdopen(0, "rb", buffering=0)
+    )
+    # Frames go to the original stdout; anything printed goes to stderr (the journal).
+    frames = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    transport, _ = await loop.connect_write_pipe(asyncio.Protocol, frames)
+    sender = _Sender(transport)
+    share: _Share | None = None
+    tasks = ReadTasks(
+        lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
+    )
+    try:
+        while True:
+            try:
+                message = await _next_frame(incoming)
+            except asyncio.IncompleteReadError:
+                return  # the daemon is gone or stopping
+            if isinstance(message, _Share):
+                share = message
+                tasks.remember(message.baselines, message.learned)
+                tasks.assign(message.targets)
+    finally:
+        await tasks.close()
+        transport.close()
+
+
+def main() -> None:
+    # Ctrl-C at a terminal reaches the whole process group: the daemon decides, and
+    # closes this worker's pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    asyncio.run(_work())
+
+
+# --- the daemon's side -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    share: dict[str, Target] = field(default_factory=dict)
+    windows: dict[str, list[Read]] = field(default_factory=dict)
+    receiving: asyncio.Task[None] | None = None
+
+
+class ReadPool:
+    """``count`` read worker processes, each reading the targets whose name hashes to it
+    (stable across reloads, so an unchanged target keeps its worker and its window).
+
+    A worker that exits is started again one wait later. Its targets' windows are lost
+    with it, so each gets a verdict at once that says so: unhealthy and not judged,
+    which shows on every report and metric and moves no ledger state (the same as any
+    failure of llmhealth's own while examining a backend); their reads start afresh.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        settings: Callable[[], ProbeSettings],
+        deliver: Deliver,
+        died: Died,
+        log: Log,
+        news: Callable[[], tuple[Mapping[str, Signals], Mapping[str, LongestStep]]],
+    ) -> None:
+        self._workers = [_Worker(index) for index in range(count)]
+        self._settings = settings
+        self._deliver = deliver
+        self._died = died
+        self._log = log
+        self._news = news  # what the record last saw, for a worker started again
+        self._baselines: Mapping[str, Signals] = {}
+        self._learned: Mapping[str, LongestStep] = {}
+        self._closing = False
+        self.restarts = 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers if w.process is not None]
+
+    def remember(
+        self, baselines: Mapping[str, Signals], learned: Mapping[str, LongestStep]
+    ) -> None:
+        self._baselines, self._learned = dict(baselines), dict(learned)
+
+    async def start(self) -> None:
+        for worker in self._workers:
+            await self._spawn(worker)
+
+    def assign(self, targets: Sequence[Target]) -> None:
+        for worker in self._workers:
+            count = len(self._workers)
+            worker.share = {t.name: t for t in targets if share_of(t.name, count) == worker.index}
+            for name in [n for n in worker.windows if n not in worker.share]:
+                del worker.windows[name]
+            self._send_share(worker)
+        self._baselines, self._learned = {}, {}  # sent once, as ReadTasks pops them
+
+    async def close(self) -> None:
+        """Close every worker's pipe, give them STOP_TIMEOUT to leave, then kill."""
+        self._closing = True
+        for worker in self._workers:
+            if worker.process is not None and worker.process.stdin is not None:
+                worker.process.stdin.close()
+        for worker in self._workers:
+            process = worker.process
+            if process is None:
+                continue
+            try:
+                await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        receiving = [w.receiving for w in self._workers if w.receiving is not None]
+        for task in receiving:
+            task.cancel()
+        await asyncio.gather(*receiving, return_exceptions=True)
+
+    async def _spawn(self, worker: _Worker) -> None:
+        worker.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            # Not `-m`: run as __main__, the classes in the frames would not be the ones
+            # the daemon knows by name.
+            "from llmhealth.readers import main; main()",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=MAX_FRAME,
+        )
+        worker.windows = {}
+        worker.receiving = asyncio.create_task(self._receive(worker, worker.process))
+
+    def _send_share(self, worker: _Worker) -> None:
+        process = worker.process
+        if process is None or process.stdin is None or process.stdin.is_closing():
+            return
+        names = worker.share.keys()
+        share = _Share(
+            self._settings(),
+            tuple(worker.share.values()),
+            {n: s for n, s in self._baselines.items() if n in names},
+            {n: s for n, s in self._learned.items() if n in names},
+        )
+        process.stdin.write(_frame(share))
+
+    async def _receive(self, worker: _Worker, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        why = ""
+        try:
+            while True:
+                message = await _next_frame(process.stdout)
+                if not isinstance(message, list):
+                    raise ValueError(f"unexpected {type(message).__name__}")
+                for item in message:
+                    self._hear(worker, item)
+        except asyncio.IncompleteReadError:
+            pass
+        except (ValueError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+            why = f"; it sent what cannot be read ({type(exc).__name__}: {exc})"
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        code = await process.wait()
+        if self._closing:
+            return
+        self._lost(
+            worker, f"read worker {worker.index + 1} (pid {process.pid}) exited ({code}){why}"
+        )
+        await asyncio.sleep(self._settings().wait)
+        if self._closing:
+            return
+        self.restarts += 1
+        baselines, learned = self._news()
+        self._baselines, self._learned = baselines, learned
+        await self._spawn(worker)
+        self._send_share(worker)
+        self._baselines, self._learned = {}, {}
+
+    def _hear(self, worker: _Worker, item: object) -> None:
+        if isinstance(item, _TaskDied):
+            self._died(item.name, item.cause)
+            return
+        if not isinstance(item, _Heard):
+            raise ValueError(f"unexpected {type(item).__name__}")
+        target = worker.share.get(item.name)
+        if target is None:
+            return  # no longer this worker's (a reload moved it): the worker drops it too
+        window = [] if item.reset else worker.windows.get(item.name, [])
+        window.extend(item.fresh)
+        del window[: max(0, len(window) - item.kept)]
+        worker.windows[item.name] = window
+        verdict = item.verdict
+        if verdict is not None:
+            reads = item.reads
+            own = tuple(window[-reads:]) if isinstance(reads, int) and reads else ()
+            verdict = replace(verdict, reads=reads if isinstance(reads, tuple) else own)
+        self._deliver(target, verdict, item.seconds, window)
+
+    def _lost(self, worker: _Worker, why: str) -> None:
+        self._log(f"{why}; its {len(worker.share)} targets read afresh by a new one")
+        worker.windows = {}
+        evidence = (
+            f"{VerdictKind.NO_METRICS}: not judged: {why}; its reads start afresh "
+            "(a failure of llmhealth's own)"
+        )
+        for target in worker.share.values():
+            self._deliver(target, Verdict(VerdictKind.NO_METRICS, False, evidence), 0.0, ())

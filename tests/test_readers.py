@@ -1,0 +1,232 @@
+"""Read workers: `watch` reading its fleet in worker processes, settling it alone.
+
+Real `llmhealth watch` processes with `read_workers = 2` against a real simulator: the
+verdicts and the audited proof are the ones the daemon's own loop gives, a worker killed
+costs its share a verdict that says so (never a silent healthy one) and is started
+again, and SIGTERM stops every process. Then the pipe's bookkeeping, in this process:
+the daemon's copy of each window follows the worker's through appends, cuts and resets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from simproc import Simulator, running_simulator
+from test_daemon import fleet_config, watching, write_config
+
+from llmhealth import config as config_module
+from llmhealth import readers
+from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.metrics import EngineSignals, Signals
+
+MODES = ["busy", "busy", "wedge:0", "wedge:0", "idle"]
+SHARES = [0, 1, 0, 1, 0]  # the read worker each of them gets
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Simulator]:
+    with running_simulator(MODES) as simulator:
+        yield simulator
+
+
+def children(pid: int) -> set[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(word) for word in text.split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def names_for(sim: Simulator) -> dict[str, str]:
+    """A name per simulated backend, chosen so that each of two workers reads a busy and
+    a wedged one, and the first the idle one too."""
+    names = {}
+    for url, mode, share in zip(sim.urls, MODES, SHARES, strict=True):
+        kind = mode.split(":", 1)[0]
+        candidates = (f"{kind}-{n}" for n in itertools.count())
+        names[next(c for c in candidates if readers.share_of(c, 2) == share)] = url
+    return names
+
+
+def expected_verdict(name: str) -> str:
+    return {"busy": "busy", "wedge": "wedged", "idle": "idle"}[name.split("-", 1)[0]]
+
+
+def test_read_workers_judge_the_fleet_survive_a_killed_worker_and_stop_on_sigterm(
+    entry_point: str, sim: Simulator, tmp_path: Path
+) -> None:
+    backends = names_for(sim)
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": name, "url": url} for name, url in backends.items()], read_workers=2
+        ),
+    )
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        judged = watch.until(
+            "every backend judged by the workers",
+            lambda p: (
+                all(p.verdict(n) == expected_verdict(n) for n in backends)
+                and all(p.state(n) == "dead" for n in backends if n.startswith("wedge"))
+            ),
+        )
+        workers = children(watch.process.pid)
+        assert len(workers) == 2, workers
+        # The proof audited for a wedge is the frozen window itself, rebuilt from the
+        # reads the workers sent one at a time.
+        audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+        proven = [r for r in audit if r["event"] == "wedge_proven"]
+        assert {r["backend"] for r in proven} == {n for n in backends if n.startswith("wedge")}
+        for record in proven:
+            reads = record["evidence"]["reads"]
+            assert len(reads) >= 3
+            assert len({json.dumps(read["engines"]) for read in reads}) == 1, "frozen"
+
+        # Kill the worker that reads share 0: its backends get a verdict saying so, and
+        # keep their ledger state; the other worker's backends are not touched.
+        log = watch.logged("read worker processes (pids ")
+        listed = log.split("read worker processes (pids ", 1)[1].split(")", 1)[0]
+        victim = int(listed.split(", ")[0])
+        assert {int(pid) for pid in listed.split(", ")} == workers
+        lost = [n for n in backends if readers.share_of(n, 2) == 0]
+        kept = [n for n in backends if n not in lost]
+        states = {n: judged.state(n) for n in backends}
+        os.kill(victim, signal.SIGKILL)
+        doubted = watch.until(
+            "the killed worker's backends doubted",
+            lambda p: all(p.verdict(n) == "no_metrics" for n in lost),
+        )
+        assert {n: doubted.state(n) for n in backends} == states
+        assert all(doubted.verdict(n) == expected_verdict(n) for n in kept)
+        log = watch.logged(f"(pid {victim}) exited (-9); its {len(lost)} targets")
+        assert "read afresh by a new one" in log
+
+        watch.until(
+            "the new worker's verdicts",
+            lambda p: all(p.verdict(n) == expected_verdict(n) for n in backends),
+        )
+        now = children(watch.process.pid)
+        assert len(now) == 2 and victim not in now, now
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert not any(alive(pid) for pid in now | workers)
+
+
+def _read(at: float, steps: float) -> Read:
+    engine = EngineSignals(engine="0", running=1, waiting=0, steps=steps)
+    return Read(at, signals=Signals((engine,), process_start=1.0))
+
+
+def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_resets() -> None:
+    """Each read crosses the pipe once; the daemon rebuilds every window, and each
+    verdict's reads, from what crossed. Driven here as `examine_once` changes a window:
+    a read appended, two at once (the tiny request's extra read), the window cut to its
+    limit, cut to the last read (a restart), emptied (a failure), and a verdict whose
+    reads are not the window's."""
+    target = Target("b", "http://127.0.0.1:9")
+    delivered: list[tuple[Verdict | None, list[Read]]] = []
+    pool = readers.ReadPool(
+        1,
+        readers.ProbeSettings,
+        lambda _t, verdict, _s, window: delivered.append((verdict, list(window))),
+        lambda _n, _c: None,
+        lambda _m: None,
+        lambda: ({}, {}),
+    )
+    worker = readers._Worker(0, share={"b": target})
+    window: list[Read] = []
+    sent: Read | None = None
+    clock = iter(range(1, 1000))
+
+    def step(change: str) -> None:
+        nonlocal sent
+        if change == "append":
+            window.append(_read(next(clock), 1.0))
+        elif change == "append two":
+            window.extend([_read(next(clock), 2.0), _read(next(clock), 3.0)])
+        elif change == "cut to three":
+            window.append(_read(next(clock), 4.0))
+            del window[:-3]
+        elif change == "restart":
+            window.append(_read(next(clock), 5.0))
+            del window[:-1]
+        elif change == "failure":
+            window.clear()
+        verdict = Verdict(VerdictKind.BUSY, True, "busy", reads=tuple(window[-2:]))
+        if change == "foreign reads":
+            verdict = Verdict(VerdictKind.BUSY, True, "busy", reads=(_read(0.5, 9.0),))
+        item = readers._heard(target, verdict, 0.1, window, sent)
+        sent = window[-1] if window else None
+        pool._hear(worker, item)
+        got_verdict, got_window = delivered[-1]
+        assert got_window == window, change
+        assert got_verdict == verdict, change
+
+    for change in (
+        "append",
+        "append",
+        "append two",
+        "cut to three",
+        "cut to three",
+        "restart",
+        "append",
+        "failure",
+        "append",
+        "foreign reads",
+    ):
+        step(change)
+    # Over the pipe, a verdict carries no reads the window already sent.
+    item = readers._heard(
+        target,
+        Verdict(VerdictKind.BUSY, True, "busy", reads=tuple(window)),
+        0.1,
+        window,
+        window[-1],
+    )
+    assert item.fresh == () and item.reads == len(window) and item.verdict is not None
+    assert item.verdict.reads == ()
+
+
+@pytest.mark.parametrize(
+    ("setting", "targets", "cores", "workers"),
+    [
+        (None, 100, 2, 1),
+        (None, 2000, 2, 1),
+        (None, 2001, 2, 2),
+        (None, 10_000, 2, 2),
+        (None, 10_000, 16, 5),
+        (None, 10_000, 1, 1),
+        (3, 10, 2, 3),
+        (1, 10_000, 16, 1),
+    ],
+)
+def test_auto_reads_in_the_daemons_loop_until_the_fleet_needs_more_cores(
+    setting: int | None, targets: int, cores: int, workers: int
+) -> None:
+    assert readers.worker_count(setting, targets, cores) == workers
+
+
+def test_read_workers_is_a_whole_number_from_one_or_auto() -> None:
+    def parsed(value: object) -> int | None:
+        return config_module.from_mapping({"read_workers": value}, "<t>").read_workers
+
+    assert config_module.from_mapping({}, "<t>").read_workers is None
+    assert parsed("auto") is None
+    assert parsed(2) == 2
+    for bad in (0, -1, "many", 1.5, True):
+        with pytest.raises(config_module.ConfigError, match="read_workers"):
+            parsed(bad)
