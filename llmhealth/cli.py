@@ -309,7 +309,7 @@ def route(
 
     from llmhealth.cycle import routed_backends, state_path_for  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
-    from llmhealth.router import Router  # noqa: PLC0415
+    from llmhealth.router import Router, raise_file_limit  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
     given_urls = urls or []
@@ -326,6 +326,7 @@ def route(
         raise typer.BadParameter("nothing to route to: give backend URLs or --config")
     address = _host_port(listen or loaded.router.listen or DEFAULT_ROUTE_LISTEN)
     wait_seconds = _duration(wait)
+    raise_file_limit()  # each client connection holds a descriptor; see the systemd unit
     router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)
     daemon = Daemon(
         load,

@@ -111,6 +111,9 @@ class Router:
     first_byte_timeout: float = 300.0
     stream_idle_timeout: float = 60.0  # silence in a started response that ends it
     client_timeout: float = 60.0  # a client that takes no data for this long is dropped
+    # A client connection with no request in progress (never sent a whole request head, or
+    # kept alive after its last answer) is closed after this long: idle sockets are bounded.
+    idle_timeout: float = 75.0
     no_backend_status: int = 503
 
 
@@ -375,6 +378,7 @@ def _router(reader: _Reader, data: object) -> Router:
             table, "router.stream_idle_timeout", defaults.stream_idle_timeout
         ),
         client_timeout=reader.duration(table, "router.client_timeout", defaults.client_timeout),
+        idle_timeout=reader.duration(table, "router.idle_timeout", defaults.idle_timeout),
         no_backend_status=status,
     )
 

@@ -15,14 +15,19 @@ import asyncio
 import json
 import math
 import os
+import resource
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as CounterMetric
@@ -57,6 +62,40 @@ HOP_BY_HOP: Final = frozenset(
 # a connection the backend is closing: that race would read as a reset and be counted.
 UPSTREAM_KEEPALIVE = 2.0
 BACKEND_HEADER: Final = "X-LLMHealth-Backend"
+# File descriptors kept out of the client connections' share: the daemon's probe
+# connections (one per backend), the state file, the audit log, the event loop, stdio.
+RESERVED_FILES: Final = 64
+# Where the soft limit is raised to when the hard one is unlimited (Linux's nr_open).
+FILE_LIMIT_CEILING: Final = 1 << 20
+
+
+def raise_file_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit; the limit now in force.
+
+    Every client connection holds a descriptor and every forwarded request one more, so
+    the 1024 most shells start with would cap the router at a few hundred clients (the
+    systemd unit sets its own). A refusal leaves the limit as it was.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = FILE_LIMIT_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return soft
+        return wanted
+    return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_cap(file_limit: int, backends: int) -> int:
+    """How many client connections the router holds at once under ``file_limit``.
+
+    Half of what is left after the reserve (and a probe connection per backend): a client
+    connection with a request in flight holds a second descriptor upstream, so even with
+    every client busy the router never runs out, and never counts its own shortage
+    against a backend as a refused connection.
+    """
+    return max(8, (file_limit - RESERVED_FILES - backends) // 2)
 
 
 class BadRequestError(Exception):
@@ -221,6 +260,68 @@ class _BackendSeries:
     duration: Histogram
 
 
+class ClientConnections(web.Server):
+    """aiohttp's low-level server, holding at most ``cap`` client connections.
+
+    A connection is idle while no request of its is in progress: it has not sent a whole
+    request head yet, or it is kept alive after its last answer. Idle connections close
+    after ``idle_timeout`` (aiohttp's keep-alive timer, which starts when the connection
+    opens), and at the cap a new connection makes room by closing the one idle longest;
+    when every held connection is busy, the new one is closed at once. So ten thousand
+    sockets that never send a byte cost their descriptors for a bounded time and never
+    the router's ability to answer anyone else.
+    """
+
+    def __init__(self, handler: Callable[[web.BaseRequest], Any], *, cap: int, **kwargs: Any):
+        super().__init__(handler, request_factory=self._request, **kwargs)
+        self.cap = cap
+        self.max_body = 1024**2
+        self.evicted = 0  # connections closed at the cap to make room
+        self._held: set[RequestHandler] = set()
+        # Idle connections, the one idle longest first.
+        self._idle: OrderedDict[RequestHandler, asyncio.Transport] = OrderedDict()
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self._held.add(handler)
+        self._idle[handler] = transport
+        if len(self._held) > self.cap:
+            oldest, oldest_transport = self._idle.popitem(last=False)
+            self._held.discard(oldest)
+            self.evicted += 1
+            oldest_transport.close()
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        self._held.discard(handler)
+        self._idle.pop(handler, None)
+        super().connection_lost(handler, exc)
+
+    def busy(self, handler: RequestHandler) -> None:
+        """A request of this connection is in progress: it is not to be closed for room."""
+        self._idle.pop(handler, None)
+
+    def idle(self, handler: RequestHandler, transport: asyncio.Transport | None) -> None:
+        """Its answer is written whole: the connection may be closed for room again."""
+        if handler in self._held and transport is not None and not transport.is_closing():
+            self._idle[handler] = transport
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def _request(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        return web.BaseRequest(
+            message, payload, protocol, writer, task, self._loop, client_max_size=self.max_body
+        )
+
+
 class Router:
     """The router's state between settles, and its request handler."""
 
@@ -251,7 +352,8 @@ class Router:
         self.metrics = RouterMetrics(self.registry)
         self.configure(backends)
         self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
+        self.connections: ClientConnections | None = None
 
     # --- what the daemon calls ---------------------------------------------------------
 
@@ -298,13 +400,20 @@ class Router:
             skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        app = web.Application(client_max_size=self._settings.max_body)
-        app.router.add_route("*", "/{path:.*}", self._handle)
+        file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if file_limit == resource.RLIM_INFINITY:
+            file_limit = FILE_LIMIT_CEILING
         # handler_cancellation: a client that goes away cancels its handler, and with it
         # the upstream request, so the engine aborts the generation and frees the slot.
-        self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, keepalive_timeout=75.0
+        self.connections = ClientConnections(
+            self._handle,
+            cap=connection_cap(file_limit, len(self._backends)),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self._settings.idle_timeout,
         )
+        self.connections.max_body = self._settings.max_body
+        self._runner = web.ServerRunner(self.connections)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=1024)
         await site.start()
@@ -317,7 +426,25 @@ class Router:
 
     # --- requests ----------------------------------------------------------------------
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """One request, its answer written whole before the connection counts as idle."""
+        connections, handler = self.connections, request.protocol
+        assert connections is not None
+        connections.busy(handler)
+        try:
+            response = await self._answer_request(request)
+            if not response.prepared:  # the router's own answers; relayed ones are sent
+                try:
+                    async with asyncio.timeout(self._settings.client_timeout):
+                        await response.prepare(request)
+                        await response.write_eof()
+                except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
+                    _abort(request)  # a client that takes no answer is dropped, as below
+            return response
+        finally:
+            connections.idle(handler, request.transport)
+
+    async def _answer_request(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
         if path == "/health":
             return self._health()
@@ -367,7 +494,7 @@ class Router:
             self.metrics.retries.inc()
 
     async def _forward(
-        self, request: web.Request, name: str, body: bytes
+        self, request: web.BaseRequest, name: str, body: bytes
     ) -> web.StreamResponse | _Retry:
         """One attempt on one backend, from connect to the last byte to the client."""
         backend = self._backends[name]
@@ -415,7 +542,7 @@ class Router:
             series.duration.observe(time.monotonic() - started)
 
     async def _relay(
-        self, request: web.Request, name: str, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, name: str, upstream: aiohttp.ClientResponse
     ) -> tuple[web.StreamResponse, bool]:
         """Pass the backend's response on as it comes; True when it ended cleanly."""
         status = upstream.status
@@ -467,7 +594,7 @@ class Router:
 
     async def _relay_whole(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         name: str,
         upstream: aiohttp.ClientResponse,
         headers: CIMultiDict[str],
@@ -490,14 +617,14 @@ class Router:
         self._record_success(name, request, status)
         return response, True
 
-    def _record_success(self, name: str, request: web.Request, status: int) -> None:
+    def _record_success(self, name: str, request: web.BaseRequest, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
         if status < 400:
             self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         response: web.StreamResponse,
         name: str,
         detail: str,
@@ -524,7 +651,7 @@ class Router:
     def _fail(
         self,
         name: str,
-        request: web.Request,
+        request: web.BaseRequest,
         kind: FailureKind,
         status: int | None,
         detail: str,
@@ -601,7 +728,7 @@ class Router:
         return web.json_response(body, status=status, headers=headers)
 
 
-def _abort(request: web.Request) -> None:
+def _abort(request: web.BaseRequest) -> None:
     transport = request.transport
     if transport is not None:
         transport.close()

@@ -7,78 +7,25 @@ handful of client-visible failures, each bounded by first_byte_timeout.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from simproc import child_env, running_simulator
-from test_router import free_port
+from routeproc import (
+    BOUND,
+    COMPLETION,
+    FIRST_BYTE,
+    free_port,
+    idle_sockets,
+    running_route,
+    wait_closed_by_peer,
+    write_config,
+)
+from simproc import running_simulator
 
-BOUND = 60.0  # seconds any awaited condition may take on a loaded machine; not a claim
-FIRST_BYTE = 1.0
-COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}  # what the simulator serves
-
-
-@contextlib.contextmanager
-def running_route(entry_point: str, config: Path, port: int) -> Iterator[str]:
-    """`llmhealth route` on ``port`` until the block ends; always stopped."""
-    with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen(
-            [entry_point, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=child_env(),
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + BOUND
-            while True:
-                assert process.poll() is None, _text(stderr)
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, f"route not up; stderr:\n{_text(stderr)}"
-                time.sleep(0.1)
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        assert process.returncode == 0, _text(stderr)
-
-
-def _text(stderr: object) -> str:
-    assert hasattr(stderr, "seek") and hasattr(stderr, "read")
-    stderr.seek(0)
-    text: str = stderr.read().decode(errors="replace")
-    return text
-
-
-def write_config(tmp_path: Path, backends: dict[str, str], extra: str = "") -> Path:
-    lines = [
-        'wait = "0.5s"',
-        f'state = "{tmp_path / "state.json"}"',
-        "[policy]",
-        "unhealthy_threshold = 3",
-        "[router]",
-        f'first_byte_timeout = "{FIRST_BYTE}s"',
-        extra,
-    ]
-    for name, url in backends.items():
-        lines += ["[[backend]]", f'name = "{name}"', f'url = "{url}"']
-    path = tmp_path / "llmhealth.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+from llmhealth.router import connection_cap
 
 
 def backend_state(route_url: str, name: str) -> str:
@@ -149,3 +96,27 @@ def test_route_refuses_to_start_without_backends_or_with_a_bad_address(
     )
     assert bad.returncode == 3, bad.stderr
     assert "'nowhere' is not HOST:PORT" in bad.stderr
+
+
+def test_at_its_file_limit_the_router_closes_the_longest_idle_connection_for_a_new_one(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # A router whose hard limit is 512 files holds (512 - 64 - 1) // 2 = 223 client
+    # connections (half for requests in flight upstream): one that cannot raise its limit
+    # must still answer every new client.
+    with running_simulator(["idle"], request_seconds=0.05) as sim:
+        config = write_config(tmp_path, {"a": sim.urls[0]})  # idle_timeout: the default 75 s
+        port = free_port()
+        pids: list[int] = []
+        with running_route(entry_point, config, port, (512, 512), pids) as route:
+            idle = idle_sockets(port, 600, route)
+            try:
+                # The oldest ones make room, at once (long before any idle timeout), and
+                # each real client above was answered.
+                evicted = len(idle) - connection_cap(512, 1)
+                wait_closed_by_peer(idle[:evicted], evicted)
+                reply = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                assert reply.status_code == 200
+            finally:
+                for sock in idle:
+                    sock.close()

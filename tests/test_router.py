@@ -475,6 +475,68 @@ def test_a_backend_that_sends_garbage_or_closes_early_is_counted(reply: bytes) -
     run(scenario())
 
 
+def test_a_backend_that_trickles_its_response_head_is_bounded_by_first_byte_timeout() -> None:
+    """A byte at a time, each well inside any read timeout: only a bound on the whole head
+    ends it, and the client gets the deliberate 500, not a hang."""
+    stopped = asyncio.Event()
+
+    async def trickles(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 10_000:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        except ConnectionError:
+            stopped.set()  # the router hung up on it
+        writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(first_byte_timeout=0.5)
+        async with (
+            raw_backend(trickles) as slow,
+            routing({"a": slow}, settings) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 500
+            assert response.json()["error"] == "backend failed: no response headers within 0.5 s"
+            assert await failures(router) == [("a", FailureKind.FIRST_BYTE_TIMEOUT, None)]
+            await asyncio.wait_for(stopped.wait(), BOUND)
+
+    run(scenario())
+
+
+def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() -> None:
+    async def closes_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        writer.write(b"40\r\ndata: half a chu")  # a chunk begun, then the connection ends
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(closes_mid_stream) as cut,
+            routing({"a": cut}) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200  # the headers had gone out already
+            assert response.text.startswith('data: {"choices"')
+            event = response.text.split("event: error\ndata: ", 1)[1].strip()
+            assert json.loads(event)["backend"] == "a"
+            assert "response cut off" in json.loads(event)["error"]["message"]
+            assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
+
+    run(scenario())
+
+
 # --- streaming and disconnects ---------------------------------------------------------
 
 
