@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from conftest import record
 from routeproc import (
     BOUND,
@@ -43,11 +42,10 @@ def test_ten_thousand_idle_client_connections_are_bounded_and_cost_no_one_an_ans
     tmp_path: Path,
 ) -> None:
     # Fewer than 10,000 only if this machine's hard limit on open files leaves no room for
-    # them in this process (the skip, or the recorded count, says so).
+    # them in this process: then as many as it does, and the recorded count says so (the
+    # lane never skips itself: tests/test_e2e_lane.py).
     with file_limit_at_least(IDLE_CONNECTIONS + FILES_SPARE) as limit:
-        count = min(IDLE_CONNECTIONS, limit - FILES_SPARE)
-        if count < IDLE_CONNECTIONS // 10:
-            pytest.skip(f"the hard open-file limit {limit} leaves room for {count} sockets")
+        count = max(100, min(IDLE_CONNECTIONS, limit - FILES_SPARE))
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         # The router holds half its (raised) limit in client connections; past that, the
         # longest idle make room (tests/test_route.py).
