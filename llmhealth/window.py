@@ -22,6 +22,10 @@ from llmhealth.metrics import Signals
 # a stopped or deadlocked process uses none, a computing one about one CPU per thread, and
 # even on a host loaded eight times over its cores it gets far more than this.
 CPU_IDLE_SHARE = 0.005
+# Evidence wording only: above the idle share but under this one, the processes poll or
+# wait (a real vLLM worker whose EngineCore was SIGSTOPped used 0.75 % of a CPU); a step
+# that computes or compiles keeps about a whole CPU busy.
+CPU_POLLING_SHARE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,4 +207,8 @@ def describe_cpu(used: float, elapsed: float) -> str:
             f"engine processes used {used:.2f} s CPU in {elapsed:.1f} s: "
             "stopped or deadlocked, not computing"
         )
-    return f"engine processes used {used:.1f} s CPU in {elapsed:.1f} s: compiling or computing"
+    # Under a second, two decimals: a little CPU above the idle share must not read as 0.0.
+    shown = f"{used:.2f}" if used < 1 else f"{used:.1f}"
+    if used < CPU_POLLING_SHARE * elapsed:
+        return f"engine processes used {shown} s CPU in {elapsed:.1f} s: polling, not computing"
+    return f"engine processes used {shown} s CPU in {elapsed:.1f} s: compiling or computing"

@@ -69,6 +69,14 @@ def test_cpu_is_compared_only_over_the_same_processes() -> None:
     assert "compiling or computing" in describe_cpu(19.6, 10.0)
 
 
+def test_a_little_cpu_above_idle_is_not_printed_as_none() -> None:
+    # Seen on a real vLLM whose EngineCore was SIGSTOPped: its worker still used 0.03 s in
+    # 4 s, above the idle share; one decimal printed it as "used 0.0 s CPU", and called
+    # it "compiling or computing".
+    assert describe_cpu(0.03, 4.0).endswith("used 0.03 s CPU in 4.0 s: polling, not computing")
+    assert describe_cpu(19.6, 10.0).endswith("used 19.6 s CPU in 10.0 s: compiling or computing")
+
+
 @pytest.mark.parametrize("bad", [None, [], {"seconds": -1, "why": "x"}, {"seconds": 1.0}])
 def test_a_malformed_longest_step_is_a_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="step"):
