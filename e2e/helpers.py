@@ -8,9 +8,12 @@ and records it instead of raising in a thread.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import itertools
 import json
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -215,6 +218,81 @@ class Load:
     def all_ok(self) -> bool:
         with self._lock:
             return len(self.outcomes) == self.sent and all(o == 200 for o in self.outcomes)
+
+
+class StreamedDecode:
+    """One long streamed decode that runs until ``close()``, which aborts it.
+
+    A non-streamed request can only be waited out; closing a streamed one's connection
+    makes vLLM abort the request at once (its running gauge drops). A thread drains what
+    the server streams, so that the server never waits on a full socket buffer.
+    """
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        parts = urlsplit(url)
+        body = json.dumps({**decode_body(max_tokens), "stream": True}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self._sock = socket.create_connection((parts.hostname or "", parts.port or 80), 10)
+        self._sock.sendall(head.encode() + body)
+        self.received = 0
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.settimeout(None)
+            while chunk := self._sock.recv(65536):
+                self.received += len(chunk)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._reader.join(10)
+
+    def __enter__(self) -> StreamedDecode:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class FreezeWatch:
+    """Reads the engine's step counter twice a second in a thread; the longest time it
+    stood still is the longest step seen from outside (to within a read)."""
+
+    def __init__(self, url: str, every: float = 0.5) -> None:
+        self.url = url
+        self.every = every
+        self.seen: list[tuple[float, float]] = []  # (monotonic time, steps) at each change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(*TRANSIENT):
+                steps = scrape(self.url).get(STEPS)
+                now = time.monotonic()
+                if steps is not None and (not self.seen or steps != self.seen[-1][1]):
+                    self.seen.append((now, steps))
+            self._stop.wait(self.every)
+
+    def start(self) -> FreezeWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def longest_freeze(self) -> float:
+        """The most seconds between two reads that saw the counter change (a step that
+        has not ended yet is not counted)."""
+        times = [at for at, _ in self.seen]
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 # --- llmhealth ----------------------------------------------------------------------

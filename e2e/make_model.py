@@ -1,16 +1,22 @@
-"""Generate a tiny random-weight Llama-style model that real vLLM can serve: `make_model.py DIR`.
+"""Generate a random-weight Llama-style model that real vLLM can serve: `make_model.py DIR [SHAPE]`.
 
 Runs inside `.venv-e2e` (it needs torch, transformers and tokenizers, which vLLM brings).
 No hub, no download: the tokenizer is a byte-level BPE trained here on the Python standard
 library's own source files, the weights are random with a fixed seed. What it says is
 noise; what matters is that vLLM loads it, schedules it and counts its steps like any model.
 
-The shape is chosen for the CPU backend: head size 64 (a size its attention kernels take),
-2 layers, a 2,048-entry vocabulary and 2,048 positions, about 2.4 M parameters (~5 MB).
+Two shapes, both with head size 64 (a size the CPU backend's attention kernels take) and
+the same 2,048-entry vocabulary and tokenizer:
+
+- ``tiny`` (the default): 2 layers, hidden 256, 2,048 positions, about 2.4 M parameters
+  (~5 MB). Its steps take milliseconds, as a GPU engine's do.
+- ``slow``: big enough that one step of a long prompt takes tens of seconds on a CPU core
+  (see SHAPES), for the slow-engine scenario of ``test_longsteps.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -21,6 +27,25 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 2048
 MAX_POSITIONS = 2048
+# LlamaConfig arguments per shape, besides the vocabulary and special tokens.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
+    "slow": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+    },
+}
 TRAINING_FILES = 400
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 # A minimal chat template: vLLM's /v1/chat/completions refuses a tokenizer without one.
@@ -40,7 +65,7 @@ def training_text() -> list[str]:
     return [path.read_text(encoding="utf-8", errors="replace") for path in files]
 
 
-def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+def build_tokenizer(out: Path, max_positions: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -61,23 +86,18 @@ def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="</s>",
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
 
-def build_model(out: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+def build_model(out: Path, tokenizer: PreTrainedTokenizerFast, shape: dict[str, int]) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        **shape,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -88,13 +108,15 @@ def build_model(out: Path, tokenizer: PreTrainedTokenizerFast) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: make_model.py DIR", file=sys.stderr)
-        return 2
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory to write the model into")
+    parser.add_argument("shape", nargs="?", choices=sorted(SHAPES), default="tiny")
+    args = parser.parse_args()
+    out: Path = args.out
+    shape = SHAPES[args.shape]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    build_model(out, tokenizer)
+    tokenizer = build_tokenizer(out, shape["max_position_embeddings"])
+    build_model(out, tokenizer, shape)
     size = sum(path.stat().st_size for path in out.iterdir() if path.is_file())
     print(f"model written to {out} ({size / 1e6:.1f} MB, vocab {len(tokenizer)})")
     return 0

