@@ -3,7 +3,7 @@
 vLLM publishes its counters and gauges when an engine step ends, so an engine inside one
 long step shows frozen counters for as long as the step lasts. Here the step is real: a
 ~186 M-parameter random Llama (make_model.py's ``slow`` shape) in float32 on the CPU,
-where one step of a 3,500-token prompt takes 15-21 s on the one core vLLM binds its
+where one step of a 3,500-token prompt takes 15-25 s on the one core vLLM binds its
 worker to (the CPU's bf16 matrix units did it in 4 s, too short to outlast a check). No
 compile is involved (``--enforce-eager``), and ``--max-num-batched-tokens 4096`` puts the
 whole prompt, with the decode beside it, into that one step.
