@@ -303,7 +303,7 @@ def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:
         first,
         backends=tuple(
             replace(backend, snapshot=ledger.snapshot(backend.outcome.target.name, now))
-            if backend.snapshot is not None and backend.outcome.target.name in ledger.names
+            if backend.snapshot is not None and backend.outcome.target.name in ledger
             else backend
             for backend in first.backends
         ),
@@ -389,7 +389,7 @@ def settle(
     in_ledger = set()
     for outcome in outcomes:
         name = outcome.target.name
-        if outcome.target.kind != "backend" or name not in record.ledger.names:
+        if outcome.target.kind != "backend" or name not in record.ledger:
             reports.append(BackendReport(outcome, None))
             continue
         in_ledger.add(name)
@@ -416,7 +416,7 @@ def settle(
         reports.append(BackendReport(outcome, None, transitions))
     traffic = []
     for name, seen in (requests or {}).items():
-        if name not in record.ledger.names:
+        if name not in record.ledger:
             continue  # left the configuration since the request was forwarded
         for transition in record.observe_requests(name, seen):
             traffic.append(transition)

@@ -299,7 +299,7 @@ class FleetRecord:
                 self.fresh_since.pop(name, None)
                 changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
         for name, url in backends.items():
-            if name not in self.ledger.names:
+            if name not in self.ledger:
                 self.ledger.add(name, url, now)
                 changes.append(f"{name}: new backend at {url}; starts HEALTHY")
         return changes

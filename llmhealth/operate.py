@@ -69,12 +69,12 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
                     "config: name the config with --config, or run 'llmhealth check' first"
                 )
             record = fresh_record(policy, configured, clock())
-        elif name not in record.ledger.names and name in configured:
+        elif name not in record.ledger and name in configured:
             try:
                 record.ledger.add(name, configured[name], clock())
             except ValueError as exc:  # e.g. its URL is another saved backend's
                 raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
-        if name not in record.ledger.names:
+        if name not in record.ledger:
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
         yield record

@@ -129,7 +129,7 @@ def remediate(
     holds = {name: hold for name, hold in record.holds.items() if hold.active(now)}
     decisions = plan_restarts(record.ledger, backends, holds, record.restarts, config.policy, now)
     for name in list(record.skips):  # a backend that left DEAD starts afresh
-        if name not in record.ledger.names or record.ledger.state_of(name) is not State.DEAD:
+        if name not in record.ledger or record.ledger.state_of(name) is not State.DEAD:
             del record.skips[name]
     outcomes = []
     for decision in decisions:
@@ -224,7 +224,7 @@ def hear_commands(
             "reason": order.reason,
             "command": result.to_dict(),
         }
-        current = name in record.ledger.names and (
+        current = name in record.ledger and (
             record.ledger.snapshot(name, now).last_restart_at == order.issued_at
         )
         if current:

@@ -1280,6 +1280,7 @@ def test_removing_moves_the_epoch_only_when_the_backend_was_serving() -> None:
     ledger.remove("b")
     assert ledger.epoch == 2
     assert ledger.names == ("a",)
+    assert "a" in ledger and "b" not in ledger and "c" not in ledger
 
 
 @pytest.mark.parametrize(
