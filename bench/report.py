@@ -139,6 +139,38 @@ def document(
     return "\n".join(header + [section_markdown(s) for s in sections]).rstrip("\n") + "\n"
 
 
+STANDALONE = "## Not from this run: "  # a block of sections a benchmark run alone wrote
+
+
+def _split(text: str, heading: str) -> list[str]:
+    """``text`` cut before every line that starts with ``heading`` (the first piece is
+    what comes before the first such line)."""
+    pieces = [""]
+    for line in text.splitlines(keepends=True):
+        if line.startswith(heading):
+            pieces.append("")
+        pieces[-1] += line
+    return pieces
+
+
+def _bench_of(title: str) -> str:
+    """``bench_x`` of a title ending ``(bench_x)`` or ``(bench_x --option)``; else ""."""
+    tail = title.rstrip().rsplit("(", 1)[-1]
+    return tail.split()[0].rstrip(")") if title.rstrip().endswith(")") else ""
+
+
+def standalone_blocks(text: str, measured: Sequence[Section]) -> list[str]:
+    """The ``## Not from this run:`` blocks of ``text`` whose benchmark ``measured`` (a
+    `make bench` run's sections) did not measure: `make bench` keeps them as they are.
+    A benchmark that failed in the run keeps its older figures."""
+    done = {_bench_of(s.title) for s in measured if not s.title.startswith("FAILED")}
+    return [
+        block
+        for block in _split(text, "## ")[1:]
+        if block.startswith(STANDALONE) and _bench_of(block.splitlines()[0]) not in done
+    ]
+
+
 def write(
     sections: Sequence[Section],
     started: datetime.datetime,
@@ -146,5 +178,37 @@ def write(
     loads: Sequence[tuple[str, float]] = (),
     path: Path = RESULTS,
 ) -> Path:
-    path.write_text(document(sections, started, seconds, loads))
+    kept = standalone_blocks(path.read_text(), sections) if path.exists() else []
+    text = document(sections, started, seconds, loads)
+    path.write_text("\n".join([text.rstrip("\n"), *(b.rstrip("\n") for b in kept)]) + "\n")
+    return path
+
+
+def write_standalone(section: Section, block: str, note: str, path: Path = RESULTS) -> Path:
+    """``section`` into RESULTS.md under ``## Not from this run: {block}``, as a ``###``
+    subsection replacing the one of the same number (``5.``, ``5b.``); the rest of the
+    file, other subsections of the block included, stays as it is. ``note`` opens a
+    block that does not exist yet, which goes at the end."""
+    heading = f"{STANDALONE}{block}"
+    number = section.title.split(" ", 1)[0]
+    sub = "#" + section_markdown(section).rstrip("\n") + "\n"
+    text = path.read_text() if path.exists() else ""
+    blocks = _split(text, "## ")
+    for index, current in enumerate(blocks):
+        if index == 0 or current.splitlines()[0] != heading:
+            continue
+        parts = _split(current, "### ")
+        for at, part in enumerate(parts[1:], start=1):
+            if part.split(" ", 2)[1] == number:
+                parts[at] = sub + "\n"
+                break
+        else:
+            parts[-1] = parts[-1].rstrip("\n") + "\n\n"
+            parts.append(sub + "\n")
+        blocks[index] = "".join(parts)
+        break
+    else:
+        blocks[-1] = blocks[-1].rstrip("\n") + "\n\n" if blocks[-1].strip() else blocks[-1]
+        blocks.append(f"{heading}\n\n{note}\n\n{sub}")
+    path.write_text("".join(blocks).rstrip("\n") + "\n")
     return path
