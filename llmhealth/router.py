@@ -17,8 +17,9 @@ import math
 import os
 import resource
 import time
+from bisect import bisect_left
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -29,8 +30,13 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict, CIMultiDictProxy
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client import Counter as CounterMetric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -168,96 +174,162 @@ class _Retry:
     detail: str
 
 
-class RouterMetrics:
-    """The router's own series; labels are configured backend names, never client input."""
+# Seconds, the upper bounds of the two histograms' buckets (as they were under
+# prometheus_client's Histogram, so dashboards keep their series).
+FIRST_BYTE_BUCKETS: Final = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+DURATION_BUCKETS: Final = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = CounterMetric(
-            "llmhealth_router_requests",
-            "Requests answered, by backend ('none' when none was chosen) and HTTP status.",
-            ["backend", "code"],
-            registry=registry,
-        )
-        self.failures = CounterMetric(
-            "llmhealth_router_backend_failures",
-            "Failures counted against a backend, by kind.",
-            ["backend", "kind"],
-            registry=registry,
-        )
-        self.no_backend = CounterMetric(
-            "llmhealth_router_no_backend",
-            "Requests answered no_backend_status: nothing serving served the model.",
-            registry=registry,
-        )
-        self.retries = CounterMetric(
-            "llmhealth_router_retries",
-            "Requests sent to a second backend after the first refused the connection.",
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "llmhealth_router_in_flight_requests",
-            "Requests forwarded to a backend and not yet finished.",
-            ["backend"],
-            registry=registry,
-        )
-        self.first_byte = Histogram(
-            "llmhealth_router_time_to_first_byte_seconds",
-            "From choosing a backend to its response headers.",
-            ["backend"],
-            registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-        )
-        self.duration = Histogram(
-            "llmhealth_router_request_duration_seconds",
-            "From choosing a backend to the last byte of its response.",
-            ["backend"],
-            registry=registry,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-        )
-        self.serving = Gauge(
-            "llmhealth_router_serving_backends",
-            "Backends in the router's pick set (serving, and not dropped after a failure).",
-            registry=registry,
-        )
 
-        # Labelled children looked up once: ``labels()`` takes a lock and builds a key on
-        # every call, five times per request otherwise. Keys are configured backend names
-        # (and the HTTP statuses they answer), so these stay small.
-        self._series: dict[str, _BackendSeries] = {}
-        self._answered: dict[tuple[str, int], CounterMetric] = {}
+class Buckets:
+    """One histogram's counts as plain numbers: an observation is a bisect and two adds,
+    without prometheus_client's lock and per-bucket loop on the request path."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: the first bound >= value
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: (le, observations at or below it), +Inf last."""
+        running, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == math.inf else repr(bound), float(running)))
+        return buckets
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSeries:
+    first_byte: Buckets
+    duration: Buckets
+
+
+class RouterMetrics(Collector):
+    """The router's own series; labels are configured backend names, never client input.
+
+    Counted in plain ints and lists as requests pass, and made into Prometheus families
+    only when ``/metrics`` is scraped: a request costs no metric lock and no label lookup.
+    Everything runs on the event loop's thread, so plain numbers need no lock either.
+    """
+
+    def __init__(self, in_flight: Mapping[str, int]) -> None:
+        self.in_flight = in_flight  # the router's own count, exported as it stands
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.failures: Counter[tuple[str, str]] = Counter()
+        self.no_backend = 0
+        self.retries = 0
+        self.serving = 0
+        self._series: dict[str, BackendSeries] = {}
 
     def start_backend(self, name: str) -> None:
         """Zero series from the start, so a rate() sees a backend's first failure."""
         self.backend(name)
         for kind in FailureKind:
-            self.failures.labels(name, str(kind))
+            self.failures[name, str(kind)] += 0
 
-    def backend(self, name: str) -> _BackendSeries:
+    def backend(self, name: str) -> BackendSeries:
         """The per-request series of one backend."""
         series = self._series.get(name)
         if series is None:
-            series = _BackendSeries(
-                self.in_flight.labels(name),
-                self.first_byte.labels(name),
-                self.duration.labels(name),
-            )
+            series = BackendSeries(Buckets(FIRST_BYTE_BUCKETS), Buckets(DURATION_BUCKETS))
             self._series[name] = series
         return series
 
     def answered(self, backend: str, status: int) -> None:
         """One request answered with ``status`` (``backend`` is "none" for the router's own)."""
-        counter = self._answered.get((backend, status))
-        if counter is None:
-            counter = self.requests.labels(backend, str(status))
-            self._answered[backend, status] = counter
-        counter.inc()
+        self.requests[backend, status] += 1
 
-
-@dataclass(frozen=True, slots=True)
-class _BackendSeries:
-    in_flight: Gauge
-    first_byte: Histogram
-    duration: Histogram
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "llmhealth_router_requests",
+            "Requests answered, by backend ('none' when none was chosen) and HTTP status.",
+            labels=["backend", "code"],
+        )
+        for (backend, status), count in sorted(self.requests.items()):
+            requests.add_metric([backend, str(status)], count)
+        failures = CounterMetricFamily(
+            "llmhealth_router_backend_failures",
+            "Failures counted against a backend, by kind.",
+            labels=["backend", "kind"],
+        )
+        for (backend, kind), count in sorted(self.failures.items()):
+            failures.add_metric([backend, kind], count)
+        yield requests
+        yield failures
+        yield CounterMetricFamily(
+            "llmhealth_router_no_backend",
+            "Requests answered no_backend_status: nothing serving served the model.",
+            value=self.no_backend,
+        )
+        yield CounterMetricFamily(
+            "llmhealth_router_retries",
+            "Requests sent to a second backend after the first refused the connection.",
+            value=self.retries,
+        )
+        in_flight = GaugeMetricFamily(
+            "llmhealth_router_in_flight_requests",
+            "Requests forwarded to a backend and not yet finished.",
+            labels=["backend"],
+        )
+        first_byte = HistogramMetricFamily(
+            "llmhealth_router_time_to_first_byte_seconds",
+            "From choosing a backend to its response headers.",
+            labels=["backend"],
+        )
+        duration = HistogramMetricFamily(
+            "llmhealth_router_request_duration_seconds",
+            "From choosing a backend to the last byte of its response.",
+            labels=["backend"],
+        )
+        for name, series in sorted(self._series.items()):
+            in_flight.add_metric([name], self.in_flight.get(name, 0))
+            for family, buckets in ((first_byte, series.first_byte), (duration, series.duration)):
+                family.add_metric([name], buckets.cumulative(), buckets.total)
+        yield in_flight
+        yield first_byte
+        yield duration
+        yield GaugeMetricFamily(
+            "llmhealth_router_serving_backends",
+            "Backends in the router's pick set (serving, and not dropped after a failure).",
+            value=self.serving,
+        )
 
 
 class ClientConnections(web.Server):
@@ -349,7 +421,8 @@ class Router:
         self.registry = CollectorRegistry(auto_describe=True)
         for collector in collectors:
             self.registry.register(collector)
-        self.metrics = RouterMetrics(self.registry)
+        self.metrics = RouterMetrics(self._in_flight)
+        self.registry.register(self.metrics)
         self.configure(backends)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
@@ -375,7 +448,7 @@ class Router:
         self._states = dict(states)
         self._min_healthy = min_healthy
         self._dropped = {name for name in self._dropped if self._log.has_failure(name)}
-        self.metrics.serving.set(len(self._pick_set()))
+        self.metrics.serving = len(self._pick_set())
 
     def drain(self) -> dict[str, tuple[RequestOutcome, ...]]:
         """Every outcome since the last drain, per backend in order, for the settle."""
@@ -491,7 +564,7 @@ class Router:
             tried.add(name)
             if len(tried) > 1:
                 return self._backend_failed(name, result.detail)
-            self.metrics.retries.inc()
+            self.metrics.retries += 1
 
     async def _forward(
         self, request: web.BaseRequest, name: str, body: bytes
@@ -503,7 +576,6 @@ class Router:
         started = time.monotonic()
         series = self.metrics.backend(name)
         self._in_flight[name] += 1
-        series.in_flight.inc()
         upstream: aiohttp.ClientResponse | None = None
         finished = False
         try:
@@ -538,7 +610,6 @@ class Router:
             elif upstream is not None:
                 upstream.release()
             self._in_flight[name] -= 1
-            series.in_flight.dec()
             series.duration.observe(time.monotonic() - started)
 
     async def _relay(
@@ -662,8 +733,8 @@ class Router:
             RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),
         )
         self._dropped.add(name)
-        self.metrics.failures.labels(name, str(kind)).inc()
-        self.metrics.serving.set(len(self._pick_set()))
+        self.metrics.failures[name, str(kind)] += 1
+        self.metrics.serving = len(self._pick_set())
 
     def _pick_set(self) -> dict[str, Models]:
         return {n: m for n, m in self._serving.items() if n not in self._dropped}
@@ -674,7 +745,7 @@ class Router:
         return self._answer(name, 500, {"error": f"backend failed: {detail}", "backend": name})
 
     def _no_backend(self, model: str | None) -> web.Response:
-        self.metrics.no_backend.inc()
+        self.metrics.no_backend += 1
         wanted = f"model {model!r}" if model else "this request"
         backends = {}
         for name in sorted(self._backends):

@@ -342,9 +342,9 @@ def _exported_text() -> str:
     registry.register(collector)
     # `route` serves the router's own series beside the watch series.
     router = Router(RouterSettings(), [Backend("gpu0", "http://127.0.0.1:9")])
-    router.metrics.requests.labels("gpu0", "200").inc()
-    router.metrics.first_byte.labels("gpu0").observe(0.01)
-    router.metrics.duration.labels("gpu0").observe(0.5)
+    router.metrics.answered("gpu0", 200)
+    router.metrics.backend("gpu0").first_byte.observe(0.01)
+    router.metrics.backend("gpu0").duration.observe(0.5)
     return generate_latest(registry).decode() + generate_latest(router.registry).decode()
 
 

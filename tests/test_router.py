@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
 from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from werkzeug import Request, Response
@@ -21,6 +23,7 @@ from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
 from llmhealth.router import (
     BACKEND_HEADER,
+    FIRST_BYTE_BUCKETS,
     Router,
     downstream_headers,
     model_of,
@@ -154,6 +157,35 @@ def test_hop_by_hop_headers_are_stripped_and_the_key_replaced_when_configured() 
     assert upstream_headers(incoming, "secret")["Authorization"] == "Bearer secret"
     back = downstream_headers({"Content-Length": "3", "Connection": "close", "X-A": "b"})
     assert dict(back) == {"Content-Length": "3", "X-A": "b"}
+
+
+def test_the_plain_counting_exports_what_prometheus_clients_histogram_would() -> None:
+    # The oracle: prometheus_client's own Histogram, fed the same observations, bound
+    # values included (le is "at or below").
+    observed = [0.001, 0.005, 0.0051, 0.3, 1.0, 7.0, 299.0, 1000.0]
+    oracle_registry = CollectorRegistry()
+    oracle = Histogram(
+        "llmhealth_router_time_to_first_byte_seconds",
+        "x",
+        ["backend"],
+        registry=oracle_registry,
+        buckets=FIRST_BYTE_BUCKETS,
+    )
+    router = Router(RouterConfig(), [Backend("a", "http://127.0.0.1:9")])
+    for value in observed:
+        oracle.labels("a").observe(value)
+        router.metrics.backend("a").first_byte.observe(value)
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        return [
+            line
+            for line in generate_latest(registry).decode().splitlines()
+            if line.startswith("llmhealth_router_time_to_first_byte_seconds_")
+            and "_created" not in line
+        ]
+
+    assert samples(router.registry) == samples(oracle_registry)
+    assert len(samples(router.registry)) == len(FIRST_BYTE_BUCKETS) + 3  # +Inf, count, sum
 
 
 # --- forwarding ----------------------------------------------------------------------------
