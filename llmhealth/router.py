@@ -45,6 +45,7 @@ from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
 from llmhealth.text import printable
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
+from llmhealth.upstream import BrokenError, ConnectError, Origin, Pool, Response
 
 # RFC 9110 section 7.6.1: headers that describe one connection, never forwarded. Host and
 # Content-Length are set again for the hop they travel on.
@@ -424,7 +425,9 @@ class Router:
         self.metrics = RouterMetrics(self._in_flight)
         self.registry.register(self.metrics)
         self.configure(backends)
-        self._session: aiohttp.ClientSession | None = None
+        # Upstream connections: no more than one per request in flight, so bounded by the
+        # client connections' cap; kept alive between requests for UPSTREAM_KEEPALIVE.
+        self._pool = Pool(settings.connect_timeout, UPSTREAM_KEEPALIVE)
         self._runner: web.ServerRunner | None = None
         self.connections: ClientConnections | None = None
 
@@ -433,6 +436,7 @@ class Router:
     def configure(self, backends: Iterable[Backend]) -> None:
         """The configured backends (at start and on reload): URLs and keys to use."""
         self._backends = {backend.name: backend for backend in backends}
+        self._origins = {backend.name: Origin.parse(backend.url) for backend in backends}
         for name in self._backends:
             self.metrics.start_backend(name)
 
@@ -459,20 +463,6 @@ class Router:
         return {name: count for name, count in self._in_flight.items() if count}
 
     async def start(self, host: str, port: int) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # bounded by max_connections clients, each holding at most one
-            keepalive_timeout=UPSTREAM_KEEPALIVE,
-            enable_cleanup_closed=False,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=self._settings.connect_timeout, sock_read=None
-            ),
-            auto_decompress=False,  # bytes pass as the backend sent them, encoding and all
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
         file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if file_limit == resource.RLIM_INFINITY:
             file_limit = FILE_LIMIT_CEILING
@@ -494,8 +484,7 @@ class Router:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+        self._pool.close()
 
     # --- requests ----------------------------------------------------------------------
 
@@ -571,24 +560,23 @@ class Router:
     ) -> web.StreamResponse | _Retry:
         """One attempt on one backend, from connect to the last byte to the client."""
         backend = self._backends[name]
-        assert self._session is not None
         api_key = os.environ.get(backend.api_key_env) if backend.api_key_env else None
         started = time.monotonic()
         series = self.metrics.backend(name)
         self._in_flight[name] += 1
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: Response | None = None
         finished = False
         try:
             try:
                 async with asyncio.timeout(self._settings.first_byte_timeout):
-                    upstream = await self._session.request(
+                    upstream = await self._pool.request(
+                        self._origins[name],
                         request.method,
-                        backend.url + request.rel_url.raw_path_qs,
-                        data=body or None,
-                        headers=upstream_headers(request.headers, api_key),
-                        allow_redirects=False,
+                        request.rel_url.raw_path_qs,
+                        upstream_headers(request.headers, api_key).items(),
+                        body,
                     )
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            except ConnectError as exc:
                 # Never connected, so never sent: safe to send elsewhere.
                 self._fail(name, request, FailureKind.REFUSED, None, _short(exc))
                 return _Retry(f"connection failed: {_short(exc)}")
@@ -597,7 +585,7 @@ class Router:
                 detail = f"no response headers within {seconds:g} s"
                 self._fail(name, request, FailureKind.FIRST_BYTE_TIMEOUT, None, detail)
                 return self._backend_failed(name, detail)
-            except (aiohttp.ClientError, OSError) as exc:
+            except BrokenError as exc:
                 detail = f"connection broke before the response: {_short(exc)}"
                 self._fail(name, request, FailureKind.BROKEN, None, detail)
                 return self._backend_failed(name, detail)
@@ -605,30 +593,31 @@ class Router:
             response, finished = await self._relay(request, name, upstream)
             return response
         finally:
-            if upstream is not None and not finished:
-                upstream.close()  # never back to the pool half read: the backend sees it end
-            elif upstream is not None:
+            if upstream is not None and finished:
                 upstream.release()
+            elif upstream is not None:
+                upstream.close()  # never back to the pool half read: the backend sees it end
             self._in_flight[name] -= 1
             series.duration.observe(time.monotonic() - started)
 
     async def _relay(
-        self, request: web.BaseRequest, name: str, upstream: aiohttp.ClientResponse
+        self, request: web.BaseRequest, name: str, upstream: Response
     ) -> tuple[web.StreamResponse, bool]:
         """Pass the backend's response on as it comes; True when it ended cleanly."""
         status = upstream.status
         if status >= 500:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
-            self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason or "")
-        headers = downstream_headers(upstream.headers)
+            self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason)
+        headers = downstream_headers(CIMultiDict(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.answered(name, status)
-        event_stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        if not event_stream and upstream.content.is_eof() and upstream.content.exception() is None:
+        event_stream = headers.get("Content-Type", "").startswith("text/event-stream")
+        whole = None if event_stream else upstream.whole()
+        if whole is not None:
             # The whole body came with the headers (a short answer): relay it in one send,
             # headers and body together, without the read loop's waits.
-            return await self._relay_whole(request, name, upstream, headers)
+            return await self._relay_whole(request, name, status, upstream.reason, headers, whole)
         response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per call,
@@ -638,14 +627,14 @@ class Router:
             while True:
                 try:
                     async with asyncio.timeout(self._settings.stream_idle_timeout):
-                        chunk = await upstream.content.readany()
+                        chunk = await upstream.read()
                 except TimeoutError:
                     seconds = self._settings.stream_idle_timeout
                     detail = f"response silent for {seconds:g} s after it started"
                     self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
                     await self._end_broken(request, response, name, detail, event_stream)
                     return response, False
-                except (aiohttp.ClientError, OSError) as exc:
+                except BrokenError as exc:
                     detail = f"response cut off: {_short(exc)}"
                     self._fail(name, request, FailureKind.BROKEN, status, detail)
                     await self._end_broken(request, response, name, detail, event_stream)
@@ -667,17 +656,13 @@ class Router:
         self,
         request: web.BaseRequest,
         name: str,
-        upstream: aiohttp.ClientResponse,
+        status: int,
+        reason: str,
         headers: CIMultiDict[str],
+        body: bytes,
     ) -> tuple[web.StreamResponse, bool]:
         """A response already read whole: one write to the client, bounded like any other."""
-        status = upstream.status
-        response = web.Response(
-            body=upstream.content.read_nowait(),
-            status=status,
-            reason=upstream.reason,
-            headers=headers,
-        )
+        response = web.Response(body=body, status=status, reason=reason, headers=headers)
         try:
             async with asyncio.timeout(self._settings.client_timeout):
                 await response.prepare(request)

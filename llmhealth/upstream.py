@@ -1,0 +1,429 @@
+"""The router's upstream side: one HTTP/1.1 exchange with a backend, on a kept-alive link.
+
+Why not aiohttp's client, as the router used before: per forwarded request it built a
+request object, a URL, a payload, a writer task and a response object, and took about a
+fifth of the router's CPU (bench/README.md, the router's profile). This sends the
+request's head and body in one write on a pooled connection and reads the answer from
+one buffer, handing the body on piece by piece as it arrives. Its rules:
+
+- a response head is bounded (``MAX_HEAD_BYTES``, ``MAX_INFORMATIONAL`` 1xx answers);
+  anything that is not HTTP/1.x as RFC 9112 frames it is ``BrokenError``;
+- bodies are framed by Transfer-Encoding: chunked, Content-Length, or the end of the
+  connection (then never reused); a response with both is read as chunked and its
+  connection closed afterwards;
+- the backend's socket stops being read while ``READ_HIGH`` bytes wait for a slow client;
+- never connected (refused, unreachable, no connection in ``connect_timeout``) is
+  ``ConnectError``, the one failure that proves the request never reached the backend;
+- a kept-alive connection is reused only within ``keepalive`` seconds of its last
+  answer, and only after an answer read to its end; one that turns out closed before a
+  byte of the answer came is retried once on a new connection (the backend closed it
+  while idle, which says nothing about the backend).
+
+Time bounds beyond the connect belong to the caller (``asyncio.timeout`` around the calls),
+which cancels; a cancelled or failed exchange closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES: Final = 64 * 1024  # status line and headers; a chunk-size line; trailers
+MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
+READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
+READ_SIZE: Final = 64 * 1024  # the most one read() hands on
+
+
+class ConnectError(Exception):
+    """No connection to the backend: the request was never sent."""
+
+
+class BrokenError(Exception):
+    """Connected, then the exchange broke or the answer was not HTTP."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a backend's URL points: the connection to make and the path to prefix."""
+
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # the URL's own path, before the client's (no trailing slash)
+    host_header: bytes
+
+    @classmethod
+    def parse(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        shown = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            shown += f":{parts.port}"
+        return cls(parts.scheme, host, port, parts.path.rstrip("/"), shown.encode("idna"))
+
+
+class _Link(asyncio.Protocol):
+    """One connection to a backend: what it has sent so far, and a wake-up for the reader."""
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin  # where the pool files it when kept
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.received = 0  # bytes, ever: did anything come after a request went out?
+        self.closed = False  # the backend ended its side, or the connection was lost
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.received += len(data)
+        if len(self.buffer) > READ_HIGH and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False  # close the transport: nothing is ever sent after the backend's end
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def more(self) -> bool:
+        """Wait for bytes beyond those buffered; False when none can come any more."""
+        if self.closed:
+            return False
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        return True
+
+    def take(self, size: int) -> bytes:
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Response:
+    """A backend's answer: status, reason and headers read; the body handed on as it comes."""
+
+    __slots__ = (
+        "_chunk_left",
+        "_done",
+        "_framing",
+        "_left",
+        "_link",
+        "_pool",
+        "_reusable",
+        "headers",
+        "reason",
+        "status",
+    )
+
+    def __init__(
+        self,
+        pool: Pool,
+        link: _Link,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        framing: str,
+        length: int,
+        reusable: bool,
+    ) -> None:
+        self._pool = pool
+        self._link = link
+        self.status = status
+        self.reason = reason
+        self.headers = headers  # as sent: names' case, order and repeats kept
+        self._framing = framing  # "length", "chunked", "close" (to the end) or "none"
+        self._left = length  # body bytes still to come ("length")
+        self._chunk_left = 0  # bytes of the current chunk still to come ("chunked")
+        self._reusable = reusable
+        self._done = framing == "none" or (framing == "length" and length == 0)
+
+    def whole(self) -> bytes | None:
+        """The whole body when it is already in hand (a short answer, as most are)."""
+        if self._done:
+            return b""
+        if self._framing == "length" and len(self._link.buffer) >= self._left:
+            self._done = True
+            return self._link.take(self._left)
+        return None
+
+    async def read(self) -> bytes:
+        """The next piece of the body as the backend sent it; b"" once it is complete."""
+        if self._done:
+            return b""
+        if self._framing == "chunked":
+            return await self._read_chunked()
+        link = self._link
+        while not link.buffer:
+            if not await link.more():
+                if self._framing == "close":
+                    self._done = True
+                    return b""
+                raise BrokenError(f"closed with {self._left} bytes of the body still to come")
+        size = min(len(link.buffer), READ_SIZE)
+        if self._framing == "length":
+            size = min(size, self._left)
+            self._left -= size
+            self._done = self._left == 0
+        return link.take(size)
+
+    async def _read_chunked(self) -> bytes:
+        link = self._link
+        if self._chunk_left == 0:
+            line = await _line(link, "a chunk size")
+            size_text = line.split(b";", 1)[0].strip()
+            if not size_text or len(size_text) > 16 or not _is_hex(size_text):
+                raise BrokenError(f"bad chunk size line: {bytes(line[:40])!r}")
+            size = int(size_text, 16)
+            if size == 0:
+                trailers = 0
+                while (trailer := await _line(link, "the trailers")) != b"":
+                    trailers += len(trailer)
+                    if trailers > MAX_HEAD_BYTES:
+                        raise BrokenError(f"trailers over {MAX_HEAD_BYTES} bytes")
+                self._done = True
+                return b""
+            self._chunk_left = size
+        while not link.buffer:
+            if not await link.more():
+                raise BrokenError("closed in the middle of a chunk")
+        size = min(len(link.buffer), self._chunk_left, READ_SIZE)
+        data = link.take(size)
+        self._chunk_left -= size
+        if self._chunk_left == 0:
+            while len(link.buffer) < 2:
+                if not await link.more():
+                    raise BrokenError("closed in the middle of a chunk")
+            if link.take(2) != b"\r\n":
+                raise BrokenError("a chunk without its CRLF")
+        return data
+
+    def release(self) -> None:
+        """Done with the answer: its connection is kept for the next request when the
+        answer was read to its end and nothing else came; else it is closed."""
+        link = self._link
+        if self._done and self._reusable and not link.closed and not link.buffer:
+            self._pool.keep(link)
+        else:
+            link.close()
+
+    def close(self) -> None:
+        """The answer will not be read to its end (the client left, or it broke)."""
+        self._link.close()
+
+
+class Pool:
+    """Kept-alive connections to backends, the most recently used first."""
+
+    def __init__(self, connect_timeout: float, keepalive: float) -> None:
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
+        self._idle: dict[Origin, list[_Link]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    async def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+    ) -> Response:
+        """Send one request and read its response head; the body is the caller's to read.
+
+        ``target`` is the path and query as the client sent them (already encoded).
+        """
+        message = _request_bytes(origin, method, target, headers, body)
+        while True:
+            link = self._reused(origin)
+            reused = link is not None
+            if link is None:
+                link = await self._connect(origin)
+            assert link.transport is not None
+            received = link.received
+            link.transport.write(message)
+            try:
+                return await self._head(link, method)
+            except BrokenError:
+                link.close()
+                if reused and link.received == received:
+                    continue  # closed while idle, before this request: a new connection
+                raise
+            except BaseException:
+                link.close()  # cancelled (a timeout, the client left): state unknown
+                raise
+
+    def keep(self, link: _Link) -> None:
+        link.idle_since = time.monotonic()
+        self._idle.setdefault(link.origin, []).append(link)
+
+    def close(self) -> None:
+        for links in self._idle.values():
+            for link in links:
+                link.close()
+        self._idle.clear()
+
+    def _reused(self, origin: Origin) -> _Link | None:
+        links = self._idle.get(origin)
+        if not links:
+            return None
+        fresh_since = time.monotonic() - self._keepalive
+        while links:
+            link = links.pop()
+            if not link.closed and not link.buffer and link.idle_since > fresh_since:
+                # Older ones than this are staler still: close them while here.
+                while links and links[0].idle_since <= fresh_since:
+                    links.pop(0).close()
+                return link
+            link.close()
+        return None
+
+    async def _connect(self, origin: Origin) -> _Link:
+        loop = asyncio.get_running_loop()
+        tls = self._context() if origin.scheme == "https" else None
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, link = await loop.create_connection(
+                    lambda: _Link(origin),
+                    origin.host,
+                    origin.port,
+                    ssl=tls,
+                    server_hostname=origin.host if tls else None,
+                )
+        except TimeoutError as exc:
+            raise ConnectError(f"no connection in {self._connect_timeout:g} s") from exc
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectError(str(exc) or type(exc).__name__) from exc
+        return link
+
+    def _context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    async def _head(self, link: _Link, method: str) -> Response:
+        for _ in range(MAX_INFORMATIONAL):
+            while (end := link.buffer.find(b"\r\n\r\n")) < 0:
+                if len(link.buffer) > MAX_HEAD_BYTES:
+                    raise BrokenError(f"response head over {MAX_HEAD_BYTES} bytes")
+                if not await link.more():
+                    raise BrokenError("closed before the response head was complete")
+            head = link.take(end + 4)
+            if len(head) > MAX_HEAD_BYTES:
+                raise BrokenError(f"response head over {MAX_HEAD_BYTES} bytes")
+            lines = head[:-4].decode("latin-1").split("\r\n")
+            version, _, rest = lines[0].partition(" ")
+            code, _, reason = rest.partition(" ")
+            if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+                raise BrokenError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+            status = int(code)
+            headers = []
+            for line in lines[1:]:
+                name, colon, value = line.partition(":")
+                if not colon or not name or name != name.strip() or not name.isprintable():
+                    raise BrokenError(f"malformed header line: {line[:80]!r}")
+                headers.append((name, value.strip(" \t")))
+            if 100 <= status < 200:
+                continue
+            return self._framed(link, version, status, reason, headers, method)
+        raise BrokenError(f"more than {MAX_INFORMATIONAL} informational answers")
+
+    def _framed(
+        self,
+        link: _Link,
+        version: str,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        method: str,
+    ) -> Response:
+        """How the body is delimited (RFC 9112 section 6.3), and whether the connection
+        may carry another request afterwards."""
+        coding = length_text = None
+        tokens: set[str] = set()
+        for name, value in headers:
+            lower = name.lower()
+            if lower == "transfer-encoding":
+                coding = value if coding is None else f"{coding}, {value}"
+            elif lower == "content-length":
+                length_text = value if length_text is None else f"{length_text}, {value}"
+            elif lower == "connection":
+                tokens |= {token.strip().lower() for token in value.split(",")}
+        reusable = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+        if method == "HEAD" or status in (204, 304):
+            return Response(self, link, status, reason, headers, "none", 0, reusable)
+        if coding is not None:
+            if coding.rsplit(",", 1)[-1].strip().lower() != "chunked":
+                raise BrokenError(f"unsupported Transfer-Encoding: {coding[:80]}")
+            # Both framings: smuggling's shape; read as chunked, never reuse the connection.
+            reusable = reusable and length_text is None
+            return Response(self, link, status, reason, headers, "chunked", 0, reusable)
+        if length_text is None:
+            return Response(self, link, status, reason, headers, "close", 0, False)
+        lengths = {part.strip() for part in length_text.split(",")}
+        length = lengths.pop()
+        if lengths or not length.isascii() or not length.isdigit() or len(length) > 18:
+            raise BrokenError(f"bad Content-Length: {length_text[:80]}")
+        return Response(self, link, status, reason, headers, "length", int(length), reusable)
+
+
+def _request_bytes(
+    origin: Origin, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
+) -> bytes:
+    """The request as it goes on the wire: one buffer, one write."""
+    lines = [f"{method} {origin.prefix}{target} HTTP/1.1".encode("latin-1")]
+    lines.append(b"Host: " + origin.host_header)
+    for name, value in headers:
+        if "\r" in value or "\n" in value:
+            continue  # cannot be sent as one header line; aiohttp's parser let none through
+        lines.append(f"{name}: {value}".encode("latin-1", "replace"))
+    if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        lines.append(b"Content-Length: %d" % len(body))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+async def _line(link: _Link, what: str) -> bytes:
+    """One CRLF-ended line of the body's framing, without its CRLF."""
+    while (end := link.buffer.find(b"\r\n")) < 0:
+        if len(link.buffer) > MAX_HEAD_BYTES:
+            raise BrokenError(f"{what} over {MAX_HEAD_BYTES} bytes")
+        if not await link.more():
+            raise BrokenError(f"closed in {what}")
+    line = link.take(end + 2)
+    return line[:-2]
+
+
+def _is_hex(text: bytes) -> bool:
+    return all(byte in b"0123456789abcdefABCDEF" for byte in text)
