@@ -407,6 +407,7 @@ def measure_speed(name: str, backend: str, scratch: Path, source: Path | None = 
 @dataclass
 class Wedge:
     failures: int
+    failed_before: int  # of them, sent before the wedge (in flight on it when it came)
     requests: int
     slowest_failure: float
     slow_successes: int  # answered, but after more than SLOW seconds (a retry hidden inside)
@@ -463,6 +464,7 @@ def measure_wedge(name: str, scratch: Path) -> Wedge:
     final = received[-1][1] if received else 0
     return Wedge(
         failures=len(failed),
+        failed_before=sum(1 for o in failed if o[0] < wedged_at),
         requests=len(outcomes),
         slowest_failure=max((o[1] for o in failed), default=0.0),
         slow_successes=sum(1 for o in outcomes if o[2] == "200" and o[1] > SLOW),
@@ -547,6 +549,7 @@ def section(
         )
     wedge_rows = []
     for name, w in wedges.items():
+        after = w.failures - w.failed_before
         if name == "direct":
             avoid = "never: one fixed URL"
         else:
@@ -554,7 +557,7 @@ def section(
         wedge_rows.append(
             [
                 name,
-                f"{w.failures} of {w.requests}",
+                f"{w.failures} of {w.requests} ({w.failed_before} / {after})",
                 f"{w.slowest_failure:.1f}",
                 f"{w.slow_successes} (slowest {w.slowest_success:.1f} s)",
                 avoid,
@@ -597,7 +600,7 @@ def section(
             Table(
                 [
                     "contender",
-                    "client-visible failures",
+                    "client-visible failures (sent before / after the wedge)",
                     "slowest failure s",
                     f"answers slower than {SLOW:g} s",
                     "s until no new request reaches it",
@@ -722,6 +725,12 @@ def run_baseline(ref: str, rounds: int) -> Section:
     )
 
 
+def _spread(values: list[float], form: str) -> str:
+    """Median (min to max): "to", as added latencies may be negative."""
+    median = statistics.median(values)
+    return f"{median:{form}} ({min(values):{form}} to {max(values):{form}})"
+
+
 def baseline_notes(
     figures: dict[str, list[tuple[float, float, float, float]]], rounds: int
 ) -> list[str]:
@@ -730,11 +739,11 @@ def baseline_notes(
     for label, per_round in figures.items():
         cpu, rps, p50, p99 = (list(column) for column in zip(*per_round, strict=True))
         parts.append(
-            f"{label}: CPU per request {report.spread(cpu, 3, ' ms')}, requests/s "
-            f"{report.spread(rps, 0)}, added p50 {report.spread(p50, 2, ' ms')}, added p99 "
-            f"{report.spread(p99, 2, ' ms')}"
+            f"{label}: CPU per request {_spread(cpu, '.3f')} ms, requests/s "
+            f"{_spread(rps, '.0f')}, added p50 {_spread(p50, '+.2f')} ms, added p99 "
+            f"{_spread(p99, '+.2f')} ms"
         )
-    notes = [f"Medians of the {rounds} rounds (min-max): " + "; ".join(parts) + "."]
+    notes = [f"Medians of the {rounds} rounds (min to max): " + "; ".join(parts) + "."]
     ours = figures.get("llmhealth (this tree)")
     if ours:
         cpu, rps, p50, p99 = (statistics.median(column) for column in zip(*ours, strict=True))
@@ -769,7 +778,7 @@ def main() -> int:
         (done,) = run()
     print(report.section_markdown(done))
     path = report.write_standalone(done, BLOCK, BLOCK_NOTE)
-    print(f"wrote section {done.title.split(' ', 1)[0]} of {path}")
+    print(f"wrote section {done.title.split(' ', 1)[0].rstrip('.')} of {path}")
     return 0
 
 
