@@ -475,8 +475,11 @@ def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
     Output tokens alone would miss a long prompt being read: vLLM emits nothing then,
     but its KV use moves every step.
     """
+    # ``counters`` builds a dict: once per side, not once per counter (a frozen engine's
+    # whole window is walked at every read of it).
+    before = older.counters
     for name, value in newer.counters.items():
-        previous = older.counters.get(name)
+        previous = before.get(name)
         if previous is not None and value > previous:
             return True
     return (
@@ -521,8 +524,9 @@ def restarted_between(older: Signals, newer: Signals) -> bool:
     if older.process_start is not None and newer.process_start is not None:
         return older.process_start != newer.process_start
     for _, before, after in _engine_pairs(older, newer):
+        earlier = before.counters
         for name, value in after.counters.items():
-            previous = before.counters.get(name)
+            previous = earlier.get(name)
             if previous is not None and value < previous:
                 return True
     return False
@@ -696,14 +700,14 @@ def _first_few(items: Sequence[str], what: str, prefix: str = "") -> str:
 
 
 def _series(reads: Sequence[Read], engine_name: str, field_name: str) -> str:
-    values = []
-    for read in reads:
+    def shown(read: Read) -> str:
         engine = _signals(read).engine(engine_name)
         value = None if engine is None else getattr(engine, field_name)
-        values.append("?" if value is None else f"{value:g}")
-    if len(values) > 4:  # a long window: the ends say it, the middle is counted
-        return f"{values[0]}→{values[1]}→…({len(values) - 3} more)…→{values[-1]}"
-    return "→".join(values)
+        return "?" if value is None else f"{value:g}"
+
+    if len(reads) > 4:  # a long window: the ends say it, the middle is counted
+        return f"{shown(reads[0])}→{shown(reads[1])}→…({len(reads) - 3} more)…→{shown(reads[-1])}"
+    return "→".join(shown(read) for read in reads)
 
 
 def _wedge_evidence(frozen: Sequence[Read], engine_name: str, window_text: str) -> str:

@@ -369,8 +369,9 @@ async def examine_once(
     limit = settings.read_limit
     try:
         read = await read_metrics(client, target, settings, clock)
-        window.append(await _with_cpu(read, window, cpu, settings, learned, target.rules))
-        del window[:-limit]
+        keep_read(
+            window, await _with_cpu(read, window, cpu, settings, learned, target.rules), limit
+        )
         decision = decide(
             window, None, max_reads=limit, baseline=baseline, learned=learned, rules=target.rules
         )
@@ -390,8 +391,8 @@ async def examine_once(
                 # A timed-out tiny request wants one more read to see whether the engine
                 # moved meanwhile; the answer does not outlive this cycle, so read now.
                 read = await read_metrics(client, target, settings, clock)
-                window.append(await _with_cpu(read, window, cpu, settings, learned, target.rules))
-                del window[:-limit]
+                kept = await _with_cpu(read, window, cpu, settings, learned, target.rules)
+                keep_read(window, kept, limit)
                 decision = decide(
                     window,
                     answer,
@@ -407,6 +408,18 @@ async def examine_once(
         # The new process's reads start here: the old one's must not be compared again.
         del window[:-1]
     return decision if isinstance(decision, Verdict) else None
+
+
+def keep_read(window: list[Read], read: Read, limit: int) -> None:
+    """Append a read to a watch window of at most ``limit`` reads.
+
+    A read whose signals equal the previous read's shares that one's: a frozen or idle
+    engine's window (61 reads at the defaults) then holds its values once, not 61 times.
+    """
+    if window and read.signals is not None and read.signals == window[-1].signals:
+        read = replace(read, signals=window[-1].signals)
+    window.append(read)
+    del window[:-limit]
 
 
 async def _with_cpu(

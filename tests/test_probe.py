@@ -18,12 +18,13 @@ from werkzeug import Request, Response
 
 from llmhealth.classify import Outcome, Read, ReadProblem, Target, Verdict, VerdictKind
 from llmhealth.localcpu import LocalCpu
-from llmhealth.metrics import EngineSignals
+from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import (
     ProbeSettings,
     check_fleet,
     examine_backend,
     examine_once,
+    keep_read,
     new_client,
     read_metrics,
 )
@@ -660,3 +661,19 @@ def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     assert verdict is not None
     assert verdict.kind is VerdictKind.STALLED
     assert backend.metrics_reads == 2
+
+
+def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_change() -> None:
+    """61 reads of a frozen engine at the defaults: its window holds their values once."""
+    frozen = EngineSignals(engine="0", running=4, waiting=8, steps=100.0)
+    window: list[Read] = []
+    for at in range(1, 6):
+        keep_read(window, Read(float(at), signals=Signals((frozen,), 1.0)), 3)
+    assert [read.at for read in window] == [3.0, 4.0, 5.0]
+    assert window[0].signals is window[1].signals is window[2].signals
+    moved = EngineSignals(engine="0", running=4, waiting=8, steps=101.0)
+    keep_read(window, Read(6.0, signals=Signals((moved,), 1.0)), 3)
+    assert window[-1].signals is not window[-2].signals
+    assert window[-1].signals == Signals((moved,), 1.0)
+    keep_read(window, Read(7.0, problem=ReadProblem.DOWN, detail="refused"), 3)
+    assert [read.at for read in window] == [5.0, 6.0, 7.0] and window[-1].signals is None

@@ -1,0 +1,108 @@
+"""What a full window of reads costs `watch` per backend and cycle, against a short one.
+
+`watch` keeps each backend's last 1 + max_check_time / wait reads (61 at the defaults:
+5 min of 5 s waits) so that a long wedge window is covered, and judges the whole window
+again at every read: restarts are looked for between every pair, a frozen engine's
+streak is walked back, a wedge's evidence quotes its reads. `bench_scale.py` runs six
+cycles, so its windows never pass seven reads; this measures the steady state, in one
+process, with no network: real texts rendered by the simulator's own engine (busy, idle,
+wedged from the start) at 5 s apart, parsed as a read parses them, judged by `decide`
+as `examine_once` judges them (an idle backend's tiny request answered), and the window's
+resident size (tracemalloc). Then a fleet of 3,000 in bench_scale's mix.
+
+Usage: bench_window.py [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import statistics
+import sys
+import time
+import tracemalloc
+
+from llmhealth.classify import Answer, Read, SendTinyRequest, decide
+from llmhealth.metrics import parse_metrics
+from llmhealth.probe import keep_read
+from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
+from llmhealth.simulate import TEMPLATE_NAME
+
+WAIT = 5.0
+LENGTHS = (7, 61)  # what bench_scale's six cycles reach; the default steady state
+READ_LIMIT = 61  # ProbeSettings().read_limit: 1 + max_check_time 300 s / wait 5 s
+FLEET = {"busy": 1500, "idle": 750, "wedge:0": 750}  # bench_scale's mix at 3,000
+BORN = 1_000_000.0
+
+
+def window(mode: str, length: int) -> list[Read]:
+    """``length`` reads of one simulated backend, ``WAIT`` apart, as a read parses them."""
+    template = importlib.resources.files("llmhealth").joinpath(TEMPLATE_NAME).read_text("utf-8")
+    text = MetricsText(template, engines=1, model="tiny", multiproc=False)
+    backend = SimBackend(parse_mode(mode), SimConfig(), born=BORN)
+    reads: list[Read] = []
+    for index in range(length):
+        at = BORN + 600.0 + index * WAIT  # the simulator's processes are an hour old
+        body = text.render(backend.observe(at)).encode()
+        keep_read(reads, Read(at, signals=parse_metrics(body)), READ_LIMIT)  # as watch keeps it
+    return reads
+
+
+def judge(reads: list[Read]) -> object:
+    """As examine_once: decide; an idle backend's tiny request answered, decide again."""
+    limit = READ_LIMIT
+    decision = decide(reads, None, max_reads=limit)
+    if isinstance(decision, SendTinyRequest):
+        answer = Answer(reads[-1].at + 0.01, True, "answered in 0.01 s by model tiny", "tiny")
+        decision = decide(reads, answer, max_reads=limit)
+    return decision
+
+
+def cpu_us(reads: list[Read], rounds: int) -> float:
+    """CPU microseconds for one judgement, median of ``rounds`` batches."""
+    batch = 200
+    times = []
+    for _ in range(rounds):
+        started = time.process_time()
+        for _ in range(batch):
+            judge(reads)
+        times.append((time.process_time() - started) / batch * 1e6)
+    return statistics.median(times)
+
+
+def resident_kb(mode: str, length: int) -> float:
+    tracemalloc.start()
+    kept = window(mode, length)
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del kept
+    return size / 1024
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+    print(f"per backend and cycle (median of {rounds} batches of 200 judgements):")
+    print("| backend | window | judged as | CPU µs | window KB |")
+    print("| --- | --- | --- | --- | --- |")
+    fleet_cpu = dict.fromkeys(LENGTHS, 0.0)
+    fleet_kb = dict.fromkeys(LENGTHS, 0.0)
+    for mode, count in FLEET.items():
+        for length in LENGTHS:
+            reads = window(mode, length)
+            decision = judge(reads)
+            kind = getattr(decision, "kind", type(decision).__name__)
+            used, kept = cpu_us(reads, rounds), resident_kb(mode, length)
+            fleet_cpu[length] += used * count
+            fleet_kb[length] += kept * count
+            print(f"| {mode} | {length} reads | {kind} | {used:.1f} | {kept:.1f} |")
+    size = sum(FLEET.values())
+    print(f"\na fleet of {size:,} ({', '.join(f'{n} {m}' for m, n in FLEET.items())}):")
+    for length in LENGTHS:
+        print(
+            f"  windows of {length}: judging {fleet_cpu[length] / 1e6:.3f} s of CPU per cycle, "
+            f"windows {fleet_kb[length] / 1024:.0f} MiB ({fleet_kb[length] / size:.1f} KB "
+            "per backend)"
+        )
+
+
+if __name__ == "__main__":
+    main()
