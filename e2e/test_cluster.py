@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from llmhealth.leadership import owner
+
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
@@ -237,3 +239,92 @@ def test_two_daemons_and_cron_restart_each_of_many_wedges_exactly_once(
     # With two daemons renewing, a check from cron does not win the lease: it only reports.
     said = [json.loads(done.stdout)["notes"] for done in checks]
     assert any(any("not acting" in note for note in notes) for notes in said), said
+
+
+def shares_of(page: Page) -> dict[str, float]:
+    return {
+        sample.labels["member"]: sample.value
+        for sample in page.samples("llmhealth_cluster_member_share_backends")
+    }
+
+
+def reads_of(scene: Scene) -> dict[str, int]:
+    return {
+        name: int(server.stats()["metrics_reads"]) for name, (server, _) in scene.servers.items()
+    }
+
+
+def test_sharded_reads_one_reader_each_a_wedge_restarted_once_a_dead_members_share_read_again(
+    entry_point: str, tmp_path: Path
+) -> None:
+    backends = 6
+    with (
+        staged(entry_point, tmp_path, more=backends - 1, cluster="shard_reads = true") as scene,
+        ExitStack() as stack,
+    ):
+        first, second = two_daemons(scene, stack)
+        third = stack.enter_context(scene.daemon("c"))
+        # The leader sees three members whose shares cover the fleet once.
+        page = first.until(
+            "three shares",
+            lambda p: len(shares_of(p)) == 3 and sum(shares_of(p).values()) == backends,
+            timeout=60,
+        )
+        leader = member_of(page)
+        names = {
+            member_of(w.until("a member label", lambda p: p.cycled)): w for w in (second, third)
+        }
+        members = sorted([leader, *names])
+        owners = {backend: owner(backend, members) for backend in scene.servers}
+        # Each backend is read by its owner alone: one read a wait, not one per member.
+        # The leader still settles all of them, every wait.
+        before, started = reads_of(scene), time.monotonic()
+        time.sleep(12 * WAIT)
+        after, seconds = reads_of(scene), time.monotonic() - started
+        page = first.scrape() or Page("")
+        waits = seconds / WAIT
+        for backend in scene.servers:
+            assert 1 <= after[backend] - before[backend] <= waits + 2, (backend, before, after)
+            assert page.verdict(backend) == "busy", page.text
+        assert page.get("llmhealth_cluster_stale_verdicts") == 0.0
+        # A wedge in a standby's share: proven from its published verdicts, restarted once,
+        # by the leader.
+        standby = sorted(names)[0]
+        target = next(b for b, who in sorted(owners.items()) if who == standby)
+        server, restarts = scene.servers[target]
+        inject_wedge(server)
+        until(f"{target} restarted", lambda: bool(restarts.lines()), timeout=60)
+        first.until(f"{target} healthy again", lambda p: p.state(target) == "healthy", timeout=60)
+        lines = restarts.lines()
+        audited = [r for r in scene.audited_restarts() if r["backend"] == target]
+        # The member that read it killed: once its lease lapses its backends are read
+        # again by the others, the restarted one included, and nothing mistakes the
+        # restart the leader already settled for a new one.
+        dead, dead_name = names[standby], standby
+        orphans = [b for b, who in owners.items() if who == dead_name]
+        assert orphans, owners
+        dead.process.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        base = reads_of(scene)
+        resumed = {}
+        for backend in orphans:
+            until(
+                f"{backend} read again",
+                lambda b=backend: reads_of(scene)[b] >= base[b] + 2,
+                timeout=60,
+            )
+            resumed[backend] = time.monotonic() - killed
+        page = first.until("two shares", lambda p: len(shares_of(p)) == 2, timeout=30)
+        assert sum(shares_of(page).values()) == backends
+        for _ in range(4):
+            page = first.next_cycle(page)
+            assert page.state(target) == "healthy", page.text
+        moves = [r["event"] for r in scene.audit_command() if r["backend"] == target]
+    assert len(lines) == 1 and lines[0][1] == leader, lines
+    assert [r["member"] for r in audited] == [leader], audited
+    # The injection itself is a new process (the first unplanned restart); after the
+    # re-admission nothing more, though another member now reads it.
+    assert moves.count("readmitted") == 1, moves
+    assert "unplanned_restart" not in moves[moves.index("readmitted") :], moves
+    # Two reads by a new owner: the lease's TTL, an elector round, then two waits or so.
+    assert max(resumed.values()) < TTL + 3 * WAIT + 3.0, resumed

@@ -438,10 +438,12 @@ def _cluster_lines(cluster: dict[str, Any], now: float) -> str:
         )
         + f", record revision {cluster['revision']}"
     ]
-    for name, report in cluster["members"].items():
-        at = report.get("at") if isinstance(report, dict) else None
+    for name, value in cluster["members"].items():
+        report = value if isinstance(value, dict) else {}
+        at, share = report.get("at"), report.get("share")
         seen = _ago(now, at) if isinstance(at, int | float) else "no report yet"
-        lines.append(f"  member {name}: last report {seen}")
+        reads = f", reads {share} backends" if isinstance(share, int) else ""
+        lines.append(f"  member {name}: last report {seen}{reads}")
     # Member names, the prefix and the lease come from etcd, which any member can write:
     # each line is made printable so none of them can drive the operator's terminal.
     return "\n".join(printable(line) for line in lines)

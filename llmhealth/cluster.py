@@ -31,8 +31,26 @@ import etcd3gw
 from etcd3gw import exceptions as etcd_errors
 
 from llmhealth.actions import AuditError, encode_record
+from llmhealth.classify import Verdict
 from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
-from llmhealth.leadership import Decision, LeaseFacts, LeaseTiming, Standing, decide, renewal_due
+from llmhealth.leadership import (
+    Decision,
+    LeaseFacts,
+    LeaseTiming,
+    Standing,
+    decide,
+    owner,
+    renewal_due,
+    share_of,
+)
+from llmhealth.shares import (
+    Intake,
+    Published,
+    Taken,
+    parse_publication,
+    publication,
+    take_published,
+)
 from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
 
@@ -47,6 +65,7 @@ AUDIT_BATCH_BYTES = 256 * 1024
 AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of them
 _AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
 _AUDIT_PAGE = 64  # audit keys read per request, newest first
+PUBLICATION_BYTES = 512 * 1024  # one key of a member's published verdicts (shard_reads)
 
 
 class ClusterError(StateError):
@@ -234,6 +253,10 @@ class Keys:
     @property
     def audit(self) -> str:
         return f"{self.prefix}/audit/"
+
+    @property
+    def verdicts(self) -> str:
+        return f"{self.prefix}/verdicts/"
 
     def audit_batch(self, revision: int, count: int) -> str:
         """One write's audit records: after the state revision the write compared with, so
@@ -812,6 +835,83 @@ class Seat:
             return "standby: etcd unreachable, nobody here acts"
         leader = observed.leader
         return f"standby ({leader.member} leads)" if leader else "standby (no leader yet)"
+
+
+class SharedReads:
+    """One member's part in sharded reads (``[cluster] shard_reads``).
+
+    Its share is its rendezvous share of the backends among the members whose keys it
+    last saw; it publishes its share's newest verdicts under ``PREFIX/verdicts/NAME`` on
+    its own lease (a member that dies takes its publication with it, and its share moves
+    once its member key expires). Leading, it takes the others' verdicts for its settle
+    (``shares.take_published``). Called from the settle's thread only.
+    """
+
+    def __init__(self, seat: Seat, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seat = seat
+        self._clock = clock
+        self._intake: Intake | None = None
+        self.stale: tuple[str, ...] = ()  # backends the last settle settled as doubt
+
+    def members(self) -> list[str]:
+        return sorted({self.seat.member, *(name for name, _ in self.seat.elector.observed.members)})
+
+    def share(self, backends: Sequence[str]) -> frozenset[str]:
+        return frozenset(share_of(self.seat.member, backends, self.members()))
+
+    def publish(self, serials: Mapping[str, int], verdicts: Mapping[str, Verdict]) -> None:
+        """This member's newest verdicts for whoever leads, in keys of at most about
+        ``PUBLICATION_BYTES`` (``NAME/00000``, ``NAME/00001``, ...); the chunks a shrunken
+        share no longer fills are deleted with the last. Nothing while it has no lease."""
+        lease = self.seat.elector.lease_id
+        if lease is None:
+            return
+        mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
+        chunks = publication(serials, verdicts, PUBLICATION_BYTES)
+        for index, chunk in enumerate(chunks):
+            operations = [put(f"{mine}{index:05d}", chunk, lease)]
+            if index == len(chunks) - 1:
+                left = {
+                    "key": _b64(f"{mine}{index + 1:05d}"),
+                    "range_end": _b64(_after_prefix(mine)),
+                }
+                operations.append({"request_delete_range": left})
+            self.seat.etcd.txn([], operations)
+
+    def take(self, backends: Sequence[str], stale_after: float) -> Taken:
+        """The others' verdicts to settle now: each once, doubt for what went stale."""
+        now = self._clock()
+        if self._intake is None:
+            self._intake = Intake(started=now)
+        members = self.members()
+        owners = {
+            name: found
+            for name in backends
+            if (found := owner(name, members)) is not None and found != self.seat.member
+        }
+        taken = take_published(self._intake, owners, self._published(), now, stale_after)
+        self.stale = taken.stale
+        return taken
+
+    def stand_down(self) -> None:
+        """Not leading (any more): a later lead starts a new intake."""
+        self._intake = None
+        self.stale = ()
+
+    def _published(self) -> dict[str, dict[str, Published]]:
+        prefix = self.seat.keys.verdicts
+        published: dict[str, dict[str, Published]] = {}
+        for key, found in sorted(self.seat.etcd.get_prefix(prefix).items()):
+            # Another member wrote the key and its name: made printable before any use.
+            member = printable(key.removeprefix(prefix).rpartition("/")[0])
+            if member == self.seat.member:
+                continue  # its own reads reach its settle directly
+            try:
+                document = json.loads(found.value)
+            except ValueError:
+                document = None
+            published.setdefault(member, {}).update(parse_publication(member, document))
+        return published
 
 
 def describe(etcd: Etcd, keys: Keys, revision: int) -> dict[str, Any]:

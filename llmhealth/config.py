@@ -126,6 +126,7 @@ class Cluster:
     lease_ttl: float = DEFAULT_LEASE_TTL
     member: str | None = None  # default: host name and PID
     audit_keep: int = DEFAULT_AUDIT_KEEP  # the newest audit records kept under the prefix
+    shard_reads: bool = False  # each member reads its share; the leader settles them all
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +398,9 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def _cluster(reader: _Reader, data: object) -> Cluster:
     table = reader.table(data, "cluster")
-    reader.known(table, "cluster.", {"etcd", "prefix", "lease_ttl", "member", "audit_keep"})
+    reader.known(
+        table, "cluster.", {"etcd", "prefix", "lease_ttl", "member", "audit_keep", "shard_reads"}
+    )
     endpoints = reader.string_list(table, "cluster.etcd", ())
     if not endpoints:
         raise reader.fail(
@@ -423,7 +426,14 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
     audit_keep = reader.integer(
         table, "cluster.audit_keep", DEFAULT_AUDIT_KEEP, minimum=MIN_AUDIT_KEEP
     )
-    return Cluster(tuple(check_url(e) for e in endpoints), prefix, lease_ttl, member, audit_keep)
+    return Cluster(
+        tuple(check_url(e) for e in endpoints),
+        prefix,
+        lease_ttl,
+        member,
+        audit_keep,
+        reader.boolean(table, "cluster.shard_reads", False),
+    )
 
 
 def _backend(reader: _Reader, data: object, key: str) -> Backend:

@@ -32,7 +32,7 @@ from llmhealth import config as config_module
 from llmhealth.actions import Audit, AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
-from llmhealth.cluster import ClusterError, Seat
+from llmhealth.cluster import ClusterError, Seat, SharedReads
 from llmhealth.cycle import (
     Settled,
     audit_path_for,
@@ -151,6 +151,13 @@ class Daemon:
         self._console = console
         self._clock = clock
         self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
+        # [cluster] shard_reads: this member reads its share (None: every backend) and
+        # publishes it; leading, it settles the others' published verdicts too.
+        cluster = self._config.cluster
+        sharded = self._seat is not None and cluster is not None and cluster.shard_reads
+        self._shares = SharedReads(self._seat) if self._seat and sharded else None
+        self._share: frozenset[str] | None = None
+        self._serials: Counter[str] = Counter()  # fresh verdicts per backend, for the leader
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
         self._stop = asyncio.Event()
@@ -296,7 +303,10 @@ class Daemon:
                 started = time.monotonic()
                 # Drained here, on the loop's thread: the router records on it too.
                 requests = self._router.drain() if self._router is not None else None
-                news = News(self._take_fresh(), self._take_commands(), requests)
+                self._reshard()
+                news = News(
+                    self._take_fresh(), self._take_commands(), requests, self._publication()
+                )
                 cycle = _in_daemon_thread(self._settle, news)
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
@@ -437,14 +447,16 @@ class Daemon:
         return baselines_of(record), learned_steps_of(record)
 
     def _start_probes(self) -> None:
-        """Have every target read; on reload, forget the ones no longer configured."""
-        wanted = {target.name for target in self._targets}
+        """Have every target this member reads read (with shard_reads, its share); on
+        reload or a new share, forget the ones no longer read."""
+        reading = [target for target in self._targets if self._reads(target)]
+        wanted = {target.name for target in reading}
         for name in [name for name in self._state.probes if name not in wanted]:
             self._state.probes.pop(name, None)
             self._state.latest.pop(name, None)
-        for target in self._targets:
+        for target in reading:
             self._state.probes.setdefault(target.name, _Probe())
-        self._reading.assign(self._targets)
+        self._reading.assign(reading)
 
     def hear(self, target: Target, verdict: Verdict | None, seconds: float) -> None:
         """What one examination of a target concluded, wherever it was read (a task in
@@ -455,6 +467,46 @@ class Daemon:
         if verdict is not None:
             probe.outcome = Outcome(target, verdict)
             probe.fresh = True
+
+    def _reads(self, target: Target) -> bool:
+        """Whether this member reads ``target``: a proxy always, a backend if in its share."""
+        return self._share is None or target.kind != "backend" or target.name in self._share
+
+    def _reshard(self) -> None:
+        """With shard_reads, the share of the members seen now; on a change of it, probing
+        tasks start for the backends gained and stop for those lost."""
+        if self._shares is None:
+            return
+        backends = list(backend_urls(self._targets))
+        share = self._shares.share(backends)
+        if share != self._share:
+            # A backend gained is first compared with what the record saw of it last (as
+            # the leader keeps it), not with a start-up baseline hours old: that would
+            # show its restart since then as a new one.
+            reading = self._share if self._share is not None else frozenset(backends)
+            baselines, learned = self._record_news()
+            gained = share - reading
+            self._reading.remember(
+                {name: seen for name, seen in baselines.items() if name in gained},
+                {name: step for name, step in learned.items() if name in gained},
+            )
+            self._share = share
+            members = len(self._shares.members())
+            self._log(
+                f"cluster: reads {len(share)} of {len(backends)} backends ({members} members)"
+            )
+            self._start_probes()
+
+    def _publication(self) -> tuple[dict[str, int], dict[str, Verdict]] | None:
+        """This member's share's newest verdicts, with their serials, for the leader."""
+        if self._shares is None:
+            return None
+        verdicts = {
+            name: probe.outcome.verdict
+            for name, probe in self._state.probes.items()
+            if probe.outcome is not None and probe.outcome.target.kind == "backend"
+        }
+        return dict(self._serials), verdicts
 
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
@@ -480,6 +532,7 @@ class Daemon:
             if probe.fresh and probe.outcome is not None:
                 probe.fresh = False
                 fresh.append(probe.outcome)
+                self._serials[probe.outcome.target.name] += 1
         return fresh
 
     def _settle(self, news: News) -> Settled:
@@ -487,8 +540,21 @@ class Daemon:
         never for a restart command (those it issues come back as orders to launch)."""
         backends = backend_urls(self._targets)
         seat = self._seat
+        shares = self._shares
+        if shares is not None and news.published is not None:
+            # Best effort: etcd away stops every settle anyway, and the elector says so.
+            with contextlib.suppress(StateError):
+                shares.publish(*news.published)
         if seat is not None and not seat.elector.decision().may_act:
+            if shares is not None:
+                shares.stand_down()
             return self._stand_by(news, seat.standing())
+        verdicts = news.verdicts
+        if shares is not None and not news.final:
+            try:
+                verdicts = [*verdicts, *self._others_verdicts(shares, backends)]
+            except StateError as exc:
+                return self._stand_by(news, f"did not settle: {exc}")
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
         try:
@@ -496,7 +562,7 @@ class Daemon:
                 self._store,
                 self._config,
                 backends,
-                lambda _record: news.verdicts,
+                lambda _record: verdicts,
                 mode=Mode.OFF if news.final else Mode.ACT,
                 audit=self._audit,
                 clock=self._clock,
@@ -513,6 +579,20 @@ class Daemon:
         self._fleet = settled.report.fleet
         self._write_serving(settled.record.ledger.serving, backends)
         return settled
+
+    def _others_verdicts(self, shares: SharedReads, backends: Mapping[str, str]) -> list[Outcome]:
+        """What the other members read since the last settle, each verdict once; doubt for
+        a backend none of them has for a lease's TTL and three waits (the time for its
+        reader's lease to lapse, its share to move, and the new reader to judge)."""
+        assert self._config.cluster is not None
+        stale_after = self._config.cluster.lease_ttl + 3 * self.settings.wait
+        taken = shares.take(list(backends), stale_after)
+        targets = {target.name: target for target in self._targets}
+        return [
+            Outcome(targets[name], verdict)
+            for name, verdict in taken.verdicts.items()
+            if name in targets
+        ]
 
     def _stand_by(self, news: News, why: str) -> Settled:
         """A cycle that acts on nothing: the verdicts with the ledger as the leader keeps it.
@@ -662,30 +742,37 @@ class Daemon:
         seat = self._seat
         if seat is None:
             return None
-        seat.elector.report(
-            {
-                "at": now,
-                "cycles": self._state.cycles,
-                "verdicts": len(report.backends),
-                "serving": report.fleet.serving,
-            }
-        )
+        summary: dict[str, Any] = {
+            "at": now,
+            "cycles": self._state.cycles,
+            "verdicts": len(report.backends),
+            "serving": report.fleet.serving,
+        }
+        if self._share is not None:
+            summary["share"] = len(self._share)
+        seat.elector.report(summary)
         observed = seat.elector.observed
         leader = observed.leader
-        members = {}
+        members, shares = {}, {}
         for name, value in observed.members:
             last = value.get("last_report", {})
-            at = last.get("at") if isinstance(last, dict) else None
+            last = last if isinstance(last, dict) else {}
+            at, share = last.get("at"), last.get("share")
             members[name] = float(at) if isinstance(at, int | float) else 0.0
+            if isinstance(share, int) and not isinstance(share, bool):
+                shares[name] = share
+        leading = seat.elector.decision().may_act
         return ClusterView(
             member=seat.member,
-            leading=seat.elector.decision().may_act,
+            leading=leading,
             etcd_up=observed.etcd_up,
             leader=leader.member if leader else None,
             leader_since=leader.since if leader else None,
             fence=leader.fence if leader else 0,
             revision=max(seat.store.revision, seat.reader.revision),
             members=members,
+            shares=shares if self._shares is not None else None,
+            stale_verdicts=len(self._shares.stale) if self._shares and leading else None,
         )
 
     def _reload_config(self) -> None:
@@ -757,6 +844,7 @@ class News:
     verdicts: list[Outcome]
     commands: list[CommandDone]
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None
+    published: tuple[dict[str, int], dict[str, Verdict]] | None = None  # shard_reads
     final: bool = False
 
 

@@ -48,6 +48,10 @@ class ClusterView:
     fence: int = 0  # the leader key's creation revision; a new value is a new leader
     revision: int = 0  # of the fleet record, as last read or written here
     members: Mapping[str, float] = field(default_factory=dict)  # name -> last report time
+    # With shard_reads: the backends each member reads (as its last report says), and,
+    # while leading, how many backends the last settle had no fresh published verdict for.
+    shares: Mapping[str, int] | None = None
+    stale_verdicts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +262,22 @@ def _cluster_families(cluster: ClusterView) -> Iterator[Metric]:
     for name, at in sorted(cluster.members.items()):
         reports.add_metric([name], at)
     yield reports
+    if cluster.shares is not None:
+        shares = GaugeMetricFamily(
+            "llmhealth_cluster_member_share_backends",
+            "Backends each member reads with shard_reads, as its last report says.",
+            labels=["member"],
+        )
+        for name, count in sorted(cluster.shares.items()):
+            shares.add_metric([name], float(count))
+        yield shares
+    if cluster.stale_verdicts is not None:
+        yield GaugeMetricFamily(
+            "llmhealth_cluster_stale_verdicts",
+            "Backends the leader's last settle judged 'stalled' for want of a fresh verdict "
+            "from the member that reads them (shard_reads); only the leader exports it.",
+            float(cluster.stale_verdicts),
+        )
 
 
 def serve(collector: FleetCollector, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from etcdproc import EtcdCluster, running_etcd
@@ -96,6 +96,8 @@ class Scene:
     config: Path
     folder: Path
     entry_point: str
+    # Every backend by name (gpu among them), each with its own restart log.
+    servers: dict[str, tuple[Server, Restarts]] = field(default_factory=dict)
 
     @contextmanager
     def daemon(self, name: str) -> Iterator[Watch]:
@@ -129,23 +131,38 @@ class Scene:
 
 @contextmanager
 def staged(
-    entry_point: str, tmp_path: Path, etcd_members: int = 1, policy: str = ""
+    entry_point: str,
+    tmp_path: Path,
+    etcd_members: int = 1,
+    policy: str = "",
+    *,
+    more: int = 0,
+    cluster: str = "",
 ) -> Iterator[Scene]:
-    """A scene; ``policy`` is the body of a [policy] table for the config, if any."""
+    """A scene; ``policy`` is the body of a [policy] table for the config, if any, and
+    ``cluster`` more lines of its [cluster] table; ``more`` backends beside gpu."""
     with ExitStack() as stack:
         etcd = stack.enter_context(running_etcd(tmp_path / "etcd-data", etcd_members))
         fleet = stack.enter_context(restartable_fleet(tmp_path))
-        gpu = fleet.start("gpu", "busy")
-        restarts = Restarts(tmp_path / "restarts.log")
-        text = fleet_config([{"name": "gpu", "url": gpu.url, "restart": restarts.argv(gpu)}])
+        servers = {}
+        for name in ["gpu", *(f"gpu{index}" for index in range(1, more + 1))]:
+            log = tmp_path / ("restarts.log" if name == "gpu" else f"restarts-{name}.log")
+            servers[name] = (fleet.start(name, "busy"), Restarts(log))
+        text = fleet_config(
+            [
+                {"name": name, "url": server.url, "restart": restarts.argv(server)}
+                for name, (server, restarts) in servers.items()
+            ]
+        )
         text += (
             f'\n[cluster]\netcd = {json.dumps(etcd.endpoints)}\nprefix = "{PREFIX}"\n'
-            f"lease_ttl = {TTL}\n"
+            f"lease_ttl = {TTL}\n{cluster}\n"
         )
         if policy:
             text += f"\n[policy]\n{policy}\n"
         config = write_config(tmp_path / "fleet.toml", text)
-        yield Scene(etcd, gpu, restarts, config, tmp_path, entry_point)
+        gpu, restarts = servers["gpu"]
+        yield Scene(etcd, gpu, restarts, config, tmp_path, entry_point, servers)
 
 
 def two_daemons(scene: Scene, stack: ExitStack) -> tuple[Watch, Watch]:

@@ -320,3 +320,20 @@ def test_audit_prints_the_local_trail_as_json_lines_with_nothing_raw_for_the_ter
     assert json.loads(lines[1])["reason"] == "a\x1b[31m\x7fb"  # kept, but escaped
     assert "\x1b" not in result.stdout and "\x7f" not in result.stdout
     assert "1 malformed audit lines skipped" in result.stderr
+
+
+def test_status_names_each_members_share_when_reads_are_sharded() -> None:
+    from llmhealth.cli import _cluster_lines  # noqa: PLC0415
+
+    cluster = {
+        "prefix": "/llmhealth/prod",
+        "revision": 7,
+        "leader": {"member": "a", "since": 90.0, "lease": 5, "fence": 3},
+        "members": {"a": {"at": 95.0, "share": 6}, "b": {"at": 99.0, "share": 5}, "c": {}},
+    }
+    lines = _cluster_lines(cluster, now=100.0).splitlines()
+    assert lines[1:] == [
+        "  member a: last report 5 s ago, reads 6 backends",
+        "  member b: last report 1 s ago, reads 5 backends",
+        "  member c: last report no report yet",
+    ]

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from llmhealth import cluster
 from llmhealth.actions import AuditError
+from llmhealth.classify import Verdict, VerdictKind
 from llmhealth.cluster import (
     AUDIT_RECORD_BYTES,
     ClusterUnavailableError,
@@ -22,8 +24,12 @@ from llmhealth.cluster import (
     FencedOutError,
     Keys,
     NotLeaderError,
+    Observation,
+    Seat,
+    SharedReads,
     read_audit,
     read_leader,
+    read_members,
 )
 from llmhealth.config import Backend, Config
 from llmhealth.leadership import LeaseTiming, Standing
@@ -393,3 +399,63 @@ def test_operator_verbs_on_a_cluster_write_their_records_into_its_trail(
     trail = read_audit(store.etcd, keys).records
     assert [(r["event"], r.get("applied")) for r in trail] == [("hold", None), ("readmit", False)]
     assert trail[0]["reason"] == "weight sync"
+
+
+# --- sharded reads ----------------------------------------------------------------------
+
+
+def test_members_agree_on_shares_publish_on_their_lease_and_the_leader_takes_each_once(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    backends = [f"gpu{index}" for index in range(12)]
+    clock, log = Clock(), []
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=log.append) for name in "ab"
+    }
+    for seat in seats.values():
+        seat.elector.step()
+    for seat in seats.values():  # what each elector's thread would have seen
+        seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    shares = {name: shared.share(backends) for name, shared in reads.items()}
+    assert shares["a"].isdisjoint(shares["b"]) and shares["a"] | shares["b"] == set(backends)
+    assert shares["a"] and shares["b"]  # twelve backends: both read some
+    leader, member = reads["a"], reads["b"]
+    assert seats["a"].elector.decision().may_act
+    first = leader.take(backends, stale_after=10.0)
+    assert first.verdicts == {} and first.stale == ()
+    verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in shares["b"]}
+    member.publish({name: 1 for name in verdicts}, verdicts)
+    assert leader.take(backends, stale_after=10.0).verdicts == verdicts
+    assert leader.take(backends, stale_after=10.0).verdicts == {}  # each once
+    # The member dies: its publication goes with its lease, and its backends go stale.
+    lease = seats["b"].elector.lease_id
+    assert lease is not None
+    seats["b"].etcd.revoke(lease)
+    assert not [k for k in seats["a"].etcd.get_prefix(keys.verdicts) if "/verdicts/b/" in k]
+    clock.now += 10.0
+    stale = leader.take(backends, stale_after=10.0)
+    assert set(stale.stale) == shares["b"]
+    assert all(v.kind is VerdictKind.STALLED and not v.healthy for v in stale.verdicts.values())
+    # Once the leader sees it alone, the whole fleet is its share.
+    seats["a"].elector.observed = Observation(True, None, read_members(seats["a"].etcd, keys))
+    assert leader.share(backends) == set(backends)
+    seats["a"].elector.stop()
+
+
+def test_a_share_that_shrinks_leaves_no_chunk_of_its_old_publication(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cluster, "PUBLICATION_BYTES", 1024)
+    seat = Seat(etcd_server.endpoints, keys.prefix, "b", 3.0, log=[].append)
+    seat.elector.step()
+    reads = SharedReads(seat)
+    verdicts = {f"gpu{index}": Verdict(VerdictKind.BUSY, True, "busy " * 40) for index in range(12)}
+    reads.publish({name: 1 for name in verdicts}, verdicts)
+    chunks = [key for key in seat.etcd.get_prefix(keys.verdicts) if "/verdicts/b/" in key]
+    assert len(chunks) > 2
+    found = seat.etcd.get(chunks[0])
+    assert found is not None and found.lease == seat.elector.lease_id  # gone with the member
+    reads.publish({"gpu1": 2}, {"gpu1": verdicts["gpu1"]})
+    assert sorted(seat.etcd.get_prefix(keys.verdicts)) == [f"{keys.verdicts}b/00000"]
+    seat.elector.stop()

@@ -132,6 +132,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[cluster]\netcd = ['http://e:1']\nmember = 'a/b'", "cluster.member: 'a/b' must"),
         ("[cluster]\netcd = ['http://e:1']\nttl = 3", "cluster.ttl: unknown key"),
         ("[cluster]\netcd = ['http://e:1']\naudit_keep = 99", "cluster.audit_keep: 99 is below"),
+        ("[cluster]\netcd = ['http://e:1']\nshard_reads = 1", "cluster.shard_reads: 1 is not true"),
     ],
 )
 def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
@@ -276,9 +277,14 @@ def test_a_cluster_section_has_defaults_for_all_but_the_endpoints(tmp_path: Path
             tmp_path,
             "[cluster]\netcd = ['http://a:2379', 'http://b:2379', 'http://c:2379']\n"
             "prefix = '/llmhealth/prod'\nlease_ttl = '15s'\nmember = 'node-a'\n"
-            "audit_keep = 500",
+            "audit_keep = 500\nshard_reads = true",
         )
     )
     assert three.cluster == Cluster(
-        ("http://a:2379", "http://b:2379", "http://c:2379"), "/llmhealth/prod", 15.0, "node-a", 500
+        ("http://a:2379", "http://b:2379", "http://c:2379"),
+        "/llmhealth/prod",
+        15.0,
+        "node-a",
+        500,
+        shard_reads=True,
     )

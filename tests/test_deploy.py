@@ -334,7 +334,16 @@ def _exported_text() -> str:
             restarts={("gpu0", "failed"): 2},
             probe_task_restarts={"gpu0": 0, "lb": 0},
             cluster=ClusterView(
-                "node-a", True, True, "node-a", 1.7e9, 42, 97, {"node-a": 1.7e9, "node-b": 1.7e9}
+                "node-a",
+                True,
+                True,
+                "node-a",
+                1.7e9,
+                42,
+                97,
+                {"node-a": 1.7e9, "node-b": 1.7e9},
+                shares={"node-a": 3, "node-b": 4},
+                stale_verdicts=0,
             ),
         )
     )

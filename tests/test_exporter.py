@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from llmhealth.classify import VerdictKind
-from llmhealth.exporter import BackendView, ExportView, FleetCollector, serve
+from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.ledger import State
 from llmhealth.report import FleetSummary
 
@@ -330,3 +330,34 @@ def test_serve_answers_a_real_scrape_on_loopback_and_then_shuts_down() -> None:
         assert again.ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
     with pytest.raises(httpx.ConnectError):
         httpx.get(url, timeout=2.0)
+
+
+def _cluster_samples(view: ClusterView) -> dict[str, list[Sample]]:
+    collector = FleetCollector()
+    collector.publish(ExportView(cluster=view))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def test_shares_and_stale_verdicts_are_exported_only_when_reads_are_sharded() -> None:
+    plain = _cluster_samples(ClusterView("a", True, True, "a", members={"a": 1.0, "b": 1.0}))
+    assert "llmhealth_cluster_member_share_backends" not in plain
+    assert "llmhealth_cluster_stale_verdicts" not in plain
+    sharded = _cluster_samples(
+        ClusterView(
+            "a",
+            True,
+            True,
+            "a",
+            members={"a": 1.0, "b": 1.0},
+            shares={"a": 5, "b": 7},
+            stale_verdicts=2,
+        )
+    )
+    shares = {
+        s.labels["member"]: s.value for s in sharded["llmhealth_cluster_member_share_backends"]
+    }
+    assert shares == {"a": 5.0, "b": 7.0}
+    assert [s.value for s in sharded["llmhealth_cluster_stale_verdicts"]] == [2.0]

@@ -1,0 +1,375 @@
+"""Sharded reads: a verdict as plain values and back, and what a leader settles of others'.
+
+Pure: values in, values out; ``now`` is the caller's monotonic clock. With
+``shard_reads`` each member reads its rendezvous share of the backends
+(``leadership.share_of``) and publishes its verdicts; the leader settles every backend
+every wait, its own share from its reads and the others from what was published. A
+published verdict is settled once (by the publisher's serial, not by time: members'
+clocks differ), and a backend with no new verdict for ``stale_after`` becomes a
+``stalled`` verdict that says who should have read it: doubt, never silence and never
+health.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.text import printable
+from llmhealth.window import CpuSample, LongestStep
+
+_ENGINE_NUMBERS = (
+    "running",
+    "waiting",
+    "steps",
+    "generation_tokens",
+    "prompt_tokens",
+    "finished",
+    "preemptions",
+    "kv_usage",
+    "longest_gap",
+    "largest_step_tokens",
+    "prefill_seconds",
+)
+_VERDICT_NUMBERS = ("steps_per_s", "tokens_per_s")
+
+
+# --- a verdict as plain values ---------------------------------------------------------
+
+
+def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
+    """Everything the ledger and the audit use of a verdict; None fields left out."""
+    document: dict[str, Any] = {
+        "kind": str(verdict.kind),
+        "healthy": verdict.healthy,
+        "evidence": verdict.evidence,
+        "requests_sent": verdict.requests_sent,
+        "reads": [_read_to_dict(read) for read in verdict.reads],
+    }
+    for name in ("running", "waiting", *_VERDICT_NUMBERS):
+        value = getattr(verdict, name)
+        if _finite(value):
+            document[name] = value
+    if verdict.answer is not None:
+        answer = verdict.answer
+        document["answer"] = {
+            "at": answer.at,
+            "ok": answer.ok,
+            "detail": answer.detail,
+            "model": answer.model,
+            "models_served": list(answer.models_served),
+            "timed_out": answer.timed_out,
+        }
+    if verdict.longest_step is not None:
+        document["longest_step"] = verdict.longest_step.to_dict()
+    return document
+
+
+def _read_to_dict(read: Read) -> dict[str, Any]:
+    document: dict[str, Any] = {"at": read.at}
+    if read.problem is not None:
+        document["problem"] = str(read.problem)
+    if read.detail:
+        document["detail"] = read.detail
+    if read.cpu is not None:
+        document["cpu"] = {
+            "seconds": read.cpu.seconds,
+            "processes": list(read.cpu.processes),
+            "at": read.cpu.at,
+            "stopped": list(read.cpu.stopped),
+        }
+    if read.signals is not None:
+        signals = read.signals
+        document["signals"] = {
+            "process_start": signals.process_start if _finite(signals.process_start) else None,
+            "skipped_lines": signals.skipped_lines,
+            "notes": list(signals.notes),
+            "engines": [_engine_to_dict(engine) for engine in signals.engines],
+        }
+    return document
+
+
+def _engine_to_dict(engine: EngineSignals) -> dict[str, Any]:
+    document: dict[str, Any] = {"engine": engine.engine}
+    for name in _ENGINE_NUMBERS:
+        value = getattr(engine, name)
+        if _finite(value):
+            document[name] = value
+    if engine.sleep_state is not None:
+        document["sleep_state"] = engine.sleep_state
+    if engine.gap_beyond:
+        document["gap_beyond"] = True
+    return document
+
+
+def _finite(value: float | None) -> bool:
+    """A number JSON can carry; NaN and infinities (a hostile text's) are left unsaid."""
+    return value is not None and math.isfinite(value)
+
+
+def verdict_from_dict(data: object, where: str) -> Verdict:
+    """A published verdict; ValueError naming the field when it is not one. Text in it
+    is made printable again: any member, or anyone who can write etcd, wrote it."""
+    table = _table(data, where)
+    kind = VerdictKind(_text(table, "kind", where))
+    reads = tuple(
+        _read_from_dict(read, f"{where}.reads[{index}]")
+        for index, read in enumerate(_list(table, "reads", where))
+    )
+    answer = None
+    if table.get("answer") is not None:
+        raw = _table(table["answer"], f"{where}.answer")
+        model = raw.get("model")
+        answer = Answer(
+            at=_number(raw, "at", f"{where}.answer"),
+            ok=_flag(raw, "ok", f"{where}.answer"),
+            detail=_text(raw, "detail", f"{where}.answer"),
+            model=None if model is None else printable(str(model)),
+            models_served=tuple(
+                printable(str(m)) for m in _list(raw, "models_served", f"{where}.answer")
+            ),
+            timed_out=_flag(raw, "timed_out", f"{where}.answer"),
+        )
+    step = table.get("longest_step")
+    running, waiting = (_optional(table, name, where) for name in ("running", "waiting"))
+    return Verdict(
+        kind=kind,
+        healthy=_flag(table, "healthy", where),
+        evidence=_text(table, "evidence", where),
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        steps_per_s=_optional(table, "steps_per_s", where),
+        tokens_per_s=_optional(table, "tokens_per_s", where),
+        requests_sent=int(_number(table, "requests_sent", where)),
+        reads=reads,
+        answer=answer,
+        longest_step=None if step is None else LongestStep.from_dict(step, f"{where}.longest_step"),
+    )
+
+
+def _read_from_dict(data: object, where: str) -> Read:
+    table = _table(data, where)
+    problem = table.get("problem")
+    cpu = None
+    if table.get("cpu") is not None:
+        raw = _table(table["cpu"], f"{where}.cpu")
+        cpu = CpuSample(
+            seconds=_number(raw, "seconds", f"{where}.cpu"),
+            processes=tuple(int(p) for p in _list(raw, "processes", f"{where}.cpu")),
+            at=_optional(raw, "at", f"{where}.cpu"),
+            stopped=tuple(int(p) for p in _list(raw, "stopped", f"{where}.cpu")),
+        )
+    signals = None
+    if table.get("signals") is not None:
+        raw = _table(table["signals"], f"{where}.signals")
+        signals = Signals(
+            engines=tuple(
+                _engine_from_dict(engine, f"{where}.signals.engines[{index}]")
+                for index, engine in enumerate(_list(raw, "engines", f"{where}.signals"))
+            ),
+            process_start=_optional(raw, "process_start", f"{where}.signals"),
+            skipped_lines=int(_number(raw, "skipped_lines", f"{where}.signals")),
+            notes=tuple(printable(str(n)) for n in _list(raw, "notes", f"{where}.signals")),
+        )
+    return Read(
+        at=_number(table, "at", where),
+        signals=signals,
+        problem=None if problem is None else ReadProblem(str(problem)),
+        detail=printable(str(table.get("detail", ""))),
+        cpu=cpu,
+    )
+
+
+def _engine_from_dict(data: object, where: str) -> EngineSignals:
+    table = _table(data, where)
+    numbers = {name: _optional(table, name, where) for name in _ENGINE_NUMBERS}
+    sleep_state = table.get("sleep_state")
+    return EngineSignals(
+        engine=_text(table, "engine", where),
+        sleep_state=None if sleep_state is None else printable(str(sleep_state)),
+        gap_beyond=bool(table.get("gap_beyond", False)),
+        **numbers,
+    )
+
+
+def _table(data: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a table")
+    return data
+
+
+def _list(table: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    value = table.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"{where}.{key}: expected a list")
+    return value
+
+
+def _text(table: Mapping[str, Any], key: str, where: str) -> str:
+    value = table.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}.{key}: expected a string")
+    return printable(value)
+
+
+def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
+    value = table.get(key)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}.{key}: expected true or false")
+    return value
+
+
+def _number(table: Mapping[str, Any], key: str, where: str) -> float:
+    value = _optional(table, key, where)
+    if value is None:
+        raise ValueError(f"{where}.{key}: expected a number")
+    return value
+
+
+def _optional(table: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}.{key}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}.{key}: not a finite number")
+    return float(value)
+
+
+# --- what the leader settles of the others' reads --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """One backend's newest verdict as a member published it."""
+
+    member: str
+    serial: int  # the member's own count of this backend's verdicts: new when it changes
+    verdict: Verdict | None  # None: what was published could not be read
+    problem: str = ""  # why not, when it could not
+
+
+def publication(
+    serials: Mapping[str, int], verdicts: Mapping[str, Verdict], limit: int
+) -> list[bytes]:
+    """What a member writes under its keys: its share's newest verdicts with their serials,
+    as JSON documents of about ``limit`` bytes at most each (one etcd request each: a
+    verdict of three reads is about 2 KB, and a share can hold thousands)."""
+    chunks: list[bytes] = []
+    entries: list[bytes] = []
+    size = 0
+    for name, verdict in sorted(verdicts.items()):
+        entry = {"serial": serials.get(name, 0), "verdict": verdict_to_dict(verdict)}
+        text = (json.dumps(name) + ":" + json.dumps(entry, allow_nan=False)).encode()
+        if entries and size + len(text) > limit:
+            chunks.append(_chunk(entries))
+            entries, size = [], 0
+        entries.append(text)
+        size += len(text) + 1
+    if entries or not chunks:
+        chunks.append(_chunk(entries))
+    return chunks
+
+
+def _chunk(entries: list[bytes]) -> bytes:
+    return b'{"verdicts":{' + b",".join(entries) + b"}}"
+
+
+def parse_publication(member: str, document: object) -> dict[str, Published]:
+    """A member's publication by backend; an entry that cannot be read is kept as such
+    (it becomes doubt at the leader, with the reason), never dropped."""
+    if not isinstance(document, dict) or not isinstance(document.get("verdicts"), dict):
+        return {}
+    published = {}
+    for name, entry in document["verdicts"].items():
+        where = f"{member}: {name}"
+        try:
+            table = _table(entry, where)
+            serial = table.get("serial")
+            if isinstance(serial, bool) or not isinstance(serial, int):
+                raise ValueError(f"{where}.serial: expected a whole number")
+            published[str(name)] = Published(
+                member, serial, verdict_from_dict(table.get("verdict"), where)
+            )
+        except ValueError as exc:
+            published[str(name)] = Published(member, -1, None, printable(str(exc)))
+    return published
+
+
+@dataclass(slots=True)
+class Intake:
+    """The leader's memory of others' verdicts since it took the lead: which it settled,
+    and when (its monotonic clock) each backend last had news. A new leader starts a new
+    one, and takes what is published then as already settled by its predecessor: at
+    worst one verdict per backend goes unsettled, never one settled twice (two failures
+    counted for one would condemn early)."""
+
+    started: float
+    settled: dict[str, tuple[str, int]] = field(default_factory=dict)
+    news_at: dict[str, float] = field(default_factory=dict)
+    primed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    verdicts: dict[str, Verdict]  # by backend: to settle this wait
+    stale: tuple[str, ...]  # backends given a doubt verdict for want of a fresh one
+
+
+def take_published(
+    intake: Intake,
+    owners: Mapping[str, str],
+    published: Mapping[str, Mapping[str, Published]],
+    now: float,
+    stale_after: float,
+) -> Taken:
+    """The verdicts to settle for the backends others read (``owners``: backend → the
+    member whose share it is now), each at most once.
+
+    A backend's verdict is taken from its owner's publication, else from whichever
+    member published one (the share just moved). No new one for ``stale_after`` since
+    the last (or since this leader started): a ``stalled`` verdict saying so, every wait
+    until one comes.
+    """
+    verdicts: dict[str, Verdict] = {}
+    stale = []
+    for name, owner in owners.items():
+        found = published.get(owner, {}).get(name)
+        if found is None:
+            others = [by[name] for _, by in sorted(published.items()) if name in by]
+            found = others[0] if others else None
+        intake.news_at.setdefault(name, intake.started)
+        if (
+            found is not None
+            and found.verdict is not None
+            and intake.settled.get(name) != (found.member, found.serial)
+        ):
+            intake.settled[name] = (found.member, found.serial)
+            intake.news_at[name] = now
+            if intake.primed:  # else the former leader may have settled it already
+                verdicts[name] = found.verdict
+            continue
+        age = now - intake.news_at[name]
+        if age >= stale_after:
+            stale.append(name)
+            verdicts[name] = doubt(owner, found, age)
+    intake.primed = True
+    return Taken(verdicts, tuple(stale))
+
+
+def doubt(owner: str, found: Published | None, seconds: float) -> Verdict:
+    """The verdict for a backend nobody has read lately: doubt, with who should have."""
+    if found is None:
+        why = f"no member has published a verdict of it; {owner} reads it"
+    elif found.verdict is None:
+        why = f"{found.member} published one that cannot be read ({found.problem})"
+    else:
+        why = f"{owner} reads it; the newest published is {found.member}'s, already settled"
+    evidence = f"stalled: no fresh verdict for {seconds:.0f} s (sharded reads): {why}"
+    return Verdict(VerdictKind.STALLED, healthy=False, evidence=printable(evidence))

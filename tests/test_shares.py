@@ -1,0 +1,173 @@
+"""Sharded reads as values: a verdict through JSON and back, and what a leader settles."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind, decide
+from llmhealth.metrics import parse_metrics
+from llmhealth.shares import (
+    Intake,
+    Published,
+    parse_publication,
+    publication,
+    take_published,
+    verdict_from_dict,
+    verdict_to_dict,
+)
+from llmhealth.window import CpuSample, LongestStep
+
+Load = Callable[[str], str]
+
+
+def wedged_verdict(fixture_text: Load) -> Verdict:
+    """A real wedge proof: three reads of a frozen engine (the dead-engine capture)."""
+    reads = [
+        Read(at=100.0 + 5 * index, signals=parse_metrics(fixture_text(f"vllm-0.32/{name}.txt")))
+        for index, name in enumerate(("dead-1", "dead-2", "dead-3"))
+    ]
+    decision = decide(reads, max_reads=3)
+    assert isinstance(decision, Verdict)
+    return decision
+
+
+def test_a_real_verdict_comes_back_from_json_as_it_was(fixture_text: Load) -> None:
+    verdict = wedged_verdict(fixture_text)
+    text = json.dumps(verdict_to_dict(verdict), allow_nan=False)
+    assert verdict_from_dict(json.loads(text), "v") == verdict
+
+
+def test_every_part_of_a_verdict_survives_the_trip() -> None:
+    verdict = Verdict(
+        VerdictKind.IDLE,
+        healthy=True,
+        evidence="idle: answered",
+        running=0,
+        waiting=0,
+        steps_per_s=0.0,
+        requests_sent=1,
+        reads=(
+            Read(10.0, problem=ReadProblem.UNRESPONSIVE, detail="timed out after 1 s"),
+            Read(11.0, cpu=CpuSample(3.5, (12, 13), at=11.2, stopped=(13,))),
+        ),
+        answer=Answer(12.0, True, "200", "tiny", ("tiny", "other"), timed_out=False),
+        longest_step=LongestStep(0.25, "histogram"),
+    )
+    assert verdict_from_dict(json.loads(json.dumps(verdict_to_dict(verdict))), "v") == verdict
+
+
+def test_numbers_json_cannot_carry_are_left_unsaid_not_refused(fixture_text: Load) -> None:
+    signals = parse_metrics(fixture_text("hostile/negative-and-nan.txt"))
+    verdict = Verdict(VerdictKind.BUSY, True, "busy", reads=(Read(1.0, signals=signals),))
+    assert json.dumps(verdict_to_dict(verdict), allow_nan=False)  # would raise on NaN
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ("nope", "v: expected a table"),
+        ({"kind": "sleepy", "healthy": True, "evidence": "", "requests_sent": 0}, "sleepy"),
+        ({"kind": "busy", "healthy": "yes", "evidence": "", "requests_sent": 0}, "v.healthy"),
+        (
+            {"kind": "busy", "healthy": True, "evidence": "", "requests_sent": 0, "reads": {}},
+            "v.reads",
+        ),
+        (
+            {"kind": "busy", "healthy": True, "evidence": "", "requests_sent": 0, "reads": [{}]},
+            r"v.reads\[0\].at",
+        ),
+    ],
+)
+def test_a_published_verdict_that_is_not_one_is_refused_naming_the_field(
+    document: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        verdict_from_dict(document, "v")
+
+
+def test_text_from_another_member_reaches_nobody_raw() -> None:
+    document = verdict_to_dict(Verdict(VerdictKind.BUSY, True, "busy \x1b[2J now"))
+    assert verdict_from_dict(document, "v").evidence == "busy \\x1b[2J now"
+
+
+def healthy(label: str) -> Verdict:
+    return Verdict(VerdictKind.BUSY, True, f"busy: {label}")
+
+
+def published(member: str, **serials: int) -> dict[str, Published]:
+    return {
+        name: Published(member, serial, healthy(f"{member}#{serial}"))
+        for name, serial in serials.items()
+    }
+
+
+def test_a_new_leader_takes_what_is_published_then_as_settled_and_each_later_verdict_once() -> None:
+    intake = Intake(started=0.0)
+    owners = {"gpu1": "b", "gpu2": "b"}
+    first = take_published(intake, owners, {"b": published("b", gpu1=4, gpu2=7)}, 1.0, 10.0)
+    assert first.verdicts == {} and first.stale == ()  # its predecessor may have settled them
+    second = take_published(intake, owners, {"b": published("b", gpu1=5, gpu2=7)}, 2.0, 10.0)
+    assert second.verdicts == {"gpu1": healthy("b#5")}
+    third = take_published(intake, owners, {"b": published("b", gpu1=5, gpu2=7)}, 3.0, 10.0)
+    assert third.verdicts == {}  # nothing new: nothing settled twice
+
+
+def test_a_backend_with_no_fresh_verdict_becomes_doubt_every_wait_until_one_comes() -> None:
+    intake = Intake(started=0.0)
+    owners = {"gpu1": "b", "gpu2": "c"}
+    take_published(intake, owners, {"b": published("b", gpu1=1)}, 1.0, 10.0)
+    quiet = take_published(intake, owners, {"b": published("b", gpu1=1)}, 10.5, 10.0)
+    assert quiet.stale == ("gpu2",)  # c never published: stale since this leader started
+    doubt = quiet.verdicts["gpu2"]
+    assert (doubt.kind, doubt.healthy) == (VerdictKind.STALLED, False)
+    assert "no member has published a verdict of it; c reads it" in doubt.evidence
+    later = take_published(intake, owners, {"b": published("b", gpu1=1)}, 11.5, 10.0)
+    assert set(later.stale) == {"gpu1", "gpu2"}
+    assert (
+        "b reads it; the newest published is b's, already settled"
+        in later.verdicts["gpu1"].evidence
+    )
+    back = take_published(
+        intake, owners, {"b": published("b", gpu1=2), "c": published("c", gpu2=1)}, 12.0, 10.0
+    )
+    assert back.stale == () and set(back.verdicts) == {"gpu1", "gpu2"}
+    assert all(verdict.healthy for verdict in back.verdicts.values())
+
+
+def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
+    intake = Intake(started=0.0, primed=True)
+    taken = take_published(intake, {"gpu1": "c"}, {"b": published("b", gpu1=3)}, 1.0, 10.0)
+    assert taken.verdicts == {"gpu1": healthy("b#3")}
+
+
+def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> None:
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": healthy("x")}, 4096)
+    document = json.loads(chunk)
+    document["verdicts"]["gpu1"]["verdict"]["healthy"] = "very"
+    entries = parse_publication("b", document)
+    assert entries["gpu1"].verdict is None
+    intake = Intake(started=0.0, primed=True)
+    taken = take_published(intake, {"gpu1": "b"}, {"b": entries}, 20.0, 10.0)
+    assert taken.stale == ("gpu1",)
+    assert "cannot be read" in taken.verdicts["gpu1"].evidence
+    assert "expected true or false" in taken.verdicts["gpu1"].evidence
+    assert parse_publication("b", "garbage") == {}
+
+
+def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
+    fixture_text: Load,
+) -> None:
+    verdict = wedged_verdict(fixture_text)
+    verdicts = {f"gpu{index:04d}": verdict for index in range(300)}
+    chunks = publication({name: 7 for name in verdicts}, verdicts, 64 * 1024)
+    entry = len(json.dumps(verdict_to_dict(verdict))) + 40
+    assert len(chunks) > 1
+    assert all(len(chunk) <= 64 * 1024 + entry for chunk in chunks)
+    merged: dict[str, Published] = {}
+    for chunk in chunks:
+        merged.update(parse_publication("b", json.loads(chunk)))
+    assert merged == {name: Published("b", 7, verdict) for name in verdicts}
+    assert publication({}, {}, 1024) == [b'{"verdicts":{}}']  # an empty share clears
