@@ -3,7 +3,9 @@
 It runs the real simulator as a child process and the real check and watch against it,
 so what it shows is what an operator would see. In the watch part one backend is wedged;
 the daemon proves it, runs a real restart command (it asks the simulator to start a new
-"process"), sees the new process and re-admits it. Everything stops by itself.
+"process"), sees the new process and re-admits it. With etcd installed, it ends with two
+`watch` processes on one fleet and the leader killed while a wedge is being proven: the
+other takes over and restarts it, once. Everything stops by itself.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import asyncio
 import contextlib
 import io
 import json
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -41,6 +46,9 @@ _WEDGE_AFTER = 1.0
 _WATCH_FOR = 10.0
 _ROUTE_WEDGE_AFTER = 4.0
 _ROUTE_FOR = 14.0
+_TAKEOVER_WEDGE_AFTER = 4.0
+_TAKEOVER_TTL = 3
+_TAKEOVER_WITHIN = 40.0  # every wait of the takeover part, on a slow machine
 # name, simulator mode; the proxy fronts the first two backends
 _FLEET = (
     ("gpu0-busy", "busy"),
@@ -135,6 +143,12 @@ def run_demo(console: Console) -> int:
         _watch_live(console, urls, proxy_url, Path(scratch), metrics_port)
     with tempfile.TemporaryDirectory() as scratch:
         _route_live(console, Path(scratch))
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            _takeover_live(console, Path(scratch))
+        except RuntimeError as exc:  # a machine too slow for its bounds: say so, plainly
+            console.print(f"The takeover part did not finish: {exc}.", markup=False)
+            return 1
     console.print("\nSimulators stopped; the demo's state and audit logs were in temp dirs.")
     return 0
 
@@ -338,3 +352,176 @@ async def _stream_client(console: Console, url: str, until: float) -> None:
                 if states.get(name, state) != state:
                     console.print(f"      [bold]{name}: {states[name]} → {state}[/bold]")
                 states[name] = state
+
+
+# --- 5. two daemons, one etcd, the leader killed --------------------------------------
+
+
+def _etcd_binary() -> str | None:
+    return shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+
+
+def _takeover_live(console: Console, scratch: Path) -> None:
+    console.rule("5. two watch daemons on one fleet (etcd): the leader killed mid-wedge")
+    etcd = _etcd_binary()
+    if etcd is None:
+        console.print(
+            "etcd is not installed (`make tools` installs Debian's etcd-server): skipped."
+        )
+        return
+    base = free_port_block(6)
+    client, peer = f"http://{_HOST}:{base}", f"http://{_HOST}:{base + 1}"
+    urls = [f"http://{_HOST}:{base + 2}", f"http://{_HOST}:{base + 3}"]
+    metrics = [base + 4, base + 5]
+    config = scratch / "cluster.toml"
+    config.write_text(
+        'wait = "1s"\ntimeout = "2s"\nanswer_timeout = "3s"\n'
+        f'[[backend]]\nname = "t0-wedging"\nurl = "{urls[0]}"\n'
+        f"restart = {json.dumps([sys.executable, '-c', _RESTART_CODE, urls[0]])}\n"
+        f'[[backend]]\nname = "t1-idle"\nurl = "{urls[1]}"\n'
+        f'[cluster]\netcd = ["{client}"]\nprefix = "/llmhealth/demo"\n'
+        f"lease_ttl = {_TAKEOVER_TTL}\n"
+    )
+    console.print(
+        f"  etcd {client}; t0-wedging {urls[0]} (wedges {_TAKEOVER_WEDGE_AFTER:g} s in), "
+        f"t1-idle {urls[1]}\n  lease_ttl {_TAKEOVER_TTL} s, wait 1 s\n"
+        "$ llmhealth watch --config cluster.toml   # twice, as on two machines\n"
+    )
+    etcd_argv = [
+        etcd, "--name", "demo", "--data-dir", str(scratch / "etcd"),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"demo={peer}", "--unsafe-no-fsync",
+    ]  # fmt: skip
+    restarts: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_process(etcd_argv, scratch / "etcd.log"))
+        _until(lambda: _answers(f"{client}/health"), "etcd to answer")
+        modes = [f"wedge:{_TAKEOVER_WEDGE_AFTER:g}", "idle"]
+        stack.enter_context(simulated_fleet(modes, base + 2))
+        started = time.monotonic()
+        daemons = [
+            stack.enter_context(
+                _process(
+                    [sys.executable, "-m", "llmhealth", "watch", "--config", str(config),
+                     "--listen", f"{_HOST}:{port}"],
+                    scratch / f"watch-{index}.log",
+                )
+            )
+            for index, port in enumerate(metrics)
+        ]  # fmt: skip
+
+        def at() -> str:
+            return f"{time.monotonic() - started:5.1f} s"
+
+        leader = _until(lambda: _leader(metrics), "one daemon to lead")
+        console.print(f"  {at()}  daemon {leader} leads (llmhealth_cluster_leader 1)")
+        # Kill it as the wedge is being proven: after the wedge, before two reads of it.
+        time.sleep(max(0.0, started + _TAKEOVER_WEDGE_AFTER + 1.0 - time.monotonic()))
+        daemons[leader].send_signal(signal.SIGKILL)
+        console.print(f"  {at()}  daemon {leader} killed (SIGKILL), its lease left to lapse")
+        other = 1 - leader
+        _until(lambda: _leader([metrics[other]]) == 0, "the other daemon to lead")
+        console.print(f"  {at()}  daemon {other} leads")
+        _until(lambda: _restarted(metrics[other], "t0-wedging"), "the restart")
+        console.print(f"  {at()}  daemon {other} restarted t0-wedging (RESTARTING committed first)")
+        _until(lambda: _state(metrics[other], "t0-wedging") == "healthy", "the re-admission")
+        console.print(f"  {at()}  t0-wedging re-admitted: healthy")
+        for command, title in (
+            ("status", "the ledger and who leads"),
+            ("audit", "the audit trail"),
+        ):
+            console.print(f"\n$ llmhealth {command} --config cluster.toml   # {title}, from etcd\n")
+            done = subprocess.run(
+                [sys.executable, "-m", "llmhealth", command, "--config", str(config)],
+                capture_output=True, text=True, timeout=30, check=False,
+            )  # fmt: skip
+            if command == "status":
+                console.print(done.stdout.rstrip(), highlight=False, markup=False)
+                continue
+            entries = [json.loads(line) for line in done.stdout.splitlines()]
+            restarts = [e for e in entries if e.get("event") == "restart"]
+            for entry in entries:
+                console.print(
+                    f"  {entry.get('backend')}: {entry.get('event')} {entry.get('from')} → "
+                    f"{entry.get('to')}  (by {entry.get('member')}, fence {entry.get('fence')})",
+                    highlight=False,
+                    markup=False,
+                )
+    by = sorted({str(entry.get("member")) for entry in restarts})
+    console.print(
+        f"\n{len(restarts)} restart in the trail, by {', '.join(by)}: the daemon that took "
+        "over, under its own fencing token. Each record was written in the same etcd "
+        "transaction as the state it led to.",
+        highlight=False,
+        markup=False,
+    )
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process with its output in ``log``; terminated (then killed) on exit."""
+    with log.open("wb") as output:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=10)
+
+
+def _until(found: Callable[[], Any], what: str, poll: float = 0.2) -> Any:
+    """``found()``'s first value that is not None or False, polled; bounded in time."""
+    deadline = time.monotonic() + _TAKEOVER_WITHIN
+    while time.monotonic() < deadline:
+        value = found()
+        if value is not None and value is not False:
+            return value
+        time.sleep(poll)
+    raise RuntimeError(f"the demo waited {_TAKEOVER_WITHIN:g} s for {what}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _scrape(port: int) -> str:
+    try:
+        return httpx.get(f"http://{_HOST}:{port}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return ""  # not up yet, or killed
+
+
+def _leader(ports: list[int]) -> int | None:
+    """Which of these daemons says it leads (may act), by index."""
+    for index, port in enumerate(ports):
+        for line in _scrape(port).splitlines():
+            if line.startswith("llmhealth_cluster_leader{") and line.endswith(" 1.0"):
+                return index
+    return None
+
+
+def _restarted(port: int, backend: str) -> bool:
+    """The daemon ran a restart command for ``backend`` that exited 0."""
+    line = f'llmhealth_backend_restarts_total{{backend="{backend}",outcome="ok"}} '
+    return any(
+        sample.startswith(line) and float(sample[len(line) :]) >= 1
+        for sample in _scrape(port).splitlines()
+    )
+
+
+def _state(port: int, backend: str) -> str | None:
+    """The ledger state a daemon exports for ``backend``."""
+    prefix = f'llmhealth_backend_state{{backend="{backend}",state="'
+    for line in _scrape(port).splitlines():
+        if line.startswith(prefix) and line.endswith(" 1.0"):
+            return line[len(prefix) :].split('"', 1)[0]
+    return None
