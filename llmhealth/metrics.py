@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cache
+from typing import Any
 
 # vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
 # labels (finished_reason, model_name) are summed per engine; kv use takes the maximum.
@@ -120,8 +121,15 @@ class Signals:
 
 
 def parse_metrics(body: str | bytes) -> Signals:
-    """Extract the signals; any text at all yields Signals, possibly with no engines."""
-    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    """Extract the signals; any text at all yields Signals, possibly with no engines.
+
+    One regular-expression scan finds the lines of the series read; what each line's name
+    and label text mean (which field, engine, label set, bucket bound) is worked out once
+    per process and remembered (``_meaning``), so a line costs a look-up and a ``float``.
+    """
+    # Scanned as bytes, as they came: only the few label sets not seen before are decoded
+    # (as the whole text would be, with U+FFFD for what is not UTF-8).
+    data = body if isinstance(body, bytes) else body.encode("utf-8", errors="surrogatepass")
     # Per (field, engine, label set): a duplicate series overwrites, as the Prometheus
     # server would keep only one sample of it. The parsed labels, not their raw text, say
     # which series it is: label order and spacing do not make a new one.
@@ -131,38 +139,47 @@ def parse_metrics(body: str | bytes) -> Signals:
     buckets: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, float]] = {}
     process_start: float | None = None
     skipped = 0
-    names = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES)
-    for name, line in _lines_named(text, names):
-        parsed = _parse_sample(line, len(name))
-        if parsed is None:
+    # (name and label text, the rest of the line) per line; so line 1 is found too.
+    lines = _LINES.findall(b"\n" + data)
+    heads, tails = zip(*lines, strict=True) if lines else ((), ())
+    # Looked up and converted in C, line by line; per line in Python only where needed.
+    meanings = list(map(_MEANINGS.get, heads))
+    if None in meanings:  # not seen before, or labels that do not parse
+        meanings = [
+            meaning or _meaning(head) for meaning, head in zip(meanings, heads, strict=True)
+        ]
+    try:
+        values: list[float | None] = list(map(float, tails))  # a value alone: vLLM's lines
+    except ValueError:
+        values = [_value_before_timestamp(tail) for tail in tails]
+    for meaning, converted, tail in zip(meanings, values, tails, strict=True):
+        if meaning is None:
             skipped += 1
             continue
-        labels, value = parsed
-        if name == _START_SERIES:
-            if not labels and math.isfinite(value) and value > 0:  # `{}` is no labels too
-                process_start = value
-            continue
-        engine = labels.get("engine", _DEFAULT_ENGINE)
-        if name == _SLEEP_SERIES:
-            state = labels.get("sleep_state")
-            if state is not None and math.isfinite(value):
-                sleep.setdefault(engine, {})[state] = value
-            continue
-        if not math.isfinite(value) or value < 0:
-            # A NaN, infinite or negative count says nothing usable; treat it as absent
-            # rather than let it fake progress or a restart.
+        kind, key, extra, leftover = meaning
+        # A "}" after the label set ended is part of what follows it.
+        value = _value_before_timestamp(leftover + tail) if leftover else converted
+        if value is None:
             skipped += 1
             continue
-        if name in _BUCKETS:
-            bound = _bucket_bound(labels.pop("le", None))
-            if bound is None:
+        if kind <= _BUCKET:  # a sample or a bucket, nearly every line: tested first
+            if not 0.0 <= value < math.inf:
+                # A NaN, infinite or negative count says nothing usable; treat it as
+                # absent rather than let it fake progress or a restart.
                 skipped += 1
-                continue
-            key = (_BUCKETS[name], engine, frozenset(labels.items()))
-            buckets.setdefault(key, {})[bound] = value
-            continue
-        field_name = "prefill_seconds" if name == _PREFILL_SUM else _SERIES[name]
-        samples[(field_name, engine, frozenset(labels.items()))] = value
+            elif kind == _BUCKET:
+                if extra is None:  # a bound that is not a number
+                    skipped += 1
+                else:
+                    buckets.setdefault(key, {})[extra] = value
+            else:
+                samples[key] = value
+        elif kind == _START:
+            if math.isfinite(value) and value > 0:
+                process_start = value
+        elif kind == _SLEEP and math.isfinite(value):
+            engine, state = extra
+            sleep.setdefault(engine, {})[state] = value
     for (field_name, engine, labels_set), counts in buckets.items():
         highest = _highest_bucket(counts)
         if highest is not None:
@@ -174,6 +191,74 @@ def parse_metrics(body: str | bytes) -> Signals:
     engines = _combine(samples, sleep)
     notes = (f"{skipped} malformed or unusable vLLM sample(s) ignored",) if skipped else ()
     return Signals(engines, process_start, skipped, notes)
+
+
+# What a line is, by its name and labels (plain ints: an Enum member's look-up costs
+# more than the rest of the line's work). The key and extra of a _Meaning for each:
+_SAMPLE = 1  # a counter or gauge: key is (field, engine, label set)
+_BUCKET = 2  # key is (field, engine, label set without le); extra the bound or None
+_SLEEP = 3  # extra is (engine, sleep state)
+_START = 4  # the process start time, without labels
+_IGNORE = 5  # well formed, nothing to read (a start time with labels, a sleep gauge
+# without its state): only its value must parse
+
+
+# What a line's name and label text mean: its kind, key and extra (see _SAMPLE), and what
+# of the label text follows the end of its label set, when a "}" does (b"" otherwise).
+_Meaning = tuple[int, tuple[str, str, frozenset[tuple[str, str]]], Any, bytes]
+
+
+def _meaning(head: bytes) -> _Meaning | None:
+    """``_interpret(head)``, remembered per name and label text.
+
+    A backend sends the same few dozen lines every read, and a fleet's backends send the
+    same ones, so each is understood once per process, not once per line. Memoization
+    only; cleared when it grows past its bound, so a server inventing new label values
+    cannot grow it without limit. A label text is all the interpretation reads: a label
+    set that parses ends at a ``}`` no later than the line's last one.
+    """
+    if head in _MEANINGS:
+        return _MEANINGS[head]
+    if len(_MEANINGS) >= _MEANINGS_MAX:
+        _MEANINGS.clear()
+    meaning = _MEANINGS[head] = _interpret(head)
+    return meaning
+
+
+_MEANINGS: dict[bytes, _Meaning | None] = {}
+_MEANINGS_MAX = 4096
+_NO_KEY: tuple[str, str, frozenset[tuple[str, str]]] = ("", "", frozenset())
+
+
+def _interpret(head: bytes) -> _Meaning | None:
+    """What one series line means, from its name and label text; None when the labels
+    do not parse (the line is then counted as malformed)."""
+    name_bytes, brace, label_bytes = head.partition(b"{")
+    name = name_bytes.decode("ascii")  # one of ours, which _LINES matched
+    labels: dict[str, str] = {}
+    leftover = b""
+    if brace:
+        label_text = (brace + label_bytes).decode("utf-8", errors="replace")
+        parsed = _parse_labels(label_text)
+        if parsed is None:
+            return None
+        labels, end = parsed
+        leftover = label_text[end:].encode("utf-8")
+    if name == _START_SERIES:
+        # `{}` is no labels too; a start time with labels is not the process's.
+        return (_IGNORE if labels else _START, _NO_KEY, None, leftover)
+    engine = labels.get("engine", _DEFAULT_ENGINE)
+    if name == _SLEEP_SERIES:
+        state = labels.get("sleep_state")
+        if state is None:
+            return (_IGNORE, _NO_KEY, None, leftover)
+        return (_SLEEP, _NO_KEY, (engine, state), leftover)
+    if name in _BUCKETS:
+        bound = _bucket_bound(labels.pop("le", None))
+        key = (_BUCKETS[name], engine, frozenset(labels.items()))
+        return (_BUCKET, key, bound, leftover)
+    field_name = "prefill_seconds" if name == _PREFILL_SUM else _SERIES[name]
+    return (_SAMPLE, (field_name, engine, frozenset(labels.items())), None, leftover)
 
 
 def _combine(
@@ -227,16 +312,20 @@ def _highest_bucket(counts: dict[float, float]) -> tuple[float, bool] | None:
     """The bound of the lowest bucket that holds every observation; None when empty.
 
     When some observations are only in +Inf, it is the largest finite bound and True:
-    the longest value is then only known to exceed it.
+    the longest value is then only known to exceed it. Bounds are never NaN or negative
+    (``_bucket_bound``), so +Inf sorts last.
     """
     total = max(counts.values(), default=0.0)
     if total <= 0:
         return None
-    finite = sorted(bound for bound in counts if math.isfinite(bound))
-    for bound in finite:
+    largest_finite = None
+    for bound in sorted(counts):
+        if bound == math.inf:
+            break
         if counts[bound] >= total:
             return bound, False
-    return (finite[-1], True) if finite else None
+        largest_finite = bound
+    return None if largest_finite is None else (largest_finite, True)
 
 
 def _engine_order(engine: str) -> tuple[int, str]:
@@ -256,78 +345,57 @@ def _sleep_state(states: dict[str, float] | None) -> str | None:
     return "awake" if "awake" in active else sorted(active)[0]
 
 
-def _lines_named(text: str, names: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Every sample line of the named series, found by one regular-expression scan.
+_READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES)
 
-    One pass in C over the text, whatever the number of names (a ``str.find`` loop per
-    name scanned the whole text once per name). A name must start a line and be followed
-    by ``{``, a space or a tab: a longer name sharing the prefix is another series.
+
+def _value_before_timestamp(tail: bytes) -> float | None:
+    """The value of ``value [timestamp]``; None when that is not what follows the labels.
+
+    Read as the text it is (U+FFFD for what is not UTF-8): any Unicode space separates.
     """
-    found = _line_pattern(names).finditer("\n" + text)  # so the first line is found too
-    return [(match[1], match[0][1:].rstrip("\r")) for match in found]
-
-
-@cache
-def _line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
-    """The pattern for ``names``, vLLM's grouped behind their common ``vllm:``.
-
-    Every match then starts with the literal ``\nvllm:`` or another name's first
-    letters, which the regex engine looks for before it tries the alternatives; longest
-    names first, so a name that is a prefix of another never shadows it.
-    """
-    vllm = sorted((name[5:] for name in names if name.startswith("vllm:")), key=len, reverse=True)
-    others = sorted((name for name in names if not name.startswith("vllm:")), key=len, reverse=True)
-    alternatives = [f"vllm:(?:{'|'.join(map(re.escape, vllm))})"] if vllm else []
-    alternatives += map(re.escape, others)
-    return re.compile(rf"\n({'|'.join(alternatives)})(?=[{{ \t])[^\n]*")
-
-
-def _parse_sample(line: str, name_length: int) -> tuple[dict[str, str], float] | None:
-    """Split ``name{labels} value [timestamp]``; None when the line is not well formed."""
-    rest = line[name_length:]
-    labels: dict[str, str] = {}
-    if rest.startswith("{"):
-        parsed = _labels_of(rest)
-        if parsed is None:
-            return None
-        known, consumed = parsed
-        labels = dict(known)  # the cached dict is shared: callers get their own
-        rest = rest[consumed:]
-    parts = rest.split()
+    parts = tail.decode("utf-8", errors="replace").split()
     if not parts or len(parts) > 2:
         return None
     try:
-        value = float(parts[0])
+        return float(parts[0])
     except ValueError:
         return None
-    return labels, value
 
 
-# Label sets by their text: a backend sends the same few dozen every read, and a fleet's
-# backends send the same ones, so each is parsed once per process, not once per line.
-# Memoization only (the answer is what _parse_labels gives); cleared when it grows past
-# its bound, so a server inventing new label values cannot grow it without limit.
-_LABELS_SEEN: dict[str, tuple[dict[str, str], int] | None] = {}
-_LABELS_SEEN_MAX = 4096
+def _alternatives(names: Iterable[str]) -> str:
+    """A pattern matching exactly ``names``, as a tree of their common prefixes.
 
-
-def _labels_of(rest: str) -> tuple[dict[str, str], int] | None:
-    """``_parse_labels(rest)``, remembered by the text up to the line's last ``}``.
-
-    That text is all the parser can read: a parse that ends well stops at a ``}`` no later
-    than the last one, and every ``find`` and character it looks at lies before it.
+    The regex engine tries a flat list of alternatives one after another at every line
+    start; as a tree, a line that is none of them fails on its first differing letter.
     """
-    key = rest[: rest.rfind("}") + 1]
-    if not key:
-        return None  # no closing brace at all: _parse_labels cannot succeed either
-    try:
-        return _LABELS_SEEN[key]
-    except KeyError:
-        pass
-    if len(_LABELS_SEEN) >= _LABELS_SEEN_MAX:
-        _LABELS_SEEN.clear()
-    parsed = _LABELS_SEEN[key] = _parse_labels(key)
-    return parsed
+    tree: dict[str, Any] = {}
+    for name in names:
+        node = tree
+        for char in name:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a name ends here
+
+    def pattern(node: dict[str, Any]) -> str:
+        branches = [
+            re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char
+        ]
+        if not branches:
+            return ""
+        if len(branches) == 1 and "" not in node:
+            return branches[0]
+        group = f"(?:{'|'.join(branches)})"
+        return group + "?" if "" in node else group
+
+    return pattern(tree)
+
+
+# Every sample line of the series read, in one pass in C over the text: its name (which
+# must start a line and be followed by ``{``, a space or a tab: a longer name sharing the
+# prefix is another series) with its label text up to the line's last ``}`` (a lone ``{``
+# when there is none, which no label set parses from), and the rest of the line.
+_LINES = re.compile(
+    (rf"\n((?:{_alternatives(_READ)})(?=[{{ \t])(?:\{{[^\n]*\}}|\{{|))([^\n]*)").encode("ascii")
+)
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
