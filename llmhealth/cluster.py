@@ -24,11 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
-
-import etcd3gw
-from etcd3gw import exceptions as etcd_errors
 
 from llmhealth.actions import AuditError, encode_record
 from llmhealth.classify import Verdict
@@ -53,6 +50,12 @@ from llmhealth.shares import (
 )
 from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
+
+if TYPE_CHECKING:
+    # Loaded when a cluster is used (``Etcd``), not when this module is: etcd3gw brings
+    # requests and futurist, about 0.1 s of start-up that `watch` without etcd and every
+    # other verb would pay for nothing.
+    import etcd3gw
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -148,6 +151,8 @@ class Etcd:
 
     @staticmethod
     def _client(url: str, timeout: float) -> etcd3gw.Etcd3Client:
+        import etcd3gw  # noqa: PLC0415 - only a cluster pays for the etcd client
+
         parts = urlsplit(url)
         return etcd3gw.Etcd3Client(
             host=parts.hostname or "127.0.0.1",
@@ -158,6 +163,8 @@ class Etcd:
         )
 
     def call(self, request: Callable[[etcd3gw.Etcd3Client], T]) -> T:
+        from etcd3gw import exceptions as etcd_errors  # noqa: PLC0415 - loaded by _client
+
         with self._lock:
             first = self._current
         problems = []
@@ -223,10 +230,14 @@ class Etcd:
 
     def keepalive(self, lease: int) -> int:
         """Renew a lease; its TTL, or -1 when etcd no longer has it."""
-        return self.call(lambda client: etcd3gw.Lease(lease, client).refresh())
+        from etcd3gw import Lease  # noqa: PLC0415 - loaded by _client
+
+        return self.call(lambda client: Lease(lease, client).refresh())
 
     def revoke(self, lease: int) -> None:
-        self.call(lambda client: etcd3gw.Lease(lease, client).revoke())
+        from etcd3gw import Lease  # noqa: PLC0415 - loaded by _client
+
+        self.call(lambda client: Lease(lease, client).revoke())
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +168,8 @@ class Config:
 
 def load(path: str | Path) -> Config:
     """Read and validate a config file; any problem is a ConfigError naming file and key."""
+    import tomllib  # noqa: PLC0415 - a check of bare URLs reads no file
+
     where = str(path)
     try:
         raw = Path(path).read_bytes()
