@@ -403,12 +403,13 @@ def _request_bytes(
     origin: Origin, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
 ) -> bytes:
     """The request as it goes on the wire: one buffer, one write."""
-    lines = [f"{method} {origin.prefix}{target} HTTP/1.1".encode("latin-1")]
+    # utf-8 with surrogateescape: the bytes aiohttp's parser decoded so, exactly as they came.
+    lines = [f"{method} {origin.prefix}{target} HTTP/1.1".encode("utf-8", "surrogateescape")]
     lines.append(b"Host: " + origin.host_header)
     for name, value in headers:
         if "\r" in value or "\n" in value:
             continue  # cannot be sent as one header line; aiohttp's parser let none through
-        lines.append(f"{name}: {value}".encode("latin-1", "replace"))
+        lines.append(f"{name}: {value}".encode("utf-8", "surrogateescape"))
     if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         lines.append(b"Content-Length: %d" % len(body))
     return b"\r\n".join(lines) + b"\r\n\r\n" + body

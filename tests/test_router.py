@@ -205,9 +205,13 @@ def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
     async def scenario() -> None:
         async with routing({"a": httpserver.url_for("")}) as (router, url), client() as http:
             response = await http.post(
-                url + CHAT + "?x=1",
+                url + CHAT + "?x=1&y=a%20b%2Fc",
                 content=BODY,
-                headers={"Authorization": "Bearer client-key", "X-Trace": "t1"},
+                headers={
+                    "Authorization": "Bearer client-key",
+                    "X-Trace": "t1",
+                    "X-Name": "café".encode(),  # bytes beyond ASCII pass as they came
+                },
             )
             assert response.status_code == 200
             assert response.json() == {"ok": True}
@@ -217,6 +221,8 @@ def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
     (request,) = seen
     assert request.get_data() == BODY
     assert request.args["x"] == "1"
+    assert request.args["y"] == "a b/c"
+    assert request.headers["X-Name"] == "café".encode().decode("latin-1")  # as WSGI reads it
     assert request.headers["Authorization"] == "Bearer client-key"
     assert request.headers["X-Trace"] == "t1"
 
