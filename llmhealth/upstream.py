@@ -15,9 +15,10 @@ one buffer, handing the body on piece by piece as it arrives. Its rules:
 - never connected (refused, unreachable, no connection in ``connect_timeout``) is
   ``ConnectError``, the one failure that proves the request never reached the backend;
 - a kept-alive connection is reused only within ``keepalive`` seconds of its last
-  answer, and only after an answer read to its end; one that turns out closed before a
-  byte of the answer came is retried once on a new connection (the backend closed it
-  while idle, which says nothing about the backend).
+  answer, and only after an answer read to its end; when one turns out closed before a
+  byte of the answer came, an idempotent request is sent once more on a new connection
+  (the backend closed it while idle, which says nothing about the backend), and any
+  other is ``BrokenError``: the router keeps ``keepalive`` below the backends' own.
 
 Time bounds beyond the connect belong to the caller (``asyncio.timeout`` around the calls),
 which cancels; a cancelled or failed exchange closes its connection.
@@ -37,6 +38,10 @@ MAX_HEAD_BYTES: Final = 64 * 1024  # status line and headers; a chunk-size line;
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
+# Methods a client may send again on its own (RFC 9110 section 9.2.2). A generation (POST)
+# the backend may have begun is never sent twice, even when its connection was a reused
+# one that closed before answering: that is counted as the backend's broken connection.
+IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 
 
 class ConnectError(Exception):
@@ -278,7 +283,7 @@ class Pool:
                 return await self._head(link, method)
             except BrokenError:
                 link.close()
-                if reused and link.received == received:
+                if reused and link.received == received and method in IDEMPOTENT:
                     continue  # closed while idle, before this request: a new connection
                 raise
             except BaseException:

@@ -1,0 +1,290 @@
+"""The router's upstream link against raw sockets that say exactly what each test needs:
+framing, reuse of kept-alive connections, and answers that are not HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from test_router import read_request, run
+
+from llmhealth.upstream import MAX_HEAD_BYTES, BrokenError, ConnectError, Origin, Pool, Response
+
+Reply = Callable[[int, bytes], Awaitable[bytes | None]]  # (connection, request) -> answer
+
+
+@contextlib.asynccontextmanager
+async def backend(reply: Reply) -> AsyncIterator[tuple[str, list[int]]]:
+    """A backend answering each request on each connection with ``reply``'s bytes (None:
+    close without answering); the list counts requests per connection."""
+    seen: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(seen)
+        seen.append(0)
+        try:
+            while True:
+                request = await read_request(reader)
+                seen[index] += 1
+                answer = await reply(index, request)
+                if answer is None:
+                    break
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def exchange(pool: Pool, url: str, method: str = "POST") -> tuple[Response, bytes]:
+    """One request through ``pool``, its body read to the end and the link released."""
+    response = await pool.request(Origin.parse(url), method, "/v1/completions", [], b"{}")
+    body = b""
+    while piece := await response.read():
+        body += piece
+    response.release()
+    return response, body
+
+
+def answer(body: bytes, *headers: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\n" + b"".join(h + b"\r\n" for h in headers)
+    return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+def test_sequential_requests_share_one_kept_alive_connection() -> None:
+    async def reply(_: int, request: bytes) -> bytes:
+        assert request.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+        assert request.endswith(b"Content-Length: 2\r\n\r\n{}")
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            for _ in range(3):
+                response, body = await exchange(pool, url)
+                assert (response.status, response.reason, body) == (200, "OK", b"ok")
+            pool.close()
+        assert seen == [3]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "reply_bytes",
+    [
+        answer(b"ok", b"Connection: close"),
+        b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",  # 1.0 without keep-alive
+        # Both framings, the shape of request smuggling: read as chunked, never reused.
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 99\r\n\r\n"
+        b"2\r\nok\r\n0\r\n\r\n",
+    ],
+    ids=["connection-close", "http-1.0", "chunked-and-length"],
+)
+def test_a_connection_the_answer_does_not_leave_reusable_is_closed(reply_bytes: bytes) -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        return reply_bytes
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            for _ in range(2):
+                _, body = await exchange(pool, url)
+                assert body == b"ok"
+            pool.close()
+        assert seen == [1, 1]
+
+    run(scenario())
+
+
+def test_an_answer_read_to_its_close_ends_there() -> None:
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\n\r\nall of it, until the end")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            _, body = await exchange(pool, f"http://127.0.0.1:{port}")
+            assert body == b"all of it, until the end"
+            pool.close()
+
+    run(scenario())
+
+
+def test_informational_answers_are_skipped_and_chunk_extensions_and_trailers_read() -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        return (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Id: 1\r\nX-Id: 2\r\n\r\n"
+            b"5;name=value\r\nhello\r\n1\r\n!\r\n0\r\nX-Trailer: t\r\n\r\n"
+        )
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            response, body = await exchange(pool, url)
+            assert (response.status, body) == (200, b"hello!")
+            assert [value for name, value in response.headers if name == "X-Id"] == ["1", "2"]
+            await exchange(pool, url)
+            pool.close()
+        assert seen == [2]  # trailers read to the end: the connection was reusable
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("method", "status"), [("HEAD", 200), ("POST", 204), ("POST", 304)], ids=str
+)
+def test_answers_that_have_no_body_by_definition_are_complete_at_once(
+    method: str, status: int
+) -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        # A HEAD answer names the length it would have had; none of these bytes follow.
+        return b"HTTP/1.1 %d X\r\nContent-Length: 50\r\n\r\n" % status
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            for _ in range(2):
+                response, body = await exchange(pool, url, method)
+                assert (response.status, body, response.whole()) == (status, b"", b"")
+            pool.close()
+        assert seen == [2]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("reply_bytes", "why"),
+    [
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * MAX_HEAD_BYTES + b"\r\n\r\n", "head over"),
+        (b"HTTP/2 200\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\n bad: fold\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "unsupported Transfer-Encoding"),
+        (b"HTTP/1.1 100 Continue\r\n\r\n" * 9, "informational answers"),
+    ],
+    ids=["huge-head", "http-2", "folded-header", "two-lengths", "gzip-only", "endless-1xx"],
+)
+def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        return reply_bytes
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, _):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            with pytest.raises(BrokenError, match=why):
+                await exchange(pool, url)
+            pool.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"zz\r\n", "bad chunk size"),
+        (b"2\r\nokXX", "without its CRLF"),
+        (b"5\r\nhel", "middle of a chunk"),
+    ],
+    ids=["bad-size", "no-crlf", "cut"],
+)
+def test_a_broken_chunked_body_is_a_broken_exchange(body: bytes, why: str) -> None:
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            with pytest.raises(BrokenError, match=why):
+                await exchange(pool, f"http://127.0.0.1:{port}")
+            pool.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("method", "resent"), [("GET", True), ("POST", False)])
+def test_a_reused_connection_closed_before_answering_resends_only_what_is_idempotent(
+    method: str, resent: bool
+) -> None:
+    async def reply(connection: int, _: bytes) -> bytes | None:
+        # The first connection answers once, then closes on the next request unanswered.
+        if connection == 0 and first_answered.is_set():
+            return None
+        first_answered.set()
+        return answer(b"ok")
+
+    first_answered = asyncio.Event()
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            await exchange(pool, url, method)
+            if resent:
+                _, body = await exchange(pool, url, method)
+                assert body == b"ok"
+                assert seen == [2, 1]  # the second request went again, on a new connection
+            else:
+                with pytest.raises(BrokenError, match="closed before the response head"):
+                    await exchange(pool, url, method)
+                assert seen == [2]  # never sent twice
+            pool.close()
+
+    run(scenario())
+
+
+def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=0)  # every kept link is already stale
+            for _ in range(2):
+                await exchange(pool, url)
+            pool.close()
+        assert seen == [1, 1]
+
+    run(scenario())
+
+
+def test_no_connection_is_a_connect_error() -> None:
+    async def scenario() -> None:
+        pool = Pool(connect_timeout=5, keepalive=60)
+        with socket.socket() as bound:  # bound, never listening: refused
+            bound.bind(("127.0.0.1", 0))
+            port = bound.getsockname()[1]
+            with pytest.raises(ConnectError):
+                await exchange(pool, f"http://127.0.0.1:{port}")
+
+    run(scenario())
+
+
+def test_the_origin_keeps_the_urls_path_and_brackets_an_ipv6_host() -> None:
+    assert Origin.parse("http://10.0.0.5:8000/prefix/") == Origin(
+        "http", "10.0.0.5", 8000, "/prefix", b"10.0.0.5:8000"
+    )
+    assert Origin.parse("https://[::1]/").host_header == b"[::1]"
+    assert Origin.parse("https://[::1]/").port == 443
