@@ -338,6 +338,36 @@ def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer)
     assert httpserver.log == []
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * 100_000,
+        b"POST /v1/chat/completions HTTP/1.1\r\n" + b"X-Many: 1\r\n" * 1000,
+        b"NOT HTTP AT ALL\r\n",
+    ],
+    ids=["one-huge-header", "a-thousand-headers", "garbage"],
+)
+def test_a_request_head_beyond_the_bounds_gets_a_4xx_and_counts_against_nobody(
+    httpserver: HTTPServer, head: bytes
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (router, url), client() as http:
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head + b"\r\n\r\n")
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), BOUND)
+            writer.close()
+            version, status = status_line.split(b" ")[:2]
+            assert version.startswith(b"HTTP/1.") and status.startswith(b"4"), status_line
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200  # others go on
+            assert await failures(router) == [("a", None, None)]
+
+    run(scenario())
+
+
 def test_nothing_serving_the_model_is_answered_at_once_naming_every_backend() -> None:
     async def scenario() -> None:
         backends = {"a": refused_url(), "b": refused_url()}
