@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -71,3 +72,51 @@ def test_ten_thousand_idle_client_connections_are_bounded_and_cost_no_one_an_ans
                 assert open_files(pids[0]) < 200  # its descriptors are back
                 reply = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
                 assert reply.status_code == 200
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_is_closed_until_one_ends(
+    tmp_path: Path,
+) -> None:
+    # A router whose hard limit is 512 files holds connection_cap(512, 1) = 223 client
+    # connections. Each here carries a completion the backend never answers (busy to its
+    # probes, so it keeps serving): none is idle, so a 224th connection is closed at once,
+    # and the router's descriptors stay within its limit. Once clients leave, it serves.
+    cap = connection_cap(512, 1)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 41\r\n\r\n{"model": "tiny", "prompt": "hi", "n": 1}'
+    )
+    with running_simulator(["busy+unanswered"], request_seconds=0.05) as sim:
+        config = write_config(tmp_path, {"a": sim.urls[0]}, first_byte=300)
+        port, pids = free_port(), []
+        with running_route(ENTRY_POINT, config, port, (512, 512), pids) as route:
+            busy: list[socket.socket] = []
+            try:
+                for _ in range(cap):
+                    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND)
+                    busy.append(sock)
+                    sock.sendall(request)
+                deadline = time.monotonic() + BOUND
+                while received(sim.urls[0]) < cap:  # every one forwarded and held
+                    assert time.monotonic() < deadline, "the requests never reached the backend"
+                    time.sleep(0.1)
+                extra = socket.create_connection(("127.0.0.1", port), timeout=BOUND)
+                busy.append(extra)
+                extra.settimeout(BOUND)
+                assert extra.recv(1) == b""  # closed at once: every held one is busy
+                assert open_files(pids[0]) < 512
+            finally:
+                for sock in busy[: len(busy) // 2]:
+                    sock.close()
+                half = busy[len(busy) // 2 :]
+            try:
+                reply = httpx.get(route + "/health", timeout=BOUND)  # room again
+                assert reply.status_code == 200
+            finally:
+                for sock in half:
+                    sock.close()
+
+
+def received(backend: str) -> int:
+    stats = httpx.get(backend + "/sim/stats", timeout=BOUND).json()
+    return int(stats["completions_received"])

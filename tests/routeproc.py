@@ -86,14 +86,17 @@ def _text(stderr: object) -> str:
     return text
 
 
-def write_config(tmp_path: Path, backends: dict[str, str], extra: str = "") -> Path:
+def write_config(
+    tmp_path: Path, backends: dict[str, str], extra: str = "", first_byte: float = FIRST_BYTE
+) -> Path:
+    """A `route` config over ``backends``; ``extra`` lines go into its [router] table."""
     lines = [
         'wait = "0.5s"',
         f'state = "{tmp_path / "state.json"}"',
         "[policy]",
         "unhealthy_threshold = 3",
         "[router]",
-        f'first_byte_timeout = "{FIRST_BYTE}s"',
+        f'first_byte_timeout = "{first_byte}s"',
         extra,
     ]
     for name, url in backends.items():
