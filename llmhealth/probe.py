@@ -101,6 +101,14 @@ class _RequestFailedError(Exception):
         self.detail = detail
 
 
+class CheckerStarvedError(Exception):
+    """A request cut off because this process could not run, not because of the server.
+
+    Not a verdict on the backend: it ends the examination as "not judged", and no ledger
+    event follows from it (see ``_unexamined``).
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class _Response:
     status: int
@@ -169,6 +177,8 @@ async def _request(
             accept=lambda status, got: _refuse_encoded(status, got, method, url),
         )
     except wire.WireError as exc:
+        if exc.failure is wire.Failure.STARVED:
+            raise CheckerStarvedError(f"{method} {_path(url)}: {exc.detail}") from exc
         raise _wire_failure(exc, method, url, timeout, max_bytes) from exc
     return _Response(answer.status, answer.body, answer.headers, time.monotonic() - started)
 
@@ -567,6 +577,8 @@ def _printable_signals(signals: Signals) -> Signals:
 
 
 def _not_judged(exc: Exception) -> str:
+    if isinstance(exc, CheckerStarvedError):
+        return f"not judged: {_reason(exc)}"
     return (
         f"not judged: examining it raised {_exception(exc)} "
         "(input llmhealth cannot handle, or a bug in llmhealth)"

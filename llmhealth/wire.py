@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +39,9 @@ class Failure(Enum):
     CLOSED = "closed"  # reset, or closed before the answer was complete
     MALFORMED = "malformed"  # not HTTP/1.x as RFC 9112 frames it
     TOO_BIG = "too_big"  # more body bytes than max_bytes
+    # Cut off because this process could not run for longer than the deadline allows:
+    # says nothing about the server (see _Deadline).
+    STARVED = "starved"
 
 
 class WireError(Exception):
@@ -109,6 +114,7 @@ class Connection:
         origin = (scheme, host, parts.port or (443 if scheme == "https" else 80))
         request = self._request_bytes(method, parts, body, headers or {})
         loop = asyncio.get_running_loop()
+        bound = _Deadline(loop, deadline)
         while True:
             reused = self._origin == origin and self._writer is not None
             if reused and self._reader is not None and self._reader.at_eof():
@@ -116,10 +122,18 @@ class Connection:
                 reused = False
             progress = _Progress()
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout(None) as timeout:
+                    bound.arm(timeout)
                     return await self._exchange(origin, request, max_bytes, accept, progress)
             except TimeoutError as exc:
                 await self.aclose()
+                if bound.starved:
+                    raise WireError(
+                        Failure.STARVED,
+                        f"llmhealth's own process could not run for {bound.late:.1f} s of "
+                        "the read (an overloaded host): the server was not timed",
+                        received=progress.received,
+                    ) from exc
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_TIMEOUT, "no connection") from exc
                 raise WireError(
@@ -132,7 +146,7 @@ class Connection:
                 await self.aclose()
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
-                stale = reused and progress.head_bytes == 0 and loop.time() < deadline
+                stale = reused and progress.head_bytes == 0 and loop.time() < bound.due
                 if not stale:
                     raise WireError(
                         Failure.CLOSED, _reason(exc), received=progress.received
@@ -140,6 +154,8 @@ class Connection:
             except BaseException:
                 await self.aclose()  # cancelled: the connection is in an unknown state
                 raise
+            finally:
+                bound.disarm()
 
     async def aclose(self) -> None:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
@@ -207,6 +223,113 @@ class Connection:
 
     def _context(self) -> ssl.SSLContext:
         return self._tls if self._tls is not None else _default_tls()
+
+
+class _Deadline:
+    """A request's deadline that does not count the time its own process could not run.
+
+    An event loop held up (its other tasks' work, a host with more work than cores) runs
+    an answer that came in time only after the deadline's timer, and a plain timeout
+    then blames the server for llmhealth's own lateness: at 3,000 backends on a loaded
+    machine that turned busy backends into `down` and `unresponsive` by the hundred.
+    When the deadline comes, the time this loop ran late since the request began
+    (``_Lateness``) is added to it, up to ``_GRACE`` times the request's own length; a
+    request cut off past that is ``starved``: not judged, rather than judged on our
+    lateness. Either way a request ends within (1 + _GRACE) times its budget.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        self._loop = loop
+        self._lateness = _lateness_of(loop)
+        self._started = loop.time()
+        self._deadline = deadline
+        self._allowance = _GRACE * max(0.0, deadline - self._started)
+        self._granted = 0.0  # added to the deadline so far
+        self._timeout: asyncio.Timeout | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.late = 0.0  # how late this loop ran since the request began, when cut off
+        self.starved = False
+
+    @property
+    def due(self) -> float:
+        return self._deadline + self._granted
+
+    def arm(self, timeout: asyncio.Timeout) -> None:
+        """Watch the deadline for ``timeout`` (an attempt of the request)."""
+        self._timeout = timeout
+        self._timer = self._loop.call_at(self.due, self._at_deadline)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timeout = None
+
+    def _at_deadline(self) -> None:
+        late = self._lateness.since(self._started)
+        owed = late - self._granted
+        if owed > _LATE_ENOUGH and self._granted + owed <= self._allowance:
+            self._granted += owed
+            self._timer = self._loop.call_at(self.due, self._at_deadline)
+            return
+        self.late = late
+        self.starved = owed > _LATE_ENOUGH
+        if self._timeout is not None:
+            self._timeout.reschedule(self._loop.time())  # expires now
+
+
+_GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
+_LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
+_TICK = 0.1  # how often _Lateness looks at its loop's clock
+_LATE_KEPT = 1024  # late ticks remembered per loop
+
+
+class _Lateness:
+    """How late one event loop has run its timers: time its process could not use.
+
+    A timer every ``_TICK`` notes how long after its time it ran, when that is more than
+    noise; a request asks how much of that fell within its own span. Timer handles only,
+    no task, and a weak reference to the loop: it ends with its loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._late: deque[tuple[float, float]] = deque(maxlen=_LATE_KEPT)  # (ran, late by)
+        self._due = loop.time() + _TICK
+        loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        now = loop.time()
+        if now - self._due > _LATE_ENOUGH:
+            self._late.append((now, now - self._due))
+        self._due = now + _TICK
+        loop.call_at(self._due, self._tick)
+
+    def since(self, start: float) -> float:
+        """Seconds this loop ran late after ``start``, the tick overdue now included."""
+        loop = self._loop()
+        now = loop.time() if loop is not None else self._due
+        total = max(0.0, now - self._due - _LATE_ENOUGH)
+        for ran, late in self._late:
+            if ran > start:
+                total += min(late, ran - start)
+        return total
+
+
+_LATENESS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Lateness] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _lateness_of(loop: asyncio.AbstractEventLoop) -> _Lateness:
+    """The loop's lateness watch, started by its first request."""
+    try:
+        return _LATENESS[loop]
+    except KeyError:
+        lateness = _LATENESS[loop] = _Lateness(loop)
+        return lateness
 
 
 @cache

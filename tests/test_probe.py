@@ -677,3 +677,26 @@ def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_chan
     assert window[-1].signals == Signals((moved,), 1.0)
     keep_read(window, Read(7.0, problem=ReadProblem.DOWN, detail="refused"), 3)
     assert [read.at for read in window] == [5.0, 6.0, 7.0] and window[-1].signals is None
+
+
+def test_a_read_the_checker_was_too_held_up_to_time_is_not_judged_and_not_down(
+    httpserver: HTTPServer,
+) -> None:
+    """The server answers at once, but this process cannot run for far longer than the
+    read's timeout (an overloaded host): no verdict on the server, and none against it."""
+    backend = Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+    settings = ProbeSettings(wait=0.0, timeout=0.2, answer_timeout=0.2)
+    clock = FakeClock()
+
+    async def run() -> Verdict:
+        asyncio.get_running_loop().call_soon(time.sleep, 1.5)  # held from the first wait on
+        async with new_client() as client:
+            return await examine_backend(
+                client, Target("b", backend.url), settings, clock=clock, sleep=clock.sleep
+            )
+
+    verdict = asyncio.run(run())
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert not verdict.healthy
+    assert "not judged" in verdict.evidence
+    assert "could not run" in verdict.evidence

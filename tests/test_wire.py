@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -315,3 +316,50 @@ def test_a_header_that_would_end_its_line_early_is_refused_before_sending() -> N
     ):
         asyncio.run(send(f"{url}/v1/models"))
     assert received == []
+
+
+def _read_while_blocked(url: str, budget: float, blocked: float) -> WireResponse | WireError:
+    """A GET with ``budget`` seconds, during which this event loop is held for ``blocked``
+    seconds by a synchronous call, as a host with more work than cores holds it."""
+
+    async def run() -> WireResponse | WireError:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        # Held from the request's first wait on: the connection and the answer are made
+        # by the kernel and the server while nothing in this process can see them.
+        loop.call_soon(time.sleep, blocked)
+        try:
+            return await connection.request(
+                "GET", url, deadline=loop.time() + budget, max_bytes=100
+            )
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+
+    return asyncio.run(run())
+
+
+def _answer_at_once(connection: socket.socket, _number: int) -> None:
+    read_request(connection)
+    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+
+def test_time_the_checker_could_not_run_is_not_counted_against_the_server() -> None:
+    """The answer was there before the deadline; only this process was late to read it.
+
+    It used to be a timeout (UNRESPONSIVE or DOWN): at 3,000 backends on a loaded host,
+    hundreds of busy backends were judged down for llmhealth's own lateness.
+    """
+    with tcp_server(_answer_at_once) as (url, _):
+        outcome = _read_while_blocked(f"{url}/metrics", budget=0.5, blocked=1.0)
+    assert isinstance(outcome, WireResponse), outcome
+    assert (outcome.status, outcome.body) == (200, b"ok")
+
+
+def test_a_checker_held_longer_than_the_read_allows_says_so_instead_of_blaming_the_server() -> None:
+    with tcp_server(_answer_at_once) as (url, _):
+        outcome = _read_while_blocked(f"{url}/metrics", budget=0.2, blocked=1.5)
+    assert isinstance(outcome, WireError)
+    assert outcome.failure is Failure.STARVED
+    assert "could not run" in outcome.detail
