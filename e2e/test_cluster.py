@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -262,8 +263,10 @@ def test_sharded_reads_one_reader_each_a_wedge_restarted_once_a_dead_members_sha
         staged(entry_point, tmp_path, more=backends - 1, cluster="shard_reads = true") as scene,
         ExitStack() as stack,
     ):
-        first, second = two_daemons(scene, stack)
-        third = stack.enter_context(scene.daemon("c"))
+        # Named, so that the split is the same every run: six backends over these three
+        # names give each two (over PIDs, one member in eleven would read none).
+        first, second = two_daemons(scene, stack, ("one", "two"))
+        third = stack.enter_context(scene.daemon("c", "three"))
         # The leader sees three members whose shares cover the fleet once.
         page = first.until(
             "three shares",
@@ -289,6 +292,7 @@ def test_sharded_reads_one_reader_each_a_wedge_restarted_once_a_dead_members_sha
         assert page.get("llmhealth_cluster_stale_verdicts") == 0.0
         # A wedge in a standby's share: proven from its published verdicts, restarted once,
         # by the leader.
+        assert sorted(Counter(owners.values()).values()) == [2, 2, 2], owners
         standby = sorted(names)[0]
         target = next(b for b, who in sorted(owners.items()) if who == standby)
         server, restarts = scene.servers[target]

@@ -100,10 +100,18 @@ class Scene:
     servers: dict[str, tuple[Server, Restarts]] = field(default_factory=dict)
 
     @contextmanager
-    def daemon(self, name: str) -> Iterator[Watch]:
+    def daemon(self, name: str, member: str | None = None) -> Iterator[Watch]:
+        """A daemon on the scene's config; ``member`` names it in etcd (default: host and
+        PID), for a test whose shares must not depend on a PID."""
         # Each daemon has its own state path; in a cluster nothing is written there.
         state = self.folder / f"{name}-state.json"
-        with watching(self.entry_point, self.config, state) as watch:
+        config = self.config
+        if member is not None:
+            text = self.config.read_text().replace(
+                "[cluster]\n", f'[cluster]\nmember = "{member}"\n'
+            )
+            config = write_config(self.folder / f"fleet-{name}.toml", text)
+        with watching(self.entry_point, config, state) as watch:
             yield watch
 
     def audited_restarts(self) -> list[dict[str, object]]:
@@ -165,11 +173,13 @@ def staged(
         yield Scene(etcd, gpu, restarts, config, tmp_path, entry_point, servers)
 
 
-def two_daemons(scene: Scene, stack: ExitStack) -> tuple[Watch, Watch]:
+def two_daemons(
+    scene: Scene, stack: ExitStack, members: tuple[str, str] | tuple[None, None] = (None, None)
+) -> tuple[Watch, Watch]:
     """The first daemon leads, the second has cycled as a standby."""
-    first = stack.enter_context(scene.daemon("a"))
+    first = stack.enter_context(scene.daemon("a", members[0]))
     first.until("the first daemon leading", leads)
-    second = stack.enter_context(scene.daemon("b"))
+    second = stack.enter_context(scene.daemon("b", members[1]))
     page = second.until("the second daemon cycling", lambda p: p.cycled)
     assert not leads(page)
     return first, second
