@@ -288,3 +288,22 @@ def test_the_origin_keeps_the_urls_path_and_brackets_an_ipv6_host() -> None:
     )
     assert Origin.parse("https://[::1]/").host_header == b"[::1]"
     assert Origin.parse("https://[::1]/").port == 443
+
+
+def test_a_tls_backend_that_does_not_speak_tls_is_a_connect_error() -> None:
+    async def plain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")  # no TLS
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(plain, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            with pytest.raises(ConnectError):  # never sent, so the router may go elsewhere
+                await exchange(pool, f"https://127.0.0.1:{port}")
+
+    run(scenario())
