@@ -238,3 +238,25 @@ def test_a_stopped_engine_core_is_wedged_while_its_worker_spins(tmp_path: Path) 
         verdict.evidence
     )
     assert "compiling or computing" in verdict.evidence
+
+
+def test_many_local_backends_share_one_scan_of_the_socket_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding who listens reads every socket on the host: once per backend, 750 local
+    backends cost 76 s of CPU on a host with 30,000 sockets, and starved the check."""
+    from llmhealth import localcpu  # noqa: PLC0415 - its /proc root is swapped below
+
+    reads: list[str] = []
+
+    class CountedPath(type(Path())):  # type: ignore[misc]
+        def read_text(self, *args: object, **kwargs: object) -> str:
+            if self.parent.name == "net":
+                reads.append(self.name)
+            return super().read_text(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(localcpu, "_PROC", CountedPath("/proc"))
+    with api_server_with_engine() as (port, _server, engine):
+        samples = [LocalCpu(f"http://127.0.0.1:{port}").sample() for _ in range(20)]
+    assert [sample.processes if sample else None for sample in samples] == [(engine,)] * 20
+    assert len(reads) <= 2 * 2  # tcp and tcp6: the first scan, and one more at most
