@@ -147,10 +147,20 @@ class Connection:
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
                 stale = reused and progress.head_bytes == 0 and loop.time() < bound.due
-                if not stale:
+                if stale:
+                    continue
+                late = bound.late_so_far()
+                if progress.head_bytes == 0 and late > _LATE_FOR_A_CLOSE:
+                    # A server gives up on a connection that sends it nothing for a while
+                    # (uvicorn after 5 s): when this process could not send for that
+                    # long, the close is ours, not a sign of the server's health.
                     raise WireError(
-                        Failure.CLOSED, _reason(exc), received=progress.received
+                        Failure.STARVED,
+                        f"llmhealth's own process could not run for {late:.1f} s of the "
+                        "read (an overloaded host), and the server closed the connection "
+                        "meanwhile: the server was not judged",
                     ) from exc
+                raise WireError(Failure.CLOSED, _reason(exc), received=progress.received) from exc
             except BaseException:
                 await self.aclose()  # cancelled: the connection is in an unknown state
                 raise
@@ -264,6 +274,10 @@ class _Deadline:
             self._timer.cancel()
         self._timer = self._timeout = None
 
+    def late_so_far(self) -> float:
+        """Seconds this loop ran late since the request began."""
+        return self._lateness.since(self._started)
+
     def _at_deadline(self) -> None:
         late = self._lateness.since(self._started)
         owed = late - self._granted
@@ -278,6 +292,7 @@ class _Deadline:
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
+_LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
 _LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
 _TICK = 0.1  # how often _Lateness looks at its loop's clock
 _LATE_KEPT = 1024  # late ticks remembered per loop

@@ -363,3 +363,18 @@ def test_a_checker_held_longer_than_the_read_allows_says_so_instead_of_blaming_t
     assert isinstance(outcome, WireError)
     assert outcome.failure is Failure.STARVED
     assert "could not run" in outcome.detail
+
+
+def test_a_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() -> None:
+    """A server closes a connection that sends it nothing for a while (uvicorn: 5 s);
+    when that silence was this process being held up, the close says nothing about the
+    server: the read is not judged, where it used to make the backend `down`."""
+
+    def give_up(connection: socket.socket, _number: int) -> None:
+        time.sleep(0.3)  # no request yet: this server's idle timeout, shortened
+
+    with tcp_server(give_up) as (url, _):
+        outcome = _read_while_blocked(f"{url}/metrics", budget=5.0, blocked=1.5)
+    assert isinstance(outcome, WireError)
+    assert outcome.failure is Failure.STARVED
+    assert "closed the connection" in outcome.detail
