@@ -365,7 +365,6 @@ class ReadPool:
         self._baselines: Mapping[str, Signals] = {}
         self._learned: Mapping[str, LongestStep] = {}
         self._closing = False
-        self.restarts = 0
 
     @property
     def pids(self) -> list[int]:
@@ -459,15 +458,19 @@ class ReadPool:
         self._lost(
             worker, f"read worker {worker.index + 1} (pid {process.pid}) exited ({code}){why}"
         )
-        await asyncio.sleep(self._settings().wait)
-        if self._closing:
+        while True:
+            await asyncio.sleep(self._settings().wait)
+            if self._closing:
+                return
+            try:
+                await self._spawn(worker)
+            except OSError as exc:  # out of processes or files: its share stays doubted
+                self._log(f"read worker {worker.index + 1} not started again: {exc}")
+                continue
+            self._baselines, self._learned = self._news()
+            self._send_share(worker)
+            self._baselines, self._learned = {}, {}
             return
-        self.restarts += 1
-        baselines, learned = self._news()
-        self._baselines, self._learned = baselines, learned
-        await self._spawn(worker)
-        self._send_share(worker)
-        self._baselines, self._learned = {}, {}
 
     def _hear(self, worker: _Worker, item: object) -> None:
         if isinstance(item, _TaskDied):
