@@ -55,7 +55,7 @@ REPEATS = 3
 LARGE = 10000  # sizes from here on are run once: a run takes minutes on two cores
 WAIT = 1.0  # check: the two waits a wedge needs are 2 s of every check's wall time
 WATCH_WAIT = 5.0  # watch: the default wait; each backend is read once per wait
-WATCH_CYCLES = 6  # the first settled cycle is warm-up; the periods after it are measured
+WATCH_CYCLES = 8  # the first settled cycle is warm-up; the periods after it are measured
 WATCH_SIZES = SIZES  # sizes at which `watch` is measured too
 # `watch` read in its own event loop (read_workers = 1), and by two read worker processes
 # (one per core here), from this size on; alternated in each repeat, same simulators.

@@ -3,14 +3,15 @@
 `watch` keeps each backend's last 1 + max_check_time / wait reads (61 at the defaults:
 5 min of 5 s waits) so that a long wedge window is covered, and judges the whole window
 again at every read: restarts are looked for between every pair, a frozen engine's
-streak is walked back, a wedge's evidence quotes its reads. `bench_scale.py` runs six
-cycles, so its windows never pass seven reads; this measures the steady state, in one
+streak is walked back, a wedge's evidence quotes its reads. `bench_scale.py` runs eight
+cycles, so its windows never pass nine reads; this measures the steady state, in one
 process, with no network: real texts rendered by the simulator's own engine (busy, idle,
 wedged from the start) at 5 s apart, parsed as a read parses them, judged by `decide`
 as `examine_once` judges them (an idle backend's tiny request answered), and the window's
 resident size (tracemalloc). Then a fleet of 3,000 in bench_scale's mix.
 
-Usage: bench_window.py [ROUNDS]
+Usage: bench_window.py [ROUNDS]; with PYTHONPATH at an older checkout, that tree's judging
+and windows (the baseline RESULTS.md shows beside this tree's).
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ import tracemalloc
 
 from llmhealth.classify import Answer, Read, SendTinyRequest, decide
 from llmhealth.metrics import parse_metrics
-from llmhealth.probe import keep_read
+
+try:
+    from llmhealth.probe import keep_read
+except ImportError:  # an older tree on PYTHONPATH, as a baseline: windows as it kept them
+
+    def keep_read(window: list[Read], read: Read, limit: int) -> None:
+        window.append(read)
+        del window[:-limit]
+
+
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 
 WAIT = 5.0
-LENGTHS = (7, 61)  # what bench_scale's six cycles reach; the default steady state
+LENGTHS = (7, 61)  # a short window, and the defaults' steady state
 READ_LIMIT = 61  # ProbeSettings().read_limit: 1 + max_check_time 300 s / wait 5 s
 FLEET = {"busy": 1500, "idle": 750, "wedge:0": 750}  # bench_scale's mix at 3,000
 BORN = 1_000_000.0
