@@ -43,7 +43,7 @@ from report import Section, Table, spread
 from simproc import Simulator, SimulatorStartError, child_env, running_simulator
 
 from llmhealth import config as config_module
-from llmhealth.classify import Target
+from llmhealth.classify import Target, Verdict
 from llmhealth.cycle import run_cycle
 from llmhealth.probe import ProbeSettings, check_fleet
 from llmhealth.remediate import Mode
@@ -234,6 +234,16 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
         before = rss_mib()
         readers: list[int] = []
         readers_peak = 0.0
+        # Each backend's newest verdict, wherever it was read: every one enters `hear`.
+        latest: dict[str, str] = {}
+        hear = daemon.hear
+
+        def heard(target: Target, verdict: Verdict | None, seconds: float) -> None:
+            if verdict is not None:
+                latest[target.name] = str(verdict.kind)
+            hear(target, verdict, seconds)
+
+        daemon.hear = heard  # type: ignore[method-assign]
 
         async def main() -> None:
             nonlocal readers, readers_peak
@@ -268,6 +278,10 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
     seen = [next((s[0] for s in samples if s[2] >= k), None) for k in range(2, cycles + 1)]
     moments = [moment for moment in seen if moment is not None]
     periods = [later - earlier for earlier, later in itertools.pairwise(moments)]
+    # When each settle began (seen settled, less its own `settled in`): the loop's schedule,
+    # without the settles' own jitter, which the periods above carry.
+    began = [m - took for m, took in zip(seen, settled[1:], strict=False) if m is not None]
+    starts = [later - earlier for earlier, later in itertools.pairwise(began)]
     first = next((s for s in samples if s[2] >= min(2, cycles - 1)), None)
     last = next((s for s in samples if s[2] >= cycles), samples[-1] if samples else None)
     cpu_per_cycle = wall_per_cycle = None
@@ -280,6 +294,9 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
         "cpu_per_cycle": cpu_per_cycle,
         "wall_per_cycle": wall_per_cycle,
         "periods": periods,
+        "starts": starts,
+        "kinds": Counter(latest.values()),
+        "wrong": wrong_verdicts({int(name[1:]): kind for name, kind in latest.items()}, len(urls)),
         "rss_before": before,
         "peak": peak_mib() + readers_peak,
         "workers": len(readers),
@@ -591,6 +608,8 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
     settle: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
     first_settle: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
     periods: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
+    starts: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
+    watch_wrong: dict[str, dict[int, list[str]]] = {k: {} for k in WATCH_KINDS}
     verdicts: dict[int, list[str]] = {}
     wrong: dict[int, list[Counter[str]]] = {}
     examples: dict[int, dict[str, str]] = {}
@@ -663,6 +682,14 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                         growth[kind].setdefault(size, []).append(grown)
                         first_settle[kind].setdefault(size, []).extend(result["settle"][:1])
                         periods[kind].setdefault(size, []).extend(result["periods"])
+                        starts[kind].setdefault(size, []).extend(result["starts"])
+                        judged_by = ", ".join(
+                            f"{k} {v}" for k, v in sorted(result["kinds"].items())
+                        )
+                        off = ", ".join(f"{k} {v}" for k, v in sorted(result["wrong"].items()))
+                        watch_wrong[kind].setdefault(size, []).append(
+                            f"{off or '0'} (of {judged_by})"
+                        )
                         settle[kind].setdefault(size, []).extend(result["settle"][1:])
                         log(
                             f"  {size} backends, {kind} {repeat + 1}/{runs}: "
@@ -753,6 +780,8 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
             "watch: later settles (s)",
             "watch, read workers: first settle (s)",
             "watch, read workers: later settles (s)",
+            "watch: wrong verdicts, per run (of the last verdicts)",
+            "watch, read workers: wrong verdicts, per run (of the last verdicts)",
         ],
         [
             [
@@ -767,11 +796,14 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                 spread(settle["watch"].get(size, []), 3),
                 spread(first_settle["watch2"].get(size, []), 3),
                 spread(settle["watch2"].get(size, []), 3),
+                "; ".join(watch_wrong["watch"].get(size, [])) or "-",
+                "; ".join(watch_wrong["watch2"].get(size, [])) or "-",
             ]
             for size in sizes
         ],
         caption="What each check concluded (a verdict is wrong when it does not match the "
-        "backend's simulated mode: busy, idle, wedged):",
+        "backend's simulated mode: busy, idle, wedged), and for `watch` each backend's last "
+        "verdict when the run stopped:",
     )
     clients = run_child(["clients"])
     syncs = fsync_ms()
@@ -850,7 +882,15 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
             )
         notes.append(text)
     cycle_table = Table(
-        ["backends", "read by", "cycle periods", "median s", "90th percentile s", "max s"],
+        [
+            "backends",
+            "read by",
+            "cycle periods",
+            "median s",
+            "90th percentile s",
+            "max s",
+            "settle starts: median / p90 / max s",
+        ],
         [
             [
                 str(size),
@@ -859,13 +899,27 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                 f"{statistics.median(periods[kind][size]):.2f}",
                 f"{_percentile(periods[kind][size], 0.9):.2f}",
                 f"{max(periods[kind][size]):.2f}",
+                " / ".join(
+                    f"{value:.2f}"
+                    for value in (
+                        statistics.median(starts[kind][size]),
+                        _percentile(starts[kind][size], 0.9),
+                        max(starts[kind][size]),
+                    )
+                )
+                if starts[kind].get(size)
+                else "-",
             ]
             for size in sizes
             for kind in WATCH_KINDS
             if periods[kind].get(size)
         ],
         caption=f"`watch` cycle periods (wait {WATCH_WAIT:g} s): the time between two "
-        "settled cycles, every period of every run after the first settle:",
+        "settled cycles, every period of every run after the first settle. A settle begins "
+        "on a fixed schedule while the loop keeps up, so a period is the wait plus the "
+        "difference of two settles' own durations; *settle starts* are the periods between "
+        "the moments settles began (seen settled, less the `settled in` it logged), the "
+        "loop's schedule without that jitter:",
     )
     notes.extend(_targets(sizes, wall, cpu, growth, periods))
     notes.extend(unmeasured)
