@@ -220,6 +220,7 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
     raise_open_files(4 * len(urls) + 256)
     log_text = _DaemonLog()
     samples: list[tuple[float, float, int]] = []
+    heard_at: list[int] = []  # examinations heard by each sample
     with tempfile.TemporaryDirectory(prefix="llmhealth-scale-") as tmp:
         config = fleet_config(urls, wait, Path(tmp), workers)
         targets = [Target(b.name, b.url) for b in config.backends]
@@ -236,9 +237,11 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
         readers_peak = 0.0
         # Each backend's newest verdict, wherever it was read: every one enters `hear`.
         latest: dict[str, str] = {}
+        examined = [0]  # examinations heard: whether every backend is read once per wait
         hear = daemon.hear
 
         def heard(target: Target, verdict: Verdict | None, seconds: float) -> None:
+            examined[0] += 1
             if verdict is not None:
                 latest[target.name] = str(verdict.kind)
             hear(target, verdict, seconds)
@@ -259,6 +262,7 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
                 readers = _children()  # all started by the first settle
                 spent = time.process_time() + _proc_cpu(readers)
                 samples.append((time.monotonic(), spent, done))
+                heard_at.append(examined[0])
                 if done >= cycles:
                     readers_peak = sum(_peak_rss_mib(pid) for pid in readers)
                     daemon.stop()
@@ -284,18 +288,22 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
     starts = [later - earlier for earlier, later in itertools.pairwise(began)]
     first = next((s for s in samples if s[2] >= min(2, cycles - 1)), None)
     last = next((s for s in samples if s[2] >= cycles), samples[-1] if samples else None)
-    cpu_per_cycle = wall_per_cycle = None
+    cpu_per_cycle = wall_per_cycle = reads_per_wait = None
     if first and last and last[2] > first[2]:
         cpu_per_cycle = (last[1] - first[1]) / (last[2] - first[2])
         wall_per_cycle = (last[0] - first[0]) / (last[2] - first[2])
+        reads = heard_at[samples.index(last)] - heard_at[samples.index(first)]
+        reads_per_wait = reads / len(urls) / ((last[0] - first[0]) / wait)
     return {
         "cycles": len(settled),
         "settle": settled,
         "cpu_per_cycle": cpu_per_cycle,
+        "reads_per_wait": reads_per_wait,
         "wall_per_cycle": wall_per_cycle,
         "periods": periods,
         "starts": starts,
         "kinds": Counter(latest.values()),
+        "unjudged": len(urls) - len(latest),
         "wrong": wrong_verdicts({int(name[1:]): kind for name, kind in latest.items()}, len(urls)),
         "rss_before": before,
         "peak": peak_mib() + readers_peak,
@@ -610,6 +618,7 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
     periods: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
     starts: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
     watch_wrong: dict[str, dict[int, list[str]]] = {k: {} for k in WATCH_KINDS}
+    cadence: dict[str, dict[int, list[float]]] = {k: {} for k in WATCH_KINDS}
     verdicts: dict[int, list[str]] = {}
     wrong: dict[int, list[Counter[str]]] = {}
     examples: dict[int, dict[str, str]] = {}
@@ -683,12 +692,14 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                         first_settle[kind].setdefault(size, []).extend(result["settle"][:1])
                         periods[kind].setdefault(size, []).extend(result["periods"])
                         starts[kind].setdefault(size, []).extend(result["starts"])
+                        if result["reads_per_wait"] is not None:
+                            cadence[kind].setdefault(size, []).append(result["reads_per_wait"])
                         judged_by = ", ".join(
                             f"{k} {v}" for k, v in sorted(result["kinds"].items())
                         )
                         off = ", ".join(f"{k} {v}" for k, v in sorted(result["wrong"].items()))
                         watch_wrong[kind].setdefault(size, []).append(
-                            f"{off or '0'} (of {judged_by})"
+                            f"{off or '0'} (of {judged_by}; {result['unjudged']} with none)"
                         )
                         settle[kind].setdefault(size, []).extend(result["settle"][1:])
                         log(
@@ -890,6 +901,7 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
             "90th percentile s",
             "max s",
             "settle starts: median / p90 / max s",
+            "reads per backend per wait",
         ],
         [
             [
@@ -909,6 +921,7 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                 )
                 if starts[kind].get(size)
                 else "-",
+                spread(cadence[kind].get(size, []), 2),
             ]
             for size in sizes
             for kind in WATCH_KINDS
@@ -919,7 +932,9 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
         "on a fixed schedule while the loop keeps up, so a period is the wait plus the "
         "difference of two settles' own durations; *settle starts* are the periods between "
         "the moments settles began (seen settled, less the `settled in` it logged), the "
-        "loop's schedule without that jitter:",
+        "loop's schedule without that jitter. *Reads per backend per wait*: examinations "
+        "the daemon heard over the measured cycles, per backend and wait (1.00: every "
+        "backend read once per wait; below, the reads fall behind the settles):",
     )
     notes.extend(_targets(sizes, wall, cpu, growth, periods))
     notes.extend(unmeasured)

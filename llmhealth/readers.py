@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import math
 import os
 import pickle
+import queue
 import signal
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import IO
 
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.localcpu import LocalCpu
@@ -40,6 +44,7 @@ STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this 
 # A worker's frames: flushed this long after the first verdict waiting, so a wait's
 # thousands of verdicts travel in a few dozen writes yet none waits long for a settle.
 FLUSH_AFTER = 0.02
+PIPE_BYTES = 1024 * 1024  # Linux's default ceiling for an unprivileged pipe
 MAX_FRAME = 256 * 1024 * 1024  # a frame longer than this is not ours: the worker is dropped
 STOP_TIMEOUT = 5.0  # for a worker to leave after its stdin closed, before it is killed
 # Targets per read worker before `read_workers = "auto"` adds one: at about 1 ms of CPU
@@ -258,12 +263,30 @@ def _heard(
 
 
 class _Sender:
-    """The worker's side: examinations batched into frames on its stdout."""
+    """The worker's side: examinations batched into frames on its stdout.
 
-    def __init__(self, transport: asyncio.WriteTransport) -> None:
-        self._transport = transport
+    A thread of its own writes them, blocking while the pipe is full: the event loop
+    writes a pipe once per turn, and a turn of 5,000 probing tasks is long, so frames
+    written by the loop fell seconds behind the reads at 10,000 backends.
+    """
+
+    def __init__(self, pipe: IO[bytes]) -> None:
+        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, args=(pipe,), daemon=True)
+        self._writer.start()
         self._waiting: list[object] = []
         self._sent: dict[str, Read | None] = {}
+
+    def close(self) -> None:
+        """Flush, and let the writer finish what is queued (it ends at the pipe's end)."""
+        self._flush()
+        self._frames.put(None)
+        self._writer.join(STOP_TIMEOUT)
+
+    def _write(self, pipe: IO[bytes]) -> None:
+        with contextlib.suppress(OSError), pipe:  # the daemon is gone: nobody to tell
+            while (frame := self._frames.get()) is not None:
+                pipe.write(frame)
 
     def deliver(
         self, target: Target, verdict: Verdict | None, seconds: float, window: Sequence[Read]
@@ -282,8 +305,8 @@ class _Sender:
 
     def _flush(self) -> None:
         waiting, self._waiting = self._waiting, []
-        if waiting and not self._transport.is_closing():
-            self._transport.write(_frame(waiting))
+        if waiting:
+            self._frames.put(_frame(waiting))
 
 
 async def _work() -> None:
@@ -297,8 +320,10 @@ async def _work() -> None:
     # Frames go to the original stdout; anything printed goes to stderr (the journal).
     frames = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    transport, _ = await loop.connect_write_pipe(asyncio.Protocol, frames)
-    sender = _Sender(transport)
+    # A larger pipe: fewer wake-ups of the writer thread and of the daemon's reader.
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or a lower maximum
+        fcntl.fcntl(frames.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    sender = _Sender(frames)
     share: _Share | None = None
     tasks = ReadTasks(
         lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
@@ -315,7 +340,7 @@ async def _work() -> None:
                 tasks.assign(message.targets)
     finally:
         await tasks.close()
-        transport.close()
+        sender.close()
 
 
 def main() -> None:
