@@ -286,7 +286,9 @@ class _Sender:
     def _write(self, pipe: IO[bytes]) -> None:
         with contextlib.suppress(OSError), pipe:  # the daemon is gone: nobody to tell
             while (frame := self._frames.get()) is not None:
-                pipe.write(frame)
+                rest = memoryview(frame)
+                while rest:  # a raw write may take only part of it
+                    rest = rest[pipe.write(rest) or 0 :]
 
     def deliver(
         self, target: Target, verdict: Verdict | None, seconds: float, window: Sequence[Read]
