@@ -411,30 +411,40 @@ class AuditScan:
     malformed: int  # lines that were not a JSON object (a torn write, a hand edit)
 
 
+def parse_records(lines: Iterable[bytes], last: int | None = None) -> AuditScan:
+    """Audit records from JSON lines, oldest first; only the ``last`` ones if given.
+
+    One rule for every place a trail is kept (the local file, etcd's audit keys):
+    blank lines are passed over, and a line that is not a JSON object (a torn write, a
+    hand edit) is skipped and counted, never fatal.
+    """
+    keep: deque[dict[str, object]] = deque(maxlen=last)
+    malformed = 0
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:  # includes UnicodeDecodeError
+            malformed += 1
+            continue
+        if isinstance(value, dict):
+            keep.append(value)
+        else:
+            malformed += 1
+    return AuditScan(list(keep), malformed)
+
+
 def scan(path: str | os.PathLike[str], last: int | None = None) -> AuditScan:
     """The records of an audit log, oldest first; only the ``last`` ones if given. A log
     not yet written is empty; malformed lines are skipped and counted."""
-    keep: deque[dict[str, object]] = deque(maxlen=last)
-    malformed = 0
     try:
         with open(path, "rb") as f:
-            for raw in f:
-                if not raw.strip():
-                    continue
-                try:
-                    value = json.loads(raw)
-                except ValueError:  # includes UnicodeDecodeError
-                    malformed += 1
-                    continue
-                if isinstance(value, dict):
-                    keep.append(value)
-                else:
-                    malformed += 1
+            return parse_records(f, last)
     except FileNotFoundError:
         return AuditScan([], 0)
     except OSError as exc:
         raise AuditError(f"{path}: cannot read the audit log: {_why(exc)}") from exc
-    return AuditScan(list(keep), malformed)
 
 
 def read(path: str | os.PathLike[str]) -> list[dict[str, object]]:

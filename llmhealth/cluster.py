@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from llmhealth.actions import AuditError, encode_record
+from llmhealth.actions import AuditError, AuditScan, encode_record, parse_records
 from llmhealth.classify import Verdict
 from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
 from llmhealth.leadership import (
@@ -759,13 +759,7 @@ def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
     return sum(_records_in(name) for name in names[cut:]) if written else 0
 
 
-@dataclass(frozen=True, slots=True)
-class AuditTrail:
-    records: list[dict[str, Any]]
-    malformed: int  # lines that were not a JSON object (a hand edit)
-
-
-def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditTrail:
+def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditScan:
     """The audit records under the prefix, oldest first; only the ``last`` ones if given.
 
     Read newest first a page of keys at a time, so ``--last 20`` reads a few keys, not
@@ -781,20 +775,8 @@ def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditTrail:
         if len(page) < _AUDIT_PAGE:
             break
         end = page[-1][0]
-    records: list[dict[str, Any]] = []
-    malformed = 0
-    for _, _, value in sorted(batches):
-        for raw in value.splitlines():
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                malformed += 1
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
-                malformed += 1
-    return AuditTrail(records if last is None else records[-last:] if last else [], malformed)
+    lines = (raw for _, _, value in sorted(batches) for raw in value.splitlines())
+    return parse_records(lines, last)
 
 
 class ReadOnlyStore(EtcdStore):
