@@ -21,6 +21,7 @@ from typing import Any
 from llmhealth import __version__, wire
 from llmhealth.classify import (
     Answer,
+    Decision,
     Outcome,
     Read,
     ReadProblem,
@@ -377,40 +378,30 @@ async def examine_once(
     never a failure: failures are verdicts.
     """
     limit = settings.read_limit
-    try:
+
+    async def read_into_window() -> None:
         read = await read_metrics(client, target, settings, clock)
-        keep_read(
-            window, await _with_cpu(read, window, cpu, settings, learned, target.rules), limit
+        kept = await _with_cpu(read, window, cpu, settings, learned, target.rules)
+        keep_read(window, kept, limit)
+
+    def judge(answer: Answer | None) -> Decision:
+        return decide(
+            window, answer, max_reads=limit, baseline=baseline, learned=learned, rules=target.rules
         )
-        decision = decide(
-            window, None, max_reads=limit, baseline=baseline, learned=learned, rules=target.rules
-        )
+
+    try:
+        await read_into_window()
+        decision = judge(None)
         if isinstance(decision, SendTinyRequest):
             answer = await ask_tiny(
                 client, target, settings.for_answer(window, learned, target.rules), clock
             )
-            decision = decide(
-                window,
-                answer,
-                max_reads=limit,
-                baseline=baseline,
-                learned=learned,
-                rules=target.rules,
-            )
+            decision = judge(answer)
             if isinstance(decision, TakeRead):
                 # A timed-out tiny request wants one more read to see whether the engine
                 # moved meanwhile; the answer does not outlive this cycle, so read now.
-                read = await read_metrics(client, target, settings, clock)
-                kept = await _with_cpu(read, window, cpu, settings, learned, target.rules)
-                keep_read(window, kept, limit)
-                decision = decide(
-                    window,
-                    answer,
-                    max_reads=limit,
-                    baseline=baseline,
-                    learned=learned,
-                    rules=target.rules,
-                )
+                await read_into_window()
+                decision = judge(answer)
     except Exception as exc:  # a verdict, and a fresh window: these reads judged nothing
         window.clear()
         return _unexamined(exc)
