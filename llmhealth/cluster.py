@@ -580,6 +580,11 @@ class EtcdStore:
                 "the next settle starts a fresh ledger"
             ) from exc
 
+    def mark(self) -> None:
+        """Never: a save compares against the revision this section's load read, so every
+        settle loads."""
+        return None
+
     def _compares(self) -> list[dict[str, Any]]:
         """What a write in this section stands on: the record as read and, for a leader,
         the leader key it created; raises when it may not write at all."""

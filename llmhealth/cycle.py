@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,38 @@ def fresh_record(policy: LedgerPolicy, backends: Mapping[str, str], now: float) 
     return FleetRecord(Ledger(policy, backends.items(), now=now))
 
 
+@dataclass(slots=True)
+class Kept:
+    """The record exactly as the last settle saved it, with the store's mark of that save:
+    the next settle starts from it instead of reading and decoding the store again (at
+    10,000 backends that was half of every settle), as long as the store still bears the
+    mark. Another writer in between (an operator verb, a `check`) changes the mark, and
+    the record is loaded as it is now.
+
+    A settle takes the record out before it changes anything and puts it back only once
+    the save succeeded, so memory is never ahead of the store: a settle that fails
+    anywhere (a failed save, a lost lock) leaves nothing kept, and the next one loads
+    what the store really holds.
+    """
+
+    record: FleetRecord | None = None
+    mark: Hashable | None = None
+    policy: LedgerPolicy | None = None
+
+    def take(self, store: Store, policy: LedgerPolicy) -> FleetRecord | None:
+        """The kept record if the store still holds it under the same policy; else None.
+        Either way nothing stays kept until the next ``keep``."""
+        record, self.record = self.record, None
+        if record is None or self.mark is None or policy != self.policy:
+            return None
+        return record if store.mark() == self.mark else None
+
+    def keep(self, store: Store, record: FleetRecord, policy: LedgerPolicy) -> None:
+        """Called right after ``record`` was saved to ``store``, with its lock still held."""
+        self.mark = store.mark()
+        self.record, self.policy = (record, policy) if self.mark is not None else (None, None)
+
+
 @dataclass(frozen=True, slots=True)
 class Settled:
     """What one settle did (the report), the record as it saved it, and the restart
@@ -112,6 +144,7 @@ def settle_fleet(
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
     commands: Sequence[CommandDone] = (),
+    kept: Kept | None = None,
 ) -> Settled:
     """The one settle path: lock, load, gather verdicts, settle, save.
 
@@ -120,12 +153,14 @@ def settle_fleet(
     tasks read since the last settle. ``requests`` are what real traffic through
     ``route`` showed since then, per backend in order; ``commands`` the restart commands
     that finished. No command runs in here: the restarts it issues come back as orders.
-    Without a store nothing is kept between runs.
+    ``kept``: the record the caller's last settle saved, used instead of loading while
+    the store is unchanged (``Kept``), and updated by this one. Without a store nothing
+    is kept between runs.
     """
     with store.locked() if store is not None else contextlib.nullcontext():
-        opened = _open(store, config, backends, clock, notes)
+        opened = _open(store, config, backends, clock, notes, kept)
         outcomes = gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, requests, commands)
+        return _close(store, config, opened, outcomes, mode, audit, clock, requests, commands, kept)
 
 
 async def settle_fleet_async(
@@ -139,17 +174,19 @@ async def settle_fleet_async(
     clock: Clock = time.time,
     notes: Sequence[str] = (),
     commands: Sequence[CommandDone] = (),
+    kept: Kept | None = None,
 ) -> Settled:
     """settle_fleet for a ``gather`` that must run in the caller's event loop."""
     with store.locked() if store is not None else contextlib.nullcontext():
-        opened = _open(store, config, backends, clock, notes)
+        opened = _open(store, config, backends, clock, notes, kept)
         outcomes = await gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, None, commands)
+        return _close(store, config, opened, outcomes, mode, audit, clock, None, commands, kept)
 
 
 @dataclass(frozen=True, slots=True)
 class _Opened:
     record: FleetRecord
+    policy: LedgerPolicy
     started: float
     notes: list[str]
 
@@ -160,11 +197,18 @@ def _open(
     backends: Mapping[str, str],
     clock: Clock,
     notes: Sequence[str],
+    kept: Kept | None,
 ) -> _Opened:
-    """The first half of a settle, with the lock held: load the record."""
+    """The first half of a settle, with the lock held: the record as last kept, if the
+    store still holds it, else loaded."""
     started = clock()
-    record, changes = load_record(store, ledger_policy(config.policy), backends, started)
-    return _Opened(record, started, [*notes, *changes])
+    policy = ledger_policy(config.policy)
+    record = kept.take(store, policy) if kept is not None and store is not None else None
+    if record is not None:
+        changes = record.reconcile(backends, started)
+    else:
+        record, changes = load_record(store, policy, backends, started)
+    return _Opened(record, policy, started, [*notes, *changes])
 
 
 def _close(
@@ -177,6 +221,7 @@ def _close(
     clock: Clock,
     requests: Mapping[str, Sequence[RequestOutcome]] | None,
     commands: Sequence[CommandDone],
+    kept: Kept | None,
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
@@ -195,6 +240,8 @@ def _close(
         )
     if store is not None:
         store.save(record.to_dict())
+        if kept is not None:
+            kept.keep(store, record, opened.policy)
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))
 
 
@@ -244,6 +291,8 @@ async def run_cycle_async(
         notes.append("state not persisted: bare URLs without --state or --config")
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
 
+    kept = Kept()  # the settle that hears the commands starts from what the first saved
+
     async def probe(record: FleetRecord) -> list[Outcome]:
         return await check_fleet(
             targets,
@@ -262,6 +311,7 @@ async def run_cycle_async(
         audit=audit,
         clock=clock,
         notes=notes,
+        kept=kept,
     )
     if not settled.orders:
         return settled.report
@@ -290,6 +340,7 @@ async def run_cycle_async(
         audit=audit,
         clock=clock,
         commands=done,
+        kept=kept,
     )
     return _with_commands(settled.report, heard)
 

@@ -34,6 +34,7 @@ from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cluster import ClusterError, Seat, SharedReads
 from llmhealth.cycle import (
+    Kept,
     Settled,
     audit_path_for,
     backend_urls,
@@ -169,7 +170,12 @@ class Daemon:
         )
         self._snapshots: dict[str, BackendSnapshot] = {}
         self._fleet: FleetSummary | None = None
+        # The record as the last settle saved it, which the next starts from while the
+        # state file is unchanged; touched by the settle thread only, which changes it
+        # in place. What the loop's thread needs of it is copied out after each settle.
+        self._kept = Kept()
         self._record: FleetRecord | None = None  # as last settled or read
+        self._news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
         self._router = router
@@ -520,10 +526,14 @@ class Daemon:
         self._log(f"{name}: probing task died ({cause}); started again")
 
     def _record_news(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
-        """What the last settled record saw of each backend, for reads that start afresh."""
-        if self._record is None:
-            return {}, {}
-        return baselines_of(self._record), learned_steps_of(self._record)
+        """What the last settled record saw of each backend, for reads that start afresh;
+        on the loop's thread, while the settle thread may be changing the record itself."""
+        return self._news
+
+    def _seen(self, record: FleetRecord) -> None:
+        """The record as settled or read, and what the loop's thread may read of it."""
+        self._record = record
+        self._news = (baselines_of(record), learned_steps_of(record))
 
     def _take_fresh(self) -> list[Outcome]:
         """Verdicts that came in since the last cycle; called on the event loop's thread."""
@@ -568,13 +578,14 @@ class Daemon:
                 clock=self._clock,
                 requests=news.requests,
                 commands=news.commands,
+                kept=self._kept,
             )
         except ClusterError as exc:
             # Deposed, fenced out or cut off from etcd mid-settle: nothing was written, no
             # restart ordered; this cycle's verdicts are still reported.
             return self._stand_by(news, f"did not settle: {exc}")
         now = settled.report.checked_at
-        self._record = settled.record
+        self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
         self._fleet = settled.report.fleet
         self._write_serving(settled.record.ledger.serving, backends)
@@ -609,7 +620,7 @@ class Daemon:
         except StateError:
             record = None  # etcd away: the last ledger seen stands
         if record is not None:
-            self._record = record
+            self._seen(record)
             self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
             self._fleet = summarize(record.ledger)
         fleet = self._fleet or FleetSummary(

@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -88,6 +88,12 @@ class Store(Protocol):
     def locked(self) -> AbstractContextManager[None]: ...
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None: ...
+
+    def mark(self) -> Hashable | None:
+        """What tells the stored record from any other without reading it: equal marks,
+        the same record. Asked with the lock held; None when that cannot be told (the
+        record is then loaded again at every settle)."""
+        ...
 
     def save(self, document: dict[str, Any]) -> None: ...
 
@@ -162,6 +168,22 @@ class StateFile:
                 f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "
                 "the next run starts a fresh ledger"
             ) from exc
+
+    def mark(self) -> tuple[int, ...] | None:
+        """The file's identity and its last change, from one stat: a save by anyone renames
+        a new file in (a new inode, while the old one is still linked), and an edit in
+        place changes its size or times. None when there is no file to stat."""
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return None
+        return (
+            status.st_dev,
+            status.st_ino,
+            status.st_size,
+            status.st_mtime_ns,
+            status.st_ctime_ns,
+        )
 
     def save(self, document: dict[str, Any]) -> None:
         """Write a temp file, fsync it, rename it over the state, fsync the directory."""

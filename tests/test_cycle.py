@@ -7,16 +7,20 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
+from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
-from llmhealth.cycle import backend_urls, settle_fleet
+from llmhealth.cycle import Kept, Settled, backend_urls, ledger_policy, settle_fleet
 from llmhealth.fleet import FleetRecord
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
-from llmhealth.state import StateFile, StateLockedError
+from llmhealth.state import StateError, StateFile, StateLockedError
+
+T = TypeVar("T")
 
 T0 = 1_796_000_000.0
 GPU0 = Target("gpu0", "http://127.0.0.1:9")
@@ -205,3 +209,139 @@ def test_the_outcome_of_a_restart_the_ledger_moved_past_changes_nothing(tmp_path
     [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
     assert line["superseded"] is True
     assert "to" not in line
+
+
+class CountingFile(StateFile):
+    """A real state file that counts its loads (each one a read and a decode) and can be
+    told to fail its next save after writing nothing."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.loads = 0
+        self.fail_saves = 0
+
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        self.loads += 1
+        return super().load(decode)
+
+    def save(self, document: dict[str, Any]) -> None:
+        if self.fail_saves:
+            self.fail_saves -= 1
+            raise StateError(f"cannot write state {self.path}: disk full")
+        super().save(document)
+
+
+def keeping(store: StateFile, kept: Kept, config: Config = CONFIG) -> Callable[..., Settled]:
+    """A settle as `watch` makes it: on one store, with the record it kept."""
+    times = ticking()
+
+    def settle(outcomes: Sequence[Outcome], **options: Any) -> Settled:
+        return settle_fleet(
+            store,
+            config,
+            backend_urls([GPU0, GPU1]) if config is CONFIG else backend_urls([GPU0]),
+            lambda _record: outcomes,
+            mode=Mode.ACT,
+            audit=AuditLog(store.path.with_name("audit.jsonl")),
+            clock=times,
+            kept=kept,
+            **options,
+        )
+
+    return settle
+
+
+def decoded(path: Path, config: Config = CONFIG) -> dict[str, Any]:
+    record = FleetRecord.from_dict(json.loads(path.read_text()), ledger_policy(config.policy))
+    return record.to_dict()
+
+
+def test_a_kept_record_is_not_read_again_while_the_state_file_is_unchanged(
+    tmp_path: Path,
+) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    settle = keeping(store, Kept())
+    settle([])
+    assert store.loads == 1  # the first settle finds no file yet
+    settle([wedged(GPU0)])
+    last = settle([])
+    assert store.loads == 1  # the two after it start from what the one before saved
+    assert last.record.ledger.state_of("gpu0") == "dead"
+    assert decoded(store.path) == last.record.to_dict()  # memory is what the file holds
+
+
+def test_an_operator_verb_between_two_settles_is_seen_by_the_next(tmp_path: Path) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    settle = keeping(store, Kept())
+    settle([wedged(GPU0)])
+    settle([])
+    assert store.loads == 1
+    # Another process's verb, through its own store object on the same file.
+    other = StateFile(store.path)
+    retired = operate.retire(other, AuditLog(tmp_path / "audit.jsonl"), CONFIG, "gpu0", "bad")
+    assert retired.applied, retired.message
+    after = settle([])
+    assert store.loads == 2  # the verb's save changed the file: read again
+    assert after.record.ledger.state_of("gpu0") == "retired"
+    assert saved(store.path)["gpu0"]["state"] == "retired"  # and the settle kept it so
+    settle([])
+    assert store.loads == 2
+
+
+def test_a_state_file_replaced_with_the_same_bytes_is_still_read_again(tmp_path: Path) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    settle = keeping(store, Kept())
+    settle([])
+    StateFile(store.path).save(json.loads(store.path.read_text()))
+    settle([])
+    assert store.loads == 2
+
+
+def test_a_failed_save_keeps_nothing_and_the_restart_it_planned_is_issued_once(
+    tmp_path: Path,
+) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    kept = Kept()
+    settle = keeping(store, kept, RESTARTABLE)
+    settle([])
+    store.fail_saves = 1
+    with pytest.raises(StateError, match="disk full"):
+        settle([wedged(GPU0)])  # condemned and restarted in memory, never on disk
+    assert kept.record is None
+    assert saved(store.path)["gpu0"]["state"] == "healthy"
+    again = settle([])
+    assert store.loads == 2  # the next settle starts from the file, not from memory
+    assert again.record.ledger.state_of("gpu0") == "healthy"
+    assert again.orders == ()
+    issued = settle([wedged(GPU0)])
+    assert [order.name for order in issued.orders] == ["gpu0"]
+    assert saved(store.path)["gpu0"]["state"] == "restarting"
+    assert decoded(store.path, RESTARTABLE) == issued.record.to_dict()
+
+
+def test_a_settle_that_fails_before_its_save_keeps_nothing(tmp_path: Path) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    kept = Kept()
+    settle = keeping(store, kept)
+    settle([])
+
+    def broken(_record: FleetRecord) -> Sequence[Outcome]:
+        raise RuntimeError("a bug while gathering")
+
+    with pytest.raises(RuntimeError):
+        settle_fleet(
+            store, CONFIG, backend_urls([GPU0, GPU1]), broken, mode=Mode.ACT, audit=None, kept=kept
+        )
+    assert kept.record is None
+    settle([])
+    assert store.loads == 2
+
+
+def test_a_changed_policy_reads_the_record_again_under_it(tmp_path: Path) -> None:
+    store = CountingFile(tmp_path / "state.json")
+    kept = Kept()
+    keeping(store, kept)([])
+    stricter = replace(CONFIG, policy=replace(CONFIG.policy, unhealthy_threshold=5))
+    settled = keeping(store, kept, stricter)([])
+    assert store.loads == 2
+    assert settled.record.ledger.policy.unhealthy_threshold == 5
