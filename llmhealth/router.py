@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 from llmhealth.choice import ANY_MODEL, Affinity, Models, choose, serves
 from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
+from llmhealth.deadlines import Deadlines
 from llmhealth.text import printable
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
 from llmhealth.upstream import BrokenError, ConnectError, Origin, Pool, Response
@@ -428,6 +429,7 @@ class Router:
         # Upstream connections: no more than one per request in flight, so bounded by the
         # client connections' cap; kept alive between requests for UPSTREAM_KEEPALIVE.
         self._pool = Pool(settings.connect_timeout, UPSTREAM_KEEPALIVE)
+        self._deadlines = Deadlines()  # every bound on the request path, one shared timer
         self._runner: web.ServerRunner | None = None
         self.connections: ClientConnections | None = None
 
@@ -497,7 +499,7 @@ class Router:
             response = await self._answer_request(request)
             if not response.prepared:  # the router's own answers; relayed ones are sent
                 try:
-                    async with asyncio.timeout(self._settings.client_timeout):
+                    with self._deadlines.within(self._settings.client_timeout):
                         await response.prepare(request)
                         await response.write_eof()
                 except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
@@ -522,7 +524,7 @@ class Router:
         try:
             # A body that came whole with the headers has nothing left to wait for: no timer.
             waiting = not request.content.is_eof()
-            async with asyncio.timeout(self._settings.body_timeout if waiting else None):
+            with self._deadlines.within(self._settings.body_timeout if waiting else None):
                 body = await request.read()
             model, parsed = model_of(body)
         except web.HTTPRequestEntityTooLarge:
@@ -568,7 +570,7 @@ class Router:
         finished = False
         try:
             try:
-                async with asyncio.timeout(self._settings.first_byte_timeout):
+                with self._deadlines.within(self._settings.first_byte_timeout):
                     upstream = await self._pool.request(
                         self._origins[name],
                         request.method,
@@ -620,13 +622,14 @@ class Router:
             return await self._relay_whole(request, name, status, upstream.reason, headers, whole)
         response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for costs a task per call,
-            # and this path runs for every chunk of every response.
-            async with asyncio.timeout(self._settings.client_timeout):
+            # A shared coarse timer, not wait_for nor asyncio.timeout: on Python 3.11
+            # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
+            # runs for every chunk of every response.
+            with self._deadlines.within(self._settings.client_timeout):
                 await response.prepare(request)
             while True:
                 try:
-                    async with asyncio.timeout(self._settings.stream_idle_timeout):
+                    with self._deadlines.within(self._settings.stream_idle_timeout):
                         chunk = await upstream.read()
                 except TimeoutError:
                     seconds = self._settings.stream_idle_timeout
@@ -641,9 +644,9 @@ class Router:
                     return response, False
                 if not chunk:
                     break
-                async with asyncio.timeout(self._settings.client_timeout):
+                with self._deadlines.within(self._settings.client_timeout):
                     await response.write(chunk)
-            async with asyncio.timeout(self._settings.client_timeout):
+            with self._deadlines.within(self._settings.client_timeout):
                 await response.write_eof()
         except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
             # The client stopped reading or went away: its doing, never the backend's.
@@ -664,7 +667,7 @@ class Router:
         """A response already read whole: one write to the client, bounded like any other."""
         response = web.Response(body=body, status=status, reason=reason, headers=headers)
         try:
-            async with asyncio.timeout(self._settings.client_timeout):
+            with self._deadlines.within(self._settings.client_timeout):
                 await response.prepare(request)
                 await response.write_eof()
         except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
@@ -696,7 +699,7 @@ class Router:
         payload = f"event: error\ndata: {json.dumps({**event, 'backend': name})}\n\n"
         response.force_close()
         try:
-            async with asyncio.timeout(self._settings.client_timeout):
+            with self._deadlines.within(self._settings.client_timeout):
                 await response.write(payload.encode())
                 await response.write_eof()
         except (TimeoutError, ConnectionError, aiohttp.ClientError):

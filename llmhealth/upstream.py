@@ -20,7 +20,7 @@ one buffer, handing the body on piece by piece as it arrives. Its rules:
   (the backend closed it while idle, which says nothing about the backend), and any
   other is ``BrokenError``: the router keeps ``keepalive`` below the backends' own.
 
-Time bounds beyond the connect belong to the caller (``asyncio.timeout`` around the calls),
+Time bounds beyond the connect belong to the caller (the router's ``Deadlines`` around the calls),
 which cancels; a cancelled or failed exchange closes its connection.
 """
 
@@ -408,16 +408,18 @@ def _request_bytes(
     origin: Origin, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
 ) -> bytes:
     """The request as it goes on the wire: one buffer, one write."""
-    # utf-8 with surrogateescape: the bytes aiohttp's parser decoded so, exactly as they came.
-    lines = [f"{method} {origin.prefix}{target} HTTP/1.1".encode("utf-8", "surrogateescape")]
-    lines.append(b"Host: " + origin.host_header)
+    host = origin.host_header.decode("ascii")  # IDNA: ASCII by construction
+    lines = [f"{method} {origin.prefix}{target} HTTP/1.1", f"Host: {host}"]
     for name, value in headers:
         if "\r" in value or "\n" in value:
             continue  # cannot be sent as one header line; aiohttp's parser let none through
-        lines.append(f"{name}: {value}".encode("utf-8", "surrogateescape"))
+        lines.append(f"{name}: {value}")
     if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-        lines.append(b"Content-Length: %d" % len(body))
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+        lines.append(f"Content-Length: {len(body)}")
+    lines.append("\r\n")  # the blank line that ends the head
+    # One encode for the whole head. utf-8 with surrogateescape: the bytes aiohttp's parser
+    # decoded so, exactly as they came.
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body
 
 
 async def _line(link: _Link, what: str) -> bytes:
