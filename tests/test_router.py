@@ -338,6 +338,40 @@ def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer)
     assert httpserver.log == []
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["with-the-head", "after-the-head"])
+def test_a_body_over_max_body_gets_a_413_however_it_arrives(
+    httpserver: HTTPServer, whole: bool
+) -> None:
+    body = b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}'
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (
+        CHAT.encode(),
+        len(body),
+    )
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}, RouterConfig(max_body=2048)) as (
+            router,
+            url,
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            if whole:  # one write: the router finds the body complete with the head
+                writer.write(head + body)
+            else:
+                writer.write(head)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(body)
+            await writer.drain()
+            status_line = await reader.readline()
+            writer.close()
+            assert status_line.split()[1] == b"413"
+            assert (await drained(router)) == {}
+
+    run(scenario())
+    assert httpserver.log == []
+
+
 @pytest.mark.parametrize(
     "head",
     [
