@@ -20,7 +20,7 @@ import contextlib
 import ssl
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
@@ -30,6 +30,11 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewis
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
 _MAX_INFORMATIONAL = 8  # 1xx answers skipped before the real one
 _READ_SIZE = 256 * 1024
+# Bytes a connection's socket is read by while its answer's head is awaited: the head and
+# the start of the body, not the whole body (see _BodyGate).
+_HEAD_READ_SIZE = 1024
+# Answers whose bodies are read (and, by the caller, parsed) at once in one event loop.
+BODIES_AT_ONCE = 64
 
 
 class Failure(Enum):
@@ -124,7 +129,7 @@ class Connection:
             try:
                 async with asyncio.timeout(None) as timeout:
                     bound.arm(timeout)
-                    return await self._exchange(origin, request, max_bytes, accept, progress)
+                    return await self._exchange(origin, request, max_bytes, accept, progress, bound)
             except TimeoutError as exc:
                 await self.aclose()
                 if bound.starved:
@@ -210,6 +215,7 @@ class Connection:
         max_bytes: int,
         accept: Accept | None,
         progress: _Progress,
+        bound: _Deadline,
     ) -> WireResponse:
         if self._origin != origin or self._writer is None:
             await self.aclose()
@@ -222,14 +228,23 @@ class Connection:
         progress.connected = True
         reader, writer = self._reader, self._writer
         assert reader is not None
+        transport = writer.transport
+        assert isinstance(transport, asyncio.ReadTransport)  # a stream's socket reads too
+        _set_read_size(transport, _HEAD_READ_SIZE)
         writer.write(request)
         status, headers, keep_alive = await _read_head(reader, progress)
         if accept is not None:
             accept(status, headers)
-        body = await _read_body(reader, status, headers, max_bytes, progress)
-        if not keep_alive:
-            await self.aclose()
-        return WireResponse(status, headers, body)
+        transport.pause_reading()  # the body waits in the kernel until admitted
+        async with _gate_of(asyncio.get_running_loop()).admit(bound):
+            _set_read_size(transport, _READ_SIZE)
+            transport.resume_reading()
+            body = await _read_body(reader, status, headers, max_bytes, progress)
+            if not keep_alive:
+                await self.aclose()
+            # Released on return: the caller parses the body before its task next waits,
+            # so what the gate bounds is bodies read and not yet parsed.
+            return WireResponse(status, headers, body)
 
     def _context(self) -> ssl.SSLContext:
         return self._tls if self._tls is not None else _default_tls()
@@ -246,6 +261,9 @@ class _Deadline:
     (``_Lateness``) is added to it, up to ``_GRACE`` times the request's own length; a
     request cut off past that is ``starved``: not judged, rather than judged on our
     lateness. Either way a request ends within (1 + _GRACE) times its budget.
+
+    Time an answer waited for ``_BodyGate`` counts the same way: it had come, and this
+    process chose not to read it yet.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
@@ -257,6 +275,8 @@ class _Deadline:
         self._granted = 0.0  # added to the deadline so far
         self._timeout: asyncio.Timeout | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._held = 0.0  # seconds the answer waited at the body gate, finished waits
+        self._held_since: float | None = None  # the wait under way began
         self.late = 0.0  # how late this loop ran since the request began, when cut off
         self.starved = False
 
@@ -274,12 +294,25 @@ class _Deadline:
             self._timer.cancel()
         self._timer = self._timeout = None
 
+    def hold(self) -> None:
+        """The answer waits for the body gate from now."""
+        self._held_since = self._loop.time()
+
+    def unhold(self) -> None:
+        if self._held_since is not None:
+            self._held += self._loop.time() - self._held_since
+            self._held_since = None
+
     def late_so_far(self) -> float:
-        """Seconds this loop ran late since the request began."""
-        return self._lateness.since(self._started)
+        """Seconds of the request that were this process's, not the server's: its loop
+        running late, and its answer waiting at the body gate (at most the time elapsed,
+        since the two can overlap)."""
+        now = self._loop.time()
+        held = self._held + (now - self._held_since if self._held_since is not None else 0.0)
+        return min(self._lateness.since(self._started) + held, now - self._started)
 
     def _at_deadline(self) -> None:
-        late = self._lateness.since(self._started)
+        late = self.late_so_far()
         owed = late - self._granted
         if owed > _LATE_ENOUGH and self._granted + owed <= self._allowance:
             self._granted += owed
@@ -345,6 +378,58 @@ def _lateness_of(loop: asyncio.AbstractEventLoop) -> _Lateness:
     except KeyError:
         lateness = _LATENESS[loop] = _Lateness(loop)
         return lateness
+
+
+class _BodyGate:
+    """At most ``BODIES_AT_ONCE`` answers' bodies read at once in one event loop.
+
+    A fleet's reads start together, so their 53 KB bodies arrive together, and a selector
+    loop drains every readable socket into its stream before any task runs: at 3,000
+    backends that was every body in memory at once (bench/README.md, the second pass).
+    So a connection reads its socket a few bytes at a time until the answer's head is
+    in, then stops reading (the body waits in the kernel) until the gate admits it. Only
+    answers that have begun wait here: a silent or hung server never holds a place, and
+    connecting, sending and waiting for heads stay concurrent, so a read still ends by
+    its own deadline. A place is held while a body arrives, at most to that read's
+    deadline; the wait for one is not charged to the waiting server (``_Deadline``).
+    """
+
+    def __init__(self) -> None:
+        self._places = asyncio.Semaphore(BODIES_AT_ONCE)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, bound: _Deadline) -> AsyncIterator[None]:
+        bound.hold()
+        try:
+            await self._places.acquire()
+        finally:
+            bound.unhold()
+        try:
+            yield
+        finally:
+            self._places.release()
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _BodyGate] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gate_of(loop: asyncio.AbstractEventLoop) -> _BodyGate:
+    try:
+        return _GATES[loop]
+    except KeyError:
+        gate = _GATES[loop] = _BodyGate()
+        return gate
+
+
+def _set_read_size(transport: asyncio.BaseTransport, size: int) -> None:
+    """How many bytes the loop's socket transport takes per read (``max_size`` of asyncio's
+    selector transport, a class attribute it reads on every read). A TLS transport has none
+    and reads as it does: its bodies are still admitted one gate place each, but may
+    arrive with their heads."""
+    if hasattr(transport, "max_size"):
+        transport.max_size = size
 
 
 @cache

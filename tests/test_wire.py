@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from llmhealth import wire
 from llmhealth.wire import MAX_HEAD_BYTES, Connection, Failure, WireError, WireResponse
 
 Handler = Callable[[socket.socket, int], None]  # a connection, and its number from 0
@@ -378,3 +379,71 @@ def test_a_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() 
     assert isinstance(outcome, WireError)
     assert outcome.failure is Failure.STARVED
     assert "closed the connection" in outcome.detail
+
+
+def _read_both(first: str, second: str, budgets: tuple[float, float]) -> list[object]:
+    """GET ``first``, then (once its request is out) ``second``, in one event loop; each
+    outcome (a response or a WireError) in the order they finished."""
+
+    async def run() -> list[object]:
+        loop = asyncio.get_running_loop()
+        finished: list[object] = []
+
+        async def one(url: str, budget: float) -> None:
+            connection = Connection(None, "llmhealth/test")
+            try:
+                finished.append(
+                    await connection.request(
+                        "GET", url, deadline=loop.time() + budget, max_bytes=100
+                    )
+                )
+            except WireError as error:
+                finished.append(error)
+            finally:
+                await connection.aclose()
+
+        started = asyncio.create_task(one(first, budgets[0]))
+        await asyncio.sleep(0.1)
+        await one(second, budgets[1])
+        await started
+        return finished
+
+    return asyncio.run(run())
+
+
+def test_bodies_beyond_the_gate_wait_and_their_wait_is_not_the_servers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One body at a time: an answer that came while another body was arriving waits
+    (in the kernel) for it, longer than its own budget, and is still read, not blamed."""
+    monkeypatch.setattr(wire, "BODIES_AT_ONCE", 1)
+
+    def dribble(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsl")
+        time.sleep(0.6)
+        connection.sendall(b"ow")
+
+    with tcp_server(dribble) as (slow, _), tcp_server(_answer_at_once) as (quick, _):
+        outcome = _read_both(f"{slow}/metrics", f"{quick}/metrics", (5.0, 0.3))
+    assert [(o.status, o.body) for o in outcome if isinstance(o, WireResponse)] == [
+        (200, b"slow"),
+        (200, b"ok"),
+    ]
+
+
+def test_a_server_that_has_not_answered_holds_no_place_at_the_gate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wire, "BODIES_AT_ONCE", 1)
+
+    def silent(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        time.sleep(1.0)
+
+    with tcp_server(silent) as (hung, _), tcp_server(_answer_at_once) as (quick, _):
+        outcome = _read_both(f"{hung}/metrics", f"{quick}/metrics", (0.5, 5.0))
+    assert isinstance(outcome[0], WireResponse)
+    assert outcome[0].body == b"ok"
+    assert isinstance(outcome[1], WireError)
+    assert outcome[1].failure is Failure.ANSWER_TIMEOUT
