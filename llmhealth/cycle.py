@@ -376,7 +376,7 @@ def expire_restarts(
     not failed. The audit line says what was waited for and what was last seen.
     """
     notes = []
-    before = {snap.name: snap for snap in record.ledger.snapshots(now)}
+    before = {name: record.ledger.snapshot(name, now) for name in record.ledger.overdue(now)}
     for expired in record.ledger.expire_restarts(now):
         record.restart_failed(expired.name)
         notes.append(f"{expired.name}: {expired.reason}")

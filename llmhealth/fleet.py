@@ -289,7 +289,7 @@ class FleetRecord:
         """Make the ledger's members the configured backends; return what changed."""
         changes = []
         for name in self.ledger.names:
-            if name not in backends or self.ledger.snapshot(name, now).url != backends[name]:
+            if name not in backends or self.ledger.url_of(name) != backends[name]:
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Final
 
 from llmhealth.ledger import BackendSnapshot, Ledger, State, is_finite_number
 
+_DEAD = frozenset({State.DEAD})
+
 if TYPE_CHECKING:
     # Types only: config reads files, and importing it at run time would pull that in.
     from llmhealth.config import Backend, Policy
@@ -165,9 +167,7 @@ def plan_restarts(
     _check_time(now, "now")
     under_way = sum(1 for name in ledger.names if ledger.state_of(name) is State.RESTARTING)
     decisions: list[RestartDecision] = []
-    for snap in ledger.snapshots(now):
-        if snap.state is not State.DEAD:
-            continue
+    for snap in ledger.snapshots(now, _DEAD):
         action, reason = _decide(
             snap,
             backends.get(snap.name),

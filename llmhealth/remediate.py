@@ -34,6 +34,7 @@ from llmhealth.policy import (
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
+_DEAD = frozenset({State.DEAD})
 
 
 class Mode(StrEnum):
@@ -99,9 +100,8 @@ def pending_restarts(record: FleetRecord, config: Config, now: float) -> set[str
     backends = {backend.name: backend for backend in config.backends}
     return {
         snap.name
-        for snap in record.ledger.snapshots(now)
-        if snap.state is State.DEAD
-        and restart_pending(
+        for snap in record.ledger.snapshots(now, _DEAD)
+        if restart_pending(
             snap, backends.get(snap.name), record.holds.get(snap.name), config.policy, now
         )
     }

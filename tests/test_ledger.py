@@ -412,7 +412,10 @@ def test_a_restart_that_outlives_the_startup_grace_is_failed_back_to_dead() -> N
     ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A), ("b", URL_B)], now=0.0)
     ledger.apply("a", WedgeProven(now=10.0))
     ledger.apply("a", RestartIssued(now=20.0))
+    assert ledger.overdue(119.0) == []
     assert ledger.expire_restarts(119.0) == []
+    assert ledger.state_of("a") is State.RESTARTING
+    assert ledger.overdue(120.0) == ["a"]  # what expire_restarts fails, without failing it
     assert ledger.state_of("a") is State.RESTARTING
     [t] = ledger.expire_restarts(120.0)
     assert t == Transition(
@@ -1215,6 +1218,12 @@ def test_views_sort_by_name_and_count_every_state() -> None:
         "retired": 0,
     }
     assert [s.name for s in ledger.snapshots(1.0)] == ["a", "b", "c"]
+    assert ledger.snapshots(1.0, frozenset({State.DEAD, State.SUSPECT})) == [
+        s for s in ledger.snapshots(1.0) if s.state in (State.DEAD, State.SUSPECT)
+    ]
+    assert [ledger.url_of(s.name) for s in ledger.snapshots(1.0)] == [
+        s.url for s in ledger.snapshots(1.0)
+    ]
 
 
 def test_the_floor_is_breached_below_min_healthy_and_the_message_names_every_cause() -> None:
