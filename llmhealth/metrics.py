@@ -123,74 +123,175 @@ class Signals:
 def parse_metrics(body: str | bytes) -> Signals:
     """Extract the signals; any text at all yields Signals, possibly with no engines.
 
-    One regular-expression scan finds the lines of the series read; what each line's name
-    and label text mean (which field, engine, label set, bucket bound) is worked out once
-    per process and remembered (``_meaning``), so a line costs a look-up and a ``float``.
+    One regular-expression scan finds the lines of the series read. What those lines
+    are, by name and label text, is worked out once per process and remembered as a
+    ``_Layout`` (which line feeds which field of which engine), because a backend sends
+    the same lines read after read and only their values change; a read is then the scan,
+    a ``float`` per line and a look-up per series, all in C but the last few steps.
     """
     # Scanned as bytes, as they came: only the few label sets not seen before are decoded
     # (as the whole text would be, with U+FFFD for what is not UTF-8).
     data = body if isinstance(body, bytes) else body.encode("utf-8", errors="surrogatepass")
-    # Per (field, engine, label set): a duplicate series overwrites, as the Prometheus
-    # server would keep only one sample of it. The parsed labels, not their raw text, say
-    # which series it is: label order and spacing do not make a new one.
-    samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = {}
-    sleep: dict[str, dict[str, float]] = {}
-    # Per (field, engine, label set without le): bucket bound -> cumulative count.
-    buckets: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, float]] = {}
-    process_start: float | None = None
-    skipped = 0
-    # (name and label text, the rest of the line) per line; so line 1 is found too.
-    lines = _LINES.findall(b"\n" + data)
-    heads, tails = zip(*lines, strict=True) if lines else ((), ())
-    # Looked up and converted in C, line by line; per line in Python only where needed.
-    meanings = list(map(_MEANINGS.get, heads))
-    if None in meanings:  # not seen before, or labels that do not parse
-        meanings = [
-            meaning or _meaning(head) for meaning, head in zip(meanings, heads, strict=True)
-        ]
+    # (name and label text, the rest of the line) per line.
+    lines = _LINES.findall(data)
+    first = _FIRST_LINE.match(data)
+    if first is not None:
+        lines.insert(0, first.groups())
+    if not lines:
+        return Signals()
+    heads, tails = zip(*lines, strict=True)
+    layout = _LAYOUTS.get(heads) or _layout(heads)
+    if not layout.leftovers:
+        try:
+            values = list(map(float, tails))  # a value alone: vLLM's lines
+        except ValueError:
+            pass
+        else:
+            # Every value finite and not negative (a NaN or an infinity makes the sum
+            # NaN or infinite): every line counts as it stands, the last of a series wins.
+            if min(values) >= 0.0 and sum(values) < math.inf:
+                return _read(layout, values, layout.malformed)
+    return _read_usable(heads, tails, layout)
+
+
+def _read_usable(heads: tuple[bytes, ...], tails: tuple[bytes, ...], layout: _Layout) -> Signals:
+    """Read a text with unusable lines: drop them, then read what is left.
+
+    A NaN, infinite or negative count says nothing usable (treated as absent rather than
+    let it fake progress or a restart), nor does a value that does not parse; either is
+    counted as skipped, as is a line whose labels do not parse. A start time must be
+    finite and positive, a sleep gauge finite: otherwise they are dropped unremarked.
+    What is left is read like any text, so a duplicate that is unusable does not hide
+    the usable one before it.
+    """
     try:
-        values: list[float | None] = list(map(float, tails))  # a value alone: vLLM's lines
+        values: list[float | None] = list(map(float, tails))
     except ValueError:
         values = [_value_before_timestamp(tail) for tail in tails]
-    for meaning, converted, tail in zip(meanings, values, tails, strict=True):
-        if meaning is None:
-            skipped += 1
-            continue
-        kind, key, extra, leftover = meaning
+    for position, leftover in layout.leftovers.items():
         # A "}" after the label set ended is part of what follows it.
-        value = _value_before_timestamp(leftover + tail) if leftover else converted
-        if value is None:
+        values[position] = _value_before_timestamp(leftover + tails[position])
+    kept_heads: list[bytes] = []
+    kept_values: list[float] = []
+    skipped = 0
+    for head, kind, value in zip(heads, layout.kinds, values, strict=True):
+        if kind is None or value is None:
             skipped += 1
-            continue
-        if kind <= _BUCKET:  # a sample or a bucket, nearly every line: tested first
-            if not 0.0 <= value < math.inf:
-                # A NaN, infinite or negative count says nothing usable; treat it as
-                # absent rather than let it fake progress or a restart.
-                skipped += 1
-            elif kind == _BUCKET:
-                if extra is None:  # a bound that is not a number
-                    skipped += 1
-                else:
-                    buckets.setdefault(key, {})[extra] = value
+        elif kind <= _BUCKET:  # a sample or a bucket
+            if 0.0 <= value < math.inf:
+                kept_heads.append(head)
+                kept_values.append(value)
             else:
-                samples[key] = value
-        elif kind == _START:
-            if math.isfinite(value) and value > 0:
-                process_start = value
-        elif kind == _SLEEP and math.isfinite(value):
-            engine, state = extra
-            sleep.setdefault(engine, {})[state] = value
-    for (field_name, engine, labels_set), counts in buckets.items():
-        highest = _highest_bucket(counts)
+                skipped += 1
+        elif (kind == _START and math.isfinite(value) and value > 0) or (
+            kind == _SLEEP and math.isfinite(value)
+        ):
+            kept_heads.append(head)
+            kept_values.append(value)
+    if not kept_heads:
+        return _read(_EMPTY_LAYOUT, [], skipped)
+    kept = tuple(kept_heads)
+    return _read(_LAYOUTS.get(kept) or _layout(kept), kept_values, skipped)
+
+
+def _read(layout: _Layout, values: list[float], skipped: int) -> Signals:
+    """The signals from one value per line of ``layout``, each usable as it stands."""
+    value = values.__getitem__
+    samples = dict(zip(layout.sample_keys, map(value, layout.sample_positions), strict=True))
+    for key, bounds, positions in layout.histograms:
+        highest = _highest_bucket(bounds, list(map(value, positions)))
         if highest is not None:
             # Several label sets (model names) of one engine: the longest of them counts.
-            bound, beyond = highest
-            samples[(field_name, engine, labels_set)] = bound
+            field_name, engine, labels_set = key
+            samples[key], beyond = highest
             if beyond and field_name == "longest_gap":
                 samples[("gap_beyond", engine, labels_set)] = 1.0
-    engines = _combine(samples, sleep)
+    sleep: dict[str, dict[str, float]] = {}
+    for engine, state, position in layout.sleep:
+        sleep.setdefault(engine, {})[state] = values[position]
+    process_start = None
+    for position in reversed(layout.starts):  # the last one that is a time
+        if values[position] > 0:
+            process_start = values[position]
+            break
     notes = (f"{skipped} malformed or unusable vLLM sample(s) ignored",) if skipped else ()
-    return Signals(engines, process_start, skipped, notes)
+    return Signals(_combine(samples, sleep), process_start, skipped, notes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What the lines of one text are, by position, whatever their values.
+
+    A series written twice is read from its last line (the Prometheus server would keep
+    one sample of it too); series are in the order of their first line.
+    """
+
+    kinds: tuple[int | None, ...]  # per line; None for a line that is malformed as written
+    malformed: int
+    # Lines whose label set ended before their last "}", with what followed it.
+    leftovers: dict[int, bytes]
+    # Counters and gauges: (field, engine, label set) and the line it is read from.
+    sample_keys: tuple[tuple[str, str, frozenset[tuple[str, str]]], ...]
+    sample_positions: tuple[int, ...]
+    # Per histogram (field, engine, label set without le): its bounds ascending, and the
+    # line of each.
+    histograms: tuple[
+        tuple[tuple[str, str, frozenset[tuple[str, str]]], tuple[float, ...], tuple[int, ...]],
+        ...,
+    ]
+    sleep: tuple[tuple[str, str, int], ...]  # engine, sleep state, line
+    starts: tuple[int, ...]  # every line of the process start time without labels
+
+
+def _layout(heads: tuple[bytes, ...]) -> _Layout:
+    """The layout of these lines, remembered (bounded, as ``_MEANINGS`` is)."""
+    samples: dict[tuple[str, str, frozenset[tuple[str, str]]], int] = {}
+    histograms: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, int]] = {}
+    sleep: dict[tuple[str, str], int] = {}
+    starts: list[int] = []
+    kinds: list[int | None] = []
+    leftovers: dict[int, bytes] = {}
+    for position, head in enumerate(heads):
+        meaning = _meaning(head)
+        if meaning is None or (meaning[0] == _BUCKET and meaning[2] is None):
+            kinds.append(None)  # labels that do not parse, or a bound that is not a number
+            continue
+        kind, key, extra, leftover = meaning
+        kinds.append(kind)
+        if leftover:
+            leftovers[position] = leftover
+        if kind == _SAMPLE:
+            samples[key] = position
+        elif kind == _BUCKET:
+            histograms.setdefault(key, {})[extra] = position
+        elif kind == _SLEEP:
+            sleep[extra] = position
+        elif kind == _START:
+            starts.append(position)
+    layout = _Layout(
+        kinds=tuple(kinds),
+        malformed=kinds.count(None),
+        leftovers=leftovers,
+        sample_keys=tuple(samples),
+        sample_positions=tuple(samples.values()),
+        histograms=tuple(
+            (key, tuple(sorted(lines)), tuple(lines[bound] for bound in sorted(lines)))
+            for key, lines in histograms.items()
+        ),
+        sleep=tuple((engine, state, position) for (engine, state), position in sleep.items()),
+        starts=tuple(starts),
+    )
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    _LAYOUTS[heads] = layout
+    return layout
+
+
+# Layouts by the name and label text of their lines. A fleet of alike backends shares a
+# few; the bound keeps a server that invents label values from growing it without limit.
+_LAYOUTS: dict[tuple[bytes, ...], _Layout] = {}
+_LAYOUTS_MAX = 256
+_EMPTY_LAYOUT = _Layout((), 0, {}, (), (), (), (), ())
 
 
 # What a line is, by its name and labels (plain ints: an Enum member's look-up costs
@@ -267,9 +368,13 @@ def _combine(
 ) -> tuple[EngineSignals, ...]:
     per_engine: dict[str, dict[str, float]] = {}
     for (field_name, engine, _), value in samples.items():
-        fields = per_engine.setdefault(engine, {})
+        fields = per_engine.get(engine)
+        if fields is None:
+            fields = per_engine[engine] = {}
         if field_name in _TAKE_MAXIMUM:
-            fields[field_name] = max(fields.get(field_name, value), value)
+            known = fields.get(field_name)
+            if known is None or value > known:
+                fields[field_name] = value
         else:
             fields[field_name] = fields.get(field_name, 0.0) + value
     for engine in sleep:
@@ -308,24 +413,21 @@ def _bucket_bound(text: str | None) -> float | None:
     return None if math.isnan(bound) or bound < 0 else bound
 
 
-def _highest_bucket(counts: dict[float, float]) -> tuple[float, bool] | None:
+def _highest_bucket(bounds: tuple[float, ...], counts: list[float]) -> tuple[float, bool] | None:
     """The bound of the lowest bucket that holds every observation; None when empty.
 
-    When some observations are only in +Inf, it is the largest finite bound and True:
-    the longest value is then only known to exceed it. Bounds are never NaN or negative
-    (``_bucket_bound``), so +Inf sorts last.
+    ``bounds`` ascend, one count each. When some observations are only in +Inf, it is the
+    largest finite bound and True: the longest value is then only known to exceed it.
+    Bounds are never NaN or negative (``_bucket_bound``), so +Inf sorts last; counts are
+    usable (``_read``): the first bucket holding the largest count holds them all.
     """
-    total = max(counts.values(), default=0.0)
+    total = max(counts)
     if total <= 0:
         return None
-    largest_finite = None
-    for bound in sorted(counts):
-        if bound == math.inf:
-            break
-        if counts[bound] >= total:
-            return bound, False
-        largest_finite = bound
-    return None if largest_finite is None else (largest_finite, True)
+    lowest = counts.index(total)
+    if bounds[lowest] != math.inf:
+        return bounds[lowest], False
+    return None if lowest == 0 else (bounds[lowest - 1], True)
 
 
 def _engine_order(engine: str) -> tuple[int, str]:
@@ -392,10 +494,11 @@ def _alternatives(names: Iterable[str]) -> str:
 # Every sample line of the series read, in one pass in C over the text: its name (which
 # must start a line and be followed by ``{``, a space or a tab: a longer name sharing the
 # prefix is another series) with its label text up to the line's last ``}`` (a lone ``{``
-# when there is none, which no label set parses from), and the rest of the line.
-_LINES = re.compile(
-    (rf"\n((?:{_alternatives(_READ)})(?=[{{ \t])(?:\{{[^\n]*\}}|\{{|))([^\n]*)").encode("ascii")
-)
+# when there is none, which no label set parses from), and the rest of the line. The
+# first line is matched on its own, sparing a copy of the text to put a newline before it.
+_LINE = (rf"((?:{_alternatives(_READ)})(?=[{{ \t])(?:\{{[^\n]*\}}|\{{|))([^\n]*)").encode("ascii")
+_LINES = re.compile(b"\n" + _LINE)
+_FIRST_LINE = re.compile(_LINE)
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
