@@ -167,7 +167,52 @@ def _start_of(pid: int) -> int | None:
 
 
 def _descendants(root: int) -> list[int]:
-    """Every process below root, from the parent pid in each /proc/<pid>/stat."""
+    """Every process below root: from each thread's list of the children it started
+    (``/proc/<pid>/task/<tid>/children``), else from a scan of every process's parent.
+
+    Sampled once per read of a frozen or idle engine, the scan of every /proc/<pid>/stat
+    on the host was about 2 ms of CPU each time (on a quiet host of 94 processes): 4.5 s
+    in a check of 750 idle local backends. The children lists name the same processes
+    and cost a read per thread of the processes found. The kernel may build them without
+    ``CONFIG_PROC_CHILDREN``; then the scan it was.
+    """
+    try:
+        return _walk_children(root)
+    except _NoChildrenListsError:
+        return _scan_descendants(root)
+
+
+class _NoChildrenListsError(Exception):
+    """This kernel has no /proc/<pid>/task/<tid>/children."""
+
+
+def _walk_children(root: int) -> list[int]:
+    found: list[int] = []
+    pending = [root]
+    count = 0
+    while pending and count < _MAX_PROCESSES:
+        pid = pending.pop()
+        count += 1
+        if pid != root:
+            found.append(pid)
+        try:
+            tasks = list((_PROC / str(pid) / "task").iterdir())
+        except OSError:
+            continue  # gone meanwhile: it and its children are not the engine's now
+        for task in tasks:
+            try:
+                listed = (task / "children").read_text()
+            except FileNotFoundError:
+                if not (task / "stat").exists():
+                    continue  # the thread ended meanwhile
+                raise _NoChildrenListsError from None
+            except OSError:
+                continue
+            pending.extend(int(child) for child in listed.split())
+    return found
+
+
+def _scan_descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for count, entry in enumerate(_PROC.iterdir()):
         if count >= _MAX_PROCESSES:
