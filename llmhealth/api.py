@@ -16,7 +16,7 @@ from typing import Any
 
 from llmhealth import config as config_module
 from llmhealth.classify import VerdictKind
-from llmhealth.cycle import run_cycle_async, state_path_for
+from llmhealth.cycle import run_cycle_async, run_loop, state_path_for
 from llmhealth.ledger import State, Transition
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import Mode
@@ -112,7 +112,7 @@ def check(
             "await llmhealth.check_async(...) there"
         )
     options = _Options(proxies, config, state, wait, timeout, answer_timeout, dry_run, no_restart)
-    return asyncio.run(_run(urls, options, may_block=True))
+    return run_loop(_run(urls, options, may_block=True))
 
 
 async def check_async(

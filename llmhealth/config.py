@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,8 +203,8 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
         _proxy(reader, entry, f"proxy[{index}]")
         for index, entry in enumerate(reader.table_list(data, "proxy"))
     )
-    names = [backend.name for backend in backends] + [proxy.name for proxy in proxies]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    named = Counter(backend.name for backend in backends) + Counter(p.name for p in proxies)
+    duplicates = sorted(name for name, count in named.items() if count > 1)
     if duplicates:
         raise ConfigError(f"{where}: name used twice: {', '.join(duplicates)}")
     return Config(

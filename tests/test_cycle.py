@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
-from llmhealth.cycle import Kept, Settled, backend_urls, ledger_policy, settle_fleet
+from llmhealth.cycle import Kept, Settled, backend_urls, ledger_policy, run_loop, settle_fleet
 from llmhealth.fleet import FleetRecord
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateError, StateFile, StateLockedError
@@ -345,3 +346,24 @@ def test_a_changed_policy_reads_the_record_again_under_it(tmp_path: Path) -> Non
     settled = keeping(store, kept, stricter)([])
     assert store.loads == 2
     assert settled.record.ledger.policy.unhealthy_threshold == 5
+
+
+def test_a_check_s_loop_gives_back_its_value_unrendered_and_the_collector_as_it_was() -> None:
+    """asyncio.run rendered the main task's result (a whole report) with ``repr`` on
+    leaving, and threw the text away: 87,000 calls for a check of 3,000 backends."""
+    rendered: list[object] = []
+
+    class Report:
+        def __repr__(self) -> str:
+            rendered.append(self)
+            return "Report()"
+
+    report = Report()
+    before = gc.get_threshold()
+
+    async def check() -> Report:
+        return report
+
+    assert run_loop(check()) is report
+    assert rendered == []
+    assert gc.get_threshold() == before
