@@ -603,7 +603,9 @@ def fsync_ms(count: int = 20) -> list[float]:
     return times
 
 
-def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Section:
+def scale_section(
+    sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS, *, watch: bool = True
+) -> Section:
     began = time.monotonic()
     raise_open_files(4 * max(sizes) + 512)
     kinds = ("check", *WATCH_KINDS)
@@ -671,7 +673,7 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
                         f"{result['wall']:.2f} s, cpu {result['cpu']:.2f} s, peak "
                         f"{result['peak']:.0f} MiB, {sum(result['wrong'].values())} wrong verdicts"
                     )
-                    if size not in WATCH_SIZES:
+                    if not watch or size not in WATCH_SIZES:
                         continue
                     for kind, workers in WATCH_KINDS.items():
                         if workers > 1 and size < WORKERS_FROM:
@@ -974,7 +976,11 @@ def scale_section(sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> Sec
 
 
 def run(
-    which: str = "all", sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS
+    which: str = "all",
+    sizes: tuple[int, ...] = SIZES,
+    repeats: int = REPEATS,
+    *,
+    watch: bool = True,
 ) -> list[Section]:
     sections = []
     if which in ("all", "parse"):
@@ -982,7 +988,7 @@ def run(
     if which in ("all", "bytes"):
         sections.append(bytes_section())
     if which in ("all", "scale"):
-        sections.append(scale_section(sizes, repeats))
+        sections.append(scale_section(sizes, repeats, watch=watch))
     return sections
 
 
@@ -1006,9 +1012,12 @@ def main() -> None:
     )
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="e.g. 100,1000,3000")
     parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument(
+        "--check-only", action="store_true", help="scale: measure `check` alone, no `watch`"
+    )
     args = parser.parse_args()
     sizes = tuple(int(size) for size in args.sizes.split(","))
-    for section in run(args.which, sizes, args.repeats):
+    for section in run(args.which, sizes, args.repeats, watch=not args.check_only):
         print(section_markdown(section), flush=True)
 
 
