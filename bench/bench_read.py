@@ -8,6 +8,8 @@ and reports that process's CPU time per read, extraction included:
 
 - ``wire`` is what `check` and `watch` do now: ``probe.read_metrics`` through
   ``llmhealth.wire`` and ``parse_metrics``;
+- ``wire-uvloop`` is the same on uvloop's event loop (the ``uvloop`` extra; left out
+  where it is not installed);
 - ``httpx`` is the read as probe.py made it before (``AsyncClient.stream``, identity,
   ``aiter_raw``, the same limits), then ``parse_metrics``;
 - ``httpcore`` is httpx's transport layer driven directly (one pool per connection),
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import resource
@@ -37,7 +40,10 @@ CAPTURE = HERE.parent / "fixtures" / "vllm-0.32" / "busy-2.txt"
 CONNECTIONS = 100
 ROUNDS = 20  # reads per connection per measured run
 RUNS = 5  # fresh child processes per variant
-VARIANTS = ("wire", "httpx", "httpcore")
+HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
+VARIANTS = (
+    ("wire", "wire-uvloop", "httpx", "httpcore") if HAS_UVLOOP else ("wire", "httpx", "httpcore")
+)
 TARGET_MS = 0.5
 
 SERVER = """
@@ -77,7 +83,7 @@ def child(variant: str, ports: list[int], rounds: int) -> dict[str, float]:
     settings = ProbeSettings(timeout=30.0)
 
     async def run() -> float:
-        if variant == "wire":
+        if variant.startswith("wire"):
             clients = [new_client() for _ in ports]
 
             async def read(index: int) -> None:
@@ -136,7 +142,14 @@ def child(variant: str, ports: list[int], rounds: int) -> dict[str, float]:
         await close()
         return cpu / (rounds * len(ports))
 
-    per_read = asyncio.run(run())
+    if variant == "wire-uvloop":
+        import uvloop  # noqa: PLC0415
+
+        factory = uvloop.new_event_loop
+    else:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        per_read = runner.run(run())
     body = CAPTURE.read_bytes()
     repeat = 300
     started = time.process_time()

@@ -44,6 +44,9 @@ import httpx
 import report
 from report import Section, Table
 
+from llmhealth.eventloop import ENV as LOOP_ENV
+from llmhealth.eventloop import loop_in_use
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VENV_ROUTER = HERE / ".venv-vllm-router"
@@ -180,12 +183,17 @@ http {{
 
 @contextlib.contextmanager
 def contender(
-    name: str, backends: list[str], scratch: Path, source: Path | None = None
+    name: str,
+    backends: list[str],
+    scratch: Path,
+    source: Path | None = None,
+    loop: str | None = None,
 ) -> Iterator[tuple[str, int | None]]:
     """The URL a client uses for ``name`` over ``backends``, and the PID whose CPU counts.
 
     ``source``: a directory holding another version of the ``llmhealth`` package, put
-    first on the router's PYTHONPATH (``--baseline``).
+    first on the router's PYTHONPATH (``--baseline``); ``loop``: the router's
+    LLMHEALTH_LOOP, else its default (uvloop where installed).
     """
     if name == "direct":
         yield backends[0], None
@@ -222,8 +230,11 @@ def contender(
         config.write_text("\n".join(lines) + "\n")
         argv = [PYTHON, "-m", "llmhealth", "route", "--config", str(config)]
         argv += ["--listen", f"127.0.0.1:{port}"]
+        env = {k: v for k, v in os.environ.items() if k != LOOP_ENV}
+        if loop is not None:
+            env[LOOP_ENV] = loop
         if source is not None:  # ahead of the installed (editable) package on sys.path
-            env = {**os.environ, "PYTHONPATH": str(source)}
+            env["PYTHONPATH"] = str(source)
     argv = ["taskset", "--cpu-list", str(ROUTER_CORE), *argv]  # execs: the PID is the contender's
     with process(argv, env=env) as child:
         wait_http(url, "/health" if name == "llmhealth" else "/v1/models", child)
@@ -398,8 +409,10 @@ class Speed:
     gap_worst: float
 
 
-def measure_speed(name: str, backend: str, scratch: Path, source: Path | None = None) -> Speed:
-    with contender(name, [backend], scratch, source) as (url, pid):
+def measure_speed(
+    name: str, backend: str, scratch: Path, source: Path | None = None, loop: str | None = None
+) -> Speed:
+    with contender(name, [backend], scratch, source, loop) as (url, pid):
         load("small", url, "8", "2")  # warm-up: connections, caches
         cpu_before, wall_before = (cpu_seconds(pid) if pid else 0.0), time.monotonic()
         small = load("small", url, str(CONCURRENCY), str(SMALL_SECONDS))
@@ -759,16 +772,24 @@ def run_baseline(ref: str, rounds: int) -> Section:
             check=True,
         )
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
-        variants = [(f"llmhealth {commit}", source), ("llmhealth (this tree)", None)]
+        # The baseline with the loop its tree chooses (asyncio's, before the uvloop extra),
+        # this tree with its default, and, with uvloop installed, this tree on asyncio's
+        # loop too: the loop's share apart from the code's.
+        variants: list[tuple[str, Path | None, str | None]] = [
+            (f"llmhealth {commit}", source, None),
+            ("llmhealth (this tree)", None, None),
+        ]
+        if loop_in_use() == "uvloop":
+            variants.append((f"llmhealth (this tree, {LOOP_ENV}=asyncio)", None, "asyncio"))
         backend_port = free_port()
         with process([PYTHON, str(HERE / "fast_backend.py"), str(backend_port)], ready="ready"):
             backend = f"http://127.0.0.1:{backend_port}"
             for index in range(1, rounds + 1):
                 direct = measure_speed("direct", backend, scratch)
                 directs.append(direct)
-                for label, tree in variants:
+                for label, tree, loop in variants:
                     print(f"  round {index}: {label}", flush=True)
-                    s = measure_speed("llmhealth", backend, scratch, tree)
+                    s = measure_speed("llmhealth", backend, scratch, tree, loop)
                     figures.setdefault(label, []).append(s)
                     rows.append(
                         [
@@ -792,8 +813,10 @@ def run_baseline(ref: str, rounds: int) -> Section:
             f"{commit} and from this tree alternating against one `fast_backend.py`, each "
             "round with its own direct run just before. Pinned as in section 5: the router "
             f"on core {ROUTER_CORE} alone, the load generator and the backend on core "
-            f"{LOAD_CORE}. Times in ms; CPU is the router process's user+system time per "
-            "request answered, *core busy* that time over the run's wall time. Load average "
+            f"{LOAD_CORE}. This tree's router runs on {loop_in_use()}'s event loop unless "
+            f"{LOOP_ENV} says otherwise. Times in ms; CPU is the router process's "
+            "user+system time per request answered, *core busy* that time over the run's "
+            "wall time. Load average "
             f"(1, 5, 15 min) {_loads(load_before, os.getloadavg())}.",
         ],
         tables=[

@@ -251,12 +251,11 @@ def watch(
     saves what they did, and exits 0; a restart whose command still runs stays on record
     as issued.
     """
-    import asyncio  # noqa: PLC0415 - only the daemon needs these
-
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
 
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
+    from llmhealth.eventloop import run  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
     given_urls, given_proxies = urls or [], proxy or []
@@ -280,7 +279,7 @@ def watch(
         serving_file=Path(serving_file) if serving_file else None,
         console=Console(stderr=True),
     )
-    raise typer.Exit(asyncio.run(daemon.run()))
+    raise typer.Exit(run(daemon.run()))
 
 
 @app.command()
@@ -303,12 +302,11 @@ def route(
     One process, one ledger: probing, settling, restarts and systemd notify as in `watch`,
     plus real-traffic failures counted against the backend that caused them.
     """
-    import asyncio  # noqa: PLC0415 - only the daemon needs these
-
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
 
     from llmhealth.cycle import routed_backends, state_path_for  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
+    from llmhealth.eventloop import run  # noqa: PLC0415
     from llmhealth.router import Router, raise_file_limit  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
@@ -338,7 +336,7 @@ def route(
         router=router,
         router_listen=address,
     )
-    raise typer.Exit(asyncio.run(daemon.run()))
+    raise typer.Exit(run(daemon.run()))
 
 
 DEFAULT_ROUTE_LISTEN = "127.0.0.1:8200"

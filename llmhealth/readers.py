@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO
 
+from llmhealth import eventloop
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
@@ -349,7 +350,7 @@ def main() -> None:
     # Ctrl-C at a terminal reaches the whole process group: the daemon decides, and
     # closes this worker's pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_work())
+    eventloop.run(_work())  # the daemon's loop choice: LLMHEALTH_LOOP is inherited
 
 
 # --- the daemon's side -----------------------------------------------------------------

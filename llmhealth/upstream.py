@@ -31,7 +31,7 @@ import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES: Final = 64 * 1024  # status line and headers; a chunk-size line; trailers
@@ -87,8 +87,9 @@ class _Link(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # create_connection's stream transport; not an isinstance check, as uvloop's
+        # transports do not subclass asyncio.Transport.
+        self.transport = cast("asyncio.Transport", transport)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
+from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
@@ -228,8 +229,9 @@ class Connection:
         progress.connected = True
         reader, writer = self._reader, self._writer
         assert reader is not None
-        transport = writer.transport
-        assert isinstance(transport, asyncio.ReadTransport)  # a stream's socket reads too
+        # A stream's socket reads too; cast, not isinstance: uvloop's transports do not
+        # subclass asyncio's.
+        transport = cast("asyncio.ReadTransport", writer.transport)
         _set_read_size(transport, _HEAD_READ_SIZE)
         writer.write(request)
         status, headers, keep_alive = await _read_head(reader, progress)

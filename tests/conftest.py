@@ -37,5 +37,15 @@ def entry_point() -> str:
     return found
 
 
+@pytest.fixture(params=["asyncio", "uvloop"])
+def each_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test once on asyncio's event loop and once on uvloop's (LLMHEALTH_LOOP, read by
+    llmhealth.eventloop in this process and in the commands a test starts): their
+    transports, timers and signal handling differ, and the default is whichever is
+    installed."""
+    monkeypatch.setenv("LLMHEALTH_LOOP", request.param)
+    return str(request.param)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     register_process_guard(config, per_test=True)

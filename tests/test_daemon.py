@@ -575,6 +575,7 @@ def test_a_backend_whose_metrics_hang_comes_back_in_place_under_watch(
 # --- signals ------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -627,6 +628,7 @@ def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused
     assert after.verdict(bare) == "idle"  # still the command line's backend, unchanged
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -666,6 +668,7 @@ def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
     assert {b["name"]: b["state"] for b in shown["backends"]} == saved
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_systemd_hears_ready_after_the_first_cycle_then_watchdogs_then_stopping(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from routeproc import (
     BOUND,
     COMPLETION,
@@ -33,6 +34,7 @@ def backend_state(route_url: str, name: str) -> str:
     return states[name]
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_backend_busy_to_probes_but_failing_every_request_is_condemned_by_traffic(
     tmp_path: Path, entry_point: str
 ) -> None:

@@ -18,6 +18,7 @@ from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from werkzeug import Request, Response
 
+from llmhealth import eventloop
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
@@ -95,7 +96,7 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 def run(scenario: Awaitable[None]) -> None:
-    asyncio.run(asyncio.wait_for(scenario, 60))
+    eventloop.run(asyncio.wait_for(scenario, 60))
 
 
 def client() -> httpx.AsyncClient:
@@ -191,6 +192,7 @@ def test_the_plain_counting_exports_what_prometheus_clients_histogram_would() ->
 # --- forwarding ----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
     httpserver: HTTPServer,
 ) -> None:
@@ -424,6 +426,7 @@ def test_nothing_serving_the_model_is_answered_at_once_naming_every_backend() ->
 # --- failures, counted where they happen -----------------------------------------------------
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_refused_connection_is_retried_once_elsewhere_and_counted_against_the_first(
     httpserver: HTTPServer,
 ) -> None:
@@ -460,6 +463,7 @@ def test_a_retry_with_nowhere_to_go_is_a_deliberate_500() -> None:
     run(scenario())
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_no_response_headers_within_first_byte_timeout_is_a_500_and_counted() -> None:
     requests_seen = asyncio.Event()
 
@@ -492,6 +496,7 @@ def test_no_response_headers_within_first_byte_timeout_is_a_500_and_counted() ->
     run(scenario())
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_stream_that_goes_silent_ends_with_an_sse_error_event_and_is_counted() -> None:
     async def one_chunk_then_silence(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -681,6 +686,7 @@ def test_each_chunk_reaches_the_client_before_the_backend_produces_the_next() ->
     run(scenario())
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_client_that_goes_away_closes_the_upstream_request_and_counts_nothing() -> None:
     backend_saw_close = asyncio.Event()
 

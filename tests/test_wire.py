@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from llmhealth import wire
+from llmhealth import eventloop, wire
 from llmhealth.wire import MAX_HEAD_BYTES, Connection, Failure, WireError, WireResponse
 
 Handler = Callable[[socket.socket, int], None]  # a connection, and its number from 0
@@ -96,7 +96,7 @@ def get(url: str, *, times: int = 1, max_bytes: int = 1 << 20) -> list[WireRespo
         finally:
             await connection.aclose()
 
-    return asyncio.run(run())
+    return eventloop.run(run())
 
 
 def failure_of(url: str, *, max_bytes: int = 1 << 20) -> WireError:
@@ -120,6 +120,7 @@ def test_the_request_asks_for_identity_names_the_host_and_nothing_else() -> None
     assert (response.status, response.body) == (200, b"ok")
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_a_kept_alive_connection_is_reused_for_the_next_read() -> None:
     def answer_many(connection: socket.socket, _number: int) -> None:
         while read_request(connection):
@@ -137,6 +138,7 @@ def test_a_kept_alive_connection_is_reused_for_the_next_read() -> None:
     assert connections == [0]
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_chunked_bodies_are_joined_and_their_trailers_skipped() -> None:
     def chunked(connection: socket.socket, _number: int) -> None:
         while read_request(connection):
@@ -172,6 +174,7 @@ def test_informational_answers_are_skipped() -> None:
     assert (response.status, response.body) == (200, b"x")
 
 
+@pytest.mark.usefixtures("each_loop")
 def test_an_idle_connection_the_server_closed_is_replaced_without_a_failure() -> None:
     def one_answer_then_close(connection: socket.socket, _number: int) -> None:
         read_request(connection)

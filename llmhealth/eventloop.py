@@ -1,0 +1,59 @@
+"""Which event loop ``route`` and ``watch`` run on: uvloop when installed, else asyncio's.
+
+uvloop is an optional extra (``pip install 'llmhealth[uvloop]'``): on ``route`` it takes
+CPU off every request (bench/README.md, "uvloop"), and nothing in llmhealth requires it.
+``LLMHEALTH_LOOP`` overrides the choice: ``asyncio`` keeps asyncio's loop with uvloop
+installed (to compare the two, or to rule uvloop out), ``uvloop`` insists on it and is a
+config error where it is not installed. uvloop is imported only when the loop is about to
+run. ``check`` is not among the callers: one short run would pay uvloop's import before
+its first request, for reads whose CPU on uvloop is not measured yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from llmhealth.config import ConfigError
+
+ENV = "LLMHEALTH_LOOP"
+CHOICES = ("asyncio", "uvloop")
+_T = TypeVar("_T")
+
+
+def chosen_loop(setting: str | None, uvloop_installed: bool) -> str:
+    """The loop to run, from ``LLMHEALTH_LOOP``'s value (None or empty: not set)."""
+    if not setting:
+        return "uvloop" if uvloop_installed else "asyncio"
+    if setting not in CHOICES:
+        raise ConfigError(f"{ENV}={setting!r}: expected one of {', '.join(CHOICES)}")
+    if setting == "uvloop" and not uvloop_installed:
+        raise ConfigError(f"{ENV}=uvloop, but uvloop is not installed: llmhealth[uvloop]")
+    return setting
+
+
+def loop_in_use() -> str:
+    """The loop ``run`` would use in this process's environment."""
+    return chosen_loop(os.environ.get(ENV), importlib.util.find_spec("uvloop") is not None)
+
+
+def _factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if name == "asyncio":
+        return None  # asyncio.Runner's own default, as asyncio.run
+    import uvloop  # noqa: PLC0415 - only when a loop is about to run
+
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run(main)`` on the loop ``loop_in_use`` names."""
+    try:
+        factory = _factory(loop_in_use())
+    except BaseException:
+        main.close()  # never started: no "coroutine was never awaited" warning
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

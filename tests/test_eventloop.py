@@ -1,0 +1,52 @@
+"""The event loop choice: uvloop when installed, LLMHEALTH_LOOP to override, never a guess."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmhealth import eventloop
+from llmhealth.config import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("setting", "installed", "chosen"),
+    [
+        (None, True, "uvloop"),
+        ("", True, "uvloop"),
+        (None, False, "asyncio"),
+        ("asyncio", True, "asyncio"),
+        ("asyncio", False, "asyncio"),
+        ("uvloop", True, "uvloop"),
+    ],
+)
+def test_uvloop_when_installed_unless_the_environment_says_asyncio(
+    setting: str | None, installed: bool, chosen: str
+) -> None:
+    assert eventloop.chosen_loop(setting, installed) == chosen
+
+
+@pytest.mark.parametrize(("setting", "installed"), [("uvloop", False), ("trio", True)])
+def test_a_loop_that_cannot_be_had_is_a_config_error(setting: str, installed: bool) -> None:
+    with pytest.raises(ConfigError, match="LLMHEALTH_LOOP"):
+        eventloop.chosen_loop(setting, installed)
+
+
+def test_run_runs_on_the_chosen_loop(each_loop: str) -> None:
+    async def kind() -> str:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    assert eventloop.run(kind()) == each_loop
+
+
+def test_a_bad_setting_fails_before_the_coroutine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(eventloop.ENV, "trio")
+    started = []
+
+    async def work() -> None:
+        started.append(True)
+
+    with pytest.raises(ConfigError):
+        eventloop.run(work())  # and no "never awaited" warning, an error under pytest
+    assert not started
