@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -255,7 +254,6 @@ class Daemon:
                 server.server_close()
             if self._router is not None:
                 await self._router.close()
-            gc.unfreeze()  # what the last cycle froze is the interpreter's to collect again
         self._log("stopped")
         return 0
 
@@ -346,7 +344,6 @@ class Daemon:
                 self._remember_models(settled.report)
                 self._push_router()
                 self._after_cycle(settled.report, time.monotonic() - started, live)
-                _collect_between_settles()
 
     def _launch(self, order: RestartOrder) -> None:
         """Run a restart command in its own thread; its outcome waits for a later settle.
@@ -893,23 +890,6 @@ def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future
 
     threading.Thread(target=run, name="llmhealth-cycle", daemon=True).start()
     return future
-
-
-def _collect_between_settles() -> None:
-    """A full garbage collection now, just after a settle, and the objects that survive it
-    left out of the automatic collections until the next one.
-
-    CPython's automatic full collection walks every tracked object: in a daemon over
-    3,000 backends (their windows of reads, the record) it took 0.13-0.27 s and came
-    every 1-3 s, at random, inside a settle (on the settle's thread, or on the loop's
-    while the settle waited for the interpreter) as often as not; that, more than the
-    settle's own work, is what varied a cycle's period (bench/README.md). Frozen objects
-    are skipped by the automatic collections, which stay small; unfreezing first means
-    cyclic garbage among them is still collected, once a wait, here.
-    """
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
 
 
 def _host_port(url: str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib.resources
 import itertools
 import json
@@ -32,7 +31,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -1027,67 +1025,6 @@ def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
 
     early, late = asyncio.run(scenario())
     assert late <= early + 1, f"{early} tasks after 2 cycles, {late} after 30"
-
-
-class _Node:
-    """An object that can refer to itself: cyclic garbage, freed only by the collector."""
-
-    loop: _Node | None = None
-
-
-def test_between_settles_garbage_is_collected_and_the_survivors_frozen_until_the_next(
-    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
-
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.05,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
-    log = ""
-
-    def cycles() -> int:
-        nonlocal log
-        log += capsys.readouterr().err
-        found = re.findall(r"^cycle (\d+):", log, re.MULTILINE)
-        return int(found[-1]) if found else 0
-
-    async def until(count: int, running: asyncio.Task[int]) -> None:
-        deadline = time.monotonic() + 15.0
-        while cycles() < count:
-            if time.monotonic() > deadline or running.done():
-                raise NotObservedError(f"not enough cycles:\n{log}")
-            await asyncio.sleep(POLL)
-
-    async def scenario() -> tuple[int, bool, int]:
-        running = asyncio.create_task(daemon.run())
-        await until(2, running)
-        frozen = gc.get_freeze_count()
-        # Cyclic garbage that a cycle's freeze caught before any collection saw it.
-        node = _Node()
-        node.loop = node
-        gone = weakref.ref(node)
-        del node
-        gc.freeze()
-        await until(cycles() + 2, running)
-        daemon.stop()
-        assert await asyncio.wait_for(running, STOP_BOUND) == 0
-        return frozen, gone() is None, gc.get_freeze_count()
-
-    try:
-        frozen, collected, after = asyncio.run(scenario())
-    finally:
-        gc.unfreeze()
-    assert frozen > 0  # a cycle's survivors are left out of the automatic collections
-    assert collected  # and what became garbage among them is still collected
-    assert after == 0  # a stopped daemon leaves nothing frozen
 
 
 # Writes its first argument, then waits for its second to exist (at most 2 minutes) and
