@@ -237,8 +237,10 @@ class Connection:
         status, headers, keep_alive = await _read_head(reader, progress)
         if accept is not None:
             accept(status, headers)
-        transport.pause_reading()  # the body waits in the kernel until admitted
-        async with _gate_of(asyncio.get_running_loop()).admit(bound):
+        gate = _gate_of(asyncio.get_running_loop())
+        if gate.full():
+            transport.pause_reading()  # the body waits in the kernel until admitted
+        async with gate.admit(bound):
             _set_read_size(transport, _READ_SIZE)
             transport.resume_reading()
             body = await _read_body(reader, status, headers, max_bytes, progress)
@@ -399,6 +401,11 @@ class _BodyGate:
     def __init__(self) -> None:
         self._places = asyncio.Semaphore(BODIES_AT_ONCE)
 
+    def full(self) -> bool:
+        """Whether an answer must wait: then its socket is paused (two system calls a read
+        when no place is free, none when one is)."""
+        return self._places.locked()
+
     @contextlib.asynccontextmanager
     async def admit(self, bound: _Deadline) -> AsyncIterator[None]:
         bound.hold()
@@ -427,9 +434,9 @@ def _gate_of(loop: asyncio.AbstractEventLoop) -> _BodyGate:
 
 def _set_read_size(transport: asyncio.BaseTransport, size: int) -> None:
     """How many bytes the loop's socket transport takes per read (``max_size`` of asyncio's
-    selector transport, a class attribute it reads on every read). A TLS transport has none
-    and reads as it does: its bodies are still admitted one gate place each, but may
-    arrive with their heads."""
+    selector transport, a class attribute it reads on every read). A TLS transport and
+    uvloop's have none and read as they do: their bodies are still admitted one gate place
+    each, but may arrive with their heads."""
     if hasattr(transport, "max_size"):
         transport.max_size = size
 
