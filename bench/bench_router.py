@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -193,7 +194,7 @@ def contender(
 
     ``source``: a directory holding another version of the ``llmhealth`` package, put
     first on the router's PYTHONPATH (``--baseline``); ``loop``: the router's
-    LLMHEALTH_LOOP, else its default (uvloop where installed).
+    LLMHEALTH_LOOP, else its default (asyncio's loop).
     """
     if name == "direct":
         yield backends[0], None
@@ -772,22 +773,25 @@ def run_baseline(ref: str, rounds: int) -> Section:
             check=True,
         )
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
-        # The baseline with the loop its tree chooses (asyncio's, before the uvloop extra),
-        # this tree with its default, and, with uvloop installed, this tree on asyncio's
-        # loop too: the loop's share apart from the code's.
+        # The baseline with the loop its tree chooses, this tree with its default
+        # (asyncio's), and, with uvloop installed, this tree on uvloop's loop too: the
+        # loop's share apart from the code's.
         variants: list[tuple[str, Path | None, str | None]] = [
             (f"llmhealth {commit}", source, None),
             ("llmhealth (this tree)", None, None),
         ]
-        if loop_in_use() == "uvloop":
-            variants.append((f"llmhealth (this tree, {LOOP_ENV}=asyncio)", None, "asyncio"))
+        if importlib.util.find_spec("uvloop") is not None:
+            variants.append((f"llmhealth (this tree, {LOOP_ENV}=uvloop)", None, "uvloop"))
         backend_port = free_port()
         with process([PYTHON, str(HERE / "fast_backend.py"), str(backend_port)], ready="ready"):
             backend = f"http://127.0.0.1:{backend_port}"
             for index in range(1, rounds + 1):
                 direct = measure_speed("direct", backend, scratch)
                 directs.append(direct)
-                for label, tree, loop in variants:
+                # Each variant in each place of the round in turn: a router's place after
+                # another's teardown showed as large a difference as the loop did.
+                turn = (index - 1) % len(variants)
+                for label, tree, loop in variants[turn:] + variants[:turn]:
                     print(f"  round {index}: {label}", flush=True)
                     s = measure_speed("llmhealth", backend, scratch, tree, loop)
                     figures.setdefault(label, []).append(s)
@@ -811,7 +815,8 @@ def run_baseline(ref: str, rounds: int) -> Section:
             f"The small-request and stream runs of section 5 ({CONCURRENCY} concurrent "
             f"clients for {SMALL_SECONDS:g} s; {STREAMS} streams), `llmhealth route` at "
             f"{commit} and from this tree alternating against one `fast_backend.py`, each "
-            "round with its own direct run just before. Pinned as in section 5: the router "
+            "round with its own direct run just before and the routers' order turned by one "
+            "place a round. Pinned as in section 5: the router "
             f"on core {ROUTER_CORE} alone, the load generator and the backend on core "
             f"{LOAD_CORE}. This tree's router runs on {loop_in_use()}'s event loop unless "
             f"{LOOP_ENV} says otherwise. Times in ms; CPU is the router process's "

@@ -1,12 +1,11 @@
-"""Which event loop ``route`` and ``watch`` run on: uvloop when installed, else asyncio's.
+"""Which event loop ``route`` and ``watch`` run on: asyncio's, or uvloop's when asked.
 
-uvloop is an optional extra (``pip install 'llmhealth[uvloop]'``): on ``route`` it takes
-CPU off every request (bench/README.md, "uvloop"), and nothing in llmhealth requires it.
-``LLMHEALTH_LOOP`` overrides the choice: ``asyncio`` keeps asyncio's loop with uvloop
-installed (to compare the two, or to rule uvloop out), ``uvloop`` insists on it and is a
-config error where it is not installed. uvloop is imported only when the loop is about to
-run. ``check`` is not among the callers: one short run would pay uvloop's import before
-its first request, for reads whose CPU on uvloop is not measured yet.
+uvloop is an optional extra (``pip install 'llmhealth[uvloop]'``) taken only with
+``LLMHEALTH_LOOP=uvloop`` (a config error where it is not installed): measured with the
+routers' order turned each round, it did not take CPU off the router's requests beyond
+the run-to-run spread (bench/README.md, "uvloop"), so installing it changes nothing by
+itself. uvloop is imported only when the loop is about to run. ``check`` is not among
+the callers: one short run would pay uvloop's import before its first request.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ _T = TypeVar("_T")
 def chosen_loop(setting: str | None, uvloop_installed: bool) -> str:
     """The loop to run, from ``LLMHEALTH_LOOP``'s value (None or empty: not set)."""
     if not setting:
-        return "uvloop" if uvloop_installed else "asyncio"
+        return "asyncio"
     if setting not in CHOICES:
         raise ConfigError(f"{ENV}={setting!r}: expected one of {', '.join(CHOICES)}")
     if setting == "uvloop" and not uvloop_installed:

@@ -42,8 +42,8 @@ def entry_point() -> str:
 def each_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The test once on asyncio's event loop and once on uvloop's (LLMHEALTH_LOOP, read by
     llmhealth.eventloop in this process and in the commands a test starts): their
-    transports, timers and signal handling differ, and the default is whichever is
-    installed. The dev extra installs uvloop; a venv made before it skips that half."""
+    transports, timers and signal handling differ. The dev extra installs uvloop; a venv
+    made before it skips that half."""
     if request.param == "uvloop" and importlib.util.find_spec("uvloop") is None:
         pytest.skip("uvloop is not installed: pip install -e '.[dev]' (make .venv/.installed)")
     monkeypatch.setenv("LLMHEALTH_LOOP", request.param)

@@ -1,4 +1,4 @@
-"""The event loop choice: uvloop when installed, LLMHEALTH_LOOP to override, never a guess."""
+"""The event loop choice: asyncio's unless LLMHEALTH_LOOP asks for uvloop, never a guess."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from llmhealth.config import ConfigError
 @pytest.mark.parametrize(
     ("setting", "installed", "chosen"),
     [
-        (None, True, "uvloop"),
-        ("", True, "uvloop"),
+        (None, True, "asyncio"),
+        ("", True, "asyncio"),
         (None, False, "asyncio"),
         ("asyncio", True, "asyncio"),
         ("asyncio", False, "asyncio"),
         ("uvloop", True, "uvloop"),
     ],
 )
-def test_uvloop_when_installed_unless_the_environment_says_asyncio(
+def test_uvloop_only_when_the_environment_asks_for_it(
     setting: str | None, installed: bool, chosen: str
 ) -> None:
     assert eventloop.chosen_loop(setting, installed) == chosen
