@@ -237,7 +237,7 @@ class Connection:
         status, headers, keep_alive = await _read_head(reader, progress)
         if accept is not None:
             accept(status, headers)
-        gate = _gate_of(asyncio.get_running_loop())
+        gate = _shared_by(asyncio.get_running_loop()).gate
         if gate.full():
             transport.pause_reading()  # the body waits in the kernel until admitted
         async with gate.admit(bound):
@@ -272,7 +272,7 @@ class _Deadline:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         self._loop = loop
-        self._lateness = _lateness_of(loop)
+        self._lateness = _shared_by(loop).lateness
         self._started = loop.time()
         self._deadline = deadline
         self._allowance = _GRACE * max(0.0, deadline - self._started)
@@ -370,20 +370,6 @@ class _Lateness:
         return total
 
 
-_LATENESS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Lateness] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _lateness_of(loop: asyncio.AbstractEventLoop) -> _Lateness:
-    """The loop's lateness watch, started by its first request."""
-    try:
-        return _LATENESS[loop]
-    except KeyError:
-        lateness = _LATENESS[loop] = _Lateness(loop)
-        return lateness
-
-
 class _BodyGate:
     """At most ``BODIES_AT_ONCE`` answers' bodies read at once in one event loop.
 
@@ -419,17 +405,26 @@ class _BodyGate:
             self._places.release()
 
 
-_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _BodyGate] = (
+@dataclass(frozen=True, slots=True)
+class _LoopShared:
+    """What every request in one event loop shares: how late the loop runs, and the gate
+    its bodies pass. Made by the loop's first request; ends with the loop."""
+
+    lateness: _Lateness
+    gate: _BodyGate
+
+
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopShared] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _gate_of(loop: asyncio.AbstractEventLoop) -> _BodyGate:
+def _shared_by(loop: asyncio.AbstractEventLoop) -> _LoopShared:
     try:
-        return _GATES[loop]
+        return _SHARED[loop]
     except KeyError:
-        gate = _GATES[loop] = _BodyGate()
-        return gate
+        shared = _SHARED[loop] = _LoopShared(_Lateness(loop), _BodyGate())
+        return shared
 
 
 def _set_read_size(transport: asyncio.BaseTransport, size: int) -> None:

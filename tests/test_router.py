@@ -229,6 +229,20 @@ def test_a_request_is_forwarded_byte_for_byte_and_answered_by_the_backend(
     assert request.headers["X-Trace"] == "t1"
 
 
+async def send_head_and_body(
+    writer: asyncio.StreamWriter, head: bytes, body: bytes, *, together: bool
+) -> None:
+    """One write, or the body a moment after the head: the two ways a peer's bytes come."""
+    if together:
+        writer.write(head + body)
+    else:
+        writer.write(head)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(body)
+    await writer.drain()
+
+
 @pytest.mark.parametrize("pieces", [1, 2], ids=["whole-with-the-headers", "body-later"])
 def test_an_answer_keeps_the_backends_status_headers_and_bytes(pieces: int) -> None:
     # One write: the body is in hand with the headers (relayed in one send). Two, the body
@@ -241,14 +255,7 @@ def test_an_answer_keeps_the_backends_status_headers_and_bytes(pieces: int) -> N
 
     async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        if pieces == 1:
-            writer.write(head + body)
-        else:
-            writer.write(head)
-            await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.write(body)
-        await writer.drain()
+        await send_head_and_body(writer, head, body, together=pieces == 1)
         await reader.read()  # until the router closes its end
         writer.close()
 
@@ -357,14 +364,8 @@ def test_a_body_over_max_body_gets_a_413_however_it_arrives(
         ):
             port = int(url.rsplit(":", 1)[1])
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            if whole:  # one write: the router finds the body complete with the head
-                writer.write(head + body)
-            else:
-                writer.write(head)
-                await writer.drain()
-                await asyncio.sleep(0.05)
-                writer.write(body)
-            await writer.drain()
+            # together: the router finds the body complete with the head
+            await send_head_and_body(writer, head, body, together=whole)
             status_line = await reader.readline()
             writer.close()
             assert status_line.split()[1] == b"413"
