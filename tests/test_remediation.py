@@ -381,6 +381,7 @@ def test_with_one_restart_at_a_time_the_second_wedge_waits_until_the_first_is_ba
     assert [len(first_gpu.launches()), len(second_gpu.launches())] == [2, 2]
 
 
+@pytest.mark.slow
 def test_a_failing_restart_command_cools_down_is_retried_then_retires_past_its_budget(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -495,6 +496,7 @@ def test_a_held_backend_is_not_restarted_until_the_hold_is_released(
     ]
 
 
+@pytest.mark.slow
 def test_a_restarted_backend_that_never_answers_stays_stale_and_out_of_serving(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -521,6 +523,7 @@ def test_a_restarted_backend_that_never_answers_stays_stale_and_out_of_serving(
     assert setup.saved("gpu0")["state"] == "stale"
 
 
+@pytest.mark.slow
 def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_restart(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
