@@ -108,6 +108,9 @@ class Verdict:
     reads: tuple[Read, ...] = ()
     answer: Answer | None = None
     longest_step: LongestStep | None = None  # what is known of the engine's steps now
+    # False when llmhealth could not examine the backend (our own failure or starvation):
+    # no verdict on the server at all, so it moves nothing and a run says UNKNOWN for it.
+    judged: bool = True
 
 
 Decision = Verdict | TakeRead | SendTinyRequest

@@ -197,6 +197,9 @@ SERVING: Final = frozenset({State.HEALTHY, State.SUSPECT})
 # The backends whose process is gone or given up on. Deliberately not the complement of
 # SERVING: a STALE backend is withheld from traffic, yet its process is alive.
 ABSENT: Final = frozenset({State.DEAD, State.RESTARTING, State.RETIRED})
+# The restart planner's and the remediator's one filter: only a condemned backend is a
+# candidate for a restart, so both ask the ledger for the same set.
+CONDEMNED: Final = frozenset({State.DEAD})
 
 SCHEMA: Final = 1  # version of the to_dict() layout; bump on any incompatible change
 

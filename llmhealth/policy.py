@@ -14,9 +14,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final
 
-from llmhealth.ledger import BackendSnapshot, Ledger, State, is_finite_number
-
-_DEAD = frozenset({State.DEAD})
+from llmhealth.ledger import CONDEMNED, BackendSnapshot, Ledger, State, is_finite_number
 
 if TYPE_CHECKING:
     # Types only: config reads files, and importing it at run time would pull that in.
@@ -167,7 +165,7 @@ def plan_restarts(
     _check_time(now, "now")
     under_way = sum(1 for name in ledger.names if ledger.state_of(name) is State.RESTARTING)
     decisions: list[RestartDecision] = []
-    for snap in ledger.snapshots(now, _DEAD):
+    for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(
             snap,
             backends.get(snap.name),

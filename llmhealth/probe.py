@@ -579,10 +579,13 @@ def _not_judged(exc: Exception) -> str:
 def _unexamined(exc: Exception) -> Verdict:
     """A failure of llmhealth itself while examining one backend: that backend's verdict.
 
-    Unhealthy, so the run says CRITICAL and a person looks; yet no ledger event follows
-    from it (no read and no answer to count), so our own bug never condemns a backend.
+    Unhealthy and not judged, so the run says UNKNOWN (the monitoring convention for "could
+    not check") and a person looks, without paging as if a server had failed; no ledger
+    event follows from it (no read and no answer to count), so our own bug never condemns
+    a backend.
     """
-    return Verdict(VerdictKind.NO_METRICS, False, f"{VerdictKind.NO_METRICS}: {_not_judged(exc)}")
+    evidence = f"{VerdictKind.NO_METRICS}: {_not_judged(exc)}"
+    return Verdict(VerdictKind.NO_METRICS, False, evidence, judged=False)
 
 
 def _path(url: str) -> str:

@@ -527,5 +527,6 @@ class ReadPool:
             f"{VerdictKind.NO_METRICS}: not judged: {why}; its reads start afresh "
             "(a failure of llmhealth's own)"
         )
+        unjudged = Verdict(VerdictKind.NO_METRICS, False, evidence, judged=False)
         for target in worker.share.values():
-            self._deliver(target, Verdict(VerdictKind.NO_METRICS, False, evidence), 0.0, ())
+            self._deliver(target, unjudged, 0.0, ())

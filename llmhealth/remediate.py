@@ -22,7 +22,7 @@ from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import RestartFailed, RestartIssued, State
+from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, State
 from llmhealth.policy import (
     Action,
     RestartDecision,
@@ -34,7 +34,6 @@ from llmhealth.policy import (
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
-_DEAD = frozenset({State.DEAD})
 
 
 class Mode(StrEnum):
@@ -100,7 +99,7 @@ def pending_restarts(record: FleetRecord, config: Config, now: float) -> set[str
     backends = {backend.name: backend for backend in config.backends}
     return {
         snap.name
-        for snap in record.ledger.snapshots(now, _DEAD)
+        for snap in record.ledger.snapshots(now, CONDEMNED)
         if restart_pending(
             snap, backends.get(snap.name), record.holds.get(snap.name), config.policy, now
         )

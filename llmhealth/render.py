@@ -19,7 +19,12 @@ from llmhealth.report import (
     backend_exit_code,
 )
 
-_STYLE = {ExitCode.OK: "green", ExitCode.WARNING: "yellow", ExitCode.CRITICAL: "bold red"}
+_STYLE = {
+    ExitCode.OK: "green",
+    ExitCode.WARNING: "yellow",
+    ExitCode.UNKNOWN: "magenta",  # not judged: our failure, not the server's
+    ExitCode.CRITICAL: "bold red",
+}
 
 
 def print_report(report: CycleReport, console: Console) -> None:

@@ -7,7 +7,7 @@ verdicts show now and what the ledger holds from earlier runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -86,7 +86,19 @@ _STATE_CODES = {
 }
 
 
+# How codes combine over a run: a failed server outranks a backend llmhealth could not
+# check, so one unexaminable backend never hides a wedge; doubt ranks below both.
+_SEVERITY = {ExitCode.OK: 0, ExitCode.WARNING: 1, ExitCode.UNKNOWN: 2, ExitCode.CRITICAL: 3}
+
+
+def worst(codes: Iterable[ExitCode]) -> ExitCode:
+    """The code a run of several findings exits with (OK when there are none)."""
+    return max(codes, key=_SEVERITY.__getitem__, default=ExitCode.OK)
+
+
 def verdict_exit_code(verdict: Verdict) -> ExitCode:
+    if not verdict.judged:
+        return ExitCode.UNKNOWN
     if verdict.kind in _CRITICAL_KINDS:
         return ExitCode.CRITICAL
     if verdict.kind is VerdictKind.STALLED:
@@ -101,13 +113,13 @@ def verdict_exit_code(verdict: Verdict) -> ExitCode:
 def backend_exit_code(report: BackendReport) -> ExitCode:
     code = verdict_exit_code(report.outcome.verdict)
     if report.snapshot is not None:
-        code = max(code, _STATE_CODES[report.snapshot.state])
+        code = worst((code, _STATE_CODES[report.snapshot.state]))
     return code
 
 
 def exit_code(report: CycleReport) -> ExitCode:
-    code = max((backend_exit_code(b) for b in report.backends), default=ExitCode.OK)
-    return max(code, ExitCode.CRITICAL) if report.fleet.floor_breached else code
+    code = worst(backend_exit_code(b) for b in report.backends)
+    return ExitCode.CRITICAL if report.fleet.floor_breached else code
 
 
 def as_json(report: CycleReport) -> dict[str, Any]:
@@ -215,8 +227,8 @@ def _rounded(value: float | None) -> float | None:
 
 
 def status_exit_code(snapshots: Sequence[BackendSnapshot], fleet: FleetSummary) -> ExitCode:
-    code = max((_STATE_CODES[s.state] for s in snapshots), default=ExitCode.OK)
-    return max(code, ExitCode.CRITICAL) if fleet.floor_breached else code
+    code = worst(_STATE_CODES[s.state] for s in snapshots)
+    return ExitCode.CRITICAL if fleet.floor_breached else code
 
 
 def status_json(

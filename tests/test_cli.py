@@ -6,7 +6,9 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -14,6 +16,7 @@ from pytest_httpserver import HTTPServer
 from typer.core import TyperGroup
 from typer.testing import CliRunner
 
+from llmhealth.classify import Decision, Read, decide
 from llmhealth.cli import app, main
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
@@ -337,3 +340,27 @@ def test_status_names_each_members_share_when_reads_are_sharded() -> None:
         "  member b: last report 1 s ago, reads 5 backends",
         "  member c: last report no report yet",
     ]
+
+
+def test_a_backend_llmhealth_could_not_examine_is_unknown_and_never_hides_a_down_one(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our own failure is exit 3 (could not check), not a page for a failed server; a
+    backend that is down still makes the run CRITICAL beside it."""
+    url = serve_idle(httpserver)
+    real_decide = decide
+
+    def broken_on_answers(reads: Sequence[Read], *args: Any, **kwargs: Any) -> Decision:
+        """Our bug, on the backend that answered; the refused one is judged as always."""
+        if any(read.signals is not None for read in reads):
+            raise RecursionError("maximum recursion depth exceeded")
+        return real_decide(reads, *args, **kwargs)
+
+    monkeypatch.setattr("llmhealth.probe.decide", broken_on_answers)
+    alone = runner.invoke(app, ["check", url, "--format", "nagios"])
+    assert alone.exit_code == 3, alone.output
+    assert alone.output.startswith("LLMHEALTH UNKNOWN - ")
+    document = json.loads(runner.invoke(app, ["check", url, "--format", "json"]).output)
+    assert "not judged" in document["backends"][0]["evidence"]
+    beside = runner.invoke(app, ["check", url, closed_port_url(), "--format", "nagios"])
+    assert beside.exit_code == 2, beside.output
