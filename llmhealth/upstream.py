@@ -7,7 +7,8 @@ request's head and body in one write on a pooled connection and reads the answer
 one buffer, handing the body on piece by piece as it arrives. Its rules:
 
 - a response head is bounded (``MAX_HEAD_BYTES``, ``MAX_INFORMATIONAL`` 1xx answers);
-  anything that is not HTTP/1.x as RFC 9112 frames it is ``BrokenError``;
+  anything that is not HTTP/1.x as RFC 9112 frames it (``http1``'s rules, which the
+  router's client side applies too) is ``BrokenError``;
 - bodies are framed by Transfer-Encoding: chunked, Content-Length, or the end of the
   connection (then never reused); a response with both is read as chunked and its
   connection closed afterwards;
@@ -34,7 +35,9 @@ from dataclasses import dataclass
 from typing import Final, cast
 from urllib.parse import urlsplit
 
-MAX_HEAD_BYTES: Final = 64 * 1024  # status line and headers; a chunk-size line; trailers
+from llmhealth import http1
+from llmhealth.http1 import MAX_HEAD_BYTES
+
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
@@ -209,10 +212,10 @@ class Response:
         link = self._link
         if self._chunk_left == 0:
             line = await _line(link, "a chunk size")
-            size_text = line.split(b";", 1)[0].strip()
-            if not size_text or len(size_text) > 16 or not _is_hex(size_text):
-                raise BrokenError(f"bad chunk size line: {bytes(line[:40])!r}")
-            size = int(size_text, 16)
+            try:
+                size = http1.chunk_size(line)
+            except http1.FramingError as exc:
+                raise BrokenError(str(exc)) from None
             if size == 0:
                 trailers = 0
                 while (trailer := await _line(link, "the trailers")) != b"":
@@ -349,18 +352,16 @@ class Pool:
             head = link.take(end + 4)
             if len(head) > MAX_HEAD_BYTES:
                 raise BrokenError(f"response head over {MAX_HEAD_BYTES} bytes")
-            lines = head[:-4].decode("latin-1").split("\r\n")
-            version, _, rest = lines[0].partition(" ")
-            code, _, reason = rest.partition(" ")
-            if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
-                raise BrokenError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+            try:
+                lines = http1.head_lines(head[:-4].decode("latin-1"))
+                version, _, rest = lines[0].partition(" ")
+                code, _, reason = rest.partition(" ")
+                if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+                    raise BrokenError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+                headers = http1.fields(lines[1:])
+            except http1.FramingError as exc:
+                raise BrokenError(str(exc)) from None
             status = int(code)
-            headers = []
-            for line in lines[1:]:
-                name, colon, value = line.partition(":")
-                if not colon or not name or name != name.strip() or not name.isprintable():
-                    raise BrokenError(f"malformed header line: {line[:80]!r}")
-                headers.append((name, value.strip(" \t")))
             if 100 <= status < 200:
                 continue
             return self._framed(link, version, status, reason, headers, method)
@@ -377,32 +378,22 @@ class Pool:
     ) -> Response:
         """How the body is delimited (RFC 9112 section 6.3), and whether the connection
         may carry another request afterwards."""
-        coding = length_text = None
-        tokens: set[str] = set()
-        for name, value in headers:
-            lower = name.lower()
-            if lower == "transfer-encoding":
-                coding = value if coding is None else f"{coding}, {value}"
-            elif lower == "content-length":
-                length_text = value if length_text is None else f"{length_text}, {value}"
-            elif lower == "connection":
-                tokens |= {token.strip().lower() for token in value.split(",")}
-        reusable = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+        coding, length_text = http1.body_fields(headers)
+        reusable = http1.keep_alive(version, http1.connection_tokens(headers))
         if method == "HEAD" or status in (204, 304):
             return Response(self, link, status, reason, headers, "none", 0, reusable)
-        if coding is not None:
-            if coding.rsplit(",", 1)[-1].strip().lower() != "chunked":
-                raise BrokenError(f"unsupported Transfer-Encoding: {coding[:80]}")
-            # Both framings: smuggling's shape; read as chunked, never reuse the connection.
-            reusable = reusable and length_text is None
-            return Response(self, link, status, reason, headers, "chunked", 0, reusable)
-        if length_text is None:
-            return Response(self, link, status, reason, headers, "close", 0, False)
-        lengths = {part.strip() for part in length_text.split(",")}
-        length = lengths.pop()
-        if lengths or not length.isascii() or not length.isdigit() or len(length) > 18:
-            raise BrokenError(f"bad Content-Length: {length_text[:80]}")
-        return Response(self, link, status, reason, headers, "length", int(length), reusable)
+        try:
+            if coding is not None:
+                http1.require_chunked(coding)
+                # Both framings: smuggling's shape; read as chunked, never reuse the connection.
+                reusable = reusable and length_text is None
+                return Response(self, link, status, reason, headers, "chunked", 0, reusable)
+            if length_text is None:
+                return Response(self, link, status, reason, headers, "close", 0, False)
+            length = http1.content_length(length_text)
+        except http1.FramingError as exc:
+            raise BrokenError(str(exc)) from None
+        return Response(self, link, status, reason, headers, "length", length, reusable)
 
 
 def _request_bytes(
@@ -432,7 +423,3 @@ async def _line(link: _Link, what: str) -> bytes:
             raise BrokenError(f"closed in {what}")
     line = link.take(end + 2)
     return line[:-2]
-
-
-def _is_hex(text: bytes) -> bool:
-    return all(byte in b"0123456789abcdefABCDEF" for byte in text)

@@ -180,8 +180,19 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", "bad Content-Length"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "unsupported Transfer-Encoding"),
         (b"HTTP/1.1 100 Continue\r\n\r\n" * 9, "informational answers"),
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\nX-B: 2\r\n\r\n", "bare CR, LF or NUL"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 101 + b"\r\n", "header fields"),
     ],
-    ids=["huge-head", "http-2", "folded-header", "two-lengths", "gzip-only", "endless-1xx"],
+    ids=[
+        "huge-head",
+        "http-2",
+        "folded-header",
+        "two-lengths",
+        "gzip-only",
+        "endless-1xx",
+        "bare-lf",
+        "too-many-fields",
+    ],
 )
 def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:
     async def reply(_: int, __: bytes) -> bytes:

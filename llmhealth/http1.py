@@ -1,0 +1,98 @@
+"""HTTP/1.1 message rules (RFC 9112) that both of the router's sides apply, written once.
+
+Pure: text and bytes in, values or ``FramingError`` out. ``upstream.py`` reads backends'
+answers with them, and the router's client side is to read requests by the same rules;
+each turns ``FramingError`` into its own outcome (a broken backend exchange, a 4xx).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; trailers
+MAX_FIELDS: Final = 100  # header fields in one head
+
+
+class FramingError(ValueError):
+    """The bytes are not an HTTP/1.x message as RFC 9112 frames it; the text says where,
+    ``status`` what a server answers a client's message with (400 unless said)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def head_lines(head: str) -> list[str]:
+    """A head's lines without its blank last line; a bare CR or LF, or a NUL, anywhere in
+    it is an error: a field value must never carry a line break to the next hop."""
+    pairs = head.count("\r\n")
+    if "\x00" in head or head.count("\r") != pairs or head.count("\n") != pairs:
+        raise FramingError("a bare CR, LF or NUL in the head")
+    return head.split("\r\n")
+
+
+def fields(lines: Iterable[str]) -> list[tuple[str, str]]:
+    """``name: value`` lines as pairs, values trimmed of spaces and tabs (RFC 9112 5)."""
+    parsed = []
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip() or not name.isprintable():
+            raise FramingError(f"malformed header line: {line[:80]!r}")
+        parsed.append((name, value.strip(" \t")))
+    if len(parsed) > MAX_FIELDS:
+        raise FramingError(f"more than {MAX_FIELDS} header fields", 431)
+    return parsed
+
+
+def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    """The Connection field's options, lower case (``close``, ``keep-alive``, field names)."""
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            tokens |= {token.strip().lower() for token in value.split(",") if token.strip()}
+    return tokens
+
+
+def keep_alive(version: str, tokens: set[str]) -> bool:
+    """Whether the connection carries another message after this one (RFC 9112 9.3)."""
+    return "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+
+
+def body_fields(headers: Iterable[tuple[str, str]]) -> tuple[str | None, str | None]:
+    """The Transfer-Encoding and Content-Length values, repeats joined by commas."""
+    coding = length_text = None
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "transfer-encoding":
+            coding = value if coding is None else f"{coding}, {value}"
+        elif lower == "content-length":
+            length_text = value if length_text is None else f"{length_text}, {value}"
+    return coding, length_text
+
+
+def require_chunked(coding: str) -> None:
+    """A Transfer-Encoding this side can read: the last coding is chunked."""
+    if coding.rsplit(",", 1)[-1].strip().lower() != "chunked":
+        raise FramingError(f"unsupported Transfer-Encoding: {coding[:80]}", 501)
+
+
+def content_length(length_text: str) -> int:
+    """One length, however often repeated; anything else is an error (RFC 9112 6.3)."""
+    lengths = {part.strip() for part in length_text.split(",")}
+    length = lengths.pop()
+    if lengths or not length.isascii() or not length.isdigit() or len(length) > 18:
+        raise FramingError(f"bad Content-Length: {length_text[:80]}")
+    return int(length)
+
+
+def chunk_size(line: bytes) -> int:
+    """A chunk-size line (extensions ignored) as the size it announces."""
+    size_text = line.split(b";", 1)[0].strip()
+    if not size_text or len(size_text) > 16 or not _is_hex(size_text):
+        raise FramingError(f"bad chunk size line: {bytes(line[:40])!r}")
+    return int(size_text, 16)
+
+
+def _is_hex(text: bytes) -> bool:
+    return all(byte in b"0123456789abcdefABCDEF" for byte in text)
