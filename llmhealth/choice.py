@@ -14,6 +14,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, TypeVar
 
+from llmhealth.http1 import HeaderSource
+
 Key = TypeVar("Key", bound=Hashable)
 
 
@@ -62,7 +64,7 @@ class Affinity:
             )
         return cls("header" if source == "header" else "body", name)
 
-    def key_of(self, headers: Mapping[str, str], body: Mapping[str, object] | None) -> str | None:
+    def key_of(self, headers: HeaderSource, body: Mapping[str, object] | None) -> str | None:
         """The request's session key, or None when it has none (then plain least-in-flight).
 
         ``headers`` must look names up case-insensitively (as HTTP header maps do). A body

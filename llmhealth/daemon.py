@@ -60,7 +60,7 @@ from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
-if TYPE_CHECKING:  # `watch` without a router need not import aiohttp
+if TYPE_CHECKING:  # `watch` without a router need not import the router
     from llmhealth.router import Router
 
 # After SIGTERM: seconds a settle in progress may take to finish, and then seconds the

@@ -1,14 +1,14 @@
 """HTTP/1.1 message rules (RFC 9112) that both of the router's sides apply, written once.
 
 Pure: text and bytes in, values or ``FramingError`` out. ``upstream.py`` reads backends'
-answers with them, and the router's client side is to read requests by the same rules;
-each turns ``FramingError`` into its own outcome (a broken backend exchange, a 4xx).
+answers with them and ``edge.py`` reads clients' requests; each turns ``FramingError``
+into its own outcome (a broken backend exchange, a 4xx to the client).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, Protocol
 
 MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; trailers
 MAX_FIELDS: Final = 100  # header fields in one head
@@ -21,6 +21,58 @@ class FramingError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+class HeaderSource(Protocol):
+    """What the header rules read: a dict, or ``Fields``."""
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
+
+    def get(self, name: str, /) -> str | None: ...
+
+
+class Fields:
+    """Header fields in the order sent, names' case and repeats kept, looked up without
+    regard to case (as HTTP's field names are)."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, pairs: Iterable[tuple[str, str]] = ()) -> None:
+        self._pairs = list(pairs)
+
+    def items(self) -> list[tuple[str, str]]:
+        return self._pairs
+
+    def keys(self) -> list[str]:
+        return [name for name, _ in self._pairs]
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        lower = name.lower()
+        for field, value in self._pairs:
+            if field.lower() == lower:
+                return value
+        return default
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __setitem__(self, name: str, value: str) -> None:
+        """Replace every field of this name by one."""
+        lower = name.lower()
+        self._pairs = [(n, v) for n, v in self._pairs if n.lower() != lower]
+        self._pairs.append((name, value))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def add(self, name: str, value: str) -> None:
+        self._pairs.append((name, value))
 
 
 def head_lines(head: str) -> list[str]:

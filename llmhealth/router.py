@@ -11,25 +11,17 @@ or ``no_backend_status`` with ``Retry-After``, never a hang until the client giv
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import resource
 import time
 from bisect import bisect_left
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-import aiohttp
-from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
-from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -44,6 +36,8 @@ from llmhealth.choice import ANY_MODEL, Affinity, Models, choose, serves
 from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
 from llmhealth.deadlines import Deadlines
+from llmhealth.edge import BadRequestError, Edge, Request
+from llmhealth.http1 import Fields, HeaderSource, connection_tokens
 from llmhealth.text import printable
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
 from llmhealth.upstream import BrokenError, ConnectError, Origin, Pool, Response
@@ -106,14 +100,6 @@ def connection_cap(file_limit: int, backends: int) -> int:
     return max(8, (file_limit - RESERVED_FILES - backends) // 2)
 
 
-class BadRequestError(Exception):
-    """The client's request cannot be routed; the message says why (a 4xx, never counted)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
     """The request's ``model`` and its parsed JSON object; an empty body has neither.
 
@@ -134,12 +120,10 @@ def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
     return model, parsed
 
 
-def upstream_headers(
-    incoming: Mapping[str, str] | CIMultiDictProxy[str], api_key: str | None
-) -> CIMultiDict[str]:
+def upstream_headers(incoming: HeaderSource, api_key: str | None) -> Fields:
     """The client's headers minus hop-by-hop ones; the backend's own key when it has one."""
-    named = _connection_tokens(incoming)
-    headers: CIMultiDict[str] = CIMultiDict()
+    named = connection_tokens(incoming.items())
+    headers = Fields()
     for name, value in incoming.items():
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in named:
@@ -152,10 +136,10 @@ def upstream_headers(
     return headers
 
 
-def downstream_headers(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> CIMultiDict[str]:
+def downstream_headers(incoming: HeaderSource) -> Fields:
     """The backend's response headers minus hop-by-hop ones (Content-Length is kept)."""
-    named = _connection_tokens(incoming)
-    headers: CIMultiDict[str] = CIMultiDict()
+    named = connection_tokens(incoming.items())
+    headers = Fields()
     for name, value in incoming.items():
         lower = name.lower()
         if lower in named or (lower in HOP_BY_HOP and lower != "content-length"):
@@ -164,9 +148,13 @@ def downstream_headers(incoming: Mapping[str, str] | CIMultiDictProxy[str]) -> C
     return headers
 
 
-def _connection_tokens(headers: Mapping[str, str] | CIMultiDictProxy[str]) -> set[str]:
-    value = headers.get("Connection", "")
-    return {token.strip().lower() for token in value.split(",") if token.strip()}
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The router's own answer to a request (not a backend's), sent whole."""
+
+    status: int
+    headers: Fields
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,68 +322,6 @@ class RouterMetrics(Collector):
         )
 
 
-class ClientConnections(web.Server):
-    """aiohttp's low-level server, holding at most ``cap`` client connections.
-
-    A connection is idle while no request of its is in progress: it has not sent a whole
-    request head yet, or it is kept alive after its last answer. Idle connections close
-    after ``idle_timeout`` (aiohttp's keep-alive timer, which starts when the connection
-    opens), and at the cap a new connection makes room by closing the one idle longest;
-    when every held connection is busy, the new one is closed at once. So ten thousand
-    sockets that never send a byte cost their descriptors for a bounded time and never
-    the router's ability to answer anyone else.
-    """
-
-    def __init__(self, handler: Callable[[web.BaseRequest], Any], *, cap: int, **kwargs: Any):
-        super().__init__(handler, request_factory=self._request, **kwargs)
-        self.cap = cap
-        self.max_body = 1024**2
-        self.evicted = 0  # connections closed at the cap to make room
-        self._held: set[RequestHandler] = set()
-        # Idle connections, the one idle longest first.
-        self._idle: OrderedDict[RequestHandler, asyncio.Transport] = OrderedDict()
-
-    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
-        self._held.add(handler)
-        self._idle[handler] = transport
-        if len(self._held) > self.cap:
-            oldest, oldest_transport = self._idle.popitem(last=False)
-            self._held.discard(oldest)
-            self.evicted += 1
-            oldest_transport.close()
-
-    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
-        self._held.discard(handler)
-        self._idle.pop(handler, None)
-        super().connection_lost(handler, exc)
-
-    def busy(self, handler: RequestHandler) -> None:
-        """A request of this connection is in progress: it is not to be closed for room."""
-        self._idle.pop(handler, None)
-
-    def idle(self, handler: RequestHandler, transport: asyncio.Transport | None) -> None:
-        """Its answer is written whole: the connection may be closed for room again."""
-        if handler in self._held and transport is not None and not transport.is_closing():
-            self._idle[handler] = transport
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
-    def _request(
-        self,
-        message: RawRequestMessage,
-        payload: StreamReader,
-        protocol: RequestHandler,
-        writer: AbstractStreamWriter,
-        task: asyncio.Task[None],
-    ) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, self._loop, client_max_size=self.max_body
-        )
-
-
 class Router:
     """The router's state between settles, and its request handler."""
 
@@ -430,8 +356,7 @@ class Router:
         # client connections' cap; kept alive between requests for UPSTREAM_KEEPALIVE.
         self._pool = Pool(settings.connect_timeout, UPSTREAM_KEEPALIVE)
         self._deadlines = Deadlines()  # every bound on the request path, one shared timer
-        self._runner: web.ServerRunner | None = None
-        self.connections: ClientConnections | None = None
+        self.connections: Edge | None = None
 
     # --- what the daemon calls ---------------------------------------------------------
 
@@ -468,77 +393,55 @@ class Router:
         file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if file_limit == resource.RLIM_INFINITY:
             file_limit = FILE_LIMIT_CEILING
-        # handler_cancellation: a client that goes away cancels its handler, and with it
-        # the upstream request, so the engine aborts the generation and frees the slot.
-        self.connections = ClientConnections(
+        self.connections = Edge(
             self._handle,
             cap=connection_cap(file_limit, len(self._backends)),
-            handler_cancellation=True,
-            access_log=None,
-            keepalive_timeout=self._settings.idle_timeout,
+            idle_timeout=self._settings.idle_timeout,
+            max_body=self._settings.max_body,
         )
-        self.connections.max_body = self._settings.max_body
-        self._runner = web.ServerRunner(self.connections)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=1024)
-        await site.start()
+        await self.connections.start(host, port, backlog=1024)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self.connections is not None:
+            await self.connections.close()
         self._pool.close()
 
     # --- requests ----------------------------------------------------------------------
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        """One request, its answer written whole before the connection counts as idle."""
-        connections, handler = self.connections, request.protocol
-        assert connections is not None
-        connections.busy(handler)
+    async def _handle(self, request: Request) -> None:
+        """One request, its answer written whole (a client that goes away cancels this, and
+        with it the upstream request, so the engine aborts the generation)."""
+        answer = await self._answer_request(request)
+        if answer is None:
+            return  # relayed from a backend
         try:
-            response = await self._answer_request(request)
-            if not response.prepared:  # the router's own answers; relayed ones are sent
-                try:
-                    with self._deadlines.within(self._settings.client_timeout):
-                        await response.prepare(request)
-                        await response.write_eof()
-                except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
-                    _abort(request)  # a client that takes no answer is dropped, as below
-            return response
-        finally:
-            connections.idle(handler, request.transport)
+            with self._deadlines.within(self._settings.client_timeout):
+                await request.answer(answer.status, answer.headers, answer.body)
+        except (TimeoutError, ConnectionError):
+            request.abort()  # a client that takes no answer is dropped, as below
 
-    async def _answer_request(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _answer_request(self, request: Request) -> Answer | None:
         path = request.path
         if path == "/health":
             return self._health()
         if path == "/metrics":
-            return web.Response(
-                body=generate_latest(self.registry),
-                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-            )
+            headers = Fields([("Content-Type", "text/plain; version=0.0.4; charset=utf-8")])
+            return Answer(200, headers, generate_latest(self.registry))
         if path == "/v1/models":
             return self._models()
         if path not in self._routes:
             return self._answer(None, 404, {"error": f"not routed: {printable(path[:200])}"})
         try:
-            if request.content.is_eof():
-                # The body came whole with the headers (most do): taken as it lies, with
-                # no timer and none of read()'s waits, and bounded the same way.
-                body = request.content.read_nowait()
-                if len(body) > self._settings.max_body:
-                    raise web.HTTPRequestEntityTooLarge(self._settings.max_body, len(body))
-            else:
+            # Most bodies come whole with the headers: taken as they lie, with no timer.
+            body = request.body()
+            if body is None:
                 with self._deadlines.within(self._settings.body_timeout):
-                    body = await request.read()
+                    body = await request.read_body()
             model, parsed = model_of(body)
-        except web.HTTPRequestEntityTooLarge:
-            limit = self._settings.max_body
-            return self._answer(None, 413, {"error": f"request body over {limit} bytes"})
         except TimeoutError:
             seconds = self._settings.body_timeout
             return self._answer(None, 408, {"error": f"request body not received in {seconds:g} s"})
-        except BadRequestError as exc:
+        except BadRequestError as exc:  # 413 over max_body, a broken chunk, bad JSON
             return self._answer(None, exc.status, {"error": str(exc)})
         key = self._affinity.key_of(request.headers, parsed) if self._affinity else None
         tried: set[str] = set()
@@ -555,17 +458,16 @@ class Router:
                     )
                 return self._no_backend(model)
             result = await self._forward(request, name, body)
-            if isinstance(result, web.StreamResponse):
+            if not isinstance(result, _Retry):
                 return result
             tried.add(name)
             if len(tried) > 1:
                 return self._backend_failed(name, result.detail)
             self.metrics.retries += 1
 
-    async def _forward(
-        self, request: web.BaseRequest, name: str, body: bytes
-    ) -> web.StreamResponse | _Retry:
-        """One attempt on one backend, from connect to the last byte to the client."""
+    async def _forward(self, request: Request, name: str, body: bytes) -> Answer | _Retry | None:
+        """One attempt on one backend, from connect to the last byte to the client (None:
+        relayed)."""
         backend = self._backends[name]
         api_key = os.environ.get(backend.api_key_env) if backend.api_key_env else None
         started = time.monotonic()
@@ -579,7 +481,7 @@ class Router:
                     upstream = await self._pool.request(
                         self._origins[name],
                         request.method,
-                        request.rel_url.raw_path_qs,
+                        request.target,
                         upstream_headers(request.headers, api_key).items(),
                         body,
                     )
@@ -597,8 +499,8 @@ class Router:
                 self._fail(name, request, FailureKind.BROKEN, None, detail)
                 return self._backend_failed(name, detail)
             series.first_byte.observe(time.monotonic() - started)
-            response, finished = await self._relay(request, name, upstream)
-            return response
+            finished = await self._relay(request, name, upstream)
+            return None
         finally:
             if upstream is not None and finished:
                 upstream.release()
@@ -607,31 +509,31 @@ class Router:
             self._in_flight[name] -= 1
             series.duration.observe(time.monotonic() - started)
 
-    async def _relay(
-        self, request: web.BaseRequest, name: str, upstream: Response
-    ) -> tuple[web.StreamResponse, bool]:
+    async def _relay(self, request: Request, name: str, upstream: Response) -> bool:
         """Pass the backend's response on as it comes; True when it ended cleanly."""
         status = upstream.status
         if status >= 500:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
             self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason)
-        headers = downstream_headers(CIMultiDict(upstream.headers))
+        headers = downstream_headers(Fields(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.answered(name, status)
-        event_stream = headers.get("Content-Type", "").startswith("text/event-stream")
+        event_stream = (headers.get("Content-Type") or "").startswith("text/event-stream")
         whole = None if event_stream else upstream.whole()
-        if whole is not None:
-            # The whole body came with the headers (a short answer): relay it in one send,
-            # headers and body together, without the read loop's waits.
-            return await self._relay_whole(request, name, status, upstream.reason, headers, whole)
-        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         try:
             # A shared coarse timer, not wait_for nor asyncio.timeout: on Python 3.11
             # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
             # runs for every chunk of every response.
+            if whole is not None:
+                # The whole body came with the headers (a short answer): relayed in one
+                # send, headers and body together, without the read loop's waits.
+                with self._deadlines.within(self._settings.client_timeout):
+                    await request.answer(status, headers, whole, upstream.reason)
+                self._record_success(name, request, status)
+                return True
             with self._deadlines.within(self._settings.client_timeout):
-                await response.prepare(request)
+                await request.start(status, headers, upstream.reason)
             while True:
                 try:
                     with self._deadlines.within(self._settings.stream_idle_timeout):
@@ -640,56 +542,34 @@ class Router:
                     seconds = self._settings.stream_idle_timeout
                     detail = f"response silent for {seconds:g} s after it started"
                     self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
-                    await self._end_broken(request, response, name, detail, event_stream)
-                    return response, False
+                    await self._end_broken(request, name, detail, event_stream)
+                    return False
                 except BrokenError as exc:
                     detail = f"response cut off: {_short(exc)}"
                     self._fail(name, request, FailureKind.BROKEN, status, detail)
-                    await self._end_broken(request, response, name, detail, event_stream)
-                    return response, False
+                    await self._end_broken(request, name, detail, event_stream)
+                    return False
                 if not chunk:
                     break
                 with self._deadlines.within(self._settings.client_timeout):
-                    await response.write(chunk)
+                    await request.write(chunk)
             with self._deadlines.within(self._settings.client_timeout):
-                await response.write_eof()
-        except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
+                await request.end()
+        except (TimeoutError, ConnectionError):
             # The client stopped reading or went away: its doing, never the backend's.
-            _abort(request)
-            return response, False
+            request.abort()
+            return False
         self._record_success(name, request, status)
-        return response, True
+        return True
 
-    async def _relay_whole(
-        self,
-        request: web.BaseRequest,
-        name: str,
-        status: int,
-        reason: str,
-        headers: CIMultiDict[str],
-        body: bytes,
-    ) -> tuple[web.StreamResponse, bool]:
-        """A response already read whole: one write to the client, bounded like any other."""
-        response = web.Response(body=body, status=status, reason=reason, headers=headers)
-        try:
-            with self._deadlines.within(self._settings.client_timeout):
-                await response.prepare(request)
-                await response.write_eof()
-        except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
-            _abort(request)  # the client's doing, as in the streamed relay
-            return response, False
-        self._record_success(name, request, status)
-        return response, True
-
-    def _record_success(self, name: str, request: web.BaseRequest, status: int) -> None:
+    def _record_success(self, name: str, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
         if status < 400:
             self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
         self,
-        request: web.BaseRequest,
-        response: web.StreamResponse,
+        request: Request,
         name: str,
         detail: str,
         event_stream: bool,
@@ -698,24 +578,24 @@ class Router:
         (the OpenAI SDKs raise it), then the stream's end and the connection's close; any
         other body is cut off, so no client takes part of a body for the whole."""
         if not event_stream:
-            _abort(request)
+            request.abort()
             return
         event = {"error": {"message": f"backend failed: {detail}", "type": "backend_failed"}}
         payload = f"event: error\ndata: {json.dumps({**event, 'backend': name})}\n\n"
-        response.force_close()
+        request.force_close()
         try:
             with self._deadlines.within(self._settings.client_timeout):
-                await response.write(payload.encode())
-                await response.write_eof()
-        except (TimeoutError, ConnectionError, aiohttp.ClientError):
-            _abort(request)
+                await request.write(payload.encode())
+                await request.end()
+        except (TimeoutError, ConnectionError):
+            request.abort()
 
     # --- the router's own answers ------------------------------------------------------
 
     def _fail(
         self,
         name: str,
-        request: web.BaseRequest,
+        request: Request,
         kind: FailureKind,
         status: int | None,
         detail: str,
@@ -732,12 +612,12 @@ class Router:
     def _pick_set(self) -> dict[str, Models]:
         return {n: m for n, m in self._serving.items() if n not in self._dropped}
 
-    def _backend_failed(self, name: str, detail: str) -> web.Response:
+    def _backend_failed(self, name: str, detail: str) -> Answer:
         # 500, not 502/504: the OpenAI SDKs retry 5xx either way, and a gateway timeout
         # would blame the network for what the backend did.
         return self._answer(name, 500, {"error": f"backend failed: {detail}", "backend": name})
 
-    def _no_backend(self, model: str | None) -> web.Response:
+    def _no_backend(self, model: str | None) -> Answer:
         self.metrics.no_backend += 1
         wanted = f"model {model!r}" if model else "this request"
         backends = {}
@@ -755,7 +635,7 @@ class Router:
             headers={"Retry-After": self._retry_after},
         )
 
-    def _health(self) -> web.Response:
+    def _health(self) -> Answer:
         serving = sorted(self._serving)
         healthy = len(serving) >= self._min_healthy
         body = {
@@ -767,9 +647,9 @@ class Router:
             },
             "in_flight": self.in_flight,
         }
-        return web.json_response(body, status=200 if healthy else 503)
+        return _json(200 if healthy else 503, body)
 
-    def _models(self) -> web.Response:
+    def _models(self) -> Answer:
         models = sorted(
             {
                 model
@@ -779,7 +659,7 @@ class Router:
             }
         )
         data = [{"id": model, "object": "model", "owned_by": "llmhealth"} for model in models]
-        return web.json_response({"object": "list", "data": data})
+        return _json(200, {"object": "list", "data": data})
 
     def _answer(
         self,
@@ -787,15 +667,16 @@ class Router:
         status: int,
         body: dict[str, object],
         headers: Mapping[str, str] | None = None,
-    ) -> web.Response:
+    ) -> Answer:
         self.metrics.answered(backend or "none", status)
-        return web.json_response(body, status=status, headers=headers)
+        return _json(status, body, headers)
 
 
-def _abort(request: web.BaseRequest) -> None:
-    transport = request.transport
-    if transport is not None:
-        transport.close()
+def _json(status: int, body: object, headers: Mapping[str, str] | None = None) -> Answer:
+    fields = Fields([("Content-Type", "application/json; charset=utf-8")])
+    for name, value in (headers or {}).items():
+        fields.add(name, value)
+    return Answer(status, fields, json.dumps(body).encode())
 
 
 def _short(exc: BaseException) -> str:

@@ -1,0 +1,577 @@
+"""`llmhealth route`'s client side: a bare asyncio HTTP/1.1 server, bounded everywhere.
+
+Why not aiohttp's server, as the router used before: per request it ran a parser, built a
+message, a payload stream, a request object, a response object and its writer, and took
+about a quarter of the router's CPU (bench/README.md, the router's profile). Here a
+connection is one ``asyncio.Protocol``: it cuts a request's head out of its buffer,
+parses it with ``http1``'s rules (the ones ``upstream.py`` reads backends' answers with),
+collects the body and runs the handler in one task. Its rules:
+
+- a head is at most ``MAX_HEAD_BYTES`` and ``MAX_FIELDS`` fields (else 431); a request
+  line that is not ``METHOD SP target SP HTTP/1.x``, a malformed field, a bare CR or LF,
+  or a body framed both ways is 400; a Transfer-Encoding other than chunked is 501;
+- a body is framed by Content-Length or chunked (HTTP/1.1 only) and at most ``max_body``
+  bytes: the handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and
+  the connection closes after the answer, since the rest of the body is unread;
+- a connection with no request in progress (no whole head yet, or kept alive after its
+  last answer) is idle: idle ones close after ``idle_timeout``, so a head sent a byte a
+  minute is bounded too, and at the ``cap`` a new connection makes room by closing the
+  one idle longest (when all are busy, the new one is closed at once);
+- pipelined requests are answered one at a time, in order; while one is in progress at
+  most ``MAX_HEAD_BYTES`` more are read, then the socket is not read until it ends;
+- a response takes its Content-Length when it has one, else it is chunked (HTTP/1.1) or
+  ends with the connection (HTTP/1.0); every write waits while the transport holds more
+  than its high-water mark, so a client that never reads costs a bounded buffer (the
+  handler bounds that wait in time);
+- a client whose connection closes cancels its request's task;
+- after an error answer the connection ends its side and reads what still comes for at
+  most ``LINGER`` seconds, so the client reads the answer rather than a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Final, cast
+from urllib.parse import unquote, urlsplit
+
+from llmhealth import http1
+from llmhealth.http1 import MAX_HEAD_BYTES, Fields, FramingError
+
+LINGER: Final = 2.0  # seconds an error answer's connection reads on before it closes
+SWEEP: Final = 1.0  # seconds between looks for connections idle past their timeout
+_TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+# RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
+_REQUEST_LINE: Final = re.compile(rf"({_TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
+_REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+
+
+class BadRequestError(Exception):
+    """The client's request cannot be served as sent; the message says why (a 4xx)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+Handler = Callable[["Request"], Awaitable[None]]
+
+
+class Request:
+    """One request as the client sent it, and the way to answer it."""
+
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_length",
+        "ended",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "started",
+        "target",
+        "version",
+    )
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        target: str,
+        version: str,
+        headers: Fields,
+        keep_alive: bool,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.target = target  # path and query as sent (percent-encoded), for the next hop
+        self.path = _path(target)
+        self.version = version
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.started = False  # the answer's head is written
+        self.ended = False  # the answer is written whole
+        self._chunked = False  # the answer's body goes in chunks
+        self._length = True  # the answer's body is delimited (not by the close)
+
+    def body(self) -> bytes | None:
+        """The whole body when it is already in hand (most come with their head)."""
+        return self._conn.body_in_hand()
+
+    async def read_body(self) -> bytes:
+        """The whole body, once it has come; the caller bounds the wait in time."""
+        return await self._conn.read_body()
+
+    async def answer(self, status: int, headers: Fields, body: bytes, reason: str = "") -> None:
+        """A whole answer in one write: its head and body together."""
+        if "content-length" not in headers and status >= 200 and status not in (204, 304):
+            headers.add("Content-Length", str(len(body)))
+        head = self._head(status, reason, headers)
+        self.started = True
+        self._conn.write(head + body if body and self.method != "HEAD" else head)
+        await self._conn.drain()
+        self.ended = True
+
+    async def start(self, status: int, headers: Fields, reason: str = "") -> None:
+        """The head of an answer whose body follows in ``write``s."""
+        if "content-length" not in headers and self.method != "HEAD":
+            if self.version == "HTTP/1.1":
+                headers.add("Transfer-Encoding", "chunked")
+                self._chunked = True
+            else:
+                self.keep_alive = False  # the body ends with the connection
+                self._length = False
+        head = self._head(status, reason, headers)
+        self.started = True
+        self._conn.write(head)
+        await self._conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self._conn.write(data)
+        await self._conn.drain()
+
+    async def end(self) -> None:
+        if self._chunked:
+            self._conn.write(b"0\r\n\r\n")
+        await self._conn.drain()
+        self.ended = True
+
+    @property
+    def delimited(self) -> bool:
+        """The answer's body has a known end (else it ends with the connection)."""
+        return self._length
+
+    def force_close(self) -> None:
+        """Close the connection once this answer ends."""
+        self.keep_alive = False
+
+    def abort(self) -> None:
+        """Close the connection now: the answer, if begun, is cut off."""
+        self._conn.abort()
+
+    def _head(self, status: int, reason: str, headers: Fields) -> bytes:
+        if self._conn.body_unread:
+            self.keep_alive = False  # its rest would be read as the next request
+        if not self.keep_alive:
+            headers["Connection"] = "close"
+        elif self.version == "HTTP/1.0":
+            headers["Connection"] = "keep-alive"
+        lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, '')}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        lines.append("\r\n")
+        # latin-1: a backend's fields were read so, and go back out byte for byte.
+        return "\r\n".join(lines).encode("latin-1", "replace")
+
+
+def _path(target: str) -> str:
+    path = target.partition("?")[0]
+    return unquote(path) if "%" in path else path
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: its unread bytes, the request in progress and its body."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._request: Request | None = None  # the one in progress
+        self._task: asyncio.Task[None] | None = None
+        self._lost = False
+        self._lingering = False
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        # The body of the request in progress.
+        self._body = bytearray()
+        self._body_left = 0  # Content-Length bytes still to come, or the chunk's
+        self._chunk_state = 0  # 0: not chunked; 1: a size line next; 2: data; 3: trailers
+        self._body_done = True
+        self._body_error: BadRequestError | None = None
+        self._body_waiter: asyncio.Future[None] | None = None
+
+    # --- the transport's calls ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not an isinstance check: uvloop's transports do not subclass asyncio.Transport.
+        self.transport = cast("asyncio.Transport", transport)
+        self._edge.opened(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        self._edge.closed(self)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: so does its upstream request
+        for waiter in (self._drain_waiter, self._body_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(ConnectionResetError("the client closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # read and dropped: the answer is already on its way
+        self._buffer += data
+        if self._request is None:
+            self._next()
+            return
+        if not self._body_done:
+            self._feed_body()
+        if self._body_done and len(self._buffer) > MAX_HEAD_BYTES:
+            self._pause_reading()  # pipelined requests beyond a head's worth wait
+
+    def eof_received(self) -> bool:
+        return False  # the client is done sending: close, which cancels what is in progress
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Start the next request if its head is whole; refuse one beyond the bounds."""
+        buffer = self._buffer
+        while buffer.startswith(b"\r\n"):
+            del buffer[:2]  # RFC 9112 2.2: blank lines before a request line are skipped
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > MAX_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            return
+        if end + 4 > MAX_HEAD_BYTES:
+            self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            return
+        head = bytes(buffer[:end])
+        del buffer[: end + 4]
+        try:
+            request, framing = self._parse(head)
+        except FramingError as exc:
+            self._refuse(exc.status, str(exc))
+            return
+        self._request = request
+        self._edge.busy(self)
+        self._start_body(request, framing)
+        self._task = asyncio.get_running_loop().create_task(self._run(request))
+
+    def _parse(self, head: bytes) -> tuple[Request, int | None]:
+        """The request, and its body's length (None: chunked)."""
+        # utf-8 with surrogateescape: any byte a client sent goes on to the backend as it came.
+        lines = http1.head_lines(head.decode("utf-8", "surrogateescape"))
+        match = _REQUEST_LINE.fullmatch(lines[0])
+        if match is None:
+            raise FramingError(f"not an HTTP/1.x request line: {lines[0][:80]!r}")
+        method, target, version = match.groups()
+        if not target.startswith("/") and "://" in target:  # absolute-form (RFC 9112 3.2.2)
+            parts = urlsplit(target)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = Fields(http1.fields(lines[1:]))
+        coding, length_text = http1.body_fields(headers.items())
+        length: int | None = 0
+        if coding is not None:
+            if length_text is not None or version == "HTTP/1.0":
+                raise FramingError("a body framed by Transfer-Encoding and Content-Length")
+            http1.require_chunked(coding)
+            length = None
+        elif length_text is not None:
+            length = http1.content_length(length_text)
+        alive = http1.keep_alive(version, http1.connection_tokens(headers.items()))
+        return Request(self, method, target, version, headers, alive), length
+
+    async def _run(self, request: Request) -> None:
+        try:
+            await self._edge.handler(request)
+        except asyncio.CancelledError:
+            return  # the client went away, or the router is closing
+        except Exception as exc:  # a bug: the client hears a 500, the loop's handler why
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": "the router's handler failed", "exception": exc}
+            )
+            if not request.started:
+                self._send(_error_answer(500, "the router failed: see its log"))
+            self.abort()
+            return
+        self._ended(request)
+
+    def _ended(self, request: Request) -> None:
+        """The answer is written: next request, or the connection's end."""
+        self._request = self._task = None
+        if self._lost:
+            return
+        if not request.ended or not request.delimited:
+            self.abort()
+            return
+        if self.body_unread:
+            self._linger()  # the rest of the body was never read
+            return
+        if not request.keep_alive:
+            assert self.transport is not None
+            self.transport.close()  # after what is buffered is sent
+            return
+        self._edge.idle(self)
+        if self._reading_paused:
+            self._reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        if self._buffer:
+            self._next()  # a pipelined request
+
+    # --- bodies -------------------------------------------------------------------------
+
+    def _start_body(self, request: Request, length: int | None) -> None:
+        self._body = bytearray()
+        self._body_error = None
+        max_body = self._edge.max_body
+        if length is None:
+            self._chunk_state, self._body_done = 1, False
+        elif length > max_body:
+            self._body_done = False  # never read: the answer is a 413 and the close
+            self._body_error = BadRequestError(413, f"request body over {max_body} bytes")
+            self._buffer.clear()
+            self._lingering = True  # what else comes is dropped
+            return
+        else:
+            self._chunk_state, self._body_left, self._body_done = 0, length, length == 0
+        if not self._body_done and (request.headers.get("Expect") or "").lower() == "100-continue":
+            self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self._feed_body()
+
+    @property
+    def body_unread(self) -> bool:
+        """The request's body was not (or cannot be) read to its end."""
+        return not self._body_done or self._body_error is not None
+
+    def body_in_hand(self) -> bytes | None:
+        if self._body_error is not None:
+            raise self._body_error
+        return bytes(self._body) if self._body_done else None
+
+    async def read_body(self) -> bytes:
+        while (body := self.body_in_hand()) is None:
+            self._body_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._body_waiter
+            finally:
+                self._body_waiter = None
+        return body
+
+    def _feed_body(self) -> None:
+        """Move what the buffer holds of the body into it; wake its reader when whole."""
+        try:
+            if self._chunk_state == 0:
+                size = min(self._body_left, len(self._buffer))
+                self._body += self._buffer[:size]
+                del self._buffer[:size]
+                self._body_left -= size
+                self._body_done = self._body_left == 0
+            else:
+                self._feed_chunks()
+        except FramingError as exc:
+            self._body_error = BadRequestError(400, f"request body: {exc}")
+        except BadRequestError as exc:
+            self._body_error = exc
+        if self._body_error is not None:
+            self._buffer.clear()
+            self._lingering = True  # what else comes is dropped; the answer closes
+        if self._body_done or self._body_error is not None:
+            waiter = self._body_waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _feed_chunks(self) -> None:
+        buffer, max_body = self._buffer, self._edge.max_body
+        while True:
+            if self._chunk_state in (1, 3):
+                end = buffer.find(b"\r\n")
+                if end < 0:
+                    if len(buffer) > MAX_HEAD_BYTES:
+                        raise FramingError(f"a chunk-size line or trailer over {MAX_HEAD_BYTES}")
+                    return
+                line = bytes(buffer[:end])
+                del buffer[: end + 2]
+                if self._chunk_state == 3:
+                    if line == b"":
+                        self._body_done = True
+                        return
+                    self._body_left += len(line)  # trailers' bytes, dropped, bounded
+                    if self._body_left > MAX_HEAD_BYTES:
+                        raise FramingError(f"trailers over {MAX_HEAD_BYTES} bytes")
+                    continue
+                size = http1.chunk_size(line)
+                if len(self._body) + size > max_body:
+                    raise BadRequestError(413, f"request body over {max_body} bytes")
+                self._body_left, self._chunk_state = size, 2 if size else 3
+                continue
+            # data, then its CRLF
+            if len(buffer) < self._body_left + 2:
+                take = min(len(buffer), self._body_left)
+                self._body += buffer[:take]
+                del buffer[:take]
+                self._body_left -= take
+                return
+            self._body += buffer[: self._body_left]
+            if buffer[self._body_left : self._body_left + 2] != b"\r\n":
+                raise FramingError("a chunk without its CRLF")
+            del buffer[: self._body_left + 2]
+            self._body_left, self._chunk_state = 0, 1
+
+    # --- writes and the connection's end ---------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if self._lost or transport is None or transport.is_closing():
+            raise ConnectionResetError("the client's connection is closed")
+        transport.write(data)
+
+    def _send(self, data: bytes) -> None:
+        """The edge's own few bytes, sent if the connection still takes any."""
+        transport = self.transport
+        if not self._lost and transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the transport holds more than its high-water mark."""
+        if self._lost:
+            raise ConnectionResetError("the client's connection is closed")
+        if not self._write_paused:
+            return
+        self._drain_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """A head the router will not read: a 4xx, then the connection ends."""
+        self._edge.busy(self)
+        self._send(_error_answer(status, message))
+        self._linger()
+
+    def _linger(self) -> None:
+        """End our side now, drop what the client still sends, and close within ``LINGER``."""
+        transport = self.transport
+        self._lingering = True
+        self._buffer.clear()
+        if transport is None or transport.is_closing():
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER, transport.close)
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
+
+def _error_answer(status: int, message: str) -> bytes:
+    """The edge's own JSON error, as the router's answers look; the connection closes."""
+    body = json.dumps({"error": message}).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class Edge:
+    """The listening socket and its client connections, at most ``cap`` of them."""
+
+    def __init__(self, handler: Handler, *, cap: int, idle_timeout: float, max_body: int) -> None:
+        self.handler = handler
+        self.cap = cap
+        self.idle_timeout = idle_timeout
+        self.max_body = max_body
+        self.evicted = 0  # connections closed at the cap to make room
+        self._held: set[_Connection] = set()
+        # Idle connections, the one idle longest first, with the time each became idle.
+        self._idle: OrderedDict[_Connection, float] = OrderedDict()
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def start(self, host: str, port: int, backlog: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog
+        )
+        self._sweeper = loop.call_later(SWEEP, self._sweep)
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        tasks = [conn.task for conn in self._held if conn.task is not None]
+        for conn in list(self._held):
+            conn.abort()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def opened(self, conn: _Connection) -> None:
+        self._held.add(conn)
+        self._idle[conn] = time.monotonic()
+        if len(self._held) > self.cap:
+            oldest, _ = self._idle.popitem(last=False)  # the new one, when all others are busy
+            self._held.discard(oldest)
+            self.evicted += 1
+            oldest.abort()
+
+    def closed(self, conn: _Connection) -> None:
+        self._held.discard(conn)
+        self._idle.pop(conn, None)
+
+    def busy(self, conn: _Connection) -> None:
+        """A request of this connection is in progress: not to be closed for room."""
+        self._idle.pop(conn, None)
+
+    def idle(self, conn: _Connection) -> None:
+        """Its answer is written whole: it may be closed for room, or when idle too long."""
+        if conn in self._held:
+            self._idle[conn] = time.monotonic()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        cutoff = now - self.idle_timeout
+        while self._idle:
+            conn, since = next(iter(self._idle.items()))
+            if since > cutoff:
+                break
+            del self._idle[conn]
+            conn.abort()
+        self._sweeper = asyncio.get_running_loop().call_later(
+            min(SWEEP, max(self.idle_timeout / 4, 0.05)), self._sweep
+        )

@@ -1,0 +1,393 @@
+"""The router's bare HTTP/1.1 server against hostile clients, over raw sockets.
+
+Every test runs a real ``Edge`` on 127.0.0.1 with a handler that answers with what it
+read, and speaks bytes to it: the outcomes asserted are the status a client reads, the
+connection's end, and what the handler saw (never a time: bounds are asserted to end
+within a generous ``BOUND``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+import pytest
+
+from llmhealth import eventloop
+from llmhealth.edge import BadRequestError, Edge, Request
+from llmhealth.http1 import MAX_FIELDS, MAX_HEAD_BYTES, Fields
+
+BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
+MAX_BODY = 4096
+
+
+def run(scenario: Awaitable[None]) -> None:
+    eventloop.run(asyncio.wait_for(scenario, 60))
+
+
+async def echo(request: Request) -> None:
+    """Answers with the request as the handler saw it; a body it may not take, a 4xx."""
+    try:
+        body = request.body()
+        if body is None:
+            body = await asyncio.wait_for(request.read_body(), 1.0)
+    except BadRequestError as exc:
+        await request.answer(exc.status, Fields(), str(exc).encode())
+        return
+    except TimeoutError:
+        await request.answer(408, Fields(), b"body too slow")
+        return
+    seen = {"method": request.method, "target": request.target, "path": request.path}
+    seen["body"] = body.decode()
+    await request.answer(
+        200, Fields([("Content-Type", "application/json")]), json.dumps(seen).encode()
+    )
+
+
+@contextlib.asynccontextmanager
+async def edge(
+    idle_timeout: float = 60.0, cap: int = 100
+) -> AsyncIterator[tuple[Edge, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """An edge with the echo handler, and one client connection to it."""
+    server = Edge(echo, cap=cap, idle_timeout=idle_timeout, max_body=MAX_BODY)
+    await server.start("127.0.0.1", 0, backlog=16)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        yield server, reader, writer
+    finally:
+        writer.close()
+        await server.close()
+
+
+async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One answer off the wire: status, fields (lower-case names), Content-Length body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 "), lines[0]
+    fields = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            fields[name.lower()] = value.strip()
+    body = await reader.readexactly(int(fields.get("content-length", "0")))
+    return int(lines[0].split()[1]), fields, body
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    """True once the edge has ended the connection (whatever it still had to say read)."""
+    while await asyncio.wait_for(reader.read(65536), BOUND):
+        pass
+    return True
+
+
+def post(body: bytes, *extra: bytes) -> bytes:
+    fields = b"".join(field + b"\r\n" for field in extra)
+    return b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        len(body),
+        fields,
+        body,
+    )
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET /x HTTP/2.0\r\n\r\n", 400),
+        (b"GET  /x HTTP/1.1\r\n\r\n", 400),
+        (b"GET /x y HTTP/1.1\r\n\r\n", 400),
+        (b"G\x01T /x HTTP/1.1\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\n bad: fold\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nNo colon\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nX-A: one\ntwo\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nX-A: one\rtwo\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nX-A: \x00\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nX-Big: " + b"x" * MAX_HEAD_BYTES + b"\r\n\r\n", 431),
+        (b"GET /x HTTP/1.1\r\n" + b"X-Many: 1\r\n" * (MAX_FIELDS + 1) + b"\r\n", 431),
+        (b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400),
+        (b"POST /x HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"POST /x HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"POST /x HTTP/1.1\r\nContent-Length: 1, 2\r\n\r\n", 400),
+        (b"POST /x HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+        (b"POST /x HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    ],
+    ids=[
+        "garbage",
+        "http-2",
+        "two-spaces",
+        "space-in-target",
+        "control-in-method",
+        "folded-field",
+        "field-without-colon",
+        "bare-lf-in-value",
+        "bare-cr-in-value",
+        "nul-in-value",
+        "oversize-head",
+        "too-many-fields",
+        "length-not-a-number",
+        "negative-length",
+        "two-lengths",
+        "two-lengths-in-one",
+        "length-and-chunked",
+        "chunked-in-http-1.0",
+        "gzip-only",
+    ],
+)
+def test_a_head_beyond_the_rules_is_answered_its_4xx_or_501_and_the_connection_ends(
+    head: bytes, status: int
+) -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(head)
+            got, fields, body = await answer(reader)
+            assert got == status, body
+            assert fields["connection"] == "close"
+            assert "error" in json.loads(body)
+            assert await closed(reader)
+
+    run(scenario())
+
+
+def test_a_head_that_never_ends_is_refused_once_it_passes_the_bound() -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"GET /x HTTP/1.1\r\nX-Big: ")
+            for _ in range(MAX_HEAD_BYTES // 4096 + 2):  # no end of head, ever
+                writer.write(b"x" * 4096)
+                await writer.drain()
+            assert (await answer(reader))[0] == 431
+
+    run(scenario())
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(post(b"one") + b"GET /two?q=1 HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"3"))
+            seen = [json.loads((await answer(reader))[2]) for _ in range(3)]
+            assert [(s["method"], s["target"], s["body"]) for s in seen] == [
+                ("POST", "/v1/x", "one"),
+                ("GET", "/two?q=1", ""),
+                ("POST", "/v1/x", "3"),
+            ]
+
+    run(scenario())
+
+
+def test_bytes_past_a_head_are_not_read_while_a_request_is_in_progress() -> None:
+    release = asyncio.Event()
+    reads: list[str] = []
+
+    async def slow(request: Request) -> None:
+        reads.append(request.target)
+        await release.wait()
+        await request.answer(200, Fields(), b"ok")
+
+    async def scenario() -> None:
+        server = Edge(slow, cap=10, idle_timeout=60, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=16)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        # Far more than the kernel's buffers on the way hold: if the edge kept reading,
+        # the client's own buffer would empty.
+        writer.write(b"GET /first HTTP/1.1\r\n\r\n" + b"x" * (32 * 1024 * 1024))
+        async with asyncio.timeout(BOUND):
+            while writer.transport.get_write_buffer_size() == 0:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert writer.transport.get_write_buffer_size() > 0  # still backed up
+        assert reads == ["/first"]
+        release.set()
+        assert (await answer(reader))[0] == 200
+        assert (await answer(reader))[0] == 431  # the x's: a head that never ends
+        writer.transport.abort()
+        await server.close()
+
+    run(scenario())
+
+
+def test_at_the_cap_the_longest_idle_connection_makes_room_and_a_busy_one_never() -> None:
+    release = asyncio.Event()
+
+    async def held(request: Request) -> None:
+        await release.wait()
+        await request.answer(200, Fields(), b"ok")
+
+    async def scenario() -> None:
+        server = Edge(held, cap=2, idle_timeout=60, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=16)
+        port = server.port
+        first = await asyncio.open_connection("127.0.0.1", port)
+        second = await asyncio.open_connection("127.0.0.1", port)
+        second[1].write(b"GET /busy HTTP/1.1\r\n\r\n")
+        await second[1].drain()
+        async with asyncio.timeout(BOUND):
+            while server.held < 2:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the busy one's head arrives
+        third = await asyncio.open_connection("127.0.0.1", port)
+        assert await closed(first[0])  # idle longest: closed for the third
+        third[1].write(b"GET /busy HTTP/1.1\r\n\r\n")
+        await third[1].drain()
+        await asyncio.sleep(0.05)
+        fourth = await asyncio.open_connection("127.0.0.1", port)
+        assert await closed(fourth[0])  # everyone held is busy: the newcomer goes
+        release.set()
+        assert (await answer(second[0]))[0] == 200
+        assert (await answer(third[0]))[0] == 200
+        assert server.evicted == 2
+        for _, writer in (first, second, third, fourth):
+            writer.close()
+        await server.close()
+
+    run(scenario())
+
+
+def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
+    async def scenario() -> None:
+        for request, kept in [
+            (b"GET /x HTTP/1.0\r\n\r\n", False),
+            (b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", True),
+            (b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n", False),
+            (b"GET /x HTTP/1.1\r\n\r\n", True),
+        ]:
+            async with edge() as (_, reader, writer):
+                writer.write(request)
+                status, fields, _ = await answer(reader)
+                assert status == 200
+                if kept:
+                    writer.write(b"GET /again HTTP/1.1\r\n\r\n")
+                    assert json.loads((await answer(reader))[2])["target"] == "/again"
+                else:
+                    assert fields["connection"] == "close"
+                    assert await closed(reader)
+
+    run(scenario())
+
+
+def test_a_chunked_body_is_taken_whole_however_its_pieces_come() -> None:
+    async def scenario() -> None:
+        head = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        chunked = b"3;ext=1\r\nabc\r\n0A\r\n0123456789\r\n0\r\nX-Trailer: t\r\n\r\n"
+        for pieces in (1, 7, len(chunked)):
+            async with edge() as (_, reader, writer):
+                writer.write(head)
+                step = -(-len(chunked) // pieces)
+                for start in range(0, len(chunked), step):
+                    writer.write(chunked[start : start + step])
+                    await writer.drain()
+                    await asyncio.sleep(0)
+                status, _, body = await answer(reader)
+                assert status == 200
+                assert json.loads(body)["body"] == "abc0123456789"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("chunked", "status"),
+    [
+        (b"zz\r\nab\r\n0\r\n\r\n", 400),
+        (b"2\r\nabXX0\r\n\r\n", 400),
+        (b"%x\r\n%s\r\n0\r\n\r\n" % (MAX_BODY + 1, b"x" * (MAX_BODY + 1)), 413),
+        (b"800\r\n" + b"x" * 0x800 + b"\r\n" + b"800\r\n" + b"x" * 0x800 + b"\r\n1\r\nx\r\n", 413),
+    ],
+    ids=["bad-size", "no-crlf", "one-chunk-over-max-body", "chunks-adding-up-over-max-body"],
+)
+def test_a_broken_or_oversize_chunked_body_is_the_clients_fault(
+    chunked: bytes, status: int
+) -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            got, fields, _ = await answer(reader)
+            assert got == status
+            assert fields["connection"] == "close"
+            assert await closed(reader)
+
+    run(scenario())
+
+
+def test_a_content_length_over_max_body_is_refused_without_reading_the_body() -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n{" % (MAX_BODY + 1))
+            got, fields, _ = await answer(reader)
+            assert got == 413
+            assert fields["connection"] == "close"
+            writer.write(b"x" * MAX_BODY)  # the rest comes anyway: read and dropped
+            assert await closed(reader)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_a_truncated_body_gets_the_handlers_timeout_and_a_gone_client_ends_it(
+    framing: str,
+) -> None:
+    async def scenario() -> None:
+        if framing == "length":
+            request = b"POST /x HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"
+        else:
+            request = b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n{"
+        async with edge() as (server, reader, writer):
+            writer.write(request)
+            got, _, _ = await answer(reader)  # the echo handler's own 1 s bound
+            assert got == 408
+            assert await closed(reader)  # the body was never whole: no next request
+        async with edge() as (server, reader, writer):
+            writer.write(request)
+            await writer.drain()
+            writer.close()  # gone mid-body: the handler's task is cancelled
+            async with asyncio.timeout(BOUND):
+                while server.held:
+                    await asyncio.sleep(0.01)
+
+    run(scenario())
+
+
+def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_idle_timeout() -> None:
+    async def scenario() -> None:
+        async with edge(idle_timeout=0.3) as (server, reader, writer):
+
+            async def trickle() -> None:
+                for byte in b"GET /x HTTP/1.1\r\nX-Slow: " + b"x" * 1000:
+                    writer.write(bytes([byte]))
+                    await asyncio.sleep(0.02)
+
+            sending = asyncio.create_task(trickle())
+            assert await closed(reader)  # long before the head could end
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await sending
+            assert server.held == 0
+
+    run(scenario())
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(b"hi")
+            status, _, body = await answer(reader)
+            assert (status, json.loads(body)["body"]) == (200, "hi")
+
+    run(scenario())
+
+
+def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"GET /v1/a%2Fb?x=%20 HTTP/1.1\r\n\r\n")
+            seen = json.loads((await answer(reader))[2])
+            assert (seen["path"], seen["target"]) == ("/v1/a/b", "/v1/a%2Fb?x=%20")
+            writer.write(b"GET http://host:1/v1/y?z=1 HTTP/1.1\r\n\r\n")
+            seen = json.loads((await answer(reader))[2])
+            assert (seen["path"], seen["target"]) == ("/v1/y", "/v1/y?z=1")
+
+    run(scenario())
