@@ -12,6 +12,8 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+from operator import attrgetter
 from typing import Any
 
 # vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
@@ -40,6 +42,8 @@ _START_SERIES = "process_start_time_seconds"
 _GAUGES = frozenset({"running", "waiting", "kv_usage", "kv_usage_legacy"})
 # vLLM v0 had no engine label; its single engine is reported under this name.
 _DEFAULT_ENGINE = "0"
+# Up to this many engines, a read's engine is found by a scan of them, not a dict.
+_SCANNED_ENGINES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,22 +106,66 @@ class Signals:
     process_start: float | None = None
     skipped_lines: int = 0
     notes: tuple[str, ...] = field(default=())
-    # Engines by name, built once: comparing two reads engine by engine must not scan
-    # every engine for every engine (40,000 data-parallel engines made that minutes).
-    _by_name: dict[str, EngineSignals] = field(
-        init=False, repr=False, compare=False, default_factory=dict
+    # Engines by name, built once when there are more than a few: comparing two reads
+    # engine by engine must not scan every engine for every engine (40,000 data-parallel
+    # engines made that minutes). A few are scanned instead: a window holds 61 reads of
+    # one backend, and a dict per read was a quarter of a busy engine's read.
+    _by_name: dict[str, EngineSignals] | None = field(
+        init=False, repr=False, compare=False, default=None
     )
 
     def __post_init__(self) -> None:
-        for engine in self.engines:
-            self._by_name.setdefault(engine.engine, engine)  # the first one, as a scan found
+        if len(self.engines) > _SCANNED_ENGINES:
+            by_name: dict[str, EngineSignals] = {}
+            for engine in self.engines:
+                by_name.setdefault(engine.engine, engine)  # the first one, as a scan finds
+            object.__setattr__(self, "_by_name", by_name)
 
     @property
     def has_vllm(self) -> bool:
         return bool(self.engines)
 
     def engine(self, name: str) -> EngineSignals | None:
-        return self._by_name.get(name)
+        if self._by_name is not None:
+            return self._by_name.get(name)
+        for engine in self.engines:
+            if engine.engine == name:
+                return engine
+        return None
+
+
+def sharing(signals: Signals, earlier: Signals) -> Signals:
+    """``signals`` holding ``earlier``'s value objects wherever the two are equal.
+
+    A window keeps 61 reads of a backend; a busy engine's counters move between reads
+    but its gauges, start time and histogram figures mostly do not, and each float is
+    24 bytes of its own. What equals the earlier read's is taken from it, as ``==`` says
+    (the rule a window already shares a whole read's signals by), so every figure and
+    every comparison is the same; an engine that did not change at all is taken whole.
+    """
+    engines = []
+    for engine in signals.engines:
+        before = earlier.engine(engine.engine)
+        if before is None:
+            engines.append(engine)
+        elif engine == before:
+            engines.append(before)
+        else:
+            engines.append(EngineSignals(*map(_same, _fields(engine), _fields(before))))
+    return Signals(
+        tuple(engines),
+        _same(signals.process_start, earlier.process_start),
+        signals.skipped_lines,
+        earlier.notes if signals.notes == earlier.notes else signals.notes,
+    )
+
+
+def _same(value: Any, before: Any) -> Any:
+    """``before`` when it is the same value of the same type, else ``value``."""
+    return before if type(value) is type(before) and value == before else value
+
+
+_fields = attrgetter(*(f.name for f in dataclass_fields(EngineSignals)))
 
 
 def parse_metrics(body: str | bytes) -> Signals:

@@ -36,7 +36,7 @@ from llmhealth.classify import (
     window_for,
 )
 from llmhealth.localcpu import LocalCpu
-from llmhealth.metrics import Signals, parse_metrics
+from llmhealth.metrics import Signals, parse_metrics, sharing
 from llmhealth.text import printable
 from llmhealth.window import LongestStep, WedgeRules
 
@@ -416,9 +416,13 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
 
     A read whose signals equal the previous read's shares that one's: a frozen or idle
     engine's window (61 reads at the defaults) then holds its values once, not 61 times.
+    Any other read shares what did not change (``metrics.sharing``): a busy engine's
+    gauges and histogram figures.
     """
-    if window and read.signals is not None and read.signals == window[-1].signals:
-        read = replace(read, signals=window[-1].signals)
+    signals, earlier = read.signals, window[-1].signals if window else None
+    if signals is not None and earlier is not None:
+        shared = earlier if signals == earlier else sharing(signals, earlier)
+        read = replace(read, signals=shared)
     window.append(read)
     del window[:-limit]
 

@@ -38,7 +38,7 @@ from llmhealth import eventloop
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
-from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, new_client
+from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, keep_read, new_client
 from llmhealth.window import LongestStep, longer
 
 STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this much of it
@@ -510,7 +510,10 @@ class ReadPool:
         if target is None:
             return  # no longer this worker's (a reload moved it): the worker drops it too
         window = [] if item.reset else worker.windows.get(item.name, [])
-        window.extend(item.fresh)
+        for read in item.fresh:
+            # Unpickled, each read has values of its own: shared again as the worker's
+            # window shares them, or an idle backend's 61 reads held 61 copies here.
+            keep_read(window, read, item.kept)
         del window[: max(0, len(window) - item.kept)]
         worker.windows[item.name] = window
         verdict = item.verdict

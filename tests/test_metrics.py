@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmhealth.metrics import EngineSignals, Signals, parse_metrics
+from llmhealth.metrics import EngineSignals, Signals, parse_metrics, sharing
 
 Load = Callable[[str], str]
 
@@ -302,6 +302,44 @@ def test_data_parallel_engines_are_reported_separately(fixture_text: Load) -> No
     assert (ten.running, ten.steps) == (0.0, 0.0)
     assert signals.engine("1") == one
     assert signals.engine("2") is None
+
+
+@pytest.mark.parametrize("count", [1, 3, 9, 40])
+def test_an_engine_is_found_by_name_the_first_of_its_name_whether_scanned_or_looked_up(
+    count: int,
+) -> None:
+    engines = [EngineSignals(str(index), steps=float(index)) for index in range(count)]
+    signals = Signals((*engines, EngineSignals("0", steps=99.0)))
+    assert signals.engine("0") is engines[0]
+    assert signals.engine(str(count - 1)) is engines[-1]
+    assert signals.engine("x") is None
+
+
+def test_a_read_shares_the_values_that_did_not_change_and_reads_the_same() -> None:
+    """A busy engine's next read: its counters moved, its gauges did not."""
+    before = Signals(
+        (
+            EngineSignals("0", running=4.0, waiting=8.0, steps=100.0, kv_usage=0.25),
+            EngineSignals("1", running=1.0, steps=5.0),
+        ),
+        process_start=1000.0,
+    )
+    moved = EngineSignals("0", running=float("4"), waiting=9.0, steps=104.0, kv_usage=0.25)
+    still = EngineSignals("1", running=float("1"), steps=float("5"))
+    new = EngineSignals("2", running=0.0)
+    after = Signals((moved, still, new), process_start=float("1000"), skipped_lines=1, notes=("n",))
+    shared = sharing(after, before)
+    assert shared == after
+    assert repr(shared) == repr(after)
+    zero, one, two = shared.engines
+    assert zero.running is before.engines[0].running
+    assert zero.kv_usage is before.engines[0].kv_usage
+    assert zero.waiting is moved.waiting and zero.steps is moved.steps
+    assert one is before.engines[1] and two is new
+    assert shared.process_start is before.process_start
+    # Equal but not of the same type: kept as read.
+    as_int = sharing(Signals((EngineSignals("0", running=4),)), before)
+    assert type(as_int.engines[0].running) is int
 
 
 def test_engine_names_that_are_not_plain_numbers_do_not_break_the_order() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,6 +201,34 @@ def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_re
     )
     assert item.fresh == () and item.reads == len(window) and item.verdict is not None
     assert item.verdict.reads == ()
+
+
+def test_the_daemons_copy_of_a_window_holds_unchanged_values_once_as_the_workers_does() -> None:
+    """Each read arrives unpickled, with values of its own; the daemon's copy shares
+    them again: an idle engine's reads one set of signals, a busy one's its gauges."""
+    target = Target("b", "http://127.0.0.1:9")
+    windows: list[list[Read]] = []
+    pool = readers.ReadPool(
+        1,
+        readers.ProbeSettings,
+        lambda _t, _v, _s, window: windows.append(list(window)),
+        lambda _n, _c: None,
+        lambda _m: None,
+        lambda: ({}, {}),
+    )
+    worker = readers._Worker(0, share={"b": target})
+    window: list[Read] = []
+    sent: Read | None = None
+    for at, steps in ((1, 5.0), (2, 5.0), (3, 5.0), (4, 6.0)):
+        window.append(_read(at, steps))
+        item = readers._heard(target, None, 0.1, window, sent)
+        sent = window[-1]
+        pool._hear(worker, pickle.loads(pickle.dumps(item)))
+    got = windows[-1]
+    assert got == window
+    assert got[0].signals is got[1].signals is got[2].signals
+    assert got[3].signals is not None and got[2].signals is not None
+    assert got[3].signals.engines[0].running is got[2].signals.engines[0].running
 
 
 @pytest.mark.parametrize(
