@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from llmhealth.classify import Outcome, Target, Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
+from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, check_fleet
@@ -42,7 +42,6 @@ from llmhealth.window import LongestStep
 
 Clock = Callable[[], float]
 T = TypeVar("T")
-GC_YOUNG = 10_000  # allocations between two young collections while a check runs
 
 
 def ledger_policy(policy: ConfigPolicy) -> LedgerPolicy:
@@ -281,9 +280,9 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     was rendered whole, 87,000 dataclass ``repr`` calls, to be cut to 60 characters and
     thrown away (Python 3.11).
 
-    The cyclic collector runs a young collection after GC_YOUNG allocations instead of
-    700 while it runs: nearly everything a check allocates (reads, verdicts, the report)
-    lives until it ends, and at the default the collector walked it again and again,
+    The cyclic collector runs a young collection after ``gctune.YOUNG`` allocations
+    instead of 700 while it runs: nearly everything a check allocates (reads, verdicts,
+    the report) lives until it ends, and at the default the collector walked it again and again,
     about 540 collections and 0.4-0.6 s of a 3,000-backend check's CPU.
     """
     kept: list[T] = []
@@ -291,12 +290,8 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     async def keep() -> None:
         kept.append(await main)
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(max(GC_YOUNG, thresholds[0]), *thresholds[1:])
-    try:
+    with young_collections_spaced():
         asyncio.run(keep())
-    finally:
-        gc.set_threshold(*thresholds)
     return kept[0]
 
 

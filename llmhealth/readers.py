@@ -36,6 +36,7 @@ from typing import IO
 
 from llmhealth import eventloop
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.gctune import young_collections_spaced
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, keep_read, new_client
@@ -350,7 +351,9 @@ def main() -> None:
     # Ctrl-C at a terminal reaches the whole process group: the daemon decides, and
     # closes this worker's pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    eventloop.run(_work())  # the daemon's loop choice: LLMHEALTH_LOOP is inherited
+    # A worker allocates as the daemon's own loop does when it reads: the same spacing.
+    with young_collections_spaced():
+        eventloop.run(_work())  # the daemon's loop choice: LLMHEALTH_LOOP is inherited
 
 
 # --- the daemon's side -----------------------------------------------------------------

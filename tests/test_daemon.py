@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.resources
 import itertools
 import json
@@ -50,6 +51,7 @@ from llmhealth import readers
 from llmhealth.classify import Target
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import StallWatch
+from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
@@ -1025,6 +1027,43 @@ def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
 
     early, late = asyncio.run(scenario())
     assert late <= early + 1, f"{early} tasks after 2 cycles, {late} after 30"
+
+
+def test_the_daemon_spaces_young_collections_while_it_runs_and_gives_them_back(
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 10,000 backends the default's full collections were a quarter of its CPU."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    before = gc.get_threshold()
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.05,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> tuple[int, ...]:
+        running = asyncio.create_task(daemon.run())
+        log, deadline = "", time.monotonic() + 15.0
+        while not re.search(r"^cycle 1:", log, re.MULTILINE):
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"no cycle:\n{log}")
+            await asyncio.sleep(POLL)
+            log += capsys.readouterr().err
+        during = gc.get_threshold()
+        daemon.stop()
+        assert await asyncio.wait_for(running, STOP_BOUND) == 0
+        return during
+
+    during = asyncio.run(scenario())
+    assert during == (max(YOUNG, before[0]), *before[1:])
+    assert gc.get_threshold() == before
 
 
 # Writes its first argument, then waits for its second to exist (at most 2 minutes) and

@@ -1,0 +1,49 @@
+"""How often the cyclic garbage collector runs while llmhealth reads a fleet.
+
+At CPython's default a young collection runs every 700 allocations, and every eleventh
+of the next generation's makes a full one, which walks every object the process holds.
+A process that reads a fleet allocates fast, and what it keeps (each backend's window of
+reads, the record, a task and a connection per backend) grows with the fleet, so the
+full collections grew with it: a `watch` of 10,000 backends in its own loop made 22-27
+of them in an eight-cycle run, up to 1 s each, 8.8-12.5 s of its 34-47 s of CPU (about
+0.4 ms per read made, against 0.15 at 3,000). Young collections every YOUNG allocations
+left 3 (2.1-2.2 s), and the CPU per read made fell from 1.76 to 1.33-1.37 ms
+(bench/README.md, "Where the time per read goes at 10,000"). CPython's own rule still
+holds a full collection back until the objects that survived young ones are a quarter of
+those it last kept, so it does not come more often as the heap grows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+YOUNG = 10_000  # allocations between two young collections while a fleet is read
+
+
+class _Spacing:
+    """Who spaces them now, and the thresholds the first of them found."""
+
+    holders = 0
+    before: tuple[int, ...] = ()
+
+
+@contextlib.contextmanager
+def young_collections_spaced() -> Iterator[None]:
+    """Young collections every YOUNG allocations inside, the thresholds as they were after.
+
+    Counted, so that two daemons in one process (the tests) leave the collector as the
+    first found it whichever ends first.
+    """
+    if _Spacing.holders == 0:
+        _Spacing.before = gc.get_threshold()
+        young, *older = _Spacing.before
+        gc.set_threshold(max(YOUNG, young), *older)
+    _Spacing.holders += 1
+    try:
+        yield
+    finally:
+        _Spacing.holders -= 1
+        if _Spacing.holders == 0:
+            gc.set_threshold(*_Spacing.before)

@@ -1,0 +1,37 @@
+"""The collector's spacing while a fleet is read: set inside, given back as found after."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from llmhealth.gctune import YOUNG, young_collections_spaced
+
+
+def test_young_collections_are_spaced_inside_and_the_thresholds_given_back_after() -> None:
+    before = gc.get_threshold()
+    with young_collections_spaced():
+        young, *older = gc.get_threshold()
+        assert young == max(YOUNG, before[0])
+        assert tuple(older) == before[1:]  # the older generations keep their own rule
+    assert gc.get_threshold() == before
+
+
+def test_two_holders_ending_in_either_order_leave_the_collector_as_the_first_found_it() -> None:
+    """Two daemons in one process (the tests) may stop in any order."""
+    before = gc.get_threshold()
+    first, second = young_collections_spaced(), young_collections_spaced()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_threshold()[0] == max(YOUNG, before[0])  # the second still reads
+    second.__exit__(None, None, None)
+    assert gc.get_threshold() == before
+
+
+def test_a_failure_inside_still_gives_the_thresholds_back() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError), young_collections_spaced():
+        raise RuntimeError("a read went wrong")
+    assert gc.get_threshold() == before
