@@ -280,8 +280,10 @@ class _Connection(asyncio.Protocol):
         coding, length_text = http1.body_fields(headers.items())
         length: int | None = 0
         if coding is not None:
-            if length_text is not None or version == "HTTP/1.0":
+            if length_text is not None:
                 raise FramingError("a body framed by Transfer-Encoding and Content-Length")
+            if version == "HTTP/1.0":
+                raise FramingError("Transfer-Encoding in an HTTP/1.0 request")
             http1.require_chunked(coding)
             length = None
         elif length_text is not None:
