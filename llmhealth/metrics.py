@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from operator import attrgetter
-from typing import Any
+from itertools import count
+from operator import attrgetter, itemgetter
+from typing import Any, TypeVar
 
 # vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
 # labels (finished_reason, model_name) are summed per engine; kv use takes the maximum.
@@ -244,26 +245,16 @@ def _read_usable(heads: tuple[bytes, ...], tails: tuple[bytes, ...], layout: _La
 
 def _read(layout: _Layout, values: list[float], skipped: int) -> Signals:
     """The signals from one value per line of ``layout``, each usable as it stands."""
-    value = values.__getitem__
-    samples = dict(zip(layout.sample_keys, map(value, layout.sample_positions), strict=True))
-    for key, bounds, positions in layout.histograms:
-        highest = _highest_bucket(bounds, list(map(value, positions)))
-        if highest is not None:
-            # Several label sets (model names) of one engine: the longest of them counts.
-            field_name, engine, labels_set = key
-            samples[key], beyond = highest
-            if beyond and field_name == "longest_gap":
-                samples[("gap_beyond", engine, labels_set)] = 1.0
-    sleep: dict[str, dict[str, float]] = {}
-    for engine, state, position in layout.sleep:
-        sleep.setdefault(engine, {})[state] = values[position]
     process_start = None
     for position in reversed(layout.starts):  # the last one that is a time
         if values[position] > 0:
             process_start = values[position]
             break
     notes = (f"{skipped} malformed or unusable vLLM sample(s) ignored",) if skipped else ()
-    return Signals(_combine(samples, sleep), process_start, skipped, notes)
+    return Signals(_engines(layout.engines, values), process_start, skipped, notes)
+
+
+_Key = tuple[str, str, frozenset[tuple[str, str]]]  # (field, engine, label set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,17 +269,151 @@ class _Layout:
     malformed: int
     # Lines whose label set ended before their last "}", with what followed it.
     leftovers: dict[int, bytes]
-    # Counters and gauges: (field, engine, label set) and the line it is read from.
-    sample_keys: tuple[tuple[str, str, frozenset[tuple[str, str]]], ...]
-    sample_positions: tuple[int, ...]
-    # Per histogram (field, engine, label set without le): its bounds ascending, and the
-    # line of each.
-    histograms: tuple[
-        tuple[tuple[str, str, frozenset[tuple[str, str]]], tuple[float, ...], tuple[int, ...]],
-        ...,
-    ]
-    sleep: tuple[tuple[str, str, int], ...]  # engine, sleep state, line
+    engines: tuple[_Engine, ...]  # in the order Signals lists them
     starts: tuple[int, ...]  # every line of the process start time without labels
+
+
+@dataclass(frozen=True, slots=True)
+class _Engine:
+    """How one engine's signals are read from a text's values, worked out once per layout.
+
+    Which fields an engine has, and from which lines, depends only on the lines' names
+    and labels; so the grouping by engine, the sum-or-maximum choice, the legacy KV
+    gauge's fallback and the sleep states' precedence are decided here, and a read only
+    fetches values (each ``_Getter`` in one C call), adds, compares and builds.
+    """
+
+    name: str
+    # Fields of one label set, each read from one line (most of them).
+    single_fields: tuple[str, ...]
+    singles: _Getter
+    # Counters and gauges of several label sets (finished_reason, model_name): summed in
+    # the order of their first lines, or for the KV gauges the largest.
+    sums: tuple[tuple[str, _Getter], ...]
+    maxima: tuple[tuple[str, _Getter], ...]
+    # Per histogram field, per label set: its bounds ascending and their counts' lines.
+    histograms: tuple[tuple[str, tuple[tuple[tuple[float, ...], _Getter], ...]], ...]
+    # Sleep states by precedence: "awake" first (only a clear report of sleep may excuse
+    # an engine that stopped), then by name; the first one whose gauge is 1 is the state.
+    sleep: tuple[tuple[str, int], ...]
+    # Listed whatever its histograms hold: it has a counter, a gauge or a sleep gauge.
+    # An engine with only histograms is listed when one of them is not empty.
+    listed: bool
+
+
+_Getter = Callable[[list[float]], tuple[float, ...]]
+
+
+def _getter(positions: Iterable[int]) -> _Getter:
+    """The values at these lines, as a tuple (``itemgetter`` returns a lone item bare)."""
+    at = tuple(positions)
+    if len(at) >= 2:
+        return itemgetter(*at)
+    return lambda values: tuple(values[position] for position in at)
+
+
+def _plan(
+    samples: dict[_Key, int],
+    histograms: dict[_Key, dict[float, int]],
+    sleep: dict[tuple[str, str], int],
+) -> tuple[_Engine, ...]:
+    """Each engine's part of a layout, from the line of each series (the last one)."""
+    fields: dict[str, dict[str, list[int]]] = {}  # engine -> field -> lines, first-line order
+    for (field_name, engine, _), position in samples.items():
+        fields.setdefault(engine, {}).setdefault(field_name, []).append(position)
+    buckets: dict[str, dict[str, list[tuple[tuple[float, ...], _Getter]]]] = {}
+    for (field_name, engine, _), lines in histograms.items():
+        bounds = tuple(sorted(lines))
+        per_field = buckets.setdefault(engine, {}).setdefault(field_name, [])
+        per_field.append((bounds, _getter(lines[bound] for bound in bounds)))
+    states: dict[str, list[tuple[str, int]]] = {}
+    for (engine, state), position in sleep.items():
+        states.setdefault(engine, []).append((state, position))
+    plans = []
+    for engine in sorted(fields.keys() | buckets.keys() | states.keys(), key=_engine_order):
+        own = fields.get(engine, {})
+        legacy = own.pop("kv_usage_legacy", None)
+        if "kv_usage" not in own and legacy is not None:
+            own["kv_usage"] = legacy  # the gauge's name before vLLM 0.10, when the new is absent
+        summed = {name: lines for name, lines in own.items() if name not in _TAKE_MAXIMUM}
+        singles = {name: lines[0] for name, lines in summed.items() if len(lines) == 1}
+        plans.append(
+            _Engine(
+                name=engine,
+                single_fields=tuple(singles),
+                singles=_getter(singles.values()),
+                sums=tuple(
+                    (name, _getter(lines)) for name, lines in summed.items() if len(lines) > 1
+                ),
+                maxima=tuple(
+                    (name, _getter(lines)) for name, lines in own.items() if name in _TAKE_MAXIMUM
+                ),
+                histograms=tuple(
+                    (name, tuple(sets)) for name, sets in buckets.get(engine, {}).items()
+                ),
+                sleep=tuple(
+                    sorted(states.get(engine, ()), key=lambda item: (item[0] != "awake", item[0]))
+                ),
+                listed=engine in fields or engine in states,
+            )
+        )
+    return tuple(plans)
+
+
+def _engines(plans: tuple[_Engine, ...], values: list[float]) -> tuple[EngineSignals, ...]:
+    """Each engine's signals from one value per line; every value usable as it stands."""
+    result = []
+    for plan in plans:
+        # 0.0 + value, as a sum of one: a written "-0" reads as 0.0, as a sum of several.
+        fields: dict[str, Any] = dict(
+            zip(plan.single_fields, map(_ZERO.__add__, plan.singles(values)), strict=True)
+        )
+        for name, several in plan.sums:
+            total = 0.0
+            for one in several(values):
+                total += one
+            fields[name] = total
+        for name, several in plan.maxima:
+            fields[name] = max(several(values))  # the first of equal ones
+        for name, label_sets in plan.histograms:
+            # Several label sets (model names) of one engine: the longest of them counts.
+            highest = None
+            beyond = False
+            for bounds, counts in label_sets:
+                found = _highest_bucket(bounds, counts(values))
+                if found is not None:
+                    if highest is None or found[0] > highest:
+                        highest = found[0]
+                    beyond = beyond or found[1]
+            if highest is not None:
+                fields[name] = highest
+                if beyond and name == "longest_gap":
+                    fields["gap_beyond"] = True
+        if not fields and not plan.listed:
+            continue  # only histograms, all empty
+        for state, position in plan.sleep:
+            if values[position] >= 1:
+                fields["sleep_state"] = state
+                break
+        result.append(EngineSignals(plan.name, **fields))
+    return tuple(result)
+
+
+_ZERO = 0.0
+
+
+def _combine(
+    samples: dict[_Key, float], sleep: dict[str, dict[str, float]]
+) -> tuple[EngineSignals, ...]:
+    """The engines' signals from samples already read, by the rules ``_read`` uses."""
+    values = list(samples.values())
+    positions = dict(zip(samples, range(len(values)), strict=True))
+    states = {}
+    for engine, by_state in sleep.items():
+        for state, reading in by_state.items():
+            states[(engine, state)] = len(values)
+            values.append(reading)
+    return _engines(_plan(positions, {}, states), values)
 
 
 def _layout(heads: tuple[bytes, ...]) -> _Layout:
@@ -320,18 +445,10 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
         kinds=tuple(kinds),
         malformed=kinds.count(None),
         leftovers=leftovers,
-        sample_keys=tuple(samples),
-        sample_positions=tuple(samples.values()),
-        histograms=tuple(
-            (key, tuple(sorted(lines)), tuple(lines[bound] for bound in sorted(lines)))
-            for key, lines in histograms.items()
-        ),
-        sleep=tuple((engine, state, position) for (engine, state), position in sleep.items()),
+        engines=_plan(samples, histograms, sleep),
         starts=tuple(starts),
     )
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-        _LAYOUTS.clear()
-    _LAYOUTS[heads] = layout
+    _remember(_LAYOUTS, heads, layout, _LAYOUTS_MAX)
     return layout
 
 
@@ -339,7 +456,29 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
 # few; the bound keeps a server that invents label values from growing it without limit.
 _LAYOUTS: dict[tuple[bytes, ...], _Layout] = {}
 _LAYOUTS_MAX = 256
-_EMPTY_LAYOUT = _Layout((), 0, {}, (), (), (), (), ())
+
+
+def _remember(cache: dict[_K, _V], key: _K, value: _V, bound: int) -> None:
+    """Keep ``value`` under ``key`` in a cache of at most ``bound`` entries.
+
+    Emptying a full cache made every read miss once more than ``bound`` kinds of text
+    were read in turn (each one's entry gone before its next read): a fleet of 300
+    different layouts rebuilt every layout of every read. So a full cache stays full and
+    takes one newcomer in ``_ADMIT_ONE_IN``, in place of its oldest entry: what is cached
+    keeps hitting, and entries no longer read still make way for new ones in time.
+    """
+    if len(cache) >= bound:
+        if next(_MISSES_WHEN_FULL) % _ADMIT_ONE_IN:
+            return
+        cache.pop(next(iter(cache)), None)
+    cache[key] = value
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_MISSES_WHEN_FULL = count()
+_ADMIT_ONE_IN = 16
+_EMPTY_LAYOUT = _Layout((), 0, {}, (), ())
 
 
 # What a line is, by its name and labels (plain ints: an Enum member's look-up costs
@@ -362,15 +501,14 @@ def _meaning(head: bytes) -> _Meaning | None:
 
     A backend sends the same few dozen lines every read, and a fleet's backends send the
     same ones, so each is understood once per process, not once per line. Memoization
-    only; cleared when it grows past its bound, so a server inventing new label values
-    cannot grow it without limit. A label text is all the interpretation reads: a label
-    set that parses ends at a ``}`` no later than the line's last one.
+    only, bounded (``_remember``), so a server inventing new label values cannot grow it
+    without limit. A label text is all the interpretation reads: a label set that parses
+    ends at a ``}`` no later than the line's last one.
     """
     if head in _MEANINGS:
         return _MEANINGS[head]
-    if len(_MEANINGS) >= _MEANINGS_MAX:
-        _MEANINGS.clear()
-    meaning = _MEANINGS[head] = _interpret(head)
+    meaning = _interpret(head)
+    _remember(_MEANINGS, head, meaning, _MEANINGS_MAX)
     return meaning
 
 
@@ -410,41 +548,6 @@ def _interpret(head: bytes) -> _Meaning | None:
     return (_SAMPLE, (field_name, engine, frozenset(labels.items())), None, leftover)
 
 
-def _combine(
-    samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float],
-    sleep: dict[str, dict[str, float]],
-) -> tuple[EngineSignals, ...]:
-    per_engine: dict[str, dict[str, float]] = {}
-    for (field_name, engine, _), value in samples.items():
-        fields = per_engine.get(engine)
-        if fields is None:
-            fields = per_engine[engine] = {}
-        if field_name in _TAKE_MAXIMUM:
-            known = fields.get(field_name)
-            if known is None or value > known:
-                fields[field_name] = value
-        else:
-            fields[field_name] = fields.get(field_name, 0.0) + value
-    for engine in sleep:
-        per_engine.setdefault(engine, {})
-    result = []
-    for engine in sorted(per_engine, key=_engine_order):
-        fields = per_engine[engine]
-        legacy_kv = fields.pop("kv_usage_legacy", None)
-        if "kv_usage" not in fields and legacy_kv is not None:
-            fields["kv_usage"] = legacy_kv
-        gap_beyond = fields.pop("gap_beyond", 0.0) > 0
-        result.append(
-            EngineSignals(
-                engine=engine,
-                sleep_state=_sleep_state(sleep.get(engine)),
-                gap_beyond=gap_beyond,
-                **fields,
-            )
-        )
-    return tuple(result)
-
-
 # Fields of several label sets of one engine that combine by maximum, not by sum.
 _TAKE_MAXIMUM = frozenset(
     {"kv_usage", "kv_usage_legacy", "longest_gap", "gap_beyond", "largest_step_tokens"}
@@ -461,7 +564,9 @@ def _bucket_bound(text: str | None) -> float | None:
     return None if math.isnan(bound) or bound < 0 else bound
 
 
-def _highest_bucket(bounds: tuple[float, ...], counts: list[float]) -> tuple[float, bool] | None:
+def _highest_bucket(
+    bounds: tuple[float, ...], counts: tuple[float, ...]
+) -> tuple[float, bool] | None:
     """The bound of the lowest bucket that holds every observation; None when empty.
 
     ``bounds`` ascend, one count each. When some observations are only in +Inf, it is the
@@ -481,18 +586,8 @@ def _highest_bucket(bounds: tuple[float, ...], counts: list[float]) -> tuple[flo
 def _engine_order(engine: str) -> tuple[int, str]:
     # isdigit() alone admits "²" (int() rejects it) and int() refuses over 4300 digits.
     if engine.isascii() and engine.isdigit() and len(engine) <= 18:
-        return (int(engine), "")
+        return (int(engine), engine)  # the name breaks a tie: "0" and "00"
     return (1 << 62, engine)
-
-
-def _sleep_state(states: dict[str, float] | None) -> str | None:
-    if not states:
-        return None
-    active = [state for state, value in states.items() if value >= 1]
-    if not active:
-        return None
-    # "awake" wins a tie: only a clear report of sleep may excuse an engine that stopped.
-    return "awake" if "awake" in active else sorted(active)[0]
 
 
 _READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmhealth import metrics
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics, sharing
 
 Load = Callable[[str], str]
@@ -349,6 +350,78 @@ def test_engine_names_that_are_not_plain_numbers_do_not_break_the_order() -> Non
     signals = parse_metrics(text)
     assert sorted(engine.engine for engine in signals.engines) == sorted(names)
     assert [engine.engine for engine in signals.engines][:2] == ["0", "1"]
+
+
+def test_engines_of_the_same_number_are_ordered_by_name_not_by_where_they_appear() -> None:
+    # "00" and "0" are both engine 0 to int(); the text's order must not decide theirs.
+    for names in (["00", "0"], ["0", "00"]):
+        text = "\n".join(f'vllm:num_requests_running{{engine="{name}"}} 1' for name in names)
+        assert [engine.engine for engine in parse_metrics(text).engines] == ["0", "00"]
+
+
+def test_an_engine_with_only_histograms_is_listed_only_when_one_holds_a_count() -> None:
+    def gaps(engine: str, count: str) -> str:
+        return "\n".join(
+            f'vllm:inter_token_latency_seconds_bucket{{engine="{engine}",le="{le}"}} {count}'
+            for le in ("0.1", "+Inf")
+        )
+
+    running = 'vllm:num_requests_running{engine="0"} 1'
+    empty = parse_metrics(f"{running}\n{gaps('1', '0')}\n")
+    assert [engine.engine for engine in empty.engines] == ["0"]
+    counted = parse_metrics(f"{running}\n{gaps('1', '3')}\n")
+    assert [(engine.engine, engine.longest_gap) for engine in counted.engines] == [
+        ("0", None),
+        ("1", 0.1),
+    ]
+
+
+def test_a_series_written_in_two_blocks_around_other_families_reads_its_last_lines() -> None:
+    """Families out of their usual order, one twice, and the wanted ones after long runs
+    of unwanted lines: every line start is looked at, wherever it is."""
+    noise = "\n".join(
+        f'vllm:request_prompt_tokens_bucket{{engine="0",le="{le}"}} 4' for le in range(300)
+    )
+    text = "\n".join(
+        [
+            'vllm:request_success_total{engine="0",finished_reason="stop"} 5',
+            noise,
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0"} 2',
+            noise,
+            'vllm:request_success_total{engine="0",finished_reason="length"} 3',
+            'vllm:request_success_total{engine="0",finished_reason="stop"} 7',
+            noise,
+            'vllm:kv_cache_usage_perc{engine="0",model_name="a"} 0.5',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="b"} 0.25',
+            "process_start_time_seconds 17",
+        ]
+    )
+    for body in (text, text.replace("\n", "\r\n")):
+        signals = parse_metrics(body)
+        engine = only_engine(signals)
+        assert (engine.running, engine.finished, engine.kv_usage) == (2.0, 10.0, 0.5)
+        assert (signals.process_start, signals.skipped_lines) == (17.0, 0)
+
+
+def test_more_kinds_of_text_than_the_layout_cache_holds_still_hit_it() -> None:
+    """Read in turn, texts of more layouts than are kept: a full cache keeps what it holds
+    (it was emptied before, so that every read missed) and admits a few newcomers."""
+    heads = [
+        f'vllm:num_requests_running{{engine="0",model_name="m{index}"}}'
+        for index in range(metrics._LAYOUTS_MAX + 100)
+    ]
+    metrics._LAYOUTS.clear()
+    try:
+        for _ in range(2):
+            for index, head in enumerate(heads):
+                assert only_engine(parse_metrics(f"{head} {index}")).running == float(index)
+        assert len(metrics._LAYOUTS) == metrics._LAYOUTS_MAX
+        first = {head.encode() for head in heads[: metrics._LAYOUTS_MAX]}
+        kept = sum(1 for layout_heads in metrics._LAYOUTS if layout_heads[0] in first)
+        assert kept >= metrics._LAYOUTS_MAX * 3 // 4
+    finally:
+        metrics._LAYOUTS.clear()  # the other tests' texts find room again
 
 
 def test_escaped_label_values_parse(fixture_text: Load) -> None:
