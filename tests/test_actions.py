@@ -17,6 +17,7 @@ from llmhealth.actions import (
     AuditError,
     AuditLog,
     CommandResult,
+    encode_record,
     read,
     restart_environment,
     run_command,
@@ -378,6 +379,32 @@ def test_a_batch_of_appends_is_made_durable_by_one_fsync_at_its_end(
     assert [record["event"] for record in records] == ["first", *["moved"] * 50, "inner"]
     log.append({"event": "alone"})  # outside a batch: its own fsync again
     assert len(synced) == 2
+
+
+def test_records_sharing_a_proof_in_a_batch_are_written_as_each_alone(tmp_path: Path) -> None:
+    # A batch encodes a value its records share once (a condemned backend's proof goes
+    # in its ledger move and its restart decision); each line must still be the record's
+    # own encoding, and field by field the same bytes as the whole object's.
+    proof = {"verdict": "wedged", "reads": [{"at": 1.0, "kv": float("nan"), 2: ("x", "é")}]}
+    records = [
+        {"time": 5.0, "backend": "b0", "event": "wedged", "evidence": proof},
+        {"time": 5.0, "backend": "b0", "event": "restart", "evidence": proof},
+        {"time": 6, "backend": "b1", "evidence": {"last_error": None}},
+    ]
+    log = AuditLog(tmp_path / "audit.jsonl")
+    with log.batch():
+        for record in records:
+            log.append(record)
+    lines = (tmp_path / "audit.jsonl").read_bytes().splitlines(keepends=True)
+    assert lines == [encode_record(record) for record in records]
+    whole = {"time": 5.0, "backend": "b0", "event": "wedged", "evidence": proof}
+    expected = json.dumps(
+        {
+            **whole,
+            "evidence": {"verdict": "wedged", "reads": [{"at": 1.0, "kv": "nan", "2": ["x", "é"]}]},
+        }
+    )
+    assert lines[0] == expected.encode("ascii") + b"\n"
 
 
 def test_a_batch_whose_fsync_fails_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
