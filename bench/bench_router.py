@@ -488,8 +488,9 @@ def measure_wedge(name: str, scratch: Path) -> Wedge:
                 output, _ = loader.communicate(timeout=120)
     outcomes = json.loads(output)["outcomes"]
     failed = [o for o in outcomes if o[2] != "200"]
-    # The last moment a new request reached the wedged backend, after the wedge.
-    last_new = None
+    # The last moment a new request reached the wedged backend, after the wedge: the wedge
+    # itself when none did (avoided within one sample), unknown only without samples.
+    last_new = wedged_at if any(t > wedged_at for t, _ in received) else None
     for (_, n0), (t1, n1) in itertools.pairwise(received):
         if n1 > n0 and t1 > wedged_at:
             last_new = t1
