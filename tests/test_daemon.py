@@ -984,15 +984,13 @@ def test_pending_work_with_no_finished_request_stalls_the_fleet_and_restarts_not
 # --- the daemon in this process ---------------------------------------------------------------
 
 
-def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
-    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+def _fast_daemon_over_one_busy_backend(urls: Urls, tmp_path: Path) -> Daemon:
+    """A daemon reading one busy backend every 0.05 s, its log on stderr."""
 
     def load() -> tuple[config_module.Config, list[Target]]:
         return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
 
-    daemon = Daemon(
+    return Daemon(
         load,
         StateFile(tmp_path / "state.json"),
         listen=None,
@@ -1000,6 +998,13 @@ def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
         serving_file=None,
         console=Console(stderr=True),
     )
+
+
+def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    daemon = _fast_daemon_over_one_busy_backend(urls, tmp_path)
     log = ""
 
     def cycles() -> int:
@@ -1035,18 +1040,7 @@ def test_the_daemon_spaces_young_collections_while_it_runs_and_gives_them_back(
     """At 10,000 backends the default's full collections were a quarter of its CPU."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     before = gc.get_threshold()
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
-
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.05,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = _fast_daemon_over_one_busy_backend(urls, tmp_path)
 
     async def scenario() -> tuple[int, ...]:
         running = asyncio.create_task(daemon.run())

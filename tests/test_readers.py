@@ -14,7 +14,7 @@ import json
 import os
 import pickle
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +133,18 @@ def _read(at: float, steps: float) -> Read:
     return Read(at, signals=Signals((engine,), process_start=1.0))
 
 
+def _delivering_pool(heard: Callable[[Verdict | None, list[Read]], object]) -> readers.ReadPool:
+    """A pool with no workers started, whose deliveries (verdict, window) go to ``heard``."""
+    return readers.ReadPool(
+        1,
+        readers.ProbeSettings,
+        lambda _t, verdict, _s, window: heard(verdict, window),
+        lambda _n, _c: None,
+        lambda _m: None,
+        lambda: ({}, {}),
+    )
+
+
 def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_resets() -> None:
     """Each read crosses the pipe once; the daemon rebuilds every window, and each
     verdict's reads, from what crossed. Driven here as `examine_once` changes a window:
@@ -141,14 +153,7 @@ def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_re
     reads are not the window's."""
     target = Target("b", "http://127.0.0.1:9")
     delivered: list[tuple[Verdict | None, list[Read]]] = []
-    pool = readers.ReadPool(
-        1,
-        readers.ProbeSettings,
-        lambda _t, verdict, _s, window: delivered.append((verdict, list(window))),
-        lambda _n, _c: None,
-        lambda _m: None,
-        lambda: ({}, {}),
-    )
+    pool = _delivering_pool(lambda verdict, window: delivered.append((verdict, list(window))))
     worker = readers._Worker(0, share={"b": target})
     window: list[Read] = []
     sent: Read | None = None
@@ -208,14 +213,7 @@ def test_the_daemons_copy_of_a_window_holds_unchanged_values_once_as_the_workers
     them again: an idle engine's reads one set of signals, a busy one's its gauges."""
     target = Target("b", "http://127.0.0.1:9")
     windows: list[list[Read]] = []
-    pool = readers.ReadPool(
-        1,
-        readers.ProbeSettings,
-        lambda _t, _v, _s, window: windows.append(list(window)),
-        lambda _n, _c: None,
-        lambda _m: None,
-        lambda: ({}, {}),
-    )
+    pool = _delivering_pool(lambda _verdict, window: windows.append(list(window)))
     worker = readers._Worker(0, share={"b": target})
     window: list[Read] = []
     sent: Read | None = None
