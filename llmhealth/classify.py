@@ -311,17 +311,20 @@ def _judge_freeze(
         first_at = next(read.at for read in frozen if read.cpu is not None)
         apart = cpu_span(sampled[0], sampled[-1], frozen[-1].at - first_at)
     cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
-    if used is not None and cpu_was_idle(used, apart):
-        why = "no wait beyond two: the engine is doing nothing"
-        return _verdict(
-            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
-        )
+    # A process stopped throughout is named first: it says which process to look at and
+    # why, where "no CPU" alone fits a deadlock too. Which of the two a stopped engine
+    # core shows must not hang on how much its workers happened to poll meanwhile.
     stopped = stopped_throughout(sampled) if len(sampled) >= 3 else ()
     if stopped:
         why = (
             f"no wait beyond two: engine process {', '.join(map(str, stopped))} stayed stopped "
             "by a signal (state T) throughout"
         )
+        return _verdict(
+            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
+        )
+    if used is not None and cpu_was_idle(used, apart):
+        why = "no wait beyond two: the engine is doing nothing"
         return _verdict(
             VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
         )
@@ -386,26 +389,23 @@ def _ask_or_doubt(
     apart = elapsed
     if asked.cpu is not None and reads[-1].cpu is not None:
         apart = cpu_span(asked.cpu, reads[-1].cpu, elapsed)
+    cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
+    held = [read.cpu for read in (asked, reads[-1]) if read.cpu is not None]
+    stopped = stopped_throughout(held) if len(held) == 2 else ()
+    if stopped:  # named before "no CPU", as in _judge_freeze
+        return _by_answer(
+            reads,
+            answer,
+            VerdictKind.IDLE,
+            VerdictKind.UNANSWERED,
+            f"{context}; engine process {', '.join(map(str, stopped))} stopped by a signal"
+            f"{cpu_text}",
+        )
     if used is not None and cpu_was_idle(used, apart):
         # No CPU used while holding our request: not inside a step, but stuck.
         return _by_answer(
-            reads,
-            answer,
-            VerdictKind.IDLE,
-            VerdictKind.UNANSWERED,
-            f"{context}; {describe_cpu(used, apart)}",
+            reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context + cpu_text
         )
-    held = [read.cpu for read in (asked, reads[-1]) if read.cpu is not None]
-    stopped = stopped_throughout(held) if len(held) == 2 else ()
-    if stopped:
-        return _by_answer(
-            reads,
-            answer,
-            VerdictKind.IDLE,
-            VerdictKind.UNANSWERED,
-            f"{context}; engine process {', '.join(map(str, stopped))} stopped by a signal",
-        )
-    cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
     return _verdict(
         VerdictKind.STALLED,
         False,

@@ -1080,12 +1080,34 @@ def test_an_engine_process_stopped_throughout_proves_the_wedge_while_others_spin
     assert isinstance(decide(reads, learned=long_steps, max_reads=10), TakeRead)
 
 
-def test_a_tiny_request_held_by_a_stopped_engine_is_unanswered(fixture_text: Load) -> None:
+def test_a_stopped_engine_whose_workers_used_no_cpu_either_is_named_stopped(
+    fixture_text: Load,
+) -> None:
+    # vLLM's worker may poll a little or not at all while its engine core is stopped;
+    # the evidence names the stopped process either way, with the CPU figure beside it.
+    frozen = parse_metrics(capture(fixture_text, "wedge-1"))
+    long_steps = LongestStep(80.0, "engine 0: an inter-token gap over 80 s")
+    samples = [CpuSample(5.0 + 0.005 * index, (7, 8), stopped=(7,)) for index in range(3)]
+    reads = [Read(T0 + index * WAIT, frozen, cpu=cpu) for index, cpu in enumerate(samples)]
+    verdict = settled(decide(reads, learned=long_steps, max_reads=10))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "engine process 7 stayed stopped by a signal (state T) throughout" in verdict.evidence
+    assert "stopped or deadlocked, not computing" in verdict.evidence
+
+
+@pytest.mark.parametrize(
+    ("used", "shown"), [(5.0, "compiling or computing"), (0.0, "stopped or deadlocked")]
+)
+def test_a_tiny_request_held_by_a_stopped_engine_is_unanswered(
+    fixture_text: Load, used: float, shown: str
+) -> None:
+    # Whether its worker polled meanwhile or not, the stopped process is what is named.
     idle = parse_metrics(with_gap_histogram(capture(fixture_text, "idle-2"), "+Inf"))
     reads = [
         Read(T0, idle, cpu=CpuSample(50.0, (7, 8), stopped=(7,))),
-        Read(T0 + WAIT, idle, cpu=CpuSample(55.0, (7, 8), stopped=(7,))),
+        Read(T0 + WAIT, idle, cpu=CpuSample(50.0 + used, (7, 8), stopped=(7,))),
     ]
     verdict = settled(decide(reads, timed_out(T0 + 3.0)))
     assert verdict.kind is VerdictKind.UNANSWERED
     assert "engine process 7 stopped by a signal" in verdict.evidence
+    assert shown in verdict.evidence
