@@ -355,30 +355,58 @@ def test_a_command_runs_with_exactly_the_environment_it_is_given() -> None:
     assert "PATH" not in shown
 
 
-def test_a_batch_of_appends_is_made_durable_by_one_fsync_at_its_end(
+def test_a_batch_of_appends_is_written_and_made_durable_once_at_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = AuditLog(tmp_path / "audit.jsonl")
     log.append({"event": "first"})  # the file exists: no directory fsync below
     synced: list[int] = []
-    real_fsync = os.fsync
+    writes: list[int] = []
+    real_fsync, real_write = os.fsync, os.write
 
-    def counting(fd: int) -> None:
+    def counting_fsync(fd: int) -> None:
         synced.append(fd)
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", counting)
+    def counting_write(fd: int, data: bytes) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    monkeypatch.setattr(os, "write", counting_write)
     with log.batch():
         for number in range(50):
             log.append({"event": "moved", "n": number})
         with log.batch():  # inside a batch: part of it
             log.append({"event": "inner"})
         assert synced == []
+        assert writes == []
     assert len(synced) == 1
+    assert len(writes) == 1  # 51 records, one open, lock and write
     records = read(tmp_path / "audit.jsonl")
     assert [record["event"] for record in records] == ["first", *["moved"] * 50, "inner"]
-    log.append({"event": "alone"})  # outside a batch: its own fsync again
-    assert len(synced) == 2
+    log.append({"event": "alone"})  # outside a batch: its own write and fsync again
+    assert (len(synced), len(writes)) == (2, 2)
+
+
+def test_a_batch_ended_by_an_exception_still_keeps_its_records(tmp_path: Path) -> None:
+    # What was decided before the failure happened, and its record says so.
+    log = AuditLog(tmp_path / "audit.jsonl")
+    with pytest.raises(RuntimeError, match="mid-settle"), log.batch():
+        log.append({"event": "moved"})
+        raise RuntimeError("mid-settle")
+    assert [record["event"] for record in read(log.path)] == ["moved"]
+
+
+def test_a_batch_that_cannot_be_written_raises_audit_error(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    log = AuditLog(blocker / "audit.jsonl")
+    with pytest.raises(AuditError, match="cannot open the audit log"), log.batch():
+        log.append({"event": "moved"})
+        log.append({"event": "restart"})
 
 
 def test_records_sharing_a_proof_in_a_batch_are_written_as_each_alone(tmp_path: Path) -> None:
@@ -416,3 +444,30 @@ def test_a_batch_whose_fsync_fails_says_so(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(AuditError, match="cannot make the records durable"), log.batch():
         log.append({"event": "moved"})
         monkeypatch.setattr(os, "fsync", failing)
+
+
+def test_a_short_write_ends_its_fragment_and_says_which_records_were_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+    real_write = os.write
+
+    def short(fd: int, data: bytes) -> int:
+        return real_write(fd, data[: len(data) // 2] if len(data) > 1 else data)
+
+    monkeypatch.setattr(os, "write", short)
+    with (
+        pytest.raises(AuditError, match=r"short write .*not all of its 2 records were kept"),
+        log.batch(),
+    ):
+        log.append({"event": "moved"})
+        log.append({"event": "restart"})
+    with pytest.raises(AuditError, match="the record was not kept"):
+        log.append({"event": "alone"})
+    monkeypatch.setattr(os, "write", real_write)
+    log.append({"event": "after"})
+    # The batch's first record was whole; each torn fragment is skipped as malformed, and
+    # the next record is on a line of its own.
+    found = scan(log.path)
+    assert [record["event"] for record in found.records] == ["moved", "after"]
+    assert found.malformed == 2
