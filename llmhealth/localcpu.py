@@ -1,14 +1,15 @@
 """CPU time of a backend's engine processes, when the backend runs on this host.
 
 I/O: reads /proc (Linux) or a cgroup's ``cpu.stat``, nothing else, and never raises: no
-evidence is a value (None). The processes are found through the port the backend listens
-on: the listening process is vLLM's API server, and its descendants are the engine core
-and its workers; when it has none, the engine runs inside it. A configured cgroup (a
-systemd unit's) counts every process in it instead.
+evidence is a value (None). The processes are found through the address and port the
+backend listens on: the listening process is vLLM's API server, and its descendants are
+the engine core and its workers; when it has none, the engine runs inside it. A
+configured cgroup (a systemd unit's) counts every process in it instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
@@ -22,6 +23,11 @@ from llmhealth.window import CpuSample
 
 _PROC = Path("/proc")
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+_ANY = {4: ipaddress.ip_address("0.0.0.0"), 6: ipaddress.ip_address("::")}
+_LOCALHOST = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Socket = tuple[IpAddress, int]  # the local address and port a process listens on
 _MAX_PROCESSES = 4096  # a bound on one scan of /proc; a host with more is not read
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -37,20 +43,20 @@ class LocalCpu:
 
     def __init__(self, url: str, cgroup: str | None = None) -> None:
         self._cgroup = Path(cgroup) if cgroup else None
-        self._port = _local_port(url)
+        self._where = _local_address(url)
         self._found: _Found | None = None
 
     @property
     def applies(self) -> bool:
         """Is there anything to read: a configured cgroup, or a port on this host."""
-        return self._cgroup is not None or self._port is not None
+        return self._cgroup is not None or self._where is not None
 
     def sample(self) -> CpuSample | None:
         """The CPU seconds used so far by the engine processes; None when unknown."""
         try:
             if self._cgroup is not None:
                 return _cgroup_sample(self._cgroup)
-            if self._port is None:
+            if self._where is None:
                 return None
             listener = self._listener()
             if listener is None:
@@ -66,15 +72,17 @@ class LocalCpu:
     def _listener(self) -> _Found | None:
         if self._found is not None and _start_of(self._found.pid) == self._found.started:
             return self._found
-        assert self._port is not None
-        pid = _listening_pid(self._port)
+        assert self._where is not None
+        hosts, port = self._where
+        pid = _listening_pid(hosts, port)
         started = None if pid is None else _start_of(pid)
         self._found = None if pid is None or started is None else _Found(pid, started)
         return self._found
 
 
-def _local_port(url: str) -> int | None:
-    """The port of a URL whose host is this machine's loopback; None for anything else."""
+def _local_address(url: str) -> tuple[tuple[IpAddress, ...], int] | None:
+    """The addresses and port of a URL whose host is this machine's loopback (both of
+    localhost's); None for anything else."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     try:
@@ -82,31 +90,48 @@ def _local_port(url: str) -> int | None:
     except ValueError:
         return None
     if host == "localhost":
-        return port
+        return _LOCALHOST, port
     try:
-        return port if ipaddress.ip_address(host).is_loopback else None
+        address = ipaddress.ip_address(host)
     except ValueError:
         return None
+    return ((address,), port) if address.is_loopback else None
 
 
-def _listening_pid(port: int) -> int | None:
-    """The process that holds the listening socket of this port, from a scan of /proc
-    that every backend shares (``_listeners``); scanned again when the port is not in it
-    or its process is gone (a server started or restarted since)."""
+def _listening_pid(hosts: tuple[IpAddress, ...], port: int) -> int | None:
+    """The process that holds the listening socket behind one of these addresses and
+    this port, from a scan of /proc that every backend shares (``_listeners``); scanned
+    again when none is in it or its process is gone (a server started or restarted
+    since)."""
     taken, found = _listeners()
-    pid = found.get(port)
+    pid = _serving(found, hosts, port)
     if pid is None or _start_of(pid) is None:
         _, found = _listeners(newer_than=taken)
-        pid = found.get(port)
+        pid = _serving(found, hosts, port)
     return pid
+
+
+def _serving(found: dict[Socket, int], hosts: tuple[IpAddress, ...], port: int) -> int | None:
+    """Who answers a connection to one of ``hosts`` at ``port``: a socket bound to that
+    very address, else one bound to every address (IPv6's also takes IPv4).
+
+    By port alone, two servers on one port of two loopback addresses (127.0.0.2:8000 and
+    127.0.0.3:8000) were one: the second backend's CPU evidence was the first's engine.
+    """
+    wildcards = [_ANY[host.version] for host in hosts] + [_ANY[6]]
+    for address in (*hosts, *wildcards):
+        pid = found.get((address, port))
+        if pid is not None:
+            return pid
+    return None
 
 
 _SCAN_FRESH = 2.0  # seconds one scan of who listens where answers every lookup
 _scan_lock = threading.Lock()
-_scan: tuple[float, dict[int, int]] = (-math.inf, {})  # (when, port -> pid)
+_scan: tuple[float, dict[Socket, int]] = (-math.inf, {})  # (when, socket -> pid)
 
 
-def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[int, int]]:
+def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, int]]:
     """Which process listens on each local TCP port, and when that was scanned: at most
     ``_SCAN_FRESH`` seconds ago and after ``newer_than``, by one thread at a time.
 
@@ -124,8 +149,8 @@ def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[int, int]]:
         return _scan
 
 
-def _scan_listeners() -> dict[int, int]:
-    ports: dict[str, int] = {}  # socket inode -> port, for listening sockets
+def _scan_listeners() -> dict[Socket, int]:
+    sockets: dict[str, Socket] = {}  # socket inode -> where it listens
     for table in ("tcp", "tcp6"):
         try:
             lines = (_PROC / "net" / table).read_text().splitlines()[1:]
@@ -134,10 +159,11 @@ def _scan_listeners() -> dict[int, int]:
         for line in lines:
             fields = line.split()
             if len(fields) >= 10 and fields[3] == _LISTEN:
-                ports[f"socket:[{fields[9]}]"] = int(fields[1].rsplit(":", 1)[1], 16)
-    by_port: dict[int, int] = {}
-    if not ports:
-        return by_port
+                with contextlib.suppress(ValueError):
+                    sockets[f"socket:[{fields[9]}]"] = _socket_of(fields[1])
+    by_socket: dict[Socket, int] = {}
+    if not sockets:
+        return by_socket
     for count, entry in enumerate(_PROC.iterdir()):
         if count >= _MAX_PROCESSES:
             break
@@ -145,12 +171,24 @@ def _scan_listeners() -> dict[int, int]:
             continue
         try:
             for fd in (entry / "fd").iterdir():
-                port = ports.get(os.readlink(fd))
-                if port is not None:
-                    by_port.setdefault(port, int(entry.name))
+                where = sockets.get(os.readlink(fd))
+                if where is not None:
+                    by_socket.setdefault(where, int(entry.name))
         except OSError:
             continue  # gone meanwhile, or not ours to look into
-    return by_port
+    return by_socket
+
+
+def _socket_of(local: str) -> Socket:
+    """/proc/net/tcp's ``local_address``: the address in hex, as the kernel holds it in
+    32-bit words of host order (little-endian here), then the port in hex."""
+    hexed, _, port = local.rpartition(":")
+    raw = bytes.fromhex(hexed)
+    ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(ordered)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address, int(port, 16)
 
 
 def _stat_fields(pid: int) -> list[str]:

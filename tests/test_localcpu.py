@@ -25,8 +25,8 @@ from llmhealth.window import LongestStep
 # (the "engine core") that spins on the CPU until stopped.
 SERVER = """
 import socket, subprocess, sys
-listener = socket.socket()
-listener.bind(("127.0.0.1", 0))
+listener = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
+listener.bind((sys.argv[1], int(sys.argv[2])))
 listener.listen()
 engine = subprocess.Popen([sys.executable, "-c", "while True: pass"])
 print(listener.getsockname()[1], engine.pid, flush=True)
@@ -41,9 +41,14 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Li
 
 
 @contextmanager
-def api_server_with_engine() -> Iterator[tuple[int, int, int]]:
+def api_server_with_engine(
+    host: str = "127.0.0.1", port: int = 0
+) -> Iterator[tuple[int, int, int]]:
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVER, host, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert process.stdout is not None
@@ -69,6 +74,25 @@ def test_the_engine_processes_are_found_through_the_listening_port() -> None:
         while (later := cpu.sample()) is not None and later.seconds <= first.seconds:
             assert time.monotonic() < deadline, "a spinning engine used no CPU"
             time.sleep(0.1)
+
+
+def test_two_servers_on_one_port_of_two_loopback_addresses_are_told_apart() -> None:
+    # Each backend's evidence must be its own engine's: by port alone, the second was
+    # sampled through the first's processes (bench_scale's simulators, 86 of 3,000).
+    with api_server_with_engine("127.0.0.2") as (port, _first, first_engine):  # noqa: SIM117
+        with api_server_with_engine("127.0.0.3", port) as (_, _second, second_engine):
+            samples = [LocalCpu(f"http://127.0.0.{host}:{port}").sample() for host in (2, 3)]
+            # Nothing listens on that port of a third address: no evidence, not theirs.
+            assert LocalCpu(f"http://127.0.0.4:{port}").sample() is None
+    assert [sample.processes if sample else None for sample in samples] == [
+        (first_engine,),
+        (second_engine,),
+    ]
+    # Bound to every address, a server answers on any loopback address of its port.
+    with api_server_with_engine("0.0.0.0") as (port, _server, engine):
+        for url in (f"http://127.0.0.9:{port}", f"http://localhost:{port}"):
+            sample = LocalCpu(url).sample()
+            assert sample is not None and sample.processes == (engine,), url
 
 
 def test_a_stopped_engine_uses_no_cpu() -> None:
