@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -267,23 +269,23 @@ def test_a_stopped_engine_core_is_wedged_while_its_worker_spins(tmp_path: Path) 
 def test_many_local_backends_share_one_scan_of_the_socket_tables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Finding who listens reads every socket on the host: once per backend, 750 local
-    backends cost 76 s of CPU on a host with 30,000 sockets, and starved the check."""
-    from llmhealth import localcpu  # noqa: PLC0415 - its /proc root is swapped below
+    """Finding who listens reads every socket on the host and every process's
+    descriptors: once per backend, 750 local backends cost 76 s of CPU on a host with
+    30,000 sockets, and starved the check."""
+    from llmhealth import localcpu  # noqa: PLC0415 - its scan is counted below
 
-    reads: list[str] = []
+    scans: list[None] = []
+    real_scan = localcpu._scan_listeners
 
-    class CountedPath(type(Path())):  # type: ignore[misc]
-        def read_text(self, *args: object, **kwargs: object) -> str:
-            if self.parent.name == "net":
-                reads.append(self.name)
-            return super().read_text(*args, **kwargs)  # type: ignore[arg-type]
+    def counted() -> dict[localcpu.Socket, int]:
+        scans.append(None)
+        return real_scan()
 
-    monkeypatch.setattr(localcpu, "_PROC", CountedPath("/proc"))
+    monkeypatch.setattr(localcpu, "_scan_listeners", counted)
     with api_server_with_engine() as (port, _server, engine):
         samples = [LocalCpu(f"http://127.0.0.1:{port}").sample() for _ in range(20)]
     assert [sample.processes if sample else None for sample in samples] == [(engine,)] * 20
-    assert len(reads) <= 2 * 2  # tcp and tcp6: the first scan, and one more at most
+    assert 1 <= len(scans) <= 2  # the first scan, and one more at most
 
 
 def test_the_engine_is_found_without_reading_every_process_on_the_host(
@@ -312,3 +314,85 @@ def test_the_engine_is_found_without_reading_every_process_on_the_host(
     assert sample is not None and sample.processes == (engine,)
     assert read <= 3  # the listener's start time, and the engine's CPU
     assert walked == scanned == [engine]
+
+
+def _listening(family: socket.AddressFamily, host: str) -> socket.socket:
+    listener = socket.socket(family)
+    if family == socket.AF_INET6:
+        listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    listener.bind((host, 0))
+    listener.listen()
+    return listener
+
+
+def test_the_kernels_socket_diagnostics_list_what_proc_net_tcp_lists() -> None:
+    from llmhealth import localcpu  # noqa: PLC0415 - its private scans, side by side
+
+    with contextlib.ExitStack() as held:
+        listeners = [held.enter_context(_listening(socket.AF_INET, "127.0.0.2"))]
+        if socket.has_ipv6:
+            with contextlib.suppress(OSError):  # a host without IPv6 loopback
+                listeners.append(held.enter_context(_listening(socket.AF_INET6, "::1")))
+                mapped = _listening(socket.AF_INET6, "::ffff:127.0.0.5")
+                listeners.append(held.enter_context(mapped))
+        # A connection too: only listening sockets are listed.
+        client = held.enter_context(socket.create_connection(listeners[0].getsockname()[:2]))
+        by_kernel = localcpu._diag_listening()
+        by_proc = localcpu._proc_listening()
+        ours = {os.fstat(sock.fileno()).st_ino: sock.getsockname()[:2] for sock in listeners}
+        connected = os.fstat(client.fileno()).st_ino
+    for inode, (host, port) in ours.items():
+        expected = localcpu._plain_address(ipaddress.ip_address(host)), port
+        assert by_kernel.get(inode) == by_proc.get(inode) == expected, (host, port)
+    assert connected not in by_kernel and connected not in by_proc
+
+
+def test_without_socket_diagnostics_the_listeners_come_from_proc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sandbox that refuses netlink sockets: the slower way, the same answer.
+    real_socket = socket.socket
+
+    def no_netlink(family: int = -1, *args: object, **kwargs: object) -> socket.socket:
+        if family == socket.AF_NETLINK:
+            raise PermissionError(1, "netlink refused")
+        return real_socket(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    with api_server_with_engine("127.0.0.6") as (port, _server, engine):
+        monkeypatch.setattr(socket, "socket", no_netlink)
+        sample = LocalCpu(f"http://127.0.0.6:{port}").sample()
+    assert sample is not None and sample.processes == (engine,)
+
+
+class _Datagrams:
+    """A netlink socket's side of a dump, as the tests below need it answered."""
+
+    def __init__(self, datagrams: list[bytes]) -> None:
+        self._datagrams = datagrams
+
+    def recv(self, _size: int) -> bytes:
+        return self._datagrams.pop(0) if self._datagrams else b"\0" * 20
+
+
+def _message(kind: int, sequence: int, body: bytes = b"", length: int | None = None) -> bytes:
+    size = 16 + len(body) if length is None else length
+    return struct.pack("=IHHII", size, kind, 0, sequence, 0) + body
+
+
+@pytest.mark.parametrize(
+    ("datagrams", "error"),
+    [
+        ([_message(20, 1, length=4)], ValueError),  # shorter than its own header
+        ([_message(2, 1, b"\0" * 20)], OSError),  # the kernel's error answer
+        ([_message(20, 1, b"\0" * 72)] * 1000, ValueError),  # no end: bounded
+    ],
+    ids=["short", "refused", "endless"],
+)
+def test_a_broken_socket_diagnostics_dump_is_an_error_not_an_answer(
+    monkeypatch: pytest.MonkeyPatch, datagrams: list[bytes], error: type[Exception]
+) -> None:
+    from llmhealth import localcpu  # noqa: PLC0415 - its dump reader alone
+
+    monkeypatch.setattr(localcpu, "_DIAG_MAX_BYTES", 64 * 1024)
+    with pytest.raises(error):
+        localcpu._read_diag_dump(_Datagrams(datagrams), 1, {})  # type: ignore[arg-type]
