@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmhealth import state as state_module
 from llmhealth.actions import AuditLog
@@ -24,6 +26,7 @@ from llmhealth.state import (
     StateFile,
     StateLockedError,
     default_path,
+    encode_pieces,
 )
 
 
@@ -234,3 +237,46 @@ def test_the_audit_log_is_readable_by_the_group_and_no_one_else(
     log = AuditLog(tmp_path / "audit.jsonl")
     log.append({"event": "x"})
     assert mode(tmp_path / "audit.jsonl") == 0o640
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+        | st.dictionaries(st.integers(), inner, max_size=3)
+    ),  # left whole, to json's key rules
+    max_leaves=30,
+)
+# Long enough to be written in runs of items (state._CHUNK), as a fleet's tables are.
+_LONG = st.lists(st.integers() | st.text(max_size=3), min_size=60, max_size=200) | (
+    st.dictionaries(
+        st.text(min_size=1, max_size=4),
+        st.integers() | st.lists(st.integers(), max_size=3),
+        min_size=60,
+        max_size=200,
+    )
+)
+
+
+@given(_JSON_VALUES | st.dictionaries(st.text(max_size=6), _LONG | _JSON_VALUES, max_size=4))
+def test_a_document_in_pieces_is_the_whole_encoding_byte_for_byte(document: object) -> None:
+    # `llmhealth status`, older versions and the etcd store read the same bytes.
+    assert b"".join(encode_pieces(document)) == json.dumps(document, sort_keys=True).encode()
+
+
+def test_a_saved_fleet_is_the_whole_encoding_and_reads_back(tmp_path: Path) -> None:
+    document = {
+        "ledger": {
+            "backends": [{"name": f"b{i}", "state": "healthy", "x": [i, 0.5]} for i in range(200)],
+            "epoch": 3,
+        },
+        "sightings": {f"b{i}": {"at": 1.5, "baseline": None} for i in range(130)},
+        "proofs": {},
+        "caf\u00e9": "\udcff",  # a lone surrogate, escaped as json escapes it
+    }
+    store = StateFile(tmp_path / "state.json")
+    store.save(document)
+    raw = (tmp_path / "state.json").read_bytes()
+    assert raw == json.dumps({**document, "schema": SCHEMA}, sort_keys=True).encode()
+    assert json.loads(raw) == {**document, "schema": SCHEMA}
