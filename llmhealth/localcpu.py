@@ -181,8 +181,8 @@ def _listening_sockets() -> dict[int, Socket]:
     """The host's listening TCP sockets (inode -> where): from the kernel's socket
     diagnostics over netlink, which hands over the listening ones alone, else from
     /proc/net/tcp and tcp6, which the kernel writes out whole, every connection and
-    TIME_WAIT included: 28 ms of CPU to read 9,000 of them here, 0.26 s a scan in a
-    check of 3,000 local backends."""
+    TIME_WAIT included (28 ms of CPU to read 9,000 of them, against 0.13 ms for the
+    netlink dump, on the machine of bench/README.md's sixth pass)."""
     try:
         return _diag_listening()
     except (OSError, ValueError, struct.error):

@@ -206,11 +206,15 @@ class StateFile:
                 os.fsync(directory)
             finally:
                 os.close(directory)
-        except OSError as exc:
+        except BaseException as exc:
+            # The text is encoded while it is written, so a value JSON cannot hold fails
+            # midway too: no half-written temp file is left, and the state stays whole.
             if temporary is not None:
                 with contextlib.suppress(OSError):
                     temporary.unlink()
-            raise StateError(f"cannot write state {self.path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise StateError(f"cannot write state {self.path}: {exc}") from exc
+            raise
 
     def command_env(self) -> dict[str, str]:
         """One machine acts under the file lock: there is no token to hand on."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmhealth import state as state_module
@@ -259,6 +259,7 @@ _LONG = st.lists(st.integers() | st.text(max_size=3), min_size=60, max_size=200)
 )
 
 
+@settings(max_examples=40)  # each long example is a few hundred values
 @given(_JSON_VALUES | st.dictionaries(st.text(max_size=6), _LONG | _JSON_VALUES, max_size=4))
 def test_a_document_in_pieces_is_the_whole_encoding_byte_for_byte(document: object) -> None:
     # `llmhealth status`, older versions and the etcd store read the same bytes.
@@ -280,3 +281,16 @@ def test_a_saved_fleet_is_the_whole_encoding_and_reads_back(tmp_path: Path) -> N
     raw = (tmp_path / "state.json").read_bytes()
     assert raw == json.dumps({**document, "schema": SCHEMA}, sort_keys=True).encode()
     assert json.loads(raw) == {**document, "schema": SCHEMA}
+
+
+def test_a_document_json_cannot_hold_fails_its_save_and_leaves_the_state_whole(
+    tmp_path: Path,
+) -> None:
+    store = StateFile(tmp_path / "state.json")
+    store.save({"ledger": {"epoch": 1}})
+    before = (tmp_path / "state.json").read_bytes()
+    backends = [{"name": f"b{i}"} for i in range(100)] + [{"name": "bad", "seen": {1.5}}]
+    with pytest.raises(TypeError):
+        store.save({"ledger": {"backends": backends}})  # the set is past the first pieces
+    assert (tmp_path / "state.json").read_bytes() == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["state.json"]
