@@ -35,6 +35,7 @@ def shape(value: Any) -> Any:
     return type(value).__name__
 
 
+@pytest.mark.slow
 def test_to_dict_is_the_document_check_format_json_prints(entry_point: str) -> None:
     with running_simulator(["idle", "unanswered"]) as sim:
         cli = subprocess.run(
@@ -112,6 +113,7 @@ def test_check_refuses_to_start_a_loop_inside_a_running_one() -> None:
         asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_state_file_keeps_the_ledger_between_calls(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     with running_simulator(["unanswered"]) as sim:

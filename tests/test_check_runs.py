@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from simproc import running_simulator
 
 FAST = ["--format", "json", "--wait", "0.3", "--timeout", "1", "--answer-timeout", "1"]
@@ -78,6 +79,7 @@ def saved_backend(state: Path, name: str) -> dict[str, Any]:
     return next(b for b in document["ledger"]["backends"] if b["name"] == name)
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_is_suspect_twice_then_dead(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -147,6 +149,7 @@ def _sleep_into_next_process(url: str, margin: float = 0.2) -> float:
     return next_start + RESTART_PERIOD
 
 
+@pytest.mark.slow
 def test_a_restart_between_runs_is_seen_from_the_saved_baseline(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -229,6 +232,7 @@ CORRUPT = {
 }
 
 
+@pytest.mark.slow
 def test_a_corrupt_state_file_is_set_aside_and_the_next_run_starts_afresh(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -314,6 +318,7 @@ def _metrics_hang(url: str, hang: bool) -> None:
     assert reply.json() == {"metrics_hang": hang}
 
 
+@pytest.mark.slow
 def test_a_server_whose_metrics_hung_for_three_runs_serves_again_with_no_restart_or_operator(
     entry_point: str, tmp_path: Path
 ) -> None:

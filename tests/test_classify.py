@@ -1013,6 +1013,7 @@ def test_judging_many_engines_compares_each_engine_a_bounded_number_of_times() -
     assert len(busy.evidence) < 1000
 
 
+@pytest.mark.slow
 def test_a_legal_text_with_40000_engines_gets_a_verdict(fixture_text: Load) -> None:
     # The hostile server: 40,000 data-parallel engines, each with work, in about
     # 8 MB (under the 16 MiB cap). Before the engine lookups were indexed this took

@@ -32,6 +32,7 @@ def scene(entry_point: str, tmp_path: Path) -> Iterator[Scene]:
         yield staged_scene
 
 
+@pytest.mark.slow
 def test_a_standby_proves_and_restarts_once_a_wedge_its_killed_leader_was_proving(
     scene: Scene,
 ) -> None:

@@ -519,6 +519,7 @@ def test_a_wedged_backend_goes_dead_and_one_with_a_restart_command_is_restarted(
     assert "wedge-a: healthy -> dead: wedged: " in log
 
 
+@pytest.mark.slow
 def test_a_dead_backend_left_alone_is_audited_once_not_once_per_cycle(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -540,6 +541,7 @@ def test_a_dead_backend_left_alone_is_audited_once_not_once_per_cycle(
     assert len(skipped) == 1, f"the same decision written {len(skipped)} times in 5 cycles"
 
 
+@pytest.mark.slow
 def test_a_backend_whose_metrics_hang_comes_back_in_place_under_watch(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -1085,6 +1087,7 @@ def verb(
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
 
 
+@pytest.mark.slow
 def test_a_slow_restart_command_holds_neither_the_settles_nor_the_operator_verbs(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1255,6 +1258,7 @@ def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
     assert rc == 0
 
 
+@pytest.mark.slow
 def test_a_restart_issued_while_the_last_command_still_runs_waits_for_it(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

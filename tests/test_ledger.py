@@ -1676,6 +1676,7 @@ def check_ledger(ledger: Ledger, now: float) -> None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=policies, sequence=steps)
+@pytest.mark.slow
 def test_random_event_sequences_keep_every_invariant(
     policy: LedgerPolicy, sequence: list[Step]
 ) -> None:

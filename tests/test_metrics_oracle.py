@@ -94,6 +94,7 @@ def exposition(draw: st.DrawFn) -> str:
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(exposition())
+@pytest.mark.slow
 def test_any_valid_text_reads_as_prometheus_client_reads_it(text: str) -> None:
     try:
         expected = oracle(text)

@@ -274,6 +274,7 @@ def test_a_wedged_backend_is_restarted_once_and_readmitted_by_the_tiny_request_n
     assert setup.history("gpu0") == {"failures": 0, "last_attempt_at": decision["time"]}
 
 
+@pytest.mark.slow
 def test_a_saturated_backend_that_progresses_is_never_restarted_nor_sent_a_request(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -291,6 +292,7 @@ def test_a_saturated_backend_that_progresses_is_never_restarted_nor_sent_a_reque
     assert setup.saved("gpu0")["state"] == "healthy"
 
 
+@pytest.mark.slow
 def test_a_proxy_in_front_of_a_wedged_backend_is_only_asked_for_models_and_never_restarted(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -325,6 +327,7 @@ def test_a_proxy_in_front_of_a_wedged_backend_is_only_asked_for_models_and_never
     assert proxy_stats["models_reads"] == len(runs)
 
 
+@pytest.mark.slow
 def test_with_one_restart_at_a_time_the_second_wedge_waits_until_the_first_is_back(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -455,6 +458,7 @@ def test_a_failing_restart_command_cools_down_is_retried_then_retires_past_its_b
     assert len(gpu.launches()) == 1
 
 
+@pytest.mark.slow
 def test_a_held_backend_is_not_restarted_until_the_hold_is_released(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -676,6 +680,7 @@ def test_two_checks_started_together_issue_exactly_one_restart(
             assert run.restarts == []
 
 
+@pytest.mark.slow
 def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_is_retried(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
