@@ -460,12 +460,13 @@ def test_a_short_write_ends_its_fragment_and_says_which_records_were_lost(
         pytest.raises(AuditError, match=r"short write .*not all of its 2 records were kept"),
         log.batch(),
     ):
-        log.append({"event": "moved"})
-        log.append({"event": "restart"})
+        # Fixed times, so the cut falls inside the second line, never at its start.
+        log.append({"time": 1.0, "event": "moved"})
+        log.append({"time": 1.0, "event": "restart"})
     with pytest.raises(AuditError, match="the record was not kept"):
-        log.append({"event": "alone"})
+        log.append({"time": 1.0, "event": "alone"})
     monkeypatch.setattr(os, "write", real_write)
-    log.append({"event": "after"})
+    log.append({"time": 1.0, "event": "after"})
     # The batch's first record was whole; each torn fragment is skipped as malformed, and
     # the next record is on a line of its own.
     found = scan(log.path)
