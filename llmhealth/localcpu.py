@@ -243,10 +243,16 @@ def _diag_listening() -> dict[int, Socket]:
 
 
 def _read_diag_dump(link: socket.socket, sequence: int, found: dict[int, Socket]) -> None:
+    """One dump's answers into ``found``, bounded in bytes and in datagrams: an empty or
+    endless answer is an error (the caller falls back to /proc), never a loop."""
     received = 0
-    while received < _DIAG_MAX_BYTES:
+    for _ in range(_DIAG_MAX_BYTES // 4096):
         datagram = link.recv(1 << 16)
+        if not datagram:
+            raise ValueError("an empty netlink datagram")
         received += len(datagram)
+        if received > _DIAG_MAX_BYTES:
+            break
         offset = 0
         while offset + _NLMSG.size <= len(datagram):
             length, kind, _flags, seq, _port = _NLMSG.unpack_from(datagram, offset)

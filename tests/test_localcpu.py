@@ -369,9 +369,10 @@ class _Datagrams:
 
     def __init__(self, datagrams: list[bytes]) -> None:
         self._datagrams = datagrams
+        self._then = datagrams[-1] if datagrams else b""  # then the last one, for ever
 
     def recv(self, _size: int) -> bytes:
-        return self._datagrams.pop(0) if self._datagrams else b"\0" * 20
+        return self._datagrams.pop(0) if self._datagrams else self._then
 
 
 def _message(kind: int, sequence: int, body: bytes = b"", length: int | None = None) -> bytes:
@@ -385,8 +386,9 @@ def _message(kind: int, sequence: int, body: bytes = b"", length: int | None = N
         ([_message(20, 1, length=4)], ValueError),  # shorter than its own header
         ([_message(2, 1, b"\0" * 20)], OSError),  # the kernel's error answer
         ([_message(20, 1, b"\0" * 72)] * 1000, ValueError),  # no end: bounded
+        ([b""], ValueError),  # nothing at all, for ever: not a loop
     ],
-    ids=["short", "refused", "endless"],
+    ids=["short", "refused", "endless", "empty"],
 )
 def test_a_broken_socket_diagnostics_dump_is_an_error_not_an_answer(
     monkeypatch: pytest.MonkeyPatch, datagrams: list[bytes], error: type[Exception]
