@@ -111,6 +111,7 @@ class ProcessGuard:
     _owned: dict[int, pytest.FixtureDef[object]] = field(default_factory=dict)
     _first_seen_after: dict[int, str] = field(default_factory=dict)
     _started_by: dict[int, str] = field(default_factory=dict)
+    _session_leaks: list[str] = field(default_factory=list)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -155,16 +156,26 @@ class ProcessGuard:
         leaks = self._leaks(after="the session")
         if leaks:
             _kill(list(leaks))
-            lines = [self._describe(leak) for leak in leaks.values()]
-            sys.stderr.write(
-                "\nprocess guard: processes still running at the end of the session "
-                "(killed now):\n" + "\n".join(lines) + "\n"
-            )
+            self._session_leaks = [self._describe(leak) for leak in leaks.values()]
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         # Orphans that exited under us are our zombies: collect them.
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        # Last of the summary sections, just above the counts line: CI keeps only the tail
+        # of a run's output, and a leak written earlier (to stderr, as it once was) left a
+        # failed run showing "24 passed" and nothing else.
+        if not self._session_leaks:
+            return
+        terminalreporter.section("process guard", red=True)
+        terminalreporter.write_line(
+            "processes still running at the end of the session (killed now), which fails the run:"
+        )
+        for line in self._session_leaks:
+            terminalreporter.write_line(line)
 
     def _note_first_seen(self, after: str) -> dict[int, _Descendant]:
         alive = _descendants(self._root)

@@ -49,11 +49,14 @@ def test_runs_last():
 """
 
 
-def run_suite(directory: Path, suite: str) -> subprocess.CompletedProcess[str]:
+def run_suite(
+    directory: Path, suite: str, *, per_test: bool = True
+) -> subprocess.CompletedProcess[str]:
     (directory / "conftest.py").write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
         "from process_guard import register\n"
-        "def pytest_configure(config):\n    register(config, per_test=True, exit_grace=0.3)\n",
+        "def pytest_configure(config):\n"
+        f"    register(config, per_test={per_test}, exit_grace=0.3)\n",
         encoding="utf-8",
     )
     (directory / "test_suite.py").write_text(textwrap.dedent(suite), encoding="utf-8")
@@ -89,6 +92,23 @@ def test_each_leak_fails_the_test_that_left_it_and_is_killed(tmp_path: Path) -> 
     )
     assert "while True: pass" in result.stdout
     assert f"pid {pids[2]} (fixture 'server' (module)" in result.stdout
+
+
+def test_a_leak_found_at_the_sessions_end_is_named_in_the_last_lines_and_fails_the_run(
+    tmp_path: Path,
+) -> None:
+    # The e2e lane checks only at the session's end, and CI shows only a run's tail.
+    result = run_suite(tmp_path, LEAKY_SUITE, per_test=False)
+    pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert [pid for pid in pids if alive(pid)] == []
+    assert result.returncode == 1, result.stdout
+    tail = result.stdout.splitlines()[-6:]
+    assert "process guard" in tail[0], result.stdout
+    assert tail[-1].startswith("5 passed"), result.stdout
+    assert f"pid {pids[0]} (first seen after test_suite.py::test_leaves_an_orphan" in (
+        "\n".join(tail)
+    )
+    assert "while True: pass" in "\n".join(tail)
 
 
 def test_a_clean_suite_passes_untouched(tmp_path: Path) -> None:
