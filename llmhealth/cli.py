@@ -598,6 +598,13 @@ def simulate(
             "startup_wedge_after."
         ),
     ] = 3600.0,
+    keep_alive: Annotated[
+        float,
+        typer.Option(
+            help="Seconds an idle client connection stays open: 5 as vLLM's default "
+            "(VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a reader every 5 s reconnects as there."
+        ),
+    ] = 5.0,
 ) -> None:
     """Serve simulated vLLM backends for demos, tests and benchmarks (until Ctrl-C)."""
     from llmhealth.simulate import SimulateError, run  # noqa: PLC0415 - only loaded to serve
@@ -612,6 +619,7 @@ def simulate(
             engines=engines,
             request_seconds=request_seconds,
             age=age,
+            keep_alive=keep_alive,
         )
     except SimulateError as exc:
         print(f"llmhealth simulate: {exc}", file=sys.stderr)

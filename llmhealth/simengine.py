@@ -67,10 +67,16 @@ class SimConfig:
     # server that has been up an hour by default, so a freeze is judged as on one (a
     # young process gets minutes of startup window); 0 shows a young process.
     age: float = 3600.0
+    # How long an idle client connection stays open: uvicorn's default, which vLLM keeps
+    # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a reader that comes back every 5 s finds its
+    # connection closed as on a real server; longer shows what a raised setting saves.
+    keep_alive: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.age < math.inf:
             raise ValueError("age must be a finite number of seconds, 0 or more")
+        if not 0 < self.keep_alive < math.inf:
+            raise ValueError("keep_alive must be a positive, finite number of seconds")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.engines < 1:

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 1024 * 1024
-KEEPALIVE_SECONDS = 5.0  # uvicorn's default, so idle keep-alive connections close as with vLLM
 TEMPLATE_NAME = "vllm_metrics_template.txt"
 VERSION = "0.32.0"  # the vLLM version the template was captured from
 METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
@@ -677,7 +676,7 @@ async def _serve(specs: list[ModeSpec], config: SimConfig, host: str, port: int)
             else:
                 handler = _Backend(spec, config, texts[spec.multiproc], clock).handle
             # A hung server never times a connection out; the others close idle ones as uvicorn.
-            idle = None if spec.hang else KEEPALIVE_SECONDS
+            idle = None if spec.hang else config.keep_alive
             bound = await listeners.listen(handler, host, port + offset if port else 0, idle)
             lines.append(f"listening {_url(host, bound)} {spec.text}\n")
         sys.stdout.write("".join(lines) + "ready\n")
@@ -712,6 +711,7 @@ def run(
     engines: int = 1,
     request_seconds: float = 4.0,
     age: float = 3600.0,
+    keep_alive: float = 5.0,
 ) -> None:
     """Blocks serving one simulated backend per mode on port, port+1, ... until SIGINT/SIGTERM.
 
@@ -726,6 +726,7 @@ def run(
             engines=engines,
             model=model,
             age=age,
+            keep_alive=keep_alive,
         )
     except ValueError as exc:
         raise SimulateError(str(exc)) from exc

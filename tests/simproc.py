@@ -85,6 +85,7 @@ def simulator_argv(
     model: str = "tiny",
     engines: int = 1,
     request_seconds: float = 4.0,
+    keep_alive: float = 5.0,
 ) -> list[str]:
     return [
         *LAUNCH,
@@ -95,6 +96,7 @@ def simulator_argv(
         f"--model={model}",
         f"--engines={engines}",
         f"--request-seconds={request_seconds}",
+        f"--keep-alive={keep_alive}",
     ]
 
 
@@ -184,6 +186,7 @@ def running_simulator(
     model: str = "tiny",
     engines: int = 1,
     request_seconds: float = 4.0,
+    keep_alive: float = 5.0,
     ready_timeout: float = READY_TIMEOUT,
 ) -> Iterator[Simulator]:
     """One simulator process serving `modes` on consecutive free ports, stopped on exit."""
@@ -198,6 +201,7 @@ def running_simulator(
             model=model,
             engines=engines,
             request_seconds=request_seconds,
+            keep_alive=keep_alive,
         )
         try:
             sim = _start(argv, list(modes), ready_timeout)

@@ -102,6 +102,10 @@ def test_a_config_without_slots_or_engines_is_rejected() -> None:
         SimConfig(request_seconds=0)
     with pytest.raises(ValueError, match="age"):
         SimConfig(age=-1.0)
+    with pytest.raises(ValueError, match="keep_alive"):
+        SimConfig(keep_alive=0)
+    with pytest.raises(ValueError, match="keep_alive"):
+        SimConfig(keep_alive=float("inf"))
 
 
 # --- counters over time --------------------------------------------------------------------

@@ -367,6 +367,26 @@ def test_keep_alive_serves_several_requests_on_one_connection(fleet: Simulator) 
     assert received.count(b"HTTP/1.1 200 OK\r\n") == 3
 
 
+def test_an_idle_connection_is_closed_after_the_keep_alive_it_was_given(fleet: Simulator) -> None:
+    # The module's fleet keeps vLLM's 5 s; this one closes after 0.3 s. Both connections
+    # are answered once, then left idle: the short one must close first, the other stay.
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with (
+        running_simulator(["idle"], keep_alive=0.3) as short,
+        connect(short.url("idle")) as brief,
+        connect(fleet.url("idle")) as kept,
+    ):
+        for sock in (brief, kept):
+            sock.sendall(request)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+        brief.settimeout(10)
+        assert brief.recv(1) == b""  # closed by the server
+        kept.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            kept.recv(1)  # still open, nothing to read
+        assert short.stop() == 0
+
+
 def test_oversized_headers_and_bodies_are_refused(fleet: Simulator) -> None:
     url = fleet.url("idle")
     huge_header = b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
