@@ -1,14 +1,16 @@
-"""What a full window of reads costs `watch` per backend and cycle, against a short one.
+"""What a window of reads costs `watch` per backend and cycle, after 7 reads and after 61.
 
-`watch` keeps each backend's last 1 + max_check_time / wait reads (61 at the defaults:
-5 min of 5 s waits) so that a long wedge window is covered, and judges the whole window
+`watch` keeps at most 1 + max_check_time / wait reads of a backend (61 at the defaults:
+5 min of 5 s waits) so that a long wedge window is covered, and of those only what a
+later decision can use (`classify.reads_still_needed`: a frozen engine's whole freeze,
+a busy or idle one's last few); trees before that kept all 61. It judges the window
 again at every read: restarts are looked for between every pair, a frozen engine's
 streak is walked back, a wedge's evidence quotes its reads. `bench_scale.py` runs eight
 cycles, so its windows never pass nine reads; this measures the steady state, in one
 process, with no network: real texts rendered by the simulator's own engine (busy, idle,
 wedged from the start) at 5 s apart, parsed as a read parses them, judged by `decide`
-as `examine_once` judges them (an idle backend's tiny request answered), and the window's
-resident size (tracemalloc). Then a fleet of 3,000 in bench_scale's mix.
+as `examine_once` judges them (an idle backend's tiny request answered), and the size of
+what the window's reads hold. Then a fleet of 3,000 in bench_scale's mix.
 
 Usage: bench_window.py [ROUNDS]; with PYTHONPATH at an older checkout, that tree's judging
 and windows (the baseline RESULTS.md shows beside this tree's).
@@ -20,7 +22,6 @@ import importlib.resources
 import statistics
 import sys
 import time
-import tracemalloc
 
 from llmhealth.classify import Answer, Read, SendTinyRequest, decide
 from llmhealth.metrics import parse_metrics
@@ -80,19 +81,37 @@ def cpu_us(reads: list[Read], rounds: int) -> float:
 
 
 def resident_kb(mode: str, length: int) -> float:
-    tracemalloc.start()
-    kept = window(mode, length)
-    size = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del kept
+    """What one window's reads hold, each object once (``sys.getsizeof`` over everything
+    they reach). Not tracemalloc: it also counts what building a window leaves in caches
+    every backend shares (extraction's layouts, bounded, taking new entries as a busy
+    text grows buckets) and in the interpreter's free lists, which no one window holds."""
+    seen: set[int] = set()
+    size = 0
+    pending: list[object] = [window(mode, length)]
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        size += sys.getsizeof(item)
+        if isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        else:
+            for cls in type(item).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if hasattr(item, slot):
+                        pending.append(getattr(item, slot))
     return size / 1024
 
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     print(f"per backend and cycle (median of {rounds} batches of 200 judgements):")
-    print("| backend | window | judged as | CPU µs | window KB |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| backend | reads taken | reads kept | judged as | CPU µs | window KB |")
+    print("| --- | --- | --- | --- | --- | --- |")
     fleet_cpu = dict.fromkeys(LENGTHS, 0.0)
     fleet_kb = dict.fromkeys(LENGTHS, 0.0)
     for mode, count in FLEET.items():
@@ -103,12 +122,12 @@ def main() -> None:
             used, kept = cpu_us(reads, rounds), resident_kb(mode, length)
             fleet_cpu[length] += used * count
             fleet_kb[length] += kept * count
-            print(f"| {mode} | {length} reads | {kind} | {used:.1f} | {kept:.1f} |")
+            print(f"| {mode} | {length} | {len(reads)} | {kind} | {used:.1f} | {kept:.1f} |")
     size = sum(FLEET.values())
     print(f"\na fleet of {size:,} ({', '.join(f'{n} {m}' for m, n in FLEET.items())}):")
     for length in LENGTHS:
         print(
-            f"  windows of {length}: judging {fleet_cpu[length] / 1e6:.3f} s of CPU per cycle, "
+            f"  after {length} reads: judging {fleet_cpu[length] / 1e6:.3f} s of CPU per cycle, "
             f"windows {fleet_kb[length] / 1024:.0f} MiB ({fleet_kb[length] / size:.1f} KB "
             "per backend)"
         )

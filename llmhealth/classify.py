@@ -160,6 +160,36 @@ def decide(
     return decision
 
 
+def reads_still_needed(reads: Sequence[Read]) -> int:
+    """How many of the newest reads a later decision can still look at, where the reads
+    slide past (``watch`` keeps each backend's across its cycles).
+
+    A decision looks back over the current freeze of any engine (and the read before it);
+    over the two newest reads with vLLM series (a restart between them; the newest one's
+    process age, histograms and work), however many failed reads lie between; over a
+    restart not yet judged (``watch`` starts afresh at a ``restarted`` verdict, so one
+    still in the window was followed by a failure instead); and over a few reads whatever
+    they are: one wait's progress, a first baseline, a restart just seen.
+
+    Older reads say nothing more, and kept they did harm: counted against ``max_reads``
+    they made a freeze of one wait look as if it had used up ``max_check_time`` once the
+    daemon had run that long (``stalled`` where its first minutes said "not decided",
+    ``unanswered`` where they took one more read), and each busy engine held 61 reads.
+    """
+    readable = [index for index, read in enumerate(reads) if _has_vllm(read)]
+    keep_from = readable[-2:][0] if readable else len(reads)
+    restart = _last_restart(reads, None)
+    if restart is not None:
+        keep_from = min(keep_from, max(i for i in readable if i < restart[0]))
+    last = _signals(reads[-1]) if reads else Signals()
+    streak = max((_stall_streak(reads, engine.engine) for engine in last.engines), default=0)
+    return max(_TWO_WAITS + 1, streak + 2, len(reads) - keep_from)
+
+
+def _has_vllm(read: Read) -> bool:
+    return read.signals is not None and read.signals.has_vllm
+
+
 def learned_step(reads: Sequence[Read], learned: LongestStep | None) -> LongestStep | None:
     """The longest step known: earlier runs' figure, or what these reads' histograms say."""
     for read in reversed(reads):

@@ -33,6 +33,7 @@ from llmhealth.classify import (
     decide,
     judge_proxy,
     learned_step,
+    reads_still_needed,
     window_for,
 )
 from llmhealth.localcpu import LocalCpu
@@ -412,10 +413,12 @@ async def examine_once(
 
 
 def keep_read(window: list[Read], read: Read, limit: int) -> None:
-    """Append a read to a watch window of at most ``limit`` reads.
+    """Append a read to a watch window, which keeps what later decisions can use
+    (``classify.reads_still_needed``: the current freeze, else a few reads), at most
+    ``limit`` reads.
 
-    A read whose signals equal the previous read's shares that one's: a frozen or idle
-    engine's window (61 reads at the defaults) then holds its values once, not 61 times.
+    A read whose signals equal the previous read's shares that one's: a frozen engine's
+    window (up to 61 reads at the defaults) then holds its values once, not 61 times.
     Any other read shares what did not change (``metrics.sharing``): a busy engine's
     gauges and histogram figures.
     """
@@ -424,7 +427,7 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
         shared = earlier if signals == earlier else sharing(signals, earlier)
         read = replace(read, signals=shared)
     window.append(read)
-    del window[:-limit]
+    del window[: -min(limit, reads_still_needed(window))]
 
 
 async def _with_cpu(

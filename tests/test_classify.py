@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +21,7 @@ from llmhealth.classify import (
     VerdictKind,
     decide,
     judge_proxy,
+    reads_still_needed,
 )
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.window import CpuSample, LongestStep, WedgeRules
@@ -712,6 +713,44 @@ def test_any_walk_ends_within_max_reads_and_never_asks_a_server_with_work(
         assert asked == 0
     # The same inputs give the same answer: nothing is remembered between calls.
     assert decide(taken, verdict.answer, max_reads=max_reads) == verdict
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(
+        st.sampled_from(POOL_CAPTURES + POOL_SYNTHETIC + ["again"] * 6), min_size=1, max_size=24
+    ),
+    learned_seconds=st.sampled_from([None, 1.0, 40.0]),
+)
+def test_a_sliding_window_decides_as_one_that_keeps_every_read(
+    pool: dict[str, Read], names: list[str], learned_seconds: float | None
+) -> None:
+    """``watch`` lets reads go that ``reads_still_needed`` says no later decision uses.
+    Read for read, the window it keeps decides as one that kept every read (while neither
+    reaches ``max_reads``), as watch drives them: a restart's verdict starts both afresh.
+    ``again`` repeats the read before it: freezes of any length."""
+    learned = None if learned_seconds is None else LongestStep(learned_seconds, "seen")
+    every: list[Read] = []
+    sliding: list[Read] = []
+    template = pool["idle-1"]
+    for number, name in enumerate(names):
+        template = template if name == "again" else pool[name]
+        read = Read(T0 + 5.0 * number, template.signals, template.problem, template.detail)
+        every.append(read)
+        sliding.append(read)
+        del sliding[: -reads_still_needed(sliding)]
+        whole = decide(every, max_reads=1000, learned=learned)
+        slid = decide(sliding, max_reads=1000, learned=learned)
+        if isinstance(whole, SendTinyRequest) and isinstance(slid, SendTinyRequest):
+            sent = answer(True, at=read.at + 0.1)  # asked at once, in the same cycle
+            whole = decide(every, sent, max_reads=1000, learned=learned)
+            slid = decide(sliding, sent, max_reads=1000, learned=learned)
+        if isinstance(whole, Verdict) and isinstance(slid, Verdict):
+            assert replace(slid, reads=()) == replace(whole, reads=()), (names, number)
+            if whole.kind is VerdictKind.RESTARTED:
+                del every[:-1], sliding[:-1]
+        else:
+            assert slid == whole, (names, number)
 
 
 # --- evidence ------------------------------------------------------------------------

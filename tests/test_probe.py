@@ -16,7 +16,17 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
-from llmhealth.classify import Outcome, Read, ReadProblem, Target, Verdict, VerdictKind
+from llmhealth.classify import (
+    Answer,
+    Outcome,
+    Read,
+    ReadProblem,
+    TakeRead,
+    Target,
+    Verdict,
+    VerdictKind,
+    decide,
+)
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import (
@@ -28,6 +38,7 @@ from llmhealth.probe import (
     new_client,
     read_metrics,
 )
+from llmhealth.window import LongestStep
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
 FAST = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
@@ -677,6 +688,65 @@ def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_chan
     assert window[-1].signals == Signals((moved,), 1.0)
     keep_read(window, Read(7.0, problem=ReadProblem.DOWN, detail="refused"), 3)
     assert [read.at for read in window] == [5.0, 6.0, 7.0] and window[-1].signals is None
+
+
+WATCH_LIMIT = ProbeSettings().read_limit  # 61: max_check_time 5 min over 5 s waits
+LONG_STEP = LongestStep(40.0, "engine 0: a 40 s step seen")
+
+
+def busy_read(number: int) -> Read:
+    """Read ``number`` of a busy engine that steps every wait, 5 s apart."""
+    engine = EngineSignals(engine="0", running=4, waiting=0, steps=float(number))
+    return Read(5.0 * number, signals=Signals((engine,), 1.0))
+
+
+def test_a_watch_window_keeps_the_current_freeze_and_lets_older_reads_go() -> None:
+    window: list[Read] = []
+    for number in range(100):
+        keep_read(window, busy_read(number), WATCH_LIMIT)
+    assert len(window) == 4  # a busy engine's window no longer fills to 61 reads
+    frozen = EngineSignals(engine="0", running=4, waiting=0, steps=99.0)
+    for number in range(100, 110):
+        keep_read(window, Read(5.0 * number, signals=Signals((frozen,), 1.0)), WATCH_LIMIT)
+    # The ten frozen reads, the last one that moved, and the one before it.
+    assert [read.at for read in window] == [5.0 * n for n in range(98, 110)]
+    for number in range(110, 200):
+        keep_read(window, Read(5.0 * number, signals=Signals((frozen,), 1.0)), WATCH_LIMIT)
+    assert len(window) == WATCH_LIMIT  # a long freeze still fills its window
+
+
+@pytest.mark.parametrize("earlier_reads", [0, 100])
+def test_a_freeze_inside_its_window_is_undecided_however_long_the_watch_has_run(
+    earlier_reads: int,
+) -> None:
+    """Two waits without progress, inside a 40 s step's window: "not decided yet" in the
+    daemon's first minute and long after it; once the window held 61 reads, the older
+    busy reads made it say `stalled` at once, as if 5 minutes of freeze had been read."""
+    window: list[Read] = []
+    for number in range(earlier_reads):
+        keep_read(window, busy_read(number), WATCH_LIMIT)
+    frozen = EngineSignals(engine="0", running=4, waiting=0, steps=-1.0)
+    for number in range(earlier_reads, earlier_reads + 3):
+        keep_read(window, Read(5.0 * number, signals=Signals((frozen,), 1.0)), WATCH_LIMIT)
+    decision = decide(window, max_reads=WATCH_LIMIT, learned=LONG_STEP)
+    assert isinstance(decision, TakeRead), decision
+    assert "inside its window" in decision.reason
+
+
+@pytest.mark.parametrize("earlier_reads", [1, 100])
+def test_a_tiny_request_stuck_behind_a_long_step_gets_one_more_read_however_long_the_watch_has_run(
+    earlier_reads: int,
+) -> None:
+    """An idle engine whose tiny request timed out behind a 40 s step is read once more
+    (and then judged `stalled` if nothing moved); with a full window of older reads it was
+    `unanswered` at once."""
+    idle = EngineSignals(engine="0", running=0, waiting=0, steps=7.0)
+    window: list[Read] = []
+    for number in range(earlier_reads):
+        keep_read(window, Read(5.0 * number, signals=Signals((idle,), 1.0)), WATCH_LIMIT)
+    answer = Answer(5.0 * earlier_reads, ok=False, detail="timed out after 120 s", timed_out=True)
+    decision = decide(window, answer, max_reads=WATCH_LIMIT, learned=LONG_STEP)
+    assert isinstance(decision, TakeRead), decision
 
 
 def test_a_read_the_checker_was_too_held_up_to_time_is_not_judged_and_not_down(
