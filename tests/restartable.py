@@ -111,6 +111,34 @@ def stop(pid: int, timeout: float = STOP_TIMEOUT) -> None:
         raise HarnessError(f"process {pid} still runs after SIGKILL")
 
 
+def _commands_for(pidfile: Path) -> list[int]:
+    """Launchers and restart commands of this script still running for ``pidfile``
+    (a restart command's `sh` wrapper execs into one, keeping its PID)."""
+    marks = (str(pidfile).encode(), str(SCRIPT).encode())
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(mark in argv for mark in marks) and alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def _wait_for_commands(pidfile: Path) -> None:
+    """Until no command for ``pidfile`` runs: each is bounded by its own stop and ready
+    timeouts; one still running past them is killed."""
+    deadline = time.monotonic() + STOP_TIMEOUT + READY_TIMEOUT + 5.0
+    while (running := _commands_for(pidfile)) and time.monotonic() < deadline:
+        time.sleep(POLL)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def read_pid(pidfile: Path) -> int | None:
     try:
         return int(pidfile.read_text().strip())
@@ -355,7 +383,14 @@ class Server:
         wait_ready(self.port, mode, timeout=timeout, log=self.log)
 
     def stop_all(self) -> None:
-        """Every process ever recorded for this server, newest first."""
+        """Every process ever recorded for this server, newest first, once no restart
+        command for it still runs.
+
+        A daemon killed mid-restart (the tests' teardown kills daemons) leaves its command
+        running in the command's own session, and a command that starts its server after
+        the history was read here would leave that server behind: it did, in a CI run.
+        """
+        _wait_for_commands(self.pidfile)
         pids = [entry["pid"] for entry in self.launches()]
         current = self.pid
         if current is not None and current not in pids:

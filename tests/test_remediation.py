@@ -186,6 +186,30 @@ def sleep_until(moment: float) -> None:
 # --- the scenarios --------------------------------------------------------------------
 
 
+def test_the_fleets_cleanup_waits_for_a_restart_command_still_running(tmp_path: Path) -> None:
+    """A daemon killed mid-restart leaves its command running in its own session; the
+    cleanup that followed at once read the history before the command recorded the new
+    server, and left that server running (a CI run's e2e lane failed on it)."""
+    with restartable_fleet(tmp_path) as fleet:
+        server = fleet.start("gpu", "busy")
+        command = subprocess.Popen(
+            server.restart_argv("idle"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        assert command.wait(60) == 0  # the command finished: the cleanup waited for it
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait(10)
+    launched = server.launches()
+    assert [entry["by"] for entry in launched] == ["start", "restart"]
+    assert [entry["pid"] for entry in launched if alive(entry["pid"])] == []
+
+
 def test_a_wedged_backend_is_restarted_once_and_readmitted_by_the_tiny_request_next_run(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
