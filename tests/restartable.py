@@ -391,12 +391,18 @@ class Server:
         the history was read here would leave that server behind: it did, in a CI run.
         """
         _wait_for_commands(self.pidfile)
-        pids = [entry["pid"] for entry in self.launches()]
-        current = self.pid
-        if current is not None and current not in pids:
-            pids.append(current)
-        for pid in reversed(pids):
-            stop(pid)
+        stopped: set[int] = set()
+        while True:  # once more if a launch was recorded meanwhile
+            pids = [entry["pid"] for entry in self.launches()]
+            current = self.pid
+            if current is not None and current not in pids:
+                pids.append(current)
+            if not set(pids) - stopped:
+                return
+            for pid in reversed(pids):
+                if pid not in stopped:
+                    stop(pid)
+                    stopped.add(pid)
 
 
 @dataclass

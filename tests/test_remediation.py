@@ -199,6 +199,11 @@ def test_the_fleets_cleanup_waits_for_a_restart_command_still_running(tmp_path: 
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        # Running as the command it is (past fork and exec), as a daemon's had been.
+        until_running = time.monotonic() + 30
+        while str(server.pidfile) not in Path(f"/proc/{command.pid}/cmdline").read_text():
+            assert time.monotonic() < until_running, "the restart command never started"
+            time.sleep(0.01)
     try:
         assert command.wait(60) == 0  # the command finished: the cleanup waited for it
     finally:
