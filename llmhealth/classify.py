@@ -176,14 +176,17 @@ def reads_still_needed(reads: Sequence[Read]) -> int:
     daemon had run that long (``stalled`` where its first minutes said "not decided",
     ``unanswered`` where they took one more read), and each busy engine held 61 reads.
     """
+    last = _signals(reads[-1]) if reads else Signals()
+    streak = max((_stall_streak(reads, engine.engine) for engine in last.engines), default=0)
+    at_least = max(_TWO_WAITS + 1, streak + 2)
+    if at_least >= len(reads):
+        return at_least  # a freeze as long as the window keeps all of it: no more to look for
     readable = [index for index, read in enumerate(reads) if _has_vllm(read)]
     keep_from = readable[-2:][0] if readable else len(reads)
     restart = _last_restart(reads, None)
     if restart is not None:
-        keep_from = min(keep_from, max(i for i in readable if i < restart[0]))
-    last = _signals(reads[-1]) if reads else Signals()
-    streak = max((_stall_streak(reads, engine.engine) for engine in last.engines), default=0)
-    return max(_TWO_WAITS + 1, streak + 2, len(reads) - keep_from)
+        keep_from = min(keep_from, readable[readable.index(restart[0]) - 1])
+    return max(at_least, len(reads) - keep_from)
 
 
 def _has_vllm(read: Read) -> bool:
@@ -508,8 +511,12 @@ def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
     Output tokens alone would miss a long prompt being read: vLLM emits nothing then,
     but its KV use moves every step.
     """
-    # ``counters`` builds a dict: once per side, not once per counter (a frozen engine's
-    # whole window is walked at every read of it).
+    if older is newer:
+        # A watch window's reads share one object while nothing changed (``keep_read``):
+        # a frozen engine's whole window is walked at every read of it, twice (to decide,
+        # and to know which reads to keep), and each step would build both dicts below.
+        return False
+    # ``counters`` builds a dict: once per side, not once per counter.
     before = older.counters
     for name, value in newer.counters.items():
         previous = before.get(name)
