@@ -90,9 +90,14 @@ class TakeRead:
 
 @dataclass(frozen=True, slots=True)
 class SendTinyRequest:
-    """The backend shows no work (or cannot show it): one tiny request may be spent."""
+    """The backend shows no work (or cannot show it): one tiny request may be spent.
+
+    ``good`` is the verdict an answer would give, which a caller that may not ask gives
+    instead, marked as unasked (``left_unasked``).
+    """
 
     reason: str
+    good: VerdictKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -633,10 +638,22 @@ def _by_answer(
     context: str,
 ) -> Decision:
     if answer is None:
-        return SendTinyRequest(context)
+        return SendTinyRequest(context, good)
     kind = good if answer.ok else bad
     return _verdict(
         kind, answer.ok, f"{kind}: {context}; tiny request {answer.detail}", reads, answer
+    )
+
+
+def left_unasked(reads: Sequence[Read], decision: SendTinyRequest, why: str) -> Verdict:
+    """The verdict of a read whose tiny request a caller may not send, ``why`` said.
+
+    Healthy as far as /metrics shows, with no answer, as a busy verdict is: it proves
+    nothing only an answer proves (no re-admission, no recovery in place, no request
+    failure cleared), and its evidence says why nothing was asked.
+    """
+    return _verdict(
+        decision.good, True, f"{decision.good}: {decision.reason}; no request sent: {why}", reads
     )
 
 

@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # `watch` without a router need not import the router
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
+STANDBY_ASKS_NOTHING = "a standby leaves the tiny request to the leader"
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -159,6 +160,7 @@ class Daemon:
         sharded = self._seat is not None and cluster is not None and cluster.shard_reads
         self._shares = SharedReads(self._seat) if self._seat and sharded else None
         self._share: frozenset[str] | None = None
+        self._asks = True  # whether the probes may send tiny requests, as last told
         self._serials: Counter[str] = Counter()  # fresh verdicts per backend, for the leader
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
@@ -204,7 +206,16 @@ class Daemon:
             answer_timeout=self._config.answer_timeout,
             max_body=self._config.max_body,
             max_check_time=self._config.max_check_time,
+            unasked=STANDBY_ASKS_NOTHING if self._standby_reading_all() else None,
         )
+
+    def _standby_reading_all(self) -> bool:
+        """A standby of a cluster whose members all read every backend: nobody settles its
+        verdicts, so a tiny request of its own would only take a slot, and show to the
+        leader as work on a backend the leader must see idle to re-admit it."""
+        if self._seat is None or self._shares is not None:
+            return False
+        return not self._seat.elector.decision().may_act
 
     async def run(self) -> int:
         """Watch until stopped; young garbage collections spaced meanwhile (gctune.py:
@@ -317,6 +328,7 @@ class Daemon:
                 # Drained here, on the loop's thread: the router records on it too.
                 requests = self._router.drain() if self._router is not None else None
                 self._reshard()
+                self._tell_workers_who_asks()
                 news = News(
                     self._take_fresh(), self._take_commands(), requests, self._publication()
                 )
@@ -509,6 +521,14 @@ class Daemon:
                 f"cluster: reads {len(share)} of {len(backends)} backends ({members} members)"
             )
             self._start_probes()
+
+    def _tell_workers_who_asks(self) -> None:
+        """Read workers hold the settings their share came with: on taking or losing the
+        lead, send them again (the daemon's own tasks ask before every read)."""
+        asks = self.settings.unasked is None
+        if asks != self._asks and isinstance(self._reading, ReadPool):
+            self._start_probes()
+        self._asks = asks
 
     def _publication(self) -> tuple[dict[str, int], dict[str, Verdict]] | None:
         """This member's share's newest verdicts, with their serials, for the leader."""

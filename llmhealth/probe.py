@@ -33,6 +33,7 @@ from llmhealth.classify import (
     decide,
     judge_proxy,
     learned_step,
+    left_unasked,
     reads_still_needed,
     window_for,
 )
@@ -59,6 +60,10 @@ class ProbeSettings:
     # most this long; ``max_reads`` fixes the number of reads instead, where given.
     max_check_time: float = 300.0
     max_reads: int | None = None
+    # Why this reader sends no tiny request, or None when it may: a cluster's standby
+    # reads every backend, but only the leader's verdicts are settled, and a standby's
+    # tiny request shows as work to the leader's read of an idle backend.
+    unasked: str | None = None
 
     @property
     def read_limit(self) -> int:
@@ -393,6 +398,8 @@ async def examine_once(
     try:
         await read_into_window()
         decision = judge(None)
+        if isinstance(decision, SendTinyRequest) and settings.unasked is not None:
+            decision = left_unasked(window, decision, settings.unasked)
         if isinstance(decision, SendTinyRequest):
             answer = await ask_tiny(
                 client, target, settings.for_answer(window, learned, target.rules), clock

@@ -70,8 +70,13 @@ def inject_wedge(server: Server) -> None:
     It wedges one second in, once its synthetic load is running: a process that froze
     before taking any work shows none, and is judged by the tiny request instead.
     """
+    switch_mode(server, "wedge:1")
+
+
+def switch_mode(server: Server, mode: str) -> None:
+    """The simulator's own restart into ``mode``: a new "process" on the same port."""
     request = urllib.request.Request(
-        f"{server.url}/sim/restart", data=json.dumps({"mode": "wedge:1"}).encode(), method="POST"
+        f"{server.url}/sim/restart", data=json.dumps({"mode": mode}).encode(), method="POST"
     )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=5.0) as response:
@@ -100,17 +105,18 @@ class Scene:
     servers: dict[str, tuple[Server, Restarts]] = field(default_factory=dict)
 
     @contextmanager
-    def daemon(self, name: str, member: str | None = None) -> Iterator[Watch]:
+    def daemon(self, name: str, member: str | None = None, top: str = "") -> Iterator[Watch]:
         """A daemon on the scene's config; ``member`` names it in etcd (default: host and
-        PID), for a test whose shares must not depend on a PID."""
+        PID), for a test whose shares must not depend on a PID; ``top`` adds top-level
+        settings (``read_workers = 2``) to its config alone."""
         # Each daemon has its own state path; in a cluster nothing is written there.
         state = self.folder / f"{name}-state.json"
         config = self.config
-        if member is not None:
-            text = self.config.read_text().replace(
-                "[cluster]\n", f'[cluster]\nmember = "{member}"\n'
-            )
-            config = write_config(self.folder / f"fleet-{name}.toml", text)
+        if member is not None or top:
+            text = self.config.read_text()
+            if member is not None:
+                text = text.replace("[cluster]\n", f'[cluster]\nmember = "{member}"\n')
+            config = write_config(self.folder / f"fleet-{name}.toml", f"{top}\n{text}")
         with watching(self.entry_point, config, state) as watch:
             yield watch
 
@@ -118,6 +124,21 @@ class Scene:
         """The restarts the fleet's audit trail in etcd holds: one per restart issued."""
         records = read_audit(Etcd(self.etcd.endpoints), Keys(PREFIX)).records
         return [r for r in records if r.get("event") == "restart" and r.get("to") == "restarting"]
+
+    def readmitted_since_restart(self, backend: str = "gpu") -> bool:
+        """Whether the trail has ``backend`` back in serving after its latest restart.
+
+        The re-admission itself: a standby's page may still show the state of a record
+        read before the wedge was condemned, "healthy" with the restart under way.
+        """
+        records = read_audit(Etcd(self.etcd.endpoints), Keys(PREFIX)).records
+        mine = [r for r in records if r.get("backend") == backend]
+        restarts = [
+            i
+            for i, r in enumerate(mine)
+            if r.get("event") == "restart" and r.get("to") == "restarting"
+        ]
+        return bool(restarts) and any(r.get("to") == "healthy" for r in mine[restarts[-1] + 1 :])
 
     def audit_command(self) -> list[dict[str, object]]:
         """``llmhealth audit`` as an operator runs it, every record parsed."""

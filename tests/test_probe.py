@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,25 @@ def test_an_idle_server_gets_exactly_one_tiny_request(httpserver: HTTPServer) ->
     assert verdict.requests_sent == 1
     assert backend.completions == 1
     assert backend.metrics_reads == 1
+
+
+def test_a_reader_that_may_not_ask_judges_an_idle_server_by_its_metrics_and_says_so(
+    httpserver: HTTPServer,
+) -> None:
+    backend = Backend(httpserver, [capture("idle-1")])
+    settings = replace(FAST, unasked="a standby leaves the tiny request to the leader")
+
+    async def once() -> Verdict | None:
+        async with new_client() as client:
+            return await examine_once(
+                client, Target("b", backend.url), settings, [], clock=FakeClock()
+            )
+
+    verdict = asyncio.run(once())
+    assert verdict is not None and verdict.kind is VerdictKind.IDLE and verdict.healthy
+    assert verdict.answer is None and verdict.requests_sent == 0
+    assert "no request sent: a standby leaves the tiny request to the leader" in verdict.evidence
+    assert backend.completions == 0
 
 
 def test_an_idle_server_that_fails_the_tiny_request_is_unanswered(httpserver: HTTPServer) -> None:
