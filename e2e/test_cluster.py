@@ -181,7 +181,8 @@ def test_two_daemons_and_cron_restart_each_of_many_wedges_exactly_once(
     # Back to back: no cooldown between one wedge's restart and the next one's.
     policy = 'cooldown = "1s"\nrestart_budget = 20'
     with staged(entry_point, tmp_path, policy=policy) as scene, ExitStack() as stack:
-        _, second = two_daemons(scene, stack)
+        first, second = two_daemons(scene, stack)
+        stack.enter_context(scene.explained(first))
         stop = threading.Event()
         checks: list[subprocess.CompletedProcess[str]] = []
 

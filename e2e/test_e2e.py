@@ -84,6 +84,13 @@ def start_decode_load(server: VllmServer, size: int = LOAD_SIZE) -> Load:
     return load
 
 
+def in_full_batch(running: int | None) -> bool:
+    """Whether a read's running gauge is that of a full batch with a queue behind it: the
+    batch itself, or one less for the step between a decode finishing and the next request
+    admitted from the queue (a library check in CI once read 3)."""
+    return running is not None and MAX_NUM_SEQS - 1 <= running <= MAX_NUM_SEQS
+
+
 def finish(load: Load, timeout: float = 180) -> None:
     """Stop sending, and wait (bounded) for what is in flight to be answered."""
     load.stop()
@@ -127,7 +134,7 @@ def test_a_busy_server_is_judged_busy_and_sent_no_request(server: VllmServer) ->
     assert backend["verdict"] == "busy", run
     assert backend["healthy"] is True, run
     assert backend["requests_sent"] == 0, run
-    assert backend["running"] == MAX_NUM_SEQS and backend["waiting"] > 0, run
+    assert in_full_batch(backend["running"]) and backend["waiting"] > 0, run
     assert backend["steps_per_s"] > 0 and backend["tokens_per_s"] > 0, run
     assert "progressed over" in backend["evidence"], run
     assert "no request sent" in backend["evidence"], run
@@ -164,7 +171,7 @@ def test_the_library_its_prober_and_the_health_script_send_a_busy_server_no_requ
         finish(load)
     backend = report.backends[0]
     assert backend.verdict is llmhealth.VerdictKind.BUSY, report.to_dict()
-    assert backend.requests_sent == 0 and backend.running == MAX_NUM_SEQS, report.to_dict()
+    assert backend.requests_sent == 0 and in_full_batch(backend.running), report.to_dict()
     assert script.returncode == OK, script
     assert script.stdout.startswith("OK - busy: "), script
     assert probed == [None, llmhealth.VerdictKind.BUSY]

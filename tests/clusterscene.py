@@ -20,7 +20,15 @@ from pathlib import Path
 
 from etcdproc import EtcdCluster, running_etcd
 from restartable import Server, restartable_fleet
-from test_daemon import PATIENCE, Page, Watch, fleet_config, watching, write_config
+from test_daemon import (
+    PATIENCE,
+    NotObservedError,
+    Page,
+    Watch,
+    fleet_config,
+    watching,
+    write_config,
+)
 
 from llmhealth.cluster import Etcd, Keys, read_audit
 
@@ -139,6 +147,32 @@ class Scene:
             if r.get("event") == "restart" and r.get("to") == "restarting"
         ]
         return bool(restarts) and any(r.get("to") == "healthy" for r in mine[restarts[-1] + 1 :])
+
+    @contextmanager
+    def explained(self, leader: Watch, backend: str = "gpu") -> Iterator[None]:
+        """A wait that fails inside says what the leader saw: its page, its log's tail and
+        ``backend``'s audit trail. A standby renders the leader's record, so its own page
+        shows that a backend stayed out, not why."""
+        try:
+            yield
+        except (AssertionError, NotObservedError) as failure:
+            page = leader.scrape()
+            log = leader.stderr().splitlines()[-40:]
+            try:
+                trail = [
+                    json.dumps(r, sort_keys=True)
+                    for r in read_audit(Etcd(self.etcd.endpoints), Keys(PREFIX)).records
+                    if r.get("backend") == backend
+                ][-30:]
+            except Exception as exc:  # the diagnosis must not hide the failure
+                trail = [f"(the audit trail could not be read: {exc!r})"]
+            raise AssertionError(
+                f"{failure}\n--- the leader's page ---\n{page.text if page else '(none)'}"
+                f"\n--- the leader's log, last lines ---\n"
+                + "\n".join(log)
+                + f"\n--- {backend}'s audit trail, last records ---\n"
+                + "\n".join(trail)
+            ) from failure
 
     def audit_command(self) -> list[dict[str, object]]:
         """``llmhealth audit`` as an operator runs it, every record parsed."""
