@@ -157,6 +157,12 @@ class Scene:
             yield
         except (AssertionError, NotObservedError) as failure:
             page = leader.scrape()
+            # CI keeps a run's tail: the page's samples that say something, not all of it.
+            shown = [
+                line
+                for line in (page.text if page else "(none)").splitlines()
+                if not line.startswith("#") and not line.endswith(" 0.0")
+            ]
             log = leader.stderr().splitlines()[-40:]
             try:
                 trail = [
@@ -167,8 +173,9 @@ class Scene:
             except Exception as exc:  # the diagnosis must not hide the failure
                 trail = [f"(the audit trail could not be read: {exc!r})"]
             raise AssertionError(
-                f"{failure}\n--- the leader's page ---\n{page.text if page else '(none)'}"
-                f"\n--- the leader's log, last lines ---\n"
+                f"{failure}\n--- the leader's page, samples not 0 ---\n"
+                + "\n".join(shown)
+                + "\n--- the leader's log, last lines ---\n"
                 + "\n".join(log)
                 + f"\n--- {backend}'s audit trail, last records ---\n"
                 + "\n".join(trail)
