@@ -49,6 +49,7 @@ from llmhealth.cycle import (
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.fleet import FleetRecord, StallWatch
 from llmhealth.gctune import young_collections_spaced
+from llmhealth.heap import give_back_free_pages
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings
@@ -332,7 +333,7 @@ class Daemon:
                 news = News(
                     self._take_fresh(), self._take_commands(), requests, self._publication()
                 )
-                cycle = _in_daemon_thread(self._settle, news)
+                cycle = _in_daemon_thread(self._settle_and_give_back, news)
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
                 # its own verdicts and nothing else. It runs in a daemon thread, which
@@ -571,6 +572,15 @@ class Daemon:
                 fresh.append(probe.outcome)
                 self._serials[probe.outcome.target.name] += 1
         return fresh
+
+    def _settle_and_give_back(self, news: News) -> Settled:
+        """A cycle's settle, then the C heap's free pages handed back (heap.py): a wait's
+        bodies, freed, had kept them resident. In the settle's thread, so the loop that
+        reads never waits for it."""
+        try:
+            return self._settle(news)
+        finally:
+            give_back_free_pages()
 
     def _settle(self, news: News) -> Settled:
         """One cycle's bookkeeping, in a worker thread: it may wait for the state lock, but

@@ -37,6 +37,7 @@ from typing import IO
 from llmhealth import eventloop
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.gctune import young_collections_spaced
+from llmhealth.heap import give_back_free_pages
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, keep_read, new_client
@@ -332,6 +333,15 @@ async def _work() -> None:
     tasks = ReadTasks(
         lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
     )
+
+    async def give_back_every_wait() -> None:
+        """The worker's bodies leave freed heap pages as the daemon's do; it has no settle
+        to hand them back after, so it does so once a wait (heap.py)."""
+        while True:
+            await asyncio.sleep(share.settings.wait if share else ProbeSettings().wait)
+            give_back_free_pages()
+
+    giving_back = asyncio.create_task(give_back_every_wait())
     try:
         while True:
             try:
@@ -343,6 +353,7 @@ async def _work() -> None:
                 tasks.remember(message.baselines, message.learned)
                 tasks.assign(message.targets)
     finally:
+        giving_back.cancel()
         await tasks.close()
         sender.close()
 
