@@ -1,9 +1,10 @@
 """Handing the C heap's free pages back to the kernel, once per cycle of `watch`.
 
-A `watch` reads every backend's 53 KB `/metrics` body each wait; the bodies (and the
-stream buffers they pass through) are C heap blocks under glibc's mmap threshold, freed
-moments later, between blocks that live on. glibc returns only the free space at the top
-of its heap on its own, so the freed pages in between stayed resident: over 30 cycles at
+A `watch` reads every backend's 53 KB `/metrics` body each wait: C heap blocks under
+glibc's default mmap threshold, freed moments later, between blocks that live on, and
+the likeliest source of the free pages (which blocks left them was not traced). glibc
+returns only the free space at the top of its heap on its own, so the freed pages in
+between stayed resident: over 30 cycles at
 3,000 backends, alternated, the daemon levelled off at 135-136 MiB, and at 127-131 MiB
 when it handed them back after each settle; with two read workers 205 against 199-200
 MiB in all (bench/README.md, "A long `watch`"); CPU per cycle the same. Nothing else
