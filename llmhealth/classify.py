@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.pickling import pickled_as_a_call
 from llmhealth.window import (
     DEFAULT_RULES,
     CpuSample,
@@ -58,6 +59,7 @@ class ReadProblem(StrEnum):
     UNUSABLE = "unusable"  # answered, but not with a metrics text (status, size, redirect)
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class Read:
     """One GET /metrics: when it was taken, and either its signals or what went wrong."""
@@ -69,6 +71,7 @@ class Read:
     cpu: CpuSample | None = None  # the engine's local CPU time, when it runs on this host
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class Answer:
     """The tiny request: POST /v1/completions with max_tokens 1, and how it went."""
@@ -100,6 +103,7 @@ class SendTinyRequest:
     good: VerdictKind
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class Verdict:
     kind: VerdictKind

@@ -17,6 +17,8 @@ from itertools import count
 from operator import attrgetter, itemgetter
 from typing import Any, TypeVar
 
+from llmhealth.pickling import pickled_as_a_call
+
 # vLLM series name -> the EngineSignals field it feeds. Counters and gauges with extra
 # labels (finished_reason, model_name) are summed per engine; kv use takes the maximum.
 _SERIES: dict[str, str] = {
@@ -47,6 +49,7 @@ _DEFAULT_ENGINE = "0"
 _SCANNED_ENGINES = 8
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class EngineSignals:
     """What one engine's series say at one moment; None where the text does not say."""
@@ -99,6 +102,7 @@ class EngineSignals:
         return {name: value for name, value in values.items() if value is not None}
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class Signals:
     """Everything llmhealth uses from one text. No engines means "no metrics"."""

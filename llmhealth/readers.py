@@ -40,6 +40,7 @@ from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
+from llmhealth.pickling import pickled_as_a_call
 from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, keep_read, new_client
 from llmhealth.window import LongestStep, longer
 
@@ -207,6 +208,7 @@ class _Share:
     learned: Mapping[str, LongestStep]
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class _Heard:
     """Worker → daemon: one examination. ``fresh`` are the window's reads not sent before

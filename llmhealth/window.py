@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmhealth.metrics import Signals
+from llmhealth.pickling import pickled_as_a_call
 
 # Frozen engine processes that used less than this share of one CPU did nothing at all:
 # a stopped or deadlocked process uses none, a computing one about one CPU per thread, and
@@ -28,6 +29,7 @@ CPU_IDLE_SHARE = 0.005
 CPU_POLLING_SHARE = 0.05
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class LongestStep:
     """The longest step an engine is known to take, and where that figure came from."""
@@ -80,6 +82,7 @@ class Window:
         return self.seconds > 0
 
 
+@pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class CpuSample:
     """CPU seconds the engine's local processes had used when a read was taken.
