@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
+import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -450,3 +454,64 @@ def test_a_server_that_has_not_answered_holds_no_place_at_the_gate(
     assert outcome[0].body == b"ok"
     assert isinstance(outcome[1], WireError)
     assert outcome[1].failure is Failure.ANSWER_TIMEOUT
+
+
+def _freed_without_the_collector(steps: Callable[[Connection, str], Any], url: str) -> bool:
+    """Runs ``steps`` with the cyclic collector off, on asyncio's own loop (uvloop's
+    transports are another matter); whether what it returned a weak reference to was
+    freed by the time the connection closed and the loop turned a few times."""
+
+    async def run() -> weakref.ref[object]:
+        connection = Connection(None, "llmhealth/test")
+        try:
+            gone = await steps(connection, url)
+        finally:
+            await connection.aclose()
+        for _ in range(3):  # the transport's connection_lost, scheduled by close()
+            await asyncio.sleep(0)
+        return gone  # type: ignore[no-any-return]
+
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(run())() is None
+    finally:
+        gc.enable()
+
+
+def test_a_connection_it_closes_is_freed_when_dropped_not_left_to_the_collector() -> None:
+    # A backend that closes idle connections after the wait costs one per read.
+    async def read_once(connection: Connection, url: str) -> weakref.ref[object]:
+        loop = asyncio.get_running_loop()
+        await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=1 << 20)
+        assert connection._writer is not None
+        return weakref.ref(connection._writer.transport)
+
+    with tcp_server(_answer_at_once) as (url, _):
+        assert _freed_without_the_collector(read_once, f"{url}/metrics")
+
+
+def test_a_reset_stale_connection_is_freed_when_the_request_is_sent_again() -> None:
+    connections = []
+
+    def answer_then_reset(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        if number == 0:
+            # Closed with the next request unread: the kernel resets the connection, as
+            # when a request crosses a server's idle close on the wire.
+            connection.recv(1, socket.MSG_PEEK)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    async def read_twice(connection: Connection, url: str) -> weakref.ref[object]:
+        loop = asyncio.get_running_loop()
+        await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=1 << 20)
+        first = weakref.ref(connection._reader)
+        second = await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=1 << 20)
+        assert second.body == b"ok"
+        return first
+
+    with tcp_server(answer_then_reset) as (url, _):
+        assert _freed_without_the_collector(read_twice, f"{url}/metrics")
+    assert connections == [0, 1]  # the second request sent again on a new connection
