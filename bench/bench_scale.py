@@ -521,6 +521,11 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
+def _read_by(workers: int) -> str:
+    """How a `watch` kind reads, as the targets name it."""
+    return "in its own loop" if workers == 1 else f"by {workers} read workers"
+
+
 def _targets(
     sizes: tuple[int, ...],
     wall: dict[str, dict[int, list[float]]],
@@ -542,7 +547,7 @@ def _targets(
             continue
         median = statistics.median(periods[kind][3000])
         p90 = _percentile(periods[kind][3000], 0.9)
-        how = "in its own loop" if workers == 1 else f"by {workers} read workers"
+        how = _read_by(workers)
         notes.append(
             f"Target: a `watch` cycle over 3,000 backends holds its {WATCH_WAIT:g} s wait "
             f"(median and 90th percentile ≤ {1.05 * WATCH_WAIT:g} s), read {how}: "
@@ -558,7 +563,7 @@ def _targets(
         reads = statistics.median(cadence[kind].get(LARGE) or [0.0])
         cores = min(2, max(workers, 1) + (workers > 1))
         held = p90 <= 1.05 * WATCH_WAIT and used <= cores * WATCH_WAIT and reads >= 0.95
-        how = "in its own loop" if workers == 1 else f"by {workers} read workers"
+        how = _read_by(workers)
         notes.append(
             f"Target: {LARGE:,} backends with the cycle's CPU inside its wait, on both "
             "cores (periods as at 3,000, every backend read once per wait, CPU per cycle "
@@ -607,7 +612,7 @@ def _targets(
             if index
         )
         shown = ", ".join(f"{size:,}: {ms:.2f}" for size, ms in ordered)
-        how = "in its own loop" if workers == 1 else f"by {workers} read workers"
+        how = _read_by(workers)
         notes.append(
             f"Target: CPU per backend flat from 100 to 10,000 (`watch` read {how}, ms of "
             "CPU per read made, so that reads falling behind the wait do not pass for "
