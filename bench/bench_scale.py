@@ -43,6 +43,7 @@ from report import Section, Table, spread
 from simproc import Simulator, SimulatorStartError, child_env, running_simulator
 
 from llmhealth import config as config_module
+from llmhealth import eventloop
 from llmhealth.classify import Target, Verdict
 from llmhealth.cycle import run_cycle
 from llmhealth.probe import ProbeSettings, check_fleet
@@ -273,7 +274,8 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
             await asyncio.wait_for(task, 30.0)
 
         with contextlib.redirect_stderr(log_text):
-            asyncio.run(main())
+            # As `llmhealth watch` runs it: on the loop LLMHEALTH_LOOP names (`--loop`).
+            eventloop.run(main())
     settled = [
         float(line.rsplit("settled in ", 1)[1].split()[0])
         for line in log_text.getvalue().splitlines()
@@ -648,6 +650,7 @@ def scale_section(
 ) -> Section:
     began = time.monotonic()
     raise_open_files(4 * max(sizes) + 512)
+    loop = eventloop.loop_in_use()  # the watch children's, from the environment they inherit
     kinds = ("check", *WATCH_KINDS)
     wall: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
     cpu: dict[str, dict[int, list[float]]] = {k: {} for k in kinds}
@@ -1000,7 +1003,8 @@ def scale_section(
         title="3c. One check and one watch cycle over "
         + ", ".join(f"{size:,}" for size in sizes)
         + " backends",
-        command="cd bench && ../.venv/bin/python bench_scale.py scale",
+        command="cd bench && ../.venv/bin/python bench_scale.py scale"
+        + ("" if loop == "asyncio" else f" --loop {loop}"),
         intro=[
             f"Simulator processes of up to {SIMULATOR_SHARE:,} backends each (one port "
             "each, every process on its own loopback address) serve the fleet: half busy, "
@@ -1012,6 +1016,8 @@ def scale_section(
             f"process. `check` is `run_cycle` with a state file and audit log (no restart "
             f"commands), wait {WAIT:g} s, read timeouts {READ_TIMEOUT:g} s. `watch` runs the "
             f"daemon in the child for {WATCH_CYCLES} settled cycles at its default wait, "
+            f"on {loop}'s event loop as `llmhealth watch` runs it (`--loop`, "
+            f"`{eventloop.ENV}`; `check` runs on asyncio's always), "
             "no metrics listener, reading in its own event loop (`read_workers = 1`) and, "
             f"from {WORKERS_FROM:,} backends, with {WATCH_KINDS['watch2']} read worker "
             "processes, alternated; its wall and CPU are per cycle from the second settled "
@@ -1077,7 +1083,19 @@ def main() -> None:
     parser.add_argument(
         "--check-only", action="store_true", help="scale: measure `check` alone, no `watch`"
     )
+    parser.add_argument(
+        "--loop",
+        choices=eventloop.CHOICES,
+        help=f"scale: the event loop `watch` (and its read workers) run on, as {eventloop.ENV} "
+        "sets it for `llmhealth watch`; by default that variable's own choice",
+    )
     args = parser.parse_args()
+    if args.loop is not None:
+        os.environ[eventloop.ENV] = args.loop  # inherited by every child and read worker
+    try:
+        eventloop.loop_in_use()
+    except config_module.ConfigError as exc:
+        parser.error(str(exc))
     sizes = tuple(int(size) for size in args.sizes.split(","))
     for section in run(args.which, sizes, args.repeats, watch=not args.check_only):
         print(section_markdown(section), flush=True)
