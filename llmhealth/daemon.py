@@ -47,7 +47,13 @@ from llmhealth.cycle import (
     settle_fleet,
 )
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
-from llmhealth.fleet import FleetRecord, StallWatch
+from llmhealth.fleet import (
+    READS_KEEP_UP,
+    FleetRecord,
+    StallWatch,
+    reads_per_wait,
+    smoothed_gap,
+)
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.ledger import BackendSnapshot
@@ -104,6 +110,9 @@ class _Probe:
     outcome: Outcome | None = None
     seconds: float | None = None
     fresh: bool = False
+    examinations: int = 0  # heard since the daemon started, decided or not
+    heard_at: float | None = None  # monotonic, when the last one was heard
+    gap: float | None = None  # between two heard, on average (fleet.smoothed_gap)
 
 
 @dataclass(slots=True)
@@ -199,10 +208,13 @@ class Daemon:
         self._hook_again = False
 
     @property
+    def _wait(self) -> float:
+        return self._wait_override or self._config.wait
+
+    @property
     def settings(self) -> ProbeSettings:
-        wait = self._wait_override or self._config.wait
         return ProbeSettings(
-            wait=wait,
+            wait=self._wait,
             timeout=self._config.timeout,
             answer_timeout=self._config.answer_timeout,
             max_body=self._config.max_body,
@@ -326,6 +338,7 @@ class Daemon:
                     self._reload = False
                     self._reload_config()
                 started = time.monotonic()
+                pace = self._reads_per_wait(started)
                 # Drained here, on the loop's thread: the router records on it too.
                 requests = self._router.drain() if self._router is not None else None
                 self._reshard()
@@ -363,7 +376,18 @@ class Daemon:
                     self._run_serving_hook()
                 self._remember_models(settled.report)
                 self._push_router()
-                self._after_cycle(settled.report, time.monotonic() - started, live)
+                self._after_cycle(settled.report, time.monotonic() - started, pace, live)
+
+    def _reads_per_wait(self, now: float) -> float | None:
+        """How often the targets read here are examined, per wait: the one sign that reads
+        fall behind the wait, which otherwise shows only as verdicts that come late. On
+        the loop's thread, where examinations are heard."""
+        gaps = [
+            (probe.gap, now - probe.heard_at)
+            for probe in self._state.probes.values()
+            if probe.heard_at is not None
+        ]
+        return reads_per_wait(gaps, self._wait)
 
     def _launch(self, order: RestartOrder) -> None:
         """Run a restart command in its own thread; its outcome waits for a later settle.
@@ -490,6 +514,11 @@ class Daemon:
         event loop's thread."""
         probe = self._state.probes.setdefault(target.name, _Probe())
         probe.seconds = seconds
+        probe.examinations += 1
+        now = time.monotonic()
+        if probe.heard_at is not None:
+            probe.gap = smoothed_gap(probe.gap, now - probe.heard_at, self._wait)
+        probe.heard_at = now
         if verdict is not None:
             probe.outcome = Outcome(target, verdict)
             probe.fresh = True
@@ -678,7 +707,9 @@ class Daemon:
             if answer is not None and answer.models_served:
                 self._models[backend.outcome.target.name] = frozenset(answer.models_served)
 
-    def _after_cycle(self, report: CycleReport, seconds: float, live: Live | None) -> None:
+    def _after_cycle(
+        self, report: CycleReport, seconds: float, pace: float | None, live: Live | None
+    ) -> None:
         state = self._state
         state.cycles += 1
         now = self._clock()
@@ -723,6 +754,7 @@ class Daemon:
                     tokens_per_s=verdict.tokens_per_s if verdict else None,
                     probe_seconds=probe.seconds if probe else None,
                     in_place_recoveries=snapshot.in_place_recoveries if snapshot else None,
+                    examinations=probe.examinations if probe else None,
                 )
             )
         self._collector.publish(
@@ -733,6 +765,7 @@ class Daemon:
                 fleet_stalled=stalled,
                 last_cycle_at=now,
                 cycle_seconds=seconds,
+                reads_per_wait=pace,
                 probe_errors=dict(state.probe_errors),
                 probe_task_restarts={
                     **{target.name: 0 for target in self._targets},
@@ -752,11 +785,13 @@ class Daemon:
             )
         )
         fleet = report.fleet
+        behind = pace is not None and pace < READS_KEEP_UP
         status = (
             (f"{self._seat.standing()}: " if self._seat is not None else "")
             + f"{fleet.serving} serving (min {fleet.min_healthy}), epoch {fleet.epoch}"
             + (", FLOOR BREACHED" if fleet.floor_breached else "")
             + (", FLEET STALLED" if stalled else "")
+            + (f", READS BEHIND ({pace:.2f} per wait)" if behind else "")
         )
         if state.cycles == 1:
             self._notifier.send("READY=1", f"STATUS={status}")
@@ -766,6 +801,14 @@ class Daemon:
                 "fleet stall: work is pending and no backend finished a request for "
                 f"{state.stall.seconds_since_finished(now):.0f} s (stall_timeout "
                 f"{self._config.stall_timeout:g} s); nothing is restarted for this"
+            )
+        if behind:
+            self._log(
+                f"reads behind the wait: the targets are examined {pace:.2f} times per "
+                f"{self._wait:g} s wait, not once, so a wedge is proven that much later; "
+                "reading needs more CPU than it has (more read_workers, a longer wait, or "
+                "[cluster] shard_reads), or most targets answer slower than the wait "
+                "(llmhealth_backend_probe_duration_seconds)"
             )
         if live is not None:
             live.update(Group(*report_renderables(report)), refresh=True)

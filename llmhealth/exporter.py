@@ -34,6 +34,7 @@ class BackendView:
     tokens_per_s: float | None = None
     probe_seconds: float | None = None
     in_place_recoveries: int | None = None  # None for a proxy
+    examinations: int | None = None  # None for a target this daemon does not read
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class ExportView:
     fleet_stalled: bool = False
     last_cycle_at: float = 0.0
     cycle_seconds: float = 0.0
+    reads_per_wait: float | None = None  # None until a target read here is examined
     probe_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     restarts: Mapping[tuple[str, str], int] = field(default_factory=dict)
     probe_task_restarts: Mapping[str, int] = field(default_factory=dict)
@@ -172,8 +174,17 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
     )
     for name, count in sorted(view.probe_task_restarts.items()):
         task_restarts.add_metric([name], float(count))
+    examinations = CounterMetricFamily(
+        "llmhealth_backend_examinations",
+        "Examinations of the target heard (a /metrics read, with the tiny request when one "
+        "was sent), decided or not: one per wait while watch keeps up.",
+        labels=["backend"],
+    )
+    for backend in view.backends:
+        if backend.examinations is not None:
+            examinations.add_metric([backend.name], float(backend.examinations))
     yield from (verdict, state, serving, running, waiting, steps, tokens, duration, in_place)
-    yield from (errors, restarts, task_restarts)
+    yield from (errors, restarts, task_restarts, examinations)
 
 
 def _fleet_families(view: ExportView) -> Iterator[Metric]:
@@ -219,6 +230,14 @@ def _fleet_families(view: ExportView) -> Iterator[Metric]:
         "How long the last watch cycle took to settle (ledger, restarts, state file).",
         view.cycle_seconds,
     )
+    if view.reads_per_wait is not None:
+        yield GaugeMetricFamily(
+            "llmhealth_fleet_reads_per_wait",
+            "How often the median target read here is examined, per wait (from its average "
+            "gap between examinations): 1 while each is read once per wait; lower when "
+            "reads fall behind.",
+            view.reads_per_wait,
+        )
 
 
 def _cluster_families(cluster: ClusterView) -> Iterator[Metric]:

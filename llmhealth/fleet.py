@@ -8,7 +8,8 @@ file holds between runs; it is encoded and decoded here, stored by ``state``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -490,3 +491,43 @@ class StallWatch:
 
     def stalled(self, now: float, stall_timeout: float) -> bool:
         return self.work_pending and self.seconds_since_finished(now) >= stall_timeout
+
+
+# Below this many reads per wait for the median target, `watch` says its reads fall
+# behind: a wedge is then proven that much later than two waits after it began.
+READS_KEEP_UP = 0.9
+# How far a target's average gap between examinations moves toward a new gap one wait
+# long (a longer gap moves it further, in proportion): an average over about the last ten
+# waits. A settle that delays every read in flight once (the median gap went to 6.5 s for
+# one cycle at 3,000 backends here, then back) must not read as a fleet behind; gaps that
+# stay long (13 s against a 5 s wait) cross the mark at their first.
+GAP_SMOOTHING = 0.1
+
+
+def smoothed_gap(average: float | None, gap: float, wait: float) -> float:
+    """A target's average time between examinations, after one more gap (from the wait,
+    the gap its probing task intends, before the first). Weighted by the time the gap
+    spans, so the average covers the same stretch of time however often the target is
+    read, and a fleet read every 13 s reaches its figure as soon as one read every 5 s."""
+    start = wait if average is None else average
+    return start + min(1.0, GAP_SMOOTHING * gap / wait) * (gap - start)
+
+
+def reads_per_wait(gaps: Iterable[tuple[float | None, float]], wait: float) -> float | None:
+    """How often the median target is examined, per wait: 1.0 while each is read once per
+    wait, as its probing task intends; lower when the loop or the read workers have more
+    to read than their cores hold, which slows every target they read alike.
+
+    ``gaps`` has, for each target examined so far, its average time between examinations
+    (``smoothed_gap``; None after its first) and the time since its last one, which counts
+    once it is the longer: a target whose examination is overdue is late now. A target
+    counts as the wait over the longer of the two, at most 1. Per target from its own
+    examinations, not reads counted between two settles, so a small fleet whose reads
+    land on a settle's edge does not swing between 0 and 2. The median, not the mean: a
+    few targets slow to answer (a read timing out, a tiny request unanswered) are their
+    own verdicts' news, and must not make a fleet read on time look behind.
+    """
+    if wait <= 0:
+        return None
+    paces = [wait / max(wait, since, wait if last is None else last) for last, since in gaps]
+    return statistics.median(paces) if paces else None

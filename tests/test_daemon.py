@@ -50,7 +50,7 @@ from llmhealth import daemon as daemon_module
 from llmhealth import readers
 from llmhealth.classify import Target
 from llmhealth.daemon import Daemon, Notifier
-from llmhealth.fleet import StallWatch
+from llmhealth.fleet import READS_KEEP_UP, StallWatch
 from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
@@ -135,6 +135,17 @@ def write_config(path: Path, text: str) -> Path:
     temporary.write_text(text)
     os.replace(temporary, path)  # the daemon never reads a half-written file
     return path
+
+
+def busy_and_hung(urls: Urls, tmp_path: Path, *, timeout: str) -> Path:
+    """A busy backend, and one whose every read hangs until `timeout` ends it."""
+    return write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "busy", "url": urls.busy}, {"name": "hung", "url": urls.hang}],
+            timeout=timeout,
+        ),
+    )
 
 
 def touch_command(marker: Path) -> list[str]:
@@ -415,7 +426,16 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
         "llmhealth_backend_probe_errors",
         "llmhealth_backend_restarts",
         "llmhealth_backend_probe_task_restarts",
+        "llmhealth_backend_examinations",
     }
+    # Every target read is counted, and each later cycle has heard more of them.
+    examined = page.counts("llmhealth_backend_examinations", "backend")
+    examined_later = later.counts("llmhealth_backend_examinations", "backend")
+    assert {name for name, _ in examined} == {*names, "lb"}
+    assert all(count >= 1 for count in examined.values())
+    assert sum(examined_later.values()) > sum(examined.values())
+    pace = later.get("llmhealth_fleet_reads_per_wait")
+    assert pace is not None and pace > 0.0
     # Every target's probing task is counted from zero, so increase() sees the first death.
     assert page.counts("llmhealth_backend_probe_task_restarts", "backend") == {
         (name, name): 0.0 for name in [*names, "lb"]
@@ -430,13 +450,7 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
 def test_a_hung_backend_does_not_hold_up_the_cycles_of_the_others(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
-    config = write_config(
-        tmp_path / "fleet.toml",
-        fleet_config(
-            [{"name": "busy", "url": urls.busy}, {"name": "hung", "url": urls.hang}],
-            timeout="3s",
-        ),
-    )
+    config = busy_and_hung(urls, tmp_path, timeout="3s")
     # Each scrape while hung is unjudged: last cycle timestamp, busy's verdict, and hung's
     # ledger state and serving flag (HEALTHY and serving from the start, so shown as such).
     unjudged: list[tuple[float, str | None, str | None, float | None]] = []
@@ -981,6 +995,38 @@ def test_pending_work_with_no_finished_request_stalls_the_fleet_and_restarts_not
     }
     assert "restart" not in log.replace("nothing is restarted", "")
     assert not marker.exists()
+
+
+def test_reads_that_fall_behind_the_wait_show_on_the_page_and_in_the_log(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    # The hung backend's reads each take the 2 s timeout, four waits. The median of two
+    # targets is their mean, so the pair is read about 0.62 times per wait where the
+    # probing tasks intend once: as a loop short of CPU would read them.
+    config = busy_and_hung(urls, tmp_path, timeout="2s")
+
+    def behind(page: Page) -> bool:
+        pace = page.get("llmhealth_fleet_reads_per_wait")
+        return pace is not None and 0.0 < pace < READS_KEEP_UP
+
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        watch.until("reads behind the wait", behind)
+        log = watch.logged("reads behind the wait")
+        examined = watch.until(
+            "the hung backend examined",
+            lambda p: (p.get("llmhealth_backend_examinations", backend="hung") or 0.0) >= 1.0,
+        )
+        rc, _ = watch.stop()
+    assert rc == 0
+    line = next(line for line in log.splitlines() if "reads behind the wait" in line)
+    pace = float(line.split("examined ", 1)[1].split(" times", 1)[0])
+    assert 0.0 < pace < READS_KEEP_UP
+    assert "llmhealth_backend_probe_duration_seconds" in line and "read_workers" in line
+    # What the operator follows to the cause: the hung backend's examinations are slow.
+    slow = examined.get("llmhealth_backend_probe_duration_seconds", backend="hung")
+    assert slow is not None and slow >= 1.9
+    busy = examined.get("llmhealth_backend_examinations", backend="busy")
+    assert busy is not None and busy >= 1.0
 
 
 # --- the daemon in this process ---------------------------------------------------------------

@@ -39,12 +39,14 @@ BACKEND_FAMILIES = {
     "llmhealth_backend_probe_errors": "counter",
     "llmhealth_backend_restarts": "counter",
     "llmhealth_backend_probe_task_restarts": "counter",
+    "llmhealth_backend_examinations": "counter",
 }
 FLEET_FAMILIES = {
     "llmhealth_fleet_serving_backends": "gauge",
     "llmhealth_fleet_min_healthy": "gauge",
     "llmhealth_fleet_membership_epoch": "gauge",
     "llmhealth_fleet_floor_breached": "gauge",
+    "llmhealth_fleet_reads_per_wait": "gauge",
 }
 ALWAYS_FAMILIES = {
     "llmhealth_fleet_seconds_since_last_finished_request": "gauge",
@@ -66,6 +68,7 @@ def busy(name: str) -> BackendView:
         steps_per_s=400.5,
         tokens_per_s=1602.0,
         probe_seconds=0.004,
+        examinations=12,
     )
 
 
@@ -82,12 +85,19 @@ def wedged(name: str) -> BackendView:
         tokens_per_s=0.0,
         probe_seconds=0.006,
         in_place_recoveries=3,
+        examinations=4,
     )
 
 
 def proxy(name: str) -> BackendView:
     return BackendView(
-        name=name, kind="proxy", verdict="up", state=None, serving=None, probe_seconds=0.002
+        name=name,
+        kind="proxy",
+        verdict="up",
+        state=None,
+        serving=None,
+        probe_seconds=0.002,
+        examinations=12,
     )
 
 
@@ -100,6 +110,7 @@ FLEET_VIEW = ExportView(
     fleet_stalled=True,
     last_cycle_at=1_800_000_000.25,
     cycle_seconds=0.031,
+    reads_per_wait=0.78,
     probe_errors={("gpu1", "unresponsive"): 2, ("gpu0", "down"): 1},
     restarts={("gpu1", "ok"): 1, ("gpu1", "failed"): 3},
     probe_task_restarts={"gpu0": 0, "gpu1": 2, "lb": 0},
@@ -238,6 +249,24 @@ def test_fleet_gauges_carry_the_summary_the_stall_and_the_cycle() -> None:
     assert page.value("llmhealth_fleet_stalled") == 1.0
     assert page.value("llmhealth_last_cycle_timestamp_seconds") == 1_800_000_000.25
     assert page.value("llmhealth_cycle_duration_seconds") == 0.031
+    assert page.value("llmhealth_fleet_reads_per_wait") == 0.78
+
+
+def test_examinations_are_counted_for_every_target_read_here_and_none_other() -> None:
+    page = render(FLEET_VIEW)
+    examinations = page.families["llmhealth_backend_examinations"]
+    assert {s.name for s in examinations.samples} == {"llmhealth_backend_examinations_total"}
+    assert {s.labels["backend"]: s.value for s in examinations.samples} == {
+        "gpu0": 12.0,
+        "gpu1": 4.0,
+        "lb": 12.0,
+    }
+    # With [cluster] shard_reads another member reads it: no count here, not a zero.
+    elsewhere = BackendView(
+        name="gpu7", kind="backend", verdict="busy", state="healthy", serving=True
+    )
+    page = render(ExportView(backends=(busy("gpu0"), elsewhere)))
+    assert page.backends_of("llmhealth_backend_examinations") == {"gpu0"}
 
 
 def test_before_the_first_cycle_the_page_has_no_backends_and_no_fleet_summary() -> None:

@@ -19,7 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
-from llmhealth.fleet import FleetRecord, Sighting, events_for, requests_finished, sighting_of
+from llmhealth.fleet import (
+    READS_KEEP_UP,
+    FleetRecord,
+    Sighting,
+    events_for,
+    reads_per_wait,
+    requests_finished,
+    sighting_of,
+    smoothed_gap,
+)
 from llmhealth.ledger import (
     Event,
     EventKind,
@@ -1007,3 +1016,78 @@ def test_a_restart_the_window_missed_still_ends_restarting() -> None:
     )
     record.observe("gpu0", fresh, NOW + 3)
     assert record.ledger.state_of("gpu0") is State.HEALTHY
+
+
+# --- whether the reads keep up with the wait -----------------------------------------------
+
+
+def test_targets_read_once_per_wait_are_read_once_per_wait() -> None:
+    # Heard a few ms either side of the wait, and each due again within it.
+    gaps = [(5.003, 1.2), (4.998, 4.9), (5.0, 0.0)]
+    assert reads_per_wait(gaps, 5.0) == pytest.approx(1.0, abs=0.001)
+    # A target examined once so far counts as on time until a wait has gone by.
+    assert reads_per_wait([(None, 3.0)], 5.0) == 1.0
+
+
+def test_reads_that_fall_behind_show_below_the_mark() -> None:
+    # A saturated loop reaching each of its targets every 12-14 s against a 5 s wait.
+    pace = reads_per_wait([(12.0, 2.0), (13.0, 0.5), (14.0, 9.0)], 5.0)
+    assert pace == pytest.approx(5.0 / 13.0)
+    assert pace is not None and pace < READS_KEEP_UP
+
+
+def test_a_few_targets_slow_to_answer_do_not_make_the_fleet_behind() -> None:
+    # One target of five whose read times out after four waits: its own verdict says so.
+    gaps = [(1.0, 0.3)] * 4 + [(4.0, 1.0)]
+    assert reads_per_wait(gaps, 1.0) == 1.0
+    # A fleet read alone, by a read that times out: the figure is that target's.
+    assert reads_per_wait([(4.0, 1.0)], 1.0) == pytest.approx(0.25)
+
+
+def test_an_overdue_examination_counts_before_it_is_heard() -> None:
+    # On time until now, but nothing heard for 20 s: late now, not when it comes back.
+    assert reads_per_wait([(5.0, 20.0)], 5.0) == pytest.approx(0.25)
+    assert reads_per_wait([(None, 10.0)], 5.0) == pytest.approx(0.5)
+
+
+def test_one_late_read_moves_a_targets_average_gap_a_little_and_lasting_ones_a_lot() -> None:
+    average = None
+    for gap in (5.0, 5.0, 6.5, 4.0, 5.0):  # a settle delayed one read by 1.5 s
+        average = smoothed_gap(average, gap, 5.0)
+        pace = reads_per_wait([(average, 1.0)], 5.0)
+        assert pace is not None and pace >= 0.95
+    # Reads every 13 s against a 5 s wait: behind from the first such gap, then more so.
+    paces = []
+    for _ in range(10):
+        average = smoothed_gap(average, 13.0, 5.0)
+        paces.append(reads_per_wait([(average, 1.0)], 5.0))
+    assert all(pace is not None and pace < READS_KEEP_UP for pace in paces)
+    assert paces == sorted(paces, reverse=True)
+    assert paces[-1] == pytest.approx(5.0 / average)
+
+
+def test_a_targets_first_gap_moves_from_the_wait_not_to_it() -> None:
+    # The first gap may follow a start-up burst: it is one gap, not the average.
+    assert smoothed_gap(None, 6.5, 5.0) == pytest.approx(5.0 + 0.13 * 1.5)
+    assert smoothed_gap(5.0, 5.0, 5.0) == 5.0
+
+
+def test_the_average_gap_covers_the_same_time_however_often_a_target_is_read() -> None:
+    # 60 s of reads every 5 s and 60 s of reads every 15 s, each after 60 s of reads
+    # every 3 s: each average moves about as far toward its new gap.
+    every_five = every_fifteen = 3.0
+    for _ in range(12):
+        every_five = smoothed_gap(every_five, 5.0, 3.0)
+    for _ in range(4):
+        every_fifteen = smoothed_gap(every_fifteen, 15.0, 3.0)
+    moved_five = (every_five - 3.0) / (5.0 - 3.0)
+    moved_fifteen = (every_fifteen - 3.0) / (15.0 - 3.0)
+    assert 0.8 < moved_five < 1.0 and 0.8 < moved_fifteen < 1.0
+    assert moved_fifteen == pytest.approx(moved_five, abs=0.1)
+    # A gap ten waits long or more replaces the average outright.
+    assert smoothed_gap(3.0, 40.0, 3.0) == 40.0
+
+
+def test_nothing_examined_or_no_wait_is_no_figure() -> None:
+    assert reads_per_wait([], 5.0) is None
+    assert reads_per_wait([(5.0, 1.0)], 0.0) is None
