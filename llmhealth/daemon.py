@@ -872,7 +872,13 @@ class Daemon:
         except (config_module.ConfigError, ValueError) as exc:
             self._log(f"reload refused, keeping the running config: {exc}")
             return
+        wait = self._wait
         self._config, self._targets = config, targets
+        if self._wait != wait:
+            # Gaps kept against the old wait say nothing of the new one: each target's
+            # average starts again from the new wait, so a shorter one is not "behind".
+            for probe in self._state.probes.values():
+                probe.gap = None
         self._start_probes()
         if self._router is not None:  # [router] settings themselves take a restart
             self._router.configure(routed_backends(config, targets))

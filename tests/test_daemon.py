@@ -1048,6 +1048,37 @@ def _fast_daemon_over_one_busy_backend(urls: Urls, tmp_path: Path) -> Daemon:
     )
 
 
+def test_a_reload_that_shortens_the_wait_starts_each_targets_average_gap_again(
+    tmp_path: Path,
+) -> None:
+    target = Target("b", REFUSED_URL)
+    configs = [config_module.Config(wait=5.0), config_module.Config(wait=0.5)]
+    daemon = Daemon(
+        lambda: (configs[0], [target]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> float | None:
+        # Two examinations heard under the 5 s wait: the average gap is about 5 s, one
+        # wait. Kept after a reload to 0.5 s, it would read as ten waits: "behind".
+        daemon.hear(target, None, 0.01)
+        daemon.hear(target, None, 0.01)
+        configs.pop(0)
+        daemon._reload_config()
+        heard_at = daemon._state.probes["b"].heard_at
+        assert heard_at is not None
+        try:
+            return daemon._reads_per_wait(heard_at)
+        finally:
+            await daemon._reading.close()
+
+    assert asyncio.run(scenario()) == 1.0
+
+
 def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
     urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
