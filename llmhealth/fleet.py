@@ -498,9 +498,9 @@ class StallWatch:
 READS_KEEP_UP = 0.9
 # How far a target's average gap between examinations moves toward a new gap one wait
 # long (a longer gap moves it further, in proportion): an average over about the last ten
-# waits. A settle that delays every read in flight once (the median gap went to 6.5 s for
-# one cycle at 3,000 backends here, then back) must not read as a fleet behind; gaps that
-# stay long (13 s against a 5 s wait) cross the mark at their first.
+# waits. A stretch that delays most reads in flight at once (the median gap went to
+# 6.5 s for one cycle at 3,000 backends here, then back) must not read as a fleet
+# behind; gaps that stay long (13 s against a 5 s wait) cross the mark at their first.
 GAP_SMOOTHING = 0.1
 
 

@@ -1073,8 +1073,8 @@ def test_a_targets_first_gap_moves_from_the_wait_not_to_it() -> None:
 
 
 def test_the_average_gap_covers_the_same_time_however_often_a_target_is_read() -> None:
-    # 60 s of reads every 5 s and 60 s of reads every 15 s, each after 60 s of reads
-    # every 3 s: each average moves about as far toward its new gap.
+    # From an average of one 3 s wait: a minute of reads every 5 s (12 gaps) and a minute
+    # of reads every 15 s (4 gaps) each move it about as far toward their own gap.
     every_five = every_fifteen = 3.0
     for _ in range(12):
         every_five = smoothed_gap(every_five, 5.0, 3.0)
