@@ -875,10 +875,11 @@ class Daemon:
         wait = self._wait
         self._config, self._targets = config, targets
         if self._wait != wait:
-            # Gaps kept against the old wait say nothing of the new one: each target's
-            # average starts again from the new wait, so a shorter one is not "behind".
+            # Timing kept against the old wait says nothing of the new one, and the first
+            # gap after the reload still spans the old wait: each target counts again
+            # from its next examination, so a shorter wait does not read as "behind".
             for probe in self._state.probes.values():
-                probe.gap = None
+                probe.gap = probe.heard_at = None
         self._start_probes()
         if self._router is not None:  # [router] settings themselves take a restart
             self._router.configure(routed_backends(config, targets))

@@ -135,6 +135,12 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
         "at policy.max_in_place_recoveries it stays DEAD for an operator.",
         labels=["backend"],
     )
+    examinations = CounterMetricFamily(
+        "llmhealth_backend_examinations",
+        "Examinations of the target heard (a /metrics read, with the tiny request when one "
+        "was sent), decided or not: one per wait while watch keeps up.",
+        labels=["backend"],
+    )
     for backend in view.backends:
         for kind in VerdictKind:
             verdict.add_metric([backend.name, str(kind)], float(backend.verdict == str(kind)))
@@ -150,6 +156,7 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
             (tokens, backend.tokens_per_s),
             (duration, backend.probe_seconds),
             (in_place, backend.in_place_recoveries),
+            (examinations, backend.examinations),
         ):
             if value is not None:
                 family.add_metric([backend.name], float(value))
@@ -174,15 +181,6 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
     )
     for name, count in sorted(view.probe_task_restarts.items()):
         task_restarts.add_metric([name], float(count))
-    examinations = CounterMetricFamily(
-        "llmhealth_backend_examinations",
-        "Examinations of the target heard (a /metrics read, with the tiny request when one "
-        "was sent), decided or not: one per wait while watch keeps up.",
-        labels=["backend"],
-    )
-    for backend in view.backends:
-        if backend.examinations is not None:
-            examinations.add_metric([backend.name], float(backend.examinations))
     yield from (verdict, state, serving, running, waiting, steps, tokens, duration, in_place)
     yield from (errors, restarts, task_restarts, examinations)
 
