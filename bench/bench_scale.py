@@ -189,7 +189,7 @@ def _status_mib(pid: int, field: str) -> float:
 
 
 def _children() -> list[int]:
-    """This process's child processes (the daemon's read workers), from every thread."""
+    """This process's child processes, from every thread."""
     found: list[int] = []
     with contextlib.suppress(OSError):
         for task in Path("/proc/self/task").iterdir():
@@ -236,6 +236,9 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
             console=Console(file=io.StringIO()),  # not a terminal: plain lines on stderr
         )
         before = rss_mib()
+        # Children this process had before the daemon are not read workers: a driver that
+        # runs this beside the simulators it started had their CPU in every cycle's.
+        not_readers = set(_children())
         readers: list[int] = []
         readers_peak = readers_files = 0.0
         # Each backend's newest verdict, wherever it was read: every one enters `hear`.
@@ -262,7 +265,8 @@ def child_watch(urls: list[str], wait: float, cycles: int, workers: int) -> dict
                 if now_done == done and samples:
                     continue
                 done = now_done
-                readers = _children()  # all started by the first settle
+                # All started by the first settle.
+                readers = [pid for pid in _children() if pid not in not_readers]
                 spent = time.process_time() + _proc_cpu(readers)
                 samples.append((time.monotonic(), spent, done))
                 heard_at.append(examined[0])
