@@ -97,6 +97,10 @@ class Connection:
         self._origin: tuple[str, str, int] | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        # Kept connections the server closed while they waited for our next request: it
+        # times idle connections out no later than our pause between two requests, which
+        # the caller may shorten to keep the connection (readers.KEEP_ALIVE_LEAD).
+        self.idle_closes = 0
 
     async def request(
         self,
@@ -126,6 +130,7 @@ class Connection:
             reused = self._origin == origin and self._writer is not None
             if reused and self._reader is not None and self._reader.at_eof():
                 await self.aclose()  # closed by the server while idle: not a failure
+                self.idle_closes += 1
                 reused = False
             progress = _Progress()
             try:
@@ -155,10 +160,12 @@ class Connection:
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
                 stale = reused and progress.head_bytes == 0 and loop.time() < bound.due
                 if stale:
-                    # Sent again, so this error is dropped; its traceback's frames hold the
-                    # old stream, whose reader holds the error: a cycle only the collector
-                    # would free (see _drop_own_callback).
+                    # The server's idle close crossed our request on the wire. Sent again,
+                    # so this error is dropped; its traceback's frames hold the old stream,
+                    # whose reader holds the error: a cycle only the collector would free
+                    # (see _drop_own_callback).
                     traceback.clear_frames(exc.__traceback__)
+                    self.idle_closes += 1
                     continue
                 late = bound.late_so_far()
                 if progress.head_bytes == 0 and late > _LATE_FOR_A_CLOSE:

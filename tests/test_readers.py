@@ -9,22 +9,28 @@ the daemon's copy of each window follows the worker's through appends, cuts and 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import os
 import pickle
 import signal
+import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from simproc import Simulator, running_simulator
 from test_daemon import fleet_config, watching, write_config
+from test_wire import read_request, tcp_server
 
 from llmhealth import config as config_module
 from llmhealth import readers
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.probe import ProbeSettings
 
 MODES = ["busy", "busy", "wedge:0", "wedge:0", "idle"]
 SHARES = [0, 1, 0, 1, 0]  # the read worker each of them gets
@@ -258,3 +264,50 @@ def test_read_workers_is_a_whole_number_from_one_or_auto() -> None:
     for bad in (0, -1, "many", 1.5, True):
         with pytest.raises(config_module.ConfigError, match="read_workers"):
             parsed(bad)
+
+
+def test_a_server_that_drops_connections_idle_for_the_wait_keeps_one_after_its_first_drop(
+    fixture_text: Callable[[str], str],
+) -> None:
+    """uvicorn (vLLM's server) times out a connection idle for 5 s, the default wait. Here
+    the server's keep-alive ends 20 ms short of the wait, so a read one wait after the last
+    one began always finds its connection gone; once it has been dropped, the target's
+    reads start early enough (KEEP_ALIVE_LEAD, 40 ms here) to keep the next one."""
+    wait, keep_alive, reads = 1.0, 0.98, 6
+    body = fixture_text("vllm-0.32/busy-2.txt").encode()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    connections: list[int] = []
+
+    def serve_until_idle(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        connection.settimeout(keep_alive)
+        with contextlib.suppress(TimeoutError):
+            while read_request(connection):
+                connection.sendall(answer)
+                # uvicorn's keep-alive timer starts once the answer is sent
+                connection.settimeout(keep_alive)
+
+    async def read_while_counting(url: str) -> int:
+        delivered: list[float] = []
+        enough = asyncio.Event()
+
+        def deliver(_t: Target, _v: Verdict | None, _s: float, _w: object) -> None:
+            delivered.append(time.monotonic())
+            if len(delivered) == reads:
+                enough.set()
+
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=wait), time.time, deliver, lambda _n, _c: None
+        )
+        tasks.assign([Target("b", url)])
+        try:
+            await asyncio.wait_for(enough.wait(), timeout=reads * wait + 10)
+        finally:
+            await tasks.close()
+        return len(delivered)
+
+    with tcp_server(serve_until_idle) as (url, _):
+        assert asyncio.run(read_while_counting(url)) == reads
+    # Read on the wait's schedule, each of the 6 reads would need a connection of its own;
+    # one late pause of the loop may still cost one more than the first two.
+    assert len(connections) <= 3, f"{len(connections)} connections for {reads} reads"

@@ -191,6 +191,28 @@ def test_an_idle_connection_the_server_closed_is_replaced_without_a_failure() ->
     assert [response.body for response in responses] == [b"ok"] * 3
 
 
+def test_each_kept_connection_the_server_closed_is_counted_for_the_caller() -> None:
+    def one_answer_then_close(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def three_reads(url: str) -> tuple[int, int]:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=1 << 20)
+            first = connection.idle_closes
+            for _ in range(2):
+                await asyncio.sleep(0.05)  # the server's close reaches us, or crosses the next
+                await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=1 << 20)
+            return first, connection.idle_closes
+        finally:
+            await connection.aclose()
+
+    with tcp_server(one_answer_then_close) as (url, _):
+        assert eventloop.run(three_reads(f"{url}/metrics")) == (0, 2)
+
+
 def test_a_fresh_connection_closed_before_an_answer_is_a_failure_not_retried() -> None:
     attempts = []
 
