@@ -5,6 +5,7 @@ verdicts and the audited proof are the ones the daemon's own loop gives, a worke
 costs its share a verdict that says so (never a silent healthy one) and is started
 again, and SIGTERM stops every process. Then the pipe's bookkeeping, in this process:
 the daemon's copy of each window follows the worker's through appends, cuts and resets.
+Last, a probing task's pause against a server that closes connections idle for the wait.
 """
 
 from __future__ import annotations
@@ -288,11 +289,11 @@ def test_a_server_that_drops_connections_idle_for_the_wait_keeps_one_after_its_f
                 connection.settimeout(keep_alive)
 
     async def read_while_counting(url: str) -> int:
-        delivered: list[float] = []
+        delivered: list[Verdict | None] = []
         enough = asyncio.Event()
 
-        def deliver(_t: Target, _v: Verdict | None, _s: float, _w: object) -> None:
-            delivered.append(time.monotonic())
+        def deliver(_t: Target, verdict: Verdict | None, _s: float, _w: object) -> None:
+            delivered.append(verdict)
             if len(delivered) == reads:
                 enough.set()
 
