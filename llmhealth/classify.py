@@ -152,6 +152,7 @@ def decide(
     baseline: Signals | None = None,
     learned: LongestStep | None = None,
     rules: WedgeRules = DEFAULT_RULES,
+    answer_wanted: bool = False,
 ) -> Decision:
     """The next step for one backend, given its reads in order and the tiny request if sent.
 
@@ -159,11 +160,15 @@ def decide(
     a longer window needs more). ``baseline`` is what an earlier run last read from this
     backend: it can only reveal a restart between runs; progress is never measured across
     runs. ``learned`` is the longest step earlier runs saw this backend take.
+    ``answer_wanted`` says the caller's ledger waits for an answered tiny request (a
+    STALE backend re-enters only by one): an engine with nothing to do is then asked even
+    though its counters moved, or someone else's requests, each landing between two of
+    our reads, would keep it out for as long as they come.
     """
     if not reads:
         return TakeRead("first read")
     known = learned_step(reads, learned)
-    decision = _decide(reads, answer, max_reads, baseline, _Freeze(known, rules))
+    decision = _decide(reads, answer, max_reads, baseline, _Freeze(known, rules), answer_wanted)
     if isinstance(decision, Verdict):
         return replace(decision, longest_step=known)
     return decision
@@ -238,6 +243,7 @@ def _decide(
     max_reads: int,
     baseline: Signals | None,
     freeze: _Freeze,
+    answer_wanted: bool,
 ) -> Decision:
     last = reads[-1]
     if last.problem is ReadProblem.DOWN:
@@ -255,7 +261,7 @@ def _decide(
         return _by_answer(
             reads, answer, VerdictKind.NO_METRICS, VerdictKind.NO_METRICS, f"no metrics ({why})"
         )
-    return _judge_work(reads, answer, max_reads, freeze)
+    return _judge_work(reads, answer, max_reads, freeze, answer_wanted)
 
 
 def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
@@ -269,7 +275,11 @@ def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
 
 
 def _judge_work(
-    reads: Sequence[Read], answer: Answer | None, max_reads: int, freeze: _Freeze
+    reads: Sequence[Read],
+    answer: Answer | None,
+    max_reads: int,
+    freeze: _Freeze,
+    answer_wanted: bool,
 ) -> Decision:
     last_signals = _signals(reads[-1])
     awake = [engine for engine in last_signals.engines if not engine.asleep]
@@ -301,6 +311,9 @@ def _judge_work(
         if len(reads) >= 2:
             kind = VerdictKind.BUSY if _had_work(reads[-2]) else VerdictKind.IDLE
             progressed = _healthy_if_progressing(reads, kind, answer)
+            if progressed is not None and answer is None and answer_wanted:
+                wanted = "an answer is wanted to re-admit it"
+                return SendTinyRequest(f"no work ({_describe_work(last_signals)}); {wanted}", kind)
             if progressed is not None:
                 return progressed
         return _ask_or_doubt(

@@ -323,7 +323,7 @@ async def run_cycle_async(
     async def probe(record: FleetRecord) -> list[Outcome]:
         return await check_fleet(
             targets,
-            settings,
+            replace(settings, awaiting_answer=record.ledger.awaiting_readmission),
             clock=clock,
             baselines=baselines_of(record),
             learned=learned_steps_of(record),

@@ -170,7 +170,11 @@ class Daemon:
         sharded = self._seat is not None and cluster is not None and cluster.shard_reads
         self._shares = SharedReads(self._seat) if self._seat and sharded else None
         self._share: frozenset[str] | None = None
-        self._asks = True  # whether the probes may send tiny requests, as last told
+        # What the read workers were last told: whether they may send tiny requests, and
+        # which backends to ask even when their engines moved.
+        self._told: tuple[bool, frozenset[str]] = (True, frozenset())
+        # STALE in the last record seen: asked whenever idle, as re-admission needs.
+        self._awaiting: frozenset[str] = frozenset()
         self._serials: Counter[str] = Counter()  # fresh verdicts per backend, for the leader
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
@@ -220,6 +224,7 @@ class Daemon:
             max_body=self._config.max_body,
             max_check_time=self._config.max_check_time,
             unasked=STANDBY_ASKS_NOTHING if self._standby_reading_all() else None,
+            awaiting_answer=self._awaiting,
         )
 
     def _standby_reading_all(self) -> bool:
@@ -494,6 +499,7 @@ class Daemon:
             return {}, {}
         now = self._clock()
         self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
+        self._awaiting = record.ledger.awaiting_readmission
         return baselines_of(record), learned_steps_of(record)
 
     def _start_probes(self) -> None:
@@ -554,11 +560,13 @@ class Daemon:
 
     def _tell_workers_who_asks(self) -> None:
         """Read workers hold the settings their share came with: on taking or losing the
-        lead, send them again (the daemon's own tasks ask before every read)."""
-        asks = self.settings.unasked is None
-        if asks != self._asks and isinstance(self._reading, ReadPool):
+        lead, or a change of the backends awaiting re-admission, send them again (the
+        daemon's own tasks ask before every read)."""
+        settings = self.settings
+        told = (settings.unasked is None, settings.awaiting_answer)
+        if told != self._told and isinstance(self._reading, ReadPool):
             self._start_probes()
-        self._asks = asks
+        self._told = told
 
     def _publication(self) -> tuple[dict[str, int], dict[str, Verdict]] | None:
         """This member's share's newest verdicts, with their serials, for the leader."""
@@ -591,6 +599,7 @@ class Daemon:
         """The record as settled or read, and what the loop's thread may read of it."""
         self._record = record
         self._news = (baselines_of(record), learned_steps_of(record))
+        self._awaiting = record.ledger.awaiting_readmission
 
     def _take_fresh(self) -> list[Outcome]:
         """Verdicts that came in since the last cycle; called on the event loop's thread."""

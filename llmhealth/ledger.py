@@ -1041,6 +1041,13 @@ class Ledger:
         return self._names_in(ABSENT)
 
     @property
+    def awaiting_readmission(self) -> frozenset[str]:
+        """STALE: out of the serving set until re-admitted (by an answered tiny request,
+        or an operator or trainer), so a reader asks them whenever they are idle. Unsorted:
+        every settle of ``watch`` asks, over the whole fleet."""
+        return frozenset(b.name for b in self._backends.values() if b.state is State.STALE)
+
+    @property
     def suspected(self) -> tuple[str, ...]:
         """SUSPECT, or STALE having been SUSPECT when a weight sync broke.
 

@@ -64,6 +64,14 @@ class ProbeSettings:
     # reads every backend, but only the leader's verdicts are settled, and a standby's
     # tiny request shows as work to the leader's read of an idle backend.
     unasked: str | None = None
+    # Backends whose ledger waits for an answered tiny request (STALE: only re-admission
+    # brings one back): asked whenever idle, even though their counters moved.
+    awaiting_answer: frozenset[str] = frozenset()
+
+    def wants_answer(self, name: str) -> bool:
+        """Whether this reader should ask ``name`` even though its engine moved: its
+        ledger waits for an answer, and this reader may send one."""
+        return self.unasked is None and name in self.awaiting_answer
 
     @property
     def read_limit(self) -> int:
@@ -349,6 +357,7 @@ async def examine_backend(
                 baseline=baseline,
                 learned=learned,
                 rules=target.rules,
+                answer_wanted=settings.wants_answer(target.name),
             )
             if isinstance(decision, Verdict):
                 return decision
@@ -384,6 +393,7 @@ async def examine_once(
     never a failure: failures are verdicts.
     """
     limit = settings.read_limit
+    answer_wanted = settings.wants_answer(target.name)
 
     async def read_into_window() -> None:
         read = await read_metrics(client, target, settings, clock)
@@ -392,7 +402,13 @@ async def examine_once(
 
     def judge(answer: Answer | None) -> Decision:
         return decide(
-            window, answer, max_reads=limit, baseline=baseline, learned=learned, rules=target.rules
+            window,
+            answer,
+            max_reads=limit,
+            baseline=baseline,
+            learned=learned,
+            rules=target.rules,
+            answer_wanted=answer_wanted,
         )
 
     try:

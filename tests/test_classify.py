@@ -160,6 +160,31 @@ def test_a_busy_server_is_never_sent_a_request(fixture_text: Load) -> None:
     assert [type(decision) for decision in result.decisions] == [TakeRead, TakeRead, Verdict]
 
 
+@pytest.mark.parametrize(
+    ("names", "kind"),
+    [
+        (("apifreeze-0", "apifreeze-after"), VerdictKind.IDLE),
+        (("busy-1", "busy-after"), VerdictKind.BUSY),
+    ],
+)
+def test_an_engine_that_moved_and_has_no_work_is_asked_only_when_an_answer_is_wanted(
+    fixture_text: Load, names: tuple[str, str], kind: VerdictKind
+) -> None:
+    reads = reads_of(fixture_text, *names)
+    unwanted = decide(reads)
+    assert isinstance(unwanted, Verdict) and unwanted.kind is kind and unwanted.answer is None
+    wanted = decide(reads, answer_wanted=True)
+    assert isinstance(wanted, SendTinyRequest) and wanted.good is kind
+    answered = decide(reads, answer(True), answer_wanted=True)
+    assert isinstance(answered, Verdict) and answered.kind is kind and answered.healthy
+    assert answered.answer is not None and "progressed" in answered.evidence
+    # Work now is never asked, wanted or not; nor is an engine asleep on purpose.
+    busy = reads_of(fixture_text, "busy-1", "busy-2")
+    assert isinstance(decide(busy, answer_wanted=True), Verdict)
+    sleeping = timed([asleep(capture(fixture_text, name)) for name in names])
+    assert isinstance(decide(sleeping, answer_wanted=True), Verdict)
+
+
 def test_a_busy_server_shown_from_any_prefix_is_never_sent_a_request(fixture_text: Load) -> None:
     reads = reads_of(fixture_text, "busy-1", "busy-2", "busy-3")
     for end in range(len(reads) + 1):

@@ -11,13 +11,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from pytest_httpserver import HTTPServer
+from werkzeug import Request, Response
 
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
-from llmhealth.cycle import Kept, Settled, backend_urls, ledger_policy, run_loop, settle_fleet
+from llmhealth.cycle import (
+    Kept,
+    Settled,
+    backend_urls,
+    ledger_policy,
+    run_cycle,
+    run_loop,
+    settle_fleet,
+)
 from llmhealth.fleet import FleetRecord
+from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateError, StateFile, StateLockedError
 
@@ -367,3 +378,42 @@ def test_a_check_s_loop_gives_back_its_value_unrendered_and_the_collector_as_it_
     assert run_loop(check()) is report
     assert rendered == []
     assert gc.get_threshold() == before
+
+
+def test_check_asks_a_stale_backend_whose_work_just_finished_and_readmits_it(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """check hands its probes the record's STALE backends: one whose engine moved (its
+    work just finished) is still asked, since only an answer re-admits it."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    texts = [
+        (captures / f"{name}.txt").read_text() for name in ("apifreeze-pre", "apifreeze-after")
+    ]
+    asked: list[Request] = []
+
+    def metrics(_request: Request) -> Response:
+        return Response(texts.pop(0) if len(texts) > 1 else texts[0])
+
+    def complete(request: Request) -> Response:
+        asked.append(request)
+        return Response(json.dumps({"id": "c", "choices": [{"text": "!"}]}))
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    url = httpserver.url_for("").rstrip("/")
+    config = Config(backends=(Backend("b", url),))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    for verb in (
+        lambda: operate.retire(store, audit, config, "b", "replaced the card"),
+        lambda: operate.reset(store, audit, config, "b"),
+    ):
+        assert verb().applied
+    assert saved(store.path)["b"]["state"] == "stale"
+
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
+    report = run_cycle(config, [Target("b", url)], settings, store, audit=audit)
+    (backend,) = report.backends
+    assert backend.outcome.verdict.kind is VerdictKind.BUSY
+    assert backend.outcome.verdict.answer is not None and len(asked) == 1
+    assert saved(store.path)["b"]["state"] == "healthy"

@@ -42,13 +42,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from pytest_httpserver import HTTPServer
 from rich.console import Console
 from simproc import Simulator, child_env, free_port_block, running_simulator
+from werkzeug import Request, Response
 
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
-from llmhealth import readers
+from llmhealth import operate, readers
+from llmhealth.actions import AuditLog, read
 from llmhealth.classify import Target
+from llmhealth.cycle import audit_path_for
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import READS_KEEP_UP, StallWatch
 from llmhealth.gctune import YOUNG
@@ -1115,6 +1119,101 @@ def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
 
     early, late = asyncio.run(scenario())
     assert late <= early + 1, f"{early} tasks after 2 cycles, {late} after 30"
+
+
+class MovedByOthers:
+    """An idle vLLM whose engine someone else's requests move between any two reads: its
+    generated-token counter is one higher at each read; the tiny requests it answers are
+    counted."""
+
+    def __init__(self, server: HTTPServer) -> None:
+        captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+        self._text = (captures / "apifreeze-after.txt").read_text()
+        self._series = 'vllm:generation_tokens_total{engine="0",model_name="tiny"} '
+        assert self._text.count(self._series) == 1
+        self._reads = 0
+        self.completions = 0
+        server.expect_request("/metrics").respond_with_handler(self._metrics)
+        server.expect_request("/v1/models").respond_with_json(
+            {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+        )
+        server.expect_request("/v1/completions", method="POST").respond_with_handler(self._complete)
+        self.url = server.url_for("").rstrip("/")
+
+    def _metrics(self, _request: Request) -> Response:
+        self._reads += 1
+        text = self._text.replace(f"{self._series}8000.0", f"{self._series}{8000 + self._reads}.0")
+        return Response(text, content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    def _complete(self, _request: Request) -> Response:
+        self.completions += 1
+        answer = {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "!"}]}
+        return Response(json.dumps(answer), content_type="application/json")
+
+
+def _saved_state(path: Path, name: str) -> str | None:
+    with contextlib.suppress(OSError, ValueError):
+        for backend in json.loads(path.read_text())["ledger"]["backends"]:
+            if backend["name"] == name:
+                return str(backend["state"])
+    return None
+
+
+@pytest.mark.parametrize("read_workers", [1, 2])
+def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted(
+    httpserver: HTTPServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    read_workers: int,
+) -> None:
+    """Re-admission needs an answered tiny request. Judged by its counters, a backend
+    that someone else keeps moving (a second checker, clients of its own) was never
+    asked, and stayed out of the serving set for as long as they came."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    backend = MovedByOthers(httpserver)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
+    state = tmp_path / "state.json"
+    daemon = Daemon(
+        lambda: (config, [Target("b", backend.url)]),
+        StateFile(state),
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def until(what: str, predicate: Callable[[], bool], running: asyncio.Task[int]) -> None:
+        deadline = time.monotonic() + 20.0
+        while not predicate():
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"no {what}; b is {_saved_state(state, 'b')}")
+            await asyncio.sleep(POLL)
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        try:
+            # Watched a while, so its window holds reads that show the engine moving.
+            await until("settled healthy", lambda: _saved_state(state, "b") == "healthy", running)
+            await asyncio.sleep(1.0)
+            # An operator's retire and reset: the backend is STALE, out until re-admitted.
+            operator = StateFile(state)
+            audit = AuditLog(audit_path_for(config, state))
+            for verb in (
+                lambda: operate.retire(operator, audit, config, "b", "replaced the card"),
+                lambda: operate.reset(operator, audit, config, "b"),
+            ):
+                done = await asyncio.to_thread(verb)
+                assert done.applied, done.message
+            asked_before = backend.completions
+            await until("re-admission", lambda: _saved_state(state, "b") == "healthy", running)
+            return backend.completions - asked_before
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, STOP_BOUND) == 0
+
+    assert asyncio.run(scenario()) >= 1
+    readmitted = [r for r in read(audit_path_for(config, state)) if r.get("event") == "readmitted"]
+    assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
 
 
 def test_the_daemon_spaces_young_collections_while_it_runs_and_gives_them_back(

@@ -164,6 +164,80 @@ def test_a_reader_that_may_not_ask_judges_an_idle_server_by_its_metrics_and_says
     assert backend.completions == 0
 
 
+# Idle at both reads, its engine moved between them: someone else's request came and went.
+MOVED_BY_OTHERS = ["apifreeze-0", "apifreeze-after"]
+# Busy, then idle: the work finished, and the engine moved.
+FINISHED = ["apifreeze-pre", "apifreeze-after"]
+
+
+def watch_twice(url: str, settings: ProbeSettings) -> Verdict | None:
+    """Two of watch's examinations of one backend, a wait apart: the second's verdict.
+    (The first, of one idle read, asks in any case: nothing yet shows the engine move.)"""
+    clock: FakeClock = FakeClock()
+    window: list[Read] = []
+
+    async def twice() -> Verdict | None:
+        async with new_client() as client:
+            target = Target("b", url)
+            await examine_once(client, target, settings, window, clock=clock)
+            return await examine_once(client, target, settings, window, clock=clock)
+
+    return asyncio.run(twice())
+
+
+def test_an_idle_server_moved_by_someone_else_s_request_is_not_asked_while_it_serves(
+    httpserver: HTTPServer,
+) -> None:
+    backend = Backend(httpserver, [capture(name) for name in MOVED_BY_OTHERS])
+    verdict = watch_twice(backend.url, FAST)
+    assert verdict is not None and verdict.kind is VerdictKind.IDLE and verdict.healthy
+    assert "progressed" in verdict.evidence and "no request sent" in verdict.evidence
+    assert verdict.answer is None and backend.completions == 1
+
+
+def test_an_idle_server_awaiting_readmission_is_asked_though_someone_else_moved_it(
+    httpserver: HTTPServer,
+) -> None:
+    # A STALE backend re-enters only by an answered tiny request: were it judged by its
+    # counters, a trickle of others' requests (a second checker, a client of its own)
+    # would keep it out of the serving set for as long as it lasts.
+    backend = Backend(httpserver, [capture(name) for name in MOVED_BY_OTHERS])
+    verdict = watch_twice(backend.url, replace(FAST, awaiting_answer=frozenset({"b"})))
+    assert verdict is not None and verdict.kind is VerdictKind.IDLE and verdict.healthy
+    assert verdict.answer is not None and verdict.answer.ok
+    assert "progressed" in verdict.evidence and "tiny request answered" in verdict.evidence
+    assert backend.completions == 2
+
+
+def test_a_standby_asks_no_server_even_one_awaiting_readmission(httpserver: HTTPServer) -> None:
+    backend = Backend(httpserver, [capture(name) for name in MOVED_BY_OTHERS])
+    settings = replace(
+        FAST, awaiting_answer=frozenset({"b"}), unasked="a standby leaves the tiny request"
+    )
+    verdict = watch_twice(backend.url, settings)
+    assert verdict is not None and verdict.answer is None and backend.completions == 0
+
+
+def test_check_asks_a_server_awaiting_readmission_whose_work_just_finished(
+    httpserver: HTTPServer,
+) -> None:
+    backend = Backend(httpserver, [capture(name) for name in FINISHED])
+    assert examine(backend.url).answer is None and backend.completions == 0
+    backend.metrics_reads = 0
+    verdict = examine(backend.url, replace(FAST, awaiting_answer=frozenset({"b"})))
+    assert verdict.kind is VerdictKind.BUSY and verdict.healthy
+    assert verdict.answer is not None and verdict.answer.ok and backend.completions == 1
+
+
+def test_a_busy_server_awaiting_readmission_is_still_sent_no_request(
+    httpserver: HTTPServer,
+) -> None:
+    backend = Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+    verdict = examine(backend.url, replace(FAST, awaiting_answer=frozenset({"b"})))
+    assert verdict.kind is VerdictKind.BUSY and verdict.answer is None
+    assert backend.completions == 0
+
+
 def test_an_idle_server_that_fails_the_tiny_request_is_unanswered(httpserver: HTTPServer) -> None:
     backend = Backend(httpserver, [capture("idle-1")], completion_ok=False)
     verdict = examine(backend.url)
