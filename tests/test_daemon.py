@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,12 +51,12 @@ from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
 from llmhealth import operate, readers
 from llmhealth.actions import AuditLog, read
-from llmhealth.classify import Target
+from llmhealth.classify import Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import READS_KEEP_UP, StallWatch
 from llmhealth.gctune import YOUNG
-from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 from llmhealth.state import StateFile
@@ -1214,6 +1214,48 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert asyncio.run(scenario()) >= 1
     readmitted = [r for r in read(audit_path_for(config, state)) if r.get("event") == "readmitted"]
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
+
+
+def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(
+    tmp_path: Path,
+) -> None:
+    """Reads run every 0.96 wait against settles every wait (readers.KEEP_ALIVE_LEAD), and
+    a settle takes each backend's newest verdict: a "restarted" one followed by a read of
+    the new process alone must not leave a restarted backend serving unproven."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    texts = [parse_metrics((captures / f"busy-{n}.txt").read_bytes()) for n in (1, 2, 3)]
+    later = (texts[0].process_start or 0.0) + 600  # a new process, started meanwhile
+    fresh = [replace(text, process_start=later) for text in texts]
+    target = Target("b", REFUSED_URL)
+    daemon = Daemon(
+        lambda: (config_module.Config(), [target]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    now = time.time()
+
+    def settle_after(*windows: list[Read]) -> str:
+        for window in windows:
+            verdict = decide(window)
+            assert isinstance(verdict, Verdict), verdict
+            daemon.hear(target, verdict, 0.01)
+        settled = daemon._settle(daemon_module.News(daemon._take_fresh(), []))
+        return str(settled.record.ledger.state_of("b"))
+
+    assert settle_after([Read(now - 5, texts[0]), Read(now, texts[1])]) == "healthy"
+    # The new process at work: judged "restarted" once it shows progress, at its second
+    # read; the window then keeps that read alone, and the next read, before the settle,
+    # makes a "busy" verdict of the new process's two reads: the newest, so the settled.
+    restarted = [Read(now, texts[1]), Read(now + 4.8, fresh[0]), Read(now + 9.6, fresh[1])]
+    verdict = decide(restarted)
+    assert isinstance(verdict, Verdict) and verdict.kind is VerdictKind.RESTARTED
+    after = [restarted[-1], Read(now + 14.4, fresh[2])]
+    newest = decide(after)
+    assert isinstance(newest, Verdict) and newest.kind is VerdictKind.BUSY
+    assert settle_after(restarted, after) == "stale"
 
 
 def test_the_daemon_spaces_young_collections_while_it_runs_and_gives_them_back(

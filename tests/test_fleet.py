@@ -503,6 +503,24 @@ def test_observe_uses_the_previous_sighting_to_see_a_process_come_back() -> None
     assert [(t.kind, t.to_state) for t in transitions] == [(EventKind.NEW_PROCESS_UP, State.STALE)]
 
 
+def test_observe_sees_a_restart_of_a_serving_backend_that_only_the_sighting_shows() -> None:
+    # watch settles a backend's newest verdict: when a second read came before the settle,
+    # the "restarted" verdict was replaced by one judging the new process alone.
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    for name in ("gpu0", "gpu1"):
+        record.observe(name, VERDICTS["busy"], NOW)
+    new_process = (readable(NOW + 4.7, start=90.0), readable(NOW + 5, steps=140.0, start=90.0))
+    busy_again = replace(VERDICTS["busy"], reads=new_process)
+    transitions = record.observe("gpu0", busy_again, NOW + 5)
+    assert [(t.kind, t.from_state, t.to_state) for t in transitions] == [
+        (EventKind.UNPLANNED_RESTART, State.HEALTHY, State.STALE)
+    ]
+    assert record.sightings["gpu0"].baseline == signals(steps=140.0, start=90.0)
+    # The same process, read again: nothing to see.
+    transitions = record.observe("gpu1", VERDICTS["busy"], NOW + 5)
+    assert [(t.kind, t.to_state) for t in transitions] == [(EventKind.GOOD_VERDICT, State.HEALTHY)]
+
+
 def test_observe_passes_the_expected_model_to_readmission() -> None:
     record = record_of(("gpu0", URL_0))
     record.observe("gpu0", restarted_with(WRONG_MODEL), NOW, expected_model="big")
