@@ -216,6 +216,8 @@ def test_a_standby_asks_no_server_even_one_awaiting_readmission(httpserver: HTTP
     )
     verdict = watch_twice(backend.url, settings)
     assert verdict is not None and verdict.answer is None and backend.completions == 0
+    # Judged by its counters, as a serving one: not a question it may not ask.
+    assert "progressed" in verdict.evidence and "a standby" not in verdict.evidence
 
 
 def test_check_asks_a_server_awaiting_readmission_whose_work_just_finished(
