@@ -13,10 +13,11 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from etcdproc import EtcdCluster, running_etcd
 from restartable import Server, restartable_fleet
@@ -139,14 +140,19 @@ class Scene:
         The re-admission itself: a standby's page may still show the state of a record
         read before the wedge was condemned, "healthy" with the restart under way.
         """
+        return self._readmitted_since(
+            backend, lambda r: r.get("event") == "restart" and r.get("to") == "restarting"
+        )
+
+    def readmitted_since_reset(self, backend: str) -> bool:
+        """Whether the trail has ``backend`` back in serving after an operator's reset."""
+        return self._readmitted_since(backend, lambda r: r.get("event") == "reset")
+
+    def _readmitted_since(self, backend: str, out: Callable[[dict[str, Any]], bool]) -> bool:
         records = read_audit(Etcd(self.etcd.endpoints), Keys(PREFIX)).records
         mine = [r for r in records if r.get("backend") == backend]
-        restarts = [
-            i
-            for i, r in enumerate(mine)
-            if r.get("event") == "restart" and r.get("to") == "restarting"
-        ]
-        return bool(restarts) and any(r.get("to") == "healthy" for r in mine[restarts[-1] + 1 :])
+        taken_out = [i for i, r in enumerate(mine) if out(r)]
+        return bool(taken_out) and any(r.get("to") == "healthy" for r in mine[taken_out[-1] + 1 :])
 
     @contextmanager
     def explained(self, leader: Watch, backend: str = "gpu") -> Iterator[None]:
@@ -208,9 +214,11 @@ def staged(
     *,
     more: int = 0,
     cluster: str = "",
+    also: Sequence[Mapping[str, object]] = (),
 ) -> Iterator[Scene]:
     """A scene; ``policy`` is the body of a [policy] table for the config, if any, and
-    ``cluster`` more lines of its [cluster] table; ``more`` backends beside gpu."""
+    ``cluster`` more lines of its [cluster] table; ``more`` backends beside gpu, and
+    ``also`` backend tables of servers the test runs itself (not in ``servers``)."""
     with ExitStack() as stack:
         etcd = stack.enter_context(running_etcd(tmp_path / "etcd-data", etcd_members))
         fleet = stack.enter_context(restartable_fleet(tmp_path))
@@ -223,6 +231,7 @@ def staged(
                 {"name": name, "url": server.url, "restart": restarts.argv(server)}
                 for name, (server, restarts) in servers.items()
             ]
+            + list(also)
         )
         text += (
             f'\n[cluster]\netcd = {json.dumps(etcd.endpoints)}\nprefix = "{PREFIX}"\n'

@@ -6,7 +6,9 @@ daemons) run in `make e2e`: e2e/test_cluster.py.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -27,9 +29,11 @@ from clusterscene import (
     two_daemons,
     until,
 )
+from pytest_httpserver import HTTPServer
+from test_daemon import MovedByOthers
 
 from llmhealth.cluster import Elector, Etcd, Keys
-from llmhealth.leadership import LeaseTiming
+from llmhealth.leadership import LeaseTiming, owner
 
 
 @pytest.fixture
@@ -127,3 +131,48 @@ def test_a_standby_sends_no_tiny_request_and_starts_asking_once_it_leads(
     finally:
         holder.stop(resign=True)
     assert page.state("gpu") == "healthy"
+
+
+@pytest.mark.parametrize("top", ["", "read_workers = 2"], ids=["own loop", "read workers"])
+def test_a_sharded_standby_asks_a_stale_backend_of_its_share_that_others_keep_moving(
+    entry_point: str, tmp_path: Path, httpserver: HTTPServer, top: str
+) -> None:
+    # With shard_reads the leader settles what the member owning a backend read. A STALE
+    # backend is re-admitted only by an answered tiny request, and one whose engine
+    # others move between any two reads is asked only by a reader that knows it is
+    # STALE: the owner, a standby, learns it from the record it reads at every cycle.
+    moved = MovedByOthers(httpserver)
+    with (
+        staged(
+            entry_point,
+            tmp_path,
+            cluster="shard_reads = true",
+            also=[{"name": "moved", "url": moved.url}],
+        ) as scene,
+        ExitStack() as stack,
+    ):
+        # Named so that the standby (the second to start) owns the backend under test.
+        names = ("one", "two") if owner("moved", ["one", "two"]) == "two" else ("two", "one")
+        leader = stack.enter_context(scene.daemon("a", names[0]))
+        leader.until("the first daemon leading", leads)
+        standby = stack.enter_context(scene.daemon("b", names[1], top=top))
+        standby.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
+        leader.until(
+            "two members sharing the reads",
+            lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
+        )
+        leader.until("moved serving", lambda p: p.state("moved") == "healthy")
+        with scene.explained(leader, "moved"):
+            for verb in (["retire", "moved", "--reason", "card replaced"], ["reset", "moved"]):
+                subprocess.run(
+                    [entry_point, *verb, "-c", str(scene.config)],
+                    capture_output=True,
+                    timeout=60,
+                    check=True,
+                )
+            asked_before = moved.completions
+            until("moved re-admitted", lambda: scene.readmitted_since_reset("moved"))
+        assert moved.completions > asked_before
+        trail = scene.audit_command()
+    readmitted = [r for r in trail if r["backend"] == "moved" and r["event"] == "readmitted"]
+    assert "tiny request answered" in json.dumps(readmitted[-1]), trail
