@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from llmhealth.probe import ProbeSettings
     from llmhealth.remediate import Mode
     from llmhealth.report import CycleReport
-    from llmhealth.state import Store
+    from llmhealth.state import StateFile, Store
 
 # Each verb imports what it alone needs (the cycle and its HTTP client, rich, the daemon,
 # the simulator) inside its body: a shell check or a once-a-minute timer pays for the
@@ -168,6 +168,18 @@ def check(
     raise typer.Exit(int(exit_code(report)))
 
 
+def _daemon_store(loaded: config_module.Config, state: str | None) -> Seat | StateFile:
+    """Where `watch` and `route` keep the ledger: with a [cluster], its record in etcd,
+    which only the member holding the lease writes (a standby reads it every wait); else
+    the state file, with the audit log beside it unless the config names one."""
+    if loaded.cluster is not None:
+        return _seat(loaded.cluster)
+    from llmhealth.cycle import state_path_for  # noqa: PLC0415
+    from llmhealth.state import StateFile  # noqa: PLC0415
+
+    return StateFile(state_path_for(loaded, state))
+
+
 def _seat(cluster: config_module.Cluster) -> Seat:
     from llmhealth.cluster import Seat, default_member_name  # noqa: PLC0415
     from llmhealth.text import printable  # noqa: PLC0415
@@ -253,10 +265,8 @@ def watch(
     """
     from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
 
-    from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.eventloop import run  # noqa: PLC0415
-    from llmhealth.state import StateFile  # noqa: PLC0415
 
     given_urls, given_proxies = urls or [], proxy or []
 
@@ -269,11 +279,9 @@ def watch(
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
-    path = state_path_for(loaded, state)
     daemon = Daemon(
         load,
-        _seat(loaded.cluster) if loaded.cluster is not None else StateFile(path),
-        audit_path=audit_path_for(loaded, path),
+        _daemon_store(loaded, state),
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait),
         serving_file=Path(serving_file) if serving_file else None,
@@ -304,11 +312,10 @@ def route(
     """
     from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
 
-    from llmhealth.cycle import routed_backends, state_path_for  # noqa: PLC0415
+    from llmhealth.cycle import routed_backends  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.eventloop import run  # noqa: PLC0415
     from llmhealth.router import Router, raise_file_limit  # noqa: PLC0415
-    from llmhealth.state import StateFile  # noqa: PLC0415
 
     given_urls = urls or []
 
@@ -328,7 +335,7 @@ def route(
     router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)
     daemon = Daemon(
         load,
-        StateFile(state_path_for(loaded, state)),
+        _daemon_store(loaded, state),
         listen=None,
         wait_override=wait_seconds,
         serving_file=None,

@@ -118,16 +118,23 @@ class Scene:
         """A daemon on the scene's config; ``member`` names it in etcd (default: host and
         PID), for a test whose shares must not depend on a PID; ``top`` adds top-level
         settings (``read_workers = 2``) to its config alone."""
-        # Each daemon has its own state path; in a cluster nothing is written there.
-        state = self.folder / f"{name}-state.json"
-        config = self.config
-        if member is not None or top:
-            text = self.config.read_text()
-            if member is not None:
-                text = text.replace("[cluster]\n", f'[cluster]\nmember = "{member}"\n')
-            config = write_config(self.folder / f"fleet-{name}.toml", f"{top}\n{text}")
-        with watching(self.entry_point, config, state) as watch:
+        with watching(
+            self.entry_point, self.config_for(name, member, top), self.state(name)
+        ) as watch:
             yield watch
+
+    def state(self, name: str) -> Path:
+        """A daemon's own state path: in a cluster nothing may be written there."""
+        return self.folder / f"{name}-state.json"
+
+    def config_for(self, name: str, member: str | None = None, top: str = "") -> Path:
+        """The scene's config, with ``member`` naming the daemon in etcd and ``top`` added."""
+        if member is None and not top:
+            return self.config
+        text = self.config.read_text()
+        if member is not None:
+            text = text.replace("[cluster]\n", f'[cluster]\nmember = "{member}"\n')
+        return write_config(self.folder / f"fleet-{name}.toml", f"{top}\n{text}")
 
     def audited_restarts(self) -> list[dict[str, object]]:
         """The restarts the fleet's audit trail in etcd holds: one per restart issued."""

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -37,10 +37,12 @@ def running_route(
     port: int,
     file_limit: tuple[int, int] | None = None,
     started: list[int] | None = None,
+    more: Sequence[str] = (),
 ) -> Iterator[str]:
     """`llmhealth route` on ``port`` until the block ends; always stopped.
 
-    ``file_limit``: the (soft, hard) open-file limit it starts with; ``started`` gets its PID.
+    ``file_limit``: the (soft, hard) open-file limit it starts with; ``started`` gets its
+    PID; ``more``: further arguments.
     """
 
     def limited() -> None:
@@ -49,7 +51,7 @@ def running_route(
 
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(
-            [entry_point, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"],
+            [entry_point, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}", *more],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=stderr,

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import pytest
 from clusterscene import (
     PREFIX,
@@ -30,6 +31,7 @@ from clusterscene import (
     until,
 )
 from pytest_httpserver import HTTPServer
+from routeproc import COMPLETION, free_port, running_route
 from test_daemon import MovedByOthers
 
 from llmhealth.cluster import Elector, Etcd, Keys
@@ -176,3 +178,49 @@ def test_a_sharded_standby_asks_a_stale_backend_of_its_share_that_others_keep_mo
         trail = scene.audit_command()
     readmitted = [r for r in trail if r["backend"] == "moved" and r["event"] == "readmitted"]
     assert "tiny request answered" in json.dumps(readmitted[-1]), trail
+
+
+def router_page(url: str) -> Page:
+    return Page(httpx.get(f"{url}/metrics", timeout=5.0).text)
+
+
+def test_routers_of_a_cluster_keep_one_ledger_in_etcd_and_only_the_leader_restarts(
+    scene: Scene,
+) -> None:
+    # `llmhealth route` on every node: the record in etcd is their one ledger. The router
+    # holding the lease settles and restarts; the other routes by the serving set the
+    # record holds. Each keeping a ledger of its own would restart every wedge once per
+    # node, the cascade llmhealth exists to prevent.
+    switch_mode(scene.gpu, "idle")  # a completion through a router is answered at once
+    routers: dict[str, str] = {}
+    with ExitStack() as stack:
+        for name in ("a", "b"):
+            routers[name] = stack.enter_context(
+                running_route(
+                    scene.entry_point,
+                    scene.config_for(name, member=name),
+                    free_port(),
+                    more=["--state", str(scene.state(name)), "--wait", str(WAIT)],
+                )
+            )
+            if name == "a":
+                until("router a leading", lambda: leads(router_page(routers["a"])))
+        until("router b cycling", lambda: router_page(routers["b"]).cycled)
+        assert not leads(router_page(routers["b"]))
+        until(
+            "gpu serving by the record, on the standby's router",
+            lambda: router_page(routers["b"]).state("gpu") == "healthy",
+        )
+        answer = httpx.post(f"{routers['b']}/v1/completions", json=COMPLETION, timeout=30.0)
+        assert answer.status_code == 200, answer.text
+        inject_wedge(scene.gpu)
+        until("gpu restarted", lambda: bool(scene.restarts.lines()))
+        until("gpu re-admitted", scene.readmitted_since_restart)
+        for _ in range(4):  # a second ledger would restart it again
+            page = router_page(routers["a"])
+            until(
+                "a later cycle", lambda p=page: router_page(routers["a"]).last_cycle != p.last_cycle
+            )
+    assert scene.restarts.lines() == [(scene.restarts.lines()[0][0], "a")]
+    assert [r["member"] for r in scene.audited_restarts()] == ["a"]
+    assert not scene.state("a").exists() and not scene.state("b").exists()
