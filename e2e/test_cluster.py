@@ -238,9 +238,11 @@ def test_two_daemons_and_cron_restart_each_of_many_wedges_exactly_once(
     for done in checks:
         assert "Traceback" not in done.stderr, done.stderr
         assert done.returncode in (0, 1, 2), done.stderr
-    # With two daemons renewing, a check from cron does not win the lease: it only reports.
+    # With two daemons renewing, a check from cron does not win the lease: it only reports,
+    # and says who leads.
     said = [json.loads(done.stdout)["notes"] for done in checks]
-    assert any(any("not acting" in note for note in notes) for notes in said), said
+    assert any(any("not acting: standby (" in note for note in notes) for notes in said), said
+    assert any(any(" leads)" in note for note in notes) for notes in said), said
 
 
 def shares_of(page: Page) -> dict[str, float]:

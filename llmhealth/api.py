@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
 from llmhealth import config as config_module
-from llmhealth.classify import VerdictKind
-from llmhealth.cycle import run_cycle_async, run_loop, state_path_for
+from llmhealth.classify import Target, VerdictKind
+from llmhealth.cycle import run_cycle_async, run_cycle_in_cluster, run_loop, state_path_for
 from llmhealth.ledger import State, Transition
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import Mode
@@ -31,8 +32,10 @@ from llmhealth.report import (
     exit_code,
 )
 from llmhealth.state import StateFile
+from llmhealth.text import printable
 
 PathArg = str | PathLike[str]
+_LOGGER = logging.getLogger("llmhealth")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,9 @@ def check(
     only from a ``config``; ``dry_run`` and ``no_restart`` are the CLI's flags. Bad
     arguments raise ``ValueError``; a bad config ``ConfigError``; a locked or corrupt state
     file ``StateError``. A sick server is never an exception: it is in the report.
+
+    With a ``[cluster]`` in the config it is cron's check beside the daemons: it acts only
+    if it wins the lease for the run, and the record is etcd's (``state`` is not used).
     """
     if _loop_running():
         raise RuntimeError(
@@ -112,7 +118,13 @@ def check(
             "await llmhealth.check_async(...) there"
         )
     options = _Options(proxies, config, state, wait, timeout, answer_timeout, dry_run, no_restart)
-    return run_loop(_run(urls, options, may_block=True))
+    run = _prepared(urls, options, may_block=True)
+    if run.config.cluster is not None:
+        report = run_cycle_in_cluster(
+            run.config, run.config.cluster, run.targets, run.settings, mode=run.mode, log=_log
+        )
+        return _typed(report)
+    return _typed(run_loop(_cycle(run)))
 
 
 async def check_async(
@@ -129,12 +141,15 @@ async def check_async(
 ) -> CheckReport:
     """``check`` inside a running event loop: no thread, no new loop.
 
-    Two things that would hold the loop are refused instead: waiting for a state file
-    another run has locked (``StateLockedError`` at once), and running a restart command
-    (a config with restart commands needs ``dry_run`` or ``no_restart`` here).
+    Three things that would hold the loop are refused instead: waiting for a state file
+    another run has locked (``StateLockedError`` at once), running a restart command (a
+    config with restart commands needs ``dry_run`` or ``no_restart`` here), and a config
+    with a ``[cluster]`` (its etcd client blocks: ``ValueError``; call ``check`` from a
+    thread).
     """
     options = _Options(proxies, config, state, wait, timeout, answer_timeout, dry_run, no_restart)
-    return await _run(urls, options, may_block=False)
+    run = _prepared(urls, options, may_block=False)
+    return _typed(await _cycle(run))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +164,19 @@ class _Options:
     no_restart: bool
 
 
-async def _run(urls: Sequence[str], options: _Options, *, may_block: bool) -> CheckReport:
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What one check runs: the fleet, how it reads, whether it acts, where it keeps state."""
+
+    config: config_module.Config
+    targets: list[Target]
+    settings: ProbeSettings
+    mode: Mode
+    store: StateFile | None
+
+
+def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Prepared:
+    """The arguments checked and the config read, before anything is sent."""
     proxies, config, state = options.proxies, options.config, options.state
     if isinstance(urls, str) or isinstance(proxies, str):
         raise TypeError("urls and proxies are lists of URLs, not one string")
@@ -165,18 +192,32 @@ async def _run(urls: Sequence[str], options: _Options, *, may_block: bool) -> Ch
         max_check_time=loaded.max_check_time,
     )
     mode = Mode.OFF if options.no_restart else Mode.DRY_RUN if options.dry_run else Mode.ACT
+    if not may_block and loaded.cluster is not None:
+        raise ValueError(
+            "check_async cannot take part in a cluster (its etcd client would hold the "
+            "event loop): call check() from a thread, e.g. asyncio.to_thread(llmhealth.check, ...)"
+        )
     if not may_block and mode is Mode.ACT and any(b.restart for b in loaded.backends):
         raise ValueError(
             "check_async runs no restart command (it would hold the event loop): pass "
             "dry_run=True or no_restart=True, or call check()"
         )
     store = None
-    if state is not None or config is not None:
+    # In a cluster the record is etcd's: nothing is kept in a state file.
+    if loaded.cluster is None and (state is not None or config is not None):
         explicit = None if state is None else str(state)
         path = state_path_for(loaded, explicit)
         store = StateFile(path) if may_block else StateFile(path, lock_timeout=0.0)
-    report = await run_cycle_async(loaded, targets, settings, store, mode=mode)
-    return _typed(report)
+    return _Prepared(loaded, targets, settings, mode, store)
+
+
+async def _cycle(run: _Prepared) -> CycleReport:
+    return await run_cycle_async(run.config, run.targets, run.settings, run.store, mode=run.mode)
+
+
+def _log(message: str) -> None:
+    """The cluster's news during a check from code (who leads, etcd's errors), escaped."""
+    _LOGGER.info("%s", printable(message))
 
 
 def _loop_running() -> bool:

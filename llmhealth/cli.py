@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from llmhealth.actions import Audit
     from llmhealth.cluster import Seat
     from llmhealth.operate import VerbResult
-    from llmhealth.probe import ProbeSettings
-    from llmhealth.remediate import Mode
     from llmhealth.report import CycleReport
     from llmhealth.state import StateFile, Store
 
@@ -140,7 +138,7 @@ def check(
     steps between reads. Only a backend with nothing to do gets one tiny request.
     """
     # The cycle brings the HTTP client, the ledger and remediation: only a check needs them.
-    from llmhealth.cycle import run_cycle, state_path_for  # noqa: PLC0415
+    from llmhealth.cycle import run_cycle, run_cycle_in_cluster, state_path_for  # noqa: PLC0415
     from llmhealth.probe import ProbeSettings  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
@@ -157,7 +155,9 @@ def check(
     )
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
     if loaded.cluster is not None:
-        report = _check_in_cluster(loaded, loaded.cluster, targets, settings, mode, state)
+        report = run_cycle_in_cluster(
+            loaded, loaded.cluster, targets, settings, mode=mode, log=_log_quoted
+        )
     else:
         # Bare URLs without --state or --config keep no state: a quick look changes nothing.
         store = StateFile(state_path_for(loaded, state)) if state or config_file else None
@@ -181,55 +181,16 @@ def _daemon_store(loaded: config_module.Config, state: str | None) -> Seat | Sta
 
 
 def _seat(cluster: config_module.Cluster) -> Seat:
-    from llmhealth.cluster import Seat, default_member_name  # noqa: PLC0415
+    from llmhealth.cluster import Seat  # noqa: PLC0415
+
+    return Seat.for_config(cluster, _log_quoted)
+
+
+def _log_quoted(message: str) -> None:
+    """A line on stderr, escaped: etcd's own error texts are quoted in these."""
     from llmhealth.text import printable  # noqa: PLC0415
 
-    def log(message: str) -> None:  # etcd's own error texts are quoted in these
-        print(printable(message), file=sys.stderr, flush=True)
-
-    member = cluster.member or default_member_name()
-    return Seat(
-        cluster.etcd,
-        cluster.prefix,
-        member,
-        cluster.lease_ttl,
-        log=log,
-        audit_keep=cluster.audit_keep,
-    )
-
-
-def _check_in_cluster(
-    loaded: config_module.Config,
-    cluster: config_module.Cluster,
-    targets: list[Target],
-    settings: ProbeSettings,
-    mode: Mode,
-    state: str | None,
-) -> CycleReport:
-    """A check from cron next to daemons: it acts only if it wins the lease for the run.
-
-    Otherwise it reads and reports as a standby does, says who leads, and writes nothing.
-    """
-    from llmhealth.cluster import ClusterError  # noqa: PLC0415
-    from llmhealth.cycle import run_cycle  # noqa: PLC0415
-    from llmhealth.remediate import Mode  # noqa: PLC0415
-
-    seat = _seat(cluster)
-    try:
-        seat.elector.step()
-    except ClusterError as exc:
-        note = f"etcd unreachable, nothing acted on or written: {exc}"
-        return run_cycle(loaded, targets, settings, None, mode=Mode.OFF, notes=[note])
-    if not seat.elector.decision().may_act:
-        note = f"not acting: {seat.standing()}; nothing restarted or written"
-        seat.elector.stop()
-        return run_cycle(loaded, targets, settings, seat.reader, mode=Mode.OFF, notes=[note])
-    seat.elector.start()  # keeps the lease renewed while the reads take their waits
-    try:
-        # Its audit records go to etcd with the state, as the daemons' do.
-        return run_cycle(loaded, targets, settings, seat.store, mode=mode, audit=seat.store.audit)
-    finally:
-        seat.elector.stop()  # resigns: the daemons' next round elects one of them
+    print(printable(message), file=sys.stderr, flush=True)
 
 
 @app.command()

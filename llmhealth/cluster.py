@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from llmhealth.actions import AuditError, AuditScan, encode_record, parse_records
 from llmhealth.classify import Verdict
 from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
+from llmhealth.config import Cluster as ClusterConfig
 from llmhealth.leadership import (
     Decision,
     LeaseFacts,
@@ -401,13 +402,19 @@ class Elector:
             with contextlib.suppress(StateError):
                 self.etcd.revoke(lease)
 
+    def step_and_observe(self) -> None:
+        """One round, then who leads and who is a member as etcd shows them: what
+        ``standing`` says. A process that takes part for one run (a check from cron) has
+        no thread to observe for it, and would say etcd was unreachable."""
+        self.step()
+        self.observed = Observation(
+            True, read_leader(self.etcd, self.keys), read_members(self.etcd, self.keys)
+        )
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.step()
-                self.observed = Observation(
-                    True, read_leader(self.etcd, self.keys), read_members(self.etcd, self.keys)
-                )
+                self.step_and_observe()
             except StateError as exc:
                 if str(exc) != self.last_error:
                     self._log(f"cluster: {exc}")
@@ -818,6 +825,19 @@ class Seat:
         # Fenced, for the leader; its audit trail rides in the same transactions.
         self.store = EtcdStore(self.etcd, self.keys, self.elector, audit_keep=audit_keep)
         self.reader = ReadOnlyStore(self.etcd, self.keys)  # for standbys and views
+
+    @classmethod
+    def for_config(cls, cluster: ClusterConfig, log: Log) -> Seat:
+        """The seat a config's [cluster] table describes; without a ``member`` name, this
+        host's name and process ID."""
+        return cls(
+            cluster.etcd,
+            cluster.prefix,
+            cluster.member or default_member_name(),
+            cluster.lease_ttl,
+            log=log,
+            audit_keep=cluster.audit_keep,
+        )
 
     @property
     def member(self) -> str:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from llmhealth.actions import Audit, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict
-from llmhealth.config import Backend, Config
+from llmhealth.config import Backend, Cluster, Config
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord
 from llmhealth.gctune import young_collections_spaced
@@ -268,6 +268,39 @@ def run_cycle(
             config, targets, settings, store, mode=mode, clock=clock, audit=audit, notes=notes
         )
     )
+
+
+def run_cycle_in_cluster(
+    config: Config,
+    cluster: Cluster,
+    targets: list[Target],
+    settings: ProbeSettings,
+    *,
+    mode: Mode,
+    log: Callable[[str], None],
+) -> CycleReport:
+    """One ``check`` beside a cluster's daemons (from cron, a script): it acts only if it
+    wins the lease for its run. Otherwise it reads and reports as a standby does, says who
+    leads, and writes nothing; with etcd away it writes nothing either. ``log`` hears the
+    elector's news (etcd's own error texts among them)."""
+    from llmhealth.cluster import ClusterError, Seat  # noqa: PLC0415 - only a cluster's
+
+    seat = Seat.for_config(cluster, log)
+    try:
+        seat.elector.step_and_observe()
+    except ClusterError as exc:
+        note = f"etcd unreachable, nothing acted on or written: {exc}"
+        return run_cycle(config, targets, settings, None, mode=Mode.OFF, notes=[note])
+    if not seat.elector.decision().may_act:
+        note = f"not acting: {seat.standing()}; nothing restarted or written"
+        seat.elector.stop()
+        return run_cycle(config, targets, settings, seat.reader, mode=Mode.OFF, notes=[note])
+    seat.elector.start()  # keeps the lease renewed while the reads take their waits
+    try:
+        # Its audit records go to etcd with the state, as the daemons' do.
+        return run_cycle(config, targets, settings, seat.store, mode=mode, audit=seat.store.audit)
+    finally:
+        seat.elector.stop()  # resigns: the daemons' next round elects one of them
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

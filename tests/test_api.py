@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from etcdproc import EtcdCluster, running_etcd
 from simproc import running_simulator
 
 import llmhealth
 from llmhealth import ExitCode, State, VerdictKind
+from llmhealth.cluster import Elector, Etcd, Keys
+from llmhealth.leadership import LeaseTiming
 from llmhealth.state import StateFile, StateLockedError
 
 FAST: dict[str, Any] = {"wait": 0.3, "timeout": 1.0, "answer_timeout": 2.0}
@@ -135,6 +140,50 @@ def test_check_async_runs_no_restart_command(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="no_restart"):
         asyncio.run(llmhealth.check_async(config=config, state=tmp_path / "s.json"))
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster
+
+
+def test_check_from_code_in_a_cluster_acts_only_with_the_lease_and_keeps_the_record_in_etcd(
+    tmp_path: Path, etcd: EtcdCluster
+) -> None:
+    # A script's check beside a cluster's daemons is cron's: a ledger of its own in a state
+    # file would settle and restart behind the leader's back.
+    keys = Keys("/llmhealth-api")
+    state = tmp_path / "state.json"
+    config = tmp_path / "fleet.toml"
+    holder = Elector(Etcd(etcd.endpoints), keys, "holder", LeaseTiming.for_ttl(3.0), log=[].append)
+    with running_simulator(["idle"]) as sim:
+        config.write_text(
+            f'state = "{state}"\n[[backend]]\nname = "gpu0"\nurl = "{sim.urls[0]}"\n'
+            f'[cluster]\netcd = {json.dumps(etcd.endpoints)}\nprefix = "{keys.prefix}"\n'
+            "lease_ttl = 3\n"
+        )
+        holder.start()
+        try:
+            deadline = time.monotonic() + 30.0
+            while not holder.decision().may_act:
+                assert time.monotonic() < deadline, "the holder never led"
+                time.sleep(0.05)
+            standing_by = llmhealth.check(config=config, **FAST)
+        finally:
+            holder.stop(resign=True)
+        assert Etcd(etcd.endpoints).get(keys.state) is None
+        leading = llmhealth.check(config=config, **FAST)
+        with pytest.raises(ValueError, match="cluster"):
+            asyncio.run(llmhealth.check_async(config=config, no_restart=True, **FAST))
+    assert any("not acting: standby (holder leads)" in note for note in standing_by.notes), (
+        standing_by.notes
+    )
+    assert standing_by.backend("gpu0").verdict is VerdictKind.IDLE
+    record = Etcd(etcd.endpoints).get(keys.state)
+    assert record is not None and b'"gpu0"' in record.value
+    assert leading.backend("gpu0").state is State.HEALTHY
+    assert not state.exists()
 
 
 @pytest.mark.parametrize(
