@@ -90,8 +90,9 @@ StateOption = Annotated[
     typer.Option(
         "--state",
         help="State file (ledger, holds, budgets). Default with --config: the config's "
-        "'state', else $STATE_DIRECTORY, /var/lib/llmhealth (root) or ~/.local/state. "
-        "Bare URLs without --state or --config keep no state between runs.",
+        "'state', else $STATE_DIRECTORY, /var/lib/llmhealth (root) or the user's state "
+        "directory ($XDG_STATE_HOME, else ~/.local/state). Bare URLs without --state or "
+        "--config keep no state between runs; in a cluster the record is in etcd.",
     ),
 ]
 
