@@ -23,7 +23,7 @@ from llmhealth.fleet import FleetRecord
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
-from llmhealth.probe import ProbeSettings, check_fleet
+from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings, check_fleet
 from llmhealth.remediate import (
     ACTOR,
     CommandDone,
@@ -286,15 +286,17 @@ def run_cycle_in_cluster(
     from llmhealth.cluster import ClusterError, Seat  # noqa: PLC0415 - only a cluster's
 
     seat = Seat.for_config(cluster, log)
+    # Not acting, it asks nothing either, as a standby daemon does (STANDBY_ASKS_NOTHING).
+    standby = replace(settings, unasked=STANDBY_ASKS_NOTHING)
     try:
         seat.elector.step_and_observe()
     except ClusterError as exc:
         note = f"etcd unreachable, nothing acted on or written: {exc}"
-        return run_cycle(config, targets, settings, None, mode=Mode.OFF, notes=[note])
+        return run_cycle(config, targets, standby, None, mode=Mode.OFF, notes=[note])
     if not seat.elector.decision().may_act:
         note = f"not acting: {seat.standing()}; nothing restarted or written"
         seat.elector.stop()
-        return run_cycle(config, targets, settings, seat.reader, mode=Mode.OFF, notes=[note])
+        return run_cycle(config, targets, standby, seat.reader, mode=Mode.OFF, notes=[note])
     seat.elector.start()  # keeps the lease renewed while the reads take their waits
     try:
         # Its audit records go to etcd with the state, as the daemons' do.
@@ -348,7 +350,8 @@ async def run_cycle_async(
     if audit is None and isinstance(store, StateFile):
         audit = AuditLog(audit_path_for(config, store.path))
     if store is None:
-        notes.append("state not persisted: bare URLs without --state or --config")
+        if not notes:  # a caller with its own reason (etcd away) has said it
+            notes.append("state not persisted: bare URLs without --state or --config")
         mode = Mode.OFF  # nothing to remember a restart by, and no restart commands
 
     kept = Kept()  # the settle that hears the commands starts from what the first saved

@@ -58,7 +58,7 @@ from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
-from llmhealth.probe import ProbeSettings
+from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.render import report_renderables
@@ -75,7 +75,6 @@ if TYPE_CHECKING:  # `watch` without a router need not import the router
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
-STANDBY_ASKS_NOTHING = "a standby leaves the tiny request to the leader"
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",

@@ -50,6 +50,13 @@ _TINY_PROMPT = "Hi"
 _USER_AGENT = f"llmhealth/{__version__}"
 
 
+# A cluster's member that may not act (a standby daemon reading every backend, a check
+# from cron that did not win the lease): nothing it sees is settled, its tiny request
+# would take a slot for nothing, and the leader's read of that idle backend would show
+# the request as work.
+STANDBY_ASKS_NOTHING = "a standby leaves the tiny request to the leader"
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeSettings:
     wait: float = 5.0
@@ -60,9 +67,7 @@ class ProbeSettings:
     # most this long; ``max_reads`` fixes the number of reads instead, where given.
     max_check_time: float = 300.0
     max_reads: int | None = None
-    # Why this reader sends no tiny request, or None when it may: a cluster's standby
-    # reads every backend, but only the leader's verdicts are settled, and a standby's
-    # tiny request shows as work to the leader's read of an idle backend.
+    # Why this reader sends no tiny request, or None when it may (STANDBY_ASKS_NOTHING).
     unasked: str | None = None
     # Backends whose ledger waits for an answered tiny request (STALE: only re-admission
     # brings one back): asked whenever idle, even though their counters moved.
@@ -366,6 +371,8 @@ async def examine_backend(
                     await sleep(settings.wait)
                 read = await read_metrics(client, target, settings, clock)
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
+            elif isinstance(decision, SendTinyRequest) and settings.unasked is not None:
+                return left_unasked(reads, decision, settings.unasked)
             elif isinstance(decision, SendTinyRequest):
                 answer_settings = settings.for_answer(reads, learned, target.rules)
                 answer = await ask_tiny(client, target, answer_settings, clock)

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from etcdproc import EtcdCluster, running_etcd
+from etcdproc import EtcdCluster, free_port, running_etcd
 from simproc import running_simulator
 
 import llmhealth
@@ -173,16 +173,39 @@ def test_check_from_code_in_a_cluster_acts_only_with_the_lease_and_keeps_the_rec
         finally:
             holder.stop(resign=True)
         assert Etcd(etcd.endpoints).get(keys.state) is None
+        # Not acting, it asked nothing either: the tiny request is the leader's to send.
+        assert completions_received(sim.urls[0]) == 0
         leading = llmhealth.check(config=config, **FAST)
+        assert completions_received(sim.urls[0]) == 1
         with pytest.raises(ValueError, match="cluster"):
             asyncio.run(llmhealth.check_async(config=config, no_restart=True, **FAST))
     assert any("not acting: standby (holder leads)" in note for note in standing_by.notes), (
         standing_by.notes
     )
     assert standing_by.backend("gpu0").verdict is VerdictKind.IDLE
+    assert (
+        "no request sent: a standby leaves the tiny request" in standing_by.backend("gpu0").evidence
+    )
     record = Etcd(etcd.endpoints).get(keys.state)
     assert record is not None and b'"gpu0"' in record.value
     assert leading.backend("gpu0").state is State.HEALTHY
+    assert not state.exists()
+
+
+def test_check_from_code_with_its_cluster_away_acts_on_nothing_and_says_why(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state.json"
+    config = tmp_path / "fleet.toml"
+    with running_simulator(["idle"]) as sim:
+        config.write_text(
+            f'state = "{state}"\n[[backend]]\nname = "gpu0"\nurl = "{sim.urls[0]}"\n'
+            f'[cluster]\netcd = ["http://127.0.0.1:{free_port()}"]\nlease_ttl = 3\n'
+        )
+        report = llmhealth.check(config=config, **FAST)
+        assert completions_received(sim.urls[0]) == 0
+    assert len(report.notes) == 1 and report.notes[0].startswith("etcd unreachable"), report.notes
+    assert report.backend("gpu0").verdict is VerdictKind.IDLE
     assert not state.exists()
 
 
