@@ -150,6 +150,25 @@ class Config:
     cluster: Cluster | None = None
     source: str = "<command line>"
 
+    def cannot_replace(self, running: Config) -> str | None:
+        """Why this config may not replace ``running`` in a live daemon (SIGHUP), or None.
+
+        Where the ledger lives ([cluster], ``state``, ``audit_log``) is chosen when the
+        daemon starts: taken half-way, a node that gained a [cluster] would go on acting
+        alone on its state file, and one that lost it would settle without the lease."""
+        moved = [
+            name
+            for name, now, before in (
+                ("[cluster]", self.cluster, running.cluster),
+                ("state", self.state, running.state),
+                ("audit_log", self.audit_log, running.audit_log),
+            )
+            if now != before
+        ]
+        if not moved:
+            return None
+        return f"{', '.join(moved)} changed: where the ledger lives takes a restart"
+
     @property
     def key_variables(self) -> frozenset[str]:
         """The environment variables that hold an API key: no command llmhealth runs gets them."""

@@ -880,6 +880,10 @@ class Daemon:
         except (config_module.ConfigError, ValueError) as exc:
             self._log(f"reload refused, keeping the running config: {exc}")
             return
+        refused = config.cannot_replace(self._config)
+        if refused is not None:
+            self._log(f"reload refused, keeping the running config: {refused}")
+            return
         wait = self._wait
         self._config, self._targets = config, targets
         if self._wait != wait:

@@ -32,7 +32,7 @@ from clusterscene import (
 )
 from pytest_httpserver import HTTPServer
 from routeproc import COMPLETION, free_port, running_route
-from test_daemon import MovedByOthers
+from test_daemon import MovedByOthers, write_config
 
 from llmhealth.cluster import Elector, Etcd, Keys
 from llmhealth.leadership import LeaseTiming, owner
@@ -224,3 +224,28 @@ def test_routers_of_a_cluster_keep_one_ledger_in_etcd_and_only_the_leader_restar
     assert scene.restarts.lines() == [(scene.restarts.lines()[0][0], "a")]
     assert [r["member"] for r in scene.audited_restarts()] == ["a"]
     assert not scene.state("a").exists() and not scene.state("b").exists()
+
+
+def test_a_reload_that_drops_the_cluster_is_refused_and_the_member_goes_on(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # Where the ledger lives is chosen at start. Taken on SIGHUP, a config without its
+    # [cluster] had a sharding member settle without a lease, and die on the next cycle.
+    with (
+        staged(entry_point, tmp_path, cluster="shard_reads = true") as scene,
+        scene.daemon("a", "one") as watch,
+    ):
+        page = watch.until("leading", leads)
+        path = scene.config_for("a", member="one")  # the file the daemon reads
+        text = path.read_text()
+        write_config(path, text[: text.index("[cluster]")])
+        watch.signal(signal.SIGHUP)
+        log = watch.logged("reload refused")
+        for _ in range(3):
+            page = watch.next_cycle(page)
+            assert leads(page)
+        rc, _ = watch.stop()
+    assert rc == 0
+    refusal = next(line for line in log.splitlines() if "reload refused" in line)
+    assert "[cluster] changed" in refusal, refusal
+    assert not scene.state("a").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from llmhealth.config import (
     Backend,
     Cluster,
+    Config,
     ConfigError,
     Policy,
     Router,
@@ -288,3 +290,21 @@ def test_a_cluster_section_has_defaults_for_all_but_the_endpoints(tmp_path: Path
         500,
         shard_reads=True,
     )
+
+
+def test_a_reload_may_change_the_fleet_but_not_where_the_ledger_lives() -> None:
+    running = Config(backends=(Backend("gpu0", "http://127.0.0.1:8000"),))
+    cluster = Cluster(etcd=("http://127.0.0.1:2379",))
+    more = replace(running, wait=2.0, backends=(*running.backends, Backend("gpu1", "http://h:1")))
+    assert more.cannot_replace(running) is None
+    for changed, named in [
+        (replace(running, cluster=cluster), "[cluster]"),
+        (replace(running, state="/srv/state.json"), "state"),
+        (replace(running, audit_log="/srv/audit.jsonl"), "audit_log"),
+    ]:
+        why = changed.cannot_replace(running)
+        assert why is not None and why.startswith(named) and "restart" in why
+        assert running.cannot_replace(changed) == why  # losing it is refused the same
+    clustered = replace(running, cluster=cluster)
+    moved = replace(clustered, cluster=replace(cluster, prefix="/other"))
+    assert moved.cannot_replace(clustered) is not None
