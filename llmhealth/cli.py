@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from llmhealth.cluster import Seat
     from llmhealth.operate import VerbResult
     from llmhealth.report import CycleReport
-    from llmhealth.state import StateFile, Store
+    from llmhealth.state import MemoryStore, StateFile, Store
 
 # Each verb imports what it alone needs (the cycle and its HTTP client, rich, the daemon,
 # the simulator) inside its body: a shell check or a once-a-minute timer pays for the
@@ -169,15 +169,20 @@ def check(
     raise typer.Exit(int(exit_code(report)))
 
 
-def _daemon_store(loaded: config_module.Config, state: str | None) -> Seat | StateFile:
+def _daemon_store(
+    loaded: config_module.Config, state: str | None, config_file: str | None
+) -> Seat | StateFile | MemoryStore:
     """Where `watch` and `route` keep the ledger: with a [cluster], its record in etcd,
     which only the member holding the lease writes (a standby reads it every wait); else
-    the state file, with the audit log beside it unless the config names one."""
+    the state file, with the audit log beside it unless the config names one; on bare
+    URLs without --state, in memory for this run alone, as `check` keeps none."""
     if loaded.cluster is not None:
         return _seat(loaded.cluster)
     from llmhealth.cycle import state_path_for  # noqa: PLC0415
-    from llmhealth.state import StateFile  # noqa: PLC0415
+    from llmhealth.state import MemoryStore, StateFile  # noqa: PLC0415
 
+    if state is None and config_file is None:
+        return MemoryStore()
     return StateFile(state_path_for(loaded, state))
 
 
@@ -243,7 +248,7 @@ def watch(
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
     daemon = Daemon(
         load,
-        _daemon_store(loaded, state),
+        _daemon_store(loaded, state, config_file),
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait),
         serving_file=Path(serving_file) if serving_file else None,
@@ -297,7 +302,7 @@ def route(
     router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)
     daemon = Daemon(
         load,
-        _daemon_store(loaded, state),
+        _daemon_store(loaded, state, config_file),
         listen=None,
         wait_override=wait_seconds,
         serving_file=None,

@@ -63,7 +63,7 @@ from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
-from llmhealth.state import StateError, StateFile, Store
+from llmhealth.state import MemoryStore, StateError, StateFile, Store
 from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
@@ -132,9 +132,8 @@ class Daemon:
     def __init__(
         self,
         load: Loader,
-        store: StateFile | Seat,
+        store: StateFile | MemoryStore | Seat,
         *,
-        audit_path: Path | None = None,
         listen: tuple[str, int] | None,
         wait_override: float | None,
         serving_file: Path | None,
@@ -151,12 +150,15 @@ class Daemon:
         self._store: Store = store.store if isinstance(store, Seat) else store
         self._reader: Store = store.reader if isinstance(store, Seat) else store
         # A cluster's audit trail is in etcd, written with the state; else a local file,
-        # beside the state file unless the config says otherwise.
-        self._audit: Audit
+        # beside the state file unless the config says otherwise; a run that keeps no
+        # state (bare URLs) keeps no trail either.
+        self._audit: Audit | None
         if isinstance(store, Seat):
             self._audit = store.store.audit
+        elif isinstance(store, MemoryStore):
+            self._audit = None
         else:
-            self._audit = AuditLog(audit_path or audit_path_for(self._config, store.path))
+            self._audit = AuditLog(audit_path_for(self._config, store.path))
         self._listen = listen
         self._wait_override = wait_override
         self._serving_file = serving_file

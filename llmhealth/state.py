@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
@@ -233,6 +234,42 @@ class StateFile:
                 f"state {self.path} is unreadable and cannot be moved aside: {exc}"
             ) from exc
         return aside
+
+
+class MemoryStore:
+    """A record that lasts as long as the process: `watch` or `route` on bare URLs (no
+    --state, no --config), which keep no state between runs, as `check` does. A file
+    would be the default path, and for root that is the service's own state file: a
+    settle over a few hand-given URLs would drop every other backend's record from it.
+
+    The record is kept as the text a file would hold, so a save checks what a file
+    checks and a load returns new objects.
+    """
+
+    path = "memory (bare URLs keep no state between runs)"
+
+    def __init__(self) -> None:
+        self._text: bytes | None = None
+        self._saves = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._lock:
+            yield
+
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        return None if self._text is None else decode_record(self._text, decode)
+
+    def mark(self) -> int:
+        return self._saves
+
+    def save(self, document: dict[str, Any]) -> None:
+        self._text = b"".join(encode_pieces({**document, "schema": SCHEMA}))
+        self._saves += 1
+
+    def command_env(self) -> dict[str, str]:
+        return {}
 
 
 _WALKED_DEPTH = 1  # containers this deep or less are written item by item

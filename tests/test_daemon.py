@@ -303,16 +303,20 @@ class Watch:
 @contextmanager
 def watching(
     entry_point: str,
-    config: Path,
-    state: Path,
+    config: Path | None,
+    state: Path | None,
     *args: str,
     env: dict[str, str] | None = None,
 ) -> Iterator[Watch]:
+    """`llmhealth watch` until the block ends; ``config`` and ``state`` None leave their
+    options out."""
     port = free_port_block(1)
     environment = child_env()
     environment.pop("NOTIFY_SOCKET", None)
     environment.update(env or {})
-    argv = [entry_point, "watch", "--config", str(config), "--state", str(state)]
+    argv = [entry_point, "watch"]
+    argv += ["--config", str(config)] if config is not None else []
+    argv += ["--state", str(state)] if state is not None else []
     argv += ["--wait", str(WAIT), "--listen", f"127.0.0.1:{port}", *args]
     with ExitStack() as stack:
         stderr = stack.enter_context(tempfile.TemporaryFile())
@@ -646,6 +650,32 @@ def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused
     refusal = next(line for line in log.splitlines() if "reload refused" in line)
     assert "named twice" in refusal
     assert after.verdict(bare) == "idle"  # still the command line's backend, unchanged
+
+
+def test_watch_on_bare_urls_keeps_no_state_and_leaves_the_default_state_file_alone(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    # For root the default state file is the service's: a settle over a URL given by hand
+    # would have dropped every other backend's record from it.
+    home = tmp_path / "service"
+    env = {"STATE_DIRECTORY": str(home)}
+    service = subprocess.run(
+        [entry_point, "check", urls.busy, "--state", str(home / "state.json"), "--wait", "0.2"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert service.returncode == 0, service.stderr
+    before = {path.name: path.read_bytes() for path in home.iterdir()}
+    assert "state.json" in before
+    bare = urls.idle.removeprefix("http://")
+    with watching(entry_point, None, None, urls.idle, env=env) as watch:
+        page = watch.until("the idle backend proven", lambda p: p.state(bare) == "healthy")
+        for _ in range(2):
+            page = watch.next_cycle(page)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert {path.name: path.read_bytes() for path in home.iterdir()} == before
 
 
 @pytest.mark.usefixtures("each_loop")

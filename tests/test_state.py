@@ -22,6 +22,7 @@ from llmhealth import state as state_module
 from llmhealth.actions import AuditLog
 from llmhealth.state import (
     SCHEMA,
+    MemoryStore,
     StateCorruptError,
     StateFile,
     StateLockedError,
@@ -294,3 +295,20 @@ def test_a_document_json_cannot_hold_fails_its_save_and_leaves_the_state_whole(
         store.save({"ledger": {"backends": backends}})  # the set is past the first pieces
     assert (tmp_path / "state.json").read_bytes() == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_memory_store_keeps_a_record_for_the_run_as_a_file_would_hold_it() -> None:
+    store = MemoryStore()
+    with store.locked():
+        assert store.load(dict) is None
+        first = store.mark()
+        document = {"ledger": {"backends": [{"name": "gpu0", "state": "healthy"}]}}
+        store.save(document)
+        assert store.mark() != first
+        loaded = store.load(dict)
+    assert loaded == {**document, "schema": SCHEMA}
+    assert loaded is not None and loaded["ledger"] is not document["ledger"]  # new objects
+    kept = store.mark()
+    with pytest.raises(TypeError), store.locked():
+        store.save({"ledger": object()})  # what JSON cannot hold, as a file refuses it
+    assert store.mark() == kept and store.load(dict) == loaded  # the last record stays
