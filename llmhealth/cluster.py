@@ -164,6 +164,7 @@ class Etcd:
         )
 
     def call(self, request: Callable[[etcd3gw.Etcd3Client], T]) -> T:
+        import requests  # noqa: PLC0415 - etcd3gw's own HTTP client, loaded with it
         from etcd3gw import exceptions as etcd_errors  # noqa: PLC0415 - loaded by _client
 
         with self._lock:
@@ -173,6 +174,12 @@ class Etcd:
             index = (first + step) % len(self._clients)
             try:
                 result = request(self._clients[index])
+            except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+                # What etcd3gw lets through: a connection cut mid-answer, an answer that is
+                # not etcd's JSON (a proxy's page, a body cut short). Not etcd's word on the
+                # request, so the next endpoint may still answer it.
+                problems.append(f"{self.endpoints[index]}: {type(exc).__name__}")
+                continue
             except etcd_errors.Etcd3Exception as exc:
                 # An answer from etcd that is not "unavailable" is a real error, not a dead
                 # endpoint: trying the next one would hide it.
@@ -415,10 +422,13 @@ class Elector:
         while not self._stop.is_set():
             try:
                 self.step_and_observe()
-            except StateError as exc:
-                if str(exc) != self.last_error:
-                    self._log(f"cluster: {exc}")
-                self.last_error = str(exc)
+            except Exception as exc:  # the thread must outlive any one round
+                # Not only StateError: a thread that died here would leave this member
+                # silently out of every election while its daemon looks alive.
+                why = str(exc) if isinstance(exc, StateError) else f"{type(exc).__name__}: {exc}"
+                if why != self.last_error:
+                    self._log(f"cluster: {why}")
+                self.last_error = why
                 self.observed = Observation(False, None, self.observed.members)
             with self._lock:
                 due = renewal_due(self._facts, self.timing, self._clock())
@@ -926,7 +936,7 @@ class SharedReads:
                 continue  # its own reads reach its settle directly
             try:
                 document = json.loads(found.value)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested thousands deep: unreadable too
                 document = None
             published.setdefault(member, {}).update(parse_publication(member, document))
         return published

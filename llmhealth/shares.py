@@ -297,7 +297,9 @@ def parse_publication(member: str, document: object) -> dict[str, Published]:
             published[str(name)] = Published(
                 member, serial, verdict_from_dict(table.get("verdict"), where)
             )
-        except ValueError as exc:
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # Another member's text (another version's, a hand's): whatever cannot be read
+            # is that entry's problem; the leader's settle goes on.
             published[str(name)] = Published(member, -1, None, printable(str(exc)))
     return published
 

@@ -7,10 +7,13 @@ daemon concludes from it, never how fast a loaded machine runs.
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pytest_httpserver import HTTPServer
 
 from llmhealth import cluster
 from llmhealth.actions import AuditError
@@ -213,6 +216,46 @@ def test_an_endpoint_that_does_not_answer_is_passed_over(
     etcd = Etcd([dead, *etcd_server.endpoints], timeout=1.0)
     etcd.txn([], [{"request_put": {"key": b64(keys.state), "value": b64("{}")}}])
     assert etcd.get(keys.state) is not None
+
+
+def test_an_endpoint_answering_what_etcd_would_not_is_passed_over(
+    etcd_server: EtcdCluster, keys: Keys, httpserver: HTTPServer
+) -> None:
+    # A proxy's page in place of etcd's JSON: etcd3gw lets requests' and json's own
+    # errors through, and in the elector's thread one of them ended elections for good.
+    httpserver.expect_request(re.compile(".*")).respond_with_data("<html>busy</html>")
+    page = httpserver.url_for("").rstrip("/")
+    etcd = Etcd([page, *etcd_server.endpoints], timeout=1.0)
+    etcd.txn([], [{"request_put": {"key": b64(keys.state), "value": b64("{}")}}])
+    assert etcd.get(keys.state) is not None
+    with pytest.raises(ClusterUnavailableError, match="JSONDecodeError"):
+        Etcd([page], timeout=1.0).get(keys.state)
+
+
+def test_the_electors_thread_outlives_an_error_of_any_kind(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[str] = []
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 3.0, log=log.append)
+    rounds = []
+    real = seat.elector.step_and_observe
+
+    def once_broken() -> None:
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise RuntimeError("a bug past every guard")
+        real()
+
+    monkeypatch.setattr(seat.elector, "step_and_observe", once_broken)
+    seat.elector.start()
+    try:
+        deadline = time.monotonic() + 30.0
+        while not seat.elector.decision().may_act:
+            assert time.monotonic() < deadline, log
+            time.sleep(0.05)
+    finally:
+        seat.elector.stop(resign=True)
+    assert any("RuntimeError: a bug past every guard" in line for line in log), log
 
 
 def test_no_endpoint_answering_is_one_clear_error(tmp_path: Path) -> None:

@@ -157,6 +157,26 @@ def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> No
     assert parse_publication("b", "garbage") == {}
 
 
+@pytest.mark.parametrize(
+    ("processes", "why"),
+    [([{"pid": 12}], "TypeError"), ([1e400], "OverflowError"), ([[[[12]]]], "TypeError")],
+)
+def test_a_publication_with_values_of_the_wrong_kind_is_doubt_not_a_dead_leader(
+    processes: list[object], why: str
+) -> None:
+    # int() of a dict or of infinity is not a ValueError: it escaped the parse and ended
+    # the leader's settle, and every leader after it, while the member kept publishing.
+    sampled = Verdict(
+        VerdictKind.BUSY, True, "busy", reads=(Read(11.0, cpu=CpuSample(3.5, (12,), at=11.2)),)
+    )
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": sampled}, 4096)
+    document = json.loads(chunk)
+    document["verdicts"]["gpu1"]["verdict"]["reads"][0]["cpu"]["processes"] = processes
+    entries = parse_publication("b", json.loads(json.dumps(document)))
+    assert entries["gpu1"].verdict is None, why
+    assert entries["gpu1"].problem
+
+
 def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
     fixture_text: Load,
 ) -> None:
