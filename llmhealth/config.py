@@ -283,6 +283,11 @@ def check_url(url: str) -> str:
         _ = parts.port
     except ValueError as exc:
         raise ValueError(f"{url!r} has a bad port") from exc
+    if ":" not in parts.hostname:  # an IPv6 literal is no name
+        try:
+            parts.hostname.encode("idna")  # as every request's Host header is written
+        except UnicodeError as exc:
+            raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
     return url.strip().rstrip("/")
 
 

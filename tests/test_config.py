@@ -308,3 +308,14 @@ def test_a_reload_may_change_the_fleet_but_not_where_the_ledger_lives() -> None:
     clustered = replace(running, cluster=cluster)
     moved = replace(clustered, cluster=replace(cluster, prefix="/other"))
     assert moved.cannot_replace(clustered) is not None
+
+
+@pytest.mark.parametrize("host", ["gpu..lab", "a" * 64 + ".lab"])
+def test_a_host_name_no_request_can_carry_is_a_config_error(tmp_path: Path, host: str) -> None:
+    # The router's and the probes' Host header is the name in IDNA form: a name with an
+    # empty or over-long label passed the config and then failed every request (the
+    # router's reload died on it).
+    path = tmp_path / "fleet.toml"
+    path.write_text(f'[[backend]]\nname = "gpu0"\nurl = "http://{host}:8000"\n')
+    with pytest.raises(ConfigError, match=r"backend\[0\]\.url.*no request can carry"):
+        load(path)
