@@ -486,10 +486,18 @@ def retire(
     state: StateOption = None,
 ) -> None:
     """Take a backend out for good; only 'reset' brings it back (through STALE)."""
+    reason = _reason(reason)
     loaded, store, audit = _operator_context(config_file, state)
     from llmhealth import operate  # noqa: PLC0415
 
     _verb_exit(operate.retire(store, audit, loaded, name, reason))
+
+
+def _reason(text: str) -> str:
+    """An operator's why, for the audit log: refused before anything is read if blank."""
+    if not text.strip():
+        raise typer.BadParameter("say why, for the audit log", param_hint="--reason")
+    return text
 
 
 @app.command()
@@ -512,6 +520,7 @@ def hold(
     """Keep restarts away from a backend for a while (e.g. a weight sync); checks go on."""
     seconds = _duration(duration)
     assert seconds is not None
+    reason = _reason(reason)
     loaded, store, audit = _operator_context(config_file, state)
     from llmhealth import operate  # noqa: PLC0415
 

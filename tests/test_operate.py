@@ -120,6 +120,21 @@ def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
     assert events == ["hold", "release"]
 
 
+@pytest.mark.parametrize(
+    "verb", [("hold", "gpu1", "--for", "30m"), ("retire", "gpu1")], ids=["hold", "retire"]
+)
+@pytest.mark.parametrize("reason", ["", "   "], ids=["empty", "blank"])
+def test_a_verb_without_a_reason_exits_3_saying_so_and_changes_nothing(
+    state: Path, verb: tuple[str, ...], reason: str
+) -> None:
+    before = state.read_bytes()
+    result = llmhealth(*verb, "--reason", reason, "--state", str(state))
+    assert result.returncode == 3, result.stderr
+    assert "--reason" in result.stderr and "Traceback" not in result.stderr
+    assert state.read_bytes() == before
+    assert not state.with_name("audit.jsonl").exists()
+
+
 def test_verbs_on_an_unknown_backend_or_missing_state_exit_3(state: Path, tmp_path: Path) -> None:
     result = llmhealth("retire", "gpu9", "--reason", "x", "--state", str(state))
     assert result.returncode == 3
