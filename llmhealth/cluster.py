@@ -759,7 +759,7 @@ def bounded_record(line: bytes, limit: int) -> bytes:
 def _records_in(key: str) -> int:
     """How many records a batch key says it holds (1 for a key written by hand)."""
     count = key.rpartition("-")[2]
-    return int(count) if count.isdigit() else 1
+    return int(count) if count.isascii() and count.isdigit() else 1
 
 
 def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:

@@ -356,7 +356,10 @@ class Pool:
                 lines = http1.head_lines(head[:-4].decode("latin-1"))
                 version, _, rest = lines[0].partition(" ")
                 code, _, reason = rest.partition(" ")
-                if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+                # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
+                if version not in ("HTTP/1.1", "HTTP/1.0") or not (
+                    len(code) == 3 and code.isascii() and code.isdigit()
+                ):
                     raise BrokenError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
                 headers = http1.fields(lines[1:])
             except http1.FramingError as exc:

@@ -492,7 +492,10 @@ async def _read_head(
         lines = head[:-4].decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code = rest[:3]
-        if version not in ("HTTP/1.1", "HTTP/1.0") or not (code.isdigit() and len(code) == 3):
+        # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
+        if version not in ("HTTP/1.1", "HTTP/1.0") or not (
+            code.isascii() and code.isdigit() and len(code) == 3
+        ):
             raise WireError(Failure.MALFORMED, f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         status = int(code)
         headers: dict[str, str] = {}

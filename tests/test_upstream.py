@@ -176,6 +176,7 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
     [
         (b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * MAX_HEAD_BYTES + b"\r\n\r\n", "head over"),
         (b"HTTP/2 200\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 \xb200 OK\r\n\r\n", "not an HTTP/1.x status line"),
         (b"HTTP/1.1 200 OK\r\n bad: fold\r\n\r\n", "malformed header line"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", "bad Content-Length"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "unsupported Transfer-Encoding"),
@@ -186,6 +187,7 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
     ids=[
         "huge-head",
         "http-2",
+        "superscript-digit",
         "folded-header",
         "two-lengths",
         "gzip-only",

@@ -241,6 +241,7 @@ def test_a_content_length_over_the_cap_is_refused_before_the_body_is_read() -> N
     [
         b"SMTP ready\r\n\r\n",
         b"HTTP/1.1 2x0 OK\r\n\r\n",
+        b"HTTP/1.1 \xb200 OK\r\n\r\n",  # "\xb2" is "\u00b2" in latin-1: isdigit(), not int()
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello",
         b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
