@@ -274,7 +274,10 @@ class _Connection(asyncio.Protocol):
             raise FramingError(f"not an HTTP/1.x request line: {lines[0][:80]!r}")
         method, target, version = match.groups()
         if not target.startswith("/") and "://" in target:  # absolute-form (RFC 9112 3.2.2)
-            parts = urlsplit(target)
+            try:
+                parts = urlsplit(target)
+            except ValueError as exc:  # "http://[::1/x": an IPv6 host never closed
+                raise FramingError(f"a request target that is no URL: {exc}") from None
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         headers = Fields(http1.fields(lines[1:]))
         coding, length_text = http1.body_fields(headers.items())

@@ -111,6 +111,7 @@ def post(body: bytes, *extra: bytes) -> bytes:
         (b"GET /x HTTP/1.1\r\nX-A: one\ntwo\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nX-A: one\rtwo\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nX-A: \x00\r\n\r\n", 400),
+        (b"GET http://[::1/x HTTP/1.1\r\n\r\n", 400),  # urlsplit's ValueError
         (b"GET /x HTTP/1.1\r\nX-Big: " + b"x" * MAX_HEAD_BYTES + b"\r\n\r\n", 431),
         (b"GET /x HTTP/1.1\r\n" + b"X-Many: 1\r\n" * (MAX_FIELDS + 1) + b"\r\n", 431),
         (b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n", 400),
@@ -132,6 +133,7 @@ def post(body: bytes, *extra: bytes) -> bytes:
         "bare-lf-in-value",
         "bare-cr-in-value",
         "nul-in-value",
+        "unclosed-ipv6-target",
         "oversize-head",
         "too-many-fields",
         "length-not-a-number",
