@@ -124,8 +124,11 @@ class StateFile:
             os.fchmod(descriptor, 0o600)
         try:
             self._acquire(descriptor)
-            os.ftruncate(descriptor, 0)
-            os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+            # Our PID, for the message of a run that waits for us: a note only. On a full
+            # disk it fails, and the lock held is all a settle needs.
+            with contextlib.suppress(OSError):
+                os.ftruncate(descriptor, 0)
+                os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
             os.close(descriptor)  # closing releases the flock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -312,3 +313,18 @@ def test_a_memory_store_keeps_a_record_for_the_run_as_a_file_would_hold_it() -> 
     with pytest.raises(TypeError), store.locked():
         store.save({"ledger": object()})  # what JSON cannot hold, as a file refuses it
     assert store.mark() == kept and store.load(dict) == loaded  # the last record stays
+
+
+def test_a_lock_whose_pid_note_cannot_be_written_still_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ENOSPC on the lock file's PID note raised a bare OSError out of every settle and
+    # verb (a traceback) before the save, whose own failure is reported cleanly.
+    def full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store = StateFile(tmp_path / "state.json")
+    monkeypatch.setattr(os, "pwrite", full)
+    with store.locked():
+        store.save({"n": 1})
+    assert json.loads(store.path.read_text())["n"] == 1
