@@ -29,7 +29,7 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
-from llmhealth.actions import Audit, AuditLog, CommandResult, run_command, without_keys
+from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cluster import ClusterError, Seat, SharedReads
@@ -369,7 +369,10 @@ class Daemon:
                         return
                 try:
                     settled = cycle.result()
-                except StateError as exc:
+                except (StateError, AuditError) as exc:
+                    # Nothing was saved (the audit records go first, then the state that
+                    # follows from them): probing, metrics and routing go on, and the next
+                    # settle tries again. Exiting would turn a full disk into a restart loop.
                     self._commands_done[:0] = news.commands  # for the next settle to hear
                     self._log(f"cycle skipped: {exc}")
                     self._notifier.send("WATCHDOG=1", f"STATUS=state unusable: {exc}")

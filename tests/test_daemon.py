@@ -652,6 +652,33 @@ def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused
     assert after.verdict(bare) == "idle"  # still the command line's backend, unchanged
 
 
+def test_an_audit_log_that_cannot_be_written_skips_the_cycle_and_the_daemon_goes_on(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    # The audit records of a settle go first, then the state that follows from them: when
+    # they cannot be written nothing is saved, as when the state cannot be. The daemon
+    # exited instead, and under systemd a full disk became a restart loop.
+    where = tmp_path / "audit-is-a-directory"
+    where.mkdir()
+    config = write_config(
+        tmp_path / "fleet.toml",
+        f"audit_log = {toml_value(str(where))}\n"
+        + fleet_config([{"name": "busy", "url": urls.busy}, {"name": "down", "url": REFUSED_URL}]),
+    )
+    state = tmp_path / "state.json"
+    with watching(entry_point, config, state) as watch:
+        watch.logged("cycle skipped")
+        deadline = time.monotonic() + PATIENCE
+        while watch.stderr().count("cycle skipped") < 3:  # each settle tries again
+            assert time.monotonic() < deadline, watch.stderr()
+            time.sleep(POLL)
+        assert watch.scrape() is not None  # its page still answers
+        assert "cannot open the audit log" in watch.stderr()
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert not state.exists()  # nothing saved ahead of its records
+
+
 def test_watch_on_bare_urls_keeps_no_state_and_leaves_the_default_state_file_alone(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
