@@ -655,7 +655,10 @@ def main() -> None:
         print(f"llmhealth: {exc.format_message()}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
     except (config_module.ConfigError, StateError, AuditError) as exc:
-        print(f"llmhealth: {exc}", file=sys.stderr)
+        # These may quote what etcd or a file said: printable before the terminal.
+        from llmhealth.text import printable  # noqa: PLC0415
+
+        print(f"llmhealth: {printable(str(exc))}", file=sys.stderr)
         sys.exit(ExitCode.UNKNOWN)
     except Exception:  # a bug of ours must not read as a CRITICAL server
         traceback.print_exc()

@@ -7,9 +7,9 @@ revision that was read *and* the leader key's creation revision (the fencing tok
 a deposed leader's write fails whole. The audit records of a settle ride in that same
 transaction (one key per write, the newest ``audit_keep`` records kept), so a deposed
 leader's records fail with its state. etcd is reached through etcd3gw (the v3 JSON
-gateway, ``/v3/`` on etcd 3.4), from threads; each request is bounded by a timeout and
-etcd bounds what it returns by its request size limit. Its errors become
-``ClusterUnavailableError`` here, once.
+gateway, ``/v3/`` on etcd 3.4), from threads; each socket read is bounded by a timeout,
+but neither a whole answer's time nor its size is (etcd is the operator's own service,
+unlike a model server). Its errors become ``ClusterUnavailableError`` here, once.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Log = Callable[[str], None]
+_ETCD_SAID = 300  # characters of an etcd error's own text kept in ours
 REQUEST_TIMEOUT = 2.0  # one etcd request; a leader renews several times per deadline
 # One audit record as kept in etcd, and one write's records together: the state and its
 # records share a transaction, and etcd refuses a request past 1.5 MiB by default. A
@@ -187,7 +188,10 @@ class Etcd:
                     exc,
                     etcd_errors.ConnectionFailedError | etcd_errors.ConnectionTimeoutError,
                 ):
-                    raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {exc}") from exc
+                    # etcd3gw's text is the answer's reason phrase and body: the endpoint's
+                    # words, bound for terminals and logs.
+                    said = printable(str(exc)[:_ETCD_SAID])
+                    raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {said}") from exc
                 problems.append(f"{self.endpoints[index]}: {type(exc).__name__}")
                 continue
             with self._lock:

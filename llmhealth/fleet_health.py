@@ -38,6 +38,7 @@ from llmhealth.ledger import (
     WeightsPartial,
     WeightsStamped,
 )
+from llmhealth.text import printable
 
 # A backend is named by its shard index when the fleet was given a list of URLs, and by
 # its name when it was given a mapping of names to URLs.
@@ -337,5 +338,8 @@ def _listing(keys: Sequence[Key]) -> str:
 
 
 def _describe(error: BaseException | str) -> str:
+    """Short and printable: an exception's text often quotes the server (an SDK's error
+    carries the response body), and it reaches snapshots, messages and terminals."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
-    return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
+    text = text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
+    return printable(text)

@@ -18,6 +18,7 @@ from llmhealth.report import (
     FleetSummary,
     backend_exit_code,
 )
+from llmhealth.text import printable
 
 _STYLE = {
     ExitCode.OK: "green",
@@ -53,7 +54,8 @@ def report_renderables(report: CycleReport) -> list[RenderableType]:
         lines.append(Text.from_markup(line))
     fleet = report.fleet
     if fleet.floor_breached:
-        lines.append(Text.from_markup(f"[bold red]fleet[/bold red]: {escape(fleet.message)}"))
+        message = escape(printable(fleet.message))
+        lines.append(Text.from_markup(f"[bold red]fleet[/bold red]: {message}"))
     elif any(backend.snapshot is not None for backend in report.backends):
         lines.append(
             Text.from_markup(
@@ -70,10 +72,10 @@ def report_renderables(report: CycleReport) -> list[RenderableType]:
             done = restart.action
         lines.append(
             Text.from_markup(
-                f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(restart.reason)}"
+                f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(printable(restart.reason))}"
             )
         )
-    lines += [Text(f"note: {note}", style="dim") for note in report.notes]
+    lines += [Text(f"note: {printable(note)}", style="dim") for note in report.notes]
     return lines
 
 
@@ -129,11 +131,11 @@ def print_status(
             str(snap.request_failures),
             str(snap.restart_attempts),
             str(snap.in_place_recoveries),
-            escape(note or "-"),
+            escape(printable(note or "-")),
         )
     console.print(table)
     style = "bold red" if fleet.floor_breached else "bold"
-    console.print(f"[{style}]fleet[/{style}]: {escape(fleet.message)}", highlight=False)
+    console.print(f"[{style}]fleet[/{style}]: {escape(printable(fleet.message))}", highlight=False)
     console.print(f"membership epoch {fleet.epoch}", highlight=False)
 
 

@@ -515,7 +515,8 @@ class Router:
         if status >= 500:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
-            self._fail(name, request, FailureKind.SERVER_ERROR, status, upstream.reason)
+            reason = printable(upstream.reason)  # the backend's words reach `status`
+            self._fail(name, request, FailureKind.SERVER_ERROR, status, reason)
         headers = downstream_headers(Fields(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.answered(name, status)

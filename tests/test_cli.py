@@ -139,6 +139,17 @@ def test_an_unknown_config_key_exits_3_naming_file_and_key(
     assert f"{config}: policy.unhealthy_treshold: unknown key" in result.stderr
 
 
+def test_an_error_quoting_a_terminal_control_prints_it_escaped(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # A config key (or an etcd answer, a state file's text) quoted in an error message.
+    config = tmp_path / "fleet.toml"
+    config.write_text('"col\\u001b[2Jour" = 1\n')
+    result = run(entry_point, "check", "--config", str(config))
+    assert result.returncode == 3
+    assert "col\\x1b[2Jour: unknown key" in result.stderr and "\x1b" not in result.stderr
+
+
 def test_a_missing_config_file_exits_3(entry_point: str, tmp_path: Path) -> None:
     result = run(entry_point, "check", "--config", str(tmp_path / "absent.toml"))
     assert result.returncode == 3

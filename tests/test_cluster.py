@@ -8,6 +8,7 @@ daemon concludes from it, never how fast a loaded machine runs.
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ from llmhealth.cluster import (
 from llmhealth.config import Backend, Config
 from llmhealth.leadership import LeaseTiming, Standing
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
+from tests.test_wire import read_request, tcp_server
 
 TIMING = LeaseTiming.for_ttl(3.0)
 
@@ -230,6 +232,19 @@ def test_an_endpoint_answering_what_etcd_would_not_is_passed_over(
     assert etcd.get(keys.state) is not None
     with pytest.raises(ClusterUnavailableError, match="JSONDecodeError"):
         Etcd([page], timeout=1.0).get(keys.state)
+
+
+def test_what_an_endpoint_says_in_its_error_reaches_no_terminal_raw() -> None:
+    # etcd3gw's error text is the answer's reason phrase and body: printed by every verb
+    # on a cluster config and shown in a check's notes.
+    def refuse(connection: socket.socket, _: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 400 \x1b]0;owned\x07\r\nContent-Length: 8\r\n\r\n\x1b[2Jnope")
+
+    with tcp_server(refuse) as (url, _), pytest.raises(ClusterUnavailableError) as raised:
+        Etcd([url], timeout=2.0).get("/x")
+    said = str(raised.value)
+    assert "owned" in said and "\x1b" not in said and "\x07" not in said
 
 
 def test_the_electors_thread_outlives_an_error_of_any_kind(

@@ -796,3 +796,12 @@ def test_random_library_verbs_keep_the_ledgers_invariants(
                 selector.next_shard()
         for k, snap in after.items():
             assert f.shard_for_base_url(snap.url) == k
+
+
+def test_an_error_text_that_quotes_a_server_is_kept_printable() -> None:
+    # An SDK's exception carries the response body: a terminal escape in it reached
+    # snapshots and the floor message a trainer prints.
+    f, _ = fleet()
+    f.report_failure(0, RuntimeError("500: \x1b]0;owned\x07 \x1b[2J"))
+    last_error = f.snapshot()[0].last_error
+    assert last_error is not None and "\x1b" not in last_error and "\\x1b" in last_error

@@ -67,6 +67,20 @@ def test_status_shows_the_saved_ledger_and_exits_by_its_states(state: Path) -> N
     assert "dead" in table.stdout
 
 
+def test_status_shows_no_terminal_control_a_record_holds(tmp_path: Path) -> None:
+    # A record's texts can be a server's words (a 5xx reason phrase the router heard) or
+    # anyone's who can write the etcd key: the table escapes them.
+    ledger = Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0)
+    ledger.apply("gpu0", WedgeProven(now=T0, evidence="steps \x1b[2J\x1b]0;owned\x07 frozen"))
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    table = llmhealth("status", "--state", str(path))
+    assert "frozen" in table.stdout
+    assert "\x1b" not in table.stdout and "\x07" not in table.stdout
+
+
 def test_a_dead_backend_cannot_be_readmitted_and_nothing_changes(state: Path) -> None:
     before = state.read_bytes()
     result = llmhealth("readmit", "gpu1", "--state", str(state))

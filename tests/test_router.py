@@ -551,6 +551,30 @@ def test_a_backends_5xx_is_passed_through_and_counted_and_its_4xx_never(
     run(scenario())
 
 
+def test_a_5xx_reason_phrase_is_recorded_printable() -> None:
+    # The reason phrase becomes the backend's last error in the ledger, which `status`
+    # shows: a terminal escape in it must not reach the operator's screen.
+    async def says(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 500 \x1b]0;owned\x07 sorry\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(says) as bad,
+            routing({"a": bad}) as (router, url),
+            client() as http,
+        ):
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500
+            outcomes = (await drained(router))["a"]
+        (outcome,) = outcomes
+        assert "sorry" in outcome.detail and "\x1b" not in outcome.detail
+        assert "\x07" not in outcome.detail
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     "reply",
     [
