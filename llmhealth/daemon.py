@@ -99,7 +99,9 @@ class Notifier:
             return
         message = "\n".join(fields).encode()
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message, self._address)
+            # Never waits: on the loop's thread, a systemd too busy to take the datagram
+            # (its queue full) must cost one lost notice, not the loop.
+            sock.sendto(message, socket.MSG_DONTWAIT, self._address)
 
 
 @dataclass(slots=True)
@@ -165,6 +167,7 @@ class Daemon:
         self._console = console
         self._clock = clock
         self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
+        self._ready_told = False
         # [cluster] shard_reads: this member reads its share (None: every backend) and
         # publishes it; leading, it settles the others' published verdicts too.
         cluster = self._config.cluster
@@ -375,7 +378,7 @@ class Daemon:
                     # settle tries again. Exiting would turn a full disk into a restart loop.
                     self._commands_done[:0] = news.commands  # for the next settle to hear
                     self._log(f"cycle skipped: {exc}")
-                    self._notifier.send("WATCHDOG=1", f"STATUS=state unusable: {exc}")
+                    self._tell_systemd(f"state unusable: {exc}")
                     continue
                 # Saved as RESTARTING first; only now, outside the lock, do commands run.
                 for order in settled.orders:
@@ -386,6 +389,16 @@ class Daemon:
                 self._remember_models(settled.report)
                 self._push_router()
                 self._after_cycle(settled.report, time.monotonic() - started, pace, live)
+
+    def _tell_systemd(self, status: str) -> None:
+        """After every cycle, settled or skipped: READY=1 the first time, then WATCHDOG=1.
+        Ready does not wait for a settle that succeeds: the daemon probes, serves its page
+        and routes while its state cannot be written, and systemd's start timeout would
+        otherwise restart it in a loop for as long as the disk stays full."""
+        if not self._ready_told:
+            self._ready_told = True
+            self._notifier.send("READY=1", f"STATUS={status}")
+        self._notifier.send("WATCHDOG=1", f"STATUS={status}")
 
     def _reads_per_wait(self, now: float) -> float | None:
         """How often the targets read here are examined, per wait: the one sign that reads
@@ -806,9 +819,7 @@ class Daemon:
             + (", FLEET STALLED" if stalled else "")
             + (f", READS BEHIND ({pace:.2f} per wait)" if behind else "")
         )
-        if state.cycles == 1:
-            self._notifier.send("READY=1", f"STATUS={status}")
-        self._notifier.send("WATCHDOG=1", f"STATUS={status}")
+        self._tell_systemd(status)
         if stalled:
             self._log(
                 "fleet stall: work is pending and no backend finished a request for "

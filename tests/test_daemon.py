@@ -679,6 +679,35 @@ def test_an_audit_log_that_cannot_be_written_skips_the_cycle_and_the_daemon_goes
     assert not state.exists()  # nothing saved ahead of its records
 
 
+def test_a_daemon_whose_first_settles_cannot_be_saved_still_tells_systemd_it_is_ready(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    # It probes, serves its page and routes all the same; READY=1 only after a saved
+    # settle let systemd's start timeout restart it in a loop while the disk was full.
+    where = tmp_path / "audit-is-a-directory"
+    where.mkdir()
+    config = write_config(
+        tmp_path / "fleet.toml",
+        f"audit_log = {toml_value(str(where))}\n"
+        + fleet_config([{"name": "down", "url": REFUSED_URL}]),
+    )
+    address = str(tmp_path / "notify.sock")
+    messages: list[list[str]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)
+        sock.settimeout(PATIENCE)
+        with watching(
+            entry_point, config, tmp_path / "state.json", env={"NOTIFY_SOCKET": address}
+        ) as watch:
+            while sum("WATCHDOG=1" in m for m in messages) < 2:
+                messages.append(sock.recv(4096).decode().split("\n"))
+            rc, _ = watch.stop()
+    assert rc == 0
+    assert messages[0][0] == "READY=1", messages
+    assert messages[0][1].startswith("STATUS=state unusable: ")
+    assert sum("READY=1" in m for m in messages) == 1
+
+
 def test_watch_on_bare_urls_keeps_no_state_and_leaves_the_default_state_file_alone(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1654,6 +1683,22 @@ def test_the_notifier_reaches_an_abstract_socket_named_with_an_at_sign() -> None
         sock.bind("\0" + name)
         Notifier("@" + name).send("STOPPING=1")
         assert receive_one(sock) == b"STOPPING=1"
+
+
+def test_the_notifier_never_waits_for_a_systemd_that_takes_nothing(tmp_path: Path) -> None:
+    # The datagram is sent from the event loop's thread: a full queue must not hold it.
+    address = str(tmp_path / "n.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)  # and never read: its queue fills after some hundred notices
+        notifier = Notifier(address)
+        sender = threading.Thread(
+            target=lambda: [notifier.send("WATCHDOG=1", "STATUS=x" * 50) for _ in range(5000)],
+            daemon=True,
+        )
+        sender.start()
+        sender.join(STOP_BOUND * 6)
+        assert not sender.is_alive(), "a send waited for the full queue"
+        assert receive_one(sock).startswith(b"WATCHDOG=1")
 
 
 def test_the_notifier_is_silent_without_systemd_and_when_nobody_listens(tmp_path: Path) -> None:
