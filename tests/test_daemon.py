@@ -652,19 +652,25 @@ def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused
     assert after.verdict(bare) == "idle"  # still the command line's backend, unchanged
 
 
+def unwritable_audit(tmp_path: Path, backends: list[dict[str, object]]) -> Path:
+    """A config whose audit log cannot be opened (its path is a directory; root writes any
+    file), over ``backends`` and one that is down, so every settle has records to write."""
+    where = tmp_path / "audit-is-a-directory"
+    where.mkdir()
+    down = {"name": "down", "url": REFUSED_URL}
+    return write_config(
+        tmp_path / "fleet.toml",
+        f"audit_log = {toml_value(str(where))}\n" + fleet_config([*backends, down]),
+    )
+
+
 def test_an_audit_log_that_cannot_be_written_skips_the_cycle_and_the_daemon_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
     # The audit records of a settle go first, then the state that follows from them: when
     # they cannot be written nothing is saved, as when the state cannot be. The daemon
     # exited instead, and under systemd a full disk became a restart loop.
-    where = tmp_path / "audit-is-a-directory"
-    where.mkdir()
-    config = write_config(
-        tmp_path / "fleet.toml",
-        f"audit_log = {toml_value(str(where))}\n"
-        + fleet_config([{"name": "busy", "url": urls.busy}, {"name": "down", "url": REFUSED_URL}]),
-    )
+    config = unwritable_audit(tmp_path, [{"name": "busy", "url": urls.busy}])
     state = tmp_path / "state.json"
     with watching(entry_point, config, state) as watch:
         watch.logged("cycle skipped")
@@ -684,13 +690,7 @@ def test_a_daemon_whose_first_settles_cannot_be_saved_still_tells_systemd_it_is_
 ) -> None:
     # It probes, serves its page and routes all the same; READY=1 only after a saved
     # settle let systemd's start timeout restart it in a loop while the disk was full.
-    where = tmp_path / "audit-is-a-directory"
-    where.mkdir()
-    config = write_config(
-        tmp_path / "fleet.toml",
-        f"audit_log = {toml_value(str(where))}\n"
-        + fleet_config([{"name": "down", "url": REFUSED_URL}]),
-    )
+    config = unwritable_audit(tmp_path, [])
     address = str(tmp_path / "notify.sock")
     messages: list[list[str]] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
