@@ -6,10 +6,10 @@ record lives in one etcd key; every write of it is a transaction that compares t
 revision that was read *and* the leader key's creation revision (the fencing token), so
 a deposed leader's write fails whole. The audit records of a settle ride in that same
 transaction (one key per write, the newest ``audit_keep`` records kept), so a deposed
-leader's records fail with its state. etcd is reached through etcd3gw (the v3 JSON
-gateway, ``/v3/`` on etcd 3.4), from threads; each socket read is bounded by a timeout,
-but neither a whole answer's time nor its size is (etcd is the operator's own service,
-unlike a model server). Its errors become ``ClusterUnavailableError`` here, once.
+leader's records fail with its state. etcd is reached through its v3 JSON gateway
+(``/v3/``, etcd 3.4 and later) by ``etcd_http``, from threads, every exchange bounded in
+bytes and time as a model server's is. Its errors become ``ClusterUnavailableError`` here,
+once.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, TypeVar
 
+from llmhealth import etcd_http
 from llmhealth.actions import AuditError, AuditScan, encode_record, parse_records
 from llmhealth.classify import Verdict
 from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
@@ -51,12 +51,6 @@ from llmhealth.shares import (
 )
 from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
 from llmhealth.text import printable
-
-if TYPE_CHECKING:
-    # Loaded when a cluster is used (``Etcd``), not when this module is: etcd3gw brings
-    # requests and futurist, about 0.1 s of start-up that `watch` without etcd and every
-    # other verb would pay for nothing.
-    import etcd3gw
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -102,21 +96,6 @@ def _b64(text: str | bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _kv(item: tuple[bytes, Mapping[str, Any]]) -> KeyValue:
-    value, meta = item
-    return KeyValue(
-        value=value,
-        mod_revision=int(meta.get("mod_revision", 0)),
-        create_revision=int(meta.get("create_revision", 0)),
-        lease=int(meta.get("lease", 0)),
-    )
-
-
-def _name(item: tuple[bytes, Mapping[str, Any]]) -> str:
-    key = item[1].get("key", b"")
-    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
-
-
 def _after_prefix(prefix: str) -> str:
     """The first key past every key that starts with ``prefix`` (ours are ASCII)."""
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
@@ -142,88 +121,75 @@ def compare_modified(key: str, revision: int) -> dict[str, Any]:
 class Etcd:
     """The etcd endpoints, tried in turn; the one that answered last is tried first."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = REQUEST_TIMEOUT) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout: float = REQUEST_TIMEOUT,
+        bounds: etcd_http.Bounds | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
         # Checked here too, not only in the config: an endpoint is named in every error.
         self.endpoints = tuple(check_url(url) for url in endpoints)
-        self._clients = [self._client(url, timeout) for url in self.endpoints]
+        self._wires = [etcd_http.Endpoint.from_url(url) for url in self.endpoints]
+        self._bounds = bounds or etcd_http.Bounds(silence=timeout)
         self._current = 0
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _client(url: str, timeout: float) -> etcd3gw.Etcd3Client:
-        import etcd3gw  # noqa: PLC0415 - only a cluster pays for the etcd client
-
-        parts = urlsplit(url)
-        return etcd3gw.Etcd3Client(
-            host=parts.hostname or "127.0.0.1",
-            port=parts.port or 2379,
-            protocol=parts.scheme or "http",
-            timeout=timeout,
-            api_path="/v3/",  # etcd 3.4 and later
-        )
-
-    def call(self, request: Callable[[etcd3gw.Etcd3Client], T]) -> T:
-        import requests  # noqa: PLC0415 - etcd3gw's own HTTP client, loaded with it
-        from etcd3gw import exceptions as etcd_errors  # noqa: PLC0415 - loaded by _client
-
+    def call(self, path: str, body: Mapping[str, Any], read: Callable[[dict[str, Any]], T]) -> T:
+        """``read`` of etcd's answer at ``/v3/<path>``, from the first endpoint that gives one."""
+        payload = etcd_http.encode(body)
         with self._lock:
             first = self._current
         problems = []
-        for step in range(len(self._clients)):
-            index = (first + step) % len(self._clients)
+        for step in range(len(self._wires)):
+            index = (first + step) % len(self._wires)
             try:
-                result = request(self._clients[index])
-            except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
-                # What etcd3gw lets through: a connection cut mid-answer, an answer that is
-                # not etcd's JSON (a proxy's page, a body cut short). Not etcd's word on the
-                # request, so the next endpoint may still answer it.
-                problems.append(f"{self.endpoints[index]}: {type(exc).__name__}")
+                result = read(etcd_http.post(self._wires[index], path, payload, self._bounds))
+            except etcd_http.EndpointError as exc:
+                problems.append(f"{self.endpoints[index]}: {printable(str(exc)[:_ETCD_SAID])}")
                 continue
-            except etcd_errors.Etcd3Exception as exc:
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+                # JSON that is not etcd's answer to this request (a proxy's, another
+                # service's): not etcd's word on the request, so the next endpoint may be.
+                problems.append(f"{self.endpoints[index]}: not etcd's answer ({exc!r:.80})")
+                continue
+            except etcd_http.EtcdRefusedError as exc:
                 # An answer from etcd that is not "unavailable" is a real error, not a dead
-                # endpoint: trying the next one would hide it.
-                if not isinstance(
-                    exc,
-                    etcd_errors.ConnectionFailedError | etcd_errors.ConnectionTimeoutError,
-                ):
-                    # etcd3gw's text is the answer's reason phrase and body: the endpoint's
-                    # words, bound for terminals and logs.
-                    said = printable(str(exc)[:_ETCD_SAID])
-                    raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {said}") from exc
-                problems.append(f"{self.endpoints[index]}: {type(exc).__name__}")
-                continue
+                # endpoint: trying the next one would hide it. Its text is the endpoint's
+                # words, bound for terminals and logs.
+                said = printable(exc.said[:_ETCD_SAID])
+                raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {said}") from exc
             with self._lock:
                 self._current = index
             return result
         raise ClusterUnavailableError("no etcd endpoint answered (" + "; ".join(problems) + ")")
 
     def get(self, key: str) -> KeyValue | None:
-        found = self.call(lambda client: client.get(key, metadata=True))
-        return _kv(found[0]) if found else None
+        found = self._range({"key": _b64(key)})
+        return found[0][1] if found else None
 
     def get_prefix(self, prefix: str) -> dict[str, KeyValue]:
-        found = self.call(lambda client: client.get_prefix(prefix))
-        return {_name(item): _kv(item) for item in found}
+        return dict(self._range({"key": _b64(prefix), "range_end": _b64(_after_prefix(prefix))}))
 
     def scan_down(
         self, prefix: str, end: str | None, limit: int, *, keys_only: bool = False
     ) -> list[tuple[str, KeyValue]]:
         """Up to ``limit`` keys under ``prefix`` below ``end`` (exclusive), largest first."""
         range_end = end if end is not None else _after_prefix(prefix)
-        found = self.call(
-            lambda client: client.get(
-                prefix,
-                metadata=True,
-                range_end=range_end,
-                sort_order="descend",
-                sort_target="key",
-                limit=limit,
-                keys_only=keys_only,
-            )
+        return self._range(
+            {
+                "key": _b64(prefix),
+                "range_end": _b64(range_end),
+                "sort_order": "DESCEND",
+                "sort_target": "KEY",
+                "limit": limit,
+                "keys_only": keys_only,
+            }
         )
-        return [(_name(item), _kv(item)) for item in found]
+
+    def _range(self, request: dict[str, Any]) -> list[tuple[str, KeyValue]]:
+        return self.call("kv/range", request, lambda answer: _key_values(answer.get("kvs")))
 
     def txn(
         self,
@@ -233,23 +199,47 @@ class Etcd:
     ) -> tuple[bool, int, list[dict[str, Any]]]:
         """Whether the compares held, the revision after it, and the branch's responses."""
         body = {"compare": compare, "success": success, "failure": failure or []}
-        response: dict[str, Any] = dict(self.call(lambda client: client.transaction(body)))
-        revision = int(response.get("header", {}).get("revision", 0))
-        return bool(response.get("succeeded")), revision, list(response.get("responses") or [])
+        return self.call("kv/txn", body, _txn_result)
 
     def grant(self, ttl: int) -> int:
-        return self.call(lambda client: client.lease(ttl)).id
+        return self.call("lease/grant", {"TTL": ttl, "ID": 0}, lambda answer: int(answer["ID"]))
 
     def keepalive(self, lease: int) -> int:
-        """Renew a lease; its TTL, or -1 when etcd no longer has it."""
-        from etcd3gw import Lease  # noqa: PLC0415 - loaded by _client
-
-        return self.call(lambda client: Lease(lease, client).refresh())
+        """Renew a lease; its TTL, or -1 when etcd no longer has it (no TTL in the answer)."""
+        return self.call(
+            "lease/keepalive", {"ID": lease}, lambda answer: int(answer["result"].get("TTL", -1))
+        )
 
     def revoke(self, lease: int) -> None:
-        from etcd3gw import Lease  # noqa: PLC0415 - loaded by _client
+        self.call("kv/lease/revoke", {"ID": lease}, lambda _: None)
 
-        self.call(lambda client: Lease(lease, client).revoke())
+
+def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
+    """A range answer's keys and values; a key etcd's gateway leaves out is its default."""
+    if kvs is None:
+        return []
+    if not isinstance(kvs, list):
+        raise TypeError(f"kvs is a {type(kvs).__name__}")
+    return [
+        (
+            base64.b64decode(item["key"], validate=True).decode(errors="replace"),
+            KeyValue(
+                value=base64.b64decode(item.get("value", ""), validate=True),
+                mod_revision=int(item.get("mod_revision", 0)),
+                create_revision=int(item.get("create_revision", 0)),
+                lease=int(item.get("lease", 0)),
+            ),
+        )
+        for item in kvs
+    ]
+
+
+def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[dict[str, Any]]]:
+    revision = int(answer.get("header", {}).get("revision", 0))
+    responses = answer.get("responses") or []
+    if not isinstance(responses, list):
+        raise TypeError(f"responses is a {type(responses).__name__}")
+    return bool(answer.get("succeeded")), revision, responses
 
 
 @dataclass(frozen=True, slots=True)

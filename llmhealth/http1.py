@@ -84,6 +84,18 @@ def head_lines(head: str) -> list[str]:
     return head.split("\r\n")
 
 
+def status_line(line: str) -> tuple[str, int, str]:
+    """An answer's version, status code and reason phrase (the phrase unescaped)."""
+    version, _, rest = line.partition(" ")
+    code, _, reason = rest.partition(" ")
+    # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not (
+        len(code) == 3 and code.isascii() and code.isdigit()
+    ):
+        raise FramingError(f"not an HTTP/1.x status line: {line[:80]!r}")
+    return version, int(code), reason
+
+
 def fields(lines: Iterable[str]) -> list[tuple[str, str]]:
     """``name: value`` lines as pairs, values trimmed of spaces and tabs (RFC 9112 5)."""
     parsed = []

@@ -354,17 +354,10 @@ class Pool:
                 raise BrokenError(f"response head over {MAX_HEAD_BYTES} bytes")
             try:
                 lines = http1.head_lines(head[:-4].decode("latin-1"))
-                version, _, rest = lines[0].partition(" ")
-                code, _, reason = rest.partition(" ")
-                # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
-                if version not in ("HTTP/1.1", "HTTP/1.0") or not (
-                    len(code) == 3 and code.isascii() and code.isdigit()
-                ):
-                    raise BrokenError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+                version, status, reason = http1.status_line(lines[0])
                 headers = http1.fields(lines[1:])
             except http1.FramingError as exc:
                 raise BrokenError(str(exc)) from None
-            status = int(code)
             if 100 <= status < 200:
                 continue
             return self._framed(link, version, status, reason, headers, method)

@@ -23,8 +23,6 @@ _NOT_BEFORE_THE_FIRST_READ = (
     "llmhealth.exporter",
     "llmhealth.simulate",
     "llmhealth.operate",
-    "etcd3gw",  # only a [cluster] config needs the etcd client (and requests with it)
-    "requests",
 )
 # Nothing that reads, serves or renders: the command line module only parses arguments.
 _NOT_ON_IMPORT = (*_NOT_BEFORE_THE_FIRST_READ, "asyncio", "ssl", "llmhealth.cycle")
@@ -60,21 +58,6 @@ def test_importing_the_command_line_loads_no_client_renderer_or_event_loop() -> 
     loaded = set(listing.stdout.split())
     assert "llmhealth.cli" in loaded
     assert _loaded_from(loaded, _NOT_ON_IMPORT) == []
-
-
-def test_the_daemon_without_a_cluster_loads_no_etcd_client() -> None:
-    """`watch` imports the cluster module for its types; etcd3gw (with requests and
-    futurist, about 0.1 s) is loaded only when a cluster is used."""
-    listing = subprocess.run(
-        [sys.executable, "-c", "import sys, llmhealth.daemon; print('\\n'.join(sys.modules))"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    loaded = set(listing.stdout.split())
-    assert {"llmhealth.daemon", "llmhealth.cluster"} <= loaded
-    assert _loaded_from(loaded, ("etcd3gw", "requests", "futurist")) == []
 
 
 def test_check_help_loads_no_client_and_no_cycle(entry_point: str) -> None:
