@@ -49,19 +49,30 @@ def load_existing(store: Store, config: Config) -> FleetRecord:
     return record
 
 
+@dataclass(frozen=True)
+class _Edit:
+    """The record a verb changes, and where a change is saved, said in its message."""
+
+    record: FleetRecord
+    saved: str
+
+
 @contextlib.contextmanager
-def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[FleetRecord]:
+def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[_Edit]:
     """The record of a fleet that has this backend, with the state lock held.
 
     With no saved record yet, the one a first check would start from (every configured
     backend HEALTHY); a configured backend the saved record does not know yet (added
     since the last check) is added as a check would add it. Either is saved only if the
-    verb changes something.
+    verb changes something. The message names where: a verb that found no state makes a
+    new one, which a daemon keeping its state elsewhere (another user's default path, a
+    config without ``state``) never reads, and the operator must be able to see that.
     """
     with store.locked():
         policy = ledger_policy(config.policy)
         record = store.load(lambda doc: FleetRecord.from_dict(doc, policy))
         configured = {backend.name: backend.url for backend in config.backends}
+        saved = f"saved to {store.path}"
         if record is None:
             if name not in configured:
                 raise StateError(
@@ -69,6 +80,10 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
                     "config: name the config with --config, or run 'llmhealth check' first"
                 )
             record = fresh_record(policy, configured, clock())
+            saved = (
+                f"saved to a new state at {store.path}: no check had saved one there, and "
+                "a daemon keeping its state elsewhere does not see this"
+            )
         elif name not in record.ledger and name in configured:
             try:
                 record.ledger.add(name, configured[name], clock())
@@ -77,7 +92,7 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
         if name not in record.ledger:
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
-        yield record
+        yield _Edit(record, saved)
 
 
 def apply_event(
@@ -92,8 +107,8 @@ def apply_event(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Lock, feed one operator event to the ledger, audit it, save."""
-    with _editing(store, config, name, clock) as record:
-        now = clock()
+    with _editing(store, config, name, clock) as edit:
+        record, now = edit.record, clock()
         transition = record.ledger.apply(name, make_event(now))
         entry: dict[str, Any] = {
             "time": now,
@@ -111,7 +126,8 @@ def apply_event(
         if transition.applied:
             store.save(record.to_dict())
             return VerbResult(
-                True, f"{name}: {transition.from_state} → {transition.to_state} ({verb})"
+                True,
+                f"{name}: {transition.from_state} → {transition.to_state} ({verb}); {edit.saved}",
             )
         return VerbResult(
             False, f"{name}: {verb} refused in {transition.from_state}: {transition.reason}"
@@ -153,8 +169,8 @@ def hold(
     clock: Clock = time.time,
 ) -> VerbResult:
     """Keep remediation away from a backend for a while; verdicts are still recorded."""
-    with _editing(store, config, name, clock) as record:
-        now = clock()
+    with _editing(store, config, name, clock) as edit:
+        record, now = edit.record, clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         record.holds[name] = new_hold
         audit.append(
@@ -168,14 +184,14 @@ def hold(
             }
         )
         store.save(record.to_dict())
-        return VerbResult(True, f"{name}: {new_hold.describe(now)}")
+        return VerbResult(True, f"{name}: {new_hold.describe(now)}; {edit.saved}")
 
 
 def release(
     store: Store, audit: Audit, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
-    with _editing(store, config, name, clock) as record:
-        removed = record.holds.pop(name, None)
+    with _editing(store, config, name, clock) as edit:
+        removed = edit.record.holds.pop(name, None)
         if removed is None:
             return VerbResult(False, f"{name}: not on hold")
         now = clock()
@@ -188,8 +204,8 @@ def release(
                 "reason": f"released hold: {removed.reason}",
             }
         )
-        store.save(record.to_dict())
-        return VerbResult(True, f"{name}: hold released ({removed.reason})")
+        store.save(edit.record.to_dict())
+        return VerbResult(True, f"{name}: hold released ({removed.reason}); {edit.saved}")
 
 
 def read_record(store: Store, config: Config) -> FleetRecord:

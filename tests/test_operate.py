@@ -122,10 +122,13 @@ def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
         "hold", "gpu1", "--for", "30m", "--reason", "weight sync", "--state", str(state)
     )
     assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(f"; saved to {state}"), result.stdout
     hold = status(state)["gpu1"]["hold"]
     assert isinstance(hold, dict)
     assert hold["reason"] == "weight sync"
-    assert llmhealth("release", "gpu1", "--state", str(state)).returncode == 0
+    released = llmhealth("release", "gpu1", "--state", str(state))
+    assert released.returncode == 0
+    assert released.stdout.strip().endswith(f"; saved to {state}"), released.stdout
     assert status(state)["gpu1"]["hold"] is None
     again = llmhealth("release", "gpu1", "--state", str(state))
     assert again.returncode == 1
@@ -181,6 +184,9 @@ def test_verbs_before_the_first_check_work_on_the_state_the_config_starts(
     where = ["--config", str(config), "--state", str(state)]
     held = llmhealth("hold", "gpu0", "--for", "2h", "--reason", "maintenance", *where)
     assert held.returncode == 0, held.stderr
+    # A verb that finds no state makes one: the operator sees where, and that a daemon
+    # keeping its state elsewhere (another user's default path) will not see the hold.
+    assert f"saved to a new state at {state}: no check had saved one there" in held.stdout
     shown = status(state)
     assert {name: b["state"] for name, b in shown.items()} == {
         "gpu0": "healthy",
@@ -191,6 +197,7 @@ def test_verbs_before_the_first_check_work_on_the_state_the_config_starts(
     assert hold["reason"] == "maintenance"
     retired = llmhealth("retire", "gpu1", "--reason", "not racked yet", *where)
     assert retired.returncode == 0, retired.stderr
+    assert retired.stdout.strip().endswith(f"(retire); saved to {state}"), retired.stdout
     assert status(state)["gpu1"]["state"] == "retired"
     audit = read(state.with_name("audit.jsonl"))
     assert [(e["backend"], e["event"]) for e in audit] == [("gpu0", "hold"), ("gpu1", "retire")]
