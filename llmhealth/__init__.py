@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"  # the same as pyproject.toml; a test holds them together
 
 if TYPE_CHECKING:
+    from llmhealth.actions import AuditError
     from llmhealth.api import BackendResult, CheckReport, check, check_async
     from llmhealth.classify import VerdictKind
+    from llmhealth.config import ConfigError
     from llmhealth.fleet import StallWatch
     from llmhealth.fleet_health import FleetExhausted, FleetHealth, FleetPolicy, Key
     from llmhealth.ledger import (
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from llmhealth.prober import Prober, ProbeResult
     from llmhealth.report import ExitCode, FleetSummary
     from llmhealth.selector import Selector
+    from llmhealth.state import StateCorruptError, StateError, StateLockedError
 
 _HOMES = {
     "check": "llmhealth.api",
@@ -49,12 +52,20 @@ _HOMES = {
     "Prober": "llmhealth.prober",
     "ProbeResult": "llmhealth.prober",
     "StallWatch": "llmhealth.fleet",
+    # What check and check_async raise besides ValueError: a caller catches them by name.
+    "ConfigError": "llmhealth.config",
+    "StateError": "llmhealth.state",
+    "StateLockedError": "llmhealth.state",
+    "StateCorruptError": "llmhealth.state",
+    "AuditError": "llmhealth.actions",
 }
 
 __all__ = [
+    "AuditError",
     "BackendResult",
     "BackendSnapshot",
     "CheckReport",
+    "ConfigError",
     "ExitCode",
     "FleetExhausted",
     "FleetHealth",
@@ -67,6 +78,9 @@ __all__ = [
     "Selector",
     "StallWatch",
     "State",
+    "StateCorruptError",
+    "StateError",
+    "StateLockedError",
     "Transition",
     "UnknownBackend",
     "VerdictKind",

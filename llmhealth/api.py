@@ -107,7 +107,8 @@ def check(
     ``state`` is the default); without either nothing is remembered. Restart commands come
     only from a ``config``; ``dry_run`` and ``no_restart`` are the CLI's flags. Bad
     arguments raise ``ValueError``; a bad config ``ConfigError``; a locked or corrupt state
-    file ``StateError``. A sick server is never an exception: it is in the report.
+    file ``StateError``; an audit log that cannot be written ``AuditError`` (all exported
+    by the package). A sick server is never an exception: it is in the report.
 
     With a ``[cluster]`` in the config it is cron's check beside the daemons: it acts only
     if it wins the lease for the run, and the record is etcd's (``state`` is not used).

@@ -101,8 +101,9 @@ class FleetHealth:
 
     ``base_urls``: a list (backends are shard indices 0..n-1) or a mapping of names to
     URLs, each a server's root (``http://10.0.0.5:8000``, as for ``check``), since the
-    ``Prober`` reads ``/metrics`` beside ``/v1``. Every verb takes that index or name; an
-    unknown one raises ``UnknownBackend`` (a ``LookupError``). ``clock`` defaults to
+    ``Prober`` reads ``/metrics`` beside ``/v1``. Every verb takes that index or name (or
+    the name a ``Transition`` or snapshot carries: ``"1"`` for shard 1); an unknown one
+    raises ``UnknownBackend`` (a ``LookupError``). ``clock`` defaults to
     ``time.monotonic``; tests inject their own.
     """
 
@@ -315,10 +316,14 @@ class FleetHealth:
 
     def _name(self, key: Key) -> str:
         # bool is an int and 1.0 hashes as 1: either would silently mean shard 1.
-        known = type(key) in (int, str) and key in self._names
-        if not known:
-            raise UnknownBackend(f"no backend {key!r} in this fleet; it has {_listing(self._keys)}")
-        return self._names[key]
+        if type(key) in (int, str):
+            if key in self._names:
+                return self._names[key]
+            if key in self._key_of:
+                # The ledger's name, as a Transition or snapshot carries it ("1" for shard
+                # 1): what the fleet hands out must be taken back.
+                return str(key)
+        raise UnknownBackend(f"no backend {key!r} in this fleet; it has {_listing(self._keys)}")
 
     def _in(self, names: Sequence[str]) -> list[Key]:
         wanted = set(names)

@@ -133,6 +133,21 @@ def test_check_async_does_not_wait_for_a_state_another_run_holds(tmp_path: Path)
         asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=state, **FAST))
 
 
+def test_what_a_check_raises_is_importable_from_the_package(tmp_path: Path) -> None:
+    # A caller catches these by name; the package's own modules are internal.
+    locked = tmp_path / "locked" / "state.json"
+    with StateFile(locked).locked(), pytest.raises(llmhealth.StateLockedError):
+        asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=locked, **FAST))
+    assert issubclass(llmhealth.StateLockedError, llmhealth.StateError)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("wait = -1\n")
+    with pytest.raises(llmhealth.ConfigError, match="wait"):
+        llmhealth.check(config=bad)
+    (tmp_path / "audit.jsonl").mkdir()  # an audit log that cannot be opened
+    with pytest.raises(llmhealth.AuditError, match="cannot open the audit log"):
+        llmhealth.check(["http://127.0.0.1:9"], state=tmp_path / "state.json", **FAST)
+
+
 def test_check_async_runs_no_restart_command(tmp_path: Path) -> None:
     config = tmp_path / "fleet.toml"
     config.write_text(

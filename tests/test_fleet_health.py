@@ -80,12 +80,25 @@ def test_a_mapping_of_names_makes_backends_known_by_name() -> None:
     assert f.absent_shards() == ["gpu1"]
 
 
-@pytest.mark.parametrize("key", [3, -1, True, 1.0, "0", None, [0]])
+@pytest.mark.parametrize("key", [3, -1, True, 1.0, "3", "00", " 0", None, [0]])
 def test_an_unknown_shard_index_is_a_lookup_error_naming_the_valid_ones(key: Any) -> None:
     f, _ = fleet()
     with pytest.raises(UnknownBackend, match=r"shards 0\.\.2") as raised:
         f.state_of(key)
     assert isinstance(raised.value, LookupError)
+
+
+def test_the_name_a_transition_or_snapshot_carries_is_taken_back() -> None:
+    # The ledger names shard 1 "1"; a caller passing a Transition's name back to a verb
+    # must reach shard 1, not an UnknownBackend.
+    f, _ = fleet()
+    died = f.record_actor_death(1, "ActorDiedError")
+    assert died.name == "1"
+    assert f.state_of(died.name) is State.DEAD
+    assert f.mark_restarting(died.name).applied
+    assert f.snapshot()[1].state is State.RESTARTING
+    names = [snap.name for snap in f.snapshot().values()]
+    assert [f.state_of(name) for name in names] == [State.HEALTHY, State.RESTARTING, State.HEALTHY]
 
 
 def test_an_unknown_backend_name_is_a_lookup_error_and_changes_nothing() -> None:
