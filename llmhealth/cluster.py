@@ -234,6 +234,14 @@ def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
     ]
 
 
+def _ranged(responses: list[dict[str, Any]]) -> KeyValue | None:
+    """The key a transaction's one ``request_range`` found, if it found one."""
+    if not responses:
+        return None
+    found = _key_values(responses[0].get("response_range", {}).get("kvs"))
+    return found[0][1] if found else None
+
+
 def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[dict[str, Any]]]:
     revision = int(answer.get("header", {}).get("revision", 0))
     responses = answer.get("responses") or []
@@ -477,14 +485,25 @@ class Elector:
         self.etcd.txn([], [put(self.keys.member(self.member), json.dumps(value).encode(), lease)])
 
     def _campaign(self, lease: int) -> None:
-        """Create the leader key on our lease if nobody holds it (etcd's election, simply)."""
+        """Create the leader key on our lease if nobody holds it (etcd's election, simply).
+
+        A campaign whose answer was lost (cut, timed out, then tried on the next endpoint
+        or at the next round) may have created the key all the same: the failed compare
+        then finds it on our own lease, which only we write, and we lead by it. Without
+        that the key would sit on a lease we keep renewing, and nobody would ever lead.
+        """
         since = self._wall()
         value = json.dumps({"member": self.member, "since": since}).encode()
-        won, revision, _ = self.etcd.txn(
-            [compare_created(self.keys.leader, 0)], [put(self.keys.leader, value, lease)]
+        won, revision, responses = self.etcd.txn(
+            [compare_created(self.keys.leader, 0)],
+            [put(self.keys.leader, value, lease)],
+            [{"request_range": {"key": _b64(self.keys.leader)}}],
         )
         if not won:
-            return
+            held = _ranged(responses)
+            if held is None or held.lease != lease:
+                return
+            revision = held.create_revision
         with self._lock:
             facts = self._facts
             if facts.lease_id != lease:

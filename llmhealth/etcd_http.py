@@ -23,12 +23,16 @@ from urllib.parse import urlsplit
 
 from llmhealth import http1
 
-WHOLE_SECONDS: Final = 5.0  # one exchange, head and body (etcdctl's command timeout)
-MAX_ANSWER_BYTES: Final = 64 * 1024 * 1024  # an audit page or the record, base64 and JSON
+WHOLE_SECONDS: Final = 5.0  # one exchange, connect to last byte (etcdctl's command timeout)
+# The largest answer read: a page of 64 audit keys of up to 256 KiB each, base64 in JSON
+# (about 22 MiB). Decoded, etcd's JSON takes about 1.5 times its bytes; a hostile answer
+# of empty objects up to about 20 times, so this also bounds the memory of the decoding.
+MAX_ANSWER_BYTES: Final = 32 * 1024 * 1024
 _READ_SIZE: Final = 256 * 1024
 _MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
-# Not etcd's word on the request: the gateway could not reach its server, or gave up.
-_ENDPOINT_AWAY: Final = frozenset({408, 503, 504})
+# Not etcd's word on the request: the gateway could not reach its server, or gave up; a
+# 502 comes from something in front of etcd (its gateway maps no error to it).
+_ENDPOINT_AWAY: Final = frozenset({408, 502, 503, 504})
 
 
 class EndpointError(Exception):
@@ -128,7 +132,7 @@ class _Exchange:
         self._sock: socket.socket | None = None
 
     def run(self, endpoint: Endpoint, request: bytes) -> tuple[int, str, bytes]:
-        sock = socket.create_connection((endpoint.host, endpoint.port), self._wait())
+        sock = self._connect(endpoint)
         try:
             if endpoint.tls is not None:
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
@@ -139,6 +143,26 @@ class _Exchange:
             return status, reason, self._body(status, headers)
         finally:
             sock.close()
+
+    def _connect(self, endpoint: Endpoint) -> socket.socket:
+        """A connection to the first of the name's addresses that takes one, all of them
+        within the whole bound (``create_connection`` gives each address a full timeout).
+        The name's lookup is the resolver's own, bounded by its resolv.conf timeouts."""
+        addresses = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+        failure: OSError = OSError(f"no address for {endpoint.host}")
+        for family, kind, protocol, _, address in addresses:
+            sock = socket.socket(family, kind, protocol)
+            try:
+                sock.settimeout(self._wait())
+                sock.connect(address)
+            except OSError as exc:
+                sock.close()
+                if isinstance(exc, TimeoutError):
+                    self._wait()  # the whole bound ran out: say so, try no more addresses
+                failure = exc
+                continue
+            return sock
+        raise failure
 
     def _wait(self) -> float:
         left = self._deadline - self._clock()

@@ -108,6 +108,31 @@ def test_a_resigning_leader_hands_over_at_the_next_campaign(
     second.stop()
 
 
+def test_a_campaign_whose_answer_was_lost_leads_by_the_key_it_made(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The campaign's transaction reached etcd but its answer did not: the next round's
+    # compare fails on our own key. Before, the key sat on a lease we kept renewing and
+    # nobody led again.
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    holder, lost = elector(etcd, keys, "a", clock, log), elector(etcd, keys, "b", clock, log)
+    holder.step()
+    lost.step()  # has its lease; "a" leads
+    assert lost.lease_id is not None and not lost.decision().may_act
+    holder.stop(resign=True)
+    value = b'{"member": "b", "since": 1.0}'
+    etcd.txn([], [cluster.put(keys.leader, value, lost.lease_id)])  # the campaign's write
+    made = etcd.get(keys.leader)
+    assert made is not None
+    lost.step()
+    assert lost.decision().may_act
+    assert lost.fence == made.create_revision
+    leader = read_leader(etcd, keys)
+    assert leader is not None and leader.member == "b"
+    lost.stop()
+
+
 def test_a_leader_past_its_renew_deadline_steps_down_and_may_not_save(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
