@@ -736,9 +736,21 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
 
 
 def _break_recovery(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
-    """A failure of a DEAD backend: good verdicts towards recovery must be in a row."""
+    """A failure of a DEAD backend: good verdicts towards recovery must be in a row.
+
+    A wedge proven on a backend that something else condemned (failed requests, doubt,
+    a stall) is the proof the restart policy asks for: it becomes the condemning cause,
+    whatever ``recover_in_place`` says, or ``restart_on = ["wedged"]`` would pass over a
+    proven wedge for ever because doubt got there first.
+    """
     if not isinstance(event, ProbeFailure | RequestFailure | WedgeProven):
         raise AssertionError(f"{Rule.BREAK_RECOVERY} cannot take {event.kind}")
+    if isinstance(event, WedgeProven) and b.condemned_by != event.reason:
+        was = b.condemned_by
+        b.condemned_by = event.reason
+        b.good_streak = 0
+        b.last_error = _error_text(event.reason, event.evidence)
+        return State.DEAD, f"wedge proven ({b.last_error}): condemned by it now, not by {was}"
     if not policy.recover_in_place:
         raise _Refused(b.state, event.kind, "policy.recover_in_place is off", off=True)
     b.good_streak = 0
@@ -769,19 +781,26 @@ def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tu
     return State.DEAD, b.last_error
 
 
-def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
-    """When the restart this backend still waits on was issued, if its grace ran out."""
+def _awaited_restart(b: _Backend) -> float | None:
+    """When the restart this backend still waits on was issued: RESTARTING, or STALE on
+    the process a restart brought up and not yet re-admitted. Until then the restart has
+    proven nothing, so it is still under way (``Ledger.restart_unproven``)."""
     if b.state is State.RESTARTING:
         # Set on entering RESTARTING (by the restart itself); from_dict enforces it.
-        restarted_at = b.state_since
-    elif b.state is State.STALE and b.restart_times:
+        return b.state_since
+    if b.state is State.STALE and b.restart_times:
         restarted_at = max(b.restart_times)
         # Good since (re-admitted, or recovered in place, then STALE again by an unplanned
         # restart or a partial weight sync): that restart is not what this spell waits on.
         if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
             return None
-    else:
-        return None
+        return restarted_at
+    return None
+
+
+def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
+    """When the restart this backend still waits on was issued, if its grace ran out."""
+    restarted_at = _awaited_restart(b)
     if restarted_at is None or now - restarted_at < grace:
         return None
     return restarted_at
@@ -1104,6 +1123,13 @@ class Ledger:
 
     def state_of(self, name: str) -> State:
         return self._lookup(name).state
+
+    def restart_unproven(self, name: str) -> bool:
+        """Restarted, and the replacement has not yet been re-admitted (nor its startup
+        grace run out): a restart still under way, as far as ``max_concurrent_restarts``
+        counts. A replacement that came up and then fails as its predecessor did must not
+        free the slot for the next backend: a fault they share would restart them all."""
+        return _awaited_restart(self._lookup(name)) is not None
 
     def snapshot(self, name: str, now: float) -> BackendSnapshot:
         """``now`` only decides which restart attempts still count against the budget."""

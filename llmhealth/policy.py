@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final
 
-from llmhealth.ledger import CONDEMNED, BackendSnapshot, Ledger, State, is_finite_number
+from llmhealth.ledger import CONDEMNED, BackendSnapshot, Ledger, is_finite_number
 
 if TYPE_CHECKING:
     # Types only: config reads files, and importing it at run time would pull that in.
@@ -157,13 +157,15 @@ def plan_restarts(
     verdict is in ``policy.restart_on``; it has a restart command; it is not on an active
     hold; its cooldown has passed; its restart budget is not spent (if it is, the decision
     is RETIRE); and fewer than ``policy.max_concurrent_restarts`` restarts are under way,
-    counting RESTARTING backends and the restarts planned earlier in this same call.
+    counting the backends whose restart has not proven itself yet (RESTARTING, or STALE
+    on the replacement until it is re-admitted or its startup grace runs out) and the
+    restarts planned earlier in this same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
     does wait out the hold and the cooldown, since it stands for the next attempt.
     """
     _check_time(now, "now")
-    under_way = sum(1 for name in ledger.names if ledger.state_of(name) is State.RESTARTING)
+    under_way = sum(1 for name in ledger.names if ledger.restart_unproven(name))
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(
