@@ -153,7 +153,15 @@ def events_for(
     )
     readmit: list[Event] = [Readmitted(now=now)] if proven and readmit_on_answer else []
     live = kind not in (VerdictKind.DOWN, VerdictKind.UNRESPONSIVE)
-    came_back = previous is not None and not previous.reachable and live
+    # Answering after a spell of unreachable reads means a new process, unless the reads
+    # show the very process last sighted (a reset, a lost route): that one is judged as
+    # the same process, under in-place recovery's limits, not waved through as new.
+    came_back = (
+        previous is not None
+        and not previous.reachable
+        and live
+        and not _same_process(verdict, previous)
+    )
     process = process_seen(verdict)
 
     if state in (State.DEAD, State.RESTARTING):
@@ -224,6 +232,18 @@ def _another_process(verdict: Verdict, previous: Sighting | None) -> bool:
     if newest is None or previous is None or previous.baseline is None:
         return False
     return restarted_between(previous.baseline, newest)
+
+
+def _same_process(verdict: Verdict, previous: Sighting) -> bool:
+    """The verdict's process is provably the one last sighted: the same start time, and
+    no counter gone back since."""
+    newest = _newest_signals(verdict)
+    baseline = previous.baseline
+    if newest is None or baseline is None or newest.process_start is None:
+        return False
+    return newest.process_start == baseline.process_start and not restarted_between(
+        baseline, newest
+    )
 
 
 def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:

@@ -179,7 +179,11 @@ VERDICTS: dict[str, Verdict] = {
 }
 
 REACHABLE_BEFORE = Sighting(EARLIER, True, signals())
-REFUSED_BEFORE = Sighting(EARLIER, False, signals())
+# Refused last time, and the process before the refusal unknown: an answer now is a new one.
+REFUSED_BEFORE = Sighting(EARLIER, False, None)
+# Refused last time, after a read of the process the verdicts show (same start time): a
+# lost route or a reset hid it, and it is judged as the same process.
+REFUSED_SAME_PROCESS = Sighting(EARLIER, False, signals())
 
 
 def good(request_ok: bool) -> Event:
@@ -282,6 +286,21 @@ CASES = [
         for previous in (None, REACHABLE_BEFORE)
         for name, expected in DEAD_SAME_PROCESS.items()
     ),
+    # After a refusal the process the reads show is the one sighted before it: judged as
+    # that process. An answer without metrics cannot show which process it is: new.
+    *(
+        (
+            state,
+            REFUSED_SAME_PROCESS,
+            name,
+            ABSENT_AFTER_REFUSAL[name] if name.startswith("no_metrics") else expected,
+        )
+        for state, table in (
+            (State.RESTARTING, ABSENT_SAME_PROCESS),
+            (State.DEAD, DEAD_SAME_PROCESS),
+        )
+        for name, expected in table.items()
+    ),
     *(
         (state, REFUSED_BEFORE, name, expected)
         for state in (State.DEAD, State.RESTARTING)
@@ -306,7 +325,9 @@ CASES = [
 def _previous_id(previous: Sighting | None) -> str:
     if previous is None:
         return "never seen"
-    return "last seen reachable" if previous.reachable else "last seen refused"
+    if previous.reachable:
+        return "last seen reachable"
+    return "last seen refused" if previous.baseline is None else "refused, same process"
 
 
 @pytest.mark.parametrize(
@@ -660,6 +681,26 @@ def test_a_wedge_that_ends_brings_the_same_process_back_through_stale_under_reco
     record.observe("gpu0", VERDICTS["idle answered"], NOW + 600)  # re-admission's proof
     assert whole(record) == (H, 0, 0, 2)
     assert record.ledger.snapshot("gpu0", NOW).in_place_recoveries == 1
+
+
+@pytest.mark.parametrize("policy", [POLICY, RECOVER], ids=["library", "recover_in_place"])
+def test_the_same_process_answering_after_failed_reads_is_not_taken_for_a_new_one(
+    policy: LedgerPolicy,
+) -> None:
+    # Three resets condemn it; then the very process last sighted (same start time, no
+    # counter gone back) answers again. A lost route hid it, nothing replaced it: it is
+    # judged as the same process, not waved through to STALE as a new one.
+    record = FleetRecord(Ledger(policy, [("gpu0", URL_0)], now=0.0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    for run in range(1, 4):
+        record.observe("gpu0", VERDICTS["down"], NOW + 60 * run)
+    assert whole(record) == (D, 3, 0, 1)
+    transitions = record.observe("gpu0", VERDICTS["busy"], NOW + 240)
+    assert [t.kind for t in transitions] == [EventKind.GOOD_VERDICT]
+    assert record.ledger.state_of("gpu0") is D
+    # A process with another start time after the same spell is a new one.
+    other = verdict(VerdictKind.BUSY, True, "x", reads=(readable(start=90.0),))
+    assert [t.kind for t in record.observe("gpu0", other, NOW + 300)] == [EventKind.NEW_PROCESS_UP]
 
 
 def test_a_dead_backend_with_a_restart_pending_says_so_to_the_ledger_and_stays_dead() -> None:
