@@ -377,6 +377,8 @@ class Daemon:
                     # follows from them): probing, metrics and routing go on, and the next
                     # settle tries again. Exiting would turn a full disk into a restart loop.
                     self._commands_done[:0] = news.commands  # for the next settle to hear
+                    if self._router is not None and requests:
+                        self._router.give_back(requests)  # the failures it saw, likewise
                     self._log(f"cycle skipped: {exc}")
                     self._tell_systemd(f"state unusable: {exc}")
                     continue

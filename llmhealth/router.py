@@ -18,7 +18,7 @@ import resource
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -384,6 +384,10 @@ class Router:
     def drain(self) -> dict[str, tuple[RequestOutcome, ...]]:
         """Every outcome since the last drain, per backend in order, for the settle."""
         return self._log.drain()
+
+    def give_back(self, drained: Mapping[str, Sequence[RequestOutcome]]) -> None:
+        """What a skipped settle drained, for the next one (``RequestLog.give_back``)."""
+        self._log.give_back(drained)
 
     @property
     def in_flight(self) -> dict[str, int]:

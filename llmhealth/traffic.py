@@ -8,6 +8,7 @@ happened, so the failure streak the ledger sees is the streak on the wire.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
@@ -82,3 +83,11 @@ class RequestLog:
         drained = {name: tuple(queue) for name, queue in self._pending.items() if queue}
         self._pending = {}
         return drained
+
+    def give_back(self, drained: Mapping[str, Sequence[RequestOutcome]]) -> None:
+        """Outcomes a settle took but could not save (a skipped cycle), put back before
+        those recorded since: lost, they would leave a failing backend in the choice."""
+        for backend, outcomes in drained.items():
+            since = tuple(self._pending.pop(backend, ()))
+            for outcome in (*outcomes, *since):
+                self.record(backend, outcome)

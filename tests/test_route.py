@@ -80,6 +80,44 @@ def test_a_backend_busy_to_probes_but_failing_every_request_is_condemned_by_traf
     assert [r["at"] for r in requests] == sorted(r["at"] for r in requests)
 
 
+@pytest.mark.usefixtures("each_loop")
+def test_a_request_failure_seen_while_settles_cannot_be_saved_reaches_the_ledger_after(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # The audit log cannot be opened (a full disk, a bad mount): every settle is skipped.
+    # The failures it drained from the router were lost with it, so a backend failing
+    # every request went back to the choice with a clean streak once the disk recovered.
+    audit = tmp_path / "audit-is-a-directory"
+    audit.mkdir()
+    with running_simulator(["busy+unanswered", "idle"], request_seconds=0.05) as sim:
+        config = write_config(tmp_path, {"a": sim.urls[0], "b": sim.urls[1]})
+        config.write_text(f'audit_log = "{audit}"\n' + config.read_text())
+        with running_route(entry_point, config, free_port()) as route:
+            response = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+            assert response.status_code == 500 and response.json()["backend"] == "a"
+            time.sleep(2.0)  # four waits: the failure is drained by a settle that is skipped
+            state = tmp_path / "state.json"
+            assert saved_record(state, "a")["request_failures"] == 0  # nothing saved since
+            audit.rmdir()  # the disk is back
+            saved = state.stat().st_mtime_ns
+            deadline = time.monotonic() + BOUND
+            for _ in range(2):  # two settles saved after it: the next one had the failure
+                while state.stat().st_mtime_ns == saved:
+                    assert time.monotonic() < deadline, "no settle saved after the disk came back"
+                    time.sleep(0.05)
+                saved = state.stat().st_mtime_ns
+    record = saved_record(state, "a")
+    assert record["request_failures"] == 1, record
+    assert "first_byte_timeout" in record["last_error"]
+
+
+def saved_record(state: Path, name: str) -> dict[str, object]:
+    document = json.loads(state.read_text())
+    (record,) = [b for b in document["ledger"]["backends"] if b["name"] == name]
+    assert isinstance(record, dict)
+    return record
+
+
 def test_route_refuses_to_start_without_backends_or_with_a_bad_address(
     tmp_path: Path, entry_point: str
 ) -> None:

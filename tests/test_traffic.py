@@ -77,6 +77,21 @@ def test_has_failure_sees_only_what_was_not_yet_drained() -> None:
     assert not log.has_failure("a")
 
 
+def test_what_a_skipped_settle_gives_back_comes_before_what_came_since() -> None:
+    # The settle could not save (a full disk): the failures it took must reach the next
+    # one, in the order they happened, or a failing backend returns to the choice.
+    log = RequestLog()
+    log.record("a", failed(T0))
+    log.record("a", ok(T0 + 1))
+    taken = log.drain()
+    log.record("a", ok(T0 + 2))
+    log.record("b", failed(T0 + 3))
+    log.give_back(taken)
+    assert log.has_failure("a")
+    # The two successes in a row are one, as when recorded in turn.
+    assert log.drain() == {"a": (failed(T0), ok(T0 + 2)), "b": (failed(T0 + 3),)}
+
+
 def test_failures_in_a_row_condemn_with_the_requests_as_proof() -> None:
     fleet = record()
     outcomes = [failed(T0), failed(T0 + 1, FailureKind.FIRST_BYTE_TIMEOUT), failed(T0 + 2)]
