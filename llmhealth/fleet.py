@@ -188,6 +188,9 @@ def events_for(
             return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
         if readmit:
             return readmit
+        if verdict.healthy and requests_finished(verdict, previous):
+            # Not re-admission: the ledger only notes that the replacement works.
+            return [GoodVerdict(now=now, requests_finished=True, process=process)]
         return _failures(verdict, now, process)
     if state in (State.HEALTHY, State.SUSPECT):
         # A restart the window saw, or one only the sighting shows: watch settles a

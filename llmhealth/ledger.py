@@ -72,6 +72,10 @@ class Rule(StrEnum):
     # been re-admitted since; else the state stays (a STALE spell no restart began, after
     # an unplanned restart or a reset, has no grace to run out).
     FAIL_OVERDUE_RESTART = "fail_overdue_restart"
+    # STALE stays STALE: requests finishing on its own process are noted (last_ok_at), so
+    # a replacement that works is neither failed by its startup grace nor restarted again;
+    # anything less is ignored, as a good probe is outside the serving set.
+    NOTE_WORKING = "note_working"
 
 
 # The whole state machine. A (state, kind) pair that is missing means the event does not
@@ -143,6 +147,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # a silent participant just broke.
         EventKind.CONDEMNED: State.DEAD,
         EventKind.READMITTED: State.HEALTHY,
+        # Busy with work from elsewhere, a replacement is never sent the tiny request: its
+        # finishing requests show the restart worked, though it does not serve yet.
+        EventKind.GOOD_VERDICT: Rule.NOTE_WORKING,
         # A replacement that never proves itself (it died again, or never answers) would
         # otherwise stay STALE for ever: out of serving, and never restarted again.
         EventKind.STARTUP_EXPIRED: Rule.FAIL_OVERDUE_RESTART,
@@ -766,6 +773,24 @@ def _break_recovery(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[St
     return State.DEAD, f"still failing ({b.last_error}): the good streak starts again"
 
 
+def _note_working(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    """A STALE process whose requests finish works: noted, never re-admitted by it."""
+    if not isinstance(event, GoodVerdict):
+        raise AssertionError(f"{Rule.NOTE_WORKING} cannot take {event.kind}")
+    same = (
+        event.process is not None
+        and b.process is not None
+        and event.process.differs_from(b.process) is None
+    )
+    if not (event.requests_finished and same):
+        raise _Refused(b.state, event.kind, "no request finished on its process", off=True)
+    b.last_ok_at = event.now
+    return State.STALE, (
+        "requests finish on its process: it works, and no startup grace fails it; "
+        "re-admission still returns it to serving"
+    )
+
+
 def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
     grace = policy.startup_grace
     if _overdue_restart(b, event.now, grace) is None:
@@ -813,6 +838,7 @@ _RULES: Final = {
     Rule.RECOVER_IN_PLACE: _recover_in_place,
     Rule.BREAK_RECOVERY: _break_recovery,
     Rule.FAIL_OVERDUE_RESTART: _fail_overdue_restart,
+    Rule.NOTE_WORKING: _note_working,
 }
 
 

@@ -743,6 +743,17 @@ def test_requests_finishing_are_seen_over_the_reads_or_since_the_last_sighting()
     assert [e.requests_finished for e in busy if isinstance(e, GoodVerdict)] == [True]
 
 
+def test_a_stale_backend_whose_requests_finish_is_reported_working_not_readmitted() -> None:
+    climbing = verdict(
+        VerdictKind.BUSY, True, "x", reads=(_finished_read(1.0, 5.0), _finished_read(2.0, 7.0))
+    )
+    events = events_for(climbing, State.STALE, now=NOW, previous=None)
+    assert [(type(e), getattr(e, "requests_finished", None)) for e in events] == [
+        (GoodVerdict, True)
+    ]
+    assert not any(isinstance(e, Readmitted) for e in events)
+
+
 def test_a_refused_backend_that_shows_work_again_must_still_be_readmitted() -> None:
     record = record_of(("gpu0", URL_0))
     assert walk(record, ["down", "down", "down", "busy", "busy", "idle answered"]) == [

@@ -747,11 +747,48 @@ def test_an_event_that_does_not_apply_changes_nothing_and_says_why(
         assert ledger.to_dict() == before
 
 
+def test_a_replacement_whose_requests_finish_is_noted_working_and_no_grace_fails_it() -> None:
+    # Restarted, up, and busy with work from elsewhere: never idle, so never sent the tiny
+    # request. Its finishing requests show the restart worked: it stays STALE (out of
+    # serving), but neither holds a restart slot nor is failed and restarted at the grace.
+    ledger = one_backend()
+    policy = ledger.policy
+    process = ProcessSeen(start=90.0, counters={"steps": 10.0})
+    for event in (
+        WedgeProven(now=1.0),
+        RestartIssued(now=2.0),
+        NewProcessUp(now=60.0, process=process),
+    ):
+        assert ledger.apply("a", event).applied
+    assert ledger.restart_unproven("a")
+    other = ProcessSeen(start=95.0, counters={"steps": 1.0})
+    t = ledger.apply("a", GoodVerdict(now=70.0, requests_finished=True, process=other))
+    assert not t.applied  # another process's requests say nothing of this one
+    busy = ProcessSeen(start=90.0, counters={"steps": 400.0})
+    t = ledger.apply("a", GoodVerdict(now=80.0, requests_finished=True, process=busy))
+    assert t.applied and t.to_state is State.STALE and "it works" in t.reason
+    assert not ledger.restart_unproven("a")
+    assert ledger.expire_restarts(2.0 + policy.startup_grace + 1) == []
+    assert ledger.state_of("a") is State.STALE
+    assert not ledger.snapshot("a", 100.0).serving
+
+
 def test_the_ignored_set_covers_the_guards_the_callers_used_to_keep() -> None:
     ignored = set(IGNORED_PAIRS)
     for state in (State.RESTARTING, State.STALE, State.RETIRED):
-        assert (state, EventKind.GOOD_VERDICT) in ignored
         assert (state, EventKind.REQUEST_SUCCESS) in ignored
+    for state in (State.RESTARTING, State.RETIRED):
+        assert (state, EventKind.GOOD_VERDICT) in ignored
+    # In STALE a good verdict meets the working-replacement rule, which turns away all but
+    # requests finishing on its own process exactly as an absent entry would.
+    assert TRANSITIONS[State.STALE][EventKind.GOOD_VERDICT] is Rule.NOTE_WORKING
+    stale = ledger_in(State.STALE)
+    before = stale.to_dict()
+    for flag in (False, True):
+        t = stale.apply("a", maker_for(EventKind.GOOD_VERDICT, flag)(50.0))
+        assert not t.applied and t.to_state is State.STALE
+        assert t.reason.startswith("good_verdict ignored in stale: ")
+        assert stale.to_dict() == before
     # In DEAD they meet the in-place rule, which the default policy (off) turns away
     # exactly as an absent entry would: seed 000's semantics.
     for kind in (EventKind.GOOD_VERDICT, EventKind.REQUEST_SUCCESS):
