@@ -68,9 +68,9 @@ class Rule(StrEnum):
     RECOVER_IN_PLACE = "recover_in_place"
     # A failure in DEAD: the good streak towards recovery in place starts again.
     BREAK_RECOVERY = "break_recovery"
-    # DEAD once startup_grace has passed since the last restart and the backend has not
-    # been re-admitted since; else the state stays (a STALE spell no restart began, after
-    # an unplanned restart or a reset, has no grace to run out).
+    # DEAD once startup_grace has passed since the last restart and the backend has been
+    # neither re-admitted nor seen working since; else the state stays (a STALE spell no
+    # restart began, after an unplanned restart or a reset, has no grace to run out).
     FAIL_OVERDUE_RESTART = "fail_overdue_restart"
     # STALE stays STALE: requests finishing on its own process are noted (last_ok_at), so
     # a replacement that works is neither failed by its startup grace nor restarted again;
@@ -808,15 +808,16 @@ def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tu
 
 def _awaited_restart(b: _Backend) -> float | None:
     """When the restart this backend still waits on was issued: RESTARTING, or STALE on
-    the process a restart brought up and not yet re-admitted. Until then the restart has
-    proven nothing, so it is still under way (``Ledger.restart_unproven``)."""
+    the process a restart brought up, neither re-admitted nor seen finishing requests
+    since. Until then the restart has proven nothing, so it is still under way
+    (``Ledger.restart_unproven``)."""
     if b.state is State.RESTARTING:
         # Set on entering RESTARTING (by the restart itself); from_dict enforces it.
         return b.state_since
     if b.state is State.STALE and b.restart_times:
         restarted_at = max(b.restart_times)
-        # Good since (re-admitted, or recovered in place, then STALE again by an unplanned
-        # restart or a partial weight sync): that restart is not what this spell waits on.
+        # Good since (re-admitted, seen working, or recovered in place and then STALE
+        # again): that restart is not what this spell waits on.
         if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
             return None
         return restarted_at
@@ -1151,10 +1152,11 @@ class Ledger:
         return self._lookup(name).state
 
     def restart_unproven(self, name: str) -> bool:
-        """Restarted, and the replacement has not yet been re-admitted (nor its startup
-        grace run out): a restart still under way, as far as ``max_concurrent_restarts``
-        counts. A replacement that came up and then fails as its predecessor did must not
-        free the slot for the next backend: a fault they share would restart them all."""
+        """Restarted, and the replacement has been neither re-admitted nor seen working
+        (nor has its startup grace run out): a restart still under way, as far as
+        ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
+        its predecessor did must not free the slot for the next backend: a fault they
+        share would restart them all."""
         return _awaited_restart(self._lookup(name)) is not None
 
     def snapshot(self, name: str, now: float) -> BackendSnapshot:

@@ -158,8 +158,8 @@ def plan_restarts(
     hold; its cooldown has passed; its restart budget is not spent (if it is, the decision
     is RETIRE); and fewer than ``policy.max_concurrent_restarts`` restarts are under way,
     counting the backends whose restart has not proven itself yet (RESTARTING, or STALE
-    on the replacement until it is re-admitted or its startup grace runs out) and the
-    restarts planned earlier in this same call.
+    on the replacement until it is re-admitted, seen finishing requests, or out of its
+    startup grace) and the restarts planned earlier in this same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
     does wait out the hold and the cooldown, since it stands for the next attempt.
