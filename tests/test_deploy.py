@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from llmhealth.actions import KILL_GRACE
 from llmhealth.classify import VerdictKind
-from llmhealth.config import DEFAULT_WAIT, Backend, Policy
+from llmhealth.config import DEFAULT_MAX_CHECK_TIME, DEFAULT_WAIT, Backend, Policy
 from llmhealth.config import Router as RouterSettings
 from llmhealth.daemon import SHUTDOWN_GRACE
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector
@@ -248,6 +248,16 @@ def test_the_check_service_fails_only_on_critical_or_unknown() -> None:
     assert "--format nagios" in settings["Service.ExecStart"][0]
     timer = _unit_settings("llmhealth-check.timer")
     assert timer["Timer.Unit"] == ["llmhealth-check.service"]
+
+
+def test_the_check_service_outlasts_a_check_that_proves_a_wedge_and_restarts_it() -> None:
+    # A frozen backend is read for up to max_check_time (a CPU engine's wedge_after, a long
+    # step learned); then its restart command may take restart_timeout and the kill grace.
+    # Killed before that, the run saves nothing and the next one starts from zero again.
+    lock_wait = StateFile("unused").lock_timeout
+    worst = lock_wait + DEFAULT_MAX_CHECK_TIME + Policy().restart_timeout + KILL_GRACE
+    settings = _unit_settings("llmhealth-check.service")
+    assert _seconds(settings["Service.TimeoutStartSec"][-1]) > worst + 2 * DEFAULT_WAIT
 
 
 def test_the_timer_fires_every_minute() -> None:
