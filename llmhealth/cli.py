@@ -13,7 +13,7 @@ import time
 import traceback
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -649,19 +649,38 @@ def main() -> None:
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:
-        print("llmhealth: interrupted", file=sys.stderr)
-        sys.exit(ExitCode.UNKNOWN)
+        _cannot_check("interrupted")
     except typer.TyperException as exc:  # usage errors: bad arguments or options
-        print(f"llmhealth: {exc.format_message()}", file=sys.stderr)
-        sys.exit(ExitCode.UNKNOWN)
+        _cannot_check(exc.format_message())
     except (config_module.ConfigError, StateError, AuditError) as exc:
         # These may quote what etcd or a file said: printable before the terminal.
         from llmhealth.text import printable  # noqa: PLC0415
 
-        print(f"llmhealth: {printable(str(exc))}", file=sys.stderr)
-        sys.exit(ExitCode.UNKNOWN)
+        _cannot_check(printable(str(exc)))
     except Exception:  # a bug of ours must not read as a CRITICAL server
         traceback.print_exc()
-        print("llmhealth: internal error (the traceback above is a bug report)", file=sys.stderr)
-        sys.exit(ExitCode.UNKNOWN)
+        _cannot_check("internal error (the traceback above is a bug report)")
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _cannot_check(message: str) -> NoReturn:
+    """UNKNOWN, saying why on stderr, and on stdout too when a Nagios line was asked for:
+    a plugin runner (NRPE, Icinga) reads stdout only, and shows an empty one as "no
+    output returned from plugin" instead of the reason."""
+    print(f"llmhealth: {message}", file=sys.stderr)
+    if _nagios_asked(sys.argv[1:]):
+        from llmhealth.text import printable  # noqa: PLC0415
+
+        print(f"LLMHEALTH UNKNOWN - {printable(message)}")
+    sys.exit(ExitCode.UNKNOWN)
+
+
+def _nagios_asked(args: list[str]) -> bool:
+    """Whether the command line asks for ``--format nagios``, read from the words alone:
+    the verb that would know never ran."""
+    for word, following in zip(args, [*args[1:], ""], strict=True):
+        if word in ("--format", "-f") and following == OutputFormat.NAGIOS:
+            return True
+        if word in ("--format=nagios", "-fnagios"):
+            return True
+    return False

@@ -162,6 +162,29 @@ def test_the_installed_command_exits_2_when_a_backend_is_down(entry_point: str) 
     assert result.stdout.startswith("LLMHEALTH CRITICAL - 1 down/suspect")
 
 
+def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # A plugin runner reads stdout only: an empty one shows as "no output returned from
+    # plugin", hiding the bad key or the missing state the message names.
+    bad = tmp_path / "bad.toml"
+    bad.write_text('"\\u001b[2Jbogus" = 1\n')  # a key that would clear the screen
+    missing = str(tmp_path / "none" / "state.json")
+    for args, said in (
+        (["check", "--config", str(bad), "--format", "nagios"], "bogus: unknown key"),
+        (["status", "--state", missing, "-f", "nagios"], "no state at"),
+        (["check", "--format=nagios", "--wait", "soon", "http://127.0.0.1:9"], "soon"),
+    ):
+        result = run(entry_point, *args)
+        assert result.returncode == 3, result.stderr
+        assert result.stdout.startswith("LLMHEALTH UNKNOWN - "), (args, result.stdout)
+        assert said in result.stdout and result.stdout.count("\n") == 1
+        assert said in result.stderr
+        assert "\x1b" not in result.stdout
+    table = run(entry_point, "status", "--state", missing)
+    assert table.returncode == 3 and table.stdout == ""
+
+
 def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     entry_point: str, tmp_path: Path
 ) -> None:
