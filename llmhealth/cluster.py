@@ -610,6 +610,18 @@ class EtcdStore:
                 "the next settle starts a fresh ledger"
             ) from exc
 
+    def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        found = self.etcd.get(self.keys.state)
+        if found is None:
+            return None
+        try:
+            return decode_record(found.value, decode)
+        except UNREADABLE as exc:
+            raise StateCorruptError(
+                f"state {self.keys.state} is unreadable ({exc}); left in place: the next "
+                "settle copies it aside and starts a fresh ledger"
+            ) from exc
+
     def mark(self) -> None:
         """Never: a save compares against the revision this section's load read, so every
         settle loads."""

@@ -41,14 +41,6 @@ def actor() -> str:
         return "operator"
 
 
-def load_existing(store: Store, config: Config) -> FleetRecord:
-    """The record a verb works on; there must be one (a check creates it)."""
-    record = store.load(lambda doc: FleetRecord.from_dict(doc, ledger_policy(config.policy)))
-    if record is None:
-        raise StateError(f"no state at {store.path} yet: run 'llmhealth check' with it first")
-    return record
-
-
 @dataclass(frozen=True)
 class _Edit:
     """The record a verb changes, and where a change is saved, said in its message."""
@@ -209,6 +201,9 @@ def release(
 
 
 def read_record(store: Store, config: Config) -> FleetRecord:
-    """For ``status``: the record as saved, read under the lock so no write is half seen."""
-    with store.locked():
-        return load_existing(store, config)
+    """For ``status``: the record as saved. Only read (``Store.read``): a look creates no
+    lock file or directory, and moves no corrupt record aside."""
+    record = store.read(lambda doc: FleetRecord.from_dict(doc, ledger_policy(config.policy)))
+    if record is None:
+        raise StateError(f"no state at {store.path} yet: run 'llmhealth check' with it first")
+    return record

@@ -60,6 +60,13 @@ def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
     return decode(document)
 
 
+def _decoded(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
+    """A state file's bytes as a record; past the size bound, unreadable like bad JSON."""
+    if len(raw) > _MAX_STATE_BYTES:
+        raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+    return decode_record(raw, decode)
+
+
 def default_path(environ: dict[str, str] | None = None) -> Path:
     """systemd's StateDirectory, else the system state dir for root, else the user's."""
     env = os.environ if environ is None else environ
@@ -89,6 +96,12 @@ class Store(Protocol):
     def locked(self) -> AbstractContextManager[None]: ...
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None: ...
+
+    def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        """The record as stored, for a reader (``status``): no lock taken, nothing created,
+        and a corrupt record left where it is (``StateCorruptError``); setting it aside is
+        the next writer's to do."""
+        ...
 
     def mark(self) -> Hashable | None:
         """What tells the stored record from any other without reading it: equal marks,
@@ -155,23 +168,40 @@ class StateFile:
 
         ``decode`` raises ValueError on content it cannot use; such a file is set aside.
         """
-        try:
-            with self.path.open("rb") as handle:
-                raw = handle.read(_MAX_STATE_BYTES + 1)
-        except FileNotFoundError:
+        raw = self._raw()
+        if raw is None:
             return None
-        except OSError as exc:
-            raise StateError(f"cannot read state {self.path}: {exc}") from exc
         try:
-            if len(raw) > _MAX_STATE_BYTES:
-                raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
-            return decode_record(raw, decode)
+            return _decoded(raw, decode)
         except UNREADABLE as exc:
             aside = self._set_aside()
             raise StateCorruptError(
                 f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "
                 "the next run starts a fresh ledger"
             ) from exc
+
+    def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        # Without the lock: a save renames a whole new file in, so a read sees the old
+        # record or the new one, never half of either.
+        raw = self._raw()
+        if raw is None:
+            return None
+        try:
+            return _decoded(raw, decode)
+        except UNREADABLE as exc:
+            raise StateCorruptError(
+                f"state {self.path} is unreadable ({exc}); left in place: the next check "
+                "or settle moves it aside and starts a fresh ledger"
+            ) from exc
+
+    def _raw(self) -> bytes | None:
+        try:
+            with self.path.open("rb") as handle:
+                return handle.read(_MAX_STATE_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"cannot read state {self.path}: {exc}") from exc
 
     def mark(self) -> tuple[int, ...] | None:
         """The file's identity and its last change, from one stat: a save by anyone renames
@@ -263,6 +293,9 @@ class MemoryStore:
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         return None if self._text is None else decode_record(self._text, decode)
+
+    def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        return self.load(decode)
 
     def mark(self) -> int:
         return self._saves

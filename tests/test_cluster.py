@@ -230,6 +230,19 @@ def test_a_corrupt_state_key_is_kept_aside_and_reported(
     assert etcd.get(keys.state) is None
 
 
+def test_a_reader_leaves_a_corrupt_state_key_where_it_is(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # `status` on a cluster config: a look changes nothing; the next settle sets it aside.
+    etcd = Etcd(etcd_server.endpoints)
+    etcd.txn([], [{"request_put": {"key": b64(keys.state), "value": b64("{not json")}}])
+    with pytest.raises(Exception, match="left in place"):
+        EtcdStore(etcd, keys, None).read(dict)
+    kept = etcd.get(keys.state)
+    assert kept is not None and kept.value == b"{not json"
+    assert [key for key in etcd.get_prefix(keys.prefix) if ".corrupt-" in key] == []
+
+
 def b64(text: str) -> str:
     import base64  # noqa: PLC0415
 

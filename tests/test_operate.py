@@ -161,6 +161,23 @@ def test_verbs_on_an_unknown_backend_or_missing_state_exit_3(state: Path, tmp_pa
     assert "run 'llmhealth check'" in missing.stderr
 
 
+def test_status_only_reads_a_corrupt_or_missing_state(tmp_path: Path) -> None:
+    # An operator looking into a problem must not change it: a corrupt record stays where
+    # it is for the next writer (or a person) to deal with, and a mistyped path creates
+    # no directory and no lock file.
+    corrupt = tmp_path / "state.json"
+    corrupt.write_text("{garbage")
+    looked = llmhealth("status", "--state", str(corrupt), "--format", "nagios")
+    assert looked.returncode == 3
+    assert "unreadable" in looked.stderr and "left in place" in looked.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+    assert corrupt.read_text() == "{garbage"
+    typo = tmp_path / "typo" / "state.json"
+    missing = llmhealth("status", "--state", str(typo))
+    assert missing.returncode == 3 and "no state at" in missing.stderr
+    assert not typo.parent.exists()
+
+
 def test_a_bad_hold_duration_exits_3(state: Path) -> None:
     result = llmhealth("hold", "gpu1", "--for", "soon", "--reason", "x", "--state", str(state))
     assert result.returncode == 3
