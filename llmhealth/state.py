@@ -60,13 +60,6 @@ def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
     return decode(document)
 
 
-def _decoded(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
-    """A state file's bytes as a record; past the size bound, unreadable like bad JSON."""
-    if len(raw) > _MAX_STATE_BYTES:
-        raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
-    return decode_record(raw, decode)
-
-
 def default_path(environ: dict[str, str] | None = None) -> Path:
     """systemd's StateDirectory, else the system state dir for root, else the user's."""
     env = os.environ if environ is None else environ
@@ -168,11 +161,8 @@ class StateFile:
 
         ``decode`` raises ValueError on content it cannot use; such a file is set aside.
         """
-        raw = self._raw()
-        if raw is None:
-            return None
         try:
-            return _decoded(raw, decode)
+            return self._decoded(decode)
         except UNREADABLE as exc:
             aside = self._set_aside()
             raise StateCorruptError(
@@ -183,25 +173,26 @@ class StateFile:
     def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         # Without the lock: a save renames a whole new file in, so a read sees the old
         # record or the new one, never half of either.
-        raw = self._raw()
-        if raw is None:
-            return None
         try:
-            return _decoded(raw, decode)
+            return self._decoded(decode)
         except UNREADABLE as exc:
             raise StateCorruptError(
                 f"state {self.path} is unreadable ({exc}); left in place: the next check "
                 "or settle moves it aside and starts a fresh ledger"
             ) from exc
 
-    def _raw(self) -> bytes | None:
+    def _decoded(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        """The file's record, None without a file; past the size bound, unreadable."""
         try:
             with self.path.open("rb") as handle:
-                return handle.read(_MAX_STATE_BYTES + 1)
+                raw = handle.read(_MAX_STATE_BYTES + 1)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StateError(f"cannot read state {self.path}: {exc}") from exc
+        if len(raw) > _MAX_STATE_BYTES:
+            raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+        return decode_record(raw, decode)
 
     def mark(self) -> tuple[int, ...] | None:
         """The file's identity and its last change, from one stat: a save by anyone renames
