@@ -612,6 +612,7 @@ class EtcdStore:
 
     def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
+        self._last_revision = 0 if found is None else found.mod_revision  # for status
         if found is None:
             return None
         try:

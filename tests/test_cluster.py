@@ -235,9 +235,14 @@ def test_a_reader_leaves_a_corrupt_state_key_where_it_is(
 ) -> None:
     # `status` on a cluster config: a look changes nothing; the next settle sets it aside.
     etcd = Etcd(etcd_server.endpoints)
+    reader = EtcdStore(etcd, keys, None)
+    assert reader.read(dict) is None and reader.revision == 0
     etcd.txn([], [{"request_put": {"key": b64(keys.state), "value": b64("{not json")}}])
     with pytest.raises(Exception, match="left in place"):
-        EtcdStore(etcd, keys, None).read(dict)
+        reader.read(dict)
+    # What status shows as the record's revision: the one this read saw.
+    written = etcd.get(keys.state)
+    assert written is not None and reader.revision == written.mod_revision
     kept = etcd.get(keys.state)
     assert kept is not None and kept.value == b"{not json"
     assert [key for key in etcd.get_prefix(keys.prefix) if ".corrupt-" in key] == []
