@@ -833,6 +833,11 @@ class ReadOnlyStore(EtcdStore):
     def __init__(self, etcd: Etcd, keys: Keys) -> None:
         super().__init__(etcd, keys, None)
 
+    def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+        """As ``read``: a non-leader writes nothing, not even a corrupt record's copy aside
+        (the leader's next settle makes it)."""
+        return self.read(decode)
+
     def save(self, document: dict[str, Any]) -> None:
         """A non-leader keeps what it concluded to itself; the leader settles for real."""
 

@@ -29,6 +29,7 @@ from llmhealth.cluster import (
     Keys,
     NotLeaderError,
     Observation,
+    ReadOnlyStore,
     Seat,
     SharedReads,
     read_audit,
@@ -243,6 +244,12 @@ def test_a_reader_leaves_a_corrupt_state_key_where_it_is(
     # What status shows as the record's revision: the one this read saw.
     written = etcd.get(keys.state)
     assert written is not None and reader.revision == written.mod_revision
+    # A standby's view (and a cron check that lost the lease) loads it the same way: a
+    # non-leader writes nothing, not even the corrupt record's copy aside.
+    standby = ReadOnlyStore(etcd, keys)
+    with pytest.raises(Exception, match="left in place"), standby.locked():
+        standby.load(dict)
+    assert [key for key in etcd.get_prefix(keys.prefix) if ".corrupt-" in key] == []
     kept = etcd.get(keys.state)
     assert kept is not None and kept.value == b"{not json"
     assert [key for key in etcd.get_prefix(keys.prefix) if ".corrupt-" in key] == []
