@@ -158,7 +158,7 @@ class Etcd:
                 # An answer from etcd that is not "unavailable" is a real error, not a dead
                 # endpoint: trying the next one would hide it. Its text is the endpoint's
                 # words, bound for terminals and logs.
-                said = printable(exc.said[:_ETCD_SAID])
+                said = printable(str(exc)[:_ETCD_SAID])
                 raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {said}") from exc
             with self._lock:
                 self._current = index

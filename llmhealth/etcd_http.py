@@ -41,18 +41,13 @@ class EndpointError(Exception):
 
 
 class EtcdRefusedError(Exception):
-    """etcd answered with an error of its own; ``said`` is its status and text, unescaped."""
-
-    def __init__(self, said: str) -> None:
-        super().__init__(said)
-        self.said = said
+    """etcd answered with an error of its own; the text is its status and body, unescaped."""
 
 
 @dataclass(frozen=True)
 class Endpoint:
     """Where one etcd member's gateway listens, from its configured URL (path ignored)."""
 
-    url: str
     host: str
     port: int
     tls: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
@@ -62,7 +57,6 @@ class Endpoint:
         parts = urlsplit(url)
         secure = parts.scheme == "https"
         return cls(
-            url,
             parts.hostname or "127.0.0.1",
             parts.port or 2379,
             ssl.create_default_context() if secure else None,
