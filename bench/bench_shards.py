@@ -69,7 +69,9 @@ def measure(rounds: int = ROUNDS) -> dict[str, object]:
         taken = 0
         for serial in range(1, rounds + 1):
             began = time.perf_counter()
-            reader.publish({name: serial for name in share}, verdicts)
+            reader.publish(
+                {name: serial for name in share}, verdicts, {name: serial for name in share}
+            )
             publish.append((time.perf_counter() - began) * 1000)
             began = time.perf_counter()
             taken = len(leader.take(backends, stale_after=3600.0).verdicts)

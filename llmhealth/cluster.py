@@ -918,15 +918,21 @@ class SharedReads:
     def share(self, backends: Sequence[str]) -> frozenset[str]:
         return frozenset(share_of(self.seat.member, backends, self.members()))
 
-    def publish(self, serials: Mapping[str, int], verdicts: Mapping[str, Verdict]) -> None:
-        """This member's newest verdicts for whoever leads, in keys of at most about
+    def publish(
+        self,
+        serials: Mapping[str, int],
+        verdicts: Mapping[str, Verdict],
+        examined: Mapping[str, int],
+    ) -> None:
+        """This member's newest verdicts and examination counts for whoever leads (see
+        ``shares.publication``), in keys of at most about
         ``PUBLICATION_BYTES`` (``NAME/00000``, ``NAME/00001``, ...); the chunks a shrunken
         share no longer fills are deleted with the last. Nothing while it has no lease."""
         lease = self.seat.elector.lease_id
         if lease is None:
             return
         mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
-        chunks = publication(serials, verdicts, PUBLICATION_BYTES)
+        chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES)
         for index, chunk in enumerate(chunks):
             operations = [put(f"{mine}{index:05d}", chunk, lease)]
             if index == len(chunks) - 1:

@@ -104,6 +104,11 @@ class Notifier:
             sock.sendto(message, socket.MSG_DONTWAIT, self._address)
 
 
+# What a sharding member publishes for the leader (shares.publication): by backend, its
+# count of verdicts, its newest verdict and its count of examinations, decided or not.
+Publication = tuple[dict[str, int], dict[str, Verdict], dict[str, int]]
+
+
 @dataclass(slots=True)
 class _Probe:
     """What a target's probing task last produced, for the next settle to pick up."""
@@ -587,16 +592,23 @@ class Daemon:
             self._start_probes()
         self._told = told
 
-    def _publication(self) -> tuple[dict[str, int], dict[str, Verdict]] | None:
-        """This member's share's newest verdicts, with their serials, for the leader."""
+    def _publication(self) -> Publication | None:
+        """This member's share's newest verdicts, with their serials, and how often it
+        has examined each backend, decided or not, for the leader."""
         if self._shares is None:
             return None
+        backends = {target.name for target in self._targets if target.kind == "backend"}
         verdicts = {
             name: probe.outcome.verdict
             for name, probe in self._state.probes.items()
-            if probe.outcome is not None and probe.outcome.target.kind == "backend"
+            if probe.outcome is not None and name in backends
         }
-        return dict(self._serials), verdicts
+        examined = {
+            name: probe.examinations
+            for name, probe in self._state.probes.items()
+            if probe.examinations and name in backends
+        }
+        return dict(self._serials), verdicts, examined
 
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
@@ -972,7 +984,7 @@ class News:
     verdicts: list[Outcome]
     commands: list[CommandDone]
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None
-    published: tuple[dict[str, int], dict[str, Verdict]] | None = None  # shard_reads
+    published: Publication | None = None  # shard_reads
     final: bool = False
 
 

@@ -291,8 +291,9 @@ def _cluster_families(cluster: ClusterView) -> Iterator[Metric]:
     if cluster.stale_verdicts is not None:
         yield GaugeMetricFamily(
             "llmhealth_cluster_stale_verdicts",
-            "Backends the leader's last settle judged 'stalled' for want of a fresh verdict "
-            "from the member that reads them (shard_reads); only the leader exports it.",
+            "Backends the leader's last settle judged 'stalled' for want of news (a verdict, "
+            "an examination) from the member that reads them (shard_reads); only the leader "
+            "exports it.",
             float(cluster.stale_verdicts),
         )
 

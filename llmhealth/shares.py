@@ -5,9 +5,11 @@ Pure: values in, values out; ``now`` is the caller's monotonic clock. With
 (``leadership.share_of``) and publishes its verdicts; the leader settles every backend
 every wait, its own share from its reads and the others from what was published. A
 published verdict is settled once (by the publisher's serial, not by time: members'
-clocks differ), and a backend with no new verdict for ``stale_after`` becomes a
-``stalled`` verdict that says who should have read it: doubt, never silence and never
-health.
+clocks differ), and a backend with no news for ``stale_after`` becomes a ``stalled``
+verdict that says who should have read it: doubt, never silence and never health. News
+is a new verdict, or a reader's count of its examinations having grown: an engine inside
+a long step (a young one compiling, minutes of a window) is read every wait and decided
+only at its window's end, and its reader is no less alive for that.
 """
 
 from __future__ import annotations
@@ -217,6 +219,13 @@ def _text(table: Mapping[str, Any], key: str, where: str) -> str:
     return printable(value)
 
 
+def _whole(table: Mapping[str, Any], key: str, where: str) -> int:
+    value = table.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}.{key}: expected a whole number")
+    return value
+
+
 def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
     value = table.get(key)
     if not isinstance(value, bool):
@@ -247,25 +256,35 @@ def _optional(table: Mapping[str, Any], key: str, where: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """One backend's newest verdict as a member published it."""
+    """One backend's newest verdict as a member published it, and how far it has read."""
 
     member: str
     serial: int  # the member's own count of this backend's verdicts: new when it changes
-    verdict: Verdict | None  # None: what was published could not be read
-    problem: str = ""  # why not, when it could not
+    verdict: Verdict | None  # None: none yet (``examined`` says so), or unreadable
+    problem: str = ""  # why it could not be read, when it could not
+    examined: int | None = None  # examinations, decided or not; None: not published
 
 
 def publication(
-    serials: Mapping[str, int], verdicts: Mapping[str, Verdict], limit: int
+    serials: Mapping[str, int],
+    verdicts: Mapping[str, Verdict],
+    examined: Mapping[str, int],
+    limit: int,
 ) -> list[bytes]:
-    """What a member writes under its keys: its share's newest verdicts with their serials,
-    as JSON documents of about ``limit`` bytes at most each (one etcd request each: a
-    verdict of three reads is about 2 KB, and a share can hold thousands)."""
+    """What a member writes under its keys: per backend of its share, the newest verdict
+    with its serial and the count of examinations (a backend still undecided has the
+    count alone), as JSON documents of about ``limit`` bytes at most each (one etcd
+    request each: a verdict of three reads is about 2 KB, and a share can hold
+    thousands)."""
     chunks: list[bytes] = []
     entries: list[bytes] = []
     size = 0
-    for name, verdict in sorted(verdicts.items()):
-        entry = {"serial": serials.get(name, 0), "verdict": verdict_to_dict(verdict)}
+    for name in sorted(verdicts.keys() | examined.keys()):
+        entry: dict[str, Any] = {"serial": serials.get(name, 0)}
+        if name in examined:
+            entry["examined"] = examined[name]
+        if name in verdicts:
+            entry["verdict"] = verdict_to_dict(verdicts[name])
         text = (json.dumps(name) + ":" + json.dumps(entry, allow_nan=False)).encode()
         if entries and size + len(text) > limit:
             chunks.append(_chunk(entries))
@@ -291,12 +310,12 @@ def parse_publication(member: str, document: object) -> dict[str, Published]:
         where = f"{member}: {name}"
         try:
             table = _table(entry, where)
-            serial = table.get("serial")
-            if isinstance(serial, bool) or not isinstance(serial, int):
-                raise ValueError(f"{where}.serial: expected a whole number")
-            published[str(name)] = Published(
-                member, serial, verdict_from_dict(table.get("verdict"), where)
-            )
+            serial = _whole(table, "serial", where)
+            examined = None if table.get("examined") is None else _whole(table, "examined", where)
+            verdict = None
+            if examined is None or table.get("verdict") is not None:
+                verdict = verdict_from_dict(table.get("verdict"), where)
+            published[str(name)] = Published(member, serial, verdict, examined=examined)
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             # Another member's text (another version's, a hand's): whatever cannot be read
             # is that entry's problem; the leader's settle goes on.
@@ -314,14 +333,15 @@ class Intake:
 
     started: float
     settled: dict[str, tuple[str, int]] = field(default_factory=dict)
-    news_at: dict[str, float] = field(default_factory=dict)
+    examined: dict[str, tuple[str, int]] = field(default_factory=dict)  # as last heard
+    news_at: dict[str, float] = field(default_factory=dict)  # of others' backends only
     primed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Taken:
     verdicts: dict[str, Verdict]  # by backend: to settle this wait
-    stale: tuple[str, ...]  # backends given a doubt verdict for want of a fresh one
+    stale: tuple[str, ...]  # backends given a doubt verdict for want of news
 
 
 def take_published(
@@ -335,10 +355,14 @@ def take_published(
     member whose share it is now), each at most once.
 
     A backend's verdict is taken from its owner's publication, else from whichever
-    member published one (the share just moved). No new one for ``stale_after`` since
-    the last (or since this leader started): a ``stalled`` verdict saying so, every wait
-    until one comes.
+    member published one (the share just moved). No news of it (a new verdict, or more
+    examinations by its reader) for ``stale_after`` since the last, or since it became
+    another's share (this leader's start, for those that were then): a ``stalled``
+    verdict saying so, every wait until news comes. A backend that became this leader's
+    own is no longer timed here: its own reads judge it.
     """
+    for name in [name for name in intake.news_at if name not in owners]:
+        del intake.news_at[name]
     verdicts: dict[str, Verdict] = {}
     stale = []
     for name, owner in owners.items():
@@ -346,16 +370,23 @@ def take_published(
         if found is None:
             others = [by[name] for _, by in sorted(published.items()) if name in by]
             found = others[0] if others else None
-        intake.news_at.setdefault(name, intake.started)
+        intake.news_at.setdefault(name, now if intake.primed else intake.started)
+        news = False
+        if found is not None and found.examined is not None:
+            heard = (found.member, found.examined)
+            news = intake.examined.get(name) != heard  # its reader reads on, undecided
+            intake.examined[name] = heard
         if (
             found is not None
             and found.verdict is not None
             and intake.settled.get(name) != (found.member, found.serial)
         ):
             intake.settled[name] = (found.member, found.serial)
-            intake.news_at[name] = now
+            news = True
             if intake.primed:  # else the former leader may have settled it already
                 verdicts[name] = found.verdict
+        if news:
+            intake.news_at[name] = now
             continue
         age = now - intake.news_at[name]
         if age >= stale_after:
@@ -369,9 +400,16 @@ def doubt(owner: str, found: Published | None, seconds: float) -> Verdict:
     """The verdict for a backend nobody has read lately: doubt, with who should have."""
     if found is None:
         why = f"no member has published a verdict of it; {owner} reads it"
-    elif found.verdict is None:
+    elif found.verdict is None and found.problem:
         why = f"{found.member} published one that cannot be read ({found.problem})"
+    elif found.verdict is None:
+        why = (
+            f"{found.member} published {found.examined} examinations of it, none decided, "
+            "and has examined it no more since"
+        )
     else:
         why = f"{owner} reads it; the newest published is {found.member}'s, already settled"
-    evidence = f"stalled: no fresh verdict for {seconds:.0f} s (sharded reads): {why}"
+    evidence = (
+        f"stalled: no fresh verdict or examination for {seconds:.0f} s (sharded reads): {why}"
+    )
     return Verdict(VerdictKind.STALLED, healthy=False, evidence=printable(evidence))

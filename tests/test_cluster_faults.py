@@ -180,6 +180,47 @@ def test_a_sharded_standby_asks_a_stale_backend_of_its_share_that_others_keep_mo
     assert "tiny request answered" in json.dumps(readmitted[-1]), trail
 
 
+def test_a_young_engine_its_sharded_reader_watches_compile_is_not_condemned_by_the_leader(
+    entry_point: str, tmp_path: Path, httpserver: HTTPServer
+) -> None:
+    # A young engine with work and no progress gets minutes of window (it compiles):
+    # its reader examines it every wait and decides nothing yet. The leader timed the
+    # backend by verdicts alone, settled "stalled" once lease_ttl and three waits went
+    # by without one, and three of those condemned a healthy engine.
+    text = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "busy-1.txt").read_text()
+    start = "\nprocess_start_time_seconds "
+    begun = text.index(start) + len(start)
+    text = text[:begun] + f"{time.time():.3f}" + text[text.index("\n", begun) :]
+    httpserver.expect_request("/metrics").respond_with_data(text, content_type="text/plain")
+    young = {
+        "name": "young",
+        "url": httpserver.url_for("").rstrip("/"),
+        # No CPU evidence, as for an engine on another host (a cluster's usual case).
+        "cgroup": str(tmp_path / "not-a-cgroup"),
+    }
+    with (
+        staged(entry_point, tmp_path, cluster="shard_reads = true", also=[young]) as scene,
+        ExitStack() as stack,
+    ):
+        names = ("one", "two") if owner("young", ["one", "two"]) == "two" else ("two", "one")
+        leader = stack.enter_context(scene.daemon("a", names[0]))
+        leader.until("the first daemon leading", leads)
+        standby = stack.enter_context(scene.daemon("b", names[1]))
+        standby.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
+        page = leader.until(
+            "two members sharing the reads",
+            lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
+        )
+        shared_at = time.monotonic()
+        stale_after = TTL + 3 * WAIT
+        while time.monotonic() - shared_at < 3 * stale_after + 5 * WAIT:
+            page = leader.next_cycle(page)
+            assert page.state("young") == "healthy", page.verdict("young")
+            assert page.get("llmhealth_cluster_stale_verdicts") == 0.0
+        trail = scene.audit_command()
+    assert not [r for r in trail if r["backend"] == "young"], trail
+
+
 def router_page(url: str) -> Page:
     return Page(httpx.get(f"{url}/metrics", timeout=5.0).text)
 

@@ -137,6 +137,61 @@ def test_a_backend_with_no_fresh_verdict_becomes_doubt_every_wait_until_one_come
     assert all(verdict.healthy for verdict in back.verdicts.values())
 
 
+def reading(member: str, **examined: int) -> dict[str, Published]:
+    """A member's publication of backends it reads on without a verdict yet."""
+    return {name: Published(member, 0, None, examined=count) for name, count in examined.items()}
+
+
+def test_a_backend_its_reader_examines_on_undecided_is_never_doubt_until_it_stops() -> None:
+    # An engine inside a long step (a young one compiling: a 300 s window) is read every
+    # wait and decided only at the window's end. Timed by verdicts alone, the leader
+    # settled "stalled" for it once stale_after passed, and three condemned it.
+    intake = Intake(started=0.0)
+    owners = {"young": "b"}
+    for wait in range(1, 60):
+        taken = take_published(intake, owners, {"b": reading("b", young=wait)}, 5.0 * wait, 10.0)
+        assert taken.verdicts == {} and taken.stale == (), wait
+    quiet = take_published(intake, owners, {"b": reading("b", young=59)}, 300.0, 10.0)
+    assert quiet.stale == ()  # one wait without an examination: not yet
+    gone = take_published(intake, owners, {"b": reading("b", young=59)}, 305.0, 10.0)
+    assert gone.stale == ("young",)  # ten seconds since its reader last examined it
+    assert "b published 59 examinations of it, none decided" in gone.verdicts["young"].evidence
+    decided = {"b": {"young": Published("b", 1, healthy("b#1"), examined=60)}}
+    assert take_published(intake, owners, decided, 306.0, 10.0).verdicts == {
+        "young": healthy("b#1")
+    }
+
+
+def test_an_undecided_entry_goes_through_json_and_an_older_leader_reads_it_as_doubt() -> None:
+    (chunk,) = publication({"gpu1": 2}, {"gpu1": healthy("x")}, {"gpu1": 9, "young": 4}, 4096)
+    entries = parse_publication("b", json.loads(chunk))
+    assert entries == {
+        "gpu1": Published("b", 2, healthy("x"), examined=9),
+        "young": Published("b", 0, None, examined=4),
+    }
+    # A leader of the version before reads "verdict" alone: an entry without one is
+    # unreadable to it, which is doubt once stale, as a silent member was to it.
+    without = json.loads(chunk)
+    del without["verdicts"]["young"]["examined"]
+    assert parse_publication("b", without)["young"].problem
+
+
+def test_a_backend_that_just_became_another_members_share_gets_time_to_be_read() -> None:
+    # The leader read gpu1 itself for an hour; a member joins and gpu1 is its share
+    # now. Timed from the leader's start, it was doubt at once, before the new reader
+    # had read it even once.
+    intake = Intake(started=0.0)
+    take_published(intake, {"gpu2": "c"}, {"c": published("c", gpu2=1)}, 1.0, 10.0)
+    joined = {"gpu1": "b", "gpu2": "c"}
+    news = {"c": published("c", gpu2=2)}
+    assert take_published(intake, joined, news, 3600.0, 10.0).stale == ()
+    assert take_published(intake, joined, news, 3609.0, 10.0).stale == ()
+    assert take_published(intake, joined, news, 3610.0, 10.0).stale == ("gpu1", "gpu2")
+    # Back to the leader and out again: timed afresh, not from what it last heard.
+    take_published(intake, {"gpu2": "c"}, {"c": published("c", gpu2=3)}, 3611.0, 10.0)
+    assert take_published(intake, joined, {"c": published("c", gpu2=4)}, 4000.0, 10.0).stale == ()
+
+
 def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
     intake = Intake(started=0.0, primed=True)
     taken = take_published(intake, {"gpu1": "c"}, {"b": published("b", gpu1=3)}, 1.0, 10.0)
@@ -144,12 +199,13 @@ def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
 
 
 def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> None:
-    (chunk,) = publication({"gpu1": 1}, {"gpu1": healthy("x")}, 4096)
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": healthy("x")}, {"gpu1": 3}, 4096)
     document = json.loads(chunk)
     document["verdicts"]["gpu1"]["verdict"]["healthy"] = "very"
     entries = parse_publication("b", document)
     assert entries["gpu1"].verdict is None
-    intake = Intake(started=0.0, primed=True)
+    assert entries["gpu1"].examined is None  # a count beside an unreadable verdict is no news
+    intake = Intake(started=0.0)
     taken = take_published(intake, {"gpu1": "b"}, {"b": entries}, 20.0, 10.0)
     assert taken.stale == ("gpu1",)
     assert "cannot be read" in taken.verdicts["gpu1"].evidence
@@ -169,7 +225,7 @@ def test_a_publication_with_values_of_the_wrong_kind_is_doubt_not_a_dead_leader(
     sampled = Verdict(
         VerdictKind.BUSY, True, "busy", reads=(Read(11.0, cpu=CpuSample(3.5, (12,), at=11.2)),)
     )
-    (chunk,) = publication({"gpu1": 1}, {"gpu1": sampled}, 4096)
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": sampled}, {}, 4096)
     document = json.loads(chunk)
     document["verdicts"]["gpu1"]["verdict"]["reads"][0]["cpu"]["processes"] = processes
     entries = parse_publication("b", json.loads(json.dumps(document)))
@@ -182,7 +238,7 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
 ) -> None:
     verdict = wedged_verdict(fixture_text)
     verdicts = {f"gpu{index:04d}": verdict for index in range(300)}
-    chunks = publication({name: 7 for name in verdicts}, verdicts, 64 * 1024)
+    chunks = publication({name: 7 for name in verdicts}, verdicts, {}, 64 * 1024)
     entry = len(json.dumps(verdict_to_dict(verdict))) + 40
     assert len(chunks) > 1
     assert all(len(chunk) <= 64 * 1024 + entry for chunk in chunks)
@@ -190,4 +246,4 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
     for chunk in chunks:
         merged.update(parse_publication("b", json.loads(chunk)))
     assert merged == {name: Published("b", 7, verdict) for name in verdicts}
-    assert publication({}, {}, 1024) == [b'{"verdicts":{}}']  # an empty share clears
+    assert publication({}, {}, {}, 1024) == [b'{"verdicts":{}}']  # an empty share clears
