@@ -97,10 +97,21 @@ def test_two_servers_on_one_port_of_two_loopback_addresses_are_told_apart() -> N
             assert sample is not None and sample.processes == (engine,), url
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP, then wait for the kernel to show the process stopped: the signal lands
+    only once the process is next scheduled, and on a loaded machine a read made at once
+    found it still running (state S), so the core was not "stopped throughout"."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10.0
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "Tt":
+        assert time.monotonic() < deadline, f"process {pid} not stopped 10 s after SIGSTOP"
+        time.sleep(0.01)
+
+
 def test_a_stopped_engine_uses_no_cpu() -> None:
     with api_server_with_engine() as (port, _server, engine):
         cpu = LocalCpu(f"http://localhost:{port}")
-        os.kill(engine, signal.SIGSTOP)
+        stop(engine)
         try:
             time.sleep(0.2)  # let the last tick land
             before = cpu.sample()
@@ -231,7 +242,7 @@ def test_a_stopped_engine_behind_a_long_window_is_wedged_in_two_waits(
     # Either an earlier run learned 80 s+ steps (window 240 s), or the process is a
     # minute old on a first run (startup window 300 s): no CPU used proves it anyway.
     with frozen_backend(tmp_path, SLEEPER, young=young) as (url, engine):
-        os.kill(engine, signal.SIGSTOP)
+        stop(engine)
         try:
             verdict = examine(url, learned)
         finally:
@@ -253,7 +264,7 @@ def test_a_stopped_engine_core_is_wedged_while_its_worker_spins(tmp_path: Path) 
     # vLLM's worker polls for the engine core's next batch, so with the core stopped the
     # engine's processes still use CPU: the stopped state of the core is the evidence.
     with frozen_backend(tmp_path, SLEEPER, "while True: pass", young=True) as (url, engine):
-        os.kill(engine, signal.SIGSTOP)
+        stop(engine)
         try:
             verdict = examine(url)
         finally:
