@@ -640,14 +640,15 @@ class EtcdStore:
             compare.append(compare_created(self.keys.leader, self._fence))
         return compare
 
-    def _records_put(self) -> tuple[list[dict[str, Any]], int]:
-        """The put of the section's unwritten audit records (none if there are none)."""
+    def _records(self) -> tuple[list[tuple[str, bytes]], int]:
+        """The key and value of the section's unwritten audit records (none if there are
+        none), and how many records that is."""
         assert self._read_revision is not None
         lines = self._pending or []
         if not lines:
             return [], 0
         key = self.keys.audit_batch(self._read_revision, len(lines))
-        return [put(key, audit_value(lines))], len(lines)
+        return [(key, audit_value(lines))], len(lines)
 
     def save(self, document: dict[str, Any]) -> None:
         compare = self._compares()
@@ -658,10 +659,26 @@ class EtcdStore:
         payload = json.dumps(
             {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True
         ).encode()
-        records, count = self._records_put()
-        written, revision, _ = self.etcd.txn(compare, [put(self.keys.state, payload), *records])
+        records, count = self._records()
+        writes = [(self.keys.state, payload), *records]
+        written, revision, responses = self.etcd.txn(
+            compare,
+            [put(key, value) for key, value in writes],
+            [{"request_range": {"key": _b64(key)}} for key, _ in writes],
+        )
         if not written:
-            raise self._fenced_out(f"the fenced write of {self.keys.state} failed")
+            # Our own transaction may be what failed the compare: offered again after its
+            # answer was lost (cut or timed out, then sent to the next endpoint). Every
+            # key holding the very bytes we wrote (our fence, this settle's times) says
+            # it went in, whole, and that nobody wrote after it.
+            found = [_ranged([response]) for response in responses]
+            if len(found) != len(writes) or any(
+                held is None or held.value != value
+                for held, (_, value) in zip(found, writes, strict=False)
+            ):
+                raise self._fenced_out(f"the fenced write of {self.keys.state} failed")
+            assert found[0] is not None
+            revision = found[0].mod_revision
         self._read_revision = self._last_revision = revision
         self._saved_fence = self._fence
         self._pending = []
@@ -670,8 +687,8 @@ class EtcdStore:
     def _write_records_alone(self) -> None:
         """Audit records of a section that saved nothing, under the same compares."""
         compare = self._compares()
-        records, count = self._records_put()
-        written, _, _ = self.etcd.txn(compare, records)
+        records, count = self._records()
+        written, _, _ = self.etcd.txn(compare, [put(key, value) for key, value in records])
         if not written:
             raise self._fenced_out("the audit records of this section were not written")
         self._pending = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -214,6 +214,59 @@ def test_a_write_between_read_and_save_fails_the_save(etcd_server: EtcdCluster, 
         with pytest.raises(FencedOutError, match="nobody leads"):
             first.save(document(1))
     assert store_value(etcd, keys) == 2
+
+
+def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
+    """An etcd endpoint that passes each request on to ``endpoint`` and its answer back,
+    except a transaction's answer, which it drops: a write that reached etcd, whose
+    answer was lost on the way back."""
+    host, _, port = endpoint.removeprefix("http://").partition(":")
+
+    def forward(connection: socket.socket, _: int) -> None:
+        request = read_request(connection)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+        while len(body) < length:
+            body += connection.recv(65536)
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):  # the request asks etcd to close
+                answer += chunk
+        if not head.startswith(b"POST /v3/kv/txn "):
+            connection.sendall(answer)
+
+    return forward
+
+
+def test_a_save_whose_answer_was_lost_is_found_written_not_reported_as_nothing_written(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The first endpoint took the transaction to etcd and lost its answer; the client
+    # offered it to the next endpoint, whose compare failed on the write itself. The
+    # save said "nothing written": the settle was reported lost and the restart it
+    # ordered never ran, while the record said RESTARTING.
+    with tcp_server(losing_txn_answers(etcd_server.endpoints[0])) as (lossy, _):
+        etcd = Etcd([lossy, *etcd_server.endpoints])
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.load(dict)
+            store.append_record({"event": "restart_ordered", "backend": "gpu1"})
+            store.save(document(1))
+            written = store.revision
+        assert store_value(etcd, keys) == 1
+        found = Etcd(etcd_server.endpoints).get(keys.state)
+        assert found is not None and written == found.mod_revision
+        with store.locked():  # and the next section goes on from there
+            store.load(dict)
+            store.save(document(2))
+        assert store_value(etcd, keys) == 2
+        audit = [record["event"] for record in read_audit(etcd, keys).records]
+        assert audit.count("restart_ordered") == 1, audit
+        leader.stop()
 
 
 def test_a_corrupt_state_key_is_kept_aside_and_reported(
