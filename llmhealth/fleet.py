@@ -316,8 +316,20 @@ class FleetRecord:
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
         """Make the ledger's members the configured backends; return what changed."""
         changes = []
+        moves = {
+            name: backends[name]
+            for name in self.ledger.names
+            if name in backends and self.ledger.url_of(name) != backends[name]
+        }
+        for name, url in moves.items():
+            # A new address is not a new backend: forgotten and added again, a condemned
+            # or retired one served at once. The sighting stays, so the first read there
+            # shows a process other than the one last seen as the restart it is.
+            state = self.ledger.state_of(name)
+            changes.append(f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}")
+        self.ledger.readdress(moves)
         for name in self.ledger.names:
-            if name not in backends or self.ledger.url_of(name) != backends[name]:
+            if name not in backends:
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -325,7 +337,7 @@ class FleetRecord:
                 self.skips.pop(name, None)
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
-                changes.append(f"{name}: no longer configured (or its URL changed); forgotten")
+                changes.append(f"{name}: no longer configured; forgotten")
         for name, url in backends.items():
             if name not in self.ledger:
                 self.ledger.add(name, url, now)

@@ -1050,6 +1050,34 @@ class Ledger:
         self._insert(_Backend(name=name, url=url, state_since=now), "add")
         self._epoch += 1
 
+    def readdress(self, moves: Mapping[str, str]) -> None:
+        """Backends the configuration moved to new addresses (name -> URL), all at once,
+        so two that swap addresses pass. Not an event: each keeps its state, streaks and
+        history (a condemned or retired backend stays so, whatever its address), and what
+        answers at the new address is judged by the caller's next read of it, against
+        the process it last saw there (``fleet.FleetRecord``)."""
+        staying = {_url_key(b.url): b.name for b in self._backends.values() if b.name not in moves}
+        arriving: dict[str, str] = {}
+        for name, url in moves.items():
+            self._lookup(name)
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"readdress: backend {name!r} needs a non-empty URL, got {url!r}")
+            try:
+                refuse_user_info(url)
+            except ValueError as exc:
+                raise ValueError(f"readdress: backend {name!r}: {exc}") from None
+            other = staying.get(_url_key(url)) or arriving.get(_url_key(url))
+            if other is not None:
+                raise ValueError(
+                    f"readdress: backends {other!r} and {name!r} share the URL {url!r}"
+                )
+            arriving[_url_key(url)] = name
+        for name in moves:
+            self._by_url.pop(_url_key(self._backends[name].url), None)
+        for name, url in moves.items():
+            self._backends[name].url = url
+            self._by_url[_url_key(url)] = name
+
     def remove(self, name: str) -> None:
         """Forget a backend that left the configuration."""
         b = self._lookup(name)

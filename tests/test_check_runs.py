@@ -313,6 +313,36 @@ def test_the_floor_alone_makes_a_run_critical(entry_point: str, tmp_path: Path) 
     assert second.seen("gpu1") == ("busy", "retired", False, 1, True, 2)
 
 
+def test_a_retired_backend_whose_address_the_config_changes_stays_retired(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # The config is the operator's (or an inventory template's): a new address for a
+    # name is not a new backend. Forgotten and added again, it served at once, out of
+    # RETIRED without the reset the ledger demands, with a fresh restart budget.
+    state = tmp_path / "state.json"
+    config = tmp_path / "fleet.toml"
+    where = ["--config", str(config), "--state", str(state)]
+    with running_simulator(["busy"]) as first, running_simulator(["busy"]) as second:
+        _write_config(config, first.urls, min_healthy=0)
+        check(entry_point, state, "--config", str(config))
+        retire = subprocess.run(
+            [entry_point, "retire", "gpu0", "--reason", "card replaced", *where],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+        assert retire.returncode == 0, retire.stderr
+        _write_config(config, second.urls, min_healthy=0)
+        moved = check(entry_point, state, "--config", str(config))
+    # Another process answers there: a restart as the old sighting shows it, still retired.
+    assert moved.seen("gpu0")[:3] == ("restarted", "retired", False)
+    assert moved.backend("gpu0")["url"] == second.urls[0]
+    assert f"gpu0: moved from {first.urls[0]} to {second.urls[0]}; stays retired" in (
+        moved.stdout + moved.stderr
+    )
+
+
 def _metrics_hang(url: str, hang: bool) -> None:
     reply = httpx.post(f"{url}/sim/metrics", json={"hang": hang}, timeout=2.0)
     assert reply.json() == {"metrics_hang": hang}

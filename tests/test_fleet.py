@@ -564,26 +564,62 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     record.observe("gpu1", VERDICTS["busy"], NOW)
     record.restarts["gpu1"] = RestartHistory(failures=1, last_attempt_at=NOW)
     changes = record.reconcile({"gpu0": URL_0}, NOW)
-    assert changes == ["gpu1: no longer configured (or its URL changed); forgotten"]
+    assert changes == ["gpu1: no longer configured; forgotten"]
     assert record.ledger.names == ("gpu0",)
     assert "gpu1" not in record.sightings
     assert "gpu1" not in record.restarts
     assert record.ledger.epoch == 1  # a serving backend left
 
 
-def test_reconcile_starts_a_re_urled_backend_afresh() -> None:
-    record = record_of(("gpu0", URL_0))
-    record.observe("gpu0", VERDICTS["wedged"], NOW)
-    assert record.ledger.state_of("gpu0") is State.DEAD
-    changes = record.reconcile({"gpu0": URL_2}, NOW + 1)
-    assert changes == [
-        "gpu0: no longer configured (or its URL changed); forgotten",
-        f"gpu0: new backend at {URL_2}; starts HEALTHY",
+def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven() -> None:
+    # Forgotten and added again, a wedged backend whose address an operator (or an
+    # inventory template) changed served at once, unproven; a retired one came back.
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    record.restarts["gpu0"] = RestartHistory(failures=2, last_attempt_at=NOW)
+    record.ledger.apply("gpu1", Retire(now=NOW, reason="card replaced"))
+    changes = record.reconcile({"gpu0": URL_2, "gpu1": URL_1}, NOW + 2)
+    assert changes == [f"gpu0: moved from {URL_0} to {URL_2}; stays dead"]
+    snapshot = record.ledger.snapshot("gpu0", NOW + 2)
+    assert (snapshot.url, snapshot.state, snapshot.condemned_by) == (URL_2, State.DEAD, "wedged")
+    assert record.restarts["gpu0"].failures == 2  # a config edit is no fresh budget
+    assert record.ledger.by_url(URL_2) == "gpu0" and record.ledger.by_url(URL_0) is None
+    # The process at the new address is not the one condemned: a new one, unproven.
+    there = verdict(VerdictKind.BUSY, True, "x", reads=(readable(start=90.0),))
+    assert [t.kind for t in record.observe("gpu0", there, NOW + 3)] == [EventKind.NEW_PROCESS_UP]
+    assert record.ledger.state_of("gpu0") is State.STALE
+    assert record.reconcile({"gpu0": URL_2, "gpu1": URL_0}, NOW + 4) == [
+        f"gpu1: moved from {URL_1} to {URL_0}; stays retired"
     ]
-    snapshot = record.ledger.snapshot("gpu0", NOW + 1)
-    assert (snapshot.url, snapshot.state, snapshot.condemned_by) == (URL_2, State.HEALTHY, None)
-    # The old process's counters must never be compared with the new server's.
-    assert "gpu0" not in record.sightings
+    assert record.ledger.snapshot("gpu1", NOW + 4).state is State.RETIRED
+
+
+def test_a_serving_backend_moved_to_another_process_is_an_unplanned_restart() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    assert record.reconcile({"gpu0": URL_2}, NOW + 1) == [
+        f"gpu0: moved from {URL_0} to {URL_2}; stays healthy"
+    ]
+    assert record.ledger.epoch == 0  # the same names serve
+    same = verdict(VerdictKind.BUSY, True, "x", reads=(readable(steps=150.0),))
+    assert [t.kind for t in record.observe("gpu0", same, NOW + 2)] == [EventKind.GOOD_VERDICT]
+    other = verdict(VerdictKind.BUSY, True, "x", reads=(readable(start=90.0),))
+    transitions = record.observe("gpu0", other, NOW + 3)
+    assert [t.kind for t in transitions] == [EventKind.UNPLANNED_RESTART]
+    assert record.ledger.state_of("gpu0") is State.STALE
+
+
+def test_two_backends_that_swap_addresses_each_keep_their_own_state() -> None:
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.observe("gpu1", VERDICTS["wedged"], NOW)
+    changes = record.reconcile({"gpu0": URL_1, "gpu1": URL_0}, NOW + 1)
+    assert len(changes) == 2
+    assert (record.ledger.by_url(URL_1), record.ledger.by_url(URL_0)) == ("gpu0", "gpu1")
+    assert record.ledger.state_of("gpu0") is State.HEALTHY
+    assert record.ledger.state_of("gpu1") is State.DEAD
+    with pytest.raises(ValueError, match="share the URL"):
+        record.ledger.readdress({"gpu0": URL_0})  # gpu1 stays there
 
 
 def test_reconcile_with_the_same_backends_changes_nothing() -> None:
