@@ -738,6 +738,9 @@ def _describe_work(signals: Signals) -> str:
     running, waiting = _work_counts([Read(0.0, signals)])
     if running is None:
         return "work unknown"
+    deferred = int(sum(engine.waiting_deferred or 0 for engine in signals.engines))
+    if deferred:
+        return f"{running} running, {waiting} waiting ({deferred} deferred by vLLM: not work)"
     return f"{running} running, {waiting} waiting"
 
 

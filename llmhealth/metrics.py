@@ -42,7 +42,10 @@ _BUCKETS: dict[str, str] = {
 _PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 _SLEEP_SERIES = "vllm:engine_sleep_state"
 _START_SERIES = "process_start_time_seconds"
-_GAUGES = frozenset({"running", "waiting", "kv_usage", "kv_usage_legacy"})
+# Waiting requests by reason (vLLM 0.11 on): only the "deferred" ones are read, into
+# ``waiting_deferred``; "capacity" is waiting for the engine, which is the engine's work.
+_BY_REASON_SERIES = "vllm:num_requests_waiting_by_reason"
+_DEFERRED = "deferred"
 # vLLM v0 had no engine label; its single engine is reported under this name.
 _DEFAULT_ENGINE = "0"
 # Up to this many engines, a read's engine is found by a scan of them, not a dict.
@@ -57,6 +60,10 @@ class EngineSignals:
     engine: str
     running: float | None = None
     waiting: float | None = None
+    # Of the waiting, those vLLM defers for constraints outside the engine's step (a
+    # structured-output grammar still compiling, KV blocks still arriving from a prefill
+    # instance, a LoRA budget): the scheduler passes over them and runs the rest.
+    waiting_deferred: float | None = None
     steps: float | None = None
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
@@ -75,14 +82,20 @@ class EngineSignals:
 
     @property
     def work(self) -> float | None:
-        """Requests running plus waiting; None while vLLM omits the running gauge.
+        """Requests running plus waiting, less those waiting deferred; None while vLLM
+        omits the running gauge.
 
         With several API servers vLLM publishes no gauges until its first request, and
-        "unknown" must not be mistaken for "nothing to do".
+        "unknown" must not be mistaken for "nothing to do". A deferred request is no work
+        the engine could be stepping: a grammar compiles in a thread pool (minutes for a
+        large tool schema), and an engine with only those moves no counter at all while
+        it would answer any other request at once. Counted as work, it was "wedged" in
+        two waits, and restarted.
         """
         if self.running is None:
             return None
-        return self.running + (self.waiting or 0.0)
+        waiting = max(0.0, (self.waiting or 0.0) - (self.waiting_deferred or 0.0))
+        return self.running + waiting
 
     @property
     def asleep(self) -> bool:
@@ -544,6 +557,10 @@ def _interpret(head: bytes) -> _Meaning | None:
         if state is None:
             return (_IGNORE, _NO_KEY, None, leftover)
         return (_SLEEP, _NO_KEY, (engine, state), leftover)
+    if name == _BY_REASON_SERIES:
+        if labels.pop("reason", None) != _DEFERRED:
+            return (_IGNORE, _NO_KEY, None, leftover)
+        return (_SAMPLE, ("waiting_deferred", engine, frozenset(labels.items())), None, leftover)
     if name in _BUCKETS:
         bound = _bucket_bound(labels.pop("le", None))
         key = (_BUCKETS[name], engine, frozenset(labels.items()))
@@ -594,7 +611,7 @@ def _engine_order(engine: str) -> tuple[int, str]:
     return (1 << 62, engine)
 
 
-_READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES)
+_READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES, _BY_REASON_SERIES)
 
 
 def _value_before_timestamp(tail: bytes) -> float | None:

@@ -28,6 +28,7 @@ from llmhealth.window import CpuSample, LongestStep
 _ENGINE_NUMBERS = (
     "running",
     "waiting",
+    "waiting_deferred",
     "steps",
     "generation_tokens",
     "prompt_tokens",

@@ -386,6 +386,39 @@ def test_an_idle_server_is_asked_once_and_is_idle_when_it_answers(
     assert "0 running, 0 waiting" in verdict.evidence
 
 
+def deferred(text: str, waiting: int, deferred: int) -> str:
+    """The text with ``waiting`` requests waiting, ``deferred`` of them deferred by vLLM
+    (a grammar compiling, KV blocks still to come from a prefill instance)."""
+    text = set_sample(text, "vllm:num_requests_waiting", f"{waiting}.0")
+    by_reason = "vllm:num_requests_waiting_by_reason"
+    text = set_sample(text, by_reason, f"{deferred}.0", reason="deferred")
+    return set_sample(text, by_reason, f"{waiting - deferred}.0", reason="capacity")
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_requests_vllm_defers_are_no_work_and_the_tiny_request_judges(
+    fixture_text: Load, ok: bool
+) -> None:
+    # Nothing running, one request waiting that vLLM defers: its grammar compiles in a
+    # thread pool (minutes for a large tool schema) and no counter moves meanwhile. As
+    # work, it was wedged at the third read; the engine would answer anything else.
+    text = deferred(capture(fixture_text, "prefill2-after"), waiting=1, deferred=1)
+    result = walk(timed([text, text, text]), answer_ok=ok)
+    verdict = result.verdict
+    assert verdict.kind is (VerdictKind.IDLE if ok else VerdictKind.UNANSWERED)
+    assert verdict.requests_sent == 1
+    assert "0 running, 1 waiting (1 deferred by vLLM: not work)" in verdict.evidence
+
+
+def test_a_request_waiting_for_capacity_beside_a_deferred_one_is_still_work(
+    fixture_text: Load,
+) -> None:
+    text = deferred(capture(fixture_text, "prefill2-after"), waiting=2, deferred=1)
+    verdict = walk(timed([text, text, text])).verdict
+    assert verdict.kind is VerdictKind.WEDGED
+    assert verdict.requests_sent == 0
+
+
 def test_an_idle_server_that_does_not_answer_is_unanswered(fixture_text: Load) -> None:
     verdict = walk(reads_of(fixture_text, "idle-1"), answer_ok=False).verdict
     assert verdict.kind is VerdictKind.UNANSWERED

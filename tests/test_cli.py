@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from llmhealth.classify import Decision, Read, decide
 from llmhealth.cli import app, main
+from tests.test_classify import deferred
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
@@ -44,6 +45,26 @@ def test_a_healthy_idle_backend_exits_0_with_a_table(httpserver: HTTPServer) -> 
     assert result.exit_code == 0, result.output
     assert "idle" in result.output
     assert "answered" in result.output
+
+
+def test_an_engine_holding_only_a_deferred_request_is_asked_and_idle_not_wedged(
+    httpserver: HTTPServer,
+) -> None:
+    # One request waits, deferred by vLLM (its grammar compiling), and no counter moves:
+    # the whole check, over real HTTP, asks the tiny request and does not condemn.
+    text = deferred((CAPTURES / "prefill2-after.txt").read_text(), waiting=1, deferred=1)
+    httpserver.expect_request("/metrics").respond_with_data(text)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_json(COMPLETION)
+    url = httpserver.url_for("").rstrip("/")
+    result = runner.invoke(app, ["check", url, "--wait", "0.1", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (backend,) = json.loads(result.output)["backends"]
+    assert (backend["verdict"], backend["state"], backend["requests_sent"]) == (
+        "idle",
+        "healthy",
+        1,
+    )
 
 
 def test_json_has_the_documented_fields(httpserver: HTTPServer) -> None:

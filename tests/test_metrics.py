@@ -125,6 +125,7 @@ def test_a_busy_capture_reads_exactly_as_written(fixture_text: Load) -> None:
             engine="0",
             running=4.0,
             waiting=8.0,
+            waiting_deferred=0.0,
             steps=998.0,
             generation_tokens=3329.0,
             prompt_tokens=57.0,

@@ -73,8 +73,21 @@ def test_every_capture_reads_as_prometheus_client_reads_it(path: Path) -> None:
 
 
 NAMES = [*READ, SLEEP, START, "vllm:num_requests_waiting_by_reason", "vllm:other_total"]
-LABEL_NAMES = ["engine", "model_name", "finished_reason", "sleep_state", "le"]
-LABEL_VALUES = ["0", "1", "12", "tiny", "awake", "weights_offloaded", "a}b", 'q\\"t', "x\\\\y", ""]
+LABEL_NAMES = ["engine", "model_name", "finished_reason", "sleep_state", "le", "reason"]
+LABEL_VALUES = [
+    "0",
+    "1",
+    "12",
+    "tiny",
+    "awake",
+    "weights_offloaded",
+    "deferred",
+    "capacity",
+    "a}b",
+    'q\\"t',
+    "x\\\\y",
+    "",
+]
 VALUES = ["0", "1", "3.5", "1e3", "-2", "NaN", "+Inf", "-Inf", "1796024376.26", "17"]
 
 
