@@ -116,6 +116,9 @@ def choose(
 
 def _weight(key: str, name: str) -> int:
     # blake2b, not hash(): Python salts str hashes per process, and a restarted router must
-    # send a session where the previous one did.
-    digest = hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
+    # send a session where the previous one did. surrogatepass: a key may hold lone
+    # surrogates (a header's non-UTF-8 bytes as decoded, a JSON "\udcff"), which a strict
+    # encode refused with an error that ended the client's request.
+    text = f"{key}\0{name}".encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(text, digest_size=8).digest()
     return int.from_bytes(digest, "big")

@@ -137,12 +137,17 @@ def upstream_headers(incoming: HeaderSource, api_key: str | None) -> Fields:
 
 
 def downstream_headers(incoming: HeaderSource) -> Fields:
-    """The backend's response headers minus hop-by-hop ones (Content-Length is kept)."""
+    """The backend's response headers minus hop-by-hop ones. Content-Length is kept,
+    unless a Transfer-Encoding came beside it: the body is then read as chunked (RFC 9112
+    6.3), and its length passed on framed the client's read of it wrongly (a short one
+    left the rest to be taken for the next response, a long one hung the client)."""
     named = connection_tokens(incoming.items())
+    encoded = any(name.lower() == "transfer-encoding" for name, _ in incoming.items())
+    dropped = HOP_BY_HOP - ({"content-length"} if not encoded else set())
     headers = Fields()
     for name, value in incoming.items():
         lower = name.lower()
-        if lower in named or (lower in HOP_BY_HOP and lower != "content-length"):
+        if lower in named or lower in dropped:
             continue
         headers.add(name, value)
     return headers
@@ -516,7 +521,10 @@ class Router:
     async def _relay(self, request: Request, name: str, upstream: Response) -> bool:
         """Pass the backend's response on as it comes; True when it ended cleanly."""
         status = upstream.status
-        if status >= 500:
+        # One request, one outcome: a 5xx is counted at its head, and a body of it that
+        # then breaks or goes silent is not counted again.
+        counted = status >= 500
+        if counted:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
             reason = printable(upstream.reason)  # the backend's words reach `status`
@@ -546,12 +554,14 @@ class Router:
                 except TimeoutError:
                     seconds = self._settings.stream_idle_timeout
                     detail = f"response silent for {seconds:g} s after it started"
-                    self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
+                    if not counted:
+                        self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
                     await self._end_broken(request, name, detail, event_stream)
                     return False
                 except BrokenError as exc:
                     detail = f"response cut off: {_short(exc)}"
-                    self._fail(name, request, FailureKind.BROKEN, status, detail)
+                    if not counted:
+                        self._fail(name, request, FailureKind.BROKEN, status, detail)
                     await self._end_broken(request, name, detail, event_stream)
                     return False
                 if not chunk:

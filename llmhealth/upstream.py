@@ -85,6 +85,9 @@ class _Link(asyncio.Protocol):
         self.buffer = bytearray()
         self.received = 0  # bytes, ever: did anything come after a request went out?
         self.closed = False  # the backend ended its side, or the connection was lost
+        # Why the connection was lost, when not by the backend's orderly end (a reset):
+        # a body framed by the connection's end is whole only after an orderly one.
+        self.lost: BaseException | None = None
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
@@ -109,6 +112,7 @@ class _Link(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        self.lost = exc
         self._wake()
 
     def _wake(self) -> None:
@@ -197,9 +201,11 @@ class Response:
         link = self._link
         while not link.buffer:
             if not await link.more():
-                if self._framing == "close":
+                if self._framing == "close" and link.lost is None:
                     self._done = True
                     return b""
+                if self._framing == "close":
+                    raise BrokenError(f"reset before the body's end: {link.lost}")
                 raise BrokenError(f"closed with {self._left} bytes of the body still to come")
         size = min(len(link.buffer), READ_SIZE)
         if self._framing == "length":

@@ -132,6 +132,14 @@ def test_a_sticky_backend_slack_requests_busier_than_the_least_loses_the_session
     assert choose(pool, {"b": 7, "a": 4}, model="llama", key=key, slack=4) == "b"
 
 
+def test_a_session_key_with_lone_surrogates_has_a_home_like_any_other() -> None:
+    # A header's non-UTF-8 bytes as decoded, or a JSON "\udcff": a strict encode raised.
+    pool = dict.fromkeys("abcd", LLAMA)
+    for key in ("caf\udce9", "\udcff", "\ud800x"):
+        home = choose(pool, {}, model="llama", key=key, slack=4)
+        assert home in pool and choose(pool, {}, model="llama", key=key, slack=4) == home
+
+
 def test_slack_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="slack"):
         choose({"a": LLAMA}, {}, model="llama", key="k", slack=0)

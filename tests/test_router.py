@@ -669,6 +669,70 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
     run(scenario())
 
 
+@pytest.mark.parametrize("then", ["cut", "silent"])
+def test_a_5xx_whose_body_then_breaks_is_one_failure_not_two(then: str) -> None:
+    # Counted at its head, the 5xx was counted again when its body broke or went
+    # silent: two failures for one request, so two such requests condemned a backend
+    # at an unhealthy_threshold of three.
+    async def fails_then_breaks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'data: {"error": "engine dead"}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+        if then == "cut":
+            writer.transport.abort()
+        else:
+            await reader.read()  # until the router gives up on it
+            writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(stream_idle_timeout=0.5)
+        async with (
+            raw_backend(fails_then_breaks) as backend,
+            routing({"a": backend}, settings) as (router, url),
+            client() as http,
+        ):
+            with contextlib.suppress(httpx.HTTPError):
+                response = await http.post(url + CHAT, content=BODY)
+                assert response.status_code == 500
+            assert await failures(router) == [("a", FailureKind.SERVER_ERROR, 500)]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("length", [5, 200])
+def test_an_answer_framed_both_ways_reaches_the_client_whole_as_chunked(length: int) -> None:
+    # Transfer-Encoding wins (RFC 9112 6.3) and the body is read as chunked; its
+    # Content-Length passed on as well cut the client's read short (the rest taken for
+    # the next response on that connection) or left it waiting for bytes never sent.
+    body = b'{"id": "cmpl-1", "choices": []}'
+
+    async def both(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (length, len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(both) as backend,
+            routing({"a": backend}) as (_, url),
+            client() as http,
+        ):
+            for _ in range(2):  # the second on the same client connection
+                response = await http.post(url + CHAT, content=BODY)
+                assert (response.status_code, response.content) == (200, body)
+
+    run(scenario())
+
+
 # --- streaming and disconnects ---------------------------------------------------------
 
 
@@ -824,6 +888,31 @@ def test_a_session_stays_on_one_backend_and_load_goes_to_the_least_busy(
     by_session = [served[i : i + 3] for i in range(0, len(served), 3)]
     assert all(len(set(turns)) == 1 for turns in by_session)  # each session stayed put
     assert len({turns[0] for turns in by_session}) > 1  # and sessions spread out
+
+
+@pytest.mark.parametrize(
+    ("affinity", "headers", "body"),
+    [
+        ("header:X-Session-Id", {"X-Session-Id": b"caf\xe9"}, BODY),  # Latin-1, not UTF-8
+        ("body:user", {}, b'{"model": "tiny", "prompt": "hi", "user": "\\udcff"}'),
+    ],
+    ids=["latin-1 header", "lone surrogate"],
+)
+def test_a_session_key_that_is_not_valid_unicode_is_routed_not_a_500(
+    httpserver: HTTPServer, affinity: str, headers: dict[str, bytes], body: bytes
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_json({})
+
+    async def scenario() -> None:
+        settings = RouterConfig(affinity=affinity)
+        backends = {"a": httpserver.url_for("").rstrip("/")}
+        async with routing(backends, settings) as (router, url), client() as http:
+            for _ in range(2):
+                response = await http.post(url + CHAT, content=body, headers=headers)
+                assert response.status_code == 200, response.text
+            assert [failure for _, failure, _ in await failures(router)] == [None]
+
+    run(scenario())
 
 
 def test_a_push_restores_a_dropped_backend_unless_it_failed_after_the_drain(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -123,6 +124,30 @@ def test_an_answer_read_to_its_close_ends_there() -> None:
             pool = Pool(connect_timeout=5, keepalive=60)
             _, body = await exchange(pool, f"http://127.0.0.1:{port}")
             assert body == b"all of it, until the end"
+            pool.close()
+
+    run(scenario())
+
+
+def test_an_answer_read_to_its_close_that_a_reset_cuts_is_broken_not_whole() -> None:
+    # Framed by the connection's end, half a body then a TCP reset was passed on as the
+    # whole answer, and counted as a success that cleared the backend's failure streak.
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b'HTTP/1.1 200 OK\r\n\r\n{"choices": [{"text": "hal')
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the half body read before the reset lands
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # closed with linger 0: a reset, not an end
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            with pytest.raises(BrokenError, match="reset before the body's end"):
+                await exchange(pool, f"http://127.0.0.1:{port}")
             pool.close()
 
     run(scenario())
