@@ -64,6 +64,10 @@ HOP_BY_HOP: Final = frozenset(
 # a connection the backend is closing: that race would read as a reset and be counted.
 UPSTREAM_KEEPALIVE = 2.0
 BACKEND_HEADER: Final = "X-LLMHealth-Backend"
+# Seconds past a connect deadline at which the router hears of it and no longer blames
+# the backend: its own loop was held up, so a connection made in time may have waited
+# unseen. Far above what a busy loop's turns take (a few ms for thousands of streams).
+LOOP_LATE: Final = 0.5
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
@@ -250,6 +254,7 @@ class RouterMetrics(Collector):
         self.failures: Counter[tuple[str, str]] = Counter()
         self.no_backend = 0
         self.retries = 0
+        self.late_timeouts = 0
         self.serving = 0
         self._series: dict[str, BackendSeries] = {}
 
@@ -297,6 +302,12 @@ class RouterMetrics(Collector):
             "llmhealth_router_retries",
             "Requests sent to a second backend after the first refused the connection.",
             value=self.retries,
+        )
+        yield CounterMetricFamily(
+            "llmhealth_router_late_timeouts",
+            "Connections not made in time while the router's own event loop was held up "
+            "past the deadline: not counted against the backend.",
+            value=self.late_timeouts,
         )
         in_flight = GaugeMetricFamily(
             "llmhealth_router_in_flight_requests",
@@ -453,7 +464,7 @@ class Router:
         except BadRequestError as exc:  # 413 over max_body, a broken chunk, bad JSON
             return self._answer(None, exc.status, {"error": str(exc)})
         key = self._affinity.key_of(request.headers, parsed) if self._affinity else None
-        tried: set[str] = set()
+        tried: dict[str, _Retry] = {}
         while True:
             pool = {n: m for n, m in self._pick_set().items() if n not in tried}
             name = choose(
@@ -461,15 +472,13 @@ class Router:
             )
             if name is None:
                 if tried:  # the one retry found nowhere to go: the client hears why
-                    first = next(iter(tried))
-                    return self._backend_failed(
-                        first, "connection refused, and no other backend serves"
-                    )
+                    first, why = next(iter(tried.items()))
+                    return self._backend_failed(first, f"{why.detail}, and no other backend serves")
                 return self._no_backend(model)
             result = await self._forward(request, name, body)
             if not isinstance(result, _Retry):
                 return result
-            tried.add(name)
+            tried[name] = result
             if len(tried) > 1:
                 return self._backend_failed(name, result.detail)
             self.metrics.retries += 1
@@ -496,6 +505,12 @@ class Router:
                     )
             except ConnectError as exc:
                 # Never connected, so never sent: safe to send elsewhere.
+                if exc.late > LOOP_LATE:
+                    # Its own loop held up past the deadline (CPU of its own: a burst of
+                    # huge JSON bodies to read), the router cannot tell whether the
+                    # backend was slow to accept: counted as its own, not against it.
+                    self.metrics.late_timeouts += 1
+                    return _Retry(f"{_short(exc)}, the router itself {exc.late:.1f} s late")
                 self._fail(name, request, FailureKind.REFUSED, None, _short(exc))
                 return _Retry(f"connection failed: {_short(exc)}")
             except TimeoutError:

@@ -48,7 +48,17 @@ IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE
 
 
 class ConnectError(Exception):
-    """No connection to the backend: the request was never sent."""
+    """No connection to the backend: the request was never sent.
+
+    ``late``: for a connection not made in time, how long after its deadline this task
+    heard so. The bound is kept on the event loop's clock: a loop held up (by CPU work
+    of its own, or a flood of it) past the deadline may have had the connection in hand
+    all along, and the time out is then the loop's, not the backend's.
+    """
+
+    def __init__(self, message: str, *, late: float = 0.0) -> None:
+        super().__init__(message)
+        self.late = late
 
 
 class BrokenError(Exception):
@@ -328,8 +338,9 @@ class Pool:
     async def _connect(self, origin: Origin) -> _Link:
         loop = asyncio.get_running_loop()
         tls = self._context() if origin.scheme == "https" else None
+        deadline = loop.time() + self._connect_timeout
         try:
-            async with asyncio.timeout(self._connect_timeout):
+            async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
                     lambda: _Link(origin),
                     origin.host,
@@ -338,7 +349,8 @@ class Pool:
                     server_hostname=origin.host if tls else None,
                 )
         except TimeoutError as exc:
-            raise ConnectError(f"no connection in {self._connect_timeout:g} s") from exc
+            late = loop.time() - deadline
+            raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
             raise ConnectError(str(exc) or type(exc).__name__) from exc
         return link

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from llmhealth.router import (
     upstream_headers,
 )
 from llmhealth.traffic import FailureKind
+from llmhealth.upstream import Origin, Pool
 
 BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
 CHAT = "/v1/chat/completions"
@@ -458,7 +460,9 @@ def test_a_retry_with_nowhere_to_go_is_a_deliberate_500() -> None:
             response = await http.post(url + CHAT, content=BODY)
             assert response.status_code == 500
             assert response.json()["backend"] == "a"
-            assert response.json()["error"].startswith("backend failed: connection refused")
+            error = response.json()["error"]
+            assert error.startswith("backend failed: connection failed: "), error
+            assert error.endswith(", and no other backend serves"), error
             assert await failures(router) == [("a", FailureKind.REFUSED, None)]
 
     run(scenario())
@@ -603,6 +607,41 @@ def test_a_backend_that_sends_garbage_or_closes_early_is_counted(reply: bytes) -
             assert await failures(router) == [
                 ("a", FailureKind.BROKEN, 200 if b"only" in reply else None)
             ]
+
+    run(scenario())
+
+
+def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_backends(
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+) -> None:
+    # Forty 16 MiB token-id bodies parsed on the loop held it up for seconds; the connect
+    # bounds that expired meanwhile were counted as refusals, and a healthy backend was
+    # condemned by the router's own stall. Here the loop is held up once, right after a
+    # real connect began.
+    httpserver.expect_request(CHAT).respond_with_json({})
+    real_connect = Pool._connect
+    stalls: list[float] = []
+
+    async def connect_then_hold_up(pool: Pool, origin: Origin) -> Any:
+        attempt = asyncio.ensure_future(real_connect(pool, origin))
+        await asyncio.sleep(0)
+        if not stalls:
+            stalls.append(1.0)
+            time.sleep(stalls[0])  # CPU of the router's own, past the 0.2 s bound
+        return await attempt
+
+    monkeypatch.setattr(Pool, "_connect", connect_then_hold_up)
+
+    async def scenario() -> None:
+        settings = RouterConfig(connect_timeout=0.2)
+        backends = {"a": httpserver.url_for("").rstrip("/")}
+        async with routing(backends, settings) as (router, url), client() as http:
+            first = await http.post(url + CHAT, content=BODY)
+            assert first.status_code == 500  # nowhere else to send it
+            assert "the router itself" in first.json()["error"]
+            assert router.metrics.late_timeouts == 1
+            assert await failures(router) == []  # nothing against the backend
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200
 
     run(scenario())
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -148,6 +149,28 @@ def test_an_answer_read_to_its_close_that_a_reset_cuts_is_broken_not_whole() -> 
             pool = Pool(connect_timeout=5, keepalive=60)
             with pytest.raises(BrokenError, match="reset before the body's end"):
                 await exchange(pool, f"http://127.0.0.1:{port}")
+            pool.close()
+
+    run(scenario())
+
+
+def test_a_connect_timeout_heard_after_the_loop_was_held_up_says_how_late() -> None:
+    # The backend accepts at once; the loop is held up (CPU of its own) past the 0.2 s
+    # deadline, so the connection made in time waits unseen and the bound fires first.
+    async def scenario() -> None:
+        async def hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=0.2, keepalive=60)
+            attempt = asyncio.ensure_future(exchange(pool, f"http://127.0.0.1:{port}"))
+            await asyncio.sleep(0)  # the connect is on its way
+            time.sleep(1.0)  # the loop held up: nothing else runs meanwhile
+            with pytest.raises(ConnectError, match=r"no connection in 0\.2 s") as raised:
+                await attempt
+            assert raised.value.late > 0.5
             pool.close()
 
     run(scenario())
