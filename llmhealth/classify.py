@@ -221,12 +221,15 @@ def window_for(
 ) -> Window:
     """The wedge window that applies to the newest process seen in these reads."""
     age = None
+    nothing_finished = False
     for read in reversed(reads):
         if read.signals is not None and read.signals.has_vllm:
             start = read.signals.process_start
             age = None if start is None else read.at - start
+            nothing_finished = not any(engine.finished for engine in read.signals.engines)
             break
-    return wedge_window(rules, learned_step(reads, learned), age)
+    step = learned_step(reads, learned)
+    return wedge_window(rules, step, age, nothing_finished=nothing_finished)
 
 
 @dataclass(frozen=True, slots=True)

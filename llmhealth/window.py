@@ -142,9 +142,20 @@ def longer(first: LongestStep | None, second: LongestStep | None) -> LongestStep
 
 
 def wedge_window(
-    rules: WedgeRules, learned: LongestStep | None, process_age: float | None
+    rules: WedgeRules,
+    learned: LongestStep | None,
+    process_age: float | None,
+    *,
+    nothing_finished: bool = False,
 ) -> Window:
-    """The window for an engine with this longest step, in a process this old."""
+    """The window for an engine with this longest step, in a process this old.
+
+    ``nothing_finished``: the process has finished no request yet. Where its age is
+    unknown (several API servers: vLLM's multiprocess mode publishes no
+    ``process_start_time_seconds``), that is taken for youth: a process restarted, or
+    started with its fleet, compiles on its first requests with none finished. Without
+    it such an engine had no startup window at all, and was wedged in two waits.
+    """
     terms: list[tuple[float, str]] = []
     if rules.wedge_after > 0:
         terms.append((rules.wedge_after, f"wedge_after {rules.wedge_after:g} s"))
@@ -155,16 +166,16 @@ def wedge_window(
                 f"longest step seen {learned.seconds:g} s x{rules.step_factor:g} ({learned.why})",
             )
         )
-    if (
-        process_age is not None
-        and 0 <= process_age < rules.startup_grace
-        and rules.startup_wedge_after > 0
-    ):
+    young = None
+    if process_age is not None and 0 <= process_age < rules.startup_grace:
+        young = f"process {process_age:.0f} s old, within startup_grace {rules.startup_grace:g} s"
+    elif process_age is None and nothing_finished:
+        young = "process age unknown (several API servers) and no request finished in it yet"
+    if young is not None and rules.startup_wedge_after > 0:
         terms.append(
             (
                 rules.startup_wedge_after,
-                f"process {process_age:.0f} s old, within startup_grace "
-                f"{rules.startup_grace:g} s: startup_wedge_after {rules.startup_wedge_after:g} s "
+                f"{young}: startup_wedge_after {rules.startup_wedge_after:g} s "
                 "(a young engine compiles)",
             )
         )

@@ -988,6 +988,25 @@ def test_the_floor_and_the_startup_window_apply(fixture_text: Load) -> None:
     )
 
 
+def test_a_process_of_unknown_age_that_finished_nothing_yet_gets_the_startup_window(
+    fixture_text: Load,
+) -> None:
+    # Several API servers: vLLM's multiprocess mode publishes no process start time, so
+    # a young engine compiling on its first requests had no startup window, and was
+    # wedged in two waits (a restarted one again and again, until retired).
+    text = set_sample(
+        capture(fixture_text, "multiapi-after-load"), "vllm:num_requests_running", "2.0"
+    )
+    assert parse_metrics(text).process_start is None
+    first = set_sample(text, "vllm:request_success_total", "0.0")
+    verdict = walk(timed([first, first, first])).verdict
+    assert verdict.kind is VerdictKind.STALLED  # not proof: its reads ran out first
+    assert "process age unknown (several API servers) and no request finished" in (verdict.evidence)
+    assert "startup_wedge_after 300 s" in verdict.evidence
+    # Once a request has finished, the process is not taken for a young one.
+    assert walk(timed([text, text, text])).verdict.kind is VerdictKind.WEDGED
+
+
 def cpu_reads(load: Load, *used: float, wait: float = WAIT) -> list[Read]:
     frozen = [capture(load, name) for name in ("wedge-1", "wedge-2", "wedge-3")]
     total = 0.0

@@ -56,6 +56,9 @@ def test_the_largest_term_sets_the_window_and_says_why() -> None:
     young = wedge_window(rules, step, 60.0)
     assert young.seconds == 300.0
     assert "process 60 s old" in young.why
+    unknown = wedge_window(rules, None, None, nothing_finished=True)
+    assert unknown.seconds == 300.0 and "process age unknown" in unknown.why
+    assert wedge_window(rules, None, 5000.0, nothing_finished=True).seconds == 120.0
     none = wedge_window(WedgeRules(startup_wedge_after=0), None, 60.0)
     assert (none.seconds, none.extended, none.why) == (0.0, False, "two waits")
 
