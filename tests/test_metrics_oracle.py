@@ -25,6 +25,7 @@ FOLDER = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 CAPTURES = sorted(FOLDER / f"{path.stem}.txt" for path in FOLDER.glob("*.headers"))
 READ = {**metrics._SERIES}  # series name -> field
 SLEEP, START = metrics._SLEEP_SERIES, metrics._START_SERIES
+BY_REASON = metrics._BY_REASON_SERIES
 
 
 def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
@@ -45,6 +46,13 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                     sleep.setdefault(engine, {})[labels["sleep_state"]] = value
             elif name in READ and math.isfinite(value) and value >= 0:
                 samples[(READ[name], engine, frozenset(labels.items()))] = value
+            elif (
+                name == BY_REASON
+                and math.isfinite(value)
+                and value >= 0
+                and labels.pop("reason", None) == "deferred"
+            ):
+                samples[("waiting_deferred", engine, frozenset(labels.items()))] = value
     return _by_engine(Signals(metrics._combine(samples, sleep))), start
 
 
@@ -58,6 +66,7 @@ def _by_engine(signals: Signals) -> dict[str, tuple[object, ...]]:
         engine.engine: (
             engine.running,
             engine.waiting,
+            engine.waiting_deferred,
             engine.kv_usage,
             engine.sleep_state,
             tuple(sorted(engine.counters.items())),
@@ -72,7 +81,7 @@ def test_every_capture_reads_as_prometheus_client_reads_it(path: Path) -> None:
     assert ours(text) == oracle(text)
 
 
-NAMES = [*READ, SLEEP, START, "vllm:num_requests_waiting_by_reason", "vllm:other_total"]
+NAMES = [*READ, SLEEP, START, BY_REASON, "vllm:other_total"]
 LABEL_NAMES = ["engine", "model_name", "finished_reason", "sleep_state", "le", "reason"]
 LABEL_VALUES = [
     "0",
