@@ -314,20 +314,12 @@ class FleetRecord:
     fresh_since: dict[str, float] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
-        """Make the ledger's members the configured backends; return what changed."""
+        """Make the ledger's members the configured backends; return what changed.
+
+        In this order, so that one edit may do all three: backends no longer configured
+        are forgotten (freeing their addresses), those whose address changed move, and
+        new ones are added."""
         changes = []
-        moves = {
-            name: backends[name]
-            for name in self.ledger.names
-            if name in backends and self.ledger.url_of(name) != backends[name]
-        }
-        for name, url in moves.items():
-            # A new address is not a new backend: forgotten and added again, a condemned
-            # or retired one served at once. The sighting stays, so the first read there
-            # shows a process other than the one last seen as the restart it is.
-            state = self.ledger.state_of(name)
-            changes.append(f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}")
-        self.ledger.readdress(moves)
         for name in self.ledger.names:
             if name not in backends:
                 self.ledger.remove(name)
@@ -338,6 +330,18 @@ class FleetRecord:
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
                 changes.append(f"{name}: no longer configured; forgotten")
+        moves = {
+            name: backends[name]
+            for name in self.ledger.names
+            if self.ledger.url_of(name) != backends[name]
+        }
+        for name, url in moves.items():
+            # A new address is not a new backend: forgotten and added again, a condemned
+            # or retired one served at once. The sighting stays, so the first read there
+            # shows a process other than the one last seen as the restart it is.
+            state = self.ledger.state_of(name)
+            changes.append(f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}")
+        self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
                 self.ledger.add(name, url, now)

@@ -610,6 +610,19 @@ def test_a_serving_backend_moved_to_another_process_is_an_unplanned_restart() ->
     assert record.ledger.state_of("gpu0") is State.STALE
 
 
+def test_one_edit_may_remove_a_backend_and_move_another_onto_its_address() -> None:
+    # gpu1 decommissioned, gpu0 repointed at gpu1's host, gpu2 added at gpu0's old one:
+    # moved before the removal, gpu0 collided with gpu1 and every settle failed.
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    changes = record.reconcile({"gpu0": URL_1, "gpu2": URL_0}, NOW)
+    assert changes == [
+        "gpu1: no longer configured; forgotten",
+        f"gpu0: moved from {URL_0} to {URL_1}; stays healthy",
+        f"gpu2: new backend at {URL_0}; starts HEALTHY",
+    ]
+    assert (record.ledger.by_url(URL_1), record.ledger.by_url(URL_0)) == ("gpu0", "gpu2")
+
+
 def test_two_backends_that_swap_addresses_each_keep_their_own_state() -> None:
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.observe("gpu1", VERDICTS["wedged"], NOW)
