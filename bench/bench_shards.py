@@ -65,7 +65,9 @@ def measure(rounds: int = ROUNDS) -> dict[str, object]:
         share = sorted(reader.share(backends))
         verdicts = {name: verdict for name in share}
         store = EtcdStore(seats["leader"].etcd, seats["leader"].keys, seats["leader"].elector)
-        leader.take(backends, stale_after=3600.0)  # a new leader's first take primes
+        leader.take(
+            backends, stale_after=3600.0, undecided_for=300.0
+        )  # a new leader's first take primes
         taken = 0
         for serial in range(1, rounds + 1):
             began = time.perf_counter()
@@ -74,7 +76,7 @@ def measure(rounds: int = ROUNDS) -> dict[str, object]:
             )
             publish.append((time.perf_counter() - began) * 1000)
             began = time.perf_counter()
-            taken = len(leader.take(backends, stale_after=3600.0).verdicts)
+            taken = len(leader.take(backends, stale_after=3600.0, undecided_for=300.0).verdicts)
             take.append((time.perf_counter() - began) * 1000)
             began = time.perf_counter()
             with store.locked():

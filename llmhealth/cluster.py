@@ -960,11 +960,12 @@ class SharedReads:
                 operations.append({"request_delete_range": left})
             self.seat.etcd.txn([], operations)
 
-    def take(self, backends: Sequence[str], stale_after: float) -> Taken:
-        """The others' verdicts to settle now: each once, doubt for what went stale."""
+    def take(self, backends: Sequence[str], stale_after: float, undecided_for: float) -> Taken:
+        """The others' verdicts to settle now: each once, doubt for what went stale
+        (``shares.take_published``, ``shares.Intake``)."""
         now = self._clock()
         if self._intake is None:
-            self._intake = Intake(started=now)
+            self._intake = Intake(started=now, undecided_for=undecided_for)
         members = self.members()
         owners = {
             name: found

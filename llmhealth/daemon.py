@@ -703,7 +703,10 @@ class Daemon:
         reader's lease to lapse, its share to move, and the new reader to judge)."""
         assert self._config.cluster is not None
         stale_after = self._config.cluster.lease_ttl + 3 * self.settings.wait
-        taken = shares.take(list(backends), stale_after)
+        # A reader decides every backend within max_check_time (its reads run out then,
+        # "stalled" at worst); a wait's slack for its settle to publish it.
+        undecided_for = self._config.max_check_time + self.settings.wait
+        taken = shares.take(list(backends), stale_after, undecided_for)
         targets = {target.name: target for target in self._targets}
         return [
             Outcome(targets[name], verdict)

@@ -333,9 +333,15 @@ class Intake:
     counted for one would condemn early)."""
 
     started: float
+    # The longest a reader may examine a backend without deciding (its max_check_time):
+    # past it since the last verdict, a growing count is no news. A member that keeps
+    # starting its reads over (a crash loop under the same name) would otherwise keep an
+    # undecided backend fresh for ever, a wedge in it never proven nor doubted.
+    undecided_for: float
     settled: dict[str, tuple[str, int]] = field(default_factory=dict)
     examined: dict[str, tuple[str, int]] = field(default_factory=dict)  # as last heard
     news_at: dict[str, float] = field(default_factory=dict)  # of others' backends only
+    verdict_at: dict[str, float] = field(default_factory=dict)  # likewise
     primed: bool = False
 
 
@@ -357,13 +363,15 @@ def take_published(
 
     A backend's verdict is taken from its owner's publication, else from whichever
     member published one (the share just moved). No news of it (a new verdict, or more
-    examinations by its reader) for ``stale_after`` since the last, or since it became
+    examinations by its reader, for ``intake.undecided_for`` after the last verdict at
+    most) for ``stale_after`` since the last, or since it became
     another's share (this leader's start, for those that were then): a ``stalled``
     verdict saying so, every wait until news comes. A backend that became this leader's
     own is no longer timed here: its own reads judge it.
     """
     for name in [name for name in intake.news_at if name not in owners]:
         del intake.news_at[name]
+        intake.verdict_at.pop(name, None)
     verdicts: dict[str, Verdict] = {}
     stale = []
     for name, owner in owners.items():
@@ -371,11 +379,14 @@ def take_published(
         if found is None:
             others = [by[name] for _, by in sorted(published.items()) if name in by]
             found = others[0] if others else None
-        intake.news_at.setdefault(name, now if intake.primed else intake.started)
+        timed_from = now if intake.primed else intake.started
+        intake.news_at.setdefault(name, timed_from)
+        intake.verdict_at.setdefault(name, timed_from)
         news = False
         if found is not None and found.examined is not None:
             heard = (found.member, found.examined)
-            news = intake.examined.get(name) != heard  # its reader reads on, undecided
+            reading_on = intake.examined.get(name) != heard  # its reader reads on, undecided
+            news = reading_on and now - intake.verdict_at[name] < intake.undecided_for
             intake.examined[name] = heard
         if (
             found is not None
@@ -383,6 +394,7 @@ def take_published(
             and intake.settled.get(name) != (found.member, found.serial)
         ):
             intake.settled[name] = (found.member, found.serial)
+            intake.verdict_at[name] = now
             news = True
             if intake.primed:  # else the former leader may have settled it already
                 verdicts[name] = found.verdict
@@ -406,7 +418,7 @@ def doubt(owner: str, found: Published | None, seconds: float) -> Verdict:
     elif found.verdict is None:
         why = (
             f"{found.member} published {found.examined} examinations of it, none decided, "
-            "and has examined it no more since"
+            "and has examined it no more since, or for longer than a reader may"
         )
     else:
         why = f"{owner} reads it; the newest published is {found.member}'s, already settled"

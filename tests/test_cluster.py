@@ -583,19 +583,19 @@ def test_members_agree_on_shares_publish_on_their_lease_and_the_leader_takes_eac
     assert shares["a"] and shares["b"]  # twelve backends: both read some
     leader, member = reads["a"], reads["b"]
     assert seats["a"].elector.decision().may_act
-    first = leader.take(backends, stale_after=10.0)
+    first = leader.take(backends, stale_after=10.0, undecided_for=300.0)
     assert first.verdicts == {} and first.stale == ()
     verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in shares["b"]}
     member.publish({name: 1 for name in verdicts}, verdicts, {name: 2 for name in verdicts})
-    assert leader.take(backends, stale_after=10.0).verdicts == verdicts
-    assert leader.take(backends, stale_after=10.0).verdicts == {}  # each once
+    assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == verdicts
+    assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}  # each once
     # The member dies: its publication goes with its lease, and its backends go stale.
     lease = seats["b"].elector.lease_id
     assert lease is not None
     seats["b"].etcd.revoke(lease)
     assert not [k for k in seats["a"].etcd.get_prefix(keys.verdicts) if "/verdicts/b/" in k]
     clock.now += 10.0
-    stale = leader.take(backends, stale_after=10.0)
+    stale = leader.take(backends, stale_after=10.0, undecided_for=300.0)
     assert set(stale.stale) == shares["b"]
     assert all(v.kind is VerdictKind.STALLED and not v.healthy for v in stale.verdicts.values())
     # Once the leader sees it alone, the whole fleet is its share.

@@ -21,6 +21,7 @@ from llmhealth.shares import (
 from llmhealth.window import CpuSample, LongestStep
 
 Load = Callable[[str], str]
+UNDECIDED = 600.0  # a reader's max_check_time and a wait, longer than these walks
 
 
 def wedged_verdict(fixture_text: Load) -> Verdict:
@@ -105,7 +106,7 @@ def published(member: str, **serials: int) -> dict[str, Published]:
 
 
 def test_a_new_leader_takes_what_is_published_then_as_settled_and_each_later_verdict_once() -> None:
-    intake = Intake(started=0.0)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
     owners = {"gpu1": "b", "gpu2": "b"}
     first = take_published(intake, owners, {"b": published("b", gpu1=4, gpu2=7)}, 1.0, 10.0)
     assert first.verdicts == {} and first.stale == ()  # its predecessor may have settled them
@@ -116,7 +117,7 @@ def test_a_new_leader_takes_what_is_published_then_as_settled_and_each_later_ver
 
 
 def test_a_backend_with_no_fresh_verdict_becomes_doubt_every_wait_until_one_comes() -> None:
-    intake = Intake(started=0.0)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
     owners = {"gpu1": "b", "gpu2": "c"}
     take_published(intake, owners, {"b": published("b", gpu1=1)}, 1.0, 10.0)
     quiet = take_published(intake, owners, {"b": published("b", gpu1=1)}, 10.5, 10.0)
@@ -146,7 +147,7 @@ def test_a_backend_its_reader_examines_on_undecided_is_never_doubt_until_it_stop
     # An engine inside a long step (a young one compiling: a 300 s window) is read every
     # wait and decided only at the window's end. Timed by verdicts alone, the leader
     # settled "stalled" for it once stale_after passed, and three condemned it.
-    intake = Intake(started=0.0)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
     owners = {"young": "b"}
     for wait in range(1, 60):
         taken = take_published(intake, owners, {"b": reading("b", young=wait)}, 5.0 * wait, 10.0)
@@ -160,6 +161,21 @@ def test_a_backend_its_reader_examines_on_undecided_is_never_doubt_until_it_stop
     assert take_published(intake, owners, decided, 306.0, 10.0).verdicts == {
         "young": healthy("b#1")
     }
+
+
+def test_examinations_without_a_verdict_for_longer_than_a_reader_may_are_no_news() -> None:
+    # A member that keeps starting over (a crash loop under the same name) publishes
+    # counts that change every wait and never reaches the end of a window: its counts
+    # kept the backend fresh for ever, a wedge there never proven nor doubted.
+    intake = Intake(started=0.0, undecided_for=30.0)
+    owners = {"young": "b"}
+    stale_at = None
+    for wait in range(1, 40):
+        count = 1 + wait % 2  # 1, 2, 1, 2...: every wait a change
+        taken = take_published(intake, owners, {"b": reading("b", young=count)}, 5.0 * wait, 10.0)
+        if taken.stale and stale_at is None:
+            stale_at = 5.0 * wait
+    assert stale_at == 35.0  # counts were news up to 25 s (under 30), then 10 s of none
 
 
 def test_an_undecided_entry_goes_through_json_and_an_older_leader_reads_it_as_doubt() -> None:
@@ -180,7 +196,7 @@ def test_a_backend_that_just_became_another_members_share_gets_time_to_be_read()
     # The leader read gpu1 itself for an hour; a member joins and gpu1 is its share
     # now. Timed from the leader's start, it was doubt at once, before the new reader
     # had read it even once.
-    intake = Intake(started=0.0)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
     take_published(intake, {"gpu2": "c"}, {"c": published("c", gpu2=1)}, 1.0, 10.0)
     joined = {"gpu1": "b", "gpu2": "c"}
     news = {"c": published("c", gpu2=2)}
@@ -193,7 +209,7 @@ def test_a_backend_that_just_became_another_members_share_gets_time_to_be_read()
 
 
 def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
-    intake = Intake(started=0.0, primed=True)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED, primed=True)
     taken = take_published(intake, {"gpu1": "c"}, {"b": published("b", gpu1=3)}, 1.0, 10.0)
     assert taken.verdicts == {"gpu1": healthy("b#3")}
 
@@ -205,7 +221,7 @@ def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> No
     entries = parse_publication("b", document)
     assert entries["gpu1"].verdict is None
     assert entries["gpu1"].examined is None  # a count beside an unreadable verdict is no news
-    intake = Intake(started=0.0)
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
     taken = take_published(intake, {"gpu1": "b"}, {"b": entries}, 20.0, 10.0)
     assert taken.stale == ("gpu1",)
     assert "cannot be read" in taken.verdicts["gpu1"].evidence
