@@ -48,6 +48,12 @@ _BY_REASON_SERIES = "vllm:num_requests_waiting_by_reason"
 _DEFERRED = "deferred"
 # vLLM v0 had no engine label; its single engine is reported under this name.
 _DEFAULT_ENGINE = "0"
+# Bounds on what one text may ask of the reader. vLLM writes about 53 lines of the series
+# read per engine and numbers its engines ("0", "1", ...). 131,072 lines still read a
+# legal text of 40,000 engines of three lines each (tests/test_classify.py), and not the
+# 350,000 one-line engines that held a reader for minutes and gigabytes.
+MAX_LINES = 131_072
+MAX_ENGINE_LABEL = 64
 # Up to this many engines, a read's engine is found by a scan of them, not a dict.
 _SCANNED_ENGINES = 8
 
@@ -205,6 +211,10 @@ def parse_metrics(body: str | bytes) -> Signals:
         lines.insert(0, first.groups())
     if not lines:
         return Signals()
+    if len(lines) > MAX_LINES:
+        # Working out what 350,000 lines mean held the loop for seconds, and an engine
+        # per line made verdicts, state and audit records hundreds of MB: not a vLLM.
+        return Signals(notes=(f"more than {MAX_LINES} lines of vLLM series: not read",))
     heads, tails = zip(*lines, strict=True)
     layout = _LAYOUTS.get(heads) or _layout(heads)
     if not layout.leftovers:
@@ -552,6 +562,8 @@ def _interpret(head: bytes) -> _Meaning | None:
         # `{}` is no labels too; a start time with labels is not the process's.
         return (_IGNORE if labels else _START, _NO_KEY, None, leftover)
     engine = labels.get("engine", _DEFAULT_ENGINE)
+    if len(engine) > MAX_ENGINE_LABEL:
+        return None  # malformed: its name would be repeated in every verdict about it
     if name == _SLEEP_SERIES:
         state = labels.get("sleep_state")
         if state is None:

@@ -47,6 +47,9 @@ Sleep = Callable[[float], Awaitable[None]]
 
 _SMALL_BODY = 1024 * 1024  # /v1/models and completions answers are small; cap them hard
 _TINY_PROMPT = "Hi"
+# The longest model id taken from /v1/models: a served name or a local path (Hugging
+# Face ids are at most 96 characters), far from what a hostile list can make of it.
+_MAX_MODEL_ID = 1024
 _USER_AGENT = f"llmhealth/{__version__}"
 
 
@@ -266,7 +269,7 @@ async def read_metrics(
         )
     detail = ""
     if not signals.has_vllm:
-        kind = printable(response.headers.get("content-type", "no content type"))
+        kind = printable(response.headers.get("content-type", "no content type")[:100])
         detail = f"GET /metrics sent {len(response.body)} bytes ({kind}) without vLLM series"
     return Read(clock(), signals=signals, detail=detail)
 
@@ -289,13 +292,22 @@ async def list_models(
         )
     try:
         listing = json.loads(response.body)
-        models = tuple(printable(str(entry["id"])) for entry in listing["data"])
+        models = tuple(_model_id(entry["id"]) for entry in listing["data"])
     # RecursionError: 200,000 nested brackets fit well under the body cap.
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise _RequestFailedError(
             ReadProblem.UNUSABLE, "GET /v1/models did not send a model list"
         ) from exc
     return models
+
+
+def _model_id(value: object) -> str:
+    """One listed model id: a name, not any JSON value made into text (a list 900 deep
+    was sent as the tiny request's model), and short (one id of 170,000 characters went
+    whole into every status line, the state and each audit record)."""
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_MODEL_ID:
+        raise ValueError("a model id that is not a name")
+    return printable(value)
 
 
 async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, clock: Clock) -> Answer:
@@ -329,8 +341,10 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
         )
     try:
         choices = json.loads(response.body)["choices"]
-        answered = isinstance(choices, list) and len(choices) > 0
-    except (ValueError, KeyError, TypeError, RecursionError):
+        # A completion's first choice has its text: `{"choices": [null], "error": ...}`
+        # is a 200 that completed nothing.
+        answered = isinstance(choices[0], dict) and isinstance(choices[0].get("text"), str)
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
         answered = False
     if not answered:
         return Answer(clock(), False, "answered 200 without a completion", model, models)

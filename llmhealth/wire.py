@@ -28,6 +28,8 @@ from functools import cache
 from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
+from llmhealth import http1
+
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
 _MAX_INFORMATIONAL = 8  # 1xx answers skipped before the real one
@@ -531,11 +533,12 @@ async def _read_body(
     length_text = headers.get("content-length")
     if length_text is None:
         return await _read_to_end(reader, max_bytes, progress)
-    lengths = {part.strip() for part in length_text.split(",")}
-    length_value = lengths.pop()
-    if lengths or not length_value.isascii() or not length_value.isdigit():
-        raise WireError(Failure.MALFORMED, f"bad Content-Length: {length_text[:80]}")
-    length = int(length_value)
+    try:
+        # Bounded in digits too: int() of thousands of them raised ValueError, which no
+        # verdict caught, and the backend was left "not judged" (and serving) for ever.
+        length = http1.content_length(length_text)
+    except http1.FramingError as exc:
+        raise WireError(Failure.MALFORMED, str(exc)) from None
     if length > max_bytes:
         raise WireError(Failure.TOO_BIG, "over the cap")
     chunks: list[bytes] = []
@@ -551,30 +554,31 @@ async def _read_body(
 
 
 async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: _Progress) -> bytes:
-    chunks: list[bytes] = []
+    """A chunked body, every byte of its framing counted against ``max_bytes`` as well
+    (chunk extensions of 60 KB a line were free, and a read took 822 MB in 2 s), kept in
+    one buffer (a list of two-byte chunks held 30 times their size)."""
+    body = bytearray()
     while True:
         size_line = await reader.readuntil(b"\r\n")
-        size_text = size_line[:-2].split(b";", 1)[0].strip()
-        if not size_text or len(size_text) > 16:
-            raise WireError(Failure.MALFORMED, f"bad chunk size: {size_line[:40]!r}")
+        progress.received += len(size_line)
         try:
-            size = int(size_text, 16)
-        except ValueError as exc:
-            raise WireError(Failure.MALFORMED, f"bad chunk size: {size_line[:40]!r}") from exc
+            size = http1.chunk_size(size_line[:-2])
+        except http1.FramingError as exc:
+            raise WireError(Failure.MALFORMED, str(exc)) from None
         if size == 0:
             trailers = 0
             while (line := await reader.readuntil(b"\r\n")) != b"\r\n":  # ignored
                 trailers += len(line)
                 if trailers > MAX_HEAD_BYTES:
                     raise WireError(Failure.MALFORMED, f"trailers over {MAX_HEAD_BYTES} bytes")
-            return b"".join(chunks)
-        if progress.received + size > max_bytes:
+            return bytes(body)
+        if progress.received + size + 2 > max_bytes:
             raise WireError(Failure.TOO_BIG, "over the cap", received=progress.received)
         data = await reader.readexactly(size + 2)
         if not data.endswith(b"\r\n"):
             raise WireError(Failure.MALFORMED, "chunk without its CRLF")
-        progress.received += size
-        chunks.append(data[:-2])
+        progress.received += size + 2
+        body += memoryview(data)[:-2]
 
 
 async def _read_to_end(reader: asyncio.StreamReader, max_bytes: int, progress: _Progress) -> bytes:

@@ -14,7 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmhealth import metrics
-from llmhealth.metrics import EngineSignals, Signals, parse_metrics, sharing
+from llmhealth.metrics import (
+    MAX_ENGINE_LABEL,
+    MAX_LINES,
+    EngineSignals,
+    Signals,
+    parse_metrics,
+    sharing,
+)
 
 Load = Callable[[str], str]
 
@@ -345,12 +352,16 @@ def test_a_read_shares_the_values_that_did_not_change_and_reads_the_same() -> No
 
 
 def test_engine_names_that_are_not_plain_numbers_do_not_break_the_order() -> None:
-    # "²" passes str.isdigit() but not int(); a 5000-digit name exceeds int()'s limit.
+    # "²" passes str.isdigit() but not int(); a 5000-digit name exceeds int()'s limit,
+    # and MAX_ENGINE_LABEL too: its line is malformed, and the others are read in order.
     names = ["²", "9" * 5000, "1", "dp-b", "0", "\u0661"]  # the last: Arabic-Indic one
     text = "\n".join(f'vllm:num_requests_running{{engine="{name}"}} 1' for name in names)
     signals = parse_metrics(text)
-    assert sorted(engine.engine for engine in signals.engines) == sorted(names)
+    assert sorted(engine.engine for engine in signals.engines) == sorted(
+        name for name in names if len(name) <= MAX_ENGINE_LABEL
+    )
     assert [engine.engine for engine in signals.engines][:2] == ["0", "1"]
+    assert signals.skipped_lines == 1
 
 
 def test_engines_of_the_same_number_are_ordered_by_name_not_by_where_they_appear() -> None:
@@ -759,3 +770,28 @@ def test_the_import_check_sees_every_form_of_import() -> None:
     source += "def f():\n    import subprocess\n    return open(__import__('time'))\n"
     assert imported_modules(source) == {"os", "pathlib", "httpx", "subprocess"}
     assert {"open", "__import__"} <= called_names(source)
+
+
+def test_a_text_with_more_lines_than_any_vllm_writes_is_not_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 350,000 engines of one line each held the loop for seconds, and made verdicts,
+    # state and audit records hundreds of MB. (The bound lowered here: the rule, cheaply.)
+    monkeypatch.setattr(metrics, "MAX_LINES", 100)
+    text = "".join(f'vllm:num_requests_running{{engine="{index}"}} 1\n' for index in range(101))
+    signals = parse_metrics(text)
+    assert not signals.has_vllm
+    assert signals.notes == ("more than 100 lines of vLLM series: not read",)
+    assert len(parse_metrics(text[: text.rindex("vllm:")]).engines) == 100
+    assert MAX_LINES > 3 * 40_000  # the legal 40,000-engine text of test_classify is read
+
+
+def test_an_engine_label_longer_than_any_engine_name_is_a_malformed_line() -> None:
+    long = "\x01" * (MAX_ENGINE_LABEL + 1)
+    text = (
+        f'vllm:num_requests_running{{engine="{long}"}} 1\n'
+        'vllm:num_requests_running{engine="0"} 2\n'
+    )
+    signals = parse_metrics(text)
+    assert [engine.engine for engine in signals.engines] == ["0"]
+    assert signals.skipped_lines == 1

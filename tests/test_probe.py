@@ -247,6 +247,42 @@ def test_an_idle_server_that_fails_the_tiny_request_is_unanswered(httpserver: HT
     assert "HTTP 500" in verdict.evidence
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [{"choices": [None], "error": "out of memory"}, {"choices": [{}]}, {"choices": [0]}],
+    ids=["null", "empty", "number"],
+)
+def test_a_200_that_completed_nothing_is_unanswered(
+    httpserver: HTTPServer, answer: dict[str, object]
+) -> None:
+    # Any non-empty "choices" list counted as an answer, "out of memory" included.
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_json(answer)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "answered 200 without a completion" in verdict.evidence
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [[[[["tiny"]]]], 42, "x" * 5000, ""],
+    ids=["nested list", "number", "too long", "empty"],
+)
+def test_a_model_id_that_is_not_a_name_is_no_model_list(
+    httpserver: HTTPServer, listed: object
+) -> None:
+    # str() of anything was taken for a name: a list 900 deep was sent as the model, and
+    # an id of 170,000 characters went whole into every status line, state and audit.
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": listed}]})
+    completions = httpserver.expect_request("/v1/completions", method="POST")
+    completions.respond_with_json(COMPLETION)
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert "not sent: GET /v1/models did not send a model list" in verdict.evidence
+
+
 def test_a_tiny_request_that_never_answers_is_unanswered_within_the_timeout(
     httpserver: HTTPServer,
 ) -> None:
@@ -576,6 +612,40 @@ def test_an_endless_chunked_body_is_cut_off_at_the_cap_on_the_wire() -> None:
         stop.set()
     assert read.problem is ReadProblem.UNUSABLE
     assert read.detail == "GET /metrics sent more than the 1 MiB cap"
+
+
+def test_chunk_extensions_count_against_the_cap_on_the_wire() -> None:
+    # A one-byte chunk behind 60 KB of extension, again and again: only the data bytes
+    # were counted, and one read took in 822 MB in 2 s.
+    stop = threading.Event()
+
+    def extended(connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"1;" + b"x" * 60_000 + b"\r\na\r\n"
+        while not stop.is_set():
+            connection.sendall(chunk)
+
+    settings = ProbeSettings(wait=0.0, timeout=5.0, answer_timeout=1.0, max_body=1024 * 1024)
+    try:
+        with raw_server(extended) as url:
+            read = asyncio.run(_read_once(url, settings))
+    finally:
+        stop.set()
+    assert read.problem is ReadProblem.UNUSABLE
+    assert read.detail == "GET /metrics sent more than the 1 MiB cap"
+
+
+def test_a_content_length_of_thousands_of_digits_is_malformed_not_left_unjudged() -> None:
+    # int() of 5,000 digits raised ValueError, not a wire error: the backend was left
+    # "not judged" at every run, and kept serving. It is a failure like any framing error.
+    def endless_length(connection: socket.socket) -> None:
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")
+
+    settings = ProbeSettings(wait=0.0, timeout=2.0, answer_timeout=1.0)
+    with raw_server(endless_length) as url:
+        read = asyncio.run(_read_once(url, settings))
+    assert read.problem is ReadProblem.DOWN, read  # not HTTP as framed: no usable answer
+    assert "bad Content-Length" in read.detail
 
 
 async def _read_once(url: str, settings: ProbeSettings) -> Read:
