@@ -11,6 +11,7 @@ or ``no_backend_status`` with ``Retry-After``, never a hang until the client giv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -68,6 +69,11 @@ BACKEND_HEADER: Final = "X-LLMHealth-Backend"
 # the backend: its own loop was held up, so a connection made in time may have waited
 # unseen. Far above what a busy loop's turns take (a few ms for thousands of streams).
 LOOP_LATE: Final = 0.5
+# Request bodies this big or bigger are parsed one at a time. json's parser holds the
+# loop while it works (0.4 s for a 16 MiB token-id prompt), and forty that arrived
+# together were parsed in one turn of the loop, which polled no socket for seconds;
+# one at a time, the loop serves everything else between two of them.
+BIG_BODY: Final = 1 << 20
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
@@ -372,6 +378,7 @@ class Router:
         # client connections' cap; kept alive between requests for UPSTREAM_KEEPALIVE.
         self._pool = Pool(settings.connect_timeout, UPSTREAM_KEEPALIVE)
         self._deadlines = Deadlines()  # every bound on the request path, one shared timer
+        self._big_parse = asyncio.Lock()  # BIG_BODY
         self.connections: Edge | None = None
 
     # --- what the daemon calls ---------------------------------------------------------
@@ -457,7 +464,13 @@ class Router:
             if body is None:
                 with self._deadlines.within(self._settings.body_timeout):
                     body = await request.read_body()
-            model, parsed = model_of(body)
+            if len(body) >= BIG_BODY:
+                async with self._big_parse:
+                    model, parsed = model_of(body)
+                    # Held across one turn of the loop: the next big parse waits for it.
+                    await asyncio.sleep(0)
+            else:
+                model, parsed = model_of(body)
         except TimeoutError:
             seconds = self._settings.body_timeout
             return self._answer(None, 408, {"error": f"request body not received in {seconds:g} s"})

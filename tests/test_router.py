@@ -20,6 +20,7 @@ from simproc import running_simulator
 from werkzeug import Request, Response
 
 from llmhealth import eventloop
+from llmhealth import router as router_module
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
@@ -644,6 +645,48 @@ def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_bac
             assert (await http.post(url + CHAT, content=BODY)).status_code == 200
 
     run(scenario())
+
+
+def test_big_bodies_are_parsed_one_per_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+) -> None:
+    # json holds the loop while it parses (0.4 s for a 16 MiB token-id prompt). Bodies
+    # that arrived together were parsed in one turn of the loop, which polled no socket
+    # for seconds. Counted here in turns, not seconds: a ticker runs once per turn.
+    httpserver.expect_request(CHAT).respond_with_json({})
+    parses_this_turn = [0]
+    most_in_one_turn = [0]
+    real_model_of = router_module.model_of
+
+    def slow_model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
+        time.sleep(0.2)  # a slow parse: the other bodies arrive meanwhile
+        parses_this_turn[0] += 1
+        most_in_one_turn[0] = max(most_in_one_turn[0], parses_this_turn[0])
+        return real_model_of(body)
+
+    monkeypatch.setattr(router_module, "model_of", slow_model_of)
+    big = json.dumps({"model": "tiny", "prompt": "x" * router_module.BIG_BODY}).encode()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        ticking = True
+
+        def tick() -> None:
+            parses_this_turn[0] = 0
+            if ticking:
+                loop.call_soon(tick)
+
+        tick()
+        backends = {"a": httpserver.url_for("").rstrip("/")}
+        async with routing(backends) as (_, url), client() as http:
+            answers = await asyncio.gather(
+                *(http.post(url + CHAT, content=big) for _ in range(4)),
+            )
+        ticking = False
+        assert [answer.status_code for answer in answers] == [200] * 4
+
+    run(scenario())
+    assert most_in_one_turn[0] == 1
 
 
 def test_a_backend_that_trickles_its_response_head_is_bounded_by_first_byte_timeout() -> None:
