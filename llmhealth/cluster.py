@@ -366,6 +366,11 @@ class Elector:
         self._report: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Whether this member reads a share of the backends (a daemon with shard_reads),
+        # said in its member key: a `check` from cron holds a member key too, and counted
+        # among the readers it took a share away from the daemons for as long as it ran
+        # (minutes, proving a slow wedge), a share it never reads.
+        self.shares_reads = False
         self.transitions = 0  # times this daemon became leader
         self.last_error: str | None = None
         self.observed = Observation()
@@ -479,6 +484,7 @@ class Elector:
             "pid": os.getpid(),
             "lease": lease,
             "leader": leading,
+            "shares_reads": self.shares_reads,
             "renewed_at": self._wall(),
             "last_report": report,
         }
@@ -925,12 +931,17 @@ class SharedReads:
 
     def __init__(self, seat: Seat, clock: Callable[[], float] = time.monotonic) -> None:
         self.seat = seat
+        seat.elector.shares_reads = True  # in its member key from its next renewal on
         self._clock = clock
         self._intake: Intake | None = None
         self.stale: tuple[str, ...] = ()  # backends the last settle settled as doubt
 
     def members(self) -> list[str]:
-        return sorted({self.seat.member, *(name for name, _ in self.seat.elector.observed.members)})
+        """The members the backends are shared among: this one, and those whose member
+        keys say they read a share (not a `check`, nor a daemon without shard_reads)."""
+        observed = self.seat.elector.observed.members
+        readers = (name for name, value in observed if value.get("shares_reads") is True)
+        return sorted({self.seat.member, *readers})
 
     def share(self, backends: Sequence[str]) -> frozenset[str]:
         return frozenset(share_of(self.seat.member, backends, self.members()))

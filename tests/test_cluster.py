@@ -571,13 +571,18 @@ def test_members_agree_on_shares_publish_on_their_lease_and_the_leader_takes_eac
     backends = [f"gpu{index}" for index in range(12)]
     clock, log = Clock(), []
     seats = {
-        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=log.append) for name in "ab"
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=log.append) for name in "abc"
     }
+    # a and b are daemons that share the reads (as a daemon does, before its elector
+    # starts); c is a `check` from cron, which holds a member key and reads everything.
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items() if name != "c"}
     for seat in seats.values():
         seat.elector.step()
     for seat in seats.values():  # what each elector's thread would have seen
         seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
-    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    assert {name for name, _ in seats["a"].elector.observed.members} == {"a", "b", "c"}
+    assert reads["a"].members() == reads["b"].members() == ["a", "b"]
+    seats["c"].elector.stop()
     shares = {name: shared.share(backends) for name, shared in reads.items()}
     assert shares["a"].isdisjoint(shares["b"]) and shares["a"] | shares["b"] == set(backends)
     assert shares["a"] and shares["b"]  # twelve backends: both read some
