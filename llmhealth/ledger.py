@@ -1060,12 +1060,7 @@ class Ledger:
         arriving: dict[str, str] = {}
         for name, url in moves.items():
             self._lookup(name)
-            if not isinstance(url, str) or not url:
-                raise ValueError(f"readdress: backend {name!r} needs a non-empty URL, got {url!r}")
-            try:
-                refuse_user_info(url)
-            except ValueError as exc:
-                raise ValueError(f"readdress: backend {name!r}: {exc}") from None
+            _check_url(url, name, "readdress")
             other = staying.get(_url_key(url)) or arriving.get(_url_key(url))
             if other is not None:
                 raise ValueError(
@@ -1298,12 +1293,7 @@ class Ledger:
     def _insert(self, b: _Backend, where: str) -> None:
         if not isinstance(b.name, str) or not b.name:
             raise ValueError(f"{where}: a backend name must be a non-empty string, got {b.name!r}")
-        if not isinstance(b.url, str) or not b.url:
-            raise ValueError(f"{where}: backend {b.name!r} needs a non-empty URL, got {b.url!r}")
-        try:
-            refuse_user_info(b.url)
-        except ValueError as exc:
-            raise ValueError(f"{where}: backend {b.name!r}: {exc}") from None
+        _check_url(b.url, b.name, where)
         if b.name in self._backends:
             raise ValueError(f"{where}: backend name {b.name!r} appears twice")
         # Two names for one URL would make by_url() ambiguous and double-count one server.
@@ -1321,6 +1311,17 @@ class Ledger:
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _check_url(url: object, name: str, where: str) -> None:
+    """A backend's address as the ledger keeps it: a non-empty string with no user info
+    (a password in a URL would be stored, printed and logged with it)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: backend {name!r} needs a non-empty URL, got {url!r}")
+    try:
+        refuse_user_info(url)
+    except ValueError as exc:
+        raise ValueError(f"{where}: backend {name!r}: {exc}") from None
 
 
 def is_finite_number(value: object) -> bool:
