@@ -63,7 +63,10 @@ async def rebuild(client: httpx.AsyncClient, fleet: FleetHealth) -> None:
         if fleet.state_of(shard) is not State.DEAD:
             continue
         print(f"restarting shard {shard} ({fleet.snapshot()[shard].last_error})")
-        fleet.mark_restarting(shard)
+        if fleet.mark_restarting(shard).to_state is not State.RESTARTING:
+            # Past the restart budget the ledger retired it: no restart, for good.
+            print(f"shard {shard} retired: {fleet.snapshot()[shard].last_error}")
+            continue
         try:
             url = f"{fleet.base_url_of(shard)}/sim/restart"
             (await client.post(url, json={"mode": "idle"})).raise_for_status()

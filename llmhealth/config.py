@@ -288,7 +288,15 @@ def check_url(url: str) -> str:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
-    return url.strip().rstrip("/")
+    root = url.strip().rstrip("/")
+    if parts.path.rstrip("/").endswith("/v1"):
+        # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
+        # server, and every verdict after it wrong.
+        raise ValueError(
+            f"{url!r} ends in /v1: give the server's root ({root.removesuffix('/v1')}); "
+            "llmhealth reads /metrics beside /v1"
+        )
+    return root
 
 
 def _policy(reader: _Reader, data: object) -> Policy:

@@ -135,6 +135,8 @@ class FleetHealth:
                 f"{len(self._keys)} backends given: the fleet would start exhausted"
             )
         self._names = {key: str(key) for key in self._keys}
+        # Per ledger name: how often the caller said the process ended or was replaced.
+        self._process_changes: dict[str, int] = {}
         self._key_of = {name: key for key, name in self._names.items()}
         self._ledger = Ledger(
             self._policy.ledger_policy(),
@@ -149,7 +151,7 @@ class FleetHealth:
         one is ignored, because an answer says nothing about the weights."""
         if ok:
             return self._apply(key, GoodVerdict(now=self._clock()))
-        failure = ProbeFailure(now=self._clock(), reason="probe failed", detail=error)
+        failure = ProbeFailure(now=self._clock(), reason="probe failed", detail=_describe(error))
         return self._apply(key, failure)
 
     def record_actor_death(self, key: Key, error: str = "") -> Transition:
@@ -159,7 +161,8 @@ class FleetHealth:
         long enough for a weight sync hung on that process to abort first. Repeating it
         for an absent backend changes nothing.
         """
-        return self._apply(key, ProcessGone(now=self._clock(), reason="process gone", detail=error))
+        gone = ProcessGone(now=self._clock(), reason="process gone", detail=_describe(error))
+        return self._apply(key, gone)
 
     def condemn_silent_participant(self, key: Key, *, reason: str) -> Transition:
         """DEAD for a process that answers yet did not take part in a collective.
@@ -167,10 +170,9 @@ class FleetHealth:
         A judgement, not an observation: ``reason`` must say why this backend is the
         culprit. DEAD rather than STALE, since a STALE process still joins the next sync.
         """
-        if not isinstance(reason, str) or not reason.strip():
-            raise ValueError("condemning a backend needs a reason")
+        detail = _reason(reason, "condemning a backend")
         return self._apply(
-            key, Condemned(now=self._clock(), reason="silent participant", detail=reason)
+            key, Condemned(now=self._clock(), reason="silent participant", detail=detail)
         )
 
     def report_failure(self, key: Key, error: BaseException | str) -> Transition:
@@ -203,9 +205,8 @@ class FleetHealth:
     def mark_restart_failed(self, key: Key, *, error: str = "") -> Transition:
         """The restart did not bring the engine up: back to DEAD, ``last_error`` saying
         what the reload failed on (a held GPU and a bad config want different answers)."""
-        return self._apply(
-            key, RestartFailed(now=self._clock(), reason=error or "the engine did not come up")
-        )
+        why = _describe(error) if error else "the engine did not come up"
+        return self._apply(key, RestartFailed(now=self._clock(), reason=why))
 
     def mark_weights_partial(self, key: Key) -> Transition:
         """An aborted weight sync left this backend with mixed weights: STALE until a
@@ -223,7 +224,7 @@ class FleetHealth:
 
     def retire(self, key: Key, *, reason: str) -> Transition:
         """Out for good; the run continues on what is left."""
-        return self._apply(key, Retire(now=self._clock(), reason=reason))
+        return self._apply(key, Retire(now=self._clock(), reason=_reason(reason, "retiring")))
 
     def record_verdict(self, key: Key, verdict: Verdict) -> list[Transition]:
         """Feed one of llmhealth's own verdicts (``Prober`` does), with the meaning ``check``
@@ -264,6 +265,18 @@ class FleetHealth:
 
     def state_of(self, key: Key) -> State:
         return self._ledger.state_of(self._name(key))
+
+    def key_for(self, key: Key) -> Key:
+        """The fleet's own key for a backend named by index, name or a ledger name
+        (``"1"`` for shard 1), so that one backend is never counted under two keys."""
+        return self._key_of[self._name(key)]
+
+    def process_changes(self, key: Key) -> int:
+        """How many times a verb said this backend's process ended or was replaced
+        (``record_actor_death``, ``mark_loaded``). A reader that keeps reads between
+        calls starts afresh when it moves: a restart, load and refit all between two of
+        its reads must not be compared with the old process's, nor called unplanned."""
+        return self._process_changes.get(self._name(key), 0)
 
     def base_url_of(self, key: Key) -> str:
         return self._ledger.snapshot(self._name(key), self._clock()).url
@@ -312,7 +325,11 @@ class FleetHealth:
 
     def _apply(self, key: Key, event: Event) -> Transition:
         # Transition.name is the ledger's name; callers know the backend by its key.
-        return self._ledger.apply(self._name(key), event)
+        name = self._name(key)
+        transition = self._ledger.apply(name, event)
+        if transition.applied and isinstance(event, ProcessGone | NewProcessUp):
+            self._process_changes[name] = self._process_changes.get(name, 0) + 1
+        return transition
 
     def _name(self, key: Key) -> str:
         # bool is an int and 1.0 hashes as 1: either would silently mean shard 1.
@@ -342,9 +359,16 @@ def _listing(keys: Sequence[Key]) -> str:
     return "backends " + ", ".join(repr(key) for key in keys)
 
 
+def _reason(reason: object, doing: str) -> str:
+    """A judgement's stated cause: required, since it is all an operator will read of it."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"{doing} a backend needs a reason, got {reason!r}")
+    return _describe(reason)
+
+
 def _describe(error: BaseException | str) -> str:
     """Short and printable: an exception's text often quotes the server (an SDK's error
     carries the response body), and it reaches snapshots, messages and terminals."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
-    text = text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."
-    return printable(text)
+    text = printable(text)  # escaped first: an escape takes up to ten characters
+    return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."

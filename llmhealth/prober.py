@@ -34,6 +34,7 @@ class ProbeResult:
 @dataclass(slots=True)
 class _Slot:
     url: str
+    process_changes: int  # the fleet's count when this slot began (FleetHealth.process_changes)
     client: Client
     window: list[Read] = field(default_factory=list)  # this backend's last reads
 
@@ -115,13 +116,15 @@ class Prober:
 
     async def _examine(self, key: Key) -> Verdict | None:
         url = self._fleet.base_url_of(key)
+        changes = self._fleet.process_changes(key)
         slot = self._slots.get(key)
-        if slot is None or slot.url != url:
-            # A new address is a new process: its reads must not be compared with the old.
+        if slot is None or slot.url != url or slot.process_changes != changes:
+            # A new address, or a process the caller said ended or was replaced, is a new
+            # process: its reads must not be compared with the old one's.
             if slot is not None:
                 await slot.client.aclose()
             # The client builds a TLS context only if an https backend needs one.
-            slot = self._slots[key] = _Slot(url, new_client())
+            slot = self._slots[key] = _Slot(url, changes, new_client())
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         return await examine_once(
             slot.client, target, self._settings, slot.window, clock=time.monotonic

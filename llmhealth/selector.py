@@ -46,11 +46,12 @@ class Selector:
 
     def acquire(self, key: Key) -> None:
         """Count one more request in flight on ``key``."""
-        self._fleet.state_of(key)  # an unknown key is refused before it is counted
+        key = self._fleet.key_for(key)  # an unknown key is refused before it is counted
         self._inflight[key] = self._inflight.get(key, 0) + 1
 
     def release(self, key: Key) -> None:
         """Count one request fewer; releasing more than was acquired is a caller bug."""
+        key = self._fleet.key_for(key)
         count = self._inflight.get(key, 0)
         if count == 0:
             raise ValueError(f"release({key!r}) without a matching acquire")
@@ -60,8 +61,7 @@ class Selector:
             self._inflight[key] = count - 1
 
     def inflight(self, key: Key) -> int:
-        self._fleet.state_of(key)
-        return self._inflight.get(key, 0)
+        return self._inflight.get(self._fleet.key_for(key), 0)
 
     @contextmanager
     def lease(self, *, counts: Callable[[Exception], bool] = _every_exception) -> Iterator[Key]:

@@ -99,6 +99,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nname = 'a'", "backend[0].url: is required"),
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
         (
+            "[[backend]]\nurl = 'http://a:8000/v1/'",
+            "backend[0].url: 'http://a:8000/v1/' ends in /v1: give the server's root",
+        ),
+        (
             "[[backend]]\nurl = 'http://a:1'\nrestart = 'systemctl restart vllm'",
             "backend[0].restart: must be a list of strings (an argv list, never a shell line)",
         ),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,8 @@ from typing import Any
 
 import httpx
 from simproc import child_env, running_simulator
+
+from llmhealth import FleetHealth, FleetPolicy, State
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 HEALTH = EXAMPLES / "llm-health.py"
@@ -98,3 +102,28 @@ def test_the_trainer_loop_condemns_restarts_and_refits_back_to_a_full_fleet() ->
         "shard 0: healthy weight_version=4",
         "shard 1: healthy weight_version=4",
     ]
+
+
+def test_the_trainer_loop_restarts_no_shard_the_restart_budget_retired() -> None:
+    """Past ``max_restart_attempts`` the ledger retires the shard; an example that
+    restarted it anyway would teach callers to spend a budget the ledger refused."""
+    spec = importlib.util.spec_from_file_location("trainer_loop", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+
+    async def rounds(urls: list[str]) -> FleetHealth:
+        fleet = FleetHealth(urls, policy=FleetPolicy(max_restart_attempts=2))
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            for version in range(4):
+                fleet.record_actor_death(0, f"actor died ({version})")
+                await trainer.rebuild(client, fleet)
+                if fleet.state_of(0) is State.STALE:
+                    fleet.report_refit(0, weight_version=version)
+        return fleet
+
+    with running_simulator(["idle", "idle"]) as sim:
+        fleet = asyncio.run(rounds(sim.urls))
+        restarts = httpx.get(f"{sim.urls[0]}/sim/stats", timeout=2.0).json()["restarts"]
+    assert fleet.state_of(0) is State.RETIRED
+    assert restarts == 2

@@ -321,6 +321,19 @@ def test_a_replacement_on_a_new_port_moves_the_serving_urls() -> None:
     assert f.shard_for_base_url(URLS[1]) is None
 
 
+def test_an_openai_base_url_is_refused_with_the_root_to_give_instead() -> None:
+    """Seed 000's shards have OpenAI base URLs (``…/v1``); taken as roots they would be
+    read at /v1/metrics, answered 404, and a healthy fleet condemned in three probes."""
+    with pytest.raises(ValueError, match=r"ends in /v1: give the server's root \(http://h:8000\)"):
+        FleetHealth(["http://h:8000/v1"])
+    f, _ = fleet()
+    make_dead(f, 1)
+    f.mark_restarting(1)
+    with pytest.raises(ValueError, match="ends in /v1"):
+        f.mark_loaded(1, base_url="http://10.0.0.2:8011/v1")
+    assert f.state_of(1) is State.RESTARTING
+
+
 def test_a_replacement_at_a_url_that_is_not_one_is_refused_and_nothing_changes() -> None:
     f, _ = fleet()
     make_dead(f, 1)
@@ -644,6 +657,21 @@ def test_acquire_release_and_inflight_count_per_shard() -> None:
     assert selector.inflight(1) == 1
 
 
+def test_a_shard_named_as_a_transition_names_it_is_counted_as_the_same_shard() -> None:
+    """Shard 1 named "1" (as a Transition carries it) and 1 are one shard: counted apart, the choice
+    would send the next request to a backend with two already in flight."""
+    f, _ = fleet()
+    selector = Selector(f)
+    selector.acquire("1")
+    selector.acquire(f.record_probe(1, ok=True).name)
+    selector.acquire(0)
+    assert (selector.inflight(1), selector.inflight("1")) == (2, 2)
+    assert selector.next_shard() == 2
+    selector.release(1)
+    selector.release("1")
+    assert selector.inflight(1) == 0
+
+
 def test_releasing_more_than_was_acquired_is_refused() -> None:
     selector = Selector(fleet()[0])
     with pytest.raises(ValueError, match="without a matching acquire"):
@@ -809,6 +837,46 @@ def test_random_library_verbs_keep_the_ledgers_invariants(
                 selector.next_shard()
         for k, snap in after.items():
             assert f.shard_for_base_url(snap.url) == k
+
+
+HOSTILE_TEXT = "Traceback:\n" + "\x1b]0;owned\x07 \x1b[2J frame\n" * 400
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        lambda f: [f.record_probe(0, ok=False, error=HOSTILE_TEXT) for _ in range(3)],
+        lambda f: f.record_actor_death(0, HOSTILE_TEXT),
+        lambda f: f.condemn_silent_participant(0, reason=HOSTILE_TEXT),
+        lambda f: f.retire(0, reason=HOSTILE_TEXT),
+        lambda f: (
+            (f.record_actor_death(0), f.mark_restarting(0))
+            and f.mark_restart_failed(0, error=HOSTILE_TEXT)
+        ),
+    ],
+    ids=["record_probe", "record_actor_death", "condemn", "retire", "mark_restart_failed"],
+)
+def test_every_verb_keeps_a_callers_error_text_short_and_printable(
+    verb: Callable[[FleetHealth], object],
+) -> None:
+    """A Ray traceback with a server's escapes in it reaches snapshots and the floor
+    message a trainer prints, whichever verb carried it."""
+    f, _ = fleet(policy=FleetPolicy(min_healthy=3))
+    verb(f)
+    last_error = f.snapshot()[0].last_error
+    assert "\x1b" not in last_error and "\n" not in last_error, last_error[:80]
+    assert len(last_error) < 400
+    with pytest.raises(FleetExhausted) as raised:
+        f.raise_if_exhausted()
+    assert "\x1b" not in str(raised.value) and len(str(raised.value)) < 2000
+
+
+@pytest.mark.parametrize("reason", ["", "  ", None])
+def test_retiring_needs_a_reason(reason: str) -> None:
+    f, _ = fleet()
+    with pytest.raises(ValueError, match="reason"):
+        f.retire(0, reason=reason)
+    assert f.state_of(0) is State.HEALTHY
 
 
 def test_an_error_text_that_quotes_a_server_is_kept_printable() -> None:

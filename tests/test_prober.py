@@ -5,7 +5,9 @@ that interval is the wait between reads, never an assertion about time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 
 import pytest
 from simproc import running_simulator
@@ -119,6 +121,36 @@ def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place(
     assert 0 not in on.serving_shards()
     on.report_refit(0, weight_version=1)
     assert on.state_of(0) is State.HEALTHY
+
+
+def test_a_replacement_loaded_and_refit_between_two_probes_is_not_taken_for_a_restart() -> None:
+    """The trainer restarts a dead shard on the same address, loads and refits it, all
+    between two calls: the next read is of the new process, and comparing it with the old
+    one's reads would say "restarted, unplanned" and put the refit shard back to STALE."""
+
+    async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
+        fleet = FleetHealth([url])
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            assert (await prober.probe())[0].verdict is VerdictKind.IDLE
+            await asyncio.sleep(INTERVAL)
+            fleet.record_actor_death(0, "ActorDiedError")
+            fleet.mark_restarting(0)
+            restart = urllib.request.Request(
+                f"{url}/sim/restart", data=b'{"mode": "idle"}', method="POST"
+            )
+            with urllib.request.urlopen(restart, timeout=5) as answer:
+                assert answer.status == 200
+            fleet.mark_loaded(0)
+            fleet.report_refit(0, weight_version=1)
+            await asyncio.sleep(INTERVAL)
+            return fleet, await prober.probe()
+
+    with running_simulator(["idle"]) as sim:
+        fleet, results = asyncio.run(main(sim.urls[0]))
+        with urllib.request.urlopen(f"{sim.urls[0]}/sim/stats", timeout=5) as answer:
+            assert json.load(answer)["restarts"] == 1
+    assert [r.verdict for r in results] == [VerdictKind.IDLE]
+    assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
 
 
 def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
