@@ -7,6 +7,7 @@ alert on CRITICAL always means a server, not a typo.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
@@ -643,6 +644,11 @@ def _print(report: CycleReport, output: OutputFormat) -> None:
 
 def main() -> None:
     """Entry point: every way a run can end maps to one exit code here."""
+    for stream in (sys.stdout, sys.stderr):
+        # A latin-1 or ASCII terminal (a cron mail, an old locale) cannot print "→": a verb
+        # that had saved its change then exited 3, and a check's CRITICAL read UNKNOWN.
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         # Outside standalone mode click hands back typer.Exit's code instead of exiting.
         code = app(standalone_mode=False)
@@ -651,7 +657,7 @@ def main() -> None:
     except typer.Abort:
         _cannot_check("interrupted")
     except typer.TyperException as exc:  # usage errors: bad arguments or options
-        _cannot_check(exc.format_message())
+        _cannot_check(exc.format_message() or "no command given (the help above lists them)")
     except (config_module.ConfigError, StateError, AuditError) as exc:
         # These may quote what etcd or a file said: printable before the terminal.
         from llmhealth.text import printable  # noqa: PLC0415
@@ -678,7 +684,7 @@ def _cannot_check(message: str) -> NoReturn:
 def _nagios_asked(args: list[str]) -> bool:
     """Whether the command line asks for ``--format nagios``, read from the words alone:
     the verb that would know never ran."""
-    for word, following in zip(args, [*args[1:], ""], strict=True):
+    for word, following in zip(args, [*args[1:], ""], strict=False):
         if word in ("--format", "-f") and following == OutputFormat.NAGIOS:
             return True
         if word in ("--format=nagios", "-fnagios"):

@@ -201,10 +201,16 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: not valid TOML: {exc}") from exc
-    return from_mapping(data, where)
+    except RecursionError:  # tomllib's parser recurses per level of nested arrays
+        raise ConfigError(f"{where}: nested too deeply to be a config") from None
+    # Paths in the file are the file's: a cron job and an operator's shell in other
+    # directories must reach one ledger.
+    return from_mapping(data, where, base=Path(path).absolute().parent)
 
 
-def from_mapping(data: Mapping[str, Any], where: str) -> Config:
+def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = None) -> Config:
+    """A config from parsed TOML. ``base``: the directory relative ``state`` and
+    ``audit_log`` paths are taken from (the config file's); None leaves them as given."""
     reader = _Reader(where)
     reader.known(
         data,
@@ -226,13 +232,21 @@ def from_mapping(data: Mapping[str, Any], where: str) -> Config:
     duplicates = sorted(name for name, count in named.items() if count > 1)
     if duplicates:
         raise ConfigError(f"{where}: name used twice: {', '.join(duplicates)}")
+    _refuse_shared_urls(where, [(f"backend[{i}]", b.url) for i, b in enumerate(backends)])
+    state = _path(reader, data, "state", base)
+    audit_log = _path(reader, data, "audit_log", base)
+    if state is not None and audit_log is not None:
+        try:
+            check_audit_path(Path(state), Path(audit_log))
+        except ConfigError as exc:
+            raise reader.fail("audit_log", str(exc)) from None
     return Config(
         wait=reader.duration(data, "wait", DEFAULT_WAIT),
         timeout=reader.duration(data, "timeout", DEFAULT_TIMEOUT),
         answer_timeout=reader.duration(data, "answer_timeout", DEFAULT_ANSWER_TIMEOUT),
         max_body=reader.integer(data, "max_body", DEFAULT_MAX_BODY, minimum=1024),
-        state=reader.optional_string(data, "state"),
-        audit_log=reader.optional_string(data, "audit_log"),
+        state=state,
+        audit_log=audit_log,
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
         on_serving_change=reader.string_list(data, "on_serving_change", ()),
         max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
@@ -277,8 +291,15 @@ def check_url(url: str) -> str:
     """
     refuse_user_info(url)
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    if parts.query or parts.fragment or ";" in parts.path:
+        # Every path is appended to the base (a query would swallow "/metrics"), and a
+        # query is where a key often goes: it is not repeated here, nor stored.
+        raise ValueError(
+            f"'{parts.scheme}://{parts.netloc}{parts.path.split(';')[0]}...': a base URL takes"
+            " no query, parameters or fragment (an API key goes in api_key_env)"
+        )
     try:
         _ = parts.port
     except ValueError as exc:
@@ -288,7 +309,8 @@ def check_url(url: str) -> str:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
-    root = url.strip().rstrip("/")
+    # Scheme and host are case-blind: written two ways, one server would be two backends.
+    root = f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path}".rstrip("/")
     if parts.path.rstrip("/").endswith("/v1"):
         # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
         # server, and every verdict after it wrong.
@@ -297,6 +319,32 @@ def check_url(url: str) -> str:
             "llmhealth reads /metrics beside /v1"
         )
     return root
+
+
+def check_audit_path(state: Path, audit: Path) -> None:
+    """ConfigError when the audit log would be the state file or its lock: each save of the
+    state renames over the file, and the records appended to it would be lost."""
+    state = Path(os.path.abspath(state))
+    if Path(os.path.abspath(audit)) in (state, state.with_name(state.name + ".lock")):
+        raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
+
+
+def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None) -> str | None:
+    value = reader.optional_string(data, key)
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return str(base / path if base is not None and not path.is_absolute() else path)
+
+
+def _refuse_shared_urls(where: str, located: Sequence[tuple[str, str]]) -> None:
+    """Two backends at one URL are one server counted twice, and the ledger, which knows
+    a backend by its URL too, refuses them (a proxy is not in the ledger)."""
+    first: dict[str, str] = {}
+    for key, url in located:
+        if url in first:
+            raise ConfigError(f"{where}: {first[url]} and {key} have the same URL {url!r}")
+        first[url] = key
 
 
 def _policy(reader: _Reader, data: object) -> Policy:
@@ -482,11 +530,11 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
     if "restart" in table and not restart:
         raise ConfigError(f"{reader.where}: {key}.restart: an empty command; leave the key out")
     return Backend(
-        name=reader.optional_string(table, f"{key}.name") or name_for_url(url),
+        name=reader.label(table, f"{key}.name") or name_for_url(url),
         url=url,
         restart=restart,
         api_key_env=reader.optional_string(table, f"{key}.api_key_env"),
-        expected_model=reader.optional_string(table, f"{key}.expected_model"),
+        expected_model=reader.label(table, f"{key}.expected_model"),
         wedge_after=(
             reader.duration(table, f"{key}.wedge_after", 0.0, zero_is_off=True)
             if "wedge_after" in table
@@ -500,7 +548,7 @@ def _proxy(reader: _Reader, data: object, key: str) -> Proxy:
     table = reader.table(data, key)
     reader.known(table, f"{key}.", {"name", "url"})
     url = reader.url(table, f"{key}.url")
-    return Proxy(name=reader.optional_string(table, f"{key}.name") or name_for_url(url), url=url)
+    return Proxy(name=reader.label(table, f"{key}.name") or name_for_url(url), url=url)
 
 
 class _Reader:
@@ -567,6 +615,14 @@ class _Reader:
             raise self.fail(key, f"{value!r} is not a non-empty string")
         return value
 
+    def label(self, table: Mapping[str, Any], key: str) -> str | None:
+        """A string shown to operators as it is (tables, Nagios lines, evidence): printable,
+        and without the '|' that starts a Nagios line's performance data."""
+        value = self.optional_string(table, key)
+        if value is not None and (not value.isprintable() or "|" in value):
+            raise self.fail(key, f"{value!r} must be printable and have no '|'")
+        return value
+
     def string_list(
         self, table: Mapping[str, Any], key: str, default: tuple[str, ...]
     ) -> tuple[str, ...]:
@@ -622,4 +678,8 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
     names = [target.name for target in targets]
     if len(set(names)) != len(names):
         raise BadTargetError("the same backend or proxy is named twice")
+    urls = [target.url for target in targets if target.kind == "backend"]
+    if len(set(urls)) != len(urls):
+        twice = sorted({url for url in urls if urls.count(url) > 1})
+        raise BadTargetError(f"the same URL is given twice: {', '.join(twice)}", "URL")
     return targets

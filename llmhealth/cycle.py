@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from llmhealth.actions import Audit, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict
-from llmhealth.config import Backend, Cluster, Config
+from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
-from llmhealth.fleet import FleetRecord
+from llmhealth.fleet import FleetRecord, MembershipChange
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
@@ -74,10 +74,10 @@ def routed_backends(config: Config, targets: Sequence[Target]) -> list[Backend]:
 
 def load_record(
     store: Store | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
-) -> tuple[FleetRecord, list[str]]:
+) -> tuple[FleetRecord, list[MembershipChange]]:
     """The persisted record made to match the configured backends, or a fresh one.
 
-    Call with the store's lock held. The notes say which backends came or went.
+    Call with the store's lock held. The changes say which backends came, moved or went.
     """
     if store is not None:
         loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
@@ -191,6 +191,7 @@ class _Opened:
     policy: LedgerPolicy
     started: float
     notes: list[str]
+    changes: list[MembershipChange]  # for the audit trail, with the settle's own records
 
 
 def _open(
@@ -210,7 +211,7 @@ def _open(
         changes = record.reconcile(backends, started)
     else:
         record, changes = load_record(store, policy, backends, started)
-    return _Opened(record, policy, started, [*notes, *changes])
+    return _Opened(record, policy, started, [*notes, *(c.note for c in changes)], changes)
 
 
 def _close(
@@ -229,6 +230,8 @@ def _close(
     record = opened.record
     # One fsync for the settle's audit records, before the state that follows from them.
     with audit.batch() if audit is not None else contextlib.nullcontext():
+        for change in opened.changes:
+            _audit_change(audit, change, opened.started)
         report, orders = settle(
             record,
             config,
@@ -588,6 +591,23 @@ def _audit_transition(
     )
 
 
+def _audit_change(audit: Audit | None, change: MembershipChange, now: float) -> None:
+    """A config edit that changed the ledger's members is a ledger change like any other."""
+    if audit is None:
+        return
+    audit.append(
+        {
+            "time": now,
+            "actor": ACTOR,
+            "backend": change.name,
+            "event": change.event,
+            "from": str(change.state),
+            "to": None if change.event == "forgotten" else str(change.state),
+            "reason": change.note,
+        }
+    )
+
+
 def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:
     """A decision as the report shows it; an issued restart's command has not run yet."""
     return RestartNote(
@@ -608,5 +628,8 @@ def state_path_for(config: Config, explicit: str | None) -> Path:
 
 
 def audit_path_for(config: Config, state_path: Path) -> Path:
-    """The audit log: as configured, else beside the state file."""
-    return Path(config.audit_log) if config.audit_log else state_path.with_name("audit.jsonl")
+    """The audit log: as configured, else beside the state file; never the state itself
+    (``--state`` may name the file the config's ``audit_log`` does)."""
+    audit = Path(config.audit_log) if config.audit_log else state_path.with_name("audit.jsonl")
+    check_audit_path(state_path, audit)
+    return audit

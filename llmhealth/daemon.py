@@ -133,6 +133,7 @@ class WatchState:
     probe_task_restarts: Counter[str] = field(default_factory=Counter)
     serving_written: tuple[tuple[str, str], ...] | None = None
     cycles: int = 0
+    notes: tuple[str, ...] = ()  # the last settle's, so that each is logged once
 
 
 class Daemon:
@@ -370,8 +371,9 @@ class Daemon:
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 stopping.cancel()
                 if not cycle.done():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(cycle), SHUTDOWN_GRACE)
+                    # Waited, not awaited: a settle that fails now (a lock held, a full
+                    # disk) is heard below like any other, its commands kept for the last.
+                    await asyncio.wait({cycle}, timeout=SHUTDOWN_GRACE)
                     if not cycle.done():
                         self._log("stopping with a cycle unfinished")
                         return
@@ -505,7 +507,7 @@ class Daemon:
             await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
         except TimeoutError:
             self._log("stopping before the restart commands' outcomes were saved")
-        except StateError as exc:
+        except (StateError, AuditError) as exc:
             self._log(f"the restart commands' outcomes were not saved: {exc}")
 
     def _read_baselines(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
@@ -769,6 +771,10 @@ class Daemon:
                 if read.signals is not None and read.signals.has_vllm:
                     signals[outcome.target.name] = read.signals
                     break
+        for line in report.notes:
+            if line not in state.notes:  # a standby's note holds from cycle to cycle
+                self._log(line)
+        state.notes = report.notes
         for note in report.restarts:
             if note.ran:
                 state.restarts[(note.name, "ok" if note.ok else "failed")] += 1
@@ -914,11 +920,16 @@ class Daemon:
             self._log(f"reload refused, keeping the running config: {exc}")
             return
         refused = config.cannot_replace(self._config)
+        if not targets:
+            # As at start: an empty or truncated file would forget every backend, and with
+            # them every retirement, proof and restart budget.
+            refused = "nothing to watch (no backends or proxies)"
         if refused is not None:
             self._log(f"reload refused, keeping the running config: {refused}")
             return
         wait = self._wait
         self._config, self._targets = config, targets
+        self._forget_series_of_removed(targets)
         if self._wait != wait:
             # Timing kept against the old wait says nothing of the new one, and the first
             # gap after the reload still spans the old wait: each target counts again
@@ -929,6 +940,17 @@ class Daemon:
         if self._router is not None:  # [router] settings themselves take a restart
             self._router.configure(routed_backends(config, targets))
         self._log(f"config reloaded: {len(targets)} targets")
+
+    def _forget_series_of_removed(self, targets: Sequence[Target]) -> None:
+        """A backend the config no longer names leaves /metrics: its frozen counters would
+        keep alerts firing (a failed restart's for an hour) and grow with every rename."""
+        names = {target.name for target in targets}
+        state = self._state
+        for counter in (state.probe_errors, state.restarts):
+            for key in [key for key in counter if key[0] not in names]:
+                del counter[key]
+        for name in [name for name in state.probe_task_restarts if name not in names]:
+            del state.probe_task_restarts[name]
 
     def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:
         """Tell an existing balancer which backends serve: a file, then an optional hook."""

@@ -292,6 +292,18 @@ def _detail(verdict: Verdict) -> str:
     return verdict.evidence.removeprefix(f"{verdict.kind}: ")
 
 
+@dataclass(frozen=True, slots=True)
+class MembershipChange:
+    """A backend the config added, moved or dropped. A note for whoever runs the verb, and
+    a line of the audit trail: a forgotten backend takes its RETIRED or DEAD state and its
+    restart budget with it, and only the trail can say so afterwards."""
+
+    name: str
+    event: str  # "forgotten", "readdressed" or "added"
+    state: State  # the backend's state when it changed (HEALTHY for an added one)
+    note: str
+
+
 @dataclass(slots=True)
 class FleetRecord:
     """Everything that persists between runs, with the ledger at its centre."""
@@ -313,7 +325,7 @@ class FleetRecord:
     # from before then are about what it was, and are not counted.
     fresh_since: dict[str, float] = field(default_factory=dict)
 
-    def reconcile(self, backends: Mapping[str, str], now: float) -> list[str]:
+    def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
 
         In this order, so that one edit may do all three: backends no longer configured
@@ -322,6 +334,7 @@ class FleetRecord:
         changes = []
         for name in self.ledger.names:
             if name not in backends:
+                state = self.ledger.state_of(name)
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -329,7 +342,8 @@ class FleetRecord:
                 self.skips.pop(name, None)
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
-                changes.append(f"{name}: no longer configured; forgotten")
+                note = f"{name}: no longer configured; forgotten ({state})"
+                changes.append(MembershipChange(name, "forgotten", state, note))
         moves = {
             name: backends[name]
             for name in self.ledger.names
@@ -340,12 +354,14 @@ class FleetRecord:
             # or retired one served at once. The sighting stays, so the first read there
             # shows a process other than the one last seen as the restart it is.
             state = self.ledger.state_of(name)
-            changes.append(f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}")
+            note = f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}"
+            changes.append(MembershipChange(name, "readdressed", state, note))
         self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
                 self.ledger.add(name, url, now)
-                changes.append(f"{name}: new backend at {url}; starts HEALTHY")
+                note = f"{name}: new backend at {url}; starts HEALTHY"
+                changes.append(MembershipChange(name, "added", State.HEALTHY, note))
         return changes
 
     def observe(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -140,6 +141,93 @@ def test_the_installed_command_checks_a_real_server(
     result = run(entry_point, "check", url, "--format", "json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["backends"][0]["verdict"] == "idle"
+
+
+def test_a_backend_a_config_edit_forgets_is_written_in_the_audit_trail(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """A check with a smaller config forgets a RETIRED backend and its restart budget;
+    without a line in the trail nothing would say where the retirement went."""
+    url = serve_idle(httpserver)
+    state = tmp_path / "state.json"
+    full, subset = tmp_path / "full.toml", tmp_path / "subset.toml"
+    full.write_text(
+        f'[[backend]]\nname = "a"\nurl = "{url}"\n'
+        f'[[backend]]\nname = "b"\nurl = "{closed_port_url()}"\n'
+    )
+    subset.write_text(f'[[backend]]\nname = "a"\nurl = "{url}"\n')
+    check = ["check", "--state", str(state), "--wait", "0.1", "--format", "json"]
+    assert runner.invoke(app, [*check, "--config", str(full)]).exit_code in (0, 1, 2)
+    retired = runner.invoke(app, ["retire", "b", "--reason", "bad GPU", "--state", str(state)])
+    assert retired.exit_code == 0, retired.output
+    assert runner.invoke(app, [*check, "--config", str(subset)]).exit_code == 0
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    forgotten = [json.loads(line) for line in lines if '"forgotten"' in line]
+    assert [(r["backend"], r["from"], r["to"]) for r in forgotten] == [("b", "retired", None)]
+    assert forgotten[0]["reason"] == "b: no longer configured; forgotten (retired)"
+
+
+def test_no_arguments_print_the_help_and_exit_3_with_a_reason(entry_point: str) -> None:
+    """An empty argument variable in a script: UNKNOWN with a reason, not a traceback and
+    an exit 1 that a plugin runner reads as WARNING."""
+    result = run(entry_point)
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "llmhealth: no command given" in result.stderr
+    assert "Usage: llmhealth" in result.stdout
+
+
+def test_a_terminal_that_cannot_print_an_arrow_still_gets_the_verdicts_exit_code(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """The table says "→" and the verbs do; on a latin-1 stdout printing raised after the
+    state was saved, and the exit code said UNKNOWN where the fleet was CRITICAL."""
+    state = str(tmp_path / "state.json")
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    done = subprocess.run(
+        [entry_point, "check", "http://127.0.0.1:9", "--state", state, "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    retired = subprocess.run(
+        [entry_point, "retire", "127.0.0.1:9", "--reason", "bad GPU", "--state", state],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert retired.returncode == 0, retired.stderr
+    assert "\\u2192" in retired.stdout
+
+
+def test_a_bare_url_of_a_configured_backend_is_refused_not_a_crash(
+    entry_point: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "check", "--config", str(config), "http://127.0.0.1:9/")
+    assert result.returncode == 3
+    assert "the same URL is given twice: http://127.0.0.1:9" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_state_path_that_is_the_configured_audit_log_is_refused(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """Each save renames the state over the file: the audit records would vanish."""
+    audit = tmp_path / "audit.jsonl"
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'audit_log = "{audit}"\n[[backend]]\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "check", "--config", str(config), "--state", str(audit))
+    assert result.returncode == 3
+    assert "is the state file or its lock" in result.stderr
+    assert not audit.exists()
 
 
 def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:

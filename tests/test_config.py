@@ -99,6 +99,17 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nname = 'a'", "backend[0].url: is required"),
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
         (
+            "[[backend]]\nurl = 'http://a:1'\n[[backend]]\nname = 'b'\nurl = 'HTTP://A:1/'",
+            "backend[0] and backend[1] have the same URL 'http://a:1'",
+        ),
+        ("[[backend]]\nurl = 'http://a:1/#x'", "a base URL takes no query, parameters or"),
+        ("[[backend]]\nname = \"gpu\\u001b[2J\"\nurl = 'http://a:1'", "backend[0].name: 'gpu\\x1b"),
+        ("[[backend]]\nname = 'gpu|0'\nurl = 'http://a:1'", "have no '|'"),
+        ("[[proxy]]\nname = \"lb\\r\"\nurl = 'http://a:1'", "proxy[0].name: 'lb\\r' must be"),
+        ("[[backend]]\nurl = 'http://a:1'\nexpected_model = \"m\\u0007\"", "expected_model:"),
+        ("state = 's.json'\naudit_log = './s.json'", "audit_log: the audit log '"),
+        ("state = '/s/t.json'\naudit_log = '/s/t.json.lock'", "is the state file or its lock"),
+        (
             "[[backend]]\nurl = 'http://a:8000/v1/'",
             "backend[0].url: 'http://a:8000/v1/' ends in /v1: give the server's root",
         ),
@@ -323,3 +334,30 @@ def test_a_host_name_no_request_can_carry_is_a_config_error(tmp_path: Path, host
     path.write_text(f'[[backend]]\nname = "gpu0"\nurl = "http://{host}:8000"\n')
     with pytest.raises(ConfigError, match=r"backend\[0\]\.url.*no request can carry"):
         load(path)
+
+
+def test_a_key_in_a_urls_query_is_refused_and_never_repeated(tmp_path: Path) -> None:
+    path = write(tmp_path, "[[backend]]\nurl = 'http://a:1?api_key=s3cret'\n")
+    with pytest.raises(ConfigError, match="no query") as refused:
+        load(path)
+    assert "s3cret" not in str(refused.value)
+
+
+def test_relative_paths_are_the_config_files_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cron job and an operator's shell in other directories reach one ledger."""
+    (tmp_path / "etc").mkdir()
+    path = tmp_path / "etc" / "llmhealth.toml"
+    path.write_text("state = 'run/state.json'\naudit_log = '~/audit.jsonl'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = load(Path("etc/llmhealth.toml"))
+    assert config.state == str(tmp_path / "etc" / "run" / "state.json")
+    assert config.audit_log == str(tmp_path / "home" / "audit.jsonl")
+
+
+def test_a_config_nested_thousands_deep_is_a_config_error(tmp_path: Path) -> None:
+    """tomllib recurses per level: a RecursionError killed `config check` and a reload."""
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load(write(tmp_path, "x = " + "[" * 5000 + "]" * 5000))

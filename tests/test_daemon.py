@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import importlib.resources
 import itertools
@@ -632,6 +633,41 @@ def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
     assert after.verdict("newcomer") == "idle"
 
 
+def test_sighup_that_drops_a_backend_forgets_it_aloud_and_an_empty_config_is_refused(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The dropped backend leaves /metrics (a frozen error counter kept alerts firing), the
+    log and the audit trail say it was forgotten, and an empty file, refused at start, is
+    refused on reload too: it would forget every retirement and restart budget."""
+    path = tmp_path / "fleet.toml"
+    both = [{"name": "busy", "url": urls.busy}, {"name": "gone", "url": REFUSED_URL}]
+    write_config(path, fleet_config(both))
+    with watching(entry_point, path, tmp_path / "state.json") as watch:
+        watch.until(
+            "an error counted against gone",
+            lambda p: (
+                p.get("llmhealth_backend_probe_errors", backend="gone", kind="down") is not None
+            ),
+        )
+        write_config(path, fleet_config(both[:1]))
+        watch.signal(signal.SIGHUP)
+        watch.logged("gone: no longer configured; forgotten (")
+        after = watch.next_cycle(watch.until("reloaded", lambda p: p.verdict("gone") is None))
+        path.write_text("")
+        watch.signal(signal.SIGHUP)
+        log = watch.logged("reload refused")
+        still = watch.next_cycle(after)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert 'backend="gone"' not in after.text
+    assert "nothing to watch" in next(line for line in log.splitlines() if "reload refused" in line)
+    assert still.verdict("busy") == "busy"
+    entries = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(e["backend"], e["event"]) for e in entries if e["event"] == "forgotten"] == [
+        ("gone", "forgotten")
+    ]
+
+
 def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -732,6 +768,33 @@ def test_watch_on_bare_urls_keeps_no_state_and_leaves_the_default_state_file_alo
         rc, _ = watch.stop()
     assert rc == 0
     assert {path.name: path.read_bytes() for path in home.iterdir()} == before
+
+
+@pytest.mark.slow  # the settle gives up on the lock after its 10 s
+def test_sigterm_while_a_settle_waits_for_a_held_lock_still_exits_0(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The settle fails (the lock stays held) while the daemon waits for it to stop: that
+    failure is heard like any skipped cycle's, not raised out of the loop as exit 3."""
+    config = write_config(
+        tmp_path / "fleet.toml", fleet_config([{"name": "idle", "url": urls.idle}])
+    )
+    state = tmp_path / "state.json"
+    with watching(entry_point, config, state) as watch:
+        page = watch.until("idle judged", lambda p: p.verdict("idle") == "idle")
+        descriptor = os.open(state.with_name("state.json.lock"), os.O_RDWR)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            settled = watch.stderr().count("settled in")
+            time.sleep(3.0)  # past the wait: the next settle is waiting for the lock
+            assert watch.stderr().count("settled in") == settled, "no settle got the lock"
+            rc, _ = watch.stop(timeout=STOP_BOUND + 15.0)
+        finally:
+            os.close(descriptor)
+        log = watch.stderr()
+    assert page.verdict("idle") == "idle"
+    assert rc == 0, log
+    assert "is locked by another llmhealth" in log
 
 
 @pytest.mark.usefixtures("each_loop")

@@ -22,6 +22,7 @@ from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
 from llmhealth.fleet import (
     READS_KEEP_UP,
     FleetRecord,
+    MembershipChange,
     Sighting,
     events_for,
     reads_per_wait,
@@ -550,9 +551,13 @@ def test_observe_passes_the_expected_model_to_readmission() -> None:
     assert record.ledger.state_of("gpu0") is State.HEALTHY
 
 
+def notes_of(changes: list[MembershipChange]) -> list[str]:
+    return [change.note for change in changes]
+
+
 def test_reconcile_adds_new_backends_and_says_so() -> None:
     record = record_of(("gpu0", URL_0))
-    changes = record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW)
+    changes = notes_of(record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW))
     assert changes == [f"gpu1: new backend at {URL_1}; starts HEALTHY"]
     assert record.ledger.names == ("gpu0", "gpu1")
     assert record.ledger.state_of("gpu1") is State.HEALTHY
@@ -563,8 +568,8 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.observe("gpu1", VERDICTS["busy"], NOW)
     record.restarts["gpu1"] = RestartHistory(failures=1, last_attempt_at=NOW)
-    changes = record.reconcile({"gpu0": URL_0}, NOW)
-    assert changes == ["gpu1: no longer configured; forgotten"]
+    changes = notes_of(record.reconcile({"gpu0": URL_0}, NOW))
+    assert changes == ["gpu1: no longer configured; forgotten (healthy)"]
     assert record.ledger.names == ("gpu0",)
     assert "gpu1" not in record.sightings
     assert "gpu1" not in record.restarts
@@ -579,7 +584,7 @@ def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven
     record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
     record.restarts["gpu0"] = RestartHistory(failures=2, last_attempt_at=NOW)
     record.ledger.apply("gpu1", Retire(now=NOW, reason="card replaced"))
-    changes = record.reconcile({"gpu0": URL_2, "gpu1": URL_1}, NOW + 2)
+    changes = notes_of(record.reconcile({"gpu0": URL_2, "gpu1": URL_1}, NOW + 2))
     assert changes == [f"gpu0: moved from {URL_0} to {URL_2}; stays dead"]
     snapshot = record.ledger.snapshot("gpu0", NOW + 2)
     assert (snapshot.url, snapshot.state, snapshot.condemned_by) == (URL_2, State.DEAD, "wedged")
@@ -589,7 +594,7 @@ def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven
     there = verdict(VerdictKind.BUSY, True, "x", reads=(readable(start=90.0),))
     assert [t.kind for t in record.observe("gpu0", there, NOW + 3)] == [EventKind.NEW_PROCESS_UP]
     assert record.ledger.state_of("gpu0") is State.STALE
-    assert record.reconcile({"gpu0": URL_2, "gpu1": URL_0}, NOW + 4) == [
+    assert notes_of(record.reconcile({"gpu0": URL_2, "gpu1": URL_0}, NOW + 4)) == [
         f"gpu1: moved from {URL_1} to {URL_0}; stays retired"
     ]
     assert record.ledger.snapshot("gpu1", NOW + 4).state is State.RETIRED
@@ -598,7 +603,7 @@ def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven
 def test_a_serving_backend_moved_to_another_process_is_an_unplanned_restart() -> None:
     record = record_of(("gpu0", URL_0))
     record.observe("gpu0", VERDICTS["busy"], NOW)
-    assert record.reconcile({"gpu0": URL_2}, NOW + 1) == [
+    assert notes_of(record.reconcile({"gpu0": URL_2}, NOW + 1)) == [
         f"gpu0: moved from {URL_0} to {URL_2}; stays healthy"
     ]
     assert record.ledger.epoch == 0  # the same names serve
@@ -614,9 +619,9 @@ def test_one_edit_may_remove_a_backend_and_move_another_onto_its_address() -> No
     # gpu1 decommissioned, gpu0 repointed at gpu1's host, gpu2 added at gpu0's old one:
     # moved before the removal, gpu0 collided with gpu1 and every settle failed.
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
-    changes = record.reconcile({"gpu0": URL_1, "gpu2": URL_0}, NOW)
+    changes = notes_of(record.reconcile({"gpu0": URL_1, "gpu2": URL_0}, NOW))
     assert changes == [
-        "gpu1: no longer configured; forgotten",
+        "gpu1: no longer configured; forgotten (healthy)",
         f"gpu0: moved from {URL_0} to {URL_1}; stays healthy",
         f"gpu2: new backend at {URL_0}; starts HEALTHY",
     ]
@@ -626,7 +631,7 @@ def test_one_edit_may_remove_a_backend_and_move_another_onto_its_address() -> No
 def test_two_backends_that_swap_addresses_each_keep_their_own_state() -> None:
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.observe("gpu1", VERDICTS["wedged"], NOW)
-    changes = record.reconcile({"gpu0": URL_1, "gpu1": URL_0}, NOW + 1)
+    changes = notes_of(record.reconcile({"gpu0": URL_1, "gpu1": URL_0}, NOW + 1))
     assert len(changes) == 2
     assert (record.ledger.by_url(URL_1), record.ledger.by_url(URL_0)) == ("gpu0", "gpu1")
     assert record.ledger.state_of("gpu0") is State.HEALTHY
@@ -639,7 +644,7 @@ def test_reconcile_with_the_same_backends_changes_nothing() -> None:
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.observe("gpu0", VERDICTS["busy"], NOW)
     before = record.to_dict()
-    assert record.reconcile({"gpu1": URL_1, "gpu0": URL_0}, NOW + 1) == []
+    assert notes_of(record.reconcile({"gpu1": URL_1, "gpu0": URL_0}, NOW + 1)) == []
     assert record.to_dict() == before
 
 
