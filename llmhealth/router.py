@@ -19,7 +19,7 @@ import resource
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -270,6 +270,17 @@ class RouterMetrics(Collector):
         for kind in FailureKind:
             self.failures[name, str(kind)] += 0
 
+    def keep_only(self, names: Collection[str]) -> None:
+        """Drop the series of backends no longer configured: frozen, they would keep an
+        alert on them firing and grow the page with every rename. The router's own
+        answers ("none") stay."""
+        for answered in [k for k in self.requests if k[0] not in names and k[0] != "none"]:
+            del self.requests[answered]
+        for failed in [k for k in self.failures if k[0] not in names]:
+            del self.failures[failed]
+        for name in [name for name in self._series if name not in names]:
+            del self._series[name]
+
     def backend(self, name: str) -> BackendSeries:
         """The per-request series of one backend."""
         series = self._series.get(name)
@@ -386,7 +397,8 @@ class Router:
     def configure(self, backends: Iterable[Backend]) -> None:
         """The configured backends (at start and on reload): URLs and keys to use."""
         self._backends = {backend.name: backend for backend in backends}
-        self._origins = {backend.name: Origin.parse(backend.url) for backend in backends}
+        self._origins = {name: Origin.parse(b.url) for name, b in self._backends.items()}
+        self.metrics.keep_only(self._backends)
         for name in self._backends:
             self.metrics.start_backend(name)
 

@@ -329,6 +329,30 @@ def test_the_router_answers_models_health_metrics_and_unrouted_paths_itself(
     assert httpserver.log == []
 
 
+def test_a_reload_that_drops_a_backend_drops_its_series(httpserver: HTTPServer) -> None:
+    """Frozen counters of a backend no longer configured kept alerts firing and grew the
+    page with every rename; the router's own answers ('none') are not a backend's."""
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    metrics = ""
+
+    async def scenario() -> None:
+        nonlocal metrics
+        backends = {"a": httpserver.url_for(""), "gone": refused_url()}
+        async with routing(backends) as (router, url), client() as http:
+            assert (await http.post(url + "/v1/secret", content=BODY)).status_code == 404
+            for _ in range(3):
+                await http.post(url + CHAT, content=BODY)
+            assert 'backend="gone"' in (await http.get(url + "/metrics")).text
+            router.configure([Backend("a", httpserver.url_for(""))])
+            metrics = (await http.get(url + "/metrics")).text
+
+    run(scenario())
+    assert 'backend="gone"' not in metrics
+    assert 'llmhealth_router_requests_total{backend="none",code="404"} 1.0' in metrics
+    assert 'llmhealth_router_in_flight_requests{backend="a"} 0.0' in metrics
+
+
 def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer) -> None:
     async def scenario() -> None:
         settings = RouterConfig(max_body=2048)
