@@ -344,15 +344,20 @@ class AuditLog:
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Appends inside are written together when the batch ends, by one write and one
-        fsync, even if it ends by an exception (AuditError if that write or fsync fails).
-        A batch inside a batch is part of it.
+        fsync (AuditError if that write or fsync fails). A batch inside a batch is part
+        of it. A batch ended by an exception writes nothing: it is a settle that saves
+        nothing, and the next settle decides again from the state as it was and writes
+        its own records (kept, they said a restart was issued that never was, once per
+        settle while the disk stayed full).
 
         A settle that proves 750 wedges writes 1,500 records; one fsync each took
         seconds on a busy disk, inside the settle, and one open, lock and write each
         was still about a tenth of a second of its CPU. None of them is durable before
         the fsync anyway, so holding them until then loses nothing a crash would have
-        kept. The settle ends its batch before it saves the state file, so no saved
-        state ever runs ahead of its audit records.
+        kept. The settle ends its batch once the new state is on disk under its
+        temporary name and before that replaces the old (``Store.save``'s ``before``),
+        so no saved state ever runs ahead of its audit records, and a disk too full for
+        the state stops the settle before any of its records are written.
         """
         if self._pending is not None:
             yield
@@ -361,10 +366,12 @@ class AuditLog:
         self._shared = {}
         try:
             yield
-        finally:
-            lines, self._pending, self._shared = self._pending, None, None
-            if lines:
-                self._write(b"".join(lines), len(lines))
+        except BaseException:
+            self._pending = self._shared = None
+            raise
+        lines, self._pending, self._shared = self._pending, None, None
+        if lines:
+            self._write(b"".join(lines), len(lines))
 
     def append(self, record: Mapping[str, object]) -> None:
         """Write one record durably (fsync, or at the end of a batch) or raise AuditError."""

@@ -49,7 +49,14 @@ from llmhealth.shares import (
     publication,
     take_published,
 )
-from llmhealth.state import SCHEMA, UNREADABLE, StateCorruptError, StateError, decode_record
+from llmhealth.state import (
+    SCHEMA,
+    UNREADABLE,
+    StateCorruptError,
+    StateError,
+    decode_record,
+    nothing_before,
+)
 from llmhealth.text import printable
 
 T = TypeVar("T")
@@ -656,7 +663,12 @@ class EtcdStore:
         key = self.keys.audit_batch(self._read_revision, len(lines))
         return [(key, audit_value(lines))], len(lines)
 
-    def save(self, document: dict[str, Any]) -> None:
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
+        # The audit records go in the same transaction as the record: ``before`` has
+        # nothing of its own to make durable first (EtcdAudit's batch holds nothing).
+        before()
         compare = self._compares()
         # Who wrote the record, for operators reading etcd (and tests proving who did not).
         writer: dict[str, Any] = {"member": None, "fence": None}
@@ -861,7 +873,9 @@ class ReadOnlyStore(EtcdStore):
         (the leader's next settle makes it)."""
         return self.read(decode)
 
-    def save(self, document: dict[str, Any]) -> None:
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
         """A non-leader keeps what it concluded to itself; the leader settles for real."""
 
     def append_record(self, record: Mapping[str, object]) -> None:

@@ -228,8 +228,12 @@ def _close(
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
-    # One fsync for the settle's audit records, before the state that follows from them.
-    with audit.batch() if audit is not None else contextlib.nullcontext():
+    # One fsync for the settle's audit records, once the state that follows from them is
+    # written aside and before it replaces the old: a full disk fails the state's write
+    # first, and nothing of the settle is kept, its records included.
+    with contextlib.ExitStack() as batch:
+        if audit is not None:
+            batch.enter_context(audit.batch())
         for change in opened.changes:
             _audit_change(audit, change, opened.started)
         report, orders = settle(
@@ -243,10 +247,10 @@ def _close(
             requests=requests,
             commands=commands,
         )
-    if store is not None:
-        store.save(record.to_dict())
-        if kept is not None:
-            kept.keep(store, record, opened.policy)
+        if store is not None:
+            store.save(record.to_dict(), before=batch.close)
+    if store is not None and kept is not None:
+        kept.keep(store, record, opened.policy)
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))
 
 

@@ -380,9 +380,10 @@ class Daemon:
                 try:
                     settled = cycle.result()
                 except (StateError, AuditError) as exc:
-                    # Nothing was saved (the audit records go first, then the state that
-                    # follows from them): probing, metrics and routing go on, and the next
-                    # settle tries again. Exiting would turn a full disk into a restart loop.
+                    # Nothing was saved, records included (the state is written aside,
+                    # the records made durable, then the state put in place): probing,
+                    # metrics and routing go on, and the next settle tries again. Exiting
+                    # would turn a full disk into a restart loop.
                     self._commands_done[:0] = news.commands  # for the next settle to hear
                     if self._router is not None and requests:
                         self._router.give_back(requests)  # the failures it saw, likewise

@@ -72,6 +72,10 @@ def default_path(environ: dict[str, str] | None = None) -> Path:
     return Path(base) / "llmhealth" / "state.json"
 
 
+def nothing_before() -> None:
+    """Nothing to do before a save takes effect."""
+
+
 class Store(Protocol):
     """Where the fleet record lives between settles: what the one settle path needs.
 
@@ -102,7 +106,13 @@ class Store(Protocol):
         record is then loaded again at every settle)."""
         ...
 
-    def save(self, document: dict[str, Any]) -> None: ...
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
+        """Replace the record. ``before`` runs once the new record is ready to replace the
+        old and before it does: the settle makes its audit records durable there, so a
+        disk too full for the state fails before any of them is written."""
+        ...
 
     def command_env(self) -> dict[str, str]:
         """Extra environment for a restart command ordered by the last save, outside the
@@ -210,8 +220,11 @@ class StateFile:
             status.st_ctime_ns,
         )
 
-    def save(self, document: dict[str, Any]) -> None:
-        """Write a temp file, fsync it, rename it over the state, fsync the directory."""
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
+        """Write a temp file, fsync it, run ``before``, rename it over the state, fsync
+        the directory."""
         temporary: Path | None = None
         try:
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
@@ -225,6 +238,7 @@ class StateFile:
                     handle.write(piece)
                 handle.flush()
                 os.fsync(handle.fileno())
+            before()
             os.replace(temporary, self.path)
             directory = os.open(self.path.parent, os.O_RDONLY)
             try:
@@ -291,8 +305,12 @@ class MemoryStore:
     def mark(self) -> int:
         return self._saves
 
-    def save(self, document: dict[str, Any]) -> None:
-        self._text = b"".join(encode_pieces({**document, "schema": SCHEMA}))
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
+        text = b"".join(encode_pieces({**document, "schema": SCHEMA}))
+        before()
+        self._text = text
         self._saves += 1
 
     def command_env(self) -> dict[str, str]:

@@ -389,13 +389,16 @@ def test_a_batch_of_appends_is_written_and_made_durable_once_at_its_end(
     assert (len(synced), len(writes)) == (2, 2)
 
 
-def test_a_batch_ended_by_an_exception_still_keeps_its_records(tmp_path: Path) -> None:
-    # What was decided before the failure happened, and its record says so.
+def test_a_batch_ended_by_an_exception_writes_nothing(tmp_path: Path) -> None:
+    # A settle that fails saves nothing; the next one decides again from the state as it
+    # was. Kept, its records said a restart was issued that never was, once per settle.
     log = AuditLog(tmp_path / "audit.jsonl")
     with pytest.raises(RuntimeError, match="mid-settle"), log.batch():
         log.append({"event": "moved"})
         raise RuntimeError("mid-settle")
-    assert [record["event"] for record in read(log.path)] == ["moved"]
+    assert not log.path.exists()
+    log.append({"event": "after"})
+    assert [record["event"] for record in read(log.path)] == ["after"]
 
 
 def test_a_batch_that_cannot_be_written_raises_audit_error(

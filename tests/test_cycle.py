@@ -30,7 +30,7 @@ from llmhealth.cycle import (
 from llmhealth.fleet import FleetRecord
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
-from llmhealth.state import StateError, StateFile, StateLockedError
+from llmhealth.state import StateError, StateFile, StateLockedError, nothing_before
 
 T = TypeVar("T")
 
@@ -236,11 +236,13 @@ class CountingFile(StateFile):
         self.loads += 1
         return super().load(decode)
 
-    def save(self, document: dict[str, Any]) -> None:
+    def save(
+        self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
+    ) -> None:
         if self.fail_saves:
             self.fail_saves -= 1
             raise StateError(f"cannot write state {self.path}: disk full")
-        super().save(document)
+        super().save(document, before=before)
 
 
 def keeping(store: StateFile, kept: Kept, config: Config = CONFIG) -> Callable[..., Settled]:
@@ -329,6 +331,22 @@ def test_a_failed_save_keeps_nothing_and_the_restart_it_planned_is_issued_once(
     assert [order.name for order in issued.orders] == ["gpu0"]
     assert saved(store.path)["gpu0"]["state"] == "restarting"
     assert decoded(store.path, RESTARTABLE) == issued.record.to_dict()
+
+
+def test_a_settle_whose_state_cannot_be_written_writes_none_of_its_audit_records(
+    tmp_path: Path,
+) -> None:
+    """The new state is written aside before the settle's records are made durable. Here
+    the file system refuses the temporary file's name (ENAMETOOLONG: the lock's name
+    fits, the temporary one's does not), as a full disk refuses a large state after a
+    small batch. Before, the records went first: a restart "issued" at every settle that
+    never was, and the state still HEALTHY."""
+    store = StateFile(tmp_path / ("s" * 245))
+    settle = keeping(store, Kept(), RESTARTABLE)
+    with pytest.raises(StateError, match="cannot write state"):
+        settle([wedged(GPU0)])
+    assert not store.path.exists()
+    assert not (tmp_path / "audit.jsonl").exists()
 
 
 def test_a_settle_that_fails_before_its_save_keeps_nothing(tmp_path: Path) -> None:
