@@ -22,6 +22,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from llmhealth.text import printable
+
 SCHEMA = 1
 _MAX_STATE_BYTES = 64 * 1024 * 1024
 _LOCK_POLL = 0.05
@@ -145,7 +147,13 @@ class StateFile:
             with contextlib.suppress(OSError):
                 os.ftruncate(descriptor, 0)
                 os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
-            yield
+            try:
+                yield
+            finally:
+                # The note leaves with the hold: a later holder that writes none (flock(1)
+                # in a backup script) must not be taken for us, nor for the waiter itself.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(descriptor, 0)
         finally:
             os.close(descriptor)  # closing releases the flock
 
@@ -159,11 +167,12 @@ class StateFile:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise StateError(f"cannot lock {self.lock_path}: {exc}") from exc
             if time.monotonic() >= deadline:
-                holder = os.pread(descriptor, 32, 0).decode(errors="replace").strip() or "?"
-                raise StateLockedError(
-                    f"state {self.path} is locked by another llmhealth (PID {holder}); "
-                    f"gave up after {self.lock_timeout:g} s"
+                note = printable(os.pread(descriptor, 32, 0).decode(errors="replace").strip())
+                holder = (
+                    f"another llmhealth (PID {note})" if note else "a process that is not llmhealth"
                 )
+                waited = f"gave up after {self.lock_timeout:g} s"
+                raise StateLockedError(f"state {self.path} is locked by {holder}; {waited}")
             time.sleep(_LOCK_POLL)
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:

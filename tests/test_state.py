@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import random
@@ -328,3 +329,22 @@ def test_a_lock_whose_pid_note_cannot_be_written_still_holds(
     with store.locked():
         store.save({"n": 1})
     assert json.loads(store.path.read_text())["n"] == 1
+
+
+def test_a_lock_held_by_something_else_is_not_blamed_on_the_last_llmhealth(
+    tmp_path: Path,
+) -> None:
+    """The PID note goes with each hold: a backup script's flock(1) after an llmhealth
+    run was reported as that run, or as the very process that was waiting."""
+    store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
+    with store.locked():
+        store.save({"n": 1})
+    descriptor = os.open(store.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        with pytest.raises(StateLockedError) as refused, store.locked():
+            pass
+    finally:
+        os.close(descriptor)
+    assert "locked by a process that is not llmhealth" in str(refused.value)
+    assert str(os.getpid()) not in str(refused.value)
