@@ -37,6 +37,7 @@ from llmhealth.ledger import (
     UnknownBackend,
     WeightsPartial,
     WeightsStamped,
+    is_finite_number,
 )
 from llmhealth.text import printable
 
@@ -114,8 +115,12 @@ class FleetHealth:
         policy: FleetPolicy | None = None,
         clock: Clock | None = None,
     ) -> None:
+        if policy is not None and not isinstance(policy, FleetPolicy):
+            raise TypeError(f"policy must be a FleetPolicy, got {type(policy).__name__}")
         self._policy = policy if policy is not None else FleetPolicy()
         self._clock: Clock = clock if clock is not None else time.monotonic
+        if not is_finite_number(self._clock()):
+            raise TypeError(f"clock must return seconds as a number, got {self._clock()!r}")
         if isinstance(base_urls, str | bytes):
             raise TypeError("base_urls must be a list of URLs or a mapping of names to URLs")
         if isinstance(base_urls, Mapping):
@@ -149,6 +154,8 @@ class FleetHealth:
     def record_probe(self, key: Key, *, ok: bool, error: str = "") -> Transition:
         """Fold one probe result in. Probes never resurrect: outside the serving set a good
         one is ignored, because an answer says nothing about the weights."""
+        if not isinstance(ok, bool):  # "no" or a response object would read as a pass
+            raise TypeError(f"ok must be True or False, got {ok!r}")
         if ok:
             return self._apply(key, GoodVerdict(now=self._clock()))
         failure = ProbeFailure(now=self._clock(), reason="probe failed", detail=_describe(error))
@@ -307,6 +314,8 @@ class FleetHealth:
 
     def shard_for_base_url(self, url: str) -> Key | None:
         """The backend behind a URL, for failures reported by something that knows URLs."""
+        if not isinstance(url, str):
+            raise TypeError(f"a backend URL must be a string, got {url!r}")
         name = self._ledger.by_url(url)
         return None if name is None else self._key_of[name]
 

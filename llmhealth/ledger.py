@@ -995,6 +995,12 @@ class Ledger:
             return _unchanged(name, event, before, _why_ignored(before, event.kind))
         if isinstance(event, NewProcessUp) and event.url is not None:
             self._check_url_free(event.url, name)
+        if isinstance(event, OperatorReset):
+            if self._url_taken(b):
+                taker = self.by_url(b.url)
+                why = f"its address {b.url} now belongs to backend {taker!r}; give it another first"
+                return _unchanged(name, event, before, why)
+            self._by_url[_url_key(b.url)] = name  # freed by a taker that moved on
         if isinstance(outcome, Rule):
             try:
                 after, why = _RULES[outcome](b, event, self._policy)
@@ -1068,7 +1074,7 @@ class Ledger:
                 )
             arriving[_url_key(url)] = name
         for name in moves:
-            self._by_url.pop(_url_key(self._backends[name].url), None)
+            self._forget_url(self._backends[name])
         for name, url in moves.items():
             self._backends[name].url = url
             self._by_url[_url_key(url)] = name
@@ -1077,7 +1083,7 @@ class Ledger:
         """Forget a backend that left the configuration."""
         b = self._lookup(name)
         del self._backends[name]
-        self._by_url.pop(_url_key(b.url), None)
+        self._forget_url(b)
         if b.state in SERVING:
             self._epoch += 1
 
@@ -1281,12 +1287,24 @@ class Ledger:
             raise UnknownBackend(f"no backend named {name!r} in the ledger") from None
 
     def _check_url_free(self, url: str, name: str) -> None:
+        """A RETIRED backend's address is free: it is out for good, never read nor sent a
+        request, and a replacement bound where its process was must not be refused."""
         other = self.by_url(url)
-        if other is not None and other != name:
+        if other is not None and other != name and self._backends[other].state is not State.RETIRED:
             raise ValueError(f"{name!r} cannot move to {url!r}: backend {other!r} is there")
 
+    def _url_taken(self, b: _Backend) -> bool:
+        """Whether another backend holds the address this (RETIRED) one still names."""
+        holder = self.by_url(b.url)
+        return holder is not None and holder != b.name
+
+    def _forget_url(self, b: _Backend) -> None:
+        """Free b's address, unless another now holds it (a RETIRED b's taken address)."""
+        if self._by_url.get(_url_key(b.url)) == b.name:
+            del self._by_url[_url_key(b.url)]
+
     def _move(self, b: _Backend, url: str) -> None:
-        self._by_url.pop(_url_key(b.url), None)
+        self._forget_url(b)
         b.url = url
         self._by_url[_url_key(url)] = b.name
 
@@ -1296,12 +1314,17 @@ class Ledger:
         _check_url(b.url, b.name, where)
         if b.name in self._backends:
             raise ValueError(f"{where}: backend name {b.name!r} appears twice")
-        # Two names for one URL would make by_url() ambiguous and double-count one server.
+        # Two names for one URL would make by_url() ambiguous and double-count one server;
+        # a RETIRED one may keep an address a replacement took (``_check_url_free``).
         other = self.by_url(b.url)
-        if other is not None:
+        retired = (b.state is State.RETIRED) or (
+            other is not None and self._backends[other].state is State.RETIRED
+        )
+        if other is not None and not retired:
             raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
         self._backends[b.name] = b
-        self._by_url[_url_key(b.url)] = b.name
+        if other is None or b.state is not State.RETIRED:
+            self._by_url[_url_key(b.url)] = b.name
 
     def _sorted(self) -> list[_Backend]:
         return [self._backends[name] for name in sorted(self._backends)]

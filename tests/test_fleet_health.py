@@ -321,6 +321,22 @@ def test_a_replacement_on_a_new_port_moves_the_serving_urls() -> None:
     assert f.shard_for_base_url(URLS[1]) is None
 
 
+def test_a_replacement_may_bind_the_port_a_retired_shard_left() -> None:
+    """Refused before: the shard stayed RESTARTING, or the trainer published a dead URL."""
+    f, _ = fleet()
+    f.retire(1, reason="bad GPU")
+    make_dead(f, 0)
+    f.mark_restarting(0)
+    assert f.mark_loaded(0, base_url=URLS[1]).to_state is State.STALE
+    f.report_refit(0, weight_version=2)
+    assert f.serving_base_urls() == [URLS[1], URLS[2]]
+    assert f.shard_for_base_url(URLS[1]) == 0
+    with pytest.raises(ValueError, match="backend '2' is there"):
+        make_dead(f, 0)
+        f.mark_restarting(0)
+        f.mark_loaded(0, base_url=URLS[2])  # a live shard's address is still refused
+
+
 def test_an_openai_base_url_is_refused_with_the_root_to_give_instead() -> None:
     """Seed 000's shards have OpenAI base URLs (``…/v1``); taken as roots they would be
     read at /v1/metrics, answered 404, and a healthy fleet condemned in three probes."""
@@ -886,3 +902,25 @@ def test_an_error_text_that_quotes_a_server_is_kept_printable() -> None:
     f.report_failure(0, RuntimeError("500: \x1b]0;owned\x07 \x1b[2J"))
     last_error = f.snapshot()[0].last_error
     assert last_error is not None and "\x1b" not in last_error and "\\x1b" in last_error
+
+
+@pytest.mark.parametrize(
+    "misuse",
+    [
+        lambda: FleetHealth(URLS, policy={"min_healthy": 1}),  # type: ignore[arg-type]
+        lambda: FleetHealth(URLS, clock=lambda: None),  # type: ignore[arg-type, return-value]
+        lambda: fleet()[0].record_probe(0, ok="no"),  # type: ignore[arg-type]
+        lambda: fleet()[0].shard_for_base_url(None),  # type: ignore[arg-type]
+    ],
+    ids=["policy-dict", "clock-none", "ok-string", "url-none"],
+)
+def test_misuse_is_a_type_error_that_says_what_was_wanted(misuse: Callable[[], object]) -> None:
+    """Each was taken before: "no" counted as a good probe, a dict policy and a None clock
+    failed later with an unrelated AttributeError or ValueError."""
+    with pytest.raises(TypeError, match=r"must (be|return)"):
+        misuse()
+
+
+def test_one_host_written_in_two_cases_is_one_backend_and_refused_twice() -> None:
+    with pytest.raises(ValueError, match="share the URL"):
+        FleetHealth(["http://LOCALHOST:9001", "http://localhost:9001"])

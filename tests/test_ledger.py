@@ -1570,6 +1570,27 @@ def test_a_replacement_cannot_take_another_backends_address_and_nothing_changes(
     assert ledger.to_dict() == before
 
 
+def test_a_replacement_may_take_a_retired_backends_address_and_the_retired_one_keeps_it() -> None:
+    """A RETIRED backend is out for good; a replacement bound where its process was (the
+    port is free again) was refused, leaving the trainer to publish a dead address. The
+    retired one comes back only through a reset, refused while another holds its address."""
+    ledger = three_backends()
+    ledger.apply("b", Retire(now=1.0, reason="bad GPU"))
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=2.0))
+    moved = ledger.apply("a", NewProcessUp(now=3.0, url=URL_B))
+    assert moved.applied and moved.to_state is State.STALE
+    assert ledger.by_url(URL_B) == "a" and ledger.by_url(URL_A) is None
+    assert ledger.snapshot("b", 3.0).url == URL_B  # what it was, as it was retired
+    again = Ledger.from_dict(ledger.to_dict(), POLICY)
+    assert again.to_dict() == ledger.to_dict() and again.by_url(URL_B) == "a"
+    refused = ledger.apply("b", OperatorReset(now=4.0))
+    assert not refused.applied and "now belongs to backend 'a'" in refused.reason
+    ledger.readdress({"a": URL_A})  # the taker moves on
+    assert ledger.apply("b", OperatorReset(now=6.0)).applied
+    assert ledger.by_url(URL_B) == "b"
+
+
 def test_a_state_file_written_before_partial_syncs_existed_still_loads() -> None:
     data: Any = one_backend().to_dict()
     for backend in data["backends"]:
