@@ -433,7 +433,11 @@ class ReadPool:
 
     async def start(self) -> None:
         for worker in self._workers:
-            await self._spawn(worker)
+            try:
+                await self._spawn(worker)
+            except (OSError, RuntimeError) as exc:  # out of processes, threads or files
+                self._log(f"read worker {worker.index + 1} not started: {exc}")
+                worker.receiving = asyncio.create_task(self._start_again(worker))
 
     def assign(self, targets: Sequence[Target]) -> None:
         for worker in self._workers:
@@ -468,6 +472,9 @@ class ReadPool:
     async def _spawn(self, worker: _Worker) -> None:
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,
+            # -P: no working directory on sys.path, as the daemon's console script has
+            # none; else a ./llmhealth where watch was started (/tmp) ran in every worker.
+            "-P",
             "-c",
             # Not `-m`: run as __main__, the classes in the frames would not be the ones
             # the daemon knows by name.
@@ -495,38 +502,63 @@ class ReadPool:
     async def _receive(self, worker: _Worker, process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None
         why = ""
+        frame = asyncio.ensure_future(_next_frame(process.stdout))
         try:
             while True:
-                message = await _next_frame(process.stdout)
+                silence = self._silence_bound()
+                await asyncio.wait({frame}, timeout=silence)
+                if not frame.done():
+                    if not worker.share:
+                        continue  # nothing to read, nothing to say
+                    # Stopped, deadlocked or starved: alive, so its pipe never ends, and
+                    # its targets would keep their last verdicts, serving, for ever.
+                    why = f"; it sent nothing for {silence:g} s with {len(worker.share)} to read"
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    break
+                message = frame.result()
                 if not isinstance(message, list):
                     raise ValueError(f"unexpected {type(message).__name__}")
                 for item in message:
                     self._hear(worker, item)
+                frame = asyncio.ensure_future(_next_frame(process.stdout))
         except asyncio.IncompleteReadError:
             pass
         except (ValueError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
             why = f"; it sent what cannot be read ({type(exc).__name__}: {exc})"
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+        finally:
+            frame.cancel()
         code = await process.wait()
         if self._closing:
             return
         self._lost(
             worker, f"read worker {worker.index + 1} (pid {process.pid}) exited ({code}){why}"
         )
+        await self._start_again(worker)
+
+    async def _start_again(self, worker: _Worker) -> None:
+        """A new worker for a lost one's share, tried once a wait until one starts."""
         while True:
             await asyncio.sleep(self._settings().wait)
             if self._closing:
                 return
             try:
                 await self._spawn(worker)
-            except OSError as exc:  # out of processes or files: its share stays doubted
+            except (OSError, RuntimeError) as exc:  # out of processes, threads or files
                 self._log(f"read worker {worker.index + 1} not started again: {exc}")
                 continue
             self._baselines, self._learned = self._news()
             self._send_share(worker)
             self._baselines, self._learned = {}, {}
             return
+
+    def _silence_bound(self) -> float:
+        """How long a worker with targets may send nothing: each of its examinations ends
+        within a wait, a read and a tiny request, and sends a frame; twice that is stuck."""
+        settings = self._settings()
+        return 2.0 * (settings.wait + settings.timeout + settings.answer_timeout)
 
     def _hear(self, worker: _Worker, item: object) -> None:
         if isinstance(item, _TaskDied):

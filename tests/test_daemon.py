@@ -308,6 +308,7 @@ def watching(
     state: Path | None,
     *args: str,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[Watch]:
     """`llmhealth watch` until the block ends; ``config`` and ``state`` None leave their
     options out."""
@@ -327,6 +328,7 @@ def watching(
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             env=environment,
+            cwd=cwd,
         )
         watch = Watch(process, port, stderr)
 

@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from simproc import Simulator, running_simulator
@@ -133,6 +134,90 @@ def test_read_workers_judge_the_fleet_survive_a_killed_worker_and_stop_on_sigter
         rc, _ = watch.stop()
     assert rc == 0
     assert not any(alive(pid) for pid in now | workers)
+
+
+def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
+    entry_point: str, sim: Simulator, tmp_path: Path
+) -> None:
+    """Stopped (or deadlocked), a worker is alive and its pipe never ends: its targets
+    kept their last verdicts, serving, for as long as it stayed stopped. Its silence
+    past twice an examination's longest is now a loss like an exit."""
+    backends = names_for(sim)
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": name, "url": url} for name, url in backends.items()], read_workers=2
+        ),
+    )
+    # A planted package where watch starts: workers must import the installed one.
+    planted = tmp_path / "cwd" / "llmhealth"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "planted-imported"
+    planted.joinpath("__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with watching(entry_point, config, tmp_path / "state.json", cwd=planted.parent) as watch:
+        watch.until(
+            "every backend judged by the workers",
+            lambda p: all(p.verdict(n) == expected_verdict(n) for n in backends),
+        )
+        log = watch.logged("read worker processes (pids ")
+        listed = log.split("read worker processes (pids ", 1)[1].split(")", 1)[0]
+        victim = int(listed.split(", ")[0])
+        lost = [n for n in backends if readers.share_of(n, 2) == 0]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            log = watch.logged(f"(pid {victim}) exited (-9); it sent nothing for ")
+            watch.until(
+                "the new worker's verdicts",
+                lambda p: all(p.verdict(n) == expected_verdict(n) for n in backends),
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        assert f"its {len(lost)} targets read afresh by a new one" in log
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert not marker.exists(), "a worker imported llmhealth from the working directory"
+
+
+def test_a_worker_that_cannot_be_started_is_tried_again_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of processes at start (fork's EAGAIN), watch died with a traceback, and under
+    systemd's Restart= that was a loop; a restart that failed with RuntimeError (no
+    thread for asyncio's child watcher) was never tried again."""
+    real = asyncio.create_subprocess_exec
+    failures = [BlockingIOError(11, "Resource temporarily unavailable"), RuntimeError("no thread")]
+
+    async def exhausted(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        if failures:
+            raise failures.pop(0)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", exhausted)
+    logged: list[str] = []
+
+    async def main() -> list[int]:
+        pool = readers.ReadPool(
+            1,
+            lambda: ProbeSettings(wait=0.05),
+            lambda *_: None,
+            lambda _n, _c: None,
+            logged.append,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        for _ in range(200):
+            if pool.pids:
+                break
+            await asyncio.sleep(0.05)
+        pids = pool.pids
+        await pool.close()
+        return pids
+
+    pids = asyncio.run(main())
+    assert len(pids) == 1
+    assert logged[0].startswith("read worker 1 not started: [Errno 11]")
+    assert logged[1] == "read worker 1 not started again: no thread"
 
 
 def _read(at: float, steps: float) -> Read:
