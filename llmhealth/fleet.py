@@ -26,6 +26,7 @@ from llmhealth.ledger import (
     Readmitted,
     RequestFailure,
     RequestSuccess,
+    Retire,
     State,
     Transition,
     UnplannedRestart,
@@ -292,6 +293,10 @@ def _detail(verdict: Verdict) -> str:
     return verdict.evidence.removeprefix(f"{verdict.kind}: ")
 
 
+# Retired backends remembered after a config dropped them; past this the oldest are let go.
+MAX_RETIRED_FORGOTTEN = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class MembershipChange:
     """A backend the config added, moved or dropped. A note for whoever runs the verb, and
@@ -324,6 +329,10 @@ class FleetRecord:
     # When each backend last got a new process or was re-admitted: real-traffic outcomes
     # from before then are about what it was, and are not counted.
     fresh_since: dict[str, float] = field(default_factory=dict)
+    # Backends forgotten while RETIRED, by name, with when: one that comes back into the
+    # config (an edit undone, or a cluster member whose config lacked it leading for a
+    # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
+    retired_forgotten: dict[str, float] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
@@ -335,6 +344,8 @@ class FleetRecord:
         for name in self.ledger.names:
             if name not in backends:
                 state = self.ledger.state_of(name)
+                if state is State.RETIRED:
+                    self._remember_retired(name, now)
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -360,9 +371,23 @@ class FleetRecord:
         for name, url in backends.items():
             if name not in self.ledger:
                 self.ledger.add(name, url, now)
-                note = f"{name}: new backend at {url}; starts HEALTHY"
-                changes.append(MembershipChange(name, "added", State.HEALTHY, note))
+                retired_at = self.retired_forgotten.pop(name, None)
+                if retired_at is None:
+                    note = f"{name}: new backend at {url}; starts HEALTHY"
+                    changes.append(MembershipChange(name, "added", State.HEALTHY, note))
+                    continue
+                why = "retired when it left the config; only a reset brings it back"
+                self.ledger.apply(name, Retire(now=now, reason=why))
+                note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
+                changes.append(MembershipChange(name, "added", State.RETIRED, note))
         return changes
+
+    def _remember_retired(self, name: str, now: float) -> None:
+        self.retired_forgotten[name] = now
+        while len(self.retired_forgotten) > MAX_RETIRED_FORGOTTEN:  # the oldest go first
+            del self.retired_forgotten[
+                min(self.retired_forgotten, key=self.retired_forgotten.__getitem__)
+            ]
 
     def observe(
         self,
@@ -457,6 +482,7 @@ class FleetRecord:
             "skips": dict(sorted(self.skips.items())),
             "request_streaks": dict(sorted(self.request_streaks.items())),
             "fresh_since": dict(sorted(self.fresh_since.items())),
+            "retired_forgotten": dict(sorted(self.retired_forgotten.items())),
         }
 
     @classmethod
@@ -492,7 +518,21 @@ class FleetRecord:
             str(name): _number(at, f"fresh_since.{name}")
             for name, at in _table(data.get("fresh_since", {}), "fresh_since").items()
         }
-        return cls(ledger, sightings, holds, restarts, proofs, skips, streaks, fresh_since)
+        retired_forgotten = {  # absent from files written before it was kept
+            str(name): _number(at, f"retired_forgotten.{name}")
+            for name, at in _table(data.get("retired_forgotten", {}), "retired_forgotten").items()
+        }
+        return cls(
+            ledger,
+            sightings,
+            holds,
+            restarts,
+            proofs,
+            skips,
+            streaks,
+            fresh_since,
+            retired_forgotten,
+        )
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""

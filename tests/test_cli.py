@@ -165,6 +165,11 @@ def test_a_backend_a_config_edit_forgets_is_written_in_the_audit_trail(
     forgotten = [json.loads(line) for line in lines if '"forgotten"' in line]
     assert [(r["backend"], r["from"], r["to"]) for r in forgotten] == [("b", "retired", None)]
     assert forgotten[0]["reason"] == "b: no longer configured; forgotten (retired)"
+    # Added back, it is still retired: only a reset undoes an operator's retirement.
+    assert runner.invoke(app, [*check, "--config", str(full)]).exit_code in (0, 1, 2)
+    shown = runner.invoke(app, ["status", "--state", str(state), "--format", "json"])
+    states = {b["name"]: b["state"] for b in json.loads(shown.output)["backends"]}
+    assert states == {"a": "healthy", "b": "retired"}
 
 
 def test_no_arguments_print_the_help_and_exit_3_with_a_reason(entry_point: str) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
 from llmhealth.fleet import (
+    MAX_RETIRED_FORGOTTEN,
     READS_KEEP_UP,
     FleetRecord,
     MembershipChange,
@@ -574,6 +575,40 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     assert "gpu1" not in record.sightings
     assert "gpu1" not in record.restarts
     assert record.ledger.epoch == 1  # a serving backend left
+
+
+def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired() -> None:
+    """An edit undone, or a cluster member whose config lacked it leading for a while:
+    forgotten and added again, a retired GPU came back HEALTHY and serving."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.ledger.apply("gpu1", Retire(now=NOW, reason="bad GPU"))
+    assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 1)) == [
+        "gpu1: no longer configured; forgotten (retired)"
+    ]
+    again = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), POLICY)
+    changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 2)
+    assert [(c.event, c.state) for c in changes] == [("added", State.RETIRED)]
+    assert changes[0].note.startswith(f"gpu1: back in the config at {URL_1}; stays RETIRED")
+    assert again.ledger.state_of("gpu1") is State.RETIRED
+    assert again.ledger.serving == ("gpu0",)
+    assert again.retired_forgotten == {}
+    # A backend that was not retired when it left starts afresh, as before.
+    assert notes_of(again.reconcile({"gpu1": URL_1}, NOW + 3)) == [
+        "gpu0: no longer configured; forgotten (healthy)"
+    ]
+    assert notes_of(again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 4)) == [
+        f"gpu0: new backend at {URL_0}; starts HEALTHY"
+    ]
+
+
+def test_the_retired_backends_remembered_are_bounded_oldest_first() -> None:
+    record = record_of(("gpu0", URL_0))
+    for n in range(MAX_RETIRED_FORGOTTEN + 5):
+        record.retired_forgotten[f"old{n}"] = float(n)
+    record.ledger.apply("gpu0", Retire(now=NOW, reason="bad GPU"))
+    record.reconcile({}, NOW + 1)
+    assert len(record.retired_forgotten) <= MAX_RETIRED_FORGOTTEN
+    assert "gpu0" in record.retired_forgotten and "old0" not in record.retired_forgotten
 
 
 def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven() -> None:
