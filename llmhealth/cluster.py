@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from llmhealth import etcd_http
@@ -63,6 +63,9 @@ T = TypeVar("T")
 Log = Callable[[str], None]
 _ETCD_SAID = 300  # characters of an etcd error's own text kept in ours
 REQUEST_TIMEOUT = 2.0  # one etcd request; a leader renews several times per deadline
+# One call over every endpoint: seven silent ones at 2 s each, three calls a cycle, held a
+# cycle past systemd's WatchdogSec (30 s) while etcd was away, and the unit was killed.
+CALL_SECONDS = 5.0
 # One audit record as kept in etcd, and one write's records together: the state and its
 # records share a transaction, and etcd refuses a request past 1.5 MiB by default. A
 # record over its share keeps its decision whole and has its bulkiest fields cut.
@@ -133,6 +136,9 @@ class Etcd:
         endpoints: Sequence[str],
         timeout: float = REQUEST_TIMEOUT,
         bounds: etcd_http.Bounds | None = None,
+        *,
+        call_seconds: float = CALL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
@@ -140,6 +146,8 @@ class Etcd:
         self.endpoints = tuple(check_url(url) for url in endpoints)
         self._wires = [etcd_http.Endpoint.from_url(url) for url in self.endpoints]
         self._bounds = bounds or etcd_http.Bounds(silence=timeout)
+        self._call_seconds = call_seconds
+        self._clock = clock
         self._current = 0
         self._lock = threading.Lock()
 
@@ -149,10 +157,22 @@ class Etcd:
         with self._lock:
             first = self._current
         problems = []
+        deadline = self._clock() + self._call_seconds
         for step in range(len(self._wires)):
             index = (first + step) % len(self._wires)
+            left = deadline - self._clock()
+            if left <= 0:
+                problems.append(
+                    f"{self.endpoints[index]}: not tried, {self._call_seconds:g} s spent"
+                )
+                continue
+            bounds = replace(
+                self._bounds,
+                silence=min(self._bounds.silence, left),
+                whole=min(self._bounds.whole, left),
+            )
             try:
-                result = read(etcd_http.post(self._wires[index], path, payload, self._bounds))
+                result = read(etcd_http.post(self._wires[index], path, payload, bounds))
             except etcd_http.EndpointError as exc:
                 problems.append(f"{self.endpoints[index]}: {printable(str(exc)[:_ETCD_SAID])}")
                 continue
