@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
-from llmhealth.text import refuse_user_info
+from llmhealth.text import refuse_user_info, same_server
 from llmhealth.window import WedgeRules
 
 DEFAULT_WAIT = 5.0
@@ -309,8 +309,7 @@ def check_url(url: str) -> str:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
-    # Scheme and host are case-blind: written two ways, one server would be two backends.
-    root = f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path}".rstrip("/")
+    root = url.strip().rstrip("/")
     if parts.path.rstrip("/").endswith("/v1"):
         # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
         # server, and every verdict after it wrong.
@@ -333,7 +332,10 @@ def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None)
     value = reader.optional_string(data, key)
     if value is None:
         return None
-    path = Path(value).expanduser()
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as exc:  # "~" with no HOME and no passwd entry for the user
+        raise reader.fail(key, f"{value!r}: {exc}") from None
     return str(base / path if base is not None and not path.is_absolute() else path)
 
 
@@ -342,9 +344,11 @@ def _refuse_shared_urls(where: str, located: Sequence[tuple[str, str]]) -> None:
     a backend by its URL too, refuses them (a proxy is not in the ledger)."""
     first: dict[str, str] = {}
     for key, url in located:
-        if url in first:
-            raise ConfigError(f"{where}: {first[url]} and {key} have the same URL {url!r}")
-        first[url] = key
+        if same_server(url) in first:
+            raise ConfigError(
+                f"{where}: {first[same_server(url)]} and {key} have the same URL {url!r}"
+            )
+        first[same_server(url)] = key
 
 
 def _policy(reader: _Reader, data: object) -> Policy:
@@ -678,7 +682,7 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
     names = [target.name for target in targets]
     if len(set(names)) != len(names):
         raise BadTargetError("the same backend or proxy is named twice")
-    urls = [target.url for target in targets if target.kind == "backend"]
+    urls = [same_server(target.url) for target in targets if target.kind == "backend"]
     if len(set(urls)) != len(urls):
         twice = sorted({url for url in urls if urls.count(url) > 1})
         raise BadTargetError(f"the same URL is given twice: {', '.join(twice)}", "URL")

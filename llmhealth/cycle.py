@@ -597,19 +597,8 @@ def _audit_transition(
 
 def _audit_change(audit: Audit | None, change: MembershipChange, now: float) -> None:
     """A config edit that changed the ledger's members is a ledger change like any other."""
-    if audit is None:
-        return
-    audit.append(
-        {
-            "time": now,
-            "actor": ACTOR,
-            "backend": change.name,
-            "event": change.event,
-            "from": str(change.state),
-            "to": None if change.event == "forgotten" else str(change.state),
-            "reason": change.note,
-        }
-    )
+    if audit is not None:
+        audit.append(change.audit_record(now, ACTOR))
 
 
 def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:

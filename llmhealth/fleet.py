@@ -308,6 +308,17 @@ class MembershipChange:
     state: State  # the backend's state when it changed (HEALTHY for an added one)
     note: str
 
+    def audit_record(self, now: float, actor: str) -> dict[str, Any]:
+        return {
+            "time": now,
+            "actor": actor,
+            "backend": self.name,
+            "event": self.event,
+            "from": str(self.state),
+            "to": None if self.event == "forgotten" else str(self.state),
+            "reason": self.note,
+        }
+
 
 @dataclass(slots=True)
 class FleetRecord:
@@ -370,17 +381,21 @@ class FleetRecord:
         self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
-                self.ledger.add(name, url, now)
-                retired_at = self.retired_forgotten.pop(name, None)
-                if retired_at is None:
-                    note = f"{name}: new backend at {url}; starts HEALTHY"
-                    changes.append(MembershipChange(name, "added", State.HEALTHY, note))
-                    continue
-                why = "retired when it left the config; only a reset brings it back"
-                self.ledger.apply(name, Retire(now=now, reason=why))
-                note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
-                changes.append(MembershipChange(name, "added", State.RETIRED, note))
+                changes.append(self.admit(name, url, now))
         return changes
+
+    def admit(self, name: str, url: str, now: float) -> MembershipChange:
+        """Add a configured backend the record does not hold: HEALTHY, or RETIRED when it
+        was retired as it left the config (an operator's decision outlives an edit).
+        ValueError when its URL is another backend's."""
+        self.ledger.add(name, url, now)
+        if self.retired_forgotten.pop(name, None) is None:
+            note = f"{name}: new backend at {url}; starts HEALTHY"
+            return MembershipChange(name, "added", State.HEALTHY, note)
+        why = "retired when it left the config; only a reset brings it back"
+        self.ledger.apply(name, Retire(now=now, reason=why))
+        note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
+        return MembershipChange(name, "added", State.RETIRED, note)
 
     def _remember_retired(self, name: str, now: float) -> None:
         self.retired_forgotten[name] = now

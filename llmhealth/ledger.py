@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
 
-from llmhealth.text import refuse_user_info
+from llmhealth.text import refuse_user_info, same_server
 
 
 class State(StrEnum):
@@ -1379,7 +1379,7 @@ def _error_text(reason: str, detail: str) -> str:
 
 
 def _url_key(url: str) -> str:
-    return url.rstrip("/")
+    return same_server(url)
 
 
 def _type_name(value: object) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from llmhealth.actions import Audit
 from llmhealth.config import Config
 from llmhealth.cycle import fresh_record, ledger_policy
-from llmhealth.fleet import FleetRecord
+from llmhealth.fleet import FleetRecord, MembershipChange
 from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
 from llmhealth.policy import Hold
 from llmhealth.state import StateError, Store
@@ -47,6 +47,13 @@ class _Edit:
 
     record: FleetRecord
     saved: str
+    # A configured backend the record did not hold, added for this verb: audited with the
+    # verb's own record when the verb saves.
+    added: MembershipChange | None = None
+
+    def audit_added(self, audit: Audit, now: float) -> None:
+        if self.added is not None:
+            audit.append(self.added.audit_record(now, actor()))
 
 
 @contextlib.contextmanager
@@ -76,15 +83,16 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
                 f"saved to a new state at {store.path}: no check had saved one there, and "
                 "a daemon keeping its state elsewhere does not see this"
             )
-        elif name not in record.ledger and name in configured:
+        added = None
+        if name not in record.ledger and name in configured:
             try:
-                record.ledger.add(name, configured[name], clock())
+                added = record.admit(name, configured[name], clock())
             except ValueError as exc:  # e.g. its URL is another saved backend's
                 raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
         if name not in record.ledger:
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
-        yield _Edit(record, saved)
+        yield _Edit(record, saved, added)
 
 
 def apply_event(
@@ -114,6 +122,8 @@ def apply_event(
         }
         if transition.applied and verb == "readmit":
             record.restart_worked(name)
+        if transition.applied:
+            edit.audit_added(audit, now)
         audit.append(entry)
         if transition.applied:
             store.save(record.to_dict())
@@ -165,6 +175,7 @@ def hold(
         record, now = edit.record, clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         record.holds[name] = new_hold
+        edit.audit_added(audit, now)
         audit.append(
             {
                 "time": now,
@@ -187,6 +198,7 @@ def release(
         if removed is None:
             return VerbResult(False, f"{name}: not on hold")
         now = clock()
+        edit.audit_added(audit, now)
         audit.append(
             {
                 "time": now,

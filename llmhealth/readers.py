@@ -51,6 +51,10 @@ FLUSH_AFTER = 0.02
 PIPE_BYTES = 1024 * 1024  # Linux's default ceiling for an unprivileged pipe
 MAX_FRAME = 256 * 1024 * 1024  # a frame longer than this is not ours: the worker is dropped
 STOP_TIMEOUT = 5.0  # for a worker to leave after its stdin closed, before it is killed
+# A worker with targets that sends nothing for this many waits (this many seconds at
+# least) is stopped or deadlocked: killed and replaced, as one that exited.
+SILENT_WAITS = 10
+SILENT_FLOOR = 5.0
 # Targets per read worker before `read_workers = "auto"` adds one: at about 1 ms of CPU
 # per backend per cycle, 2,000 fill 40% of one core at the default 5 s wait.
 AUTO_SHARE = 2000
@@ -243,6 +247,12 @@ class _TaskDied:
     cause: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Alive:
+    """Worker -> daemon, once a wait: its loop turns. An examination may take minutes (a
+    tiny request waits up to max_check_time), so a worker's silence is judged by these."""
+
+
 def _frame(message: object) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
@@ -317,6 +327,9 @@ class _Sender:
         self._sent.pop(name, None)  # its next task starts a new window
         self._queue(_TaskDied(name, cause))
 
+    def alive(self) -> None:
+        self._queue(_Alive())
+
     def _queue(self, message: object) -> None:
         if not self._waiting:
             asyncio.get_running_loop().call_later(FLUSH_AFTER, self._flush)
@@ -348,14 +361,15 @@ async def _work() -> None:
         lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
     )
 
-    async def give_back_every_wait() -> None:
-        """The worker's bodies leave freed heap pages as the daemon's do; it has no settle
-        to hand them back after, so it does so once a wait (heap.py)."""
+    async def every_wait() -> None:
+        """Say it is alive (the daemon replaces a worker silent for long), and hand back
+        freed heap pages as the daemon does after a settle it does not have (heap.py)."""
         while True:
             await asyncio.sleep(share.settings.wait if share else ProbeSettings().wait)
+            sender.alive()
             give_back_free_pages()
 
-    giving_back = asyncio.create_task(give_back_every_wait())
+    giving_back = asyncio.create_task(every_wait())
     try:
         while True:
             try:
@@ -508,6 +522,10 @@ class ReadPool:
                 silence = self._silence_bound()
                 await asyncio.wait({frame}, timeout=silence)
                 if not frame.done():
+                    # Once more, briefly: after a stall of the daemon's own loop (a VM
+                    # paused) the timeout and the waiting frame come due in one turn.
+                    await asyncio.wait({frame}, timeout=1.0)
+                if not frame.done():
                     if not worker.share:
                         continue  # nothing to read, nothing to say
                     # Stopped, deadlocked or starved: alive, so its pipe never ends, and
@@ -555,12 +573,13 @@ class ReadPool:
             return
 
     def _silence_bound(self) -> float:
-        """How long a worker with targets may send nothing: each of its examinations ends
-        within a wait, a read and a tiny request, and sends a frame; twice that is stuck."""
-        settings = self._settings()
-        return 2.0 * (settings.wait + settings.timeout + settings.answer_timeout)
+        """How long a worker with targets may send nothing: it says it is alive once a
+        wait, so ten waits (5 s at least) without a frame is a loop that no longer turns."""
+        return max(SILENT_FLOOR, SILENT_WAITS * self._settings().wait)
 
     def _hear(self, worker: _Worker, item: object) -> None:
+        if isinstance(item, _Alive):
+            return
         if isinstance(item, _TaskDied):
             self._died(item.name, item.cause)
             return

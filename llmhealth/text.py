@@ -24,6 +24,17 @@ def printable(text: str) -> str:
     )
 
 
+def same_server(url: str) -> str:
+    """A URL as a key for "the same server": scheme and host compared case-blind (DNS and
+    HTTP are), the trailing slash dropped. The URL itself is kept as its user wrote it:
+    a backend named after it keeps its name, and a caller's lookup by it still works."""
+    scheme, sep, rest = url.rstrip("/").partition("://")
+    if not sep:
+        return url.rstrip("/")
+    host, slash, path = rest.partition("/")
+    return f"{scheme.lower()}://{host.lower()}{slash}{path}"
+
+
 def refuse_user_info(url: str) -> None:
     """ValueError when ``url`` carries a user name or password (``http://alice:s3cret@host``).
 

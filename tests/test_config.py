@@ -100,7 +100,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
         (
             "[[backend]]\nurl = 'http://a:1'\n[[backend]]\nname = 'b'\nurl = 'HTTP://A:1/'",
-            "backend[0] and backend[1] have the same URL 'http://a:1'",
+            "backend[0] and backend[1] have the same URL 'HTTP://A:1'",
         ),
         ("[[backend]]\nurl = 'http://a:1/#x'", "a base URL takes no query, parameters or"),
         ("[[backend]]\nname = \"gpu\\u001b[2J\"\nurl = 'http://a:1'", "backend[0].name: 'gpu\\x1b"),
@@ -361,3 +361,23 @@ def test_a_config_nested_thousands_deep_is_a_config_error(tmp_path: Path) -> Non
     """tomllib recurses per level: a RecursionError killed `config check` and a reload."""
     with pytest.raises(ConfigError, match="nested too deeply"):
         load(write(tmp_path, "x = " + "[" * 5000 + "]" * 5000))
+
+
+def test_a_url_keeps_its_spelling_and_a_bare_entry_its_name(tmp_path: Path) -> None:
+    """Lower-cased, a backend named after its URL got another name on upgrade, and its
+    record (a retirement) was forgotten; case only matters when two URLs are compared."""
+    config = load(write(tmp_path, "[[backend]]\nurl = 'http://GPU-Host:8000/'\n"))
+    assert (config.backends[0].name, config.backends[0].url) == (
+        "GPU-Host:8000",
+        "http://GPU-Host:8000",
+    )
+
+
+def test_a_home_path_without_a_home_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No HOME and no passwd entry (a service user): expanding "~" raised, a traceback."""
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
+    with pytest.raises(ConfigError, match=r"state: '~/state\.json': Could not determine home"):
+        load(write(tmp_path, "state = '~/state.json'\n"))

@@ -921,6 +921,15 @@ def test_misuse_is_a_type_error_that_says_what_was_wanted(misuse: Callable[[], o
         misuse()
 
 
+def test_a_shard_is_found_by_its_url_as_given_and_in_any_case() -> None:
+    f = FleetHealth(["http://GPU0:8000", "http://gpu1:8000"])
+    assert f.base_url_of(0) == "http://GPU0:8000"  # as the caller wrote it
+    assert f.shard_for_base_url("http://GPU0:8000") == 0
+    assert f.shard_for_base_url("http://gpu0:8000/") == 0
+    assert f.shard_for_base_url("HTTP://GPU1:8000") == 1
+    assert f.serving_base_urls() == ["http://GPU0:8000", "http://gpu1:8000"]
+
+
 def test_one_host_written_in_two_cases_is_one_backend_and_refused_twice() -> None:
     with pytest.raises(ValueError, match="share the URL"):
         FleetHealth(["http://LOCALHOST:9001", "http://localhost:9001"])

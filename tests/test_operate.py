@@ -292,3 +292,38 @@ def test_status_counts_in_place_recoveries_within_the_window(tmp_path: Path) -> 
     row = next(line for line in table.stdout.splitlines() if "gpu0" in line)
     cells = dict(zip(header.strip("┃").split("┃"), row.strip("│").split("│"), strict=True))
     assert {name.strip(): value.strip() for name, value in cells.items()}["back in place"] == "3"
+
+
+def test_a_verb_that_adds_a_retired_backend_back_from_the_config_keeps_it_retired(
+    tmp_path: Path,
+) -> None:
+    """A check with a smaller config forgot retired gpu1; a hold named from the full
+    config before the next check added it back HEALTHY and serving, unaudited."""
+    path = tmp_path / "state.json"
+    ledger = Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0)
+    record = FleetRecord(ledger, retired_forgotten={"gpu1": T0})
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n'
+        '[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:10"\n'
+    )
+    held = llmhealth(
+        "hold",
+        "gpu1",
+        "--for",
+        "1h",
+        "--reason",
+        "sync",
+        "--state",
+        str(path),
+        "--config",
+        str(config),
+    )
+    assert held.returncode == 0, held.stderr
+    assert status(path)["gpu1"]["state"] == "retired"
+    assert json.loads(path.read_text())["retired_forgotten"] == {}
+    events = [(r["event"], r.get("to")) for r in read(path.with_name("audit.jsonl"))]
+    assert events == [("added", "retired"), ("hold", None)]

@@ -33,6 +33,7 @@ from llmhealth import readers
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import ProbeSettings
+from llmhealth.window import LongestStep
 
 MODES = ["busy", "busy", "wedge:0", "wedge:0", "idle"]
 SHARES = [0, 1, 0, 1, 0]  # the read worker each of them gets
@@ -177,6 +178,41 @@ def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
         rc, _ = watch.stop()
     assert rc == 0
     assert not marker.exists(), "a worker imported llmhealth from the working directory"
+
+
+def test_a_worker_waiting_minutes_on_a_tiny_request_is_not_taken_for_a_stopped_one() -> None:
+    """A tiny request waits three times the longest step learned (up to max_check_time),
+    so a worker whose targets all wait on one sends no examination for that long: it
+    says it is alive once a wait, and is left alone (it was killed, and its replacement
+    waited as long, for ever, the backend never judged)."""
+    settings = ProbeSettings(wait=0.5, timeout=1.0, answer_timeout=0.5, max_check_time=30.0)
+    logged: list[str] = []
+    heard: list[Verdict | None] = []
+
+    async def main(url: str) -> None:
+        pool = readers.ReadPool(
+            1,
+            lambda: settings,
+            lambda _t, verdict, _s, _w: heard.append(verdict),
+            lambda _n, _c: None,
+            logged.append,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        assert pool._silence_bound() == readers.SILENT_FLOOR  # 5 s: ten waits are less
+        pool.remember({}, {"idle": LongestStep(2.5, "earlier runs")})  # a 7.5 s answer wait
+        pool.assign([Target("idle", url, "backend")])
+        for _ in range(300):
+            if any(v is not None for v in heard):
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+
+    with running_simulator(["unanswered"]) as one:
+        asyncio.run(main(one.urls[0]))
+    assert not [line for line in logged if "sent nothing" in line], logged
+    decided = [v for v in heard if v is not None]
+    assert decided and decided[0].kind is VerdictKind.UNANSWERED
 
 
 def test_a_worker_that_cannot_be_started_is_tried_again_not_a_crash(
