@@ -1275,7 +1275,7 @@ class Ledger:
             raise ValueError(f"backends: expected a list, got {_type_name(items)}")
         for i, item in enumerate(items):
             where = f"backends[{i}]"
-            ledger._insert(_parse_backend(item, where), where)
+            ledger._insert(_parse_backend(item, where), where, saved=True)
         return ledger
 
     # --- internals --------------------------------------------------------------------
@@ -1308,7 +1308,7 @@ class Ledger:
         b.url = url
         self._by_url[_url_key(url)] = b.name
 
-    def _insert(self, b: _Backend, where: str) -> None:
+    def _insert(self, b: _Backend, where: str, *, saved: bool = False) -> None:
         if not isinstance(b.name, str) or not b.name:
             raise ValueError(f"{where}: a backend name must be a non-empty string, got {b.name!r}")
         _check_url(b.url, b.name, where)
@@ -1320,10 +1320,18 @@ class Ledger:
         retired = (b.state is State.RETIRED) or (
             other is not None and self._backends[other].state is State.RETIRED
         )
-        if other is not None and not retired:
+        # A record saved before URLs compared case-blind may hold one server written two
+        # ways: loaded, the first keeps the lookup, and the config (which refuses them
+        # both) decides which stays; refused, the whole record was set aside as corrupt.
+        spelled_apart = (
+            saved
+            and other is not None
+            and self._backends[other].url.rstrip("/") != b.url.rstrip("/")
+        )
+        if other is not None and not (retired or spelled_apart):
             raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
         self._backends[b.name] = b
-        if other is None or b.state is not State.RETIRED:
+        if other is None or not (b.state is State.RETIRED or spelled_apart):
             self._by_url[_url_key(b.url)] = b.name
 
     def _sorted(self) -> list[_Backend]:

@@ -361,15 +361,15 @@ async def _work() -> None:
         lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
     )
 
-    async def every_wait() -> None:
+    async def every_wait(wait: float) -> None:
         """Say it is alive (the daemon replaces a worker silent for long), and hand back
         freed heap pages as the daemon does after a settle it does not have (heap.py)."""
         while True:
-            await asyncio.sleep(share.settings.wait if share else ProbeSettings().wait)
             sender.alive()
+            await asyncio.sleep(wait)
             give_back_free_pages()
 
-    giving_back = asyncio.create_task(every_wait())
+    beating = asyncio.create_task(every_wait(ProbeSettings().wait))
     try:
         while True:
             try:
@@ -380,8 +380,13 @@ async def _work() -> None:
                 share = message
                 tasks.remember(message.baselines, message.learned)
                 tasks.assign(message.targets)
+                # At once, and then at this share's wait: the daemon's bound follows the
+                # wait it sent, and a beat still spaced by an older, longer wait (a reload,
+                # or the default before the first share) was taken for silence.
+                beating.cancel()
+                beating = asyncio.create_task(every_wait(message.settings.wait))
     finally:
-        giving_back.cancel()
+        beating.cancel()
         await tasks.close()
         sender.close()
 

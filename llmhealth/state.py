@@ -70,7 +70,15 @@ def default_path(environ: dict[str, str] | None = None) -> Path:
         return Path(env["STATE_DIRECTORY"].split(":")[0]) / "state.json"
     if os.geteuid() == 0:
         return Path("/var/lib/llmhealth/state.json")
-    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    base = env.get("XDG_STATE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "state")
+        except RuntimeError as exc:  # no HOME, and no passwd entry: a bare service user
+            raise StateError(
+                f"no default place for the state ({exc}): give state in the config, "
+                "--state, or STATE_DIRECTORY"
+            ) from None
     return Path(base) / "llmhealth" / "state.json"
 
 

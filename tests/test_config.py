@@ -14,6 +14,7 @@ from llmhealth.config import (
     ConfigError,
     Policy,
     Router,
+    check_url,
     load,
     parse_duration,
     parse_listen,
@@ -381,3 +382,11 @@ def test_a_home_path_without_a_home_is_a_config_error(
     monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
     with pytest.raises(ConfigError, match=r"state: '~/state\.json': Could not determine home"):
         load(write(tmp_path, "state = '~/state.json'\n"))
+
+
+@pytest.mark.parametrize("url", ["http://h:8000#", "http://h:8000/?", "http://h:8000/"])
+def test_an_empty_query_or_fragment_is_dropped_not_kept(url: str) -> None:
+    """Kept, every path appended went into it: GET / for /metrics, a healthy server
+    judged no_metrics."""
+    assert check_url(url) == "http://h:8000"
+    assert check_url("http://GPU-Host:8000") == "http://GPU-Host:8000"  # case is kept

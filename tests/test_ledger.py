@@ -1591,6 +1591,22 @@ def test_a_replacement_may_take_a_retired_backends_address_and_the_retired_one_k
     assert ledger.by_url(URL_B) == "b"
 
 
+def test_a_record_saved_with_one_server_written_two_ways_still_loads() -> None:
+    """Saved before URLs compared case-blind: refused on load, the whole record (every
+    retirement, budget and proof) was set aside as corrupt. The first keeps the lookup;
+    the config, which refuses the two, decides which stays."""
+    ledger = Ledger(POLICY, [("a", "http://gpu-host:9"), ("b", URL_B)], now=0.0)
+    data: Any = ledger.to_dict()
+    data["backends"][1]["url"] = "http://GPU-HOST:9/"
+    loaded = Ledger.from_dict(data, POLICY)
+    assert loaded.by_url("http://Gpu-Host:9") == "a"
+    assert loaded.snapshot("b", 0.0).url == "http://GPU-HOST:9/"
+    loaded.remove("a")
+    assert loaded.by_url("http://gpu-host:9") is None  # b's is no lookup of its own
+    with pytest.raises(ValueError, match="share the URL"):
+        Ledger(POLICY, [("a", "http://gpu-host:9"), ("b", "http://GPU-HOST:9")], now=0.0)
+
+
 def test_a_state_file_written_before_partial_syncs_existed_still_loads() -> None:
     data: Any = one_backend().to_dict()
     for backend in data["backends"]:

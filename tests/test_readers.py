@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,42 @@ def test_a_worker_waiting_minutes_on_a_tiny_request_is_not_taken_for_a_stopped_o
     assert not [line for line in logged if "sent nothing" in line], logged
     decided = [v for v in heard if v is not None]
     assert decided and decided[0].kind is VerdictKind.UNANSWERED
+
+
+@pytest.mark.slow  # a worker first sleeps through a 30 s wait's beat
+def test_a_worker_beats_at_the_newest_waits_pace_after_a_reload_shortens_it() -> None:
+    """Its beat kept the old wait's spacing until that sleep ended, while the daemon's
+    bound followed the new wait at the next frame: a working worker, between two long
+    examinations, was killed as silent."""
+    settings = ProbeSettings(wait=30.0, timeout=1.0, answer_timeout=6.0, max_check_time=60.0)
+    logged: list[str] = []
+    heard: list[Verdict | None] = []
+
+    async def main(url: str) -> None:
+        nonlocal settings
+        pool = readers.ReadPool(
+            1,
+            lambda: settings,
+            lambda _t, verdict, _s, _w: heard.append(verdict),
+            lambda _n, _c: None,
+            logged.append,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        pool.assign([])
+        await asyncio.sleep(6.0)  # past the worker's first beat: its sleep is 30 s now
+        settings = replace(settings, wait=0.5)
+        pool.assign([Target("idle", url, "backend")])
+        for _ in range(260):  # two examinations of 6 s each, with room
+            if len([v for v in heard if v is not None]) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+
+    with running_simulator(["unanswered"]) as one:
+        asyncio.run(main(one.urls[0]))
+    assert not [line for line in logged if "sent nothing" in line], logged
+    assert len([v for v in heard if v is not None]) >= 2
 
 
 def test_a_worker_that_cannot_be_started_is_tried_again_not_a_crash(

@@ -26,6 +26,7 @@ from llmhealth.state import (
     SCHEMA,
     MemoryStore,
     StateCorruptError,
+    StateError,
     StateFile,
     StateLockedError,
     default_path,
@@ -348,3 +349,14 @@ def test_a_lock_held_by_something_else_is_not_blamed_on_the_last_llmhealth(
         os.close(descriptor)
     assert "locked by a process that is not llmhealth" in str(refused.value)
     assert str(os.getpid()) not in str(refused.value)
+
+
+def test_no_default_state_path_without_a_home_is_a_state_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service user with no HOME and no passwd entry: a traceback, "internal error"."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
+    with pytest.raises(StateError, match="give state in the config, --state, or STATE_DIRECTORY"):
+        default_path({})
