@@ -52,6 +52,7 @@ from llmhealth.shares import (
 from llmhealth.state import (
     SCHEMA,
     UNREADABLE,
+    RecordMovedError,
     StateCorruptError,
     StateError,
     decode_record,
@@ -714,6 +715,11 @@ class EtcdStore:
                 held is None or held.value != value
                 for held, (_, value) in zip(found, writes, strict=False)
             ):
+                if self.elector is None:  # a verb's write: only the record's revision moved
+                    raise RecordMovedError(
+                        f"{self.keys.state} was written by another since it was read; "
+                        "nothing written"
+                    )
                 raise self._fenced_out(f"the fenced write of {self.keys.state} failed")
             assert found[0] is not None
             revision = found[0].mod_revision

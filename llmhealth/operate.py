@@ -10,11 +10,12 @@ check would start from, so maintenance can be declared on a new deployment.
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec
 
 from llmhealth.actions import Audit
 from llmhealth.config import Config
@@ -22,9 +23,11 @@ from llmhealth.cycle import fresh_record, ledger_policy
 from llmhealth.fleet import FleetRecord, MembershipChange
 from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
 from llmhealth.policy import Hold
-from llmhealth.state import StateError, Store
+from llmhealth.state import RecordMovedError, StateError, Store
 
 Clock = Callable[[], float]
+_P = ParamSpec("_P")
+VERB_ATTEMPTS = 5  # a verb raced by a leader's settles is made again this many times in all
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,22 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
         yield _Edit(record, saved, added)
 
 
+def _again_when_moved(verb: Callable[_P, VerbResult]) -> Callable[_P, VerbResult]:
+    """A verb that raced another writer (in a cluster, the leader settles every wait) wrote
+    nothing: it is made again on the record as it now is, a few times, before the
+    operator hears of it. A file store never races: its lock keeps writers apart."""
+
+    @functools.wraps(verb)
+    def again(*args: _P.args, **kwargs: _P.kwargs) -> VerbResult:
+        for _ in range(VERB_ATTEMPTS - 1):
+            with contextlib.suppress(RecordMovedError):
+                return verb(*args, **kwargs)
+        return verb(*args, **kwargs)
+
+    return again
+
+
+@_again_when_moved
 def apply_event(
     store: Store,
     audit: Audit,
@@ -160,6 +179,7 @@ def reset(store: Store, audit: Audit, config: Config, name: str) -> VerbResult:
     return apply_event(store, audit, config, name, lambda now: OperatorReset(now=now), "reset")
 
 
+@_again_when_moved
 def hold(
     store: Store,
     audit: Audit,
@@ -190,6 +210,7 @@ def hold(
         return VerbResult(True, f"{name}: {new_hold.describe(now)}; {edit.saved}")
 
 
+@_again_when_moved
 def release(
     store: Store, audit: Audit, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:

@@ -43,6 +43,12 @@ class StateCorruptError(StateError):
     pass
 
 
+class RecordMovedError(StateError):
+    """Another writer saved between this section's load and its save (a cluster leader's
+    settle, beside an operator's verb): nothing was written, and the same change may be
+    made again on the record as it is now."""
+
+
 # What a stored record that cannot be used raises in decode_record: JSONDecodeError and
 # UnicodeDecodeError are ValueErrors; deeply nested JSON raises RecursionError and a huge
 # integer can raise OverflowError in a validator.

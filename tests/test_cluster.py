@@ -7,16 +7,17 @@ daemon concludes from it, never how fast a loaded machine runs.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 from pytest_httpserver import HTTPServer
 
-from llmhealth import cluster
+from llmhealth import cluster, operate
 from llmhealth.actions import AuditError
 from llmhealth.classify import Verdict, VerdictKind
 from llmhealth.cluster import (
@@ -37,7 +38,10 @@ from llmhealth.cluster import (
     read_members,
 )
 from llmhealth.config import Backend, Config
+from llmhealth.fleet import FleetRecord
 from llmhealth.leadership import LeaseTiming, Standing
+from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.state import RecordMovedError
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
 from tests.test_wire import read_request, tcp_server
 
@@ -211,9 +215,49 @@ def test_a_write_between_read_and_save_fails_the_save(etcd_server: EtcdCluster, 
         with second.locked():
             assert second.load(dict) is None
             second.save(document(2))
-        with pytest.raises(FencedOutError, match="nobody leads"):
+        with pytest.raises(RecordMovedError, match="written by another since it was read"):
             first.save(document(1))
     assert store_value(etcd, keys) == 2
+
+
+def test_a_verb_raced_by_a_settle_is_made_again_on_the_record_as_it_now_is(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A leader settles every wait: an operator's verb whose save lost the race wrote
+    nothing and exited 3 ("run it again"); it is made again, and audited once."""
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    with store.locked():
+        store.load(dict)
+        ledger = Ledger(LedgerPolicy(), [("gpu0", "http://10.0.0.5:8000")], now=0.0)
+        store.save(FleetRecord(ledger).to_dict())
+
+    class RacedAudit:
+        """The verb's own audit, with a settle's write slipped in at its first record:
+        between the verb's load and its save."""
+
+        def __init__(self) -> None:
+            self.raced = 0
+
+        def append(self, record: Mapping[str, object]) -> None:
+            if not self.raced:
+                self.raced += 1
+                settle = EtcdStore(etcd, keys, None)
+                with settle.locked():
+                    settle.save(settle.load(dict) or {})
+            store.audit.append(record)
+
+        def batch(self) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    raced = RacedAudit()
+    held = operate.hold(store, raced, Config(), "gpu0", 3600.0, "weight sync")
+    assert held.applied and raced.raced == 1
+    with store.locked():
+        saved = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert saved is not None and saved.holds["gpu0"].reason == "weight sync"
+    trail = read_audit(etcd, keys).records
+    assert [r["event"] for r in trail] == ["hold"]
 
 
 def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
