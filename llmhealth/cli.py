@@ -338,13 +338,13 @@ def _operator_context(
     from llmhealth.state import StateFile  # noqa: PLC0415
 
     loaded = config_module.load(config_file) if config_file else config_module.Config()
-    path = state_path_for(loaded, state)
-    if loaded.cluster is not None:
+    if loaded.cluster is not None:  # the record is in etcd: no state path is needed
         from llmhealth.cluster import Etcd, EtcdStore, Keys  # noqa: PLC0415
 
         etcd = Etcd(loaded.cluster.etcd)
         store = EtcdStore(etcd, Keys(loaded.cluster.prefix), None)
         return loaded, store, store.audit
+    path = state_path_for(loaded, state)
     return loaded, StateFile(path), AuditLog(audit_path_for(loaded, path))
 
 

@@ -311,7 +311,8 @@ def check_url(url: str) -> str:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
     # Rebuilt from its parts, case kept: an empty "?" or "#" left in place made every path
     # appended to it part of the query or the fragment (GET / for /metrics).
-    root = f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+    scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it
+    root = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
     if parts.path.rstrip("/").endswith("/v1"):
         # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
         # server, and every verdict after it wrong.

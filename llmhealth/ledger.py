@@ -1331,7 +1331,11 @@ class Ledger:
         if other is not None and not (retired or spelled_apart):
             raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
         self._backends[b.name] = b
-        if other is None or not (b.state is State.RETIRED or spelled_apart):
+        # The lookup goes to a backend that may be sent work: a RETIRED one keeps it only
+        # while nobody else holds the address (a reset is then refused while it is taken).
+        if other is None or (
+            b.state is not State.RETIRED and self._backends[other].state is State.RETIRED
+        ):
             self._by_url[_url_key(b.url)] = b.name
 
     def _sorted(self) -> list[_Backend]:

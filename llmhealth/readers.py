@@ -361,15 +361,25 @@ async def _work() -> None:
         lambda: share.settings if share else ProbeSettings(), time.time, sender.deliver, sender.died
     )
 
-    async def every_wait(wait: float) -> None:
-        """Say it is alive (the daemon replaces a worker silent for long), and hand back
-        freed heap pages as the daemon does after a settle it does not have (heap.py)."""
+    share_came = asyncio.Event()
+
+    async def every_wait() -> None:
+        """Say it is alive (the daemon replaces a worker silent for long): at once, then
+        each wait, and at once again when a share comes, since the daemon's bound follows
+        the wait it sent. Hand back freed heap pages once a wait, as the daemon does after
+        a settle it does not have (heap.py), however often shares come."""
+        given_back = time.monotonic()
         while True:
             sender.alive()
-            await asyncio.sleep(wait)
-            give_back_free_pages()
+            share_came.clear()
+            wait = share.settings.wait if share else ProbeSettings().wait
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(share_came.wait(), wait)
+            if time.monotonic() - given_back >= wait:
+                give_back_free_pages()
+                given_back = time.monotonic()
 
-    beating = asyncio.create_task(every_wait(ProbeSettings().wait))
+    beating = asyncio.create_task(every_wait())
     try:
         while True:
             try:
@@ -380,11 +390,9 @@ async def _work() -> None:
                 share = message
                 tasks.remember(message.baselines, message.learned)
                 tasks.assign(message.targets)
-                # At once, and then at this share's wait: the daemon's bound follows the
-                # wait it sent, and a beat still spaced by an older, longer wait (a reload,
-                # or the default before the first share) was taken for silence.
-                beating.cancel()
-                beating = asyncio.create_task(every_wait(message.settings.wait))
+                # A beat still spaced by an older, longer wait (a reload, or the default
+                # before the first share) was taken for silence.
+                share_came.set()
     finally:
         beating.cancel()
         await tasks.close()

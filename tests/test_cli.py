@@ -512,3 +512,19 @@ def test_a_backend_llmhealth_could_not_examine_is_unknown_and_never_hides_a_down
     assert "not judged" in document["backends"][0]["evidence"]
     beside = runner.invoke(app, ["check", url, closed_port_url(), "--format", "nagios"])
     assert beside.exit_code == 2, beside.output
+
+
+def test_a_verb_with_a_cluster_config_needs_no_state_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record is in etcd: a user with no home had the verb refused over a default
+    state path it never uses."""
+    from llmhealth import cli  # noqa: PLC0415 - the function under test is private
+
+    config = tmp_path / "fleet.toml"
+    config.write_text('[cluster]\netcd = ["http://127.0.0.1:2379"]\n')
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
+    loaded, store, _ = cli._operator_context(str(config), None)
+    assert loaded.cluster is not None and str(store.path).endswith("/state")

@@ -389,4 +389,6 @@ def test_an_empty_query_or_fragment_is_dropped_not_kept(url: str) -> None:
     """Kept, every path appended went into it: GET / for /metrics, a healthy server
     judged no_metrics."""
     assert check_url(url) == "http://h:8000"
-    assert check_url("http://GPU-Host:8000") == "http://GPU-Host:8000"  # case is kept
+    # Case is kept, the scheme's too (urlsplit lower-cases it: a state saved before with
+    # HTTP:// was readdressed on upgrade).
+    assert check_url("HTTP://GPU-Host:8000/p/") == "HTTP://GPU-Host:8000/p"

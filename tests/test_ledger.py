@@ -1605,6 +1605,14 @@ def test_a_record_saved_with_one_server_written_two_ways_still_loads() -> None:
     assert loaded.by_url("http://gpu-host:9") is None  # b's is no lookup of its own
     with pytest.raises(ValueError, match="share the URL"):
         Ledger(POLICY, [("a", "http://gpu-host:9"), ("b", "http://GPU-HOST:9")], now=0.0)
+    # A RETIRED first holder gives the lookup up to one that may be sent work, and so
+    # cannot be reset onto it: two serving backends on one server.
+    ledger.apply("a", Retire(now=1.0, reason="bad GPU"))
+    data = ledger.to_dict()
+    data["backends"][1]["url"] = "http://GPU-HOST:9/"
+    loaded = Ledger.from_dict(data, POLICY)
+    assert loaded.by_url("http://gpu-host:9") == "b"
+    assert not loaded.apply("a", OperatorReset(now=2.0)).applied
 
 
 def test_a_state_file_written_before_partial_syncs_existed_still_loads() -> None:

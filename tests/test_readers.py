@@ -18,6 +18,8 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -250,6 +252,39 @@ def test_a_worker_beats_at_the_newest_waits_pace_after_a_reload_shortens_it() ->
         asyncio.run(main(one.urls[0]))
     assert not [line for line in logged if "sent nothing" in line], logged
     assert len([v for v in heard if v is not None]) >= 2
+
+
+GIVING_BACK_COUNTED = """
+import sys
+import llmhealth.readers as readers
+readers.give_back_free_pages = lambda: print("given back", file=sys.stderr, flush=True)
+readers.main()
+"""
+
+
+def test_a_worker_hands_back_heap_pages_each_wait_however_often_shares_come() -> None:
+    """Shares come at each settle whose news changed, about once a wait; restarting the
+    beat at each one restarted the wait before the pages were handed back, so they
+    never were."""
+    worker = subprocess.Popen(
+        [sys.executable, "-P", "-c", GIVING_BACK_COUNTED],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert worker.stdin is not None and worker.stderr is not None
+    share = readers._frame(readers._Share(ProbeSettings(wait=0.3), (), {}, {}))
+    try:
+        for _ in range(20):  # a share twice a wait, for six waits
+            worker.stdin.write(share)
+            worker.stdin.flush()
+            time.sleep(0.15)
+    finally:
+        worker.stdin.close()
+        said = worker.stderr.read().decode()  # to its end: the worker leaves at the pipe's
+        worker.stderr.close()
+        worker.wait(10)
+    assert said.count("given back") >= 2, said
 
 
 def test_a_worker_that_cannot_be_started_is_tried_again_not_a_crash(
