@@ -101,7 +101,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
         (
             "[[backend]]\nurl = 'http://a:1'\n[[backend]]\nname = 'b'\nurl = 'HTTP://A:1/'",
-            "backend[0] and backend[1] have the same URL 'http://A:1'",
+            "backend[0] and backend[1] have the same URL 'HTTP://A:1'",
         ),
         ("[[backend]]\nurl = 'http://a:1/#x'", "a base URL takes no query, parameters or"),
         ("[[backend]]\nname = \"gpu\\u001b[2J\"\nurl = 'http://a:1'", "backend[0].name: 'gpu\\x1b"),
