@@ -300,8 +300,9 @@ MAX_RETIRED_FORGOTTEN = 1024
 @dataclass(frozen=True, slots=True)
 class MembershipChange:
     """A backend the config added, moved or dropped. A note for whoever runs the verb, and
-    a line of the audit trail: a forgotten backend takes its RETIRED or DEAD state and its
-    restart budget with it, and only the trail can say so afterwards."""
+    a line of the audit trail: a forgotten backend takes its DEAD state, proofs and
+    restart budget with it (only a RETIRED one is remembered, by name), and only the
+    trail can say so afterwards."""
 
     name: str
     event: str  # "forgotten", "readdressed" or "added"

@@ -119,8 +119,9 @@ class FleetHealth:
             raise TypeError(f"policy must be a FleetPolicy, got {type(policy).__name__}")
         self._policy = policy if policy is not None else FleetPolicy()
         self._clock: Clock = clock if clock is not None else time.monotonic
-        if not is_finite_number(self._clock()):
-            raise TypeError(f"clock must return seconds as a number, got {self._clock()!r}")
+        now = self._clock()
+        if not is_finite_number(now):
+            raise TypeError(f"clock must return seconds as a number, got {now!r}")
         if isinstance(base_urls, str | bytes):
             raise TypeError("base_urls must be a list of URLs or a mapping of names to URLs")
         if isinstance(base_urls, Mapping):
@@ -146,7 +147,7 @@ class FleetHealth:
         self._ledger = Ledger(
             self._policy.ledger_policy(),
             [(self._names[key], url) for key, url in zip(self._keys, urls, strict=True)],
-            now=self._clock(),
+            now=now,
         )
 
     # --- verbs: what the caller saw or did -------------------------------------------

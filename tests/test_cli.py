@@ -128,9 +128,11 @@ def test_a_config_file_names_backends_and_proxies(httpserver: HTTPServer, tmp_pa
     assert names == [("gpu0", "backend", "idle"), ("lb", "proxy", "up")]
 
 
-def run(entry_point: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run(
+    entry_point: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [entry_point, *args], capture_output=True, text=True, timeout=60, check=False
+        [entry_point, *args], capture_output=True, text=True, timeout=60, check=False, env=env
     )
 
 
@@ -189,23 +191,13 @@ def test_a_terminal_that_cannot_print_an_arrow_still_gets_the_verdicts_exit_code
     state was saved, and the exit code said UNKNOWN where the fleet was CRITICAL."""
     state = str(tmp_path / "state.json")
     env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
-    done = subprocess.run(
-        [entry_point, "check", "http://127.0.0.1:9", "--state", state, "--timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
+    done = run(
+        entry_point, "check", "http://127.0.0.1:9", "--state", state, "--timeout", "1", env=env
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    retired = subprocess.run(
-        [entry_point, "retire", "127.0.0.1:9", "--reason", "bad GPU", "--state", state],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
+    retired = run(
+        entry_point, "retire", "127.0.0.1:9", "--reason", "bad GPU", "--state", state, env=env
     )
     assert retired.returncode == 0, retired.stderr
     assert "\\u2192" in retired.stdout

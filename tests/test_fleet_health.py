@@ -342,20 +342,20 @@ def test_an_openai_base_url_is_refused_with_the_root_to_give_instead() -> None:
     read at /v1/metrics, answered 404, and a healthy fleet condemned in three probes."""
     with pytest.raises(ValueError, match=r"ends in /v1: give the server's root \(http://h:8000\)"):
         FleetHealth(["http://h:8000/v1"])
+
+
+@pytest.mark.parametrize(
+    ("base_url", "refusal"),
+    [("10.0.0.2:8011", "not an http"), ("http://10.0.0.2:8011/v1", "ends in /v1")],
+)
+def test_a_replacement_at_a_url_that_is_not_one_is_refused_and_nothing_changes(
+    base_url: str, refusal: str
+) -> None:
     f, _ = fleet()
     make_dead(f, 1)
     f.mark_restarting(1)
-    with pytest.raises(ValueError, match="ends in /v1"):
-        f.mark_loaded(1, base_url="http://10.0.0.2:8011/v1")
-    assert f.state_of(1) is State.RESTARTING
-
-
-def test_a_replacement_at_a_url_that_is_not_one_is_refused_and_nothing_changes() -> None:
-    f, _ = fleet()
-    make_dead(f, 1)
-    f.mark_restarting(1)
-    with pytest.raises(ValueError, match="not an http"):
-        f.mark_loaded(1, base_url="10.0.0.2:8011")
+    with pytest.raises(ValueError, match=refusal):
+        f.mark_loaded(1, base_url=base_url)
     assert f.state_of(1) is State.RESTARTING
     assert f.base_url_of(1) == URLS[1]
 

@@ -193,13 +193,8 @@ def test_a_worker_waiting_minutes_on_a_tiny_request_is_not_taken_for_a_stopped_o
     heard: list[Verdict | None] = []
 
     async def main(url: str) -> None:
-        pool = readers.ReadPool(
-            1,
-            lambda: settings,
-            lambda _t, verdict, _s, _w: heard.append(verdict),
-            lambda _n, _c: None,
-            logged.append,
-            lambda: ({}, {}),
+        pool = _delivering_pool(
+            lambda verdict, _w: heard.append(verdict), lambda: settings, logged.append
         )
         await pool.start()
         assert pool._silence_bound() == readers.SILENT_FLOOR  # 5 s: ten waits are less
@@ -229,13 +224,8 @@ def test_a_worker_beats_at_the_newest_waits_pace_after_a_reload_shortens_it() ->
 
     async def main(url: str) -> None:
         nonlocal settings
-        pool = readers.ReadPool(
-            1,
-            lambda: settings,
-            lambda _t, verdict, _s, _w: heard.append(verdict),
-            lambda _n, _c: None,
-            logged.append,
-            lambda: ({}, {}),
+        pool = _delivering_pool(
+            lambda verdict, _w: heard.append(verdict), lambda: settings, logged.append
         )
         await pool.start()
         pool.assign([])
@@ -333,14 +323,19 @@ def _read(at: float, steps: float) -> Read:
     return Read(at, signals=Signals((engine,), process_start=1.0))
 
 
-def _delivering_pool(heard: Callable[[Verdict | None, list[Read]], object]) -> readers.ReadPool:
-    """A pool with no workers started, whose deliveries (verdict, window) go to ``heard``."""
+def _delivering_pool(
+    heard: Callable[[Verdict | None, list[Read]], object],
+    settings: Callable[[], ProbeSettings] = ProbeSettings,
+    log: Callable[[str], object] = lambda _m: None,
+) -> readers.ReadPool:
+    """A pool of one worker (not started), whose deliveries (verdict, window) go to
+    ``heard`` and whose log lines to ``log``."""
     return readers.ReadPool(
         1,
-        readers.ProbeSettings,
+        settings,
         lambda _t, verdict, _s, window: heard(verdict, window),
         lambda _n, _c: None,
-        lambda _m: None,
+        log,
         lambda: ({}, {}),
     )
 
