@@ -25,14 +25,22 @@ collects the body and runs the handler in one task. Its rules:
   handler bounds that wait in time);
 - a client whose connection closes cancels its request's task;
 - after an error answer the connection ends its side and reads what still comes for at
-  most ``LINGER`` seconds, so the client reads the answer rather than a reset.
+  most ``LINGER`` seconds, so the client reads the answer rather than a reset;
+- a connection the router gives up on is let go at once, whatever its transport still
+  holds: ``transport.close()`` waits for that to be sent, and a client that never reads
+  would keep the socket, the buffer and its place under the cap for as long as its
+  kernel keeps the connection; one whose answer was cut off is reset, so a client that
+  reads to the connection's end (HTTP/1.0) sees an error, not a shorter whole answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import socket
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -49,6 +57,7 @@ _TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 # RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
 _REQUEST_LINE: Final = re.compile(rf"({_TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
 _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 
 
 class BadRequestError(Exception):
@@ -154,7 +163,7 @@ class Request:
         self.keep_alive = False
 
     def abort(self) -> None:
-        """Close the connection now: the answer, if begun, is cut off."""
+        """End the connection now with a reset: the answer, if begun, is cut off."""
         self._conn.abort()
 
     def _head(self, status: int, reason: str, headers: Fields) -> bytes:
@@ -303,26 +312,33 @@ class _Connection(asyncio.Protocol):
             asyncio.get_running_loop().call_exception_handler(
                 {"message": "the router's handler failed", "exception": exc}
             )
-            if not request.started:
+            if request.started:
+                self.abort()
+            else:
                 self._send(_error_answer(500, "the router failed: see its log"))
-            self.abort()
+                self._linger()
             return
         self._ended(request)
 
     def _ended(self, request: Request) -> None:
         """The answer is written: next request, or the connection's end."""
         self._request = self._task = None
+        self._body = bytearray()  # an idle connection holds no request body
         if self._lost:
             return
-        if not request.ended or not request.delimited:
-            self.abort()
+        if not request.ended:
+            self.abort()  # cut off: reset, so it cannot pass for a whole answer
             return
         if self.body_unread:
             self._linger()  # the rest of the body was never read
             return
-        if not request.keep_alive:
-            assert self.transport is not None
-            self.transport.close()  # after what is buffered is sent
+        if not request.keep_alive or not request.delimited:
+            # An orderly end (it ends a body sent without a length), after what is
+            # buffered is sent, if the client reads it within its idle time.
+            transport = self.transport
+            assert transport is not None
+            transport.close()
+            asyncio.get_running_loop().call_later(self._edge.idle_timeout, transport.abort)
             return
         self._edge.idle(self)
         if self._reading_paused:
@@ -458,8 +474,22 @@ class _Connection(asyncio.Protocol):
             self._drain_waiter = None
 
     def abort(self) -> None:
+        """End now with a reset, dropping what is unsent: an answer cut off, or a
+        client that stopped reading."""
+        transport = self.transport
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        transport.abort()
+
+    def let_go(self) -> None:
+        """End an idle connection now, dropping what is unsent (an answer its client never
+        read): an orderly end, which keep-alive clients expect of an idle connection."""
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
@@ -484,7 +514,7 @@ class _Connection(asyncio.Protocol):
             transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
-        asyncio.get_running_loop().call_later(LINGER, transport.close)
+        asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -530,7 +560,10 @@ class Edge:
             self._server.close()
         tasks = [conn.task for conn in self._held if conn.task is not None]
         for conn in list(self._held):
-            conn.abort()
+            if conn.task is not None:
+                conn.abort()  # an answer cut off
+            else:
+                conn.let_go()
         for task in tasks:
             task.cancel()
         if tasks:
@@ -553,7 +586,7 @@ class Edge:
             oldest, _ = self._idle.popitem(last=False)  # the new one, when all others are busy
             self._held.discard(oldest)
             self.evicted += 1
-            oldest.abort()
+            oldest.let_go()
 
     def closed(self, conn: _Connection) -> None:
         self._held.discard(conn)
@@ -576,7 +609,7 @@ class Edge:
             if since > cutoff:
                 break
             del self._idle[conn]
-            conn.abort()
+            conn.let_go()
         self._sweeper = asyncio.get_running_loop().call_later(
             min(SWEEP, max(self.idle_timeout / 4, 0.05)), self._sweep
         )

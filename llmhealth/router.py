@@ -395,10 +395,18 @@ class Router:
     # --- what the daemon calls ---------------------------------------------------------
 
     def configure(self, backends: Iterable[Backend]) -> None:
-        """The configured backends (at start and on reload): URLs and keys to use."""
+        """The configured backends (at start and on reload): URLs and keys to use.
+
+        A backend a reload dropped leaves the serving set at once, not at the next push
+        (a settle away, or more while settles fail): it had no address left to send to.
+        """
         self._backends = {backend.name: backend for backend in backends}
         self._origins = {name: Origin.parse(b.url) for name, b in self._backends.items()}
+        self._serving = {n: m for n, m in self._serving.items() if n in self._backends}
+        self._states = {n: s for n, s in self._states.items() if n in self._backends}
+        self._dropped &= self._backends.keys()
         self.metrics.keep_only(self._backends)
+        self.metrics.serving = len(self._pick_set())
         for name in self._backends:
             self.metrics.start_backend(name)
 

@@ -353,6 +353,27 @@ def test_a_reload_that_drops_a_backend_drops_its_series(httpserver: HTTPServer) 
     assert 'llmhealth_router_in_flight_requests{backend="a"} 0.0' in metrics
 
 
+def test_a_reload_that_drops_a_serving_backend_sends_it_nothing_before_the_next_push(
+    httpserver: HTTPServer,
+) -> None:
+    """Until the next settle pushed, the dropped backend stayed in the pick set with no
+    address: every request it was chosen for got a 500 (least in flight chose it)."""
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        # "a-gone" sorts first: ties of least in flight go to it.
+        backends = {"a-gone": refused_url(), "b": httpserver.url_for("")}
+        async with routing(backends) as (router, url), client() as http:
+            router.configure([Backend("b", httpserver.url_for(""))])
+            for _ in range(3):
+                response = await http.post(url + CHAT, content=BODY)
+                assert response.status_code == 200
+                assert response.headers["X-LLMHealth-Backend"] == "b"
+            assert "a-gone" not in (await http.get(url + "/health")).text
+
+    run(scenario())
+
+
 def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer) -> None:
     async def scenario() -> None:
         settings = RouterConfig(max_body=2048)
@@ -775,6 +796,58 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
     run(scenario())
 
 
+def test_a_body_cut_off_is_a_reset_for_a_client_that_reads_to_the_connections_end() -> None:
+    """HTTP/1.0 has no chunks: its answer ends with the connection, so an orderly end
+    after a backend broke mid-body passed a part of the JSON for the whole of it."""
+
+    async def breaks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\nf\r\n{"choices": [{"\r\n'
+        )
+        await writer.drain()
+        writer.transport.abort()
+
+    async def scenario() -> None:
+        async with raw_backend(breaks) as cut, routing({"a": cut}) as (router, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(reader.read(), BOUND)  # to the connection's end
+            assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_whole_answer_to_http_1_0_ends_with_the_connection_in_order(
+    httpserver: HTTPServer,
+) -> None:
+    httpserver.expect_request(CHAT).respond_with_data(
+        b'{"choices": []}', content_type="application/json"
+    )
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (router, url):
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            answer = await asyncio.wait_for(reader.read(), BOUND)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"choices": []}')
+            assert [f for f, _, _ in await failures(router)] == ["a"]
+            writer.close()
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("then", ["cut", "silent"])
 def test_a_5xx_whose_body_then_breaks_is_one_failure_not_two(then: str) -> None:
     # Counted at its head, the 5xx was counted again when its body broke or went
@@ -1120,6 +1193,12 @@ def test_a_client_that_never_reads_is_dropped_and_the_upstream_closed() -> None:
             await writer.drain()  # and then never read a byte
             await asyncio.wait_for(backend_saw_close.wait(), BOUND)
             assert await drained(router) == {}  # the client's doing: counted against nobody
+            # Let go with what it never read: closed "once sent", the socket, its buffer
+            # and its place under the cap stayed for as long as the client stayed.
+            assert router.connections is not None
+            async with asyncio.timeout(BOUND):
+                while router.connections.held:
+                    await asyncio.sleep(0.05)
             writer.close()
 
     run(scenario())
