@@ -60,7 +60,7 @@ from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
-from llmhealth.remediate import CommandDone, Mode, RestartOrder
+from llmhealth.remediate import CommandDone, Mode, RestartOrder, not_run, why_not_run
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import MemoryStore, StateError, StateFile, Store
@@ -391,6 +391,7 @@ class Daemon:
                     self._tell_systemd(f"state unusable: {exc}")
                     continue
                 # Saved as RESTARTING first; only now, outside the lock, do commands run.
+                self._launch_waiting(settled.record)
                 for order in settled.orders:
                     self._launch(order)
                 if self._serving_changed:
@@ -427,9 +428,13 @@ class Daemon:
         Only if the store may still act on the save that ordered it (a cluster leader
         whose fence holds and whose deadline has not passed), with its fencing token.
         One command per backend at a time: a restart issued while the previous one's
-        command still runs (its startup grace ran out first) waits for that to end.
+        command still runs (its startup grace ran out first) waits for that to end, then
+        for the next settle to say it is still wanted (``_launch_waiting``).
         """
         if any(running.name == order.name for running in self._commands_running.values()):
+            replaced = self._orders_waiting.get(order.name)
+            if replaced is not None:
+                self._drop_order(replaced, "a later restart took its place")
             self._orders_waiting[order.name] = order
             self._log(f"{order.name}: restart issued; its command waits for the previous one")
             return
@@ -438,15 +443,38 @@ class Daemon:
         except StateError as exc:
             self._log(f"{order.name}: restart saved but not run: {exc}")
             return
-        running = _in_daemon_thread(_run_order, order)
+        try:
+            running = _in_daemon_thread(_run_order, order)
+        except RuntimeError as exc:  # out of threads: not run, and the next settle hears so
+            self._drop_order(order, f"no thread to run it in: {exc}")
+            return
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
 
+    def _launch_waiting(self, record: FleetRecord) -> None:
+        """Orders whose backend's previous command has ended: run, if the record as just
+        settled still wants them, else heard by the next settle as not run. Not at that
+        command's end: the settle that hears it may re-admit the backend it revived, and
+        a reload or an operator may have dropped, changed, retired or held it meanwhile."""
+        running = {order.name for order in self._commands_running.values()}
+        restart = {backend.name: backend.restart for backend in self._config.backends}
+        now = self._clock()
+        for name, order in list(self._orders_waiting.items()):
+            if name in running:
+                continue
+            del self._orders_waiting[name]
+            why = why_not_run(record, order, restart.get(name), now)
+            if why is None:
+                self._launch(order)
+            else:
+                self._drop_order(order, why)
+
+    def _drop_order(self, order: RestartOrder, why: str) -> None:
+        self._log(f"{order.name}: its restart command will not run: {why}")
+        self._commands_done.append(not_run(order, why))
+
     def _command_finished(self, running: asyncio.Future[CommandResult]) -> None:
         order = self._commands_running.pop(running)
-        waiting = self._orders_waiting.pop(order.name, None)
-        if waiting is not None and not self._stop.is_set():
-            self._launch(waiting)
         if running.cancelled():
             return
         error = running.exception()

@@ -202,6 +202,38 @@ def _issue(
     return RestartOutcome(decision, order=order)
 
 
+def why_not_run(
+    record: FleetRecord, order: RestartOrder, argv: tuple[str, ...] | None, now: float
+) -> str | None:
+    """Why an order that waited for its backend's previous command must not run now, or
+    None when it still should.
+
+    It was issued while that command still ran (the startup grace ran out first), and a
+    settle or more passed before it could run: the first command may have brought the
+    backend back (a second restart would fail the requests it serves again), an operator
+    may have retired or held it, a reload may have dropped it or changed its command
+    (the order carries the old one), or a newer restart may have taken its place.
+    """
+    if order.name not in record.ledger:
+        return "its backend is no longer configured"
+    snapshot = record.ledger.snapshot(order.name, now)
+    if snapshot.last_restart_at != order.issued_at:
+        return "a later restart took its place"
+    if snapshot.state is not State.RESTARTING:
+        return f"its backend is {snapshot.state} now"
+    hold = record.holds.get(order.name)
+    if hold is not None and hold.active(now):
+        return hold.describe(now)
+    if argv != order.argv:
+        return "a reload changed its restart command"
+    return None
+
+
+def not_run(order: RestartOrder, why: str) -> CommandDone:
+    """An order dropped before its command ran, heard and audited as any command's end."""
+    return CommandDone(order, CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}"))
+
+
 def hear_commands(
     record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
@@ -230,7 +262,12 @@ def hear_commands(
             state = record.ledger.state_of(name)
             entry["from"] = entry["to"] = str(state)
             if not result.ok:
-                why = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                if result.exit_code is None:
+                    why = "did not run"  # the audit line says why (its stderr)
+                elif result.timed_out:
+                    why = "timed out"
+                else:
+                    why = f"exited {result.exit_code}"
                 failed = record.ledger.apply(
                     name, RestartFailed(now=now, reason=f"restart command {why}")
                 )

@@ -1674,6 +1674,39 @@ def test_a_restart_issued_while_the_last_command_still_runs_waits_for_it(
     ]
 
 
+@pytest.mark.slow
+def test_a_restart_waiting_for_the_last_command_does_not_run_once_its_backend_is_retired(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The waiting order ran the moment the first command ended, whatever had happened
+    since: retired, dropped by a reload, re-admitted by that very command (then restarted
+    again, healthy), or its command changed. It runs now only if the settle after says so."""
+    ran, go = tmp_path / "command.log", tmp_path / "command.go"
+    state = tmp_path / "state.json"
+    command = [sys.executable, "-c", SLOW_HOOK, str(ran), str(go)]
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "slow", "url": urls.wedge_a, "restart": command}])
+        + '\n[policy]\nstartup_grace = "1s"\ncooldown = "1s"\ncooldown_max = "2s"\n',
+    )
+    try:
+        with watching(entry_point, config, state) as watch:
+            watch.logged("slow: restart issued; its command waits for the previous one")
+            retired = verb(entry_point, config, state, "retire", "slow", "--reason", "swap")
+            assert retired.returncode == 0, retired.stderr
+            go.touch()  # the first command ends
+            watch.logged("slow: its restart command will not run: its backend is retired now")
+            rc, _ = watch.stop()
+    finally:
+        go.touch()
+    assert rc == 0
+    assert ran.read_text() == "ran\n"  # the first command only
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    heard = [r for r in audit if r["event"] == "restart_command"]
+    assert heard[-1]["command"]["exit_code"] is None
+    assert heard[-1]["command"]["stderr"] == "not run: its backend is retired now"
+
+
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
     urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,6 +50,7 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
+from llmhealth.remediate import RestartOrder, not_run, why_not_run
 from llmhealth.window import LongestStep
 
 NOW = 1_000.0
@@ -1175,6 +1176,32 @@ def test_a_restart_the_window_missed_still_ends_restarting() -> None:
     )
     record.observe("gpu0", fresh, NOW + 3)
     assert record.ledger.state_of("gpu0") is State.HEALTHY
+
+
+def test_a_restart_that_waited_for_the_last_command_runs_only_while_the_ledger_wants_it() -> None:
+    command = ("restart-gpu0",)
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    record.ledger.apply("gpu0", RestartIssued(now=NOW + 2))
+    order = RestartOrder("gpu0", command, 60.0, NOW + 2, "wedged", {})
+    assert why_not_run(record, order, command, NOW + 3) is None
+    assert why_not_run(record, order, ("new-command",), NOW + 3) == (
+        "a reload changed its restart command"
+    )
+    record.holds["gpu0"] = Hold("weight sync", NOW + 60, "ops")
+    assert (why_not_run(record, order, command, NOW + 3) or "").startswith("on hold until")
+    assert why_not_run(record, order, command, NOW + 61) is None  # the hold is over
+    later = RestartOrder("gpu0", command, 60.0, NOW + 1, "wedged", {})
+    assert why_not_run(record, later, command, NOW + 3) == "a later restart took its place"
+    record.ledger.apply("gpu0", Retire(now=NOW + 4, reason="swap"))
+    assert why_not_run(record, order, command, NOW + 5) == "its backend is retired now"
+    assert why_not_run(record_of(("gpu1", URL_1)), order, command, NOW + 5) == (
+        "its backend is no longer configured"
+    )
+    dropped = not_run(order, "its backend is retired now")
+    assert dropped.result.exit_code is None and not dropped.result.ok
+    assert dropped.result.stderr == "not run: its backend is retired now"
 
 
 # --- whether the reads keep up with the wait -----------------------------------------------
