@@ -179,8 +179,16 @@ class _Prepared:
 def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Prepared:
     """The arguments checked and the config read, before anything is sent."""
     proxies, config, state = options.proxies, options.config, options.state
-    if isinstance(urls, str) or isinstance(proxies, str):
+    if isinstance(urls, str | bytes) or isinstance(proxies, str | bytes):
         raise TypeError("urls and proxies are lists of URLs, not one string")
+    for name, given in (("urls", urls), ("proxies", proxies)):
+        if given is None:
+            raise TypeError(f"{name}: a list of URLs, got None")
+        if any(not isinstance(url, str) for url in given):
+            raise TypeError(f"{name}: each one a URL string, got {list(given)!r}")
+    for name, flag in (("dry_run", options.dry_run), ("no_restart", options.no_restart)):
+        if not isinstance(flag, bool):  # "no" would act as True: dry_run="no" ran dry
+            raise TypeError(f"{name} is True or False, got {flag!r}")
     loaded = config_module.load(str(config)) if config is not None else config_module.Config()
     targets = config_module.targets_for(loaded, list(urls), list(proxies))
     if not targets:

@@ -22,7 +22,7 @@ from llmhealth import config as config_module
 from llmhealth.actions import AuditError
 from llmhealth.classify import Target
 from llmhealth.report import ExitCode
-from llmhealth.state import StateError
+from llmhealth.state import StateError, given_path
 
 if TYPE_CHECKING:
     from llmhealth.actions import Audit
@@ -86,10 +86,20 @@ FormatOption = Annotated[
 ]
 
 
+def _state_path(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            given_path(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 StateOption = Annotated[
     str | None,
     typer.Option(
         "--state",
+        callback=_state_path,
         help="State file (ledger, holds, budgets). Default with --config: the config's "
         "'state', else $STATE_DIRECTORY, /var/lib/llmhealth (root) or the user's state "
         "directory ($XDG_STATE_HOME, else ~/.local/state). Bare URLs without --state or "
@@ -162,7 +172,8 @@ def check(
         )
     else:
         # Bare URLs without --state or --config keep no state: a quick look changes nothing.
-        store = StateFile(state_path_for(loaded, state)) if state or config_file else None
+        keeps_state = state is not None or config_file is not None
+        store = StateFile(state_path_for(loaded, state)) if keeps_state else None
         report = run_cycle(loaded, targets, settings, store, mode=mode)
     _print(report, output)
     from llmhealth.report import exit_code  # noqa: PLC0415
@@ -337,7 +348,7 @@ def _operator_context(
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
-    loaded = config_module.load(config_file) if config_file else config_module.Config()
+    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
     if loaded.cluster is not None:  # the record is in etcd: no state path is needed
         from llmhealth.cluster import Etcd, EtcdStore, Keys  # noqa: PLC0415
 
@@ -444,7 +455,7 @@ def audit(
     from llmhealth.actions import scan  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
 
-    loaded = config_module.load(config_file) if config_file else config_module.Config()
+    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
     if loaded.cluster is not None:
         from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
 
@@ -623,7 +634,7 @@ def _fleet(
     urls: list[str], proxies: list[str], config_file: str | None
 ) -> tuple[config_module.Config, list[Target]]:
     """The config (or defaults) and every target: configured ones first, then bare URLs."""
-    loaded = config_module.load(config_file) if config_file else config_module.Config()
+    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
     try:
         return loaded, config_module.targets_for(loaded, urls, proxies)
     except config_module.BadTargetError as exc:

@@ -191,6 +191,8 @@ def load(path: str | Path) -> Config:
     import tomllib  # noqa: PLC0415 - a check of bare URLs reads no file
 
     where = str(path)
+    if not where.strip():  # Path("") is the working directory: "cannot read: Is a directory"
+        raise ConfigError("an empty config path: name a file, or leave it out")
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:

@@ -36,7 +36,7 @@ from llmhealth.remediate import (
     remediate,
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
-from llmhealth.state import StateError, StateFile, Store, default_path
+from llmhealth.state import StateError, StateFile, Store, default_path, given_path
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -615,8 +615,8 @@ def _restart_note(outcome: RestartOutcome, mode: Mode) -> RestartNote:
 
 def state_path_for(config: Config, explicit: str | None) -> Path:
     """``--state``, else the config's ``state``, else the default state directory."""
-    if explicit:
-        return Path(explicit)
+    if explicit is not None:
+        return given_path(explicit)
     return Path(config.state) if config.state else default_path()
 
 

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 YOUNG = 10_000  # allocations between two young collections while a fleet is read
 
 
 class _Spacing:
-    """Who spaces them now, and the thresholds the first of them found."""
+    """Who spaces them now, and the thresholds the first of them found; under a lock, as
+    ``llmhealth.check`` may run in several threads at once: two first holders together
+    each took the other's setting for the one to restore, and left it for good."""
 
+    lock = threading.Lock()
     holders = 0
     before: tuple[int, ...] = ()
 
@@ -36,14 +40,16 @@ def young_collections_spaced() -> Iterator[None]:
     Counted, so that two daemons in one process (the tests) leave the collector as the
     first found it whichever ends first.
     """
-    if _Spacing.holders == 0:
-        _Spacing.before = gc.get_threshold()
-        young, *older = _Spacing.before
-        gc.set_threshold(max(YOUNG, young), *older)
-    _Spacing.holders += 1
+    with _Spacing.lock:
+        if _Spacing.holders == 0:
+            _Spacing.before = gc.get_threshold()
+            young, *older = _Spacing.before
+            gc.set_threshold(max(YOUNG, young), *older)
+        _Spacing.holders += 1
     try:
         yield
     finally:
-        _Spacing.holders -= 1
-        if _Spacing.holders == 0:
-            gc.set_threshold(*_Spacing.before)
+        with _Spacing.lock:
+            _Spacing.holders -= 1
+            if _Spacing.holders == 0:
+                gc.set_threshold(*_Spacing.before)

@@ -1145,7 +1145,9 @@ class Ledger:
 
     @property
     def floor_breached(self) -> bool:
-        return len(self.serving) < self._policy.min_healthy
+        """Fewer serving than ``min_healthy``; never for a ledger of no backends (a run
+        over proxies alone has none to fall short with)."""
+        return bool(self._backends) and len(self.serving) < self._policy.min_healthy
 
     @property
     def floor_message(self) -> str:

@@ -67,8 +67,7 @@ def summarize(ledger: Ledger) -> FleetSummary:
         serving=len(ledger.serving),
         min_healthy=ledger.policy.min_healthy,
         epoch=ledger.epoch,
-        # A run over proxies alone has no backends to fall short of the floor with.
-        floor_breached=ledger.floor_breached and bool(ledger.names),
+        floor_breached=ledger.floor_breached,
         message=ledger.floor_message,
     )
 

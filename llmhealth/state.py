@@ -68,6 +68,15 @@ def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
     return decode(document)
 
 
+def given_path(value: str) -> Path:
+    """A state path someone gave. An empty one is refused rather than taken for none given:
+    a script's unset variable would otherwise lock and rewrite the default (system-wide)
+    state, forgetting every backend the call did not name."""
+    if not value.strip():
+        raise ValueError("an empty state path: name a file, or leave it out")
+    return Path(value)
+
+
 def default_path(environ: dict[str, str] | None = None) -> Path:
     """systemd's StateDirectory, else the system state dir for root, else the user's."""
     env = os.environ if environ is None else environ

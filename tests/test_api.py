@@ -17,7 +17,7 @@ from etcdproc import EtcdCluster, free_port, running_etcd
 from simproc import running_simulator
 
 import llmhealth
-from llmhealth import ExitCode, State, VerdictKind
+from llmhealth import ConfigError, ExitCode, State, VerdictKind
 from llmhealth.cluster import Elector, Etcd, Keys
 from llmhealth.leadership import LeaseTiming
 from llmhealth.state import StateFile, StateLockedError
@@ -233,13 +233,30 @@ def test_check_from_code_with_its_cluster_away_acts_on_nothing_and_says_why(
         (["http://127.0.0.1:9", "http://127.0.0.1:9/"], {}, ValueError),
         (["http://127.0.0.1:9"], {"wait": -1.0}, ValueError),
         (["http://127.0.0.1:9"], {"timeout": float("nan")}, ValueError),
+        (b"http://127.0.0.1:9", {}, TypeError),
+        (None, {}, TypeError),
+        ([9], {}, TypeError),
+        (["http://127.0.0.1:9"], {"proxies": [None]}, TypeError),
+        (["http://127.0.0.1:9"], {"dry_run": "no"}, TypeError),  # ran dry: "no" is true
+        (["http://127.0.0.1:9"], {"no_restart": 1}, TypeError),
+        (["http://127.0.0.1:9"], {"state": ""}, ValueError),
+        (["http://127.0.0.1:9"], {"state": " "}, ValueError),
+        (["http://127.0.0.1:9"], {"config": ""}, ConfigError),
     ],
 )
 def test_bad_arguments_are_errors_that_name_the_problem(
-    urls: Any, options: dict[str, Any], error: type[Exception]
+    urls: Any,
+    options: dict[str, Any],
+    error: type[Exception],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with pytest.raises(error):
+    # An empty state was taken for none given: the default (system-wide as root) state
+    # was locked and rewritten, forgetting every backend the call did not name.
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    with pytest.raises(error, match=r"\w"):
         llmhealth.check(urls, **options)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_backend_that_is_down_is_in_the_report_not_an_exception() -> None:

@@ -235,6 +235,34 @@ def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
     assert run(entry_point, "check", "--format", "xml", "http://127.0.0.1:9").returncode == 3
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["check", "http://127.0.0.1:9", "--state", ""], "an empty state path"),
+        (["status", "--state", " "], "an empty state path"),
+        (["check", "--config", ""], "an empty config path"),
+    ],
+)
+def test_an_empty_path_exits_3_and_touches_no_default_state(
+    entry_point: str, tmp_path: Path, args: list[str], said: str
+) -> None:
+    # `--state "$UNSET"` was taken for no --state: the default state was locked and
+    # rewritten (with --config), or a file named " " made in the working directory.
+    environment = {**os.environ, "STATE_DIRECTORY": str(tmp_path)}
+    result = subprocess.run(
+        [entry_point, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=environment,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 3
+    assert said in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unknown_config_key_exits_3_naming_file_and_key(
     entry_point: str, tmp_path: Path
 ) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import pytest
 
@@ -35,3 +37,31 @@ def test_a_failure_inside_still_gives_the_thresholds_back() -> None:
     with pytest.raises(RuntimeError), young_collections_spaced():
         raise RuntimeError("a read went wrong")
     assert gc.get_threshold() == before
+
+
+def test_holders_in_several_threads_at_once_leave_the_collector_as_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``llmhealth.check`` from several threads: a first holder that read the thresholds
+    after another had set them restored the set ones, for good. A slow read of the
+    thresholds widens the window a real race has."""
+    read = gc.get_threshold
+
+    def slow_read() -> tuple[int, int, int]:
+        time.sleep(0.01)
+        return read()
+
+    monkeypatch.setattr(gc, "get_threshold", slow_read)
+    before = read()
+
+    def hold(delay: float) -> None:
+        time.sleep(delay)
+        with young_collections_spaced():
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=hold, args=(0.003 * i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert read() == before

@@ -1275,10 +1275,15 @@ def test_the_floor_is_breached_below_min_healthy_and_the_message_names_every_cau
     assert ledger.metrics["floor_breached"] == 1
 
 
-def test_an_empty_fleet_is_under_the_default_floor() -> None:
+def test_a_fleet_of_no_backends_has_no_floor_to_breach() -> None:
+    # A run over proxies alone: its summary said "floor breached: 0 of 0 backends
+    # serving" beside floor_breached false.
     ledger = Ledger(POLICY)
-    assert ledger.floor_breached
-    assert ledger.floor_message.endswith("no backends configured")
+    assert not ledger.floor_breached
+    assert ledger.floor_message == (
+        "0 of 0 backends serving, min_healthy is 1: no backends configured"
+    )
+    assert ledger.metrics["floor_breached"] == 0
 
 
 def test_a_floor_of_zero_is_never_breached() -> None:
