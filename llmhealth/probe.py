@@ -227,7 +227,11 @@ def _wire_failure(
         return _RequestFailedError(
             ReadProblem.UNUSABLE, f"{method} {_path(url)} sent more than the {_size(max_bytes)} cap"
         )
-    # CLOSED, and MALFORMED (not HTTP as framed): the connection gave no usable answer.
+    if failure is wire.Failure.MALFORMED:  # no usable answer, as a reset gives none
+        return _RequestFailedError(
+            ReadProblem.DOWN,
+            f"{method} {_path(url)}: answered, but not in HTTP/1.x: {_reason(exc)}",
+        )
     where = f"mid-body after {received} bytes" if received else "before an answer"
     return _RequestFailedError(
         ReadProblem.DOWN, f"connection closed or reset {where}: {_reason(exc)}"
@@ -270,7 +274,10 @@ async def read_metrics(
     detail = ""
     if not signals.has_vllm:
         kind = printable(response.headers.get("content-type", "no content type")[:100])
-        detail = f"GET /metrics sent {len(response.body)} bytes ({kind}) without vLLM series"
+        # The parser's own note when it gave up on the text ("without vLLM series" was
+        # false of a text too long to read, as one showing work could be).
+        said = f": {'; '.join(signals.notes)}" if signals.notes else " without vLLM series"
+        detail = f"GET /metrics sent {len(response.body)} bytes ({kind}){said}"
     return Read(clock(), signals=signals, detail=detail)
 
 

@@ -17,6 +17,7 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
+import llmhealth.metrics as metrics_module
 from llmhealth.classify import (
     Answer,
     Outcome,
@@ -634,6 +635,20 @@ def test_a_content_length_of_thousands_of_digits_is_malformed_not_left_unjudged(
         read = asyncio.run(_read_once(url, settings))
     assert read.problem is ReadProblem.DOWN, read  # not HTTP as framed: no usable answer
     assert "bad Content-Length" in read.detail
+    # It answered: "connection closed or reset before an answer" said otherwise.
+    assert read.detail.startswith("GET /metrics: answered, but not in HTTP/1.x: "), read
+
+
+def test_a_text_too_long_to_read_says_so_not_that_it_has_no_vllm_series(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(metrics_module, "MAX_LINES", 100)
+    running = "".join(f'vllm:num_requests_running{{engine="{i}"}} 1\n' for i in range(150))
+    httpserver.expect_request("/metrics").respond_with_data(running)
+    settings = ProbeSettings(wait=0.0, timeout=2.0, answer_timeout=1.0)
+    read = asyncio.run(_read_once(httpserver.url_for("").rstrip("/"), settings))
+    assert read.detail.endswith(": more than 100 lines of vLLM series: not read"), read
+    assert "without vLLM series" not in read.detail
 
 
 async def _read_once(url: str, settings: ProbeSettings) -> Read:
