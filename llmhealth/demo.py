@@ -21,15 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from rich.console import Console
 
 from llmhealth.actions import read
-from llmhealth.classify import Target
+from llmhealth.classify import Target, VerdictKind
 from llmhealth.config import Config, from_mapping
 from llmhealth.cycle import run_cycle
 from llmhealth.daemon import Daemon
@@ -41,6 +41,7 @@ from llmhealth.router import Router
 from llmhealth.state import StateFile
 
 _HOST = "127.0.0.1"
+_T = TypeVar("_T")
 _READY_WITHIN = 30.0
 _WEDGE_AFTER = 1.0
 _WATCH_FOR = 10.0
@@ -125,7 +126,44 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
     raise RuntimeError(f"the simulator was not ready within {_READY_WITHIN:g} s")
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds the demo as Ctrl-C does, so every simulator, daemon and etcd it
+    started is stopped on the way out; before, SIGTERM ended it at once and left them."""
+    before = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run(main: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run``, and SIGTERM an interrupt again after it: the daemon's loop takes
+    SIGTERM and SIGINT for itself, and closing it leaves SIGTERM at its default."""
+    try:
+        return asyncio.run(main)
+    finally:
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _stopped_early(daemon: asyncio.Task[int]) -> None:
+    """A daemon that stopped before the demo stopped it took a Ctrl-C or a SIGTERM meant
+    for the demo (it handles both itself): the demo stops too, instead of scraping or
+    streaming from what is gone."""
+    if daemon.done():
+        raise KeyboardInterrupt("stopped")
+
+
 def run_demo(console: Console) -> int:
+    with _terminate_as_interrupt():
+        return _run_parts(console)
+
+
+def _run_parts(console: Console) -> int:
     base = free_port_block(len(_FLEET) + 2)
     urls = [f"http://{_HOST}:{base + index}" for index in range(len(_FLEET))]
     proxy_url = f"http://{_HOST}:{base + len(_FLEET)}"
@@ -162,10 +200,16 @@ def _one_check(console: Console, urls: list[str], proxy_url: str) -> None:
     report = run_cycle(Config(), targets, ProbeSettings(wait=2.0, timeout=3.0), None)
     print_report(report, console)
     code = exit_code(report)
+    verdicts = {b.outcome.target.name: b.outcome.verdict.kind for b in report.backends}
+    wedging = verdicts.get("gpu2-wedging")
+    proven = (
+        "the wedged one was proven over two waits"
+        if wedging is VerdictKind.WEDGED
+        else f"the wedging one was judged {wedging} (a slow machine: the watch part proves it)"
+    )
     console.print(
         f"\nExit {int(code)} ({code.name}). The busy backend was judged by its own counters "
-        "and sent no request; the wedged one was proven over two waits; the proxy was only "
-        "asked for /v1/models."
+        f"and sent no request; {proven}; the proxy was only asked for /v1/models."
     )
 
 
@@ -205,12 +249,15 @@ def _watch_live(
 
     async def bounded() -> int:
         task = asyncio.create_task(daemon.run())
-        await asyncio.sleep(_WATCH_FOR)
-        console.print(_own_metrics(metrics_port))
-        daemon.stop()
+        try:
+            await asyncio.wait({task}, timeout=_WATCH_FOR)
+            _stopped_early(task)
+            console.print(_own_metrics(metrics_port))
+        finally:
+            daemon.stop()
         return await task
 
-    asyncio.run(bounded())
+    _run(bounded())
     console.rule("3. what it left behind")
     console.print("$ llmhealth status\n")
     record = read_record(store, config)
@@ -286,15 +333,22 @@ def _route_live(console: Console, scratch: Path) -> None:
 
     async def bounded() -> None:
         task = asyncio.create_task(daemon.run())
+        client = asyncio.create_task(
+            _stream_client(console, router_url, time.monotonic() + _ROUTE_FOR)
+        )
         try:
-            await _stream_client(console, router_url, time.monotonic() + _ROUTE_FOR)
+            await asyncio.wait({task, client}, return_when=asyncio.FIRST_COMPLETED)
+            if not client.done():
+                _stopped_early(task)
+            client.result()
         finally:
+            client.cancel()
             daemon.stop()
             await task
 
     modes = [mode for _, mode in _ROUTE_FLEET]
     with simulated_fleet(modes, base, request_seconds=0.4):
-        asyncio.run(bounded())
+        _run(bounded())
     console.print(
         "\nThe wedged backend cost the client one stream (or a few, until the reads "
         "proved the wedge), each ended by an SSE error event within stream_idle_timeout; "
@@ -449,10 +503,16 @@ def _takeover_live(console: Console, scratch: Path) -> None:
                     markup=False,
                 )
     by = sorted({str(entry.get("member")) for entry in restarts})
+    # Said from the trail, not assumed: the old leader may have restarted before it died.
+    what = "1 restart" if len(restarts) == 1 else f"{len(restarts)} restarts"
+    whose = (
+        "the daemon that took over, under its own fencing token"
+        if len(by) == 1
+        else "each under its daemon's own fencing token"
+    )
     console.print(
-        f"\n{len(restarts)} restart in the trail, by {', '.join(by)}: the daemon that took "
-        "over, under its own fencing token. Each record was written in the same etcd "
-        "transaction as the state it led to.",
+        f"\n{what} in the trail, by {', '.join(by)}: {whose}. Each record was written in "
+        "the same etcd transaction as the state it led to.",
         highlight=False,
         markup=False,
     )

@@ -1,0 +1,81 @@
+"""`llmhealth demo` stopped part-way, as an operator stops it: everything it started goes.
+
+The demo runs for about a minute, so only its stop is tested here; `make demo` runs it
+whole in CI's fresh-clone check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+PATIENCE = 60.0  # seconds: a bound on what must happen, never a timing claim
+
+
+def children(pid: int) -> set[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(word) for word in text.split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("part", "signum"),
+    [
+        ("1. one check", signal.SIGTERM),
+        ("2. llmhealth watch", signal.SIGINT),
+        ("2. llmhealth watch", signal.SIGTERM),
+    ],
+    ids=["check-sigterm", "watch-ctrl-c", "watch-sigterm"],
+)
+def test_a_demo_stopped_part_way_stops_its_simulators_and_exits_130(
+    part: str, signum: signal.Signals
+) -> None:
+    # Before: SIGTERM in the check part ended the demo at once with its simulator left
+    # running, reparented to init; in the watch part the daemon took either signal and
+    # the demo went on to scrape it, gone, and ended in a ConnectError traceback.
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "llmhealth", "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    seen: list[str] = []
+    assert demo.stdout is not None
+    reader = threading.Thread(target=lambda: seen.extend(demo.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + PATIENCE
+        while not any(part in line for line in seen):
+            assert demo.poll() is None and time.monotonic() < deadline, "".join(seen)
+            time.sleep(0.1)
+        simulators = children(demo.pid)
+        assert simulators, "the demo's simulator"
+        demo.send_signal(signum)
+        _, stderr = demo.communicate(timeout=PATIENCE)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 130, stderr  # a shell's code for an interrupted command
+    assert "Traceback" not in stderr, stderr
+    assert not [pid for pid in simulators if alive(pid)]
