@@ -379,6 +379,8 @@ class FleetRecord:
             state = self.ledger.state_of(name)
             note = f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}"
             changes.append(MembershipChange(name, "readdressed", state, note))
+            # Requests drained after the move went to the old address.
+            self.fresh_since[name] = now
         self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
@@ -430,12 +432,29 @@ class FleetRecord:
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         self.sightings[name] = sighting_of(verdict, now, previous)
-        if any(t.applied and t.kind in _FRESH_START for t in transitions):
+        self.moved(name, transitions, now)
+        return transitions
+
+    def moved(self, name: str, transitions: Sequence[Transition], now: float) -> None:
+        """What the ledger's moves mean for the rest of the record, whoever made them (a
+        verdict, or an operator's verb: a `readmit` left all of this behind, and the
+        failed requests drained at the next settle condemned the backend again at once).
+
+        After a new process or a re-admission, outcomes known before it are about what
+        the backend was; a re-admission also proves a restart worked and ends the proof
+        that condemned it; and once the ledger counts no request failure (an answered
+        tiny request, a fresh start) the failed requests kept as the streak's proof go,
+        or a later condemnation named the old process's requests.
+        """
+        applied = {t.kind for t in transitions if t.applied}
+        if applied & _FRESH_START:
             self.fresh_since[name] = now
-        if any(t.applied and t.kind is EventKind.READMITTED for t in transitions):
+        if EventKind.READMITTED in applied:
             self.restart_worked(name)
             self.proofs.pop(name, None)
-        return transitions
+        streak_kept = name in self.request_streaks and name in self.ledger
+        if streak_kept and self.ledger.snapshot(name, now).request_failures == 0:
+            del self.request_streaks[name]
 
     def observe_requests(self, name: str, outcomes: Sequence[RequestOutcome]) -> list[Transition]:
         """Feed real-traffic outcomes to the ledger, each at its own time, in order.

@@ -139,8 +139,7 @@ def apply_event(
             "reason": reason or transition.reason,
             "applied": transition.applied,
         }
-        if transition.applied and verb == "readmit":
-            record.restart_worked(name)
+        record.moved(name, [transition], now)
         if transition.applied:
             edit.audit_added(audit, now)
         audit.append(entry)

@@ -256,7 +256,7 @@ class StateFile:
         self, document: dict[str, Any], *, before: Callable[[], None] = nothing_before
     ) -> None:
         """Write a temp file, fsync it, run ``before``, rename it over the state, fsync
-        the directory."""
+        the directory (past the rename it is saved: StateError only before it)."""
         temporary: Path | None = None
         try:
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
@@ -272,11 +272,6 @@ class StateFile:
                 os.fsync(handle.fileno())
             before()
             os.replace(temporary, self.path)
-            directory = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
         except BaseException as exc:
             # The text is encoded while it is written, so a value JSON cannot hold fails
             # midway too: no half-written temp file is left, and the state stays whole.
@@ -286,6 +281,16 @@ class StateFile:
             if isinstance(exc, OSError):
                 raise StateError(f"cannot write state {self.path}: {exc}") from exc
             raise
+        # Saved: every reader sees the new state from the rename on. A directory that will
+        # not sync (a failing disk) risks only that across a power loss, and the next save
+        # syncs it again; raised, it made the caller redo a settle already saved, with
+        # its requests counted twice and its audit lines written twice.
+        with contextlib.suppress(OSError):
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
 
     def command_env(self) -> dict[str, str]:
         """One machine acts under the file lock: there is no token to hand on."""

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,14 @@ from llmhealth.ledger import (
     GoodVerdict,
     Ledger,
     LedgerPolicy,
+    NewProcessUp,
     ProcessSeen,
     Readmitted,
     State,
     WedgeProven,
 )
 from llmhealth.state import StateFile
+from llmhealth.traffic import FailureKind, RequestOutcome
 
 T0 = 1_796_000_000.0
 
@@ -257,6 +260,35 @@ def test_a_backend_configured_since_the_last_check_can_be_held_before_the_next(
     shown = status(state)
     assert (shown["gpu1"]["state"], shown["gpu2"]["state"]) == ("dead", "healthy")
     assert isinstance(shown["gpu2"]["hold"], dict)
+
+
+def test_a_readmit_starts_the_backend_afresh_so_requests_failed_before_it_never_count(
+    tmp_path: Path,
+) -> None:
+    """An operator's readmit left the record as it was: failures known before it but
+    drained at the next settle condemned the backend again at once, and the streak and
+    proof of the old condemnation stayed."""
+    now = time.time()
+    record = FleetRecord(Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=now - 60))
+    failed = [
+        RequestOutcome(now - 50 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    record.observe_requests("gpu0", failed)
+    assert record.ledger.state_of("gpu0") is State.DEAD and "gpu0" in record.proofs
+    record.ledger.apply("gpu0", NewProcessUp(now=now - 40))  # STALE, its proof to come
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    assert llmhealth("readmit", "gpu0", "--state", str(path)).returncode == 0
+    with store.locked():
+        readmitted = store.load(lambda document: FleetRecord.from_dict(document, LedgerPolicy()))
+    assert readmitted is not None
+    assert "gpu0" not in readmitted.proofs and "gpu0" not in readmitted.request_streaks
+    late = [replace(outcome, at=now - 30 + i) for i, outcome in enumerate(failed)]
+    readmitted.observe_requests("gpu0", late)  # failed before the readmit, drained after
+    assert readmitted.ledger.state_of("gpu0") is State.HEALTHY
 
 
 def test_status_counts_in_place_recoveries_within_the_window(tmp_path: Path) -> None:

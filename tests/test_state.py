@@ -300,6 +300,26 @@ def test_a_document_json_cannot_hold_fails_its_save_and_leaves_the_state_whole(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["state.json"]
 
 
+def test_a_save_renamed_into_place_is_saved_though_its_directory_will_not_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing disk's directory fsync raised after the rename: the daemon took the
+    settle for unsaved and gave its requests back, and the next settle, loading the
+    state saved all the same, counted them twice."""
+    file_sync = os.fsync
+
+    def failing_disk(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        file_sync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", failing_disk)
+    store = StateFile(tmp_path / "state.json")
+    store.save({"ledger": {"epoch": 2}})
+    assert json.loads((tmp_path / "state.json").read_bytes())["ledger"] == {"epoch": 2}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["state.json"]
+
+
 def test_a_memory_store_keeps_a_record_for_the_run_as_a_file_would_hold_it() -> None:
     store = MemoryStore()
     with store.locked():

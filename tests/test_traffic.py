@@ -188,6 +188,30 @@ def test_an_answered_request_ends_the_streak_it_would_prove() -> None:
     assert [r["at"] for r in fleet.proofs["a"]["requests"]] == [T0 + 3, T0 + 4, T0 + 5]
 
 
+def test_a_fresh_start_ends_the_streak_so_no_later_proof_names_the_old_process() -> None:
+    """A new process re-admitted kept the old one's failed requests as its streak: the
+    next condemnation's proof (audit log, restart evidence) named them."""
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+    fleet.ledger.apply("a", WedgeProven(now=T0 + 2))
+    fleet.ledger.apply("a", NewProcessUp(now=T0 + 3))
+    idle = Verdict(VerdictKind.IDLE, True, "idle", answer=Answer(T0 + 4, True, "answered"))
+    fleet.observe("a", idle, T0 + 4)
+    assert fleet.ledger.state_of("a") is State.HEALTHY
+    assert fleet.request_streaks == {}
+    fleet.observe_requests("a", [failed(T0 + 5), failed(T0 + 6), failed(T0 + 7)])
+    assert [r["at"] for r in fleet.proofs["a"]["requests"]] == [T0 + 5, T0 + 6, T0 + 7]
+
+
+def test_requests_drained_after_a_move_to_a_new_address_went_to_the_old_one() -> None:
+    fleet = record()
+    fleet.reconcile({"a": "http://a2", "b": "http://b"}, T0 + 10)
+    fleet.observe_requests("a", [failed(T0 + 9)])  # sent to http://a, drained only now
+    assert fleet.ledger.snapshot("a", T0 + 11).request_failures == 0
+    fleet.observe_requests("a", [failed(T0 + 11)])
+    assert fleet.ledger.snapshot("a", T0 + 12).request_failures == 1
+
+
 def test_a_malformed_streak_in_the_state_file_is_named() -> None:
     document = record().to_dict()
     document["request_streaks"] = {"a": "nonsense"}
