@@ -515,18 +515,35 @@ def _had_work(read: Read) -> bool:
 
 
 def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
-    """How many of the latest waits in a row this engine had work and made no progress."""
+    """How many of the latest waits in a row this engine had work and made no progress.
+
+    A read that failed in between (a /metrics timeout) ends nothing: counters only grow
+    within a process, so the readable reads either side of it still show whether the
+    engine progressed across it. It ended the freeze before, so a wedge read through an
+    occasional timeout was never proven once its window was longer than the gap between
+    two failures. Only the same process on both sides counts: a new start time, or none
+    to compare (vLLM's multiprocess mode), ends the freeze at the gap.
+    """
     streak = 0
-    for index in range(len(reads) - 1, 0, -1):
-        older = _signals(reads[index - 1]).engine(engine_name)
-        newer = _signals(reads[index]).engine(engine_name)
+    newer_index = len(reads) - 1
+    for index in range(len(reads) - 2, -1, -1):
+        if not _has_vllm(reads[index]):
+            continue  # failed: compared across, with the readable read before it
+        older_signals, newer_signals = _signals(reads[index]), _signals(reads[newer_index])
+        older = older_signals.engine(engine_name)
+        newer = newer_signals.engine(engine_name)
         if older is None or newer is None or older.asleep or newer.asleep:
             break
         if not (older.work or 0) > 0 or not (newer.work or 0) > 0:
             break
+        across_a_gap = index < newer_index - 1
+        start = newer_signals.process_start
+        if across_a_gap and (start is None or older_signals.process_start != start):
+            break
         if _progressed(older, newer):
             break
-        streak += 1
+        streak = len(reads) - 1 - index
+        newer_index = index
     return streak
 
 

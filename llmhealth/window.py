@@ -167,7 +167,15 @@ def wedge_window(
             )
         )
     young = None
-    if process_age is not None and 0 <= process_age < rules.startup_grace:
+    if process_age is not None and process_age < 0:
+        # Started "later" than this host's clock reads: the two clocks disagree. By less
+        # than startup_grace it is taken for young: dropping the window wedged a
+        # compiling engine in two waits, after every restart, until it was retired.
+        if -process_age < rules.startup_grace:
+            young = (
+                f"process start {-process_age:.0f} s ahead of this host's clock: taken for young"
+            )
+    elif process_age is not None and process_age < rules.startup_grace:
         young = f"process {process_age:.0f} s old, within startup_grace {rules.startup_grace:g} s"
     elif process_age is None and nothing_finished:
         young = "process age unknown (several API servers) and no request finished in it yet"

@@ -988,6 +988,29 @@ def test_the_floor_and_the_startup_window_apply(fixture_text: Load) -> None:
     )
 
 
+def test_a_read_that_failed_within_a_freeze_does_not_start_the_freeze_again(
+    fixture_text: Load,
+) -> None:
+    """One /metrics timeout ended the freeze: with a window of minutes, a wedge read
+    through an occasional timeout was never proven. Counters only grow within a
+    process, so the reads either side of a failed one show it made no progress."""
+    w1, w2, w3 = (parse_metrics(capture(fixture_text, f"wedge-{i}")) for i in (1, 2, 3))
+    rules = WedgeRules(wedge_after=60.0)
+    gap = problem(ReadProblem.UNRESPONSIVE, "GET /metrics: no answer", at=T0 + 30)
+    reads = [Read(T0, w1), gap, Read(T0 + 60, w2), Read(T0 + 90, w3)]
+    verdict = settled(decide(reads, rules=rules))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "steps 8660→?→8660→8660" in verdict.evidence
+    # Another process after the gap (a new start time) is no freeze across it.
+    start = w1.process_start
+    assert start is not None
+    restarted = [parse_metrics(set_sample(capture(fixture_text, f"wedge-{i}"),
+        "process_start_time_seconds", f"{start + 20:.1f}")) for i in (2, 3)]  # fmt: skip
+    after_a_restart = [Read(T0, w1), gap, Read(T0 + 60, restarted[0]), Read(T0 + 90, restarted[1])]
+    decision = decide(after_a_restart, rules=rules)
+    assert not (isinstance(decision, Verdict) and decision.kind is VerdictKind.WEDGED)
+
+
 def test_a_process_of_unknown_age_that_finished_nothing_yet_gets_the_startup_window(
     fixture_text: Load,
 ) -> None:

@@ -59,6 +59,10 @@ def test_the_largest_term_sets_the_window_and_says_why() -> None:
     unknown = wedge_window(rules, None, None, nothing_finished=True)
     assert unknown.seconds == 300.0 and "process age unknown" in unknown.why
     assert wedge_window(rules, None, 5000.0, nothing_finished=True).seconds == 120.0
+    skewed = wedge_window(rules, None, -90.0)  # its host's clock 90 s ahead of ours
+    assert skewed.seconds == 300.0 and "90 s ahead of this host's clock" in skewed.why
+    # Clocks a startup_grace or more apart: no start-up window, as before.
+    assert wedge_window(rules, None, -5000.0, nothing_finished=True).seconds == 120.0
     none = wedge_window(WedgeRules(startup_wedge_after=0), None, 60.0)
     assert (none.seconds, none.extended, none.why) == (0.0, False, "two waits")
 
