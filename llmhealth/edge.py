@@ -341,6 +341,8 @@ class _Connection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(self._edge.idle_timeout, transport.abort)
             return
         self._edge.idle(self)
+        if self._lost or self.transport is None or self.transport.is_closing():
+            return  # let go at once: the edge is closing
         if self._reading_paused:
             self._reading_paused = False
             assert self.transport is not None
@@ -486,10 +488,14 @@ class _Connection(asyncio.Protocol):
         transport.abort()
 
     def let_go(self) -> None:
-        """End an idle connection now, dropping what is unsent (an answer its client never
-        read): an orderly end, which keep-alive clients expect of an idle connection."""
-        if self.transport is not None:
-            self.transport.abort()
+        """End an idle connection in order, which keep-alive clients expect of one: the
+        end of its last answer may still be buffered (up to the high-water mark), so it
+        is sent first, if its client takes it within ``LINGER``; then it goes anyway."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
@@ -545,6 +551,7 @@ class Edge:
         self._idle: OrderedDict[_Connection, float] = OrderedDict()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        self._closing = False
 
     async def start(self, host: str, port: int, backlog: int) -> None:
         loop = asyncio.get_running_loop()
@@ -553,11 +560,21 @@ class Edge:
         )
         self._sweeper = loop.call_later(SWEEP, self._sweep)
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 0.0) -> None:
+        """Take no more connections, let the idle ones go, give requests in progress up
+        to ``grace`` seconds to end (each connection let go once its answer is written),
+        then cut off what is left: a stop or an upgrade no longer fails every request
+        that was about to finish."""
+        self._closing = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
+        for conn in list(self._idle):
+            conn.let_go()
+        busy = [conn.task for conn in self._held if conn.task is not None]
+        if busy and grace > 0:
+            await asyncio.wait(busy, timeout=grace)
         tasks = [conn.task for conn in self._held if conn.task is not None]
         for conn in list(self._held):
             if conn.task is not None:
@@ -597,8 +614,11 @@ class Edge:
         self._idle.pop(conn, None)
 
     def idle(self, conn: _Connection) -> None:
-        """Its answer is written whole: it may be closed for room, or when idle too long."""
-        if conn in self._held:
+        """Its answer is written whole: it may be closed for room, or when idle too long
+        (at once while the edge closes)."""
+        if self._closing:
+            conn.let_go()
+        elif conn in self._held:
             self._idle[conn] = time.monotonic()
 
     def _sweep(self) -> None:

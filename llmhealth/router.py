@@ -63,6 +63,9 @@ HOP_BY_HOP: Final = frozenset(
 )
 # Below uvicorn's 5 s keep-alive (vLLM's server), so the router never sends a request on
 # a connection the backend is closing: that race would read as a reset and be counted.
+# Seconds requests in progress get to end when the router stops (SIGTERM, an upgrade):
+# most non-streamed answers and short streams end within it; a longer one is cut off.
+DRAIN: Final = 5.0
 UPSTREAM_KEEPALIVE = 2.0
 BACKEND_HEADER: Final = "X-LLMHealth-Backend"
 # Seconds past a connect deadline at which the router hears of it and no longer blames
@@ -449,8 +452,9 @@ class Router:
         await self.connections.start(host, port, backlog=1024)
 
     async def close(self) -> None:
+        """Stop routing: requests in progress get ``DRAIN`` seconds to end first."""
         if self.connections is not None:
-            await self.connections.close()
+            await self.connections.close(DRAIN)
         self._pool.close()
 
     # --- requests ----------------------------------------------------------------------

@@ -796,6 +796,39 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
     run(scenario())
 
 
+def test_a_request_in_progress_when_the_router_stops_is_answered_whole() -> None:
+    """Stopping cut every request in progress at once: an upgrade or a SIGTERM failed
+    the answers about to come. They get DRAIN seconds now; new connections none."""
+
+    async def answers_late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(1.0)
+        body = b'{"choices": ["late but whole"]}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(answers_late) as late,
+            routing({"a": late}) as (router, url),
+            client() as http,
+        ):
+            sending = asyncio.create_task(http.post(url + CHAT, content=BODY))
+            async with asyncio.timeout(BOUND):
+                while not router.in_flight:
+                    await asyncio.sleep(0.01)
+            stopping = asyncio.create_task(router.close())
+            response = await sending
+            assert response.status_code == 200
+            assert response.json() == {"choices": ["late but whole"]}
+            await stopping
+            with pytest.raises(httpx.ConnectError):
+                await http.post(url + CHAT, content=BODY)
+
+    run(scenario())
+
+
 def test_a_body_cut_off_is_a_reset_for_a_client_that_reads_to_the_connections_end() -> None:
     """HTTP/1.0 has no chunks: its answer ends with the connection, so an orderly end
     after a backend broke mid-body passed a part of the JSON for the whole of it."""
