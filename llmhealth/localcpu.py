@@ -3,8 +3,9 @@
 I/O: reads /proc (Linux) or a cgroup's ``cpu.stat``, nothing else, and never raises: no
 evidence is a value (None). The processes are found through the address and port the
 backend listens on: the listening process is vLLM's API server, and its descendants are
-the engine core and its workers; when it has none, the engine runs inside it. A
-configured cgroup (a systemd unit's) counts every process in it instead.
+the engine core and its workers; when it has none, the engine runs inside it. Only
+processes of which one names vLLM in its command line are sampled. A configured cgroup
+(a systemd unit's) counts every process in it instead.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ class LocalCpu:
             if listener is None:
                 return None
             processes = _descendants(listener.pid) or [listener.pid]
+            if not any(_names_vllm(pid) for pid in processes):
+                # Not vLLM's: a forwarder listening in its place (docker-proxy for a
+                # published port, socat, `ssh -L`) has no engine below it, and an API
+                # server whose only children are helpers (multiprocessing's resource
+                # tracker) runs its engine itself. Their idle CPU proved a wedge of an
+                # engine that was computing.
+                return None
             stats = {pid: _stat_fields(pid) for pid in processes}
             seconds = sum((int(f[11]) + int(f[12])) / _TICKS for f in stats.values())
             stopped = tuple(sorted(pid for pid, f in stats.items() if f[0] in ("T", "t")))
@@ -290,6 +298,23 @@ def _socket_of(local: str) -> Socket:
     raw = bytes.fromhex(hexed)
     ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return _plain_address(ipaddress.ip_address(ordered)), int(port, 16)
+
+
+_CMDLINE_BYTES = 4096
+
+
+def _names_vllm(pid: int) -> bool:
+    """Whether a process's command line or name names vLLM: its engine core and workers
+    retitle themselves (``VLLM::EngineCore``, ``VLLM::Worker``, with setproctitle, which
+    sets both), its API server runs ``vllm``."""
+    for part in ("cmdline", "comm"):
+        try:
+            with open(f"{_PROC}/{pid}/{part}", "rb") as handle:
+                if b"vllm" in handle.read(_CMDLINE_BYTES).lower():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _stat_fields(pid: int) -> list[str]:

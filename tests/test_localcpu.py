@@ -24,13 +24,13 @@ from llmhealth.probe import ProbeSettings, examine_backend, new_client
 from llmhealth.window import LongestStep
 
 # A stand-in for vLLM's API server: it listens, prints its port, and starts one child
-# (the "engine core") that spins on the CPU until stopped.
+# (the "engine core", titled as vLLM's is) that spins on the CPU until stopped.
 SERVER = """
 import socket, subprocess, sys
 listener = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
 listener.bind((sys.argv[1], int(sys.argv[2])))
 listener.listen()
-engine = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+engine = subprocess.Popen([sys.executable, "-c", "while True: pass", "VLLM::EngineCore"])
 print(listener.getsockname()[1], engine.pid, flush=True)
 try:
     sys.stdin.read()
@@ -97,6 +97,47 @@ def test_two_servers_on_one_port_of_two_loopback_addresses_are_told_apart() -> N
             assert sample is not None and sample.processes == (engine,), url
 
 
+# A listener that is not vLLM's: a forwarder (docker-proxy for a published port, socat)
+# with no engine below it, or, given a child's code, a server whose only child is a
+# helper (multiprocessing's resource tracker) that names no vLLM process.
+NOT_VLLM = """
+import socket, subprocess, sys, time
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+helpers = [subprocess.Popen([sys.executable, "-c", code]) for code in sys.argv[1:]]
+print(listener.getsockname()[1], flush=True)
+try:
+    sys.stdin.read()
+finally:
+    for helper in helpers:
+        helper.kill()
+        helper.wait()
+"""
+
+
+@pytest.mark.parametrize("children", [[], ["import time\nwhile True: time.sleep(1)"]])
+def test_a_listener_with_no_vllm_process_below_it_gives_no_evidence(children: list[str]) -> None:
+    """The idle CPU of a forwarder in front of vLLM, or of a helper beside an engine that
+    runs inside its API server, proved a wedge in two waits of an engine computing."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", NOT_VLLM, *children],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        cpu = LocalCpu(f"http://127.0.0.1:{port}")
+        assert cpu.applies and cpu.sample() is None
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
 def stop(pid: int) -> None:
     """SIGSTOP, then wait for the kernel to show the process stopped: the signal lands
     only once the process is next scheduled, and on a loaded machine a read made at once
@@ -160,7 +201,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 # The engine core, then any workers: one child process per code given.
-children = [subprocess.Popen([sys.executable, "-c", code]) for code in sys.argv[2:]]
+children = [
+    subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"]) for code in sys.argv[2:]
+]
 print(server.server_address[1], *(child.pid for child in children), flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the children go too
 try:
