@@ -181,16 +181,17 @@ def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Pr
     proxies, config, state = options.proxies, options.config, options.state
     if isinstance(urls, str | bytes) or isinstance(proxies, str | bytes):
         raise TypeError("urls and proxies are lists of URLs, not one string")
+    if urls is None or proxies is None:
+        raise TypeError("urls and proxies are lists of URLs, not None")
+    urls, proxies = list(urls), list(proxies)  # an iterator is read once, here
     for name, given in (("urls", urls), ("proxies", proxies)):
-        if given is None:
-            raise TypeError(f"{name}: a list of URLs, got None")
         if any(not isinstance(url, str) for url in given):
-            raise TypeError(f"{name}: each one a URL string, got {list(given)!r}")
+            raise TypeError(f"{name}: each one a URL string, got {given!r}")
     for name, flag in (("dry_run", options.dry_run), ("no_restart", options.no_restart)):
         if not isinstance(flag, bool):  # "no" would act as True: dry_run="no" ran dry
             raise TypeError(f"{name} is True or False, got {flag!r}")
     loaded = config_module.load(str(config)) if config is not None else config_module.Config()
-    targets = config_module.targets_for(loaded, list(urls), list(proxies))
+    targets = config_module.targets_for(loaded, urls, proxies)
     if not targets:
         raise ValueError("nothing to check: give backend URLs, proxies or a config")
     settings = ProbeSettings(

@@ -517,18 +517,23 @@ def _had_work(read: Read) -> bool:
 def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
     """How many of the latest waits in a row this engine had work and made no progress.
 
-    A read that failed in between (a /metrics timeout) ends nothing: counters only grow
-    within a process, so the readable reads either side of it still show whether the
-    engine progressed across it. It ended the freeze before, so a wedge read through an
-    occasional timeout was never proven once its window was longer than the gap between
-    two failures. Only the same process on both sides counts: a new start time, or none
-    to compare (vLLM's multiprocess mode), ends the freeze at the gap.
+    A read that failed earlier in a freeze (a /metrics timeout) ends nothing: counters
+    only grow within a process, so the readable reads either side of it still show
+    whether the engine progressed across it. It ended the freeze before, so a wedge read
+    through an occasional timeout was never proven once its window was longer than the
+    gap between two failures. But the newest wait must be read at both ends: the API
+    server that did not answer may have been held up, and with it the counters it keeps,
+    which then catch up at a later read; and only the same process on both sides of a
+    gap counts (a new start time, or none to compare in vLLM's multiprocess mode, ends
+    the freeze there).
     """
     streak = 0
     newer_index = len(reads) - 1
     for index in range(len(reads) - 2, -1, -1):
         if not _has_vllm(reads[index]):
-            continue  # failed: compared across, with the readable read before it
+            if streak == 0:
+                break  # the newest wait was not read at both ends
+            continue  # an earlier failed read: compared across
         older_signals, newer_signals = _signals(reads[index]), _signals(reads[newer_index])
         older = older_signals.engine(engine_name)
         newer = newer_signals.engine(engine_name)

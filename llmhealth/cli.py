@@ -86,6 +86,11 @@ FormatOption = Annotated[
 ]
 
 
+def _config_or_default(config_file: str | None) -> config_module.Config:
+    """The config named, or the defaults when none is (an empty name is refused)."""
+    return config_module.load(config_file) if config_file is not None else config_module.Config()
+
+
 def _state_path(value: str | None) -> str | None:
     if value is not None:
         try:
@@ -348,7 +353,7 @@ def _operator_context(
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
 
-    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
+    loaded = _config_or_default(config_file)
     if loaded.cluster is not None:  # the record is in etcd: no state path is needed
         from llmhealth.cluster import Etcd, EtcdStore, Keys  # noqa: PLC0415
 
@@ -455,7 +460,7 @@ def audit(
     from llmhealth.actions import scan  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
 
-    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
+    loaded = _config_or_default(config_file)
     if loaded.cluster is not None:
         from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
 
@@ -634,7 +639,7 @@ def _fleet(
     urls: list[str], proxies: list[str], config_file: str | None
 ) -> tuple[config_module.Config, list[Target]]:
     """The config (or defaults) and every target: configured ones first, then bare URLs."""
-    loaded = config_module.load(config_file) if config_file is not None else config_module.Config()
+    loaded = _config_or_default(config_file)
     try:
         return loaded, config_module.targets_for(loaded, urls, proxies)
     except config_module.BadTargetError as exc:

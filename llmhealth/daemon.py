@@ -60,7 +60,14 @@ from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
-from llmhealth.remediate import CommandDone, Mode, RestartOrder, not_run, why_not_run
+from llmhealth.remediate import (
+    SUPERSEDED,
+    CommandDone,
+    Mode,
+    RestartOrder,
+    not_run,
+    why_not_run,
+)
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import MemoryStore, StateError, StateFile, Store
@@ -434,7 +441,7 @@ class Daemon:
         if any(running.name == order.name for running in self._commands_running.values()):
             replaced = self._orders_waiting.get(order.name)
             if replaced is not None:
-                self._drop_order(replaced, "a later restart took its place")
+                self._drop_order(replaced, SUPERSEDED)
             self._orders_waiting[order.name] = order
             self._log(f"{order.name}: restart issued; its command waits for the previous one")
             return

@@ -206,6 +206,9 @@ class _Connection(asyncio.Protocol):
         self._body_done = True
         self._body_error: BadRequestError | None = None
         self._body_waiter: asyncio.Future[None] | None = None
+        # When a connection closing in order (what is buffered sent first) ends anyway:
+        # cancelled once it has, so that a closed connection leaves no timer behind.
+        self._deadline: asyncio.TimerHandle | None = None
 
     # --- the transport's calls ------------------------------------------------------------
 
@@ -216,6 +219,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._edge.closed(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: so does its upstream request
@@ -334,11 +339,9 @@ class _Connection(asyncio.Protocol):
             return
         if not request.keep_alive or not request.delimited:
             # An orderly end (it ends a body sent without a length), after what is
-            # buffered is sent, if the client reads it within its idle time.
-            transport = self.transport
-            assert transport is not None
-            transport.close()
-            asyncio.get_running_loop().call_later(self._edge.idle_timeout, transport.abort)
+            # buffered is sent, if the client reads it within its idle time; else a
+            # reset, so that a body cut short is not taken for a whole one.
+            self._close_in_order(self._edge.idle_timeout)
             return
         self._edge.idle(self)
         if self._lost or self.transport is None or self.transport.is_closing():
@@ -491,11 +494,16 @@ class _Connection(asyncio.Protocol):
         """End an idle connection in order, which keep-alive clients expect of one: the
         end of its last answer may still be buffered (up to the high-water mark), so it
         is sent first, if its client takes it within ``LINGER``; then it goes anyway."""
+        self._close_in_order(LINGER)
+
+    def _close_in_order(self, within: float) -> None:
+        """Close once what is buffered is sent; reset if that has not happened ``within``
+        seconds (a client that does not read)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         transport.close()
-        asyncio.get_running_loop().call_later(LINGER, transport.abort)
+        self._deadline = asyncio.get_running_loop().call_later(within, self.abort)
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
@@ -520,7 +528,7 @@ class _Connection(asyncio.Protocol):
             transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
-        asyncio.get_running_loop().call_later(LINGER, transport.abort)
+        self._deadline = asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     @property
     def task(self) -> asyncio.Task[None] | None:

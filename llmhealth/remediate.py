@@ -202,6 +202,9 @@ def _issue(
     return RestartOutcome(decision, order=order)
 
 
+SUPERSEDED = "a later restart took its place"
+
+
 def why_not_run(
     record: FleetRecord, order: RestartOrder, argv: tuple[str, ...] | None, now: float
 ) -> str | None:
@@ -218,7 +221,7 @@ def why_not_run(
         return "its backend is no longer configured"
     snapshot = record.ledger.snapshot(order.name, now)
     if snapshot.last_restart_at != order.issued_at:
-        return "a later restart took its place"
+        return SUPERSEDED
     if snapshot.state is not State.RESTARTING:
         return f"its backend is {snapshot.state} now"
     hold = record.holds.get(order.name)
@@ -262,10 +265,10 @@ def hear_commands(
             state = record.ledger.state_of(name)
             entry["from"] = entry["to"] = str(state)
             if not result.ok:
-                if result.exit_code is None:
-                    why = "did not run"  # the audit line says why (its stderr)
-                elif result.timed_out:
+                if result.timed_out:  # its exit code None too, when it outlived SIGKILL
                     why = "timed out"
+                elif result.exit_code is None:
+                    why = "did not run"  # the audit line says why (its stderr)
                 else:
                     why = f"exited {result.exit_code}"
                 failed = record.ledger.apply(

@@ -61,11 +61,11 @@ HOP_BY_HOP: Final = frozenset(
         "content-length",
     }
 )
-# Below uvicorn's 5 s keep-alive (vLLM's server), so the router never sends a request on
-# a connection the backend is closing: that race would read as a reset and be counted.
 # Seconds requests in progress get to end when the router stops (SIGTERM, an upgrade):
 # most non-streamed answers and short streams end within it; a longer one is cut off.
 DRAIN: Final = 5.0
+# Below uvicorn's 5 s keep-alive (vLLM's server), so the router never sends a request on
+# a connection the backend is closing: that race would read as a reset and be counted.
 UPSTREAM_KEEPALIVE = 2.0
 BACKEND_HEADER: Final = "X-LLMHealth-Backend"
 # Seconds past a connect deadline at which the router hears of it and no longer blames

@@ -262,7 +262,8 @@ def test_bad_arguments_are_errors_that_name_the_problem(
 def test_a_backend_that_is_down_is_in_the_report_not_an_exception() -> None:
     with running_simulator(["idle"]) as sim:
         url = sim.urls[0]
-    report = llmhealth.check([url], **FAST)
+    # Any iterable of URLs: an iterator was used up by the check of its items.
+    report = llmhealth.check(iter([url]), **FAST)
     assert report.backends[0].verdict is VerdictKind.DOWN
     assert report.exit_code is ExitCode.CRITICAL
     assert report.backend(report.backends[0].name) is report.backends[0]

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmhealth.actions import CommandResult
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
 from llmhealth.fleet import (
     MAX_RETIRED_FORGOTTEN,
@@ -50,7 +51,14 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
-from llmhealth.remediate import RestartOrder, not_run, why_not_run
+from llmhealth.remediate import (
+    SUPERSEDED,
+    CommandDone,
+    RestartOrder,
+    hear_commands,
+    not_run,
+    why_not_run,
+)
 from llmhealth.window import LongestStep
 
 NOW = 1_000.0
@@ -1193,11 +1201,20 @@ def test_a_restart_that_waited_for_the_last_command_runs_only_while_the_ledger_w
     assert (why_not_run(record, order, command, NOW + 3) or "").startswith("on hold until")
     assert why_not_run(record, order, command, NOW + 61) is None  # the hold is over
     later = RestartOrder("gpu0", command, 60.0, NOW + 1, "wedged", {})
-    assert why_not_run(record, later, command, NOW + 3) == "a later restart took its place"
+    assert why_not_run(record, later, command, NOW + 3) == SUPERSEDED
     record.ledger.apply("gpu0", Retire(now=NOW + 4, reason="swap"))
     assert why_not_run(record, order, command, NOW + 5) == "its backend is retired now"
     assert why_not_run(record_of(("gpu1", URL_1)), order, command, NOW + 5) == (
         "its backend is no longer configured"
+    )
+    timed_out = CommandDone(order, CommandResult(command, None, True, 60.0, "", ""))
+    unkillable = record_of(("gpu0", URL_0))
+    unkillable.observe("gpu0", VERDICTS["busy"], NOW)
+    unkillable.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    unkillable.ledger.apply("gpu0", RestartIssued(now=NOW + 2))
+    hear_commands(unkillable, [timed_out], None, NOW + 70)  # it outlived SIGKILL: no code
+    assert unkillable.ledger.snapshot("gpu0", NOW + 70).last_error.endswith(
+        "restart command timed out"
     )
     dropped = not_run(order, "its backend is retired now")
     assert dropped.result.exit_code is None and not dropped.result.ok
