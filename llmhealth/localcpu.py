@@ -39,6 +39,13 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 class _Found:
     pid: int
     started: int  # /proc/<pid>/stat starttime: a reused pid is another process
+    # The listening socket's inode. A server that closed it and lingers on (a slow
+    # shutdown) is no longer the backend: kept because it lived, its idle CPU was taken
+    # for the engine of the server started in its place, which it proved wedged.
+    socket: int
+
+
+Holder = tuple[int, int]  # a listening socket's holder: its pid, and the socket's inode
 
 
 class LocalCpu:
@@ -74,19 +81,31 @@ class LocalCpu:
                 return None
             stats = {pid: _stat_fields(pid) for pid in processes}
             seconds = sum((int(f[11]) + int(f[12])) / _TICKS for f in stats.values())
-            stopped = tuple(sorted(pid for pid, f in stats.items() if f[0] in ("T", "t")))
+            # Only vLLM's own: a helper (or, where pid 1 holds the socket, any process on
+            # the host) stopped in a terminal is no engine stopped.
+            stopped = tuple(
+                sorted(pid for pid, f in stats.items() if f[0] in ("T", "t") and _names_vllm(pid))
+            )
             return CpuSample(seconds, tuple(sorted(processes)), time.time(), stopped)
         except (OSError, ValueError):
             return None
 
     def _listener(self) -> _Found | None:
-        if self._found is not None and _start_of(self._found.pid) == self._found.started:
-            return self._found
+        found = self._found
+        if (
+            found is not None
+            and _start_of(found.pid) == found.started
+            and found.socket in _listening_sockets()
+        ):
+            return found
         assert self._where is not None
         hosts, port = self._where
-        pid = _listening_pid(hosts, port)
-        started = None if pid is None else _start_of(pid)
-        self._found = None if pid is None or started is None else _Found(pid, started)
+        holder = _listening_holder(hosts, port)
+        started = None if holder is None else _start_of(holder[0])
+        if holder is None or started is None:
+            self._found = None
+        else:
+            self._found = _Found(holder[0], started, holder[1])
         return self._found
 
 
@@ -108,20 +127,20 @@ def _local_address(url: str) -> tuple[tuple[IpAddress, ...], int] | None:
     return ((address,), port) if address.is_loopback else None
 
 
-def _listening_pid(hosts: tuple[IpAddress, ...], port: int) -> int | None:
+def _listening_holder(hosts: tuple[IpAddress, ...], port: int) -> Holder | None:
     """The process that holds the listening socket behind one of these addresses and
     this port, from a scan of /proc that every backend shares (``_listeners``); scanned
-    again when none is in it or its process is gone (a server started or restarted
-    since)."""
+    again when none is in it, its process is gone or its socket listens no more (a
+    server started or restarted since)."""
     taken, found = _listeners()
-    pid = _serving(found, hosts, port)
-    if pid is None or _start_of(pid) is None:
+    holder = _serving(found, hosts, port)
+    if holder is None or _start_of(holder[0]) is None or holder[1] not in _listening_sockets():
         _, found = _listeners(newer_than=taken)
-        pid = _serving(found, hosts, port)
-    return pid
+        holder = _serving(found, hosts, port)
+    return holder
 
 
-def _serving(found: dict[Socket, int], hosts: tuple[IpAddress, ...], port: int) -> int | None:
+def _serving(found: dict[Socket, Holder], hosts: tuple[IpAddress, ...], port: int) -> Holder | None:
     """Who answers a connection to one of ``hosts`` at ``port``: a socket bound to that
     very address, else one bound to every address (IPv6's also takes IPv4).
 
@@ -130,18 +149,18 @@ def _serving(found: dict[Socket, int], hosts: tuple[IpAddress, ...], port: int) 
     """
     wildcards = [_ANY[host.version] for host in hosts] + [_ANY[6]]
     for address in (*hosts, *wildcards):
-        pid = found.get((address, port))
-        if pid is not None:
-            return pid
+        holder = found.get((address, port))
+        if holder is not None:
+            return holder
     return None
 
 
 _SCAN_FRESH = 2.0  # seconds one scan of who listens where answers every lookup
 _scan_lock = threading.Lock()
-_scan: tuple[float, dict[Socket, int]] = (-math.inf, {})  # (when, socket -> pid)
+_scan: tuple[float, dict[Socket, Holder]] = (-math.inf, {})  # (when, socket -> holder)
 
 
-def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, int]]:
+def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, Holder]]:
     """Which process listens on each local TCP port, and when that was scanned: at most
     ``_SCAN_FRESH`` seconds ago and after ``newer_than``, by one thread at a time.
 
@@ -160,13 +179,13 @@ def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, int]]
         return _scan
 
 
-def _scan_listeners() -> dict[Socket, int]:
+def _scan_listeners() -> dict[Socket, Holder]:
     """Every listening TCP socket of this host, by the process holding it: the sockets
     from the kernel (``_listening_sockets``), their holders from each process's open
     descriptors, this process's own passed over (it is never a backend's engine, and a
     check of 3,000 backends holds 3,000 sockets of its own)."""
-    sockets = {f"socket:[{inode}]": where for inode, where in _listening_sockets().items()}
-    by_socket: dict[Socket, int] = {}
+    sockets = {f"socket:[{inode}]": (where, inode) for inode, where in _listening_sockets().items()}
+    by_socket: dict[Socket, Holder] = {}
     ours = str(os.getpid())
     # Plain strings, not Paths: a simulated fleet's servers hold thousands of descriptors.
     for count, pid in enumerate(os.listdir(_PROC)):
@@ -177,9 +196,10 @@ def _scan_listeners() -> dict[Socket, int]:
         descriptors = f"{_PROC}/{pid}/fd"
         try:
             for fd in os.listdir(descriptors):
-                where = sockets.pop(os.readlink(f"{descriptors}/{fd}"), None)
-                if where is not None:
-                    by_socket.setdefault(where, int(pid))
+                listening = sockets.pop(os.readlink(f"{descriptors}/{fd}"), None)
+                if listening is not None:
+                    where, inode = listening
+                    by_socket.setdefault(where, (int(pid), inode))
         except OSError:
             continue  # gone meanwhile, or not ours to look into
     return by_socket

@@ -138,6 +138,56 @@ def test_a_listener_with_no_vllm_process_below_it_gives_no_evidence(children: li
         process.stdout.close()
 
 
+# A server that closes its listening socket when told to and lingers on, as a vLLM API
+# server slow to shut down does, with its idle engine.
+LINGERING = """
+import socket, subprocess, sys
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+code = "import time\\nwhile True: time.sleep(1)"
+engine = subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"])
+print(listener.getsockname()[1], engine.pid, flush=True)
+try:
+    sys.stdin.readline()
+    listener.close()
+    print("closed", flush=True)
+    sys.stdin.read()
+finally:
+    engine.kill()
+    engine.wait()
+"""
+
+
+def test_a_server_that_stopped_listening_is_no_longer_the_backend() -> None:
+    """Kept while it lived, a server slow to shut down (its socket closed) was sampled in
+    place of the one started on its port: its idle engine proved the new one wedged."""
+    old = subprocess.Popen(
+        [sys.executable, "-c", LINGERING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert old.stdin is not None and old.stdout is not None
+        port, old_engine = (int(field) for field in old.stdout.readline().split())
+        cpu = LocalCpu(f"http://127.0.0.1:{port}")
+        first = cpu.sample()
+        assert first is not None and first.processes == (old_engine,)
+        old.stdin.write("close\n")
+        old.stdin.flush()
+        assert old.stdout.readline().strip() == "closed"
+        with api_server_with_engine(port=port) as (_, _new, new_engine):
+            later = cpu.sample()
+        assert later is not None and later.processes == (new_engine,)
+    finally:
+        assert old.stdin is not None and old.stdout is not None
+        old.stdin.close()
+        old.wait(timeout=10)
+        old.stdout.close()
+
+
 def stop(pid: int) -> None:
     """SIGSTOP, then wait for the kernel to show the process stopped: the signal lands
     only once the process is next scheduled, and on a loaded machine a read made at once
@@ -331,7 +381,7 @@ def test_many_local_backends_share_one_scan_of_the_socket_tables(
     scans: list[None] = []
     real_scan = localcpu._scan_listeners
 
-    def counted() -> dict[localcpu.Socket, int]:
+    def counted() -> dict[localcpu.Socket, localcpu.Holder]:
         scans.append(None)
         return real_scan()
 
