@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable
@@ -290,7 +291,7 @@ def test_a_connection_kept_alive_holds_no_body_of_a_request_answered() -> None:
 def test_a_connection_closed_after_its_answer_leaves_nothing_behind() -> None:
     """Each answer that ends its connection (HTTP/1.0, as nginx proxies by default) left
     a timer for the idle timeout: at 1,000 requests a second, 75,000 of them alive."""
-    connections = 300
+    connections = 500
 
     async def short(request: Request) -> None:
         await request.answer(200, Fields(), b"ok")
@@ -298,6 +299,7 @@ def test_a_connection_closed_after_its_answer_leaves_nothing_behind() -> None:
     async def scenario() -> int:
         server = Edge(short, cap=100, idle_timeout=75, max_body=MAX_BODY)
         await server.start("127.0.0.1", 0, backlog=16)
+        gc.collect()
         tracemalloc.start()
         try:
             before, _ = tracemalloc.get_traced_memory()
@@ -310,6 +312,7 @@ def test_a_connection_closed_after_its_answer_leaves_nothing_behind() -> None:
             async with asyncio.timeout(BOUND):
                 while server.held:
                     await asyncio.sleep(0.01)
+            gc.collect()  # what is garbage is not kept
             after, _ = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -317,7 +320,8 @@ def test_a_connection_closed_after_its_answer_leaves_nothing_behind() -> None:
         return (after - before) // connections
 
     kept = eventloop.run(asyncio.wait_for(scenario(), 60))
-    assert kept < 300, f"{kept} bytes kept per connection closed"
+    # About 1,500 bytes each with the timer; a few dozen without, and the rest noise.
+    assert kept < 750, f"{kept} bytes kept per connection closed"
 
 
 def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
