@@ -214,3 +214,21 @@ def running_simulator(
             sim.close()
         return
     raise SimulatorStartError(f"ports kept being taken; last stderr:\n{failure}")
+
+
+def children(pid: int) -> set[int]:
+    """The processes ``pid`` started, from the kernel's list (none once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return set()
+    return {int(word) for word in text.split()}
+
+
+def alive(pid: int) -> bool:
+    """Running, not gone and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,7 +1,7 @@
 """`llmhealth demo` stopped part-way, as an operator stops it: everything it started goes.
 
-The demo runs for about a minute, so only its stop is tested here; `make demo` runs it
-whole in CI's fresh-clone check.
+The demo runs for about a minute, so only its stop is tested here (in the slow lane);
+`make demo` runs it whole.
 """
 
 from __future__ import annotations
@@ -12,27 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from simproc import alive, children
 
 PATIENCE = 60.0  # seconds: a bound on what must happen, never a timing claim
-
-
-def children(pid: int) -> set[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return set()
-    return {int(word) for word in text.split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from simproc import Simulator, running_simulator
+from simproc import Simulator, alive, children, running_simulator
 from test_daemon import fleet_config, watching, write_config
 from test_wire import read_request, tcp_server
 
@@ -46,22 +46,6 @@ SHARES = [0, 1, 0, 1, 0]  # the read worker each of them gets
 def sim() -> Iterator[Simulator]:
     with running_simulator(MODES) as simulator:
         yield simulator
-
-
-def children(pid: int) -> set[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return set()
-    return {int(word) for word in text.split()}
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def names_for(sim: Simulator) -> dict[str, str]:
