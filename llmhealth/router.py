@@ -358,6 +358,79 @@ class RouterMetrics(Collector):
         )
 
 
+# vLLM's error event inside a stream that had already begun (status 200 sent): an
+# exception while generating, the engine dying mid-stream among them, is written as
+# `data: {"error": {"message", "type", "param", "code"}}` and then `data: [DONE]`. A bare
+# quote cannot occur inside a JSON string, so no token a model writes looks like this.
+ERROR_EVENT: Final = b'data: {"error"'
+# Bytes of one error event kept while it arrives: vLLM's are a few hundred. Past this the
+# event is let go unread (and the request is still no success).
+ERROR_EVENT_BOUND: Final = 16 * 1024
+
+
+class ErrorEventWatch:
+    """Watches an event stream as it is relayed for the backend's own error event.
+
+    Pure: fed the body's pieces as they come (an event may be split between any two),
+    it answers ``(code, detail)`` once the first error event is whole. The status line of
+    such a stream said 200 before the failure, so without this the router counted a
+    request the engine failed as a success, and a backend failing every stream stayed in
+    the pick set. Scanning costs one ``bytes.find`` per piece until an event is seen.
+    """
+
+    __slots__ = ("_event", "_tail", "seen")
+
+    def __init__(self) -> None:
+        self._tail = b""  # the end of the last piece: an event's mark split between two
+        self._event: bytearray | None = None  # the error event so far, from its mark
+        self.seen = False  # an error event began: this request is no success
+
+    def feed(self, piece: bytes) -> tuple[int | None, str] | None:
+        """The error event's code (None: none given) and words, once it is whole."""
+        if self._event is None:
+            if self.seen:
+                return None  # one event per request: it has been judged or let go
+            joined = self._tail + piece[: len(ERROR_EVENT) - 1]
+            at = joined.find(ERROR_EVENT)
+            if at >= 0:
+                self._event = bytearray(joined[at:])
+                self._event += piece[len(ERROR_EVENT) - 1 :]
+            else:
+                at = piece.find(ERROR_EVENT)
+                if at < 0:
+                    self._tail = (self._tail + piece)[-(len(ERROR_EVENT) - 1) :]
+                    return None
+                self._event = bytearray(piece[at:])
+            self.seen = True
+        else:
+            self._event += piece
+        end = self._event.find(b"\n\n")
+        if end < 0:
+            end = self._event.find(b"\r\n\r\n")  # SSE allows either line ending
+        if end < 0:
+            if len(self._event) > ERROR_EVENT_BOUND:
+                self._event = None
+            return None
+        event, self._event = bytes(self._event[len(b"data: ") : end]), None
+        return _error_event(event)
+
+
+def _error_event(data: bytes) -> tuple[int | None, str]:
+    """An error event's code and words, as far as they can be read."""
+    try:
+        error = json.loads(data)["error"]
+    except (ValueError, TypeError, KeyError):
+        return None, "an error event that is not vLLM's JSON"
+    if not isinstance(error, dict):
+        return None, printable(f"error event: {str(error)[:200]}")
+    code = error.get("code")
+    words = f"{error.get('type', '')}: {error.get('message', '')}"
+    return (
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
+        printable(f"error event in the stream: {words[:200]}"),
+    )
+
+
 class Router:
     """The router's state between settles, and its request handler."""
 
@@ -586,6 +659,7 @@ class Router:
         self.metrics.answered(name, status)
         event_stream = (headers.get("Content-Type") or "").startswith("text/event-stream")
         whole = None if event_stream else upstream.whole()
+        watch = ErrorEventWatch() if event_stream and not counted else None
         try:
             # A shared coarse timer, not wait_for nor asyncio.timeout: on Python 3.11
             # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
@@ -618,6 +692,11 @@ class Router:
                     return False
                 if not chunk:
                     break
+                if watch is not None and (error := watch.feed(chunk)) is not None:
+                    code, detail = error
+                    if code is not None and code >= 500:  # below: the request's own fault
+                        counted = True
+                        self._fail(name, request, FailureKind.SERVER_ERROR, code, detail)
                 with self._deadlines.within(self._settings.client_timeout):
                     await request.write(chunk)
             with self._deadlines.within(self._settings.client_timeout):
@@ -626,7 +705,8 @@ class Router:
             # The client stopped reading or went away: its doing, never the backend's.
             request.abort()
             return False
-        self._record_success(name, request, status)
+        if watch is None or not watch.seen:
+            self._record_success(name, request, status)
         return True
 
     def _record_success(self, name: str, request: Request, status: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import socket
 import time
@@ -26,7 +27,9 @@ from llmhealth.config import Backend
 from llmhealth.config import Router as RouterConfig
 from llmhealth.router import (
     BACKEND_HEADER,
+    ERROR_EVENT_BOUND,
     FIRST_BYTE_BUCKETS,
+    ErrorEventWatch,
     Router,
     downstream_headers,
     model_of,
@@ -792,6 +795,80 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
             assert json.loads(event)["backend"] == "a"
             assert "response cut off" in json.loads(event)["error"]["message"]
             assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
+
+    run(scenario())
+
+
+# vLLM 0.32's in-band error, as `create_streaming_error_response` writes it, then its end.
+ENGINE_DEAD_EVENT = (
+    b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above)'
+    b' for the root cause.", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
+)
+TOKEN_EVENT = b'data: {"choices": [{"delta": {"content": "say \\"error\\" {\\"error\\""}}]}\n\n'
+
+
+def feed_in_pieces(stream: bytes, cuts: list[int]) -> list[tuple[int | None, str]]:
+    watch = ErrorEventWatch()
+    bounds = [0, *cuts, len(stream)]
+    heard = [watch.feed(stream[a:b]) for a, b in itertools.pairwise(bounds)]
+    return [error for error in heard if error is not None]
+
+
+def test_an_error_event_is_heard_however_the_stream_is_cut() -> None:
+    stream = TOKEN_EVENT + ENGINE_DEAD_EVENT + b"data: [DONE]\n\n"
+    for cut in range(1, len(stream)):
+        heard = feed_in_pieces(stream, [cut])
+        assert [code for code, _ in heard] == [500], cut
+    assert feed_in_pieces(stream, list(range(1, len(stream)))) == heard  # a byte a piece
+    assert heard[0][1].startswith("error event in the stream: InternalServerError: EngineCore")
+
+
+def test_tokens_that_spell_error_and_other_shapes_are_not_an_error_event() -> None:
+    assert feed_in_pieces(TOKEN_EVENT * 3 + b"data: [DONE]\n\n", []) == []
+    crlf = ENGINE_DEAD_EVENT.replace(b"\n", b"\r\n")
+    assert [code for code, _ in feed_in_pieces(crlf, [])] == [500]
+    client_fault = b'data: {"error": {"message": "bad tool call", "code": 400}}\n\n'
+    assert [code for code, _ in feed_in_pieces(client_fault, [])] == [400]
+    for odd in (b'data: {"error": "engine dead"}\n\n', b'data: {"error": [1]\n\n'):
+        watch = ErrorEventWatch()
+        heard = watch.feed(odd)
+        assert heard is not None and heard[0] is None and heard[1]  # no code: not counted
+        assert watch.seen  # yet no success either
+    endless = ErrorEventWatch()
+    assert endless.feed(b'data: {"error": "' + b"x" * ERROR_EVENT_BOUND) is None
+    assert endless.feed(b'"}\n\n' + ENGINE_DEAD_EVENT) is None  # let go, once: still no success
+    assert endless.seen
+
+
+@pytest.mark.parametrize(("code", "counted"), [(500, True), (503, True), (400, False)])
+def test_an_error_event_inside_a_200_stream_counts_by_its_code(code: int, counted: bool) -> None:
+    # The engine failing mid-stream is written into a stream that already said 200: the
+    # router counted it as answered, so a backend failing every stream was never condemned.
+    event = ENGINE_DEAD_EVENT.replace(b'"code": 500', b'"code": %d' % code)
+
+    async def fails_in_band(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for piece in (TOKEN_EVENT, event[:20], event[20:], b"data: [DONE]\n\n", b""):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        await reader.read()  # until the router lets the connection go
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(fails_in_band) as backend,
+            routing({"a": backend}) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200
+            assert response.content == TOKEN_EVENT + event + b"data: [DONE]\n\n"  # unchanged
+            expected = [("a", FailureKind.SERVER_ERROR, code)] if counted else []  # no success
+            assert await failures(router) == expected
 
     run(scenario())
 
