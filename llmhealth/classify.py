@@ -270,7 +270,7 @@ def _decide(
 def judge_proxy(ok: bool, detail: str, models: Sequence[str]) -> Verdict:
     """A proxy is only asked GET /v1/models: its /metrics may be any backend's, or its own."""
     if ok and models:
-        return Verdict(VerdictKind.UP, True, f"up: /v1/models lists {', '.join(models)}")
+        return Verdict(VerdictKind.UP, True, _first_few(models, "models", "up: /v1/models lists "))
     return Verdict(VerdictKind.DOWN, False, f"down: {detail or '/v1/models lists no model'}")
 
 

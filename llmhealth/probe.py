@@ -220,7 +220,7 @@ def _wire_failure(
     if failure is wire.Failure.ANSWER_TIMEOUT:
         return _RequestFailedError(
             ReadProblem.UNRESPONSIVE,
-            f"{method} {_path(url)}: connected, but no complete HTTP answer within {timeout:g} s"
+            f"{method} {_path(url)}: connected, but {exc.detail} within {timeout:g} s"
             + (f" ({received} bytes received)" if received else ""),
         )
     if failure is wire.Failure.TOO_BIG:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ssl
 import traceback
 import weakref
@@ -78,10 +79,11 @@ Accept = Callable[[int, Mapping[str, str]], None]
 class _Progress:
     """Where one attempt got to: what a timeout or a reset is then reported as."""
 
-    __slots__ = ("connected", "head_bytes", "received")
+    __slots__ = ("connected", "head_bytes", "received", "secured")
 
     def __init__(self) -> None:
-        self.connected = False
+        self.connected = False  # a TCP connection is made (a TLS handshake may follow)
+        self.secured = False  # the TLS handshake, where there is one, is done
         self.head_bytes = 0
         self.received = 0
 
@@ -134,6 +136,11 @@ class Connection:
                 await self.aclose()  # closed by the server while idle: not a failure
                 self.idle_closes += 1
                 reused = False
+            elif reused and self._reader is not None and _unread(self._reader):
+                # Bytes the server sent after its last answer's end, after it was read:
+                # the next answer would begin with them.
+                await self.aclose()
+                reused = False
             progress = _Progress()
             try:
                 async with asyncio.timeout(None) as timeout:
@@ -150,14 +157,22 @@ class Connection:
                     ) from exc
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_TIMEOUT, "no connection") from exc
+                if not progress.secured:
+                    raise WireError(Failure.ANSWER_TIMEOUT, "the TLS handshake not done") from exc
                 raise WireError(
-                    Failure.ANSWER_TIMEOUT, "no complete answer", received=progress.received
+                    Failure.ANSWER_TIMEOUT, "no complete HTTP answer", received=progress.received
                 ) from exc
             except WireError:
                 await self.aclose()
                 raise
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 await self.aclose()
+                if getattr(exc, "errno", None) in _OUT_OF_FILES:
+                    raise WireError(
+                        Failure.STARVED,
+                        f"llmhealth's own process could not open a connection ({exc}): "
+                        "the server was not judged",
+                    ) from exc
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
                 stale = reused and progress.head_bytes == 0 and loop.time() < bound.due
@@ -192,12 +207,14 @@ class Connection:
         if writer is not None:
             writer.close()
             _drop_own_callback(writer.transport)
-            # A peer that never reads must not hold the close: the transport is aborted
-            # by close() already, waiting only lets TLS say goodbye politely.
             if writer.transport.get_extra_info("sslcontext") is not None:
+                # TLS says goodbye first, and its close waits for the peer's answer for
+                # 30 s (asyncio's ssl_shutdown_timeout) with the socket held: a hung
+                # TLS backend per read would use up the process's file descriptors.
                 with contextlib.suppress(OSError, TimeoutError):
                     async with asyncio.timeout(0.1):
                         await writer.wait_closed()
+                writer.transport.abort()
 
     def _request_bytes(
         self, method: str, split: SplitResult, body: bytes | None, headers: Mapping[str, str]
@@ -236,12 +253,19 @@ class Connection:
         if self._origin != origin or self._writer is None:
             await self.aclose()
             scheme, host, port = origin
-            tls = self._context() if scheme == "https" else None
             self._reader, self._writer = await asyncio.open_connection(
-                host, port, ssl=tls, server_hostname=host if tls else None, limit=MAX_HEAD_BYTES
+                host, port, limit=MAX_HEAD_BYTES
             )
             self._origin = origin
-        progress.connected = True
+            progress.connected = True
+            if scheme == "https":
+                # After the TCP connection, not with it: a server that accepts and then
+                # stalls the handshake is connected (unresponsive), not unreachable.
+                try:
+                    await self._writer.start_tls(self._context(), server_hostname=host)
+                except OSError as exc:  # refused certificates among them: never connected
+                    raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
+        progress.connected = progress.secured = True
         reader, writer = self._reader, self._writer
         assert reader is not None
         # A stream's socket reads too; cast, not isinstance: uvloop's transports do not
@@ -259,7 +283,9 @@ class Connection:
             _set_read_size(transport, _READ_SIZE)
             transport.resume_reading()
             body = await _read_body(reader, status, headers, max_bytes, progress)
-            if not keep_alive:
+            if not keep_alive or _unread(reader):
+                # Bytes past the answer's end (a Content-Length short of its body, a body
+                # on a 204) would be read as the next answer: the connection goes.
                 await self.aclose()
             # Released on return: the caller parses the body before its task next waits,
             # so what the gate bounds is bodies read and not yet parsed.
@@ -344,6 +370,8 @@ class _Deadline:
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
+# Errors opening a connection that are this process's own: no descriptor or buffer left.
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
 _LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
 _TICK = 0.1  # how often _Lateness looks at its loop's clock
@@ -483,7 +511,7 @@ async def _read_head(
     reader: asyncio.StreamReader, progress: _Progress
 ) -> tuple[int, dict[str, str], bool]:
     """Status, headers and whether the connection may be reused; 1xx answers skipped."""
-    for _ in range(_MAX_INFORMATIONAL):
+    for _ in range(_MAX_INFORMATIONAL + 1):  # the answer itself after them
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError as exc:
@@ -492,14 +520,10 @@ async def _read_head(
             ) from exc
         progress.head_bytes += len(head)
         lines = head[:-4].decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
-        if version not in ("HTTP/1.1", "HTTP/1.0") or not (
-            code.isascii() and code.isdigit() and len(code) == 3
-        ):
-            raise WireError(Failure.MALFORMED, f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        status = int(code)
+        try:
+            version, status, _ = http1.status_line(lines[0])
+        except http1.FramingError as exc:
+            raise WireError(Failure.MALFORMED, str(exc)) from None
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, colon, value = line.partition(":")
@@ -559,7 +583,7 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
     one buffer (a list of two-byte chunks held 30 times their size)."""
     body = bytearray()
     while True:
-        size_line = await reader.readuntil(b"\r\n")
+        size_line = await _framing_line(reader, "chunk-size line")
         progress.received += len(size_line)
         try:
             size = http1.chunk_size(size_line[:-2])
@@ -567,7 +591,7 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
             raise WireError(Failure.MALFORMED, str(exc)) from None
         if size == 0:
             trailers = 0
-            while (line := await reader.readuntil(b"\r\n")) != b"\r\n":  # ignored
+            while (line := await _framing_line(reader, "trailer line")) != b"\r\n":  # ignored
                 trailers += len(line)
                 if trailers > MAX_HEAD_BYTES:
                     raise WireError(Failure.MALFORMED, f"trailers over {MAX_HEAD_BYTES} bytes")
@@ -579,6 +603,21 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
             raise WireError(Failure.MALFORMED, "chunk without its CRLF")
         progress.received += size + 2
         body += memoryview(data)[:-2]
+
+
+async def _framing_line(reader: asyncio.StreamReader, what: str) -> bytes:
+    """One CRLF-ended line of a chunked body's framing, at most MAX_HEAD_BYTES long."""
+    try:
+        return await reader.readuntil(b"\r\n")
+    except asyncio.LimitOverrunError as exc:
+        raise WireError(Failure.MALFORMED, f"{what} over {MAX_HEAD_BYTES} bytes") from exc
+
+
+def _unread(reader: asyncio.StreamReader) -> int:
+    """Bytes the connection has received and no read has taken. StreamReader keeps them
+    in ``_buffer`` (CPython 3.8 to 3.13, and under uvloop, which uses asyncio's streams)
+    and says so nowhere public."""
+    return len(getattr(reader, "_buffer", b""))
 
 
 async def _read_to_end(reader: asyncio.StreamReader, max_bytes: int, progress: _Progress) -> bytes:

@@ -628,6 +628,14 @@ def test_a_proxy_that_lists_models_is_up() -> None:
     assert verdict.requests_sent == 0
 
 
+def test_a_proxy_listing_a_thousand_models_names_a_few() -> None:
+    # Every id went into the evidence: a megabyte a line of output and of the log.
+    models = [f"model-{number:04}" for number in range(1000)]
+    verdict = judge_proxy(True, "", models)
+    assert verdict.evidence.startswith("up: /v1/models lists model-0000, model-0001")
+    assert verdict.evidence.endswith(" and 992 more models")
+
+
 @pytest.mark.parametrize(
     ("ok", "detail", "models", "shown"),
     [

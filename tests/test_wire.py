@@ -10,12 +10,16 @@ import asyncio
 import contextlib
 import gc
 import socket
+import ssl
 import struct
+import subprocess
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,6 +182,66 @@ def test_informational_answers_are_skipped() -> None:
     assert (response.status, response.body) == (200, b"x")
 
 
+@pytest.mark.parametrize(("informational", "read"), [(8, True), (9, False)])
+def test_at_most_eight_informational_answers_are_skipped(informational: int, read: bool) -> None:
+    def with_many(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 103 Early Hints\r\n\r\n" * informational
+            + b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx"
+        )
+
+    with tcp_server(with_many) as (url, _):
+        if read:  # eight were refused as "more than 8"
+            assert get(f"{url}/metrics")[0].body == b"x"
+        else:
+            assert failure_of(f"{url}/metrics").failure is Failure.MALFORMED
+
+
+@pytest.mark.usefixtures("each_loop")
+@pytest.mark.parametrize("when", ["with the answer", "after the answer"])
+def test_bytes_past_an_answers_end_never_become_the_next_answer(when: str) -> None:
+    # A Content-Length short of its body: the rest was taken for the next request's answer
+    # on the kept connection, and every later answer was one behind.
+    connections = []
+    read_once = threading.Event()
+
+    def says_too_much(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        read_request(connection)
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+        surplus = b"HTTP/1.1 500 Stale\r\nContent-Length: 5\r\n\r\nstale"
+        if number > 0:
+            connection.sendall(answer.replace(b"first", b"fresh"))
+        elif when == "with the answer":
+            connection.sendall(answer + surplus)
+        else:
+            connection.sendall(answer)
+            read_once.wait(5)
+            connection.sendall(surplus)
+        while read_request(connection):  # a request on this connection gets the surplus
+            connection.sendall(answer.replace(b"first", b"later"))
+
+    async def read_twice(url: str) -> list[tuple[int, bytes]]:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            first = await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=99)
+            read_once.set()
+            async with asyncio.timeout(5):
+                while when == "after the answer" and not wire._unread(connection._reader):
+                    await asyncio.sleep(0.01)  # the surplus has arrived, unread
+            second = await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=99)
+        finally:
+            await connection.aclose()
+        return [(first.status, first.body), (second.status, second.body)]
+
+    with tcp_server(says_too_much) as (url, _):
+        answers = eventloop.run(read_twice(f"{url}/metrics"))
+    assert answers == [(200, b"first"), (200, b"fresh")]
+    assert connections == [0, 1]
+
+
 @pytest.mark.usefixtures("each_loop")
 def test_an_idle_connection_the_server_closed_is_replaced_without_a_failure() -> None:
     def one_answer_then_close(connection: socket.socket, _number: int) -> None:
@@ -248,6 +312,10 @@ def test_a_content_length_over_the_cap_is_refused_before_the_body_is_read() -> N
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",  # was read as 200
+        # A chunk-size or trailer line past the head's cap: was "closed before an answer".
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"x" * MAX_HEAD_BYTES,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX: " + b"a" * MAX_HEAD_BYTES,
     ],
 )
 def test_answers_that_are_not_http_as_framed_are_malformed(head: bytes) -> None:
@@ -538,3 +606,117 @@ def test_a_reset_stale_connection_is_freed_when_the_request_is_sent_again() -> N
     with tcp_server(answer_then_reset) as (url, _):
         assert _freed_without_the_collector(read_twice, f"{url}/metrics")
     assert connections == [0, 1]  # the second request sent again on a new connection
+
+
+# --- TLS ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, made by Debian's openssl."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+         "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+def _client_sockets_to(port: int) -> int:
+    """This machine's TCP connections towards ``port`` that neither end has begun to
+    close (ESTABLISHED): a socket closed on our side is in FIN-WAIT or gone."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        if remote_port == port and fields[3] == "01":
+            count += 1
+    return count
+
+
+def _timed_out_read(url: str, tls: ssl.SSLContext) -> WireError:
+    async def run() -> WireError:
+        connection = Connection(tls, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request("GET", url, deadline=loop.time() + 0.5, max_bytes=100)
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+        raise AssertionError("the read should have timed out")
+
+    return eventloop.run(run())
+
+
+def test_a_stalled_tls_handshake_is_connected_not_unreachable() -> None:
+    # The handshake was part of connecting: a server that accepted and never answered it
+    # read "no TCP connection (no route?)" and `down`, not `unresponsive`.
+    def accepts_and_says_nothing(connection: socket.socket, _number: int) -> None:
+        connection.recv(65536)  # the client's hello arrives; the answer never comes
+        connection.recv(1)  # held open until the client gives up
+
+    with tcp_server(accepts_and_says_nothing) as (url, _):
+        error = _timed_out_read(url.replace("http:", "https:"), ssl.create_default_context())
+    assert (error.failure, error.detail) == (Failure.ANSWER_TIMEOUT, "the TLS handshake not done")
+
+
+def test_a_tls_connection_given_up_on_is_closed_at_once(certificate: tuple[Path, Path]) -> None:
+    # TLS's polite close waited 30 s for the peer's goodbye with the socket open: a hung
+    # TLS backend per read used up the file descriptors, then healthy ones read `down`.
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    done = threading.Event()
+
+    def reads_and_hangs(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            done.wait(10)  # never answers, never says goodbye, holds its end open
+
+    client_side = ssl.create_default_context(cafile=str(cert))
+    with tcp_server(reads_and_hangs) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            error = _timed_out_read(url.replace("http:", "https:"), client_side)
+            assert error.failure is Failure.ANSWER_TIMEOUT
+            assert error.detail == "no complete HTTP answer"
+            gone = time.monotonic() + 5  # a bound, far below the 30 s it was held
+            while _client_sockets_to(port) and time.monotonic() < gone:
+                time.sleep(0.05)
+            assert _client_sockets_to(port) == 0
+        finally:
+            done.set()
+
+
+def test_no_file_descriptor_left_is_the_checkers_problem_not_the_servers() -> None:
+    # EMFILE from our own socket() read as the server's: `down`, and a restart if asked.
+    script = """
+import asyncio, resource
+from llmhealth import wire
+loop = asyncio.new_event_loop()
+"warm".encode("idna")  # imported on first use: a file to open
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+while True:
+    try:
+        held.append(open("/dev/null"))
+    except OSError:
+        break
+async def read():
+    connection = wire.Connection(None, "llmhealth/test")
+    try:
+        await connection.request("GET", "http://127.0.0.1:9/metrics",
+                                 deadline=loop.time() + 5, max_bytes=100)
+    except wire.WireError as error:
+        print(error.failure.value, error.detail)
+loop.run_until_complete(read())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.startswith("starved llmhealth's own process could not open a connection")
+    assert "Too many open files" in done.stdout
