@@ -197,6 +197,17 @@ def reads_still_needed(reads: Sequence[Read]) -> int:
         return at_least  # a freeze as long as the window keeps all of it: no more to look for
     readable = [index for index, read in enumerate(reads) if _has_vllm(read)]
     keep_from = readable[-2:][0] if readable else len(reads)
+    if len(readable) < len(reads) and readable:
+        # A failed read in the window: a freeze the newest readable read ends may go on
+        # across it at a later read (``_stall_streak``), back to its own beginning.
+        newest = readable[-1]
+        before = reads[: newest + 1]
+        engines = _signals(reads[newest]).engines
+        held = max(
+            (_stall_streak(before, engine.engine, newest_wait_read=False) for engine in engines),
+            default=0,
+        )
+        keep_from = min(keep_from, max(0, newest - held - 1))
     restart = _last_restart(reads, None)
     if restart is not None:
         keep_from = min(keep_from, readable[readable.index(restart[0]) - 1])
@@ -514,7 +525,7 @@ def _had_work(read: Read) -> bool:
     return any((engine.work or 0) > 0 for engine in signals.engines if not engine.asleep)
 
 
-def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
+def _stall_streak(reads: Sequence[Read], engine_name: str, *, newest_wait_read: bool = True) -> int:
     """How many of the latest waits in a row this engine had work and made no progress.
 
     A read that failed earlier in a freeze (a /metrics timeout) ends nothing: counters
@@ -525,13 +536,14 @@ def _stall_streak(reads: Sequence[Read], engine_name: str) -> int:
     server that did not answer may have been held up, and with it the counters it keeps,
     which then catch up at a later read; and only the same process on both sides of a
     gap counts (a new start time, or none to compare in vLLM's multiprocess mode, ends
-    the freeze there).
+    the freeze there). ``newest_wait_read`` False: a freeze as a later read may find it,
+    the newest wait's gap crossed as well.
     """
     streak = 0
     newer_index = len(reads) - 1
     for index in range(len(reads) - 2, -1, -1):
         if not _has_vllm(reads[index]):
-            if streak == 0:
+            if streak == 0 and newest_wait_read:
                 break  # the newest wait was not read at both ends
             continue  # an earlier failed read: compared across
         older_signals, newer_signals = _signals(reads[index]), _signals(reads[newer_index])
