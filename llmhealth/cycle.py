@@ -510,7 +510,13 @@ def settle(
     in_ledger = set()
     for outcome in outcomes:
         name = outcome.target.name
-        if outcome.target.kind != "backend" or name not in record.ledger:
+        if (
+            outcome.target.kind != "backend"
+            or name not in record.ledger
+            # Read at the address the backend had before a reload moved it: what its old
+            # server did says nothing of the new one, which starts afresh (``moved``).
+            or outcome.target.url != record.ledger.url_of(name)
+        ):
             reports.append(BackendReport(outcome, None))
             continue
         in_ledger.add(name)

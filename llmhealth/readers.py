@@ -230,9 +230,12 @@ class _Heard:
     """Worker → daemon: one examination. ``fresh`` are the window's reads not sent before
     (all of it when ``reset``: the window was cut or started afresh); ``kept`` is the
     window's length now. ``verdict`` travels without its reads: ``reads`` says how many
-    of the window's newest are its own, or holds them when they are not the window's."""
+    of the window's newest are its own, or holds them when they are not the window's.
+    ``url``: where it was read, so a read of an address a reload has since moved the
+    backend from is not taken for the new one's."""
 
     name: str
+    url: str
     seconds: float
     fresh: tuple[Read, ...]
     reset: bool
@@ -286,7 +289,7 @@ def _heard(
         )
         reads = count if own else verdict.reads
         verdict = replace(verdict, reads=())
-    return _Heard(target.name, seconds, fresh, reset, len(window), verdict, reads)
+    return _Heard(target.name, target.url, seconds, fresh, reset, len(window), verdict, reads)
 
 
 class _Sender:
@@ -599,8 +602,8 @@ class ReadPool:
         if not isinstance(item, _Heard):
             raise ValueError(f"unexpected {type(item).__name__}")
         target = worker.share.get(item.name)
-        if target is None:
-            return  # no longer this worker's (a reload moved it): the worker drops it too
+        if target is None or target.url != item.url:
+            return  # no longer this worker's, or not there (a reload): the worker drops it too
         window = [] if item.reset else worker.windows.get(item.name, [])
         for read in item.fresh:
             # Unpickled, each read has values of its own: shared again as the worker's

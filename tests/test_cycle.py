@@ -126,6 +126,31 @@ def test_a_settle_reconciles_the_saved_record_with_the_backends_and_says_so(
     assert set(saved(path)) == {"gpu0", "gpu1"}
 
 
+def test_a_verdict_read_at_a_backends_old_address_is_not_the_new_ones(tmp_path: Path) -> None:
+    # A reload moved gpu0 while its probe read the old address: that read (refused there)
+    # condemned the server at the new address, which a restart command then hit.
+    store, times = StateFile(tmp_path / "state.json"), ticking()
+    moved = Config(backends=(Backend("gpu0", "http://127.0.0.1:11"), CONFIG.backends[1]))
+    settle_fleet(
+        store, CONFIG, backend_urls([GPU0, GPU1]), lambda _record: [], mode=Mode.ACT, audit=None,
+        clock=times,
+    )  # fmt: skip
+    settled = settle_fleet(
+        store,
+        moved,
+        {"gpu0": "http://127.0.0.1:11", "gpu1": GPU1.url},
+        lambda _record: [wedged(GPU0), wedged(GPU1)],  # GPU0: read at its old address
+        mode=Mode.ACT,
+        audit=None,
+        clock=times,
+    )
+    states = {name: backend["state"] for name, backend in saved(tmp_path / "state.json").items()}
+    assert states == {"gpu0": "healthy", "gpu1": "dead"}  # gpu1's was read where it is
+    assert settled.report.notes == (
+        "gpu0: moved from http://127.0.0.1:9 to http://127.0.0.1:11; stays healthy",
+    )
+
+
 def test_without_a_store_a_settle_keeps_nothing(tmp_path: Path) -> None:
     settled = settle_fleet(
         None,

@@ -387,6 +387,20 @@ def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_re
     assert item.verdict.reads == ()
 
 
+def test_an_examination_of_an_address_a_reload_moved_the_backend_from_is_dropped() -> None:
+    # Matched by name alone, a read of the old address in flight at the reload arrived as
+    # the new address's verdict, and a refused old port condemned a busy new server.
+    delivered: list[Verdict | None] = []
+    pool = _delivering_pool(lambda verdict, _window: delivered.append(verdict))
+    old, new = Target("b", "http://127.0.0.1:9"), Target("b", "http://127.0.0.1:10")
+    worker = readers._Worker(0, share={"b": new})
+    refused = Verdict(VerdictKind.DOWN, False, "down: connection refused")
+    pool._hear(worker, pickle.loads(pickle.dumps(readers._heard(old, refused, 0.1, [], None))))
+    assert delivered == []
+    pool._hear(worker, pickle.loads(pickle.dumps(readers._heard(new, refused, 0.1, [], None))))
+    assert delivered == [refused]
+
+
 def test_the_daemons_copy_of_a_window_holds_unchanged_values_once_as_the_workers_does() -> None:
     """Each read arrives unpickled, with values of its own; the daemon's copy shares
     them again: an idle engine's reads one set of signals, a busy one's its gauges."""
