@@ -156,6 +156,7 @@ def check(
     """
     # The cycle brings the HTTP client, the ledger and remediation: only a check needs them.
     from llmhealth.cycle import run_cycle, run_cycle_in_cluster, state_path_for  # noqa: PLC0415
+    from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
     from llmhealth.probe import ProbeSettings  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
     from llmhealth.state import StateFile  # noqa: PLC0415
@@ -171,6 +172,7 @@ def check(
         max_check_time=loaded.max_check_time,
     )
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
+    raise_file_limit()  # a connection per backend, all at once
     if loaded.cluster is not None:
         report = run_cycle_in_cluster(
             loaded, loaded.cluster, targets, settings, mode=mode, log=_log_quoted
@@ -251,6 +253,7 @@ def watch(
 
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.eventloop import run  # noqa: PLC0415
+    from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
 
     given_urls, given_proxies = urls or [], proxy or []
 
@@ -263,6 +266,7 @@ def watch(
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
+    raise_file_limit()  # a connection kept per backend, and the exporter's scrapers
     daemon = Daemon(
         load,
         _daemon_store(loaded, state, config_file),
@@ -299,7 +303,8 @@ def route(
     from llmhealth.cycle import routed_backends  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.eventloop import run  # noqa: PLC0415
-    from llmhealth.router import Router, raise_file_limit  # noqa: PLC0415
+    from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
 
     given_urls = urls or []
 

@@ -39,6 +39,7 @@ from llmhealth.config import Router as RouterConfig
 from llmhealth.deadlines import Deadlines
 from llmhealth.edge import BadRequestError, Edge, Request
 from llmhealth.http1 import Fields, HeaderSource, connection_tokens
+from llmhealth.openfiles import FILE_LIMIT_CEILING
 from llmhealth.text import printable
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
 from llmhealth.upstream import BrokenError, ConnectError, Origin, Pool, Response
@@ -80,26 +81,6 @@ BIG_BODY: Final = 1 << 20
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
-# Where the soft limit is raised to when the hard one is unlimited (Linux's nr_open).
-FILE_LIMIT_CEILING: Final = 1 << 20
-
-
-def raise_file_limit() -> int:
-    """Raise this process's open-file soft limit to its hard limit; the limit now in force.
-
-    Every client connection holds a descriptor and every forwarded request one more, so
-    the 1024 most shells start with would cap the router at a few hundred clients (the
-    systemd unit sets its own). A refusal leaves the limit as it was.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = FILE_LIMIT_CEILING if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        except (ValueError, OSError):
-            return soft
-        return wanted
-    return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else soft
 
 
 def connection_cap(file_limit: int, backends: int) -> int:

@@ -9,6 +9,7 @@ simulator and every check process is stopped when its test ends, failing or not.
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import time
 from dataclasses import dataclass
@@ -388,3 +389,27 @@ def test_a_server_whose_metrics_hung_for_three_runs_serves_again_with_no_restart
     assert recovered[0]["reason"].startswith("same process, back after ")
     assert "in-place recovery 1 of 3 allowed in 24h" in recovered[0]["reason"]
     assert recovered[0]["evidence"]["verdict"] == "idle"
+
+
+def test_a_fleet_larger_than_the_open_file_limit_is_read_whole(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # A connection per backend: started with a soft limit below the fleet (systemd's 1024
+    # against a fleet of thousands), the reads past it failed with EMFILE, each read as
+    # that server's `down`. The run raises its soft limit to the hard one now.
+    def low_soft_limit() -> None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))
+
+    with running_simulator(["busy"] * 60) as sim:
+        completed = subprocess.run(
+            [entry_point, "check", *sim.urls, "--state", str(tmp_path / "s.json"), *FAST],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+            preexec_fn=low_soft_limit,
+        )
+    run = Run(completed.returncode, completed.stdout, completed.stderr)
+    verdicts = [backend["verdict"] for backend in run.report["backends"]]
+    assert verdicts == ["busy"] * 60, completed.stdout
