@@ -33,6 +33,12 @@ _DRAIN_AFTER_EXIT: Final = 1.0
 _POLL: Final = 0.1  # how often exit is checked while the pipes stay quiet
 _CHUNK: Final = 65536
 _MAX_DEPTH: Final = 32
+# How long an append waits for another holder of the audit log's lock: as long as a run
+# waits for the state lock (StateFile's lock_timeout). Anything may flock the log (a
+# backup, a log shipper); unbounded, every writer hung behind it holding the state lock,
+# and the daemon stopped petting the watchdog.
+AUDIT_LOCK_TIMEOUT: Final = 10.0
+_LOCK_POLL: Final = 0.05  # seconds between tries, as the state lock polls
 
 
 # --- restart commands -----------------------------------------------------------------
@@ -334,8 +340,11 @@ class AuditLog:
     ``to_dict()`` or ``str()``), so a record is never refused for its evidence.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], lock_timeout: float = AUDIT_LOCK_TIMEOUT
+    ) -> None:
         self.path = Path(path)
+        self.lock_timeout = lock_timeout
         self._pending: list[bytes] | None = None  # an open batch's lines, not yet written
         # A batch's encoded container values by identity (encode_record); a record's
         # values are not changed while its batch is open.
@@ -388,17 +397,20 @@ class AuditLog:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not self.path.exists()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            # Read as well as written: the last byte says whether a torn line needs ending.
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
         try:
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock(fd, kept)
+            lines = _after_a_torn_line(fd) + lines
             written = os.write(fd, lines)
             if written != len(lines):
-                # End the fragment here, so the next record starts on a line of its own
-                # and readers skip this one as malformed instead of merging the two.
+                # End the fragment now if the disk lets us; if not, the next append ends it
+                # (_after_a_torn_line), so readers skip it as malformed either way instead
+                # of merging it with the next record.
                 with contextlib.suppress(OSError):
                     os.write(fd, b"\n")
                 raise AuditError(
@@ -417,6 +429,36 @@ class AuditLog:
             os.close(fd)  # also releases the lock
         if created:
             _fsync_dir(self.path.parent)
+
+    def _lock(self, fd: int, kept: str) -> None:
+        """Take the log's exclusive lock, waiting at most ``lock_timeout`` for its holder."""
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass  # held elsewhere; any other OSError is the caller's to report
+            if time.monotonic() >= deadline:
+                raise AuditError(
+                    f"{self.path}: the audit log is locked by another process (a backup or "
+                    f"log shipper holding flock on it?); gave up after "
+                    f"{self.lock_timeout:g} s; {kept}"
+                )
+            time.sleep(_LOCK_POLL)
+
+
+def _after_a_torn_line(fd: int) -> bytes:
+    """A newline when the log ends inside a line, else nothing.
+
+    A short write on a full disk leaves a fragment, and the newline meant to end it fails
+    too while the disk stays full: the next record would be glued onto it and skipped as
+    malformed, a verb that was done missing from the trail.
+    """
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        return b"\n"
+    return b""
 
 
 @dataclass(frozen=True, slots=True)

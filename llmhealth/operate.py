@@ -1,8 +1,10 @@
 """Operator verbs over the persisted fleet record: readmit, retire, reset, hold, release.
 
 Each verb takes the state lock, changes the record through the ledger's own guarded
-events (so an operator cannot do what the rules forbid, only what they allow), writes
-one audit line, and saves. A verb the ledger refuses changes nothing and says why.
+events (so an operator cannot do what the rules forbid, only what they allow), and saves
+it with one audit line, written only once the new state is ready to replace the old: a
+save that fails leaves no record of a change that was not made. A verb the ledger
+refuses changes nothing and says why.
 Before the first check, a verb on a backend the config names works on the record a
 check would start from, so maintenance can be declared on a new deployment.
 """
@@ -13,7 +15,7 @@ import contextlib
 import functools
 import getpass
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec
 
@@ -54,9 +56,18 @@ class _Edit:
     # verb's own record when the verb saves.
     added: MembershipChange | None = None
 
-    def audit_added(self, audit: Audit, now: float) -> None:
-        if self.added is not None:
-            audit.append(self.added.audit_record(now, actor()))
+    def save(self, store: Store, audit: Audit, now: float, entry: Mapping[str, object]) -> None:
+        """Save the changed record with the verb's audit record, as a settle saves its own
+        (``cycle._close``): the records are written once the new state is on disk under
+        its temporary name and before it replaces the old. Written first, a save that
+        then failed (a full disk) left the trail saying the verb was applied when the
+        state said it was not."""
+        with contextlib.ExitStack() as batch:
+            batch.enter_context(audit.batch())
+            if self.added is not None:
+                audit.append(self.added.audit_record(now, actor()))
+            audit.append(entry)
+            store.save(self.record.to_dict(), before=batch.close)
 
 
 @contextlib.contextmanager
@@ -125,7 +136,8 @@ def apply_event(
     *,
     clock: Clock = time.time,
 ) -> VerbResult:
-    """Lock, feed one operator event to the ledger, audit it, save."""
+    """Lock, feed one operator event to the ledger, save it with its audit record (a
+    refusal is only audited)."""
     with _editing(store, config, name, clock) as edit:
         record, now = edit.record, clock()
         transition = record.ledger.apply(name, make_event(now))
@@ -141,14 +153,12 @@ def apply_event(
         }
         record.moved(name, [transition], now)
         if transition.applied:
-            edit.audit_added(audit, now)
-        audit.append(entry)
-        if transition.applied:
-            store.save(record.to_dict())
+            edit.save(store, audit, now, entry)
             return VerbResult(
                 True,
                 f"{name}: {transition.from_state} → {transition.to_state} ({verb}); {edit.saved}",
             )
+        audit.append(entry)  # a refusal saves nothing: its record is all there is to write
         return VerbResult(
             False, f"{name}: {verb} refused in {transition.from_state}: {transition.reason}"
         )
@@ -194,8 +204,10 @@ def hold(
         record, now = edit.record, clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         record.holds[name] = new_hold
-        edit.audit_added(audit, now)
-        audit.append(
+        edit.save(
+            store,
+            audit,
+            now,
             {
                 "time": now,
                 "actor": new_hold.by,
@@ -203,9 +215,8 @@ def hold(
                 "event": "hold",
                 "until": new_hold.until,
                 "reason": reason,
-            }
+            },
         )
-        store.save(record.to_dict())
         return VerbResult(True, f"{name}: {new_hold.describe(now)}; {edit.saved}")
 
 
@@ -218,17 +229,18 @@ def release(
         if removed is None:
             return VerbResult(False, f"{name}: not on hold")
         now = clock()
-        edit.audit_added(audit, now)
-        audit.append(
+        edit.save(
+            store,
+            audit,
+            now,
             {
                 "time": now,
                 "actor": actor(),
                 "backend": name,
                 "event": "release",
                 "reason": f"released hold: {removed.reason}",
-            }
+            },
         )
-        store.save(edit.record.to_dict())
         return VerbResult(True, f"{name}: hold released ({removed.reason}); {edit.saved}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -475,3 +476,48 @@ def test_a_short_write_ends_its_fragment_and_says_which_records_were_lost(
     found = scan(log.path)
     assert [record["event"] for record in found.records] == ["moved", "after"]
     assert found.malformed == 2
+
+
+_HOLDER = """
+import fcntl, sys
+with open(sys.argv[1], "ab") as log:
+    fcntl.flock(log, fcntl.LOCK_EX)  # as flock(1) in a backup or log-shipping script
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_a_log_another_process_keeps_locked_fails_the_append_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).append({"event": "before"})
+    with subprocess.Popen(
+        [PY, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            assert holder.stdout.readline() == "held\n"
+            locked = rf"{re.escape(str(path))}: the audit log is locked by another process"
+            with pytest.raises(AuditError, match=locked):
+                AuditLog(path, lock_timeout=0.2).append({"event": "blocked"})
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=60)
+    AuditLog(path, lock_timeout=0.2).append({"event": "after"})  # let go: appends again
+    assert [record["event"] for record in read(path)] == ["before", "after"]
+
+
+def test_a_record_after_a_fragment_left_without_its_newline_is_on_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # A short write on a full disk, whose closing newline failed too as the disk was
+    # still full: the next record must not be glued to the fragment and lost with it.
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"event": "whole"}\n{"event": "torn", "rea')
+    AuditLog(path).append({"event": "after"})
+    found = scan(path)
+    assert [record["event"] for record in found.records] == ["whole", "after"]
+    assert found.malformed == 1
+    AuditLog(path).append({"event": "next"})  # a log that ends a line gets no blank one
+    assert path.read_bytes().count(b"\n") == 4

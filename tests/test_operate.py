@@ -359,3 +359,69 @@ def test_a_verb_that_adds_a_retired_backend_back_from_the_config_keeps_it_retire
     assert json.loads(path.read_text())["retired_forgotten"] == {}
     events = [(r["event"], r.get("to")) for r in read(path.with_name("audit.jsonl"))]
     assert events == [("added", "retired"), ("hold", None)]
+
+
+# Runs a command with RLIMIT_FSIZE: a write past the limit fails with EFBIG from the
+# kernel, as on a full disk, and does so as root too (a read-only directory does not).
+_FULL_DISK = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+_SET_UP = {
+    "retire": [],
+    "hold": [],
+    "release": [("hold", "gpu1", "--for", "30m", "--reason", "weight sync")],
+    "reset": [("retire", "gpu1", "--reason", "bad GPU")],
+    "readmit": [("retire", "gpu1", "--reason", "bad GPU"), ("reset", "gpu1")],
+}
+_VERB = {
+    "retire": ("retire", "gpu1", "--reason", "bad GPU"),
+    "hold": ("hold", "gpu1", "--for", "30m", "--reason", "weight sync"),
+    "release": ("release", "gpu1"),
+    "reset": ("reset", "gpu1"),
+    "readmit": ("readmit", "gpu1"),
+}
+
+
+@pytest.mark.parametrize("verb", list(_VERB))
+def test_a_verb_whose_state_cannot_be_saved_leaves_no_audit_record(
+    tmp_path: Path, verb: str
+) -> None:
+    # Ten backends: the state is several times an audit line, so a limit can let the
+    # verb's audit line through and stop its state.
+    names = [(f"gpu{i}", f"http://127.0.0.1:{9 + i}") for i in range(10)]
+    ledger = Ledger(LedgerPolicy(), names, now=T0)
+    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
+    state, audit = tmp_path / "state.json", tmp_path / "audit.jsonl"
+    store = StateFile(state)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    for step in _SET_UP[verb]:
+        done = llmhealth(*step, "--state", str(state))
+        assert done.returncode == 0, done.stderr
+    saved, trail = state.read_bytes(), read(audit)
+    limit = (audit.stat().st_size if audit.exists() else 0) + 1024
+    assert len(saved) > limit + 1024  # the new state cannot fit, whatever the verb adds
+
+    command = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert command is not None
+    argv = [command, *_VERB[verb], "--state", str(state)]
+    failed = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(limit), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert failed.returncode == 3, failed.stderr
+    assert f"cannot write state {state}" in failed.stderr
+    # Nothing was applied, and the trail does not say it was.
+    assert state.read_bytes() == saved
+    assert read(audit) == trail
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["state.json", "state.json.lock", *(["audit.jsonl"] if trail else [])]
+    )
