@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 
 DEFAULT_AUDIT_KEEP = 10_000  # audit records kept in etcd: at most 8 KiB each, 80 MiB in all
 MIN_AUDIT_KEEP = 100
 DEFAULT_MAX_CHECK_TIME = 300.0
+# A bound against a wrong path (a log, an image, /dev/zero), not against a large fleet:
+# 10,000 backends with every key set (restart, cgroup, model) are under 3 MiB of TOML.
+# Read whole, a larger file would hold up a reload and could fill the memory.
+MAX_CONFIG_BYTES = 8 * 1024 * 1024
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -193,21 +198,54 @@ def load(path: str | Path) -> Config:
     where = str(path)
     if not where.strip():  # Path("") is the working directory: "cannot read: Is a directory"
         raise ConfigError("an empty config path: name a file, or leave it out")
+    raw = _read_bounded(Path(path), where)
     try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
+    try:
+        data = tomllib.loads(text)
+    except ValueError as exc:  # TOMLDecodeError, and an integer past Python's digit limit
         raise ConfigError(f"{where}: not valid TOML: {exc}") from exc
     except RecursionError:  # tomllib's parser recurses per level of nested arrays
         raise ConfigError(f"{where}: nested too deeply to be a config") from None
     # Paths in the file are the file's: a cron job and an operator's shell in other
     # directories must reach one ledger.
     return from_mapping(data, where, base=Path(path).absolute().parent)
+
+
+def _read_bounded(path: Path, where: str) -> bytes:
+    """The file's bytes, if it is a regular file of at most ``MAX_CONFIG_BYTES``.
+
+    A reload runs on the daemon's loop: a FIFO would block it until a writer came, and
+    /dev/zero would read until the memory ran out. A device is refused before it is
+    opened (opening some, a watchdog or a tape, acts on them); the open itself does not
+    wait (O_NONBLOCK) and its fstat decides, should the path change in between.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{where}: cannot read: not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{where}: cannot read: not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONFIG_BYTES:  # one byte past the bound tells a file too large
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    return b"".join(chunks)
 
 
 def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = None) -> Config:

@@ -159,6 +159,10 @@ class Daemon:
     ) -> None:
         self._load = load
         self._config, self._targets = load()
+        # Every variable an api_key_env of any config loaded since the start named: a
+        # reload that drops a backend or renames its variable leaves the old one in this
+        # process's environment, and no command we run may inherit it.
+        self._key_variables = self._config.key_variables
         # With a cluster seat only its leader settles (through the fenced store); every
         # daemon probes, and a standby reports from the record it reads.
         self._seat = store if isinstance(store, Seat) else None
@@ -446,7 +450,10 @@ class Daemon:
             self._log(f"{order.name}: restart issued; its command waits for the previous one")
             return
         try:
-            order = replace(order, env={**order.env, **self._store.command_env()})
+            # The order's environment is stripped of the keys its config names (remediate);
+            # an earlier config's are stripped here, the one place that remembers them.
+            kept = without_keys(order.env, self._key_variables)
+            order = replace(order, env={**kept, **self._store.command_env()})
         except StateError as exc:
             self._log(f"{order.name}: restart saved but not run: {exc}")
             return
@@ -499,7 +506,7 @@ class Daemon:
             self._hook_again = True
             return
         # Like a restart command, the hook has no business with any backend's API key.
-        environment = without_keys(os.environ, self._config.key_variables)
+        environment = without_keys(os.environ, self._key_variables)
         self._hook = _in_daemon_thread(_run_hook, (argv, environment))
         self._hook.add_done_callback(self._serving_hook_finished)
 
@@ -965,6 +972,7 @@ class Daemon:
             return
         wait = self._wait
         self._config, self._targets = config, targets
+        self._key_variables |= config.key_variables
         self._forget_series_of_removed(targets)
         if self._wait != wait:
             # Timing kept against the old wait says nothing of the new one, and the first

@@ -189,6 +189,8 @@ def _issue(
     history = record.restarts.get(decision.name, RestartHistory())
     record.restarts[decision.name] = history.record_attempt(now)
     snapshot = record.ledger.snapshot(decision.name, now)
+    # This config's keys only: a daemon also strips those of the configs it loaded before
+    # a reload (still in its environment) when it launches the order (daemon._launch).
     environment = restart_environment(
         os.environ,
         config.key_variables,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from llmhealth.config import (
+    MAX_CONFIG_BYTES,
     Backend,
     Cluster,
     Config,
@@ -216,6 +220,84 @@ def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load(binary)
+
+
+# Loads a config in a child with its memory capped and its time bounded: a regression
+# (a read that blocks, or one that never ends) fails the test rather than hangs or swaps.
+LOAD_IN_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from llmhealth.config import ConfigError, load
+try:
+    load(sys.argv[1])
+except ConfigError as exc:
+    print("ConfigError:", exc)
+else:
+    print("loaded")
+"""
+
+
+def load_in_child(path: Path) -> str:
+    """What ``load(path)`` did in a child process: "loaded" or "ConfigError: ..."; a
+    traceback (MemoryError) or a timeout fails the test."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_fifo_for_a_config_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    """A reload read a FIFO on the daemon's loop: it blocked until a writer came, so the
+    daemon neither read, settled, nor heard SIGTERM."""
+    fifo = tmp_path / "fleet.toml"
+    os.mkfifo(fifo)
+    assert load_in_child(fifo) == f"ConfigError: {fifo}: cannot read: not a regular file"
+
+
+def test_a_device_for_a_config_is_refused_unread() -> None:
+    """/dev/zero was read until the memory ran out: a MemoryError, and the daemon exited."""
+    assert (
+        load_in_child(Path("/dev/zero"))
+        == "ConfigError: /dev/zero: cannot read: not a regular file"
+    )
+
+
+def test_a_config_past_the_size_bound_is_refused_and_one_at_the_bound_loads(
+    tmp_path: Path,
+) -> None:
+    """A 200 MB file was read whole. The bound is for wrong paths: the largest fleet the
+    project is measured at, every key of every backend set, stays well inside it."""
+    fleet = "".join(
+        f"[[backend]]\nname = 'gpu-node-{i:05d}-vllm'\n"
+        f"url = 'http://10.12.{i // 250}.{i % 250}:8000'\n"
+        f"restart = ['sudo', 'systemctl', 'restart', 'vllm@gpu-node-{i:05d}.service']\n"
+        "api_key_env = 'VLLM_API_KEY'\nexpected_model = 'meta-llama/Llama-3.1-70B-Instruct'\n"
+        f"cgroup = '/sys/fs/cgroup/system.slice/vllm@gpu-node-{i:05d}.service'\n\n"
+        for i in range(10_000)
+    )
+    assert len(fleet.encode()) < MAX_CONFIG_BYTES / 2
+    backend = "[[backend]]\nname = 'a'\nurl = 'http://127.0.0.1:9'\n"
+    padding = MAX_CONFIG_BYTES - len(backend) - 1
+    at_bound = write(tmp_path, backend + "#" * padding + "\n")
+    assert at_bound.stat().st_size == MAX_CONFIG_BYTES
+    assert [b.name for b in load(at_bound).backends] == ["a"]
+    past = write(tmp_path, backend + "#" * (padding + 1) + "\n")
+    with pytest.raises(ConfigError, match=f"^{past}: larger than {MAX_CONFIG_BYTES >> 20} MiB"):
+        load(past)
+
+
+def test_an_integer_past_pythons_digit_limit_is_invalid_toml_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    """tomllib raises a plain ValueError for it, which was not turned into a ConfigError."""
+    path = write(tmp_path, "wait = " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=f"^{path}: not valid TOML: Exceeds the limit"):
+        load(path)
 
 
 @pytest.mark.parametrize(

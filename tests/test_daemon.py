@@ -670,6 +670,31 @@ def test_sighup_that_drops_a_backend_forgets_it_aloud_and_an_empty_config_is_ref
     ]
 
 
+def test_sighup_onto_a_fifo_or_an_oversize_file_is_refused_and_the_loop_goes_on(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """A FIFO blocked the reload, on the loop's thread, until a writer came: no cycle, no
+    SIGTERM. Both are refused at once, the running config kept."""
+    path = tmp_path / "fleet.toml"
+    write_config(path, fleet_config([{"name": "busy", "url": urls.busy}]))
+    with watching(entry_point, path, tmp_path / "state.json") as watch:
+        first = watch.until("a verdict on busy", lambda p: p.verdict("busy") == "busy")
+        path.unlink()
+        os.mkfifo(path)
+        watch.signal(signal.SIGHUP)
+        watch.logged(f"reload refused, keeping the running config: {path}: cannot read: not a")
+        after_fifo = watch.next_cycle(watch.next_cycle(first), timeout=10)
+        path.unlink()
+        write_config(path, "#" * (config_module.MAX_CONFIG_BYTES + 1))
+        watch.signal(signal.SIGHUP)
+        log = watch.logged(f"{path}: larger than")
+        after = watch.next_cycle(watch.next_cycle(after_fifo), timeout=10)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert log.count("reload refused") == 2
+    assert after.verdict("busy") == "busy"
+
+
 def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1062,6 +1087,40 @@ def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_r
     assert len(seen) == 2, f"the file changed more often than the serving set: {seen}"
     assert hooks[-1] == hook_log.read_text() == "changed\nchanged\n"  # once per change
     assert not list(tmp_path.glob(".upstream.conf*"))
+
+
+def test_a_key_variable_a_reload_dropped_reaches_neither_the_hook_nor_a_restart_command(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The reload leaves BUSY_KEY in the daemon's environment though no backend names it
+    any more: the hook and the restart command that run after it must still go without."""
+    hook_log, restart_log = tmp_path / "hook.log", tmp_path / "restart.log"
+    path = tmp_path / "fleet.toml"
+    hook = append_command(hook_log)
+    idle = {"name": "idle", "url": urls.idle}
+    keyed = {"name": "busy", "url": urls.busy, "api_key_env": "BUSY_KEY"}
+    write_config(path, fleet_config([keyed, idle], on_serving_change=hook))
+    with watching(
+        entry_point,
+        path,
+        tmp_path / "state.json",
+        "--serving-file",
+        str(tmp_path / "upstream.conf"),
+        env={"BUSY_KEY": "s3cret"},
+    ) as watch:
+        poll_file(hook_log, lambda text: text.count("changed") >= 1)
+        # busy goes (the serving set changes, so the hook runs again), and a wedged
+        # backend comes, to be restarted.
+        wedge = {"name": "wedge", "url": urls.wedge_a, "restart": append_command(restart_log)}
+        write_config(path, fleet_config([idle, wedge], on_serving_change=hook))
+        watch.signal(signal.SIGHUP)
+        watch.logged("config reloaded")
+        restarted = poll_file(restart_log, lambda text: "changed" in text)
+        hooks = poll_file(hook_log, lambda text: text.count("changed") >= 2)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert "KEY LEAKED" not in hooks[-1] + hook_log.read_text()
+    assert restarted[-1] == "changed\n"
 
 
 def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
