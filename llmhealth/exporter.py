@@ -7,13 +7,17 @@ so a scrape never sees half a cycle and never waits for one. Names carry the
 
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
+from typing import Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from llmhealth.classify import VerdictKind
@@ -298,8 +302,71 @@ def _cluster_families(cluster: ClusterView) -> Iterator[Metric]:
         )
 
 
+# Seconds a scraper may take to send its request, and to take each part of the page:
+# Prometheus does both at once. Without it, a connection that never sent a request held
+# its thread and descriptor for ever: a thousand of them used up the daemon's open files,
+# and every settle failed to open the state's lock file.
+SCRAPE_TIMEOUT: Final = 10.0
+# Scrapes served at once (a thread each). Prometheus scrapes a target one at a time per
+# job: a few servers and an operator's curl fit. Past it a connection is closed
+# unanswered, so idle sockets cannot pile up threads, nor renders of a 10,000-backend
+# page (2 s of CPU and 22 MB each) starve the event loop that reads the fleet.
+SCRAPES_AT_ONCE: Final = 16
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    """One scrape: bounded in time (``timeout`` is set on its socket), never logged."""
+
+    timeout = SCRAPE_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a scrape every few seconds is not news for the daemon's log."""
+
+
+class _ScrapeServer(ThreadingWSGIServer):
+    """prometheus_client's server (a daemon thread per connection), with a cap on them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._places = threading.BoundedSemaphore(SCRAPES_AT_ONCE)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._places.acquire(blocking=False):
+            self.shutdown_request(request)  # every place taken: closed unanswered
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._places.release()  # no thread started to release it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._places.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A scraper that timed out or went away: its own doing, and no traceback for the
+        daemon's log (socketserver prints one for any error). Anything else still is."""
+        if not isinstance(sys.exc_info()[1], TimeoutError | ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def serve(collector: FleetCollector, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
     """Serve /metrics on host:port from a thread; the caller shuts the server down."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    return start_http_server(port, addr=host, registry=registry)
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(_ScrapeServer):
+        address_family = family  # an IPv6 listen address needs its family at bind
+
+    server = make_server(
+        str(address[0]), port, make_wsgi_app(registry), Server, handler_class=_ScrapeHandler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    return server, thread

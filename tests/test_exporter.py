@@ -8,6 +8,8 @@ tests serve the page over real HTTP on a loopback port the kernel picks.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from llmhealth import exporter
 from llmhealth.classify import VerdictKind
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.ledger import State
@@ -359,6 +362,29 @@ def test_serve_answers_a_real_scrape_on_loopback_and_then_shuts_down() -> None:
         assert again.ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
     with pytest.raises(httpx.ConnectError):
         httpx.get(url, timeout=2.0)
+
+
+def test_a_connection_that_sends_nothing_is_let_go_and_a_full_house_is_turned_away(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Held for ever before: a thread and a descriptor each, until the daemon had no file
+    # left to open its state's lock with and every settle was skipped.
+    monkeypatch.setattr(exporter._ScrapeHandler, "timeout", 2.0)
+    monkeypatch.setattr(exporter, "SCRAPES_AT_ONCE", 2)
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    with served(collector) as port, contextlib.ExitStack() as held:
+        url = f"http://127.0.0.1:{port}/metrics"
+        silent = [
+            held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            for _ in range(2)
+        ]
+        turned_away = held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+        assert turned_away.recv(1) == b""  # closed at once, unanswered: both places taken
+        for connection in silent:
+            assert connection.recv(1) == b""  # let go after the handler's timeout
+        assert httpx.get(url, timeout=5.0).status_code == 200  # the places are free again
+    assert "Traceback" not in capsys.readouterr().err  # a scraper's timeout is not news
 
 
 def _cluster_samples(view: ClusterView) -> dict[str, list[Sample]]:
