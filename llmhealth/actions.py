@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -33,12 +33,6 @@ _DRAIN_AFTER_EXIT: Final = 1.0
 _POLL: Final = 0.1  # how often exit is checked while the pipes stay quiet
 _CHUNK: Final = 65536
 _MAX_DEPTH: Final = 32
-# How long an append waits for another holder of the audit log's lock: as long as a run
-# waits for the state lock (StateFile's lock_timeout). Anything may flock the log (a
-# backup, a log shipper); unbounded, every writer hung behind it holding the state lock,
-# and the daemon stopped petting the watchdog.
-AUDIT_LOCK_TIMEOUT: Final = 10.0
-_LOCK_POLL: Final = 0.05  # seconds between tries, as the state lock polls
 
 
 # --- restart commands -----------------------------------------------------------------
@@ -340,9 +334,7 @@ class AuditLog:
     ``to_dict()`` or ``str()``), so a record is never refused for its evidence.
     """
 
-    def __init__(
-        self, path: str | os.PathLike[str], lock_timeout: float = AUDIT_LOCK_TIMEOUT
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.path = Path(path)
         self.lock_timeout = lock_timeout
         self._pending: list[bytes] | None = None  # an open batch's lines, not yet written
@@ -431,21 +423,15 @@ class AuditLog:
             _fsync_dir(self.path.parent)
 
     def _lock(self, fd: int, kept: str) -> None:
-        """Take the log's exclusive lock, waiting at most ``lock_timeout`` for its holder."""
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass  # held elsewhere; any other OSError is the caller's to report
-            if time.monotonic() >= deadline:
-                raise AuditError(
-                    f"{self.path}: the audit log is locked by another process (a backup or "
-                    f"log shipper holding flock on it?); gave up after "
-                    f"{self.lock_timeout:g} s; {kept}"
-                )
-            time.sleep(_LOCK_POLL)
+        """Take the log's exclusive lock within ``lock_timeout``. Anything may flock it (a
+        backup, a log shipper): waited for without end, every writer hung behind it while
+        holding the state lock, and the daemon stopped petting the watchdog."""
+        if not lock_within(fd, self.lock_timeout):
+            raise AuditError(
+                f"{self.path}: the audit log is locked by another process (a backup or "
+                f"log shipper holding flock on it?); gave up after "
+                f"{self.lock_timeout:g} s; {kept}"
+            )
 
 
 def _after_a_torn_line(fd: int) -> bytes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import stat
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
+from llmhealth.openfiles import read_regular_file
 from llmhealth.text import refuse_user_info, same_server
 from llmhealth.window import WedgeRules
 
@@ -215,37 +215,15 @@ def load(path: str | Path) -> Config:
 
 
 def _read_bounded(path: Path, where: str) -> bytes:
-    """The file's bytes, if it is a regular file of at most ``MAX_CONFIG_BYTES``.
-
-    A reload runs on the daemon's loop: a FIFO would block it until a writer came, and
-    /dev/zero would read until the memory ran out. A device is refused before it is
-    opened (opening some, a watchdog or a tape, acts on them); the open itself does not
-    wait (O_NONBLOCK) and its fstat decides, should the path change in between.
-    """
+    """The file's bytes, if it is a regular file of at most ``MAX_CONFIG_BYTES``: a reload
+    runs on the daemon's loop, which a FIFO or a device must not hold (``openfiles``)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ConfigError(f"{where}: cannot read: not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        raw = read_regular_file(path, MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{where}: cannot read: not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_CONFIG_BYTES:  # one byte past the bound tells a file too large
-            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-    if size > MAX_CONFIG_BYTES:
+    if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
-    return b"".join(chunks)
+    return raw
 
 
 def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = None) -> Config:

@@ -1,19 +1,38 @@
-"""Open files: every connection holds a descriptor, and most processes start with 1024.
+"""Open files: the descriptor limit, locks waited for in bounds, files read in bounds.
+
+Every connection holds a descriptor, and most processes start with 1024.
 
 ``watch`` and ``check`` keep a connection to each backend (and the tiny request one
 more), the router one per client and one per forwarded request, the exporter one per
 scraper: the soft limit a shell or systemd (``DefaultLimitNOFILE=1024:524288``) starts a
 process with is exhausted by a fleet of a thousand, and then every read fails at once.
 The hard limit is the operator's ceiling; the soft one is ours to raise to it.
+
+The state file, its lock, the audit log and the config are files anyone may meddle with
+(a backup script's ``flock``, a FIFO or a device given as a path): a wait for a lock
+ends, and a read neither blocks nor takes more than its caller's bound.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import resource
+import stat
+import time
+from pathlib import Path
 from typing import Final
 
 # Where the soft limit is raised to when the hard one is unlimited (Linux's nr_open).
 FILE_LIMIT_CEILING: Final = 1 << 20
+# How long a run waits for another holder of a lock (the state's, the audit log's): a
+# settle or a check ends within it, and it is a third of systemd's 30 s watchdog.
+LOCK_TIMEOUT: Final = 10.0
+_LOCK_POLL: Final = 0.05  # seconds between tries of a held lock
+
+
+class NotRegularFileError(OSError):
+    """A path that names a FIFO, a device, a socket or a directory, not a file to read."""
 
 
 def raise_file_limit() -> int:
@@ -31,3 +50,47 @@ def raise_file_limit() -> int:
             return soft
         return wanted
     return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else soft
+
+
+def lock_within(descriptor: int, seconds: float) -> bool:
+    """Take ``descriptor``'s exclusive flock, waiting at most ``seconds`` for its holder;
+    False when it is still held then. Any other failure raises OSError."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass  # held elsewhere (EAGAIN/EWOULDBLOCK)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_LOCK_POLL)
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the regular file at ``path`` (one past the bound
+    tells the caller it is too large).
+
+    A FIFO would block the read until a writer came (a reload, on the daemon's loop), a
+    device could be read for ever (/dev/zero until the memory ran out), and opening some
+    devices acts on them: a path that is not a regular file is refused before it is
+    opened, and the open does not wait (O_NONBLOCK), its fstat deciding should the path
+    have changed in between. Raises FileNotFoundError, NotRegularFileError or OSError.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFileError("not a regular file")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise NotRegularFileError("not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(descriptor, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(descriptor)

@@ -10,8 +10,6 @@ state holds every backend's URL and evidence.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import tempfile
@@ -22,11 +20,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file
 from llmhealth.text import printable
 
 SCHEMA = 1
 _MAX_STATE_BYTES = 64 * 1024 * 1024
-_LOCK_POLL = 0.05
 
 T = TypeVar("T")
 
@@ -148,7 +146,7 @@ class Store(Protocol):
 class StateFile:
     """One state file and its lock file beside it (the state itself is renamed over)."""
 
-    def __init__(self, path: str | Path, lock_timeout: float = 10.0) -> None:
+    def __init__(self, path: str | Path, lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.lock_timeout = lock_timeout
@@ -181,22 +179,17 @@ class StateFile:
             os.close(descriptor)  # closing releases the flock
 
     def _acquire(self, descriptor: int) -> None:
-        deadline = time.monotonic() + self.lock_timeout
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise StateError(f"cannot lock {self.lock_path}: {exc}") from exc
-            if time.monotonic() >= deadline:
-                note = printable(os.pread(descriptor, 32, 0).decode(errors="replace").strip())
-                holder = (
-                    f"another llmhealth (PID {note})" if note else "a process that is not llmhealth"
-                )
-                waited = f"gave up after {self.lock_timeout:g} s"
-                raise StateLockedError(f"state {self.path} is locked by {holder}; {waited}")
-            time.sleep(_LOCK_POLL)
+        try:
+            locked = lock_within(descriptor, self.lock_timeout)
+        except OSError as exc:
+            raise StateError(f"cannot lock {self.lock_path}: {exc}") from exc
+        if not locked:
+            note = printable(os.pread(descriptor, 32, 0).decode(errors="replace").strip())
+            holder = (
+                f"another llmhealth (PID {note})" if note else "a process that is not llmhealth"
+            )
+            waited = f"gave up after {self.lock_timeout:g} s"
+            raise StateLockedError(f"state {self.path} is locked by {holder}; {waited}")
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         """The decoded state, or None when there is none yet.
@@ -226,11 +219,17 @@ class StateFile:
     def _decoded(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         """The file's record, None without a file; past the size bound, unreadable."""
         try:
-            with self.path.open("rb") as handle:
-                raw = handle.read(_MAX_STATE_BYTES + 1)
+            raw = read_regular_file(self.path, _MAX_STATE_BYTES)
         except FileNotFoundError:
+            if os.path.islink(self.path):
+                # Its file's volume not mounted yet, say: a fresh ledger here would forget
+                # every retirement and hold, and its save would replace the link.
+                raise StateError(
+                    f"state {self.path} is a symbolic link to {os.readlink(self.path)}, "
+                    "which does not exist: refusing to start a fresh ledger in its place"
+                ) from None
             return None
-        except OSError as exc:
+        except OSError as exc:  # a FIFO or a device among them: never waited on
             raise StateError(f"cannot read state {self.path}: {exc}") from exc
         if len(raw) > _MAX_STATE_BYTES:
             raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
@@ -258,11 +257,14 @@ class StateFile:
         """Write a temp file, fsync it, run ``before``, rename it over the state, fsync
         the directory (past the rename it is saved: StateError only before it)."""
         temporary: Path | None = None
+        # A state path that is a symbolic link is saved where it points: renamed over, the
+        # link itself became a file, and the record it pointed to was left behind.
+        target = self._target()
         try:
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
             # would let anyone who can write the directory plant a symlink there first.
             descriptor, name = tempfile.mkstemp(
-                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+                prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
             )
             temporary = Path(name)
             with os.fdopen(descriptor, "wb") as handle:
@@ -271,7 +273,7 @@ class StateFile:
                 handle.flush()
                 os.fsync(handle.fileno())
             before()
-            os.replace(temporary, self.path)
+            os.replace(temporary, target)
         except BaseException as exc:
             # The text is encoded while it is written, so a value JSON cannot hold fails
             # midway too: no half-written temp file is left, and the state stays whole.
@@ -286,7 +288,7 @@ class StateFile:
         # syncs it again; raised, it made the caller redo a settle already saved, with
         # its requests counted twice and its audit lines written twice.
         with contextlib.suppress(OSError):
-            directory = os.open(self.path.parent, os.O_RDONLY)
+            directory = os.open(target.parent, os.O_RDONLY)
             try:
                 os.fsync(directory)
             finally:
@@ -296,14 +298,19 @@ class StateFile:
         """One machine acts under the file lock: there is no token to hand on."""
         return {}
 
+    def _target(self) -> Path:
+        """The file the state is: where the path's symbolic links lead, if it has any."""
+        return Path(os.path.realpath(self.path)) if os.path.islink(self.path) else self.path
+
     def _set_aside(self) -> Path:
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        counter = 1
+        target = self._target()
+        first = target.with_name(f"{target.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        aside, counter = first, 1
         while aside.exists():
-            aside = aside.with_name(f"{aside.name.split('~')[0]}~{counter}")
+            aside = first.with_name(f"{first.name}~{counter}")
             counter += 1
         try:
-            os.replace(self.path, aside)
+            os.replace(target, aside)
         except OSError as exc:
             raise StateError(
                 f"state {self.path} is unreadable and cannot be moved aside: {exc}"

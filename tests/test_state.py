@@ -71,6 +71,67 @@ def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: byt
         assert store.load(identity) is None  # the next run starts fresh
 
 
+def test_two_corrupt_files_set_aside_in_one_second_keep_their_name(tmp_path: Path) -> None:
+    # The second one's name was cut at the first "~": "fleet~prod.json" became "fleet~1".
+    store = StateFile(tmp_path / "fleet~prod.json")
+    for content in (b"{one", b"{two"):
+        store.path.write_bytes(content)
+        with store.locked(), pytest.raises(StateCorruptError):
+            store.load(identity)
+    aside = sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name)
+    assert len(aside) == 2
+    assert all(name.startswith("fleet~prod.json.corrupt-") for name in aside), aside
+
+
+def test_a_state_path_that_is_a_symlink_is_saved_where_it_points(tmp_path: Path) -> None:
+    # os.replace renamed over the link itself: the link became a file of its own, and
+    # the record it pointed to (on another volume, say) was left behind, stale.
+    (tmp_path / "volume").mkdir()
+    record = tmp_path / "volume" / "state.json"
+    store = StateFile(tmp_path / "state.json")
+    store.path.symlink_to(record)
+    with store.locked():
+        store.save({"ledger": {"gpu0": "healthy"}})
+    with store.locked():
+        store.save({"ledger": {"gpu0": "retired"}})
+        assert store.load(identity) == {"ledger": {"gpu0": "retired"}, "schema": SCHEMA}
+    assert store.path.is_symlink()
+    assert json.loads(record.read_text())["ledger"] == {"gpu0": "retired"}
+    record.write_bytes(b"{corrupt")
+    with store.locked(), pytest.raises(StateCorruptError):
+        store.load(identity)
+    assert [p.name.split(".corrupt-")[0] for p in (tmp_path / "volume").iterdir()] == [
+        "state.json"
+    ]  # the file was set aside where it lives; the link is left to point at the next one
+    assert store.path.is_symlink()
+
+
+def test_a_symlink_to_a_missing_state_is_refused_not_started_afresh(tmp_path: Path) -> None:
+    # Its volume not mounted yet: a fresh ledger was started in its place (a retired
+    # backend serving again), and its save replaced the link for good.
+    store = StateFile(tmp_path / "state.json")
+    store.path.symlink_to(tmp_path / "unmounted" / "state.json")
+    with store.locked(), pytest.raises(StateError, match="which does not exist"):
+        store.load(identity)
+    assert store.path.is_symlink()
+
+
+def test_a_state_path_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    # A plain open() waited for a writer for ever, holding the lock: every check, verb and
+    # settle behind it waited too.
+    script = (
+        "import sys\nfrom llmhealth.state import StateFile, StateError\n"
+        "try:\n    StateFile(sys.argv[1]).load(lambda d: d)\n"
+        "except StateError as error:\n    print(error)\n"
+    )
+    os.mkfifo(tmp_path / "state.json")
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "state.json")],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert "not a regular file" in done.stdout
+
+
 def test_content_the_decoder_rejects_is_set_aside_too(tmp_path: Path) -> None:
     store = StateFile(tmp_path / "state.json")
     with store.locked():
