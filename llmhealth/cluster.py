@@ -991,8 +991,10 @@ class SharedReads:
         serials: Mapping[str, int],
         verdicts: Mapping[str, Verdict],
         examined: Mapping[str, int],
+        urls: Mapping[str, str],
     ) -> None:
-        """This member's newest verdicts and examination counts for whoever leads (see
+        """This member's newest verdicts (and where each was read) and examination counts
+        for whoever leads (see
         ``shares.publication``), in keys of at most about
         ``PUBLICATION_BYTES`` (``NAME/00000``, ``NAME/00001``, ...); the chunks a shrunken
         share no longer fills are deleted with the last. Nothing while it has no lease."""
@@ -1000,7 +1002,7 @@ class SharedReads:
         if lease is None:
             return
         mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
-        chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES)
+        chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES, urls)
         for index, chunk in enumerate(chunks):
             operations = [put(f"{mine}{index:05d}", chunk, lease)]
             if index == len(chunks) - 1:

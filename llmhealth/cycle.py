@@ -508,6 +508,7 @@ def settle(
     pending = pending_restarts(record, config, now)
     reports = []
     in_ledger = set()
+    verdicts = {}  # what was fed: a restart's expiry may quote it as evidence
     for outcome in outcomes:
         name = outcome.target.name
         if (
@@ -520,6 +521,7 @@ def settle(
             reports.append(BackendReport(outcome, None))
             continue
         in_ledger.add(name)
+        verdicts[name] = outcome.verdict
         transitions = tuple(
             record.observe(
                 name,
@@ -549,7 +551,6 @@ def settle(
             traffic.append(transition)
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
-    verdicts = {outcome.target.name: outcome.verdict for outcome in outcomes}
     notes = [*notes, *expire_restarts(record, audit, now, verdicts)]
     restarts = remediate(record, config, now, mode=mode, audit=audit)
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.

@@ -113,7 +113,8 @@ class Notifier:
 
 # What a sharding member publishes for the leader (shares.publication): by backend, its
 # count of verdicts, its newest verdict and its count of examinations, decided or not.
-Publication = tuple[dict[str, int], dict[str, Verdict], dict[str, int]]
+# serials, verdicts, examinations, and where each verdict was read (shares.publication)
+Publication = tuple[dict[str, int], dict[str, Verdict], dict[str, int], dict[str, str]]
 
 
 @dataclass(slots=True)
@@ -653,7 +654,12 @@ class Daemon:
             for name, probe in self._state.probes.items()
             if probe.examinations and name in backends
         }
-        return dict(self._serials), verdicts, examined
+        urls = {
+            name: probe.outcome.target.url
+            for name, probe in self._state.probes.items()
+            if probe.outcome is not None and name in backends
+        }
+        return dict(self._serials), verdicts, examined, urls
 
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
@@ -753,8 +759,10 @@ class Daemon:
         undecided_for = self._config.max_check_time + self.settings.wait
         taken = shares.take(list(backends), stale_after, undecided_for)
         targets = {target.name: target for target in self._targets}
+        # Each as read where its member read it: settle counts none read at an address
+        # the backend has since left (a reload, here or on that member).
         return [
-            Outcome(targets[name], verdict)
+            Outcome(replace(targets[name], url=taken.urls.get(name, targets[name].url)), verdict)
             for name, verdict in taken.verdicts.items()
             if name in targets
         ]
@@ -789,8 +797,12 @@ class Daemon:
 
     def _remember_models(self, report: CycleReport) -> None:
         """The model lists the tiny request saw; kept while the backend is busy and so
-        not asked again."""
+        not asked again. Only where the backend is now: a reload may have moved it while
+        the old address was asked."""
+        where = {target.name: target.url for target in self._targets}
         for backend in report.backends:
+            if where.get(backend.outcome.target.name) != backend.outcome.target.url:
+                continue
             answer = backend.outcome.verdict.answer
             if answer is not None and answer.models_served:
                 self._models[backend.outcome.target.name] = frozenset(answer.models_served)

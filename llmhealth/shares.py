@@ -264,6 +264,7 @@ class Published:
     verdict: Verdict | None  # None: none yet (``examined`` says so), or unreadable
     problem: str = ""  # why it could not be read, when it could not
     examined: int | None = None  # examinations, decided or not; None: not published
+    url: str | None = None  # where the verdict was read; None: not said (an older member)
 
 
 def publication(
@@ -271,12 +272,13 @@ def publication(
     verdicts: Mapping[str, Verdict],
     examined: Mapping[str, int],
     limit: int,
+    urls: Mapping[str, str],
 ) -> list[bytes]:
     """What a member writes under its keys: per backend of its share, the newest verdict
-    with its serial and the count of examinations (a backend still undecided has the
-    count alone), as JSON documents of about ``limit`` bytes at most each (one etcd
-    request each: a verdict of three reads is about 2 KB, and a share can hold
-    thousands)."""
+    with its serial and the address it was read at (``urls``), and the count of
+    examinations (a backend still undecided has the count alone), as JSON documents of
+    about ``limit`` bytes at most each (one etcd request each: a verdict of three reads
+    is about 2 KB, and a share can hold thousands)."""
     chunks: list[bytes] = []
     entries: list[bytes] = []
     size = 0
@@ -286,6 +288,8 @@ def publication(
             entry["examined"] = examined[name]
         if name in verdicts:
             entry["verdict"] = verdict_to_dict(verdicts[name])
+            if name in urls:
+                entry["url"] = urls[name]
         text = (json.dumps(name) + ":" + json.dumps(entry, allow_nan=False)).encode()
         if entries and size + len(text) > limit:
             chunks.append(_chunk(entries))
@@ -316,7 +320,10 @@ def parse_publication(member: str, document: object) -> dict[str, Published]:
             verdict = None
             if examined is None or table.get("verdict") is not None:
                 verdict = verdict_from_dict(table.get("verdict"), where)
-            published[str(name)] = Published(member, serial, verdict, examined=examined)
+            url = table.get("url")
+            if url is not None and not isinstance(url, str):
+                raise TypeError(f"{where}: url is {type(url).__name__}, not text")
+            published[str(name)] = Published(member, serial, verdict, examined=examined, url=url)
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             # Another member's text (another version's, a hand's): whatever cannot be read
             # is that entry's problem; the leader's settle goes on.
@@ -349,6 +356,9 @@ class Intake:
 class Taken:
     verdicts: dict[str, Verdict]  # by backend: to settle this wait
     stale: tuple[str, ...]  # backends given a doubt verdict for want of news
+    # Where each published verdict was read, when its member said: a reload may have
+    # moved the backend since, on that member or on the leader.
+    urls: dict[str, str] = field(default_factory=dict)
 
 
 def take_published(
@@ -373,6 +383,7 @@ def take_published(
         del intake.news_at[name]
         intake.verdict_at.pop(name, None)
     verdicts: dict[str, Verdict] = {}
+    urls: dict[str, str] = {}
     stale = []
     for name, owner in owners.items():
         found = published.get(owner, {}).get(name)
@@ -398,6 +409,8 @@ def take_published(
             news = True
             if intake.primed:  # else the former leader may have settled it already
                 verdicts[name] = found.verdict
+                if found.url is not None:
+                    urls[name] = found.url
         if news:
             intake.news_at[name] = now
             continue
@@ -406,7 +419,7 @@ def take_published(
             stale.append(name)
             verdicts[name] = doubt(owner, found, age)
     intake.primed = True
-    return Taken(verdicts, tuple(stale))
+    return Taken(verdicts, tuple(stale), urls)
 
 
 def doubt(owner: str, found: Published | None, seconds: float) -> Verdict:

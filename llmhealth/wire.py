@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
+import socket
 import ssl
 import traceback
 import weakref
@@ -43,8 +45,8 @@ BODIES_AT_ONCE = 64
 
 
 class Failure(Enum):
-    CONNECT_TIMEOUT = "connect_timeout"  # no TCP (or TLS) connection by the deadline
-    CONNECT_FAILED = "connect_failed"  # refused, no route, name unknown, TLS handshake
+    CONNECT_TIMEOUT = "connect_timeout"  # no TCP connection by the deadline
+    CONNECT_FAILED = "connect_failed"  # refused, no route, name unknown, TLS refused
     ANSWER_TIMEOUT = "answer_timeout"  # connected, but no complete answer by the deadline
     CLOSED = "closed"  # reset, or closed before the answer was complete
     MALFORMED = "malformed"  # not HTTP/1.x as RFC 9112 frames it
@@ -167,7 +169,7 @@ class Connection:
                 raise
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 await self.aclose()
-                if getattr(exc, "errno", None) in _OUT_OF_FILES:
+                if not progress.connected and isinstance(exc, OSError) and _out_of_files(exc):
                     raise WireError(
                         Failure.STARVED,
                         f"llmhealth's own process could not open a connection ({exc}): "
@@ -611,6 +613,23 @@ async def _framing_line(reader: asyncio.StreamReader, what: str) -> bytes:
         return await reader.readuntil(b"\r\n")
     except asyncio.LimitOverrunError as exc:
         raise WireError(Failure.MALFORMED, f"{what} over {MAX_HEAD_BYTES} bytes") from exc
+
+
+def _out_of_files(exc: OSError) -> bool:
+    """Whether a connection failed for want of descriptors in this process, not the server.
+
+    The resolver says so only as "name unknown" (it could not open /etc/hosts, nor a
+    socket to ask DNS): for a failed lookup, one more descriptor is asked for to see.
+    """
+    if exc.errno in _OUT_OF_FILES:
+        return True
+    if not isinstance(exc, socket.gaierror):
+        return False
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as probe:
+        return probe.errno in _OUT_OF_FILES
+    return False
 
 
 def _unread(reader: asyncio.StreamReader) -> int:

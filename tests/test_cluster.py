@@ -635,7 +635,7 @@ def test_members_agree_on_shares_publish_on_their_lease_and_the_leader_takes_eac
     first = leader.take(backends, stale_after=10.0, undecided_for=300.0)
     assert first.verdicts == {} and first.stale == ()
     verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in shares["b"]}
-    member.publish({name: 1 for name in verdicts}, verdicts, {name: 2 for name in verdicts})
+    member.publish({name: 1 for name in verdicts}, verdicts, {name: 2 for name in verdicts}, {})
     assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == verdicts
     assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}  # each once
     # The member dies: its publication goes with its lease, and its backends go stale.
@@ -661,12 +661,12 @@ def test_a_share_that_shrinks_leaves_no_chunk_of_its_old_publication(
     seat.elector.step()
     reads = SharedReads(seat)
     verdicts = {f"gpu{index}": Verdict(VerdictKind.BUSY, True, "busy " * 40) for index in range(12)}
-    reads.publish({name: 1 for name in verdicts}, verdicts, {})
+    reads.publish({name: 1 for name in verdicts}, verdicts, {}, {})
     chunks = [key for key in seat.etcd.get_prefix(keys.verdicts) if "/verdicts/b/" in key]
     assert len(chunks) > 2
     found = seat.etcd.get(chunks[0])
     assert found is not None and found.lease == seat.elector.lease_id  # gone with the member
-    reads.publish({"gpu1": 2}, {"gpu1": verdicts["gpu1"]}, {"gpu1": 5})
+    reads.publish({"gpu1": 2}, {"gpu1": verdicts["gpu1"]}, {"gpu1": 5}, {})
     assert sorted(seat.etcd.get_prefix(keys.verdicts)) == [f"{keys.verdicts}b/00000"]
     seat.elector.stop()
 

@@ -179,10 +179,12 @@ def test_examinations_without_a_verdict_for_longer_than_a_reader_may_are_no_news
 
 
 def test_an_undecided_entry_goes_through_json_and_an_older_leader_reads_it_as_doubt() -> None:
-    (chunk,) = publication({"gpu1": 2}, {"gpu1": healthy("x")}, {"gpu1": 9, "young": 4}, 4096)
+    (chunk,) = publication(
+        {"gpu1": 2}, {"gpu1": healthy("x")}, {"gpu1": 9, "young": 4}, 4096, {"gpu1": "http://a"}
+    )
     entries = parse_publication("b", json.loads(chunk))
     assert entries == {
-        "gpu1": Published("b", 2, healthy("x"), examined=9),
+        "gpu1": Published("b", 2, healthy("x"), examined=9, url="http://a"),
         "young": Published("b", 0, None, examined=4),
     }
     # A leader of the version before reads "verdict" alone: an entry without one is
@@ -190,6 +192,24 @@ def test_an_undecided_entry_goes_through_json_and_an_older_leader_reads_it_as_do
     without = json.loads(chunk)
     del without["verdicts"]["young"]["examined"]
     assert parse_publication("b", without)["young"].problem
+
+
+def test_a_verdict_is_taken_with_the_address_its_member_read_it_at() -> None:
+    # Without it the leader settled a verdict against its own idea of the backend's
+    # address: a member that read the old one (its config not yet reloaded, or reloaded
+    # after it read) condemned the server at the new one.
+    (chunk,) = publication({"gpu1": 3}, {"gpu1": healthy("x")}, {}, 4096, {"gpu1": "http://old"})
+    intake = Intake(started=0.0, undecided_for=60.0)
+    take_published(intake, {"gpu1": "b"}, {"b": {}}, 1.0, 10.0)
+    taken = take_published(
+        intake, {"gpu1": "b"}, {"b": parse_publication("b", json.loads(chunk))}, 2.0, 10.0
+    )
+    assert (taken.verdicts, taken.urls) == ({"gpu1": healthy("x")}, {"gpu1": "http://old"})
+    older = json.loads(chunk)
+    del older["verdicts"]["gpu1"]["url"]  # a member of the version before says nothing
+    assert parse_publication("b", older)["gpu1"].url is None
+    older["verdicts"]["gpu1"]["url"] = 7
+    assert "url" in parse_publication("b", older)["gpu1"].problem
 
 
 def test_a_backend_that_just_became_another_members_share_gets_time_to_be_read() -> None:
@@ -215,7 +235,7 @@ def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
 
 
 def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> None:
-    (chunk,) = publication({"gpu1": 1}, {"gpu1": healthy("x")}, {"gpu1": 3}, 4096)
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": healthy("x")}, {"gpu1": 3}, 4096, {})
     document = json.loads(chunk)
     document["verdicts"]["gpu1"]["verdict"]["healthy"] = "very"
     entries = parse_publication("b", document)
@@ -241,7 +261,7 @@ def test_a_publication_with_values_of_the_wrong_kind_is_doubt_not_a_dead_leader(
     sampled = Verdict(
         VerdictKind.BUSY, True, "busy", reads=(Read(11.0, cpu=CpuSample(3.5, (12,), at=11.2)),)
     )
-    (chunk,) = publication({"gpu1": 1}, {"gpu1": sampled}, {}, 4096)
+    (chunk,) = publication({"gpu1": 1}, {"gpu1": sampled}, {}, 4096, {})
     document = json.loads(chunk)
     document["verdicts"]["gpu1"]["verdict"]["reads"][0]["cpu"]["processes"] = processes
     entries = parse_publication("b", json.loads(json.dumps(document)))
@@ -254,7 +274,7 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
 ) -> None:
     verdict = wedged_verdict(fixture_text)
     verdicts = {f"gpu{index:04d}": verdict for index in range(300)}
-    chunks = publication({name: 7 for name in verdicts}, verdicts, {}, 64 * 1024)
+    chunks = publication({name: 7 for name in verdicts}, verdicts, {}, 64 * 1024, {})
     entry = len(json.dumps(verdict_to_dict(verdict))) + 40
     assert len(chunks) > 1
     assert all(len(chunk) <= 64 * 1024 + entry for chunk in chunks)
@@ -262,4 +282,4 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
     for chunk in chunks:
         merged.update(parse_publication("b", json.loads(chunk)))
     assert merged == {name: Published("b", 7, verdict) for name in verdicts}
-    assert publication({}, {}, {}, 1024) == [b'{"verdicts":{}}']  # an empty share clears
+    assert publication({}, {}, {}, 1024, {}) == [b'{"verdicts":{}}']  # an empty share clears
