@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from llmhealth import actions
 from llmhealth.actions import (
     AuditError,
     AuditLog,
@@ -290,6 +292,28 @@ def test_reading_skips_and_counts_malformed_lines(tmp_path: Path) -> None:
     assert [r["n"] for r in found.records] == [1, 3]
     assert found.malformed == 3
     assert [r["n"] for r in scan(path, last=1).records] == [3]
+
+
+def test_a_line_past_the_bound_is_passed_over_in_pieces_not_held_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A crash's tail of NUL bytes with no newline was read as one line: `audit --last 1`
+    # held 3.1 GB for a 1.5 GB tail. Here the bound is 1 MiB and the tail 48 MiB.
+    monkeypatch.setattr(actions, "MAX_AUDIT_LINE", 1 << 20)
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    log.append({"n": 1})
+    with path.open("ab") as f:
+        f.write(b"\0" * (48 << 20) + b"\n")
+    log.append({"n": 2})
+    tracemalloc.start()
+    try:
+        found = scan(path, last=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ([r["n"] for r in found.records], found.malformed) == ([2], 1)
+    assert peak < 8 << 20, peak  # a few pieces of the bound at most, never the tail
 
 
 def test_a_log_not_yet_written_reads_as_empty(tmp_path: Path) -> None:
