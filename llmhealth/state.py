@@ -10,6 +10,7 @@ state holds every backend's URL and evidence.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import tempfile
@@ -260,6 +261,12 @@ class StateFile:
         # A state path that is a symbolic link is saved where it points: renamed over, the
         # link itself became a file, and the record it pointed to was left behind.
         target = self._target()
+        # Temp files a writer killed mid-save left (a daemon the watchdog kills while it
+        # writes 13 MB, again and again): only the lock's holder makes them, and it holds
+        # the lock now, so any found are dead writers'. Nothing else removed them.
+        for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         try:
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
             # would let anyone who can write the directory plant a symlink there first.
