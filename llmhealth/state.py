@@ -264,7 +264,9 @@ class StateFile:
         # Temp files a writer killed mid-save left (a daemon the watchdog kills while it
         # writes 13 MB, again and again): only the lock's holder makes them, and it holds
         # the lock now, so any found are dead writers'. Nothing else removed them.
-        for stale in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        # mkstemp's names: the prefix, eight random characters, the suffix (and no more,
+        # so another state named after this one plus a suffix keeps its own).
+        for stale in target.parent.glob(f".{glob.escape(target.name)}.{'?' * 8}.tmp"):
             with contextlib.suppress(OSError):
                 stale.unlink()
         try:

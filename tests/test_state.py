@@ -109,14 +109,19 @@ def test_a_state_path_that_is_a_symlink_is_saved_where_it_points(tmp_path: Path)
 def test_a_save_removes_the_temp_files_of_writers_killed_mid_save(tmp_path: Path) -> None:
     # Each kill mid-save left its temp file for good: 19 of 20 kills, 63.5 MB.
     store = StateFile(tmp_path / "state[1].json")  # a name glob() would read as a pattern
-    left = [tmp_path / f".state[1].json.{tag}.tmp" for tag in ("a1b2", "zz_9")]
-    others = [tmp_path / ".other.json.a1b2.tmp", tmp_path / "state[1].json.keep"]
+    left = [tmp_path / f".state[1].json.{tag}.tmp" for tag in ("a1b2c3d4", "zz_9yx8w")]
+    others = [
+        tmp_path / ".other.json.a1b2c3d4.tmp",
+        tmp_path / ".state[1].json.x.a1b2c3d4.tmp",  # another state's, "state[1].json.x"
+        tmp_path / "state[1].json.keep",
+    ]
     for path in left + others:
         path.write_bytes(b"{half")
     with store.locked():
         store.save({"ledger": {}})
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == [
-        ".other.json.a1b2.tmp"
+        ".other.json.a1b2c3d4.tmp",
+        ".state[1].json.x.a1b2c3d4.tmp",
     ]
     assert all(path.exists() for path in others)
 
