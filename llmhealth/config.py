@@ -353,6 +353,8 @@ def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None)
     value = reader.optional_string(data, key)
     if value is None:
         return None
+    if "\0" in value:  # no file can be named so: every open would fail, as an internal error
+        raise reader.fail(key, f"{value!r} holds a NUL character")
     try:
         path = Path(value).expanduser()
     except RuntimeError as exc:  # "~" with no HOME and no passwd entry for the user

@@ -26,13 +26,18 @@ def printable(text: str) -> str:
 
 def same_server(url: str) -> str:
     """A URL as a key for "the same server": scheme and host compared case-blind (DNS and
-    HTTP are), the trailing slash dropped. The URL itself is kept as its user wrote it:
-    a backend named after it keeps its name, and a caller's lookup by it still works."""
+    HTTP are), the scheme's own port and the trailing slash dropped. The URL itself is
+    kept as its user wrote it: a backend named after it keeps its name, and a caller's
+    lookup by it still works."""
     scheme, sep, rest = url.rstrip("/").partition("://")
     if not sep:
         return url.rstrip("/")
-    host, slash, path = rest.partition("/")
-    return f"{scheme.lower()}://{host.lower()}{slash}{path}"
+    scheme, (host, slash, path) = scheme.lower(), rest.partition("/")
+    host = host.lower().removesuffix(_DEFAULT_PORTS.get(scheme, "\0"))
+    return f"{scheme}://{host}{slash}{path}"
+
+
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 
 
 def refuse_user_info(url: str) -> None:

@@ -107,6 +107,11 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "[[backend]]\nurl = 'http://a:1'\n[[backend]]\nname = 'b'\nurl = 'HTTP://A:1/'",
             "backend[0] and backend[1] have the same URL 'HTTP://A:1'",
         ),
+        (  # the scheme's own port, said or not: one server (was two backends)
+            "[[backend]]\nurl = 'http://a'\n[[backend]]\nname = 'b'\nurl = 'http://a:80'",
+            "backend[0] and backend[1] have the same URL 'http://a:80'",
+        ),
+        ('state = "s\\u0000.json"', "state: 's\\x00.json' holds a NUL character"),
         ("[[backend]]\nurl = 'http://a:1/#x'", "a base URL takes no query, parameters or"),
         ("[[backend]]\nname = \"gpu\\u001b[2J\"\nurl = 'http://a:1'", "backend[0].name: 'gpu\\x1b"),
         ("[[backend]]\nname = 'gpu|0'\nurl = 'http://a:1'", "have no '|'"),

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmhealth.text import printable, refuse_user_info
+from llmhealth.text import printable, refuse_user_info, same_server
 
 
 @pytest.mark.parametrize(
@@ -58,3 +58,29 @@ def test_a_url_with_user_info_is_refused_showing_only_what_follows_the_last_at(
 
 def test_a_url_without_user_info_passes() -> None:
     refuse_user_info("http://10.0.0.5:8000/v1")
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("http://Host:8000/", "HTTP://host:8000"),
+        ("http://host", "http://host:80/"),
+        ("https://host:443", "https://HOST"),
+        ("http://[::1]:80", "http://[::1]"),
+    ],
+)
+def test_urls_of_one_server_have_one_key(one: str, other: str) -> None:
+    assert same_server(one) == same_server(other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("http://host:443", "http://host"),  # https's port, not http's
+        ("http://host:8080", "http://host:80"),
+        ("http://host:8080", "http://host"),
+        ("http://host/a", "http://host/b"),
+    ],
+)
+def test_urls_of_two_servers_have_two_keys(one: str, other: str) -> None:
+    assert same_server(one) != same_server(other)
