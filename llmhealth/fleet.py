@@ -167,7 +167,13 @@ def events_for(
 
     if state in (State.DEAD, State.RESTARTING):
         if kind is VerdictKind.RESTARTED or came_back or _another_process(verdict, previous):
-            return [NewProcessUp(now=now, process=process), *readmit]
+            up: list[Event] = [NewProcessUp(now=now, process=process), *readmit]
+            if not readmit and verdict.healthy and _new_process_works(verdict):
+                # First seen already working (a cron check every 5 min, a model that
+                # loads for 12): noted now, or the same settle's startup grace failed
+                # the replacement as never proven and restarted a busy, healthy server.
+                up.append(GoodVerdict(now=now, requests_finished=True, process=process))
+            return up
         if state is State.RESTARTING:
             return []
         if kind is VerdictKind.WEDGED:
@@ -263,6 +269,23 @@ def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:
     baseline = previous.baseline if previous is not None else None
     if baseline is not None and verdict.kind is not VerdictKind.RESTARTED:
         totals.insert(0, _finished_total(baseline))
+    known = [total for total in totals if total is not None]
+    return len(known) >= 2 and known[-1] > known[0]
+
+
+def _new_process_works(verdict: Verdict) -> bool:
+    """vllm:request_success climbed between reads of the newest process alone (its start
+    time on both): a window across a restart compares two processes' counters."""
+    newest = _newest_signals(verdict)
+    if newest is None or newest.process_start is None:
+        return False
+    totals = [
+        _finished_total(read.signals)
+        for read in verdict.reads
+        if read.signals is not None
+        and read.signals.has_vllm
+        and read.signals.process_start == newest.process_start
+    ]
     known = [total for total in totals if total is not None]
     return len(known) >= 2 and known[-1] > known[0]
 
@@ -422,9 +445,13 @@ class FleetRecord:
         so its own process may not prove its way back meanwhile.
         """
         previous = self.sightings.get(name)
+        state = self.ledger.state_of(name)
+        # A replacement our restart brought up, not yet proven: failing now, it is that
+        # restart failing (its cooldown doubles), as when its startup grace runs out.
+        replacing = state is State.STALE and self.ledger.restart_unproven(name, now)
         events = events_for(
             verdict,
-            self.ledger.state_of(name),
+            state,
             now=now,
             previous=previous,
             expected_model=expected_model,
@@ -433,6 +460,8 @@ class FleetRecord:
         transitions = [self.ledger.apply(name, event) for event in events]
         self.sightings[name] = sighting_of(verdict, now, previous)
         self.moved(name, transitions, now)
+        if replacing and self.ledger.state_of(name) is State.DEAD:
+            self.restart_failed(name)
         return transitions
 
     def moved(self, name: str, transitions: Sequence[Transition], now: float) -> None:

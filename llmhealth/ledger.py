@@ -1182,13 +1182,28 @@ class Ledger:
     def state_of(self, name: str) -> State:
         return self._lookup(name).state
 
-    def restart_unproven(self, name: str) -> bool:
+    def restart_unproven(self, name: str, now: float) -> bool:
         """Restarted, and the replacement has been neither re-admitted nor seen working
         (nor has its startup grace run out): a restart still under way, as far as
         ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
         its predecessor did must not free the slot for the next backend: a fault they
-        share would restart them all."""
-        return _awaited_restart(self._lookup(name)) is not None
+        share would restart them all. So a backend DEAD again within the startup grace
+        of its last restart, good at no time since, still holds it, unless its budget is
+        spent (its next attempt retires it, which starts nothing)."""
+        b = self._lookup(name)
+        if _awaited_restart(b) is not None:
+            return True
+        if b.state is not State.DEAD or not b.restart_times:
+            return False
+        policy = self._policy
+        restarted_at = max(b.restart_times)
+        proven = b.last_ok_at is not None and b.last_ok_at >= restarted_at
+        spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
+        return (
+            not proven
+            and now - restarted_at < policy.startup_grace
+            and spent < policy.restart_budget
+        )
 
     def snapshot(self, name: str, now: float) -> BackendSnapshot:
         """``now`` only decides which restart attempts still count against the budget."""

@@ -157,15 +157,19 @@ def plan_restarts(
     verdict is in ``policy.restart_on``; it has a restart command; it is not on an active
     hold; its cooldown has passed; its restart budget is not spent (if it is, the decision
     is RETIRE); and fewer than ``policy.max_concurrent_restarts`` restarts are under way,
-    counting the backends whose restart has not proven itself yet (RESTARTING, or STALE
-    on the replacement until it is re-admitted, seen finishing requests, or out of its
-    startup grace) and the restarts planned earlier in this same call.
+    counting the other backends whose restart has not proven itself yet (RESTARTING, or
+    STALE on the replacement until it is re-admitted, seen finishing requests, or out of
+    its startup grace, or DEAD again within that grace) and the restarts planned earlier
+    in this same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
     does wait out the hold and the cooldown, since it stands for the next attempt.
     """
     _check_time(now, "now")
-    under_way = sum(1 for name in ledger.names if ledger.restart_unproven(name))
+    # A backend's own unproven restart does not keep it from the next: its cooldown and
+    # budget rule that.
+    unproven = {name for name in ledger.names if ledger.restart_unproven(name, now)}
+    planned = 0
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(
@@ -175,11 +179,11 @@ def plan_restarts(
             histories.get(snap.name, RestartHistory()),
             ledger,
             policy,
-            under_way,
+            len(unproven - {snap.name}) + planned,
             now,
         )
         if action is Action.RESTART:
-            under_way += 1
+            planned += 1
         decisions.append(RestartDecision(snap.name, action, reason, snap.condemned_by))
     return decisions
 

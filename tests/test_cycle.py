@@ -16,18 +16,23 @@ from werkzeug import Request, Response
 
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
-from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
 from llmhealth.cycle import (
     Kept,
     Settled,
     backend_urls,
+    fresh_record,
     ledger_policy,
     run_cycle,
     run_loop,
+    settle,
     settle_fleet,
 )
-from llmhealth.fleet import FleetRecord
+from llmhealth.fleet import FleetRecord, Sighting
+from llmhealth.ledger import RestartIssued, State, WedgeProven
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.policy import RestartHistory
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateError, StateFile, StateLockedError, nothing_before
@@ -460,3 +465,78 @@ def test_check_asks_a_stale_backend_whose_work_just_finished_and_readmits_it(
     assert backend.outcome.verdict.kind is VerdictKind.BUSY
     assert backend.outcome.verdict.answer is not None and len(asked) == 1
     assert saved(store.path)["b"]["state"] == "healthy"
+
+
+# --- a restart's replacement, judged in the settle that first sees it -------------------
+
+RESTARTABLE = Config(
+    backends=tuple(
+        Backend(name, f"http://10.0.0.{i}:8000", restart=("true",))
+        for i, name in enumerate(("a", "b", "c"))
+    )
+)
+
+
+def _serving(steps: float, finished: float, start: float) -> Signals:
+    engine = EngineSignals(
+        engine="0", running=4.0, waiting=0.0, steps=steps, generation_tokens=4 * steps,
+        prompt_tokens=48.0, finished=finished, preemptions=0.0, kv_usage=0.1,
+    )  # fmt: skip
+    return Signals(engines=(engine,), process_start=start)
+
+
+def _restarted(names: Sequence[str], at: float) -> FleetRecord:
+    """Every backend of RESTARTABLE, the named ones proven wedged and restarted at ``at``."""
+    urls = {backend.name: backend.url for backend in RESTARTABLE.backends}
+    record = fresh_record(ledger_policy(RESTARTABLE.policy), urls, now=at - 100)
+    for name in names:
+        record.ledger.apply(name, WedgeProven(now=at - 10))
+        record.ledger.apply(name, RestartIssued(now=at))
+        record.restarts[name] = RestartHistory(0, at)
+        record.sightings[name] = Sighting(at - 10, True, _serving(10, 1, at - 5000))
+    return record
+
+
+def _settled(record: FleetRecord, name: str, verdict: Verdict, now: float) -> list[str]:
+    target = Target(name, record.ledger.url_of(name))
+    _, orders = settle(
+        record, RESTARTABLE, [Outcome(target, verdict)], now, mode=Mode.ACT, audit=None
+    )
+    return [order.name for order in orders]
+
+
+def test_a_replacement_first_seen_working_after_its_grace_is_not_restarted() -> None:
+    # A model that loads for 15 min, read by a check every 5: its first verdict, busy
+    # and finishing requests, moved it to STALE, and the same settle's expiry found the
+    # restart unproven past its grace, failed it, and restarted a healthy server.
+    at = T0
+    record = _restarted(["a"], at)
+    now = at + record.ledger.policy.startup_grace + 2
+    reads = (Read(now - 5, _serving(100, 3, at + 600)), Read(now, _serving(140, 5, at + 600)))
+    busy = Verdict(VerdictKind.BUSY, True, "busy: engine 0 progressed", reads=reads)
+    assert _settled(record, "a", busy, now) == []
+    assert record.ledger.state_of("a") is State.STALE
+    assert not record.ledger.restart_unproven("a", now)
+
+
+def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:
+    # One fault shared by every backend: the first one's replacement came up and wedged
+    # too, which freed the slot (b, then c restarted, every 80 s) and left its cooldown
+    # at one minute: the fleet restarted in turn, each burning its budget.
+    at = T0
+    record = _restarted(["a"], at)
+    for name in ("b", "c"):
+        record.ledger.apply(name, WedgeProven(now=at))
+    start = at + 10
+    up = (Read(at + 20, _serving(5, 0, start)), Read(at + 25, _serving(5, 0, start)))
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5", reads=up)
+    assert _settled(record, "a", wedged, at + 30) == []  # a new process: STALE
+    again = (*up, Read(at + 35, _serving(5, 0, start)))
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5", reads=again)
+    assert _settled(record, "a", wedged, at + 35) == []  # its wedge proven: DEAD
+    assert record.ledger.state_of("a") is State.DEAD
+    assert record.restarts["a"].failures == 1  # its restart failed: the cooldown doubles
+    assert record.ledger.restart_unproven("a", at + 35)  # and b, c wait
+    later = at + record.ledger.policy.startup_grace + 1
+    idle = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5", reads=up[-1:])
+    assert _settled(record, "b", idle, later) == ["a"]  # grace over: a again, first in line

@@ -760,14 +760,14 @@ def test_a_replacement_whose_requests_finish_is_noted_working_and_no_grace_fails
         NewProcessUp(now=60.0, process=process),
     ):
         assert ledger.apply("a", event).applied
-    assert ledger.restart_unproven("a")
+    assert ledger.restart_unproven("a", 60.0)
     other = ProcessSeen(start=95.0, counters={"steps": 1.0})
     t = ledger.apply("a", GoodVerdict(now=70.0, requests_finished=True, process=other))
     assert not t.applied  # another process's requests say nothing of this one
     busy = ProcessSeen(start=90.0, counters={"steps": 400.0})
     t = ledger.apply("a", GoodVerdict(now=80.0, requests_finished=True, process=busy))
     assert t.applied and t.to_state is State.STALE and "it works" in t.reason
-    assert not ledger.restart_unproven("a")
+    assert not ledger.restart_unproven("a", 80.0)
     assert ledger.expire_restarts(2.0 + policy.startup_grace + 1) == []
     assert ledger.state_of("a") is State.STALE
     assert not ledger.snapshot("a", 100.0).serving

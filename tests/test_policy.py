@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import llmhealth.policy as policy_module
 from llmhealth.config import Backend, Policy
 from llmhealth.ledger import (
+    BackendSnapshot,
     GoodVerdict,
     Ledger,
     LedgerPolicy,
@@ -310,7 +311,7 @@ def test_a_shared_fault_restarts_one_backend_until_its_replacement_proves_itself
     grace = f.ledger.policy.startup_grace
     f.ledger.expire_restarts(T0 + grace + 1)
     assert f.ledger.state_of("a") is State.DEAD
-    assert not f.ledger.restart_unproven("a")
+    assert not f.ledger.restart_unproven("a", T0 + grace + 1)
 
 
 def test_a_wedge_proven_after_doubt_condemned_the_backend_makes_it_restartable() -> None:
@@ -562,17 +563,30 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
     snaps = {s.name: s for s in f.ledger.snapshots(now)}
     dead = sorted(n for n, s in snaps.items() if s.state is State.DEAD)
     assert [d.name for d in plan] == dead
-    # Under way: restarting, or up again and not yet proven (re-admitted since it).
-    under_way = sum(
-        1
-        for s in snaps.values()
-        if s.state is State.RESTARTING
-        or (
-            s.state is State.STALE
-            and s.last_restart_at is not None
-            and (s.last_ok_at is None or s.last_ok_at < s.last_restart_at)
+    # Under way: restarting, or up again and not yet proven (re-admitted since it), or
+    # DEAD again within the startup grace, unproven, with attempts left; each backend's
+    # own restart aside, as its cooldown and budget rule that.
+    grace, budget = f.ledger.policy.startup_grace, f.ledger.policy.restart_budget
+
+    def unproven(s: BackendSnapshot) -> bool:
+        return s.last_restart_at is not None and (
+            s.last_ok_at is None or s.last_ok_at < s.last_restart_at
         )
-    )
+
+    holding = {
+        name
+        for name, s in snaps.items()
+        if s.state is State.RESTARTING
+        or (s.state is State.STALE and unproven(s))
+        or (
+            s.state is State.DEAD
+            and unproven(s)
+            and s.last_restart_at is not None
+            and now - s.last_restart_at < grace
+            and s.restart_attempts < budget
+        )
+    }
+    planned = 0
     # Not bounded on its own: a backend whose restart failed may come up by another hand
     # (STALE, unproven) while the next one restarts. The plan only never adds past it.
     for d in plan:
@@ -593,17 +607,18 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
             and (last is None or now >= last + cooldown_for(history.failures, f.policy))
         )
         spent = snap.restart_attempts >= f.ledger.policy.restart_budget
-        room = under_way < f.policy.max_concurrent_restarts
+        room = len(holding - {d.name}) + planned < f.policy.max_concurrent_restarts
         if d.action is Action.RESTART:
             assert eligible and not spent and room
-            under_way += 1
+            planned += 1
         elif d.action is Action.RETIRE:
             assert eligible and spent
         else:
             # A skip must have a rule behind it: the plan is not allowed to be timid either.
             assert not eligible or (not spent and not room)
-    if any(d.action is Action.RESTART for d in plan):
-        assert under_way <= f.policy.max_concurrent_restarts
+    restarted = {d.name for d in plan if d.action is Action.RESTART}
+    if restarted:
+        assert len(holding - restarted) + planned <= f.policy.max_concurrent_restarts
 
 
 def edges(f: Fleet, now: float) -> list[float]:
