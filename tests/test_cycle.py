@@ -469,7 +469,7 @@ def test_check_asks_a_stale_backend_whose_work_just_finished_and_readmits_it(
 
 # --- a restart's replacement, judged in the settle that first sees it -------------------
 
-RESTARTABLE = Config(
+SHARED_FAULT_FLEET = Config(
     backends=tuple(
         Backend(name, f"http://10.0.0.{i}:8000", restart=("true",))
         for i, name in enumerate(("a", "b", "c"))
@@ -486,9 +486,9 @@ def _serving(steps: float, finished: float, start: float) -> Signals:
 
 
 def _restarted(names: Sequence[str], at: float) -> FleetRecord:
-    """Every backend of RESTARTABLE, the named ones proven wedged and restarted at ``at``."""
-    urls = {backend.name: backend.url for backend in RESTARTABLE.backends}
-    record = fresh_record(ledger_policy(RESTARTABLE.policy), urls, now=at - 100)
+    """SHARED_FAULT_FLEET, the named backends proven wedged and restarted at ``at``."""
+    urls = {backend.name: backend.url for backend in SHARED_FAULT_FLEET.backends}
+    record = fresh_record(ledger_policy(SHARED_FAULT_FLEET.policy), urls, now=at - 100)
     for name in names:
         record.ledger.apply(name, WedgeProven(now=at - 10))
         record.ledger.apply(name, RestartIssued(now=at))
@@ -500,7 +500,7 @@ def _restarted(names: Sequence[str], at: float) -> FleetRecord:
 def _settled(record: FleetRecord, name: str, verdict: Verdict, now: float) -> list[str]:
     target = Target(name, record.ledger.url_of(name))
     _, orders = settle(
-        record, RESTARTABLE, [Outcome(target, verdict)], now, mode=Mode.ACT, audit=None
+        record, SHARED_FAULT_FLEET, [Outcome(target, verdict)], now, mode=Mode.ACT, audit=None
     )
     return [order.name for order in orders]
 
