@@ -18,6 +18,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import secrets
 import socket
 import threading
@@ -39,6 +40,7 @@ from llmhealth.leadership import (
     decide,
     owner,
     renewal_due,
+    retry_due,
     share_of,
 )
 from llmhealth.shares import (
@@ -114,7 +116,7 @@ def _after_prefix(prefix: str) -> str:
 
 def put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-    if lease:
+    if lease is not None:  # etcd takes lease 0 for "no lease": ``grant`` never returns it
         request["lease"] = str(lease)
     return {"request_put": request}
 
@@ -183,9 +185,9 @@ class Etcd:
                 problems.append(f"{self.endpoints[index]}: not etcd's answer ({exc!r:.80})")
                 continue
             except etcd_http.EtcdRefusedError as exc:
-                # An answer from etcd that is not "unavailable" is a real error, not a dead
-                # endpoint: trying the next one would hide it. Its text is the endpoint's
-                # words, bound for terminals and logs.
+                # etcd's own error (its JSON, not a proxy's page) that is not "unavailable"
+                # is a real error, not a dead endpoint: trying the next one would hide it.
+                # Its text is the endpoint's words, bound for terminals and logs.
                 said = printable(str(exc)[:_ETCD_SAID])
                 raise ClusterUnavailableError(f"etcd {self.endpoints[index]}: {said}") from exc
             with self._lock:
@@ -224,13 +226,15 @@ class Etcd:
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]] | None = None,
-    ) -> tuple[bool, int, list[dict[str, Any]]]:
-        """Whether the compares held, the revision after it, and the branch's responses."""
+    ) -> tuple[bool, int, list[KeyValue | None]]:
+        """Whether the compares held, the revision after it, and what each operation of
+        the branch that ran found: a ``request_range``'s first key, None for the others
+        (and for a range that found nothing)."""
         body = {"compare": compare, "success": success, "failure": failure or []}
         return self.call("kv/txn", body, _txn_result)
 
     def grant(self, ttl: int) -> int:
-        return self.call("lease/grant", {"TTL": ttl, "ID": 0}, lambda answer: int(answer["ID"]))
+        return self.call("lease/grant", {"TTL": ttl, "ID": 0}, _granted)
 
     def keepalive(self, lease: int) -> int:
         """Renew a lease; its TTL, or -1 when etcd no longer has it (no TTL in the answer)."""
@@ -262,20 +266,37 @@ def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
     ]
 
 
-def _ranged(responses: list[dict[str, Any]]) -> KeyValue | None:
-    """The key a transaction's one ``request_range`` found, if it found one."""
-    if not responses:
-        return None
-    found = _key_values(responses[0].get("response_range", {}).get("kvs"))
-    return found[0][1] if found else None
+def _granted(answer: dict[str, Any]) -> int:
+    """A granted lease's ID. etcd never grants lease 0 (its "no lease"): a key put on it
+    would outlive its leader, and the leader key would be held until an operator came."""
+    lease = int(answer["ID"])
+    if lease <= 0:
+        raise ValueError(f"lease ID {lease}")
+    return lease
 
 
-def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[dict[str, Any]]]:
+def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None]]:
+    """Read whole inside the call, ranges included: a garbled failure branch (a proxy's
+    ``{"response_range": null}``) read later escaped the call's guard and every caller's,
+    and ended the daemon's loop."""
     revision = int(answer.get("header", {}).get("revision", 0))
     responses = answer.get("responses") or []
     if not isinstance(responses, list):
         raise TypeError(f"responses is a {type(responses).__name__}")
-    return bool(answer.get("succeeded")), revision, responses
+    return bool(answer.get("succeeded")), revision, [_ranged(item) for item in responses]
+
+
+def _ranged(response: object) -> KeyValue | None:
+    """The first key one response of a transaction found, if it is a range's that did."""
+    if not isinstance(response, dict):
+        raise TypeError(f"a response is a {type(response).__name__}")
+    if "response_range" not in response:
+        return None  # a put's or a delete's
+    ranged = response["response_range"]
+    if not isinstance(ranged, dict):
+        raise TypeError(f"response_range is a {type(ranged).__name__}")
+    found = _key_values(ranged.get("kvs"))
+    return found[0][1] if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +364,7 @@ def read_members(etcd: Etcd, keys: Keys) -> tuple[tuple[str, dict[str, Any]], ..
     for key, found in sorted(etcd.get_prefix(keys.members).items()):
         try:
             value = json.loads(found.value)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested thousands deep: unreadable too
             value = {}
         name = printable(key.removeprefix(keys.members))  # another member wrote it
         members.append((name, value if isinstance(value, dict) else {}))
@@ -358,7 +379,7 @@ def read_leader(etcd: Etcd, keys: Keys) -> Leader | None:
         value = json.loads(found.value)
         member = printable(str(value["member"]))  # another member wrote it
         return Leader(member, found.lease, found.create_revision, float(value["since"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested deep
         return Leader("?", found.lease, found.create_revision, 0.0)
 
 
@@ -454,6 +475,7 @@ class Elector:
         )
 
     def _run(self) -> None:
+        failures = 0  # rounds failed in a row
         while not self._stop.is_set():
             try:
                 self.step_and_observe()
@@ -465,9 +487,19 @@ class Elector:
                     self._log(f"cluster: {why}")
                 self.last_error = why
                 self.observed = Observation(False, None, self.observed.members)
+                failures += 1
+            else:
+                # Cleared only by a whole round: cleared in ``step``, before an observation
+                # that then failed, the same error was logged again every round.
+                self.last_error, failures = None, 0
             with self._lock:
-                due = renewal_due(self._facts, self.timing, self._clock())
-            self._stop.wait(max(0.05, due - self._clock()))
+                facts = self._facts
+            now = self._clock()
+            if failures:  # a failing etcd (one that fails fast too) is not asked at once
+                due = retry_due(facts, self.timing, now, failures, random.random())
+            else:
+                due = renewal_due(facts, self.timing, now)
+            self._stop.wait(max(0.05, due - now))
 
     def step(self) -> None:
         """One round: step down if late, renew or get a lease, then hold or try the lead."""
@@ -483,7 +515,6 @@ class Elector:
             self._confirm()
         else:
             self._campaign(lease)
-        self.last_error = None
 
     def _renew(self) -> int | None:
         with self._lock:
@@ -528,13 +559,13 @@ class Elector:
         """
         since = self._wall()
         value = json.dumps({"member": self.member, "since": since}).encode()
-        won, revision, responses = self.etcd.txn(
+        won, revision, found = self.etcd.txn(
             [compare_created(self.keys.leader, 0)],
             [put(self.keys.leader, value, lease)],
             [{"request_range": {"key": _b64(self.keys.leader)}}],
         )
         if not won:
-            held = _ranged(responses)
+            held = found[0] if found else None
             if held is None or held.lease != lease:
                 return
             revision = held.create_revision
@@ -700,7 +731,7 @@ class EtcdStore:
         ).encode()
         records, count = self._records()
         writes = [(self.keys.state, payload), *records]
-        written, revision, responses = self.etcd.txn(
+        written, revision, found = self.etcd.txn(
             compare,
             [put(key, value) for key, value in writes],
             [{"request_range": {"key": _b64(key)}} for key, _ in writes],
@@ -710,7 +741,6 @@ class EtcdStore:
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
             # key holding the very bytes we wrote (our fence, this settle's times) says
             # it went in, whole, and that nobody wrote after it.
-            found = [_ranged([response]) for response in responses]
             if len(found) != len(writes) or any(
                 held is None or held.value != value
                 for held, (_, value) in zip(found, writes, strict=False)

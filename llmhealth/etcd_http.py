@@ -37,11 +37,12 @@ _ENDPOINT_AWAY: Final = frozenset({408, 502, 503, 504})
 
 class EndpointError(Exception):
     """The endpoint gave no usable answer (refused, silent, slow, cut, too big, not etcd's
-    JSON): another endpoint may still answer the same request."""
+    JSON, an error page not etcd's): another endpoint may still answer the same request."""
 
 
 class EtcdRefusedError(Exception):
-    """etcd answered with an error of its own; the text is its status and body, unescaped."""
+    """etcd answered with an error of its own (``is_etcd_error``); the text is its status
+    and body, unescaped."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,12 @@ def post(
         raise EndpointError(f"HTTP {status}")
     text = answer.decode("utf-8", errors="replace")
     if status != 200:
-        raise EtcdRefusedError(f"HTTP {status} {reason}: {text}")
+        # Only etcd's own error is its word on the request. A 404 or 500 page from a
+        # proxy routed to the wrong place says nothing of etcd: taken as etcd's word, one
+        # such endpoint first in the list failed every call while the others were fine.
+        if is_etcd_error(text):
+            raise EtcdRefusedError(f"HTTP {status} {reason}: {text}")
+        raise EndpointError(f"HTTP {status} {reason}, not an etcd error: {text}")
     try:
         decoded = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -113,6 +119,21 @@ def post(
     if not isinstance(decoded, dict):
         raise EndpointError(f"a JSON {type(decoded).__name__} where etcd answers an object")
     return decoded
+
+
+def is_etcd_error(text: str) -> bool:
+    """Whether a body is an error in the shape etcd's gateway gives one: a JSON object
+    with gRPC's int ``code`` and its text in ``message`` (3.4 also says it in ``error``),
+    as in ``{"error":"etcdserver: requested lease not found","message":...,"code":5}``."""
+    try:
+        decoded = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(decoded, dict):
+        return False
+    code = decoded.get("code")
+    said = (decoded.get("message"), decoded.get("error"))
+    return type(code) is int and any(isinstance(part, str) for part in said)
 
 
 class _Exchange:

@@ -19,6 +19,10 @@ from enum import StrEnum
 # the deadline leaves a third of the lease for clock rate drift and a slow last request.
 RENEW_DEADLINE_SHARE = 2 / 3
 RETRY_SHARE = 2 / 15
+RETRY_JITTER = 0.2  # a wait after a failure is up to this share longer: daemons spread out
+# Retry periods, at most, between tries while no lease may be alive: 4 of them (8/15 of
+# the TTL) bring a member back to the election within a renew deadline of etcd's return.
+BACKOFF_LIMIT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,24 @@ def renewal_due(facts: LeaseFacts, timing: LeaseTiming, now: float) -> float:
     if facts.renewed_at is None:
         return now
     return max(now, facts.renewed_at + timing.retry_period)
+
+
+def retry_due(
+    facts: LeaseFacts, timing: LeaseTiming, now: float, failures: int, jitter: float
+) -> float:
+    """When to try again after ``failures`` rounds failed in a row; ``jitter`` in [0, 1).
+
+    Never within a retry period: an etcd that fails fast (a 429, a refused connection)
+    was asked twenty times a second. Never much later while the lease may still be alive
+    (renewed less than a TTL ago): an etcd back before the renew deadline must see the
+    renewal as it would have without the failure, or a leader steps down for nothing.
+    Without such a lease nothing is lost by waiting, and the wait doubles up to
+    ``BACKOFF_LIMIT`` retry periods.
+    """
+    periods = 1
+    if facts.renewed_at is None or now >= facts.renewed_at + timing.ttl:
+        periods = min(2 ** min(max(failures, 1) - 1, 8), BACKOFF_LIMIT)
+    return now + timing.retry_period * periods * (1 + RETRY_JITTER * jitter)
 
 
 def owner(backend: str, members: Iterable[str]) -> str | None:

@@ -8,16 +8,21 @@ daemon concludes from it, never how fast a loaded machine runs.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
 
-from llmhealth import cluster, operate
+from llmhealth import cluster, leadership, operate
 from llmhealth.actions import AuditError
 from llmhealth.classify import Verdict, VerdictKind
 from llmhealth.cluster import (
@@ -33,6 +38,7 @@ from llmhealth.cluster import (
     ReadOnlyStore,
     Seat,
     SharedReads,
+    describe,
     read_audit,
     read_leader,
     read_members,
@@ -43,7 +49,7 @@ from llmhealth.leadership import LeaseTiming, Standing
 from llmhealth.ledger import Ledger, LedgerPolicy
 from llmhealth.state import RecordMovedError
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
-from tests.test_wire import read_request, tcp_server
+from tests.test_wire import Handler, read_request, tcp_server
 
 TIMING = LeaseTiming.for_ttl(3.0)
 
@@ -676,3 +682,200 @@ def test_an_audit_key_with_a_count_int_cannot_read_counts_as_one_record() -> Non
     assert cluster._records_in("/p/audit/00000000000000000042-3") == 3
     assert cluster._records_in("/p/audit/00000000000000000042-\u00b2") == 1
     assert cluster._records_in("/p/audit/by-hand") == 1
+
+
+# --- answers etcd would not give, and an etcd that fails -------------------------------
+
+Edit = Callable[[str, Any], Any]  # a request's path and etcd's answer -> the answer sent
+
+
+def editing(endpoint: str, edit: Edit) -> Handler:
+    """An endpoint that passes each request on to ``endpoint`` (a real etcd) and sends
+    back etcd's answer, its JSON as ``edit`` leaves it."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def forward(connection: socket.socket, _: int) -> None:
+        request = read_request(connection)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+        while len(body) < length:
+            body += connection.recv(65536)
+        path = head.split(b" ")[1].decode()
+        upstream = urllib.request.Request(f"{endpoint}{path}", data=body, method="POST")
+        try:
+            with direct.open(upstream, timeout=5) as answered:
+                status, said = answered.status, answered.read()
+        except urllib.error.HTTPError as refused:
+            status, said = refused.code, refused.read()
+        sent = json.dumps(edit(path, json.loads(said))).encode()
+        connection.sendall(
+            b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(sent), sent)
+        )
+
+    return forward
+
+
+def test_a_garbled_failure_branch_is_not_etcds_answer_and_no_caller_crashes_on_it(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A proxy's `{"response_range": null}` in a failed transaction was read after the
+    # call, outside every guard: an AttributeError out of the save ended the daemon.
+    def garble(path: str, answer: Any) -> Any:
+        if path == "/v3/kv/txn" and not answer.get("succeeded"):
+            answer["responses"] = [{"response_range": None}]
+        return answer
+
+    direct = Etcd(etcd_server.endpoints)
+    with tcp_server(editing(etcd_server.endpoints[0], garble)) as (url, _):
+        etcd = Etcd([url])
+        store = EtcdStore(etcd, keys, None)
+        with pytest.raises(ClusterUnavailableError, match="not etcd's answer"), store.locked():
+            store.load(dict)
+            direct.txn([], [cluster.put(keys.state, b'{"someone": "else"}')])  # a racing write
+            store.save(document(1))
+        clock, log = Clock(), []
+        rival = elector(direct, keys, "a", clock, log)
+        rival.step()
+        assert rival.decision().may_act
+        campaigner = elector(etcd, keys, "b", clock, log)
+        with pytest.raises(ClusterUnavailableError, match="not etcd's answer"):
+            campaigner.step()  # its campaign's compare fails: the failure branch is read
+        assert campaigner.decision().standing is Standing.STANDBY
+        campaigner.stop()
+        rival.stop()
+    found = direct.get(keys.state)
+    assert found is not None and found.value == b'{"someone": "else"}'
+
+
+def test_a_member_or_leader_key_nested_thousands_deep_reads_as_unreadable(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Observation failed every round (etcd shown as unreachable), `status` failed, and a
+    # fenced-out save raised RecursionError from naming who leads.
+    etcd = Etcd(etcd_server.endpoints)
+    nested = b"[" * 50_000 + b"]" * 50_000
+    etcd.txn([], [cluster.put(keys.member("deep"), nested)])
+    clock, log = Clock(), []
+    member = elector(etcd, keys, "a", clock, log)
+    member.step_and_observe()
+    assert member.observed.etcd_up
+    assert dict(member.observed.members)["deep"] == {}
+    assert dict(read_members(etcd, keys))["deep"] == {}
+    member.stop()
+    etcd.txn([], [cluster.put(keys.leader, b'{"member": ' + nested + b', "since": 1}')])
+    leader = read_leader(etcd, keys)
+    assert leader is not None and leader.member == "?"
+    assert describe(etcd, keys, 0)["leader"]["member"] == "?"
+
+
+def test_an_error_that_recurs_every_round_is_logged_once(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Another member leads, so each round's own work succeeds, and then reading who leads
+    # fails the same way: the error was cleared before the observation, and logged again
+    # every round.
+    asked: list[str] = []
+
+    def garble_ranges(path: str, answer: Any) -> Any:
+        if path == "/v3/kv/range":
+            asked.append(path)
+            return {"kvs": "garbled"}
+        return answer
+
+    direct = Etcd(etcd_server.endpoints)
+    held = direct.grant(60)
+    direct.txn([], [cluster.put(keys.leader, b'{"member": "b", "since": 1}', held)])
+    log: list[str] = []
+    with tcp_server(editing(etcd_server.endpoints[0], garble_ranges)) as (url, _):
+        member = Elector(Etcd([url]), keys, "a", TIMING, log=log.append)
+        member.start()
+        try:
+            deadline = time.monotonic() + 60.0
+            while len(asked) < 4:
+                assert time.monotonic() < deadline, log
+                time.sleep(0.05)
+        finally:
+            member.stop()
+    direct.revoke(held)
+    assert not member.observed.etcd_up
+    errors = [line for line in log if "not etcd's answer" in line]
+    assert len(errors) == 1, log
+
+
+class Waits(threading.Event):
+    """The stop event of an elector's thread, noting how long each round asked to wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is not None:
+            self.asked.append(timeout)
+        return super().wait(timeout)
+
+
+@pytest.mark.parametrize("failing", ["refused", "etcd-busy"])
+def test_an_etcd_that_fails_fast_is_asked_again_no_sooner_than_a_retry_period(
+    failing: str,
+) -> None:
+    # After a failed round the thread waited 50 ms: sixty requests in three seconds to an
+    # etcd that refused at once, or said it had too many.
+    said = json.dumps({"error": "too many requests", "message": "too many", "code": 8})
+
+    def busy(connection: socket.socket, _: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 429 Too Many\r\nContent-Length: %d\r\n\r\n%s" % (len(said), said.encode())
+        )
+
+    with contextlib.ExitStack() as stack:
+        if failing == "refused":
+            url = f"http://127.0.0.1:{free_port()}"
+        else:
+            url, _ = stack.enter_context(tcp_server(busy))
+        member = Elector(Etcd([url]), Keys("/llmhealth-test/busy"), "a", TIMING, log=[].append)
+        waits = Waits()
+        member._stop = waits
+        member.start()
+        try:
+            deadline = time.monotonic() + 60.0
+            while len(waits.asked) < 5:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        finally:
+            member.stop(resign=False)
+    rounds = waits.asked[:5]
+    assert all(wait >= TIMING.retry_period for wait in rounds), rounds
+    most = TIMING.retry_period * leadership.BACKOFF_LIMIT * (1 + leadership.RETRY_JITTER)
+    assert all(wait <= most for wait in rounds), rounds
+    assert rounds[3] >= 2 * TIMING.retry_period, rounds  # no lease to keep: it backs off
+
+
+def test_a_lease_granted_as_zero_is_not_taken_and_no_leader_key_outlives_its_leader(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Lease 0 is etcd's "no lease": the leader key was written on none, and nobody could
+    # lead after its leader was gone until an operator deleted it.
+    zeroed: list[str] = []
+
+    def zero_once(path: str, answer: Any) -> Any:
+        if path == "/v3/lease/grant" and not zeroed:
+            zeroed.append(path)
+            return {"ID": "0", "TTL": "3"}
+        return answer
+
+    direct = Etcd(etcd_server.endpoints)
+    with tcp_server(editing(etcd_server.endpoints[0], zero_once)) as (url, _):
+        clock, log = Clock(), []
+        member = elector(Etcd([url]), keys, "a", clock, log)
+        with pytest.raises(ClusterUnavailableError, match=r"not etcd's answer.*lease ID 0"):
+            member.step()
+        assert direct.get(keys.leader) is None
+        assert member.lease_id is None and not member.decision().may_act
+        member.step()  # a real lease the next round
+        assert member.decision().may_act
+        held = direct.get(keys.leader)
+        assert held is not None and held.lease == member.lease_id and held.lease > 0
+        member.stop()
+    assert direct.get(keys.leader) is None  # resigned: the key went with its lease

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from llmhealth import etcd_http
 from llmhealth.cluster import ClusterUnavailableError, Etcd
 from llmhealth.etcd_http import Bounds, Endpoint, EndpointError, post
 from tests.etcdproc import EtcdCluster, running_etcd
@@ -245,6 +246,74 @@ def test_one_call_over_every_endpoint_ends_within_its_bound() -> None:
     said = str(failed.value)
     assert said.count("not tried, 5 s spent") == 5
     assert all(url in said for url in refused)
+
+
+@pytest.mark.parametrize(
+    "status",
+    [b"404 Not Found", b"500 Internal Server Error", b"401 Unauthorized", b"429 Too Many"],
+)
+def test_an_error_page_that_is_not_etcds_sends_the_call_to_the_next_endpoint(
+    etcd_server: EtcdCluster, status: bytes
+) -> None:
+    # A proxy's page in front of the first endpoint was taken for etcd's own word: every
+    # call failed at once, and the endpoints behind it were never asked.
+    page = b"<html>nginx</html>"
+    handler = answering(b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n" % (status, len(page)), page)
+    with tcp_server(handler) as (url, received):
+        etcd = Etcd([url, *etcd_server.endpoints], timeout=2.0)
+        etcd.txn([], [{"request_put": {"key": b64("/page/k"), "value": b64("v")}}])
+        found = etcd.get("/page/k")
+        assert found is not None and found.value == b"v"
+        with pytest.raises(ClusterUnavailableError, match="no etcd endpoint answered") as alone:
+            Etcd([url], timeout=2.0).get("/page/k")
+        assert alone.match("not an etcd error")
+    assert received  # the page was asked first, and passed over
+
+
+def test_etcds_own_error_is_its_word_and_no_other_endpoint_is_asked(
+    etcd_server: EtcdCluster,
+) -> None:
+    # A real etcd's refusal (a lease it does not have: HTTP 404, gRPC code 5) and one in
+    # its shape from a raw socket (too many requests: 429, code 8) end the call there.
+    asked: list[int] = []
+
+    def count(connection: socket.socket, number: int) -> None:
+        asked.append(number)
+
+    with tcp_server(count) as (spare, _):
+        refused = pytest.raises(ClusterUnavailableError, match="requested lease not found")
+        with refused as raised:
+            Etcd([*etcd_server.endpoints, spare], timeout=2.0).revoke(0x7E57)
+        assert str(raised.value).startswith(f"etcd {etcd_server.endpoints[0]}: HTTP 404")
+        said = {"error": "etcdserver: too many requests", "code": 8}
+        said["message"] = said["error"]
+        body = json.dumps(said).encode()
+        busy = answering(b"HTTP/1.1 429 Too Many\r\nContent-Length: %d\r\n\r\n" % len(body), body)
+        with tcp_server(busy) as (url, _), pytest.raises(ClusterUnavailableError) as raised:
+            Etcd([url, spare], timeout=2.0).get("/k")
+        assert raised.match(f"etcd {url}: HTTP 429") and raised.match("too many requests")
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    ("body", "etcds"),
+    [
+        ('{"error":"e","message":"etcdserver: requested lease not found","code":5}', True),
+        ('{"code":3,"message":"illegal base64 data"}', True),  # grpc-gateway v2's shape
+        ('{"error":"illegal base64 data","code":3}', True),
+        ('{"code":true,"message":"m"}', False),
+        ('{"code":"5","message":"m"}', False),
+        ('{"code":5}', False),
+        ('{"code":5,"message":["m"]}', False),
+        ('[{"code":5,"message":"m"}]', False),
+        ('{"message":' + "[" * 50_000 + "]" * 50_000 + ',"code":5}', False),
+        ("<html>Not Found</html>", False),
+        ("404 page not found\n", False),
+        ("", False),
+    ],
+)
+def test_only_a_body_in_etcds_error_shape_is_taken_for_its_error(body: str, etcds: bool) -> None:
+    assert etcd_http.is_etcd_error(body) is etcds
 
 
 def b64(text: str) -> str:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmhealth import leadership
 from llmhealth.leadership import (
     LeaseFacts,
     LeaseTiming,
@@ -88,6 +89,47 @@ def test_no_leader_ever_acts_once_its_lease_may_have_expired(
         assert renewed_at + elapsed < decision.acts_until < renewed_at + ttl
     else:
         assert elapsed >= timing.renew_deadline
+
+
+def test_without_a_lease_a_failing_etcd_is_retried_ever_later_up_to_a_limit() -> None:
+    period = TIMING.retry_period
+    waits = [
+        leadership.retry_due(LeaseFacts(), TIMING, 50.0, failures, 0.0) - 50.0
+        for failures in (1, 2, 3)
+    ]
+    assert waits == pytest.approx([period, 2 * period, 4 * period])
+    assert leadership.retry_due(LeaseFacts(), TIMING, 50.0, 1000, 0.0) - 50.0 == pytest.approx(
+        leadership.BACKOFF_LIMIT * period
+    )
+    # A lease renewed more than a TTL ago is gone: nothing to keep, so it backs off too.
+    gone = LeaseFacts(7, 10.0, 10.0)
+    assert leadership.retry_due(gone, TIMING, 10.0 + TIMING.ttl, 3, 0.0) == pytest.approx(
+        10.0 + TIMING.ttl + 4 * period
+    )
+
+
+@given(
+    renewed_ago=st.floats(min_value=0.0, max_value=100.0),
+    failures=st.integers(min_value=1, max_value=10_000),
+    jitter=st.floats(min_value=0.0, max_value=0.999),
+    leading=st.booleans(),
+)
+def test_after_a_failure_etcd_is_never_asked_within_a_retry_period_nor_a_lease_let_lapse(
+    renewed_ago: float, failures: int, jitter: float, leading: bool
+) -> None:
+    now = 0.0  # any monotonic reading; 0 keeps the waits exact in floats
+    facts = LeaseFacts(7, now - renewed_ago, now - renewed_ago if leading else None)
+    wait = leadership.retry_due(facts, TIMING, now, failures, jitter) - now
+    assert (
+        TIMING.retry_period
+        <= wait
+        <= TIMING.retry_period * leadership.BACKOFF_LIMIT * (1 + leadership.RETRY_JITTER)
+    )
+    if renewed_ago < TIMING.ttl:
+        # The lease may be alive: retried at the renewal pace, several tries before the
+        # renew deadline, however many rounds failed.
+        assert wait <= TIMING.retry_period * (1 + leadership.RETRY_JITTER)
+        assert 3 * wait < TIMING.renew_deadline
 
 
 BACKENDS = [f"gpu{i}" for i in range(60)]
