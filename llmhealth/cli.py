@@ -371,7 +371,10 @@ def _operator_context(
 
 def _verb_exit(result: VerbResult) -> None:
     """0 when the ledger took the event; 1 when its rules refused it (nothing changed)."""
-    print(result.message, file=sys.stdout if result.applied else sys.stderr)
+    from llmhealth.text import printable  # noqa: PLC0415
+
+    # The message quotes stored words (a hold's reason, a last error): escaped, not raw.
+    print(printable(result.message), file=sys.stdout if result.applied else sys.stderr)
     raise typer.Exit(0 if result.applied else 1)
 
 
@@ -407,7 +410,8 @@ def status(
         cluster = describe(store.etcd, store.keys, store.revision)
     if output is OutputFormat.JSON:
         document = status_json(snapshots, record.holds, fleet, now)
-        print(json.dumps({**document, "cluster": cluster} if cluster else document, indent=2))
+        document = {**document, "cluster": cluster} if cluster else document
+        print(json.dumps(document, indent=2, allow_nan=False))
     elif output is OutputFormat.NAGIOS:
         print(status_nagios(snapshots, fleet))
     else:
@@ -656,7 +660,9 @@ def _print(report: CycleReport, output: OutputFormat) -> None:
     from llmhealth.report import as_json, nagios_line  # noqa: PLC0415
 
     if output is OutputFormat.JSON:
-        print(json.dumps(as_json(report), indent=2))
+        # as_json maps non-finite numbers to null; allow_nan=False makes a miss an error
+        # (exit 3) instead of an Infinity that strict JSON parsers reject.
+        print(json.dumps(as_json(report), indent=2, allow_nan=False))
     elif output is OutputFormat.NAGIOS:
         print(nagios_line(report))
     else:

@@ -296,9 +296,31 @@ def parse_duration(value: object) -> float:
 
 
 def name_for_url(url: str) -> str:
-    """A bare URL's backend name: host and port, which is what an operator types."""
+    """A bare URL's backend name: host and port, which is what an operator types.
+
+    ValueError naming the URL when that name breaks the rule every name keeps
+    (``name_problem``): a host is the URL's to choose, not a promise of a clean name.
+    """
     parts = urlsplit(url)
-    return parts.netloc or url
+    name = parts.netloc or url
+    if (problem := name_problem(name)) is not None:
+        raise ValueError(
+            f"{url!r} would be named {name!r}, which {problem}; "
+            "name it in a config file ([[backend]] name = ...)"
+        )
+    return name
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a backend or proxy, or None when it can.
+
+    A name is shown as it is: a control character would reach the terminal, a '|' starts
+    a Nagios line's performance data, and a perfdata label cannot hold '=' (one written
+    as '_' would merge two backends' graphs).
+    """
+    if not name.isprintable() or "|" in name or "=" in name:
+        return "must be printable and have no '|' or '=' (Nagios perfdata labels)"
+    return None
 
 
 def check_url(url: str) -> str:
@@ -557,7 +579,7 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
     if "restart" in table and not restart:
         raise ConfigError(f"{reader.where}: {key}.restart: an empty command; leave the key out")
     return Backend(
-        name=reader.label(table, f"{key}.name") or name_for_url(url),
+        name=reader.name(table, key, url),
         url=url,
         restart=restart,
         api_key_env=reader.optional_string(table, f"{key}.api_key_env"),
@@ -575,7 +597,7 @@ def _proxy(reader: _Reader, data: object, key: str) -> Proxy:
     table = reader.table(data, key)
     reader.known(table, f"{key}.", {"name", "url"})
     url = reader.url(table, f"{key}.url")
-    return Proxy(name=reader.label(table, f"{key}.name") or name_for_url(url), url=url)
+    return Proxy(name=reader.name(table, key, url), url=url)
 
 
 class _Reader:
@@ -650,6 +672,19 @@ class _Reader:
             raise self.fail(key, f"{value!r} must be printable and have no '|'")
         return value
 
+    def name(self, table: Mapping[str, Any], key: str, url: str) -> str:
+        """``key``.name, or the name ``url`` gives (``name_for_url``); either passes
+        ``name_problem``, and a failure names the key that holds the culprit."""
+        name = self.optional_string(table, f"{key}.name")
+        if name is None:
+            try:
+                return name_for_url(url)
+            except ValueError as exc:
+                raise self.fail(f"{key}.url", str(exc)) from exc
+        if (problem := name_problem(name)) is not None:
+            raise self.fail(f"{key}.name", f"{name!r} {problem}")
+        return name
+
     def string_list(
         self, table: Mapping[str, Any], key: str, default: tuple[str, ...]
     ) -> tuple[str, ...]:
@@ -699,9 +734,10 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
         for url in given:
             try:
                 checked = check_url(url)
+                name = name_for_url(checked)
             except ValueError as exc:
                 raise BadTargetError(str(exc), hint) from exc
-            targets.append(Target(name_for_url(checked), checked, kind, rules=config.wedge_rules()))
+            targets.append(Target(name, checked, kind, rules=config.wedge_rules()))
     names = [target.name for target in targets]
     if len(set(names)) != len(names):
         raise BadTargetError("the same backend or proxy is named twice")

@@ -1051,7 +1051,7 @@ class Daemon:
         # Printable, and never read as markup: messages quote evidence and command output.
         message = printable(message)
         if self._console.is_terminal:
-            self._console.log(message, markup=False, highlight=False)
+            self._console.log(message, markup=False, highlight=False, emoji=False)
         else:  # journald adds its own timestamp
             print(message, file=sys.stderr, flush=True)
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from rich.console import Console, RenderableType
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from llmhealth.ledger import BackendSnapshot
+from llmhealth.classify import VerdictKind
+from llmhealth.ledger import BackendSnapshot, State
 from llmhealth.policy import Hold
 from llmhealth.report import (
     BackendReport,
@@ -33,34 +34,49 @@ def print_report(report: CycleReport, console: Console) -> None:
         console.print(renderable, highlight=False)
 
 
+# Every cell and line is a Text of printable words, never a markup string: rich would
+# read a model id's ":fire:" as an emoji and "[bold]" as a tag, and escape() shows a
+# name's trailing backslash doubled. What is shown is then the string as it is.
+_VERDICT_WIDTH = max(len(kind) for kind in VerdictKind)
+_STATE_WIDTH = max(len(state) for state in State)
+
+
 def report_renderables(report: CycleReport) -> list[RenderableType]:
     """Numbers in a table, evidence below it: evidence is a sentence and needs the width."""
     table = Table()
-    columns = ("name", "kind", "verdict", "state", "running", "waiting", "steps/s", "tok/s", "req")
-    for column in columns:
-        table.add_column(column, no_wrap=True)
+    # A long name folds onto more lines; verdict and state, what the table is read for,
+    # are never cut: each column is at least as wide as its longest value.
+    table.add_column("name", overflow="fold")
+    table.add_column("kind", no_wrap=True, min_width=len("backend"))
+    table.add_column("verdict", no_wrap=True, min_width=_VERDICT_WIDTH)
+    table.add_column("state", no_wrap=True, min_width=_STATE_WIDTH)
+    for column in ("running", "waiting", "steps/s", "tok/s", "req"):
+        table.add_column(column, overflow="fold")
     for backend in report.backends:
         table.add_row(*_row(backend))
     lines: list[RenderableType] = [table]
     for backend in report.backends:
-        line = f"[bold]{escape(backend.outcome.target.name)}[/bold]: "
-        line += escape(backend.outcome.verdict.evidence)
+        line = Text.assemble(
+            (printable(backend.outcome.target.name), "bold"),
+            ": ",
+            printable(backend.outcome.verdict.evidence),
+        )
         for transition in backend.transitions:
             if transition.applied and transition.from_state != transition.to_state:
-                line += (
+                line.append(
                     f"\n    ledger: {transition.from_state} → {transition.to_state} "
                     f"({transition.kind})"
                 )
-        lines.append(Text.from_markup(line))
+        lines.append(line)
     fleet = report.fleet
     if fleet.floor_breached:
-        message = escape(printable(fleet.message))
-        lines.append(Text.from_markup(f"[bold red]fleet[/bold red]: {message}"))
+        lines.append(Text.assemble(("fleet", "bold red"), ": ", printable(fleet.message)))
     elif any(backend.snapshot is not None for backend in report.backends):
         lines.append(
-            Text.from_markup(
-                f"[bold]fleet[/bold]: {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
-                f"membership epoch {fleet.epoch}"
+            Text.assemble(
+                ("fleet", "bold"),
+                f": {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
+                f"membership epoch {fleet.epoch}",
             )
         )
     for restart in report.restarts:
@@ -71,8 +87,8 @@ def report_renderables(report: CycleReport) -> list[RenderableType]:
         else:
             done = restart.action
         lines.append(
-            Text.from_markup(
-                f"[bold]{escape(restart.name)}[/bold]: {done}: {escape(printable(restart.reason))}"
+            Text.assemble(
+                (printable(restart.name), "bold"), f": {done}: ", printable(restart.reason)
             )
         )
     lines += [Text(f"note: {printable(note)}", style="dim") for note in report.notes]
@@ -85,25 +101,30 @@ def console_for_output() -> Console:
     return probe if probe.is_terminal else Console(width=132)
 
 
-def _row(backend: BackendReport) -> tuple[str, ...]:
+def _row(backend: BackendReport) -> tuple[Text, ...]:
     verdict = backend.outcome.verdict
     style = _STYLE.get(backend_exit_code(backend), "")
     state = "-" if backend.snapshot is None else str(backend.snapshot.state)
     return (
-        escape(backend.outcome.target.name),
-        backend.outcome.target.kind,
-        f"[{style}]{verdict.kind}[/{style}]" if style else str(verdict.kind),
-        f"[{style}]{state}[/{style}]" if style else state,
-        _cell(verdict.running),
-        _cell(verdict.waiting),
-        _cell(verdict.steps_per_s),
-        _cell(verdict.tokens_per_s),
-        str(verdict.requests_sent),
+        Text(printable(backend.outcome.target.name)),
+        Text(backend.outcome.target.kind),
+        Text(str(verdict.kind), style=style),
+        Text(state, style=style),
+        Text(_cell(verdict.running)),
+        Text(_cell(verdict.waiting)),
+        Text(_cell(verdict.steps_per_s)),
+        Text(_cell(verdict.tokens_per_s)),
+        Text(str(verdict.requests_sent)),
     )
 
 
 def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}" if isinstance(value, int) else f"{value:.1f}"
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    # A summed rate a hostile server pushed past the largest float: unknown, not "inf".
+    return f"{value:.1f}" if math.isfinite(value) else "?"
 
 
 def print_status(
@@ -115,28 +136,30 @@ def print_status(
 ) -> None:
     """The ledger as saved: no probing, so it is safe to run at any moment during on-call."""
     table = Table()
-    columns = ("name", "state", "serving", "since", "probe fails", "req fails", "restarts")
-    for column in (*columns, "back in place"):
+    table.add_column("name", overflow="fold")
+    table.add_column("state", no_wrap=True, min_width=_STATE_WIDTH)
+    columns = ("serving", "since", "probe fails", "req fails", "restarts", "back in place")
+    for column in columns:
         table.add_column(column, no_wrap=True)
     table.add_column("hold / last error", overflow="fold")
     for snap in snapshots:
         hold = holds.get(snap.name)
         note = hold.describe(now) if hold is not None and hold.active(now) else snap.last_error
         table.add_row(
-            escape(snap.name),
-            str(snap.state),
-            "yes" if snap.serving else "no",
-            "-" if snap.state_since is None else _ago(now - snap.state_since),
-            str(snap.probe_failures),
-            str(snap.request_failures),
-            str(snap.restart_attempts),
-            str(snap.in_place_recoveries),
-            escape(printable(note or "-")),
+            Text(printable(snap.name)),
+            Text(str(snap.state)),
+            Text("yes" if snap.serving else "no"),
+            Text("-" if snap.state_since is None else _ago(now - snap.state_since)),
+            Text(str(snap.probe_failures)),
+            Text(str(snap.request_failures)),
+            Text(str(snap.restart_attempts)),
+            Text(str(snap.in_place_recoveries)),
+            Text(printable(note or "-")),
         )
     console.print(table)
     style = "bold red" if fleet.floor_breached else "bold"
-    console.print(f"[{style}]fleet[/{style}]: {escape(printable(fleet.message))}", highlight=False)
-    console.print(f"membership epoch {fleet.epoch}", highlight=False)
+    console.print(Text.assemble(("fleet", style), ": ", printable(fleet.message)))
+    console.print(Text(f"membership epoch {fleet.epoch}"))
 
 
 def _ago(seconds: float) -> str:

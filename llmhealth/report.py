@@ -7,8 +7,10 @@ verdicts show now and what the ledger holds from earlier runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import IntEnum
 from typing import Any
 
@@ -159,8 +161,8 @@ def _backend_json(report: BackendReport) -> dict[str, Any]:
         "healthy": verdict.healthy,
         "state": None if snapshot is None else str(snapshot.state),
         "serving": None if snapshot is None else snapshot.serving,
-        "running": verdict.running,
-        "waiting": verdict.waiting,
+        "running": finite(verdict.running),
+        "waiting": finite(verdict.waiting),
         "steps_per_s": _rounded(verdict.steps_per_s),
         "tokens_per_s": _rounded(verdict.tokens_per_s),
         "requests_sent": verdict.requests_sent,
@@ -195,8 +197,8 @@ def nagios_line(report: CycleReport) -> str:
         name = backend.outcome.target.name
         perfdata.append(_perf(f"{name} healthy", 1 if verdict.healthy else 0))
         for label, value in (
-            ("running", verdict.running),
-            ("waiting", verdict.waiting),
+            ("running", finite(verdict.running)),
+            ("waiting", finite(verdict.waiting)),
             ("steps_per_s", _rounded(verdict.steps_per_s)),
             ("tokens_per_s", _rounded(verdict.tokens_per_s)),
         ):
@@ -213,12 +215,32 @@ def _kind_weight(label: str) -> int:
 
 
 def _perf(label: str, value: float) -> str:
-    # Perfdata labels are quoted with single quotes; a quote inside is doubled.
+    # Perfdata labels are quoted with single quotes; a quote inside is doubled. Config
+    # refuses '=' in names (config.name_problem); a library caller's name still cannot
+    # end the label early.
     quoted = "'" + label.replace("'", "''").replace("=", "_") + "'"
-    return f"{quoted}={value:g}"
+    return f"{quoted}={plain_decimal(value)}"
+
+
+def plain_decimal(value: float) -> str:
+    """``value`` written out in digits: plugin perfdata is ``[-0-9.]``, and a grapher
+    reads ``9.98377e+06`` as 9.98377 or not at all. Callers leave non-finite values out."""
+    if isinstance(value, int):
+        return str(value)
+    # repr is the shortest text that reads back as the same float; Decimal writes it out.
+    return format(Decimal(repr(value)), "f").removesuffix(".0")
+
+
+def finite(value: float | None) -> float | None:
+    """None for inf and NaN: a hostile server can push a summed rate past the largest
+    float, and neither JSON nor perfdata has a way to say infinity."""
+    if value is None or isinstance(value, int) or math.isfinite(value):
+        return value  # an int is finite, and one past a float's range is not an error here
+    return None
 
 
 def _rounded(value: float | None) -> float | None:
+    value = finite(value)
     return None if value is None else round(value, 2)
 
 

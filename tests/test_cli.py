@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import typer
 from pytest_httpserver import HTTPServer
 from typer.core import TyperGroup
 from typer.testing import CliRunner
+from werkzeug import Request, Response
 
 from llmhealth.classify import Decision, Read, decide
 from llmhealth.cli import app, main
@@ -548,3 +549,88 @@ def test_a_verb_with_a_cluster_config_needs_no_state_path(
     monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
     loaded, store, _ = cli._operator_context(str(config), None)
     assert loaded.cluster is not None and str(store.path).endswith("/state")
+
+
+def test_a_bare_url_whose_host_breaks_the_name_rule_is_refused_naming_it(entry_point: str) -> None:
+    """Named by host:port, 'x|y:8000' split the Nagios line's perfdata at its '|'."""
+    result = run(entry_point, "check", "http://x|y:8000", "--format", "nagios")
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert result.stdout.startswith("LLMHEALTH UNKNOWN - "), result.stdout
+    assert "healthy'=" not in result.stdout, result.stdout
+    assert "'http://x|y:8000' would be named 'x|y:8000'" in result.stderr, result.stderr
+
+
+def overflowing_metrics(hits: list[int]) -> Callable[[Request], Response]:
+    """Two engines whose generated-token counters jump to 1.5e308 each: their summed rate
+    overflows to inf, which a hostile or broken server can cause at will."""
+
+    def respond(_: Request) -> Response:
+        generated = 0.0 if not hits else 1.5e308
+        hits.append(1)
+        lines = ["process_start_time_seconds 1.7e9"]
+        for engine in ("0", "1"):
+            labels = f'engine="{engine}",model_name="m"'
+            lines += [
+                f"vllm:num_requests_running{{{labels}}} 1",
+                f"vllm:num_requests_waiting{{{labels}}} 0",
+                f"vllm:iteration_tokens_total_count{{{labels}}} {len(hits)}",
+                f"vllm:generation_tokens_total{{{labels}}} {generated!r}",
+            ]
+        return Response("\n".join(lines) + "\n", content_type="text/plain")
+
+    return respond
+
+
+def test_a_rate_overflowing_to_infinity_is_null_in_json_and_absent_from_perfdata(
+    entry_point: str, httpserver: HTTPServer
+) -> None:
+    httpserver.expect_request("/metrics").respond_with_handler(overflowing_metrics([]))
+    url = httpserver.url_for("").rstrip("/")
+    shown = run(entry_point, "check", url, "--wait", "0.2", "--format", "json")
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON: strict parsers reject it")
+
+    (backend,) = json.loads(shown.stdout, parse_constant=refuse)["backends"]
+    assert (backend["verdict"], backend["tokens_per_s"]) == ("busy", None), backend
+    httpserver.clear()
+    httpserver.expect_request("/metrics").respond_with_handler(overflowing_metrics([]))
+    line = run(entry_point, "check", url, "--wait", "0.2", "--format", "nagios").stdout
+    assert "running'=2" in line and "tokens_per_s" not in line and "inf" not in line, line
+
+
+def test_the_piped_table_keeps_verdict_and_state_whole_and_shows_model_ids_as_written(
+    entry_point: str, httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """Not on a terminal the table is 132 wide: 87-character names cut verdict to 'id…'
+    and state to 'he…'; and rich read a model id's ':fire:' as an emoji code."""
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "llama:fire:"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_json(COMPLETION)
+    long = "gpu-" * 20 + "rack1-"
+    config = tmp_path / "long.toml"
+    config.write_text(
+        f'[[backend]]\nname = "{long}a"\nurl = "{httpserver.url_for("").rstrip("/")}"\n'
+        f'[[backend]]\nname = "{long}b"\nurl = "{closed_port_url()}"\n'
+    )
+    args = ("--config", str(config), "--state", str(tmp_path / "s.json"), "--wait", "0.1")
+    result = run(entry_point, "check", *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    table = result.stdout.split(f"{long}a: ")[0]
+    assert "…" not in table, table
+    rows = [line for line in table.splitlines() if line.startswith("│")]
+    assert any("│ idle " in row and "│ healthy " in row for row in rows), table
+    assert any("│ down " in row and "│ suspect " in row for row in rows), table
+    assert "by model llama:fire:" in result.stdout and "🔥" not in result.stdout, result.stdout
+
+
+def test_a_verb_prints_a_stored_hold_reason_escaped(entry_point: str, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[backend]]\nname = "gpu0"\nurl = "{closed_port_url()}"\n')
+    where = ("--config", str(config), "--state", str(tmp_path / "s.json"))
+    held = run(entry_point, "hold", "gpu0", "--for", "1h", "--reason", "x\x1b]0;owned\x07", *where)
+    released = run(entry_point, "release", "gpu0", *where)
+    for result in (held, released):
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout, result.stdout
+        assert "x\\x1b]0;owned\\x07" in result.stdout, result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,6 +21,7 @@ from llmhealth.config import (
     Router,
     check_url,
     load,
+    name_for_url,
     parse_duration,
     parse_listen,
 )
@@ -479,3 +481,32 @@ def test_an_empty_query_or_fragment_is_dropped_not_kept(url: str) -> None:
     # Case is kept, the scheme's too (urlsplit lower-cases it: a state saved before with
     # HTTP:// was readdressed on upgrade).
     assert check_url("HTTP://GPU-Host:8000/p/") == "HTTP://GPU-Host:8000/p"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # A backend or proxy without a name is named by host:port, and that name keeps
+        # the rule an explicit one keeps: it is shown raw in tables and Nagios lines.
+        ("[[backend]]\nurl = 'http://x|y:8000'", "backend[0].url: 'http://x|y:8000' would be"),
+        ('[[backend]]\nurl = "http://\\u001bc\\u001b:8001"', "backend[0].url: 'http://\\x1bc"),
+        ("[[proxy]]\nurl = 'http://a=b:80'", "proxy[0].url: 'http://a=b:80' would be named"),
+        # '=' ends a perfdata label: "it's a=gpu" and "it's a_gpu" were one graph.
+        ("[[backend]]\nname = \"it's a=gpu\"\nurl = 'http://a:1'", "backend[0].name: \"it's a="),
+    ],
+)
+def test_a_name_breaking_the_label_rule_is_refused_explicit_or_from_the_url(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+    assert "no '|' or '='" in str(caught.value)
+
+
+def test_a_name_from_a_clean_url_is_its_host_and_port() -> None:
+    assert name_for_url("http://10.0.0.5:8000") == "10.0.0.5:8000"
+    with pytest.raises(ValueError, match=re.escape("'http://x|y:8000' would be named 'x|y:8000'")):
+        name_for_url("http://x|y:8000")
