@@ -1188,19 +1188,25 @@ class Ledger:
         ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
         its predecessor did must not free the slot for the next backend: a fault they
         share would restart them all. So a backend DEAD again within the startup grace
-        of its last restart, good at no time since, still holds it, unless its budget is
-        spent (its next attempt retires it, which starts nothing)."""
+        of its last restart, on a process started since that restart (its replacement),
+        good at no time since, still holds it, unless its budget is spent (its next
+        attempt retires it, which starts nothing). A restart whose command failed brought
+        up no replacement: it holds nothing, as before.
+        """
         b = self._lookup(name)
         if _awaited_restart(b) is not None:
             return True
-        if b.state is not State.DEAD or not b.restart_times:
+        if b.state is not State.DEAD or not b.restart_times or b.process is None:
             return False
         policy = self._policy
         restarted_at = max(b.restart_times)
+        start = b.process.start
+        replaced = start is not None and start >= restarted_at - _CLOCKS_APART
         proven = b.last_ok_at is not None and b.last_ok_at >= restarted_at
         spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
         return (
-            not proven
+            replaced
+            and not proven
             and now - restarted_at < policy.startup_grace
             and spent < policy.restart_budget
         )
@@ -1388,6 +1394,11 @@ def is_finite_number(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+# Seconds a backend's host clock may run behind ours when its process's start time is
+# compared with when we restarted it (a replacement starts after the command, on its host).
+_CLOCKS_APART: Final = 60.0
 
 
 def _in_window(t: float, now: float, window: float) -> bool:

@@ -168,8 +168,7 @@ def plan_restarts(
     _check_time(now, "now")
     # A backend's own unproven restart does not keep it from the next: its cooldown and
     # budget rule that.
-    unproven = {name for name in ledger.names if ledger.restart_unproven(name, now)}
-    planned = 0
+    under_way = {name for name in ledger.names if ledger.restart_unproven(name, now)}
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(
@@ -179,11 +178,11 @@ def plan_restarts(
             histories.get(snap.name, RestartHistory()),
             ledger,
             policy,
-            len(unproven - {snap.name}) + planned,
+            len(under_way - {snap.name}),
             now,
         )
         if action is Action.RESTART:
-            planned += 1
+            under_way.add(snap.name)  # planned now: once, if it held a slot already
         decisions.append(RestartDecision(snap.name, action, reason, snap.condemned_by))
     return decisions
 

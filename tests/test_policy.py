@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,6 +24,7 @@ from llmhealth.ledger import (
     NewProcessUp,
     ProbeFailure,
     ProcessGone,
+    ProcessSeen,
     Readmitted,
     RequestFailure,
     RestartFailed,
@@ -66,6 +68,7 @@ class Fleet:
     holds: dict[str, Hold] = field(default_factory=dict)
     histories: dict[str, RestartHistory] = field(default_factory=dict)
     policy: Policy = POLICY
+    started: dict[str, float] = field(default_factory=dict)  # each process's start, as seen
 
     def plan(self, now: float) -> list[RestartDecision]:
         return plan_restarts(
@@ -584,9 +587,11 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
             and s.last_restart_at is not None
             and now - s.last_restart_at < grace
             and s.restart_attempts < budget
+            # on its replacement: a process started since that restart (hosts' clocks a
+            # minute apart at most), not the one a failed command left
+            and f.started.get(name, -math.inf) >= s.last_restart_at - 60.0
         )
     }
-    planned = 0
     # Not bounded on its own: a backend whose restart failed may come up by another hand
     # (STALE, unproven) while the next one restarts. The plan only never adds past it.
     for d in plan:
@@ -607,18 +612,17 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
             and (last is None or now >= last + cooldown_for(history.failures, f.policy))
         )
         spent = snap.restart_attempts >= f.ledger.policy.restart_budget
-        room = len(holding - {d.name}) + planned < f.policy.max_concurrent_restarts
+        room = len(holding - {d.name}) < f.policy.max_concurrent_restarts
         if d.action is Action.RESTART:
             assert eligible and not spent and room
-            planned += 1
+            holding.add(d.name)
         elif d.action is Action.RETIRE:
             assert eligible and spent
         else:
             # A skip must have a rule behind it: the plan is not allowed to be timid either.
             assert not eligible or (not spent and not room)
-    restarted = {d.name for d in plan if d.action is Action.RESTART}
-    if restarted:
-        assert len(holding - restarted) + planned <= f.policy.max_concurrent_restarts
+    if any(d.action is Action.RESTART for d in plan):
+        assert len(holding) <= f.policy.max_concurrent_restarts
 
 
 def edges(f: Fleet, now: float) -> list[float]:
@@ -651,7 +655,8 @@ def step(f: Fleet, name: str, op: str, now: float, k: int) -> None:
         case "good":
             ledger.apply(name, GoodVerdict(now=now, request_ok=k % 2 == 0))
         case "unplanned":
-            ledger.apply(name, UnplannedRestart(now=now))
+            if ledger.apply(name, UnplannedRestart(now=now)).applied:
+                f.started.pop(name, None)  # a process not yet read: its start unknown
         case "fail":
             if ledger.apply(name, RestartFailed(now=now, reason="exit status 1")).applied:
                 f.histories[name] = f.history(name).record_failure()
@@ -659,7 +664,9 @@ def step(f: Fleet, name: str, op: str, now: float, k: int) -> None:
             for t in ledger.expire_restarts(now):
                 f.histories[t.name] = f.history(t.name).record_failure()
         case "up":
-            ledger.apply(name, NewProcessUp(now=now))
+            up = NewProcessUp(now=now, process=ProcessSeen(start=now, counters={}))
+            if ledger.apply(name, up).applied:
+                f.started[name] = now
         case "readmit":
             if ledger.apply(name, Readmitted(now=now)).applied:
                 f.histories[name] = f.history(name).record_success()
@@ -705,3 +712,26 @@ def test_random_fleets_only_ever_restart_what_every_rule_allows(
         now += dt
         step(f, name, op, now, k)
     step(f, "a", "plan", now, 0)
+
+
+def test_a_replacement_that_wedged_again_holds_one_slot_and_a_failed_command_none() -> None:
+    # Its replacement up and wedged again within the grace, a holds a slot (a shared
+    # fault must not restart the fleet in turn), once: planned again, it was counted
+    # twice and the next backend skipped at max_concurrent_restarts 2.
+    f = fleet("a", "b", "c", policy=Policy(max_concurrent_restarts=2))
+    for name in ("a", "b", "c"):
+        f.condemn(name, T0)
+    f.issue("a", T0)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 20, process=ProcessSeen(T0 + 10, {})))
+    f.ledger.apply("a", WedgeProven(now=T0 + 35))
+    assert f.ledger.state_of("a") is State.DEAD
+    plan = {d.name: d.action for d in f.plan(T0 + 200)}
+    assert plan == {"a": Action.RESTART, "b": Action.RESTART, "c": Action.SKIP}
+    # A command that failed brought up no replacement: it holds nothing.
+    g = fleet("a", "b", policy=Policy(max_concurrent_restarts=1))
+    for name in ("a", "b"):
+        g.condemn(name, T0)
+    g.issue("a", T0)
+    g.fail("a", T0 + 1)
+    assert not g.ledger.restart_unproven("a", T0 + 2)
+    assert g.decision("b", T0 + 2).action is Action.RESTART
