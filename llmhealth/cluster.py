@@ -477,6 +477,7 @@ class Elector:
     def _run(self) -> None:
         failures = 0  # rounds failed in a row
         while not self._stop.is_set():
+            started = self._clock()
             try:
                 self.step_and_observe()
             except Exception as exc:  # the thread must outlive any one round
@@ -496,7 +497,7 @@ class Elector:
                 facts = self._facts
             now = self._clock()
             if failures:  # a failing etcd (one that fails fast too) is not asked at once
-                due = retry_due(facts, self.timing, now, failures, random.random())
+                due = retry_due(facts, self.timing, now, failures, random.random(), started)
             else:
                 due = renewal_due(facts, self.timing, now)
             self._stop.wait(max(0.05, due - now))

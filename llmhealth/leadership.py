@@ -106,21 +106,28 @@ def renewal_due(facts: LeaseFacts, timing: LeaseTiming, now: float) -> float:
 
 
 def retry_due(
-    facts: LeaseFacts, timing: LeaseTiming, now: float, failures: int, jitter: float
+    facts: LeaseFacts,
+    timing: LeaseTiming,
+    now: float,
+    failures: int,
+    jitter: float,
+    round_started: float,
 ) -> float:
-    """When to try again after ``failures`` rounds failed in a row; ``jitter`` in [0, 1).
+    """When to try again after ``failures`` rounds failed in a row, the last of them
+    begun at ``round_started``; ``jitter`` in [0, 1).
 
-    Never within a retry period: an etcd that fails fast (a 429, a refused connection)
-    was asked twenty times a second. Never much later while the lease may still be alive
-    (renewed less than a TTL ago): an etcd back before the renew deadline must see the
-    renewal as it would have without the failure, or a leader steps down for nothing.
+    Never within a retry period of the last try's start: an etcd that fails fast (a
+    429, a refused connection) was asked twenty times a second. Counted from the start,
+    not the end: a round that failed slowly (5 s across silent endpoints) already took
+    its wait, and a leader whose lease may still be alive (renewed less than a TTL ago)
+    must renew as it would have without the failure, or it steps down for nothing.
     Without such a lease nothing is lost by waiting, and the wait doubles up to
     ``BACKOFF_LIMIT`` retry periods.
     """
     periods = 1
     if facts.renewed_at is None or now >= facts.renewed_at + timing.ttl:
         periods = min(2 ** min(max(failures, 1) - 1, 8), BACKOFF_LIMIT)
-    return now + timing.retry_period * periods * (1 + RETRY_JITTER * jitter)
+    return max(now, round_started + timing.retry_period * periods * (1 + RETRY_JITTER * jitter))
 
 
 def owner(backend: str, members: Iterable[str]) -> str | None:

@@ -94,18 +94,18 @@ def test_no_leader_ever_acts_once_its_lease_may_have_expired(
 def test_without_a_lease_a_failing_etcd_is_retried_ever_later_up_to_a_limit() -> None:
     period = TIMING.retry_period
     waits = [
-        leadership.retry_due(LeaseFacts(), TIMING, 50.0, failures, 0.0) - 50.0
+        leadership.retry_due(LeaseFacts(), TIMING, 50.0, failures, 0.0, 50.0) - 50.0
         for failures in (1, 2, 3)
     ]
     assert waits == pytest.approx([period, 2 * period, 4 * period])
-    assert leadership.retry_due(LeaseFacts(), TIMING, 50.0, 1000, 0.0) - 50.0 == pytest.approx(
-        leadership.BACKOFF_LIMIT * period
-    )
+    assert leadership.retry_due(
+        LeaseFacts(), TIMING, 50.0, 1000, 0.0, 50.0
+    ) - 50.0 == pytest.approx(leadership.BACKOFF_LIMIT * period)
     # A lease renewed more than a TTL ago is gone: nothing to keep, so it backs off too.
     gone = LeaseFacts(7, 10.0, 10.0)
-    assert leadership.retry_due(gone, TIMING, 10.0 + TIMING.ttl, 3, 0.0) == pytest.approx(
-        10.0 + TIMING.ttl + 4 * period
-    )
+    assert leadership.retry_due(
+        gone, TIMING, 10.0 + TIMING.ttl, 3, 0.0, 10.0 + TIMING.ttl
+    ) == pytest.approx(10.0 + TIMING.ttl + 4 * period)
 
 
 @given(
@@ -113,23 +113,33 @@ def test_without_a_lease_a_failing_etcd_is_retried_ever_later_up_to_a_limit() ->
     failures=st.integers(min_value=1, max_value=10_000),
     jitter=st.floats(min_value=0.0, max_value=0.999),
     leading=st.booleans(),
+    took=st.floats(min_value=0.0, max_value=6.0),
 )
 def test_after_a_failure_etcd_is_never_asked_within_a_retry_period_nor_a_lease_let_lapse(
-    renewed_ago: float, failures: int, jitter: float, leading: bool
+    renewed_ago: float, failures: int, jitter: float, leading: bool, took: float
 ) -> None:
     now = 0.0  # any monotonic reading; 0 keeps the waits exact in floats
+    started = now - took  # the failed round's start: a slow one took its wait already
     facts = LeaseFacts(7, now - renewed_ago, now - renewed_ago if leading else None)
-    wait = leadership.retry_due(facts, TIMING, now, failures, jitter) - now
-    assert (
-        TIMING.retry_period
-        <= wait
-        <= TIMING.retry_period * leadership.BACKOFF_LIMIT * (1 + leadership.RETRY_JITTER)
-    )
+    due = leadership.retry_due(facts, TIMING, now, failures, jitter, started)
+    longest = TIMING.retry_period * leadership.BACKOFF_LIMIT * (1 + leadership.RETRY_JITTER)
+    assert due >= now and due - started >= TIMING.retry_period
+    assert due - started <= longest or due == now
     if renewed_ago < TIMING.ttl:
-        # The lease may be alive: retried at the renewal pace, several tries before the
-        # renew deadline, however many rounds failed.
-        assert wait <= TIMING.retry_period * (1 + leadership.RETRY_JITTER)
-        assert 3 * wait < TIMING.renew_deadline
+        # The lease may be alive: retried at the renewal pace from the failed try's
+        # start, several tries before the renew deadline, however many rounds failed.
+        assert due - started <= TIMING.retry_period * (1 + leadership.RETRY_JITTER) or due == now
+        assert 3 * (due - started) < TIMING.renew_deadline or due == now
+
+
+def test_a_leader_whose_renewal_failed_slowly_tries_again_before_its_deadline() -> None:
+    # Waited from the end of a 5 s failed keepalive (silent endpoints), the next try came
+    # at 7.7 s, past the 6.7 s renew deadline of a 10 s lease: the leader stepped down
+    # where it used to renew at 6.4 s.
+    facts = LeaseFacts(7, 0.0, 0.0)
+    due = leadership.retry_due(facts, TIMING, 6.333, 1, 0.999, 1.333)
+    assert due == 6.333  # at once: the round itself took longer than a retry period
+    assert leadership.decide(facts, TIMING, due).may_act
 
 
 BACKENDS = [f"gpu{i}" for i in range(60)]
