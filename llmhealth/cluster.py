@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import os
 import random
 import secrets
@@ -359,11 +360,21 @@ class Observation:
     members: tuple[tuple[str, dict[str, Any]], ...] = ()  # name, what its key says
 
 
+def _finite_json(text: bytes) -> Any:
+    """Another member's JSON, NaN and Infinity refused (ValueError): ``status --format
+    json`` prints what members wrote, and strict JSON has no word for them."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_members(etcd: Etcd, keys: Keys) -> tuple[tuple[str, dict[str, Any]], ...]:
     members = []
     for key, found in sorted(etcd.get_prefix(keys.members).items()):
         try:
-            value = json.loads(found.value)
+            value = _finite_json(found.value)
         except (ValueError, RecursionError):  # nested thousands deep: unreadable too
             value = {}
         name = printable(key.removeprefix(keys.members))  # another member wrote it
@@ -376,9 +387,12 @@ def read_leader(etcd: Etcd, keys: Keys) -> Leader | None:
     if found is None:
         return None
     try:
-        value = json.loads(found.value)
+        value = _finite_json(found.value)
         member = printable(str(value["member"]))  # another member wrote it
-        return Leader(member, found.lease, found.create_revision, float(value["since"]))
+        since = float(value["since"])  # float("nan") too: refused below
+        if not math.isfinite(since):
+            raise ValueError(f"since {since}")
+        return Leader(member, found.lease, found.create_revision, since)
     except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested deep
         return Leader("?", found.lease, found.create_revision, 0.0)
 

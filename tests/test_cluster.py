@@ -768,6 +768,20 @@ def test_a_member_or_leader_key_nested_thousands_deep_reads_as_unreadable(
     assert describe(etcd, keys, 0)["leader"]["member"] == "?"
 
 
+def test_nan_or_infinity_another_member_wrote_never_reaches_status_json(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # json.loads takes NaN and Infinity, float() takes "nan": `status --format json`,
+    # which refuses them (strict JSON), then ended in "internal error".
+    etcd = Etcd(etcd_server.endpoints)
+    etcd.txn([], [cluster.put(keys.member("odd"), b'{"last_report": {"at": Infinity}}')])
+    etcd.txn([], [cluster.put(keys.leader, b'{"member": "odd", "since": "nan"}')])
+    shown = describe(etcd, keys, 0)
+    assert shown["members"]["odd"] == {}
+    assert shown["leader"]["member"] == "?"
+    json.dumps(shown, allow_nan=False)  # raised ValueError before
+
+
 def test_an_error_that_recurs_every_round_is_logged_once(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
