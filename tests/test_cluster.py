@@ -266,6 +266,16 @@ def test_a_verb_raced_by_a_settle_is_made_again_on_the_record_as_it_now_is(
     assert [r["event"] for r in trail] == ["hold"]
 
 
+def read_posted(connection: socket.socket) -> tuple[bytes, bytes]:
+    """A POST's head and its whole Content-Length body, off a raw socket."""
+    request = read_request(connection)
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+    while len(body) < length:
+        body += connection.recv(65536)
+    return head, body
+
+
 def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
     """An etcd endpoint that passes each request on to ``endpoint`` and its answer back,
     except a transaction's answer, which it drops: a write that reached etcd, whose
@@ -273,11 +283,7 @@ def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
     host, _, port = endpoint.removeprefix("http://").partition(":")
 
     def forward(connection: socket.socket, _: int) -> None:
-        request = read_request(connection)
-        head, _, body = request.partition(b"\r\n\r\n")
-        length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
-        while len(body) < length:
-            body += connection.recv(65536)
+        head, body = read_posted(connection)
         answer = b""
         with socket.create_connection((host, int(port)), timeout=5) as upstream:
             upstream.sendall(head + b"\r\n\r\n" + body)
@@ -695,11 +701,7 @@ def editing(endpoint: str, edit: Edit) -> Handler:
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def forward(connection: socket.socket, _: int) -> None:
-        request = read_request(connection)
-        head, _, body = request.partition(b"\r\n\r\n")
-        length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
-        while len(body) < length:
-            body += connection.recv(65536)
+        head, body = read_posted(connection)
         path = head.split(b" ")[1].decode()
         upstream = urllib.request.Request(f"{endpoint}{path}", data=body, method="POST")
         try:
@@ -829,6 +831,8 @@ class Waits(threading.Event):
         return super().wait(timeout)
 
 
+@pytest.mark.slow  # an elector's rounds at their real pace: 5 s each (the retry rule
+# itself is a property test in test_leadership.py, which stays in `make test`)
 @pytest.mark.parametrize("failing", ["refused", "etcd-busy"])
 def test_an_etcd_that_fails_fast_is_asked_again_no_sooner_than_a_retry_period(
     failing: str,

@@ -107,6 +107,23 @@ def get(url: str, *, times: int = 1, max_bytes: int = 1 << 20) -> list[WireRespo
     return eventloop.run(run())
 
 
+def timed_out_read(url: str, tls: ssl.SSLContext | None) -> WireError:
+    """The failure of a GET given half a second, which the server must let run out."""
+
+    async def run() -> WireError:
+        connection = Connection(tls, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request("GET", url, deadline=loop.time() + 0.5, max_bytes=100)
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+        raise AssertionError("the read should have timed out")
+
+    return eventloop.run(run())
+
+
 def failure_of(url: str, *, max_bytes: int = 1 << 20) -> WireError:
     with pytest.raises(WireError) as caught:
         get(url, max_bytes=max_bytes)
@@ -346,19 +363,8 @@ def test_a_deadline_before_the_connection_says_so_after_it_says_answer() -> None
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
         connection.recv(1)  # held until the client gives up
 
-    async def run(url: str) -> WireError:
-        connection = Connection(None, "llmhealth/test")
-        loop = asyncio.get_running_loop()
-        try:
-            await connection.request("GET", url, deadline=loop.time() + 0.5, max_bytes=100)
-        except WireError as error:
-            return error
-        finally:
-            await connection.aclose()
-        raise AssertionError("the read should have timed out")
-
     with tcp_server(hold) as (url, _):
-        error = asyncio.run(run(f"{url}/metrics"))
+        error = timed_out_read(f"{url}/metrics", None)
     assert (error.failure, error.received) == (Failure.ANSWER_TIMEOUT, 3)
 
 
@@ -637,21 +643,6 @@ def _client_sockets_to(port: int) -> int:
     return count
 
 
-def _timed_out_read(url: str, tls: ssl.SSLContext) -> WireError:
-    async def run() -> WireError:
-        connection = Connection(tls, "llmhealth/test")
-        loop = asyncio.get_running_loop()
-        try:
-            await connection.request("GET", url, deadline=loop.time() + 0.5, max_bytes=100)
-        except WireError as error:
-            return error
-        finally:
-            await connection.aclose()
-        raise AssertionError("the read should have timed out")
-
-    return eventloop.run(run())
-
-
 def test_a_stalled_tls_handshake_is_connected_not_unreachable() -> None:
     # The handshake was part of connecting: a server that accepted and never answered it
     # read "no TCP connection (no route?)" and `down`, not `unresponsive`.
@@ -660,7 +651,7 @@ def test_a_stalled_tls_handshake_is_connected_not_unreachable() -> None:
         connection.recv(1)  # held open until the client gives up
 
     with tcp_server(accepts_and_says_nothing) as (url, _):
-        error = _timed_out_read(url.replace("http:", "https:"), ssl.create_default_context())
+        error = timed_out_read(url.replace("http:", "https:"), ssl.create_default_context())
     assert (error.failure, error.detail) == (Failure.ANSWER_TIMEOUT, "the TLS handshake not done")
 
 
@@ -681,7 +672,7 @@ def test_a_tls_connection_given_up_on_is_closed_at_once(certificate: tuple[Path,
     with tcp_server(reads_and_hangs) as (url, _):
         port = int(url.rsplit(":", 1)[1])
         try:
-            error = _timed_out_read(url.replace("http:", "https:"), client_side)
+            error = timed_out_read(url.replace("http:", "https:"), client_side)
             assert error.failure is Failure.ANSWER_TIMEOUT
             assert error.detail == "no complete HTTP answer"
             gone = time.monotonic() + 5  # a bound, far below the 30 s it was held
