@@ -361,13 +361,33 @@ class Observation:
 
 
 def _finite_json(text: bytes) -> Any:
-    """Another member's JSON, NaN and Infinity refused (ValueError): ``status --format
-    json`` prints what members wrote, and strict JSON has no word for them."""
-    return json.loads(text, parse_constant=_no_constant)
+    """Another member's JSON, every number a finite float can hold (else ValueError):
+    ``status --format json`` prints what members wrote, and strict JSON has no word for
+    NaN or Infinity, which ``NaN``, ``Infinity`` and ``1e999`` all decode to, nor can a
+    400-digit integer become the float the exporter makes of a report's time."""
+    return json.loads(
+        text, parse_constant=_no_constant, parse_float=_finite, parse_int=_within_float
+    )
 
 
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is past a float's range")
+    return value
+
+
+def _within_float(text: str) -> int:
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{text[:20]}... is past a float's range") from None
+    return value
 
 
 def read_members(etcd: Etcd, keys: Keys) -> tuple[tuple[str, dict[str, Any]], ...]:

@@ -1188,10 +1188,10 @@ class Ledger:
         ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
         its predecessor did must not free the slot for the next backend: a fault they
         share would restart them all. So a backend DEAD again within the startup grace
-        of its last restart, on a process started since that restart (its replacement),
-        good at no time since, still holds it, unless its budget is spent (its next
-        attempt retires it, which starts nothing). A restart whose command failed brought
-        up no replacement: it holds nothing, as before.
+        of its last restart, on a process started since that restart (its replacement;
+        or of no known start time), good at no time since, still holds it, unless its
+        budget is spent (its next attempt retires it, which starts nothing). A restart
+        whose command failed brought up no replacement: it holds nothing, as before.
         """
         b = self._lookup(name)
         if _awaited_restart(b) is not None:
@@ -1201,7 +1201,10 @@ class Ledger:
         policy = self._policy
         restarted_at = max(b.restart_times)
         start = b.process.start
-        replaced = start is not None and start >= restarted_at - _CLOCKS_APART
+        # No start time (vLLM's multiprocess mode publishes none): taken as replaced, so
+        # a shared fault there still holds the slot, at worst a failed command too,
+        # until the grace ends: the doubt errs towards fewer restarts, as the budget's.
+        replaced = start is None or start >= restarted_at - _CLOCKS_APART
         proven = b.last_ok_at is not None and b.last_ok_at >= restarted_at
         spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
         return (

@@ -777,9 +777,13 @@ def test_nan_or_infinity_another_member_wrote_never_reaches_status_json(
     # which refuses them (strict JSON), then ended in "internal error".
     etcd = Etcd(etcd_server.endpoints)
     etcd.txn([], [cluster.put(keys.member("odd"), b'{"last_report": {"at": Infinity}}')])
+    etcd.txn([], [cluster.put(keys.member("big"), b'{"last_report": {"at": 1e999}}')])
+    etcd.txn(
+        [], [cluster.put(keys.member("long"), b'{"last_report": {"at": 1' + b"0" * 400 + b"}}")]
+    )
     etcd.txn([], [cluster.put(keys.leader, b'{"member": "odd", "since": "nan"}')])
     shown = describe(etcd, keys, 0)
-    assert shown["members"]["odd"] == {}
+    assert shown["members"] == {"odd": {}, "big": {}, "long": {}}
     assert shown["leader"]["member"] == "?"
     json.dumps(shown, allow_nan=False)  # raised ValueError before
 

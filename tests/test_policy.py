@@ -735,3 +735,16 @@ def test_a_replacement_that_wedged_again_holds_one_slot_and_a_failed_command_non
     g.fail("a", T0 + 1)
     assert not g.ledger.restart_unproven("a", T0 + 2)
     assert g.decision("b", T0 + 2).action is Action.RESTART
+
+
+def test_a_replacement_of_no_known_start_that_wedged_again_holds_the_slot() -> None:
+    # vLLM's multiprocess mode publishes no start time: "started since the restart" could
+    # not be shown, so a shared fault there restarted the next backend at once.
+    f = fleet("a", "b")
+    for name in ("a", "b"):
+        f.condemn(name, T0)
+    f.issue("a", T0)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 20, process=ProcessSeen(None, {"steps": 5.0})))
+    f.ledger.apply("a", WedgeProven(now=T0 + 35))
+    assert f.ledger.restart_unproven("a", T0 + 40)
+    assert f.decision("b", T0 + 40).action is Action.SKIP
