@@ -697,23 +697,29 @@ def main() -> None:
 
 
 def _cannot_check(message: str) -> NoReturn:
-    """UNKNOWN, saying why on stderr, and on stdout too when a Nagios line was asked for:
-    a plugin runner (NRPE, Icinga) reads stdout only, and shows an empty one as "no
-    output returned from plugin" instead of the reason."""
+    """UNKNOWN, saying why on stderr, and on stdout too when a Nagios line or JSON was
+    asked for: a plugin runner (NRPE, Icinga) reads stdout only, and shows an empty one
+    as "no output returned from plugin" instead of the reason; a script piping JSON to
+    a parser got nothing to parse, and no exit_code in it."""
     print(f"llmhealth: {message}", file=sys.stderr)
-    if _nagios_asked(sys.argv[1:]):
+    asked = _format_asked(sys.argv[1:])
+    if asked is OutputFormat.NAGIOS:
         from llmhealth.text import printable  # noqa: PLC0415
 
         print(f"LLMHEALTH UNKNOWN - {printable(message)}")
+    elif asked is OutputFormat.JSON:
+        print(json.dumps({"exit_code": int(ExitCode.UNKNOWN), "error": message}, indent=2))
     sys.exit(ExitCode.UNKNOWN)
 
 
-def _nagios_asked(args: list[str]) -> bool:
-    """Whether the command line asks for ``--format nagios``, read from the words alone:
-    the verb that would know never ran."""
+def _format_asked(args: list[str]) -> OutputFormat | None:
+    """The ``--format`` the command line asks for, read from the words alone: the verb
+    that would know never ran."""
     for word, following in zip(args, [*args[1:], ""], strict=False):
-        if word in ("--format", "-f") and following == OutputFormat.NAGIOS:
-            return True
-        if word in ("--format=nagios", "-fnagios"):
-            return True
-    return False
+        given = following if word in ("--format", "-f") else None
+        for prefix in ("--format=", "-f"):
+            if given is None and word.startswith(prefix) and word != "-f":
+                given = word.removeprefix(prefix)
+        if given in (OutputFormat.NAGIOS, OutputFormat.JSON):
+            return OutputFormat(given)
+    return None

@@ -320,6 +320,24 @@ def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
     assert table.returncode == 3 and table.stdout == ""
 
 
+def test_a_check_that_cannot_run_still_gives_a_json_document_on_stdout(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # A script piping `--format json` to a parser got an empty stdout, and no exit_code.
+    bad = tmp_path / "bad.toml"
+    bad.write_text('"\u001b[2Jbogus" = 1\n')
+    for args in (
+        ["check", "--config", str(bad), "--format", "json"],
+        ["check", "-fjson", "--wait", "soon", "http://127.0.0.1:9"],
+        ["status", "--state", str(tmp_path / "none" / "state.json"), "--format=json"],
+    ):
+        result = run(entry_point, *args)
+        assert result.returncode == 3, result.stderr
+        document = json.loads(result.stdout)
+        assert document["exit_code"] == 3 and document["error"], (args, result.stdout)
+        assert "\x1b" not in result.stdout  # JSON escapes it, as every text it holds
+
+
 def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     entry_point: str, tmp_path: Path
 ) -> None:
