@@ -1325,9 +1325,18 @@ class Ledger:
         return holder is not None and holder != b.name
 
     def _forget_url(self, b: _Backend) -> None:
-        """Free b's address, unless another now holds it (a RETIRED b's taken address)."""
-        if self._by_url.get(_url_key(b.url)) == b.name:
-            del self._by_url[_url_key(b.url)]
+        """Free b's address, unless another now holds it (a RETIRED b's taken address).
+        Another backend still at it (a RETIRED one, or the other spelling a record of an
+        older version kept) takes the lookup, a serving one first: dropped, failures a
+        router reported by that URL reached no backend."""
+        key = _url_key(b.url)
+        if self._by_url.get(key) != b.name:
+            return
+        del self._by_url[key]
+        still = [o for o in self._sorted() if o is not b and _url_key(o.url) == key]
+        for other in sorted(still, key=lambda o: o.state is State.RETIRED):
+            self._by_url[key] = other.name
+            return
 
     def _move(self, b: _Backend, url: str) -> None:
         self._forget_url(b)

@@ -1607,7 +1607,9 @@ def test_a_record_saved_with_one_server_written_two_ways_still_loads() -> None:
     assert loaded.by_url("http://Gpu-Host:9") == "a"
     assert loaded.snapshot("b", 0.0).url == "http://GPU-HOST:9/"
     loaded.remove("a")
-    assert loaded.by_url("http://gpu-host:9") is None  # b's is no lookup of its own
+    # The one left at that server takes the lookup: failures a router reports by URL
+    # reached no backend while it had none.
+    assert loaded.by_url("http://gpu-host:9") == "b"
     with pytest.raises(ValueError, match="share the URL"):
         Ledger(POLICY, [("a", "http://gpu-host:9"), ("b", "http://GPU-HOST:9")], now=0.0)
     # A RETIRED first holder gives the lookup up to one that may be sent work, and so
