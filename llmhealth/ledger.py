@@ -979,6 +979,10 @@ class Ledger:
         self._epoch = 0
         self._backends: dict[str, _Backend] = {}
         self._by_url: dict[str, str] = {}  # URL key -> name: a lookup per load, not a scan
+        # URL keys more than one backend was ever at (a RETIRED one's taken address, one
+        # server under two spellings in an older record): the only ones _forget_url scans
+        # for another holder, so a reload dropping thousands scans nothing.
+        self._shared_urls: set[str] = set()
         for name, url in backends:
             self._insert(_Backend(name=name, url=url, state_since=now), "backends")
 
@@ -1333,6 +1337,8 @@ class Ledger:
         if self._by_url.get(key) != b.name:
             return
         del self._by_url[key]
+        if key not in self._shared_urls:
+            return
         still = [o for o in self._sorted() if o is not b and _url_key(o.url) == key]
         for other in sorted(still, key=lambda o: o.state is State.RETIRED):
             self._by_url[key] = other.name
@@ -1341,6 +1347,8 @@ class Ledger:
     def _move(self, b: _Backend, url: str) -> None:
         self._forget_url(b)
         b.url = url
+        if self._by_url.get(_url_key(url), b.name) != b.name:
+            self._shared_urls.add(_url_key(url))  # a RETIRED backend's address, taken
         self._by_url[_url_key(url)] = b.name
 
     def _insert(self, b: _Backend, where: str, *, saved: bool = False) -> None:
@@ -1365,6 +1373,8 @@ class Ledger:
         )
         if other is not None and not (retired or spelled_apart):
             raise ValueError(f"{where}: backends {other!r} and {b.name!r} share the URL {b.url!r}")
+        if other is not None:
+            self._shared_urls.add(_url_key(b.url))
         self._backends[b.name] = b
         # The lookup goes to a backend that may be sent work: a RETIRED one keeps it only
         # while nobody else holds the address (a reset is then refused while it is taken).
