@@ -269,8 +269,7 @@ def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:
     baseline = previous.baseline if previous is not None else None
     if baseline is not None and verdict.kind is not VerdictKind.RESTARTED:
         totals.insert(0, _finished_total(baseline))
-    known = [total for total in totals if total is not None]
-    return len(known) >= 2 and known[-1] > known[0]
+    return _climbed(totals)
 
 
 def _new_process_works(verdict: Verdict) -> bool:
@@ -286,6 +285,11 @@ def _new_process_works(verdict: Verdict) -> bool:
         and read.signals.has_vllm
         and read.signals.process_start == newest.process_start
     ]
+    return _climbed(totals)
+
+
+def _climbed(totals: Sequence[float | None]) -> bool:
+    """The newest known finished-request total is above the oldest known one."""
     known = [total for total in totals if total is not None]
     return len(known) >= 2 and known[-1] > known[0]
 
