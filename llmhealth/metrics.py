@@ -475,7 +475,8 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
         engines=_plan(samples, histograms, sleep),
         starts=tuple(starts),
     )
-    _remember(_LAYOUTS, heads, layout, _LAYOUTS_MAX)
+    if sum(map(len, heads)) <= _LARGEST_REMEMBERED_LAYOUT:
+        _remember(_LAYOUTS, heads, layout, _LAYOUTS_MAX)
     return layout
 
 
@@ -483,6 +484,14 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
 # few; the bound keeps a server that invents label values from growing it without limit.
 _LAYOUTS: dict[tuple[bytes, ...], _Layout] = {}
 _LAYOUTS_MAX = 256
+# Both caches are bounded in bytes too, by what one entry may hold: a server sending a
+# megabyte of label value, new on every read, filled them with copies of it (122 MB after
+# 60 reads; up to 16 MiB per line and 4,096 lines could hold gigabytes). A real vLLM line
+# is about 100 bytes of name and labels (a long model path adds a few hundred) and a text
+# 4 KB of them (53 lines), 60 KB with 16 data-parallel engines; what is longer is
+# understood afresh on each read, which costs what the first read of it cost.
+_LONGEST_REMEMBERED_HEAD = 1024
+_LARGEST_REMEMBERED_LAYOUT = 128 * 1024
 
 
 def _remember(cache: dict[_K, _V], key: _K, value: _V, bound: int) -> None:
@@ -497,7 +506,13 @@ def _remember(cache: dict[_K, _V], key: _K, value: _V, bound: int) -> None:
     if len(cache) >= bound:
         if next(_MISSES_WHEN_FULL) % _ADMIT_ONE_IN:
             return
-        cache.pop(next(iter(cache)), None)
+        try:
+            oldest = next(iter(cache))
+        except RuntimeError:
+            # Another thread's read (the library's ``asyncio.to_thread(check)``) changed
+            # the cache between the two steps: this newcomer is simply not kept.
+            return
+        cache.pop(oldest, None)
     cache[key] = value
 
 
@@ -532,10 +547,15 @@ def _meaning(head: bytes) -> _Meaning | None:
     without limit. A label text is all the interpretation reads: a label set that parses
     ends at a ``}`` no later than the line's last one.
     """
-    if head in _MEANINGS:
+    # One look-up, not "in" then "[]": another thread's read (the library's
+    # ``asyncio.to_thread(check)``) may evict the entry between the two.
+    try:
         return _MEANINGS[head]
+    except KeyError:
+        pass  # rare: a fleet's lines are understood once
     meaning = _interpret(head)
-    _remember(_MEANINGS, head, meaning, _MEANINGS_MAX)
+    if len(head) <= _LONGEST_REMEMBERED_HEAD:
+        _remember(_MEANINGS, head, meaning, _MEANINGS_MAX)
     return meaning
 
 
@@ -627,11 +647,15 @@ _READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES, _BY_RE
 
 
 def _value_before_timestamp(tail: bytes) -> float | None:
-    """The value of ``value [timestamp]``; None when that is not what follows the labels.
+    """The value of ``value [timestamp] [# exemplar]``; None when that is not what follows
+    the labels.
 
     Read as the text it is (U+FFFD for what is not UTF-8): any Unicode space separates.
+    An OpenMetrics exporter may follow a bucket or counter with an exemplar (a sample
+    request's labels and value after ``#``); dropping such a line lost a histogram's top
+    buckets, and with them a long step's evidence. No value contains a ``#``.
     """
-    parts = tail.decode("utf-8", errors="replace").split()
+    parts = tail.partition(b"#")[0].decode("utf-8", errors="replace").split()
     if not parts or len(parts) > 2:
         return None
     try:

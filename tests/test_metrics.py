@@ -6,8 +6,9 @@ import ast
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -434,6 +435,78 @@ def test_more_kinds_of_text_than_the_layout_cache_holds_still_hit_it() -> None:
         assert kept >= metrics._LAYOUTS_MAX * 3 // 4
     finally:
         metrics._LAYOUTS.clear()  # the other tests' texts find room again
+
+
+def test_a_line_too_long_to_remember_is_read_but_not_kept() -> None:
+    """A server inventing a megabyte of label value on each read must not fill the caches
+    with copies of it (60 such reads kept 122 MB): what is longer than a real line or
+    text is understood afresh on each read, with the same answer."""
+    metrics._LAYOUTS.clear()
+    try:
+        for index in range(3):
+            long_name = "m" * (metrics._LONGEST_REMEMBERED_HEAD + index)
+            text = f'vllm:num_requests_running{{engine="0",model_name="{long_name}"}} {index}\n'
+            assert only_engine(parse_metrics(text)).running == float(index)
+            assert all(long_name.encode() not in head for head in metrics._MEANINGS)
+        metrics._LAYOUTS.clear()
+        many = "".join(
+            f'vllm:num_requests_running{{engine="{engine}",model_name="{"x" * 900}"}} 1\n'
+            for engine in range(metrics._LARGEST_REMEMBERED_LAYOUT // 900)
+        )
+        assert len(parse_metrics(many).engines) == metrics._LARGEST_REMEMBERED_LAYOUT // 900
+        assert not metrics._LAYOUTS  # each head was short enough, all of them not
+        assert only_engine(parse_metrics('vllm:num_requests_running{engine="0"} 1')).running
+        assert len(metrics._LAYOUTS) == 1  # a real text is still remembered
+    finally:
+        metrics._LAYOUTS.clear()
+
+
+class _EvictedBetweenLookups(dict[bytes, Any]):
+    """A cache another thread empties between "is it there?" and "give it to me"."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+class _ChangedWhileScanned(dict[bytes, Any]):
+    """A full cache another thread inserts into while its oldest entry is being found."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        raise RuntimeError("dictionary changed size during iteration")
+
+
+def test_reads_in_threads_never_trip_over_each_others_cache_updates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The library runs ``check`` in threads (``asyncio.to_thread``): an entry evicted by
+    another read between look-ups, or inserted while the oldest is found, costs at most
+    one remembering, never a read's answer."""
+    text = 'vllm:num_requests_running{engine="0",model_name="threads"} 3'
+    monkeypatch.setattr(metrics, "_MEANINGS", _EvictedBetweenLookups())
+    assert only_engine(parse_metrics(text)).running == 3.0
+    full = _ChangedWhileScanned({b"x%d" % index: None for index in range(metrics._LAYOUTS_MAX)})
+    monkeypatch.setattr(metrics, "_LAYOUTS", full)
+    for index in range(2 * metrics._ADMIT_ONE_IN):  # each new, and one in 16 let in
+        newcomer = f'vllm:num_requests_running{{engine="0",model_name="t{index}"}} 4'
+        assert only_engine(parse_metrics(newcomer)).running == 4.0
+
+
+def test_an_exemplar_after_a_value_is_read_past() -> None:
+    """OpenMetrics lets a bucket or counter carry an exemplar after ``#``; dropping the
+    line lost the top buckets, so a long step read as a short one."""
+    text = "\n".join(
+        [
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1"} 5',
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="10.0"} 9 # {id="a"} 7.5 17',
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 10 # {id="b"} 42',
+            'vllm:generation_tokens_total{engine="0"} 3329 1796024490 # {trace_id="c"} 1.0',
+            'vllm:num_requests_running{engine="0"} 4',
+        ]
+    )
+    signals = parse_metrics(text)
+    engine = only_engine(signals)
+    assert (engine.longest_gap, engine.gap_beyond, engine.generation_tokens) == (10.0, True, 3329.0)
+    assert signals.skipped_lines == 0
 
 
 def test_escaped_label_values_parse(fixture_text: Load) -> None:
