@@ -94,7 +94,7 @@ class NotLeaderError(ClusterError):
 
 
 class FencedOutError(ClusterError):
-    """A fenced write failed: the state moved, or the leader key is not ours any more."""
+    """A fenced write failed: the leader key is not this leader's any more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -780,12 +780,7 @@ class EtcdStore:
                 held is None or held.value != value
                 for held, (_, value) in zip(found, writes, strict=False)
             ):
-                if self.elector is None:  # a verb's write: only the record's revision moved
-                    raise RecordMovedError(
-                        f"{self.keys.state} was written by another since it was read; "
-                        "nothing written"
-                    )
-                raise self._fenced_out(f"the fenced write of {self.keys.state} failed")
+                raise self._not_written(f"the write of {self.keys.state} failed")
             assert found[0] is not None
             revision = found[0].mod_revision
         self._read_revision = self._last_revision = revision
@@ -799,14 +794,28 @@ class EtcdStore:
         records, count = self._records()
         written, _, _ = self.etcd.txn(compare, [put(key, value) for key, value in records])
         if not written:
-            raise self._fenced_out("the audit records of this section were not written")
+            raise self._not_written("the audit records of this section were not written")
         self._pending = []
         self._trim_after(count)
 
-    def _fenced_out(self, what: str) -> FencedOutError:
+    def _not_written(self, what: str) -> StateError:
+        """Why a write's compares failed: the record moved (another wrote it since it was
+        read, and whoever wrote here still may), which a caller answers by doing its work
+        again on the record as it now is; or the leader key is no longer this leader's.
+
+        Told apart because they call for different things: an operator's verb landing
+        between a leader's load and save failed the leader's settle as "fenced out",
+        naming the leader itself, and cost the cycle's verdicts; a verb refused on a
+        record a settle had just moved exited 3 where it is made again.
+        """
+        moved = f"{what}: {self.keys.state} was written by another since it was read"
+        if self.elector is None:  # a verb's write: only the record's revision is compared
+            return RecordMovedError(f"{moved}; nothing written")
         holder = read_leader(self.etcd, self.keys)
+        if holder is not None and holder.fence == self._fence:
+            return RecordMovedError(f"{moved} (an operator's verb); nothing written")
         who = f"{holder.member} leads (fence {holder.fence})" if holder else "nobody leads"
-        return FencedOutError(f"{what}: {who}; nothing written")
+        return FencedOutError(f"{what}, fenced out: {who}; nothing written")
 
     def _trim_after(self, written: int) -> None:
         """Keep the newest ``audit_keep`` records: trimmed by a leader, on its first write

@@ -70,7 +70,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
-from llmhealth.state import MemoryStore, StateError, StateFile, Store
+from llmhealth.state import MemoryStore, RecordMovedError, StateError, StateFile, Store
 from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
@@ -82,6 +82,10 @@ if TYPE_CHECKING:  # `watch` without a router need not import the router
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
+# A cluster leader's settle made again, on the record as it now is, when an operator's
+# verb saved between its load and its save; past this the cycle is skipped as any failed
+# save is (its commands and traffic outcomes kept for the next).
+SETTLE_ATTEMPTS = 3
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -724,23 +728,31 @@ class Daemon:
                 return self._stand_by(news, f"did not settle: {exc}")
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
-        try:
-            settled = settle_fleet(
-                self._store,
-                self._config,
-                backends,
-                lambda _record: verdicts,
-                mode=Mode.OFF if news.final else Mode.ACT,
-                audit=self._audit,
-                clock=self._clock,
-                requests=news.requests,
-                commands=news.commands,
-                kept=self._kept,
-            )
-        except ClusterError as exc:
-            # Deposed, fenced out or cut off from etcd mid-settle: nothing was written, no
-            # restart ordered; this cycle's verdicts are still reported.
-            return self._stand_by(news, f"did not settle: {exc}")
+        for attempt in range(1, SETTLE_ATTEMPTS + 1):
+            try:
+                settled = settle_fleet(
+                    self._store,
+                    self._config,
+                    backends,
+                    lambda _record: verdicts,
+                    mode=Mode.OFF if news.final else Mode.ACT,
+                    audit=self._audit,
+                    clock=self._clock,
+                    requests=news.requests,
+                    commands=news.commands,
+                    kept=self._kept,
+                )
+            except RecordMovedError:
+                # Nothing was written nor kept: the next attempt loads the verb's record.
+                # Standing by instead cost the cycle's verdicts, a wedge proven a wait late.
+                if attempt == SETTLE_ATTEMPTS:
+                    raise
+            except ClusterError as exc:
+                # Deposed, fenced out or cut off from etcd mid-settle: nothing was written,
+                # no restart ordered; this cycle's verdicts are still reported.
+                return self._stand_by(news, f"did not settle: {exc}")
+            else:
+                break
         now = settled.report.checked_at
         self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}

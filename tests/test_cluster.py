@@ -46,7 +46,7 @@ from llmhealth.cluster import (
 from llmhealth.config import Backend, Config
 from llmhealth.fleet import FleetRecord
 from llmhealth.leadership import LeaseTiming, Standing
-from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.ledger import Ledger, LedgerPolicy, Readmitted
 from llmhealth.state import RecordMovedError
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
 from tests.test_wire import Handler, read_request, tcp_server
@@ -264,6 +264,60 @@ def test_a_verb_raced_by_a_settle_is_made_again_on_the_record_as_it_now_is(
     assert saved is not None and saved.holds["gpu0"].reason == "weight sync"
     trail = read_audit(etcd, keys).records
     assert [r["event"] for r in trail] == ["hold"]
+
+
+def test_a_refused_verb_raced_by_a_settle_is_made_again_and_refused(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A refusal writes its audit record alone, on the record it read: a settle landing in
+    between failed it as "fenced out" (exit 3, naming a leader), where it is a refusal
+    like any other once made again on the record as it now is."""
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    with store.locked():
+        store.load(dict)
+        ledger = Ledger(LedgerPolicy(), [("gpu0", "http://10.0.0.5:8000")], now=0.0)
+        store.save(FleetRecord(ledger).to_dict())
+    raced = []
+
+    def readmit_raced(now: float) -> Readmitted:
+        if not raced:  # between the verb's load and its write, a settle saves
+            raced.append(now)
+            settle = EtcdStore(etcd, keys, None)
+            with settle.locked():
+                settle.save(settle.load(dict) or {})
+        return Readmitted(now=now)
+
+    result = operate.apply_event(store, store.audit, Config(), "gpu0", readmit_raced, "readmit")
+    assert len(raced) == 1
+    assert not result.applied and "readmit refused in healthy" in result.message
+    trail = read_audit(etcd, keys).records
+    assert [(r["event"], r["applied"]) for r in trail] == [("readmit", False)]
+
+
+def test_a_leaders_save_raced_by_an_operator_verb_is_a_moved_record_not_a_fence(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A verb saved between a leader's load and save: the leader still leads and may settle
+    again on the verb's record (the daemon does); reported as fenced out, naming itself,
+    it stood by and lost the cycle's verdicts."""
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    leader = elector(etcd, keys, "leader", clock, log)
+    leader.step()
+    store, verb = EtcdStore(etcd, keys, leader), EtcdStore(etcd, keys, None)
+    with pytest.raises(RecordMovedError, match="an operator's verb"), store.locked():
+        store.load(dict)
+        with verb.locked():
+            verb.load(dict)
+            verb.save(document(7))
+        store.save(document(1))
+    assert store_value(etcd, keys) == 7
+    with store.locked():  # made again on the record as it now is
+        assert (store.load(dict) or {})["value"] == 7
+        store.save(document(2))
+    assert store_value(etcd, keys) == 2
+    leader.stop()
 
 
 def read_posted(connection: socket.socket) -> tuple[bytes, bytes]:
@@ -530,7 +584,8 @@ def test_records_of_a_section_that_saved_nothing_are_written_only_on_the_record_
     assert [r["n"] for r in read_audit(etcd, keys).records] == [1]
     assert "member" not in read_audit(etcd, keys).records[0]  # no leader wrote it
     other = EtcdStore(etcd, keys, None)
-    with pytest.raises(FencedOutError, match="audit records of this section"), verb.locked():
+    # A refusal of a stale record: the verb is made again (operate), not failed as fenced.
+    with pytest.raises(RecordMovedError, match="audit records of this section"), verb.locked():
         verb.load(dict)
         verb.audit.append(audit_record(2, applied=False))
         with other.locked():  # a settle lands in between: the refusal was of a stale record

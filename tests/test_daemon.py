@@ -60,7 +60,7 @@ from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
-from llmhealth.state import StateFile
+from llmhealth.state import RecordMovedError, StateFile
 
 WAIT = 0.5
 STOP_BOUND = 5.0  # SIGTERM to exit; far above what a daemon with nothing to finish needs
@@ -1426,6 +1426,52 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert asyncio.run(scenario()) >= 1
     readmitted = [r for r in read(audit_path_for(config, state)) if r.get("event") == "readmitted"]
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
+
+
+class RacedSaves(StateFile):
+    """A store whose first saves find the record moved since it was read, as a cluster
+    leader's does when an operator's verb saves between its load and its save."""
+
+    def __init__(self, path: Path, races: int) -> None:
+        super().__init__(path)
+        self.races = races
+
+    def save(self, document: dict[str, Any], **kwargs: Any) -> None:
+        if self.races:
+            self.races -= 1
+            raise RecordMovedError(f"{self.path} was written by another since it was read")
+        super().save(document, **kwargs)
+
+
+def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
+    tmp_path: Path,
+) -> None:
+    """Standing by after such a race (as when deposed) cost the cycle's verdicts: a
+    wedge proven a wait late. Made again, it settles them; a race every time is a
+    skipped cycle, as any failed save is."""
+    target = Target("b", REFUSED_URL)
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    for races, settles in ((daemon_module.SETTLE_ATTEMPTS - 1, True), (99, False)):
+        store = RacedSaves(tmp_path / f"state-{races}.json", races)
+        daemon = Daemon(
+            lambda: (config_module.Config(), [target]),
+            store,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+        daemon.hear(target, wedged, 0.01)
+        news = daemon_module.News(daemon._take_fresh(), [])
+        if settles:
+            settled = daemon._settle(news)
+            assert str(settled.record.ledger.state_of("b")) == "dead"
+            assert store.races == 0 and store.path.exists()
+        else:
+            with pytest.raises(RecordMovedError):
+                daemon._settle(news)
+            assert store.races == 99 - daemon_module.SETTLE_ATTEMPTS
+            assert not store.path.exists()
 
 
 def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(
