@@ -23,14 +23,33 @@ from llmhealth.localcpu import LocalCpu
 from llmhealth.probe import ProbeSettings, examine_backend, new_client
 from llmhealth.window import LongestStep
 
+# How the stand-ins below start an "engine core": Popen returns once exec has closed the
+# child's close-on-exec pipe, a moment before the kernel sets up the new command line, and
+# a sample in that moment finds no vLLM there (no sample: the CI's flaky localcpu tests,
+# on a loaded machine). A real engine core is sampled long after it started.
+ENGINE = """
+import subprocess, sys, time
+def engine(code):
+    child = subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"])
+    for _ in range(10_000):
+        with open(f"/proc/{child.pid}/cmdline", "rb") as cmdline:
+            if b"VLLM::EngineCore" in cmdline.read():
+                return child
+        time.sleep(0.001)
+    child.kill()
+    raise RuntimeError("the engine's command line never appeared")
+"""
+
 # A stand-in for vLLM's API server: it listens, prints its port, and starts one child
 # (the "engine core", titled as vLLM's is) that spins on the CPU until stopped.
-SERVER = """
+SERVER = (
+    ENGINE
+    + """
 import socket, subprocess, sys
 listener = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET)
 listener.bind((sys.argv[1], int(sys.argv[2])))
 listener.listen()
-engine = subprocess.Popen([sys.executable, "-c", "while True: pass", "VLLM::EngineCore"])
+engine = engine("while True: pass")
 print(listener.getsockname()[1], engine.pid, flush=True)
 try:
     sys.stdin.read()
@@ -38,6 +57,7 @@ finally:
     engine.kill()
     engine.wait()
 """
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux /proc")
 
@@ -140,14 +160,16 @@ def test_a_listener_with_no_vllm_process_below_it_gives_no_evidence(children: li
 
 # A server that closes its listening socket when told to and lingers on, as a vLLM API
 # server slow to shut down does, with its idle engine.
-LINGERING = """
+LINGERING = (
+    ENGINE
+    + """
 import socket, subprocess, sys
 listener = socket.socket()
 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 listener.bind(("127.0.0.1", 0))
 listener.listen()
 code = "import time\\nwhile True: time.sleep(1)"
-engine = subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"])
+engine = engine(code)
 print(listener.getsockname()[1], engine.pid, flush=True)
 try:
     sys.stdin.readline()
@@ -158,6 +180,7 @@ finally:
     engine.kill()
     engine.wait()
 """
+)
 
 
 def test_a_server_that_stopped_listening_is_no_longer_the_backend() -> None:
@@ -238,7 +261,9 @@ def test_a_configured_cgroup_is_read_from_its_cpu_stat(tmp_path: Path) -> None:
 
 # A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the
 # listener, and the "engine core" child is the process that gets stopped.
-FROZEN_SERVER = """
+FROZEN_SERVER = (
+    ENGINE
+    + """
 import http.server, signal, subprocess, sys
 text = open(sys.argv[1], "rb").read()
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -251,9 +276,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 # The engine core, then any workers: one child process per code given.
-children = [
-    subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"]) for code in sys.argv[2:]
-]
+children = [engine(code) for code in sys.argv[2:]]
 print(server.server_address[1], *(child.pid for child in children), flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the children go too
 try:
@@ -262,6 +285,7 @@ finally:
     for child in children:
         child.kill()
 """
+)
 
 
 def frozen_text(folder: Path, *, young: bool = False) -> Path:
