@@ -441,10 +441,10 @@ class Router:
             self.registry.register(collector)
         self.metrics = RouterMetrics(self._in_flight)
         self.registry.register(self.metrics)
-        self.configure(backends)
-        # Upstream connections: no more than one per request in flight, so bounded by the
-        # client connections' cap; kept alive between requests for UPSTREAM_KEEPALIVE.
+        # Upstream connections: one per request in flight, kept alive between requests
+        # for UPSTREAM_KEEPALIVE and closed past it at each push (a settle's wait).
         self._pool = Pool(settings.connect_timeout, UPSTREAM_KEEPALIVE)
+        self.configure(backends)
         self._deadlines = Deadlines()  # every bound on the request path, one shared timer
         self._big_parse = asyncio.Lock()  # BIG_BODY
         self.connections: Edge | None = None
@@ -462,6 +462,7 @@ class Router:
         self._serving = {n: m for n, m in self._serving.items() if n in self._backends}
         self._states = {n: s for n, s in self._states.items() if n in self._backends}
         self._dropped &= self._backends.keys()
+        self._pool.sweep(set(self._origins.values()))
         self.metrics.keep_only(self._backends)
         self.metrics.serving = len(self._pick_set())
         for name in self._backends:
@@ -480,6 +481,7 @@ class Router:
         self._min_healthy = min_healthy
         self._dropped = {name for name in self._dropped if self._log.has_failure(name)}
         self.metrics.serving = len(self._pick_set())
+        self._pool.sweep(set(self._origins.values()))
 
     def drain(self) -> dict[str, tuple[RequestOutcome, ...]]:
         """Every outcome since the last drain, per backend in order, for the settle."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final, cast
 from urllib.parse import urlsplit
@@ -98,9 +98,14 @@ class _Link(asyncio.Protocol):
         # Why the connection was lost, when not by the backend's orderly end (a reset):
         # a body framed by the connection's end is whole only after an orderly one.
         self.lost: BaseException | None = None
-        self.idle_since = 0.0
+        # When the last bytes came: the backend's keep-alive runs from about then, not from
+        # when a slow client had been handed the answer.
+        self.last_arrival = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        # Ever paused: what the kernel held meanwhile came in no one knows when, and a
+        # paused connection does not hear the backend close it.
+        self.was_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # create_connection's stream transport; not an isinstance check, as uvloop's
@@ -110,8 +115,9 @@ class _Link(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         self.received += len(data)
+        self.last_arrival = time.monotonic()
         if len(self.buffer) > READ_HIGH and not self._paused and self.transport is not None:
-            self._paused = True
+            self._paused = self.was_paused = True
             self.transport.pause_reading()
         self._wake()
 
@@ -257,9 +263,20 @@ class Response:
 
     def release(self) -> None:
         """Done with the answer: its connection is kept for the next request when the
-        answer was read to its end and nothing else came; else it is closed."""
+        answer was read to its end and nothing else came; else it is closed.
+
+        Not one whose reading was ever paused (an answer relayed slower than it came):
+        kept paused, it never heard the backend close it, and the next generation sent
+        on it failed as the backend's broken connection (a large answer to a slow client
+        then counted against a healthy backend)."""
         link = self._link
-        if self._done and self._reusable and not link.closed and not link.buffer:
+        if (
+            self._done
+            and self._reusable
+            and not link.closed
+            and not link.buffer
+            and not link.was_paused
+        ):
             self._pool.keep(link)
         else:
             link.close()
@@ -267,6 +284,12 @@ class Response:
     def close(self) -> None:
         """The answer will not be read to its end (the client left, or it broke)."""
         self._link.close()
+
+
+def _fresh(link: _Link, fresh_since: float) -> bool:
+    """Whether a kept connection may carry another request: open, nothing unasked for in
+    it, and its last answer's end within the keep-alive."""
+    return not link.closed and not link.buffer and link.last_arrival > fresh_since
 
 
 class Pool:
@@ -311,7 +334,6 @@ class Pool:
                 raise
 
     def keep(self, link: _Link) -> None:
-        link.idle_since = time.monotonic()
         self._idle.setdefault(link.origin, []).append(link)
 
     def close(self) -> None:
@@ -320,6 +342,28 @@ class Pool:
                 link.close()
         self._idle.clear()
 
+    def sweep(self, origins: Collection[Origin]) -> None:
+        """Close the kept connections past their keep-alive, and every one to an origin
+        not in ``origins`` (a backend a reload dropped or moved).
+
+        Otherwise a connection was only looked at when its backend was asked again: a
+        burst of 200 requests left 200 sockets open after it, to a dropped backend for
+        as long as the router ran, and a backend that never closes an idle connection
+        (a frozen one) could use up the descriptors, refusing every backend.
+        """
+        fresh_since = time.monotonic() - self._keepalive
+        for origin in list(self._idle):
+            kept: list[_Link] = []
+            for link in self._idle[origin]:
+                if origin in origins and _fresh(link, fresh_since):
+                    kept.append(link)
+                else:
+                    link.close()
+            if kept:
+                self._idle[origin] = kept
+            else:
+                del self._idle[origin]
+
     def _reused(self, origin: Origin) -> _Link | None:
         links = self._idle.get(origin)
         if not links:
@@ -327,9 +371,9 @@ class Pool:
         fresh_since = time.monotonic() - self._keepalive
         while links:
             link = links.pop()
-            if not link.closed and not link.buffer and link.idle_since > fresh_since:
+            if _fresh(link, fresh_since):
                 # Older ones than this are staler still: close them while here.
-                while links and links[0].idle_since <= fresh_since:
+                while links and links[0].last_arrival <= fresh_since:
                     links.pop(0).close()
                 return link
             link.close()

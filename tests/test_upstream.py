@@ -331,6 +331,102 @@ def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
     run(scenario())
 
 
+def test_a_connection_paused_while_its_answer_waited_is_not_kept() -> None:
+    """An answer that came faster than it was relayed paused the connection's reading;
+    kept so, it never heard the backend close it, and the next generation sent on it
+    failed as the backend's broken connection (a slow client's large answer counted
+    against a healthy backend)."""
+    big = b"x" * 400_000  # two of the transport's reads, both in before any is relayed
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await read_request(reader)
+            writer.write(answer(big))
+            await writer.drain()
+            if len(connections) == 1:
+                writer.close()  # its keep-alive ran out while the answer was relayed
+                return
+            while True:
+                await read_request(reader)
+                writer.write(answer(b"ok"))
+        writer.close()
+
+    connections: list[asyncio.StreamWriter] = []
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        pool = Pool(connect_timeout=5, keepalive=60)
+        try:
+            response = await pool.request(origin, "POST", "/v1/completions", [], b"{}")
+            await asyncio.sleep(0.3)  # a slow client: the whole answer arrives meanwhile
+            body = b""
+            while piece := await response.read():
+                body += piece
+            response.release()
+            assert body == big
+            response = await pool.request(origin, "POST", "/v1/completions", [], b"{}")
+            assert response.status == 200
+            response.close()
+            assert len(connections) == 2
+        finally:
+            pool.close()
+            server.close()
+
+    run(scenario())
+
+
+def test_a_connections_keep_alive_runs_from_its_answers_last_byte() -> None:
+    """The backend's keep-alive starts when it has sent the answer; counted from when a
+    slow client had been handed it, the router reused connections the backend was
+    closing."""
+
+    async def reply(_: int, __: bytes) -> bytes:
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=0.3)
+            response = await pool.request(Origin.parse(url), "POST", "/", [], b"{}")
+            await asyncio.sleep(0.5)  # the answer is in; the client is slow to take it
+            while await response.read():
+                pass
+            response.release()
+            await exchange(pool, url)
+            pool.close()
+        assert seen == [1, 1]
+
+    run(scenario())
+
+
+def test_a_sweep_closes_kept_connections_past_keep_alive_or_to_dropped_backends() -> None:
+    """Looked at only when their backend was asked again, kept connections to a backend
+    a reload dropped stayed open for as long as the router ran."""
+
+    async def reply(_: int, __: bytes) -> bytes:
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (kept_url, _), backend(reply) as (dropped_url, _):
+            kept, dropped = Origin.parse(kept_url), Origin.parse(dropped_url)
+            pool = Pool(connect_timeout=5, keepalive=60)
+            links = {}
+            for url in (kept_url, dropped_url):
+                response, _ = await exchange(pool, url)
+                links[url] = response._link
+            pool.sweep({kept})
+            assert links[dropped_url].closed and not links[kept_url].closed
+            pool = Pool(connect_timeout=5, keepalive=0.1)
+            response, _ = await exchange(pool, kept_url)
+            await asyncio.sleep(0.2)
+            pool.sweep({kept, dropped})
+            assert response._link.closed
+            links[kept_url].close()
+
+    run(scenario())
+
+
 def test_no_connection_is_a_connect_error() -> None:
     async def scenario() -> None:
         pool = Pool(connect_timeout=5, keepalive=60)
