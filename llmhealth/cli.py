@@ -547,9 +547,11 @@ def hold(
     seconds = _duration(duration)
     assert seconds is not None
     reason = _reason(reason)
-    loaded, store, audit = _operator_context(config_file, state)
     from llmhealth import operate  # noqa: PLC0415
 
+    if seconds > operate.LONGEST_HOLD:
+        raise typer.BadParameter(f"{duration!r}: a hold lasts at most 366 days", param_hint="--for")
+    loaded, store, audit = _operator_context(config_file, state)
     _verb_exit(operate.hold(store, audit, loaded, name, seconds, reason))
 
 

@@ -380,6 +380,8 @@ class FleetRecord:
         are forgotten (freeing their addresses), those whose address changed move, and
         new ones are added."""
         changes = []
+        for name in [name for name, hold in self.holds.items() if not hold.active(now)]:
+            del self.holds[name]  # nothing reads an ended hold; kept, they piled up
         for name in self.ledger.names:
             if name not in backends:
                 state = self.ledger.state_of(name)
@@ -393,6 +395,10 @@ class FleetRecord:
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
                 note = f"{name}: no longer configured; forgotten ({state})"
+                if name in self.holds:
+                    # An operator's decision outlives an edit, as a retirement does, until
+                    # it ends or is released (``release`` takes the name alone).
+                    note += f"; its hold stays ({self.holds[name].describe(now)})"
                 changes.append(MembershipChange(name, "forgotten", state, note))
         moves = {
             name: backends[name]

@@ -586,6 +586,22 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     assert record.ledger.epoch == 1  # a serving backend left
 
 
+def test_an_ended_hold_is_dropped_and_a_dropped_backends_hold_lasts_until_it_ends() -> None:
+    """Nothing ever removed a hold but ``release``: ended ones piled up, and one of a
+    backend the config dropped could not be released (its name was unknown)."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.holds["gpu0"] = Hold("weight sync", NOW - 1, "ops")
+    record.holds["gpu1"] = Hold("moving racks", NOW + 600, "ops")
+    changes = notes_of(record.reconcile({"gpu0": URL_0}, NOW))
+    assert changes == [
+        "gpu1: no longer configured; forgotten (healthy); its hold stays "
+        f"({record.holds['gpu1'].describe(NOW)})"
+    ]
+    assert list(record.holds) == ["gpu1"]
+    assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 600)) == []
+    assert record.holds == {}
+
+
 def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired() -> None:
     """An edit undone, or a cluster member whose config lacked it leading for a while:
     forgotten and added again, a retired GPU came back HEALTHY and serving."""

@@ -25,6 +25,7 @@ from llmhealth.ledger import (
     State,
     WedgeProven,
 )
+from llmhealth.policy import Hold
 from llmhealth.state import StateFile
 from llmhealth.traffic import FailureKind, RequestOutcome
 
@@ -186,6 +187,33 @@ def test_a_bad_hold_duration_exits_3(state: Path) -> None:
     assert result.returncode == 3
     assert "is not a duration" in result.stderr
     assert status(state)["gpu1"]["state"] == State.DEAD
+
+
+def test_a_hold_longer_than_a_year_exits_3(state: Path) -> None:
+    """`--for 1e308` was taken, and printed a 300-digit "until"."""
+    result = llmhealth("hold", "gpu1", "--for", "367d", "--reason", "x", "--state", str(state))
+    assert result.returncode == 3
+    assert "at most 366 days" in result.stderr
+    assert status(state)["gpu1"]["hold"] is None
+
+
+def test_a_hold_whose_backend_the_config_dropped_is_released_by_name(tmp_path: Path) -> None:
+    ledger = Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0)
+    record = FleetRecord(ledger)
+    record.holds["gpu1"] = Hold("moving racks", time.time() + 600, "ops")
+    record.holds["gpu2"] = Hold("weight sync", T0, "ops")  # ended long ago
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    released = llmhealth("release", "gpu1", "--state", str(path))
+    assert released.returncode == 0, released.stderr
+    assert "hold released (moving racks)" in released.stdout
+    ended = llmhealth("release", "gpu2", "--state", str(path))
+    assert ended.returncode == 1
+    assert "gpu2: not on hold (its hold by ops has ended)" in ended.stderr
+    events = [(e["event"], e["backend"]) for e in read(tmp_path / "audit.jsonl")]
+    assert events == [("release", "gpu1")]  # an ended hold's release changed nothing
 
 
 def fleet_config(tmp_path: Path, *names: str) -> Path:
