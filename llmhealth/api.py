@@ -19,7 +19,7 @@ from llmhealth import config as config_module
 from llmhealth.classify import Target, VerdictKind
 from llmhealth.cycle import run_cycle_async, run_cycle_in_cluster, run_loop, state_path_for
 from llmhealth.ledger import State, Transition
-from llmhealth.probe import ProbeSettings
+from llmhealth.probe import ProbeSettings, seconds_argument
 from llmhealth.remediate import Mode
 from llmhealth.report import (
     BackendReport,
@@ -239,11 +239,7 @@ def _loop_running() -> bool:
 
 
 def _seconds(value: float | None, name: str, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return default if value is None else seconds_argument(value, name)
 
 
 def _typed(report: CycleReport) -> CheckReport:

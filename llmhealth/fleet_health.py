@@ -314,10 +314,16 @@ class FleetHealth:
         return [self._ledger.snapshot(self._names[key], now).url for key in self.serving_shards()]
 
     def shard_for_base_url(self, url: str) -> Key | None:
-        """The backend behind a URL, for failures reported by something that knows URLs."""
+        """The backend behind a URL, for failures reported by something that knows URLs.
+
+        An OpenAI base URL (``http://10.0.0.5:8000/v1``, what a rollout router knows its
+        backends by) names the server at its root: looked up as given, it found none, and
+        every failure reported that way was lost.
+        """
         if not isinstance(url, str):
             raise TypeError(f"a backend URL must be a string, got {url!r}")
-        name = self._ledger.by_url(url)
+        root = url.rstrip("/")
+        name = self._ledger.by_url(root.removesuffix("/v1") if root.endswith("/v1") else url)
         return None if name is None else self._key_of[name]
 
     def counts_by_state(self) -> dict[State, int]:

@@ -60,6 +60,14 @@ _USER_AGENT = f"llmhealth/{__version__}"
 STANDBY_ASKS_NOTHING = "a standby leaves the tiny request to the leader"
 
 
+def seconds_argument(value: object, name: str) -> float:
+    """A caller's number of seconds, for the library's entry points: positive and finite
+    (an infinite timeout let a hung backend hold a call for ever), below a million."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeSettings:
     wait: float = 5.0

@@ -17,7 +17,7 @@ from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import State, Transition
 from llmhealth.metrics import Signals
-from llmhealth.probe import Client, ProbeSettings, examine_once, new_client
+from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +58,33 @@ class Prober:
         model: str | None = None,
         stall: StallWatch | None = None,
     ) -> None:
-        for name, value in (("timeout", timeout), ("answer_timeout", answer_timeout)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(fleet, FleetHealth):
+            raise TypeError(f"fleet must be a FleetHealth, got {type(fleet).__name__}")
+        if stall is not None and not isinstance(stall, StallWatch):
+            raise TypeError(f"stall must be a StallWatch or None, got {type(stall).__name__}")
+        # Refused here, not at each read: a key read from a file with its newline made
+        # every tiny request fail on our side, so a backend that never answered stayed
+        # HEALTHY; a model that is not a name earned a 404 and condemned a healthy one.
+        if api_key is not None and not (
+            isinstance(api_key, str) and _is_token(api_key) and api_key.isascii()
+        ):
+            raise ValueError(
+                "api_key must be printable ASCII without spaces at either end "
+                "(a key read from a file keeps its newline: strip it)"
+            )
+        if model is not None and not (isinstance(model, str) and _is_token(model)):
+            raise ValueError(f"model must be a model name or None, got {model!r}")
         self._fleet = fleet
-        self._settings = ProbeSettings(timeout=timeout, answer_timeout=answer_timeout)
+        self._settings = ProbeSettings(
+            timeout=seconds_argument(timeout, "timeout"),
+            answer_timeout=seconds_argument(answer_timeout, "answer_timeout"),
+        )
         self._api_key = api_key
         self._model = model
         self._stall = stall
         self._slots: dict[Key, _Slot] = {}
+        self._probing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def stall(self) -> StallWatch | None:
@@ -76,7 +94,31 @@ class Prober:
         """One read of each serving backend (and a tiny request to an idle one), judged and
         fed to the fleet. A backend out of the serving set is not probed: an answer would
         not bring it back, and its next reads start afresh. The exception is a DEAD one
-        when the policy allows recovery in place: its own process may prove itself."""
+        when the policy allows recovery in place: its own process may prove itself.
+
+        One call at a time: two at once shared each backend's connection, and the
+        collision read as the backend's ``down``, three of which condemned a healthy one.
+        """
+        if self._probing:
+            raise RuntimeError("Prober.probe() is already running: await one call at a time")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            # Its connections are its first loop's: called from a new loop each time
+            # (``asyncio.run`` per step), every other read failed on a closed loop and
+            # emptied the window, so a wedged engine stayed HEALTHY, silently.
+            raise RuntimeError(
+                "a Prober serves the event loop of its first probe(): for a caller "
+                "without one of its own, run every call in one asyncio.Runner"
+            )
+        self._probing = True
+        try:
+            return await self._probe()
+        finally:
+            self._probing = False
+
+    async def _probe(self) -> list[ProbeResult]:
         keys = self._targets()
         for key in [k for k in self._slots if k not in keys]:
             await self._slots.pop(key).client.aclose()
@@ -86,11 +128,28 @@ class Prober:
             if verdict is None:
                 results.append(ProbeResult(key, None, "undecided: needs the next read", ()))
                 continue
+            if self._moved(key):
+                # The caller rebuilt it while it was read (an actor's death, a restart, a
+                # new address): the verdict is the old process's, not the replacement's.
+                results.append(ProbeResult(key, None, MOVED_WHILE_READ, ()))
+                continue
             transitions = tuple(self._fleet.record_verdict(key, verdict))
             results.append(ProbeResult(key, verdict.kind, verdict.evidence, transitions))
         if self._stall is not None:
             self._stall.observe(self._newest_signals(), time.monotonic())
         return results
+
+    def _moved(self, key: Key) -> bool:
+        """Whether the backend is no longer what its slot read: gone from the fleet, at
+        another address, or another process by the caller's word."""
+        slot = self._slots.get(key)
+        fleet = self._fleet
+        return (
+            slot is None
+            or key not in fleet.keys
+            or slot.url != fleet.base_url_of(key)
+            or slot.process_changes != fleet.process_changes(key)
+        )
 
     def _targets(self) -> list[Key]:
         fleet = self._fleet
@@ -140,3 +199,11 @@ class Prober:
 
 def _dead(fleet: FleetHealth, key: Key) -> bool:
     return fleet.state_of(key) is State.DEAD
+
+
+def _is_token(text: str) -> bool:
+    """Printable, and no spaces at either end: what a header value or model name may be."""
+    return bool(text) and text.isprintable() and text == text.strip()
+
+
+MOVED_WHILE_READ = "undecided: the backend was rebuilt or moved while it was read"

@@ -296,6 +296,10 @@ def test_a_failure_reported_by_url_finds_its_shard() -> None:
     f, _ = fleet()
     assert f.shard_for_base_url(URLS[1] + "/") == 1
     assert f.shard_for_base_url("http://elsewhere:8000") is None
+    # A rollout router knows its backends by their OpenAI base URLs: found none before.
+    assert f.shard_for_base_url(URLS[1] + "/v1") == 1
+    assert f.shard_for_base_url(URLS[1] + "/v1/") == 1
+    assert f.shard_for_base_url("http://elsewhere:8000/v1") is None
 
 
 def test_a_long_error_text_is_bounded() -> None:

@@ -172,7 +172,96 @@ def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
     assert not stall.stalled(time.monotonic(), 3600.0)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True])
 def test_a_prober_with_a_bad_timeout_is_refused(bad: float) -> None:
+    """An infinite one let a hung backend hold ``probe()`` for ever."""
     with pytest.raises(ValueError, match="timeout"):
         Prober(FleetHealth(["http://127.0.0.1:9"]), timeout=bad)
+
+
+@pytest.mark.parametrize(
+    ("argument", "bad", "error"),
+    [
+        ("api_key", "token\n", ValueError),  # a key file read with its newline
+        ("api_key", "tök", ValueError),
+        ("model", 5, ValueError),
+        ("model", "", ValueError),
+        ("fleet", None, TypeError),
+        ("stall", "x", TypeError),
+    ],
+)
+def test_a_prober_with_a_bad_argument_is_refused_before_any_backend_pays(
+    argument: str, bad: object, error: type[Exception]
+) -> None:
+    """A key with its newline failed every tiny request on our side, so a backend that
+    never answered stayed HEALTHY; a model that is not a name earned 404s that condemned
+    a healthy one. Both are the caller's mistake, said at once."""
+    arguments: dict[str, object] = {"fleet": FleetHealth(["http://127.0.0.1:9"])}
+    arguments[argument] = bad
+    with pytest.raises(error, match=argument):
+        Prober(**arguments)  # type: ignore[arg-type]
+
+
+def test_two_probes_at_once_are_refused_not_read_as_the_backends_failure() -> None:
+    """Two calls at once shared each backend's one connection; the collision read as the
+    backend's ``down``, and three rounds of it condemned a healthy one."""
+
+    async def main(url: str) -> tuple[list[ProbeResult], BaseException | list[ProbeResult]]:
+        fleet = FleetHealth([url])
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            first, second = await asyncio.gather(
+                prober.probe(), prober.probe(), return_exceptions=True
+            )
+            assert fleet.state_of(0) is State.HEALTHY
+        assert isinstance(first, list)
+        return first, second
+
+    with running_simulator(["idle"]) as sim:
+        first, second = asyncio.run(main(sim.urls[0]))
+    assert [r.verdict for r in first] == [VerdictKind.IDLE]
+    assert isinstance(second, RuntimeError) and "already running" in str(second)
+
+
+def test_a_prober_called_from_one_runner_proves_a_wedge_and_from_a_new_loop_says_why_not() -> None:
+    """A synchronous trainer ran each call in ``asyncio.run``: the kept connection was the
+    closed loop's, every other read failed on our side and emptied the window, and a
+    wedged engine stayed HEALTHY for ever. One ``asyncio.Runner`` is the way; another loop
+    is refused at once."""
+    with running_simulator(["wedge:0.5"]) as sim:
+        fleet = FleetHealth(sim.urls)
+        prober = Prober(fleet, timeout=2.0, answer_timeout=2.0)
+        with asyncio.Runner() as runner:
+            for _ in range(MAX_ROUNDS):
+                results = runner.run(prober.probe())
+                assert all("not judged" not in r.evidence for r in results), results
+                if fleet.state_of(0) is State.DEAD:
+                    break
+                time.sleep(INTERVAL)
+            assert fleet.state_of(0) is State.DEAD, fleet.snapshot()[0]
+            with pytest.raises(RuntimeError, match="event loop of its first probe"):
+                asyncio.run(prober.probe())
+            runner.run(prober.aclose())
+
+
+def test_a_verdict_read_while_the_caller_rebuilt_the_backend_is_not_its_replacements() -> None:
+    """The trainer rebuilt a wedged shard while a read of the old process was in flight:
+    the old process's ``wedged`` moved the new, STALE shard to DEAD."""
+
+    async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
+        fleet = FleetHealth([url])
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+
+            async def rebuild_while_read() -> None:
+                await asyncio.sleep(0)  # the read has started: its slot is taken
+                fleet.record_actor_death(0, "ActorDiedError")
+                fleet.mark_restarting(0)
+                fleet.mark_loaded(0)
+
+            results, _ = await asyncio.gather(prober.probe(), rebuild_while_read())
+        return fleet, results
+
+    with running_simulator(["idle"]) as sim:
+        fleet, results = asyncio.run(main(sim.urls[0]))
+    assert [(r.verdict, r.transitions) for r in results] == [(None, ())]
+    assert "rebuilt or moved while it was read" in results[0].evidence
+    assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
