@@ -34,6 +34,10 @@ from llmhealth.window import (
 
 # Reads that span two waits: what every verdict but a long window's needs at most.
 _TWO_WAITS = 3
+# For a caller reading on a schedule: how many of its waits the reads of "two waits"
+# must span. Not two: ``watch`` reads every 0.96 of a wait (readers.KEEP_ALIVE_LEAD) and a
+# read may come a little late; more than one, so that two reads in one wait are not two.
+PACED_SPAN = 1.5
 # Evidence names at most this many engines; a text may legally carry 40,000 of them.
 _NAMED_ENGINES = 8
 
@@ -153,6 +157,7 @@ def decide(
     learned: LongestStep | None = None,
     rules: WedgeRules = DEFAULT_RULES,
     answer_wanted: bool = False,
+    paced_wait: float = 0.0,
 ) -> Decision:
     """The next step for one backend, given its reads in order and the tiny request if sent.
 
@@ -164,11 +169,17 @@ def decide(
     STALE backend re-enters only by one): an engine with nothing to do is then asked even
     though its counters moved, or someone else's requests, each landing between two of
     our reads, would keep it out for as long as they come.
+    ``paced_wait``: the period of a caller that reads on a schedule (``watch``), where a
+    read answered late is followed at once by the next one on time. Two waits are then
+    counted in reads but may have lasted one: a freeze proves a wedge only once it spans
+    ``PACED_SPAN`` such waits. 0 (``check``, the library's ``Prober``): the caller waits
+    its full interval after each answer, so every two reads are two waits apart.
     """
     if not reads:
         return TakeRead("first read")
     known = learned_step(reads, learned)
-    decision = _decide(reads, answer, max_reads, baseline, _Freeze(known, rules), answer_wanted)
+    freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
+    decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
     if isinstance(decision, Verdict):
         return replace(decision, longest_step=known)
     return decision
@@ -249,6 +260,7 @@ class _Freeze:
 
     learned: LongestStep | None
     rules: WedgeRules
+    least_span: float = 0.0  # seconds two waits must have lasted (``decide``'s paced_wait)
 
 
 def _decide(
@@ -371,6 +383,16 @@ def _judge_freeze(
     frozen = reads[-1 - streak :]
     elapsed = frozen[-1].at - frozen[0].at
     window = window_for(reads, freeze.learned, freeze.rules)
+    if elapsed < freeze.least_span:
+        # A read answered late and the next on schedule: the reads of two waits came
+        # within about one (a slow server's /metrics, under load), and 2 s of freeze at
+        # a 2 s wait proved a wedge. The next read on schedule settles it.
+        if len(reads) < max_reads:
+            return TakeRead(
+                f"engine {worst}: no progress over {streak} reads in {elapsed:.1f} s, "
+                f"less than {freeze.least_span:g} s of waits"
+            )
+        return _stalled(reads, worst, streak, elapsed, window, "")
     # The shell samples CPU only once a long window makes it worth its cost, so the
     # samples may start after the freeze did: they must span two waits of it themselves.
     sampled = [read.cpu for read in frozen if read.cpu is not None]
@@ -409,12 +431,19 @@ def _judge_freeze(
             f"engine {worst}: no progress for {elapsed:.1f} s, inside its window "
             f"{window.seconds:g} s ({window.why}){cpu_text}"
         )
+    return _stalled(reads, worst, streak, elapsed, window, cpu_text)
+
+
+def _stalled(
+    reads: Sequence[Read], worst: str, streak: int, elapsed: float, window: Window, cpu: str
+) -> Verdict:
+    """A freeze the reads ran out on before it proved anything."""
     return _verdict(
         VerdictKind.STALLED,
         False,
         f"stalled: engine {worst} had work and made no progress over {streak} waits "
         f"({elapsed:.1f} s), short of its window {window.seconds:g} s ({window.why})"
-        f"{cpu_text}; this run's reads ran out first (max_check_time); not yet proof",
+        f"{cpu}; this run's reads ran out first (max_check_time); not yet proof",
         reads,
     )
 

@@ -419,6 +419,7 @@ async def examine_once(
     baseline: Signals | None = None,
     learned: LongestStep | None = None,
     cpu: LocalCpu | None = None,
+    paced: bool = False,
 ) -> Verdict | None:
     """One read for the watch loop, judged with the reads of earlier cycles.
 
@@ -426,7 +427,9 @@ async def examine_once(
     sleeping here: ``window`` keeps this backend's last reads across cycles (as many as
     ``max_check_time`` holds, so a long wedge window is covered). None means "not
     decided yet" (a first read that shows work, or a freeze still inside its window),
-    never a failure: failures are verdicts.
+    never a failure: failures are verdicts. ``paced``: reads start every ``settings.wait``
+    whenever the last one ended (``watch``), not a full wait after it (the ``Prober``,
+    whose caller's interval is the wait): see ``decide``'s ``paced_wait``.
     """
     limit = settings.read_limit
     answer_wanted = settings.wants_answer(target.name)
@@ -445,6 +448,7 @@ async def examine_once(
             learned=learned,
             rules=target.rules,
             answer_wanted=answer_wanted,
+            paced_wait=settings.wait if paced else 0.0,
         )
 
     try:

@@ -292,6 +292,26 @@ def test_a_frozen_engine_is_wedged_only_at_the_third_read(fixture_text: Load, ru
     assert (verdict.running, verdict.waiting) == (4, 8)
 
 
+def test_two_reads_in_one_wait_of_a_paced_reader_are_not_two_waits(fixture_text: Load) -> None:
+    """``watch`` reads on a schedule: a read answered late (a slow /metrics, under load) and
+    the next one on time came 0.05 s apart, and a freeze of one wait proved a wedge."""
+    texts = [capture(fixture_text, name) for name in ("wedge-1", "wedge-2", "wedge-3")]
+    late = [Read(T0, parse_metrics(texts[0])), Read(T0 + 1.95, parse_metrics(texts[1]))]
+    squeezed = [*late, Read(T0 + 2.0, parse_metrics(texts[2]))]
+    assert decide(squeezed).kind is VerdictKind.WEDGED  # type: ignore[union-attr]
+    paced = {"paced_wait": 2.0, "max_reads": 61}  # watch's read limit at its defaults
+    undecided = decide(squeezed, **paced)  # type: ignore[arg-type]
+    assert isinstance(undecided, TakeRead), undecided
+    assert "less than 3 s of waits" in undecided.reason
+    covered = [*squeezed, Read(T0 + 4.0, parse_metrics(texts[2]))]
+    assert decide(covered, **paced).kind is VerdictKind.WEDGED  # type: ignore[arg-type,union-attr]
+    # Reads on their schedule (every 0.96 of a wait) are two waits, as before.
+    on_time = [
+        Read(T0 + index * 0.96 * 2.0, parse_metrics(text)) for index, text in enumerate(texts)
+    ]
+    assert decide(on_time, **paced).kind is VerdictKind.WEDGED  # type: ignore[arg-type,union-attr]
+
+
 def test_a_wedge_is_reported_with_the_frozen_numbers(fixture_text: Load) -> None:
     verdict = walk(reads_of(fixture_text, "wedge-1", "wedge-2", "wedge-3")).verdict
     for fact in (

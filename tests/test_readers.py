@@ -453,6 +453,50 @@ def test_read_workers_is_a_whole_number_from_one_or_auto() -> None:
             parsed(bad)
 
 
+@pytest.mark.slow  # five reads one wait apart
+def test_a_read_answered_late_and_the_next_on_time_do_not_make_two_waits_of_one(
+    fixture_text: Callable[[str], str],
+) -> None:
+    """A read's task keeps its schedule: after a /metrics answered most of a wait late, the
+    next read came at once, and a freeze of one wait was proven a wedge."""
+    wait, late = 1.0, 0.94
+    texts = [fixture_text(f"vllm-0.32/{name}.txt").encode() for name in ("busy-2", "busy-3")]
+    answered: list[float] = []
+
+    def serve(connection: socket.socket, _: int) -> None:
+        while read_request(connection):
+            if len(answered) == 1:
+                time.sleep(late)  # the engine's loop, busy, builds the text late
+            body = texts[min(len(answered), 1)]  # progress, then frozen for good
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+            connection.sendall(body)
+            answered.append(time.time())
+
+    async def first_wedged(url: str) -> Verdict:
+        verdicts: list[Verdict] = []
+        wedged = asyncio.Event()
+
+        def deliver(_t: Target, verdict: Verdict | None, _s: float, _w: object) -> None:
+            if verdict is not None and verdict.kind is VerdictKind.WEDGED:
+                verdicts.append(verdict)
+                wedged.set()
+
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=wait, timeout=5.0), time.time, deliver, lambda _n, _c: None
+        )
+        tasks.assign([Target("b", url)])
+        try:
+            await asyncio.wait_for(wedged.wait(), timeout=20 * wait)
+        finally:
+            await tasks.close()
+        return verdicts[0]
+
+    with tcp_server(serve) as (url, _):
+        verdict = asyncio.run(first_wedged(url))
+    frozen = [read.at for read in verdict.reads if read.at >= answered[1] - 0.01]
+    assert frozen[-1] - frozen[0] >= 1.5 * wait, (frozen, verdict.evidence)
+
+
 def test_a_server_that_drops_connections_idle_for_the_wait_keeps_one_after_its_first_drop(
     fixture_text: Callable[[str], str],
 ) -> None:
