@@ -53,9 +53,8 @@ from llmhealth.http1 import MAX_HEAD_BYTES, Fields, FramingError
 
 LINGER: Final = 2.0  # seconds an error answer's connection reads on before it closes
 SWEEP: Final = 1.0  # seconds between looks for connections idle past their timeout
-_TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 # RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
-_REQUEST_LINE: Final = re.compile(rf"({_TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
+_REQUEST_LINE: Final = re.compile(rf"({http1.TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
 _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 

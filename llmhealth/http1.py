@@ -7,11 +7,16 @@ into its own outcome (a broken backend exchange, a 4xx to the client).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Final, Protocol
 
 MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; trailers
 MAX_FIELDS: Final = 100  # header fields in one head
+TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # RFC 9110 5.6.2: a method, a field name
+_FIELD_NAME: Final = re.compile(TOKEN)
+# Control characters a head may not carry (tab is a field value's; CR and LF are counted).
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 class FramingError(ValueError):
@@ -76,11 +81,18 @@ class Fields:
 
 
 def head_lines(head: str) -> list[str]:
-    """A head's lines without its blank last line; a bare CR or LF, or a NUL, anywhere in
-    it is an error: a field value must never carry a line break to the next hop."""
+    """A head's lines without its blank last line; a bare CR or LF anywhere in it, or a
+    NUL, or another control character in its fields, is an error: a field value must
+    never carry a line break to the next hop, nor a control character it may read
+    otherwise. (A start line has rules of its own; a reason phrase is shown escaped.)"""
     pairs = head.count("\r\n")
-    if "\x00" in head or head.count("\r") != pairs or head.count("\n") != pairs:
-        raise FramingError("a bare CR, LF or NUL in the head")
+    if (
+        "\x00" in head
+        or _CONTROL.search(head, head.find("\r\n") + 1)
+        or head.count("\r") != pairs
+        or head.count("\n") != pairs
+    ):
+        raise FramingError("a bare CR or LF, or a control character, in the head")
     return head.split("\r\n")
 
 
@@ -101,7 +113,9 @@ def fields(lines: Iterable[str]) -> list[tuple[str, str]]:
     parsed = []
     for line in lines:
         name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip() or not name.isprintable():
+        if not colon or not _FIELD_NAME.fullmatch(name):
+            # A name with a space or a bracket went on to the backend, which could read
+            # it otherwise ("Transfer Encoding"): whatever is not a token is refused.
             raise FramingError(f"malformed header line: {line[:80]!r}")
         parsed.append((name, value.strip(" \t")))
     if len(parsed) > MAX_FIELDS:
@@ -136,8 +150,9 @@ def body_fields(headers: Iterable[tuple[str, str]]) -> tuple[str | None, str | N
 
 
 def require_chunked(coding: str) -> None:
-    """A Transfer-Encoding this side can read: the last coding is chunked."""
-    if coding.rsplit(",", 1)[-1].strip().lower() != "chunked":
+    """A Transfer-Encoding this side can read: chunked alone. ``gzip, chunked`` was read
+    as chunked and its gzip dropped, passing compressed bytes on as the body."""
+    if coding.strip().lower() != "chunked":
         raise FramingError(f"unsupported Transfer-Encoding: {coding[:80]}", 501)
 
 
