@@ -79,6 +79,13 @@ AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of t
 _AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
 _AUDIT_PAGE = 64  # audit keys read per request, newest first
 PUBLICATION_BYTES = 512 * 1024  # one key of a member's published verdicts (shard_reads)
+# etcd keeps every revision of every key until it is compacted, and its own compaction is
+# off by default: the leader's record each settle and the members' publications each
+# wait filled the 2 GiB quota in about half an hour at 3,000 backends, and from then on
+# nothing could be written, leases included. The leader compacts every this many saves
+# (two minutes at the default wait) to the revision of its save that many before, so
+# etcd holds about two periods of history.
+COMPACT_EVERY_SAVES = 24
 
 
 class ClusterError(StateError):
@@ -245,6 +252,10 @@ class Etcd:
 
     def revoke(self, lease: int) -> None:
         self.call("kv/lease/revoke", {"ID": lease}, lambda _: None)
+
+    def compact(self, revision: int) -> None:
+        """Drop the history of every key before ``revision`` (its current values stay)."""
+        self.call("kv/compaction", {"revision": revision, "physical": False}, lambda _: None)
 
 
 def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
@@ -674,6 +685,8 @@ class EtcdStore:
         self._saved_fence: int | None = None  # the fence of the last successful save
         self._pending: list[bytes] | None = None  # audit lines of the open section
         self._records_untrimmed: int | None = None  # None: not trimmed by this process yet
+        self._saves_uncompacted = 0  # a leader's saves since its last compaction
+        self._compact_to = 0  # the revision the next compaction may drop history before
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -787,6 +800,7 @@ class EtcdStore:
         self._saved_fence = self._fence
         self._pending = []
         self._trim_after(count)
+        self._compact_after(revision)
 
     def _write_records_alone(self) -> None:
         """Audit records of a section that saved nothing, under the same compares."""
@@ -831,6 +845,22 @@ class EtcdStore:
         with contextlib.suppress(StateError):
             trim_audit(self.etcd, self.keys, self.audit_keep, self._fence)
             self._records_untrimmed = 0
+
+    def _compact_after(self, revision: int) -> None:
+        """A leader's save: every ``COMPACT_EVERY_SAVES``, etcd's history is compacted to
+        the revision of the save as many before. Best effort, as trimming is: another
+        compaction past it (etcd's own, if configured) or etcd away is no reason to fail
+        a settle that was written."""
+        if self.elector is None:
+            return
+        self._saves_uncompacted += 1
+        if self._saves_uncompacted < COMPACT_EVERY_SAVES:
+            return
+        self._saves_uncompacted = 0
+        if self._compact_to:
+            with contextlib.suppress(StateError):
+                self.etcd.compact(self._compact_to)
+        self._compact_to = revision
 
     def append_record(self, record: Mapping[str, object]) -> None:
         """One audit record into the open section (``EtcdAudit.append``)."""

@@ -320,6 +320,38 @@ def test_a_leaders_save_raced_by_an_operator_verb_is_a_moved_record_not_a_fence(
     leader.stop()
 
 
+def test_a_leader_compacts_etcds_history_of_its_saves(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd keeps every revision until compacted, and compacts nothing by default: the
+    record saved each settle filled its quota within the hour at scale, after which
+    nothing, not even a lease, could be written. The leader compacts every few saves to
+    the revision of its save a period before, so the newest period stays readable."""
+    monkeypatch.setattr(cluster, "COMPACT_EVERY_SAVES", 3)
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    leader = elector(etcd, keys, "leader", clock, log)
+    leader.step()
+    store = EtcdStore(etcd, keys, leader)
+    revisions = []
+    for value in range(7):
+        with store.locked():
+            store.load(dict)
+            store.save(document(value))
+        revisions.append(store.revision)
+
+    def state_at(revision: int) -> object:
+        request = {"key": b64(keys.state), "revision": revision}
+        return etcd.call("kv/range", request, lambda answer: answer.get("kvs"))
+
+    # Saves 3 and 6 compacted: the first to nothing yet, the second to save 3's revision.
+    with pytest.raises(ClusterUnavailableError, match="compacted"):
+        state_at(revisions[1])
+    assert state_at(revisions[2])  # the newest period, and its start, stay readable
+    assert store_value(etcd, keys) == 6
+    leader.stop()
+
+
 def read_posted(connection: socket.socket) -> tuple[bytes, bytes]:
     """A POST's head and its whole Content-Length body, off a raw socket."""
     request = read_request(connection)
