@@ -79,6 +79,7 @@ AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of t
 _AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
 _AUDIT_PAGE = 64  # audit keys read per request, newest first
 PUBLICATION_BYTES = 512 * 1024  # one key of a member's published verdicts (shard_reads)
+PUBLICATION_PAGE = 16  # such keys per read of them: 8 MiB, about 11 as etcd's JSON
 # etcd keeps every revision of every key until it is compacted, and its own compaction is
 # off by default: the leader's record each settle and the members' publications each
 # wait filled the 2 GiB quota in about half an hour at 3,000 backends, and from then on
@@ -209,6 +210,27 @@ class Etcd:
 
     def get_prefix(self, prefix: str) -> dict[str, KeyValue]:
         return dict(self._range({"key": _b64(prefix), "range_end": _b64(_after_prefix(prefix))}))
+
+    def get_prefix_paged(
+        self, prefix: str, page: int, *, skip: str | None = None
+    ) -> Iterator[tuple[str, KeyValue]]:
+        """The keys under ``prefix`` but those under ``skip``, in key order, ``page`` keys
+        per request: read at once, the members' publications (a frozen backend's verdict
+        carries up to 61 reads) outgrew the 32 MiB an answer may be, and the leader
+        settled nothing while they did."""
+        spans = [(prefix, _after_prefix(prefix))]
+        if skip is not None and skip.startswith(prefix):
+            spans = [(prefix, skip), (_after_prefix(skip), _after_prefix(prefix))]
+        for first, end in spans:
+            start, last = first, None
+            while True:
+                request = {"key": _b64(start), "range_end": _b64(end), "limit": page}
+                found = self._range(request)
+                yield from found
+                if len(found) < page or found[-1][0] == last:
+                    break  # the span's end, or a key that does not decode moved no further
+                last = found[-1][0]
+                start = last + "\0"
 
     def scan_down(
         self, prefix: str, end: str | None, limit: int, *, keys_only: bool = False
@@ -1140,12 +1162,13 @@ class SharedReads:
 
     def _published(self) -> dict[str, dict[str, Published]]:
         prefix = self.seat.keys.verdicts
+        mine = f"{prefix}{self.seat.member}/"  # its own reads reach its settle directly
         published: dict[str, dict[str, Published]] = {}
-        for key, found in sorted(self.seat.etcd.get_prefix(prefix).items()):
+        for key, found in self.seat.etcd.get_prefix_paged(prefix, PUBLICATION_PAGE, skip=mine):
             # Another member wrote the key and its name: made printable before any use.
             member = printable(key.removeprefix(prefix).rpartition("/")[0])
             if member == self.seat.member:
-                continue  # its own reads reach its settle directly
+                continue
             try:
                 document = json.loads(found.value)
             except (ValueError, RecursionError):  # nested thousands deep: unreadable too

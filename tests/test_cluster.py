@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from pytest_httpserver import HTTPServer
 
-from llmhealth import cluster, leadership, operate
+from llmhealth import cluster, etcd_http, leadership, operate
 from llmhealth.actions import AuditError
 from llmhealth.classify import Verdict, VerdictKind
 from llmhealth.cluster import (
@@ -768,6 +768,44 @@ def test_a_share_that_shrinks_leaves_no_chunk_of_its_old_publication(
     reads.publish({"gpu1": 2}, {"gpu1": verdicts["gpu1"]}, {"gpu1": 5}, {})
     assert sorted(seat.etcd.get_prefix(keys.verdicts)) == [f"{keys.verdicts}b/00000"]
     seat.elector.stop()
+
+
+def test_the_leader_takes_publications_larger_than_one_answer_page_by_page(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read in one answer, the others' publications outgrew what an answer may be (32 MiB:
+    about 830 frozen backends' verdicts of 61 reads), and the leader settled nothing. Here
+    an answer may be 64 KiB and the publications are twice that; the leader's own are not
+    read at all."""
+    monkeypatch.setattr(cluster, "PUBLICATION_BYTES", 4096)
+    monkeypatch.setattr(cluster, "PUBLICATION_PAGE", 4)  # 16 KiB a page, as 8 MiB is to 32
+    backends = [f"gpu{index}" for index in range(120)]
+    clock = Clock()
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"
+    }
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    for seat in seats.values():
+        seat.elector.step()
+    for seat in seats.values():
+        seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+    assert seats["a"].elector.decision().may_act
+    assert reads["a"].take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}
+    published = {}
+    for name in "abc":
+        share = reads[name].share(backends)
+        verdicts = {b: Verdict(VerdictKind.BUSY, True, f"busy {b} " + "x" * 1000) for b in share}
+        reads[name].publish({b: 1 for b in share}, verdicts, {b: 2 for b in share}, {})
+        published[name] = verdicts
+    seats["a"].etcd._bounds = etcd_http.Bounds(silence=2.0, max_bytes=64 * 1024)
+    taken = reads["a"].take(backends, stale_after=10.0, undecided_for=300.0)
+    assert taken.verdicts == {**published["b"], **published["c"]}
+    mine = f"{keys.verdicts}a/"
+    assert seats["a"].etcd.get_prefix(mine)  # published, and never read back:
+    paged = seats["a"].etcd.get_prefix_paged(keys.verdicts, 2, skip=mine)
+    assert [key for key, _ in paged if key.startswith(mine)] == []
+    for seat in seats.values():
+        seat.elector.stop()
 
 
 def test_an_audit_key_with_a_count_int_cannot_read_counts_as_one_record() -> None:
