@@ -1118,9 +1118,10 @@ class SharedReads:
         verdicts: Mapping[str, Verdict],
         examined: Mapping[str, int],
         urls: Mapping[str, str],
+        reading_at: Mapping[str, str] | None = None,
     ) -> None:
         """This member's newest verdicts (and where each was read) and examination counts
-        for whoever leads (see
+        (and where they are made) for whoever leads (see
         ``shares.publication``), in keys of at most about
         ``PUBLICATION_BYTES`` (``NAME/00000``, ``NAME/00001``, ...); the chunks a shrunken
         share no longer fills are deleted with the last. Nothing while it has no lease."""
@@ -1128,7 +1129,7 @@ class SharedReads:
         if lease is None:
             return
         mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
-        chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES, urls)
+        chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES, urls, reading_at)
         for index, chunk in enumerate(chunks):
             operations = [put(f"{mine}{index:05d}", chunk, lease)]
             if index == len(chunks) - 1:
@@ -1139,8 +1140,9 @@ class SharedReads:
                 operations.append({"request_delete_range": left})
             self.seat.etcd.txn([], operations)
 
-    def take(self, backends: Sequence[str], stale_after: float, undecided_for: float) -> Taken:
-        """The others' verdicts to settle now: each once, doubt for what went stale
+    def take(self, backends: Mapping[str, str], stale_after: float, undecided_for: float) -> Taken:
+        """The others' verdicts to settle now: each once, doubt for what went stale or was
+        read at another address than ``backends`` (name → URL) gives it
         (``shares.take_published``, ``shares.Intake``)."""
         now = self._clock()
         if self._intake is None:
@@ -1151,7 +1153,8 @@ class SharedReads:
             for name in backends
             if (found := owner(name, members)) is not None and found != self.seat.member
         }
-        taken = take_published(self._intake, owners, self._published(), now, stale_after)
+        published = self._published()
+        taken = take_published(self._intake, owners, published, now, stale_after, backends)
         self.stale = taken.stale
         return taken
 

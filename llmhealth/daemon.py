@@ -118,7 +118,10 @@ class Notifier:
 # What a sharding member publishes for the leader (shares.publication): by backend, its
 # count of verdicts, its newest verdict and its count of examinations, decided or not.
 # serials, verdicts, examinations, and where each verdict was read (shares.publication)
-Publication = tuple[dict[str, int], dict[str, Verdict], dict[str, int], dict[str, str]]
+# serials, verdicts, examinations, where each verdict was read, where each is read now
+Publication = tuple[
+    dict[str, int], dict[str, Verdict], dict[str, int], dict[str, str], dict[str, str]
+]
 
 
 @dataclass(slots=True)
@@ -663,7 +666,10 @@ class Daemon:
             for name, probe in self._state.probes.items()
             if probe.outcome is not None and name in backends
         }
-        return dict(self._serials), verdicts, examined, urls
+        reading_at = {
+            target.name: target.url for target in self._targets if target.name in examined
+        }
+        return dict(self._serials), verdicts, examined, urls, reading_at
 
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
@@ -769,7 +775,7 @@ class Daemon:
         # A reader decides every backend within max_check_time (its reads run out then,
         # "stalled" at worst); a wait's slack for its settle to publish it.
         undecided_for = self._config.max_check_time + self.settings.wait
-        taken = shares.take(list(backends), stale_after, undecided_for)
+        taken = shares.take(backends, stale_after, undecided_for)
         targets = {target.name: target for target in self._targets}
         # Each as read where its member read it: settle counts none read at an address
         # the backend has since left (a reload, here or on that member).

@@ -265,6 +265,7 @@ class Published:
     problem: str = ""  # why it could not be read, when it could not
     examined: int | None = None  # examinations, decided or not; None: not published
     url: str | None = None  # where the verdict was read; None: not said (an older member)
+    reading_at: str | None = None  # where the examinations are made now; None: not said
 
 
 def publication(
@@ -273,12 +274,15 @@ def publication(
     examined: Mapping[str, int],
     limit: int,
     urls: Mapping[str, str],
+    reading_at: Mapping[str, str] | None = None,
 ) -> list[bytes]:
     """What a member writes under its keys: per backend of its share, the newest verdict
     with its serial and the address it was read at (``urls``), and the count of
-    examinations (a backend still undecided has the count alone), as JSON documents of
-    about ``limit`` bytes at most each (one etcd request each: a verdict of three reads
-    is about 2 KB, and a share can hold thousands)."""
+    examinations with the address they are made at (``reading_at``; a backend still
+    undecided has the count alone), as JSON documents of about ``limit`` bytes at most
+    each (one etcd request each: a verdict of three reads is about 2 KB, and a share can
+    hold thousands)."""
+    reading_at = reading_at or {}
     chunks: list[bytes] = []
     entries: list[bytes] = []
     size = 0
@@ -286,6 +290,8 @@ def publication(
         entry: dict[str, Any] = {"serial": serials.get(name, 0)}
         if name in examined:
             entry["examined"] = examined[name]
+            if name in reading_at:
+                entry["reading_at"] = reading_at[name]
         if name in verdicts:
             entry["verdict"] = verdict_to_dict(verdicts[name])
             if name in urls:
@@ -320,10 +326,13 @@ def parse_publication(member: str, document: object) -> dict[str, Published]:
             verdict = None
             if examined is None or table.get("verdict") is not None:
                 verdict = verdict_from_dict(table.get("verdict"), where)
-            url = table.get("url")
-            if url is not None and not isinstance(url, str):
-                raise TypeError(f"{where}: url is {type(url).__name__}, not text")
-            published[str(name)] = Published(member, serial, verdict, examined=examined, url=url)
+            url, reading_at = table.get("url"), table.get("reading_at")
+            for key, value in (("url", url), ("reading_at", reading_at)):
+                if value is not None and not isinstance(value, str):
+                    raise TypeError(f"{where}: {key} is {type(value).__name__}, not text")
+            published[str(name)] = Published(
+                member, serial, verdict, examined=examined, url=url, reading_at=reading_at
+            )
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             # Another member's text (another version's, a hand's): whatever cannot be read
             # is that entry's problem; the leader's settle goes on.
@@ -367,9 +376,16 @@ def take_published(
     published: Mapping[str, Mapping[str, Published]],
     now: float,
     stale_after: float,
+    addresses: Mapping[str, str] | None = None,
 ) -> Taken:
     """The verdicts to settle for the backends others read (``owners``: backend → the
     member whose share it is now), each at most once.
+
+    ``addresses``: where the leader's config has each backend. A verdict read, or
+    examinations made, at another address (the two members' configs differ) are no
+    news of it: counted as news, they kept it from doubt while settle dropped every such
+    verdict, so an address nobody read stayed serving for as long as the configs
+    differed.
 
     A backend's verdict is taken from its owner's publication, else from whichever
     member published one (the share just moved). No news of it (a new verdict, or more
@@ -382,6 +398,7 @@ def take_published(
     for name in [name for name in intake.news_at if name not in owners]:
         del intake.news_at[name]
         intake.verdict_at.pop(name, None)
+    addresses = addresses or {}
     verdicts: dict[str, Verdict] = {}
     urls: dict[str, str] = {}
     stale = []
@@ -394,13 +411,17 @@ def take_published(
         intake.news_at.setdefault(name, timed_from)
         intake.verdict_at.setdefault(name, timed_from)
         news = False
-        if found is not None and found.examined is not None:
+        address = addresses.get(name)
+        read_elsewhere = found is not None and _apart(found.url, address)
+        reading_elsewhere = found is not None and _apart(found.reading_at, address)
+        if found is not None and found.examined is not None and not reading_elsewhere:
             heard = (found.member, found.examined)
             reading_on = intake.examined.get(name) != heard  # its reader reads on, undecided
             news = reading_on and now - intake.verdict_at[name] < intake.undecided_for
             intake.examined[name] = heard
         if (
             found is not None
+            and not read_elsewhere
             and found.verdict is not None
             and intake.settled.get(name) != (found.member, found.serial)
         ):
@@ -417,15 +438,31 @@ def take_published(
         age = now - intake.news_at[name]
         if age >= stale_after:
             stale.append(name)
-            verdicts[name] = doubt(owner, found, age)
+            elsewhere = read_elsewhere or reading_elsewhere
+            verdicts[name] = doubt(owner, found, age, address if elsewhere else None)
     intake.primed = True
     return Taken(verdicts, tuple(stale), urls)
 
 
-def doubt(owner: str, found: Published | None, seconds: float) -> Verdict:
-    """The verdict for a backend nobody has read lately: doubt, with who should have."""
+def _apart(said: str | None, address: str | None) -> bool:
+    """Whether a member said it read at another address than the leader's (compared as
+    ``cycle`` compares them: the configured text); an unsaid one is not apart."""
+    return said is not None and address is not None and said != address
+
+
+def doubt(
+    owner: str, found: Published | None, seconds: float, address: str | None = None
+) -> Verdict:
+    """The verdict for a backend nobody has read lately: doubt, with who should have.
+    ``address``: where the leader has it, when the member read it elsewhere."""
     if found is None:
         why = f"no member has published a verdict of it; {owner} reads it"
+    elif address is not None:
+        where = found.reading_at if _apart(found.reading_at, address) else found.url
+        why = (
+            f"{found.member} reads it at {where}, not at {address} as this leader's config "
+            "has it: the members' configs differ"
+        )
     elif found.verdict is None and found.problem:
         why = f"{found.member} published one that cannot be read ({found.problem})"
     elif found.verdict is None:

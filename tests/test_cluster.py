@@ -711,7 +711,7 @@ def test_operator_verbs_on_a_cluster_write_their_records_into_its_trail(
 def test_members_agree_on_shares_publish_on_their_lease_and_the_leader_takes_each_once(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
-    backends = [f"gpu{index}" for index in range(12)]
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
     clock, log = Clock(), []
     seats = {
         name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=log.append) for name in "abc"
@@ -779,7 +779,7 @@ def test_the_leader_takes_publications_larger_than_one_answer_page_by_page(
     read at all."""
     monkeypatch.setattr(cluster, "PUBLICATION_BYTES", 4096)
     monkeypatch.setattr(cluster, "PUBLICATION_PAGE", 4)  # 16 KiB a page, as 8 MiB is to 32
-    backends = [f"gpu{index}" for index in range(120)]
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(120)}
     clock = Clock()
     seats = {
         name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -138,6 +139,33 @@ def test_a_backend_with_no_fresh_verdict_becomes_doubt_every_wait_until_one_come
     assert all(verdict.healthy for verdict in back.verdicts.values())
 
 
+def test_what_a_member_read_at_another_address_is_no_news_and_becomes_doubt_naming_both() -> None:
+    """Two members' configs give a backend two addresses: settle dropped every verdict of
+    the other address, while it and the examinations there kept the backend from doubt,
+    so an address nobody read stayed serving for as long as the configs differed."""
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    owners, here = {"gpu1": "b"}, {"gpu1": "http://10.0.0.1:8000"}
+    there = "http://10.0.0.9:8000"
+
+    def moved(serial: int, examined: int) -> dict[str, dict[str, Published]]:
+        found = Published("b", serial, healthy(f"b#{serial}"), examined=examined, url=there)
+        return {"b": {"gpu1": replace(found, reading_at=there)}}
+
+    take_published(intake, owners, moved(1, 1), 1.0, 10.0, here)
+    for at in range(2, 10):  # new verdicts and examinations every wait, all elsewhere
+        taken = take_published(intake, owners, moved(at, at), float(at), 10.0, here)
+        assert taken.verdicts == {} and taken.stale == (), at
+    doubted = take_published(intake, owners, moved(10, 10), 10.0, 10.0, here)
+    assert doubted.stale == ("gpu1",)
+    assert (
+        f"b reads it at {there}, not at {here['gpu1']} as this leader's config has it"
+        in doubted.verdicts["gpu1"].evidence
+    )
+    agreed = {"b": {"gpu1": Published("b", 12, healthy("b#12"), examined=12, url=here["gpu1"])}}
+    settled = take_published(intake, owners, agreed, 12.0, 10.0, here)
+    assert settled.verdicts == {"gpu1": healthy("b#12")} and settled.stale == ()
+
+
 def reading(member: str, **examined: int) -> dict[str, Published]:
     """A member's publication of backends it reads on without a verdict yet."""
     return {name: Published(member, 0, None, examined=count) for name, count in examined.items()}
@@ -232,6 +260,22 @@ def test_a_share_that_just_moved_is_taken_from_its_former_reader() -> None:
     intake = Intake(started=0.0, undecided_for=UNDECIDED, primed=True)
     taken = take_published(intake, {"gpu1": "c"}, {"b": published("b", gpu1=3)}, 1.0, 10.0)
     assert taken.verdicts == {"gpu1": healthy("b#3")}
+
+
+def test_a_publication_says_where_each_verdict_was_read_and_where_reading_goes_on() -> None:
+    verdicts = {"gpu1": healthy("b#3")}
+    chunks = publication(
+        {"gpu1": 3, "gpu2": 0},
+        verdicts,
+        {"gpu1": 9, "gpu2": 4},
+        1 << 20,
+        {"gpu1": "http://old:8000"},
+        {"gpu1": "http://new:8000", "gpu2": "http://two:8000"},
+    )
+    (chunk,) = chunks
+    found = parse_publication("b", json.loads(chunk))
+    assert (found["gpu1"].url, found["gpu1"].reading_at) == ("http://old:8000", "http://new:8000")
+    assert (found["gpu2"].url, found["gpu2"].reading_at) == (None, "http://two:8000")
 
 
 def test_an_unreadable_publication_is_doubt_with_its_reason_never_health() -> None:
