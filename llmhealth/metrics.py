@@ -475,51 +475,72 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
         engines=_plan(samples, histograms, sleep),
         starts=tuple(starts),
     )
-    if sum(map(len, heads)) <= _LARGEST_REMEMBERED_LAYOUT:
-        _remember(_LAYOUTS, heads, layout, _LAYOUTS_MAX)
+    _LAYOUTS.remember(heads, layout, sum(map(len, heads)))
     return layout
-
-
-# Layouts by the name and label text of their lines. A fleet of alike backends shares a
-# few; the bound keeps a server that invents label values from growing it without limit.
-_LAYOUTS: dict[tuple[bytes, ...], _Layout] = {}
-_LAYOUTS_MAX = 256
-# Both caches are bounded in bytes too, by what one entry may hold: a server sending a
-# megabyte of label value, new on every read, filled them with copies of it (122 MB after
-# 60 reads; up to 16 MiB per line and 4,096 lines could hold gigabytes). A real vLLM line
-# is about 100 bytes of name and labels (a long model path adds a few hundred) and a text
-# 4 KB of them (53 lines), 60 KB with 16 data-parallel engines; what is longer is
-# understood afresh on each read, which costs what the first read of it cost.
-_LONGEST_REMEMBERED_HEAD = 1024
-_LARGEST_REMEMBERED_LAYOUT = 128 * 1024
-
-
-def _remember(cache: dict[_K, _V], key: _K, value: _V, bound: int) -> None:
-    """Keep ``value`` under ``key`` in a cache of at most ``bound`` entries.
-
-    Emptying a full cache made every read miss once more than ``bound`` kinds of text
-    were read in turn (each one's entry gone before its next read): a fleet of 300
-    different layouts rebuilt every layout of every read. So a full cache stays full and
-    takes one newcomer in ``_ADMIT_ONE_IN``, in place of its oldest entry: what is cached
-    keeps hitting, and entries no longer read still make way for new ones in time.
-    """
-    if len(cache) >= bound:
-        if next(_MISSES_WHEN_FULL) % _ADMIT_ONE_IN:
-            return
-        try:
-            oldest = next(iter(cache))
-        except RuntimeError:
-            # Another thread's read (the library's ``asyncio.to_thread(check)``) changed
-            # the cache between the two steps: this newcomer is simply not kept.
-            return
-        cache.pop(oldest, None)
-    cache[key] = value
 
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 _MISSES_WHEN_FULL = count()
 _ADMIT_ONE_IN = 16
+
+
+class _Memo(dict[_K, _V]):
+    """A memo bounded in entries and in the bytes of its keys (``remember``); looked up as
+    the plain dict it is, on the read path.
+
+    In bytes too: a server sending a megabyte of label value, new on every read, filled
+    an entry-bounded memo with copies of it (122 MB after 60 reads; gigabytes within the
+    body cap). A real vLLM line is about 100 bytes of name and labels (a long model path
+    adds a few hundred), a text 4 KB of them, 250 KB with 32 data-parallel engines: an
+    entry may be an eighth of the budget, and what is larger is understood afresh on each
+    read (as the first read of it was).
+    """
+
+    def __init__(self, entries: int, budget: int) -> None:
+        super().__init__()
+        self.entries = entries
+        self.budget = budget
+        self._sizes: dict[_K, int] = {}
+        self._bytes = 0
+
+    def remember(self, key: _K, value: _V, size: int) -> None:
+        """Keep ``value`` under ``key``, ``size`` bytes.
+
+        Emptying a full memo made every read miss once more than it holds were read in
+        turn (each one's entry gone before its next read): a fleet of 300 different
+        layouts rebuilt every layout of every read. So a full memo stays full and takes
+        one newcomer in ``_ADMIT_ONE_IN``, in place of its oldest entries: what is kept
+        keeps hitting, and entries no longer read still make way for new ones in time.
+        """
+        if size > self.budget // 8:
+            return
+        if len(self) >= self.entries or self._bytes + size > self.budget:
+            if next(_MISSES_WHEN_FULL) % _ADMIT_ONE_IN:
+                return
+            while self and (len(self) >= self.entries or self._bytes + size > self.budget):
+                try:
+                    oldest = next(iter(self))
+                except RuntimeError:
+                    # Another thread's read (the library's ``asyncio.to_thread(check)``)
+                    # changed the memo between two steps: this newcomer is not kept.
+                    return
+                self.pop(oldest, None)
+                self._bytes -= self._sizes.pop(oldest, 0)
+        self[key] = value
+        self._sizes[key] = size
+        self._bytes += size
+
+    def clear(self) -> None:
+        super().clear()
+        self._sizes.clear()
+        self._bytes = 0
+
+
+# Layouts by the name and label text of their lines. A fleet of alike backends shares a
+# few; the bounds keep a server that invents label values from growing it without limit.
+_LAYOUTS_MAX = 256
+_LAYOUTS: _Memo[tuple[bytes, ...], _Layout] = _Memo(_LAYOUTS_MAX, 32 * 1024 * 1024)
 _EMPTY_LAYOUT = _Layout((), 0, {}, (), ())
 
 
@@ -543,7 +564,7 @@ def _meaning(head: bytes) -> _Meaning | None:
 
     A backend sends the same few dozen lines every read, and a fleet's backends send the
     same ones, so each is understood once per process, not once per line. Memoization
-    only, bounded (``_remember``), so a server inventing new label values cannot grow it
+    only, bounded (``_Memo``), so a server inventing new label values cannot grow it
     without limit. A label text is all the interpretation reads: a label set that parses
     ends at a ``}`` no later than the line's last one.
     """
@@ -554,13 +575,12 @@ def _meaning(head: bytes) -> _Meaning | None:
     except KeyError:
         pass  # rare: a fleet's lines are understood once
     meaning = _interpret(head)
-    if len(head) <= _LONGEST_REMEMBERED_HEAD:
-        _remember(_MEANINGS, head, meaning, _MEANINGS_MAX)
+    _MEANINGS.remember(head, meaning, len(head))
     return meaning
 
 
-_MEANINGS: dict[bytes, _Meaning | None] = {}
 _MEANINGS_MAX = 4096
+_MEANINGS: _Memo[bytes, _Meaning | None] = _Memo(_MEANINGS_MAX, 8 * 1024 * 1024)
 _NO_KEY: tuple[str, str, frozenset[tuple[str, str]]] = ("", "", frozenset())
 
 

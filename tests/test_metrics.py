@@ -437,38 +437,49 @@ def test_more_kinds_of_text_than_the_layout_cache_holds_still_hit_it() -> None:
         metrics._LAYOUTS.clear()  # the other tests' texts find room again
 
 
-def test_a_line_too_long_to_remember_is_read_but_not_kept() -> None:
-    """A server inventing a megabyte of label value on each read must not fill the caches
-    with copies of it (60 such reads kept 122 MB): what is longer than a real line or
-    text is understood afresh on each read, with the same answer."""
+def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() -> None:
+    """A server inventing a megabyte of label value on each read must not fill the memos
+    with copies of it (60 such reads kept 122 MB): an entry over an eighth of a memo's
+    budget is understood afresh on each read, with the same answer, and the memo's keys
+    never hold more than its budget. A real text of 32 data-parallel engines (250 KB of
+    names and labels) is still kept: rebuilt on each read, it cost 1.5 times the read."""
     metrics._LAYOUTS.clear()
+    metrics._MEANINGS.clear()
     try:
-        for index in range(3):
-            long_name = "m" * (metrics._LONGEST_REMEMBERED_HEAD + index)
-            text = f'vllm:num_requests_running{{engine="0",model_name="{long_name}"}} {index}\n'
-            assert only_engine(parse_metrics(text)).running == float(index)
-            assert all(long_name.encode() not in head for head in metrics._MEANINGS)
-        metrics._LAYOUTS.clear()
-        many = "".join(
-            f'vllm:num_requests_running{{engine="{engine}",model_name="{"x" * 900}"}} 1\n'
-            for engine in range(metrics._LARGEST_REMEMBERED_LAYOUT // 900)
+        huge = "m" * (metrics._MEANINGS.budget // 8 + 1)
+        text = f'vllm:num_requests_running{{engine="0",model_name="{huge}"}} 3\n'
+        for _ in range(2):
+            assert only_engine(parse_metrics(text)).running == 3.0
+        assert not any(huge.encode() in head for head in metrics._MEANINGS)
+        big = "b" * (metrics._MEANINGS.budget // 10)  # under an eighth: kept, while room lasts
+        for index in range(3 * metrics._ADMIT_ONE_IN * 10):
+            line = f'vllm:num_requests_running{{engine="0",model_name="{big}{index}"}} 1'
+            assert only_engine(parse_metrics(line)).running == 1.0
+        for memo, keys in (
+            (metrics._MEANINGS, list(metrics._MEANINGS)),
+            (metrics._LAYOUTS, [head for heads in metrics._LAYOUTS for head in heads]),
+        ):
+            assert 0 < sum(map(len, keys)) <= memo.budget
+        engines = "".join(
+            f'vllm:{series}{{engine="{engine}",model_name="/models/{"q" * 60}"}} 1\n'
+            for engine in range(32)
+            for series in ("num_requests_running", "num_requests_waiting") * 25
         )
-        assert len(parse_metrics(many).engines) == metrics._LARGEST_REMEMBERED_LAYOUT // 900
-        assert not metrics._LAYOUTS  # each head was short enough, all of them not
-        assert only_engine(parse_metrics('vllm:num_requests_running{engine="0"} 1')).running
-        assert len(metrics._LAYOUTS) == 1  # a real text is still remembered
+        assert len(parse_metrics(engines).engines) == 32
+        assert any(len(heads) == 32 * 50 for heads in metrics._LAYOUTS)
     finally:
         metrics._LAYOUTS.clear()
+        metrics._MEANINGS.clear()
 
 
-class _EvictedBetweenLookups(dict[bytes, Any]):
+class _EvictedBetweenLookups(metrics._Memo[bytes, Any]):
     """A cache another thread empties between "is it there?" and "give it to me"."""
 
     def __contains__(self, key: object) -> bool:
         return True
 
 
-class _ChangedWhileScanned(dict[bytes, Any]):
+class _ChangedWhileScanned(metrics._Memo[tuple[bytes, ...], Any]):
     """A full cache another thread inserts into while its oldest entry is being found."""
 
     def __iter__(self) -> Iterator[bytes]:
@@ -482,9 +493,11 @@ def test_reads_in_threads_never_trip_over_each_others_cache_updates(
     another read between look-ups, or inserted while the oldest is found, costs at most
     one remembering, never a read's answer."""
     text = 'vllm:num_requests_running{engine="0",model_name="threads"} 3'
-    monkeypatch.setattr(metrics, "_MEANINGS", _EvictedBetweenLookups())
+    monkeypatch.setattr(metrics, "_MEANINGS", _EvictedBetweenLookups(4096, 1 << 20))
     assert only_engine(parse_metrics(text)).running == 3.0
-    full = _ChangedWhileScanned({b"x%d" % index: None for index in range(metrics._LAYOUTS_MAX)})
+    full = _ChangedWhileScanned(metrics._LAYOUTS_MAX, 1 << 20)
+    for index in range(metrics._LAYOUTS_MAX):
+        full.remember((b"x%d" % index,), None, 4)
     monkeypatch.setattr(metrics, "_LAYOUTS", full)
     for index in range(2 * metrics._ADMIT_ONE_IN):  # each new, and one in 16 let in
         newcomer = f'vllm:num_requests_running{{engine="0",model_name="t{index}"}} 4'
