@@ -387,12 +387,12 @@ def _judge_freeze(
         # A read answered late and the next on schedule: the reads of two waits came
         # within about one (a slow server's /metrics, under load), and 2 s of freeze at
         # a 2 s wait proved a wedge. The next read on schedule settles it.
+        squeezed = f"less than {freeze.least_span:g} s of waits"
         if len(reads) < max_reads:
             return TakeRead(
-                f"engine {worst}: no progress over {streak} reads in {elapsed:.1f} s, "
-                f"less than {freeze.least_span:g} s of waits"
+                f"engine {worst}: no progress over {streak} reads in {elapsed:.1f} s, {squeezed}"
             )
-        return _stalled(reads, worst, streak, elapsed, window, "")
+        return _stalled(reads, worst, streak, elapsed, squeezed)
     # The shell samples CPU only once a long window makes it worth its cost, so the
     # samples may start after the freeze did: they must span two waits of it themselves.
     sampled = [read.cpu for read in frozen if read.cpu is not None]
@@ -431,19 +431,21 @@ def _judge_freeze(
             f"engine {worst}: no progress for {elapsed:.1f} s, inside its window "
             f"{window.seconds:g} s ({window.why}){cpu_text}"
         )
-    return _stalled(reads, worst, streak, elapsed, window, cpu_text)
+    short = f"short of its window {window.seconds:g} s ({window.why}){cpu_text}"
+    return _stalled(reads, worst, streak, elapsed, short)
 
 
 def _stalled(
-    reads: Sequence[Read], worst: str, streak: int, elapsed: float, window: Window, cpu: str
+    reads: Sequence[Read], worst: str, streak: int, elapsed: float, short_of: str
 ) -> Verdict:
-    """A freeze the reads ran out on before it proved anything."""
+    """A freeze the reads ran out on before it proved anything (``short_of``: what it
+    did not yet reach)."""
     return _verdict(
         VerdictKind.STALLED,
         False,
         f"stalled: engine {worst} had work and made no progress over {streak} waits "
-        f"({elapsed:.1f} s), short of its window {window.seconds:g} s ({window.why})"
-        f"{cpu}; this run's reads ran out first (max_check_time); not yet proof",
+        f"({elapsed:.1f} s), {short_of}; this run's reads ran out first (max_check_time); "
+        "not yet proof",
         reads,
     )
 
