@@ -380,7 +380,7 @@ class FleetRecord:
         are forgotten (freeing their addresses), those whose address changed move, and
         new ones are added."""
         changes = []
-        for name in [name for name, hold in self.holds.items() if not hold.active(now)]:
+        for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
         for name in self.ledger.names:
             if name not in backends:
@@ -395,10 +395,11 @@ class FleetRecord:
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
                 note = f"{name}: no longer configured; forgotten ({state})"
-                if name in self.holds:
-                    # An operator's decision outlives an edit, as a retirement does, until
-                    # it ends or is released (``release`` takes the name alone).
-                    note += f"; its hold stays ({self.holds[name].describe(now)})"
+                hold = self.holds.pop(name, None)
+                if hold is not None:
+                    # Forgotten with the rest of its history: kept, no verb could name it,
+                    # status did not show it, and a machine given the name later was held.
+                    note += f"; its hold dropped (was {hold.describe(now)})"
                 changes.append(MembershipChange(name, "forgotten", state, note))
         moves = {
             name: backends[name]
@@ -418,6 +419,8 @@ class FleetRecord:
         for name, url in backends.items():
             if name not in self.ledger:
                 changes.append(self.admit(name, url, now))
+        for name in [n for n in self.holds if n not in self.ledger]:
+            del self.holds[name]  # a name an older version kept after the config dropped it
         return changes
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:

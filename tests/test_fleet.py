@@ -586,19 +586,23 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     assert record.ledger.epoch == 1  # a serving backend left
 
 
-def test_an_ended_hold_is_dropped_and_a_dropped_backends_hold_lasts_until_it_ends() -> None:
+def test_ended_holds_and_those_of_backends_the_config_dropped_are_dropped() -> None:
     """Nothing ever removed a hold but ``release``: ended ones piled up, and one of a
-    backend the config dropped could not be released (its name was unknown)."""
+    backend the config dropped stayed where no verb could name it nor status show it,
+    and held a machine given the name later."""
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.holds["gpu0"] = Hold("weight sync", NOW - 1, "ops")
     record.holds["gpu1"] = Hold("moving racks", NOW + 600, "ops")
+    record.holds["gpu9"] = Hold("kept by an older version", NOW + 600, "ops")
+    described = record.holds["gpu1"].describe(NOW)
     changes = notes_of(record.reconcile({"gpu0": URL_0}, NOW))
     assert changes == [
-        "gpu1: no longer configured; forgotten (healthy); its hold stays "
-        f"({record.holds['gpu1'].describe(NOW)})"
+        f"gpu1: no longer configured; forgotten (healthy); its hold dropped (was {described})"
     ]
-    assert list(record.holds) == ["gpu1"]
-    assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 600)) == []
+    assert record.holds == {}
+    assert notes_of(record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 1)) == [
+        f"gpu1: new backend at {URL_1}; starts HEALTHY"
+    ]
     assert record.holds == {}
 
 
