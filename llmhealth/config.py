@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
 from llmhealth.openfiles import read_regular_file
-from llmhealth.text import refuse_user_info, same_server
+from llmhealth.text import openai_root, refuse_user_info, same_server
 from llmhealth.window import WedgeRules
 
 DEFAULT_WAIT = 5.0
@@ -353,11 +353,11 @@ def check_url(url: str) -> str:
     # appended to it part of the query or the fragment (GET / for /metrics).
     scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it
     root = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
-    if parts.path.rstrip("/").endswith("/v1"):
+    if (server := openai_root(root)) is not None:
         # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
         # server, and every verdict after it wrong.
         raise ValueError(
-            f"{url!r} ends in /v1: give the server's root ({root.removesuffix('/v1')}); "
+            f"{url!r} ends in /v1: give the server's root ({server}); "
             "llmhealth reads /metrics beside /v1"
         )
     return root

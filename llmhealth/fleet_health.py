@@ -39,7 +39,7 @@ from llmhealth.ledger import (
     WeightsStamped,
     is_finite_number,
 )
-from llmhealth.text import printable
+from llmhealth.text import openai_root, printable
 
 # A backend is named by its shard index when the fleet was given a list of URLs, and by
 # its name when it was given a mapping of names to URLs.
@@ -322,8 +322,7 @@ class FleetHealth:
         """
         if not isinstance(url, str):
             raise TypeError(f"a backend URL must be a string, got {url!r}")
-        root = url.rstrip("/")
-        name = self._ledger.by_url(root.removesuffix("/v1") if root.endswith("/v1") else url)
+        name = self._ledger.by_url(openai_root(url) or url)
         return None if name is None else self._key_of[name]
 
     def counts_by_state(self) -> dict[State, int]:

@@ -140,13 +140,12 @@ class Prober:
         return results
 
     def _moved(self, key: Key) -> bool:
-        """Whether the backend is no longer what its slot read: gone from the fleet, at
-        another address, or another process by the caller's word."""
+        """Whether the backend is no longer what its slot read: at another address, or
+        another process by the caller's word."""
         slot = self._slots.get(key)
         fleet = self._fleet
         return (
             slot is None
-            or key not in fleet.keys
             or slot.url != fleet.base_url_of(key)
             or slot.process_changes != fleet.process_changes(key)
         )

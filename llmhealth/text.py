@@ -40,6 +40,14 @@ def same_server(url: str) -> str:
 _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
 
 
+def openai_root(url: str) -> str | None:
+    """The server's root when ``url`` is an OpenAI base URL (its path ends in ``/v1``, as
+    clients and routers know backends by), else None: llmhealth reads ``/metrics``
+    beside ``/v1``, so a backend is its root."""
+    stripped = url.rstrip("/")
+    return stripped.removesuffix("/v1") if stripped.endswith("/v1") else None
+
+
 def refuse_user_info(url: str) -> None:
     """ValueError when ``url`` carries a user name or password (``http://alice:s3cret@host``).
 
