@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -115,13 +115,15 @@ class Notifier:
             sock.sendto(message, socket.MSG_DONTWAIT, self._address)
 
 
-# What a sharding member publishes for the leader (shares.publication): by backend, its
-# count of verdicts, its newest verdict and its count of examinations, decided or not.
-# serials, verdicts, examinations, and where each verdict was read (shares.publication)
-# serials, verdicts, examinations, where each verdict was read, where each is read now
-Publication = tuple[
-    dict[str, int], dict[str, Verdict], dict[str, int], dict[str, str], dict[str, str]
-]
+class Publication(NamedTuple):
+    """What a sharding member publishes for the leader (``SharedReads.publish``), by
+    backend of its share."""
+
+    serials: dict[str, int]  # its count of verdicts
+    verdicts: dict[str, Verdict]  # its newest verdict
+    examined: dict[str, int]  # its count of examinations, decided or not
+    urls: dict[str, str]  # where each verdict was read
+    reading_at: dict[str, str]  # where it is read now
 
 
 @dataclass(slots=True)
@@ -669,7 +671,7 @@ class Daemon:
         reading_at = {
             target.name: target.url for target in self._targets if target.name in examined
         }
-        return dict(self._serials), verdicts, examined, urls, reading_at
+        return Publication(dict(self._serials), verdicts, examined, urls, reading_at)
 
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
