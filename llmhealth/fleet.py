@@ -146,6 +146,11 @@ def events_for(
     ``readmit_on_answer=False`` is for a caller that re-admits by its own proof (a trainer
     after a completed weight sync): an answered tiny request then proves nothing more.
     """
+    if not verdict.judged:
+        # llmhealth could not examine it (its own failure, a read worker lost): nothing
+        # about the backend. Taken as an answer after refused reads, it was "a new process
+        # up" and moved a DEAD backend, still down, to STALE, where nothing restarts it.
+        return []
     kind = verdict.kind
     answered = verdict.answer is not None and verdict.answer.ok
     proven = answered and (
@@ -471,7 +476,8 @@ class FleetRecord:
             restart_pending=restart_pending,
         )
         transitions = [self.ledger.apply(name, event) for event in events]
-        self.sightings[name] = sighting_of(verdict, now, previous)
+        if verdict.judged:  # else it saw nothing: the last judged read's process stands
+            self.sightings[name] = sighting_of(verdict, now, previous)
         self.moved(name, transitions, now)
         if replacing and self.ledger.state_of(name) is State.DEAD:
             self.restart_failed(name)

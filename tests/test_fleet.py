@@ -586,6 +586,27 @@ def test_reconcile_forgets_a_removed_backend_with_its_sighting_and_restarts() ->
     assert record.ledger.epoch == 1  # a serving backend left
 
 
+@pytest.mark.parametrize("restarting", [False, True], ids=["dead", "restarting"])
+def test_a_verdict_llmhealth_could_not_judge_moves_nothing_and_sees_nothing(
+    restarting: bool,
+) -> None:
+    """Our own failure (a read worker lost, an examination that raised) after refused
+    reads was taken for an answer: "a new process up", and a DEAD backend still down went
+    to STALE, where nothing restarts it."""
+    record = record_of(("gpu0", URL_0))
+    for index in range(3):
+        record.observe("gpu0", VERDICTS["down"], NOW + index)
+    if restarting:
+        record.ledger.apply("gpu0", RestartIssued(now=NOW + 3))
+    before = record.ledger.state_of("gpu0")
+    sighting = record.sightings["gpu0"]
+    unjudged = Verdict(VerdictKind.NO_METRICS, False, "no_metrics: not judged", judged=False)
+    assert record.observe("gpu0", unjudged, NOW + 4) == []
+    assert record.ledger.state_of("gpu0") is before
+    assert record.sightings["gpu0"] == sighting  # still the refused read's
+    assert events_for(unjudged, State.DEAD, now=NOW, previous=sighting) == []
+
+
 def test_ended_holds_and_those_of_backends_the_config_dropped_are_dropped() -> None:
     """Nothing ever removed a hold but ``release``: ended ones piled up, and one of a
     backend the config dropped stayed where no verb could name it nor status show it,
