@@ -1488,11 +1488,17 @@ def _as_record(
 
 
 def _as_int(value: object, where: str) -> int:
+    """A count from a saved record: a whole number from 0 to 2**53 (what every JSON reader
+    keeps exact). ``10**400`` loaded, and the /metrics page and the library's
+    ``as_metrics`` raised OverflowError on it: bad data, not a crash."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{where}: expected an integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{where}: must not be negative, got {value}")
+    if not 0 <= value <= _LARGEST_COUNT:
+        raise ValueError(f"{where}: must be from 0 to 2**53, got {str(value)[:20]}")
     return value
+
+
+_LARGEST_COUNT: Final = 2**53
 
 
 def _as_time(value: object, where: str) -> float:

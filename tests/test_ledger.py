@@ -1464,7 +1464,9 @@ _DELETE = object()
         (["schema"], 2, "schema: expected 1, got 2"),
         (["schema"], _DELETE, "missing key 'schema'"),
         (["extra"], 1, "unknown key 'extra'"),
-        (["epoch"], -1, "epoch: must not be negative"),
+        (["epoch"], -1, "epoch: must be from 0 to 2"),
+        (["epoch"], 10**400, "epoch: must be from 0 to 2"),  # /metrics raised OverflowError
+        (["backends", 0, "probe_failures"], 2**53 + 1, "probe_failures: must be from 0"),
         (["epoch"], "3", "epoch: expected an integer"),
         (["backends"], {}, "backends: expected a list"),
         (["backends", 0], "a", r"backends\[0\]: expected an object"),
