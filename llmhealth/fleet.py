@@ -250,15 +250,16 @@ def _another_process(verdict: Verdict, previous: Sighting | None) -> bool:
 
 
 def _same_process(verdict: Verdict, previous: Sighting) -> bool:
-    """The verdict's process is provably the one last sighted: the same start time, and
-    no counter gone back since."""
+    """The verdict's process is the one last sighted, as a restart is told apart
+    (``restarted_between``): the same start time, or, where either text has none
+    (multiprocess mode), no counter gone back since. Without a start time this was never
+    the same process, so after one refused read the condemned process itself came back
+    as "new", past the in-place recovery cap and a pending restart."""
     newest = _newest_signals(verdict)
     baseline = previous.baseline
-    if newest is None or baseline is None or newest.process_start is None:
+    if newest is None or baseline is None:
         return False
-    return newest.process_start == baseline.process_start and not restarted_between(
-        baseline, newest
-    )
+    return not restarted_between(baseline, newest)
 
 
 def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:

@@ -842,6 +842,33 @@ def test_the_same_process_answering_after_failed_reads_is_not_taken_for_a_new_on
     assert [t.kind for t in record.observe("gpu0", other, NOW + 300)] == [EventKind.NEW_PROCESS_UP]
 
 
+def test_a_process_without_a_start_time_answering_after_a_refused_read_is_the_same_one() -> None:
+    """vLLM in multiprocess mode shows no start time: after one refused read (a lost
+    route) the condemned process itself came back as "new", serving again in the same
+    settle, past a pending restart and the in-place cap. Its counters, none gone back,
+    say it is the same process; one whose counters went back is another."""
+    policy = replace(RECOVER, max_in_place_recoveries=0)
+    record = FleetRecord(Ledger(policy, [("gpu0", URL_0)], now=0.0))
+    frozen = (readable(NOW - 1, start=None), readable(NOW, start=None))
+    record.observe("gpu0", verdict(VerdictKind.WEDGED, False, "wedged", reads=frozen), NOW)
+    assert record.ledger.state_of("gpu0") is D
+    record.observe("gpu0", VERDICTS["down"], NOW + 5, restart_pending=True)
+    same = verdict(
+        VerdictKind.IDLE,
+        True,
+        "idle; tiny request answered",
+        reads=(readable(NOW + 10, start=None, running=0.0, steps=140.0),),
+        answer=ANSWERED,
+    )
+    transitions = record.observe("gpu0", same, NOW + 10, restart_pending=True)
+    assert not any(t.kind is EventKind.NEW_PROCESS_UP for t in transitions)
+    assert record.ledger.state_of("gpu0") is D
+    record.observe("gpu0", VERDICTS["down"], NOW + 15, restart_pending=True)
+    other = replace(same, reads=(readable(NOW + 20, start=None, running=0.0, steps=3.0),))
+    transitions = record.observe("gpu0", other, NOW + 20, restart_pending=True)
+    assert [t.kind for t in transitions][:1] == [EventKind.NEW_PROCESS_UP]
+
+
 def test_a_dead_backend_with_a_restart_pending_says_so_to_the_ledger_and_stays_dead() -> None:
     record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
     record.observe("gpu0", VERDICTS["busy"], NOW)
