@@ -527,9 +527,10 @@ class _Memo(dict[_K, _V]):
                     return
                 self.pop(oldest, None)
                 self._bytes -= self._sizes.pop(oldest, 0)
+        # Two threads that missed the same line both remember it: counted once.
+        self._bytes += size - self._sizes.get(key, 0)
         self[key] = value
         self._sizes[key] = size
-        self._bytes += size
 
     def clear(self) -> None:
         super().clear()

@@ -460,6 +460,12 @@ def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() ->
             (metrics._LAYOUTS, [head for heads in metrics._LAYOUTS for head in heads]),
         ):
             assert 0 < sum(map(len, keys)) <= memo.budget
+            assert memo._bytes == sum(map(len, keys))  # what it counts is what it holds
+        # A line remembered twice (two threads that both missed it) is counted once.
+        memo: metrics._Memo[bytes, None] = metrics._Memo(8, 800)
+        for line in (b"a" * 100, b"b" * 100, b"a" * 100):
+            memo.remember(line, None, len(line))
+        assert memo._bytes == 200
         engines = "".join(
             f'vllm:{series}{{engine="{engine}",model_name="/models/{"q" * 60}"}} 1\n'
             for engine in range(32)
