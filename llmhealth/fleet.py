@@ -166,7 +166,7 @@ def events_for(
         previous is not None
         and not previous.reachable
         and live
-        and not _same_process(verdict, previous)
+        and not _same_process(verdict, previous, counters_tell=state is State.DEAD)
     )
     process = process_seen(verdict)
 
@@ -249,17 +249,24 @@ def _another_process(verdict: Verdict, previous: Sighting | None) -> bool:
     return restarted_between(previous.baseline, newest)
 
 
-def _same_process(verdict: Verdict, previous: Sighting) -> bool:
-    """The verdict's process is the one last sighted, as a restart is told apart
-    (``restarted_between``): the same start time, or, where either text has none
-    (multiprocess mode), no counter gone back since. Without a start time this was never
-    the same process, so after one refused read the condemned process itself came back
-    as "new", past the in-place recovery cap and a pending restart."""
+def _same_process(verdict: Verdict, previous: Sighting, *, counters_tell: bool) -> bool:
+    """The verdict's process is the one last sighted: the same start time, no counter gone
+    back since.
+
+    Without a start time (multiprocess mode) only a counter gone back proves another
+    process; counters at or above the old ones may be either. ``counters_tell`` takes them
+    for the same process: right for a condemned backend nothing of ours replaced (DEAD),
+    which after one refused read otherwise came back as "new", past the in-place cap and a
+    pending restart; wrong after our restart (a replacement of a process that wedged young
+    shows counters as low as its own), which would then sit out its startup grace.
+    """
     newest = _newest_signals(verdict)
     baseline = previous.baseline
     if newest is None or baseline is None:
         return False
-    return not restarted_between(baseline, newest)
+    if newest.process_start is None or baseline.process_start is None:
+        return counters_tell and not restarted_between(baseline, newest)
+    return newest.process_start == baseline.process_start
 
 
 def requests_finished(verdict: Verdict, previous: Sighting | None) -> bool:

@@ -869,6 +869,28 @@ def test_a_process_without_a_start_time_answering_after_a_refused_read_is_the_sa
     assert [t.kind for t in transitions][:1] == [EventKind.NEW_PROCESS_UP]
 
 
+def test_after_our_restart_metrics_again_without_a_start_time_are_the_replacement() -> None:
+    """Counters at or above the old ones prove nothing without a start time: a process
+    that wedged young is replaced by one whose counters are as low. After a restart we
+    issued, what answers after the refused reads is the replacement, or a working one
+    sat out its startup grace and counted as a failed restart."""
+    record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
+    young = (readable(NOW - 1, start=None, steps=0.0), readable(NOW, start=None, steps=0.0))
+    record.observe("gpu0", verdict(VerdictKind.WEDGED, False, "wedged", reads=young), NOW)
+    record.ledger.apply("gpu0", RestartIssued(now=NOW + 1))
+    record.observe("gpu0", VERDICTS["down"], NOW + 5)  # the old process gone
+    fresh = verdict(
+        VerdictKind.IDLE,
+        True,
+        "idle; tiny request answered",
+        reads=(readable(NOW + 30, start=None, running=0.0, steps=5.0),),
+        answer=ANSWERED,
+    )
+    transitions = record.observe("gpu0", fresh, NOW + 30)
+    assert [t.kind for t in transitions] == [EventKind.NEW_PROCESS_UP, EventKind.READMITTED]
+    assert record.ledger.state_of("gpu0") is H
+
+
 def test_a_dead_backend_with_a_restart_pending_says_so_to_the_ledger_and_stays_dead() -> None:
     record = FleetRecord(Ledger(RECOVER, [("gpu0", URL_0)], now=0.0))
     record.observe("gpu0", VERDICTS["busy"], NOW)
