@@ -408,11 +408,12 @@ class FleetRecord:
                 self.request_streaks.pop(name, None)
                 self.fresh_since.pop(name, None)
                 note = f"{name}: no longer configured; forgotten ({state})"
-                hold = self.holds.pop(name, None)
-                if hold is not None:
-                    # Forgotten with the rest of its history: kept, no verb could name it,
-                    # status did not show it, and a machine given the name later was held.
-                    note += f"; its hold dropped (was {hold.describe(now)})"
+                if name in self.holds:
+                    # Kept until it ends or is released (by name; status lists it): dropped,
+                    # a hold set for a backend just added to the config was lost to a
+                    # daemon that had not reloaded yet, or to a cluster member whose config
+                    # lacked it, and a weight sync met a restart.
+                    note += f"; its hold stays ({self.holds[name].describe(now)})"
                 changes.append(MembershipChange(name, "forgotten", state, note))
         moves = {
             name: backends[name]
@@ -432,8 +433,6 @@ class FleetRecord:
         for name, url in backends.items():
             if name not in self.ledger:
                 changes.append(self.admit(name, url, now))
-        for name in [n for n in self.holds if n not in self.ledger]:
-            del self.holds[name]  # a name an older version kept after the config dropped it
         return changes
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:
@@ -441,8 +440,11 @@ class FleetRecord:
         was retired as it left the config (an operator's decision outlives an edit).
         ValueError when its URL is another backend's."""
         self.ledger.add(name, url, now)
+        held = self.holds.get(name)
         if self.retired_forgotten.pop(name, None) is None:
             note = f"{name}: new backend at {url}; starts HEALTHY"
+            if held is not None and held.active(now):
+                note += f"; {held.describe(now)} (a hold on its name)"
             return MembershipChange(name, "added", State.HEALTHY, note)
         why = "retired when it left the config; only a reset brings it back"
         self.ledger.apply(name, Retire(now=now, reason=why))

@@ -74,7 +74,9 @@ class _Edit:
 
 
 @contextlib.contextmanager
-def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[_Edit]:
+def _editing(
+    store: Store, config: Config, name: str, clock: Clock, *, or_held: bool = False
+) -> Iterator[_Edit]:
     """The record of a fleet that has this backend, with the state lock held.
 
     With no saved record yet, the one a first check would start from (every configured
@@ -83,6 +85,7 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
     verb changes something. The message names where: a verb that found no state makes a
     new one, which a daemon keeping its state elsewhere (another user's default path, a
     config without ``state``) never reads, and the operator must be able to see that.
+    ``or_held``: a name the config dropped whose hold is kept will do (``release``).
     """
     with store.locked():
         policy = ledger_policy(config.policy)
@@ -106,7 +109,7 @@ def _editing(store: Store, config: Config, name: str, clock: Clock) -> Iterator[
                 added = record.admit(name, configured[name], clock())
             except ValueError as exc:  # e.g. its URL is another saved backend's
                 raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
-        if name not in record.ledger:
+        if name not in record.ledger and not (or_held and name in record.holds):
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
         yield _Edit(record, saved, added)
@@ -227,8 +230,8 @@ def hold(
 def release(
     store: Store, audit: Audit, config: Config, name: str, *, clock: Clock = time.time
 ) -> VerbResult:
-    """End a hold early."""
-    with _editing(store, config, name, clock) as edit:
+    """End a hold early; also one a name keeps after the config dropped it."""
+    with _editing(store, config, name, clock, or_held=True) as edit:
         now = clock()
         held = edit.record.holds.get(name)
         if held is None or not held.active(now):

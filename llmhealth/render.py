@@ -18,6 +18,7 @@ from llmhealth.report import (
     ExitCode,
     FleetSummary,
     backend_exit_code,
+    unconfigured_holds,
 )
 from llmhealth.text import printable
 
@@ -157,6 +158,8 @@ def print_status(
             Text(printable(note or "-")),
         )
     console.print(table)
+    for name, hold in unconfigured_holds(snapshots, holds, now).items():
+        console.print(Text(printable(f"{name} (not configured): {hold.describe(now)}")))
     style = "bold red" if fleet.floor_breached else "bold"
     console.print(Text.assemble(("fleet", style), ": ", printable(fleet.message)))
     console.print(Text(f"membership epoch {fleet.epoch}"))

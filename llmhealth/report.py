@@ -252,6 +252,18 @@ def status_exit_code(snapshots: Sequence[BackendSnapshot], fleet: FleetSummary) 
     return ExitCode.CRITICAL if fleet.floor_breached else code
 
 
+def unconfigured_holds(
+    snapshots: Sequence[BackendSnapshot], holds: Mapping[str, Hold], now: float
+) -> dict[str, Hold]:
+    """Holds still running on names the config no longer has: kept until they end (one
+    set just before a daemon reloaded must not be lost to its old config), and shown, or
+    no one would know a name put back is held."""
+    names = {snapshot.name for snapshot in snapshots}
+    return {
+        name: hold for name, hold in sorted(holds.items()) if name not in names and hold.active(now)
+    }
+
+
 def status_json(
     snapshots: Sequence[BackendSnapshot],
     holds: Mapping[str, Hold],
@@ -288,6 +300,9 @@ def status_json(
             "epoch": fleet.epoch,
             "floor_breached": fleet.floor_breached,
             "message": fleet.message,
+        },
+        "holds_of_unconfigured_names": {
+            name: hold.to_dict() for name, hold in unconfigured_holds(snapshots, holds, now).items()
         },
     }
 

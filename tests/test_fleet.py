@@ -607,23 +607,26 @@ def test_a_verdict_llmhealth_could_not_judge_moves_nothing_and_sees_nothing(
     assert events_for(unjudged, State.DEAD, now=NOW, previous=sighting) == []
 
 
-def test_ended_holds_and_those_of_backends_the_config_dropped_are_dropped() -> None:
-    """Nothing ever removed a hold but ``release``: ended ones piled up, and one of a
-    backend the config dropped stayed where no verb could name it nor status show it,
-    and held a machine given the name later."""
+def test_an_ended_hold_is_dropped_and_a_dropped_backends_hold_lasts_until_it_ends() -> None:
+    """Nothing ever removed a hold but ``release``, so ended ones piled up. A running one
+    of a backend the config dropped stays until it ends: dropped at once, a hold set for a
+    backend just added to the config went with the first settle of a daemon that had not
+    reloaded yet, and a weight sync met a restart. A name put back meanwhile is held, and
+    its audit line says so."""
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
     record.holds["gpu0"] = Hold("weight sync", NOW - 1, "ops")
     record.holds["gpu1"] = Hold("moving racks", NOW + 600, "ops")
-    record.holds["gpu9"] = Hold("kept by an older version", NOW + 600, "ops")
     described = record.holds["gpu1"].describe(NOW)
     changes = notes_of(record.reconcile({"gpu0": URL_0}, NOW))
     assert changes == [
-        f"gpu1: no longer configured; forgotten (healthy); its hold dropped (was {described})"
+        f"gpu1: no longer configured; forgotten (healthy); its hold stays ({described})"
     ]
-    assert record.holds == {}
-    assert notes_of(record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 1)) == [
-        f"gpu1: new backend at {URL_1}; starts HEALTHY"
-    ]
+    assert list(record.holds) == ["gpu1"]
+    back = notes_of(record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 1))
+    held = record.holds["gpu1"].describe(NOW + 1)
+    assert back == [f"gpu1: new backend at {URL_1}; starts HEALTHY; {held} (a hold on its name)"]
+    record.reconcile({"gpu0": URL_0}, NOW + 2)
+    assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 600)) == []
     assert record.holds == {}
 
 

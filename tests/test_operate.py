@@ -197,6 +197,28 @@ def test_a_hold_longer_than_a_year_exits_3(state: Path) -> None:
     assert status(state)["gpu1"]["hold"] is None
 
 
+def test_a_hold_whose_backend_the_config_dropped_is_shown_and_released_by_name(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0)
+    record = FleetRecord(ledger)
+    record.holds["gpu1"] = Hold("moving racks", time.time() + 600, "ops")
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    shown = llmhealth("status", "--state", str(path), "--format", "json")
+    held = json.loads(shown.stdout)["holds_of_unconfigured_names"]
+    assert list(held) == ["gpu1"] and held["gpu1"]["reason"] == "moving racks"
+    table = llmhealth("status", "--state", str(path))
+    assert "gpu1 (not configured): on hold until" in table.stdout
+    released = llmhealth("release", "gpu1", "--state", str(path))
+    assert released.returncode == 0, released.stderr
+    assert "hold released (moving racks)" in released.stdout
+    shown = llmhealth("status", "--state", str(path), "--format", "json")
+    assert json.loads(shown.stdout)["holds_of_unconfigured_names"] == {}
+
+
 def test_releasing_an_ended_hold_changes_nothing_and_says_so(tmp_path: Path) -> None:
     """It said "hold released" and audited a change that changed nothing."""
     ledger = Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0)
