@@ -10,6 +10,8 @@ URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 
 def printable(text: str) -> str:
     """``text`` with every non-printable character written as its Python escape.
@@ -44,8 +46,9 @@ def openai_root(url: str) -> str | None:
     """The server's root when ``url`` is an OpenAI base URL (its path ends in ``/v1``, as
     clients and routers know backends by), else None: llmhealth reads ``/metrics``
     beside ``/v1``, so a backend is its root."""
-    stripped = url.rstrip("/")
-    return stripped.removesuffix("/v1") if stripped.endswith("/v1") else None
+    if not urlsplit(url).path.rstrip("/").endswith("/v1"):
+        return None  # a host named v1 is no base URL
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def refuse_user_info(url: str) -> None:

@@ -481,6 +481,8 @@ def test_an_empty_query_or_fragment_is_dropped_not_kept(url: str) -> None:
     # Case is kept, the scheme's too (urlsplit lower-cases it: a state saved before with
     # HTTP:// was readdressed on upgrade).
     assert check_url("HTTP://GPU-Host:8000/p/") == "HTTP://GPU-Host:8000/p"
+    # A host named v1 is a host, not an OpenAI base URL's path.
+    assert check_url("http://v1") == "http://v1"
 
 
 @pytest.mark.parametrize(
