@@ -10,8 +10,6 @@ URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 
 def printable(text: str) -> str:
     """``text`` with every non-printable character written as its Python escape.
@@ -46,7 +44,9 @@ def openai_root(url: str) -> str | None:
     """The server's root when ``url`` is an OpenAI base URL (its path ends in ``/v1``, as
     clients and routers know backends by), else None: llmhealth reads ``/metrics``
     beside ``/v1``, so a backend is its root."""
-    if not urlsplit(url).path.rstrip("/").endswith("/v1"):
+    _, sep, rest = url.partition("://")
+    path = "/" + rest.partition("/")[2] if sep else url
+    if not path.rstrip("/").endswith("/v1"):
         return None  # a host named v1 is no base URL
     return url.rstrip("/").removesuffix("/v1")
 
