@@ -226,17 +226,23 @@ def test_a_write_between_read_and_save_fails_the_save(etcd_server: EtcdCluster, 
     assert store_value(etcd, keys) == 2
 
 
+def saved_fleet_of_one(etcd: Etcd, keys: Keys) -> EtcdStore:
+    """A verb's store over a saved record of one healthy backend, gpu0."""
+    store = EtcdStore(etcd, keys, None)
+    with store.locked():
+        store.load(dict)
+        ledger = Ledger(LedgerPolicy(), [("gpu0", "http://10.0.0.5:8000")], now=0.0)
+        store.save(FleetRecord(ledger).to_dict())
+    return store
+
+
 def test_a_verb_raced_by_a_settle_is_made_again_on_the_record_as_it_now_is(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
     """A leader settles every wait: an operator's verb whose save lost the race wrote
     nothing and exited 3 ("run it again"); it is made again, and audited once."""
     etcd = Etcd(etcd_server.endpoints)
-    store = EtcdStore(etcd, keys, None)
-    with store.locked():
-        store.load(dict)
-        ledger = Ledger(LedgerPolicy(), [("gpu0", "http://10.0.0.5:8000")], now=0.0)
-        store.save(FleetRecord(ledger).to_dict())
+    store = saved_fleet_of_one(etcd, keys)
 
     class RacedAudit:
         """The verb's own audit, with a settle's write slipped in at its first record:
@@ -273,11 +279,7 @@ def test_a_refused_verb_raced_by_a_settle_is_made_again_and_refused(
     between failed it as "fenced out" (exit 3, naming a leader), where it is a refusal
     like any other once made again on the record as it now is."""
     etcd = Etcd(etcd_server.endpoints)
-    store = EtcdStore(etcd, keys, None)
-    with store.locked():
-        store.load(dict)
-        ledger = Ledger(LedgerPolicy(), [("gpu0", "http://10.0.0.5:8000")], now=0.0)
-        store.save(FleetRecord(ledger).to_dict())
+    store = saved_fleet_of_one(etcd, keys)
     raced = []
 
     def readmit_raced(now: float) -> Readmitted:

@@ -845,6 +845,15 @@ def test_the_same_process_answering_after_failed_reads_is_not_taken_for_a_new_on
     assert [t.kind for t in record.observe("gpu0", other, NOW + 300)] == [EventKind.NEW_PROCESS_UP]
 
 
+def idle_answered_without_start(at: float, *, steps: float) -> Verdict:
+    """An idle engine of vLLM's multiprocess mode (no start time), its tiny request
+    answered."""
+    reads = (readable(at, start=None, running=0.0, steps=steps),)
+    return verdict(
+        VerdictKind.IDLE, True, "idle; tiny request answered", reads=reads, answer=ANSWERED
+    )
+
+
 def test_a_process_without_a_start_time_answering_after_a_refused_read_is_the_same_one() -> None:
     """vLLM in multiprocess mode shows no start time: after one refused read (a lost
     route) the condemned process itself came back as "new", serving again in the same
@@ -856,18 +865,12 @@ def test_a_process_without_a_start_time_answering_after_a_refused_read_is_the_sa
     record.observe("gpu0", verdict(VerdictKind.WEDGED, False, "wedged", reads=frozen), NOW)
     assert record.ledger.state_of("gpu0") is D
     record.observe("gpu0", VERDICTS["down"], NOW + 5, restart_pending=True)
-    same = verdict(
-        VerdictKind.IDLE,
-        True,
-        "idle; tiny request answered",
-        reads=(readable(NOW + 10, start=None, running=0.0, steps=140.0),),
-        answer=ANSWERED,
-    )
+    same = idle_answered_without_start(NOW + 10, steps=140.0)
     transitions = record.observe("gpu0", same, NOW + 10, restart_pending=True)
     assert not any(t.kind is EventKind.NEW_PROCESS_UP for t in transitions)
     assert record.ledger.state_of("gpu0") is D
     record.observe("gpu0", VERDICTS["down"], NOW + 15, restart_pending=True)
-    other = replace(same, reads=(readable(NOW + 20, start=None, running=0.0, steps=3.0),))
+    other = idle_answered_without_start(NOW + 20, steps=3.0)
     transitions = record.observe("gpu0", other, NOW + 20, restart_pending=True)
     assert [t.kind for t in transitions][:1] == [EventKind.NEW_PROCESS_UP]
 
@@ -882,13 +885,7 @@ def test_after_our_restart_metrics_again_without_a_start_time_are_the_replacemen
     record.observe("gpu0", verdict(VerdictKind.WEDGED, False, "wedged", reads=young), NOW)
     record.ledger.apply("gpu0", RestartIssued(now=NOW + 1))
     record.observe("gpu0", VERDICTS["down"], NOW + 5)  # the old process gone
-    fresh = verdict(
-        VerdictKind.IDLE,
-        True,
-        "idle; tiny request answered",
-        reads=(readable(NOW + 30, start=None, running=0.0, steps=5.0),),
-        answer=ANSWERED,
-    )
+    fresh = idle_answered_without_start(NOW + 30, steps=5.0)
     transitions = record.observe("gpu0", fresh, NOW + 30)
     assert [t.kind for t in transitions] == [EventKind.NEW_PROCESS_UP, EventKind.READMITTED]
     assert record.ledger.state_of("gpu0") is H
