@@ -441,8 +441,9 @@ def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() ->
     """A server inventing a megabyte of label value on each read must not fill the memos
     with copies of it (60 such reads kept 122 MB): an entry over an eighth of a memo's
     budget is understood afresh on each read, with the same answer, and the memo's keys
-    never hold more than its budget. A real text of 32 data-parallel engines (250 KB of
-    names and labels) is still kept: rebuilt on each read, it cost 1.5 times the read."""
+    never hold more than its budget. A text of 32 data-parallel engines' lines (1,600
+    lines, 190 KB of names and labels here) is still kept: a review measured a 132 KB
+    text rebuilt on each read at 1.68 ms a parse against 1.16 kept."""
     metrics._LAYOUTS.clear()
     metrics._MEANINGS.clear()
     try:

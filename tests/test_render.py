@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from types import SimpleNamespace
 
 from rich.console import Console
+from test_ledger import fresh
 
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.daemon import Daemon
@@ -19,21 +21,8 @@ LONG = "gpu-" * 20 + "rack1-a"  # 87 characters, as in a real rack naming scheme
 
 
 def snapshot(name: str, state: State = State.HEALTHY, last_error: str = "") -> BackendSnapshot:
-    return BackendSnapshot(
-        name=name,
-        url="http://a:1",
-        state=state,
-        probe_failures=0,
-        request_failures=0,
-        good_streak=0,
-        restart_attempts=0,
-        last_restart_at=None,
-        last_ok_at=None,
-        last_error=last_error,
-        weight_version=None,
-        condemned_by=None,
-        state_since=None,
-    )
+    """A newly configured backend's snapshot (test_ledger's), named and in ``state``."""
+    return replace(fresh(), name=name, state=state, last_error=last_error, state_since=None)
 
 
 def shown(report: CycleReport, width: int = 132) -> str:
