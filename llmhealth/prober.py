@@ -173,16 +173,17 @@ class Prober:
         await self.aclose()
 
     async def _examine(self, key: Key) -> Verdict | None:
-        url = self._fleet.base_url_of(key)
-        changes = self._fleet.process_changes(key)
         slot = self._slots.get(key)
-        if slot is None or slot.url != url or slot.process_changes != changes:
+        if slot is None or self._moved(key):
             # A new address, or a process the caller said ended or was replaced, is a new
             # process: its reads must not be compared with the old one's.
             if slot is not None:
                 await slot.client.aclose()
             # The client builds a TLS context only if an https backend needs one.
-            slot = self._slots[key] = _Slot(url, changes, new_client())
+            fleet = self._fleet
+            slot = _Slot(fleet.base_url_of(key), fleet.process_changes(key), new_client())
+            self._slots[key] = slot
+        url = slot.url
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         return await examine_once(
             slot.client, target, self._settings, slot.window, clock=time.monotonic
