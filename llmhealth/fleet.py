@@ -26,7 +26,6 @@ from llmhealth.ledger import (
     Readmitted,
     RequestFailure,
     RequestSuccess,
-    Retire,
     State,
     Transition,
     UnplannedRestart,
@@ -439,15 +438,16 @@ class FleetRecord:
         """Add a configured backend the record does not hold: HEALTHY, or RETIRED when it
         was retired as it left the config (an operator's decision outlives an edit).
         ValueError when its URL is another backend's."""
-        self.ledger.add(name, url, now)
-        held = self.holds.get(name)
-        if self.retired_forgotten.pop(name, None) is None:
+        if name not in self.retired_forgotten:
+            self.ledger.add(name, url, now)
             note = f"{name}: new backend at {url}; starts HEALTHY"
+            held = self.holds.get(name)
             if held is not None and held.active(now):
                 note += f"; {held.describe(now)} (a hold on its name)"
             return MembershipChange(name, "added", State.HEALTHY, note)
         why = "retired when it left the config; only a reset brings it back"
-        self.ledger.apply(name, Retire(now=now, reason=why))
+        self.ledger.add(name, url, now, retired_because=why)
+        del self.retired_forgotten[name]  # remembered until the ledger holds it again
         note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
         return MembershipChange(name, "added", State.RETIRED, note)
 

@@ -1054,11 +1054,18 @@ class Ledger:
         grace = self._policy.startup_grace
         return [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
 
-    def add(self, name: str, url: str, now: float) -> None:
-        """Add a newly configured backend, HEALTHY (see the class docstring for why)."""
+    def add(self, name: str, url: str, now: float, *, retired_because: str | None = None) -> None:
+        """Add a newly configured backend, HEALTHY (see the class docstring for why), or
+        RETIRED for the given reason: an operator's retirement that outlived a config
+        edit. A RETIRED one joins outside the serving set, so the epoch stays put."""
         _as_time(now, "now")
-        self._insert(_Backend(name=name, url=url, state_since=now), "add")
-        self._epoch += 1
+        b = _Backend(name=name, url=url, state_since=now)
+        if retired_because is not None:
+            _record(b, Retire(now=now, reason=retired_because))
+            b.state = State.RETIRED
+        self._insert(b, "add")
+        if b.state in SERVING:
+            self._epoch += 1
 
     def readdress(self, moves: Mapping[str, str]) -> None:
         """Backends the configuration moved to new addresses (name -> URL), all at once,

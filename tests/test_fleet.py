@@ -639,8 +639,14 @@ def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired(
         "gpu1: no longer configured; forgotten (retired)"
     ]
     again = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), POLICY)
+    epoch = again.ledger.epoch
     changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 2)
     assert [(c.event, c.state) for c in changes] == [("added", State.RETIRED)]
+    # Out of the serving set when it left and when it came back: the epoch stays put.
+    assert again.ledger.epoch == epoch
+    assert again.ledger.snapshot("gpu1", NOW + 2).last_error == (
+        "retired: retired when it left the config; only a reset brings it back"
+    )
     assert changes[0].note.startswith(f"gpu1: back in the config at {URL_1}; stays RETIRED")
     assert again.ledger.state_of("gpu1") is State.RETIRED
     assert again.ledger.serving == ("gpu0",)

@@ -1322,6 +1322,23 @@ def test_adding_a_backend_makes_it_healthy_and_moves_the_epoch() -> None:
     assert ledger.snapshot("b", 5.0) == replace(fresh(5.0), name="b", url=URL_B)
 
 
+def test_adding_a_backend_retired_keeps_it_out_and_the_epoch_still() -> None:
+    """A retirement that outlived a config edit: the backend joins outside the serving
+    set, so the serving set and its epoch do not change, and its address is no one's."""
+    ledger = one_backend()
+    ledger.add("b", URL_B, now=5.0, retired_because="retired before it left the config")
+    assert ledger.epoch == 0
+    assert ledger.serving == ("a",)
+    assert ledger.snapshot("b", 5.0) == replace(
+        fresh(5.0),
+        name="b",
+        url=URL_B,
+        state=State.RETIRED,
+        last_error="retired: retired before it left the config",
+    )
+    assert ledger.apply("b", OperatorReset(now=6.0)).to_state is State.STALE
+
+
 def test_removing_moves_the_epoch_only_when_the_backend_was_serving() -> None:
     ledger = three_backends()
     ledger.apply("c", WedgeProven(now=1.0))
