@@ -366,7 +366,11 @@ async def run_cycle_async(
     async def probe(record: FleetRecord) -> list[Outcome]:
         return await check_fleet(
             targets,
-            replace(settings, awaiting_answer=record.ledger.awaiting_readmission),
+            replace(
+                settings,
+                awaiting_answer=record.ledger.awaiting_readmission,
+                retired=record.ledger.retired,
+            ),
             clock=clock,
             baselines=baselines_of(record),
             learned=learned_steps_of(record),

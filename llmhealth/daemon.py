@@ -201,11 +201,13 @@ class Daemon:
         sharded = self._seat is not None and cluster is not None and cluster.shard_reads
         self._shares = SharedReads(self._seat) if self._seat and sharded else None
         self._share: frozenset[str] | None = None
-        # What the read workers were last told: whether they may send tiny requests, and
-        # which backends to ask even when their engines moved.
-        self._told: tuple[bool, frozenset[str]] = (True, frozenset())
+        # What the read workers were last told: whether they may send tiny requests,
+        # which backends to ask even when their engines moved, and which never to ask.
+        self._told: tuple[bool, frozenset[str], frozenset[str]] = (True, frozenset(), frozenset())
         # STALE in the last record seen: asked whenever idle, as re-admission needs.
         self._awaiting: frozenset[str] = frozenset()
+        # RETIRED in the last record seen: read, never asked.
+        self._retired: frozenset[str] = frozenset()
         self._serials: Counter[str] = Counter()  # fresh verdicts per backend, for the leader
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
@@ -256,6 +258,7 @@ class Daemon:
             max_check_time=self._config.max_check_time,
             unasked=STANDBY_ASKS_NOTHING if self._standby_reading_all() else None,
             awaiting_answer=self._awaiting,
+            retired=self._retired,
         )
 
     def _standby_reading_all(self) -> bool:
@@ -578,7 +581,7 @@ class Daemon:
             return {}, {}
         now = self._clock()
         self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
-        self._awaiting = record.ledger.awaiting_readmission
+        self._note_whom_to_ask(record)
         return baselines_of(record), learned_steps_of(record)
 
     def _start_probes(self) -> None:
@@ -639,10 +642,10 @@ class Daemon:
 
     def _tell_workers_who_asks(self) -> None:
         """Read workers hold the settings their share came with: on taking or losing the
-        lead, or a change of the backends awaiting re-admission, send them again (the
-        daemon's own tasks ask before every read)."""
+        lead, or a change of the backends awaiting re-admission or retired, send them
+        again (the daemon's own tasks ask before every read)."""
         settings = self.settings
-        told = (settings.unasked is None, settings.awaiting_answer)
+        told = (settings.unasked is None, settings.awaiting_answer, settings.retired)
         if told != self._told and isinstance(self._reading, ReadPool):
             self._start_probes()
         self._told = told
@@ -693,7 +696,13 @@ class Daemon:
         """The record as settled or read, and what the loop's thread may read of it."""
         self._record = record
         self._news = (baselines_of(record), learned_steps_of(record))
+        self._note_whom_to_ask(record)
+
+    def _note_whom_to_ask(self, record: FleetRecord) -> None:
+        """The ledger's say in the tiny request: STALE ones asked whenever idle, RETIRED
+        ones never."""
         self._awaiting = record.ledger.awaiting_readmission
+        self._retired = record.ledger.retired
 
     def _take_fresh(self) -> list[Outcome]:
         """Verdicts that came in since the last cycle; called on the event loop's thread."""

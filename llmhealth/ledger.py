@@ -1134,6 +1134,12 @@ class Ledger:
         return frozenset(b.name for b in self._backends.values() if b.state is State.STALE)
 
     @property
+    def retired(self) -> frozenset[str]:
+        """RETIRED: out for good, so a reader leaves their request slots alone (an
+        operator may have taken the server for something else). Unsorted, as above."""
+        return frozenset(b.name for b in self._backends.values() if b.state is State.RETIRED)
+
+    @property
     def suspected(self) -> tuple[str, ...]:
         """SUSPECT, or STALE having been SUSPECT when a weight sync broke.
 
@@ -1324,8 +1330,8 @@ class Ledger:
             raise UnknownBackend(f"no backend named {name!r} in the ledger") from None
 
     def _check_url_free(self, url: str, name: str) -> None:
-        """A RETIRED backend's address is free: it is out for good, never read nor sent a
-        request, and a replacement bound where its process was must not be refused."""
+        """A RETIRED backend's address is free: it is out for good, never sent a request,
+        and a replacement bound where its process was must not be refused."""
         other = self.by_url(url)
         if other is not None and other != name and self._backends[other].state is not State.RETIRED:
             raise ValueError(f"{name!r} cannot move to {url!r}: backend {other!r} is there")

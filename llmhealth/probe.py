@@ -58,6 +58,9 @@ _USER_AGENT = f"llmhealth/{__version__}"
 # would take a slot for nothing, and the leader's read of that idle backend would show
 # the request as work.
 STANDBY_ASKS_NOTHING = "a standby leaves the tiny request to the leader"
+# Nothing a RETIRED backend answers is used (only a reset moves it, and then it is
+# asked as any STALE one), and its server may be serving someone else by now.
+RETIRED_ASKED_NOTHING = "it is retired; only a reset brings it back"
 
 
 def seconds_argument(value: object, name: str) -> float:
@@ -83,11 +86,19 @@ class ProbeSettings:
     # Backends whose ledger waits for an answered tiny request (STALE: only re-admission
     # brings one back): asked whenever idle, even though their counters moved.
     awaiting_answer: frozenset[str] = frozenset()
+    # Backends RETIRED in the ledger: read, never asked (RETIRED_ASKED_NOTHING).
+    retired: frozenset[str] = frozenset()
+
+    def why_unasked(self, name: str) -> str | None:
+        """Why this reader sends ``name`` no tiny request, or None when it may."""
+        if self.unasked is not None:
+            return self.unasked
+        return RETIRED_ASKED_NOTHING if name in self.retired else None
 
     def wants_answer(self, name: str) -> bool:
         """Whether this reader should ask ``name`` even though its engine moved: its
         ledger waits for an answer, and this reader may send one."""
-        return self.unasked is None and name in self.awaiting_answer
+        return name in self.awaiting_answer and self.why_unasked(name) is None
 
     @property
     def read_limit(self) -> int:
@@ -400,8 +411,10 @@ async def examine_backend(
                     await sleep(settings.wait)
                 read = await read_metrics(client, target, settings, clock)
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
-            elif isinstance(decision, SendTinyRequest) and settings.unasked is not None:
-                return left_unasked(reads, decision, settings.unasked)
+            elif isinstance(decision, SendTinyRequest) and (
+                unasked := settings.why_unasked(target.name)
+            ):
+                return left_unasked(reads, decision, unasked)
             elif isinstance(decision, SendTinyRequest):
                 answer_settings = settings.for_answer(reads, learned, target.rules)
                 answer = await ask_tiny(client, target, answer_settings, clock)
@@ -454,8 +467,8 @@ async def examine_once(
     try:
         await read_into_window()
         decision = judge(None)
-        if isinstance(decision, SendTinyRequest) and settings.unasked is not None:
-            decision = left_unasked(window, decision, settings.unasked)
+        if isinstance(decision, SendTinyRequest) and (unasked := settings.why_unasked(target.name)):
+            decision = left_unasked(window, decision, unasked)
         if isinstance(decision, SendTinyRequest):
             answer = await ask_tiny(
                 client, target, settings.for_answer(window, learned, target.rules), clock

@@ -175,6 +175,32 @@ def test_a_backend_a_config_edit_forgets_is_written_in_the_audit_trail(
     assert states == {"a": "healthy", "b": "retired"}
 
 
+def test_check_sends_a_retired_backend_no_tiny_request_until_a_reset(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """An operator who retired a server may have taken it for something else: check
+    still reads it, and leaves its request slots alone until a reset asks for proof."""
+    url = serve_idle(httpserver)
+    state = str(tmp_path / "state.json")
+    check = ["check", url, "--state", state, "--wait", "0.1", "--format", "json"]
+
+    def completions() -> int:
+        return sum(request.path == "/v1/completions" for request, _ in httpserver.log)
+
+    assert runner.invoke(app, check).exit_code == 0
+    assert completions() == 1
+    name = url.removeprefix("http://")
+    assert runner.invoke(app, ["retire", name, "--reason", "lent", "--state", state]).exit_code == 0
+    retired = runner.invoke(app, check)
+    backend = json.loads(retired.output)["backends"][0]
+    assert (backend["verdict"], backend["state"]) == ("idle", "retired")
+    assert "no request sent: it is retired" in backend["evidence"]
+    assert completions() == 1
+    assert runner.invoke(app, ["reset", name, "--state", state]).exit_code == 0
+    readmitted = json.loads(runner.invoke(app, check).output)["backends"][0]
+    assert readmitted["state"] == "healthy" and completions() == 2
+
+
 def test_no_arguments_print_the_help_and_exit_3_with_a_reason(entry_point: str) -> None:
     """An empty argument variable in a script: UNKNOWN with a reason, not a traceback and
     an exit 1 that a plugin runner reads as WARNING."""

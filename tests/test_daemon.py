@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -1426,6 +1427,92 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert asyncio.run(scenario()) >= 1
     readmitted = [r for r in read(audit_path_for(config, state)) if r.get("event") == "readmitted"]
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
+
+
+class FrozenIdle:
+    """An idle server whose counters never move: asked at every read while it serves."""
+
+    def __init__(self, server: HTTPServer) -> None:
+        captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+        text = (captures / "idle-1.txt").read_text()
+        self.reads = 0
+        self.completions = 0
+        server.expect_request("/metrics").respond_with_handler(self._metrics)
+        server.expect_request("/v1/models").respond_with_json(
+            {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+        )
+        server.expect_request("/v1/completions", method="POST").respond_with_handler(self._complete)
+        self._text = text
+        self.url = server.url_for("").rstrip("/")
+
+    def _metrics(self, _request: Request) -> Response:
+        self.reads += 1
+        return Response(self._text, content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    def _complete(self, _request: Request) -> Response:
+        self.completions += 1
+        answer = {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "!"}]}
+        return Response(json.dumps(answer), content_type="application/json")
+
+
+@pytest.mark.parametrize("read_workers", [None, 2])
+def test_a_retired_backend_is_read_but_sent_no_tiny_request_until_a_reset(
+    httpserver: HTTPServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    read_workers: int | None,
+) -> None:
+    """An operator who retired a server may have lent it to someone else: watch keeps
+    reading it and leaves its request slots alone, read workers included, until a reset
+    asks for proof again."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    backend = FrozenIdle(httpserver)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
+    state = tmp_path / "state.json"
+    daemon = Daemon(
+        lambda: (config, [Target("b", backend.url)]),
+        StateFile(state),
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    operator = StateFile(state)
+    audit = AuditLog(audit_path_for(config, state))
+
+    async def until(what: str, predicate: Callable[[], bool], running: asyncio.Task[int]) -> None:
+        deadline = time.monotonic() + 20.0
+        while not predicate():
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"no {what}; b is {_saved_state(state, 'b')}")
+            await asyncio.sleep(POLL)
+
+    async def reads(count: int, running: asyncio.Task[int]) -> None:
+        goal = backend.reads + count
+        await until(f"{count} more reads", lambda: backend.reads >= goal, running)
+
+    async def scenario() -> tuple[int, int]:
+        running = asyncio.create_task(daemon.run())
+        try:
+            await until("a tiny request", lambda: backend.completions >= 2, running)
+            verb = partial(operate.retire, operator, audit, config, "b", "lent out")
+            assert (await asyncio.to_thread(verb)).applied
+            # Ten waits: the retirement settled and told to every reader (two waits at
+            # most), and any examination under way when it was made has ended.
+            await reads(10, running)
+            asked_when_retired = backend.completions
+            await reads(10, running)
+            asked_since = backend.completions - asked_when_retired
+            assert (await asyncio.to_thread(operate.reset, operator, audit, config, "b")).applied
+            await until("re-admission", lambda: _saved_state(state, "b") == "healthy", running)
+            return asked_since, backend.completions - asked_when_retired
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, STOP_BOUND) == 0
+
+    asked_while_retired, asked_by_the_end = asyncio.run(scenario())
+    assert asked_while_retired == 0
+    assert asked_by_the_end >= 1  # the reset's proof: an answered tiny request
 
 
 class RacedSaves(StateFile):

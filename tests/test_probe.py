@@ -221,6 +221,21 @@ def test_a_standby_asks_no_server_even_one_awaiting_readmission(httpserver: HTTP
     assert "progressed" in verdict.evidence and "a standby" not in verdict.evidence
 
 
+def test_a_retired_server_is_read_but_never_asked(httpserver: HTTPServer) -> None:
+    """Out for good until a reset: nothing it answers is used, and its server may be
+    serving someone else by now, so neither check nor watch takes one of its slots."""
+    backend = Backend(httpserver, [capture("idle-1")])
+    retired = replace(FAST, retired=frozenset({"b"}))
+    verdict = examine(backend.url, retired)
+    assert verdict.kind is VerdictKind.IDLE and verdict.answer is None
+    assert "no request sent: it is retired; only a reset brings it back" in verdict.evidence
+    assert watch_twice(backend.url, retired) is not None
+    assert backend.completions == 0 and backend.metrics_reads > 0
+    # Another backend's retirement is not this one's.
+    assert examine(backend.url, replace(FAST, retired=frozenset({"other"}))).answer is not None
+    assert backend.completions == 1
+
+
 def test_check_asks_a_server_awaiting_readmission_whose_work_just_finished(
     httpserver: HTTPServer,
 ) -> None:
