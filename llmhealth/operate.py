@@ -205,25 +205,31 @@ def hold(
     *,
     clock: Clock = time.time,
 ) -> VerbResult:
-    """Keep remediation away from a backend for a while; verdicts are still recorded."""
+    """Keep remediation away from a backend for a while; verdicts are still recorded.
+
+    A backend has one hold: a new one replaces a running one (a trainer's short hold may
+    end an operator's long one), so the answer and the trail name what it replaced.
+    """
     with _editing(store, config, name, clock) as edit:
         record, now = edit.record, clock()
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
+        running = record.holds.get(name)
+        replaced = running if running is not None and running.active(now) else None
         record.holds[name] = new_hold
-        edit.save(
-            store,
-            audit,
-            now,
-            {
-                "time": now,
-                "actor": new_hold.by,
-                "backend": name,
-                "event": "hold",
-                "until": new_hold.until,
-                "reason": reason,
-            },
-        )
-        return VerbResult(True, f"{name}: {new_hold.describe(now)}; {edit.saved}")
+        change: dict[str, object] = {
+            "time": now,
+            "actor": new_hold.by,
+            "backend": name,
+            "event": "hold",
+            "until": new_hold.until,
+            "reason": reason,
+        }
+        message = f"{name}: {new_hold.describe(now)}"
+        if replaced is not None:
+            change["replaces"] = replaced.to_dict()
+            message += f"; replaces the hold {replaced.describe(now).removeprefix('on hold ')}"
+        edit.save(store, audit, now, change)
+        return VerbResult(True, f"{message}; {edit.saved}")
 
 
 @_again_when_moved

@@ -141,6 +141,25 @@ def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
     assert events == ["hold", "release"]
 
 
+def test_a_hold_over_a_running_one_names_what_it_replaced(state: Path) -> None:
+    """One hold per backend: a trainer's half hour over an operator's four hours ends
+    the longer one, and said nothing of it."""
+    where = ["--state", str(state)]
+    first = llmhealth("hold", "gpu1", "--for", "4h", "--reason", "disk swap", *where)
+    assert first.returncode == 0, first.stderr
+    assert "replaces" not in first.stdout
+    second = llmhealth("hold", "gpu1", "--for", "30m", "--reason", "weight sync", *where)
+    assert second.returncode == 0, second.stderr
+    assert "; replaces the hold until " in second.stdout
+    assert ": disk swap; saved to" in second.stdout
+    hold = status(state)["gpu1"]["hold"]
+    assert isinstance(hold, dict) and hold["reason"] == "weight sync"
+    records = read(state.with_name("audit.jsonl"))
+    assert "replaces" not in records[0]
+    assert records[1]["replaces"]["reason"] == "disk swap"
+    assert records[1]["replaces"]["until"] == records[0]["until"]
+
+
 @pytest.mark.parametrize(
     "verb", [("hold", "gpu1", "--for", "30m"), ("retire", "gpu1")], ids=["hold", "retire"]
 )
