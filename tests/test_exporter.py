@@ -9,10 +9,14 @@ tests serve the page over real HTTP on a loopback port the kernel picks.
 from __future__ import annotations
 
 import contextlib
+import math
+import select
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
@@ -385,6 +389,112 @@ def test_a_connection_that_sends_nothing_is_let_go_and_a_full_house_is_turned_aw
             assert connection.recv(1) == b""  # let go after the handler's timeout
         assert httpx.get(url, timeout=5.0).status_code == 200  # the places are free again
     assert "Traceback" not in capsys.readouterr().err  # a scraper's timeout is not news
+
+
+def test_a_client_dribbling_its_request_is_cut_off_and_its_place_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler's timeout bounds each read: a byte every few seconds kept a place
+    for as long as the client liked, and sixteen such clients failed every scrape."""
+    monkeypatch.setattr(exporter._ScrapeHandler, "timeout", 1.0)
+    monkeypatch.setattr(exporter, "SCRAPES_AT_ONCE", 2)
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Dribble: " + b"a" * 200
+
+    def dribble(port: int) -> bool:
+        """True when the server closed the connection while a byte a 0.3 s came in."""
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            for byte in request:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    return True
+                readable, _, _ = select.select([sock], [], [], 0.3)
+                if readable:
+                    with contextlib.suppress(OSError):
+                        return sock.recv(1) == b""
+                    return True
+        return False  # the whole dribble (about a minute) was taken
+
+    with served(collector) as port:
+        results: list[bool] = []
+        dribblers = [
+            threading.Thread(target=lambda: results.append(dribble(port))) for _ in range(2)
+        ]
+        for thread in dribblers:
+            thread.start()
+        for thread in dribblers:
+            thread.join(90.0)
+        assert results == [True, True]
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).status_code == 200
+
+
+def test_a_scraper_that_stops_reading_mid_page_leaves_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(exporter._ScrapeHandler, "timeout", 1.0)
+    collector = FleetCollector()
+    collector.publish(ExportView(backends=tuple(busy(f"gpu{n}") for n in range(2_000))))
+    with served(collector) as port:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(10.0)
+            # Unread, the page fills both buffers; the server gives up on its next send.
+            select.select([], [], [], 3.0)
+            with contextlib.suppress(OSError):
+                while sock.recv(1 << 16):
+                    pass
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).status_code == 200
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
+    """A render of 10,000 backends takes seconds of CPU and tens of MB: eight scrapers at
+    once rendered eight times over, and starved the loop that reads the fleet."""
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    renders: list[ExportView] = []
+    collect = collector.collect
+
+    def counted() -> Iterator[Any]:
+        renders.append(collector.view)
+        return collect()
+
+    collector.collect = counted  # type: ignore[method-assign]
+    with served(collector) as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def scrape(**headers: str) -> httpx.Response:
+            return httpx.get(url, timeout=10.0, headers=headers)
+
+        pages: list[bytes] = []
+        scrapers = [
+            threading.Thread(target=lambda: pages.append(scrape().content)) for _ in range(6)
+        ]
+        for thread in scrapers:
+            thread.start()
+        for thread in scrapers:
+            thread.join(30.0)
+        assert len(pages) == 6 and len(set(pages)) == 1 and len(renders) == 1
+        # Another way of asking is another page; a new view, a new render.
+        gzipped = scrape(**{"Accept-Encoding": "gzip"})
+        assert gzipped.headers["content-encoding"] == "gzip"
+        assert Page(gzipped.text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
+        assert len(renders) == 2
+        collector.publish(ExportView(backends=(busy("gpu1"),)))
+        assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
+        assert len(renders) == 3
+
+
+def test_a_rate_past_a_floats_range_is_left_out_not_exported_as_infinity() -> None:
+    """One backend's +Inf made every sum over the fleet +Inf on a dashboard; JSON, the
+    table and perfdata leave such a rate out already."""
+    page = render(ExportView(backends=(replace(busy("gpu0"), tokens_per_s=math.inf),)))
+    assert page.samples("llmhealth_backend_generated_tokens_per_second") == []
+    assert page.value("llmhealth_backend_engine_steps_per_second", backend="gpu0") == 400.5
 
 
 def _cluster_samples(view: ClusterView) -> dict[str, list[Sample]]:
