@@ -706,9 +706,9 @@ def _cannot_check(message: str) -> NoReturn:
     print(f"llmhealth: {message}", file=sys.stderr)
     asked = _format_asked(sys.argv[1:])
     if asked is OutputFormat.NAGIOS:
-        from llmhealth.text import printable  # noqa: PLC0415
+        from llmhealth.text import nagios_text  # noqa: PLC0415
 
-        print(f"LLMHEALTH UNKNOWN - {printable(message)}")
+        print(f"LLMHEALTH UNKNOWN - {nagios_text(message)}")
     elif asked is OutputFormat.JSON:
         print(json.dumps({"exit_code": int(ExitCode.UNKNOWN), "error": message}, indent=2))
     sys.exit(ExitCode.UNKNOWN)

@@ -17,6 +17,7 @@ from typing import Any
 from llmhealth.classify import Outcome, Verdict, VerdictKind
 from llmhealth.ledger import BackendSnapshot, Ledger, State, Transition
 from llmhealth.policy import Hold
+from llmhealth.text import nagios_text
 
 
 class ExitCode(IntEnum):
@@ -186,7 +187,7 @@ def nagios_line(report: CycleReport) -> str:
             label = f"{label}/{backend.snapshot.state}"
         by_kind.setdefault(label, []).append(backend.outcome.target.name)
     order = sorted(by_kind, key=lambda kind: (-_kind_weight(kind), kind))
-    summary = "; ".join(f"{len(by_kind[k])} {k} ({', '.join(by_kind[k])})" for k in order)
+    summary = "; ".join(f"{len(by_kind[k])} {k} ({_nagios_names(by_kind[k])})" for k in order)
     fleet = report.fleet
     if report.backends and any(b.snapshot is not None for b in report.backends):
         floor = " FLOOR BREACHED" if fleet.floor_breached else ""
@@ -214,11 +215,18 @@ def _kind_weight(label: str) -> int:
     return weights.get(kind, 3 if kind in ("stalled", "restarted") else 0)
 
 
+def _nagios_names(names: Iterable[str]) -> str:
+    """Backend names for the status line. Config refuses what a Nagios line cannot hold
+    (config.name_problem), but ``status`` shows names as saved: by an older version, or
+    in a cluster's etcd record, which any member can write."""
+    return ", ".join(nagios_text(name) for name in names)
+
+
 def _perf(label: str, value: float) -> str:
     # Perfdata labels are quoted with single quotes; a quote inside is doubled. Config
-    # refuses '=' in names (config.name_problem); a library caller's name still cannot
-    # end the label early.
-    quoted = "'" + label.replace("'", "''").replace("=", "_") + "'"
+    # refuses '=' in names (config.name_problem); a library caller's name, or a saved
+    # one, still cannot end the label early nor carry a control character.
+    quoted = "'" + nagios_text(label).replace("'", "''").replace("=", "_") + "'"
     return f"{quoted}={plain_decimal(value)}"
 
 
@@ -313,7 +321,8 @@ def status_nagios(snapshots: Sequence[BackendSnapshot], fleet: FleetSummary) -> 
     for snapshot in snapshots:
         by_state.setdefault(str(snapshot.state), []).append(snapshot.name)
     summary = "; ".join(
-        f"{len(names)} {state} ({', '.join(names)})" for state, names in sorted(by_state.items())
+        f"{len(names)} {state} ({_nagios_names(names)})"
+        for state, names in sorted(by_state.items())
     )
     floor = " FLOOR BREACHED" if fleet.floor_breached else ""
     perfdata = " ".join(

@@ -24,6 +24,13 @@ def printable(text: str) -> str:
     )
 
 
+def nagios_text(text: str) -> str:
+    """``text`` fit for a Nagios plugin's line: printable (``printable``), and each '|',
+    which starts the performance data and would cut the message there, shown as the
+    broken bar '¦' (one that latin-1 has too)."""
+    return printable(text).replace("|", "\N{BROKEN BAR}")
+
+
 def same_server(url: str) -> str:
     """A URL as a key for "the same server": scheme and host compared case-blind (DNS and
     HTTP are), the scheme's own port and the trailing slash dropped. The URL itself is

@@ -330,9 +330,12 @@ def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
     # plugin", hiding the bad key or the missing state the message names.
     bad = tmp_path / "bad.toml"
     bad.write_text('"\\u001b[2Jbogus" = 1\n')  # a key that would clear the screen
+    piped = tmp_path / "piped.toml"  # the refusal names the '|' it refuses
+    piped.write_text('[[backend]]\nname = "a|b"\nurl = "http://127.0.0.1:9"\n')
     missing = str(tmp_path / "none" / "state.json")
     for args, said in (
         (["check", "--config", str(bad), "--format", "nagios"], "bogus: unknown key"),
+        (["check", "--config", str(piped), "-f", "nagios"], "must be printable and"),
         (["status", "--state", missing, "-f", "nagios"], "no state at"),
         (["check", "--format=nagios", "--wait", "soon", "http://127.0.0.1:9"], "soon"),
     ):
@@ -341,7 +344,7 @@ def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
         assert result.stdout.startswith("LLMHEALTH UNKNOWN - "), (args, result.stdout)
         assert said in result.stdout and result.stdout.count("\n") == 1
         assert said in result.stderr
-        assert "\x1b" not in result.stdout
+        assert "\x1b" not in result.stdout and "|" not in result.stdout
     table = run(entry_point, "status", "--state", missing)
     assert table.returncode == 3 and table.stdout == ""
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
-from llmhealth.report import BackendReport, CycleReport, FleetSummary, as_json, nagios_line
+from llmhealth.ledger import Ledger, LedgerPolicy
+from llmhealth.report import (
+    BackendReport,
+    CycleReport,
+    FleetSummary,
+    as_json,
+    nagios_line,
+    status_nagios,
+)
 
 FLEET = FleetSummary(serving=1, min_healthy=1, epoch=0, floor_breached=False, message="ok")
 
@@ -42,3 +50,27 @@ def test_perfdata_values_are_plain_decimals() -> None:
     assert "e+" not in perfdata, perfdata
     assert "'gpu0 tokens_per_s'=9983770 " in perfdata, perfdata
     assert "'gpu0 steps_per_s'=1.99 " in perfdata, perfdata
+
+
+# A name no config takes, as a record saved by an older version or written into a
+# cluster's etcd by any member may hold it, and as a library caller may pass it.
+FORGED = "gpu0 | evil=1\nLLMHEALTH OK - \x1b[2Jall fine"
+
+
+def one_nagios_line(line: str) -> str:
+    assert "\n" not in line and "\x1b" not in line, line
+    assert line.count("|") == 1, line  # the one that starts the performance data
+    return line
+
+
+def test_status_nagios_shows_a_saved_name_no_config_takes_on_one_line() -> None:
+    ledger = Ledger(LedgerPolicy(), [(FORGED, "http://127.0.0.1:9")], now=1.0)
+    fleet = FleetSummary(serving=1, min_healthy=1, epoch=0, floor_breached=False, message="")
+    line = one_nagios_line(status_nagios(ledger.snapshots(1.0), fleet))
+    assert line.startswith("LLMHEALTH OK - 1 healthy (gpu0 ¦ evil=1\\nLLMHEALTH OK - \\x1b[2J")
+
+
+def test_nagios_line_shows_a_callers_name_no_config_takes_on_one_line() -> None:
+    line = one_nagios_line(nagios_line(report_of(FORGED, steps_per_s=1.0, tokens_per_s=2.0)))
+    assert "(gpu0 ¦ evil=1\\nLLMHEALTH OK" in line
+    assert "'gpu0 ¦ evil_1\\nLLMHEALTH OK - \\x1b[2Jall fine running'=2" in line
