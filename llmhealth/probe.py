@@ -659,16 +659,20 @@ def _not_judged(exc: Exception) -> str:
     )
 
 
-def _unexamined(exc: Exception) -> Verdict:
-    """A failure of llmhealth itself while examining one backend: that backend's verdict.
+def unjudged(why: str) -> Verdict:
+    """A failure of llmhealth itself while examining one backend: that backend's verdict,
+    ``why`` saying what failed.
 
     Unhealthy and not judged, so the run says UNKNOWN (the monitoring convention for "could
     not check") and a person looks, without paging as if a server had failed; no ledger
     event follows from it (no read and no answer to count), so our own bug never condemns
     a backend.
     """
-    evidence = f"{VerdictKind.NO_METRICS}: {_not_judged(exc)}"
-    return Verdict(VerdictKind.NO_METRICS, False, evidence, judged=False)
+    return Verdict(VerdictKind.NO_METRICS, False, f"{VerdictKind.NO_METRICS}: {why}", judged=False)
+
+
+def _unexamined(exc: Exception) -> Verdict:
+    return unjudged(_not_judged(exc))
 
 
 def _path(url: str) -> str:

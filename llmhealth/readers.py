@@ -30,18 +30,25 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import IO
 
 from llmhealth import eventloop
-from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.classify import Read, Target, Verdict
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
 from llmhealth.pickling import pickled_as_a_call
-from llmhealth.probe import ProbeSettings, examine_once, examine_proxy, keep_read, new_client
+from llmhealth.probe import (
+    ProbeSettings,
+    examine_once,
+    examine_proxy,
+    keep_read,
+    new_client,
+    unjudged,
+)
 from llmhealth.window import LongestStep, longer
 
 STAGGER = 0.5  # of the wait: the first reads of a fleet start spread over this much of it
@@ -102,7 +109,8 @@ class ReadTasks:
     """A probing task per target, in the running event loop, reading it once per wait
     (KEEP_ALIVE_LEAD sooner once its server has closed an idle connection of ours).
 
-    ``settings`` is asked before every read, so a reload's new wait applies at once.
+    ``settings`` is asked before every read, so a reload's new wait applies from each
+    target's next read (one asleep for a longer old wait sleeps it out).
     ``remember`` passes what earlier runs last read of some targets (a restart meanwhile
     is then seen at the next read) and the longest steps they took.
     """
@@ -170,7 +178,12 @@ class ReadTasks:
         if task.cancelled() or self._closing or self._tasks.get(target.name) is not task:
             return
         error = task.exception()
-        self._died(target.name, f"{type(error).__name__}: {error}" if error else "it returned")
+        cause = f"{type(error).__name__}: {error}" if error else "it returned"
+        # Its last verdict would stand until the new task's first: one that dies every
+        # time left a backend "busy" and serving for ever. Its window is gone with it.
+        why = f"not judged: its probing task died ({cause}); its reads start afresh"
+        self._deliver(target, unjudged(why), 0.0, ())
+        self._died(target.name, cause)
         self._start(target, delay=self._settings().wait)
 
     async def _read_forever(self, target: Target, delay: float = 0.0) -> None:
@@ -327,6 +340,12 @@ class _Sender:
         self._queue(_heard(target, verdict, seconds, window, self._sent.get(target.name)))
         self._sent[target.name] = window[-1] if window else None
 
+    def keep_only(self, names: Collection[str]) -> None:
+        """Forget the last read sent of targets no longer read here: kept, a fleet whose
+        names change (pods) grew this by a read per name it ever had."""
+        for name in [name for name in self._sent if name not in names]:
+            del self._sent[name]
+
     def died(self, name: str, cause: str) -> None:
         self._sent.pop(name, None)  # its next task starts a new window
         self._queue(_TaskDied(name, cause))
@@ -394,6 +413,7 @@ async def _work() -> None:
                 share = message
                 tasks.remember(message.baselines, message.learned)
                 tasks.assign(message.targets)
+                sender.keep_only({target.name for target in message.targets})
                 # A beat still spaced by an older, longer wait (a reload, or the default
                 # before the first share) was taken for silence.
                 share_came.set()
@@ -422,6 +442,16 @@ class _Worker:
     share: dict[str, Target] = field(default_factory=dict)
     windows: dict[str, list[Read]] = field(default_factory=dict)
     receiving: asyncio.Task[None] | None = None
+
+
+async def _let_leave(process: asyncio.subprocess.Process) -> None:
+    """A worker whose pipe was closed: STOP_TIMEOUT to leave, then killed."""
+    try:
+        await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
 
 
 class ReadPool:
@@ -485,16 +515,11 @@ class ReadPool:
         for worker in self._workers:
             if worker.process is not None and worker.process.stdin is not None:
                 worker.process.stdin.close()
-        for worker in self._workers:
-            process = worker.process
-            if process is None:
-                continue
-            try:
-                await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        # All at once: one after another, three hung workers took 15 s of a stop that
+        # systemd bounds (TimeoutStopSec), after the last settle's own 10 s.
+        await asyncio.gather(
+            *(_let_leave(w.process) for w in self._workers if w.process is not None)
+        )
         receiving = [w.receiving for w in self._workers if w.receiving is not None]
         for task in receiving:
             task.cancel()
@@ -519,6 +544,11 @@ class ReadPool:
 
     def _send_share(self, worker: _Worker) -> None:
         process = worker.process
+        if process is None and not self._closing:
+            # Not started yet (tried again each wait): its share gets what a lost
+            # worker's gets, or it kept its saved states with no verdict at all.
+            self._unjudged(worker, f"read worker {worker.index + 1} not started")
+            return
         if process is None or process.stdin is None or process.stdin.is_closing():
             return
         names = worker.share.keys()
@@ -559,7 +589,9 @@ class ReadPool:
                 frame = asyncio.ensure_future(_next_frame(process.stdout))
         except asyncio.IncompleteReadError:
             pass
-        except (ValueError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+        except Exception as exc:  # any frame not taken in: a TypeError of another version
+            # Ending here unseen left the worker running, unread: its backends kept their
+            # last verdicts, serving, and its frames piled up in this process.
             why = f"; it sent what cannot be read ({type(exc).__name__}: {exc})"
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
@@ -622,10 +654,12 @@ class ReadPool:
     def _lost(self, worker: _Worker, why: str) -> None:
         self._log(f"{why}; its {len(worker.share)} targets read afresh by a new one")
         worker.windows = {}
-        evidence = (
-            f"{VerdictKind.NO_METRICS}: not judged: {why}; its reads start afresh "
-            "(a failure of llmhealth's own)"
+        self._unjudged(worker, why)
+
+    def _unjudged(self, worker: _Worker, why: str) -> None:
+        """Each of the worker's targets: not judged, for ``why``; reads start afresh."""
+        verdict = unjudged(
+            f"not judged: {why}; its reads start afresh (a failure of llmhealth's own)"
         )
-        unjudged = Verdict(VerdictKind.NO_METRICS, False, evidence, judged=False)
         for target in worker.share.values():
-            self._deliver(target, unjudged, 0.0, ())
+            self._deliver(target, verdict, 0.0, ())

@@ -302,6 +302,181 @@ def test_a_worker_that_cannot_be_started_is_tried_again_not_a_crash(
     assert logged[1] == "read worker 1 not started again: no thread"
 
 
+def test_a_worker_never_started_gives_its_share_verdicts_that_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of processes for as long as it lasted, the share had no verdict at all and
+    kept its saved states, serving; a lost worker's share is told at once."""
+
+    async def exhausted(*_args: Any, **_kwargs: Any) -> asyncio.subprocess.Process:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", exhausted)
+    heard: list[Verdict | None] = []
+
+    async def main() -> None:
+        pool = _delivering_pool(lambda verdict, _w: heard.append(verdict))
+        await pool.start()
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        await pool.close()
+
+    asyncio.run(main())
+    assert len(heard) == 1 and heard[0] is not None and not heard[0].judged
+    assert "not judged: read worker 1 not started; its reads start afresh" in heard[0].evidence
+
+
+# A worker whose first frame the daemon cannot take in: a Read with a field too many,
+# as a worker of another llmhealth version would send it. It then waits for its pipe.
+FORGED_FRAME_WORKER = """
+import pickle, sys
+from llmhealth import readers
+from llmhealth.classify import Read
+
+class Forged:
+    def __reduce__(self):
+        return (Read, tuple(range(7)))
+
+body = pickle.dumps([Forged()])
+sys.stdout.buffer.write(readers._HEADER.pack(len(body)) + body)
+sys.stdout.flush()
+sys.stdin.buffer.read()
+"""
+
+
+def test_a_frame_that_cannot_be_taken_in_for_any_reason_replaces_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only some errors were caught: a TypeError ended the reading of that worker's pipe
+    unseen, the worker ran on unread, its backends kept their last verdicts, serving."""
+    real = asyncio.create_subprocess_exec
+
+    async def forged(*_args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        return await real(sys.executable, "-P", "-c", FORGED_FRAME_WORKER, **kwargs)
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", forged)
+    logged: list[str] = []
+    heard: list[Verdict | None] = []
+
+    async def main() -> None:
+        pool = _delivering_pool(
+            lambda verdict, _w: heard.append(verdict),
+            lambda: ProbeSettings(wait=60.0),
+            logged.append,
+        )
+        await pool.start()
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        for _ in range(400):
+            if logged:
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+
+    asyncio.run(main())
+    assert logged and "it sent what cannot be read (TypeError: " in logged[0], logged
+    assert "its 1 targets read afresh by a new one" in logged[0]
+    assert [v is not None and not v.judged for v in heard] == [True]
+
+
+def test_a_probing_task_that_dies_leaves_a_verdict_that_says_so_not_its_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dying at every examination after a first good one, a task left the backend's
+    last verdict ("busy", serving) standing for ever, one log line a wait."""
+    examinations = itertools.count()
+
+    async def once_then_broken(*_args: Any, **_kwargs: Any) -> Verdict:
+        if next(examinations) == 0:
+            return Verdict(VerdictKind.BUSY, True, "busy: working")
+        raise RuntimeError("a bug past examine_once's guard")
+
+    monkeypatch.setattr(readers, "examine_once", once_then_broken)
+    heard: list[Verdict | None] = []
+    died: list[str] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=0.05),
+            time.time,
+            lambda _t, verdict, _s, _w: heard.append(verdict),
+            lambda _name, cause: died.append(cause),
+        )
+        tasks.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        for _ in range(200):
+            if died:
+                break
+            await asyncio.sleep(0.05)
+        await tasks.close()
+
+    asyncio.run(main())
+    assert died[0] == "RuntimeError: a bug past examine_once's guard"
+    first, second = heard[:2]
+    assert first is not None and first.kind is VerdictKind.BUSY
+    assert second is not None and not second.judged and not second.healthy
+    assert "its probing task died (RuntimeError: a bug past" in second.evidence
+
+
+HUNG_WORKER = "import time; time.sleep(120)"  # deaf to its pipe's end
+
+
+def test_hung_workers_are_given_their_time_to_leave_together_not_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In turn, each hung worker took STOP_TIMEOUT of a stop systemd bounds: three of
+    them after the last settle's own bound got the daemon killed mid-stop."""
+    real = asyncio.create_subprocess_exec
+
+    async def hung(*_args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        return await real(sys.executable, "-c", HUNG_WORKER, **kwargs)
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", hung)
+    monkeypatch.setattr(readers, "STOP_TIMEOUT", 0.5)
+    let_leave = readers._let_leave
+    leaving: list[int] = []
+    most_at_once = 0
+
+    async def counted(process: asyncio.subprocess.Process) -> None:
+        nonlocal most_at_once
+        leaving.append(process.pid)
+        most_at_once = max(most_at_once, len(leaving))
+        try:
+            await let_leave(process)
+        finally:
+            leaving.remove(process.pid)
+
+    monkeypatch.setattr(readers, "_let_leave", counted)
+
+    async def main() -> list[int | None]:
+        pool = readers.ReadPool(
+            3, ProbeSettings, lambda *_: None, lambda _n, _c: None, print, lambda: ({}, {})
+        )
+        await pool.start()
+        processes = [w.process for w in pool._workers]
+        await pool.close()
+        return [p.returncode if p is not None else None for p in processes]
+
+    assert asyncio.run(main()) == [-signal.SIGKILL] * 3
+    assert most_at_once == 3
+
+
+def test_a_worker_forgets_what_it_sent_of_targets_no_longer_its_own() -> None:
+    """Kept by name for every target it ever read: a fleet whose names change (pods)
+    grew a worker by a read per name."""
+    read, write = os.pipe()
+
+    async def main() -> list[str]:
+        sender = readers._Sender(os.fdopen(write, "wb", buffering=0))
+        for name in ("old-0", "old-1", "kept"):
+            sender.deliver(Target(name, "http://127.0.0.1:9"), None, 0.0, [_read(1.0, 1.0)])
+        sender.keep_only({"kept", "new"})
+        sender.close()
+        return list(sender._sent)
+
+    try:
+        assert asyncio.run(main()) == ["kept"]
+    finally:
+        os.close(read)
+
+
 def _read(at: float, steps: float) -> Read:
     engine = EngineSignals(engine="0", running=1, waiting=0, steps=steps)
     return Read(at, signals=Signals((engine,), process_start=1.0))
