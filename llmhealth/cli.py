@@ -579,6 +579,9 @@ def config_check(path: Annotated[str, typer.Argument(help="The TOML file to vali
         f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart command), "
         f"{len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout {loaded.timeout:g}s"
     )
+    # The file is sound; its keys come from where check, watch and route will run.
+    for unset in config_module.unset_key_variables(loaded):
+        print(f"note: api_key_env {unset} is not set here; check, watch and route refuse it")
 
 
 @app.command()

@@ -582,7 +582,7 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
         name=reader.name(table, key, url),
         url=url,
         restart=restart,
-        api_key_env=reader.optional_string(table, f"{key}.api_key_env"),
+        api_key_env=reader.variable_name(table, f"{key}.api_key_env"),
         expected_model=reader.label(table, f"{key}.expected_model"),
         wedge_after=(
             reader.duration(table, f"{key}.wedge_after", 0.0, zero_is_off=True)
@@ -664,6 +664,18 @@ class _Reader:
             raise self.fail(key, f"{value!r} is not a non-empty string")
         return value
 
+    def variable_name(self, table: Mapping[str, Any], key: str) -> str | None:
+        """The name of an environment variable. Not echoed when it is not one: what was
+        written there may be the key itself, pasted in, and must not reach a log."""
+        value = table.get(self._leaf(key))
+        if value is None:
+            return None
+        if not isinstance(value, str) or _VARIABLE_NAME.fullmatch(value) is None:
+            raise self.fail(
+                key, "must name an environment variable (letters, digits, '_'), not hold the key"
+            )
+        return value
+
     def label(self, table: Mapping[str, Any], key: str) -> str | None:
         """A string shown to operators as it is (tables, Nagios lines, evidence): printable,
         and without the '|' that starts a Nagios line's performance data."""
@@ -703,12 +715,41 @@ class _Reader:
             raise self.fail(key, str(exc)) from exc
 
 
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 class BadTargetError(ValueError):
     """A URL that cannot be checked, or two targets with one name; ``hint`` names the input."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.hint = hint
+
+
+def unset_key_variables(config: Config) -> list[str]:
+    """``name (backend)`` of each api_key_env naming a variable unset or empty here."""
+    return [
+        f"{backend.api_key_env} ({backend.name})"
+        for backend in config.backends
+        if backend.api_key_env and not os.environ.get(backend.api_key_env)
+    ]
+
+
+def _api_key(backend: Backend) -> str | None:
+    """The key from the variable the backend's api_key_env names. One named and unset
+    (a cron job or unit without the operator's environment) is refused: every request
+    sent without it fails as the backend's own fault (a 401), and the ledger condemned
+    a healthy backend, the router dropped it."""
+    if backend.api_key_env is None:
+        return None
+    key = os.environ.get(backend.api_key_env)
+    if not key:
+        raise BadTargetError(
+            f"backend {backend.name!r}: its api_key_env names {backend.api_key_env}, which is "
+            "not set (or empty) here; without its key every request would fail as the "
+            "backend's fault"
+        )
+    return key
 
 
 def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> list[Target]:
@@ -722,7 +763,7 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
             backend.name,
             backend.url,
             "backend",
-            api_key=os.environ.get(backend.api_key_env) if backend.api_key_env else None,
+            api_key=_api_key(backend),
             model=backend.expected_model,
             rules=config.wedge_rules(backend),
             cgroup=backend.cgroup,

@@ -201,6 +201,30 @@ def test_check_sends_a_retired_backend_no_tiny_request_until_a_reset(
     assert readmitted["state"] == "healthy" and completions() == 2
 
 
+def test_a_check_without_a_backends_key_variable_exits_3_asking_nothing(
+    entry_point: str, httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """Without its key every request is a 401, which the ledger read as the backend's
+    failure: a cron job missing the variable condemned a healthy backend, CRITICAL."""
+    url = serve_idle(httpserver)
+    config = tmp_path / "fleet.toml"
+    config.write_text(f'[[backend]]\nname = "a"\nurl = "{url}"\napi_key_env = "A_KEY"\n')
+    without = {name: value for name, value in os.environ.items() if name != "A_KEY"}
+    checked = run(entry_point, "config", "check", str(config), env=without)
+    assert checked.returncode == 0
+    assert "note: api_key_env A_KEY (a) is not set here; check, watch and route refuse it" in (
+        checked.stdout
+    )
+    state = str(tmp_path / "state.json")
+    refused = run(entry_point, "check", "-c", str(config), "--state", state, env=without)
+    assert refused.returncode == 3
+    assert "its api_key_env names A_KEY, which is not set" in refused.stderr
+    assert httpserver.log == [] and not Path(state).exists()
+    keyed = {**without, "A_KEY": "s3cret"}
+    assert run(entry_point, "check", "-c", str(config), "--state", state, env=keyed).returncode == 0
+    assert "note:" not in run(entry_point, "config", "check", str(config), env=keyed).stdout
+
+
 def test_no_arguments_print_the_help_and_exit_3_with_a_reason(entry_point: str) -> None:
     """An empty argument variable in a script: UNKNOWN with a reason, not a traceback and
     an exit 1 that a plugin runner reads as WARNING."""

@@ -14,6 +14,7 @@ import pytest
 from llmhealth.config import (
     MAX_CONFIG_BYTES,
     Backend,
+    BadTargetError,
     Cluster,
     Config,
     ConfigError,
@@ -24,6 +25,8 @@ from llmhealth.config import (
     name_for_url,
     parse_duration,
     parse_listen,
+    targets_for,
+    unset_key_variables,
 )
 from llmhealth.cycle import ledger_policy
 from llmhealth.window import WedgeRules
@@ -512,3 +515,46 @@ def test_a_name_from_a_clean_url_is_its_host_and_port() -> None:
     assert name_for_url("http://10.0.0.5:8000") == "10.0.0.5:8000"
     with pytest.raises(ValueError, match=re.escape("'http://x|y:8000' would be named 'x|y:8000'")):
         name_for_url("http://x|y:8000")
+
+
+@pytest.mark.parametrize("written", ["sk-proj-4f9a2Bq", "$VLLM_API_KEY", "9LIVES", "", "KEY NAME"])
+def test_an_api_key_env_that_names_no_variable_is_refused_without_echoing_it(
+    tmp_path: Path, written: str
+) -> None:
+    """A key pasted where its variable's name goes was taken, looked up, never found,
+    and every request went without a key."""
+    path = write(
+        tmp_path,
+        f'[[backend]]\nname = "gpu0"\nurl = "http://10.0.0.5:8000"\napi_key_env = "{written}"\n',
+    )
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    message = str(raised.value)
+    assert "backend[0].api_key_env: must name an environment variable" in message
+    assert not written or written not in message
+
+
+def test_a_backend_whose_key_variable_is_unset_is_refused_as_llmhealths_own_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run without the operator's environment (cron, a unit without its EnvironmentFile),
+    every request went without the key: a 401, read as the backend's failure, condemned
+    a healthy backend and breached the floor."""
+    path = write(
+        tmp_path,
+        '[[backend]]\nname = "gpu0"\nurl = "http://10.0.0.5:8000"\napi_key_env = "GPU0_KEY"\n',
+    )
+    config = load(path)
+    for unset in (None, ""):
+        if unset is None:
+            monkeypatch.delenv("GPU0_KEY", raising=False)
+        else:
+            monkeypatch.setenv("GPU0_KEY", unset)
+        assert unset_key_variables(config) == ["GPU0_KEY (gpu0)"]
+        with pytest.raises(
+            BadTargetError, match="'gpu0': its api_key_env names GPU0_KEY, which is not set"
+        ):
+            targets_for(config, [], [])
+    monkeypatch.setenv("GPU0_KEY", "s3cret")
+    assert unset_key_variables(config) == []
+    assert targets_for(config, [], [])[0].api_key == "s3cret"
