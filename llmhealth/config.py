@@ -266,7 +266,7 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         state=state,
         audit_log=audit_log,
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
-        on_serving_change=reader.string_list(data, "on_serving_change", ()),
+        on_serving_change=reader.command(data, "on_serving_change"),
         max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
         read_workers=None
         if data.get("read_workers", "auto") == "auto"
@@ -575,9 +575,7 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
         {"name", "url", "restart", "api_key_env", "expected_model", "wedge_after", "cgroup"},
     )
     url = reader.url(table, f"{key}.url")
-    restart = reader.string_list(table, f"{key}.restart", ())
-    if "restart" in table and not restart:
-        raise ConfigError(f"{reader.where}: {key}.restart: an empty command; leave the key out")
+    restart = reader.command(table, f"{key}.restart")
     return Backend(
         name=reader.name(table, key, url),
         url=url,
@@ -704,6 +702,33 @@ class _Reader:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise self.fail(key, "must be a list of strings (an argv list, never a shell line)")
         return tuple(value)
+
+    def command(self, table: Mapping[str, Any], key: str) -> tuple[str, ...]:
+        """An argv list run with no shell, or none when the key is absent. Its program is
+        checked here, not when it first runs: a restart that cannot run spends the
+        restart budget attempt by attempt until the backend is retired. The program is
+        not repeated in a message, as a command line may carry a token."""
+        argv = self.string_list(table, key, ())
+        if self._leaf(key) not in table:
+            return ()
+        if not argv:
+            raise self.fail(key, "an empty command; leave the key out")
+        program = argv[0]
+        if not program.strip():
+            raise self.fail(key, "its first word, the program to run, is empty")
+        if any(character.isspace() for character in program) and not Path(program).exists():
+            raise self.fail(
+                key,
+                "its first word is a whole command line: no shell is used, so split it into"
+                ' words, e.g. ["systemctl", "restart", "vllm@0"]',
+            )
+        if "/" in program and not program.startswith("/"):
+            raise self.fail(
+                key,
+                "its program is a relative path, which would be taken from wherever llmhealth"
+                " runs (/ under systemd): give an absolute path, or a name found on PATH",
+            )
+        return argv
 
     def url(self, table: Mapping[str, Any], key: str) -> str:
         value = table.get(self._leaf(key))

@@ -133,6 +133,17 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "backend[0].restart: must be a list of strings (an argv list, never a shell line)",
         ),
         ("[[backend]]\nurl = 'http://a:1'\nrestart = []", "backend[0].restart: an empty"),
+        (
+            "[[backend]]\nurl = 'http://a:1'\nrestart = ['systemctl restart vllm@0']",
+            "backend[0].restart: its first word is a whole command line: no shell is used",
+        ),
+        ("[[backend]]\nurl = 'http://a:1'\nrestart = ['', 'x']", "restart: its first word, the"),
+        ("on_serving_change = [' ']", "on_serving_change: its first word, the program to run"),
+        ("on_serving_change = []", "on_serving_change: an empty command; leave the key out"),
+        (
+            "[[backend]]\nurl = 'http://a:1'\nrestart = ['./restart.sh', 'gpu0']",
+            "backend[0].restart: its program is a relative path",
+        ),
         ("[[backend]]\nurl = 'http://a:1'\ncolour = 'red'", "backend[0].colour: unknown key"),
         ("[[proxy]]\nurl = 'http://a:1'\nrestart = ['x']", "proxy[0].restart: unknown key"),
         (
@@ -558,3 +569,11 @@ def test_a_backend_whose_key_variable_is_unset_is_refused_as_llmhealths_own_prob
     monkeypatch.setenv("GPU0_KEY", "s3cret")
     assert unset_key_variables(config) == []
     assert targets_for(config, [], [])[0].api_key == "s3cret"
+
+
+def test_a_program_path_with_a_space_that_exists_is_a_program(tmp_path: Path) -> None:
+    """Only a first word that is no file is taken for a shell line written as one."""
+    program = tmp_path / "restart vllm.sh"
+    program.write_text("#!/bin/sh\n")
+    path = write(tmp_path, f'[[backend]]\nurl = "http://a:1"\nrestart = ["{program}", "gpu0"]\n')
+    assert load(path).backends[0].restart == (str(program), "gpu0")
