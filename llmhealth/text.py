@@ -33,18 +33,24 @@ def nagios_text(text: str) -> str:
 
 def same_server(url: str) -> str:
     """A URL as a key for "the same server": scheme and host compared case-blind (DNS and
-    HTTP are), the scheme's own port and the trailing slash dropped. The URL itself is
-    kept as its user wrote it: a backend named after it keeps its name, and a caller's
-    lookup by it still works."""
+    HTTP are), the port as a number (``:018100`` is ``:18100``, an empty one none), the
+    scheme's own port and the trailing slash dropped. The URL itself is kept as its user
+    wrote it: a backend named after it keeps its name, and a caller's lookup by it still
+    works."""
     scheme, sep, rest = url.rstrip("/").partition("://")
     if not sep:
         return url.rstrip("/")
     scheme, (host, slash, path) = scheme.lower(), rest.partition("/")
-    host = host.lower().removesuffix(_DEFAULT_PORTS.get(scheme, "\0"))
+    name, colon, port = host.lower().rpartition(":")
+    if colon and "]" not in port and (port == "" or (port.isascii() and port.isdigit())):
+        port = port.lstrip("0") or ("0" if port else "")
+        host = name if port in ("", _DEFAULT_PORTS.get(scheme)) else f"{name}:{port}"
+    else:
+        host = host.lower()
     return f"{scheme}://{host}{slash}{path}"
 
 
-_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
 def openai_root(url: str) -> str | None:

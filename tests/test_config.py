@@ -151,6 +151,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "name used twice: x",
         ),
         ("backend = 3", "backend: must be an array of tables"),
+        (
+            "[[backend]]\nurl = 'http://a:018100'\n[[backend]]\nname = 'b'\nurl = 'http://a:18100'",
+            "backend[0] and backend[1] have the same URL",
+        ),
         ("[router]\nlisten = 'nowhere'", "router.listen: 'nowhere' is not HOST:PORT"),
         ("[router]\naffinity = 'cookie:x'", "router.affinity: 'cookie:x' is not an affinity"),
         ("[router]\naffinity_slack = 0", "router.affinity_slack: 0 is below"),

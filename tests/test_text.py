@@ -67,6 +67,10 @@ def test_a_url_without_user_info_passes() -> None:
         ("http://host", "http://host:80/"),
         ("https://host:443", "https://HOST"),
         ("http://[::1]:80", "http://[::1]"),
+        ("http://127.0.0.1:018100", "http://127.0.0.1:18100"),  # two rows for one server
+        ("http://host:", "http://host"),
+        ("http://host:0080", "http://host"),
+        ("http://[::1]:0443", "http://[::1]:443/"),
     ],
 )
 def test_urls_of_one_server_have_one_key(one: str, other: str) -> None:
@@ -80,6 +84,8 @@ def test_urls_of_one_server_have_one_key(one: str, other: str) -> None:
         ("http://host:8080", "http://host:80"),
         ("http://host:8080", "http://host"),
         ("http://host/a", "http://host/b"),
+        ("http://host:0", "http://host"),
+        ("http://[::1]", "http://[::18]"),
     ],
 )
 def test_urls_of_two_servers_have_two_keys(one: str, other: str) -> None:
