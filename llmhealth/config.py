@@ -587,7 +587,7 @@ def _backend(reader: _Reader, data: object, key: str) -> Backend:
             if "wedge_after" in table
             else None
         ),
-        cgroup=reader.optional_string(table, f"{key}.cgroup"),
+        cgroup=reader.cgroup(table, f"{key}.cgroup"),
     )
 
 
@@ -661,6 +661,22 @@ class _Reader:
         if not isinstance(value, str) or not value.strip():
             raise self.fail(key, f"{value!r} is not a non-empty string")
         return value
+
+    def cgroup(self, table: Mapping[str, Any], key: str) -> str | None:
+        """A cgroup v2 directory: under /sys/fs/cgroup, or as systemd shows it
+        (``systemctl show -p ControlGroup``: /system.slice/...), taken under it. Taken as
+        written, that one was read at the root of the file system and found nothing, and
+        a relative one from wherever llmhealth ran: CPU evidence lost without a word."""
+        value = self.optional_string(table, key)
+        if value is None:
+            return None
+        if not value.startswith("/"):
+            raise self.fail(
+                key, f"{value!r} is relative: give /sys/fs/cgroup/... or systemd's ControlGroup"
+            )
+        if value == CGROUP_ROOT or value.startswith(f"{CGROUP_ROOT}/"):
+            return value
+        return CGROUP_ROOT + value.rstrip("/")
 
     def variable_name(self, table: Mapping[str, Any], key: str) -> str | None:
         """The name of an environment variable. Not echoed when it is not one: what was
@@ -740,6 +756,7 @@ class _Reader:
             raise self.fail(key, str(exc)) from exc
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

@@ -581,3 +581,30 @@ def test_a_program_path_with_a_space_that_exists_is_a_program(tmp_path: Path) ->
     program.write_text("#!/bin/sh\n")
     path = write(tmp_path, f'[[backend]]\nurl = "http://a:1"\nrestart = ["{program}", "gpu0"]\n')
     assert load(path).backends[0].restart == (str(program), "gpu0")
+
+
+@pytest.mark.parametrize(
+    ("written", "taken"),
+    [
+        (
+            "/sys/fs/cgroup/system.slice/vllm@0.service",
+            "/sys/fs/cgroup/system.slice/vllm@0.service",
+        ),
+        ("/system.slice/vllm@0.service", "/sys/fs/cgroup/system.slice/vllm@0.service"),
+        ("/system.slice/vllm@0.service/", "/sys/fs/cgroup/system.slice/vllm@0.service"),
+    ],
+)
+def test_a_cgroup_is_taken_under_the_cgroup_mount_as_systemd_shows_it(
+    tmp_path: Path, written: str, taken: str
+) -> None:
+    """What `systemctl show -p ControlGroup` prints was read at the file system's root,
+    found nothing, and the backend's CPU evidence was lost without a word."""
+    path = write(tmp_path, f'[[backend]]\nurl = "http://a:1"\ncgroup = "{written}"\n')
+    assert load(path).backends[0].cgroup == taken
+
+
+def test_a_relative_cgroup_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[backend]]\nurl = "http://a:1"\ncgroup = "system.slice/x"\n')
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert "backend[0].cgroup: 'system.slice/x' is relative" in str(raised.value)
