@@ -48,11 +48,11 @@ class OutputFormat(StrEnum):
     NAGIOS = "nagios"
 
 
-def _duration(value: str | None) -> float | None:
+def _duration(value: str | None, most: float = config_module.LONGEST_DURATION) -> float | None:
     if value is None:
         return None
     try:
-        return config_module.parse_duration(_number_or_text(value))
+        return config_module.parse_duration(_number_or_text(value), most)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
@@ -165,9 +165,10 @@ def check(
     if not targets:
         raise typer.BadParameter("nothing to check: give backend URLs, --proxy or --config")
     settings = ProbeSettings(
-        wait=_duration(wait) or loaded.wait,
-        timeout=_duration(timeout) or loaded.timeout,
-        answer_timeout=_duration(answer_timeout) or loaded.answer_timeout,
+        wait=_duration(wait, config_module.LONGEST_READ) or loaded.wait,
+        timeout=_duration(timeout, config_module.LONGEST_READ) or loaded.timeout,
+        answer_timeout=_duration(answer_timeout, config_module.LONGEST_READ)
+        or loaded.answer_timeout,
         max_body=loaded.max_body,
         max_check_time=loaded.max_check_time,
     )
@@ -271,7 +272,7 @@ def watch(
         load,
         _daemon_store(loaded, state, config_file),
         listen=None if listen == "off" else _host_port(listen),
-        wait_override=_duration(wait),
+        wait_override=_duration(wait, config_module.LONGEST_READ),
         serving_file=Path(serving_file) if serving_file else None,
         console=Console(stderr=True),
     )
@@ -319,7 +320,7 @@ def route(
     if not backends:
         raise typer.BadParameter("nothing to route to: give backend URLs or --config")
     address = _host_port(listen or loaded.router.listen or DEFAULT_ROUTE_LISTEN)
-    wait_seconds = _duration(wait)
+    wait_seconds = _duration(wait, config_module.LONGEST_READ)
     raise_file_limit()  # each client connection holds a descriptor; see the systemd unit
     router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)
     daemon = Daemon(
@@ -549,8 +550,6 @@ def hold(
     reason = _reason(reason)
     from llmhealth import operate  # noqa: PLC0415
 
-    if seconds > operate.LONGEST_HOLD:
-        raise typer.BadParameter(f"{duration!r}: a hold lasts at most 366 days", param_hint="--for")
     loaded, store, audit = _operator_context(config_file, state)
     _verb_exit(operate.hold(store, audit, loaded, name, seconds, reason))
 

@@ -38,6 +38,13 @@ DEFAULT_MAX_CHECK_TIME = 300.0
 # Read whole, a larger file would hold up a reload and could fill the memory.
 MAX_CONFIG_BYTES = 8 * 1024 * 1024
 
+# Past a year a duration is a slip (a unit missed, milliseconds written as seconds): 1e300
+# was taken, and a read, a restart's grace or a cooldown never ended; `hold --for 1e308`
+# printed a 300-digit "until", and a forgotten hold turned restarts off for good.
+LONGEST_DURATION = 366 * 86400.0
+# A read, a tiny request and the wait between reads: past an hour, a check from cron
+# holding the state's lock for hours (`timeout = 5000`, meant in milliseconds).
+LONGEST_READ = 3600.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 # request_failures: condemned by real traffic through `route`; opt-in, since a wedge proven
@@ -259,9 +266,11 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         except ConfigError as exc:
             raise reader.fail("audit_log", str(exc)) from None
     return Config(
-        wait=reader.duration(data, "wait", DEFAULT_WAIT),
-        timeout=reader.duration(data, "timeout", DEFAULT_TIMEOUT),
-        answer_timeout=reader.duration(data, "answer_timeout", DEFAULT_ANSWER_TIMEOUT),
+        wait=reader.duration(data, "wait", DEFAULT_WAIT, most=LONGEST_READ),
+        timeout=reader.duration(data, "timeout", DEFAULT_TIMEOUT, most=LONGEST_READ),
+        answer_timeout=reader.duration(
+            data, "answer_timeout", DEFAULT_ANSWER_TIMEOUT, most=LONGEST_READ
+        ),
         max_body=reader.integer(data, "max_body", DEFAULT_MAX_BODY, minimum=1024),
         state=state,
         audit_log=audit_log,
@@ -280,8 +289,9 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
     )
 
 
-def parse_duration(value: object) -> float:
-    """Seconds from a number or a string such as "90s", "15m", "24h"; ValueError otherwise."""
+def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
+    """Seconds from a number or a string such as "90s", "15m", "24h", at most ``most``;
+    ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
     if isinstance(value, int | float):
@@ -292,6 +302,9 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"{value!r} is not a duration (a number of seconds, or like '90s', '15m')")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{value!r} must be a positive, finite duration")
+    if seconds > most:
+        longest = f"{most / 86400:g} days" if most >= 86400 else f"{most / 3600:g} h"
+        raise ValueError(f"{value!r} is longer than {longest}: a unit missed?")
     return seconds
 
 
@@ -627,16 +640,22 @@ class _Reader:
         return key.rsplit(".", 1)[-1]
 
     def duration(
-        self, table: Mapping[str, Any], key: str, default: float, *, zero_is_off: bool = False
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        default: float,
+        *,
+        zero_is_off: bool = False,
+        most: float = LONGEST_DURATION,
     ) -> float:
-        """A positive duration; 0 too where it turns something off."""
+        """A positive duration up to ``most``; 0 too where it turns something off."""
         if self._leaf(key) not in table:
             return default
         value = table[self._leaf(key)]
         if zero_is_off and not isinstance(value, bool) and value in (0, "0", "0s"):
             return 0.0
         try:
-            return parse_duration(value)
+            return parse_duration(value, most)
         except ValueError as exc:
             raise self.fail(key, str(exc)) from exc
 

@@ -30,9 +30,6 @@ from llmhealth.state import RecordMovedError, StateError, Store
 Clock = Callable[[], float]
 _P = ParamSpec("_P")
 VERB_ATTEMPTS = 5  # a verb raced by a leader's settles is made again this many times in all
-# A hold ends by itself within a year: `--for 1e308` was taken and printed a 300-digit
-# "until", and a forgotten hold turned restarts off for good.
-LONGEST_HOLD = 366 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,6 +168,12 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[policy]\nwedge_after = -5", "policy.wedge_after: -5 must be a positive"),
         ("[policy]\nstartup_wedge_after = 'soon'", "policy.startup_wedge_after: 'soon'"),
         ("max_check_time = 0", "max_check_time: 0 must be a positive"),
+        ("timeout = 1e300", "timeout: 1e+300 is longer than 1 h: a unit missed?"),
+        ("timeout = 5000", "timeout: 5000 is longer than 1 h"),  # meant in milliseconds
+        ("wait = '2h'", "wait: '2h' is longer than 1 h"),
+        ("answer_timeout = '61m'", "answer_timeout: '61m' is longer than 1 h"),
+        ("[policy]\ncooldown = '400d'", "policy.cooldown: '400d' is longer than 366 days"),
+        ("[router]\nfirst_byte_timeout = 1e308", "router.first_byte_timeout: 1e+308 is longer"),
         ("[[backend]]\nurl = 'http://a:1'\nwedge_after = true", "backend[0].wedge_after"),
         ("wait = ", "not valid TOML"),
         ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
