@@ -63,9 +63,10 @@ class SimConfig:
     request_seconds: float = 4.0  # how long one synthetic request lasts
     engines: int = 1
     model: str = "tiny"
-    # How long before it really started each simulated process says it started: a
+    # How long before it really started the first simulated process says it started: a
     # server that has been up an hour by default, so a freeze is judged as on one (a
-    # young process gets minutes of startup window); 0 shows a young process.
+    # young process gets minutes of startup window); 0 shows a young process. A restart
+    # (``restart:N``'s next process, or ``/sim/restart``) is young, as a real one is.
     age: float = 3600.0
     # How long an idle client connection stays open: uvicorn's default, which vLLM keeps
     # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a reader that comes back every 5 s finds its
@@ -316,9 +317,8 @@ class SimBackend:
                 s.first_done_at <= min(now, self._wedge_at(i, start))
                 for i, s in enumerate(self._engines)
             )
-        return BackendSnapshot(
-            start_time=start - self.config.age, gauges_visible=visible, engines=engines
-        )
+        age = self.config.age if start == self.born else 0.0  # a restart is young
+        return BackendSnapshot(start_time=start - age, gauges_visible=visible, engines=engines)
 
     def _engine_snapshot(self, index: int, start: float, now: float) -> EngineSnapshot:
         # A wedged engine shows exactly what it showed when it froze.

@@ -18,7 +18,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
@@ -326,19 +326,22 @@ class _Backend:
 
         The new "process" has a new start time and counters from zero, in the mode the
         body names (``{"mode": "idle"}``; the current one when absent). Requests still
-        held by the old one finish against it.
+        held by the old one finish against it. It is young, as a real restart is (its
+        startup window applies), unless the body gives it an ``age`` in seconds: a test
+        that stands another long-running process in its place.
         """
         try:
             payload = json.loads(request.body or b"{}")
             spec = simengine.parse_mode(str(payload.get("mode", self.spec.text)))
+            config = replace(self.config, age=payload.get("age", 0.0))
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
             return _error(400, f"body must be a JSON object: {exc}")
-        except simengine.ModeError as exc:
+        except (simengine.ModeError, TypeError, ValueError) as exc:
             return _error(400, str(exc))
         if spec.is_proxy or spec.multiproc != self.spec.multiproc:
             return _error(400, "a restart keeps the backend's kind and metrics mode")
         self.spec = spec
-        self.model = simengine.SimBackend(spec, self.config, born=self.clock())
+        self.model = simengine.SimBackend(spec, config, born=self.clock())
         self.stats.mode = spec.text
         self.stats.restarts += 1
         return _json(200, {"mode": spec.text, "start_time": self.model.start_time(self.clock())})

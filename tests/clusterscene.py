@@ -77,16 +77,18 @@ def inject_wedge(server: Server) -> None:
     """The simulator's own restart into a mode that wedges (a new "process").
 
     It wedges one second in, once its synthetic load is running: a process that froze
-    before taking any work shows none, and is judged by the tiny request instead.
+    before taking any work shows none, and is judged by the tiny request instead. It
+    says it has been up an hour: a young one's freeze is only proven past its startup
+    window (minutes), as a real restart's is.
     """
-    switch_mode(server, "wedge:1")
+    switch_mode(server, "wedge:1", age=3600.0)
 
 
-def switch_mode(server: Server, mode: str) -> None:
-    """The simulator's own restart into ``mode``: a new "process" on the same port."""
-    request = urllib.request.Request(
-        f"{server.url}/sim/restart", data=json.dumps({"mode": mode}).encode(), method="POST"
-    )
+def switch_mode(server: Server, mode: str, age: float = 0.0) -> None:
+    """The simulator's own restart into ``mode``: a new "process" on the same port,
+    ``age`` seconds old."""
+    body = json.dumps({"mode": mode, "age": age}).encode()
+    request = urllib.request.Request(f"{server.url}/sim/restart", data=body, method="POST")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=5.0) as response:
         assert response.status == 200

@@ -188,6 +188,14 @@ def test_a_simulated_process_may_claim_to_be_older_than_it_is() -> None:
     assert old.observe(at(2)).start_time == BORN - 3600.0
 
 
+def test_a_restarted_process_is_young_however_old_the_first_claimed_to_be() -> None:
+    """Aged too, a restart's wedge was proven in two waits where a real one's young
+    process gets its startup window (minutes): tests proved what a server never would."""
+    b = backend("restart:5+wedge:1", age=3600.0)
+    assert b.observe(at(2)).start_time == BORN - 3600.0
+    assert b.observe(at(7)).start_time == at(5)
+
+
 def test_a_restart_gives_a_new_start_time_and_counters_from_zero() -> None:
     b = backend("restart:5")
     ticket = b.submit(at(1), 7, 3)

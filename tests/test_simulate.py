@@ -529,6 +529,21 @@ def test_a_restart_request_brings_a_new_process_in_the_mode_asked(client: httpx.
         refused = client.post(f"{url}/sim/restart", json={"mode": "multiproc"})
         assert refused.status_code == 400
         assert client.post(f"{url}/sim/restart", json={"mode": "bogus"}).status_code == 400
+        assert client.post(f"{url}/sim/restart", json={"age": -1}).status_code == 400
+        assert client.post(f"{url}/sim/restart", json={"age": "old"}).status_code == 400
+
+
+def test_a_restarted_process_is_young_unless_it_is_given_an_age(client: httpx.Client) -> None:
+    """The simulator's first process says it has been up an hour; a restart aged as much
+    had its wedge proven in two waits, where a real restart gets its startup window."""
+    start = ("process_start_time_seconds", frozenset[tuple[str, str]]())
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+        assert metrics(client, url)[start] < time.time() - 3000
+        assert client.post(f"{url}/sim/restart", json={"mode": "idle"}).status_code == 200
+        assert metrics(client, url)[start] > time.time() - 60
+        assert client.post(f"{url}/sim/restart", json={"age": 600}).status_code == 200
+        assert time.time() - 700 < metrics(client, url)[start] < time.time() - 500
 
 
 def test_metrics_can_be_made_to_hang_and_answer_again_from_the_same_process(
