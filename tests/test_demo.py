@@ -16,6 +16,8 @@ import time
 import pytest
 from simproc import alive, children
 
+from llmhealth.demo import _streams_told
+
 PATIENCE = 60.0  # seconds: a bound on what must happen, never a timing claim
 
 
@@ -63,3 +65,29 @@ def test_a_demo_stopped_part_way_stops_its_simulators_and_exits_130(
     assert demo.returncode == 130, stderr  # a shell's code for an interrupted command
     assert "Traceback" not in stderr, stderr
     assert not [pid for pid in simulators if alive(pid)]
+
+
+@pytest.mark.parametrize(
+    ("streams", "told"),
+    [
+        ([("r0-wedging", False)] * 3, "All 3 streams finished: none met the wedge."),
+        (
+            [("r0-wedging", False), ("r0-wedging", True), ("r1-idle", False), ("r0-wedging", True)],
+            "The wedged backend cost the client 2 of 4 streams, each ended by an SSE error "
+            "event; of the 2 after the first, 1 finished on r1.",
+        ),
+        (
+            [("r0-wedging", True), ("r1-idle", False), ("r0-wedging", False)],
+            "The wedged backend cost the client 1 of 3 streams, each ended by an SSE error "
+            "event; of the 2 after the first, 1 finished on r1, and r0 served again once its "
+            "new process was re-admitted.",
+        ),
+    ],
+    ids=["no-failure", "r0-failed-twice", "r0-back"],
+)
+def test_the_routing_part_tells_what_its_streams_showed(
+    streams: list[tuple[str, bool]], told: str
+) -> None:
+    """Its closing words were fixed text ("steered the next ones to r1 at once"), true
+    on a fast machine, told also where a stream after the first failure failed again."""
+    assert _streams_told(streams) == told
