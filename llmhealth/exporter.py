@@ -423,6 +423,8 @@ class _PagePerView:
         self._pages: dict[tuple[str, ...], _Page] = {}
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        if environ.get("REQUEST_METHOD") != "GET":  # a 405, or OPTIONS: cheap, and no page
+            return list(self._app(environ, start_response))
         asked = tuple(
             str(environ.get(key, ""))
             for key in ("PATH_INFO", "QUERY_STRING", "HTTP_ACCEPT", "HTTP_ACCEPT_ENCODING")
@@ -434,8 +436,8 @@ class _PagePerView:
             page = self._pages.get(asked)
             if page is None:
                 page = self._render(environ)
-                if len(self._pages) < _PAGES_PER_VIEW:
-                    self._pages[asked] = page
+                if page[0].startswith("200") and len(self._pages) < _PAGES_PER_VIEW:
+                    self._pages[asked] = page  # only a page: never an error in its place
         status, headers, body = page
         start_response(status, list(headers))
         return [body]

@@ -487,6 +487,12 @@ def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
         collector.publish(ExportView(backends=(busy("gpu1"),)))
         assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
         assert len(renders) == 3
+        # Another method's answer (prometheus_client's 405, an empty OPTIONS) is not the
+        # page: kept in its place, a balancer's HEAD failed every scrape until a new view.
+        collector.publish(ExportView(backends=(wedged("gpu1"),)))
+        assert httpx.head(url, timeout=10.0).status_code == 405
+        assert httpx.options(url, timeout=10.0).status_code == 200
+        assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
 
 
 def test_a_rate_past_a_floats_range_is_left_out_not_exported_as_infinity() -> None:
