@@ -179,12 +179,15 @@ class ReadTasks:
             return
         error = task.exception()
         cause = f"{type(error).__name__}: {error}" if error else "it returned"
-        # Its last verdict would stand until the new task's first: one that dies every
-        # time left a backend "busy" and serving for ever. Its window is gone with it.
-        why = f"not judged: its probing task died ({cause}); its reads start afresh"
-        self._deliver(target, unjudged(why), 0.0, ())
         self._died(target.name, cause)
         self._start(target, delay=self._settings().wait)
+        # Its last verdict would stand until the new task's first: one that dies every
+        # time left a backend "busy" and serving for ever. Its window is gone with it.
+        # Last, and its own failure kept here: the death is told and the task started
+        # again whatever delivering does (the bug that killed the task may be there).
+        why = f"not judged: its probing task died ({cause}); its reads start afresh"
+        with contextlib.suppress(Exception):
+            self._deliver(target, unjudged(why), 0.0, ())
 
     async def _read_forever(self, target: Target, delay: float = 0.0) -> None:
         """Read one target every wait, forever; what it concludes goes to ``deliver``."""
@@ -442,6 +445,7 @@ class _Worker:
     share: dict[str, Target] = field(default_factory=dict)
     windows: dict[str, list[Read]] = field(default_factory=dict)
     receiving: asyncio.Task[None] | None = None
+    told_unstarted: bool = False  # its share was given "not started" since it last ran
 
 
 async def _let_leave(process: asyncio.subprocess.Process) -> None:
@@ -540,14 +544,18 @@ class ReadPool:
             limit=MAX_FRAME,
         )
         worker.windows = {}
+        worker.told_unstarted = False
         worker.receiving = asyncio.create_task(self._receive(worker, worker.process))
 
     def _send_share(self, worker: _Worker) -> None:
         process = worker.process
         if process is None and not self._closing:
             # Not started yet (tried again each wait): its share gets what a lost
-            # worker's gets, or it kept its saved states with no verdict at all.
-            self._unjudged(worker, f"read worker {worker.index + 1} not started")
+            # worker's gets, or it kept its saved states with no verdict at all. Once
+            # while it stays unstarted, as an examination each would count for one.
+            if not worker.told_unstarted:
+                worker.told_unstarted = True
+                self._unjudged(worker, f"read worker {worker.index + 1} not started")
             return
         if process is None or process.stdin is None or process.stdin.is_closing():
             return

@@ -1497,8 +1497,9 @@ def test_a_retired_backend_is_read_but_sent_no_tiny_request_until_a_reset(
             await until("a tiny request", lambda: backend.completions >= 2, running)
             verb = partial(operate.retire, operator, audit, config, "b", "lent out")
             assert (await asyncio.to_thread(verb)).applied
-            # Ten waits: the retirement settled and told to every reader (two waits at
-            # most), and any examination under way when it was made has ended.
+            await until("the retirement seen", lambda: "b" in daemon.settings.retired, running)
+            # Ten more waits: told to every reader (at the next cycle's start), and any
+            # examination under way when it was made has ended.
             await reads(10, running)
             asked_when_retired = backend.completions
             await reads(10, running)

@@ -318,6 +318,8 @@ def test_a_worker_never_started_gives_its_share_verdicts_that_say_so(
         pool = _delivering_pool(lambda verdict, _w: heard.append(verdict))
         await pool.start()
         pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        # Once while it stays unstarted: each would count as an examination.
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
         await pool.close()
 
     asyncio.run(main())
@@ -475,6 +477,36 @@ def test_a_worker_forgets_what_it_sent_of_targets_no_longer_its_own() -> None:
         assert asyncio.run(main()) == ["kept"]
     finally:
         os.close(read)
+
+
+def test_a_probing_task_dies_told_and_started_again_even_if_delivering_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The verdict that says so comes last: a deliver that raises (the bug that killed
+    the task may be there) must not leave the backend unread for good, uncounted."""
+
+    async def broken(*_args: Any, **_kwargs: Any) -> Verdict:
+        raise RuntimeError("a bug past examine_once's guard")
+
+    monkeypatch.setattr(readers, "examine_once", broken)
+    died: list[str] = []
+
+    def deliver(*_args: object) -> None:
+        raise RuntimeError("a bug in deliver")
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=0.05), time.time, deliver, lambda _n, c: died.append(c)
+        )
+        tasks.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        for _ in range(200):
+            if len(died) >= 3:
+                break
+            await asyncio.sleep(0.05)
+        await tasks.close()
+
+    asyncio.run(main())
+    assert len(died) >= 3, died
 
 
 def _read(at: float, steps: float) -> Read:
