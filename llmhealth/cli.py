@@ -573,14 +573,15 @@ app.add_typer(config_app, name="config")
 def config_check(path: Annotated[str, typer.Argument(help="The TOML file to validate.")]) -> None:
     """Validate a config file: exit 0 when usable, 3 with every problem named otherwise."""
     loaded = config_module.load(path)
+    # ExecReload runs this in the unit's environment: a key variable missing there is a
+    # reload the daemon would refuse, and must fail here too.
+    if unset := config_module.unset_key_variables(loaded):
+        raise config_module.ConfigError(f"{path}: {'; '.join(unset)}")
     restartable = sum(1 for backend in loaded.backends if backend.restart)
     print(
         f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart command), "
         f"{len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout {loaded.timeout:g}s"
     )
-    # The file is sound; its keys come from where check, watch and route will run.
-    for unset in config_module.unset_key_variables(loaded):
-        print(f"note: api_key_env {unset} is not set here; check, watch and route refuse it")
 
 
 @app.command()

@@ -275,7 +275,7 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         state=state,
         audit_log=audit_log,
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
-        on_serving_change=reader.command(data, "on_serving_change"),
+        on_serving_change=reader.command(data, "on_serving_change", empty_is_none=True),
         max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
         read_workers=None
         if data.get("read_workers", "auto") == "auto"
@@ -682,10 +682,11 @@ class _Reader:
         return value
 
     def cgroup(self, table: Mapping[str, Any], key: str) -> str | None:
-        """A cgroup v2 directory: under /sys/fs/cgroup, or as systemd shows it
-        (``systemctl show -p ControlGroup``: /system.slice/...), taken under it. Taken as
-        written, that one was read at the root of the file system and found nothing, and
-        a relative one from wherever llmhealth ran: CPU evidence lost without a word."""
+        """A cgroup v2 directory, or one as systemd shows it (``systemctl show -p
+        ControlGroup``: /system.slice/..., starting with a slice or scope), taken under
+        /sys/fs/cgroup. Taken as written, that one was read at the root of the file
+        system and found nothing, and a relative one from wherever llmhealth ran: CPU
+        evidence lost without a word."""
         value = self.optional_string(table, key)
         if value is None:
             return None
@@ -693,9 +694,10 @@ class _Reader:
             raise self.fail(
                 key, f"{value!r} is relative: give /sys/fs/cgroup/... or systemd's ControlGroup"
             )
-        if value == CGROUP_ROOT or value.startswith(f"{CGROUP_ROOT}/"):
-            return value
-        return CGROUP_ROOT + value.rstrip("/")
+        top = value.split("/", 2)[1]
+        if top.endswith((".slice", ".scope")):  # systemd's: every cgroup it makes is in one
+            return CGROUP_ROOT + value.rstrip("/")
+        return value  # the mount itself, or one elsewhere (a container's view of the host)
 
     def variable_name(self, table: Mapping[str, Any], key: str) -> str | None:
         """The name of an environment variable. Not echoed when it is not one: what was
@@ -738,20 +740,26 @@ class _Reader:
             raise self.fail(key, "must be a list of strings (an argv list, never a shell line)")
         return tuple(value)
 
-    def command(self, table: Mapping[str, Any], key: str) -> tuple[str, ...]:
-        """An argv list run with no shell, or none when the key is absent. Its program is
+    def command(
+        self, table: Mapping[str, Any], key: str, *, empty_is_none: bool = False
+    ) -> tuple[str, ...]:
+        """An argv list run with no shell, or none when the key is absent (or, where
+        ``empty_is_none``, an empty list: the default written out). Its program is
         checked here, not when it first runs: a restart that cannot run spends the
         restart budget attempt by attempt until the backend is retired. The program is
         not repeated in a message, as a command line may carry a token."""
         argv = self.string_list(table, key, ())
-        if self._leaf(key) not in table:
+        if self._leaf(key) not in table or (empty_is_none and not argv):
             return ()
         if not argv:
             raise self.fail(key, "an empty command; leave the key out")
         program = argv[0]
         if not program.strip():
             raise self.fail(key, "its first word, the program to run, is empty")
-        if any(character.isspace() for character in program) and not Path(program).exists():
+        # Only an absolute path is looked at: a relative one is refused below, and one
+        # found from here may not be from where the daemon runs.
+        spaced = any(character.isspace() for character in program)
+        if spaced and not (program.startswith("/") and Path(program).exists()):
             raise self.fail(
                 key,
                 "its first word is a whole command line: no shell is used, so split it into"
@@ -787,44 +795,42 @@ class BadTargetError(ValueError):
         self.hint = hint
 
 
+def backend_key(backend: Backend) -> str | None:
+    """The key in the variable the backend's api_key_env names; None without one, or
+    when that variable is unset or empty here."""
+    return (os.environ.get(backend.api_key_env) or None) if backend.api_key_env else None
+
+
 def unset_key_variables(config: Config) -> list[str]:
-    """``name (backend)`` of each api_key_env naming a variable unset or empty here."""
+    """Why each backend whose api_key_env names a variable unset or empty here cannot be
+    used. Refused at start and reload (``targets_for``): a cron job or unit without the
+    operator's environment sent every request without its key, each failed as the
+    backend's own fault (a 401), and the ledger condemned a healthy backend, the router
+    dropped it."""
     return [
-        f"{backend.api_key_env} ({backend.name})"
+        f"backend {backend.name!r}: its api_key_env names {backend.api_key_env}, which is not"
+        " set (or empty) here; without its key every request would fail as the backend's"
+        " fault"
         for backend in config.backends
-        if backend.api_key_env and not os.environ.get(backend.api_key_env)
+        if backend.api_key_env and backend_key(backend) is None
     ]
-
-
-def _api_key(backend: Backend) -> str | None:
-    """The key from the variable the backend's api_key_env names. One named and unset
-    (a cron job or unit without the operator's environment) is refused: every request
-    sent without it fails as the backend's own fault (a 401), and the ledger condemned
-    a healthy backend, the router dropped it."""
-    if backend.api_key_env is None:
-        return None
-    key = os.environ.get(backend.api_key_env)
-    if not key:
-        raise BadTargetError(
-            f"backend {backend.name!r}: its api_key_env names {backend.api_key_env}, which is "
-            "not set (or empty) here; without its key every request would fail as the "
-            "backend's fault"
-        )
-    return key
 
 
 def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> list[Target]:
     """Every target: configured backends and proxies first, then bare URLs.
 
     API keys are read here from the environment variables the config names, so a key is
-    never written into a config file or a state file.
+    never written into a config file or a state file; one unset is refused
+    (``unset_key_variables``).
     """
+    if unset := unset_key_variables(config):
+        raise BadTargetError(unset[0])
     targets = [
         Target(
             backend.name,
             backend.url,
             "backend",
-            api_key=_api_key(backend),
+            api_key=backend_key(backend),
             model=backend.expected_model,
             rules=config.wedge_rules(backend),
             cgroup=backend.cgroup,

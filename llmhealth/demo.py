@@ -195,8 +195,11 @@ def _one_check(console: Console, urls: list[str], proxy_url: str) -> None:
     console.rule("1. one check, as cron or an operator runs it")
     targets = [Target(name, url) for (name, _), url in zip(_FLEET, urls, strict=True)]
     targets.append(Target("lb", proxy_url, "proxy"))
-    # The backends by name, as a config file gives them ([[backend]] and [[proxy]]).
-    console.print("$ llmhealth check --config demo.toml --wait 2s --timeout 3s\n")
+    console.print(
+        "In this process, as `llmhealth check --wait 2s --timeout 3s` runs over the fleet "
+        "above named in a config ([[backend]], [[proxy]]), keeping no state:\n",
+        markup=False,
+    )
     report = run_cycle(Config(), targets, ProbeSettings(wait=2.0, timeout=3.0), None)
     print_report(report, console)
     code = exit_code(report)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import resource
 import time
 from bisect import bisect_left
@@ -34,7 +33,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from llmhealth.choice import ANY_MODEL, Affinity, Models, choose, serves
-from llmhealth.config import Backend
+from llmhealth.config import Backend, backend_key
 from llmhealth.config import Router as RouterConfig
 from llmhealth.deadlines import Deadlines
 from llmhealth.edge import BadRequestError, Edge, Request
@@ -580,7 +579,7 @@ class Router:
         """One attempt on one backend, from connect to the last byte to the client (None:
         relayed)."""
         backend = self._backends[name]
-        api_key = os.environ.get(backend.api_key_env) if backend.api_key_env else None
+        api_key = backend_key(backend)
         started = time.monotonic()
         series = self.metrics.backend(name)
         self._in_flight[name] += 1

@@ -172,7 +172,7 @@ def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
     assert not stall.stalled(time.monotonic(), 3600.0)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, 3601])
 def test_a_prober_with_a_bad_timeout_is_refused(bad: float) -> None:
     """An infinite one let a hung backend hold ``probe()`` for ever."""
     with pytest.raises(ValueError, match="timeout"):
