@@ -397,14 +397,11 @@ class AuditLog:
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
             self._lock(fd, kept)
+            size = os.fstat(fd).st_size
             lines = _after_a_torn_line(fd) + lines
             written = os.write(fd, lines)
             if written != len(lines):
-                # End the fragment now if the disk lets us; if not, the next append ends it
-                # (_after_a_torn_line), so readers skip it as malformed either way instead
-                # of merging it with the next record.
-                with contextlib.suppress(OSError):
-                    os.write(fd, b"\n")
+                _take_back(fd, size)
                 raise AuditError(
                     f"{self.path}: short write ({written} of {len(lines)} bytes, disk "
                     f"full?); {kept}"
@@ -412,6 +409,7 @@ class AuditLog:
             try:
                 os.fsync(fd)
             except OSError as exc:
+                _take_back(fd, size)
                 raise AuditError(
                     f"{self.path}: cannot make the records durable: {_why(exc)}"
                 ) from exc
@@ -564,6 +562,19 @@ def _plain(value: object, depth: int) -> object:
     if callable(to_dict):
         return _plain(to_dict(), depth + 1)
     return str(value)
+
+
+def _take_back(fd: int, size: int) -> None:
+    """Cut the log back to ``size``, under its lock, after a write that failed: the
+    batch's whole records kept said a restart was issued that was never saved nor run,
+    and the settle made again wrote them a second time. If the cut fails, the fragment
+    is at least ended, so readers skip it as malformed instead of merging it with the
+    next record (or the next append ends it: ``_after_a_torn_line``)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.write(fd, b"\n")
 
 
 def _fsync_dir(path: Path) -> None:

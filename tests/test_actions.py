@@ -469,15 +469,21 @@ def test_a_batch_whose_fsync_fails_says_so(tmp_path: Path, monkeypatch: pytest.M
     def failing(_fd: int) -> None:
         raise OSError(errno.EIO, "I/O error")
 
+    log.append({"event": "before"})
     with pytest.raises(AuditError, match="cannot make the records durable"), log.batch():
         log.append({"event": "moved"})
         monkeypatch.setattr(os, "fsync", failing)
+    # Taken back: a settle that saved nothing must leave no record saying it acted.
+    assert [record["event"] for record in read(log.path)] == ["before"]
 
 
-def test_a_short_write_ends_its_fragment_and_says_which_records_were_lost(
+def test_a_short_write_is_taken_back_whole_and_says_which_records_were_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The batch's whole first record was kept: a restart in the trail that was never
+    saved nor run, written again by the settle made again once the disk had room."""
     log = AuditLog(tmp_path / "audit.jsonl")
+    log.append({"time": 1.0, "event": "before"})
     real_write = os.write
 
     def short(fd: int, data: bytes) -> int:
@@ -495,11 +501,9 @@ def test_a_short_write_ends_its_fragment_and_says_which_records_were_lost(
         log.append({"time": 1.0, "event": "alone"})
     monkeypatch.setattr(os, "write", real_write)
     log.append({"time": 1.0, "event": "after"})
-    # The batch's first record was whole; each torn fragment is skipped as malformed, and
-    # the next record is on a line of its own.
     found = scan(log.path)
-    assert [record["event"] for record in found.records] == ["moved", "after"]
-    assert found.malformed == 2
+    assert [record["event"] for record in found.records] == ["before", "after"]
+    assert found.malformed == 0
 
 
 _HOLDER = """
