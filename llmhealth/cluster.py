@@ -733,7 +733,7 @@ class EtcdStore:
         if found is None:
             return None
         try:
-            return decode_record(found.value, decode)
+            return decode_record(found.value, decode, self.keys.state)
         except UNREADABLE as exc:
             aside = f"{self.keys.state}.corrupt-{found.mod_revision}"
             self.etcd.txn(
@@ -751,7 +751,7 @@ class EtcdStore:
         if found is None:
             return None
         try:
-            return decode_record(found.value, decode)
+            return decode_record(found.value, decode, self.keys.state)
         except UNREADABLE as exc:
             raise StateCorruptError(
                 f"state {self.keys.state} is unreadable ({exc}); left in place: the next "

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import json
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -54,16 +55,26 @@ class RecordMovedError(StateError):
 UNREADABLE = (ValueError, RecursionError, OverflowError)
 
 
-def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T]) -> T:
+def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T], where: str) -> T:
     """A stored record, read the same way from every store: a JSON object of our SCHEMA.
 
-    Raises one of UNREADABLE; the store sets such a record aside.
+    Raises one of UNREADABLE; the store sets such a record aside. A record of a newer
+    schema raises StateError instead and stays where it is: a newer llmhealth wrote it
+    (an upgrade rolled back, a cluster member upgraded first), and set aside as corrupt
+    it was replaced by a fresh ledger, a retired backend serving again, a hold gone.
     """
     document = json.loads(raw)
     if not isinstance(document, dict):
         raise ValueError("not a JSON object")
-    if document.get("schema") != SCHEMA:
-        raise ValueError(f"schema {document.get('schema')!r}, expected {SCHEMA}")
+    schema = document.get("schema")
+    if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA:
+        raise StateError(
+            f"state {where} was written by a newer llmhealth (schema {schema}; this one "
+            f"reads schema {SCHEMA}): left in place; run the newer version, or move it "
+            "aside to start a fresh ledger"
+        )
+    if schema != SCHEMA:
+        raise ValueError(f"schema {schema!r}, expected {SCHEMA}")
     return decode(document)
 
 
@@ -144,22 +155,53 @@ class Store(Protocol):
         ...
 
 
+def _alive(note: str) -> bool:
+    """Whether the PID a lock's note names is a live process: one SIGKILLed leaves its
+    note behind, and the next holder (flock(1) in a backup) was taken for it."""
+    try:
+        os.kill(int(note), 0)
+    except ValueError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
+
+
 class StateFile:
     """One state file and its lock file beside it (the state itself is renamed over)."""
 
     def __init__(self, path: str | Path, lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.path = Path(path)
-        self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.lock_timeout = lock_timeout
+
+    @property
+    def lock_path(self) -> Path:
+        """Beside the file the state is (``_target``): beside a symbolic link, a run
+        through the link and one through the file it names held two locks, and both
+        wrote the one state."""
+        target = self._target()
+        return target.with_name(target.name + ".lock")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the exclusive lock, waiting up to lock_timeout for another run to finish."""
+        lock_path = self.lock_path
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # Not through a symbolic link: one planted at this predictable name had the
+            # file it names truncated and made 0600 by every run.
+            descriptor = os.open(
+                lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
         except OSError as exc:
-            raise StateError(f"cannot open the lock file {self.lock_path}: {exc}") from exc
+            if isinstance(exc, FileNotFoundError) and os.path.islink(self.path):
+                raise self._dangling() from None  # the lock goes beside what it names
+            raise StateError(f"cannot open the lock file {lock_path}: {exc}") from exc
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            raise StateError(f"the lock file {lock_path} is not a regular file")
         with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
             os.fchmod(descriptor, 0o600)
         try:
@@ -187,7 +229,9 @@ class StateFile:
         if not locked:
             note = printable(os.pread(descriptor, 32, 0).decode(errors="replace").strip())
             holder = (
-                f"another llmhealth (PID {note})" if note else "a process that is not llmhealth"
+                f"another llmhealth (PID {note})"
+                if note and _alive(note)
+                else "a process that is not llmhealth"
             )
             waited = f"gave up after {self.lock_timeout:g} s"
             raise StateLockedError(f"state {self.path} is locked by {holder}; {waited}")
@@ -201,9 +245,14 @@ class StateFile:
             return self._decoded(decode)
         except UNREADABLE as exc:
             aside = self._set_aside()
+            then = (
+                f"{self.path} is a symbolic link, which now leads nowhere: point it at a "
+                "new file (or remove it) for the next run to start a fresh ledger"
+                if os.path.islink(self.path)
+                else "the next run starts a fresh ledger"
+            )
             raise StateCorruptError(
-                f"state {self.path} is unreadable ({exc}); moved aside to {aside}; "
-                "the next run starts a fresh ledger"
+                f"state {self.path} is unreadable ({exc}); moved aside to {aside}; {then}"
             ) from exc
 
     def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
@@ -223,18 +272,13 @@ class StateFile:
             raw = read_regular_file(self.path, _MAX_STATE_BYTES)
         except FileNotFoundError:
             if os.path.islink(self.path):
-                # Its file's volume not mounted yet, say: a fresh ledger here would forget
-                # every retirement and hold, and its save would replace the link.
-                raise StateError(
-                    f"state {self.path} is a symbolic link to {os.readlink(self.path)}, "
-                    "which does not exist: refusing to start a fresh ledger in its place"
-                ) from None
+                raise self._dangling() from None
             return None
         except OSError as exc:  # a FIFO or a device among them: never waited on
             raise StateError(f"cannot read state {self.path}: {exc}") from exc
         if len(raw) > _MAX_STATE_BYTES:
             raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
-        return decode_record(raw, decode)
+        return decode_record(raw, decode, str(self.path))
 
     def mark(self) -> tuple[int, ...] | None:
         """The file's identity and its last change, from one stat: a save by anyone renames
@@ -277,8 +321,16 @@ class StateFile:
             )
             temporary = Path(name)
             with os.fdopen(descriptor, "wb") as handle:
+                size = 0
                 for piece in encode_pieces({**document, "schema": SCHEMA}):
-                    handle.write(piece)
+                    size += handle.write(piece)
+                    if size > _MAX_STATE_BYTES:
+                        # Saved, no run could read it back: the next would set it aside
+                        # and start a fresh ledger.
+                        raise StateError(
+                            f"cannot write state {self.path}: over {_MAX_STATE_BYTES} "
+                            "bytes, more than a run reads back; the state stays as it was"
+                        )
                 handle.flush()
                 os.fsync(handle.fileno())
             before()
@@ -306,6 +358,15 @@ class StateFile:
     def command_env(self) -> dict[str, str]:
         """One machine acts under the file lock: there is no token to hand on."""
         return {}
+
+    def _dangling(self) -> StateError:
+        """The state path is a symbolic link to nothing: its file's volume not mounted
+        yet, say. A fresh ledger here would forget every retirement and hold, and its
+        save would replace the link."""
+        return StateError(
+            f"state {self.path} is a symbolic link to {os.readlink(self.path)}, "
+            "which does not exist: refusing to start a fresh ledger in its place"
+        )
 
     def _target(self) -> Path:
         """The file the state is: where the path's symbolic links lead, if it has any."""
@@ -350,7 +411,7 @@ class MemoryStore:
             yield
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
-        return None if self._text is None else decode_record(self._text, decode)
+        return None if self._text is None else decode_record(self._text, decode, self.path)
 
     def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         return self.load(decode)

@@ -54,8 +54,8 @@ def test_a_saved_document_loads_back_with_its_schema(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b"[1, 2]", b'{"schema": 99}', b"\xff\xfe binary", b"", b"[" * 200_000],
-    ids=["broken-json", "not-an-object", "future-schema", "binary", "empty", "deeply-nested"],
+    [b"{not json", b"[1, 2]", b'{"schema": 0}', b"\xff\xfe binary", b"", b"[" * 200_000],
+    ids=["broken-json", "not-an-object", "past-schema", "binary", "empty", "deeply-nested"],
 )
 def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: bytes) -> None:
     store = StateFile(tmp_path / "state.json")
@@ -100,7 +100,11 @@ def test_a_state_path_that_is_a_symlink_is_saved_where_it_points(tmp_path: Path)
     record.write_bytes(b"{corrupt")
     with store.locked(), pytest.raises(StateCorruptError):
         store.load(identity)
-    assert [p.name.split(".corrupt-")[0] for p in (tmp_path / "volume").iterdir()] == [
+    assert [
+        p.name.split(".corrupt-")[0]
+        for p in (tmp_path / "volume").iterdir()
+        if p.name != "state.json.lock"  # the lock is beside the file too
+    ] == [
         "state.json"
     ]  # the file was set aside where it lives; the link is left to point at the next one
     assert store.path.is_symlink()
@@ -131,7 +135,7 @@ def test_a_symlink_to_a_missing_state_is_refused_not_started_afresh(tmp_path: Pa
     # backend serving again), and its save replaced the link for good.
     store = StateFile(tmp_path / "state.json")
     store.path.symlink_to(tmp_path / "unmounted" / "state.json")
-    with store.locked(), pytest.raises(StateError, match="which does not exist"):
+    with pytest.raises(StateError, match="which does not exist"), store.locked():
         store.load(identity)
     assert store.path.is_symlink()
 
@@ -461,3 +465,103 @@ def test_no_default_state_path_without_a_home_is_a_state_error(
     monkeypatch.setattr("pwd.getpwuid", lambda _uid: (_ for _ in ()).throw(KeyError(_uid)))
     with pytest.raises(StateError, match="give state in the config, --state, or STATE_DIRECTORY"):
         default_path({})
+
+
+def test_a_state_a_newer_llmhealth_wrote_is_left_in_place_not_started_afresh(
+    tmp_path: Path,
+) -> None:
+    """An upgrade rolled back: set aside as corrupt, the next run started a fresh ledger,
+    a retired GPU serving again and a weight-sync hold forgotten."""
+    store = StateFile(tmp_path / "state.json")
+    newer = b'{"schema": 2, "ledger": {"gpu1": "retired"}}'
+    store.path.write_bytes(newer)
+    for look in (store.load, store.read):
+        with store.locked(), pytest.raises(StateError) as refused:
+            look(identity)
+        assert not isinstance(refused.value, StateCorruptError)
+        assert "written by a newer llmhealth (schema 2; this one reads schema 1)" in str(
+            refused.value
+        )
+    assert store.path.read_bytes() == newer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.lock"]
+
+
+def test_a_run_through_a_symlink_and_one_through_its_file_share_one_lock(
+    tmp_path: Path,
+) -> None:
+    """Beside the link, each had its own lock and both wrote the one state."""
+    (tmp_path / "data").mkdir()
+    real = StateFile(tmp_path / "data" / "state.json", lock_timeout=0.2)
+    linked = StateFile(tmp_path / "state.json", lock_timeout=0.2)
+    linked.path.symlink_to(real.path)
+    with real.locked():
+        real.save({"n": 1})
+    assert linked.lock_path == real.lock_path
+    with real.locked(), pytest.raises(StateLockedError), linked.locked():
+        pass
+
+
+def test_a_symlink_planted_at_the_lock_name_is_refused_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """Opened through it, the file it names was truncated and made 0600 by every run."""
+    victim = tmp_path / "victim.conf"
+    victim.write_text("kept")
+    victim.chmod(0o644)
+    store = StateFile(tmp_path / "state.json")
+    store.lock_path.symlink_to(victim)
+    with pytest.raises(StateError, match="cannot open the lock file"), store.locked():
+        pass
+    assert victim.read_text() == "kept" and mode(victim) == 0o644
+
+
+def test_a_lock_note_of_a_process_that_has_exited_is_not_blamed(tmp_path: Path) -> None:
+    """A run SIGKILLed leaves its PID in the note; the next holder (flock(1) in a backup)
+    was reported as that llmhealth, long gone."""
+    store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    with store.locked():
+        pass
+    store.lock_path.write_text(gone.stdout)
+    descriptor = os.open(store.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        with pytest.raises(StateLockedError) as refused, store.locked():
+            pass
+    finally:
+        os.close(descriptor)
+    assert "locked by a process that is not llmhealth" in str(refused.value)
+
+
+def test_a_state_too_large_to_read_back_is_not_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved, the next run set it aside as unreadable and started a fresh ledger."""
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    store = StateFile(tmp_path / "state.json")
+    with store.locked():
+        store.save({"n": 1})
+        with pytest.raises(StateError, match="more than a run reads back"):
+            store.save({"n": 2, "pad": "x" * 4096})
+        assert store.load(identity) == {"n": 1, "schema": SCHEMA}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.lock"]
+
+
+def test_a_corrupt_state_behind_a_symlink_says_the_link_now_leads_nowhere(
+    tmp_path: Path,
+) -> None:
+    """It promised a fresh ledger, and every later run refused the dangling link."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "state.json").write_bytes(b"{not json")
+    store = StateFile(tmp_path / "state.json")
+    store.path.symlink_to(tmp_path / "data" / "state.json")
+    with store.locked(), pytest.raises(StateCorruptError) as refused:
+        store.load(identity)
+    assert "is a symbolic link, which now leads nowhere: point it at a new file" in str(
+        refused.value
+    )
