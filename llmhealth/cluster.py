@@ -44,6 +44,7 @@ from llmhealth.leadership import (
     retry_due,
     share_of,
 )
+from llmhealth.openfiles import LOCK_TIMEOUT
 from llmhealth.shares import (
     Intake,
     Published,
@@ -58,6 +59,7 @@ from llmhealth.state import (
     RecordMovedError,
     StateCorruptError,
     StateError,
+    StateLockedError,
     decode_record,
     nothing_before,
 )
@@ -637,6 +639,10 @@ class Elector:
             if held is None or held.lease != lease:
                 return
             revision = held.create_revision
+        if revision <= 0:
+            # No revision in the answer: fence 0 compares as "no leader key", which
+            # every write would pass whenever nobody held it (as a lease 0 is refused).
+            raise ClusterUnavailableError(f"etcd's campaign answer names no revision ({revision})")
         with self._lock:
             facts = self._facts
             if facts.lease_id != lease:
@@ -709,22 +715,34 @@ class EtcdStore:
         self._records_untrimmed: int | None = None  # None: not trimmed by this process yet
         self._saves_uncompacted = 0  # a leader's saves since its last compaction
         self._compact_to = 0  # the revision the next compaction may drop history before
+        # One section at a time, as the file's lock makes it: a section's revision, fence
+        # and records live here, and two at once (a stop's last settle beside a cycle
+        # still running) saved one's update over the other's unseen.
+        self._section = threading.Lock()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        fence = None
-        if self.elector is not None:
-            decision = self.elector.decision()
-            fence = self.elector.fence
-            if not decision.may_act or fence is None:
-                raise NotLeaderError(f"{self.elector.member} does not lead: {decision.reason}")
-        self._fence, self._read_revision, self._pending = fence, None, []
+        if not self._section.acquire(timeout=LOCK_TIMEOUT):
+            raise StateLockedError(
+                f"state {self.keys.state} is in use by another section of this process; "
+                f"gave up after {LOCK_TIMEOUT:g} s"
+            )
         try:
-            yield
-            if self._pending:
-                self._write_records_alone()
+            fence = None
+            if self.elector is not None:
+                decision = self.elector.decision()
+                fence = self.elector.fence
+                if not decision.may_act or fence is None:
+                    raise NotLeaderError(f"{self.elector.member} does not lead: {decision.reason}")
+            self._fence, self._read_revision, self._pending = fence, None, []
+            try:
+                yield
+                if self._pending:
+                    self._write_records_alone()
+            finally:
+                self._fence, self._read_revision, self._pending = None, None, None
         finally:
-            self._fence, self._read_revision, self._pending = None, None, None
+            self._section.release()
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
@@ -791,6 +809,7 @@ class EtcdStore:
         # The audit records go in the same transaction as the record: ``before`` has
         # nothing of its own to make durable first (EtcdAudit's batch holds nothing).
         before()
+        loaded = self._read_revision or 0
         compare = self._compares()
         # Who wrote the record, for operators reading etcd (and tests proving who did not).
         writer: dict[str, Any] = {"member": None, "fence": None}
@@ -822,7 +841,7 @@ class EtcdStore:
         self._saved_fence = self._fence
         self._pending = []
         self._trim_after(count)
-        self._compact_after(revision)
+        self._compact_after(revision, loaded)
 
     def _write_records_alone(self) -> None:
         """Audit records of a section that saved nothing, under the same compares."""
@@ -868,12 +887,20 @@ class EtcdStore:
             trim_audit(self.etcd, self.keys, self.audit_keep, self._fence)
             self._records_untrimmed = 0
 
-    def _compact_after(self, revision: int) -> None:
+    def _compact_after(self, revision: int, loaded: int) -> None:
         """A leader's save: every ``COMPACT_EVERY_SAVES``, etcd's history is compacted to
-        the revision of the save as many before. Best effort, as trimming is: another
-        compaction past it (etcd's own, if configured) or etcd away is no reason to fail
-        a settle that was written."""
+        the revision of the save as many before; at this process's first, to the
+        revision it loaded (a `check` from cron saves once or twice and is gone: counted
+        per process, a cluster run by cron alone was never compacted). Best effort, as
+        trimming is: another compaction past it (etcd's own, if configured) or etcd
+        away is no reason to fail a settle that was written."""
         if self.elector is None:
+            return
+        if not self._compact_to:
+            if loaded:
+                with contextlib.suppress(StateError):
+                    self.etcd.compact(loaded)
+            self._compact_to = revision
             return
         self._saves_uncompacted += 1
         if self._saves_uncompacted < COMPACT_EVERY_SAVES:

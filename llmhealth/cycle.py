@@ -298,6 +298,9 @@ def run_cycle_in_cluster(
     try:
         seat.elector.step_and_observe()
     except ClusterError as exc:
+        # The lead may have been won before the reads that failed: given back, or no
+        # daemon could lead for a whole lease after this run was gone.
+        seat.elector.stop()
         note = f"etcd unreachable, nothing acted on or written: {exc}"
         return run_cycle(config, targets, standby, None, mode=Mode.OFF, notes=[note])
     if not seat.elector.decision().may_act:

@@ -65,8 +65,11 @@ class Endpoint:
 
     @property
     def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        """Host and port for the Host header: a name as IDNA writes it (a request head is
+        ASCII; ``bücher.example`` passed the config and failed every request)."""
+        if ":" in self.host:
+            return f"[{self.host}]:{self.port}"
+        return f"{self.host.encode('idna').decode('ascii')}:{self.port}"
 
 
 @dataclass(frozen=True)

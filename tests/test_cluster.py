@@ -44,10 +44,14 @@ from llmhealth.cluster import (
     read_members,
 )
 from llmhealth.config import Backend, Config
+from llmhealth.config import Cluster as ClusterConfig
+from llmhealth.cycle import run_cycle_in_cluster
 from llmhealth.fleet import FleetRecord
 from llmhealth.leadership import LeaseTiming, Standing
 from llmhealth.ledger import Ledger, LedgerPolicy, Readmitted
-from llmhealth.state import RecordMovedError
+from llmhealth.probe import ProbeSettings
+from llmhealth.remediate import Mode
+from llmhealth.state import RecordMovedError, StateLockedError
 from tests.etcdproc import EtcdCluster, free_port, running_etcd
 from tests.test_wire import Handler, read_request, tcp_server
 
@@ -346,12 +350,78 @@ def test_a_leader_compacts_etcds_history_of_its_saves(
         request = {"key": b64(keys.state), "revision": revision}
         return etcd.call("kv/range", request, lambda answer: answer.get("kvs"))
 
-    # Saves 3 and 6 compacted: the first to nothing yet, the second to save 3's revision.
+    # The first save starts the count (compacting to what it loaded: nothing yet); the
+    # fourth compacts to the first's revision, the seventh to the fourth's.
     with pytest.raises(ClusterUnavailableError, match="compacted"):
-        state_at(revisions[1])
-    assert state_at(revisions[2])  # the newest period, and its start, stay readable
+        state_at(revisions[2])
+    assert state_at(revisions[3])  # the newest period, and its start, stay readable
     assert store_value(etcd, keys) == 6
     leader.stop()
+
+
+def test_runs_that_save_once_each_still_compact_etcds_history(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A cluster run by `check` from cron alone: one or two saves a process, counted per
+    process, never reached a compaction, and the history grew until etcd's quota."""
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    revisions = []
+    for value in range(3):  # three runs, each its own process's store
+        leader = elector(etcd, keys, f"cron-{value}", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.load(dict)
+            store.save(document(value))
+        revisions.append(store.revision)
+        leader.stop()
+
+    def state_at(revision: int) -> object:
+        request = {"key": b64(keys.state), "revision": revision}
+        return etcd.call("kv/range", request, lambda answer: answer.get("kvs"))
+
+    with pytest.raises(ClusterUnavailableError, match="compacted"):
+        state_at(revisions[0])
+    assert state_at(revisions[1])  # what the last run loaded stays readable
+    assert store_value(etcd, keys) == 2
+
+
+def test_two_sections_on_one_store_wait_for_each_other(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop's last settle beside a cycle still running: both on one store, whose
+    section lives on the store, and one's save went over the other's unseen."""
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    entered = threading.Event()
+    release = threading.Event()
+
+    def first() -> None:
+        with store.locked():
+            store.load(dict)
+            entered.set()
+            release.wait(10.0)
+            store.save(document(1))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert entered.wait(10.0)
+        monkeypatch.setattr(cluster, "LOCK_TIMEOUT", 0.2)
+        with (
+            pytest.raises(StateLockedError, match="another section of this process"),
+            store.locked(),
+        ):
+            pass
+        monkeypatch.undo()
+    finally:
+        release.set()
+        thread.join(10.0)
+    with store.locked():
+        assert (store.load(dict) or {})["value"] == 1
+        store.save(document(2))
+    assert store_value(etcd, keys) == 2
 
 
 def read_posted(connection: socket.socket) -> tuple[bytes, bytes]:
@@ -1028,3 +1098,60 @@ def test_a_lease_granted_as_zero_is_not_taken_and_no_leader_key_outlives_its_lea
         assert held is not None and held.lease == member.lease_id and held.lease > 0
         member.stop()
     assert direct.get(keys.leader) is None  # resigned: the key went with its lease
+
+
+def test_a_campaign_answer_without_a_revision_does_not_lead_on_fence_zero(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """Read as 0, the fence compared as "no leader key": a leader's writes would pass
+    whenever nobody held the key, as lease 0's would (refused above)."""
+    succeeded: list[str] = []
+
+    def strip_once(path: str, answer: Any) -> Any:
+        # A round's transactions: its member key's put, then the campaign.
+        if path == "/v3/kv/txn" and answer.get("succeeded"):
+            succeeded.append(path)
+            if len(succeeded) == 2:
+                answer.pop("header", None)
+        return answer
+
+    with tcp_server(editing(etcd_server.endpoints[0], strip_once)) as (url, _):
+        clock, log = Clock(), []
+        member = elector(Etcd([url]), keys, "a", clock, log)
+        with pytest.raises(ClusterUnavailableError, match="names no revision"):
+            member.step()
+        assert not member.decision().may_act and member.fence is None
+        member.step()  # its key, on its lease, found the next round: leads by its revision
+        assert member.decision().may_act and (member.fence or 0) > 0
+        member.stop()
+
+
+def test_a_check_that_won_the_lead_and_then_lost_etcd_gives_the_lead_back(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """Won, then a read failed: the run reported etcd away and was gone, its leader key
+    left on its lease, and no daemon could lead for a whole lease."""
+    succeeded: list[str] = []
+    garbled: list[str] = []
+
+    def garble_after_winning(path: str, answer: Any) -> Any:
+        if path == "/v3/kv/txn" and answer.get("succeeded"):
+            succeeded.append(path)
+        elif path == "/v3/kv/range" and len(succeeded) >= 2 and not garbled:
+            garbled.append(path)
+            return {"kvs": "garbled"}
+        return answer
+
+    direct = Etcd(etcd_server.endpoints)
+    with tcp_server(editing(etcd_server.endpoints[0], garble_after_winning)) as (url, _):
+        report = run_cycle_in_cluster(
+            Config(),
+            ClusterConfig(etcd=(url,), prefix=keys.prefix, member="cron"),
+            [],
+            ProbeSettings(wait=0.1, timeout=0.5),
+            mode=Mode.OFF,
+            log=lambda _message: None,
+        )
+    assert garbled, "the round never won the lead"
+    assert any("etcd unreachable" in note for note in report.notes), report.notes
+    assert direct.get(keys.leader) is None

@@ -318,3 +318,10 @@ def test_only_a_body_in_etcds_error_shape_is_taken_for_its_error(body: str, etcd
 
 def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
+
+
+def test_a_host_name_beyond_ascii_is_written_as_idna_in_the_host_header() -> None:
+    """The config takes it (a request can carry it); written raw, every request failed
+    encoding its head as ASCII."""
+    assert Endpoint.from_url("http://bücher.example:2379").authority == "xn--bcher-kva.example:2379"
+    assert Endpoint.from_url("http://[::1]:2379").authority == "[::1]:2379"
