@@ -21,25 +21,31 @@ import time
 
 import httpx
 
-from llmhealth import FleetHealth, FleetPolicy, Prober, Selector, StallWatch, State
-
-
-def counts_against_backend(error: Exception) -> bool:
-    """A 4xx is the request's fault, not the backend's: only other failures count."""
-    if isinstance(error, httpx.HTTPStatusError):
-        return error.response.status_code >= 500
-    return True
+from llmhealth import (
+    FleetHealth,
+    FleetPolicy,
+    NoServingBackend,
+    Prober,
+    Selector,
+    StallWatch,
+    State,
+)
 
 
 async def rollout(client: httpx.AsyncClient, fleet: FleetHealth, selector: Selector) -> bool:
-    """One generation on the least busy serving shard; a failure is retried once elsewhere."""
+    """One generation on the least busy serving shard; a failure is retried once elsewhere
+    (a 4xx, the request's own fault, is not counted against the shard: the lease's rule)."""
+    tried: set[int | str] = set()
     for _ in range(2):
         try:
-            with selector.lease(counts=counts_against_backend) as shard:
+            with selector.lease(exclude=tried) as shard:
+                tried.add(shard)
                 url = f"{fleet.base_url_of(shard)}/v1/completions"
                 body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
                 (await client.post(url, json=body)).raise_for_status()
                 return True
+        except NoServingBackend:
+            return False  # nowhere else to try
         except httpx.HTTPError:
             continue
     return False

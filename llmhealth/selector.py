@@ -1,14 +1,14 @@
 """Which serving backend takes the next request, and the bookkeeping around one request.
 
-The rule is ``choice.fewest_in_flight`` over the fleet's serving set, in the fleet's own
-order (shard indices ascending, or names as given), so ties always go the same way. The
-counts of requests in flight live here, in the caller's process; the ledger only hears
-how each request ended.
+The rule is ``choice.fewest_in_flight`` over the fleet's serving set, ties by name (shard
+indices ascending, or names in order), as DESIGN says and the router does. The counts of
+requests in flight live here, in the caller's process; the ledger only hears how each
+request ended.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from llmhealth.choice import fewest_in_flight
@@ -16,8 +16,15 @@ from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import NoServingBackend
 
 
-def _every_exception(_: Exception) -> bool:
-    return True
+def counts_against_backend(error: Exception) -> bool:
+    """Whether a failed request is the backend's fault: not when the error carries a 4xx
+    status (a 429 among them), the client's own, as the router never counts one. The
+    status is read as the OpenAI SDK (``status_code``) and httpx (``response``) carry it;
+    any other error counts."""
+    status = getattr(error, "status_code", None)
+    if status is None:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+    return not (isinstance(status, int) and 400 <= status < 500)
 
 
 class Selector:
@@ -36,12 +43,16 @@ class Selector:
     def fleet(self) -> FleetHealth:
         return self._fleet
 
-    def next_shard(self) -> Key:
-        """The serving backend with the fewest requests in flight; ``NoServingBackend``
-        (with every backend's state and last error) when nothing serves."""
-        chosen = fewest_in_flight(self._fleet.serving_shards(), self._inflight)
+    def next_shard(self, *, exclude: Collection[Key] = ()) -> Key:
+        """The serving backend with the fewest requests in flight, ties by name, other
+        than those in ``exclude`` (a request's retry elsewhere: the one that failed is
+        still serving while only SUSPECT, and idle again it won the tie back);
+        ``NoServingBackend`` (with every backend's state and last error) when none is."""
+        left = [key for key in self._fleet.serving_shards() if key not in exclude]
+        chosen = fewest_in_flight(sorted(left), self._inflight)
         if chosen is None:
-            raise NoServingBackend(f"no backend is serving: {self._fleet.floor_message}")
+            elsewhere = " other than the excluded" if exclude else ""
+            raise NoServingBackend(f"no backend{elsewhere} is serving: {self._fleet.floor_message}")
         return chosen
 
     def acquire(self, key: Key) -> None:
@@ -64,15 +75,21 @@ class Selector:
         return self._inflight.get(self._fleet.key_for(key), 0)
 
     @contextmanager
-    def lease(self, *, counts: Callable[[Exception], bool] = _every_exception) -> Iterator[Key]:
-        """``with selector.lease() as key:`` a backend for one request.
+    def lease(
+        self,
+        *,
+        counts: Callable[[Exception], bool] = counts_against_backend,
+        exclude: Collection[Key] = (),
+    ) -> Iterator[Key]:
+        """``with selector.lease() as key:`` a backend for one request (not one of
+        ``exclude``, as ``next_shard``).
 
         Released on any exit. A normal exit reports a success to the ledger; an exception
-        for which ``counts`` is true reports a failure (pass a predicate to spare, say, a
-        client's own 4xx). Cancellation and interrupts are never the backend's fault, so
-        they report nothing.
+        for which ``counts`` is true reports a failure (by default every one but a 4xx,
+        as in ``counts_against_backend``: the router's rule). Cancellation and
+        interrupts are never the backend's fault, so they report nothing.
         """
-        key = self.next_shard()
+        key = self.next_shard(exclude=exclude)
         self.acquire(key)
         try:
             yield key

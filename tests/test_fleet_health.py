@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,7 @@ from llmhealth import (
     UnknownBackend,
 )
 from llmhealth.ledger import SERVING
+from llmhealth.selector import counts_against_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -732,6 +734,50 @@ def test_a_lease_spares_failures_the_caller_says_are_not_the_backends() -> None:
     with pytest.raises(ValueError), selector.lease(counts=lambda e: not isinstance(e, ValueError)):
         raise ValueError("the client sent a bad prompt")
     assert f.snapshot()[0].request_failures == 0
+
+
+class _StatusError(Exception):
+    """An error carrying an HTTP status as the OpenAI SDK's do (``status_code``)."""
+
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+
+
+@pytest.mark.parametrize("status", [400, 404, 413, 429])
+def test_a_lease_spares_a_clients_own_4xx_by_default(status: int) -> None:
+    """DESIGN: a 4xx or a 429 never counts; three rate-limited requests condemned a
+    healthy backend, where the router counts none."""
+    f, _ = fleet()
+    selector = Selector(f)
+    for _ in range(3):
+        with pytest.raises(_StatusError), selector.lease():
+            raise _StatusError(status)
+    assert f.snapshot()[0].request_failures == 0 and f.state_of(0) is State.HEALTHY
+    response = httpx.Response(status, request=httpx.Request("GET", "http://127.0.0.1:9/"))
+    error = httpx.HTTPStatusError("client error", request=response.request, response=response)
+    assert not counts_against_backend(error)
+    assert counts_against_backend(_StatusError(503)) and counts_against_backend(OSError())
+
+
+def test_a_retry_elsewhere_leaves_out_the_backend_that_failed() -> None:
+    """The failed one stays serving while SUSPECT and, idle again, won the tie back: the
+    example's "retried once elsewhere" went to the same failing shard."""
+    f, _ = fleet()
+    selector = Selector(f)
+    with pytest.raises(ConnectionResetError), selector.lease() as failed:
+        raise ConnectionResetError("peer reset")
+    assert f.state_of(failed) is State.SUSPECT and selector.next_shard() == failed
+    with selector.lease(exclude={failed}) as other:
+        assert other != failed
+    with pytest.raises(NoServingBackend, match="other than the excluded"):
+        selector.next_shard(exclude=set(f.keys))
+
+
+def test_selector_ties_go_by_name_whatever_order_the_names_were_given() -> None:
+    """The router ties by name; the library went by the order given."""
+    f = FleetHealth({"gpu1": "http://127.0.0.1:9", "gpu0": "http://127.0.0.1:10"})
+    assert Selector(f).next_shard() == "gpu0"
 
 
 def test_a_cancelled_request_is_not_counted_against_the_backend() -> None:
