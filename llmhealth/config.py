@@ -506,6 +506,19 @@ def _router(reader: _Reader, data: object) -> Router:
     )
     if status > 599:
         raise reader.fail("router.no_backend_status", f"{status} is not an HTTP error status")
+    connect_timeout = reader.duration(table, "router.connect_timeout", defaults.connect_timeout)
+    first_byte_timeout = reader.duration(
+        table, "router.first_byte_timeout", defaults.first_byte_timeout
+    )
+    if first_byte_timeout <= connect_timeout:
+        # The first-byte bound runs from the attempt's start, its connect included: ended
+        # by it, a connect that never completed was a backend's first-byte failure, and
+        # the request that never reached it was not retried elsewhere.
+        raise reader.fail(
+            "router.first_byte_timeout",
+            f"{first_byte_timeout:g} s must be longer than router.connect_timeout "
+            f"({connect_timeout:g} s), which it includes",
+        )
     return Router(
         listen=listen,
         routes=routes,
@@ -515,10 +528,8 @@ def _router(reader: _Reader, data: object) -> Router:
         ),
         max_body=reader.integer(table, "router.max_body", defaults.max_body, minimum=1024),
         body_timeout=reader.duration(table, "router.body_timeout", defaults.body_timeout),
-        connect_timeout=reader.duration(table, "router.connect_timeout", defaults.connect_timeout),
-        first_byte_timeout=reader.duration(
-            table, "router.first_byte_timeout", defaults.first_byte_timeout
-        ),
+        connect_timeout=connect_timeout,
+        first_byte_timeout=first_byte_timeout,
         stream_idle_timeout=reader.duration(
             table, "router.stream_idle_timeout", defaults.stream_idle_timeout
         ),

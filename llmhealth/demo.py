@@ -333,7 +333,11 @@ def _route_live(console: Console, scratch: Path) -> None:
             "answer_timeout": "3s",
             "state": str(scratch / "state.json"),
             "backend": backends,
-            "router": {"first_byte_timeout": "3s", "stream_idle_timeout": "2s"},
+            "router": {
+                "first_byte_timeout": "3s",
+                "connect_timeout": "1s",
+                "stream_idle_timeout": "2s",
+            },
         },
         "<demo>",
     )

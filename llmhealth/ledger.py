@@ -212,7 +212,8 @@ SCHEMA: Final = 1  # version of the to_dict() layout; bump on any incompatible c
 
 
 class LedgerError(Exception):
-    """Base of the ledger's own errors. They mean a caller bug or bad data, never a sick server."""
+    """Base of the ledger's own errors: a caller bug or bad data, or (NoServingBackend)
+    a fleet with nothing to hand traffic to."""
 
 
 # Named for the condition, like NoServingBackend, which callers already know by that name.
@@ -221,7 +222,7 @@ class UnknownBackend(LedgerError, LookupError):  # noqa: N818
 
 
 class NoServingBackend(LedgerError):  # noqa: N818
-    """select() found nothing that may be handed traffic."""
+    """Nothing may be handed traffic: a selector's pick found no serving backend."""
 
 
 @dataclass(frozen=True, slots=True)

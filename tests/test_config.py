@@ -163,6 +163,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[router]\nno_backend_status = 700", "router.no_backend_status: 700 is not an HTTP"),
         ("[router]\nfirst_byte_timeout = 'never'", "router.first_byte_timeout: 'never'"),
         ("[router]\nretries = 2", "router.retries: unknown key"),
+        (
+            "[router]\nfirst_byte_timeout = '1s'\nconnect_timeout = '3s'",
+            "router.first_byte_timeout: 1 s must be longer than router.connect_timeout (3 s)",
+        ),
         ("[policy]\nrestart_on = ['requests']", "policy.restart_on: requests cannot condemn"),
         ("[policy]\nwedge_after = -5", "policy.wedge_after: -5 must be a positive"),
         ("[policy]\nstartup_wedge_after = 'soon'", "policy.startup_wedge_after: 'soon'"),
