@@ -401,7 +401,7 @@ class AuditLog:
             lines = _after_a_torn_line(fd) + lines
             written = os.write(fd, lines)
             if written != len(lines):
-                _take_back(fd, size)
+                _take_back(fd, size, size + written)
                 raise AuditError(
                     f"{self.path}: short write ({written} of {len(lines)} bytes, disk "
                     f"full?); {kept}"
@@ -409,7 +409,7 @@ class AuditLog:
             try:
                 os.fsync(fd)
             except OSError as exc:
-                _take_back(fd, size)
+                _take_back(fd, size, size + written)
                 raise AuditError(
                     f"{self.path}: cannot make the records durable: {_why(exc)}"
                 ) from exc
@@ -564,13 +564,17 @@ def _plain(value: object, depth: int) -> object:
     return str(value)
 
 
-def _take_back(fd: int, size: int) -> None:
+def _take_back(fd: int, size: int, ours_end: int) -> None:
     """Cut the log back to ``size``, under its lock, after a write that failed: the
     batch's whole records kept said a restart was issued that was never saved nor run,
-    and the settle made again wrote them a second time. If the cut fails, the fragment
-    is at least ended, so readers skip it as malformed instead of merging it with the
-    next record (or the next append ends it: ``_after_a_torn_line``)."""
+    and the settle made again wrote them a second time. Only if what follows ``size`` is
+    all ours (``ours_end``): a writer that takes no lock (a shell's ``>>``) may have
+    appended meanwhile. Else, or if the cut fails, the fragment is at least ended, so
+    readers skip it as malformed instead of merging it with the next record (or the
+    next append ends it: ``_after_a_torn_line``)."""
     try:
+        if os.fstat(fd).st_size != ours_end:
+            raise OSError("another writer appended")
         os.ftruncate(fd, size)
     except OSError:
         with contextlib.suppress(OSError):

@@ -17,14 +17,14 @@ from llmhealth.ledger import NoServingBackend
 
 
 def counts_against_backend(error: Exception) -> bool:
-    """Whether a failed request is the backend's fault: not when the error carries a 4xx
-    status (a 429 among them), the client's own, as the router never counts one. The
-    status is read as the OpenAI SDK (``status_code``) and httpx (``response``) carry it;
-    any other error counts."""
+    """Whether a failed request is the backend's fault, by the router's rule: an answer
+    below 500 never is (a 4xx or a 429 is the client's own; a redirect is no failure of
+    the server). The status is read as the OpenAI SDK (``status_code``) and httpx
+    (``response``) carry it; any error without one counts."""
     status = getattr(error, "status_code", None)
     if status is None:
         status = getattr(getattr(error, "response", None), "status_code", None)
-    return not (isinstance(status, int) and 400 <= status < 500)
+    return not (isinstance(status, int) and status < 500)
 
 
 class Selector:
@@ -48,7 +48,10 @@ class Selector:
         than those in ``exclude`` (a request's retry elsewhere: the one that failed is
         still serving while only SUSPECT, and idle again it won the tie back);
         ``NoServingBackend`` (with every backend's state and last error) when none is."""
-        left = [key for key in self._fleet.serving_shards() if key not in exclude]
+        if isinstance(exclude, str):  # one name is no collection of them ("gpu1" in "gpu10")
+            raise TypeError("exclude takes a collection of keys, not one key")
+        excluded = {self._fleet.key_for(key) for key in exclude}  # as acquire() takes them
+        left = [key for key in self._fleet.serving_shards() if key not in excluded]
         chosen = fewest_in_flight(sorted(left), self._inflight)
         if chosen is None:
             elsewhere = " other than the excluded" if exclude else ""

@@ -186,8 +186,22 @@ class StateFile:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the exclusive lock, waiting up to lock_timeout for another run to finish."""
-        lock_path = self.lock_path
+        """Hold the exclusive lock, waiting up to lock_timeout for another run to finish.
+
+        Through a symbolic link, the lock beside the link is held first too: earlier
+        versions took only that one, and one of them running beside this one (an
+        upgrade under way) must still be kept out.
+        """
+        paths = [self.lock_path]
+        if os.path.islink(self.path):
+            paths.insert(0, self.path.with_name(self.path.name + ".lock"))
+        with contextlib.ExitStack() as held:
+            for lock_path in paths:
+                held.enter_context(self._holding(lock_path))
+            yield
+
+    @contextlib.contextmanager
+    def _holding(self, lock_path: Path) -> Iterator[None]:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Not through a symbolic link: one planted at this predictable name had the
@@ -205,7 +219,7 @@ class StateFile:
         with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
             os.fchmod(descriptor, 0o600)
         try:
-            self._acquire(descriptor)
+            self._acquire(descriptor, lock_path)
             # Our PID, for the message of a run that waits for us: a note only. On a full
             # disk it fails, and the lock held is all a settle needs.
             with contextlib.suppress(OSError):
@@ -221,11 +235,11 @@ class StateFile:
         finally:
             os.close(descriptor)  # closing releases the flock
 
-    def _acquire(self, descriptor: int) -> None:
+    def _acquire(self, descriptor: int, lock_path: Path) -> None:
         try:
             locked = lock_within(descriptor, self.lock_timeout)
         except OSError as exc:
-            raise StateError(f"cannot lock {self.lock_path}: {exc}") from exc
+            raise StateError(f"cannot lock {lock_path}: {exc}") from exc
         if not locked:
             note = printable(os.pread(descriptor, 32, 0).decode(errors="replace").strip())
             holder = (

@@ -99,7 +99,7 @@ def write_config(
         "unhealthy_threshold = 3",
         "[router]",
         f'first_byte_timeout = "{first_byte}s"',
-        f'connect_timeout = "{min(3.0, first_byte / 2):g}s"',  # within the first-byte bound
+        f'connect_timeout = "{min(3.0, first_byte * 0.9):g}s"',  # within the first-byte bound
         extra,
     ]
     for name, url in backends.items():

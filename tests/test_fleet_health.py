@@ -758,6 +758,7 @@ def test_a_lease_spares_a_clients_own_4xx_by_default(status: int) -> None:
     error = httpx.HTTPStatusError("client error", request=response.request, response=response)
     assert not counts_against_backend(error)
     assert counts_against_backend(_StatusError(503)) and counts_against_backend(OSError())
+    assert not counts_against_backend(_StatusError(307))  # the router's rule: 5xx only
 
 
 def test_a_retry_elsewhere_leaves_out_the_backend_that_failed() -> None:
@@ -772,6 +773,10 @@ def test_a_retry_elsewhere_leaves_out_the_backend_that_failed() -> None:
         assert other != failed
     with pytest.raises(NoServingBackend, match="other than the excluded"):
         selector.next_shard(exclude=set(f.keys))
+    # Keys as acquire() takes them; one name is no collection of names.
+    assert selector.next_shard(exclude={str(failed)}) != failed
+    with pytest.raises(TypeError, match="a collection of keys"):
+        selector.next_shard(exclude="0")
 
 
 def test_selector_ties_go_by_name_whatever_order_the_names_were_given() -> None:

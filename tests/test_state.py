@@ -499,6 +499,17 @@ def test_a_run_through_a_symlink_and_one_through_its_file_share_one_lock(
     assert linked.lock_path == real.lock_path
     with real.locked(), pytest.raises(StateLockedError), linked.locked():
         pass
+    # The lock beside the link, the only one earlier versions took, is held too: one of
+    # them still running beside this one (an upgrade under way) is kept out.
+    beside_link = os.open(tmp_path / "state.json.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(beside_link, fcntl.LOCK_EX)
+        with pytest.raises(StateLockedError), linked.locked():
+            pass
+    finally:
+        os.close(beside_link)
+    with linked.locked():  # both free again
+        assert linked.load(identity) == {"n": 1, "schema": SCHEMA}
 
 
 def test_a_symlink_planted_at_the_lock_name_is_refused_not_written_through(
