@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmhealth.actions import Audit, AuditLog, run_command
+from llmhealth.actions import Audit, AuditError, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
@@ -30,6 +30,7 @@ from llmhealth.remediate import (
     Mode,
     RestartOrder,
     RestartOutcome,
+    command_record,
     hear_commands,
     pending_restarts,
     reads_evidence,
@@ -37,6 +38,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path, given_path
+from llmhealth.text import printable
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -408,18 +410,46 @@ async def run_cycle_async(
     async def nothing(_record: FleetRecord) -> list[Outcome]:
         return []
 
-    heard = await settle_fleet_async(
-        store,
-        config,
-        backend_urls(targets),
-        nothing,
-        mode=Mode.OFF,  # this settle records the commands; the plan was made above
-        audit=audit,
-        clock=clock,
-        commands=done,
-        kept=kept,
-    )
+    try:
+        heard = await settle_fleet_async(
+            store,
+            config,
+            backend_urls(targets),
+            nothing,
+            mode=Mode.OFF,  # this settle records the commands; the plan was made above
+            audit=audit,
+            clock=clock,
+            commands=done,
+            kept=kept,
+        )
+    except (StateError, AuditError) as exc:
+        return _commands_unsettled(settled.report, done, audit, clock(), exc)
     return _with_commands(settled.report, heard)
+
+
+def _commands_unsettled(
+    first: CycleReport,
+    done: Sequence[CommandDone],
+    audit: Audit | None,
+    now: float,
+    exc: Exception,
+) -> CycleReport:
+    """The commands ran, and the settle that records them failed (the state locked, set
+    aside, a disk full): their outcomes went with it, a failed command's exit code and
+    stderr in no trail, its backend left RESTARTING until its grace ran out. Each goes
+    to the audit log by itself if it can, and to the report."""
+    notes = list(first.notes)
+    for finished in done:
+        entry = {**command_record(finished, now), "unsettled": printable(str(exc))}
+        if audit is not None:
+            with contextlib.suppress(AuditError):
+                audit.append(entry)
+        result = finished.result
+        went = "ran" if result.ok else f"failed ({printable(result.stderr.strip()[-200:])})"
+        notes.append(
+            f"{finished.order.name}: restart command {went}; its outcome is in no state: {exc}"
+        )
+    return replace(first, notes=tuple(notes))
 
 
 def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:

@@ -239,6 +239,18 @@ def not_run(order: RestartOrder, why: str) -> CommandDone:
     return CommandDone(order, CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}"))
 
 
+def command_record(finished: CommandDone, now: float) -> dict[str, Any]:
+    """The audit record of how a restart command went."""
+    return {
+        "time": now,
+        "actor": ACTOR,
+        "backend": finished.order.name,
+        "event": "restart_command",
+        "reason": finished.order.reason,
+        "command": finished.result.to_dict(),
+    }
+
+
 def hear_commands(
     record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
@@ -252,14 +264,7 @@ def hear_commands(
     for finished in done:
         order, result = finished.order, finished.result
         name = order.name
-        entry: dict[str, Any] = {
-            "time": now,
-            "actor": ACTOR,
-            "backend": name,
-            "event": "restart_command",
-            "reason": order.reason,
-            "command": result.to_dict(),
-        }
+        entry = command_record(finished, now)
         current = name in record.ledger and (
             record.ledger.snapshot(name, now).last_restart_at == order.issued_at
         )

@@ -413,6 +413,35 @@ def test_with_one_restart_at_a_time_the_second_wedge_waits_until_the_first_is_ba
     assert [len(first_gpu.launches()), len(second_gpu.launches())] == [2, 2]
 
 
+# Fails as a broken restart does, after spoiling the state file its check saves next.
+SPOILING = (
+    "import sys; open(sys.argv[1], 'w').write('{spoilt'); "
+    "print('unit vllm@0 not found', file=sys.stderr); sys.exit(1)"
+)
+
+
+def test_a_command_whose_outcome_the_state_cannot_take_is_still_in_the_trail(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """The settle that records the command failed (here the state spoilt; a lock held
+    past its wait does the same): the command's exit code and stderr went with it, in no
+    trail and no report, while the run said only why the state failed."""
+    gpu = fleet.start("gpu0", WEDGE)
+    restart = [sys.executable, "-c", SPOILING, str(tmp_path / "state.json")]
+    setup = configure(entry_point, tmp_path, [("gpu0", gpu.url, restart)])
+    assert setup.state == tmp_path / "state.json"
+    until_frozen(gpu)
+    run = setup.check()
+    assert run.seen("gpu0")[:2] == ("wedged", "restarting")
+    notes = " ".join(run.report["notes"])
+    assert "gpu0: restart command failed (unit vllm@0 not found); its outcome is in no state" in (
+        notes
+    )
+    [heard] = [r for r in setup.audit() if r["event"] == COMMAND]
+    assert heard["command"]["exit_code"] == 1 and "unsettled" in heard
+    assert "unit vllm@0 not found" in heard["command"]["stderr"]
+
+
 @pytest.mark.slow
 def test_a_failing_restart_command_cools_down_is_retried_then_retires_past_its_budget(
     entry_point: str, fleet: Fleet, tmp_path: Path
