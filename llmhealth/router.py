@@ -455,10 +455,18 @@ class Router:
 
         A backend a reload dropped leaves the serving set at once, not at the next push
         (a settle away, or more while settles fail): it had no address left to send to.
+        So does one a reload moved to another address: what answers there is unproven
+        until a read of it says whether it is the same process (``fleet``), and the
+        failures of requests sent there before that settle were not counted.
         """
+        before = self._backends
         self._backends = {backend.name: backend for backend in backends}
         self._origins = {name: Origin.parse(b.url) for name, b in self._backends.items()}
-        self._serving = {n: m for n, m in self._serving.items() if n in self._backends}
+        self._serving = {
+            n: m
+            for n, m in self._serving.items()
+            if n in self._backends and before[n].url == self._backends[n].url
+        }
         self._states = {n: s for n, s in self._states.items() if n in self._backends}
         self._dropped &= self._backends.keys()
         self._pool.sweep(set(self._origins.values()))

@@ -377,6 +377,27 @@ def test_a_reload_that_drops_a_serving_backend_sends_it_nothing_before_the_next_
     run(scenario())
 
 
+def test_a_reload_that_moves_a_backend_sends_it_nothing_before_the_next_push(
+    httpserver: HTTPServer,
+) -> None:
+    """At its new address it stayed in the pick set until the settle that reads it there:
+    traffic went to an unproven process, and failures there were thrown away."""
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        # "a" sorts first: ties of least in flight go to it.
+        backends = {"a": httpserver.url_for(""), "b": httpserver.url_for("")}
+        async with routing(backends) as (router, url), client() as http:
+            router.configure([Backend("a", refused_url()), Backend("b", httpserver.url_for(""))])
+            for _ in range(3):
+                response = await http.post(url + CHAT, content=BODY)
+                assert response.status_code == 200
+                assert response.headers["X-LLMHealth-Backend"] == "b"
+            assert "a" not in await drained(router)  # nothing sent to the new address
+
+    run(scenario())
+
+
 def test_bad_requests_get_a_4xx_and_count_against_nobody(httpserver: HTTPServer) -> None:
     async def scenario() -> None:
         settings = RouterConfig(max_body=2048)
