@@ -436,20 +436,36 @@ def _commands_unsettled(
 ) -> CycleReport:
     """The commands ran, and the settle that records them failed (the state locked, set
     aside, a disk full): their outcomes went with it, a failed command's exit code and
-    stderr in no trail, its backend left RESTARTING until its grace ran out. Each goes
-    to the audit log by itself if it can, and to the report."""
+    stderr in no trail, its backend left RESTARTING until its grace ran out. They go to
+    a file audit log by themselves, in one batch (a log locked by another waits once),
+    and to the report: each restart's note says it ran and how it went."""
+    kept = "in the audit log (unsettled)"
+    if audit is not None:
+        try:
+            with audit.batch():
+                for finished in done:
+                    audit.append({**command_record(finished, now), "unsettled": str(exc)})
+        except AuditError as why:  # a cluster's trail takes records only with its state
+            kept = f"in no audit log ({why})"
+    else:
+        kept = "in no audit log"
     notes = list(first.notes)
+    outcomes = {}
     for finished in done:
-        entry = {**command_record(finished, now), "unsettled": printable(str(exc))}
-        if audit is not None:
-            with contextlib.suppress(AuditError):
-                audit.append(entry)
         result = finished.result
+        outcomes[finished.order.name] = result.ok
         went = "ran" if result.ok else f"failed ({printable(result.stderr.strip()[-200:])})"
         notes.append(
-            f"{finished.order.name}: restart command {went}; its outcome is in no state: {exc}"
+            f"{finished.order.name}: restart command {went}; its outcome is in no state "
+            f"({exc}), {kept}"
         )
-    return replace(first, notes=tuple(notes))
+    restarts = tuple(
+        replace(note, ran=True, ok=outcomes[note.name])
+        if note.action == "restart" and note.name in outcomes
+        else note
+        for note in first.restarts
+    )
+    return replace(first, notes=tuple(notes), restarts=restarts)
 
 
 def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:

@@ -39,7 +39,7 @@ from llmhealth.deadlines import Deadlines
 from llmhealth.edge import BadRequestError, Edge, Request
 from llmhealth.http1 import Fields, HeaderSource, connection_tokens
 from llmhealth.openfiles import FILE_LIMIT_CEILING
-from llmhealth.text import printable
+from llmhealth.text import printable, same_server
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
 from llmhealth.upstream import BrokenError, ConnectError, Origin, Pool, Response
 
@@ -455,9 +455,9 @@ class Router:
 
         A backend a reload dropped leaves the serving set at once, not at the next push
         (a settle away, or more while settles fail): it had no address left to send to.
-        So does one a reload moved to another address: what answers there is unproven
-        until a read of it says whether it is the same process (``fleet``), and the
-        failures of requests sent there before that settle were not counted.
+        So does one a reload moved to another address (written another way is no move)
+        until the next push: what answers there is unproven, and the settle drops the
+        outcomes drained across a move (``fleet``), so failures there were not counted.
         """
         before = self._backends
         self._backends = {backend.name: backend for backend in backends}
@@ -465,7 +465,8 @@ class Router:
         self._serving = {
             n: m
             for n, m in self._serving.items()
-            if n in self._backends and before[n].url == self._backends[n].url
+            if n in self._backends
+            and same_server(before[n].url) == same_server(self._backends[n].url)
         }
         self._states = {n: s for n, s in self._states.items() if n in self._backends}
         self._dropped &= self._backends.keys()

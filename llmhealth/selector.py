@@ -88,9 +88,10 @@ class Selector:
         ``exclude``, as ``next_shard``).
 
         Released on any exit. A normal exit reports a success to the ledger; an exception
-        for which ``counts`` is true reports a failure (by default every one but a 4xx,
-        as in ``counts_against_backend``: the router's rule). Cancellation and
-        interrupts are never the backend's fault, so they report nothing.
+        for which ``counts`` is true reports a failure (by default every one but those
+        carrying a status below 500, as in ``counts_against_backend``: the router's
+        rule). Cancellation and interrupts are never the backend's fault, so they report
+        nothing.
         """
         key = self.next_shard(exclude=exclude)
         self.acquire(key)

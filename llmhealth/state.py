@@ -193,15 +193,17 @@ class StateFile:
         upgrade under way) must still be kept out.
         """
         paths = [self.lock_path]
-        if os.path.islink(self.path):
-            paths.insert(0, self.path.with_name(self.path.name + ".lock"))
+        beside_link = self.path.with_name(self.path.name + ".lock")
+        if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself
+            paths.insert(0, beside_link)
+        deadline = time.monotonic() + self.lock_timeout  # for both locks together
         with contextlib.ExitStack() as held:
             for lock_path in paths:
-                held.enter_context(self._holding(lock_path))
+                held.enter_context(self._holding(lock_path, deadline))
             yield
 
     @contextlib.contextmanager
-    def _holding(self, lock_path: Path) -> Iterator[None]:
+    def _holding(self, lock_path: Path, deadline: float) -> Iterator[None]:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Not through a symbolic link: one planted at this predictable name had the
@@ -219,7 +221,7 @@ class StateFile:
         with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
             os.fchmod(descriptor, 0o600)
         try:
-            self._acquire(descriptor, lock_path)
+            self._acquire(descriptor, lock_path, max(0.0, deadline - time.monotonic()))
             # Our PID, for the message of a run that waits for us: a note only. On a full
             # disk it fails, and the lock held is all a settle needs.
             with contextlib.suppress(OSError):
@@ -235,9 +237,9 @@ class StateFile:
         finally:
             os.close(descriptor)  # closing releases the flock
 
-    def _acquire(self, descriptor: int, lock_path: Path) -> None:
+    def _acquire(self, descriptor: int, lock_path: Path, seconds: float) -> None:
         try:
-            locked = lock_within(descriptor, self.lock_timeout)
+            locked = lock_within(descriptor, seconds)
         except OSError as exc:
             raise StateError(f"cannot lock {lock_path}: {exc}") from exc
         if not locked:

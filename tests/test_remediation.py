@@ -437,6 +437,8 @@ def test_a_command_whose_outcome_the_state_cannot_take_is_still_in_the_trail(
     assert "gpu0: restart command failed (unit vllm@0 not found); its outcome is in no state" in (
         notes
     )
+    assert "in the audit log (unsettled)" in notes
+    assert [(n["action"], n["ran"], n["ok"]) for n in run.restarts] == [("restart", True, False)]
     [heard] = [r for r in setup.audit() if r["event"] == COMMAND]
     assert heard["command"]["exit_code"] == 1 and "unsettled" in heard
     assert "unit vllm@0 not found" in heard["command"]["stderr"]

@@ -394,6 +394,12 @@ def test_a_reload_that_moves_a_backend_sends_it_nothing_before_the_next_push(
                 assert response.status_code == 200
                 assert response.headers["X-LLMHealth-Backend"] == "b"
             assert "a" not in await drained(router)  # nothing sent to the new address
+            # Written another way is no move: it stays (the settle sees no move either).
+            router.configure(
+                [Backend("a", refused_url()), Backend("b", httpserver.url_for("").upper())]
+            )
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.headers["X-LLMHealth-Backend"] == "b"
 
     run(scenario())
 

@@ -576,3 +576,12 @@ def test_a_corrupt_state_behind_a_symlink_says_the_link_now_leads_nowhere(
     assert "is a symbolic link, which now leads nowhere: point it at a new file" in str(
         refused.value
     )
+
+
+def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path: Path) -> None:
+    """Through a link the lock beside the link is held too; for a link to itself that is
+    the one lock twice, and the run waited out its own lock, blaming itself."""
+    store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
+    store.path.symlink_to(store.path)
+    with store.locked(), pytest.raises(StateError, match="cannot read state"):
+        store.load(identity)
