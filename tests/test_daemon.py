@@ -1498,11 +1498,11 @@ def test_a_retired_backend_is_read_but_sent_no_tiny_request_until_a_reset(
             verb = partial(operate.retire, operator, audit, config, "b", "lent out")
             assert (await asyncio.to_thread(verb)).applied
             await until("the retirement seen", lambda: "b" in daemon.settings.retired, running)
-            # Ten more waits: told to every reader (at the next cycle's start), and any
+            # Five more waits: told to every reader (at the next cycle's start), and any
             # examination under way when it was made has ended.
-            await reads(10, running)
+            await reads(5, running)
             asked_when_retired = backend.completions
-            await reads(10, running)
+            await reads(8, running)
             asked_since = backend.completions - asked_when_retired
             assert (await asyncio.to_thread(operate.reset, operator, audit, config, "b")).applied
             await until("re-admission", lambda: _saved_state(state, "b") == "healthy", running)

@@ -443,7 +443,7 @@ def test_a_scraper_that_stops_reading_mid_page_leaves_no_traceback(
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             sock.settimeout(10.0)
             # Unread, the page fills both buffers; the server gives up on its next send.
-            select.select([], [], [], 3.0)
+            select.select([], [], [], 2.0)
             with contextlib.suppress(OSError):
                 while sock.recv(1 << 16):
                     pass
