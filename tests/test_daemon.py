@@ -1364,6 +1364,34 @@ class MovedByOthers:
         return Response(json.dumps(answer), content_type="application/json")
 
 
+def _daemon_on_one(
+    url: str, read_workers: int | None, tmp_path: Path
+) -> tuple[config_module.Config, Path, Daemon]:
+    """A daemon watching backend "b" at ``url`` every 0.2 s, its state in ``tmp_path``."""
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
+    state = tmp_path / "state.json"
+    daemon = Daemon(
+        lambda: (config, [Target("b", url)]),
+        StateFile(state),
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    return config, state, daemon
+
+
+async def _until_seen(
+    state: Path, what: str, predicate: Callable[[], bool], running: asyncio.Task[int]
+) -> None:
+    """Poll until ``predicate`` holds, within 20 s and while the daemon runs."""
+    deadline = time.monotonic() + 20.0
+    while not predicate():
+        if time.monotonic() > deadline or running.done():
+            raise NotObservedError(f"no {what}; b is {_saved_state(state, 'b')}")
+        await asyncio.sleep(POLL)
+
+
 def _saved_state(path: Path, name: str) -> str | None:
     with contextlib.suppress(OSError, ValueError):
         for backend in json.loads(path.read_text())["ledger"]["backends"]:
@@ -1384,23 +1412,8 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     asked, and stayed out of the serving set for as long as they came."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     backend = MovedByOthers(httpserver)
-    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
-    state = tmp_path / "state.json"
-    daemon = Daemon(
-        lambda: (config, [Target("b", backend.url)]),
-        StateFile(state),
-        listen=None,
-        wait_override=0.2,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
-
-    async def until(what: str, predicate: Callable[[], bool], running: asyncio.Task[int]) -> None:
-        deadline = time.monotonic() + 20.0
-        while not predicate():
-            if time.monotonic() > deadline or running.done():
-                raise NotObservedError(f"no {what}; b is {_saved_state(state, 'b')}")
-            await asyncio.sleep(POLL)
+    config, state, daemon = _daemon_on_one(backend.url, read_workers, tmp_path)
+    until = partial(_until_seen, state)
 
     async def scenario() -> int:
         running = asyncio.create_task(daemon.run())
@@ -1455,37 +1468,19 @@ class FrozenIdle:
         return Response(json.dumps(answer), content_type="application/json")
 
 
-@pytest.mark.parametrize("read_workers", [None, 2])
 def test_a_retired_backend_is_read_but_sent_no_tiny_request_until_a_reset(
-    httpserver: HTTPServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    read_workers: int | None,
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An operator who retired a server may have lent it to someone else: watch keeps
-    reading it and leaves its request slots alone, read workers included, until a reset
-    asks for proof again."""
+    reading it and leaves its request slots alone until a reset asks for proof again;
+    read workers, which hold the settings their share came with, are told (the daemon's
+    own tasks read the same settings before every read)."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     backend = FrozenIdle(httpserver)
-    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
-    state = tmp_path / "state.json"
-    daemon = Daemon(
-        lambda: (config, [Target("b", backend.url)]),
-        StateFile(state),
-        listen=None,
-        wait_override=0.2,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    config, state, daemon = _daemon_on_one(backend.url, 2, tmp_path)
+    until = partial(_until_seen, state)
     operator = StateFile(state)
     audit = AuditLog(audit_path_for(config, state))
-
-    async def until(what: str, predicate: Callable[[], bool], running: asyncio.Task[int]) -> None:
-        deadline = time.monotonic() + 20.0
-        while not predicate():
-            if time.monotonic() > deadline or running.done():
-                raise NotObservedError(f"no {what}; b is {_saved_state(state, 'b')}")
-            await asyncio.sleep(POLL)
 
     async def reads(count: int, running: asyncio.Task[int]) -> None:
         goal = backend.reads + count

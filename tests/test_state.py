@@ -437,6 +437,18 @@ def test_a_lock_whose_pid_note_cannot_be_written_still_holds(
     assert json.loads(store.path.read_text())["n"] == 1
 
 
+def refused_while_held(store: StateFile) -> str:
+    """What a run says when another process (flock(1) in a backup) holds the lock."""
+    descriptor = os.open(store.lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        with pytest.raises(StateLockedError) as refused, store.locked():
+            pass
+    finally:
+        os.close(descriptor)
+    return str(refused.value)
+
+
 def test_a_lock_held_by_something_else_is_not_blamed_on_the_last_llmhealth(
     tmp_path: Path,
 ) -> None:
@@ -445,15 +457,9 @@ def test_a_lock_held_by_something_else_is_not_blamed_on_the_last_llmhealth(
     store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
     with store.locked():
         store.save({"n": 1})
-    descriptor = os.open(store.lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        with pytest.raises(StateLockedError) as refused, store.locked():
-            pass
-    finally:
-        os.close(descriptor)
-    assert "locked by a process that is not llmhealth" in str(refused.value)
-    assert str(os.getpid()) not in str(refused.value)
+    refused = refused_while_held(store)
+    assert "locked by a process that is not llmhealth" in refused
+    assert str(os.getpid()) not in refused
 
 
 def test_no_default_state_path_without_a_home_is_a_state_error(
@@ -539,14 +545,7 @@ def test_a_lock_note_of_a_process_that_has_exited_is_not_blamed(tmp_path: Path) 
     with store.locked():
         pass
     store.lock_path.write_text(gone.stdout)
-    descriptor = os.open(store.lock_path, os.O_RDWR)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        with pytest.raises(StateLockedError) as refused, store.locked():
-            pass
-    finally:
-        os.close(descriptor)
-    assert "locked by a process that is not llmhealth" in str(refused.value)
+    assert "locked by a process that is not llmhealth" in refused_while_held(store)
 
 
 def test_a_state_too_large_to_read_back_is_not_saved(
