@@ -1468,6 +1468,7 @@ class FrozenIdle:
         return Response(json.dumps(answer), content_type="application/json")
 
 
+@pytest.mark.slow  # a real daemon and its read workers over a dozen waits
 def test_a_retired_backend_is_read_but_sent_no_tiny_request_until_a_reset(
     httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

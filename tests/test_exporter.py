@@ -430,6 +430,7 @@ def test_a_client_dribbling_its_request_is_cut_off_and_its_place_freed(
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).status_code == 200
 
 
+@pytest.mark.slow  # waits out a send timeout with both socket buffers full
 def test_a_scraper_that_stops_reading_mid_page_leaves_no_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
