@@ -319,6 +319,9 @@ SCRAPE_TIMEOUT: Final = 10.0
 # job: a few servers and an operator's curl fit. Past it a connection is closed
 # unanswered, so idle sockets cannot pile up threads.
 SCRAPES_AT_ONCE: Final = 16
+# What a scraper's own doing raises (it timed out, or went away): no traceback for the
+# daemon's log, wherever wsgiref or socketserver would print one.
+_SCRAPERS_OWN: Final = (TimeoutError, ConnectionError)
 # The longest request line read, as wsgiref reads it (longer ones are answered 414).
 _MAX_REQUEST_LINE: Final = 65536
 # Pages kept of one view, one per way of asking (format, compression, names asked for).
@@ -330,7 +333,7 @@ class _QuietServerHandler(ServerHandler):
     traceback; that is the scraper's doing, and not news for the daemon's log."""
 
     def log_exception(self, exc_info: Any) -> None:
-        if not isinstance(exc_info[1], TimeoutError | ConnectionError):
+        if not isinstance(exc_info[1], _SCRAPERS_OWN):
             super().log_exception(exc_info)
 
 
@@ -400,7 +403,7 @@ class _ScrapeServer(ThreadingWSGIServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A scraper that timed out or went away: its own doing, and no traceback for the
         daemon's log (socketserver prints one for any error). Anything else still is."""
-        if not isinstance(sys.exc_info()[1], TimeoutError | ConnectionError):
+        if not isinstance(sys.exc_info()[1], _SCRAPERS_OWN):
             super().handle_error(request, client_address)
 
 
