@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -148,6 +148,7 @@ def settle_fleet(
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
     commands: Sequence[CommandDone] = (),
+    commands_running: Collection[str] = frozenset(),
     kept: Kept | None = None,
 ) -> Settled:
     """The one settle path: lock, load, gather verdicts, settle, save.
@@ -156,7 +157,8 @@ def settle_fleet(
     probes the fleet (with the record's baselines), watch hands over what its probing
     tasks read since the last settle. ``requests`` are what real traffic through
     ``route`` showed since then, per backend in order; ``commands`` the restart commands
-    that finished. No command runs in here: the restarts it issues come back as orders.
+    that finished, ``commands_running`` the backends whose command still runs (never a
+    second at once). No command runs in here: the restarts it issues come back as orders.
     ``kept``: the record the caller's last settle saved, used instead of loading while
     the store is unchanged (``Kept``), and updated by this one. Without a store nothing
     is kept between runs.
@@ -164,7 +166,19 @@ def settle_fleet(
     with store.locked() if store is not None else contextlib.nullcontext():
         opened = _open(store, config, backends, clock, notes, kept)
         outcomes = gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, requests, commands, kept)
+        return _close(
+            store,
+            config,
+            opened,
+            outcomes,
+            mode,
+            audit,
+            clock,
+            requests,
+            commands,
+            commands_running,
+            kept,
+        )
 
 
 async def settle_fleet_async(
@@ -184,7 +198,9 @@ async def settle_fleet_async(
     with store.locked() if store is not None else contextlib.nullcontext():
         opened = _open(store, config, backends, clock, notes, kept)
         outcomes = await gather(opened.record)
-        return _close(store, config, opened, outcomes, mode, audit, clock, None, commands, kept)
+        return _close(
+            store, config, opened, outcomes, mode, audit, clock, None, commands, frozenset(), kept
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +242,7 @@ def _close(
     clock: Clock,
     requests: Mapping[str, Sequence[RequestOutcome]] | None,
     commands: Sequence[CommandDone],
+    commands_running: Collection[str],
     kept: Kept | None,
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
@@ -248,6 +265,7 @@ def _close(
             notes=opened.notes,
             requests=requests,
             commands=commands,
+            commands_running=commands_running,
         )
         if store is not None:
             store.save(record.to_dict(), before=batch.close)
@@ -547,6 +565,7 @@ def settle(
     notes: Sequence[str] = (),
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
     commands: Sequence[CommandDone] = (),
+    commands_running: Collection[str] = frozenset(),
 ) -> tuple[CycleReport, list[RestartOrder]]:
     """Feed finished restart commands, verdicts, then real-traffic outcomes to the ledger;
     fail the restarts left unproven past their startup grace; plan and issue restarts;
@@ -605,7 +624,9 @@ def settle(
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
     notes = [*notes, *expire_restarts(record, audit, now, verdicts)]
-    restarts = remediate(record, config, now, mode=mode, audit=audit)
+    restarts = remediate(
+        record, config, now, mode=mode, audit=audit, commands_running=commands_running
+    )
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
     reports = [
         replace(report, snapshot=record.ledger.snapshot(report.outcome.target.name, now))

@@ -61,12 +61,10 @@ from llmhealth.metrics import Signals
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import (
-    SUPERSEDED,
     CommandDone,
     Mode,
     RestartOrder,
     not_run,
-    why_not_run,
 )
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
@@ -237,7 +235,6 @@ class Daemon:
         # what they finished waits here for the next settle. Touched on the loop only.
         self._commands_running: dict[asyncio.Future[CommandResult], RestartOrder] = {}
         self._commands_done: list[CommandDone] = []
-        self._orders_waiting: dict[str, RestartOrder] = {}  # for a command still running
         # on_serving_change runs the same way: one at a time, once more if the serving
         # file changed again while it ran.
         self._serving_changed = False
@@ -383,7 +380,11 @@ class Daemon:
                 self._reshard()
                 self._tell_workers_who_asks()
                 news = News(
-                    self._take_fresh(), self._take_commands(), requests, self._publication()
+                    self._take_fresh(),
+                    self._take_commands(),
+                    requests,
+                    self._publication(),
+                    commands_running=frozenset(o.name for o in self._commands_running.values()),
                 )
                 cycle = _in_daemon_thread(self._settle_and_give_back, news)
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
@@ -415,7 +416,6 @@ class Daemon:
                     self._tell_systemd(f"state unusable: {exc}")
                     continue
                 # Saved as RESTARTING first; only now, outside the lock, do commands run.
-                self._launch_waiting(settled.record)
                 for order in settled.orders:
                     self._launch(order)
                 if self._serving_changed:
@@ -451,17 +451,10 @@ class Daemon:
 
         Only if the store may still act on the save that ordered it (a cluster leader
         whose fence holds and whose deadline has not passed), with its fencing token.
-        One command per backend at a time: a restart issued while the previous one's
-        command still runs (its startup grace ran out first) waits for that to end, then
-        for the next settle to say it is still wanted (``_launch_waiting``).
+        One command per backend at a time: the settle that issued it knew which commands
+        were running when it began (``News.commands_running``), and none is launched
+        between that and this.
         """
-        if any(running.name == order.name for running in self._commands_running.values()):
-            replaced = self._orders_waiting.get(order.name)
-            if replaced is not None:
-                self._drop_order(replaced, SUPERSEDED)
-            self._orders_waiting[order.name] = order
-            self._log(f"{order.name}: restart issued; its command waits for the previous one")
-            return
         try:
             # The order's environment is stripped of the keys its config names (remediate);
             # an earlier config's are stripped here, the one place that remembers them.
@@ -477,24 +470,6 @@ class Daemon:
             return
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
-
-    def _launch_waiting(self, record: FleetRecord) -> None:
-        """Orders whose backend's previous command has ended: run, if the record as just
-        settled still wants them, else heard by the next settle as not run. Not at that
-        command's end: the settle that hears it may re-admit the backend it revived, and
-        a reload or an operator may have dropped, changed, retired or held it meanwhile."""
-        running = {order.name for order in self._commands_running.values()}
-        restart = {backend.name: backend.restart for backend in self._config.backends}
-        now = self._clock()
-        for name, order in list(self._orders_waiting.items()):
-            if name in running:
-                continue
-            del self._orders_waiting[name]
-            why = why_not_run(record, order, restart.get(name), now)
-            if why is None:
-                self._launch(order)
-            else:
-                self._drop_order(order, why)
 
     def _drop_order(self, order: RestartOrder, why: str) -> None:
         self._log(f"{order.name}: its restart command will not run: {why}")
@@ -553,8 +528,6 @@ class Daemon:
             await asyncio.wait(set(self._commands_running), timeout=SHUTDOWN_GRACE)
             for order in self._commands_running.values():
                 self._log(f"{order.name}: restart command still running; its restart stays issued")
-        for order in self._orders_waiting.values():
-            self._log(f"{order.name}: its restart stays issued; its command never ran")
         done = self._take_commands()
         if not done:
             return
@@ -757,6 +730,7 @@ class Daemon:
                     clock=self._clock,
                     requests=news.requests,
                     commands=news.commands,
+                    commands_running=news.commands_running,
                     kept=self._kept,
                 )
             except RecordMovedError:
@@ -1096,6 +1070,7 @@ class News:
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None
     published: Publication | None = None  # shard_reads
     final: bool = False
+    commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
 
 
 def _run_order(order: RestartOrder) -> CommandResult:

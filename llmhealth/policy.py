@@ -8,7 +8,7 @@ runs a command, reads a clock or touches a file; the shell acts on the plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -148,6 +148,7 @@ def plan_restarts(
     histories: Mapping[str, RestartHistory],
     policy: Policy,
     now: float,
+    commands_running: Collection[str] = frozenset(),
 ) -> list[RestartDecision]:
     """One decision per DEAD backend, in name order.
 
@@ -155,12 +156,16 @@ def plan_restarts(
     first that refuses gives the reason): it is a configured backend (a name missing from
     ``backends`` - a proxy, or one dropped from the config - never is); its condemning
     verdict is in ``policy.restart_on``; it has a restart command; it is not on an active
-    hold; its cooldown has passed; its restart budget is not spent (if it is, the decision
-    is RETIRE); and fewer than ``policy.max_concurrent_restarts`` restarts are under way,
-    counting the other backends whose restart has not proven itself yet (RESTARTING, or
-    STALE on the replacement until it is re-admitted, seen finishing requests, or out of
-    its startup grace, or DEAD again within that grace) and the restarts planned earlier
-    in this same call.
+    hold; no restart command of its own still runs (``commands_running``: a restart whose
+    startup grace ran out before its command ended, a ``restart_timeout`` past the grace or
+    a command that outlived its kill, is still under way, and a second command at once
+    would fight the first); its cooldown has passed; its restart budget is not spent (if
+    it is, the decision is RETIRE); and fewer than ``policy.max_concurrent_restarts``
+    restarts are under way, counting the other backends whose restart has not proven
+    itself yet (RESTARTING, or STALE on the replacement until it is re-admitted, seen
+    finishing requests, or out of its startup grace, or DEAD again within that grace), the
+    backends whose restart command still runs, and the restarts planned earlier in this
+    same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
     does wait out the hold and the cooldown, since it stands for the next attempt.
@@ -169,6 +174,7 @@ def plan_restarts(
     # A backend's own unproven restart does not keep it from the next: its cooldown and
     # budget rule that.
     under_way = {name for name in ledger.names if ledger.restart_unproven(name, now)}
+    under_way.update(name for name in commands_running if name in ledger)
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(
@@ -180,6 +186,7 @@ def plan_restarts(
             policy,
             len(under_way - {snap.name}),
             now,
+            command_running=snap.name in commands_running,
         )
         if action is Action.RESTART:
             under_way.add(snap.name)  # planned now: once, if it held a slot already
@@ -250,10 +257,14 @@ def _decide(
     policy: Policy,
     under_way: int,
     now: float,
+    *,
+    command_running: bool,
 ) -> tuple[Action, str]:
     refusal = _not_restartable(snap, backend, hold, policy, now)
     if refusal is not None:
         return Action.SKIP, refusal
+    if command_running:
+        return Action.SKIP, "its last restart command still runs"
     cause = snap.condemned_by
     ready_at = cooldown_ends_at(history, snap.last_restart_at, policy)
     if ready_at is not None and now < ready_at:

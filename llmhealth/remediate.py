@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -113,11 +113,15 @@ def remediate(
     *,
     mode: Mode,
     audit: Audit | None,
+    commands_running: Collection[str] = frozenset(),
 ) -> list[RestartOutcome]:
     """Plan restarts for every DEAD backend and issue what the plan allows.
 
     An issued restart is RESTARTING in the ledger and comes back as a ``RestartOrder``:
     running its command is the caller's business, after the state is saved.
+    ``commands_running``: the backends whose command the caller still runs (``watch``
+    runs them beside its settles): never restarted again meanwhile, and each counted as a
+    restart under way (``plan_restarts``).
 
     Each audit line carries the proof kept when the backend was condemned (the verdict's
     evidence and reads), whichever run that was; failing that, the ledger's last error.
@@ -126,7 +130,9 @@ def remediate(
         return []
     backends = {backend.name: backend for backend in config.backends}
     holds = {name: hold for name, hold in record.holds.items() if hold.active(now)}
-    decisions = plan_restarts(record.ledger, backends, holds, record.restarts, config.policy, now)
+    decisions = plan_restarts(
+        record.ledger, backends, holds, record.restarts, config.policy, now, commands_running
+    )
     for name in list(record.skips):  # a backend that left DEAD starts afresh
         if name not in record.ledger or record.ledger.state_of(name) is not State.DEAD:
             del record.skips[name]
@@ -202,36 +208,6 @@ def _issue(
         decision.name, argv, config.policy.restart_timeout, now, decision.reason, environment
     )
     return RestartOutcome(decision, order=order)
-
-
-SUPERSEDED = "a later restart took its place"
-
-
-def why_not_run(
-    record: FleetRecord, order: RestartOrder, argv: tuple[str, ...] | None, now: float
-) -> str | None:
-    """Why an order that waited for its backend's previous command must not run now, or
-    None when it still should.
-
-    It was issued while that command still ran (the startup grace ran out first), and a
-    settle or more passed before it could run: the first command may have brought the
-    backend back (a second restart would fail the requests it serves again), an operator
-    may have retired or held it, a reload may have dropped it or changed its command
-    (the order carries the old one), or a newer restart may have taken its place.
-    """
-    if order.name not in record.ledger:
-        return "its backend is no longer configured"
-    snapshot = record.ledger.snapshot(order.name, now)
-    if snapshot.last_restart_at != order.issued_at:
-        return SUPERSEDED
-    if snapshot.state is not State.RESTARTING:
-        return f"its backend is {snapshot.state} now"
-    hold = record.holds.get(order.name)
-    if hold is not None and hold.active(now):
-        return hold.describe(now)
-    if argv != order.argv:
-        return "a reload changed its restart command"
-    return None
 
 
 def not_run(order: RestartOrder, why: str) -> CommandDone:

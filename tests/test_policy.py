@@ -69,10 +69,17 @@ class Fleet:
     histories: dict[str, RestartHistory] = field(default_factory=dict)
     policy: Policy = POLICY
     started: dict[str, float] = field(default_factory=dict)  # each process's start, as seen
+    commands_running: set[str] = field(default_factory=set)
 
     def plan(self, now: float) -> list[RestartDecision]:
         return plan_restarts(
-            self.ledger, self.backends, self.holds, self.histories, self.policy, now
+            self.ledger,
+            self.backends,
+            self.holds,
+            self.histories,
+            self.policy,
+            now,
+            self.commands_running,
         )
 
     def decision(self, name: str, now: float) -> RestartDecision:
@@ -315,6 +322,43 @@ def test_a_shared_fault_restarts_one_backend_until_its_replacement_proves_itself
     f.ledger.expire_restarts(T0 + grace + 1)
     assert f.ledger.state_of("a") is State.DEAD
     assert not f.ledger.restart_unproven("a", T0 + grace + 1)
+
+
+def test_a_restart_whose_command_outlives_its_grace_stays_under_way_until_the_command_ends() -> (
+    None
+):
+    # A restart_timeout past the startup grace (or a command that outlived its kill): the
+    # grace fails the restart while its command still runs. Before, the plan restarted it
+    # again at once (a second command beside the first, an attempt of the budget) and
+    # gave its slot to "b", whose restart then ran beside "a"'s.
+    f = fleet("a", "b")
+    f.condemn("a", T0)
+    f.condemn("b", T0)
+    assert f.issue("a", T0) is State.RESTARTING
+    f.commands_running.add("a")
+    grace = f.ledger.policy.startup_grace
+    f.ledger.expire_restarts(T0 + grace + 1)
+    f.histories["a"] = f.history("a").record_failure()  # as the settle counts it
+    later = T0 + grace + 3600  # the cooldown long over
+    assert f.ledger.state_of("a") is State.DEAD
+    assert f.decision("a", later) == RestartDecision(
+        "a", Action.SKIP, "its last restart command still runs", "wedged"
+    )
+    assert f.decision("b", later).reason == (
+        "1 restart already under way (max_concurrent_restarts 1)"
+    )
+    f.commands_running.clear()  # the command ended
+    assert f.decision("a", later).action is Action.RESTART
+
+
+def test_a_command_still_running_does_not_keep_a_hold_from_naming_itself() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.ledger.expire_restarts(T0 + f.ledger.policy.startup_grace + 1)
+    f.commands_running.add("a")
+    f.holds["a"] = Hold("weight sync", T0 + 10_000, "ops")
+    assert f.decision("a", T0 + 5_000).reason.startswith("on hold until")
 
 
 def test_a_wedge_proven_after_doubt_condemned_the_backend_makes_it_restartable() -> None:
