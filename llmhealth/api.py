@@ -12,7 +12,7 @@ import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from os import PathLike
+from os import PathLike, fspath
 from typing import Any
 
 from llmhealth import config as config_module
@@ -190,7 +190,8 @@ def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Pr
     for name, flag in (("dry_run", options.dry_run), ("no_restart", options.no_restart)):
         if not isinstance(flag, bool):  # "no" would act as True: dry_run="no" ran dry
             raise TypeError(f"{name} is True or False, got {flag!r}")
-    loaded = config_module.load(str(config)) if config is not None else config_module.Config()
+    config, state = _path_text(config, "config"), _path_text(state, "state")
+    loaded = config_module.load(config) if config is not None else config_module.Config()
     targets = config_module.targets_for(loaded, urls, proxies)
     if not targets:
         raise ValueError("nothing to check: give backend URLs, proxies or a config")
@@ -215,10 +216,21 @@ def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Pr
     store = None
     # In a cluster the record is etcd's: nothing is kept in a state file.
     if loaded.cluster is None and (state is not None or config is not None):
-        explicit = None if state is None else str(state)
-        path = state_path_for(loaded, explicit)
+        path = state_path_for(loaded, state)
         store = StateFile(path) if may_block else StateFile(path, lock_timeout=0.0)
     return _Prepared(loaded, targets, settings, mode, store)
+
+
+def _path_text(value: PathArg | None, name: str) -> str | None:
+    """A path argument as text. Only text: str() of os.environb's b"" is "b''", and of a
+    number its digits, which made a state file by those names in the working directory
+    (and slipped past the refusal of an empty path)."""
+    if value is None:
+        return None
+    text = fspath(value) if isinstance(value, PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} is a path (str or os.PathLike[str]), got {type(value).__name__}")
+    return text
 
 
 async def _cycle(run: _Prepared) -> CycleReport:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
 from llmhealth.openfiles import read_regular_file
-from llmhealth.text import openai_root, refuse_user_info, same_server
+from llmhealth.text import openai_root, refuse_user_info, same_server, up_to_query
 from llmhealth.window import WedgeRules
 
 DEFAULT_WAIT = 5.0
@@ -345,13 +345,14 @@ def check_url(url: str) -> str:
     refuse_user_info(url)
     parts = urlsplit(url.strip())
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+        # "10.0.0.1:8000?api_key=..." (no scheme) is such a URL: shown up to its query.
+        raise ValueError(f"{up_to_query(url)!r} is not an http(s) URL with a host")
     if parts.query or parts.fragment or ";" in parts.path:
         # Every path is appended to the base (a query would swallow "/metrics"), and a
         # query is where a key often goes: it is not repeated here, nor stored.
         raise ValueError(
-            f"'{parts.scheme}://{parts.netloc}{parts.path.split(';')[0]}...': a base URL takes"
-            " no query, parameters or fragment (an API key goes in api_key_env)"
+            f"{up_to_query(url.strip())!r}: a base URL takes no query, parameters or fragment"
+            " (an API key goes in api_key_env)"
         )
     try:
         _ = parts.port

@@ -227,7 +227,14 @@ class FleetHealth:
         return self._apply(key, WeightsStamped(now=self._clock(), weight_version=weight_version))
 
     def report_refit(self, key: Key, *, weight_version: int) -> Transition:
-        """A completed refit: the only way for a STALE backend back into the serving set."""
+        """A completed refit: the only way for a STALE backend back into the serving set,
+        HEALTHY, or SUSPECT with its failures if it was so when its weights were left
+        partial. A serving backend is not refit this way (``applied`` False): stamp it
+        with ``record_weight_version``. The version is required, as ``record_weight_version``
+        requires it: None (a trainer's unset variable) would re-admit with none recorded.
+        """
+        if weight_version is None:
+            raise ValueError("report_refit: weight_version must be an integer, got None")
         return self._apply(key, Readmitted(now=self._clock(), weight_version=weight_version))
 
     def retire(self, key: Key, *, reason: str) -> Transition:

@@ -76,6 +76,9 @@ class Rule(StrEnum):
     # a replacement that works is neither failed by its startup grace nor restarted again;
     # anything less is ignored, as a good probe is outside the serving set.
     NOTE_WORKING = "note_working"
+    # STALE -> HEALTHY, streaks cleared; but SUSPECT, streaks kept, when it was SUSPECT as
+    # a weight sync left its weights partial: re-admission vouches for the weights only.
+    READMIT = "readmit"
 
 
 # The whole state machine. A (state, kind) pair that is missing means the event does not
@@ -146,7 +149,7 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # DEAD, not STALE: a STALE process still joins the next weight sync, which is what
         # a silent participant just broke.
         EventKind.CONDEMNED: State.DEAD,
-        EventKind.READMITTED: State.HEALTHY,
+        EventKind.READMITTED: Rule.READMIT,
         # Busy with work from elsewhere, a replacement is never sent the tiny request: its
         # finishing requests show the restart worked, though it does not serve yet.
         EventKind.GOOD_VERDICT: Rule.NOTE_WORKING,
@@ -159,6 +162,20 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # A reset backend still has to prove itself: STALE, not HEALTHY.
         EventKind.OPERATOR_RESET: State.STALE,
     },
+}
+
+# Where each rule may lead, so the table says it whole: that only STALE + READMITTED
+# enters the serving set from outside it is read off these two tables (and ``apply``
+# holds every rule to its row).
+RULE_LEADS_TO: Final[Mapping[Rule, frozenset[State]]] = {
+    Rule.PROMOTE_WHEN_PROVEN: frozenset({State.HEALTHY, State.SUSPECT}),
+    Rule.CONDEMN_AT_THRESHOLD: frozenset({State.SUSPECT, State.DEAD}),
+    Rule.SPEND_RESTART: frozenset({State.RESTARTING, State.RETIRED}),
+    Rule.RECOVER_IN_PLACE: frozenset({State.DEAD, State.STALE}),
+    Rule.BREAK_RECOVERY: frozenset({State.DEAD}),
+    Rule.FAIL_OVERDUE_RESTART: frozenset({State.RESTARTING, State.STALE, State.DEAD}),
+    Rule.NOTE_WORKING: frozenset({State.STALE}),
+    Rule.READMIT: frozenset({State.HEALTHY, State.SUSPECT}),
 }
 
 IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
@@ -792,6 +809,33 @@ def _note_working(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Stat
     )
 
 
+def _readmit(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    """Back to serving, and to the doubt it was in when a weight sync broke.
+
+    A backend SUSPECT for failing requests, then marked partial by the sync that its
+    failures may have broken, is the same process after the refit: only its weights were
+    mended. Its request-failure streak is the one counter that condemns an engine that
+    still answers every probe, and clearing it here let a shard fail real requests for as
+    long as refits kept coming (NeMo-RL fixed the same laundering in its recovery path).
+    Any other STALE backend is a new or a healthy process and starts afresh.
+    """
+    if not isinstance(event, Readmitted):
+        raise AssertionError(f"{Rule.READMIT} cannot take {event.kind}")
+    b.weight_version = event.weight_version
+    b.condemned_by = None
+    b.last_ok_at = event.now
+    how = "re-admitted"
+    if event.weight_version is not None:
+        how = f"re-admitted with weight version {event.weight_version}"
+    if b.state_before_partial is State.SUSPECT:
+        return State.SUSPECT, (
+            f"{how}, SUSPECT as before its weights were left partial: "
+            f"{b.request_failures} request and {b.probe_failures} probe failure(s) kept"
+        )
+    _clear_streaks(b)
+    return State.HEALTHY, how
+
+
 def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
     grace = policy.startup_grace
     if _overdue_restart(b, event.now, grace) is None:
@@ -841,6 +885,7 @@ _RULES: Final = {
     Rule.BREAK_RECOVERY: _break_recovery,
     Rule.FAIL_OVERDUE_RESTART: _fail_overdue_restart,
     Rule.NOTE_WORKING: _note_working,
+    Rule.READMIT: _readmit,
 }
 
 
@@ -878,14 +923,6 @@ def _record(b: _Backend, event: Event) -> str:
                 b.last_error = "process restarted unplanned"
                 return "process restarted unplanned; the new one must prove itself"
             return "new process up; it must prove itself before serving"
-        case Readmitted():
-            _clear_streaks(b)
-            b.weight_version = event.weight_version
-            b.condemned_by = None
-            b.last_ok_at = event.now
-            if event.weight_version is None:
-                return "re-admitted"
-            return f"re-admitted with weight version {event.weight_version}"
         case Retire():
             b.last_error = f"retired: {event.reason}"
             return b.last_error
@@ -911,7 +948,7 @@ def _record(b: _Backend, event: Event) -> str:
                 "operator reset: streaks, restart attempts and in-place recoveries cleared; "
                 "must prove itself"
             )
-        case GoodVerdict() | RequestSuccess() | RestartIssued() | StartupExpired():
+        case GoodVerdict() | RequestSuccess() | RestartIssued() | StartupExpired() | Readmitted():
             raise AssertionError(f"{event.kind} only ever goes through a rule")
 
 
@@ -1011,6 +1048,8 @@ class Ledger:
                 after, why = _RULES[outcome](b, event, self._policy)
             except _Refused as refused:
                 return _unchanged(name, event, before, refused.reason)
+            if after not in RULE_LEADS_TO[outcome]:
+                raise AssertionError(f"{outcome} led {name} to {after}, outside its row")
         else:
             after, why = outcome, _record(b, event)
         if isinstance(event, NewProcessUp) and event.url is not None:

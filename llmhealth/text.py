@@ -64,6 +64,13 @@ def openai_root(url: str) -> str | None:
     return url.rstrip("/").removesuffix("/v1")
 
 
+def up_to_query(url: str) -> str:
+    """A URL as an error may repeat it: cut before its query, parameters or fragment,
+    where keys go (``?api_key=...``), with "..." where something was cut."""
+    cut = min((at for at in map(url.find, "?#;") if at >= 0), default=-1)
+    return url if cut < 0 else url[:cut] + "..."
+
+
 def refuse_user_info(url: str) -> None:
     """ValueError when ``url`` carries a user name or password (``http://alice:s3cret@host``).
 
@@ -72,7 +79,7 @@ def refuse_user_info(url: str) -> None:
     password may itself hold ``/`` or ``@``, so only what follows the last one is safe.
     """
     if "@" in url:
-        shown = printable(url.rpartition("@")[2].strip())
+        shown = printable(up_to_query(url.rpartition("@")[2].strip()))
         raise ValueError(
             "a URL with a user name or password in it (before '@') is not accepted; "
             f"give 'http(s)://{shown}' and put a key in the environment (for a backend, "

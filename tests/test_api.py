@@ -243,6 +243,11 @@ def test_check_from_code_with_its_cluster_away_acts_on_nothing_and_says_why(
         (["http://127.0.0.1:9"], {"state": ""}, ValueError),
         (["http://127.0.0.1:9"], {"state": " "}, ValueError),
         (["http://127.0.0.1:9"], {"config": ""}, ConfigError),
+        # str() made them the paths "b''" and "0" in the working directory.
+        (["http://127.0.0.1:9"], {"state": b""}, TypeError),
+        (["http://127.0.0.1:9"], {"state": b"/tmp/x.json"}, TypeError),
+        (["http://127.0.0.1:9"], {"state": 0}, TypeError),
+        (["http://127.0.0.1:9"], {"config": b"fleet.toml"}, TypeError),
     ],
 )
 def test_bad_arguments_are_errors_that_name_the_problem(
@@ -255,6 +260,7 @@ def test_bad_arguments_are_errors_that_name_the_problem(
     # An empty state was taken for none given: the default (system-wide as root) state
     # was locked and rewritten, forgetting every backend the call did not name.
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(error, match=r"\w"):
         llmhealth.check(urls, **options)
     assert list(tmp_path.iterdir()) == []

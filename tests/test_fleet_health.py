@@ -452,6 +452,31 @@ def test_a_partial_weight_sync_keeps_the_suspicion_of_a_backend_that_was_suspect
     assert f.suspected_shards() == [1]
 
 
+def test_the_refit_after_an_aborted_sync_keeps_a_failing_survivors_streak() -> None:
+    # The trainer's recovery: every serving shard marked partial, then refit and promoted.
+    # Before, shard 2 came back HEALTHY with its two failed generations forgotten.
+    f, _ = fleet()
+    for _ in range(2):
+        f.report_failure(2, "router: failed generation")
+    assert f.state_of(2) is State.SUSPECT
+    for key in f.serving_shards():
+        f.mark_weights_partial(key)
+    for key in (0, 1, 2):
+        f.report_refit(key, weight_version=5)
+    after = f.snapshot()
+    assert (f.state_of(2), after[2].request_failures) == (State.SUSPECT, 2)
+    assert (f.state_of(1), after[1].request_failures) == (State.HEALTHY, 0)
+    assert f.suspected_shards() == [2]
+
+
+def test_a_refit_without_a_weight_version_is_refused_as_a_stamp_without_one_is() -> None:
+    f, _ = fleet()
+    f.mark_weights_partial(0)
+    with pytest.raises(ValueError, match="weight_version"):
+        f.report_refit(0, weight_version=None)  # type: ignore[arg-type]
+    assert f.state_of(0) is State.STALE
+
+
 def test_a_weight_version_stamp_is_not_a_transition_and_clears_no_streak() -> None:
     f, _ = fleet()
     f.report_failure(0, "500")

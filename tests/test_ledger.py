@@ -19,6 +19,7 @@ import llmhealth.ledger as ledger_module
 from llmhealth.ledger import (
     ABSENT,
     IGNORED_BECAUSE,
+    RULE_LEADS_TO,
     SCHEMA,
     SERVING,
     TRANSITIONS,
@@ -164,9 +165,11 @@ def test_only_readmission_from_stale_leads_into_the_serving_set_from_outside_it(
         (state, kind)
         for state, row in TRANSITIONS.items()
         for kind, outcome in row.items()
-        if state not in SERVING and outcome in SERVING
+        if state not in SERVING
+        and (RULE_LEADS_TO[outcome] if isinstance(outcome, Rule) else {outcome}) & SERVING
     ]
     assert entries == [(State.STALE, EventKind.READMITTED)]
+    assert set(RULE_LEADS_TO) == set(Rule)
 
 
 def test_retired_accepts_nothing_but_an_operator_reset() -> None:
@@ -1538,10 +1541,30 @@ def test_a_partial_sync_makes_a_serving_backend_stale_and_remembers_what_it_was(
     assert ledger.snapshot("a", 2.0).state_before_partial is State.SUSPECT
     assert ledger.snapshot("b", 2.0).state_before_partial is State.HEALTHY
     assert ledger.suspected == ("a",)
-    # Re-admission forgets it: the new weights settle the doubt about the old ones.
+    # Re-admission settles the doubt about the weights, not about the process: "a" is
+    # SUSPECT again, "b" HEALTHY, and neither remembers the sync any more.
     ledger.apply("a", Readmitted(now=3.0, weight_version=4))
+    ledger.apply("b", Readmitted(now=3.0, weight_version=4))
+    assert [ledger.state_of(name) for name in ("a", "b")] == [State.SUSPECT, State.HEALTHY]
     assert ledger.snapshot("a", 3.0).state_before_partial is None
-    assert ledger.suspected == ()
+    assert ledger.suspected == ("a",)
+
+
+def test_a_refit_does_not_clear_the_failures_of_a_backend_suspect_before_the_sync() -> None:
+    """Before, re-admission zeroed the request-failure streak of a backend marked partial
+    while SUSPECT: a shard failing real requests, refit after refit, never condemned."""
+    policy = replace(POLICY, unhealthy_threshold=3)
+    ledger = Ledger(policy, [("a", "http://a:8000")], now=0.0)
+    for t in (1.0, 2.0):
+        ledger.apply("a", RequestFailure(now=t, reason="unanswered"))
+    ledger.apply("a", WeightsPartial(now=3.0))
+    back = ledger.apply("a", Readmitted(now=4.0, weight_version=7))
+    assert (back.to_state, back.epoch_changed) == (State.SUSPECT, True)
+    assert "2 request and 0 probe failure(s) kept" in back.reason
+    snap = ledger.snapshot("a", 4.0)
+    assert (snap.request_failures, snap.weight_version) == (2, 7)
+    third = ledger.apply("a", RequestFailure(now=5.0, reason="unanswered"))
+    assert third.to_state is State.DEAD
 
 
 def test_a_weight_stamp_changes_the_version_and_nothing_else() -> None:

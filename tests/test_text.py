@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmhealth.config import check_url
 from llmhealth.text import printable, refuse_user_info, same_server
 
 
@@ -54,6 +55,23 @@ def test_a_url_with_user_info_is_refused_showing_only_what_follows_the_last_at(
     message = str(raised.value)
     assert "s3" not in message and "alice" not in message
     assert "10.0.0.5" in message and "api_key_env" in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "10.0.0.1:8000?api_key=sk-SECRET",  # no scheme
+        "ftp://10.0.0.1/?token=sk-SECRET",
+        "http://10.0.0.1:8000/?api_key=sk-SECRET",
+        "http://10.0.0.1:8000/v1;key=sk-SECRET",
+        "http://alice@10.0.0.1:8000/?api_key=sk-SECRET",
+    ],
+)
+def test_a_refused_url_is_never_repeated_past_its_query(url: str) -> None:
+    # The scheme check came first and repeated the whole URL, key and all.
+    with pytest.raises(ValueError) as raised:
+        check_url(url)
+    assert "SECRET" not in str(raised.value) and "10.0.0.1" in str(raised.value)
 
 
 def test_a_url_without_user_info_passes() -> None:
