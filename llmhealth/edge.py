@@ -77,6 +77,7 @@ class Request:
         "_chunked",
         "_conn",
         "_length",
+        "_writes",
         "ended",
         "headers",
         "keep_alive",
@@ -107,6 +108,7 @@ class Request:
         self.ended = False  # the answer is written whole
         self._chunked = False  # the answer's body goes in chunks
         self._length = True  # the answer's body is delimited (not by the close)
+        self._writes = True  # the answer may have a body
 
     def body(self) -> bytes | None:
         """The whole body when it is already in hand (most come with their head)."""
@@ -118,17 +120,21 @@ class Request:
 
     async def answer(self, status: int, headers: Fields, body: bytes, reason: str = "") -> None:
         """A whole answer in one write: its head and body together."""
-        if "content-length" not in headers and status >= 200 and status not in (204, 304):
+        if "content-length" not in headers and not _bodiless_status(status):
             headers.add("Content-Length", str(len(body)))
         head = self._head(status, reason, headers)
         self.started = True
-        self._conn.write(head + body if body and self.method != "HEAD" else head)
+        self._conn.write(head + body if body and not self._bodiless(status) else head)
         await self._conn.drain()
         self.ended = True
 
     async def start(self, status: int, headers: Fields, reason: str = "") -> None:
-        """The head of an answer whose body follows in ``write``s."""
-        if "content-length" not in headers and self.method != "HEAD":
+        """The head of an answer whose body follows in ``write``s; an answer that can
+        have none (to a HEAD, a 204, a 304) is the head alone, whatever is written after:
+        a chunked 204's "0" would be read by the client as the start of its next answer."""
+        if self._bodiless(status):
+            self._writes = False
+        elif "content-length" not in headers:
             if self.version == "HTTP/1.1":
                 headers.add("Transfer-Encoding", "chunked")
                 self._chunked = True
@@ -141,6 +147,8 @@ class Request:
         await self._conn.drain()
 
     async def write(self, data: bytes) -> None:
+        if not self._writes:
+            return
         if self._chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self._conn.write(data)
@@ -151,6 +159,9 @@ class Request:
             self._conn.write(b"0\r\n\r\n")
         await self._conn.drain()
         self.ended = True
+
+    def _bodiless(self, status: int) -> bool:
+        return self.method == "HEAD" or _bodiless_status(status)
 
     @property
     def delimited(self) -> bool:
@@ -177,6 +188,11 @@ class Request:
         lines.append("\r\n")
         # latin-1: a backend's fields were read so, and go back out byte for byte.
         return "\r\n".join(lines).encode("latin-1", "replace")
+
+
+def _bodiless_status(status: int) -> bool:
+    """An answer with this status has no body, whatever its headers say (RFC 9110 6.4.1)."""
+    return status < 200 or status in (204, 304)
 
 
 def _path(target: str) -> str:

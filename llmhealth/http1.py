@@ -12,6 +12,9 @@ from collections.abc import Iterable
 from typing import Final, Protocol
 
 MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; trailers
+# Methods a client may send again on its own (RFC 9110 section 9.2.2): a request that met
+# a reused connection closing under it is sent once more only if it is one of these.
+IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 MAX_FIELDS: Final = 100  # header fields in one head
 TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # RFC 9110 5.6.2: a method, a field name
 _FIELD_NAME: Final = re.compile(TOKEN)

@@ -41,10 +41,6 @@ from llmhealth.http1 import MAX_HEAD_BYTES
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
-# Methods a client may send again on its own (RFC 9110 section 9.2.2). A generation (POST)
-# the backend may have begun is never sent twice, even when its connection was a reused
-# one that closed before answering: that is counted as the backend's broken connection.
-IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 
 
 class ConnectError(Exception):
@@ -326,7 +322,9 @@ class Pool:
                 return await self._head(link, method)
             except BrokenError:
                 link.close()
-                if reused and link.received == received and method in IDEMPOTENT:
+                # A generation (POST) the backend may have begun is never sent twice: its
+                # reused connection closing before the answer is the backend's failure.
+                if reused and link.received == received and method in http1.IDEMPOTENT:
                     continue  # closed while idle, before this request: a new connection
                 raise
             except BaseException:

@@ -121,7 +121,10 @@ class Connection:
     ) -> WireResponse:
         """``method url`` within ``deadline``; once more on a fresh connection if a reused
         one turns out to be dead before any byte of the answer (servers close idle
-        keep-alive connections on their own clock, which says nothing about the server).
+        keep-alive connections on their own clock, which says nothing about the server),
+        and only for a method that may be sent twice: the tiny request (a POST) the server
+        may have begun is never sent again, or a server that took it and died would be
+        judged by a second generation's answer.
 
         ``body`` is sent as JSON, ``headers`` added to the request's own.
         """
@@ -168,6 +171,14 @@ class Connection:
                 await self.aclose()
                 raise
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                # Any byte of the answer says the server took the request: a close then is
+                # the server's failure. A head cut off at its end is in the error; one cut
+                # by a reset is still in the reader's buffer.
+                answered = (
+                    progress.head_bytes > 0
+                    or (self._reader is not None and _unread(self._reader) > 0)
+                    or bool(isinstance(exc, asyncio.IncompleteReadError) and exc.partial)
+                )
                 await self.aclose()
                 if not progress.connected and isinstance(exc, OSError) and _out_of_files(exc):
                     raise WireError(
@@ -177,7 +188,12 @@ class Connection:
                     ) from exc
                 if not progress.connected:
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
-                stale = reused and progress.head_bytes == 0 and loop.time() < bound.due
+                stale = (
+                    reused
+                    and not answered
+                    and method in http1.IDEMPOTENT
+                    and loop.time() < bound.due
+                )
                 if stale:
                     # The server's idle close crossed our request on the wire. Sent again,
                     # so this error is dropped; its traceback's frames hold the old stream,
@@ -187,7 +203,7 @@ class Connection:
                     self.idle_closes += 1
                     continue
                 late = bound.late_so_far()
-                if progress.head_bytes == 0 and late > _LATE_FOR_A_CLOSE:
+                if not answered and late > _LATE_FOR_A_CLOSE:
                     # A server gives up on a connection that sends it nothing for a while
                     # (uvicorn after 5 s): when this process could not send for that
                     # long, the close is ours, not a sign of the server's health.
@@ -276,6 +292,10 @@ class Connection:
         _set_read_size(transport, _HEAD_READ_SIZE)
         writer.write(request)
         status, headers, keep_alive = await _read_head(reader, progress)
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # Framed two ways (RFC 9112 6.3): read as chunked, and the connection not kept,
+            # as the length may be what a proxy on the way went by.
+            keep_alive = False
         if accept is not None:
             accept(status, headers)
         gate = _shared_by(asyncio.get_running_loop()).gate
@@ -285,9 +305,11 @@ class Connection:
             _set_read_size(transport, _READ_SIZE)
             transport.resume_reading()
             body = await _read_body(reader, status, headers, max_bytes, progress)
-            if not keep_alive or _unread(reader):
+            if not keep_alive or _unread(reader) or reader.at_eof():
                 # Bytes past the answer's end (a Content-Length short of its body, a body
-                # on a 204) would be read as the next answer: the connection goes.
+                # on a 204) would be read as the next answer: the connection goes; as it
+                # does once the server closed it (a body ending with the connection),
+                # rather than be found closed by the next read and taken for an idle close.
                 await self.aclose()
             # Released on return: the caller parses the body before its task next waits,
             # so what the gate bounds is bodies read and not yet parsed.

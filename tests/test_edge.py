@@ -484,3 +484,30 @@ def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
             assert (seen["path"], seen["target"]) == ("/v1/y", "/v1/y?z=1")
 
     run(scenario())
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_a_streamed_answer_that_can_have_no_body_is_its_head_alone(status: int) -> None:
+    """A 204 relayed as an event stream was sent chunked, its "0" terminator read by a
+    kept-alive client as the start of its next answer."""
+
+    async def bodiless(request: Request) -> None:
+        await request.start(status, Fields([("Content-Type", "text/event-stream")]))
+        await request.write(b"data: ignored\n\n")
+        await request.end()
+
+    async def scenario() -> None:
+        server = Edge(bodiless, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=4)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+            for _ in range(2):  # the second head comes right after the first: nothing between
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+                assert head.startswith(b"HTTP/1.1 %d " % status), head
+                assert b"transfer-encoding" not in head.lower()
+        finally:
+            writer.close()
+            await server.close()
+
+    run(scenario())

@@ -307,6 +307,92 @@ def test_a_fresh_connection_closed_before_an_answer_is_a_failure_not_retried() -
     assert attempts == [0]
 
 
+def _get_then(method: str, url: str) -> tuple[WireResponse | WireError, int]:
+    """A GET, then ``method`` on the same kept connection: the second's outcome, and the
+    idle closes the connection counted."""
+
+    async def run() -> tuple[WireResponse | WireError, int]:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=100)
+            body = b"{}" if method == "POST" else None
+            try:
+                second: WireResponse | WireError = await connection.request(
+                    method, url, deadline=loop.time() + 5, max_bytes=100, body=body
+                )
+            except WireError as error:
+                second = error
+            return second, connection.idle_closes
+        finally:
+            await connection.aclose()
+
+    return eventloop.run(run())
+
+
+def test_a_post_the_server_took_on_a_kept_connection_is_never_sent_twice() -> None:
+    # The tiny request follows /v1/models on its connection. A server that took it and
+    # died had it sent again, and the second generation's answer judged the server.
+    posts = []
+
+    def takes_the_post_then_dies(connection: socket.socket, number: int) -> None:
+        while request := read_request(connection):
+            if request.startswith(b"POST"):
+                posts.append(number)
+                if number == 0:
+                    return
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    with tcp_server(takes_the_post_then_dies) as (url, _):
+        second, idle_closes = _get_then("POST", f"{url}/v1/completions")
+    assert isinstance(second, WireError) and second.failure is Failure.CLOSED
+    assert (posts, idle_closes) == ([0], 0)
+
+
+def test_a_head_cut_off_on_a_kept_connection_is_the_servers_failure_not_an_idle_close() -> None:
+    attempts = []
+
+    def half_a_head(connection: socket.socket, number: int) -> None:
+        attempts.append(number)
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 500 Internal Serv")  # and the process is gone
+
+    with tcp_server(half_a_head) as (url, _):
+        second, idle_closes = _get_then("GET", f"{url}/metrics")
+    assert isinstance(second, WireError) and second.failure is Failure.CLOSED
+    assert (attempts, idle_closes) == ([0], 0)
+
+
+def test_an_answer_framed_by_both_length_and_chunks_does_not_keep_its_connection() -> None:
+    connections = []
+
+    def framed_twice(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        while read_request(connection):
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"3\r\nabc\r\n0\r\n\r\n"
+            )
+
+    with tcp_server(framed_twice) as (url, _):
+        responses = get(f"{url}/metrics", times=2)
+    assert [response.body for response in responses] == [b"abc"] * 2
+    assert connections == [0, 1]  # RFC 9112 6.3: closed after such an answer
+
+
+def test_a_body_ended_by_the_close_is_not_counted_as_an_idle_close() -> None:
+    def close_delimited(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\n\r\nabc")
+
+    with tcp_server(close_delimited) as (url, _):
+        second, idle_closes = _get_then("GET", f"{url}/metrics")
+    assert isinstance(second, WireResponse) and second.body == b"abc"
+    assert idle_closes == 0  # counted, the caller would read this server earlier for ever
+
+
 def test_a_content_length_over_the_cap_is_refused_before_the_body_is_read() -> None:
     def announce_a_lot(connection: socket.socket, _number: int) -> None:
         read_request(connection)
