@@ -509,21 +509,27 @@ def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:
 
 
 def expire_restarts(
-    record: FleetRecord, audit: Audit | None, now: float, verdicts: Mapping[str, Verdict]
+    record: FleetRecord,
+    audit: Audit | None,
+    now: float,
+    verdicts: Mapping[str, Verdict],
+    commands_running: Collection[str] = frozenset(),
 ) -> list[str]:
-    """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled.
+    """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled;
+    never one whose command still runs (``commands_running``).
 
     Called after this settle's verdicts were fed, so a replacement re-admitted just now is
     not failed. The audit line says what was waited for and what was last seen.
     """
     notes = []
     before = {name: record.ledger.snapshot(name, now) for name in record.ledger.overdue(now)}
-    for expired in record.ledger.expire_restarts(now):
+    for expired in record.ledger.expire_restarts(now, sparing=commands_running):
         record.restart_failed(expired.name)
         notes.append(f"{expired.name}: {expired.reason}")
         snap = before[expired.name]
         evidence: dict[str, Any] = {
             "restarted_at": snap.last_restart_at,
+            "restart_ran_at": snap.restart_ran_at,
             "startup_grace": record.ledger.policy.startup_grace,
             "in_state_since": snap.state_since,
             "last_error": snap.last_error,
@@ -623,7 +629,7 @@ def settle(
             traffic.append(transition)
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
-    notes = [*notes, *expire_restarts(record, audit, now, verdicts)]
+    notes = [*notes, *expire_restarts(record, audit, now, verdicts, commands_running)]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
     )

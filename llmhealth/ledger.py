@@ -8,7 +8,7 @@ Everything that decides a transition lives in the table and the rules directly b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
@@ -38,6 +38,7 @@ class EventKind(StrEnum):
     WEDGE_PROVEN = "wedge_proven"  # proof the engine holds work and makes no progress
     RESTART_ISSUED = "restart_issued"  # the shell is about to run the restart command
     RESTART_FAILED = "restart_failed"  # the restart did not bring up a process
+    RESTART_RAN = "restart_ran"  # its command exited 0: the startup grace counts from now
     STARTUP_EXPIRED = "startup_expired"  # startup_grace since the restart ran out unproven
     NEW_PROCESS_UP = "new_process_up"  # a replacement process answers
     READMITTED = "readmitted"  # the replacement proved itself (tiny request, or an operator)
@@ -133,6 +134,7 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
     },
     State.RESTARTING: {
         EventKind.RESTART_FAILED: State.DEAD,
+        EventKind.RESTART_RAN: State.RESTARTING,
         EventKind.STARTUP_EXPIRED: Rule.FAIL_OVERDUE_RESTART,
         EventKind.NEW_PROCESS_UP: State.STALE,
         EventKind.RETIRE: State.RETIRED,
@@ -150,6 +152,8 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # a silent participant just broke.
         EventKind.CONDEMNED: State.DEAD,
         EventKind.READMITTED: Rule.READMIT,
+        # The command ended after its process showed up (it waits for readiness).
+        EventKind.RESTART_RAN: State.STALE,
         # Busy with work from elsewhere, a replacement is never sent the tiny request: its
         # finishing requests show the restart worked, though it does not serve yet.
         EventKind.GOOD_VERDICT: Rule.NOTE_WORKING,
@@ -190,6 +194,9 @@ IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
     EventKind.WEDGE_PROVEN: "it is already absent",
     EventKind.RESTART_ISSUED: "a restart is issued only for a DEAD backend",
     EventKind.RESTART_FAILED: "only a RESTARTING backend can fail to restart",
+    EventKind.RESTART_RAN: (
+        "only a restart not yet proven (RESTARTING, or STALE since it) waits on its command"
+    ),
     EventKind.STARTUP_EXPIRED: (
         "only a restart not yet proven (RESTARTING, or STALE since it) can run out of grace"
     ),
@@ -421,6 +428,16 @@ class RestartFailed(_EventBase):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RestartRan(_EventBase):
+    """The restart command exited 0, proving nothing yet. The startup grace is the new
+    process's time to prove itself, so it counts from here when the command took long:
+    a command past its grace (a ``restart_timeout`` longer than it, or one that outlived
+    its kill) failed its own restart, and the next one killed what the first brought up."""
+
+    kind: ClassVar[EventKind] = EventKind.RESTART_RAN
+
+
+@dataclass(frozen=True, kw_only=True)
 class StartupExpired(_EventBase):
     """The startup grace after a restart ran out with nothing proven: no new process
     (RESTARTING), or one that was never re-admitted (STALE). A failed restart, so the
@@ -518,6 +535,7 @@ Event: TypeAlias = (
     | WedgeProven
     | RestartIssued
     | RestartFailed
+    | RestartRan
     | StartupExpired
     | NewProcessUp
     | Readmitted
@@ -563,6 +581,7 @@ class BackendSnapshot:
     # While STALE after a partial weight sync: the serving state it had when the sync broke.
     state_before_partial: State | None = None
     in_place_recoveries: int = 0  # DEAD -> STALE by the same process, within the budget window
+    restart_ran_at: float | None = None  # when a restart's command last exited 0
 
     @property
     def serving(self) -> bool:
@@ -587,6 +606,7 @@ class _Backend:
     # The process last seen; while DEAD, the one that was condemned.
     process: ProcessSeen | None = None
     recovery_times: list[float] = field(default_factory=list)  # in-place recoveries
+    restart_ran_at: float | None = None  # when the last restart's command exited 0
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -870,11 +890,18 @@ def _awaited_restart(b: _Backend) -> float | None:
 
 
 def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
-    """When the restart this backend still waits on was issued, if its grace ran out."""
+    """When the restart this backend still waits on was issued, if its grace ran out: from
+    its command's end when that came later (``RestartRan``)."""
     restarted_at = _awaited_restart(b)
-    if restarted_at is None or now - restarted_at < grace:
+    if restarted_at is None or now - _grace_from(b, restarted_at) < grace:
         return None
     return restarted_at
+
+
+def _grace_from(b: _Backend, restarted_at: float) -> float:
+    """When the startup grace of the restart issued at ``restarted_at`` began."""
+    ran_at = b.restart_ran_at
+    return ran_at if ran_at is not None and ran_at > restarted_at else restarted_at
 
 
 _RULES: Final = {
@@ -914,6 +941,9 @@ def _record(b: _Backend, event: Event) -> str:
             # and the restart policy needs that reason to try again.
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
+        case RestartRan():
+            b.restart_ran_at = event.now
+            return "restart command exited 0: proves nothing yet; the startup grace counts from now"
         case NewProcessUp() | UnplannedRestart():
             # A replacement must not inherit the failures of the process it replaced, nor
             # its identity: unknown until a read shows it.
@@ -984,6 +1014,7 @@ _EVENT_TYPES: Final = (
     WedgeProven,
     RestartIssued,
     RestartFailed,
+    RestartRan,
     StartupExpired,
     NewProcessUp,
     Readmitted,
@@ -1079,15 +1110,23 @@ class Ledger:
             epoch_changed=moved,
         )
 
-    def expire_restarts(self, now: float) -> list[Transition]:
-        """Fail every restart whose startup grace ran out before it was proven.
+    def expire_restarts(
+        self, now: float, *, sparing: Collection[str] = frozenset()
+    ) -> list[Transition]:
+        """Fail every restart whose startup grace ran out before it was proven, but those
+        of ``sparing``: backends whose restart command the caller still runs (the grace
+        is the new process's, and counts from the command's end: ``RestartRan``).
 
         Without this a restart that never reports back would leave the backend RESTARTING
         for ever, and a replacement that dies again or never answers would stay STALE for
         ever: never retried, as neither is DEAD, and never retired, as that is driven by
         restart attempts.
         """
-        return [self.apply(name, StartupExpired(now=now)) for name in self.overdue(now)]
+        return [
+            self.apply(name, StartupExpired(now=now))
+            for name in self.overdue(now)
+            if name not in sparing
+        ]
 
     def overdue(self, now: float) -> list[str]:
         """The backends ``expire_restarts`` would fail now, in name order."""
@@ -1267,7 +1306,7 @@ class Ledger:
         return (
             replaced
             and not proven
-            and now - restarted_at < policy.startup_grace
+            and now - _grace_from(b, restarted_at) < policy.startup_grace
             and spent < policy.restart_budget
         )
 
@@ -1291,6 +1330,7 @@ class Ledger:
             state_since=b.state_since,
             state_before_partial=b.state_before_partial,
             in_place_recoveries=sum(1 for t in b.recovery_times if _in_window(t, now, window)),
+            restart_ran_at=b.restart_ran_at,
         )
 
     def snapshots(
@@ -1338,6 +1378,7 @@ class Ledger:
                     else str(b.state_before_partial),
                     "process": None if b.process is None else _process_dict(b.process),
                     "recovery_times": list(b.recovery_times),
+                    "restart_ran_at": b.restart_ran_at,
                 }
                 for b in self._sorted()
             ],
@@ -1519,7 +1560,9 @@ _BACKEND_KEYS: Final = frozenset(
     }
 )
 # Keys added after schema 1 was first written: absent in older files, so not required.
-_LATER_BACKEND_KEYS: Final = frozenset({"state_before_partial", "process", "recovery_times"})
+_LATER_BACKEND_KEYS: Final = frozenset(
+    {"state_before_partial", "process", "recovery_times", "restart_ran_at"}
+)
 
 
 def _as_record(
@@ -1637,6 +1680,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
         state_before_partial=before_partial,
         process=_parse_process(r.get("process"), f"{where}.process"),
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
+        restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):

@@ -168,11 +168,12 @@ def plan_restarts(
     same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
-    does wait out the hold and the cooldown, since it stands for the next attempt.
+    does wait out the hold, its running command and the cooldown, since it stands for the
+    next attempt (and what that command brings up must not be left unwatched).
     """
     _check_time(now, "now")
-    # A backend's own unproven restart does not keep it from the next: its cooldown and
-    # budget rule that.
+    # A backend's own unproven restart does not keep it from the next (its cooldown and
+    # budget rule that); its own command still running does (``_decide``).
     under_way = {name for name in ledger.names if ledger.restart_unproven(name, now)}
     under_way.update(name for name in commands_running if name in ledger)
     decisions: list[RestartDecision] = []
@@ -215,8 +216,9 @@ def restart_pending(
     policy: Policy,
     now: float,
 ) -> bool:
-    """Will the restart policy restart this DEAD backend, now or once its cooldown or a
-    concurrency slot allows? Then its own process must not prove its way back meanwhile:
+    """Will the restart policy restart this DEAD backend, now or once its cooldown, its
+    running command or a concurrency slot allows? Then its own process must not prove its
+    way back meanwhile:
     the restart decides. Not when nothing would restart it (no command, a cause outside
     restart_on, an active hold): then recovery in place is its only way back."""
     return _not_restartable(snap, backend, hold, policy, now) is None

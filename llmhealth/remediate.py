@@ -22,7 +22,7 @@ from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
 from llmhealth.fleet import FleetRecord
-from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, State
+from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, RestartRan, State
 from llmhealth.policy import (
     Action,
     RestartDecision,
@@ -233,9 +233,11 @@ def hear_commands(
     """Feed finished restart commands to the ledger: a failed one sends it back to DEAD.
 
     A command that exited 0 proves nothing (only a new process, then re-admission, does),
-    so it changes no state; its outcome is still audited. The outcome of a restart the
-    ledger has since moved past (failed by its startup grace, replaced by a newer restart,
-    the backend gone from the config) is audited and changes nothing.
+    so it changes no state; the restart's startup grace counts from its end (a slow
+    command does not use up the new process's time); its outcome is still audited. The
+    outcome of a restart the ledger has since moved past (failed by its startup grace,
+    replaced by a newer restart, the backend gone from the config) is audited and changes
+    nothing.
     """
     for finished in done:
         order, result = finished.order, finished.result
@@ -247,7 +249,10 @@ def hear_commands(
         if current:
             state = record.ledger.state_of(name)
             entry["from"] = entry["to"] = str(state)
-            if not result.ok:
+            if result.ok:
+                # Its startup grace counts from now if the command took long.
+                record.ledger.apply(name, RestartRan(now=now))
+            else:
                 if result.timed_out:  # its exit code None too, when it outlived SIGKILL
                     why = "timed out"
                 elif result.exit_code is None:

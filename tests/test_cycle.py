@@ -30,7 +30,7 @@ from llmhealth.cycle import (
     settle_fleet,
 )
 from llmhealth.fleet import FleetRecord, Sighting
-from llmhealth.ledger import RestartIssued, State, WedgeProven
+from llmhealth.ledger import NewProcessUp, RestartIssued, State, WedgeProven
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import RestartHistory
 from llmhealth.probe import ProbeSettings
@@ -251,6 +251,73 @@ def test_the_outcome_of_a_restart_the_ledger_moved_past_changes_nothing(tmp_path
     [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
     assert line["superseded"] is True
     assert "to" not in line
+
+
+def test_a_restart_whose_command_still_runs_keeps_its_grace_which_counts_from_its_end(
+    tmp_path: Path,
+) -> None:
+    """A command longer than the grace (a restart_timeout past it) failed its own restart:
+    DEAD, an attempt spent, and the next restart killed what the command brought up."""
+    store, audit, order = issued(tmp_path)  # issued at T0 + 2; the grace is 900 s
+    long_after = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(T0 + 2000),
+        commands_running=frozenset({"gpu0"}),
+    )
+    assert (long_after.orders, long_after.record.ledger.state_of("gpu0")) == ((), "restarting")
+    ended = hear(store, audit, CommandDone(order, result(0)), start=T0 + 2500)
+    assert ended.ledger.state_of("gpu0") == "restarting"  # its grace starts now
+    ran_at = ended.ledger.snapshot("gpu0", T0 + 2600).restart_ran_at
+    assert ran_at is not None and ran_at > T0 + 2500
+
+    def settle_at(start: float) -> Settled:
+        return settle_fleet(
+            store,
+            RESTARTABLE,
+            backend_urls([GPU0]),
+            lambda _record: [],
+            mode=Mode.ACT,
+            audit=audit,
+            clock=ticking(start),
+        )
+
+    assert settle_at(ran_at + 800).orders == ()
+    assert "startup_expired" not in [r["event"] for r in read(audit.path)]
+    expired = settle_at(ran_at + 900)
+    assert expired.record.ledger.state_of("gpu0") == "restarting"  # failed, and retried
+    [line] = [r for r in read(audit.path) if r["event"] == "startup_expired"]
+    assert line["evidence"]["restart_ran_at"] == ran_at
+    assert [o.name for o in expired.orders] == ["gpu0"]
+
+
+def test_a_dead_backend_whose_restart_command_still_runs_is_not_restarted_again() -> None:
+    # Its replacement came up during a slow command and wedged: DEAD while it runs.
+    record = fresh_record(ledger_policy(RESTARTABLE.policy), backend_urls([GPU0]), now=T0)
+    record.ledger.apply("gpu0", WedgeProven(now=T0, evidence="steps 5→5→5"))
+    record.ledger.apply("gpu0", RestartIssued(now=T0 + 1))
+    record.ledger.apply("gpu0", NewProcessUp(now=T0 + 60))
+    record.ledger.apply("gpu0", WedgeProven(now=T0 + 200, evidence="steps 9→9→9"))
+    later = T0 + 3600  # any cooldown over
+    report, orders = settle(
+        record,
+        RESTARTABLE,
+        [],
+        later,
+        mode=Mode.ACT,
+        audit=None,
+        commands_running=frozenset({"gpu0"}),
+    )
+    assert orders == []
+    assert [(n.action, n.reason) for n in report.restarts] == [
+        ("skip", "its last restart command still runs")
+    ]
+    _, orders = settle(record, RESTARTABLE, [], later, mode=Mode.ACT, audit=None)
+    assert [order.name for order in orders] == ["gpu0"]  # once it has ended
 
 
 class CountingFile(StateFile):

@@ -40,6 +40,7 @@ from llmhealth.ledger import (
     RequestSuccess,
     RestartFailed,
     RestartIssued,
+    RestartRan,
     Retire,
     Rule,
     StartupExpired,
@@ -435,6 +436,25 @@ def test_a_restart_that_outlives_the_startup_grace_is_failed_back_to_dead() -> N
     assert ledger.expire_restarts(500.0) == []
 
 
+def test_the_grace_of_a_restart_whose_command_ran_long_counts_from_its_end() -> None:
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=10.0))
+    ledger.apply("a", RestartIssued(now=20.0))
+    assert ledger.expire_restarts(150.0, sparing={"a"}) == []  # its command still runs
+    ran = ledger.apply("a", RestartRan(now=160.0))
+    assert (ran.applied, ran.to_state) == (True, State.RESTARTING)
+    assert ledger.overdue(259.0) == []
+    ledger.apply("a", NewProcessUp(now=200.0))
+    assert ledger.overdue(259.0) == [] and ledger.restart_unproven("a", 259.0)
+    assert ledger.overdue(260.0) == ["a"]
+    restored = Ledger.from_dict(ledger.to_dict(), LedgerPolicy(startup_grace=100.0))
+    assert restored.snapshot("a", 260.0).restart_ran_at == 160.0
+    # A command that ended before the restart it served (an older one's) moves nothing.
+    ledger.apply("a", StartupExpired(now=260.0))
+    ledger.apply("a", RestartIssued(now=300.0))
+    assert ledger.overdue(400.0) == ["a"]
+
+
 def test_a_replacement_never_readmitted_within_the_grace_is_a_failed_restart() -> None:
     walk = Walk(LedgerPolicy(startup_grace=100.0))
     walk.feed(
@@ -709,6 +729,7 @@ def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
         EventKind.WEDGE_PROVEN: lambda now: WedgeProven(now=now, evidence="no steps"),
         EventKind.RESTART_ISSUED: lambda now: RestartIssued(now=now),
         EventKind.RESTART_FAILED: lambda now: RestartFailed(now=now, reason="exit 1"),
+        EventKind.RESTART_RAN: lambda now: RestartRan(now=now),
         EventKind.STARTUP_EXPIRED: lambda now: StartupExpired(now=now),
         EventKind.NEW_PROCESS_UP: lambda now: NewProcessUp(
             now=now, process=ProcessSeen(start=now) if flag else None

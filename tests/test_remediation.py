@@ -603,11 +603,13 @@ def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_resta
     until_frozen(gpu)
     assert setup.check().seen("gpu0") == ("wedged", "restarting", False, 2)
     issued_at = setup.history("gpu0")["last_attempt_at"]
+    ran_at = setup.saved("gpu0")["restart_ran_at"]  # the grace counts from the command's end
+    assert ran_at > issued_at
     assert setup.check().seen("gpu0") == ("restarted", "stale", False, 2)
 
     # Past the grace: the STALE replacement counts as a failed restart (DEAD, the cooldown
     # doubled), and, out of that cooldown, the plan restarts it again.
-    sleep_until(issued_at + 6.0)
+    sleep_until(ran_at + 6.0)
     third = setup.check()
     assert any(
         note.startswith(
@@ -623,6 +625,7 @@ def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_resta
     [expired] = [r for r in setup.audit() if r["event"] == "startup_expired"]
     assert (expired["from"], expired["to"]) == ("stale", "dead")
     assert expired["evidence"]["restarted_at"] == issued_at
+    assert expired["evidence"]["restart_ran_at"] == ran_at
     assert expired["evidence"]["startup_grace"] == 6.0
     # What this run saw of it: up, yet its tiny request still unanswered.
     assert expired["evidence"]["verdict"] == "unanswered"
@@ -757,11 +760,11 @@ def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_
     until_frozen(gpu)
     first = setup.check()  # the command exits 0, yet nothing will listen
     assert first.seen("gpu0") == ("wedged", "restarting", False, 2)
-    issued_at = setup.history("gpu0")["last_attempt_at"]
+    ran_at = setup.saved("gpu0")["restart_ran_at"]  # the grace counts from the command's end
 
     # Past the grace (and the cooldown after one failure, 1 s doubled): the next run fails
     # the restart after its verdicts are fed, and the plan made then tries again.
-    sleep_until(issued_at + 4.0)
+    sleep_until(ran_at + 4.0)
     second = setup.check()
     assert second.seen("gpu0") == ("down", "restarting", False, 2)
     assert any(
