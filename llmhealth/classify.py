@@ -86,6 +86,8 @@ class Answer:
     model: str | None = None
     models_served: tuple[str, ...] = ()
     timed_out: bool = False  # sent, and no answer came within its timeout
+    # Turned away for its credentials (HTTP 401 or 403): says nothing of the engine.
+    refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -724,6 +726,15 @@ def _by_answer(
 ) -> Decision:
     if answer is None:
         return SendTinyRequest(context, good)
+    if answer.refused and good is not VerdictKind.RESTARTED:
+        # Our key, not the server: a rotated or missing one read as "unanswered" condemned
+        # every idle backend of a fleet. Not judged, so a run says UNKNOWN and nothing
+        # moves; a new process (RESTARTED) is news all the same, and is judged.
+        evidence = (
+            f"{good}: {context}; tiny request {answer.detail}: the server turned our API key "
+            "away (see api_key_env), so nothing is proven either way"
+        )
+        return replace(_verdict(good, False, evidence, reads, answer), judged=False)
     kind = good if answer.ok else bad
     return _verdict(
         kind, answer.ok, f"{kind}: {context}; tiny request {answer.detail}", reads, answer

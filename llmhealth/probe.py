@@ -145,10 +145,11 @@ class ProbeSettings:
 class _RequestFailedError(Exception):
     """Internal: a request that gave no usable answer, already classified."""
 
-    def __init__(self, problem: ReadProblem, detail: str) -> None:
+    def __init__(self, problem: ReadProblem, detail: str, status: int | None = None) -> None:
         super().__init__(detail)
         self.problem = problem
         self.detail = detail
+        self.status = status  # the HTTP status that made the answer unusable, if one did
 
 
 class CheckerStarvedError(Exception):
@@ -322,7 +323,7 @@ async def list_models(
     )
     if response.status != 200:
         raise _RequestFailedError(
-            ReadProblem.UNUSABLE, f"GET /v1/models answered HTTP {response.status}"
+            ReadProblem.UNUSABLE, f"GET /v1/models answered HTTP {response.status}", response.status
         )
     try:
         listing = json.loads(response.body)
@@ -344,13 +345,19 @@ def _model_id(value: object) -> str:
     return printable(value)
 
 
+# Statuses by which a server turns away our credentials, not our request: vLLM's
+# --api-key answers 401; a proxy's access rule may answer 403.
+_KEY_REFUSED = frozenset({401, 403})
+
+
 async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, clock: Clock) -> Answer:
     """The tiny request: one completion of one token, for the configured or listed model."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
         models = await list_models(client, target, settings.timeout, headers)
     except _RequestFailedError as failure:
-        return Answer(clock(), False, f"not sent: {failure.detail}")
+        refused = failure.status in _KEY_REFUSED
+        return Answer(clock(), False, f"not sent: {failure.detail}", refused=refused)
     model = target.model or (models[0] if models else None)
     if model is None:
         return Answer(clock(), False, "not sent: GET /v1/models lists no model")
@@ -371,7 +378,12 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
         )
     if response.status != 200:
         return Answer(
-            clock(), False, f"answered HTTP {response.status} for model {model}", model, models
+            clock(),
+            False,
+            f"answered HTTP {response.status} for model {model}",
+            model,
+            models,
+            refused=response.status in _KEY_REFUSED,
         )
     try:
         choices = json.loads(response.body)["choices"]

@@ -53,6 +53,7 @@ def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
         "evidence": verdict.evidence,
         "requests_sent": verdict.requests_sent,
         "reads": [_read_to_dict(read) for read in verdict.reads],
+        "judged": verdict.judged,
     }
     for name in ("running", "waiting", *_VERDICT_NUMBERS):
         value = getattr(verdict, name)
@@ -67,6 +68,7 @@ def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
             "model": answer.model,
             "models_served": list(answer.models_served),
             "timed_out": answer.timed_out,
+            "refused": answer.refused,
         }
     if verdict.longest_step is not None:
         document["longest_step"] = verdict.longest_step.to_dict()
@@ -137,6 +139,7 @@ def verdict_from_dict(data: object, where: str) -> Verdict:
                 printable(str(m)) for m in _list(raw, "models_served", f"{where}.answer")
             ),
             timed_out=_flag(raw, "timed_out", f"{where}.answer"),
+            refused=_flag(raw, "refused", f"{where}.answer", missing=False),
         )
     step = table.get("longest_step")
     running, waiting = (_optional(table, name, where) for name in ("running", "waiting"))
@@ -152,6 +155,9 @@ def verdict_from_dict(data: object, where: str) -> Verdict:
         reads=reads,
         answer=answer,
         longest_step=None if step is None else LongestStep.from_dict(step, f"{where}.longest_step"),
+        # A member's own failure (starved, a worker lost) read as judged was news of the
+        # backend at the leader; absent in what an earlier member wrote: judged.
+        judged=_flag(table, "judged", where, missing=True),
     )
 
 
@@ -227,8 +233,9 @@ def _whole(table: Mapping[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
-    value = table.get(key)
+def _flag(table: Mapping[str, Any], key: str, where: str, missing: bool | None = None) -> bool:
+    """A true/false field; ``missing`` is its value when absent (None: it must be there)."""
+    value = table.get(key, missing)
     if not isinstance(value, bool):
         raise ValueError(f"{where}.{key}: expected true or false")
     return value

@@ -29,6 +29,8 @@ from llmhealth.classify import (
     VerdictKind,
     decide,
 )
+from llmhealth.fleet import events_for
+from llmhealth.ledger import State
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import (
@@ -40,6 +42,8 @@ from llmhealth.probe import (
     new_client,
     read_metrics,
 )
+from llmhealth.report import ExitCode, verdict_exit_code
+from llmhealth.shares import verdict_from_dict, verdict_to_dict
 from llmhealth.window import LongestStep
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
@@ -261,6 +265,36 @@ def test_an_idle_server_that_fails_the_tiny_request_is_unanswered(httpserver: HT
     verdict = examine(backend.url)
     assert verdict.kind is VerdictKind.UNANSWERED
     assert "HTTP 500" in verdict.evidence
+
+
+@pytest.mark.parametrize(
+    ("models", "completion", "said"),
+    [
+        (401, 200, "not sent: GET /v1/models answered HTTP 401"),
+        (200, 401, "answered HTTP 401 for model tiny"),
+        (403, 200, "not sent: GET /v1/models answered HTTP 403"),
+    ],
+)
+def test_a_tiny_request_turned_away_for_its_key_judges_nothing(
+    httpserver: HTTPServer, models: int, completion: int, said: str
+) -> None:
+    """vLLM with --api-key and a key missing or rotated: every idle backend was
+    "unanswered", doubt that condemned a healthy fleet. Not judged now: UNKNOWN, no event."""
+    httpserver.expect_request("/metrics").respond_with_data(capture("idle-1"))
+    if models == 200:
+        httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    else:
+        httpserver.expect_request("/v1/models").respond_with_json({"error": "no"}, status=models)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_json(
+        {"error": "Unauthorized"}, status=completion
+    )
+    verdict = examine(httpserver.url_for("").rstrip("/"))
+    assert (verdict.kind, verdict.healthy, verdict.judged) == (VerdictKind.IDLE, False, False)
+    assert said in verdict.evidence and "api_key_env" in verdict.evidence
+    assert verdict_exit_code(verdict) is ExitCode.UNKNOWN
+    assert events_for(verdict, State.HEALTHY, now=1.0, previous=None) == []
+    shared = verdict_from_dict(verdict_to_dict(verdict), "verdict")
+    assert (shared.judged, shared.answer is not None and shared.answer.refused) == (False, True)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,17 @@ def test_every_part_of_a_verdict_survives_the_trip() -> None:
     assert verdict_from_dict(json.loads(json.dumps(verdict_to_dict(verdict))), "v") == verdict
 
 
+def test_a_verdict_not_judged_stays_not_judged_at_the_leader() -> None:
+    # A member's own failure (starved, its worker lost, our key refused) came back judged:
+    # news of the backend, which the leader's ledger then took.
+    refused = Answer(12.0, False, "not sent: GET /v1/models answered HTTP 401", refused=True)
+    verdict = Verdict(VerdictKind.IDLE, False, "idle: refused", answer=refused, judged=False)
+    assert verdict_from_dict(json.loads(json.dumps(verdict_to_dict(verdict))), "v") == verdict
+    older = verdict_to_dict(replace(verdict, judged=True, answer=None))
+    del older["judged"]  # what a member before this change writes
+    assert verdict_from_dict(older, "v").judged
+
+
 def test_numbers_json_cannot_carry_are_left_unsaid_not_refused(fixture_text: Load) -> None:
     signals = parse_metrics(fixture_text("hostile/negative-and-nan.txt"))
     verdict = Verdict(VerdictKind.BUSY, True, "busy", reads=(Read(1.0, signals=signals),))
