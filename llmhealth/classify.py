@@ -10,6 +10,7 @@ a freeze proves a wedge only once it outlasts the engine's window (``llmhealth.w
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -35,7 +36,7 @@ from llmhealth.window import (
 # Reads that span two waits: what every verdict but a long window's needs at most.
 _TWO_WAITS = 3
 # For a caller reading on a schedule: how many of its waits the reads of "two waits"
-# must span. Not two: ``watch`` reads every 0.96 of a wait (readers.KEEP_ALIVE_LEAD) and a
+# must span. Not two: ``watch`` reads every 0.96 of a wait (probe.KEEP_ALIVE_LEAD) and a
 # read may come a little late; more than one, so that two reads in one wait are not two.
 PACED_SPAN = 1.5
 # Evidence names at most this many engines; a text may legally carry 40,000 of them.
@@ -785,10 +786,16 @@ def _work_counts(reads: Sequence[Read]) -> tuple[int | None, int | None]:
             if any(engine.running is None for engine in engines):
                 return None, None
             return (
-                int(sum(engine.running or 0 for engine in engines)),
-                int(sum(engine.waiting or 0 for engine in engines)),
+                _whole(sum(engine.running or 0 for engine in engines)),
+                _whole(sum(engine.waiting or 0 for engine in engines)),
             )
     return None, None
+
+
+def _whole(total: float) -> int | None:
+    """A count as a whole number; None past what a float holds: engines' gauges of 1e308
+    each add up to inf, whose int() raised and left a wedged engine beside them unjudged."""
+    return int(total) if math.isfinite(total) else None
 
 
 def _signals(read: Read) -> Signals:

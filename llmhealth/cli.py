@@ -571,7 +571,8 @@ app.add_typer(config_app, name="config")
 
 @config_app.command("check")
 def config_check(path: Annotated[str, typer.Argument(help="The TOML file to validate.")]) -> None:
-    """Validate a config file: exit 0 when usable, 3 with every problem named otherwise."""
+    """Validate a config file: exit 0 when usable, 3 naming the first problem (file and
+    key) otherwise; mend it and run again for the next."""
     loaded = config_module.load(path)
     # ExecReload runs this in the unit's environment: a key variable missing there is a
     # reload the daemon would refuse, and must fail here too.

@@ -207,7 +207,7 @@ def events_for(
         # A restart the window saw, or one only the sighting shows: watch settles a
         # backend's newest verdict, and a second read before the settle (a backend that
         # closes idle connections is read every 0.96 wait and settled every wait:
-        # readers.KEEP_ALIVE_LEAD) judges the new process alone.
+        # probe.KEEP_ALIVE_LEAD) judges the new process alone.
         if kind is VerdictKind.RESTARTED or _another_process(verdict, previous):
             return [UnplannedRestart(now=now, process=process), *readmit]
         if kind is VerdictKind.WEDGED:

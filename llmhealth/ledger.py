@@ -142,7 +142,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
     State.STALE: {
         # Failures are noted (last error, streaks) for the operator but never condemn: a
         # replacement still loading its model fails probes for minutes, and counting those
-        # to DEAD would hand a normal start-up to the restart policy.
+        # to DEAD would hand a normal start-up to the restart policy. While its weights
+        # are in doubt (a partial sync) the streaks are left as they were: they go back
+        # to serving with it.
         EventKind.PROBE_FAILURE: State.STALE,
         EventKind.REQUEST_FAILURE: State.STALE,
         # The new process is alive, so proof of death or of a wedge still condemns it.
@@ -688,6 +690,7 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         b.last_error = f"{why}; last error: {b.last_error}" if b.last_error else why
         return State.RETIRED, why
     b.restart_times.append(event.now)
+    b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"
     )
@@ -921,11 +924,16 @@ def _record(b: _Backend, event: Event) -> str:
     match event:
         case ProbeFailure() | RequestFailure():
             b.last_error = _error_text(event.reason, event.detail)
+            why = f"noted, never condemns: a {b.state} backend takes no traffic ({b.last_error})"
+            if b.state_before_partial is not None:
+                # Its streaks go back to serving with it (``_readmit``): failures of a
+                # refit in progress would make one failure after it condemn at once.
+                return f"{why}; not counted while its weights are in doubt"
             if isinstance(event, ProbeFailure):
                 b.probe_failures += 1
             else:
                 b.request_failures += 1
-            return f"noted, never condemns: a {b.state} backend takes no traffic ({b.last_error})"
+            return why
         case ProcessGone():
             b.condemned_by = event.reason
             b.good_streak = 0  # good verdicts before the proof count for nothing after it
@@ -1129,7 +1137,7 @@ class Ledger:
         ]
 
     def overdue(self, now: float) -> list[str]:
-        """The backends ``expire_restarts`` would fail now, in name order."""
+        """The backends ``expire_restarts`` would fail now, sparing none, in name order."""
         grace = self._policy.startup_grace
         return [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
 

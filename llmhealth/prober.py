@@ -185,9 +185,9 @@ class Prober:
             self._slots[key] = slot
         url = slot.url
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
-        return await examine_once(
-            slot.client, target, self._settings, slot.window, clock=time.monotonic
-        )
+        # Reads on the wall clock, as check's and watch's: a process's age is a read's
+        # time less its start time, which vLLM publishes in seconds since the epoch.
+        return await examine_once(slot.client, target, self._settings, slot.window)
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

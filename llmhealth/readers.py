@@ -42,6 +42,7 @@ from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals
 from llmhealth.pickling import pickled_as_a_call
 from llmhealth.probe import (
+    KEEP_ALIVE_LEAD,
     ProbeSettings,
     examine_once,
     examine_proxy,
@@ -65,14 +66,6 @@ SILENT_FLOOR = 5.0
 # Targets per read worker before `read_workers = "auto"` adds one: at about 1 ms of CPU
 # per backend per cycle, 2,000 fill 40% of one core at the default 5 s wait.
 AUTO_SHARE = 2000
-# Of the wait: how much sooner a target's next read starts once its server has closed an
-# idle connection of ours. A server times out a connection idle for its keep-alive
-# (uvicorn's default, so vLLM's: 5 s, llmhealth's default wait), and a read due one wait
-# after the last one began reached it just after that about every other time: a new
-# connection then, the dearest part of a read (bench/README.md, "Reading before the
-# keep-alive runs out"). 0.2 s at a 5 s wait keeps the connection through an event loop
-# running 5,000 reads; the cost is a read in 25 more, for those targets only.
-KEEP_ALIVE_LEAD = 0.04
 
 Clock = Callable[[], float]
 # What one examination of one target concluded: the verdict (None while undecided), how

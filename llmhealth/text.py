@@ -76,10 +76,14 @@ def refuse_user_info(url: str) -> None:
 
     Such a URL would be shown in every report, stored in the state file and the audit
     log, and exported as a label. The error never repeats what came before the ``@``: a
-    password may itself hold ``/`` or ``@``, so only what follows the last one is safe.
+    password may itself hold ``/`` or ``@``, so only what follows the last one is safe;
+    nor a query or fragment, where keys go too: an ``@`` only there (``?user=bob@x&key=``)
+    shows nothing of the URL.
     """
     if "@" in url:
-        shown = printable(up_to_query(url.rpartition("@")[2].strip()))
+        before_query = url[: min((at for at in map(url.find, "?#") if at >= 0), default=len(url))]
+        host = before_query.rpartition("@")[2] if "@" in before_query else ""
+        shown = printable(up_to_query(host.strip())) or "host:port"
         raise ValueError(
             "a URL with a user name or password in it (before '@') is not accepted; "
             f"give 'http(s)://{shown}' and put a key in the environment (for a backend, "

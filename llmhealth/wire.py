@@ -105,7 +105,7 @@ class Connection:
         self._writer: asyncio.StreamWriter | None = None
         # Kept connections the server closed while they waited for our next request: it
         # times idle connections out no later than our pause between two requests, which
-        # the caller may shorten to keep the connection (readers.KEEP_ALIVE_LEAD).
+        # the caller may shorten to keep the connection (probe.KEEP_ALIVE_LEAD).
         self.idle_closes = 0
 
     async def request(
@@ -124,7 +124,7 @@ class Connection:
         keep-alive connections on their own clock, which says nothing about the server),
         and only for a method that may be sent twice: the tiny request (a POST) the server
         may have begun is never sent again, or a server that took it and died would be
-        judged by a second generation's answer.
+        judged by a second generation's answer; it goes on a fresh connection instead.
 
         ``body`` is sent as JSON, ``headers`` added to the request's own.
         """
@@ -135,6 +135,11 @@ class Connection:
         request = self._request_bytes(method, parts, body, headers or {})
         loop = asyncio.get_running_loop()
         bound = _Deadline(loop, deadline)
+        if method not in http1.IDEMPOTENT:
+            # Never on a kept connection: the server may close one it deems idle as the
+            # request goes out, and this request may not be sent again. One connection
+            # more per tiny request, which idle backends get at most once a wait.
+            await self.aclose()
         while True:
             reused = self._origin == origin and self._writer is not None
             if reused and self._reader is not None and self._reader.at_eof():

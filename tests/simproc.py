@@ -86,6 +86,7 @@ def simulator_argv(
     engines: int = 1,
     request_seconds: float = 4.0,
     keep_alive: float = 5.0,
+    age: float | None = None,
 ) -> list[str]:
     return [
         *LAUNCH,
@@ -97,6 +98,7 @@ def simulator_argv(
         f"--engines={engines}",
         f"--request-seconds={request_seconds}",
         f"--keep-alive={keep_alive}",
+        *([] if age is None else [f"--age={age}"]),
     ]
 
 
@@ -188,6 +190,7 @@ def running_simulator(
     request_seconds: float = 4.0,
     keep_alive: float = 5.0,
     ready_timeout: float = READY_TIMEOUT,
+    age: float | None = None,
 ) -> Iterator[Simulator]:
     """One simulator process serving `modes` on consecutive free ports, stopped on exit."""
     failure = ""
@@ -202,6 +205,7 @@ def running_simulator(
             engines=engines,
             request_seconds=request_seconds,
             keep_alive=keep_alive,
+            age=age,
         )
         try:
             sim = _start(argv, list(modes), ready_timeout)

@@ -1286,3 +1286,17 @@ def test_a_tiny_request_held_by_a_stopped_engine_is_unanswered(
     assert verdict.kind is VerdictKind.UNANSWERED
     assert "engine process 7 stopped by a signal" in verdict.evidence
     assert shown in verdict.evidence
+
+
+def test_gauges_that_add_up_past_a_float_are_a_verdict_not_an_error(fixture_text: Load) -> None:
+    # Two engines claiming 1e308 running each summed to inf, and int(inf) raised: the
+    # backend was "not judged" on every read, a wedge on its engine 0 hidden behind it.
+    hostile = "".join(
+        f'vllm:num_requests_running{{engine="{engine}",model_name="m"}} 1e308\n'
+        for engine in ("1", "2")
+    )
+    signals = parse_metrics(capture(fixture_text, "wedge-2") + hostile)
+    reads = [Read(T0 + WAIT * index, signals=signals) for index in range(3)]
+    verdict = decide(reads, max_reads=3)
+    assert isinstance(verdict, Verdict) and verdict.kind is VerdictKind.WEDGED
+    assert verdict.running is None

@@ -1561,7 +1561,7 @@ def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
 def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(
     tmp_path: Path,
 ) -> None:
-    """Reads run every 0.96 wait against settles every wait (readers.KEEP_ALIVE_LEAD), and
+    """Reads run every 0.96 wait against settles every wait (probe.KEEP_ALIVE_LEAD), and
     a settle takes each backend's newest verdict: a "restarted" one followed by a read of
     the new process alone must not leave a restarted backend serving unproven."""
     captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"

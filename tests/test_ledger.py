@@ -455,6 +455,18 @@ def test_the_grace_of_a_restart_whose_command_ran_long_counts_from_its_end() -> 
     assert ledger.overdue(400.0) == ["a"]
 
 
+def test_an_earlier_commands_end_does_not_stretch_a_later_restarts_grace() -> None:
+    # The wall clock stepped back between two restarts: the first command's end, "later"
+    # than the second restart, kept that restart from ever running out of grace.
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=10.0))
+    ledger.apply("a", RestartIssued(now=1000.0))
+    ledger.apply("a", RestartRan(now=1500.0))
+    ledger.apply("a", StartupExpired(now=1600.0))
+    ledger.apply("a", RestartIssued(now=1100.0))
+    assert ledger.overdue(1200.0) == ["a"]
+
+
 def test_a_replacement_never_readmitted_within_the_grace_is_a_failed_restart() -> None:
     walk = Walk(LedgerPolicy(startup_grace=100.0))
     walk.feed(
@@ -1588,6 +1600,25 @@ def test_a_refit_does_not_clear_the_failures_of_a_backend_suspect_before_the_syn
     assert third.to_state is State.DEAD
 
 
+def test_failures_while_the_weights_are_in_doubt_do_not_count_against_the_refit() -> None:
+    # A refit in progress fails probes and aborted requests; counted, they came back with
+    # the backend, and its first failure after the refit condemned it at once.
+    policy = replace(POLICY, unhealthy_threshold=3)
+    ledger = Ledger(policy, [("a", "http://a:8000")], now=0.0)
+    ledger.apply("a", RequestFailure(now=1.0, reason="unanswered"))
+    ledger.apply("a", WeightsPartial(now=2.0))
+    for t in (3.0, 4.0, 5.0):
+        noted = ledger.apply("a", ProbeFailure(now=t, reason="down"))
+        assert noted.reason.endswith("not counted while its weights are in doubt")
+        ledger.apply("a", RequestFailure(now=t, reason="unanswered"))
+    ledger.apply("a", Readmitted(now=6.0, weight_version=2))
+    snap = ledger.snapshot("a", 6.0)
+    assert (snap.state, snap.request_failures, snap.probe_failures) == (State.SUSPECT, 1, 0)
+    assert ledger.apply("a", RequestFailure(now=7.0, reason="unanswered")).to_state is (
+        State.SUSPECT
+    )
+
+
 def test_a_weight_stamp_changes_the_version_and_nothing_else() -> None:
     ledger = one_backend()
     ledger.apply("a", RequestFailure(now=1.0, reason="unanswered"))
@@ -1852,10 +1883,16 @@ def test_random_event_sequences_keep_every_invariant(
                 replay.apply(t.name, expired)
                 check_transition(t, step_before, step_before.to_dict(), replay, now, expired)
             assert replay.to_dict() == ledger.to_dict()
+
+            # The grace counts from the restart, or from its command's exit when later.
+            def grace_from(s: BackendSnapshot, issued: float) -> float:
+                ran = s.restart_ran_at
+                return ran if ran is not None and ran > issued else issued
+
             assert not any(
                 s.state is State.RESTARTING
                 and s.state_since is not None
-                and now - s.state_since >= policy.startup_grace
+                and now - grace_from(s, s.state_since) >= policy.startup_grace
                 for s in ledger.snapshots(now)
             )
             # No restart of ours is left unproven past its grace: a STALE backend still
@@ -1863,7 +1900,7 @@ def test_random_event_sequences_keep_every_invariant(
             assert not any(
                 s.state is State.STALE
                 and s.last_restart_at is not None
-                and now - s.last_restart_at >= policy.startup_grace
+                and now - grace_from(s, s.last_restart_at) >= policy.startup_grace
                 and (s.last_ok_at is None or s.last_ok_at < s.last_restart_at)
                 for s in ledger.snapshots(now)
             )

@@ -32,8 +32,9 @@ from llmhealth.classify import (
 from llmhealth.fleet import events_for
 from llmhealth.ledger import State
 from llmhealth.localcpu import LocalCpu
-from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import (
+    KEEP_ALIVE_LEAD,
     ProbeSettings,
     check_fleet,
     examine_backend,
@@ -44,7 +45,7 @@ from llmhealth.probe import (
 )
 from llmhealth.report import ExitCode, verdict_exit_code
 from llmhealth.shares import verdict_from_dict, verdict_to_dict
-from llmhealth.window import LongestStep
+from llmhealth.window import DEFAULT_RULES, LongestStep
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
 FAST = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
@@ -890,6 +891,24 @@ def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     assert verdict is not None
     assert verdict.kind is VerdictKind.STALLED
     assert backend.metrics_reads == 2
+
+
+def test_a_watch_reading_early_keeps_enough_reads_to_prove_a_young_engines_wedge() -> None:
+    """Reads 4.8 s apart (KEEP_ALIVE_LEAD) and 61 kept spanned 288 s, short of the 300 s
+    window of a young engine: its wedge was proven only after its startup grace."""
+    settings = ProbeSettings()  # the defaults: a 5 s wait, max_check_time 300 s
+    signals = parse_metrics(capture("wedge-4"))
+    assert signals.process_start is not None
+    window: list[Read] = []
+    for index in range(80):
+        at = signals.process_start + 60.0 + index * settings.wait * (1 - KEEP_ALIVE_LEAD)
+        keep_read(window, Read(at, signals=signals), settings.paced_read_limit)
+        decision = decide(window, max_reads=settings.paced_read_limit, paced_wait=settings.wait)
+        if isinstance(decision, Verdict):
+            break
+    assert isinstance(decision, Verdict) and decision.kind is VerdictKind.WEDGED, decision
+    assert "startup_wedge_after 300 s" in decision.evidence
+    assert window[-1].at - signals.process_start < DEFAULT_RULES.startup_grace
 
 
 def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_change() -> None:

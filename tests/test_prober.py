@@ -62,6 +62,26 @@ def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     assert fleet.snapshot()[0].condemned_by == "wedged"
 
 
+def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
+    # The Prober stamped its reads with the monotonic clock: a process's age (read time
+    # less its wall-clock start) came out about -1.8e9 s, not young, and a new engine
+    # still compiling its first shapes was condemned as wedged in three calls.
+    async def main(urls: list[str]) -> tuple[FleetHealth, list[list[ProbeResult]]]:
+        fleet = FleetHealth(urls)
+        rounds = []
+        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+            for _ in range(5):
+                rounds.append(await prober.probe())
+                await asyncio.sleep(INTERVAL)
+        return fleet, rounds
+
+    with running_simulator(["wedge:0.5"], age=0.0) as sim:
+        fleet, rounds = asyncio.run(main(sim.urls))
+    verdicts = [result.verdict for results in rounds for result in results]
+    assert VerdictKind.WEDGED not in verdicts, verdicts
+    assert fleet.state_of(0) is State.HEALTHY
+
+
 def test_a_backend_that_restarted_by_itself_is_stale_until_a_refit() -> None:
     async def main(urls: list[str]) -> FleetHealth:
         fleet = FleetHealth(urls)

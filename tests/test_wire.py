@@ -339,14 +339,29 @@ def test_a_post_the_server_took_on_a_kept_connection_is_never_sent_twice() -> No
         while request := read_request(connection):
             if request.startswith(b"POST"):
                 posts.append(number)
-                if number == 0:
-                    return
+                return
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
     with tcp_server(takes_the_post_then_dies) as (url, _):
         second, idle_closes = _get_then("POST", f"{url}/v1/completions")
     assert isinstance(second, WireError) and second.failure is Failure.CLOSED
-    assert (posts, idle_closes) == ([0], 0)
+    assert (len(posts), idle_closes) == (1, 0)
+
+
+def test_a_post_goes_on_a_fresh_connection_so_an_idle_close_cannot_cost_it() -> None:
+    # A server that closes a connection right after its answer, without saying so: the
+    # POST that followed on it met the close, and may not be sent twice.
+    connections = []
+
+    def one_answer_per_connection(connection: socket.socket, number: int) -> None:
+        connections.append(number)
+        if read_request(connection):
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    with tcp_server(one_answer_per_connection) as (url, _):
+        second, idle_closes = _get_then("POST", f"{url}/v1/completions")
+    assert isinstance(second, WireResponse) and second.body == b"{}"
+    assert (connections, idle_closes) == ([0, 1], 0)
 
 
 def test_a_head_cut_off_on_a_kept_connection_is_the_servers_failure_not_an_idle_close() -> None:
