@@ -69,7 +69,7 @@ from llmhealth.remediate import (
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import MemoryStore, RecordMovedError, StateError, StateFile, Store
-from llmhealth.text import printable
+from llmhealth.text import printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -192,6 +192,7 @@ class Daemon:
         self._console = console
         self._clock = clock
         self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
+        self._watchdog_every = watchdog_interval(os.environ, os.getpid())
         self._ready_told = False
         # [cluster] shard_reads: this member reads its share (None: every backend) and
         # publishes it; leading, it settles the others' published verdicts too.
@@ -366,8 +367,7 @@ class Daemon:
             while not self._stop.is_set():
                 # Cycles keep a fixed period: the settle's own time is not added to the wait.
                 due = max(due + self.settings.wait, time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=due - time.monotonic())
+                await self._wait_until(due)
                 if self._stop.is_set():
                     break
                 if self._reload:
@@ -384,7 +384,7 @@ class Daemon:
                     self._take_commands(),
                     requests,
                     self._publication(),
-                    commands_running=frozenset(o.name for o in self._commands_running.values()),
+                    commands_running=self._restarting_now(),
                 )
                 cycle = _in_daemon_thread(self._settle_and_give_back, news)
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
@@ -425,6 +425,21 @@ class Daemon:
                 self._push_router()
                 self._after_cycle(settled.report, time.monotonic() - started, pace, live)
 
+    async def _wait_until(self, due: float) -> None:
+        """Until the next cycle is due, or a stop. Waiting is health: systemd hears so at
+        least twice per watchdog period, as a `wait` may be longer than WatchdogSec (35 s
+        against the unit's 30 s killed the daemon every cycle); a cycle that hangs still
+        starves the watchdog, as it should."""
+        while not self._stop.is_set():
+            left = due - time.monotonic()
+            if left <= 0:
+                return
+            every = self._watchdog_every if self._ready_told else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=min(left, every or left))
+            if every is not None and not self._stop.is_set() and time.monotonic() < due:
+                self._notifier.send("WATCHDOG=1")
+
     def _tell_systemd(self, status: str) -> None:
         """After every cycle, settled or skipped: READY=1 the first time, then WATCHDOG=1.
         Ready does not wait for a settle that succeeds: the daemon probes, serves its page
@@ -445,6 +460,20 @@ class Daemon:
             if probe.heard_at is not None
         ]
         return reads_per_wait(gaps, self._wait)
+
+    def _restarting_now(self) -> frozenset[str]:
+        """The backends whose restart command runs, as the configuration names them now:
+        a reload that renamed one (its server kept) had the plan restart that server
+        again under its new name beside the running command, and a name no longer
+        configured stopped counting against ``max_concurrent_restarts``. A command for a
+        server nothing is configured at any more still counts, under its old name."""
+        configured = {t.name: same_server(t.url) for t in self._targets if t.kind == "backend"}
+        names: set[str] = set()
+        for order in self._commands_running.values():
+            server = same_server(order.url)
+            here = {name for name, url in configured.items() if url == server}
+            names |= here if here and order.name not in configured else {*here, order.name}
+        return frozenset(names)
 
     def _launch(self, order: RestartOrder) -> None:
         """Run a restart command in its own thread; its outcome waits for a later settle.
@@ -1071,6 +1100,19 @@ class News:
     published: Publication | None = None  # shard_reads
     final: bool = False
     commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
+
+
+def watchdog_interval(environment: Mapping[str, str], pid: int) -> float | None:
+    """Half of systemd's watchdog period (``WATCHDOG_USEC``) when it watches this process
+    (``WATCHDOG_PID`` unset or ours), else None."""
+    owner = environment.get("WATCHDOG_PID")
+    if owner is not None and owner != str(pid):
+        return None
+    try:
+        usec = int(environment.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    return usec / 2e6 if usec > 0 else None
 
 
 def _run_order(order: RestartOrder) -> CommandResult:

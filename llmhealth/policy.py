@@ -175,7 +175,7 @@ def plan_restarts(
     # A backend's own unproven restart does not keep it from the next (its cooldown and
     # budget rule that); its own command still running does (``_decide``).
     under_way = {name for name in ledger.names if ledger.restart_unproven(name, now)}
-    under_way.update(name for name in commands_running if name in ledger)
+    under_way.update(commands_running)  # a name a reload dropped counts as well
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):
         action, reason = _decide(

@@ -47,6 +47,7 @@ class RestartOrder:
     """A restart the ledger accepted (RESTARTING, saved), whose command is still to run."""
 
     name: str
+    url: str  # the server it restarts, which a reload may give another name
     argv: tuple[str, ...]
     timeout: float
     issued_at: float  # the ledger's time of the restart: a later one makes this one moot
@@ -205,7 +206,13 @@ def _issue(
         reason=snapshot.last_error or decision.reason,
     )
     order = RestartOrder(
-        decision.name, argv, config.policy.restart_timeout, now, decision.reason, environment
+        decision.name,
+        snapshot.url,
+        argv,
+        config.policy.restart_timeout,
+        now,
+        decision.reason,
+        environment,
     )
     return RestartOutcome(decision, order=order)
 

@@ -407,6 +407,11 @@ def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     result = run(entry_point, "config", "check", str(bad))
     assert result.returncode == 3
     assert f"{bad}: backend[0].restart: must be a list of strings" in result.stderr
+    empty = tmp_path / "empty.toml"
+    empty.write_text('wait = "5s"\n')  # a reload refuses it, and reload said ok
+    result = run(entry_point, "config", "check", str(empty))
+    assert result.returncode == 3
+    assert f"{empty}: nothing to watch" in result.stderr
 
 
 def test_a_check_of_a_healthy_proxy_alone_exits_0(httpserver: HTTPServer) -> None:

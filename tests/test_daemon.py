@@ -910,6 +910,43 @@ def test_systemd_hears_ready_after_the_first_cycle_then_watchdogs_then_stopping(
     assert messages[-1] == ["STOPPING=1"]
 
 
+def test_the_watchdog_hears_from_a_daemon_waiting_longer_than_its_period(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """WATCHDOG=1 came only after each cycle: a `wait` past WatchdogSec (35 s against the
+    unit's 30 s) had systemd kill the daemon every cycle. Here the period is 0.2 s
+    against a wait of 0.5 s, and it is told between cycles as well, on its own."""
+    config = write_config(tmp_path / "fleet.toml", fleet_config([{"name": "b", "url": urls.busy}]))
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address)
+        sock.settimeout(PATIENCE)
+        env = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "200000"}
+        with watching(entry_point, config, tmp_path / "state.json", env=env) as watch:
+            deadline = time.monotonic() + PATIENCE
+            while sock.recv(4096) != b"WATCHDOG=1":  # alone: not a cycle's, with its STATUS
+                assert time.monotonic() < deadline, watch.stderr()
+            rc, _ = watch.stop()
+    assert rc == 0
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({"WATCHDOG_USEC": "30000000"}, 15.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "42"}, 15.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "43"}, None),  # another process's
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({}, None),
+    ],
+)
+def test_the_watchdog_period_is_systemds_for_this_process_only(
+    environment: dict[str, str], expected: float | None
+) -> None:
+    assert daemon_module.watchdog_interval(environment, 42) == expected
+
+
 # --- connections the server closes -----------------------------------------------------------
 
 
@@ -1868,6 +1905,46 @@ def test_a_restart_command_longer_than_the_grace_neither_fails_it_nor_runs_twice
         "startup_expired",
         "restart",
     ]
+
+
+@pytest.mark.slow
+def test_a_reload_renaming_a_backend_whose_restart_runs_restarts_nothing_beside_it(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The new name came with no sign of the running command: its server, still wedged,
+    was restarted again beside it, and the old name's command no longer held the one
+    `max_concurrent_restarts` place, so the other wedged backend was restarted too."""
+    ran, go = tmp_path / "command.log", tmp_path / "command.go"
+    audit = tmp_path / "audit.jsonl"
+    command = [sys.executable, "-c", SLOW_HOOK, str(ran), str(go)]
+    policy = '\n[policy]\ncooldown = "1s"\ncooldown_max = "2s"\n'
+    other = {"name": "w2", "url": urls.wedge_b, "restart": [sys.executable, "-c", "pass"]}
+
+    def config(name: str) -> str:
+        return fleet_config([{"name": name, "url": urls.wedge_a, "restart": command}, other])
+
+    path = write_config(tmp_path / "fleet.toml", config("w1") + policy)
+
+    def restarted() -> list[str]:
+        lines = audit.read_text().splitlines() if audit.exists() else []
+        return [r["backend"] for r in map(json.loads, lines) if r["event"] == "restart"]
+
+    try:
+        with watching(entry_point, path, tmp_path / "state.json") as watch:
+            page = watch.until("w1 restarting", lambda p: p.state("w1") == "restarting")
+            until_exists(ran, watch, "w1's command started")
+            assert restarted() == ["w1"]  # w2 waits for the one place
+            write_config(path, config("w1new") + policy)
+            watch.signal(signal.SIGHUP)
+            page = watch.until("w1new wedged again", lambda p: p.state("w1new") == "dead")
+            for _ in range(4):
+                page = watch.next_cycle(page)
+            assert restarted() == ["w1"] and ran.read_text() == "ran\n"
+            go.touch()  # or the stop waits out its grace for the command
+            rc, _ = watch.stop()
+    finally:
+        go.touch()
+    assert rc == 0
 
 
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(

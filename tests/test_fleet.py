@@ -1282,7 +1282,7 @@ def test_a_restart_the_window_missed_still_ends_restarting() -> None:
 
 def test_a_command_that_outlived_its_kill_or_never_ran_fails_its_restart() -> None:
     command = ("restart-gpu0",)
-    order = RestartOrder("gpu0", command, 60.0, NOW + 2, "wedged", {})
+    order = RestartOrder("gpu0", URL_0, command, 60.0, NOW + 2, "wedged", {})
     timed_out = CommandDone(order, CommandResult(command, None, True, 60.0, "", ""))
     unkillable = record_of(("gpu0", URL_0))
     unkillable.observe("gpu0", VERDICTS["busy"], NOW)

@@ -351,6 +351,13 @@ def test_a_restart_whose_command_outlives_its_grace_stays_under_way_until_the_co
     assert f.decision("a", later).action is Action.RESTART
 
 
+def test_a_command_running_for_a_name_a_reload_dropped_still_takes_its_place() -> None:
+    f = fleet("b")
+    f.condemn("b", T0)
+    f.commands_running.add("a")  # renamed or dropped while its command runs
+    assert f.decision("b", T0).reason == "1 restart already under way (max_concurrent_restarts 1)"
+
+
 def test_a_command_still_running_does_not_keep_a_hold_from_naming_itself() -> None:
     f = fleet("a")
     f.condemn("a", T0)
