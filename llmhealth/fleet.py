@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
@@ -34,8 +34,11 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
+from llmhealth.text import same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
+
+_Value = TypeVar("_Value")
 
 # What a backend condemned by real traffic is condemned by: the word restart_on matches.
 TRAFFIC_CAUSE = "request_failures"
@@ -123,6 +126,11 @@ def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sight
     if newest is not None:
         return Sighting(at, reachable, newest, step)
     return Sighting(at, reachable, previous.baseline if previous else None, step)
+
+
+def _rekey(kept: dict[str, _Value], old: str, new: str) -> None:
+    if old in kept:
+        kept[new] = kept.pop(old)
 
 
 def events_for(
@@ -344,7 +352,7 @@ class MembershipChange:
     trail can say so afterwards."""
 
     name: str
-    event: str  # "forgotten", "readdressed" or "added"
+    event: str  # "forgotten", "renamed", "readdressed" or "added"
     state: State  # the backend's state when it changed (HEALTHY for an added one)
     note: str
 
@@ -388,12 +396,15 @@ class FleetRecord:
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
 
-        In this order, so that one edit may do all three: backends no longer configured
-        are forgotten (freeing their addresses), those whose address changed move, and
-        new ones are added."""
+        In this order, so that one edit may do all four: a backend the config calls by a
+        new name at its address is renamed, backends no longer configured are forgotten
+        (freeing their addresses), those whose address changed move, and new ones are
+        added."""
         changes = []
         for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
+        for old, new in self._renames(backends).items():
+            changes.append(self._rename(old, new, now))
         for name in self.ledger.names:
             if name not in backends:
                 state = self.ledger.state_of(name)
@@ -433,6 +444,37 @@ class FleetRecord:
             if name not in self.ledger:
                 changes.append(self.admit(name, url, now))
         return changes
+
+    def _renames(self, backends: Mapping[str, str]) -> dict[str, str]:
+        """Old name -> new name, for each backend the config left whose server a backend
+        new to the ledger is configured at, one for one."""
+        leaving = {
+            same_server(self.ledger.url_of(name)): name
+            for name in self.ledger.names
+            if name not in backends
+        }
+        return {
+            leaving[server]: name
+            for name, url in backends.items()
+            if name not in self.ledger and (server := same_server(url)) in leaving
+        }
+
+    def _rename(self, old: str, new: str, now: float) -> MembershipChange:
+        """A new name for the same server is no new backend: forgotten and added again, a
+        condemned one served at once, a retired one too, its restart budget and cooldown
+        were spent afresh, and the restart its running command stood for was lost."""
+        self.ledger.rename(old, new)
+        _rekey(self.sightings, old, new)
+        _rekey(self.restarts, old, new)
+        _rekey(self.proofs, old, new)
+        _rekey(self.skips, old, new)
+        _rekey(self.request_streaks, old, new)
+        _rekey(self.fresh_since, old, new)
+        if old in self.holds and new not in self.holds:
+            self.holds[new] = self.holds.pop(old)
+        state = self.ledger.state_of(new)
+        note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
+        return MembershipChange(new, "renamed", state, note)
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:
         """Add a configured backend the record does not hold: HEALTHY, or RETIRED when it

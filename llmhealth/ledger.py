@@ -1177,6 +1177,21 @@ class Ledger:
             self._backends[name].url = url
             self._by_url[_url_key(url)] = name
 
+    def rename(self, old: str, new: str) -> None:
+        """A backend the configuration now calls by another name at the same address. Not
+        an event: it keeps its state, streaks and history, and the epoch stays (the
+        serving set is the same servers)."""
+        b = self._lookup(old)
+        if not isinstance(new, str) or not new:
+            raise ValueError(f"rename: a backend name must be a non-empty string, got {new!r}")
+        if new in self._backends:
+            raise ValueError(f"rename: backend name {new!r} is taken")
+        del self._backends[old]
+        b.name = new
+        self._backends[new] = b
+        if self._by_url.get(_url_key(b.url)) == old:
+            self._by_url[_url_key(b.url)] = new
+
     def remove(self, name: str) -> None:
         """Forget a backend that left the configuration."""
         b = self._lookup(name)

@@ -248,8 +248,13 @@ def hear_commands(
     """
     for finished in done:
         order, result = finished.order, finished.result
+        # Under the name its server has now: a reload may have renamed it meanwhile.
         name = order.name
+        if name not in record.ledger:
+            name = record.ledger.by_url(order.url) or name
         entry = command_record(finished, now)
+        if name != order.name:
+            entry.update(backend=name, issued_as=order.name)
         current = name in record.ledger and (
             record.ledger.snapshot(name, now).last_restart_at == order.issued_at
         )

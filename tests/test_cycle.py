@@ -320,6 +320,26 @@ def test_a_dead_backend_whose_restart_command_still_runs_is_not_restarted_again(
     assert [order.name for order in orders] == ["gpu0"]  # once it has ended
 
 
+def test_a_command_heard_after_a_reload_renamed_its_backend_is_that_backends(
+    tmp_path: Path,
+) -> None:
+    store, audit, order = issued(tmp_path)
+    renamed = Config(backends=(Backend("node-gpu0", GPU0.url, restart=RESTART),))
+    settled = settle_fleet(
+        store,
+        renamed,
+        {"node-gpu0": GPU0.url},
+        lambda _record: [],
+        mode=Mode.OFF,
+        audit=audit,
+        clock=ticking(T0 + 100),
+        commands=[CommandDone(order, result(1))],
+    )
+    assert settled.record.ledger.state_of("node-gpu0") == "dead"  # before: "superseded"
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert (line["backend"], line["issued_as"], line["to"]) == ("node-gpu0", "gpu0", "dead")
+
+
 class CountingFile(StateFile):
     """A real state file that counts its loads (each one a read and a decode) and can be
     told to fail its next save after writing nothing."""

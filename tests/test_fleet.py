@@ -628,6 +628,45 @@ def test_an_ended_hold_is_dropped_and_a_dropped_backends_hold_lasts_until_it_end
     assert record.holds == {}
 
 
+def test_a_backend_given_a_new_name_at_its_address_keeps_everything_under_it() -> None:
+    """Forgotten and added as new, a renamed backend came back HEALTHY and serving: a
+    condemned server, a retired one, its restart budget and cooldown spent afresh."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    record.restarts["gpu0"] = RestartHistory(failures=2, last_attempt_at=NOW)
+    record.proofs["gpu0"] = {"verdict": "wedged"}  # as the settle keeps it
+    record.holds["gpu0"] = Hold("weight sync", NOW + 600, "ops")
+    record.ledger.apply("gpu1", Retire(now=NOW, reason="bad HBM"))
+    epoch = record.ledger.epoch
+    changes = record.reconcile(
+        {"node-a-gpu0": URL_0, "node-a-gpu1": "http://10.0.0.6:08000", "gpu2": URL_2},
+        NOW + 2,
+    )
+    assert [(c.name, c.event, c.state) for c in changes] == [
+        ("node-a-gpu0", "renamed", State.DEAD),
+        ("node-a-gpu1", "renamed", State.RETIRED),
+        ("node-a-gpu1", "readdressed", State.RETIRED),  # the same server, spelled anew
+    ]
+    assert changes[0].note == f"node-a-gpu0: renamed from gpu0 at {URL_0}; stays dead"
+    assert record.ledger.names == ("gpu2", "node-a-gpu0", "node-a-gpu1")
+    assert record.ledger.epoch == epoch
+    assert record.restarts["node-a-gpu0"].failures == 2
+    assert record.proofs["node-a-gpu0"]["verdict"] == "wedged"
+    assert "gpu0" not in record.sightings and "node-a-gpu0" in record.sightings
+    assert list(record.holds) == ["node-a-gpu0"]
+    assert record.ledger.by_url(URL_0) == "node-a-gpu0"
+
+
+def test_a_new_name_at_another_address_is_a_new_backend_not_a_rename() -> None:
+    record = record_of(("gpu0", URL_0))
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    changes = record.reconcile({"gpu9": URL_1}, NOW + 2)
+    assert [(c.name, c.event) for c in changes] == [("gpu0", "forgotten"), ("gpu9", "added")]
+    assert record.ledger.state_of("gpu9") is State.HEALTHY
+
+
 def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired() -> None:
     """An edit undone, or a cluster member whose config lacked it leading for a while:
     forgotten and added again, a retired GPU came back HEALTHY and serving."""

@@ -1964,3 +1964,16 @@ def test_from_dict_answers_damage_with_a_value_error_or_a_valid_ledger(
     except ValueError:
         return
     assert Ledger.from_dict(loaded.to_dict(), POLICY).to_dict() == loaded.to_dict()
+
+
+def test_a_rename_keeps_the_backend_and_its_address_under_the_new_name() -> None:
+    ledger = Ledger(POLICY, [("a", URL_A), ("b", URL_B)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0))
+    epoch = ledger.epoch
+    ledger.rename("a", "node-a")
+    assert ledger.names == ("b", "node-a") and ledger.by_url(URL_A) == "node-a"
+    assert ledger.snapshot("node-a", 2.0).state is State.DEAD and ledger.epoch == epoch
+    with pytest.raises(ValueError, match="taken"):
+        ledger.rename("node-a", "b")
+    with pytest.raises(UnknownBackend):
+        ledger.rename("a", "c")
