@@ -272,6 +272,12 @@ def _read_usable(heads: tuple[bytes, ...], tails: tuple[bytes, ...], layout: _La
 
 def _read(layout: _Layout, values: list[float], skipped: int) -> Signals:
     """The signals from one value per line of ``layout``, each usable as it stands."""
+    started = {values[position] for position in layout.starts if values[position] > 0}
+    if len(started) > 1:
+        # Two processes' texts in one (a proxy merging its servers' /metrics): read as
+        # one, a busy server's counters hid a wedged one's, or every read was a restart.
+        why = f"{len(started)} process start times: the text of more than one server; not read"
+        return Signals((), None, skipped, (why,))
     process_start = None
     for position in reversed(layout.starts):  # the last one that is a time
         if values[position] > 0:

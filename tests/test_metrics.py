@@ -888,3 +888,16 @@ def test_an_engine_label_longer_than_any_engine_name_is_a_malformed_line() -> No
     signals = parse_metrics(text)
     assert [engine.engine for engine in signals.engines] == ["0"]
     assert signals.skipped_lines == 1
+
+
+def test_the_text_of_two_servers_in_one_is_not_read_as_one(fixture_text: Load) -> None:
+    # A proxy merging its servers' /metrics: read as one, the last of each series won, a
+    # busy server's counters hid a wedged one's (or every read was a restart).
+    wedged = fixture_text("vllm-0.32/wedge-2.txt")
+    busy = fixture_text("vllm-0.32/busy-1.txt").replace(
+        "process_start_time_seconds 1.79602437626e+09", "process_start_time_seconds 1.7960e+09"
+    )
+    signals = metrics.parse_metrics(wedged + busy)
+    assert not signals.has_vllm and signals.process_start is None
+    assert signals.notes == ("2 process start times: the text of more than one server; not read",)
+    assert metrics.parse_metrics(wedged + wedged).has_vllm  # one server's, twice

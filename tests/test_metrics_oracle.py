@@ -33,12 +33,14 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
     samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = {}
     sleep: dict[str, dict[str, float]] = {}
     start = None
+    starts = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, dict(sample.labels), float(sample.value)
             if name == START:
                 if not labels and math.isfinite(value) and value > 0:
                     start = value
+                    starts.add(value)
                 continue
             engine = labels.get("engine", "0")
             if name == SLEEP:
@@ -53,6 +55,8 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                 and labels.pop("reason", None) == "deferred"
             ):
                 samples[("waiting_deferred", engine, frozenset(labels.items()))] = value
+    if len(starts) > 1:  # more than one server's text: not read (parse_metrics's rule)
+        return {}, None
     return _by_engine(Signals(metrics._combine(samples, sleep))), start
 
 
