@@ -73,6 +73,12 @@ class WireResponse:
     body: bytes
 
 
+# A kept connection whose last answer ended longer ago than this is not trusted with a
+# request that may not be sent twice: a server closes an idle connection on its own clock
+# (uvicorn's: 5 s), and the close may cross the request. The tiny request follows its
+# GET /v1/models at once, so it keeps that connection; one that waited goes on a new one.
+_WARM = 1.0
+
 # Called with the status and headers before the body is read; what it raises ends the
 # read (the connection is closed) and reaches the caller unchanged.
 Accept = Callable[[int, Mapping[str, str]], None]
@@ -107,6 +113,7 @@ class Connection:
         # times idle connections out no later than our pause between two requests, which
         # the caller may shorten to keep the connection (probe.KEEP_ALIVE_LEAD).
         self.idle_closes = 0
+        self._answered_at: float | None = None  # the event loop's time of the last answer
 
     async def request(
         self,
@@ -124,7 +131,8 @@ class Connection:
         keep-alive connections on their own clock, which says nothing about the server),
         and only for a method that may be sent twice: the tiny request (a POST) the server
         may have begun is never sent again, or a server that took it and died would be
-        judged by a second generation's answer; it goes on a fresh connection instead.
+        judged by a second generation's answer; it goes on a fresh connection unless the
+        kept one answered just now (``_WARM``).
 
         ``body`` is sent as JSON, ``headers`` added to the request's own.
         """
@@ -135,11 +143,9 @@ class Connection:
         request = self._request_bytes(method, parts, body, headers or {})
         loop = asyncio.get_running_loop()
         bound = _Deadline(loop, deadline)
-        if method not in http1.IDEMPOTENT:
-            # Never on a kept connection: the server may close one it deems idle as the
-            # request goes out, and this request may not be sent again. One connection
-            # more per tiny request, which idle backends get at most once a wait.
-            await self.aclose()
+        answered = self._answered_at
+        if method not in http1.IDEMPOTENT and (answered is None or loop.time() - answered > _WARM):
+            await self.aclose()  # this request may not be sent again: see _WARM
         while True:
             reused = self._origin == origin and self._writer is not None
             if reused and self._reader is not None and self._reader.at_eof():
@@ -227,6 +233,7 @@ class Connection:
 
     async def aclose(self) -> None:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
+        self._answered_at = None
         if writer is not None:
             writer.close()
             _drop_own_callback(writer.transport)
@@ -316,6 +323,8 @@ class Connection:
                 # does once the server closed it (a body ending with the connection),
                 # rather than be found closed by the next read and taken for an idle close.
                 await self.aclose()
+            else:
+                self._answered_at = asyncio.get_running_loop().time()
             # Released on return: the caller parses the body before its task next waits,
             # so what the gate bounds is bodies read and not yet parsed.
             return WireResponse(status, headers, body)
