@@ -727,15 +727,16 @@ def _by_answer(
 ) -> Decision:
     if answer is None:
         return SendTinyRequest(context, good)
-    if answer.refused and good is not VerdictKind.RESTARTED:
+    if answer.refused:
         # Our key, not the server: a rotated or missing one read as "unanswered" condemned
         # every idle backend of a fleet. Not judged, so a run says UNKNOWN and nothing
-        # moves; a new process (RESTARTED) is news all the same, and is judged.
+        # moves; a new process (RESTARTED) is news all the same, and is judged (unproven).
         evidence = (
             f"{good}: {context}; tiny request {answer.detail}: the server turned our API key "
             "away (see api_key_env), so nothing is proven either way"
         )
-        return replace(_verdict(good, False, evidence, reads, answer), judged=False)
+        verdict = _verdict(good, False, evidence, reads, answer)
+        return verdict if good is VerdictKind.RESTARTED else replace(verdict, judged=False)
     kind = good if answer.ok else bad
     return _verdict(
         kind, answer.ok, f"{kind}: {context}; tiny request {answer.detail}", reads, answer
@@ -824,7 +825,7 @@ def _describe_work(signals: Signals) -> str:
     running, waiting = _work_counts([Read(0.0, signals)])
     if running is None:
         return "work unknown"
-    deferred = int(sum(engine.waiting_deferred or 0 for engine in signals.engines))
+    deferred = _whole(sum(engine.waiting_deferred or 0 for engine in signals.engines))
     if deferred:
         return f"{running} running, {waiting} waiting ({deferred} deferred by vLLM: not work)"
     return f"{running} running, {waiting} waiting"

@@ -21,7 +21,7 @@ from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord, MembershipChange
 from llmhealth.gctune import young_collections_spaced
-from llmhealth.ledger import Ledger, LedgerPolicy, State, Transition
+from llmhealth.ledger import EventKind, Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings, check_fleet
 from llmhealth.remediate import (
@@ -513,17 +513,17 @@ def expire_restarts(
     audit: Audit | None,
     now: float,
     verdicts: Mapping[str, Verdict],
-    commands_running: Collection[str] = frozenset(),
+    sparing: Collection[str] = frozenset(),
 ) -> list[str]:
     """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled;
-    never one whose command still runs (``commands_running``).
+    never those of ``sparing`` (a command still running, a new process seen first now).
 
     Called after this settle's verdicts were fed, so a replacement re-admitted just now is
     not failed. The audit line says what was waited for and what was last seen.
     """
     notes = []
     before = {name: record.ledger.snapshot(name, now) for name in record.ledger.overdue(now)}
-    for expired in record.ledger.expire_restarts(now, sparing=commands_running):
+    for expired in record.ledger.expire_restarts(now, sparing=sparing):
         record.restart_failed(expired.name)
         notes.append(f"{expired.name}: {expired.reason}")
         snap = before[expired.name]
@@ -587,6 +587,10 @@ def settle(
     reports = []
     in_ledger = set()
     verdicts = {}  # what was fed: a restart's expiry may quote it as evidence
+    # Backends whose new process this settle saw first: it gets one settle to prove itself
+    # before the grace fails it. Seen first late (a cron check every 5 min, a model that
+    # loads for 12), it was failed the moment it was seen, and its working server killed.
+    arrived = set()
     for outcome in outcomes:
         name = outcome.target.name
         if (
@@ -620,6 +624,8 @@ def settle(
                 _audit_transition(audit, transition, now, evidence)
             if record.ledger.state_of(name) is State.DEAD:
                 record.proofs[name] = evidence
+        if any(t.applied and t.kind is EventKind.NEW_PROCESS_UP for t in transitions):
+            arrived.add(name)
         reports.append(BackendReport(outcome, None, transitions))
     traffic = []
     for name, seen in (requests or {}).items():
@@ -629,7 +635,7 @@ def settle(
             traffic.append(transition)
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
-    notes = [*notes, *expire_restarts(record, audit, now, verdicts, commands_running)]
+    notes = [*notes, *expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived})]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
     )

@@ -84,6 +84,9 @@ SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
 # verb saved between its load and its save; past this the cycle is skipped as any failed
 # save is (its commands and traffic outcomes kept for the next).
 SETTLE_ATTEMPTS = 3
+# A tiny request turned away for its key (HTTP 401 or 403): the backend is not judged,
+# and the operator must learn why from more than its evidence (alerts/).
+KEY_REFUSED = "key_refused"
 _ERROR_KINDS = {
     VerdictKind.DOWN: "down",
     VerdictKind.UNRESPONSIVE: "unresponsive",
@@ -786,9 +789,7 @@ class Daemon:
         reader's lease to lapse, its share to move, and the new reader to judge)."""
         assert self._config.cluster is not None
         stale_after = self._config.cluster.lease_ttl + 3 * self.settings.wait
-        # A reader decides every backend within max_check_time (its reads run out then,
-        # "stalled" at worst); a wait's slack for its settle to publish it.
-        undecided_for = self._config.max_check_time + self.settings.wait
+        undecided_for = self.settings.longest_undecided
         taken = shares.take(backends, stale_after, undecided_for)
         targets = {target.name: target for target in self._targets}
         # Each as read where its member read it: settle counts none read at an address
@@ -852,6 +853,8 @@ class Daemon:
             error = _ERROR_KINDS.get(outcome.verdict.kind)
             if outcome.verdict.kind is VerdictKind.NO_METRICS and not outcome.verdict.healthy:
                 error = "no_metrics"
+            if outcome.verdict.answer is not None and outcome.verdict.answer.refused:
+                error = KEY_REFUSED  # not judged, its verdict still says "idle"
             if error is not None:
                 state.probe_errors[(outcome.target.name, error)] += 1
             for read in reversed(outcome.verdict.reads):

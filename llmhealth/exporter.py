@@ -173,7 +173,7 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
                 family.add_metric([backend.name], float(value))
     errors = CounterMetricFamily(
         "llmhealth_backend_probe_errors",
-        "Failed probes by kind (down, unresponsive, unanswered, no_metrics).",
+        "Failed probes by kind (down, unresponsive, unanswered, no_metrics, key_refused).",
         labels=["backend", "kind"],
     )
     for (name, error), count in sorted(view.probe_errors.items()):

@@ -179,13 +179,7 @@ def events_for(
 
     if state in (State.DEAD, State.RESTARTING):
         if kind is VerdictKind.RESTARTED or came_back or _another_process(verdict, previous):
-            up: list[Event] = [NewProcessUp(now=now, process=process), *readmit]
-            if not readmit and verdict.healthy and _new_process_works(verdict):
-                # First seen already working (a cron check every 5 min, a model that
-                # loads for 12): noted now, or the same settle's startup grace failed
-                # the replacement as never proven and restarted a busy, healthy server.
-                up.append(GoodVerdict(now=now, requests_finished=True, process=process))
-            return up
+            return _replaced(verdict, now, process, readmit)
         if state is State.RESTARTING:
             return []
         if kind is VerdictKind.WEDGED:
@@ -205,6 +199,11 @@ def events_for(
     if state is State.STALE:
         if kind is VerdictKind.WEDGED:
             return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
+        if kind is VerdictKind.RESTARTED or _another_process(verdict, previous):
+            # Replaced again before it was proven (systemd restarted the replacement):
+            # the process to prove is the new one, whose finished requests then count;
+            # compared with the old one, a working server was failed by the grace.
+            return _replaced(verdict, now, process, readmit)
         if readmit:
             return readmit
         if verdict.healthy and requests_finished(verdict, previous):
@@ -224,6 +223,20 @@ def events_for(
             return [GoodVerdict(now=now, request_ok=answered, process=process)]
         return _failures(verdict, now, process)
     return []  # RETIRED: only an operator reset moves it
+
+
+def _replaced(
+    verdict: Verdict, now: float, process: ProcessSeen | None, readmit: list[Event]
+) -> list[Event]:
+    """A new process where an unproven one (or none) was: up, and re-admitted with it
+    when its answer proves it."""
+    up: list[Event] = [NewProcessUp(now=now, process=process), *readmit]
+    if not readmit and verdict.healthy and _new_process_works(verdict):
+        # First seen already working (a cron check every 5 min, a model that loads for
+        # 12): noted now, or the same settle's startup grace failed the replacement as
+        # never proven and restarted a busy, healthy server.
+        up.append(GoodVerdict(now=now, requests_finished=True, process=process))
+    return up
 
 
 def process_seen(verdict: Verdict) -> ProcessSeen | None:

@@ -154,6 +154,9 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         # a silent participant just broke.
         EventKind.CONDEMNED: State.DEAD,
         EventKind.READMITTED: Rule.READMIT,
+        # Replaced again before it was proven (systemd restarted the replacement): the
+        # process it must prove is the new one, whose requests finishing then count.
+        EventKind.NEW_PROCESS_UP: State.STALE,
         # The command ended after its process showed up (it waits for readiness).
         EventKind.RESTART_RAN: State.STALE,
         # Busy with work from elsewhere, a replacement is never sent the tiny request: its
@@ -203,8 +206,9 @@ IGNORED_BECAUSE: Final[Mapping[EventKind, str]] = {
         "only a restart not yet proven (RESTARTING, or STALE since it) can run out of grace"
     ),
     EventKind.NEW_PROCESS_UP: (
-        "a new process is expected only after a restart or in place of a DEAD one; a serving "
-        "backend that restarted by itself is an unplanned_restart"
+        "a new process is expected only after a restart, in place of a DEAD one or of an "
+        "unproven one (STALE); a serving backend that restarted by itself is an "
+        "unplanned_restart"
     ),
     EventKind.READMITTED: "only a STALE backend can be re-admitted",
     EventKind.UNPLANNED_RESTART: (
@@ -874,7 +878,7 @@ def _fail_overdue_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tu
     return State.DEAD, b.last_error
 
 
-def _awaited_restart(b: _Backend) -> float | None:
+def _awaited_restart(b: _Backend, grace: float) -> float | None:
     """When the restart this backend still waits on was issued: RESTARTING, or STALE on
     the process a restart brought up, neither re-admitted nor seen finishing requests
     since. Until then the restart has proven nothing, so it is still under way
@@ -888,6 +892,12 @@ def _awaited_restart(b: _Backend) -> float | None:
         # again): that restart is not what this spell waits on.
         if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
             return None
+        # Begun once that restart's grace had run out (DEAD by then, and replaced by
+        # someone else since, an operator's hand restart): not ours to fail. Counted
+        # from the restart, it was failed the moment it was seen, and restarted.
+        since = b.state_since
+        if since is not None and since - _grace_from(b, restarted_at) >= grace:
+            return None
         return restarted_at
     return None
 
@@ -895,7 +905,7 @@ def _awaited_restart(b: _Backend) -> float | None:
 def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
     """When the restart this backend still waits on was issued, if its grace ran out: from
     its command's end when that came later (``RestartRan``)."""
-    restarted_at = _awaited_restart(b)
+    restarted_at = _awaited_restart(b, grace)
     if restarted_at is None or now - _grace_from(b, restarted_at) < grace:
         return None
     return restarted_at
@@ -1313,7 +1323,7 @@ class Ledger:
         whose command failed brought up no replacement: it holds nothing, as before.
         """
         b = self._lookup(name)
-        if _awaited_restart(b) is not None:
+        if _awaited_restart(b, self._policy.startup_grace) is not None:
             return True
         if b.state is not State.DEAD or not b.restart_times or b.process is None:
             return False

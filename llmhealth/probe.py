@@ -140,6 +140,15 @@ class ProbeSettings:
         soonest = self.wait * (1 - KEEP_ALIVE_LEAD)
         return max(self.read_limit, 1 + math.ceil(self.max_check_time / soonest))
 
+    @property
+    def longest_undecided(self) -> float:
+        """How long a ``watch`` reader may examine a backend without a verdict, whatever
+        its reads' pace: it decides by its paced read limit ("stalled" at worst), a wait
+        apart at the slowest. A cluster's leader waits this long for a member's verdict
+        before it takes the silence for doubt; ``max_check_time`` and a wait was shorter
+        than 64 reads a wait apart, and doubted backends still being read."""
+        return self.paced_read_limit * self.wait
+
     def wants_cpu(
         self, reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules
     ) -> bool:
@@ -538,7 +547,7 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
     ``limit`` reads.
 
     A read whose signals equal the previous read's shares that one's: a frozen engine's
-    window (up to 61 reads at the defaults) then holds its values once, not 61 times.
+    window (up to 64 reads at the defaults) then holds its values once, not 64 times.
     Any other read shares what did not change (``metrics.sharing``): a busy engine's
     gauges and histogram figures.
     """

@@ -9,7 +9,7 @@ the daemon alone, so the state keeps one writer however it was read.
 
 Over the pipe goes each read once (about 300 bytes), not each verdict's whole window of
 reads: the daemon keeps a copy of every window and gives each verdict its reads back
-(pickling a verdict with a full 61-read window costs more CPU than the read itself).
+(pickling a verdict with a full 64-read window costs more CPU than the read itself).
 Frames are pickles between two processes of this program, parent and child, over their
 own pipes, and are bounded in size.
 """

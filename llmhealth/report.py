@@ -106,8 +106,10 @@ def verdict_exit_code(verdict: Verdict) -> ExitCode:
     if verdict.kind is VerdictKind.STALLED:
         return ExitCode.WARNING
     if verdict.kind is VerdictKind.RESTARTED:
-        # A new process that failed the tiny request is failing; one not yet judged is doubt.
-        failed_answer = verdict.answer is not None and not verdict.answer.ok
+        # A new process that failed the tiny request is failing; one not yet judged is doubt,
+        # as is one that turned our key away (a key rotated with the restart, most often).
+        answer = verdict.answer
+        failed_answer = answer is not None and not answer.ok and not answer.refused
         return ExitCode.CRITICAL if failed_answer else ExitCode.WARNING
     return ExitCode.OK if verdict.healthy else ExitCode.CRITICAL
 

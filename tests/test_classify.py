@@ -24,6 +24,7 @@ from llmhealth.classify import (
     reads_still_needed,
 )
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
+from llmhealth.report import ExitCode, verdict_exit_code
 from llmhealth.window import CpuSample, LongestStep, WedgeRules
 
 Load = Callable[[str], str]
@@ -1300,3 +1301,28 @@ def test_gauges_that_add_up_past_a_float_are_a_verdict_not_an_error(fixture_text
     verdict = decide(reads, max_reads=3)
     assert isinstance(verdict, Verdict) and verdict.kind is VerdictKind.WEDGED
     assert verdict.running is None
+    # The same with deferred requests, which the first read's description summed.
+    deferred = "".join(
+        f'vllm:num_requests_running{{engine="{engine}",model_name="m"}} 0\n'
+        f'vllm:num_requests_waiting{{engine="{engine}",model_name="m"}} 1e308\n'
+        f'vllm:num_requests_waiting_by_reason{{engine="{engine}",model_name="m",'
+        'reason="deferred"} 1e308\n'
+        for engine in ("1", "2")
+    )
+    signals = parse_metrics(capture(fixture_text, "wedge-2") + deferred)
+    first = decide([Read(T0, signals=signals)], max_reads=3)
+    assert not isinstance(first, Verdict)  # a first read, described, not an error
+
+
+def test_a_new_process_that_turns_our_key_away_is_news_unproven_not_a_failure(
+    fixture_text: Load,
+) -> None:
+    # A key rotated with the restart, most often: CRITICAL before, and no word of the key.
+    signals = parse_metrics(capture(fixture_text, "idle-1"))
+    assert signals.process_start is not None
+    before = replace(signals, process_start=signals.process_start - 600.0)
+    refused = Answer(T0, False, "not sent: GET /v1/models answered HTTP 401", refused=True)
+    verdict = decide([Read(T0, signals=signals)], refused, baseline=before)
+    assert isinstance(verdict, Verdict) and verdict.kind is VerdictKind.RESTARTED
+    assert verdict.judged and not verdict.healthy and "api_key_env" in verdict.evidence
+    assert verdict_exit_code(verdict) is ExitCode.WARNING

@@ -16,7 +16,7 @@ from werkzeug import Request, Response
 
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
-from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config
 from llmhealth.cycle import (
     Kept,
@@ -604,6 +604,63 @@ def test_a_replacement_first_seen_working_after_its_grace_is_not_restarted() -> 
     assert _settled(record, "a", busy, now) == []
     assert record.ledger.state_of("a") is State.STALE
     assert not record.ledger.restart_unproven("a", now)
+
+
+def test_a_replacement_first_seen_busy_after_its_grace_gets_a_settle_to_prove_itself() -> None:
+    # Busy with long generations, it finished nothing between its two reads: moved to
+    # STALE and failed by the grace in the same settle, its healthy server restarted.
+    at = T0
+    record = _restarted(["a"], at)
+    now = at + record.ledger.policy.startup_grace + 100
+    start = at + 600
+    reads = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(140, 3, start)))
+    busy = Verdict(VerdictKind.RESTARTED, True, "restarted: a new process", reads=reads)
+    assert _settled(record, "a", busy, now) == []
+    assert record.ledger.state_of("a") is State.STALE
+    idle = (Read(now + 295, _serving(300, 9, start)), Read(now + 300, _serving(300, 9, start)))
+    answered = Answer(now + 300, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+    proven = Verdict(VerdictKind.IDLE, True, "idle: answered", reads=idle, answer=answered)
+    assert _settled(record, "a", proven, now + 300) == []
+    assert record.ledger.state_of("a") is State.HEALTHY
+
+
+def test_a_stale_spell_begun_after_the_restarts_grace_ran_out_is_not_failed_by_it() -> None:
+    # The restart's grace ran out (DEAD), an operator held the backend and restarted it by
+    # hand: the new process was failed by that old grace the moment it was seen (a second
+    # failure), and restarted once the hold ended, undoing the operator's fix.
+    at = T0
+    grace = ledger_policy(SHARED_FAULT_FLEET.policy).startup_grace
+    record = _restarted(["a"], at)
+    record.ledger.expire_restarts(at + grace)
+    assert record.ledger.state_of("a") is State.DEAD
+    start = at + grace + 500
+    for now in (at + grace + 600, at + grace + 900, at + 3 * grace):
+        reads = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(140, 3, start)))
+        kind = VerdictKind.RESTARTED if now == at + grace + 600 else VerdictKind.BUSY
+        busy = Verdict(kind, True, f"{kind}: progressing", reads=reads)
+        assert _settled(record, "a", busy, now) == []
+        assert record.ledger.state_of("a") is State.STALE
+    assert not record.ledger.restart_unproven("a", at + 3 * grace)
+
+
+def test_a_replacement_replaced_again_before_it_was_proven_is_judged_as_the_new_one() -> None:
+    # systemd restarted the replacement: the ledger kept comparing against the process
+    # that was gone, turned away the new one's finished requests, and the grace failed a
+    # working server.
+    at = T0
+    record = _restarted(["a"], at)
+    first = (Read(at + 60, _serving(10, 0, at + 30)), Read(at + 65, _serving(12, 0, at + 30)))
+    up = Verdict(VerdictKind.RESTARTED, True, "restarted: a new process", reads=first)
+    assert _settled(record, "a", up, at + 65) == []
+    second = (Read(at + 460, _serving(10, 0, at + 450)), Read(at + 465, _serving(30, 2, at + 450)))
+    again = Verdict(VerdictKind.RESTARTED, True, "restarted: another one", reads=second)
+    assert _settled(record, "a", again, at + 465) == []
+    assert record.ledger.snapshot("a", at + 465).last_ok_at == at + 465  # seen working
+    late = at + ledger_policy(SHARED_FAULT_FLEET.policy).startup_grace + 10
+    working = (Read(late - 5, _serving(300, 60, at + 450)), Read(late, _serving(340, 62, at + 450)))
+    busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=working)
+    assert _settled(record, "a", busy, late) == []
+    assert record.ledger.state_of("a") is State.STALE
 
 
 def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:

@@ -1479,6 +1479,32 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
 
 
+def test_a_backend_that_turns_our_key_away_is_counted_for_alerts_and_not_condemned(
+    entry_point: str, httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """A key missing here or rotated there: every idle backend was `unanswered` until
+    condemned. Not judged now, and counted where an alert can see it."""
+    idle = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "idle-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(idle, content_type="text/plain")
+    httpserver.expect_request("/v1/models").respond_with_json({"error": "Unauthorized"}, 401)
+    url = httpserver.url_for("").rstrip("/")
+    config = write_config(tmp_path / "fleet.toml", fleet_config([{"name": "k", "url": url}]))
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until(
+            "the refusal counted",
+            lambda p: (
+                p.counts("llmhealth_backend_probe_errors", "kind").get(("k", "key_refused"))
+                is not None
+            ),
+        )
+        for _ in range(4):  # more than unhealthy_threshold waits
+            page = watch.next_cycle(page)
+        rc, _ = watch.stop()
+    assert rc == 0
+    assert page.counts("llmhealth_backend_probe_errors", "kind")[("k", "key_refused")] >= 4
+    assert page.state("k") == "healthy"
+
+
 class FrozenIdle:
     """An idle server whose counters never move: asked at every read while it serves."""
 

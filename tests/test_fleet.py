@@ -269,9 +269,11 @@ STALE_EVENTS: dict[str, list[Event]] = {
     "idle unanswered": [request_failure("unanswered", UNANSWERED_DETAIL)],
     "stalled": [probe_failure("stalled", STALLED_DETAIL)],
     "wedged": [WEDGE],
-    "restarted answered": [READMIT],
-    "restarted failed": [request_failure("restarted", RESTARTED_FAILED_DETAIL)],
-    "restarted unjudged": [],
+    # Replaced again before it was proven: the new process is the one to prove. It was
+    # compared with the old one, and a working server was failed by the grace.
+    "restarted answered": [NEW_PROCESS, READMIT],
+    "restarted failed": [NEW_PROCESS],
+    "restarted unjudged": [NEW_PROCESS],
     "no_metrics answered": [READMIT],
     "no_metrics failed": [request_failure("no_metrics", NO_METRICS_FAILED_DETAIL)],
     "unresponsive": [probe_failure("unresponsive", TIMED_OUT.detail)],
@@ -418,7 +420,7 @@ def idle_with(answer: Answer) -> Verdict:
         (State.DEAD, restarted_with, [NEW_PROCESS], [NEW_PROCESS, READMIT]),
         (State.RESTARTING, restarted_with, [NEW_PROCESS], [NEW_PROCESS, READMIT]),
         (State.STALE, idle_with, [], [READMIT]),
-        (State.STALE, restarted_with, [], [READMIT]),
+        (State.STALE, restarted_with, [NEW_PROCESS], [NEW_PROCESS, READMIT]),
     ],
 )
 def test_an_answer_readmits_only_when_the_expected_model_is_served(

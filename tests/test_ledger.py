@@ -843,7 +843,7 @@ def test_the_ignored_set_covers_the_guards_the_callers_used_to_keep() -> None:
         assert (state, EventKind.RESTART_ISSUED) in ignored
     for state in set(State) - {State.RESTARTING}:
         assert (state, EventKind.RESTART_FAILED) in ignored
-    for state in set(State) - {State.RESTARTING, State.DEAD}:
+    for state in set(State) - {State.RESTARTING, State.DEAD, State.STALE}:
         assert (state, EventKind.NEW_PROCESS_UP) in ignored
 
 
@@ -1896,12 +1896,15 @@ def test_random_event_sequences_keep_every_invariant(
                 for s in ledger.snapshots(now)
             )
             # No restart of ours is left unproven past its grace: a STALE backend still
-            # here was re-admitted since its last restart, or was never restarted.
+            # here was re-admitted since its last restart, was never restarted, or began
+            # this spell once that restart's grace had run out (not ours to fail).
             assert not any(
                 s.state is State.STALE
                 and s.last_restart_at is not None
                 and now - grace_from(s, s.last_restart_at) >= policy.startup_grace
                 and (s.last_ok_at is None or s.last_ok_at < s.last_restart_at)
+                and s.state_since is not None
+                and s.state_since - grace_from(s, s.last_restart_at) < policy.startup_grace
                 for s in ledger.snapshots(now)
             )
         else:

@@ -627,11 +627,16 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
             s.last_ok_at is None or s.last_ok_at < s.last_restart_at
         )
 
+    def ours(s: BackendSnapshot) -> bool:
+        """A STALE spell begun once its restart's grace had run out is not that restart's."""
+        assert s.last_restart_at is not None and s.state_since is not None
+        return s.state_since - s.last_restart_at < grace
+
     holding = {
         name
         for name, s in snaps.items()
         if s.state is State.RESTARTING
-        or (s.state is State.STALE and unproven(s))
+        or (s.state is State.STALE and unproven(s) and ours(s))
         or (
             s.state is State.DEAD
             and unproven(s)

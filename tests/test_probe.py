@@ -911,6 +911,27 @@ def test_a_watch_reading_early_keeps_enough_reads_to_prove_a_young_engines_wedge
     assert window[-1].at - signals.process_start < DEFAULT_RULES.startup_grace
 
 
+def test_a_reader_reading_a_wait_apart_decides_within_the_time_its_leader_waits() -> None:
+    # A frozen engine whose window no read limit covers, read every full wait (a server
+    # that keeps its connections): the reader decides at its limit. The leader took a
+    # member's silence for doubt after max_check_time and a wait, sooner than that.
+    settings = ProbeSettings()
+    signals = parse_metrics(capture("wedge-4"))
+    assert signals.process_start is not None
+    first = signals.process_start + 3600.0
+    window: list[Read] = []
+    limit = settings.paced_read_limit
+    rules = replace(DEFAULT_RULES, wedge_after=10_000.0)  # a window no read limit covers
+    for index in range(limit + 1):
+        at = first + index * settings.wait
+        keep_read(window, Read(at, signals=signals), limit)
+        decision = decide(window, max_reads=limit, rules=rules, paced_wait=settings.wait)
+        if isinstance(decision, Verdict):
+            break
+    assert isinstance(decision, Verdict) and decision.kind is VerdictKind.STALLED
+    assert window[-1].at - first <= settings.longest_undecided - settings.wait
+
+
 def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_change() -> None:
     """61 reads of a frozen engine at the defaults: its window holds their values once."""
     frozen = EngineSignals(engine="0", running=4, waiting=8, steps=100.0)
