@@ -589,7 +589,7 @@ class FleetRecord:
                 event = RequestSuccess(now=outcome.at)
             else:
                 event = RequestFailure(
-                    now=outcome.at, reason=TRAFFIC_CAUSE, detail=outcome.describe()
+                    now=outcome.at, reason=TRAFFIC_CAUSE, detail=outcome.describe(), traffic=True
                 )
             transition = self.ledger.apply(name, event)
             transitions.append(transition)

@@ -189,7 +189,9 @@ class FleetHealth:
         and fails every request is still condemned."""
         return self._apply(
             key,
-            RequestFailure(now=self._clock(), reason="request failed", detail=_describe(error)),
+            RequestFailure(
+                now=self._clock(), reason="request failed", detail=_describe(error), traffic=True
+            ),
         )
 
     def report_success(self, key: Key) -> Transition:

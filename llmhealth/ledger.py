@@ -389,6 +389,10 @@ class RequestFailure(_SeenEventBase):
     kind: ClassVar[EventKind] = EventKind.REQUEST_FAILURE
     reason: str
     detail: str = ""
+    # Seen on real traffic (the router, a trainer's report_failure): in service, only a
+    # real request answered clears it, never the tiny one, or a server that answers one
+    # token and fails every real request went SUSPECT and back at every settle for ever.
+    traffic: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -588,6 +592,7 @@ class BackendSnapshot:
     state_before_partial: State | None = None
     in_place_recoveries: int = 0  # DEAD -> STALE by the same process, within the budget window
     restart_ran_at: float | None = None  # when a restart's command last exited 0
+    traffic_failures: int = 0  # of request_failures, those real traffic reported
 
     @property
     def serving(self) -> bool:
@@ -613,6 +618,7 @@ class _Backend:
     process: ProcessSeen | None = None
     recovery_times: list[float] = field(default_factory=list)  # in-place recoveries
     restart_ran_at: float | None = None  # when the last restart's command exited 0
+    traffic_failures: int = 0  # of request_failures, those real traffic reported
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -635,11 +641,13 @@ def _promote_when_proven(b: _Backend, event: Event, policy: LedgerPolicy) -> tup
         case GoodVerdict(request_ok=request_ok):
             b.probe_failures = 0
             b.good_streak += 1
-            if request_ok:
-                b.request_failures = 0
             what = "good verdict with an answered request" if request_ok else "good verdict"
+            if request_ok and b.traffic_failures:
+                what += " (the tiny one, which clears no failure real traffic saw)"
+            elif request_ok:
+                _clear_request_failures(b)
         case RequestSuccess():
-            b.request_failures = 0
+            _clear_request_failures(b)
             what = "request answered"
         case _:
             raise AssertionError(f"{Rule.PROMOTE_WHEN_PROVEN} cannot take {event.kind}")
@@ -666,7 +674,7 @@ def _condemn_at_threshold(b: _Backend, event: Event, policy: LedgerPolicy) -> tu
             b.probe_failures += 1
             streak, what = b.probe_failures, "probe failure"
         case RequestFailure():
-            b.request_failures += 1
+            _count_request_failure(b, event)
             streak, what = b.request_failures, "request failure"
         case _:
             raise AssertionError(f"{Rule.CONDEMN_AT_THRESHOLD} cannot take {event.kind}")
@@ -740,7 +748,7 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
             )
         # An answered request clears the request-failure streak whichever process it was;
         # it cannot count towards recovery in place without knowing that process.
-        b.request_failures = 0
+        _clear_request_failures(b)
         b.last_ok_at = event.now
         return State.DEAD, (
             "request answered: request failures cleared; which process answered is unknown, "
@@ -762,7 +770,7 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     b.good_streak += 1
     b.last_ok_at = event.now
     if answered:
-        b.request_failures = 0
+        _clear_request_failures(b)
     # Each recovery in the window doubles the good time asked of the next (Envoy's
     # ejection multiplier); at a steady probing interval, verdicts in a row are that time.
     needed = policy.healthy_threshold * 2**done
@@ -813,7 +821,7 @@ def _break_recovery(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[St
             b.probe_failures += 1
             b.last_error = _error_text(event.reason, event.detail)
         case RequestFailure():
-            b.request_failures += 1
+            _count_request_failure(b, event)
             b.last_error = _error_text(event.reason, event.detail)
     return State.DEAD, f"still failing ({b.last_error}): the good streak starts again"
 
@@ -942,7 +950,7 @@ def _record(b: _Backend, event: Event) -> str:
             if isinstance(event, ProbeFailure):
                 b.probe_failures += 1
             else:
-                b.request_failures += 1
+                _count_request_failure(b, event)
             return why
         case ProcessGone():
             b.condemned_by = event.reason
@@ -1014,8 +1022,19 @@ def _unchanged(name: str, event: Event, state: State, reason: str) -> Transition
 
 def _clear_streaks(b: _Backend) -> None:
     b.probe_failures = 0
-    b.request_failures = 0
+    _clear_request_failures(b)
     b.good_streak = 0
+
+
+def _count_request_failure(b: _Backend, event: RequestFailure) -> None:
+    b.request_failures += 1
+    if event.traffic:
+        b.traffic_failures += 1
+
+
+def _clear_request_failures(b: _Backend) -> None:
+    b.request_failures = 0
+    b.traffic_failures = 0
 
 
 def _why_ignored(state: State, kind: EventKind) -> str:
@@ -1364,6 +1383,7 @@ class Ledger:
             state_before_partial=b.state_before_partial,
             in_place_recoveries=sum(1 for t in b.recovery_times if _in_window(t, now, window)),
             restart_ran_at=b.restart_ran_at,
+            traffic_failures=b.traffic_failures,
         )
 
     def snapshots(
@@ -1412,6 +1432,7 @@ class Ledger:
                     "process": None if b.process is None else _process_dict(b.process),
                     "recovery_times": list(b.recovery_times),
                     "restart_ran_at": b.restart_ran_at,
+                    "traffic_failures": b.traffic_failures,
                 }
                 for b in self._sorted()
             ],
@@ -1594,7 +1615,7 @@ _BACKEND_KEYS: Final = frozenset(
 )
 # Keys added after schema 1 was first written: absent in older files, so not required.
 _LATER_BACKEND_KEYS: Final = frozenset(
-    {"state_before_partial", "process", "recovery_times", "restart_ran_at"}
+    {"state_before_partial", "process", "recovery_times", "restart_ran_at", "traffic_failures"}
 )
 
 
@@ -1714,10 +1735,13 @@ def _parse_backend(value: object, where: str) -> _Backend:
         process=_parse_process(r.get("process"), f"{where}.process"),
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
+        traffic_failures=_as_int(r.get("traffic_failures", 0), f"{where}.traffic_failures"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
         raise ValueError(f"{where}: a healthy backend cannot have a failure streak")
+    if b.traffic_failures > b.request_failures:
+        raise ValueError(f"{where}.traffic_failures: more than its request_failures")
     if b.state is State.RESTARTING and b.state_since is None:
         raise ValueError(f"{where}.state_since: a restarting backend needs the time of its restart")
     return b

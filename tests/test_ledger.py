@@ -735,7 +735,9 @@ def maker_for(kind: EventKind, flag: bool = False) -> Callable[[float], Event]:
         EventKind.PROBE_FAILURE: lambda now: ProbeFailure(
             now=now, reason="down" if flag else "stalled"
         ),
-        EventKind.REQUEST_FAILURE: lambda now: RequestFailure(now=now, reason="unanswered"),
+        EventKind.REQUEST_FAILURE: lambda now: RequestFailure(
+            now=now, reason="request_failures" if flag else "unanswered", traffic=flag
+        ),
         EventKind.REQUEST_SUCCESS: lambda now: RequestSuccess(now=now),
         EventKind.PROCESS_GONE: lambda now: ProcessGone(now=now, reason="down"),
         EventKind.WEDGE_PROVEN: lambda now: WedgeProven(now=now, evidence="no steps"),
@@ -1848,6 +1850,7 @@ def check_ledger(ledger: Ledger, now: float) -> None:
             assert snap.condemned_by is None
         if snap.state is not State.STALE:
             assert snap.state_before_partial is None
+        assert 0 <= snap.traffic_failures <= snap.request_failures
     assert set(ledger.serving).isdisjoint(ledger.absent)
     assert set(ledger.absent) == {s.name for s in ledger.snapshots(now) if s.state in ABSENT}
     assert sum(ledger.counts.values()) == len(ledger.names)
@@ -1967,6 +1970,28 @@ def test_from_dict_answers_damage_with_a_value_error_or_a_valid_ledger(
     except ValueError:
         return
     assert Ledger.from_dict(loaded.to_dict(), POLICY).to_dict() == loaded.to_dict()
+
+
+def test_the_tiny_request_clears_no_failure_real_traffic_saw() -> None:
+    """A server that answers one token and fails every real request: the router drops it
+    after one failure until the settle, it goes idle, the tiny request answers, and the
+    streak was cleared at every settle: SUSPECT and back for ever, never condemned."""
+    policy = replace(POLICY, unhealthy_threshold=3)
+    ledger = Ledger(policy, [("a", URL_A)], now=0.0)
+    for cycle in range(3):
+        t = float(cycle * 10)
+        ledger.apply("a", RequestFailure(now=t, reason="request_failures", traffic=True))
+        answered = ledger.apply("a", GoodVerdict(now=t + 5, request_ok=True))
+        assert answered.to_state in (State.SUSPECT, State.DEAD)
+    assert ledger.state_of("a") is State.DEAD
+    # A real request answered clears it, and the tiny one clears its own kind.
+    other = Ledger(policy, [("b", URL_B)], now=0.0)
+    other.apply("b", RequestFailure(now=1.0, reason="request_failures", traffic=True))
+    other.apply("b", RequestSuccess(now=2.0))
+    other.apply("b", RequestFailure(now=3.0, reason="unanswered"))
+    other.apply("b", GoodVerdict(now=4.0, request_ok=True))
+    snap = other.snapshot("b", 4.0)
+    assert (snap.request_failures, snap.traffic_failures) == (0, 0)
 
 
 def test_a_rename_keeps_the_backend_and_its_address_under_the_new_name() -> None:

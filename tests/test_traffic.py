@@ -107,6 +107,18 @@ def test_failures_in_a_row_condemn_with_the_requests_as_proof() -> None:
     assert fleet.ledger.state_of("b") is State.HEALTHY
 
 
+def test_a_failure_real_traffic_saw_outlives_an_answered_tiny_request() -> None:
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0)])
+    answered = Answer(T0 + 2, True, "answered in 0.05 s by model tiny", "tiny", ("tiny",))
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", answer=answered)
+    fleet.observe("a", idle, T0 + 2)
+    snap = fleet.ledger.snapshot("a", T0 + 2)
+    assert (snap.state, snap.request_failures, snap.traffic_failures) == (State.SUSPECT, 1, 1)
+    fleet.observe_requests("a", [ok(T0 + 3)])
+    assert fleet.ledger.snapshot("a", T0 + 3).request_failures == 0
+
+
 def test_order_decides_a_success_between_failures_breaks_the_streak() -> None:
     broken = record()
     broken.observe_requests("a", [failed(T0), failed(T0 + 1), ok(T0 + 2), failed(T0 + 3)])
