@@ -577,9 +577,11 @@ def settle(
     fail the restarts left unproven past their startup grace; plan and issue restarts;
     say what happened, and which restart commands are to run.
 
-    Verdicts go first: a wedge they prove is the stronger cause for the restart policy,
-    and request failures that follow it are then noted without condemning twice. Overdue
-    restarts come after both, so a replacement re-admitted in this settle is spared.
+    Verdicts and real-traffic outcomes go in the order they happened, each backend's
+    requests that ended before its verdict's evidence first: a request answered between
+    two failures breaks the streak whichever told of it (a wedge proven after a traffic
+    condemnation still becomes the condemning cause). Overdue restarts come after both,
+    so a replacement re-admitted in this settle is spared.
     """
     hear_commands(record, commands, audit, now)
     expected = {b.name: b.expected_model for b in config.backends}
@@ -591,6 +593,15 @@ def settle(
     # before the grace fails it. Seen first late (a cron check every 5 min, a model that
     # loads for 12), it was failed the moment it was seen, and its working server killed.
     arrived = set()
+    unheard = {name: list(seen) for name, seen in (requests or {}).items()}
+    traffic: list[Transition] = []
+
+    def hear_requests(name: str, seen: Sequence[RequestOutcome]) -> None:
+        for transition in record.observe_requests(name, seen):
+            traffic.append(transition)
+            if transition.applied and transition.from_state != transition.to_state:
+                _audit_transition(audit, transition, now, record.proofs.get(name, {}))
+
     for outcome in outcomes:
         name = outcome.target.name
         if (
@@ -604,6 +615,16 @@ def settle(
             continue
         in_ledger.add(name)
         verdicts[name] = outcome.verdict
+        # Real requests that ended before the verdict's reads go first, in time order: one
+        # answered in between broke the streak the verdict would otherwise have ended.
+        read_at = _verdict_time(outcome.verdict)
+        drained = unheard.get(name, [])
+        cut = 0  # the outcomes come in the order they ended
+        while read_at is not None and cut < len(drained) and drained[cut].at <= read_at:
+            cut += 1
+        if cut:
+            unheard[name] = drained[cut:]
+            hear_requests(name, drained[:cut])
         transitions = tuple(
             record.observe(
                 name,
@@ -627,14 +648,9 @@ def settle(
         if any(t.applied and t.kind is EventKind.NEW_PROCESS_UP for t in transitions):
             arrived.add(name)
         reports.append(BackendReport(outcome, None, transitions))
-    traffic = []
-    for name, seen in (requests or {}).items():
-        if name not in record.ledger:
-            continue  # left the configuration since the request was forwarded
-        for transition in record.observe_requests(name, seen):
-            traffic.append(transition)
-            if transition.applied and transition.from_state != transition.to_state:
-                _audit_transition(audit, transition, now, record.proofs.get(name, {}))
+    for name, seen in unheard.items():
+        if name in record.ledger and seen:  # else it left the config since it was forwarded
+            hear_requests(name, seen)
     notes = [*notes, *expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived})]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
@@ -666,6 +682,14 @@ def settle(
         tuple(traffic),
     )
     return report, [outcome.order for outcome in restarts if outcome.order is not None]
+
+
+def _verdict_time(verdict: Verdict) -> float | None:
+    """When a verdict's evidence was last gathered: its answer, or its newest read."""
+    times = [read.at for read in verdict.reads]
+    if verdict.answer is not None:
+        times.append(verdict.answer.at)
+    return max(times, default=None)
 
 
 def _audit_transition(

@@ -564,7 +564,7 @@ SHARED_FAULT_FLEET = Config(
 )
 
 
-def _serving(steps: float, finished: float, start: float) -> Signals:
+def _serving(steps: float, finished: float, start: float | None) -> Signals:
     engine = EngineSignals(
         engine="0", running=4.0, waiting=0.0, steps=steps, generation_tokens=4 * steps,
         prompt_tokens=48.0, finished=finished, preemptions=0.0, kv_usage=0.1,
@@ -661,6 +661,23 @@ def test_a_replacement_replaced_again_before_it_was_proven_is_judged_as_the_new_
     busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=working)
     assert _settled(record, "a", busy, late) == []
     assert record.ledger.state_of("a") is State.STALE
+
+
+def test_a_replacement_without_start_times_is_seen_once_its_command_has_run() -> None:
+    # vLLM's multiprocess mode publishes no start time: a cron check saw the replacement's
+    # counters past the wedged process's, took it for that process, and failed a working
+    # server at the grace ("no new process").
+    at = T0
+    record = _restarted(["a"], at)
+    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
+    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
+    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    settle(record, SHARED_FAULT_FLEET, [], at + 5, mode=Mode.ACT, audit=None, commands=[ran])
+    now = at + 300
+    reads = (Read(now - 5, _serving(3000, 100, None)), Read(now, _serving(3100, 104, None)))
+    busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
+    assert _settled(record, "a", busy, now) == []
+    assert record.ledger.state_of("a") is State.STALE  # its replacement, seen working
 
 
 def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:

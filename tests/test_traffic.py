@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from llmhealth.actions import AuditLog
-from llmhealth.classify import Answer, Verdict, VerdictKind
+from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle
 from llmhealth.fleet import TRAFFIC_CAUSE, FleetRecord
@@ -22,6 +22,7 @@ from llmhealth.ledger import (
     State,
     WedgeProven,
 )
+from llmhealth.metrics import Signals
 from llmhealth.remediate import Mode
 from llmhealth.report import CycleReport
 from llmhealth.traffic import MAX_PENDING, FailureKind, RequestLog, RequestOutcome
@@ -117,6 +118,28 @@ def test_a_failure_real_traffic_saw_outlives_an_answered_tiny_request() -> None:
     assert (snap.state, snap.request_failures, snap.traffic_failures) == (State.SUSPECT, 1, 1)
     fleet.observe_requests("a", [ok(T0 + 3)])
     assert fleet.ledger.snapshot("a", T0 + 3).request_failures == 0
+
+
+def test_a_settle_hears_requests_and_a_verdict_in_the_order_they_happened() -> None:
+    # Verdicts went first whatever the time: an unanswered tiny request after a real
+    # request answered counted on the streak that answer had ended, and condemned.
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+    reads = (Read(T0 + 11, Signals()), Read(T0 + 12, Signals()))
+    timed_out = Answer(T0 + 12, False, "failed: no answer within 1 s", timed_out=True)
+    unanswered = Verdict(VerdictKind.UNANSWERED, False, "unanswered: idle", reads, answer=timed_out)
+    config = Config(backends=(Backend("a", "http://a"), Backend("b", "http://b")))
+    settle(
+        fleet,
+        config,
+        [Outcome(Target("a", "http://a"), unanswered)],
+        T0 + 15,
+        mode=Mode.OFF,
+        audit=None,
+        requests={"a": [ok(T0 + 10)]},
+    )
+    snap = fleet.ledger.snapshot("a", T0 + 15)
+    assert (snap.state, snap.request_failures) == (State.SUSPECT, 1)
 
 
 def test_order_decides_a_success_between_failures_breaks_the_streak() -> None:
