@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import Nginx, record, start_server, watch_log
 from helpers import (
     FINISHED,
@@ -159,12 +160,8 @@ def test_the_library_its_prober_and_the_health_script_send_a_busy_server_no_requ
     load = start_decode_load(server)
     try:
         report = llmhealth.check([server.url], wait=5.0, timeout=15.0)
-        script = subprocess.run(
-            [sys.executable, str(EXAMPLES / "llm-health.py"), server.url, "--timeout", "15"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+        script = run_with_stacks(
+            [str(EXAMPLES / "llm-health.py"), server.url, "--timeout", "15"], timeout=120
         )
         probed = asyncio.run(probe_twice(server.url))
     finally:
@@ -179,6 +176,28 @@ def test_the_library_its_prober_and_the_health_script_send_a_busy_server_no_requ
     assert load.all_ok, load.summary()
     assert after[FINISHED] - before[FINISHED] == load.sent, (before, after, load.sent)
     assert len(access_lines(server, offset, "POST /v1/completions")) == load.sent
+
+
+def run_with_stacks(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A Python script as a subprocess that prints every thread's stack to its stderr
+    10 s before ``timeout``: once, beside a decode load, this script outlived its 120 s
+    (15 s reads) and said nothing of where it was."""
+    launcher = (
+        "import faulthandler, runpy, sys; "
+        f"faulthandler.dump_traceback_later({timeout - 10:g}, exit=False); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", launcher, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr
+        pytest.fail(f"{argv[0]} still ran after {timeout:g} s; its stacks:\n{stderr}")
 
 
 async def probe_twice(url: str) -> list[llmhealth.VerdictKind | None]:
