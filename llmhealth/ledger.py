@@ -619,6 +619,9 @@ class _Backend:
     recovery_times: list[float] = field(default_factory=list)  # in-place recoveries
     restart_ran_at: float | None = None  # when the last restart's command exited 0
     traffic_failures: int = 0  # of request_failures, those real traffic reported
+    # The process the last restart replaced (the one condemned then), to tell its
+    # replacement by the process, not by two hosts' clocks.
+    restarted_from: ProcessSeen | None = None
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -703,6 +706,7 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         return State.RETIRED, why
     b.restart_times.append(event.now)
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
+    b.restarted_from = b.process
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"
     )
@@ -1361,11 +1365,19 @@ class Ledger:
             return False
         policy = self._policy
         restarted_at = max(b.restart_times)
-        start = b.process.start
-        # No start time (vLLM's multiprocess mode publishes none): taken as replaced, so
-        # a shared fault there still holds the slot, at worst a failed command too,
-        # until the grace ends: the doubt errs towards fewer restarts, as the budget's.
-        replaced = start is None or start >= restarted_at - _CLOCKS_APART
+        if b.restarted_from is not None:
+            # Another process than the one the restart replaced: its replacement. Told by
+            # the processes (start time, or counters gone back), not by clocks: a backend
+            # host 2 min behind ours made every replacement "older" than the restart, and
+            # a shared fault restarted the fleet in turn. Unknown counts as replaced.
+            replaced = b.process.differs_from(b.restarted_from) is not None
+        else:
+            # A restart written down before the process it replaced was (an older state):
+            # a process started since, hosts' clocks a minute apart at most; no start time
+            # (multiprocess mode) is taken as replaced, the doubt erring towards fewer
+            # restarts, as the budget's.
+            start = b.process.start
+            replaced = start is None or start >= restarted_at - _CLOCKS_APART
         proven = b.last_ok_at is not None and b.last_ok_at >= restarted_at
         spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
         return (
@@ -1443,6 +1455,9 @@ class Ledger:
                     if b.state_before_partial is None
                     else str(b.state_before_partial),
                     "process": None if b.process is None else _process_dict(b.process),
+                    "restarted_from": None
+                    if b.restarted_from is None
+                    else _process_dict(b.restarted_from),
                     "recovery_times": list(b.recovery_times),
                     "restart_ran_at": b.restart_ran_at,
                     "traffic_failures": b.traffic_failures,
@@ -1628,7 +1643,14 @@ _BACKEND_KEYS: Final = frozenset(
 )
 # Keys added after schema 1 was first written: absent in older files, so not required.
 _LATER_BACKEND_KEYS: Final = frozenset(
-    {"state_before_partial", "process", "recovery_times", "restart_ran_at", "traffic_failures"}
+    {
+        "state_before_partial",
+        "process",
+        "recovery_times",
+        "restart_ran_at",
+        "traffic_failures",
+        "restarted_from",
+    }
 )
 
 
@@ -1746,6 +1768,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
         state_since=_as_optional_time(r["state_since"], f"{where}.state_since"),
         state_before_partial=before_partial,
         process=_parse_process(r.get("process"), f"{where}.process"),
+        restarted_from=_parse_process(r.get("restarted_from"), f"{where}.restarted_from"),
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
         traffic_failures=_as_int(r.get("traffic_failures", 0), f"{where}.traffic_failures"),

@@ -793,6 +793,28 @@ def test_a_replacement_that_wedged_again_holds_one_slot_and_a_failed_command_non
     assert g.decision("b", T0 + 2).action is Action.RESTART
 
 
+def test_a_replacement_on_a_host_whose_clock_is_behind_still_holds_the_slot() -> None:
+    # Told by clocks, a replacement that started on a host 2 min behind ours looked older
+    # than the restart, held nothing, and a shared fault restarted the fleet in turn.
+    f = fleet("a", "b")
+    old = ProcessSeen(T0 - 5000, {"steps": 900.0})
+    f.ledger.apply("a", WedgeProven(now=T0, evidence="no step in 2 waits", process=old))
+    f.condemn("b", T0)
+    f.issue("a", T0)
+    behind = ProcessSeen(T0 + 10 - 120, {"steps": 5.0})  # its clock 2 min behind ours
+    f.ledger.apply("a", NewProcessUp(now=T0 + 20, process=behind))
+    f.ledger.apply("a", WedgeProven(now=T0 + 35, evidence="no step in 2 waits", process=behind))
+    assert f.ledger.restart_unproven("a", T0 + 40)
+    assert f.decision("b", T0 + 40).action is Action.SKIP
+    # The process it restarted, still there after a failed command, holds nothing.
+    g = fleet("a", "b")
+    g.ledger.apply("a", WedgeProven(now=T0, evidence="no step in 2 waits", process=old))
+    g.condemn("b", T0)
+    g.issue("a", T0)
+    g.fail("a", T0 + 1)
+    assert not g.ledger.restart_unproven("a", T0 + 2)
+
+
 def test_a_replacement_of_no_known_start_that_wedged_again_holds_the_slot() -> None:
     # vLLM's multiprocess mode publishes no start time: "started since the restart" could
     # not be shown, so a shared fault there restarted the next backend at once.
