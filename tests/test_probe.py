@@ -524,6 +524,15 @@ def test_a_proxy_is_asked_only_for_its_model_list(httpserver: HTTPServer) -> Non
     assert [request.path for request, _ in httpserver.log] == ["/v1/models"]
 
 
+def test_a_proxy_that_turns_our_key_away_is_not_judged_down(httpserver: HTTPServer) -> None:
+    # It answers: our key failed, not the proxy. "down" paged as a failed balancer.
+    httpserver.expect_request("/v1/models").respond_with_json({"error": "no"}, status=401)
+    proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
+    (outcome,) = asyncio.run(check_fleet([proxy], FAST))
+    assert not outcome.verdict.judged and "api_key_env" in outcome.verdict.evidence
+    assert verdict_exit_code(outcome.verdict) is ExitCode.UNKNOWN
+
+
 # --- hostile servers: every one is a verdict, within the same bounds -----------------
 
 NESTED = "[" * 200_000  # 200 KB, far under the body caps, deeper than any recursion limit
