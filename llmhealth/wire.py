@@ -167,8 +167,7 @@ class Connection:
                 if bound.starved:
                     raise WireError(
                         Failure.STARVED,
-                        f"llmhealth's own process could not run for {bound.late:.1f} s of "
-                        "the read (an overloaded host): the server was not timed",
+                        f"{bound.why_late()}: the server was not timed",
                         received=progress.received,
                     ) from exc
                 if not progress.connected:
@@ -393,6 +392,21 @@ class _Deadline:
         now = self._loop.time()
         held = self._held + (now - self._held_since if self._held_since is not None else 0.0)
         return min(self._lateness.since(self._started) + held, now - self._started)
+
+    def why_late(self) -> str:
+        """What held this read up, for the evidence: the body gate, or the host."""
+        held = self._held
+        if self._held_since is not None:
+            held += self._loop.time() - self._held_since
+        if held >= self.late / 2:
+            return (
+                f"its answer waited {held:.1f} s to be read behind {BODIES_AT_ONCE} slower "
+                "answers (llmhealth reads that many bodies at once)"
+            )
+        return (
+            f"llmhealth's own process could not run for {self.late:.1f} s of the read "
+            "(an overloaded host)"
+        )
 
     def _at_deadline(self) -> None:
         late = self.late_so_far()

@@ -641,6 +641,27 @@ def test_bodies_beyond_the_gate_wait_and_their_wait_is_not_the_servers(
     ]
 
 
+def test_an_answer_held_at_the_gate_past_its_grace_says_so_not_that_the_host_was_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Cut off behind a slow body, a healthy server's read said "llmhealth's own process
+    # could not run (an overloaded host)", sending the operator to the wrong machine.
+    monkeypatch.setattr(wire, "BODIES_AT_ONCE", 1)
+
+    def dribble(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsl")
+        time.sleep(2.0)
+        connection.sendall(b"ow")
+
+    with tcp_server(dribble) as (slow, _), tcp_server(_answer_at_once) as (quick, _):
+        outcome = _read_both(f"{slow}/metrics", f"{quick}/metrics", (5.0, 0.3))
+    (held,) = [o for o in outcome if isinstance(o, WireError)]  # in the order they finished
+    assert held.failure is Failure.STARVED
+    assert "to be read behind 1 slower answers" in held.detail
+    assert "overloaded host" not in held.detail
+
+
 def test_a_server_that_has_not_answered_holds_no_place_at_the_gate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
