@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
-    SERVING,
     Event,
     EventKind,
     GoodVerdict,
@@ -127,12 +126,6 @@ def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sight
     if newest is not None:
         return Sighting(at, reachable, newest, step)
     return Sighting(at, reachable, previous.baseline if previous else None, step)
-
-
-def _remember(forgotten: dict[str, float], name: str, now: float) -> None:
-    forgotten[name] = now
-    while len(forgotten) > MAX_RETIRED_FORGOTTEN:  # the oldest go first
-        del forgotten[min(forgotten, key=forgotten.__getitem__)]
 
 
 def _rekey(kept: dict[str, _Value], old: str, new: str) -> None:
@@ -412,9 +405,6 @@ class FleetRecord:
     # config (an edit undone, or a cluster member whose config lacked it leading for a
     # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
     retired_forgotten: dict[str, float] = field(default_factory=dict)
-    # Likewise those forgotten out of the serving set otherwise (DEAD, RESTARTING, STALE):
-    # back, one comes back STALE, to prove itself, never HEALTHY and serving unproven.
-    unproven_forgotten: dict[str, float] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
@@ -432,9 +422,7 @@ class FleetRecord:
             if name not in backends:
                 state = self.ledger.state_of(name)
                 if state is State.RETIRED:
-                    _remember(self.retired_forgotten, name, now)
-                elif state not in SERVING:
-                    _remember(self.unproven_forgotten, name, now)
+                    self._remember_retired(name, now)
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -505,12 +493,6 @@ class FleetRecord:
         """Add a configured backend the record does not hold: HEALTHY, or RETIRED when it
         was retired as it left the config (an operator's decision outlives an edit).
         ValueError when its URL is another backend's."""
-        if name in self.unproven_forgotten:
-            why = "out of the serving set when it left the config: it must prove itself"
-            self.ledger.add(name, url, now, unproven_because=why)
-            del self.unproven_forgotten[name]
-            note = f"{name}: back in the config at {url}; STALE ({why})"
-            return MembershipChange(name, "added", State.STALE, note)
         if name not in self.retired_forgotten:
             self.ledger.add(name, url, now)
             note = f"{name}: new backend at {url}; starts HEALTHY"
@@ -523,6 +505,13 @@ class FleetRecord:
         del self.retired_forgotten[name]  # remembered until the ledger holds it again
         note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
         return MembershipChange(name, "added", State.RETIRED, note)
+
+    def _remember_retired(self, name: str, now: float) -> None:
+        self.retired_forgotten[name] = now
+        while len(self.retired_forgotten) > MAX_RETIRED_FORGOTTEN:  # the oldest go first
+            del self.retired_forgotten[
+                min(self.retired_forgotten, key=self.retired_forgotten.__getitem__)
+            ]
 
     def observe(
         self,
@@ -642,7 +631,6 @@ class FleetRecord:
             "request_streaks": dict(sorted(self.request_streaks.items())),
             "fresh_since": dict(sorted(self.fresh_since.items())),
             "retired_forgotten": dict(sorted(self.retired_forgotten.items())),
-            "unproven_forgotten": dict(sorted(self.unproven_forgotten.items())),
         }
 
     @classmethod
@@ -678,13 +666,10 @@ class FleetRecord:
             str(name): _number(at, f"fresh_since.{name}")
             for name, at in _table(data.get("fresh_since", {}), "fresh_since").items()
         }
-        retired_forgotten, unproven_forgotten = (
-            {  # absent from files written before they were kept
-                str(name): _number(at, f"{key}.{name}")
-                for name, at in _table(data.get(key, {}), key).items()
-            }
-            for key in ("retired_forgotten", "unproven_forgotten")
-        )
+        retired_forgotten = {  # absent from files written before it was kept
+            str(name): _number(at, f"retired_forgotten.{name}")
+            for name, at in _table(data.get("retired_forgotten", {}), "retired_forgotten").items()
+        }
         return cls(
             ledger,
             sightings,
@@ -695,7 +680,6 @@ class FleetRecord:
             streaks,
             fresh_since,
             retired_forgotten,
-            unproven_forgotten,
         )
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:

@@ -1174,28 +1174,15 @@ class Ledger:
         grace = self._policy.startup_grace
         return [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
 
-    def add(
-        self,
-        name: str,
-        url: str,
-        now: float,
-        *,
-        retired_because: str | None = None,
-        unproven_because: str | None = None,
-    ) -> None:
+    def add(self, name: str, url: str, now: float, *, retired_because: str | None = None) -> None:
         """Add a newly configured backend, HEALTHY (see the class docstring for why), or
         RETIRED for the given reason: an operator's retirement that outlived a config
-        edit, or STALE: one out of the serving set when it left the config, which must
-        prove itself as any replacement does. Either joins outside the serving set, so
-        the epoch stays put."""
+        edit. A RETIRED one joins outside the serving set, so the epoch stays put."""
         _as_time(now, "now")
         b = _Backend(name=name, url=url, state_since=now)
         if retired_because is not None:
             _record(b, Retire(now=now, reason=retired_because))
             b.state = State.RETIRED
-        elif unproven_because is not None:
-            b.last_error = unproven_because
-            b.state = State.STALE
         self._insert(b, "add")
         if b.state in SERVING:
             self._epoch += 1

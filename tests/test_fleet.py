@@ -660,25 +660,6 @@ def test_a_backend_given_a_new_name_at_its_address_keeps_everything_under_it() -
     assert record.ledger.by_url(URL_0) == "node-a-gpu0"
 
 
-def test_a_condemned_backend_dropped_and_added_back_must_prove_itself() -> None:
-    """An edit undone, or a cluster member whose config lacked it leading for a while:
-    forgotten and added again, a wedged server came back HEALTHY and serving, unproven."""
-    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
-    record.observe("gpu1", VERDICTS["busy"], NOW)
-    record.observe("gpu1", VERDICTS["wedged"], NOW + 1)
-    record.reconcile({"gpu0": URL_0}, NOW + 2)
-    again = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), POLICY)
-    epoch = again.ledger.epoch
-    changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 3)
-    assert [(c.event, c.state) for c in changes] == [("added", State.STALE)]
-    assert again.ledger.serving == ("gpu0",) and again.ledger.epoch == epoch
-    assert again.unproven_forgotten == {}
-    # One serving when it left starts afresh, as before.
-    again.reconcile({"gpu1": URL_1}, NOW + 4)
-    back = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 5)
-    assert [(c.name, c.state) for c in back] == [("gpu0", State.HEALTHY)]
-
-
 def test_a_new_name_at_another_address_is_a_new_backend_not_a_rename() -> None:
     record = record_of(("gpu0", URL_0))
     record.observe("gpu0", VERDICTS["busy"], NOW)
