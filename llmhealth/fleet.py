@@ -173,6 +173,9 @@ def events_for(
         previous is not None
         and not previous.reachable
         and live
+        # Restarting, read since that sighting: the one settled after the restart command
+        # ended may hold reads of the old process from before (without start times, new).
+        and (state is not State.RESTARTING or any(r.at > previous.at for r in verdict.reads))
         and not _same_process(verdict, previous, counters_tell=state is State.DEAD)
     )
     process = process_seen(verdict)
@@ -485,6 +488,9 @@ class FleetRecord:
         _rekey(self.fresh_since, old, new)
         if old in self.holds and new not in self.holds:
             self.holds[new] = self.holds.pop(old)
+        # A retired backend forgotten under the new name was another server: kept, this
+        # one would come back RETIRED the next time it left the config and returned.
+        self.retired_forgotten.pop(new, None)
         state = self.ledger.state_of(new)
         note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
         return MembershipChange(new, "renamed", state, note)

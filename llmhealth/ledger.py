@@ -593,6 +593,7 @@ class BackendSnapshot:
     in_place_recoveries: int = 0  # DEAD -> STALE by the same process, within the budget window
     restart_ran_at: float | None = None  # when a restart's command last exited 0
     traffic_failures: int = 0  # of request_failures, those real traffic reported
+    replaced_while_dead: bool = False  # this STALE spell began where a DEAD process was
 
     @property
     def serving(self) -> bool:
@@ -622,6 +623,9 @@ class _Backend:
     # The process the last restart replaced (the one condemned then), to tell its
     # replacement by the process, not by two hosts' clocks.
     restarted_from: ProcessSeen | None = None
+    # This STALE spell began with a new process where a DEAD one was, not where a restart
+    # of ours waited (RESTARTING): someone else's restart, perhaps by hand.
+    replaced_while_dead: bool = False
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -904,11 +908,12 @@ def _awaited_restart(b: _Backend, grace: float) -> float | None:
         # again): that restart is not what this spell waits on.
         if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
             return None
-        # Begun once that restart's grace had run out (DEAD by then, and replaced by
-        # someone else since, an operator's hand restart): not ours to fail. Counted
-        # from the restart, it was failed the moment it was seen, and restarted.
+        # Replaced while DEAD once that restart's grace had run out (an operator's hand
+        # restart): not ours to fail. Counted from our restart, it was failed the moment
+        # it was seen, and restarted. Our own replacement seen late is still ours.
         since = b.state_since
-        if since is not None and since - _grace_from(b, restarted_at) >= grace:
+        late = since is not None and since - _grace_from(b, restarted_at) >= grace
+        if b.replaced_while_dead and late:
             return None
         return restarted_at
     return None
@@ -1137,6 +1142,9 @@ class Ledger:
             b.state_since = event.now
         if after is not State.STALE:
             b.state_before_partial = None  # remembered only while the weights are in doubt
+            b.replaced_while_dead = False
+        elif before is not State.STALE:
+            b.replaced_while_dead = before is State.DEAD and isinstance(event, NewProcessUp)
         # Only this backend moved, so the serving set changed iff it crossed the line.
         moved = (before in SERVING) != (after in SERVING)
         if moved:
@@ -1396,6 +1404,7 @@ class Ledger:
             in_place_recoveries=sum(1 for t in b.recovery_times if _in_window(t, now, window)),
             restart_ran_at=b.restart_ran_at,
             traffic_failures=b.traffic_failures,
+            replaced_while_dead=b.replaced_while_dead,
         )
 
     def snapshots(
@@ -1445,6 +1454,7 @@ class Ledger:
                     "restarted_from": None
                     if b.restarted_from is None
                     else _process_dict(b.restarted_from),
+                    "replaced_while_dead": b.replaced_while_dead,
                     "recovery_times": list(b.recovery_times),
                     "restart_ran_at": b.restart_ran_at,
                     "traffic_failures": b.traffic_failures,
@@ -1637,6 +1647,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "restart_ran_at",
         "traffic_failures",
         "restarted_from",
+        "replaced_while_dead",
     }
 )
 
@@ -1671,6 +1682,12 @@ def _as_int(value: object, where: str) -> int:
 
 
 _LARGEST_COUNT: Final = 2**53
+
+
+def _as_bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
 
 
 def _as_time(value: object, where: str) -> float:
@@ -1756,6 +1773,9 @@ def _parse_backend(value: object, where: str) -> _Backend:
         state_before_partial=before_partial,
         process=_parse_process(r.get("process"), f"{where}.process"),
         restarted_from=_parse_process(r.get("restarted_from"), f"{where}.restarted_from"),
+        replaced_while_dead=_as_bool(
+            r.get("replaced_while_dead", False), f"{where}.replaced_while_dead"
+        ),
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
         traffic_failures=_as_int(r.get("traffic_failures", 0), f"{where}.traffic_failures"),

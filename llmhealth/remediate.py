@@ -271,7 +271,7 @@ def hear_commands(
                 # one, and failed a working server at the grace.
                 sighting = record.sightings.get(name)
                 if sighting is not None:
-                    record.sightings[name] = replace(sighting, reachable=False)
+                    record.sightings[name] = replace(sighting, at=now, reachable=False)
             else:
                 if result.timed_out:  # its exit code None too, when it outlived SIGKILL
                     why = "timed out"

@@ -624,6 +624,23 @@ def test_a_replacement_first_seen_busy_after_its_grace_gets_a_settle_to_prove_it
     assert record.ledger.state_of("a") is State.HEALTHY
 
 
+def test_our_replacement_seen_late_and_not_proven_by_the_settle_after_is_failed() -> None:
+    # The settle's spare is one settle, not for good: a replacement of ours first seen
+    # past its grace that still proves nothing is a failed restart, and tried again.
+    at = T0
+    record = _restarted(["a"], at)
+    now = at + record.ledger.policy.startup_grace + 100
+    start = at + 600
+    reads = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(100, 3, start)))
+    failing = Answer(now, False, "failed: no complete HTTP answer within 1 s", "tiny", ())
+    up = Verdict(VerdictKind.RESTARTED, False, "restarted: unanswered", reads, answer=failing)
+    assert _settled(record, "a", up, now) == []
+    assert record.ledger.state_of("a") is State.STALE
+    later = (Read(now + 295, _serving(100, 3, start)), Read(now + 300, _serving(100, 3, start)))
+    still = Verdict(VerdictKind.UNANSWERED, False, "unanswered", later, answer=failing)
+    assert _settled(record, "a", still, now + 300) == ["a"]  # failed, and restarted again
+
+
 def test_a_stale_spell_begun_after_the_restarts_grace_ran_out_is_not_failed_by_it() -> None:
     # The restart's grace ran out (DEAD), an operator held the backend and restarted it by
     # hand: the new process was failed by that old grace the moment it was seen (a second
@@ -678,6 +695,33 @@ def test_a_replacement_without_start_times_is_seen_once_its_command_has_run() ->
     busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
     assert _settled(record, "a", busy, now) == []
     assert record.ledger.state_of("a") is State.STALE  # its replacement, seen working
+
+
+def test_reads_of_the_old_process_settled_after_its_restart_command_are_not_its_replacement() -> (
+    None
+):
+    # No start times: the verdict heard in the same settle as the command's end held reads
+    # and an answer of the process the command was replacing, taken for its replacement,
+    # re-admitted unproven.
+    at = T0
+    record = _restarted(["a"], at)
+    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
+    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
+    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    old = (Read(at + 20, _serving(10, 1, None)), Read(at + 25, _serving(10, 1, None)))
+    answered = Answer(at + 25, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", old, answer=answered)
+    target = Target("a", "http://10.0.0.0:8000")
+    settle(
+        record,
+        SHARED_FAULT_FLEET,
+        [Outcome(target, idle)],
+        at + 31,
+        mode=Mode.OFF,
+        audit=None,
+        commands=[ran],
+    )
+    assert record.ledger.state_of("a") is State.RESTARTING
 
 
 def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:

@@ -660,6 +660,16 @@ def test_a_backend_given_a_new_name_at_its_address_keeps_everything_under_it() -
     assert record.ledger.by_url(URL_0) == "node-a-gpu0"
 
 
+def test_a_name_taken_by_a_rename_forgets_the_retired_backend_that_had_it() -> None:
+    record = record_of(("old", URL_0), ("x", URL_1))
+    record.ledger.apply("old", Retire(now=NOW, reason="bad HBM"))
+    record.reconcile({"x": URL_1}, NOW + 1)  # "old" forgotten, remembered RETIRED
+    record.reconcile({"old": URL_1}, NOW + 2)  # x renamed "old" at its own server
+    record.reconcile({}, NOW + 3)
+    back = record.reconcile({"old": URL_1}, NOW + 4)
+    assert [(c.event, c.state) for c in back] == [("added", State.HEALTHY)]
+
+
 def test_a_new_name_at_another_address_is_a_new_backend_not_a_rename() -> None:
     record = record_of(("gpu0", URL_0))
     record.observe("gpu0", VERDICTS["busy"], NOW)

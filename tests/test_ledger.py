@@ -618,7 +618,7 @@ def test_a_dead_backend_replaced_from_outside_goes_to_stale_not_healthy() -> Non
     walk.feed(probe_fail(), state=State.SUSPECT, probe_failures=1, last_error="down")
     walk.feed(probe_fail(), probe_failures=2)
     walk.feed(probe_fail(), state=State.DEAD, probe_failures=3, condemned_by="down")
-    walk.feed(new_process, state=State.STALE, probe_failures=0)
+    walk.feed(new_process, state=State.STALE, probe_failures=0, replaced_while_dead=True)
     assert walk.ledger.snapshot("a", walk.now).condemned_by == "down"
 
 
@@ -649,12 +649,13 @@ def test_a_stale_backend_that_dies_or_wedges_is_condemned() -> None:
         last_error="wedged: 3 running, no step over 2 waits",
         condemned_by="wedged",
     )
-    walk.feed(new_process, state=State.STALE)
+    walk.feed(new_process, state=State.STALE, replaced_while_dead=True)
     walk.feed(
         lambda now: ProcessGone(now=now, reason="down"),
         state=State.DEAD,
         last_error="down",
         condemned_by="down",
+        replaced_while_dead=False,
     )
 
 
@@ -1062,6 +1063,7 @@ def test_another_process_never_recovers_in_place_and_goes_through_stale_as_befor
         lambda now: NewProcessUp(now=now, process=seen(start=2000.0, steps=0.0)),
         state=State.STALE,
         probe_failures=0,
+        replaced_while_dead=True,
     )
     assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 0
 
@@ -1899,15 +1901,18 @@ def test_random_event_sequences_keep_every_invariant(
                 for s in ledger.snapshots(now)
             )
             # No restart of ours is left unproven past its grace: a STALE backend still
-            # here was re-admitted since its last restart, was never restarted, or began
-            # this spell once that restart's grace had run out (not ours to fail).
+            # here was re-admitted since its last restart, was never restarted, or was
+            # replaced while DEAD once that restart's grace had run out (not ours).
             assert not any(
                 s.state is State.STALE
                 and s.last_restart_at is not None
                 and now - grace_from(s, s.last_restart_at) >= policy.startup_grace
                 and (s.last_ok_at is None or s.last_ok_at < s.last_restart_at)
                 and s.state_since is not None
-                and s.state_since - grace_from(s, s.last_restart_at) < policy.startup_grace
+                and not (
+                    s.replaced_while_dead
+                    and s.state_since - grace_from(s, s.last_restart_at) >= policy.startup_grace
+                )
                 for s in ledger.snapshots(now)
             )
         else:

@@ -628,9 +628,11 @@ def check_plan(f: Fleet, plan: list[RestartDecision], now: float) -> None:
         )
 
     def ours(s: BackendSnapshot) -> bool:
-        """A STALE spell begun once its restart's grace had run out is not that restart's."""
+        """A STALE spell begun where a DEAD process was, once its restart's grace had run
+        out, is someone else's restart, not that one's."""
         assert s.last_restart_at is not None and s.state_since is not None
-        return s.state_since - s.last_restart_at < grace
+        begun = max(s.last_restart_at, s.restart_ran_at or s.last_restart_at)
+        return not (s.replaced_while_dead and s.state_since - begun >= grace)
 
     holding = {
         name
