@@ -1962,9 +1962,12 @@ def test_a_reload_renaming_a_backend_whose_restart_runs_restarts_nothing_beside_
             assert restarted() == ["w1"]  # w2 waits for the one place
             write_config(path, config("w1new") + policy)
             watch.signal(signal.SIGHUP)
-            page = watch.until("w1new wedged again", lambda p: p.state("w1new") == "dead")
+            # Renamed, it keeps its restart under way (before: HEALTHY, then wedged again
+            # and restarted beside the running command).
+            page = watch.until("w1new renamed", lambda p: p.state("w1new") == "restarting")
             for _ in range(4):
                 page = watch.next_cycle(page)
+                assert page.state("w1new") == "restarting"
             assert restarted() == ["w1"] and ran.read_text() == "ran\n"
             go.touch()  # or the stop waits out its grace for the command
             rc, _ = watch.stop()
