@@ -189,19 +189,33 @@ def issued(tmp_path: Path) -> tuple[StateFile, AuditLog, RestartOrder]:
     return store, audit, order
 
 
-def hear(
-    store: StateFile, audit: AuditLog, done: CommandDone, start: float = T0 + 100
-) -> FleetRecord:
-    settled = settle_fleet(
+def settle_empty(
+    store: StateFile,
+    audit: AuditLog,
+    start: float,
+    *,
+    mode: Mode = Mode.ACT,
+    commands: Sequence[CommandDone] = (),
+    commands_running: frozenset[str] = frozenset(),
+) -> Settled:
+    """A settle of gpu0 with no verdicts, its clock ticking from ``start``."""
+    return settle_fleet(
         store,
         RESTARTABLE,
         backend_urls([GPU0]),
         lambda _record: [],
-        mode=Mode.OFF,
+        mode=mode,
         audit=audit,
         clock=ticking(start),
-        commands=[done],
+        commands=commands,
+        commands_running=commands_running,
     )
+
+
+def hear(
+    store: StateFile, audit: AuditLog, done: CommandDone, start: float = T0 + 100
+) -> FleetRecord:
+    settled = settle_empty(store, audit, start, mode=Mode.OFF, commands=[done])
     assert settled.orders == ()
     return settled.record
 
@@ -259,36 +273,15 @@ def test_a_restart_whose_command_still_runs_keeps_its_grace_which_counts_from_it
     """A command longer than the grace (a restart_timeout past it) failed its own restart:
     DEAD, an attempt spent, and the next restart killed what the command brought up."""
     store, audit, order = issued(tmp_path)  # issued at T0 + 2; the grace is 900 s
-    long_after = settle_fleet(
-        store,
-        RESTARTABLE,
-        backend_urls([GPU0]),
-        lambda _record: [],
-        mode=Mode.ACT,
-        audit=audit,
-        clock=ticking(T0 + 2000),
-        commands_running=frozenset({"gpu0"}),
-    )
+    long_after = settle_empty(store, audit, T0 + 2000, commands_running=frozenset({"gpu0"}))
     assert (long_after.orders, long_after.record.ledger.state_of("gpu0")) == ((), "restarting")
     ended = hear(store, audit, CommandDone(order, result(0)), start=T0 + 2500)
     assert ended.ledger.state_of("gpu0") == "restarting"  # its grace starts now
     ran_at = ended.ledger.snapshot("gpu0", T0 + 2600).restart_ran_at
     assert ran_at is not None and ran_at > T0 + 2500
-
-    def settle_at(start: float) -> Settled:
-        return settle_fleet(
-            store,
-            RESTARTABLE,
-            backend_urls([GPU0]),
-            lambda _record: [],
-            mode=Mode.ACT,
-            audit=audit,
-            clock=ticking(start),
-        )
-
-    assert settle_at(ran_at + 800).orders == ()
+    assert settle_empty(store, audit, ran_at + 800).orders == ()
     assert "startup_expired" not in [r["event"] for r in read(audit.path)]
-    expired = settle_at(ran_at + 900)
+    expired = settle_empty(store, audit, ran_at + 900)
     assert expired.record.ledger.state_of("gpu0") == "restarting"  # failed, and retried
     [line] = [r for r in read(audit.path) if r["event"] == "startup_expired"]
     assert line["evidence"]["restart_ran_at"] == ran_at
@@ -606,39 +599,28 @@ def test_a_replacement_first_seen_working_after_its_grace_is_not_restarted() -> 
     assert not record.ledger.restart_unproven("a", now)
 
 
-def test_a_replacement_first_seen_busy_after_its_grace_gets_a_settle_to_prove_itself() -> None:
+@pytest.mark.parametrize("proven", [True, False], ids=["proven", "still unproven"])
+def test_our_replacement_first_seen_past_its_grace_gets_one_settle_to_prove_itself(
+    proven: bool,
+) -> None:
     # Busy with long generations, it finished nothing between its two reads: moved to
-    # STALE and failed by the grace in the same settle, its healthy server restarted.
+    # STALE and failed by the grace in the same settle, its healthy server restarted. The
+    # spare is one settle: one that still proves nothing then is a failed restart.
     at = T0
     record = _restarted(["a"], at)
     now = at + record.ledger.policy.startup_grace + 100
     start = at + 600
-    reads = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(140, 3, start)))
-    busy = Verdict(VerdictKind.RESTARTED, True, "restarted: a new process", reads=reads)
+    first = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(140, 3, start)))
+    busy = Verdict(VerdictKind.RESTARTED, True, "restarted: a new process", reads=first)
     assert _settled(record, "a", busy, now) == []
     assert record.ledger.state_of("a") is State.STALE
     idle = (Read(now + 295, _serving(300, 9, start)), Read(now + 300, _serving(300, 9, start)))
-    answered = Answer(now + 300, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
-    proven = Verdict(VerdictKind.IDLE, True, "idle: answered", reads=idle, answer=answered)
-    assert _settled(record, "a", proven, now + 300) == []
-    assert record.ledger.state_of("a") is State.HEALTHY
-
-
-def test_our_replacement_seen_late_and_not_proven_by_the_settle_after_is_failed() -> None:
-    # The settle's spare is one settle, not for good: a replacement of ours first seen
-    # past its grace that still proves nothing is a failed restart, and tried again.
-    at = T0
-    record = _restarted(["a"], at)
-    now = at + record.ledger.policy.startup_grace + 100
-    start = at + 600
-    reads = (Read(now - 5, _serving(100, 3, start)), Read(now, _serving(100, 3, start)))
-    failing = Answer(now, False, "failed: no complete HTTP answer within 1 s", "tiny", ())
-    up = Verdict(VerdictKind.RESTARTED, False, "restarted: unanswered", reads, answer=failing)
-    assert _settled(record, "a", up, now) == []
-    assert record.ledger.state_of("a") is State.STALE
-    later = (Read(now + 295, _serving(100, 3, start)), Read(now + 300, _serving(100, 3, start)))
-    still = Verdict(VerdictKind.UNANSWERED, False, "unanswered", later, answer=failing)
-    assert _settled(record, "a", still, now + 300) == ["a"]  # failed, and restarted again
+    said = "answered in 0.1 s by model tiny" if proven else "failed: no answer within 1 s"
+    answer = Answer(now + 300, proven, said, "tiny", ("tiny",))
+    kind = VerdictKind.IDLE if proven else VerdictKind.UNANSWERED
+    then = Verdict(kind, proven, f"{kind}: {said}", reads=idle, answer=answer)
+    assert _settled(record, "a", then, now + 300) == ([] if proven else ["a"])
+    assert record.ledger.state_of("a") is (State.HEALTHY if proven else State.RESTARTING)
 
 
 def test_a_stale_spell_begun_after_the_restarts_grace_ran_out_is_not_failed_by_it() -> None:

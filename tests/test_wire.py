@@ -620,21 +620,27 @@ def _read_both(first: str, second: str, budgets: tuple[float, float]) -> list[ob
     return asyncio.run(run())
 
 
+def _behind_a_slow_body(pause: float) -> list[object]:
+    """One body read at a time: a quick answer (0.3 s budget) that came while a slow body
+    (its last bytes ``pause`` seconds late) was being read; both outcomes."""
+
+    def dribble(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsl")
+        time.sleep(pause)
+        connection.sendall(b"ow")
+
+    with tcp_server(dribble) as (slow, _), tcp_server(_answer_at_once) as (quick, _):
+        return _read_both(f"{slow}/metrics", f"{quick}/metrics", (5.0, 0.3))
+
+
 def test_bodies_beyond_the_gate_wait_and_their_wait_is_not_the_servers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One body at a time: an answer that came while another body was arriving waits
     (in the kernel) for it, longer than its own budget, and is still read, not blamed."""
     monkeypatch.setattr(wire, "BODIES_AT_ONCE", 1)
-
-    def dribble(connection: socket.socket, _number: int) -> None:
-        read_request(connection)
-        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsl")
-        time.sleep(0.6)
-        connection.sendall(b"ow")
-
-    with tcp_server(dribble) as (slow, _), tcp_server(_answer_at_once) as (quick, _):
-        outcome = _read_both(f"{slow}/metrics", f"{quick}/metrics", (5.0, 0.3))
+    outcome = _behind_a_slow_body(0.6)
     assert [(o.status, o.body) for o in outcome if isinstance(o, WireResponse)] == [
         (200, b"slow"),
         (200, b"ok"),
@@ -647,16 +653,7 @@ def test_an_answer_held_at_the_gate_past_its_grace_says_so_not_that_the_host_was
     # Cut off behind a slow body, a healthy server's read said "llmhealth's own process
     # could not run (an overloaded host)", sending the operator to the wrong machine.
     monkeypatch.setattr(wire, "BODIES_AT_ONCE", 1)
-
-    def dribble(connection: socket.socket, _number: int) -> None:
-        read_request(connection)
-        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nsl")
-        time.sleep(2.0)
-        connection.sendall(b"ow")
-
-    with tcp_server(dribble) as (slow, _), tcp_server(_answer_at_once) as (quick, _):
-        outcome = _read_both(f"{slow}/metrics", f"{quick}/metrics", (5.0, 0.3))
-    (held,) = [o for o in outcome if isinstance(o, WireError)]  # in the order they finished
+    (held,) = [o for o in _behind_a_slow_body(2.0) if isinstance(o, WireError)]
     assert held.failure is Failure.STARVED
     assert "to be read behind 1 slower answers" in held.detail
     assert "overloaded host" not in held.detail
