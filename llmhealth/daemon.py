@@ -879,12 +879,15 @@ class Daemon:
             latest = state.latest.get(target.name)
             snapshot = snapshots.get(target.name)
             verdict = latest.verdict if latest else None
+            refused = verdict is not None and verdict.answer is not None and verdict.answer.refused
             probe = state.probes.get(target.name)
             views.append(
                 BackendView(
                     name=target.name,
                     kind=target.kind,
-                    verdict=str(verdict.kind) if verdict else None,
+                    # Turned away for our key: not judged, so no verdict (its kind said
+                    # "idle", or "down" for a proxy, which paged as a failed balancer).
+                    verdict=str(verdict.kind) if verdict and not refused else None,
                     state=str(snapshot.state) if snapshot else None,
                     serving=snapshot.serving if snapshot else None,
                     running=verdict.running if verdict else None,

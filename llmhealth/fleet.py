@@ -142,6 +142,7 @@ def events_for(
     expected_model: str | None = None,
     readmit_on_answer: bool = True,
     restart_pending: bool = False,
+    command_ended_at: float | None = None,
 ) -> list[Event]:
     """The ledger events one verdict stands for, given where the backend is now.
 
@@ -173,15 +174,28 @@ def events_for(
         previous is not None
         and not previous.reachable
         and live
-        # Restarting, read since that sighting: the one settled after the restart command
-        # ended may hold reads of the old process from before (without start times, new).
-        and (state is not State.RESTARTING or any(r.at > previous.at for r in verdict.reads))
         and not _same_process(verdict, previous, counters_tell=state is State.DEAD)
     )
     process = process_seen(verdict)
 
+    # Read since our restart's command exited 0 (``command_ended_at``, while RESTARTING),
+    # a live process is its replacement unless its start time says it is the old one.
+    # Without start times (vLLM's multiprocess mode) a cron check took a replacement
+    # whose counters had passed the wedged process's for that process, and the grace
+    # failed a working server; reads from before the command ended are not counted.
+    after_command = (
+        command_ended_at is not None
+        and live
+        and any(read.at > command_ended_at and read.signals is not None for read in verdict.reads)
+        and not (previous is not None and _same_process(verdict, previous, counters_tell=False))
+    )
     if state in (State.DEAD, State.RESTARTING):
-        if kind is VerdictKind.RESTARTED or came_back or _another_process(verdict, previous):
+        if (
+            kind is VerdictKind.RESTARTED
+            or came_back
+            or after_command
+            or _another_process(verdict, previous)
+        ):
             return _replaced(verdict, now, process, readmit)
         if state is State.RESTARTING:
             return []
@@ -545,6 +559,9 @@ class FleetRecord:
             previous=previous,
             expected_model=expected_model,
             restart_pending=restart_pending,
+            command_ended_at=self.ledger.restart_ran_at(name)
+            if state is State.RESTARTING
+            else None,
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         if verdict.judged:  # else it saw nothing: the last judged read's process stands

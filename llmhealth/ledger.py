@@ -593,7 +593,7 @@ class BackendSnapshot:
     in_place_recoveries: int = 0  # DEAD -> STALE by the same process, within the budget window
     restart_ran_at: float | None = None  # when a restart's command last exited 0
     traffic_failures: int = 0  # of request_failures, those real traffic reported
-    replaced_while_dead: bool = False  # this STALE spell began where a DEAD process was
+    replaced_while_dead: bool | None = False  # this STALE spell began where a DEAD one was
 
     @property
     def serving(self) -> bool:
@@ -624,8 +624,11 @@ class _Backend:
     # replacement by the process, not by two hosts' clocks.
     restarted_from: ProcessSeen | None = None
     # This STALE spell began with a new process where a DEAD one was, not where a restart
-    # of ours waited (RESTARTING): someone else's restart, perhaps by hand.
-    replaced_while_dead: bool = False
+    # of ours waited (RESTARTING): someone else's restart, perhaps by hand. None: unknown
+    # (a state written before it was kept), taken as the times alone say.
+    replaced_while_dead: bool | None = False
+    # A new process was seen since the last restart was issued (new_process_up).
+    replaced_since_restart: bool = False
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -711,6 +714,7 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
     b.restart_times.append(event.now)
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
     b.restarted_from = b.process
+    b.replaced_since_restart = False
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"
     )
@@ -913,7 +917,7 @@ def _awaited_restart(b: _Backend, grace: float) -> float | None:
         # it was seen, and restarted. Our own replacement seen late is still ours.
         since = b.state_since
         late = since is not None and since - _grace_from(b, restarted_at) >= grace
-        if b.replaced_while_dead and late:
+        if late and b.replaced_while_dead is not False:
             return None
         return restarted_at
     return None
@@ -1145,6 +1149,8 @@ class Ledger:
             b.replaced_while_dead = False
         elif before is not State.STALE:
             b.replaced_while_dead = before is State.DEAD and isinstance(event, NewProcessUp)
+        if isinstance(event, NewProcessUp):
+            b.replaced_since_restart = True
         # Only this backend moved, so the serving set changed iff it crossed the line.
         moved = (before in SERVING) != (after in SERVING)
         if moved:
@@ -1342,16 +1348,21 @@ class Ledger:
     def state_of(self, name: str) -> State:
         return self._lookup(name).state
 
+    def restart_ran_at(self, name: str) -> float | None:
+        """When the last restart's command exited 0 (``RestartRan``), if it did."""
+        return self._lookup(name).restart_ran_at
+
     def restart_unproven(self, name: str, now: float) -> bool:
         """Restarted, and the replacement has been neither re-admitted nor seen working
         (nor has its startup grace run out): a restart still under way, as far as
         ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
         its predecessor did must not free the slot for the next backend: a fault they
         share would restart them all. So a backend DEAD again within the startup grace
-        of its last restart, on a process started since that restart (its replacement;
-        or of no known start time), good at no time since, still holds it, unless its
-        budget is spent (its next attempt retires it, which starts nothing). A restart
-        whose command failed brought up no replacement: it holds nothing, as before.
+        of its last restart, on its replacement (a new process seen since the restart, or
+        one that differs from the process it replaced), good at no time since, still
+        holds it, unless its budget is spent (its next attempt retires it, which starts
+        nothing). A restart whose command failed brought up no replacement: it holds
+        nothing, as before.
         """
         b = self._lookup(name)
         if _awaited_restart(b, self._policy.startup_grace) is not None:
@@ -1360,14 +1371,16 @@ class Ledger:
             return False
         policy = self._policy
         restarted_at = max(b.restart_times)
-        if b.restarted_from is not None:
+        if b.replaced_since_restart:
+            replaced = True  # a new process was seen since: its replacement, whatever it shows
+        elif b.restarted_from is not None:
             # Another process than the one the restart replaced: its replacement. Told by
             # the processes (start time, or counters gone back), not by clocks: a backend
             # host 2 min behind ours made every replacement "older" than the restart, and
             # a shared fault restarted the fleet in turn. Unknown counts as replaced.
             replaced = b.process.differs_from(b.restarted_from) is not None
         else:
-            # A restart written down before the process it replaced was (an older state):
+            # The process it replaced was never read (or an older state did not keep it):
             # a process started since, hosts' clocks a minute apart at most; no start time
             # (multiprocess mode) is taken as replaced, the doubt erring towards fewer
             # restarts, as the budget's.
@@ -1455,6 +1468,7 @@ class Ledger:
                     if b.restarted_from is None
                     else _process_dict(b.restarted_from),
                     "replaced_while_dead": b.replaced_while_dead,
+                    "replaced_since_restart": b.replaced_since_restart,
                     "recovery_times": list(b.recovery_times),
                     "restart_ran_at": b.restart_ran_at,
                     "traffic_failures": b.traffic_failures,
@@ -1648,6 +1662,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "traffic_failures",
         "restarted_from",
         "replaced_while_dead",
+        "replaced_since_restart",
     }
 )
 
@@ -1773,8 +1788,11 @@ def _parse_backend(value: object, where: str) -> _Backend:
         state_before_partial=before_partial,
         process=_parse_process(r.get("process"), f"{where}.process"),
         restarted_from=_parse_process(r.get("restarted_from"), f"{where}.restarted_from"),
-        replaced_while_dead=_as_bool(
-            r.get("replaced_while_dead", False), f"{where}.replaced_while_dead"
+        replaced_while_dead=None
+        if r.get("replaced_while_dead") is None
+        else _as_bool(r["replaced_while_dead"], f"{where}.replaced_while_dead"),
+        replaced_since_restart=_as_bool(
+            r.get("replaced_since_restart", False), f"{where}.replaced_since_restart"
         ),
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),

@@ -588,7 +588,8 @@ async def examine_proxy(client: Client, target: Target, settings: ProbeSettings)
     except _RequestFailedError as failure:
         if failure.status in _KEY_REFUSED:  # it answers: our key, not the proxy, failed
             why = f"{failure.detail}: the proxy turned our API key away (see api_key_env)"
-            return replace(judge_proxy(False, why, ()), judged=False)
+            refused = Answer(time.time(), False, failure.detail, refused=True)
+            return replace(judge_proxy(False, why, ()), judged=False, answer=refused)
         return judge_proxy(False, failure.detail, ())
     except Exception as exc:  # one proxy's problem must not end the fleet's check
         return judge_proxy(False, _not_judged(exc), ())

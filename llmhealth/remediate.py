@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -264,14 +264,6 @@ def hear_commands(
             if result.ok:
                 # Its startup grace counts from now if the command took long.
                 record.ledger.apply(name, RestartRan(now=now))
-                # The process sighted before it is gone, as after a refused read: the next
-                # live one is taken for its replacement unless it shows the same start
-                # time. Without start times (vLLM's multiprocess mode) a cron check saw
-                # the replacement's counters past the wedged process's, took it for that
-                # one, and failed a working server at the grace.
-                sighting = record.sightings.get(name)
-                if sighting is not None:
-                    record.sightings[name] = replace(sighting, at=now, reachable=False)
             else:
                 if result.timed_out:  # its exit code None too, when it outlived SIGKILL
                     why = "timed out"

@@ -692,7 +692,7 @@ def test_reads_of_the_old_process_settled_after_its_restart_command_are_not_its_
     ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
     old = (Read(at + 20, _serving(10, 1, None)), Read(at + 25, _serving(10, 1, None)))
     answered = Answer(at + 25, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
-    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", old, answer=answered)
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", reads=old, answer=answered)
     target = Target("a", "http://10.0.0.0:8000")
     settle(
         record,
@@ -704,6 +704,27 @@ def test_reads_of_the_old_process_settled_after_its_restart_command_are_not_its_
         commands=[ran],
     )
     assert record.ledger.state_of("a") is State.RESTARTING
+
+
+def test_a_replacement_without_start_times_read_in_watch_is_seen_at_the_next_settle() -> None:
+    # watch hears the command and the verdict read before it in one settle; a rule that
+    # marked the sighting then lost the mark to that verdict, and the replacement, its
+    # counters no lower than the wedged process's, was never seen: failed by the grace.
+    at = T0
+    record = _restarted(["a"], at)
+    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
+    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
+    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    target = Target("a", "http://10.0.0.0:8000")
+    for when, commands in ((at + 35, [ran]), (at + 65, [])):
+        reads = (Read(when - 5, _serving(10, 1, None)), Read(when, _serving(10, 1, None)))
+        answer = Answer(when, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+        idle = Verdict(VerdictKind.IDLE, True, "idle: answered", reads=reads, answer=answer)
+        outcomes = [Outcome(target, idle)]
+        settle(
+            record, SHARED_FAULT_FLEET, outcomes, when, mode=Mode.OFF, audit=None, commands=commands
+        )
+    assert record.ledger.state_of("a") is State.HEALTHY
 
 
 def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:

@@ -1479,16 +1479,20 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
 
 
-def test_a_backend_that_turns_our_key_away_is_counted_for_alerts_and_not_condemned(
-    entry_point: str, httpserver: HTTPServer, tmp_path: Path
+@pytest.mark.parametrize("kind", ["backend", "proxy"])
+def test_a_target_that_turns_our_key_away_is_counted_for_alerts_and_not_condemned(
+    entry_point: str, httpserver: HTTPServer, tmp_path: Path, kind: str
 ) -> None:
     """A key missing here or rotated there: every idle backend was `unanswered` until
-    condemned. Not judged now, and counted where an alert can see it."""
+    condemned, and a proxy `down`, paging as a failed balancer. Not judged now (no
+    current verdict), and counted where an alert can see it."""
     idle = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "idle-1.txt").read_text()
     httpserver.expect_request("/metrics").respond_with_data(idle, content_type="text/plain")
     httpserver.expect_request("/v1/models").respond_with_json({"error": "Unauthorized"}, 401)
     url = httpserver.url_for("").rstrip("/")
-    config = write_config(tmp_path / "fleet.toml", fleet_config([{"name": "k", "url": url}]))
+    target = [{"name": "k", "url": url}]
+    text = fleet_config(target) if kind == "backend" else fleet_config([], proxies=target)
+    config = write_config(tmp_path / "fleet.toml", text)
     with watching(entry_point, config, tmp_path / "state.json") as watch:
         page = watch.until(
             "the refusal counted",
@@ -1502,7 +1506,8 @@ def test_a_backend_that_turns_our_key_away_is_counted_for_alerts_and_not_condemn
         rc, _ = watch.stop()
     assert rc == 0
     assert page.counts("llmhealth_backend_probe_errors", "kind")[("k", "key_refused")] >= 4
-    assert page.state("k") == "healthy"
+    assert page.verdict("k") is None
+    assert page.state("k") == ("healthy" if kind == "backend" else None)
 
 
 class FrozenIdle:

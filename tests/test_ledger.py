@@ -1999,6 +1999,21 @@ def test_the_tiny_request_clears_no_failure_real_traffic_saw() -> None:
     assert (snap.request_failures, snap.traffic_failures) == (0, 0)
 
 
+def test_a_late_stale_spell_saved_before_its_origin_was_kept_stays_exempt() -> None:
+    # A state written before `replaced_while_dead`: the times alone decide, as then, and a
+    # hand-restarted backend waiting to prove itself was not failed by the upgrade.
+    policy = LedgerPolicy(startup_grace=100.0)
+    ledger = Ledger(policy, [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.expire_restarts(110.0)
+    ledger.apply("a", NewProcessUp(now=500.0))
+    data = ledger.to_dict()
+    for backend in data["backends"]:
+        del backend["replaced_while_dead"]
+    assert Ledger.from_dict(data, policy).overdue(1000.0) == []
+
+
 def test_a_rename_keeps_the_backend_and_its_address_under_the_new_name() -> None:
     ledger = Ledger(POLICY, [("a", URL_A), ("b", URL_B)], now=0.0)
     ledger.apply("a", WedgeProven(now=1.0))

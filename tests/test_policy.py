@@ -817,6 +817,21 @@ def test_a_replacement_on_a_host_whose_clock_is_behind_still_holds_the_slot() ->
     assert not g.ledger.restart_unproven("a", T0 + 2)
 
 
+def test_a_replacement_that_shows_nothing_new_but_was_seen_new_holds_the_slot() -> None:
+    # No start times, and a replacement that wedged as young as its predecessor (no
+    # counter went back): compared with the process it replaced, it looked like that one,
+    # held nothing, and a shared fault restarted the fleet in turn.
+    f = fleet("a", "b")
+    young = ProcessSeen(None, {"steps": 0.0})
+    f.ledger.apply("a", WedgeProven(now=T0, evidence="no step in 2 waits", process=young))
+    f.condemn("b", T0)
+    f.issue("a", T0)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 20, process=young))
+    f.ledger.apply("a", WedgeProven(now=T0 + 35, evidence="no step in 2 waits", process=young))
+    assert f.ledger.restart_unproven("a", T0 + 40)
+    assert f.decision("b", T0 + 40).action is Action.SKIP
+
+
 def test_a_replacement_of_no_known_start_that_wedged_again_holds_the_slot() -> None:
     # vLLM's multiprocess mode publishes no start time: "started since the restart" could
     # not be shown, so a shared fault there restarted the next backend at once.

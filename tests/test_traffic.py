@@ -127,7 +127,9 @@ def test_a_settle_hears_requests_and_a_verdict_in_the_order_they_happened() -> N
     fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
     reads = (Read(T0 + 11, Signals()), Read(T0 + 12, Signals()))
     timed_out = Answer(T0 + 12, False, "failed: no answer within 1 s", timed_out=True)
-    unanswered = Verdict(VerdictKind.UNANSWERED, False, "unanswered: idle", reads, answer=timed_out)
+    unanswered = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: idle", reads=reads, answer=timed_out
+    )
     config = Config(backends=(Backend("a", "http://a"), Backend("b", "http://b")))
     settle(
         fleet,
