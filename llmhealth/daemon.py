@@ -854,7 +854,7 @@ class Daemon:
             if outcome.verdict.kind is VerdictKind.NO_METRICS and not outcome.verdict.healthy:
                 error = "no_metrics"
             if outcome.verdict.answer is not None and outcome.verdict.answer.refused:
-                error = KEY_REFUSED  # not judged, its verdict still says "idle"
+                error = KEY_REFUSED  # not judged (a new process's is: restarted, unproven)
             if error is not None:
                 state.probe_errors[(outcome.target.name, error)] += 1
             for read in reversed(outcome.verdict.reads):
@@ -879,7 +879,12 @@ class Daemon:
             latest = state.latest.get(target.name)
             snapshot = snapshots.get(target.name)
             verdict = latest.verdict if latest else None
-            refused = verdict is not None and verdict.answer is not None and verdict.answer.refused
+            refused = (
+                verdict is not None
+                and not verdict.judged
+                and verdict.answer is not None
+                and verdict.answer.refused
+            )
             probe = state.probes.get(target.name)
             views.append(
                 BackendView(

@@ -143,6 +143,7 @@ def events_for(
     readmit_on_answer: bool = True,
     restart_pending: bool = False,
     command_ended_at: float | None = None,
+    restarted_from: ProcessSeen | None = None,
 ) -> list[Event]:
     """The ledger events one verdict stands for, given where the backend is now.
 
@@ -179,15 +180,17 @@ def events_for(
     process = process_seen(verdict)
 
     # Read since our restart's command exited 0 (``command_ended_at``, while RESTARTING),
-    # a live process is its replacement unless its start time says it is the old one.
-    # Without start times (vLLM's multiprocess mode) a cron check took a replacement
-    # whose counters had passed the wedged process's for that process, and the grace
-    # failed a working server; reads from before the command ended are not counted.
+    # a live process is its replacement unless it is the process the restart replaced
+    # (``restarted_from``). Without start times (vLLM's multiprocess mode) a cron check
+    # took a replacement whose counters had passed the wedged process's for that process,
+    # and the grace failed a working server; reads from before the command ended, and
+    # the sighting (read during the command, perhaps the replacement already), decide
+    # nothing here.
     after_command = (
         command_ended_at is not None
         and live
         and any(read.at > command_ended_at and read.signals is not None for read in verdict.reads)
-        and not (previous is not None and _same_process(verdict, previous, counters_tell=False))
+        and _not_the_replaced(verdict, restarted_from)
     )
     if state in (State.DEAD, State.RESTARTING):
         if (
@@ -240,6 +243,20 @@ def events_for(
             return [GoodVerdict(now=now, request_ok=answered, process=process)]
         return _failures(verdict, now, process)
     return []  # RETIRED: only an operator reset moves it
+
+
+def _not_the_replaced(verdict: Verdict, replaced: ProcessSeen | None) -> bool:
+    """The verdict's process is not the one a restart replaced: another start time; with
+    none to compare, counters not all exactly the replaced process's (a wedged process's
+    do not move, and a command that returns before its process stops leaves it answering;
+    a replacement that matches every one of them is not credible). Unknown: not it."""
+    seen = process_seen(verdict)
+    if replaced is None or seen is None:
+        return True
+    if seen.start is not None and replaced.start is not None:
+        return seen.start != replaced.start
+    shared = seen.counters.keys() & replaced.counters.keys()
+    return not shared or any(seen.counters[name] != replaced.counters[name] for name in shared)
 
 
 def _replaced(
@@ -562,6 +579,7 @@ class FleetRecord:
             command_ended_at=self.ledger.restart_ran_at(name)
             if state is State.RESTARTING
             else None,
+            restarted_from=self.ledger.restarted_from(name),
         )
         transitions = [self.ledger.apply(name, event) for event in events]
         if verdict.judged:  # else it saw nothing: the last judged read's process stands

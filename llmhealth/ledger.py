@@ -1352,6 +1352,10 @@ class Ledger:
         """When the last restart's command exited 0 (``RestartRan``), if it did."""
         return self._lookup(name).restart_ran_at
 
+    def restarted_from(self, name: str) -> ProcessSeen | None:
+        """The process the last restart replaced, as it was last read, if it was."""
+        return self._lookup(name).restarted_from
+
     def restart_unproven(self, name: str, now: float) -> bool:
         """Restarted, and the replacement has been neither re-admitted nor seen working
         (nor has its startup grace run out): a restart still under way, as far as

@@ -727,6 +727,56 @@ def test_a_replacement_without_start_times_read_in_watch_is_seen_at_the_next_set
     assert record.ledger.state_of("a") is State.HEALTHY
 
 
+def _heard_then_read(
+    condemned: Signals | None, reads: Sequence[Signals], *, during: Signals | None = None
+) -> FleetRecord:
+    """ "a" condemned on ``condemned`` (None: never read) and restarted at T0, read on
+    ``during`` while its command ran, the command heard exiting 0 at T0 + 5, then idle
+    verdicts answered on ``reads``, 30 s apart."""
+    at = T0
+    urls = {backend.name: backend.url for backend in SHARED_FAULT_FLEET.backends}
+    record = fresh_record(ledger_policy(SHARED_FAULT_FLEET.policy), urls, now=at - 100)
+    target = Target("a", urls["a"])
+
+    def settled(when: float, verdict: Verdict | None, done: Sequence[CommandDone] = ()) -> None:
+        outcomes = [] if verdict is None else [Outcome(target, verdict)]
+        settle(record, SHARED_FAULT_FLEET, outcomes, when, mode=Mode.OFF, audit=None, commands=done)
+
+    if condemned is not None:
+        frozen = Verdict(VerdictKind.WEDGED, False, "wedged", reads=(Read(at - 10, condemned),))
+        record.observe("a", frozen, at - 10)
+    else:
+        record.ledger.apply("a", WedgeProven(now=at - 10))
+    record.ledger.apply("a", RestartIssued(now=at))
+    if during is not None:
+        settled(at + 3, Verdict(VerdictKind.BUSY, True, "busy", reads=(Read(at + 3, during),)))
+    order = RestartOrder("a", urls["a"], ("true",), 60.0, at, "wedged", {})
+    settled(at + 5, None, [CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))])
+    for index, signals in enumerate(reads, start=1):
+        when = at + 5 + index * 30.0
+        answer = Answer(when, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+        read = (Read(when - 1, signals), Read(when, signals))
+        settled(when, Verdict(VerdictKind.IDLE, True, "idle", reads=read, answer=answer))
+    return record
+
+
+def test_the_old_process_still_answering_after_its_restart_command_is_not_its_replacement() -> None:
+    # A command that signals and returns at once (`kubectl rollout restart`): the wedged
+    # process, no start times, still answers /metrics, its counters frozen. Taken for the
+    # replacement it went to STALE, then DEAD on its wedge, a failed restart.
+    old = _serving(10, 1, None)
+    assert _heard_then_read(old, [old, old]).ledger.state_of("a") is State.RESTARTING
+
+
+def test_a_replacement_read_while_its_command_ran_is_seen_once_it_ended() -> None:
+    # Start times, and the old process never read with metrics: the sighting became the
+    # replacement while the command ran, and compared with it the replacement was "the
+    # old one" for good, failed by the grace and restarted though it answered.
+    new = _serving(50, 5, T0 + 2)
+    record = _heard_then_read(None, [new], during=_serving(40, 4, T0 + 2))
+    assert record.ledger.state_of("a") is State.HEALTHY
+
+
 def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown() -> None:
     # One fault shared by every backend: the first one's replacement came up and wedged
     # too, which freed the slot (b, then c restarted, every 80 s) and left its cooldown
