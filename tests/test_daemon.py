@@ -1479,6 +1479,7 @@ def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted
     assert readmitted and "tiny request answered" in json.dumps(readmitted[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["backend", "proxy"])
 def test_a_target_that_turns_our_key_away_is_counted_for_alerts_and_not_condemned(
     entry_point: str, httpserver: HTTPServer, tmp_path: Path, kind: str
