@@ -280,8 +280,11 @@ def process_seen(verdict: Verdict) -> ProcessSeen | None:
     a counter that went back.
     """
     signals = _newest_signals(verdict)
-    if signals is None:
-        return None
+    return None if signals is None else process_of(signals)
+
+
+def process_of(signals: Signals) -> ProcessSeen:
+    """The process a /metrics read shows, as the ledger compares processes."""
     counters = {
         f"engine {engine.engine} {name}": value
         for engine in signals.engines

@@ -426,9 +426,12 @@ class WedgeProven(_SeenEventBase):
 
 @dataclass(frozen=True, kw_only=True)
 class RestartIssued(_EventBase):
-    """Fed before the restart command runs, so a refused attempt never runs it."""
+    """Fed before the restart command runs, so a refused attempt never runs it.
+    ``process``: the process the restart replaces as last read, when the caller knows it
+    (else the one the ledger condemned): its counters may have moved since."""
 
     kind: ClassVar[EventKind] = EventKind.RESTART_ISSUED
+    process: ProcessSeen | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -713,7 +716,9 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         return State.RETIRED, why
     b.restart_times.append(event.now)
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
-    b.restarted_from = b.process
+    b.restarted_from = (
+        event.process if isinstance(event, RestartIssued) and event.process else b.process
+    )
     b.replaced_since_restart = False
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"

@@ -21,7 +21,7 @@ from typing import Any
 from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Config
-from llmhealth.fleet import FleetRecord
+from llmhealth.fleet import FleetRecord, process_of
 from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, RestartRan, State
 from llmhealth.policy import (
     Action,
@@ -190,7 +190,11 @@ def _issue(
     config: Config,
     now: float,
 ) -> RestartOutcome:
-    issued = record.ledger.apply(decision.name, RestartIssued(now=now))
+    # The process as last read, not as condemned: a command that returns before it stops
+    # leaves it answering, and counters it moved since made it look like its replacement.
+    sighting = record.sightings.get(decision.name)
+    last = None if sighting is None or sighting.baseline is None else process_of(sighting.baseline)
+    issued = record.ledger.apply(decision.name, RestartIssued(now=now, process=last))
     if issued.to_state is not State.RESTARTING:  # retired past the budget, or refused
         return RestartOutcome(decision, None if issued.applied else issued.reason)
     history = record.restarts.get(decision.name, RestartHistory())

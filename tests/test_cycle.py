@@ -768,6 +768,34 @@ def test_the_old_process_still_answering_after_its_restart_command_is_not_its_re
     assert _heard_then_read(old, [old, old]).ledger.state_of("a") is State.RESTARTING
 
 
+def test_the_old_process_is_known_as_last_read_not_as_condemned() -> None:
+    # Its counters moved while DEAD (a tiny request it answered): compared with them as
+    # condemned, the old process, still answering after a command that returned at once,
+    # was "another process" and re-admitted as its own replacement.
+    at = T0
+    urls = {backend.name: backend.url for backend in SHARED_FAULT_FLEET.backends}
+    record = fresh_record(ledger_policy(SHARED_FAULT_FLEET.policy), urls, now=at - 100)
+    target = Target("a", urls["a"])
+    frozen = Verdict(
+        VerdictKind.WEDGED, False, "wedged", reads=(Read(at - 20, _serving(100, 10, None)),)
+    )
+    record.observe("a", frozen, at - 20)
+    moved = _serving(101, 11, None)
+    answer = Answer(at - 10, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+    idle = Verdict(VerdictKind.IDLE, True, "idle", reads=(Read(at - 10, moved),), answer=answer)
+    _, orders = settle(
+        record, SHARED_FAULT_FLEET, [Outcome(target, idle)], at, mode=Mode.ACT, audit=None
+    )
+    assert [o.name for o in orders] == ["a"]
+    ran = CommandDone(orders[0], CommandResult(("true",), 0, False, 0.1, "", ""))
+    settle(record, SHARED_FAULT_FLEET, [], at + 5, mode=Mode.OFF, audit=None, commands=[ran])
+    again = Answer(at + 35, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
+    still = (Read(at + 34, moved), Read(at + 35, moved))
+    old = Verdict(VerdictKind.IDLE, True, "idle", reads=still, answer=again)
+    settle(record, SHARED_FAULT_FLEET, [Outcome(target, old)], at + 35, mode=Mode.OFF, audit=None)
+    assert record.ledger.state_of("a") is State.RESTARTING
+
+
 def test_a_replacement_read_while_its_command_ran_is_seen_once_it_ended() -> None:
     # Start times, and the old process never read with metrics: the sighting became the
     # replacement while the command ran, and compared with it the replacement was "the
