@@ -716,9 +716,11 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         return State.RETIRED, why
     b.restart_times.append(event.now)
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
-    b.restarted_from = (
-        event.process if isinstance(event, RestartIssued) and event.process else b.process
-    )
+    if isinstance(event, RestartIssued) and event.process is not None:
+        # The process as last read: compared with it as condemned, one whose counters
+        # moved since held a concurrency place after its command failed.
+        b.process = event.process
+    b.restarted_from = b.process
     b.replaced_since_restart = False
     return State.RESTARTING, (
         f"restart {spent + 1} of {policy.restart_budget} allowed in {_span(window)}"

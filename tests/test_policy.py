@@ -815,6 +815,14 @@ def test_a_replacement_on_a_host_whose_clock_is_behind_still_holds_the_slot() ->
     g.issue("a", T0)
     g.fail("a", T0 + 1)
     assert not g.ledger.restart_unproven("a", T0 + 2)
+    # Nor after its counters moved while DEAD, the restart knowing it as last read.
+    h = fleet("a", "b")
+    h.ledger.apply("a", WedgeProven(now=T0, evidence="no step in 2 waits", process=old))
+    h.condemn("b", T0)
+    moved = ProcessSeen(T0 - 5000, {"steps": 901.0})
+    h.ledger.apply("a", RestartIssued(now=T0, process=moved))
+    h.fail("a", T0 + 1)
+    assert not h.ledger.restart_unproven("a", T0 + 2)
 
 
 def test_a_replacement_that_shows_nothing_new_but_was_seen_new_holds_the_slot() -> None:
