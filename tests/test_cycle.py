@@ -662,15 +662,22 @@ def test_a_replacement_replaced_again_before_it_was_proven_is_judged_as_the_new_
     assert record.ledger.state_of("a") is State.STALE
 
 
+def _restarted_without_start_times(at: float) -> tuple[FleetRecord, CommandDone, Target]:
+    """ "a" restarted at ``at`` after a last read with no start time (vLLM's multiprocess
+    mode): the record, its command's exit 0 to be heard, and the target."""
+    record = _restarted(["a"], at)
+    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
+    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
+    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    return record, ran, Target("a", order.url)
+
+
 def test_a_replacement_without_start_times_is_seen_once_its_command_has_run() -> None:
     # vLLM's multiprocess mode publishes no start time: a cron check saw the replacement's
     # counters past the wedged process's, took it for that process, and failed a working
     # server at the grace ("no new process").
     at = T0
-    record = _restarted(["a"], at)
-    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
-    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
-    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    record, ran, _ = _restarted_without_start_times(at)
     settle(record, SHARED_FAULT_FLEET, [], at + 5, mode=Mode.ACT, audit=None, commands=[ran])
     now = at + 300
     reads = (Read(now - 5, _serving(3000, 100, None)), Read(now, _serving(3100, 104, None)))
@@ -686,14 +693,10 @@ def test_reads_of_the_old_process_settled_after_its_restart_command_are_not_its_
     # and an answer of the process the command was replacing, taken for its replacement,
     # re-admitted unproven.
     at = T0
-    record = _restarted(["a"], at)
-    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
-    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
-    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
+    record, ran, target = _restarted_without_start_times(at)
     old = (Read(at + 20, _serving(10, 1, None)), Read(at + 25, _serving(10, 1, None)))
     answered = Answer(at + 25, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered", reads=old, answer=answered)
-    target = Target("a", "http://10.0.0.0:8000")
     settle(
         record,
         SHARED_FAULT_FLEET,
@@ -711,11 +714,7 @@ def test_a_replacement_without_start_times_read_in_watch_is_seen_at_the_next_set
     # marked the sighting then lost the mark to that verdict, and the replacement, its
     # counters no lower than the wedged process's, was never seen: failed by the grace.
     at = T0
-    record = _restarted(["a"], at)
-    record.sightings["a"] = Sighting(at - 10, True, _serving(10, 1, None))
-    order = RestartOrder("a", "http://10.0.0.0:8000", ("true",), 60.0, at, "wedged", {})
-    ran = CommandDone(order, CommandResult(("true",), 0, False, 0.1, "", ""))
-    target = Target("a", "http://10.0.0.0:8000")
+    record, ran, target = _restarted_without_start_times(at)
     for when, commands in ((at + 35, [ran]), (at + 65, [])):
         reads = (Read(when - 5, _serving(10, 1, None)), Read(when, _serving(10, 1, None)))
         answer = Answer(when, True, "answered in 0.1 s by model tiny", "tiny", ("tiny",))
