@@ -390,14 +390,17 @@ class _Deadline:
         running late, and its answer waiting at the body gate (at most the time elapsed,
         since the two can overlap)."""
         now = self._loop.time()
-        held = self._held + (now - self._held_since if self._held_since is not None else 0.0)
-        return min(self._lateness.since(self._started) + held, now - self._started)
+        return min(self._lateness.since(self._started) + self._held_so_far(), now - self._started)
+
+    def _held_so_far(self) -> float:
+        """Seconds the answer has waited at the body gate, the wait under way included."""
+        if self._held_since is None:
+            return self._held
+        return self._held + self._loop.time() - self._held_since
 
     def why_late(self) -> str:
         """What held this read up, for the evidence: the body gate, or the host."""
-        held = self._held
-        if self._held_since is not None:
-            held += self._loop.time() - self._held_since
+        held = self._held_so_far()
         if held >= self.late / 2:
             return (
                 f"its answer waited {held:.1f} s to be read behind {BODIES_AT_ONCE} slower "
