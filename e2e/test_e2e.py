@@ -203,7 +203,7 @@ def run_with_stacks(argv: list[str], timeout: float) -> subprocess.CompletedProc
 async def probe_twice(url: str) -> list[llmhealth.VerdictKind | None]:
     """Two probe() calls one wait apart, as a controller's loop would make them."""
     fleet = llmhealth.FleetHealth([url])
-    async with llmhealth.Prober(fleet, timeout=15.0) as prober:
+    async with llmhealth.Prober(fleet, wait=4.0, timeout=15.0) as prober:
         first = await prober.probe()
         await asyncio.sleep(5.0)
         second = await prober.probe()

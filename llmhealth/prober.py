@@ -1,8 +1,9 @@
 """A probe pump for a program that runs its own event loop and keeps a FleetHealth.
 
-Each ``await prober.probe()`` reads every serving backend once, concurrently, and judges
-it with the same logic as ``watch``: the wait between two reads is the caller's own loop
-interval, so a call never sleeps. Verdicts go to the fleet through ``record_verdict``.
+Each ``await prober.probe()`` reads every serving backend due a read, concurrently, and
+judges it with the same logic as ``watch``: the caller's own loop sets the pace, so a call
+never sleeps, but a backend is read again only once ``wait`` has passed since its last
+read ended. Verdicts go to the fleet through ``record_verdict``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class _Slot:
     process_changes: int  # the fleet's count when this slot began (FleetHealth.process_changes)
     client: Client
     window: list[Read] = field(default_factory=list)  # this backend's last reads
+    read_ended: float | None = None  # time.monotonic() when its last examination ended
 
 
 class Prober:
@@ -46,12 +48,21 @@ class Prober:
     connections are closed. ``stall``: a ``StallWatch`` to feed with every read, on
     ``time.monotonic`` time; it never acts, it only answers whether the fleet as a whole
     is still finishing requests.
+
+    ``wait``: the least time from the end of one read of a backend to the start of the
+    next; a call sooner leaves the backend unread (undecided). A freeze proves a wedge
+    over two waits, and the verdict logic takes every two of this caller's reads for two
+    full waits: a loop calling every 0.2 s condemned a busy engine whose counters stood
+    still for 0.4 s (one long step), and one calling without a pause spent the 61 reads
+    of a 300 s window in a tenth of a second and condemned it as ``stalled``. The default
+    is ``watch``'s.
     """
 
     def __init__(
         self,
         fleet: FleetHealth,
         *,
+        wait: float = 5.0,
         timeout: float = 5.0,
         answer_timeout: float = 10.0,
         api_key: str | None = None,
@@ -76,6 +87,7 @@ class Prober:
             raise ValueError(f"model must be a model name or None, got {model!r}")
         self._fleet = fleet
         self._settings = ProbeSettings(
+            wait=seconds_argument(wait, "wait"),
             timeout=seconds_argument(timeout, "timeout"),
             answer_timeout=seconds_argument(answer_timeout, "answer_timeout"),
         )
@@ -91,8 +103,9 @@ class Prober:
         return self._stall
 
     async def probe(self) -> list[ProbeResult]:
-        """One read of each serving backend (and a tiny request to an idle one), judged and
-        fed to the fleet. A backend out of the serving set is not probed: an answer would
+        """One read of each serving backend due one (and a tiny request to an idle one),
+        judged and fed to the fleet; one read less than ``wait`` ago is left undecided,
+        unread. A backend out of the serving set is not probed: an answer would
         not bring it back, and its next reads start afresh. The exception is a DEAD one
         when the policy allows recovery in place: its own process may prove itself.
 
@@ -122,9 +135,16 @@ class Prober:
         keys = self._targets()
         for key in [k for k in self._slots if k not in keys]:
             await self._slots.pop(key).client.aclose()
-        verdicts = await asyncio.gather(*(self._examine(key) for key in keys))
+        now = time.monotonic()
+        unread = {key: why for key in keys if (why := self._not_due(key, now)) is not None}
+        due = [key for key in keys if key not in unread]
+        verdicts = dict(zip(due, await asyncio.gather(*map(self._examine, due)), strict=True))
         results = []
-        for key, verdict in zip(keys, verdicts, strict=True):
+        for key in keys:
+            if key in unread:
+                results.append(ProbeResult(key, None, unread[key], ()))
+                continue
+            verdict = verdicts[key]
             if verdict is None:
                 results.append(ProbeResult(key, None, "undecided: needs the next read", ()))
                 continue
@@ -138,6 +158,19 @@ class Prober:
         if self._stall is not None:
             self._stall.observe(self._newest_signals(), time.monotonic())
         return results
+
+    def _not_due(self, key: Key, now: float) -> str | None:
+        """Why a backend is not read in this call (its last read ended less than ``wait``
+        ago), or None when it is due. A new or moved backend is due at once: its reads
+        start afresh."""
+        slot = self._slots.get(key)
+        if slot is None or slot.read_ended is None or self._moved(key):
+            return None
+        wait = self._settings.wait
+        ago = now - slot.read_ended
+        if ago >= wait:
+            return None
+        return f"undecided: read {ago:.1f} s ago; read again once {wait:g} s have passed"
 
     def _moved(self, key: Key) -> bool:
         """Whether the backend is no longer what its slot read: at another address, or
@@ -187,7 +220,10 @@ class Prober:
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         # Reads on the wall clock, as check's and watch's: a process's age is a read's
         # time less its start time, which vLLM publishes in seconds since the epoch.
-        return await examine_once(slot.client, target, self._settings, slot.window)
+        try:
+            return await examine_once(slot.client, target, self._settings, slot.window)
+        finally:
+            slot.read_ended = time.monotonic()
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

@@ -1,6 +1,7 @@
 """The Prober feeding a FleetHealth from inside the caller's loop, against real simulated
-vLLM processes. Between two probe() calls the test sleeps as a controller's loop would:
-that interval is the wait between reads, never an assertion about time."""
+vLLM processes. Between two probe() calls the test sleeps as a controller's loop would,
+a little longer than the Prober's wait, so each call reads: never an assertion about
+time."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import asyncio
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 
 import pytest
+from pytest_httpserver import HTTPServer
 from simproc import running_simulator
+from werkzeug import Request, Response
 
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
 
 INTERVAL = 0.4  # the controller's probe interval in these tests
+WAIT = 0.3  # the Prober's least time between two reads of a backend, inside INTERVAL
 MAX_ROUNDS = 30  # bounds every loop that waits for the fleet to reach a state
 
 
@@ -33,7 +38,7 @@ async def probe_until(
 def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
     async def main(urls: list[str]) -> tuple[list[ProbeResult], list[ProbeResult]]:
         fleet = FleetHealth(urls)
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             first = await prober.probe()
             await asyncio.sleep(INTERVAL)
             second = await prober.probe()
@@ -51,7 +56,7 @@ def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
 def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     async def main(urls: list[str]) -> FleetHealth:
         fleet = FleetHealth(urls)
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             rounds = await probe_until(prober, fleet, 0, State.DEAD)
             assert rounds[-1][0].verdict is VerdictKind.WEDGED
             assert [r.key for r in await prober.probe()] == []
@@ -69,7 +74,7 @@ def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
     async def main(urls: list[str]) -> tuple[FleetHealth, list[list[ProbeResult]]]:
         fleet = FleetHealth(urls)
         rounds = []
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             for _ in range(5):
                 rounds.append(await prober.probe())
                 await asyncio.sleep(INTERVAL)
@@ -85,7 +90,7 @@ def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
 def test_a_backend_that_restarted_by_itself_is_stale_until_a_refit() -> None:
     async def main(urls: list[str]) -> FleetHealth:
         fleet = FleetHealth(urls)
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             await probe_until(prober, fleet, 0, State.STALE)
             # Answering probes proves nothing about the weights it loaded at start.
             for _ in range(3):
@@ -105,7 +110,7 @@ def test_a_backend_that_went_away_is_counted_down_to_dead() -> None:
 
     async def main() -> list[list[ProbeResult]]:
         fleet = FleetHealth([url], policy=FleetPolicy(unhealthy_threshold=3))
-        async with Prober(fleet, timeout=1.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=1.0) as prober:
             return await probe_until(prober, fleet, 0, State.DEAD)
 
     rounds = asyncio.run(main())
@@ -120,7 +125,7 @@ def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place(
 
     async def main(url: str, recover: bool) -> tuple[FleetHealth, int]:
         fleet = FleetHealth([url], policy=FleetPolicy(recover_in_place=recover))
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             await prober.probe()  # idle: the ledger learns which process this is
             for _ in range(3):
                 fleet.report_failure(0, "500 from a generation")
@@ -150,7 +155,7 @@ def test_a_replacement_loaded_and_refit_between_two_probes_is_not_taken_for_a_re
 
     async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
         fleet = FleetHealth([url])
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             assert (await prober.probe())[0].verdict is VerdictKind.IDLE
             await asyncio.sleep(INTERVAL)
             fleet.record_actor_death(0, "ActorDiedError")
@@ -177,7 +182,7 @@ def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
     async def main(urls: list[str]) -> StallWatch:
         stall = StallWatch(started_at=time.monotonic())
         fleet = FleetHealth(urls)
-        async with Prober(fleet, timeout=2.0, stall=stall) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, stall=stall) as prober:
             for _ in range(MAX_ROUNDS):
                 await prober.probe()
                 if stall.last_finished_at is not None:
@@ -192,11 +197,42 @@ def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
     assert not stall.stalled(time.monotonic(), 3600.0)
 
 
+@pytest.mark.parametrize("argument", ["timeout", "wait"])
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, 3601])
-def test_a_prober_with_a_bad_timeout_is_refused(bad: float) -> None:
-    """An infinite one let a hung backend hold ``probe()`` for ever."""
-    with pytest.raises(ValueError, match="timeout"):
-        Prober(FleetHealth(["http://127.0.0.1:9"]), timeout=bad)
+def test_a_prober_with_a_bad_timeout_or_wait_is_refused(argument: str, bad: float) -> None:
+    """An infinite timeout let a hung backend hold ``probe()`` for ever; a wait of 0
+    would let two reads of one instant count as two waits."""
+    with pytest.raises(ValueError, match=argument):
+        Prober(FleetHealth(["http://127.0.0.1:9"]), **{argument: bad})  # type: ignore[arg-type]
+
+
+def test_calls_in_a_tight_loop_read_a_busy_engine_once_per_wait_and_never_condemn_it(
+    httpserver: HTTPServer, fixture_text: Callable[[str], str]
+) -> None:
+    """A controller that probed in a tight loop read a busy engine whose counters stood
+    still for a moment (one long step) 61 times in a tenth of a second: ``stalled``, three
+    times, and DEAD; one calling every 0.2 s proved it wedged over 0.4 s. Each read counted
+    as a full wait. Now a backend is read again only once the wait has passed."""
+    busy = fixture_text("vllm-0.32/busy-1.txt")
+    reads = []
+
+    def metrics(request: Request) -> Response:
+        reads.append(request.path)
+        return Response(busy, content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+
+    async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
+        fleet = FleetHealth([url])
+        async with Prober(fleet, timeout=2.0) as prober:
+            results = [result for _ in range(70) for result in await prober.probe()]
+        return fleet, results
+
+    fleet, results = asyncio.run(main(httpserver.url_for("").rstrip("/")))
+    assert len(reads) == 1
+    assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
+    assert {result.verdict for result in results} == {None}
+    assert "read again once 5 s have passed" in results[-1].evidence
 
 
 @pytest.mark.parametrize(
@@ -228,7 +264,7 @@ def test_two_probes_at_once_are_refused_not_read_as_the_backends_failure() -> No
 
     async def main(url: str) -> tuple[list[ProbeResult], BaseException | list[ProbeResult]]:
         fleet = FleetHealth([url])
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
             first, second = await asyncio.gather(
                 prober.probe(), prober.probe(), return_exceptions=True
             )
@@ -249,7 +285,7 @@ def test_a_prober_called_from_one_runner_proves_a_wedge_and_from_a_new_loop_says
     is refused at once."""
     with running_simulator(["wedge:0.5"]) as sim:
         fleet = FleetHealth(sim.urls)
-        prober = Prober(fleet, timeout=2.0, answer_timeout=2.0)
+        prober = Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0)
         with asyncio.Runner() as runner:
             for _ in range(MAX_ROUNDS):
                 results = runner.run(prober.probe())
@@ -269,7 +305,7 @@ def test_a_verdict_read_while_the_caller_rebuilt_the_backend_is_not_its_replacem
 
     async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
         fleet = FleetHealth([url])
-        async with Prober(fleet, timeout=2.0, answer_timeout=2.0) as prober:
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
 
             async def rebuild_while_read() -> None:
                 await asyncio.sleep(0)  # the read has started: its slot is taken
