@@ -73,10 +73,13 @@ class WireResponse:
     body: bytes
 
 
-# A kept connection whose last answer ended longer ago than this is not trusted with a
-# request that may not be sent twice: a server closes an idle connection on its own clock
-# (uvicorn's: 5 s), and the close may cross the request. The tiny request follows its
-# GET /v1/models at once, so it keeps that connection; one that waited goes on a new one.
+# A kept connection whose last request went out longer ago than this is not trusted with
+# a request that may not be sent twice: a server closes an idle connection on its own
+# clock (uvicorn's: 5 s), and the close may cross the request. The tiny request follows
+# its GET /v1/models at once, so it keeps that connection; one that waited goes on a new
+# one. Counted from the request, not from reading its answer: the server's clock starts
+# when it sent the answer, which an event loop busy with thousands of other reads may
+# read seconds later, and the answer cannot have been sent before the request.
 _WARM = 1.0
 
 # Called with the status and headers before the body is read; what it raises ends the
@@ -113,7 +116,8 @@ class Connection:
         # times idle connections out no later than our pause between two requests, which
         # the caller may shorten to keep the connection (probe.KEEP_ALIVE_LEAD).
         self.idle_closes = 0
-        self._answered_at: float | None = None  # the event loop's time of the last answer
+        # The event loop's time the last request on this connection went out (_WARM).
+        self._last_sent_at: float | None = None
 
     async def request(
         self,
@@ -132,7 +136,7 @@ class Connection:
         and only for a method that may be sent twice: the tiny request (a POST) the server
         may have begun is never sent again, or a server that took it and died would be
         judged by a second generation's answer; it goes on a fresh connection unless the
-        kept one answered just now (``_WARM``).
+        kept one's last request went out just now (``_WARM``).
 
         ``body`` is sent as JSON, ``headers`` added to the request's own.
         """
@@ -143,8 +147,8 @@ class Connection:
         request = self._request_bytes(method, parts, body, headers or {})
         loop = asyncio.get_running_loop()
         bound = _Deadline(loop, deadline)
-        answered = self._answered_at
-        if method not in http1.IDEMPOTENT and (answered is None or loop.time() - answered > _WARM):
+        sent = self._last_sent_at
+        if method not in http1.IDEMPOTENT and (sent is None or loop.time() - sent > _WARM):
             await self.aclose()  # this request may not be sent again: see _WARM
         while True:
             reused = self._origin == origin and self._writer is not None
@@ -232,7 +236,7 @@ class Connection:
 
     async def aclose(self) -> None:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
-        self._answered_at = None
+        self._last_sent_at = None
         if writer is not None:
             writer.close()
             _drop_own_callback(writer.transport)
@@ -301,6 +305,7 @@ class Connection:
         # subclass asyncio's.
         transport = cast("asyncio.ReadTransport", writer.transport)
         _set_read_size(transport, _HEAD_READ_SIZE)
+        sent_at = asyncio.get_running_loop().time()
         writer.write(request)
         status, headers, keep_alive = await _read_head(reader, progress)
         if "transfer-encoding" in headers and "content-length" in headers:
@@ -323,7 +328,7 @@ class Connection:
                 # rather than be found closed by the next read and taken for an idle close.
                 await self.aclose()
             else:
-                self._answered_at = asyncio.get_running_loop().time()
+                self._last_sent_at = sent_at
             # Released on return: the caller parses the body before its task next waits,
             # so what the gate bounds is bodies read and not yet parsed.
             return WireResponse(status, headers, body)

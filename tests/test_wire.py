@@ -368,6 +368,48 @@ def test_a_post_goes_on_a_connection_that_answered_just_now_or_on_a_fresh_one(
     assert (opened, idle_closes) == (connections, 0)
 
 
+_STARVED = 1.2  # longer than wire._WARM and than the keep-alive of the server below
+
+
+def test_a_post_after_an_answer_read_late_goes_on_a_fresh_connection() -> None:
+    """The server's keep-alive runs from when it sent its answer, not from when a busy
+    event loop got round to reading it: at 10,000 backends in one loop, the tiny request
+    followed its /v1/models "just now" by our reading, the server had already given up on
+    the connection, and about 2,000 of 2,500 idle backends were judged ``unanswered``."""
+    keep_alive = 0.5  # this server's: a request later than this after an answer is refused
+    opened = []
+
+    def closes_idle_connections(connection: socket.socket, number: int) -> None:
+        opened.append(number)
+        answered_at = None
+        while read_request(connection):
+            if answered_at is not None and time.monotonic() - answered_at > keep_alive:
+                return  # its idle close, crossing the request on the wire
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            answered_at = time.monotonic()
+
+    def starved(_status: int, _headers: object) -> None:
+        time.sleep(_STARVED)  # other targets' work held the loop as the answer came
+
+    async def run(url: str) -> WireResponse:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request(
+                "GET", url, deadline=loop.time() + 5, max_bytes=100, accept=starved
+            )
+            return await connection.request(
+                "POST", url, deadline=loop.time() + 5, max_bytes=100, body=b"{}"
+            )
+        finally:
+            await connection.aclose()
+
+    with tcp_server(closes_idle_connections) as (url, _):
+        answer = eventloop.run(run(f"{url}/v1/completions"))
+    assert answer.body == b"{}"
+    assert opened == [0, 1]
+
+
 def test_a_head_cut_off_on_a_kept_connection_is_the_servers_failure_not_an_idle_close() -> None:
     attempts = []
 
