@@ -350,7 +350,7 @@ def test_a_post_the_server_took_on_a_kept_connection_is_never_sent_twice() -> No
 
 
 @pytest.mark.parametrize(("pause", "connections"), [(0.0, [0]), (1.5, [0, 1])])
-def test_a_post_goes_on_a_connection_that_answered_just_now_or_on_a_fresh_one(
+def test_a_post_goes_on_a_connection_just_used_or_on_a_fresh_one(
     pause: float, connections: list[int]
 ) -> None:
     # A kept connection idle for a while may be closed by the server as the POST goes
