@@ -52,7 +52,10 @@ async def rollout(client: httpx.AsyncClient, fleet: FleetHealth, selector: Selec
 
 
 async def probe_pump(prober: Prober, stall: StallWatch, interval: float) -> None:
-    """seed 001's probe loop: every interval, probe, then ask whether the fleet progresses."""
+    """seed 001's probe loop: every interval, probe, then ask whether the fleet progresses.
+
+    The Prober reads each backend at most once per its own wait (5 s by default), however
+    short this interval: two reads are two waits to the verdict logic."""
     while True:
         for result in await prober.probe():
             for t in result.transitions:

@@ -175,8 +175,9 @@ def decide(
     ``paced_wait``: the period of a caller that reads on a schedule (``watch``), where a
     read answered late is followed at once by the next one on time. Two waits are then
     counted in reads but may have lasted one: a freeze proves a wedge only once it spans
-    ``PACED_SPAN`` such waits. 0 (``check``, the library's ``Prober``): the caller waits
-    its full interval after each answer, so every two reads are two waits apart.
+    ``PACED_SPAN`` such waits (``watch``'s reading tasks and the library's ``Prober``).
+    0 (``check``): the caller waits its full interval after each answer, so every two
+    reads are two waits apart.
     """
     if not reads:
         return TakeRead("first read")

@@ -130,9 +130,9 @@ class ProbeSettings:
 
     @property
     def paced_read_limit(self) -> int:
-        """``read_limit`` for reads on a schedule (``watch``), which starts a read up to
-        ``KEEP_ALIVE_LEAD`` of a wait early: as many as span ``max_check_time`` at that
-        pace. The 61 reads of the defaults came 4.8 s apart and spanned 288 s, short of
+        """``read_limit`` for reads on a schedule (``watch``, the ``Prober``), which start
+        up to ``KEEP_ALIVE_LEAD`` of a wait early: as many as span ``max_check_time`` at
+        that pace. The 61 reads of the defaults came 4.8 s apart and spanned 288 s, short of
         a 300 s window (``startup_wedge_after``): a young engine's wedge was proven only
         once its startup grace had ended, 10 min later."""
         if self.max_reads is not None or self.wait <= 0:
@@ -485,7 +485,6 @@ async def examine_once(
     baseline: Signals | None = None,
     learned: LongestStep | None = None,
     cpu: LocalCpu | None = None,
-    paced: bool = False,
 ) -> Verdict | None:
     """One read for the watch loop, judged with the reads of earlier cycles.
 
@@ -493,11 +492,12 @@ async def examine_once(
     sleeping here: ``window`` keeps this backend's last reads across cycles (as many as
     ``max_check_time`` holds, so a long wedge window is covered). None means "not
     decided yet" (a first read that shows work, or a freeze still inside its window),
-    never a failure: failures are verdicts. ``paced``: reads start every ``settings.wait``
-    whenever the last one ended (``watch``), not a full wait after it (the ``Prober``,
-    whose caller's interval is the wait): see ``decide``'s ``paced_wait``.
+    never a failure: failures are verdicts. Its callers (``watch``'s reading tasks, the
+    ``Prober``) start a read every ``settings.wait`` (up to ``KEEP_ALIVE_LEAD`` of it
+    early) whenever the last one ended, not a full wait after it: see ``decide``'s
+    ``paced_wait``.
     """
-    limit = settings.paced_read_limit if paced else settings.read_limit
+    limit = settings.paced_read_limit
     answer_wanted = settings.wants_answer(target.name)
 
     async def read_into_window() -> None:
@@ -514,7 +514,7 @@ async def examine_once(
             learned=learned,
             rules=target.rules,
             answer_wanted=answer_wanted,
-            paced_wait=settings.wait if paced else 0.0,
+            paced_wait=settings.wait,
         )
 
     try:

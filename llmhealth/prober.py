@@ -3,7 +3,7 @@
 Each ``await prober.probe()`` reads every serving backend due a read, concurrently, and
 judges it with the same logic as ``watch``: the caller's own loop sets the pace, so a call
 never sleeps, but a backend is read again only once ``wait`` has passed since its last
-read ended. Verdicts go to the fleet through ``record_verdict``.
+read began, as ``watch`` reads it. Verdicts go to the fleet through ``record_verdict``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import State, Transition
 from llmhealth.metrics import Signals
-from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
+from llmhealth.probe import (
+    KEEP_ALIVE_LEAD,
+    Client,
+    ProbeSettings,
+    examine_once,
+    new_client,
+    seconds_argument,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,24 +45,26 @@ class _Slot:
     process_changes: int  # the fleet's count when this slot began (FleetHealth.process_changes)
     client: Client
     window: list[Read] = field(default_factory=list)  # this backend's last reads
-    read_ended: float | None = None  # time.monotonic() when its last examination ended
+    read_started: float | None = None  # time.monotonic() when its last examination began
 
 
 class Prober:
-    """Probes a FleetHealth's serving backends once per call and feeds it the verdicts.
+    """Probes a FleetHealth's serving backends, each at most once per wait, and feeds it
+    the verdicts.
 
     Use as ``async with Prober(fleet) as prober:`` (or call ``aclose``) so its
     connections are closed. ``stall``: a ``StallWatch`` to feed with every read, on
     ``time.monotonic`` time; it never acts, it only answers whether the fleet as a whole
     is still finishing requests.
 
-    ``wait``: the least time from the end of one read of a backend to the start of the
-    next; a call sooner leaves the backend unread (undecided). A freeze proves a wedge
-    over two waits, and the verdict logic takes every two of this caller's reads for two
-    full waits: a loop calling every 0.2 s condemned a busy engine whose counters stood
-    still for 0.4 s (one long step), and one calling without a pause spent the 61 reads
-    of a 300 s window in a tenth of a second and condemned it as ``stalled``. The default
-    is ``watch``'s.
+    ``wait``: the least time from the start of one read of a backend to the start of the
+    next, as ``watch`` paces its reads (up to ``KEEP_ALIVE_LEAD`` of it early, so a loop
+    whose interval is the wait, from each call's start or after it returns, reads every
+    time); a call sooner leaves the backend unread (undecided). A freeze proves a wedge
+    over two waits: when every call read, a loop calling every 0.2 s condemned a busy
+    engine whose counters stood still for 0.4 s (one long step), and one calling without
+    a pause spent the 61 reads of a 300 s window in a tenth of a second and condemned it
+    as ``stalled``. The default is ``watch``'s.
     """
 
     def __init__(
@@ -160,15 +169,15 @@ class Prober:
         return results
 
     def _not_due(self, key: Key, now: float) -> str | None:
-        """Why a backend is not read in this call (its last read ended less than ``wait``
+        """Why a backend is not read in this call (its last read began less than a wait
         ago), or None when it is due. A new or moved backend is due at once: its reads
         start afresh."""
         slot = self._slots.get(key)
-        if slot is None or slot.read_ended is None or self._moved(key):
+        if slot is None or slot.read_started is None or self._moved(key):
             return None
         wait = self._settings.wait
-        ago = now - slot.read_ended
-        if ago >= wait:
+        ago = now - slot.read_started
+        if ago >= wait * (1 - KEEP_ALIVE_LEAD):
             return None
         return f"undecided: read {ago:.1f} s ago; read again once {wait:g} s have passed"
 
@@ -220,10 +229,8 @@ class Prober:
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         # Reads on the wall clock, as check's and watch's: a process's age is a read's
         # time less its start time, which vLLM publishes in seconds since the epoch.
-        try:
-            return await examine_once(slot.client, target, self._settings, slot.window)
-        finally:
-            slot.read_ended = time.monotonic()
+        slot.read_started = time.monotonic()
+        return await examine_once(slot.client, target, self._settings, slot.window)
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

@@ -210,7 +210,6 @@ class ReadTasks:
                         baseline=baseline,
                         learned=learned,
                         cpu=cpu,
-                        paced=True,
                     )
                     if verdict is not None:
                         learned = longer(learned, verdict.longest_step)

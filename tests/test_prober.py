@@ -67,6 +67,30 @@ def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     assert fleet.snapshot()[0].condemned_by == "wedged"
 
 
+def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call() -> None:
+    """A ticker whose interval is the wait, counted from each call's start: reads paced
+    from the end of the last one left every other call unread, so verdicts took twice
+    as long as the caller asked for."""
+
+    async def main(url: str) -> list[ProbeResult]:
+        fleet = FleetHealth([url])
+        loop = asyncio.get_running_loop()
+        results = []
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            for _ in range(4):
+                started = loop.time()
+                results += await prober.probe()
+                await asyncio.sleep(max(0.0, started + WAIT - loop.time()))
+        return results
+
+    with running_simulator(["idle"]) as sim:
+        results = asyncio.run(main(sim.urls[0]))
+        with urllib.request.urlopen(f"{sim.urls[0]}/sim/stats", timeout=5) as answer:
+            metrics_reads = json.load(answer)["metrics_reads"]
+    assert [result.verdict for result in results] == [VerdictKind.IDLE] * 4, results
+    assert metrics_reads == 4
+
+
 def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
     # The Prober stamped its reads with the monotonic clock: a process's age (read time
     # less its wall-clock start) came out about -1.8e9 s, not young, and a new engine
@@ -132,10 +156,10 @@ def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place(
             assert fleet.state_of(0) is State.DEAD
             probed = 0
             for _ in range(4):
+                await asyncio.sleep(INTERVAL)
                 probed += len(await prober.probe())
                 if fleet.state_of(0) is not State.DEAD:
                     break
-                await asyncio.sleep(INTERVAL)
         return fleet, probed
 
     with running_simulator(["idle"]) as sim:
@@ -222,17 +246,23 @@ def test_calls_in_a_tight_loop_read_a_busy_engine_once_per_wait_and_never_condem
 
     httpserver.expect_request("/metrics").respond_with_handler(metrics)
 
-    async def main(url: str) -> tuple[FleetHealth, list[ProbeResult]]:
+    async def main(url: str) -> tuple[FleetHealth, list[ProbeResult], int]:
         fleet = FleetHealth([url])
-        async with Prober(fleet, timeout=2.0) as prober:
+        async with Prober(fleet, timeout=2.0) as prober:  # watch's wait, 5 s
             results = [result for _ in range(70) for result in await prober.probe()]
-        return fleet, results
+        read_by_the_first = len(reads)
+        # Once its wait has passed, a backend is read again.
+        async with Prober(fleet, wait=WAIT, timeout=2.0) as prober:
+            for _ in range(2):
+                results += await prober.probe()
+                await asyncio.sleep(WAIT)
+        return fleet, results, read_by_the_first
 
-    fleet, results = asyncio.run(main(httpserver.url_for("").rstrip("/")))
-    assert len(reads) == 1
+    fleet, results, read_by_the_first = asyncio.run(main(httpserver.url_for("").rstrip("/")))
+    assert (read_by_the_first, len(reads)) == (1, 3)
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
     assert {result.verdict for result in results} == {None}
-    assert "read again once 5 s have passed" in results[-1].evidence
+    assert "read again once 5 s have passed" in results[69].evidence
 
 
 @pytest.mark.parametrize(
