@@ -67,13 +67,19 @@ class ReadProblem(StrEnum):
 @pickled_as_a_call
 @dataclass(frozen=True, slots=True)
 class Read:
-    """One GET /metrics: when it was taken, and either its signals or what went wrong."""
+    """One GET /metrics: when it was taken, and either its signals or what went wrong.
+
+    ``at`` is when the answer was in; ``sent``, where known, when the request went out,
+    on the same clock. The server's text is from between the two: an event loop seconds
+    behind (thousands of reads at once) takes an answer in long after it was written.
+    """
 
     at: float
     signals: Signals | None = None
     problem: ReadProblem | None = None
     detail: str = ""
     cpu: CpuSample | None = None  # the engine's local CPU time, when it runs on this host
+    sent: float | None = None
 
 
 @pickled_as_a_call
@@ -385,7 +391,7 @@ def _judge_freeze(
     waits are stopped or deadlocked, whatever their window; CPU used proves nothing.
     """
     frozen = reads[-1 - streak :]
-    elapsed = frozen[-1].at - frozen[0].at
+    elapsed = _stood_still(frozen)
     window = window_for(reads, freeze.learned, freeze.rules)
     if elapsed < freeze.least_span:
         # A read answered late and the next on schedule: the reads of two waits came
@@ -437,6 +443,16 @@ def _judge_freeze(
         )
     short = f"short of its window {window.seconds:g} s ({window.why}){cpu_text}"
     return _stalled(reads, worst, streak, elapsed, short)
+
+
+def _stood_still(frozen: Sequence[Read]) -> float:
+    """How long an engine surely stood still over reads that all show it as it was: from
+    the first one's arrival to when the newest was asked for. Both taken on arrival, a
+    loop that took the newest in seconds late (its lateness forgiven by the read's
+    deadline) stretched a 7 s freeze past the 7.5 s two waits need, and into a wedge."""
+    newest = frozen[-1]
+    asked = newest.at if newest.sent is None else newest.sent
+    return asked - frozen[0].at
 
 
 def _stalled(

@@ -304,6 +304,7 @@ async def read_metrics(
 ) -> Read:
     """One GET /metrics, as a Read; never raises for anything the server does."""
     url = f"{target.url}/metrics"
+    sent = clock()
     try:
         response = await _request(
             client, "GET", url, timeout=settings.timeout, max_bytes=settings.max_body
@@ -339,7 +340,7 @@ async def read_metrics(
         # false of a text too long to read, as one showing work could be).
         said = f": {'; '.join(signals.notes)}" if signals.notes else " without vLLM series"
         detail = f"GET /metrics sent {len(response.body)} bytes ({kind}){said}"
-    return Read(clock(), signals=signals, detail=detail)
+    return Read(clock(), signals=signals, detail=detail, sent=sent)
 
 
 async def list_models(

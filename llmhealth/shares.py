@@ -77,6 +77,8 @@ def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
 
 def _read_to_dict(read: Read) -> dict[str, Any]:
     document: dict[str, Any] = {"at": read.at}
+    if read.sent is not None:
+        document["sent"] = read.sent
     if read.problem is not None:
         document["problem"] = str(read.problem)
     if read.detail:
@@ -191,6 +193,7 @@ def _read_from_dict(data: object, where: str) -> Read:
         problem=None if problem is None else ReadProblem(str(problem)),
         detail=printable(str(table.get("detail", ""))),
         cpu=cpu,
+        sent=_optional(table, "sent", where),
     )
 
 

@@ -313,6 +313,30 @@ def test_two_reads_in_one_wait_of_a_paced_reader_are_not_two_waits(fixture_text:
     assert decide(on_time, **paced).kind is VerdictKind.WEDGED  # type: ignore[arg-type,union-attr]
 
 
+def test_a_freeze_lasts_until_the_newest_read_was_asked_for_not_until_it_was_taken_in(
+    fixture_text: Load,
+) -> None:
+    """A read stamped when its answer was taken in carried its own event loop's lateness
+    (seconds, at thousands of backends): a freeze shorter than two waits was stretched
+    past them, and a working engine in one long step was proven wedged."""
+    first, second, third = (
+        parse_metrics(capture(fixture_text, name)) for name in ("wedge-1", "wedge-2", "wedge-3")
+    )
+    paced = {"paced_wait": 2.0, "max_reads": 61}  # two waits: 3 s at least
+    # The first answer was slow; the third was in at T0 + 2.35 but taken in at T0 + 3.2.
+    reads = [
+        Read(T0, first, sent=T0 - 1.5),
+        Read(T0 + 0.43, second, sent=T0 + 0.42),
+        Read(T0 + 3.2, third, sent=T0 + 2.34),
+    ]
+    undecided = decide(reads, **paced)  # type: ignore[arg-type]
+    assert isinstance(undecided, TakeRead), undecided
+    assert "in 2.3 s, less than 3 s of waits" in undecided.reason
+    # Without when it was asked for (a read from before the field), as it was taken in.
+    unsent = [replace(read, sent=None) for read in reads]
+    assert decide(unsent, **paced).kind is VerdictKind.WEDGED  # type: ignore[arg-type,union-attr]
+
+
 def test_a_wedge_is_reported_with_the_frozen_numbers(fixture_text: Load) -> None:
     verdict = walk(reads_of(fixture_text, "wedge-1", "wedge-2", "wedge-3")).verdict
     for fact in (

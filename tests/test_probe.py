@@ -710,6 +710,24 @@ def test_a_text_too_long_to_read_says_so_not_that_it_has_no_vllm_series(
     assert "without vLLM series" not in read.detail
 
 
+def test_a_read_knows_when_it_was_asked_for_as_well_as_when_it_was_in(
+    httpserver: HTTPServer,
+) -> None:
+    """A freeze is measured to when its newest read was asked for (classify): its answer
+    may be taken in seconds later by a loop running behind."""
+    httpserver.expect_request("/metrics").respond_with_data(capture("busy-1"))
+    ticks = iter([100.0, 101.5])  # the clock as the request goes out, then as it is in
+
+    async def read_it(url: str) -> Read:
+        async with new_client() as client:
+            settings = ProbeSettings(wait=0.0, timeout=2.0, answer_timeout=1.0)
+            return await read_metrics(client, Target("b", url), settings, lambda: next(ticks))
+
+    read = asyncio.run(read_it(httpserver.url_for("").rstrip("/")))
+    assert read.signals is not None
+    assert (read.sent, read.at) == (100.0, 101.5)
+
+
 async def _read_once(url: str, settings: ProbeSettings) -> Read:
     async with new_client() as client:
         return await read_metrics(client, Target("b", url), settings, FakeClock())
