@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import ipaddress
 import os
 import socket
 import ssl
@@ -27,7 +29,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from functools import cache
 from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
@@ -81,6 +82,9 @@ class WireResponse:
 # when it sent the answer, which an event loop busy with thousands of other reads may
 # read seconds later, and the answer cannot have been sent before the request.
 _WARM = 1.0
+
+# What a read waited for on this process's account, in words, given the seconds.
+_Why = Callable[[float], str]
 
 # Called with the status and headers before the body is read; what it raises ends the
 # read (the connection is closed) and reaches the caller unchanged.
@@ -286,9 +290,7 @@ class Connection:
         if self._origin != origin or self._writer is None:
             await self.aclose()
             scheme, host, port = origin
-            self._reader, self._writer = await asyncio.open_connection(
-                host, port, limit=MAX_HEAD_BYTES
-            )
+            self._reader, self._writer = await _open(host, port, bound)
             self._origin = origin
             progress.connected = True
             if scheme == "https":
@@ -362,8 +364,10 @@ class _Deadline:
         self._granted = 0.0  # added to the deadline so far
         self._timeout: asyncio.Timeout | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._held = 0.0  # seconds the answer waited at the body gate, finished waits
-        self._held_since: float | None = None  # the wait under way began
+        # Seconds the read waited on this process's own account (its name looked up, its
+        # answer at the body gate), by what it waited for; and the wait under way.
+        self._held: dict[_Why, float] = {}
+        self._holding: tuple[_Why, float] | None = None
         self.late = 0.0  # how late this loop ran since the request began, when cut off
         self.starved = False
 
@@ -381,14 +385,16 @@ class _Deadline:
             self._timer.cancel()
         self._timer = self._timeout = None
 
-    def hold(self) -> None:
-        """The answer waits for the body gate from now."""
-        self._held_since = self._loop.time()
+    def hold(self, why: _Why) -> None:
+        """The read waits on this process's account from now: ``why`` says for what, given
+        the seconds, in the evidence of a read cut off by it."""
+        self._holding = (why, self._loop.time())
 
     def unhold(self) -> None:
-        if self._held_since is not None:
-            self._held += self._loop.time() - self._held_since
-            self._held_since = None
+        if self._holding is not None:
+            what, since = self._holding
+            self._held[what] = self._held.get(what, 0.0) + self._loop.time() - since
+            self._holding = None
 
     def late_so_far(self) -> float:
         """Seconds of the request that were this process's, not the server's: its loop
@@ -397,20 +403,27 @@ class _Deadline:
         now = self._loop.time()
         return min(self._lateness.since(self._started) + self._held_so_far(), now - self._started)
 
+    def _held_by(self) -> dict[_Why, float]:
+        """Seconds the read has waited on this process's account, by what for, the wait
+        under way included."""
+        held = dict(self._held)
+        if self._holding is not None:
+            what, since = self._holding
+            held[what] = held.get(what, 0.0) + self._loop.time() - since
+        return held
+
     def _held_so_far(self) -> float:
-        """Seconds the answer has waited at the body gate, the wait under way included."""
-        if self._held_since is None:
-            return self._held
-        return self._held + self._loop.time() - self._held_since
+        return sum(self._held_by().values())
 
     def why_late(self) -> str:
-        """What held this read up, for the evidence: the body gate, or the host."""
-        held = self._held_so_far()
-        if held >= self.late / 2:
-            return (
-                f"its answer waited {held:.1f} s to be read behind {BODIES_AT_ONCE} slower "
-                "answers (llmhealth reads that many bodies at once)"
-            )
+        """What held this read up, for the evidence: the host, when its loop ran late for
+        half of it (a wait for a lookup or the gate then overlaps the loop's own
+        lateness), else what it waited for longest."""
+        held = self._held_by()
+        longest = max(held, key=held.__getitem__, default=None)
+        ran_late = self._lateness.since(self._started) >= self.late / 2
+        if longest is not None and not ran_late:
+            return longest(held[longest])
         return (
             f"llmhealth's own process could not run for {self.late:.1f} s of the read "
             "(an overloaded host)"
@@ -497,7 +510,7 @@ class _BodyGate:
 
     @contextlib.asynccontextmanager
     async def admit(self, bound: _Deadline) -> AsyncIterator[None]:
-        bound.hold()
+        bound.hold(_at_the_gate)
         try:
             await self._places.acquire()
         finally:
@@ -506,6 +519,68 @@ class _BodyGate:
             yield
         finally:
             self._places.release()
+
+
+def _at_the_gate(seconds: float) -> str:
+    return (
+        f"its answer waited {seconds:.1f} s to be read behind {BODIES_AT_ONCE} slower "
+        "answers (llmhealth reads that many bodies at once)"
+    )
+
+
+def _looking_up(host: str, seconds: float) -> str:
+    return (
+        f"the name {host} took {seconds:.1f} s to look up (a slow DNS server, or more "
+        "lookups at once than the event loop's threads for them)"
+    )
+
+
+async def _open(
+    host: str, port: int, bound: _Deadline
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP connection to ``host``, a name looked up on this process's account.
+
+    asyncio looks names up in the event loop's few threads (six on two cores): a check
+    of hundreds of backends by name queued there, ran out of time before connecting,
+    and judged the last of them ``down`` every run. The lookup's time is now forgiven as
+    the body gate's wait is (``_Deadline``), so a read cut off by it is not judged; a
+    name that does not resolve still fails the read. An address is connected to at once.
+    """
+    if _is_address(host):
+        return await asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES)
+    loop = asyncio.get_running_loop()
+    bound.hold(functools.partial(_looking_up, host))
+    try:
+        found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    finally:
+        bound.unhold()
+    errors: list[OSError] = []
+    for family, kind, proto, _name, address in found:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
+    if not errors:
+        raise OSError(f"the name {host} has no address to connect to")
+    if len({str(error) for error in errors}) == 1:
+        raise errors[0]
+    raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,7 +631,7 @@ def _drop_own_callback(transport: asyncio.BaseTransport) -> None:
         setattr(transport, "_read_ready_cb", None)  # noqa: B010 - a private attribute
 
 
-@cache
+@functools.cache
 def _default_tls() -> ssl.SSLContext:
     """One default TLS context per process: building one costs about 20 ms of CPU."""
     return ssl.create_default_context()

@@ -141,6 +141,44 @@ def test_a_pause_of_one_wait_is_only_stalled_when_reads_run_out(httpserver: HTTP
     assert backend.completions == 0
 
 
+def _slow_lookups(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The name ``slow.test`` is 127.0.0.1, found after ``seconds``: a slow DNS server, or
+    a lookup queued behind hundreds in the event loop's few threads."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        if host == "slow.test":
+            time.sleep(seconds)
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_name_slow_to_look_up_is_not_the_servers_time(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check of hundreds of backends by name queued their lookups in asyncio's six
+    threads; the last ran out of time before connecting and were judged ``down``."""
+    _slow_lookups(monkeypatch, 0.6)
+    backend = Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+    url = backend.url.replace("127.0.0.1", "slow.test").replace("localhost", "slow.test")
+    verdict = examine(url, replace(FAST, timeout=0.4))
+    assert verdict.kind is VerdictKind.BUSY, verdict.evidence
+
+
+def test_a_name_that_takes_longer_than_the_reads_grace_leaves_the_server_not_judged(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_lookups(monkeypatch, 1.2)
+    backend = Backend(httpserver, [capture("busy-1")])
+    url = backend.url.replace("127.0.0.1", "slow.test").replace("localhost", "slow.test")
+    verdict = examine(url, replace(FAST, timeout=0.25))  # given up at 1 s: four times
+    assert not verdict.judged, verdict.evidence
+    assert "the name slow.test took" in verdict.evidence
+    assert backend.metrics_reads == 0
+
+
 def test_an_idle_server_gets_exactly_one_tiny_request(httpserver: HTTPServer) -> None:
     backend = Backend(httpserver, [capture("idle-1")])
     verdict = examine(backend.url)
