@@ -471,7 +471,7 @@ def _stalled(
 
 
 def _window_text(window: Window, frozen: Sequence[Read]) -> str:
-    two_waits = frozen[2].at - frozen[0].at
+    two_waits = _stood_still(frozen[:3])
     if window.seconds >= two_waits:
         return f"window {window.seconds:g} s: {window.why}"
     if window.extended:
@@ -892,7 +892,7 @@ def _series(reads: Sequence[Read], engine_name: str, field_name: str) -> str:
 
 
 def _wedge_evidence(frozen: Sequence[Read], engine_name: str, window_text: str) -> str:
-    elapsed = frozen[-1].at - frozen[0].at
+    elapsed = _stood_still(frozen)
     start = _signals(frozen[-1]).process_start
     same_process = (
         f"start time {start:.2f} unchanged" if start is not None else "no counter went back"

@@ -132,13 +132,17 @@ class ProbeSettings:
     def paced_read_limit(self) -> int:
         """``read_limit`` for reads on a schedule (``watch``, the ``Prober``), which start
         up to ``KEEP_ALIVE_LEAD`` of a wait early: as many as span ``max_check_time`` at
-        that pace. The 61 reads of the defaults came 4.8 s apart and spanned 288 s, short of
-        a 300 s window (``startup_wedge_after``): a young engine's wedge was proven only
-        once its startup grace had ended, 10 min later."""
+        that pace, and one read's longest time more (68 at the defaults). The 61 reads of
+        the defaults came 4.8 s apart and spanned 288 s, short of a 300 s window
+        (``startup_wedge_after``): a young engine's wedge was proven only once its
+        startup grace had ended, 10 min later. A freeze lasts until its newest read was
+        asked for, from its first one's answer (``classify``): with reads of 2.5 s, 64
+        reads fell short of 300 s for ever."""
         if self.max_reads is not None or self.wait <= 0:
             return self.read_limit
         soonest = self.wait * (1 - KEEP_ALIVE_LEAD)
-        return max(self.read_limit, 1 + math.ceil(self.max_check_time / soonest))
+        span = self.max_check_time + wire.longest_request(self.timeout)
+        return max(self.read_limit, 1 + math.ceil(span / soonest))
 
     @property
     def longest_undecided(self) -> float:

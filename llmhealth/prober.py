@@ -147,7 +147,8 @@ class Prober:
         now = time.monotonic()
         unread = {key: why for key in keys if (why := self._not_due(key, now)) is not None}
         due = [key for key in keys if key not in unread]
-        verdicts = dict(zip(due, await asyncio.gather(*map(self._examine, due)), strict=True))
+        examined = [self._examine(key, now) for key in due]
+        verdicts = dict(zip(due, await asyncio.gather(*examined), strict=True))
         results = []
         for key in keys:
             if key in unread:
@@ -177,7 +178,7 @@ class Prober:
             return None
         wait = self._settings.wait
         ago = now - slot.read_started
-        if ago >= wait * (1 - KEEP_ALIVE_LEAD):
+        if ago >= wait * (1 - KEEP_ALIVE_LEAD) - _TIMER_JITTER:
             return None
         return f"undecided: read {ago:.1f} s ago; read again once {wait:g} s have passed"
 
@@ -214,7 +215,7 @@ class Prober:
     ) -> None:
         await self.aclose()
 
-    async def _examine(self, key: Key) -> Verdict | None:
+    async def _examine(self, key: Key, called: float) -> Verdict | None:
         slot = self._slots.get(key)
         if slot is None or self._moved(key):
             # A new address, or a process the caller said ended or was replaced, is a new
@@ -229,7 +230,10 @@ class Prober:
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
         # Reads on the wall clock, as check's and watch's: a process's age is a read's
         # time less its start time, which vLLM publishes in seconds since the epoch.
-        slot.read_started = time.monotonic()
+        # The call's time, as the next call's is compared with it: each task's own start
+        # came later, by as much as the tasks before it took, and left the backend
+        # short of its wait at the next call on the caller's schedule.
+        slot.read_started = called
         return await examine_once(slot.client, target, self._settings, slot.window)
 
     def _newest_signals(self) -> dict[str, Signals]:
@@ -250,3 +254,6 @@ def _is_token(text: str) -> bool:
 
 
 MOVED_WHILE_READ = "undecided: the backend was rebuilt or moved while it was read"
+# Seconds a caller's timer may fire early (uvloop's count in milliseconds): a loop calling
+# every wait from each call's start still reads at every call.
+_TIMER_JITTER = 0.01

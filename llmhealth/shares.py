@@ -187,13 +187,16 @@ def _read_from_dict(data: object, where: str) -> Read:
             skipped_lines=int(_number(raw, "skipped_lines", f"{where}.signals")),
             notes=tuple(printable(str(n)) for n in _list(raw, "notes", f"{where}.signals")),
         )
+    at = _number(table, "at", where)
+    sent = _optional(table, "sent", where)
     return Read(
-        at=_number(table, "at", where),
+        at=at,
         signals=signals,
         problem=None if problem is None else ReadProblem(str(problem)),
         detail=printable(str(table.get("detail", ""))),
         cpu=cpu,
-        sent=_optional(table, "sent", where),
+        # Never after the answer was in: a later one would lengthen the freezes it ends.
+        sent=None if sent is None else min(sent, at),
     )
 
 

@@ -393,8 +393,14 @@ class _Deadline:
     def unhold(self) -> None:
         if self._holding is not None:
             what, since = self._holding
-            self._held[what] = self._held.get(what, 0.0) + self._loop.time() - since
+            self._held[what] = self._held.get(what, 0.0) + self._waited_since(since)
             self._holding = None
+
+    def _waited_since(self, since: float) -> float:
+        """A wait's own seconds: those the loop ran late meanwhile are counted as its
+        lateness already, and forgiven twice they gave the server time of its own."""
+        waited = self._loop.time() - since
+        return max(0.0, waited - self._lateness.since(since))
 
     def late_so_far(self) -> float:
         """Seconds of the request that were this process's, not the server's: its loop
@@ -409,7 +415,7 @@ class _Deadline:
         held = dict(self._held)
         if self._holding is not None:
             what, since = self._holding
-            held[what] = held.get(what, 0.0) + self._loop.time() - since
+            held[what] = held.get(what, 0.0) + self._waited_since(since)
         return held
 
     def _held_so_far(self) -> float:
@@ -443,6 +449,13 @@ class _Deadline:
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
+
+
+def longest_request(budget: float) -> float:
+    """The longest a request of ``budget`` seconds may take, its lateness forgiven."""
+    return (1 + _GRACE) * budget
+
+
 # Errors opening a connection that are this process's own: no descriptor or buffer left.
 _OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
@@ -556,16 +569,21 @@ async def _open(
         bound.unhold()
     errors: list[OSError] = []
     for family, kind, proto, _name, address in found:
-        sock = socket.socket(family, kind, proto)
+        sock = None
         try:
+            # Made here, not before: a family this host cannot open (IPv6 turned off)
+            # is one address failed, and the next is tried, as asyncio does.
+            sock = socket.socket(family, kind, proto)
             sock.setblocking(False)
             await loop.sock_connect(sock, address)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             errors.append(exc)
             continue
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
     if not errors:

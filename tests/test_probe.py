@@ -958,16 +958,22 @@ def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     assert backend.metrics_reads == 2
 
 
-def test_a_watch_reading_early_keeps_enough_reads_to_prove_a_young_engines_wedge() -> None:
+@pytest.mark.parametrize("answered_in", [0.0, 4.0])
+def test_a_watch_reading_early_keeps_enough_reads_to_prove_a_young_engines_wedge(
+    answered_in: float,
+) -> None:
     """Reads 4.8 s apart (KEEP_ALIVE_LEAD) and 61 kept spanned 288 s, short of the 300 s
-    window of a young engine: its wedge was proven only after its startup grace."""
+    window of a young engine: its wedge was proven only after its startup grace. A freeze
+    lasts until its newest read was asked for, from the first one's answer: with answers
+    4 s in coming, 64 reads spanned 298.4 s, and the wedge was never proven."""
     settings = ProbeSettings()  # the defaults: a 5 s wait, max_check_time 300 s
     signals = parse_metrics(capture("wedge-4"))
     assert signals.process_start is not None
     window: list[Read] = []
     for index in range(80):
-        at = signals.process_start + 60.0 + index * settings.wait * (1 - KEEP_ALIVE_LEAD)
-        keep_read(window, Read(at, signals=signals), settings.paced_read_limit)
+        sent = signals.process_start + 60.0 + index * settings.wait * (1 - KEEP_ALIVE_LEAD)
+        at = sent + answered_in
+        keep_read(window, Read(at, signals=signals, sent=sent), settings.paced_read_limit)
         decision = decide(window, max_reads=settings.paced_read_limit, paced_wait=settings.wait)
         if isinstance(decision, Verdict):
             break

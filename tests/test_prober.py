@@ -17,6 +17,7 @@ from simproc import running_simulator
 from werkzeug import Request, Response
 
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
+from llmhealth.probe import KEEP_ALIVE_LEAD
 
 INTERVAL = 0.4  # the controller's probe interval in these tests
 WAIT = 0.3  # the Prober's least time between two reads of a backend, inside INTERVAL
@@ -67,10 +68,14 @@ def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     assert fleet.snapshot()[0].condemned_by == "wedged"
 
 
-def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call() -> None:
-    """A ticker whose interval is the wait, counted from each call's start: reads paced
-    from the end of the last one left every other call unread, so verdicts took twice
-    as long as the caller asked for."""
+@pytest.mark.parametrize("interval", [WAIT, WAIT * (1 - KEEP_ALIVE_LEAD)])
+def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call(
+    interval: float,
+) -> None:
+    """A ticker whose interval is the wait (or the wait less the keep-alive lead, which
+    keeps a connection), counted from each call's start: reads paced from the end of the
+    last one, or stamped when each read's task began, left calls unread, so verdicts took
+    twice as long as the caller asked for."""
 
     async def main(url: str) -> list[ProbeResult]:
         fleet = FleetHealth([url])
@@ -80,7 +85,7 @@ def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call() -
             for _ in range(4):
                 started = loop.time()
                 results += await prober.probe()
-                await asyncio.sleep(max(0.0, started + WAIT - loop.time()))
+                await asyncio.sleep(max(0.0, started + interval - loop.time()))
         return results
 
     with running_simulator(["idle"]) as sim:

@@ -53,12 +53,22 @@ def test_every_part_of_a_verdict_survives_the_trip() -> None:
         requests_sent=1,
         reads=(
             Read(10.0, problem=ReadProblem.UNRESPONSIVE, detail="timed out after 1 s"),
-            Read(11.0, cpu=CpuSample(3.5, (12, 13), at=11.2, stopped=(13,))),
+            Read(11.0, cpu=CpuSample(3.5, (12, 13), at=11.2, stopped=(13,)), sent=10.9),
         ),
         answer=Answer(12.0, True, "200", "tiny", ("tiny", "other"), timed_out=False),
         longest_step=LongestStep(0.25, "histogram"),
     )
     assert verdict_from_dict(json.loads(json.dumps(verdict_to_dict(verdict))), "v") == verdict
+
+
+def test_a_read_asked_for_after_its_answer_came_is_taken_as_asked_for_when_it_came() -> None:
+    """A member's read said it was sent after it was in: a freeze measured to it would
+    have lasted longer than any read showed."""
+    document = verdict_to_dict(
+        Verdict(VerdictKind.BUSY, True, "busy", reads=(Read(11.0, sent=99.0),))
+    )
+    [read] = verdict_from_dict(json.loads(json.dumps(document)), "v").reads
+    assert (read.at, read.sent) == (11.0, 11.0)
 
 
 def test_a_verdict_not_judged_stays_not_judged_at_the_leader() -> None:

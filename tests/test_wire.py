@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import socket
 import ssl
@@ -408,6 +409,85 @@ def test_a_post_after_an_answer_read_late_goes_on_a_fresh_connection() -> None:
         answer = eventloop.run(run(f"{url}/v1/completions"))
     assert answer.body == b"{}"
     assert opened == [0, 1]
+
+
+def _name_for(monkeypatch: pytest.MonkeyPatch, name: str, found: list[Any], seconds: float) -> None:
+    """``name`` looks up to ``found`` (getaddrinfo's entries), after ``seconds``."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host != name:
+            return real(host, *args, **kwargs)
+        time.sleep(seconds)
+        return found
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def _answer_after(seconds: float) -> Handler:
+    def answer(connection: socket.socket, _number: int) -> None:
+        while read_request(connection):
+            time.sleep(seconds)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    return answer
+
+
+def test_an_address_this_host_cannot_open_is_one_address_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name with an IPv6 address first, on a host with IPv6 turned off: the socket
+    that could not be made failed the read, where asyncio tried the next address."""
+    with tcp_server(_answer_after(0.0)) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        _name_for(
+            monkeypatch,
+            "dual.test",
+            [
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+            ],
+            0.0,
+        )
+        real_socket = socket.socket
+
+        def no_ipv6(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
+            if family == socket.AF_INET6 and "fileno" not in kwargs:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            return real_socket(family, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "socket", no_ipv6)
+        [response] = get(f"http://dual.test:{port}/metrics")
+    assert response.body == b"ok"
+
+
+def test_a_lookup_held_up_with_its_loop_is_forgiven_once_not_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop that ran late while a name was looked up had that time forgiven as the
+    loop's lateness and again as the lookup's: a server 1.6 s late on a 1 s budget was
+    let through."""
+    with tcp_server(_answer_after(1.6)) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        found = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        _name_for(monkeypatch, "slow.test", found, 0.8)
+
+        async def run() -> WireError:
+            connection = Connection(None, "llmhealth/test")
+            loop = asyncio.get_running_loop()
+            loop.call_soon(time.sleep, 0.8)  # held up while the name is looked up
+            try:
+                await connection.request(
+                    "GET", f"http://slow.test:{port}/", deadline=loop.time() + 1.0, max_bytes=100
+                )
+            except WireError as error:
+                return error
+            finally:
+                await connection.aclose()
+            raise AssertionError("answered within its budget and its lateness")
+
+        error = eventloop.run(run())
+    assert error.failure is Failure.ANSWER_TIMEOUT, error.detail
 
 
 def test_a_head_cut_off_on_a_kept_connection_is_the_servers_failure_not_an_idle_close() -> None:
