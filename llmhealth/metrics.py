@@ -132,7 +132,7 @@ class Signals:
     notes: tuple[str, ...] = field(default=())
     # Engines by name, built once when there are more than a few: comparing two reads
     # engine by engine must not scan every engine for every engine (40,000 data-parallel
-    # engines made that minutes). A few are scanned instead: a window holds 64 reads of
+    # engines made that minutes). A few are scanned instead: a window holds 65 reads of
     # one backend, and a dict per read was a quarter of a busy engine's read.
     _by_name: dict[str, EngineSignals] | None = field(
         init=False, repr=False, compare=False, default=None
@@ -161,7 +161,7 @@ class Signals:
 def sharing(signals: Signals, earlier: Signals) -> Signals:
     """``signals`` holding ``earlier``'s value objects wherever the two are equal.
 
-    A window keeps up to 64 reads of a backend; a busy engine's counters move between reads
+    A window keeps up to 65 reads of a backend; a busy engine's counters move between reads
     but its gauges, start time and histogram figures mostly do not, and each float is
     24 bytes of its own. What equals the earlier read's is taken from it, as ``==`` says
     (the rule a window already shares a whole read's signals by), so every figure and

@@ -88,6 +88,11 @@ def seconds_argument(value: object, name: str) -> float:
 # keep-alive runs out"). 0.2 s at a 5 s wait keeps the connection through an event loop
 # running 5,000 reads; the cost is a read in 25 more, for those targets only.
 KEEP_ALIVE_LEAD = 0.04
+# Seconds a caller's timer may fire early (uvloop counts in milliseconds), at most this
+# share of a wait: the Prober reads a backend whose call comes that little sooner, so a
+# loop calling every wait from each call's start reads at every call.
+_TIMER_JITTER = 0.01
+_TIMER_JITTER_SHARE = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,18 +136,26 @@ class ProbeSettings:
     @property
     def paced_read_limit(self) -> int:
         """``read_limit`` for reads on a schedule (``watch``, the ``Prober``), which start
-        up to ``KEEP_ALIVE_LEAD`` of a wait early: as many as span ``max_check_time`` at
-        that pace, and one read's longest time more (68 at the defaults). The 61 reads of
-        the defaults came 4.8 s apart and spanned 288 s, short of a 300 s window
-        (``startup_wedge_after``): a young engine's wedge was proven only once its
-        startup grace had ended, 10 min later. A freeze lasts until its newest read was
-        asked for, from its first one's answer (``classify``): with reads of 2.5 s, 64
-        reads fell short of 300 s for ever."""
+        ``soonest_read`` apart at the closest: as many as span ``max_check_time`` at that
+        pace, and one more (65 at the defaults). The 61 reads of the defaults came 4.8 s
+        apart and spanned 288 s, short of a 300 s window (``startup_wedge_after``): a young
+        engine's wedge was proven only once its startup grace had ended, 10 min later.
+        The one more: a freeze lasts from its first read's answer to its newest read's
+        request (``classify``), and a read is asked for only once the one before it is
+        in, so N reads span at least N - 2 paces whatever the answers took; with answers
+        of 2.5 s, 64 reads fell short of 300 s for ever."""
         if self.max_reads is not None or self.wait <= 0:
             return self.read_limit
-        soonest = self.wait * (1 - KEEP_ALIVE_LEAD)
-        span = self.max_check_time + wire.longest_request(self.timeout)
-        return max(self.read_limit, 1 + math.ceil(span / soonest))
+        return max(self.read_limit, 2 + math.ceil(self.max_check_time / self.soonest_read))
+
+    @property
+    def soonest_read(self) -> float:
+        """The least time between the starts of two reads on a schedule: a wait, less
+        ``KEEP_ALIVE_LEAD`` of it, less what a caller's timer may fire early (the
+        ``Prober`` reads a backend whose call comes that little sooner)."""
+        return self.wait * (1 - KEEP_ALIVE_LEAD) - min(
+            _TIMER_JITTER, _TIMER_JITTER_SHARE * self.wait
+        )
 
     @property
     def longest_undecided(self) -> float:
@@ -150,7 +163,8 @@ class ProbeSettings:
         its reads' pace: it decides by its paced read limit ("stalled" at worst), a wait
         apart at the slowest. A cluster's leader waits this long for a member's verdict
         before it takes the silence for doubt; ``max_check_time`` and a wait was shorter
-        than 64 reads a wait apart, and doubted backends still being read."""
+        than the paced read limit's reads a wait apart, and doubted backends still being
+        read."""
         return self.paced_read_limit * self.wait
 
     def wants_cpu(
@@ -552,7 +566,7 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
     ``limit`` reads.
 
     A read whose signals equal the previous read's shares that one's: a frozen engine's
-    window (up to 64 reads at the defaults) then holds its values once, not 64 times.
+    window (up to 65 reads at the defaults) then holds its values once, not 65 times.
     Any other read shares what did not change (``metrics.sharing``): a busy engine's
     gauges and histogram figures.
     """

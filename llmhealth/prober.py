@@ -19,7 +19,6 @@ from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import (
-    KEEP_ALIVE_LEAD,
     Client,
     ProbeSettings,
     examine_once,
@@ -176,10 +175,10 @@ class Prober:
         slot = self._slots.get(key)
         if slot is None or slot.read_started is None or self._moved(key):
             return None
-        wait = self._settings.wait
         ago = now - slot.read_started
-        if ago >= wait * (1 - KEEP_ALIVE_LEAD) - _TIMER_JITTER:
+        if ago >= self._settings.soonest_read:
             return None
+        wait = self._settings.wait
         return f"undecided: read {ago:.1f} s ago; read again once {wait:g} s have passed"
 
     def _moved(self, key: Key) -> bool:
@@ -254,6 +253,3 @@ def _is_token(text: str) -> bool:
 
 
 MOVED_WHILE_READ = "undecided: the backend was rebuilt or moved while it was read"
-# Seconds a caller's timer may fire early (uvloop's count in milliseconds): a loop calling
-# every wait from each call's start still reads at every call.
-_TIMER_JITTER = 0.01

@@ -451,11 +451,6 @@ class _Deadline:
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
 
 
-def longest_request(budget: float) -> float:
-    """The longest a request of ``budget`` seconds may take, its lateness forgiven."""
-    return (1 + _GRACE) * budget
-
-
 # Errors opening a connection that are this process's own: no descriptor or buffer left.
 _OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
@@ -588,6 +583,11 @@ async def _open(
         return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
     if not errors:
         raise OSError(f"the name {host} has no address to connect to")
+    # This process's own want of descriptors is said as such, or the merged error below
+    # would judge the server down for it.
+    ours = next((error for error in errors if error.errno in _OUT_OF_FILES), None)
+    if ours is not None:
+        raise ours
     if len({str(error) for error in errors}) == 1:
         raise errors[0]
     raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")

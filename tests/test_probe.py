@@ -982,6 +982,15 @@ def test_a_watch_reading_early_keeps_enough_reads_to_prove_a_young_engines_wedge
     assert window[-1].at - signals.process_start < DEFAULT_RULES.startup_grace
 
 
+@pytest.mark.parametrize("wait", [0.15, 0.5, 5.0, 7.0])
+def test_the_reads_kept_on_a_schedule_span_max_check_time_at_their_closest(wait: float) -> None:
+    """N reads span at least N - 2 of the closest paces (a freeze runs from its first
+    read's answer to its newest read's request); the Prober's reads may come a timer's
+    jitter sooner than watch's, which at a 0.15 s wait left 297.9 s of a 300 s window."""
+    settings = ProbeSettings(wait=wait)
+    assert (settings.paced_read_limit - 2) * settings.soonest_read >= settings.max_check_time
+
+
 def test_a_reader_reading_a_wait_apart_decides_within_the_time_its_leader_waits() -> None:
     # A frozen engine whose window no read limit covers, read every full wait (a server
     # that keeps its connections): the reader decides at its limit. The leader took a

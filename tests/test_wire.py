@@ -452,13 +452,42 @@ def test_an_address_this_host_cannot_open_is_one_address_failed(
         real_socket = socket.socket
 
         def no_ipv6(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
-            if family == socket.AF_INET6 and "fileno" not in kwargs:
+            if family == socket.AF_INET6 and len(args) < 3 and "fileno" not in kwargs:
                 raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
             return real_socket(family, *args, **kwargs)
 
         monkeypatch.setattr(socket, "socket", no_ipv6)
         [response] = get(f"http://dual.test:{port}/metrics")
     assert response.body == b"ok"
+
+
+def test_a_name_whose_addresses_fail_for_want_of_descriptors_is_not_the_servers_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One address of another family this host cannot open, the other out of descriptors:
+    the two errors merged into one with no errno, and the server was judged down for
+    this process's own shortage."""
+    _name_for(
+        monkeypatch,
+        "dual.test",
+        [
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 9, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9)),
+        ],
+        0.0,
+    )
+    real_socket = socket.socket
+
+    def short_of_everything(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
+        if len(args) > 2 or "fileno" in kwargs:  # the event loop's own, and accepted ones
+            return real_socket(family, *args, **kwargs)
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(socket, "socket", short_of_everything)
+    error = failure_of("http://dual.test:9/metrics")
+    assert error.failure is Failure.STARVED, error.detail
 
 
 def test_a_lookup_held_up_with_its_loop_is_forgiven_once_not_twice(
