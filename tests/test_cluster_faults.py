@@ -180,6 +180,7 @@ def test_a_sharded_standby_asks_a_stale_backend_of_its_share_that_others_keep_mo
     assert "tiny request answered" in json.dumps(readmitted[-1]), trail
 
 
+@pytest.mark.slow  # 10-20 s of real daemons on etcd: the e2e lane's
 def test_a_young_engine_its_sharded_reader_watches_compile_is_not_condemned_by_the_leader(
     entry_point: str, tmp_path: Path, httpserver: HTTPServer
 ) -> None:
@@ -225,6 +226,7 @@ def router_page(url: str) -> Page:
     return Page(httpx.get(f"{url}/metrics", timeout=5.0).text)
 
 
+@pytest.mark.slow  # 10-20 s of real daemons on etcd: the e2e lane's
 def test_routers_of_a_cluster_keep_one_ledger_in_etcd_and_only_the_leader_restarts(
     scene: Scene,
 ) -> None:
