@@ -18,13 +18,7 @@ from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import State, Transition
 from llmhealth.metrics import Signals
-from llmhealth.probe import (
-    Client,
-    ProbeSettings,
-    examine_once,
-    new_client,
-    seconds_argument,
-)
+from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +221,12 @@ class Prober:
             self._slots[key] = slot
         url = slot.url
         target = Target(str(key), url, "backend", api_key=self._api_key, model=self._model)
-        # Reads on the wall clock, as check's and watch's: a process's age is a read's
-        # time less its start time, which vLLM publishes in seconds since the epoch.
         # The call's time, as the next call's is compared with it: each task's own start
         # came later, by as much as the tasks before it took, and left the backend
         # short of its wait at the next call on the caller's schedule.
         slot.read_started = called
+        # Reads on the wall clock, as check's and watch's: a process's age is a read's
+        # time less its start time, which vLLM publishes in seconds since the epoch.
         return await examine_once(slot.client, target, self._settings, slot.window)
 
     def _newest_signals(self) -> dict[str, Signals]:

@@ -449,8 +449,6 @@ class _Deadline:
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
-
-
 # Errors opening a connection that are this process's own: no descriptor or buffer left.
 _OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
