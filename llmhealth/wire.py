@@ -52,8 +52,8 @@ class Failure(Enum):
     CLOSED = "closed"  # reset, or closed before the answer was complete
     MALFORMED = "malformed"  # not HTTP/1.x as RFC 9112 frames it
     TOO_BIG = "too_big"  # more body bytes than max_bytes
-    # Cut off because this process could not run for longer than the deadline allows:
-    # says nothing about the server (see _Deadline).
+    # Cut off because this process could not run for longer than the deadline allows, or
+    # its name lookups could not finish: says nothing about the server (see _Deadline).
     STARVED = "starved"
 
 
@@ -549,8 +549,9 @@ async def _open(
     asyncio looks names up in the event loop's few threads (six on two cores): a check
     of hundreds of backends by name queued there, ran out of time before connecting,
     and judged the last of them ``down`` every run. The lookup's time is now forgiven as
-    the body gate's wait is (``_Deadline``), so a read cut off by it is not judged; a
-    name that does not resolve still fails the read. An address is connected to at once.
+    the body gate's wait is (``_Deadline``), so a read cut off by it is not judged, as
+    is one whose lookup failed for now (EAI_AGAIN); a name that does not resolve still
+    fails the read. An address is connected to at once.
     """
     if _is_address(host):
         return await asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES)
@@ -558,6 +559,16 @@ async def _open(
     bound.hold(functools.partial(_looking_up, host))
     try:
         found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno != socket.EAI_AGAIN:
+            raise  # the name does not resolve: the server's read fails, as it did
+        # No DNS server answered: a resolver out of reach would otherwise judge every
+        # backend by name down at once, and condemn a working fleet.
+        raise WireError(
+            Failure.STARVED,
+            f"the name {host} could not be looked up for now ({exc.strerror}): the server "
+            "was not judged",
+        ) from exc
     finally:
         bound.unhold()
     errors: list[OSError] = []

@@ -179,6 +179,31 @@ def test_a_name_that_takes_longer_than_the_reads_grace_leaves_the_server_not_jud
     assert backend.metrics_reads == 0
 
 
+@pytest.mark.parametrize(
+    ("failure", "judged", "said"),
+    [
+        (socket.EAI_AGAIN, False, "could not be looked up for now"),
+        (socket.EAI_NONAME, True, "name does not resolve"),
+    ],
+)
+def test_a_lookup_that_fails_for_now_judges_nothing_and_a_name_that_is_not_one_is_down(
+    monkeypatch: pytest.MonkeyPatch, failure: int, judged: bool, said: str
+) -> None:
+    """A DNS server out of reach made every backend by name ``down`` at once, and three
+    such runs condemned a working fleet; a name that does not exist is still the read's
+    failure."""
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        raise socket.gaierror(failure, "lookup failed")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    verdict = examine("http://backend.test:8000")
+    assert verdict.judged is judged, verdict.evidence
+    assert said in verdict.evidence
+    if judged:
+        assert verdict.kind is VerdictKind.DOWN
+
+
 def test_an_idle_server_gets_exactly_one_tiny_request(httpserver: HTTPServer) -> None:
     backend = Backend(httpserver, [capture("idle-1")])
     verdict = examine(backend.url)
