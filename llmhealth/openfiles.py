@@ -8,6 +8,9 @@ scraper: the soft limit a shell or systemd (``DefaultLimitNOFILE=1024:524288``) 
 process with is exhausted by a fleet of a thousand, and then every read fails at once.
 The hard limit is the operator's ceiling; the soft one is ours to raise to it.
 
+When the descriptors do run out, the failures are this process's own: a connection
+that could not be opened, or a trust store that could not be read, judges no server.
+
 The state file, its lock, the audit log and the config are files anyone may meddle with
 (a backup script's ``flock``, a FIFO or a device given as a path): a wait for a lock
 ends, and a read neither blocks nor takes more than its caller's bound.
@@ -15,13 +18,18 @@ ends, and a read neither blocks nor takes more than its caller's bound.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import resource
+import socket
 import stat
 import time
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    import ssl
 
 # Where the soft limit is raised to when the hard one is unlimited (Linux's nr_open).
 FILE_LIMIT_CEILING: Final = 1 << 20
@@ -29,6 +37,8 @@ FILE_LIMIT_CEILING: Final = 1 << 20
 # settle or a check ends within it, and it is a third of systemd's 30 s watchdog.
 LOCK_TIMEOUT: Final = 10.0
 _LOCK_POLL: Final = 0.05  # seconds between tries of a held lock
+# Errors that are this process's want of descriptors or buffers, not a server's doing.
+OUT_OF_FILES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 
 
 class NotRegularFileError(OSError):
@@ -50,6 +60,57 @@ def raise_file_limit() -> int:
             return soft
         return wanted
     return FILE_LIMIT_CEILING if soft == resource.RLIM_INFINITY else soft
+
+
+def out_of_files(exc: OSError) -> bool:
+    """Whether an operation failed for want of descriptors in this process.
+
+    The resolver says so only as "name unknown" (it could not open /etc/hosts, nor a
+    socket to ask DNS): for a failed lookup, one more descriptor is asked for to see.
+    """
+    if exc.errno in OUT_OF_FILES:
+        return True
+    return isinstance(exc, socket.gaierror) and _short_of_descriptors()
+
+
+def _short_of_descriptors() -> bool:
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as probe:
+        return probe.errno in OUT_OF_FILES
+    return False
+
+
+class _DefaultTls:
+    """The process's default TLS context, once one was built whole."""
+
+    context: ssl.SSLContext | None = None
+
+
+def default_tls() -> ssl.SSLContext:
+    """The process's default TLS context, shared: building one costs about 20 ms of CPU.
+
+    OpenSSL reads the default CA file while it builds the context, and says nothing when
+    it cannot open it. Built while this process had no descriptor left, the context
+    trusted no one, and kept, it failed every https handshake for the process's life:
+    each such backend `down`, each request the router sent counted against its backend.
+    A context with no certificate where a CA file is there to read is not kept: raises
+    OSError(EMFILE) while the descriptors are still short, else is built once more and
+    kept as it comes (a CA file with nothing in it is the operator's to mend, and every
+    handshake says so).
+    """
+    import ssl  # noqa: PLC0415 - only a verb that opens https connections pays for it
+
+    kept = _DefaultTls.context
+    if kept is not None:
+        return kept
+    context = ssl.create_default_context()
+    if ssl.get_default_verify_paths().cafile is not None and not context.cert_store_stats()["x509"]:
+        if _short_of_descriptors():
+            raise OSError(errno.EMFILE, "no descriptor left to read the CA certificates")
+        context = ssl.create_default_context()
+    _DefaultTls.context = context
+    return context
 
 
 def lock_within(descriptor: int, seconds: float) -> bool:

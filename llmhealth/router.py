@@ -244,6 +244,7 @@ class RouterMetrics(Collector):
         self.no_backend = 0
         self.retries = 0
         self.late_timeouts = 0
+        self.own_failures = 0
         self.serving = 0
         self._series: dict[str, BackendSeries] = {}
 
@@ -308,6 +309,12 @@ class RouterMetrics(Collector):
             "Connections not made in time while the router's own event loop was held up "
             "past the deadline: not counted against the backend.",
             value=self.late_timeouts,
+        )
+        yield CounterMetricFamily(
+            "llmhealth_router_own_connect_failures",
+            "Connections the router could not open for want of its own file descriptors "
+            "(a socket, the CA certificates to read): not counted against the backend.",
+            value=self.own_failures,
         )
         in_flight = GaugeMetricFamily(
             "llmhealth_router_in_flight_requests",
@@ -606,6 +613,11 @@ class Router:
                     )
             except ConnectError as exc:
                 # Never connected, so never sent: safe to send elsewhere.
+                if exc.ours:
+                    # No descriptor left in the router's own process: every backend
+                    # would have been condemned by it.
+                    self.metrics.own_failures += 1
+                    return _Retry(f"{_short(exc)}, in the router's own process")
                 if exc.late > LOOP_LATE:
                     # Its own loop held up past the deadline (CPU of its own: a burst of
                     # huge JSON bodies to read), the router cannot tell whether the

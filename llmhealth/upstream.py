@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES
+from llmhealth.openfiles import default_tls, out_of_files
 
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
@@ -50,11 +51,14 @@ class ConnectError(Exception):
     heard so. The bound is kept on the event loop's clock: a loop held up (by CPU work
     of its own, or a flood of it) past the deadline may have had the connection in hand
     all along, and the time out is then the loop's, not the backend's.
+    ``ours``: the router's own process had no descriptor for it (a socket, the trust
+    store): the backend was never asked.
     """
 
-    def __init__(self, message: str, *, late: float = 0.0) -> None:
+    def __init__(self, message: str, *, late: float = 0.0, ours: bool = False) -> None:
         super().__init__(message)
         self.late = late
+        self.ours = ours
 
 
 class BrokenError(Exception):
@@ -295,7 +299,6 @@ class Pool:
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
         self._idle: dict[Origin, list[_Link]] = {}
-        self._tls: ssl.SSLContext | None = None
 
     async def request(
         self,
@@ -379,9 +382,9 @@ class Pool:
 
     async def _connect(self, origin: Origin) -> _Link:
         loop = asyncio.get_running_loop()
-        tls = self._context() if origin.scheme == "https" else None
         deadline = loop.time() + self._connect_timeout
         try:
+            tls = default_tls() if origin.scheme == "https" else None
             async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
                     lambda: _Link(origin),
@@ -394,13 +397,8 @@ class Pool:
             late = loop.time() - deadline
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
-            raise ConnectError(str(exc) or type(exc).__name__) from exc
+            raise ConnectError(str(exc) or type(exc).__name__, ours=out_of_files(exc)) from exc
         return link
-
-    def _context(self) -> ssl.SSLContext:
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
 
     async def _head(self, link: _Link, method: str) -> Response:
         for _ in range(MAX_INFORMATIONAL):

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import ipaddress
-import os
 import socket
 import ssl
 import traceback
@@ -33,6 +31,7 @@ from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 from llmhealth import http1
+from llmhealth.openfiles import OUT_OF_FILES, default_tls, out_of_files
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
@@ -198,7 +197,7 @@ class Connection:
                     or bool(isinstance(exc, asyncio.IncompleteReadError) and exc.partial)
                 )
                 await self.aclose()
-                if not progress.connected and isinstance(exc, OSError) and _out_of_files(exc):
+                if not progress.connected and isinstance(exc, OSError) and out_of_files(exc):
                     raise WireError(
                         Failure.STARVED,
                         f"llmhealth's own process could not open a connection ({exc}): "
@@ -290,14 +289,17 @@ class Connection:
         if self._origin != origin or self._writer is None:
             await self.aclose()
             scheme, host, port = origin
+            # Before the connection: a trust store this process could not read for want
+            # of descriptors is its own failure, said as such, as a socket not opened is.
+            tls = self._context() if scheme == "https" else None
             self._reader, self._writer = await _open(host, port, bound)
             self._origin = origin
             progress.connected = True
-            if scheme == "https":
+            if tls is not None:
                 # After the TCP connection, not with it: a server that accepts and then
                 # stalls the handshake is connected (unresponsive), not unreachable.
                 try:
-                    await self._writer.start_tls(self._context(), server_hostname=host)
+                    await self._writer.start_tls(tls, server_hostname=host)
                 except OSError as exc:  # refused certificates among them: never connected
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
         progress.connected = progress.secured = True
@@ -336,7 +338,7 @@ class Connection:
             return WireResponse(status, headers, body)
 
     def _context(self) -> ssl.SSLContext:
-        return self._tls if self._tls is not None else _default_tls()
+        return self._tls if self._tls is not None else default_tls()
 
 
 class _Deadline:
@@ -449,8 +451,6 @@ class _Deadline:
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
-# Errors opening a connection that are this process's own: no descriptor or buffer left.
-_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
 _LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
 _TICK = 0.1  # how often _Lateness looks at its loop's clock
@@ -598,7 +598,7 @@ async def _open(
         raise OSError(f"the name {host} has no address to connect to")
     # This process's own want of descriptors is said as such, or the merged error below
     # would judge the server down for it.
-    ours = next((error for error in errors if error.errno in _OUT_OF_FILES), None)
+    ours = next((error for error in errors if error.errno in OUT_OF_FILES), None)
     if ours is not None:
         raise ours
     if len({str(error) for error in errors}) == 1:
@@ -660,12 +660,6 @@ def _drop_own_callback(transport: asyncio.BaseTransport) -> None:
     """
     if getattr(transport, "_read_ready_cb", None) is not None:
         setattr(transport, "_read_ready_cb", None)  # noqa: B010 - a private attribute
-
-
-@functools.cache
-def _default_tls() -> ssl.SSLContext:
-    """One default TLS context per process: building one costs about 20 ms of CPU."""
-    return ssl.create_default_context()
 
 
 def _is_header_safe(text: str) -> bool:
@@ -777,23 +771,6 @@ async def _framing_line(reader: asyncio.StreamReader, what: str) -> bytes:
         return await reader.readuntil(b"\r\n")
     except asyncio.LimitOverrunError as exc:
         raise WireError(Failure.MALFORMED, f"{what} over {MAX_HEAD_BYTES} bytes") from exc
-
-
-def _out_of_files(exc: OSError) -> bool:
-    """Whether a connection failed for want of descriptors in this process, not the server.
-
-    The resolver says so only as "name unknown" (it could not open /etc/hosts, nor a
-    socket to ask DNS): for a failed lookup, one more descriptor is asked for to see.
-    """
-    if exc.errno in _OUT_OF_FILES:
-        return True
-    if not isinstance(exc, socket.gaierror):
-        return False
-    try:
-        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-    except OSError as probe:
-        return probe.errno in _OUT_OF_FILES
-    return False
 
 
 def _unread(reader: asyncio.StreamReader) -> int:

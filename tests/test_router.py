@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import socket
@@ -717,6 +718,39 @@ def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_bac
             assert "the router itself" in first.json()["error"]
             assert router.metrics.late_timeouts == 1
             assert await failures(router) == []  # nothing against the backend
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200
+
+    run(scenario())
+
+
+def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+) -> None:
+    # EMFILE from the router's own process was counted as the backend refusing: a router
+    # out of descriptors condemned every backend it tried. The shortage is injected where
+    # the kernel says it, at the backend's connect, and only while the test wants it.
+    httpserver.expect_request(CHAT).respond_with_json({})
+    backend = ("127.0.0.1", httpserver.port)
+    short = [True]
+    real_connect = socket.socket.connect
+
+    def connect(sock: socket.socket, address: Any) -> None:
+        if short[0] and address == backend:
+            raise OSError(errno.EMFILE, "Too many open files")
+        real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+    async def scenario() -> None:
+        backends = {"a": httpserver.url_for("").rstrip("/")}
+        async with routing(backends) as (router, url), client() as http:
+            first = await http.post(url + CHAT, content=BODY)
+            assert first.status_code == 500  # nowhere else to send it
+            assert "in the router's own process" in first.json()["error"]
+            assert await failures(router) == []  # nothing against the backend
+            metrics = (await http.get(url + "/metrics")).text
+            assert "llmhealth_router_own_connect_failures_total 1.0" in metrics
+            short[0] = False
             assert (await http.post(url + CHAT, content=BODY)).status_code == 200
 
     run(scenario())

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import os
 import socket
 import ssl
 import struct
@@ -1006,3 +1007,57 @@ loop.run_until_complete(read())
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert done.stdout.startswith("starved llmhealth's own process could not open a connection")
+
+
+def test_a_tls_read_with_one_descriptor_left_still_trusts_the_ca_certificates(
+    certificate: tuple[Path, Path],
+) -> None:
+    # The default TLS context was built after the socket took the last descriptor: the
+    # CA file could not be read, the context trusted no one, and, kept for the process,
+    # it judged every https backend `down` ("certificate verify failed") from then on.
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+
+    def answers(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+
+    script = """
+import asyncio, os, resource
+from llmhealth import wire
+loop = asyncio.new_event_loop()
+"warm".encode("idna")  # imported on first use: a file to open
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+while True:
+    try:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+os.close(held.pop())  # one left: the connection's socket
+async def read():
+    connection = wire.Connection(None, "llmhealth/test")
+    try:
+        answer = await connection.request("GET", "URL", deadline=loop.time() + 5, max_bytes=100)
+        print("answered", answer.status)
+    except wire.WireError as error:
+        print(error.failure.value, error.detail)
+    finally:
+        await connection.aclose()
+loop.run_until_complete(read())
+for descriptor in held:
+    os.close(descriptor)
+loop.run_until_complete(read())  # the descriptors back: the context in use is whole
+"""
+    with tcp_server(answers) as (url, _):
+        done = subprocess.run(
+            [sys.executable, "-c", script.replace("URL", url.replace("http:", "https:"))],
+            capture_output=True, text=True, timeout=60, check=True,
+            env={**os.environ, "SSL_CERT_FILE": str(cert)},
+        )  # fmt: skip
+    # Never the server's failure: not judged while short, answered once it is not.
+    first, second = done.stdout.splitlines()
+    assert first in {"answered 200", "starved"} or first.startswith("starved "), first
+    assert second == "answered 200", done.stdout
