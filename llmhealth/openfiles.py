@@ -70,10 +70,11 @@ def out_of_files(exc: OSError) -> bool:
     """
     if exc.errno in OUT_OF_FILES:
         return True
-    return isinstance(exc, socket.gaierror) and _short_of_descriptors()
+    return isinstance(exc, socket.gaierror) and short_of_descriptors()
 
 
-def _short_of_descriptors() -> bool:
+def short_of_descriptors() -> bool:
+    """Whether this process could not open one more file now."""
     try:
         os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
     except OSError as probe:
@@ -94,10 +95,11 @@ def default_tls() -> ssl.SSLContext:
     it cannot open it. Built while this process had no descriptor left, the context
     trusted no one, and kept, it failed every https handshake for the process's life:
     each such backend `down`, each request the router sent counted against its backend.
-    A context with no certificate where a CA file is there to read is not kept: raises
-    OSError(EMFILE) while the descriptors are still short, else is built once more and
-    kept as it comes (a CA file with nothing in it is the operator's to mend, and every
-    handshake says so).
+    A context that holds no certificate where a CA file is there loads that file again,
+    which says why it fails: for want of descriptors, OSError(EMFILE) and nothing kept;
+    any other reason (unreadable, nothing in it) is the operator's to mend, and the
+    context is kept as it is (every handshake says so). A CA directory is read at each
+    handshake instead, and its reader tells that want apart there.
     """
     import ssl  # noqa: PLC0415 - only a verb that opens https connections pays for it
 
@@ -105,12 +107,16 @@ def default_tls() -> ssl.SSLContext:
     if kept is not None:
         return kept
     context = ssl.create_default_context()
-    if ssl.get_default_verify_paths().cafile is not None and not context.cert_store_stats()["x509"]:
-        if _short_of_descriptors():
-            raise OSError(errno.EMFILE, "no descriptor left to read the CA certificates")
-        context = ssl.create_default_context()
-    _DefaultTls.context = context
-    return context
+    ca_file = ssl.get_default_verify_paths().cafile
+    if ca_file is not None and not context.cert_store_stats()["x509"]:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except OSError as exc:  # ssl.SSLError among them: a file with nothing to trust
+            if exc.errno in OUT_OF_FILES:
+                raise OSError(exc.errno, f"the CA certificates could not be read: {exc}") from exc
+    if _DefaultTls.context is None:  # another thread's, built meanwhile, is as good
+        _DefaultTls.context = context
+    return _DefaultTls.context
 
 
 def lock_within(descriptor: int, seconds: float) -> bool:

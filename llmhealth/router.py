@@ -157,9 +157,12 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class _Retry:
-    """The request never reached the backend: the caller may send it elsewhere once."""
+    """The request never reached the backend: the caller may send it elsewhere once.
+    ``ours``: the router's own failure (its loop held up, no descriptor left), which the
+    client hears as the router's if no other backend takes the request."""
 
     detail: str
+    ours: bool = False
 
 
 # Seconds, the upper bounds of the two histograms' buckets (as they were under
@@ -581,14 +584,14 @@ class Router:
             if name is None:
                 if tried:  # the one retry found nowhere to go: the client hears why
                     first, why = next(iter(tried.items()))
-                    return self._backend_failed(first, f"{why.detail}, and no other backend serves")
+                    return self._not_sent(first, why, f"{why.detail}, and no other backend serves")
                 return self._no_backend(model)
             result = await self._forward(request, name, body)
             if not isinstance(result, _Retry):
                 return result
             tried[name] = result
             if len(tried) > 1:
-                return self._backend_failed(name, result.detail)
+                return self._not_sent(name, result, result.detail)
             self.metrics.retries += 1
 
     async def _forward(self, request: Request, name: str, body: bytes) -> Answer | _Retry | None:
@@ -617,13 +620,15 @@ class Router:
                     # No descriptor left in the router's own process: every backend
                     # would have been condemned by it.
                     self.metrics.own_failures += 1
-                    return _Retry(f"{_short(exc)}, in the router's own process")
+                    return _Retry(f"{_short(exc)}, in the router's own process", ours=True)
                 if exc.late > LOOP_LATE:
                     # Its own loop held up past the deadline (CPU of its own: a burst of
                     # huge JSON bodies to read), the router cannot tell whether the
                     # backend was slow to accept: counted as its own, not against it.
                     self.metrics.late_timeouts += 1
-                    return _Retry(f"{_short(exc)}, the router itself {exc.late:.1f} s late")
+                    return _Retry(
+                        f"{_short(exc)}, the router itself {exc.late:.1f} s late", ours=True
+                    )
                 self._fail(name, request, FailureKind.REFUSED, None, _short(exc))
                 return _Retry(f"connection failed: {_short(exc)}")
             except TimeoutError:
@@ -766,6 +771,19 @@ class Router:
         # 500, not 502/504: the OpenAI SDKs retry 5xx either way, and a gateway timeout
         # would blame the network for what the backend did.
         return self._answer(name, 500, {"error": f"backend failed: {detail}", "backend": name})
+
+    def _not_sent(self, name: str, why: _Retry, detail: str) -> Answer:
+        """A request no backend was sent: its last attempt's failure, as the client hears it.
+        The router's own is a 503 with Retry-After from the router, not a backend's 500:
+        that would count in the backend's series of answers and tell the client it failed."""
+        if why.ours:
+            return self._answer(
+                None,
+                503,
+                {"error": f"the router could not send the request: {detail}"},
+                headers={"Retry-After": self._retry_after},
+            )
+        return self._backend_failed(name, detail)
 
     def _no_backend(self, model: str | None) -> Answer:
         self.metrics.no_backend += 1

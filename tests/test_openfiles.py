@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# ssl imported first, as every process that reads over https has it: its import would
+# otherwise be what fails for want of descriptors.
 _BUILT_THEN_AGAIN = """
-import errno, os, resource
+import errno, os, resource, ssl
 from llmhealth.openfiles import default_tls
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []

@@ -714,8 +714,10 @@ def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_bac
         backends = {"a": httpserver.url_for("").rstrip("/")}
         async with routing(backends, settings) as (router, url), client() as http:
             first = await http.post(url + CHAT, content=BODY)
-            assert first.status_code == 500  # nowhere else to send it
+            assert first.status_code == 503  # nowhere else to send it: the router's own
+            assert first.headers["Retry-After"] == "5"
             assert "the router itself" in first.json()["error"]
+            assert "backend" not in first.json()
             assert router.metrics.late_timeouts == 1
             assert await failures(router) == []  # nothing against the backend
             assert (await http.post(url + CHAT, content=BODY)).status_code == 200
@@ -745,11 +747,14 @@ def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
         backends = {"a": httpserver.url_for("").rstrip("/")}
         async with routing(backends) as (router, url), client() as http:
             first = await http.post(url + CHAT, content=BODY)
-            assert first.status_code == 500  # nowhere else to send it
+            assert first.status_code == 503  # nowhere else to send it: the router's own
+            assert first.headers["Retry-After"] == "5"
             assert "in the router's own process" in first.json()["error"]
             assert await failures(router) == []  # nothing against the backend
             metrics = (await http.get(url + "/metrics")).text
             assert "llmhealth_router_own_connect_failures_total 1.0" in metrics
+            assert 'llmhealth_router_requests_total{backend="none",code="503"} 1.0' in metrics
+            assert 'backend="a",code="503"' not in metrics
             short[0] = False
             assert (await http.post(url + CHAT, content=BODY)).status_code == 200
 

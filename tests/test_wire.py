@@ -1009,13 +1009,24 @@ loop.run_until_complete(read())
     assert done.stdout.startswith("starved llmhealth's own process could not open a connection")
 
 
-def test_a_tls_read_with_one_descriptor_left_still_trusts_the_ca_certificates(
-    certificate: tuple[Path, Path],
+@pytest.mark.parametrize("trusted_in", ["a CA file", "a CA directory"])
+def test_a_tls_read_with_one_descriptor_left_is_not_judged_for_its_trust_store(
+    certificate: tuple[Path, Path], tmp_path: Path, trusted_in: str
 ) -> None:
     # The default TLS context was built after the socket took the last descriptor: the
     # CA file could not be read, the context trusted no one, and, kept for the process,
     # it judged every https backend `down` ("certificate verify failed") from then on.
+    # A CA directory is read at the handshake: the same want failed that one read.
     cert, key = certificate
+    if trusted_in == "a CA file":
+        trust = {"SSL_CERT_FILE": str(cert)}
+    else:
+        named = subprocess.run(
+            ["openssl", "x509", "-hash", "-noout", "-in", str(cert)],
+            check=True, capture_output=True, text=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        (tmp_path / f"{named}.0").write_bytes(cert.read_bytes())
+        trust = {"SSL_CERT_FILE": str(tmp_path / "none.pem"), "SSL_CERT_DIR": str(tmp_path)}
     server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_side.load_cert_chain(cert, key)
 
@@ -1055,7 +1066,7 @@ loop.run_until_complete(read())  # the descriptors back: the context in use is w
         done = subprocess.run(
             [sys.executable, "-c", script.replace("URL", url.replace("http:", "https:"))],
             capture_output=True, text=True, timeout=60, check=True,
-            env={**os.environ, "SSL_CERT_FILE": str(cert)},
+            env={**os.environ, **trust},
         )  # fmt: skip
     # Never the server's failure: not judged while short, answered once it is not.
     first, second = done.stdout.splitlines()
