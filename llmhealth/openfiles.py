@@ -73,13 +73,35 @@ def out_of_files(exc: OSError) -> bool:
     return isinstance(exc, socket.gaierror) and short_of_descriptors()
 
 
-def short_of_descriptors() -> bool:
-    """Whether this process could not open one more file now."""
+def short_of_descriptors(wanted: int = 1) -> bool:
+    """Whether this process could not open ``wanted`` more files now."""
+    opened: list[int] = []
     try:
-        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        for _ in range(wanted):
+            opened.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
     except OSError as probe:
         return probe.errno in OUT_OF_FILES
+    finally:
+        for descriptor in opened:
+            os.close(descriptor)
     return False
+
+
+# OpenSSL's verify codes for an issuer not found (X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT,
+# _DEPTH_ZERO_SELF_SIGNED_CERT, _SELF_SIGNED_CERT_IN_CHAIN, _UNABLE_TO_GET_ISSUER_CERT_
+# LOCALLY): all a CA directory's file not opened can make of a chain, which is built
+# before its names and dates are checked.
+_ISSUER_NOT_FOUND: Final = frozenset({2, 18, 19, 20})
+
+
+def trust_unread(exc: OSError, short: bool) -> bool:
+    """Whether a refused certificate may be this process's want of descriptors: a CA
+    directory is read during the handshake, and an issuer's file that cannot be opened
+    fails the chain. ``short``: asked (``short_of_descriptors``) with the connection's
+    socket counted, before the handshake, which closes it on failure before its caller
+    hears. The handshake's own waits may free or take a descriptor meanwhile: rare, and
+    then one read judged, or one not."""
+    return short and getattr(exc, "verify_code", None) in _ISSUER_NOT_FOUND
 
 
 class _DefaultTls:
@@ -99,7 +121,7 @@ def default_tls() -> ssl.SSLContext:
     which says why it fails: for want of descriptors, OSError(EMFILE) and nothing kept;
     any other reason (unreadable, nothing in it) is the operator's to mend, and the
     context is kept as it is (every handshake says so). A CA directory is read at each
-    handshake instead, and its reader tells that want apart there.
+    handshake instead: ``trust_unread`` tells that want apart there.
     """
     import ssl  # noqa: PLC0415 - only a verb that opens https connections pays for it
 
@@ -112,7 +134,8 @@ def default_tls() -> ssl.SSLContext:
         try:
             context.load_verify_locations(cafile=ca_file)
         except OSError as exc:  # ssl.SSLError among them: a file with nothing to trust
-            if exc.errno in OUT_OF_FILES:
+            # An SSLError's errno is OpenSSL's reason, which may be any number.
+            if exc.errno in OUT_OF_FILES and not isinstance(exc, ssl.SSLError):
                 raise OSError(exc.errno, f"the CA certificates could not be read: {exc}") from exc
     if _DefaultTls.context is None:  # another thread's, built meanwhile, is as good
         _DefaultTls.context = context

@@ -774,12 +774,13 @@ class Router:
 
     def _not_sent(self, name: str, why: _Retry, detail: str) -> Answer:
         """A request no backend was sent: its last attempt's failure, as the client hears it.
-        The router's own is a 503 with Retry-After from the router, not a backend's 500:
-        that would count in the backend's series of answers and tell the client it failed."""
+        The router's own is its ``no_backend_status`` with Retry-After, as for nothing
+        serving, not a backend's 500: that would count in the backend's series of answers
+        and tell the client it failed."""
         if why.ours:
             return self._answer(
                 None,
-                503,
+                self._settings.no_backend_status,
                 {"error": f"the router could not send the request: {detail}"},
                 headers={"Retry-After": self._retry_after},
             )

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES
-from llmhealth.openfiles import default_tls, out_of_files
+from llmhealth.openfiles import default_tls, out_of_files, short_of_descriptors, trust_unread
 
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
@@ -382,9 +382,14 @@ class Pool:
 
     async def _connect(self, origin: Origin) -> _Link:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._connect_timeout
         try:
             tls = default_tls() if origin.scheme == "https" else None
+        except OSError as exc:  # its CA file unread for want of descriptors
+            raise ConnectError(str(exc), ours=out_of_files(exc)) from exc
+        # Two spare: the socket's, and a CA directory's file (trust_unread).
+        short = tls is not None and short_of_descriptors(2)
+        deadline = loop.time() + self._connect_timeout
+        try:
             async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
                     lambda: _Link(origin),
@@ -397,7 +402,8 @@ class Pool:
             late = loop.time() - deadline
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
-            raise ConnectError(str(exc) or type(exc).__name__, ours=out_of_files(exc)) from exc
+            ours = out_of_files(exc) or trust_unread(exc, short)
+            raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc
         return link
 
     async def _head(self, link: _Link, method: str) -> Response:

@@ -31,7 +31,13 @@ from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 from llmhealth import http1
-from llmhealth.openfiles import OUT_OF_FILES, default_tls, out_of_files, short_of_descriptors
+from llmhealth.openfiles import (
+    OUT_OF_FILES,
+    default_tls,
+    out_of_files,
+    short_of_descriptors,
+    trust_unread,
+)
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
@@ -298,14 +304,11 @@ class Connection:
             if tls is not None:
                 # After the TCP connection, not with it: a server that accepts and then
                 # stalls the handshake is connected (unresponsive), not unreachable.
-                # A CA directory is read during the handshake, which fails the certificate
-                # when the issuer's file cannot be opened: asked now, while the socket
-                # holds its descriptor (a failed handshake closes it before we hear).
-                short = short_of_descriptors()
+                short = short_of_descriptors()  # the socket holds its own: see trust_unread
                 try:
                     await self._writer.start_tls(tls, server_hostname=host)
                 except OSError as exc:  # refused certificates among them: never connected
-                    if short and isinstance(exc, ssl.SSLCertVerificationError):
+                    if trust_unread(exc, short):
                         raise WireError(
                             Failure.STARVED,
                             f"llmhealth's own process could not verify the certificate ({exc}) "

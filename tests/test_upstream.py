@@ -9,9 +9,11 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from test_router import read_request, run
+from tlsproc import make_certificate, run_child, tls_server, trusting
 
 from llmhealth.upstream import MAX_HEAD_BYTES, BrokenError, ConnectError, Origin, Pool, Response
 
@@ -466,3 +468,37 @@ def test_a_tls_backend_that_does_not_speak_tls_is_a_connect_error() -> None:
                 await exchange(pool, f"https://127.0.0.1:{port}")
 
     run(scenario())
+
+
+_CONNECT_TWICE = """
+import asyncio
+from llmhealth.upstream import ConnectError, Origin, Pool
+loop = asyncio.new_event_loop()
+pool = Pool(connect_timeout=5, keepalive=60)
+leave(1)  # the connection's socket: none for a CA directory's file
+async def connect():
+    try:
+        (await pool._connect(Origin.parse("URL"))).close()
+        print("connected")
+    except ConnectError as error:
+        print("ours" if error.ours else "the backend's", error)
+loop.run_until_complete(connect())
+give_back()
+loop.run_until_complete(connect())
+"""
+
+
+@pytest.mark.parametrize("trusted_in", ["a CA file", "a CA directory"])
+def test_a_certificate_refused_for_want_of_the_routers_descriptors_is_its_own(
+    tmp_path: Path, trusted_in: str
+) -> None:
+    # A CA directory is read at the handshake: with no descriptor for its file, the
+    # chain had no issuer, and the router counted the backend as refusing.
+    cert, key = make_certificate(tmp_path)
+    with tls_server(cert, key) as port:
+        first, second = run_child(
+            _CONNECT_TWICE.replace("URL", f"https://127.0.0.1:{port}/"),
+            trusting(cert, tmp_path, trusted_in),
+        )
+    assert first == "connected" or first.startswith("ours "), first
+    assert second == "connected"

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import errno
 import gc
-import os
 import socket
 import ssl
 import struct
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tlsproc import make_certificate, run_child, tls_server, trusting
 
 from llmhealth import eventloop, wire
 from llmhealth.wire import MAX_HEAD_BYTES, Connection, Failure, WireError, WireResponse
@@ -912,16 +912,8 @@ def test_a_reset_stale_connection_is_freed_when_the_request_is_sent_again() -> N
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, made by Debian's openssl."""
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-         "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
-    return cert, key
+    """A self-signed certificate for 127.0.0.1."""
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def _client_sockets_to(port: int) -> int:
@@ -1009,45 +1001,11 @@ loop.run_until_complete(read())
     assert done.stdout.startswith("starved llmhealth's own process could not open a connection")
 
 
-@pytest.mark.parametrize("trusted_in", ["a CA file", "a CA directory"])
-def test_a_tls_read_with_one_descriptor_left_is_not_judged_for_its_trust_store(
-    certificate: tuple[Path, Path], tmp_path: Path, trusted_in: str
-) -> None:
-    # The default TLS context was built after the socket took the last descriptor: the
-    # CA file could not be read, the context trusted no one, and, kept for the process,
-    # it judged every https backend `down` ("certificate verify failed") from then on.
-    # A CA directory is read at the handshake: the same want failed that one read.
-    cert, key = certificate
-    if trusted_in == "a CA file":
-        trust = {"SSL_CERT_FILE": str(cert)}
-    else:
-        named = subprocess.run(
-            ["openssl", "x509", "-hash", "-noout", "-in", str(cert)],
-            check=True, capture_output=True, text=True, timeout=30,
-        ).stdout.strip()  # fmt: skip
-        (tmp_path / f"{named}.0").write_bytes(cert.read_bytes())
-        trust = {"SSL_CERT_FILE": str(tmp_path / "none.pem"), "SSL_CERT_DIR": str(tmp_path)}
-    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_side.load_cert_chain(cert, key)
-
-    def answers(connection: socket.socket, _number: int) -> None:
-        with server_side.wrap_socket(connection, server_side=True) as tls:
-            read_request(tls)
-            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-
-    script = """
-import asyncio, os, resource
+_READ_TWICE = """
+import asyncio
 from llmhealth import wire
 loop = asyncio.new_event_loop()
-"warm".encode("idna")  # imported on first use: a file to open
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-held = []
-while True:
-    try:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError:
-        break
-os.close(held.pop())  # one left: the connection's socket
+leave(1)  # the connection's socket
 async def read():
     connection = wire.Connection(None, "llmhealth/test")
     try:
@@ -1058,17 +1016,39 @@ async def read():
     finally:
         await connection.aclose()
 loop.run_until_complete(read())
-for descriptor in held:
-    os.close(descriptor)
+give_back()
 loop.run_until_complete(read())  # the descriptors back: the context in use is whole
 """
-    with tcp_server(answers) as (url, _):
-        done = subprocess.run(
-            [sys.executable, "-c", script.replace("URL", url.replace("http:", "https:"))],
-            capture_output=True, text=True, timeout=60, check=True,
-            env={**os.environ, **trust},
-        )  # fmt: skip
+
+
+@pytest.mark.parametrize("trusted_in", ["a CA file", "a CA directory"])
+def test_a_tls_read_with_one_descriptor_left_is_not_judged_for_its_trust_store(
+    certificate: tuple[Path, Path], tmp_path: Path, trusted_in: str
+) -> None:
+    # The default TLS context was built after the socket took the last descriptor: the
+    # CA file could not be read, the context trusted no one, and, kept for the process,
+    # it judged every https backend `down` ("certificate verify failed") from then on.
+    # A CA directory is read at the handshake: the same want failed that one read.
+    with tls_server(*certificate) as port:
+        first, second = run_child(
+            _READ_TWICE.replace("URL", f"https://127.0.0.1:{port}/"),
+            environment=trusting(certificate[0], tmp_path, trusted_in),
+        )
     # Never the server's failure: not judged while short, answered once it is not.
-    first, second = done.stdout.splitlines()
-    assert first in {"answered 200", "starved"} or first.startswith("starved "), first
-    assert second == "answered 200", done.stdout
+    assert first == "answered 200" or first.startswith("starved "), first
+    assert second == "answered 200"
+
+
+def test_a_certificate_for_another_name_is_judged_however_short_the_process_is(
+    tmp_path: Path,
+) -> None:
+    # Only a chain without its issuer can come of a CA directory not read: a name that
+    # does not match is the server's, and still fails the read.
+    cert, key = make_certificate(tmp_path, "elsewhere.invalid")
+    with tls_server(cert, key) as port:
+        first, second = run_child(
+            _READ_TWICE.replace("URL", f"https://127.0.0.1:{port}/"),
+            environment=trusting(cert, tmp_path, "a CA file"),
+        )
+    assert first.startswith("connect_failed ") and "mismatch" in first, first
+    assert second.startswith("connect_failed ") and "mismatch" in second, second
