@@ -45,6 +45,7 @@ from llmhealth.leadership import (
     share_of,
 )
 from llmhealth.openfiles import LOCK_TIMEOUT
+from llmhealth.rows import plain
 from llmhealth.shares import (
     Intake,
     Published,
@@ -816,7 +817,7 @@ class EtcdStore:
         if self.elector is not None:
             writer = {"member": self.elector.member, "fence": self._fence}
         payload = json.dumps(
-            {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True
+            {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True, default=plain
         ).encode()
         records, count = self._records()
         writes = [(self.keys.state, payload), *records]

@@ -268,7 +268,7 @@ def _close(
             commands_running=commands_running,
         )
         if store is not None:
-            store.save(record.to_dict(), before=batch.close)
+            store.save(record.to_document(), before=batch.close)
     if store is not None and kept is not None:
         kept.keep(store, record, opened.policy)
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))

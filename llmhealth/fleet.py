@@ -34,6 +34,7 @@ from llmhealth.ledger import (
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
+from llmhealth.rows import Table
 from llmhealth.text import same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
@@ -666,8 +667,17 @@ class FleetRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **self.to_document(),
             "ledger": self.ledger.to_dict(),
             "sightings": {name: s.to_dict() for name, s in sorted(self.sightings.items())},
+        }
+
+    def to_document(self) -> dict[str, Any]:
+        """``to_dict()``, the ledger's entries made as they are written (rows.py): what a
+        save writes (in key order, as json sorts them)."""
+        return {
+            "ledger": self.ledger.to_document(),
+            "sightings": Table(self.sightings, Sighting.to_dict),
             "holds": {name: hold.to_dict() for name, hold in sorted(self.holds.items())},
             "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
             "proofs": dict(sorted(self.proofs.items())),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Final, TypeAlias
 
+from llmhealth.rows import Rows
 from llmhealth.text import refuse_user_info, same_server
 
 
@@ -1454,38 +1455,15 @@ class Ledger:
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-compatible copy of the whole ledger; the policy is not part of it."""
+        return {**self.to_document(), "backends": [_entry_dict(b) for b in self._sorted()]}
+
+    def to_document(self) -> dict[str, object]:
+        """``to_dict()``, its entries made as they are written (rows.py): what a save
+        writes, without every entry's copy in memory at once."""
         return {
             "schema": SCHEMA,
             "epoch": self._epoch,
-            "backends": [
-                {
-                    "name": b.name,
-                    "url": b.url,
-                    "state": str(b.state),
-                    "probe_failures": b.probe_failures,
-                    "request_failures": b.request_failures,
-                    "good_streak": b.good_streak,
-                    "restart_times": list(b.restart_times),
-                    "last_ok_at": b.last_ok_at,
-                    "last_error": b.last_error,
-                    "weight_version": b.weight_version,
-                    "condemned_by": b.condemned_by,
-                    "state_since": b.state_since,
-                    "state_before_partial": None
-                    if b.state_before_partial is None
-                    else str(b.state_before_partial),
-                    "process": None if b.process is None else _process_dict(b.process),
-                    "restarted_from": None
-                    if b.restarted_from is None
-                    else _process_dict(b.restarted_from),
-                    "replaced_while_dead": b.replaced_while_dead,
-                    "replaced_since_restart": b.replaced_since_restart,
-                    "recovery_times": list(b.recovery_times),
-                    "restart_ran_at": b.restart_ran_at,
-                    "traffic_failures": b.traffic_failures,
-                }
-                for b in self._sorted()
-            ],
+            "backends": Rows(self._sorted(), _entry_dict),
         }
 
     @classmethod
@@ -1817,3 +1795,31 @@ def _parse_backend(value: object, where: str) -> _Backend:
     if b.state is State.RESTARTING and b.state_since is None:
         raise ValueError(f"{where}.state_since: a restarting backend needs the time of its restart")
     return b
+
+
+def _entry_dict(b: _Backend) -> dict[str, object]:
+    """One ledger entry as the state document holds it."""
+    return {
+        "name": b.name,
+        "url": b.url,
+        "state": str(b.state),
+        "probe_failures": b.probe_failures,
+        "request_failures": b.request_failures,
+        "good_streak": b.good_streak,
+        "restart_times": list(b.restart_times),
+        "last_ok_at": b.last_ok_at,
+        "last_error": b.last_error,
+        "weight_version": b.weight_version,
+        "condemned_by": b.condemned_by,
+        "state_since": b.state_since,
+        "state_before_partial": None
+        if b.state_before_partial is None
+        else str(b.state_before_partial),
+        "process": None if b.process is None else _process_dict(b.process),
+        "restarted_from": None if b.restarted_from is None else _process_dict(b.restarted_from),
+        "replaced_while_dead": b.replaced_while_dead,
+        "replaced_since_restart": b.replaced_since_restart,
+        "recovery_times": list(b.recovery_times),
+        "restart_ran_at": b.restart_ran_at,
+        "traffic_failures": b.traffic_failures,
+    }

@@ -67,7 +67,7 @@ class _Edit:
             if self.added is not None:
                 audit.append(self.added.audit_record(now, actor()))
             audit.append(entry)
-            store.save(self.record.to_dict(), before=batch.close)
+            store.save(self.record.to_document(), before=batch.close)
 
 
 @contextlib.contextmanager

@@ -17,12 +17,13 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file
+from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
 SCHEMA = 1
@@ -465,7 +466,9 @@ def encode_pieces(value: object, depth: int = 0, lead: bytes = b"") -> Iterator[
     """
     if isinstance(value, dict) and not all(isinstance(key, str) for key in value):
         yield lead + _SORTED_JSON.encode(value).encode()  # json's own rules for such keys
-    elif isinstance(value, list | dict) and len(value) > _CHUNK:
+    elif isinstance(value, Rows | Table) or (
+        isinstance(value, list | dict) and len(value) > _CHUNK
+    ):
         yield from _in_chunks(value, lead)
     elif isinstance(value, list) and value and depth <= _WALKED_DEPTH:
         yield lead + b"["
@@ -482,13 +485,13 @@ def encode_pieces(value: object, depth: int = 0, lead: bytes = b"") -> Iterator[
         yield lead + _SORTED_JSON.encode(value).encode()
 
 
-def _in_chunks(value: list[Any] | dict[str, Any], lead: bytes) -> Iterator[bytes]:
-    """A long list or map with text keys: each run of ``_CHUNK`` items encoded as one
-    list or map, its brackets cut, joined as the whole would be (the keys' runs follow
-    their sorted order, so each run's own sorting keeps it)."""
+def _in_chunks(value: list[Any] | Rows[Any] | Mapping[str, Any], lead: bytes) -> Iterator[bytes]:
+    """A long list or map with text keys, or Rows or a Table: each run of ``_CHUNK``
+    items encoded as one list or map, its brackets cut, joined as the whole would be (the
+    keys' runs follow their sorted order, so each run's own sorting keeps it)."""
     starts = range(0, len(value), _CHUNK)
     runs: Iterator[object]
-    if isinstance(value, list):
+    if isinstance(value, list | Rows):
         opening, closing = b"[", b"]"
         runs = (value[start : start + _CHUNK] for start in starts)
     else:

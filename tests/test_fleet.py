@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -57,6 +58,8 @@ from llmhealth.remediate import (
     hear_commands,
     not_run,
 )
+from llmhealth.rows import plain
+from llmhealth.state import encode_pieces
 from llmhealth.window import LongestStep
 
 NOW = 1_000.0
@@ -1101,6 +1104,42 @@ def test_a_record_survives_a_trip_through_json_text() -> None:
         assert baseline is not None and restored is not None
         assert restored.process_start == baseline.process_start
         assert [e.counters for e in restored.engines] == [e.counters for e in baseline.engines]
+
+
+def big_record(size: int) -> FleetRecord:
+    """``size`` backends, each observed once, in a mix of states."""
+    names = [(f"gpu{i:05d}", f"http://10.{i // 250}.{i % 250}.1:8000") for i in range(size)]
+    record = record_of(*names)
+    kinds = ("busy", "wedged", "down")
+    for i, (name, _) in enumerate(names):
+        record.observe(name, VERDICTS[kinds[i % 3]], NOW)
+    return record
+
+
+@pytest.mark.parametrize("size", [3, 64, 65, 300])
+def test_the_saved_document_writes_what_to_dict_holds_byte_for_byte(size: int) -> None:
+    # Its ledger entries are made as they are written (rows.py), every writer alike.
+    record = big_record(size)
+    whole = json.dumps(record.to_dict(), sort_keys=True).encode()
+    assert b"".join(encode_pieces(record.to_document())) == whole
+    assert json.dumps(record.to_document(), sort_keys=True, default=plain).encode() == whole
+
+
+def test_writing_the_saved_document_never_holds_every_entry_at_once() -> None:
+    # Each of 3,000 entries' dict at once was about 2 KB per backend of a settle's peak.
+    record = big_record(3000)
+
+    def peak_of(write: Callable[[], object]) -> int:
+        tracemalloc.start()
+        try:
+            write()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    as_rows = peak_of(lambda: sum(map(len, encode_pieces(record.to_document()))))
+    every_entry = peak_of(lambda: sum(map(len, encode_pieces(record.to_dict()))))
+    assert as_rows * 4 < every_entry, (as_rows, every_entry)
 
 
 def test_a_decoded_baseline_still_reveals_a_restart() -> None:
