@@ -674,7 +674,7 @@ class FleetRecord:
 
     def to_document(self) -> dict[str, Any]:
         """``to_dict()``, the ledger's entries made as they are written (rows.py): what a
-        save writes (in key order, as json sorts them)."""
+        save writes."""
         return {
             "ledger": self.ledger.to_document(),
             "sightings": Table(self.sightings, Sighting.to_dict),

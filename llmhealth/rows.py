@@ -11,7 +11,7 @@ at a time, and ``plain`` gives the whole to a writer that takes it whole (json's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Generic, TypeVar, overload
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -31,14 +31,9 @@ class Rows(Generic[T]):
     def __iter__(self) -> Iterator[object]:
         return map(self._row, self._items)
 
-    @overload
-    def __getitem__(self, index: int) -> object: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[object]: ...
-    def __getitem__(self, index: int | slice) -> object:
-        if isinstance(index, slice):
-            return [self._row(item) for item in self._items[index]]
-        return self._row(self._items[index])
+    def __getitem__(self, run: slice) -> list[object]:
+        """The rows of one run of items, made now (``encode_pieces`` asks for runs)."""
+        return [self._row(item) for item in self._items[run]]
 
 
 class Table(Mapping[str, object], Generic[T]):

@@ -453,8 +453,9 @@ _CHUNK = 64  # a longer list or map is written this many items a piece
 
 
 def encode_pieces(value: object, depth: int = 0, lead: bytes = b"") -> Iterator[bytes]:
-    """``json.dumps(value, sort_keys=True).encode()``, byte for byte, as pieces
-    (``lead``, a separator and key, goes before the first).
+    """``json.dumps(value, sort_keys=True, default=rows.plain).encode()``, byte for byte,
+    as pieces (``lead``, a separator and key, goes before the first); Rows and a Table
+    made a run at a time.
 
     The whole text of 3,000 backends is 4 MB, held twice at once (the text, then its
     bytes) on top of the document: 2.6 KB per backend of `watch`'s peak memory, every

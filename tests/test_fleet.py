@@ -1126,7 +1126,8 @@ def test_the_saved_document_writes_what_to_dict_holds_byte_for_byte(size: int) -
 
 
 def test_writing_the_saved_document_never_holds_every_entry_at_once() -> None:
-    # Each of 3,000 entries' dict at once was about 2 KB per backend of a settle's peak.
+    # Every entry's and sighting's dict at once was about 1.5 KB per backend of a settle's
+    # peak at 3,000.
     record = big_record(3000)
 
     def peak_of(write: Callable[[], object]) -> int:
