@@ -612,9 +612,15 @@ class Daemon:
         if probe.heard_at is not None:
             probe.gap = smoothed_gap(probe.gap, now - probe.heard_at, self._wait)
         probe.heard_at = now
-        if verdict is not None:
-            probe.outcome = Outcome(target, verdict)
-            probe.fresh = True
+        if verdict is None:
+            return
+        unsettled = probe.outcome if probe.fresh else None
+        if not verdict.judged and unsettled is not None and unsettled.verdict.judged:
+            # A real verdict not yet settled (a wedge proven) outlives the notice that its
+            # reader was lost since: the reads start afresh all the same.
+            return
+        probe.outcome = Outcome(target, verdict)
+        probe.fresh = True
 
     def _reads(self, target: Target) -> bool:
         """Whether this member reads ``target``: a proxy always, a backend if in its share."""

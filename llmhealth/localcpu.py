@@ -10,6 +10,7 @@ processes of which one names vLLM in its command line are sampled. A configured 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import math
@@ -32,6 +33,9 @@ _LOCALHOST = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Socket = tuple[IpAddress, int]  # the local address and port a process listens on
 _MAX_PROCESSES = 4096  # a bound on one scan of /proc; a host with more is not read
+# Seconds a sample may take before it is given up on (no evidence); /proc reads take
+# milliseconds, but one of a process stuck in the kernel takes as long as it is stuck.
+SAMPLE_LIMIT = 1.0
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -55,6 +59,7 @@ class LocalCpu:
         self._cgroup = Path(cgroup) if cgroup else None
         self._where = _local_address(url)
         self._found: _Found | None = None
+        self._sampling: threading.Thread | None = None
 
     @property
     def applies(self) -> bool:
@@ -88,6 +93,38 @@ class LocalCpu:
             )
             return CpuSample(seconds, tuple(sorted(processes)), time.time(), stopped)
         except (OSError, ValueError):
+            return None
+
+    async def sample_within_limit(self) -> CpuSample | None:
+        """``sample()`` off the event loop, None once SAMPLE_LIMIT has passed.
+
+        A wedging engine is what gets sampled, and an engine stuck in the kernel (its
+        memory lock held: "D" state) blocks a read of its /proc files for as long as it
+        is stuck. In asyncio's thread pool such a read held the backend's probing task
+        for ever, unseen, with its last verdict standing; the pool's few threads stalled
+        every later sample; and the pool is joined at exit, which the stop waited for.
+        So each sample runs in a daemon thread of its own, and while one is stuck this
+        backend is not sampled again (no evidence) rather than stacking threads.
+        """
+        if self._sampling is not None and self._sampling.is_alive():
+            return None
+        loop = asyncio.get_running_loop()
+        taken: asyncio.Future[CpuSample | None] = loop.create_future()
+
+        def hand_over(sample: CpuSample | None) -> None:
+            if not taken.done():  # given up on meanwhile
+                taken.set_result(sample)
+
+        def run() -> None:
+            sample = self.sample()
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(hand_over, sample)
+
+        self._sampling = threading.Thread(target=run, name="llmhealth-cpu-sample", daemon=True)
+        self._sampling.start()
+        try:
+            return await asyncio.wait_for(taken, SAMPLE_LIMIT)
+        except TimeoutError:
             return None
 
     def _listener(self) -> _Found | None:

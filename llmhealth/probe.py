@@ -596,7 +596,7 @@ async def _with_cpu(
         return read
     if not settings.wants_cpu([*earlier, read], learned, rules):
         return read
-    return replace(read, cpu=await asyncio.to_thread(cpu.sample))
+    return replace(read, cpu=await cpu.sample_within_limit())
 
 
 async def examine_proxy(client: Client, target: Target, settings: ProbeSettings) -> Verdict:

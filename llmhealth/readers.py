@@ -437,7 +437,20 @@ class _Worker:
     share: dict[str, Target] = field(default_factory=dict)
     windows: dict[str, list[Read]] = field(default_factory=dict)
     receiving: asyncio.Task[None] | None = None
-    told_unstarted: bool = False  # its share was given "not started" since it last ran
+    # Targets of its share told it does not read them (not started, lost) since it last
+    # started: each told once, as an examination each would count for one.
+    told_not_read: set[str] = field(default_factory=set)
+
+    @property
+    def reading(self) -> bool:
+        """Started, not exited, and its pipe open: what is sent to it is read."""
+        process = self.process
+        return (
+            process is not None
+            and process.returncode is None
+            and process.stdin is not None
+            and not process.stdin.is_closing()
+        )
 
 
 async def _let_leave(process: asyncio.subprocess.Process) -> None:
@@ -536,21 +549,20 @@ class ReadPool:
             limit=MAX_FRAME,
         )
         worker.windows = {}
-        worker.told_unstarted = False
+        worker.told_not_read = set()
         worker.receiving = asyncio.create_task(self._receive(worker, worker.process))
 
     def _send_share(self, worker: _Worker) -> None:
         process = worker.process
-        if process is None and not self._closing:
-            # Not started yet (tried again each wait): its share gets what a lost
-            # worker's gets, or it kept its saved states with no verdict at all. Once
-            # while it stays unstarted, as an examination each would count for one.
-            if not worker.told_unstarted:
-                worker.told_unstarted = True
-                self._unjudged(worker, f"read worker {worker.index + 1} not started")
+        if not worker.reading:
+            # Not started yet, or lost and not yet started again (tried each wait): its
+            # share gets what a lost worker's gets, a target a reload gave it included,
+            # or it kept its saved state (a new one: healthy) with no verdict at all.
+            if not self._closing:
+                state = "not started" if process is None else "not running"
+                self._unjudged(worker, f"read worker {worker.index + 1} {state}")
             return
-        if process is None or process.stdin is None or process.stdin.is_closing():
-            return
+        assert process is not None and process.stdin is not None
         names = worker.share.keys()
         share = _Share(
             self._settings(),
@@ -657,9 +669,12 @@ class ReadPool:
         self._unjudged(worker, why)
 
     def _unjudged(self, worker: _Worker, why: str) -> None:
-        """Each of the worker's targets: not judged, for ``why``; reads start afresh."""
+        """Each of the worker's targets not yet told since it last started: not judged,
+        for ``why``; reads start afresh."""
         verdict = unjudged(
             f"not judged: {why}; its reads start afresh (a failure of llmhealth's own)"
         )
-        for target in worker.share.values():
-            self._deliver(target, verdict, 0.0, ())
+        for name, target in worker.share.items():
+            if name not in worker.told_not_read:
+                worker.told_not_read.add(name)
+                self._deliver(target, verdict, 0.0, ())

@@ -51,7 +51,7 @@ from werkzeug import Request, Response
 
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
-from llmhealth import operate, readers
+from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, read
 from llmhealth.classify import Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for
@@ -1625,6 +1625,34 @@ def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
                 daemon._settle(news)
             assert store.races == 99 - daemon_module.SETTLE_ATTEMPTS
             assert not store.path.exists()
+
+
+def test_a_wedge_proven_then_its_reader_lost_before_the_settle_is_still_settled(
+    tmp_path: Path,
+) -> None:
+    """A worker that sent a wedge's proof and died before the settle: the notice that
+    its targets were not judged replaced the proof, and proving it again took two more
+    waits after a new worker started. The notice still counts as an examination."""
+    target = Target("b", REFUSED_URL)
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    daemon = Daemon(
+        lambda: (config_module.Config(), [target]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    daemon.hear(target, wedged, 0.01)
+    daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
+    fresh = daemon._take_fresh()
+    assert [outcome.verdict for outcome in fresh] == [wedged]
+    assert daemon._state.probes["b"].examinations == 2
+    settled = daemon._settle(daemon_module.News(fresh, []))
+    assert str(settled.record.ledger.state_of("b")) == "dead"
+    # Once settled, a notice is news of its own.
+    daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
+    assert [outcome.verdict.judged for outcome in daemon._take_fresh()] == [False]
 
 
 def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(

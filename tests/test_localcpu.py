@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -257,6 +258,34 @@ def test_a_configured_cgroup_is_read_from_its_cpu_stat(tmp_path: Path) -> None:
     (tmp_path / "cpu.stat").write_text("garbage\n")
     assert cpu.sample() is None
     assert LocalCpu("http://x:1", cgroup=str(tmp_path / "absent")).sample() is None
+
+
+def test_a_sample_stuck_in_a_read_is_given_up_on_and_not_started_twice(tmp_path: Path) -> None:
+    # A read of a process stuck in the kernel blocks as long as it is stuck: in asyncio's
+    # pool it held the backend's probing task for ever, and the pool is joined at exit.
+    # Here the read is of a FIFO no one writes: it blocks until the test writes.
+    stat = tmp_path / "cpu.stat"
+    os.mkfifo(stat)
+    cpu = LocalCpu("http://10.0.0.5:8000", cgroup=str(tmp_path))
+
+    def samplers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "llmhealth-cpu-sample"]
+
+    async def main() -> tuple[object, object, int]:
+        first = await cpu.sample_within_limit()
+        second = await cpu.sample_within_limit()  # the first still stuck: none stacked
+        return first, second, len(samplers())
+
+    first, second, stuck = asyncio.run(main())  # returns: no thread of it is joined
+    assert (first, second, stuck) == (None, None, 1)
+    with stat.open("w") as writer:  # the stuck read gets its text and ends
+        writer.write("usage_usec 5000000\n")
+    for thread in samplers():
+        thread.join(timeout=30)
+    stat.unlink()
+    stat.write_text("usage_usec 7000000\n")
+    third = asyncio.run(cpu.sample_within_limit())
+    assert third is not None and third.seconds == pytest.approx(7.0)
 
 
 # A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the

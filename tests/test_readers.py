@@ -320,11 +320,60 @@ def test_a_worker_never_started_gives_its_share_verdicts_that_say_so(
         pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
         # Once while it stays unstarted: each would count as an examination.
         pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        # A target a reload adds is told too.
+        pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])
         await pool.close()
 
     asyncio.run(main())
-    assert len(heard) == 1 and heard[0] is not None and not heard[0].judged
-    assert "not judged: read worker 1 not started; its reads start afresh" in heard[0].evidence
+    assert len(heard) == 2
+    for verdict in heard:
+        assert verdict is not None and not verdict.judged
+        assert "not judged: read worker 1 not started; its reads start afresh" in verdict.evidence
+
+
+def test_a_target_a_reload_gives_a_worker_that_is_not_reading_is_told_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload that added a target to a worker not started, or lost and not started
+    again, sent it nothing: the new backend was admitted healthy and serving, and stayed
+    so unread for as long as the worker stayed down."""
+    real = asyncio.create_subprocess_exec
+    started: list[asyncio.subprocess.Process] = []
+
+    async def once(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        if started:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        started.append(await real(*args, **kwargs))
+        return started[0]
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", once)
+    heard: list[tuple[str, Verdict | None]] = []
+
+    async def main() -> None:
+        pool = readers.ReadPool(
+            1,
+            lambda: ProbeSettings(wait=0.2),
+            lambda target, verdict, _s, _w: heard.append((target.name, verdict)),
+            lambda _n, _c: None,
+            lambda _m: None,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        started[0].kill()  # lost; every start after it fails
+        async with asyncio.timeout(30):
+            while not any(verdict is not None and not verdict.judged for _, verdict in heard):
+                await asyncio.sleep(0.01)
+        told = len(heard)
+        pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])
+        pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])
+        await pool.close()
+        assert [name for name, _ in heard[told:]] == ["c"]  # once, and only the new one
+
+    asyncio.run(main())
+    new = heard[-1][1]
+    assert new is not None and not new.judged
+    assert "not judged: read worker 1 not running; its reads start afresh" in new.evidence
 
 
 # A worker whose first frame the daemon cannot take in: a Read with a field too many,
