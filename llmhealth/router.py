@@ -38,6 +38,7 @@ from llmhealth.config import Router as RouterConfig
 from llmhealth.deadlines import Deadlines
 from llmhealth.edge import BadRequestError, Edge, Request
 from llmhealth.http1 import Fields, HeaderSource, connection_tokens
+from llmhealth.lateness import lateness_of
 from llmhealth.openfiles import FILE_LIMIT_CEILING
 from llmhealth.text import printable, same_server
 from llmhealth.traffic import FailureKind, RequestLog, RequestOutcome
@@ -524,6 +525,8 @@ class Router:
             max_body=self._settings.max_body,
         )
         await self.connections.start(host, port, backlog=1024)
+        # Its ticks from now on: a stall before the first connect is counted too.
+        lateness_of(asyncio.get_running_loop())
 
     async def close(self) -> None:
         """Stop routing: requests in progress get ``DRAIN`` seconds to end first."""
@@ -575,6 +578,9 @@ class Router:
         except BadRequestError as exc:  # 413 over max_body, a broken chunk, bad JSON
             return self._answer(None, exc.status, {"error": str(exc)})
         key = self._affinity.key_of(request.headers, parsed) if self._affinity else None
+        # Not held while the backend answers: a 16 MiB token-id prompt parses to about
+        # 100 MB of objects, and a few in flight held the router's memory for minutes.
+        del parsed
         tried: dict[str, _Retry] = {}
         while True:
             pool = {n: m for n, m in self._pick_set().items() if n not in tried}
@@ -586,13 +592,14 @@ class Router:
                     first, why = next(iter(tried.items()))
                     return self._not_sent(first, why, f"{why.detail}, and no other backend serves")
                 return self._no_backend(model)
+            if tried:
+                self.metrics.retries += 1  # a second backend is tried: counted as it is
             result = await self._forward(request, name, body)
             if not isinstance(result, _Retry):
                 return result
             tried[name] = result
             if len(tried) > 1:
                 return self._not_sent(name, result, result.detail)
-            self.metrics.retries += 1
 
     async def _forward(self, request: Request, name: str, body: bytes) -> Answer | _Retry | None:
         """One attempt on one backend, from connect to the last byte to the client (None:

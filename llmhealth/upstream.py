@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES
+from llmhealth.lateness import lateness_of
 from llmhealth.openfiles import default_tls, out_of_files, short_of_descriptors, trust_unread
 
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
@@ -47,10 +48,12 @@ READ_SIZE: Final = 64 * 1024  # the most one read() hands on
 class ConnectError(Exception):
     """No connection to the backend: the request was never sent.
 
-    ``late``: for a connection not made in time, how long after its deadline this task
-    heard so. The bound is kept on the event loop's clock: a loop held up (by CPU work
-    of its own, or a flood of it) past the deadline may have had the connection in hand
-    all along, and the time out is then the loop's, not the backend's.
+    ``late``: for a connection not made in time, how long the event loop ran late while
+    it was awaited (lateness.py), or after its deadline this task heard so, whichever is
+    longer. A loop held up (by CPU work of its own, or a flood of it) may have had the
+    connection in hand all along: one turn of it that lasted past the deadline ran the
+    connect's completion and the timeout together, the time out first, and hearing that
+    only just after the deadline counted the loop's stall against the backend.
     ``ours``: the router's own process had no descriptor for it (a socket, the trust
     store): the backend was never asked.
     """
@@ -388,7 +391,8 @@ class Pool:
             raise ConnectError(str(exc), ours=out_of_files(exc)) from exc
         # Two spare: the socket's, and a CA directory's file (trust_unread).
         short = tls is not None and short_of_descriptors(2)
-        deadline = loop.time() + self._connect_timeout
+        started = loop.time()
+        deadline = started + self._connect_timeout
         try:
             async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
@@ -399,7 +403,7 @@ class Pool:
                     server_hostname=origin.host if tls else None,
                 )
         except TimeoutError as exc:
-            late = loop.time() - deadline
+            late = max(loop.time() - deadline, lateness_of(loop).since(started))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
             ours = out_of_files(exc) or trust_unread(exc, short)

@@ -23,7 +23,6 @@ import socket
 import ssl
 import traceback
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +30,7 @@ from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 from llmhealth import http1
+from llmhealth.lateness import LATE_ENOUGH, lateness_of
 from llmhealth.openfiles import (
     OUT_OF_FILES,
     default_tls,
@@ -331,7 +331,7 @@ class Connection:
             keep_alive = False
         if accept is not None:
             accept(status, headers)
-        gate = _shared_by(asyncio.get_running_loop()).gate
+        gate = _gate_of(asyncio.get_running_loop())
         if gate.full():
             transport.pause_reading()  # the body waits in the kernel until admitted
         async with gate.admit(bound):
@@ -362,7 +362,7 @@ class _Deadline:
     then blames the server for llmhealth's own lateness: at 3,000 backends on a loaded
     machine that turned busy backends into `down` and `unresponsive` by the hundred.
     When the deadline comes, the time this loop ran late since the request began
-    (``_Lateness``) is added to it, up to ``_GRACE`` times the request's own length; a
+    (``lateness.Lateness``) is added to it, up to ``_GRACE`` times the request's own length; a
     request cut off past that is ``starved``: not judged, rather than judged on our
     lateness. Either way a request ends within (1 + _GRACE) times its budget.
 
@@ -372,7 +372,7 @@ class _Deadline:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         self._loop = loop
-        self._lateness = _shared_by(loop).lateness
+        self._lateness = lateness_of(loop)
         self._started = loop.time()
         self._deadline = deadline
         self._allowance = _GRACE * max(0.0, deadline - self._started)
@@ -453,60 +453,18 @@ class _Deadline:
     def _at_deadline(self) -> None:
         late = self.late_so_far()
         owed = late - self._granted
-        if owed > _LATE_ENOUGH and self._granted + owed <= self._allowance:
+        if owed > LATE_ENOUGH and self._granted + owed <= self._allowance:
             self._granted += owed
             self._timer = self._loop.call_at(self.due, self._at_deadline)
             return
         self.late = late
-        self.starved = owed > _LATE_ENOUGH
+        self.starved = owed > LATE_ENOUGH
         if self._timeout is not None:
             self._timeout.reschedule(self._loop.time())  # expires now
 
 
 _GRACE = 3.0  # a request's own lateness forgiven, in multiples of its budget
 _LATE_FOR_A_CLOSE = 1.0  # seconds late after which a close before any answer is ours
-_LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
-_TICK = 0.1  # how often _Lateness looks at its loop's clock
-_LATE_KEPT = 1024  # late ticks remembered per loop
-
-
-class _Lateness:
-    """How late one event loop has run its timers: time its process could not use.
-
-    A timer every ``_TICK`` notes how long after its time it ran, when that is more than
-    noise; a request asks how much of that fell within its own span. Timer handles only,
-    no task, and a weak reference to the loop: it ends with its loop.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)
-        self._late: deque[tuple[float, float]] = deque(maxlen=_LATE_KEPT)  # (ran, late by)
-        self._due = loop.time() + _TICK
-        loop.call_at(self._due, self._tick)
-
-    def _tick(self) -> None:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
-            return
-        now = loop.time()
-        if now - self._due > _LATE_ENOUGH:
-            self._late.append((now, now - self._due))
-        self._due = now + _TICK
-        loop.call_at(self._due, self._tick)
-
-    def since(self, start: float) -> float:
-        """Seconds this loop ran late after ``start``, the tick overdue now included."""
-        loop = self._loop()
-        now = loop.time() if loop is not None else self._due
-        total = max(0.0, now - self._due - _LATE_ENOUGH)
-        # Newest first, up to ``start``: they were noted in time order, and each read's
-        # body-gate wait asks (_Deadline.unhold), so a loaded loop's full history of
-        # 1,024 late ticks must not be walked on every read.
-        for ran, late in reversed(self._late):
-            if ran <= start:
-                break
-            total += min(late, ran - start)
-        return total
 
 
 class _BodyGate:
@@ -627,26 +585,17 @@ def _is_address(host: str) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class _LoopShared:
-    """What every request in one event loop shares: how late the loop runs, and the gate
-    its bodies pass. Made by the loop's first request; ends with the loop."""
-
-    lateness: _Lateness
-    gate: _BodyGate
-
-
-_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopShared] = (
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _BodyGate] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _shared_by(loop: asyncio.AbstractEventLoop) -> _LoopShared:
-    try:
-        return _SHARED[loop]
-    except KeyError:
-        shared = _SHARED[loop] = _LoopShared(_Lateness(loop), _BodyGate())
-        return shared
+def _gate_of(loop: asyncio.AbstractEventLoop) -> _BodyGate:
+    """The gate every request in one event loop passes; made by its first, ends with it."""
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = _BodyGate()
+    return gate
 
 
 def _set_read_size(transport: asyncio.BaseTransport, size: int) -> None:

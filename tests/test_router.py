@@ -541,6 +541,9 @@ def test_a_retry_with_nowhere_to_go_is_a_deliberate_500() -> None:
             assert error.startswith("backend failed: connection failed: "), error
             assert error.endswith(", and no other backend serves"), error
             assert await failures(router) == [("a", FailureKind.REFUSED, None)]
+            # No second backend was tried: no retry counted.
+            metrics = (await http.get(url + "/metrics")).text
+            assert "llmhealth_router_retries_total 0.0" in metrics
 
     run(scenario())
 
@@ -688,13 +691,16 @@ def test_a_backend_that_sends_garbage_or_closes_early_is_counted(reply: bytes) -
     run(scenario())
 
 
+@pytest.mark.parametrize(("bound", "stall"), [(0.2, 1.0), (1.0, 1.2)])
 def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_backends(
-    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer, bound: float, stall: float
 ) -> None:
     # Forty 16 MiB token-id bodies parsed on the loop held it up for seconds; the connect
     # bounds that expired meanwhile were counted as refusals, and a healthy backend was
     # condemned by the router's own stall. Here the loop is held up once, right after a
-    # real connect began.
+    # real connect began. A stall that ends just past the bound (1.2 s against 1 s) ran
+    # the connect's completion and its time out in one turn, heard 0.2 s late: the
+    # backend was charged until the loop's lateness during the connect counted.
     httpserver.expect_request(CHAT).respond_with_json({})
     real_connect = Pool._connect
     stalls: list[float] = []
@@ -703,14 +709,14 @@ def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_bac
         attempt = asyncio.ensure_future(real_connect(pool, origin))
         await asyncio.sleep(0)
         if not stalls:
-            stalls.append(1.0)
-            time.sleep(stalls[0])  # CPU of the router's own, past the 0.2 s bound
+            stalls.append(stall)
+            time.sleep(stall)  # CPU of the router's own, past the bound
         return await attempt
 
     monkeypatch.setattr(Pool, "_connect", connect_then_hold_up)
 
     async def scenario() -> None:
-        settings = RouterConfig(connect_timeout=0.2)
+        settings = RouterConfig(connect_timeout=bound)
         backends = {"a": httpserver.url_for("").rstrip("/")}
         async with routing(backends, settings) as (router, url), client() as http:
             first = await http.post(url + CHAT, content=BODY)

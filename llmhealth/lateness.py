@@ -1,0 +1,68 @@
+"""How late an event loop has run: time its own process could not use.
+
+A loop held up (CPU work of its own, a host with more work than cores, a VM paused) runs
+every timer late; a deadline measured on it then expires for time the awaited party was
+never given. The probes forgive that lateness (wire.py) and the router does not count a
+connection it timed out meanwhile against the backend (upstream.py): both ask one
+``Lateness`` per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+
+LATE_ENOUGH = 0.05  # seconds a timer may run late without counting: scheduling noise
+_TICK = 0.1  # how often a Lateness looks at its loop's clock
+_LATE_KEPT = 1024  # late ticks remembered per loop
+
+
+class Lateness:
+    """How late one event loop has run its timers: time its process could not use.
+
+    A timer every ``_TICK`` notes how long after its time it ran, when that is more than
+    noise; a request asks how much of that fell within its own span. Timer handles only,
+    no task, and a weak reference to the loop: it ends with its loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._late: deque[tuple[float, float]] = deque(maxlen=_LATE_KEPT)  # (ran, late by)
+        self._due = loop.time() + _TICK
+        loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        now = loop.time()
+        if now - self._due > LATE_ENOUGH:
+            self._late.append((now, now - self._due))
+        self._due = now + _TICK
+        loop.call_at(self._due, self._tick)
+
+    def since(self, start: float) -> float:
+        """Seconds this loop ran late after ``start``, the tick overdue now included."""
+        loop = self._loop()
+        now = loop.time() if loop is not None else self._due
+        total = max(0.0, now - self._due - LATE_ENOUGH)
+        # Newest first, up to ``start``: they were noted in time order, and each read's
+        # body-gate wait asks (_Deadline.unhold), so a loaded loop's full history of
+        # 1,024 late ticks must not be walked on every read.
+        for ran, late in reversed(self._late):
+            if ran <= start:
+                break
+            total += min(late, ran - start)
+        return total
+
+
+_KEPT: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Lateness] = weakref.WeakKeyDictionary()
+
+
+def lateness_of(loop: asyncio.AbstractEventLoop) -> Lateness:
+    """The loop's one Lateness, made (and its ticks started) by the first to ask."""
+    kept = _KEPT.get(loop)
+    if kept is None:
+        kept = _KEPT[loop] = Lateness(loop)
+    return kept
