@@ -673,6 +673,10 @@ class Router:
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.answered(name, status)
         event_stream = (headers.get("Content-Type") or "").startswith("text/event-stream")
+        # An error event written past a declared length would end the client's body early,
+        # or be cut into it, and pass for the whole: only a stream its chunks (or its
+        # close) frame is told in-band that it broke; one framed by length is cut off.
+        in_band = event_stream and headers.get("Content-Length") is None
         whole = None if event_stream else upstream.whole()
         watch = ErrorEventWatch() if event_stream and not counted else None
         try:
@@ -697,13 +701,13 @@ class Router:
                     detail = f"response silent for {seconds:g} s after it started"
                     if not counted:
                         self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
-                    await self._end_broken(request, name, detail, event_stream)
+                    await self._end_broken(request, name, detail, in_band)
                     return False
                 except BrokenError as exc:
                     detail = f"response cut off: {_short(exc)}"
                     if not counted:
                         self._fail(name, request, FailureKind.BROKEN, status, detail)
-                    await self._end_broken(request, name, detail, event_stream)
+                    await self._end_broken(request, name, detail, in_band)
                     return False
                 if not chunk:
                     break
@@ -734,12 +738,13 @@ class Router:
         request: Request,
         name: str,
         detail: str,
-        event_stream: bool,
+        in_band: bool,
     ) -> None:
-        """A response that broke after it started. An SSE client hears an ``error`` event
-        (the OpenAI SDKs raise it), then the stream's end and the connection's close; any
-        other body is cut off, so no client takes part of a body for the whole."""
-        if not event_stream:
+        """A response that broke after it started. An SSE client of a stream not framed by
+        length (``in_band``) hears an ``error`` event (the OpenAI SDKs raise it), then the
+        stream's end and the connection's close; any other body is cut off, so no client
+        takes part of a body for the whole."""
+        if not in_band:
             request.abort()
             return
         event = {"error": {"message": f"backend failed: {detail}", "type": "backend_failed"}}

@@ -871,6 +871,34 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
     run(scenario())
 
 
+def test_a_stream_framed_by_length_that_breaks_is_cut_off_not_given_an_event_past_it() -> None:
+    # The error event went out past the declared length: a client short of fewer bytes
+    # than the event read a whole body, a piece of the event at its end.
+    async def breaks_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        body = b"data: " + b"x" * 300 + b"\n\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body) + 40, body)
+        )
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()  # 40 bytes short
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(breaks_short) as cut,
+            routing({"a": cut}) as (router, url),
+            client() as http,
+        ):
+            # Reset or ended short: either way the client knows the body is not whole.
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await http.post(url + CHAT, content=BODY)
+            assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
+
+    run(scenario())
+
+
 # vLLM 0.32's in-band error, as `create_streaming_error_response` writes it, then its end.
 ENGINE_DEAD_EVENT = (
     b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above)'
