@@ -137,6 +137,9 @@ class _Probe:
     examinations: int = 0  # heard since the daemon started, decided or not
     heard_at: float | None = None  # monotonic, when the last one was heard
     gap: float | None = None  # between two heard, on average (fleet.smoothed_gap)
+    # A not-judged notice heard while a judged verdict awaited its settle: the settle
+    # after that one hears it (a reader lost for good is then said as such).
+    after: Outcome | None = None
 
 
 @dataclass(slots=True)
@@ -616,9 +619,11 @@ class Daemon:
             return
         unsettled = probe.outcome if probe.fresh else None
         if not verdict.judged and unsettled is not None and unsettled.verdict.judged:
-            # A real verdict not yet settled (a wedge proven) outlives the notice that its
-            # reader was lost since: the reads start afresh all the same.
+            # A real verdict not yet settled (a wedge proven) is settled first; the notice
+            # that its reader was lost since waits for the settle after it.
+            probe.after = Outcome(target, verdict)
             return
+        probe.after = None
         probe.outcome = Outcome(target, verdict)
         probe.fresh = True
 
@@ -723,6 +728,8 @@ class Daemon:
                 probe.fresh = False
                 fresh.append(probe.outcome)
                 self._serials[probe.outcome.target.name] += 1
+                if probe.after is not None:  # for the next settle
+                    probe.outcome, probe.after, probe.fresh = probe.after, None, True
         return fresh
 
     def _settle_and_give_back(self, news: News) -> Settled:

@@ -56,6 +56,25 @@ class Lateness:
             total += min(late, ran - start)
         return total
 
+    def across(self, moment: float) -> float:
+        """How long a stall of this loop that ``moment`` fell inside lasted (0: none did).
+
+        A tick due at ``due`` that ran ``late`` seconds after shows the loop held from
+        at least ``due`` to ``due + late``. A deadline inside such a stall was judged at
+        its end, with whatever completed meanwhile not yet taken in; stalls before the
+        deadline took nothing from what was awaited (the kernel kept working).
+        """
+        loop = self._loop()
+        now = loop.time() if loop is not None else self._due
+        if self._due <= moment <= now and now - self._due > LATE_ENOUGH:
+            return now - self._due  # the tick overdue now
+        for ran, late in reversed(self._late):
+            if ran < moment:
+                break
+            if ran - late <= moment:
+                return late
+        return 0.0
+
 
 _KEPT: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Lateness] = weakref.WeakKeyDictionary()
 

@@ -121,7 +121,11 @@ class LocalCpu:
                 loop.call_soon_threadsafe(hand_over, sample)
 
         self._sampling = threading.Thread(target=run, name="llmhealth-cpu-sample", daemon=True)
-        self._sampling.start()
+        try:
+            self._sampling.start()
+        except RuntimeError:  # no thread to be had: no evidence, as a stuck sample
+            self._sampling = None
+            return None
         try:
             return await asyncio.wait_for(taken, SAMPLE_LIMIT)
         except TimeoutError:

@@ -139,9 +139,14 @@ class ReadTasks:
         """
         wanted = {target.name: target for target in targets}
         for name in list(self._tasks):
-            if wanted.get(name) != self._probing.get(name):
+            now, was = wanted.get(name), self._probing.get(name)
+            if now is None or was is None or _read_otherwise(now, was):
                 self._tasks.pop(name).cancel()
                 self._probing.pop(name, None)
+            elif now != was:
+                # Its rules, model or key changed (a [policy] edit changes every target's
+                # rules): its task takes them from its next read on, its window kept.
+                self._probing[name] = now
         starting = [target for name, target in wanted.items() if name not in self._tasks]
         wait = self._settings().wait
         for index, target in enumerate(starting):
@@ -191,6 +196,7 @@ class ReadTasks:
         # No TLS context of its own: every client shares the process's (wire.py).
         async with new_client() as client:
             while True:
+                target = self._probing.get(target.name, target)  # as the last reload left it
                 settings = self._settings()
                 started = time.monotonic()
                 if target.kind == "proxy":
@@ -218,6 +224,12 @@ class ReadTasks:
                 if client.connection.idle_closes:
                     pause -= KEEP_ALIVE_LEAD * settings.wait
                 await asyncio.sleep(max(0.0, started + pause - time.monotonic()))
+
+
+def _read_otherwise(now: Target, was: Target) -> bool:
+    """Whether a target's reads so far say nothing of it now: another server, another
+    way of reading it, or other processes whose CPU time is sampled."""
+    return (now.url, now.kind, now.cgroup) != (was.url, was.kind, was.cgroup)
 
 
 # --- the pipe between the daemon and its read workers --------------------------------
@@ -438,8 +450,9 @@ class _Worker:
     windows: dict[str, list[Read]] = field(default_factory=dict)
     receiving: asyncio.Task[None] | None = None
     # Targets of its share told it does not read them (not started, lost) since it last
-    # started: each told once, as an examination each would count for one.
-    told_not_read: set[str] = field(default_factory=set)
+    # started, by name and address: each told once, as an examination each would count
+    # for one; a target a reload drops, or moves, is told again when it comes back.
+    told_not_read: dict[str, str] = field(default_factory=dict)
 
     @property
     def reading(self) -> bool:
@@ -515,6 +528,8 @@ class ReadPool:
             worker.share = {t.name: t for t in targets if share_of(t.name, count) == worker.index}
             for name in [n for n in worker.windows if n not in worker.share]:
                 del worker.windows[name]
+            for name in [n for n in worker.told_not_read if n not in worker.share]:
+                del worker.told_not_read[name]
             self._send_share(worker)
         self._baselines, self._learned = {}, {}  # sent once, as ReadTasks pops them
 
@@ -549,7 +564,7 @@ class ReadPool:
             limit=MAX_FRAME,
         )
         worker.windows = {}
-        worker.told_not_read = set()
+        worker.told_not_read = {}
         worker.receiving = asyncio.create_task(self._receive(worker, worker.process))
 
     def _send_share(self, worker: _Worker) -> None:
@@ -675,6 +690,6 @@ class ReadPool:
             f"not judged: {why}; its reads start afresh (a failure of llmhealth's own)"
         )
         for name, target in worker.share.items():
-            if name not in worker.told_not_read:
-                worker.told_not_read.add(name)
+            if worker.told_not_read.get(name) != target.url:
+                worker.told_not_read[name] = target.url
                 self._deliver(target, verdict, 0.0, ())

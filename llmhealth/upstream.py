@@ -48,12 +48,14 @@ READ_SIZE: Final = 64 * 1024  # the most one read() hands on
 class ConnectError(Exception):
     """No connection to the backend: the request was never sent.
 
-    ``late``: for a connection not made in time, how long the event loop ran late while
-    it was awaited (lateness.py), or after its deadline this task heard so, whichever is
-    longer. A loop held up (by CPU work of its own, or a flood of it) may have had the
-    connection in hand all along: one turn of it that lasted past the deadline ran the
-    connect's completion and the timeout together, the time out first, and hearing that
-    only just after the deadline counted the loop's stall against the backend.
+    ``late``: for a connection not made in time, how long a stall of the event loop that
+    the deadline fell inside lasted (lateness.py), or how long after the deadline this
+    task heard so, whichever is longer. A loop held up (by CPU work of its own, or a
+    flood of it) may have had the connection in hand all along: one turn of it that
+    lasted past the deadline ran the connect's completion and the time out together, the
+    time out first, and hearing that only just after the deadline counted the loop's
+    stall against the backend. Stalls that ended before the deadline took nothing from
+    the backend's time: the kernel goes on connecting.
     ``ours``: the router's own process had no descriptor for it (a socket, the trust
     store): the backend was never asked.
     """
@@ -391,8 +393,7 @@ class Pool:
             raise ConnectError(str(exc), ours=out_of_files(exc)) from exc
         # Two spare: the socket's, and a CA directory's file (trust_unread).
         short = tls is not None and short_of_descriptors(2)
-        started = loop.time()
-        deadline = started + self._connect_timeout
+        deadline = loop.time() + self._connect_timeout
         try:
             async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
@@ -403,7 +404,7 @@ class Pool:
                     server_hostname=origin.host if tls else None,
                 )
         except TimeoutError as exc:
-            late = max(loop.time() - deadline, lateness_of(loop).since(started))
+            late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
             ours = out_of_files(exc) or trust_unread(exc, short)

@@ -26,3 +26,24 @@ def test_a_loops_lateness_since_a_moment_counts_only_the_late_ticks_after_it() -
     assert both == pytest.approx(1.0, abs=0.05)
     assert the_last_in_part == pytest.approx(0.2, abs=0.05)
     assert none == pytest.approx(0.0, abs=0.05)
+
+
+def test_a_moment_inside_a_stall_of_the_loop_is_told_how_long_it_lasted() -> None:
+    """What a deadline inside a stall was judged late by; stalls that ended before it
+    took nothing from what was awaited."""
+
+    async def run() -> tuple[float, float, float, float]:
+        loop = asyncio.get_running_loop()
+        lateness = Lateness(loop)
+        now = loop.time()
+        for ran, late in ((now - 10.0, 0.3), (now - 5.0, 2.0)):  # held [-10.3,-10], [-7,-5]
+            lateness._late.append((ran, late))
+        return (
+            lateness.across(now - 6.0),
+            lateness.across(now - 10.1),
+            lateness.across(now - 8.0),
+            lateness.across(now - 1.0),
+        )
+
+    inside, inside_the_first, between, after = eventloop.run(run())
+    assert (inside, inside_the_first, between, after) == (2.0, 0.3, 0.0, 0.0)

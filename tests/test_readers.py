@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pytest_httpserver import HTTPServer
 from simproc import Simulator, alive, children, running_simulator
 from test_daemon import fleet_config, watching, write_config
 from test_wire import read_request, tcp_server
@@ -36,7 +37,7 @@ from llmhealth import readers
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import ProbeSettings
-from llmhealth.window import LongestStep
+from llmhealth.window import LongestStep, WedgeRules
 
 MODES = ["busy", "busy", "wedge:0", "wedge:0", "idle"]
 SHARES = [0, 1, 0, 1, 0]  # the read worker each of them gets
@@ -367,8 +368,12 @@ def test_a_target_a_reload_gives_a_worker_that_is_not_reading_is_told_so(
         told = len(heard)
         pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])
         pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])  # c dropped...
+        pool.assign([Target(n, "http://127.0.0.1:9", "backend") for n in ("b", "c")])  # back
+        pool.assign([Target("b", "http://127.0.0.1:8", "backend")])  # b moved
         await pool.close()
-        assert [name for name, _ in heard[told:]] == ["c"]  # once, and only the new one
+        # Once each, the new one; again when it came back, or moved.
+        assert [name for name, _ in heard[told:]] == ["c", "c", "b"]
 
     asyncio.run(main())
     new = heard[-1][1]
@@ -641,6 +646,45 @@ def test_the_daemons_copy_of_each_window_follows_the_workers_through_cuts_and_re
     )
     assert item.fresh == () and item.reads == len(window) and item.verdict is not None
     assert item.verdict.reads == ()
+
+
+CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+
+
+def test_a_reload_that_changes_only_a_targets_rules_keeps_its_window(
+    httpserver: HTTPServer,
+) -> None:
+    """A [policy] edit changes every target's wedge rules: each task was started again,
+    and every freeze under way was counted from zero, a wedge proven a window late."""
+    frozen = (CAPTURES / "busy-1.txt").read_bytes()  # work shown, the same every read
+    httpserver.expect_request("/metrics").respond_with_data(frozen)
+    url = httpserver.url_for("").rstrip("/")
+    first = Target("b", url)
+    edited = replace(first, rules=WedgeRules(startup_grace=600.0))
+    heard: list[tuple[Target, int]] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=0.05),
+            time.time,
+            lambda target, _v, _s, window: heard.append((target, len(window))),
+            lambda _n, _c: None,
+        )
+        tasks.assign([first])
+        async with asyncio.timeout(30):
+            while len(heard) < 4:
+                await asyncio.sleep(0.01)
+        before = len(heard)
+        tasks.assign([edited])
+        async with asyncio.timeout(30):
+            while len(heard) < before + 2:
+                await asyncio.sleep(0.01)
+        await tasks.close()
+        (last_before, kept), (now_target, now_kept) = heard[before - 1], heard[-1]
+        assert last_before == first and now_target == edited  # read under its new rules
+        assert now_kept > kept >= 3, heard
+
+    asyncio.run(main())
 
 
 def test_an_examination_of_an_address_a_reload_moved_the_backend_from_is_dropped() -> None:

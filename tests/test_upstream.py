@@ -15,6 +15,7 @@ import pytest
 from test_router import read_request, run
 from tlsproc import make_certificate, run_child, tls_server, trusting
 
+from llmhealth.lateness import lateness_of
 from llmhealth.upstream import MAX_HEAD_BYTES, BrokenError, ConnectError, Origin, Pool, Response
 
 Reply = Callable[[int, bytes], Awaitable[bytes | None]]  # (connection, request) -> answer
@@ -502,3 +503,37 @@ def test_a_certificate_refused_for_want_of_the_routers_descriptors_is_its_own(
         )
     assert first == "connected" or first.startswith("ours "), first
     assert second == "connected"
+
+
+def test_stalls_of_the_loop_that_end_before_a_connects_deadline_excuse_nothing() -> None:
+    # Only a stall the deadline falls inside can time out a connection made in time (the
+    # kernel goes on connecting meanwhile): stalls before it, summed, let a backend that
+    # never accepts pass for the router's own lateness, never charged nor dropped.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    port = blackhole.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # a full accept queue: further SYNs are dropped (Linux)
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        lateness_of(loop)  # as the router starts it
+        await asyncio.sleep(0.2)
+        loop.call_later(0.1, time.sleep, 0.7)  # the router's own work, over by 0.8 s
+        pool = Pool(connect_timeout=1.0, keepalive=60)
+        with pytest.raises(ConnectError) as raised:
+            await pool.request(Origin.parse(f"http://127.0.0.1:{port}"), "GET", "/", [], b"")
+        assert raised.value.late < 0.5, raised.value.late  # the router's LOOP_LATE
+
+    try:
+        run(scenario())
+    finally:
+        for filler in fillers:
+            filler.close()
+        blackhole.close()
