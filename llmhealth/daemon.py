@@ -724,12 +724,14 @@ class Daemon:
         """Verdicts that came in since the last cycle; called on the event loop's thread."""
         fresh = []
         for probe in self._state.probes.values():
+            if not probe.fresh and probe.after is not None:
+                # Its judged verdict went to the last settle (and, in a cluster, out under
+                # its own serial, published after this take): the notice is this one's.
+                probe.outcome, probe.after, probe.fresh = probe.after, None, True
             if probe.fresh and probe.outcome is not None:
                 probe.fresh = False
                 fresh.append(probe.outcome)
                 self._serials[probe.outcome.target.name] += 1
-                if probe.after is not None:  # for the next settle
-                    probe.outcome, probe.after, probe.fresh = probe.after, None, True
         return fresh
 
     def _settle_and_give_back(self, news: News) -> Settled:

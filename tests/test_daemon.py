@@ -38,7 +38,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import httpx
 import pytest
@@ -1653,6 +1653,34 @@ def test_a_wedge_proven_then_its_reader_lost_before_the_settle_is_still_settled(
     # The notice is the next settle's: a reader lost for good is said as such.
     assert [outcome.verdict.judged for outcome in daemon._take_fresh()] == [False]
     assert daemon._take_fresh() == []
+
+
+def test_a_cluster_member_publishes_a_proof_its_lost_reader_followed_under_its_serial(
+    tmp_path: Path,
+) -> None:
+    """A member takes its news, then publishes its share for the leader (the loop's
+    order): the notice that took the proof's place at the take went out under the
+    proof's serial, and the leader never heard of the wedge."""
+    target = Target("b", REFUSED_URL)
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    daemon = Daemon(
+        lambda: (config_module.Config(), [target]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
+    daemon.hear(target, wedged, 0.01)
+    daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
+    published = []
+    for _ in range(2):
+        daemon._take_fresh()
+        publication = daemon._publication()
+        assert publication is not None
+        published.append((publication.serials["b"], publication.verdicts["b"].judged))
+    assert published == [(1, True), (2, False)]
 
 
 def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(
