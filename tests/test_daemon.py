@@ -1627,12 +1627,9 @@ def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
             assert not store.path.exists()
 
 
-def test_a_wedge_proven_then_its_reader_lost_before_the_settle_is_still_settled(
-    tmp_path: Path,
-) -> None:
-    """A worker that sent a wedge's proof and died before the settle: the notice that
-    its targets were not judged replaced the proof, and proving it again took two more
-    waits after a new worker started. The notice still counts as an examination."""
+def proof_then_lost_reader(tmp_path: Path) -> tuple[Daemon, Verdict]:
+    """A daemon that heard backend b proven wedged, then that b's reader was lost, with
+    no settle between; and the proof."""
     target = Target("b", REFUSED_URL)
     wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
     daemon = Daemon(
@@ -1645,6 +1642,16 @@ def test_a_wedge_proven_then_its_reader_lost_before_the_settle_is_still_settled(
     )
     daemon.hear(target, wedged, 0.01)
     daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
+    return daemon, wedged
+
+
+def test_a_wedge_proven_then_its_reader_lost_before_the_settle_is_still_settled(
+    tmp_path: Path,
+) -> None:
+    """A worker that sent a wedge's proof and died before the settle: the notice that
+    its targets were not judged replaced the proof, and proving it again took two more
+    waits after a new worker started. The notice still counts as an examination."""
+    daemon, wedged = proof_then_lost_reader(tmp_path)
     fresh = daemon._take_fresh()
     assert [outcome.verdict for outcome in fresh] == [wedged]
     assert daemon._state.probes["b"].examinations == 2
@@ -1661,19 +1668,8 @@ def test_a_cluster_member_publishes_a_proof_its_lost_reader_followed_under_its_s
     """A member takes its news, then publishes its share for the leader (the loop's
     order): the notice that took the proof's place at the take went out under the
     proof's serial, and the leader never heard of the wedge."""
-    target = Target("b", REFUSED_URL)
-    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
-    daemon = Daemon(
-        lambda: (config_module.Config(), [target]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon, _ = proof_then_lost_reader(tmp_path)
     daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
-    daemon.hear(target, wedged, 0.01)
-    daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
     published = []
     for _ in range(2):
         daemon._take_fresh()
