@@ -1596,6 +1596,19 @@ class RacedSaves(StateFile):
         super().save(document, **kwargs)
 
 
+def quiet_daemon(target: Target, store: StateFile) -> Daemon:
+    """A daemon over ``target`` alone with the default config, on ``store``: no listener,
+    no serving file; driven by its methods, its loop never run."""
+    return Daemon(
+        lambda: (config_module.Config(), [target]),
+        store,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+
 def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
     tmp_path: Path,
 ) -> None:
@@ -1606,14 +1619,7 @@ def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
     wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
     for races, settles in ((daemon_module.SETTLE_ATTEMPTS - 1, True), (99, False)):
         store = RacedSaves(tmp_path / f"state-{races}.json", races)
-        daemon = Daemon(
-            lambda: (config_module.Config(), [target]),
-            store,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-        )
+        daemon = quiet_daemon(target, store)
         daemon.hear(target, wedged, 0.01)
         news = daemon_module.News(daemon._take_fresh(), [])
         if settles:
@@ -1632,14 +1638,7 @@ def proof_then_lost_reader(tmp_path: Path) -> tuple[Daemon, Verdict]:
     no settle between; and the proof."""
     target = Target("b", REFUSED_URL)
     wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
-    daemon = Daemon(
-        lambda: (config_module.Config(), [target]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = quiet_daemon(target, StateFile(tmp_path / "state.json"))
     daemon.hear(target, wedged, 0.01)
     daemon.hear(target, probe.unjudged("not judged: read worker 1 exited (-9)"), 0.0)
     return daemon, wedged
@@ -1690,14 +1689,7 @@ def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_sti
     later = (texts[0].process_start or 0.0) + 600  # a new process, started meanwhile
     fresh = [replace(text, process_start=later) for text in texts]
     target = Target("b", REFUSED_URL)
-    daemon = Daemon(
-        lambda: (config_module.Config(), [target]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = quiet_daemon(target, StateFile(tmp_path / "state.json"))
     now = time.time()
 
     def settle_after(*windows: list[Read]) -> str:
