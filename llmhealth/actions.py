@@ -532,18 +532,37 @@ def encode_record(
     parts = [f'"time": {_JSON.encode(stamp)}']
     for key, value in fields.items():
         known = shared.get(id(value)) if shared is not None else None
-        if known is not None and known[0] is value:
-            text = known[1]
-        else:
+        text = known[1] if known is not None and known[0] is value else _scalar_text(value)
+        if text is None:
             text = _JSON.encode(_plain(value, 1))
             if shared is not None and isinstance(value, Mapping | list | tuple):
                 shared[id(value)] = (value, text)  # held, so its id is not reused
-        parts.append(f"{_JSON.encode(key)}: {text}")
+        parts.append(f"{_ascii_text(key)}: {text}")
     return ("{" + ", ".join(parts) + "}").encode("ascii") + b"\n"
 
 
 # ensure_ascii: any str, even one holding lone surrogates, becomes encodable bytes.
 _JSON: Final = json.JSONEncoder(ensure_ascii=True, allow_nan=False)
+_ascii_text: Final = json.encoder.encode_basestring_ascii  # what _JSON writes for a str
+# What JSON holds as it is, by exact type (a subclass may render otherwise): most of a
+# record's fields and of its proof's values. A settle that condemns 2,500 wedges writes
+# 5,000 records in one batch, and a call of `_plain` per leaf and of the encoder per
+# field were a quarter of their CPU (2,250 records: 0.055 s, 0.041 s without them).
+_AS_IS: Final = frozenset({str, int, bool, type(None)})
+
+
+def _scalar_text(value: object) -> str | None:
+    """The JSON text _JSON writes for a str, int, bool, None or finite float, written
+    the way its C encoder writes them; None for any other value."""
+    if type(value) is str:
+        return _ascii_text(value)
+    if type(value) is bool:
+        return "true" if value else "false"
+    if type(value) is int:
+        return int.__repr__(value)
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)
+    return "null" if value is None else None
 
 
 def _plain(value: object, depth: int) -> object:
@@ -554,10 +573,21 @@ def _plain(value: object, depth: int) -> object:
         return value if math.isfinite(value) else str(value)
     if depth > _MAX_DEPTH:
         return str(value)  # a cycle, or nesting no reader wants
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    # Leaves JSON holds as they are stay where they are, with no call of their own.
+    if isinstance(value, dict | Mapping):
+        return {
+            str(k): v
+            if type(v) in _AS_IS or (type(v) is float and math.isfinite(v))
+            else _plain(v, depth + 1)
+            for k, v in value.items()
+        }
     if isinstance(value, list | tuple | set | frozenset | deque):
-        return [_plain(v, depth + 1) for v in value]
+        return [
+            v
+            if type(v) in _AS_IS or (type(v) is float and math.isfinite(v))
+            else _plain(v, depth + 1)
+            for v in value
+        ]
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):
         return _plain(to_dict(), depth + 1)

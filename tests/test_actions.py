@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -11,9 +12,14 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections import deque
+from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmhealth import actions
 from llmhealth.actions import (
@@ -461,6 +467,76 @@ def test_records_sharing_a_proof_in_a_batch_are_written_as_each_alone(tmp_path: 
         }
     )
     assert lines[0] == expected.encode("ascii") + b"\n"
+
+
+class Level(IntEnum):
+    LOW = 1
+
+
+class Tag(str):
+    """A str subclass, as a StrEnum member is: JSON writes its text."""
+
+
+def as_the_audit_writes(value: object, depth: int = 1) -> object:
+    """What an audit record's value becomes, as AuditLog's docstring tells it, walked one
+    value at a time: the oracle for `encode_record`'s shortcuts."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth > 32:
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): as_the_audit_writes(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset | deque):
+        return [as_the_audit_writes(v, depth + 1) for v in value]
+    return str(value)
+
+
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text()
+    | st.sampled_from([Level.LOW, Tag("tagged"), Path("/tmp/x")])
+)
+KEYS = st.text(max_size=5) | st.integers() | st.booleans() | st.none() | st.floats()
+VALUES = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.frozensets(st.integers(), max_size=3)
+        | st.dictionaries(KEYS, inner, max_size=4)
+    ),
+    max_leaves=25,
+)
+
+
+def nested(levels: int) -> Any:
+    value: Any = 1.5
+    for _ in range(levels):
+        value = {"in": [value]}
+    return value
+
+
+@given(
+    st.dictionaries(st.text(max_size=8).filter(lambda k: k != "time"), VALUES, max_size=6),
+    st.booleans(),
+)
+def test_a_record_is_written_as_its_values_made_plain_then_encoded(
+    fields: dict[str, object], shared: bool
+) -> None:
+    # The shortcuts for plain leaves and fields (str, int, bool, None, finite float by
+    # exact type) must write the bytes the walk writes, whatever else the record holds:
+    # subclasses, NaN, keys JSON would print otherwise, nesting past the depth bound.
+    for record in ({"time": 7.25, **fields}, {"time": 7, "deep": nested(40), "flat": nested(3)}):
+        plain = {key: as_the_audit_writes(value) for key, value in record.items()}
+        expected = json.dumps(plain, ensure_ascii=True, allow_nan=False)
+        written = encode_record(record, {} if shared else None)
+        assert json.loads(written) == json.loads(expected)
+        assert written == expected.encode("ascii") + b"\n"
 
 
 def test_a_batch_whose_fsync_fails_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
