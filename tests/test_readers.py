@@ -85,6 +85,12 @@ def test_read_workers_judge_the_fleet_survive_a_killed_worker_and_stop_on_sigter
         )
         workers = children(watch.process.pid)
         assert len(workers) == 2, workers
+        # Nicer than the daemon, so its settle is not slowed by the reads it settles.
+        daemon_nice = os.getpriority(os.PRIO_PROCESS, watch.process.pid)
+        for pid in workers:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(
+                19, daemon_nice + readers.READ_WORKER_NICENESS
+            ), pid
         # The proof audited for a wedge is the frozen window itself, rebuilt from the
         # reads the workers sent one at a time.
         audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
