@@ -437,11 +437,19 @@ async def _work() -> None:
         sender.close()
 
 
+def yield_to_the_settle() -> None:
+    """This worker READ_WORKER_NICENESS nicer (the kernel stops at 19). Raising one's
+    own niceness needs no privilege, but a service's system call filter may refuse it
+    all the same; the worker then reads at the daemon's niceness, as before."""
+    with contextlib.suppress(OSError):
+        os.nice(READ_WORKER_NICENESS)
+
+
 def main() -> None:
     # Ctrl-C at a terminal reaches the whole process group: the daemon decides, and
     # closes this worker's pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.nice(READ_WORKER_NICENESS)  # capped at 19 by the kernel; raising it needs no right
+    yield_to_the_settle()
     # A worker allocates as the daemon's own loop does when it reads: the same spacing.
     with young_collections_spaced():
         eventloop.run(_work())  # the daemon's loop choice: LLMHEALTH_LOOP is inherited

@@ -13,8 +13,10 @@ import sys
 import time
 import tracemalloc
 from collections import deque
+from collections.abc import Mapping
 from enum import IntEnum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -474,7 +476,37 @@ class Level(IntEnum):
 
 
 class Tag(str):
-    """A str subclass, as a StrEnum member is: JSON writes its text."""
+    """A str subclass, as a StrEnum member is: JSON writes its text, not its str()."""
+
+    def __str__(self) -> str:
+        return "not this"
+
+
+class Ratio(float):
+    def __repr__(self) -> str:
+        return "not this"
+
+
+class Reading:
+    """An object the audit writes as its ``to_dict()``."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"at": 1.5, "kv": float("inf")}
+
+
+class PosingAsStr(type):
+    """A class that says it is ``str`` to anything that asks by ``==`` and hash."""
+
+    def __eq__(cls, other: object) -> bool:
+        return True
+
+    def __hash__(cls) -> int:
+        return hash(str)
+
+
+class Impostor(metaclass=PosingAsStr):
+    def __str__(self) -> str:
+        return "impostor"
 
 
 def as_the_audit_writes(value: object, depth: int = 1) -> object:
@@ -486,22 +518,26 @@ def as_the_audit_writes(value: object, depth: int = 1) -> object:
         return value if math.isfinite(value) else str(value)
     if depth > 32:
         return str(value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {str(k): as_the_audit_writes(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset | deque):
         return [as_the_audit_writes(v, depth + 1) for v in value]
+    if isinstance(value, Reading):
+        return as_the_audit_writes(value.to_dict(), depth + 1)
     return str(value)
 
 
+TEXT = st.text(max_size=6) | st.text(st.characters(categories=["Cs"]), max_size=3)
 LEAVES = (
     st.none()
     | st.booleans()
     | st.integers()
     | st.floats()
-    | st.text()
-    | st.sampled_from([Level.LOW, Tag("tagged"), Path("/tmp/x")])
+    | TEXT
+    | st.builds(Ratio, st.floats())
+    | st.sampled_from([Level.LOW, Tag("tagged"), Path("/tmp/x"), Reading(), Impostor()])
 )
-KEYS = st.text(max_size=5) | st.integers() | st.booleans() | st.none() | st.floats()
+KEYS = TEXT | st.integers() | st.booleans() | st.none() | st.floats()
 VALUES = st.recursive(
     LEAVES,
     lambda inner: (
@@ -509,6 +545,7 @@ VALUES = st.recursive(
         | st.tuples(inner, inner)
         | st.frozensets(st.integers(), max_size=3)
         | st.dictionaries(KEYS, inner, max_size=4)
+        | st.dictionaries(KEYS, inner, max_size=3).map(MappingProxyType)
     ),
     max_leaves=25,
 )
@@ -521,20 +558,23 @@ def nested(levels: int) -> Any:
     return value
 
 
-@given(
-    st.dictionaries(st.text(max_size=8).filter(lambda k: k != "time"), VALUES, max_size=6),
-    st.booleans(),
-)
+DEEP = {"time": 7, "deep": nested(40), "flat": nested(3)}
+
+
+@given(st.dictionaries(TEXT.filter(lambda k: k != "time"), VALUES, max_size=6), st.booleans())
 def test_a_record_is_written_as_its_values_made_plain_then_encoded(
-    fields: dict[str, object], shared: bool
+    fields: dict[str, object], batched: bool
 ) -> None:
     # The shortcuts for plain leaves and fields (str, int, bool, None, finite float by
     # exact type) must write the bytes the walk writes, whatever else the record holds:
     # subclasses, NaN, keys JSON would print otherwise, nesting past the depth bound.
-    for record in ({"time": 7.25, **fields}, {"time": 7, "deep": nested(40), "flat": nested(3)}):
+    # Batched, the records share one cache, and the second takes a container from it.
+    shared: dict[int, tuple[object, str]] | None = {} if batched else None
+    records = ({"time": 7.25, **fields}, {"time": 8, "again": fields, **fields}, DEEP)
+    for record in records:
         plain = {key: as_the_audit_writes(value) for key, value in record.items()}
         expected = json.dumps(plain, ensure_ascii=True, allow_nan=False)
-        written = encode_record(record, {} if shared else None)
+        written = encode_record(record, shared)
         assert json.loads(written) == json.loads(expected)
         assert written == expected.encode("ascii") + b"\n"
 

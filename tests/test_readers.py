@@ -131,6 +131,16 @@ def test_read_workers_judge_the_fleet_survive_a_killed_worker_and_stop_on_sigter
     assert not any(alive(pid) for pid in now | workers)
 
 
+def test_a_worker_refused_its_niceness_reads_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A unit whose system call filter refuses setpriority (EPERM) made every worker exit
+    # at its start, to be started again each wait, its targets never judged.
+    def refused(_increment: int) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "nice", refused)
+    readers.yield_to_the_settle()
+
+
 def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
     entry_point: str, sim: Simulator, tmp_path: Path
 ) -> None:
