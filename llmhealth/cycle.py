@@ -378,7 +378,9 @@ async def run_cycle_async(
     """
     notes = list(notes)
     if audit is None and isinstance(store, StateFile):
-        audit = AuditLog(audit_path_for(config, store.path))
+        # Locked on the loop, as the state is: waited for no longer than the state's lock
+        # (none for check_async), or a backup holding it froze the caller's loop for 10 s.
+        audit = AuditLog(audit_path_for(config, store.path), lock_timeout=store.lock_timeout)
     if store is None:
         if not notes:  # a caller with its own reason (etcd away) has said it
             notes.append("state not persisted: bare URLs without --state or --config")

@@ -621,6 +621,9 @@ class _Backend:
     state_before_partial: State | None = None
     # The process last seen; while DEAD, the one that was condemned.
     process: ProcessSeen | None = None
+    # Condemned on its caller's word (proof its process is gone, or judged the silent
+    # participant of a collective), not on doubt: that process never returns in place.
+    caller_condemned: bool = False
     recovery_times: list[float] = field(default_factory=list)  # in-place recoveries
     restart_ran_at: float | None = None  # when the last restart's command exited 0
     traffic_failures: int = 0  # of request_failures, those real traffic reported
@@ -739,6 +742,14 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
         raise AssertionError(f"{Rule.RECOVER_IN_PLACE} cannot take {event.kind}")
     if not policy.recover_in_place:
         raise _Refused(b.state, event.kind, "policy.recover_in_place is off", off=True)
+    if b.caller_condemned:
+        # Answering proves nothing against it: an orphaned server outlives its actor, and
+        # a silent participant answers every probe, then hangs the next sync it joins.
+        raise _Refused(
+            b.state,
+            event.kind,
+            f"condemned on its caller's word ({b.condemned_by}): only a new process comes back",
+        )
     if event.restart_pending:
         raise _Refused(
             b.state, event.kind, "a restart is pending: the restart decides, not this process"
@@ -975,6 +986,7 @@ def _record(b: _Backend, event: Event) -> str:
             return why
         case ProcessGone():
             b.condemned_by = event.reason
+            b.caller_condemned = True
             b.good_streak = 0  # good verdicts before the proof count for nothing after it
             b.last_error = _error_text(event.reason, event.detail)
             return f"process gone ({b.last_error}): condemned at once"
@@ -993,9 +1005,13 @@ def _record(b: _Backend, event: Event) -> str:
             return "restart command exited 0: proves nothing yet; the startup grace counts from now"
         case NewProcessUp() | UnplannedRestart():
             # A replacement must not inherit the failures of the process it replaced, nor
-            # its identity: unknown until a read shows it.
+            # its identity: unknown until a read shows it. Nor the doubt its predecessor
+            # was in when a sync broke: re-admitted, it would come back SUSPECT, first in
+            # line to be condemned for what the other process did.
             _clear_streaks(b)
             b.process = event.process
+            b.state_before_partial = None
+            b.caller_condemned = False
             if isinstance(event, UnplannedRestart):
                 b.last_error = "process restarted unplanned"
                 return "process restarted unplanned; the new one must prove itself"
@@ -1005,6 +1021,7 @@ def _record(b: _Backend, event: Event) -> str:
             return b.last_error
         case Condemned():
             b.condemned_by = event.reason
+            b.caller_condemned = True
             b.good_streak = 0
             b.last_error = _error_text(event.reason, event.detail)
             return f"condemned ({b.last_error})"
@@ -1021,6 +1038,7 @@ def _record(b: _Backend, event: Event) -> str:
             b.restart_times.clear()
             b.recovery_times.clear()
             b.condemned_by = None
+            b.caller_condemned = False
             return (
                 "operator reset: streaks, restart attempts and in-place recoveries cleared; "
                 "must prove itself"
@@ -1652,6 +1670,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "restarted_from",
         "replaced_while_dead",
         "replaced_since_restart",
+        "caller_condemned",
     }
 )
 
@@ -1786,6 +1805,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
         recovery_times=_times(r.get("recovery_times", []), f"{where}.recovery_times"),
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
         traffic_failures=_as_int(r.get("traffic_failures", 0), f"{where}.traffic_failures"),
+        caller_condemned=_as_bool(r.get("caller_condemned", False), f"{where}.caller_condemned"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
@@ -1822,4 +1842,5 @@ def _entry_dict(b: _Backend) -> dict[str, object]:
         "recovery_times": list(b.recovery_times),
         "restart_ran_at": b.restart_ran_at,
         "traffic_failures": b.traffic_failures,
+        "caller_condemned": b.caller_condemned,
     }

@@ -190,7 +190,8 @@ class Prober:
         fleet = self._fleet
         if not fleet.policy.recover_in_place:
             return fleet.serving_shards()
-        return [k for k in fleet.keys if k in fleet.serving_shards() or _dead(fleet, k)]
+        serving = set(fleet.serving_shards())  # once: it sorts the whole ledger
+        return [k for k in fleet.keys if k in serving or _dead(fleet, k)]
 
     async def aclose(self) -> None:
         slots, self._slots = list(self._slots.values()), {}

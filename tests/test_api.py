@@ -4,6 +4,7 @@ the CLI prints, as typed objects, from a blocking call or inside a running loop.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import subprocess
 import time
@@ -131,6 +132,22 @@ def test_check_async_does_not_wait_for_a_state_another_run_holds(tmp_path: Path)
     state = tmp_path / "state.json"
     with StateFile(state).locked(), pytest.raises(StateLockedError):
         asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=state, **FAST))
+
+
+def test_check_async_does_not_wait_for_an_audit_log_another_process_holds(
+    tmp_path: Path,
+) -> None:
+    # A backup or log shipper holding flock on the audit log held the caller's event
+    # loop for the audit's 10 s, and the check failed after it anyway.
+    state = tmp_path / "state.json"
+    audit = tmp_path / "audit.jsonl"
+    audit.touch()
+    with audit.open("rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(
+            llmhealth.AuditError, match=r"locked by another process.*gave up after 0 s"
+        ):
+            asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=state, **FAST))
 
 
 def test_what_a_check_raises_is_importable_from_the_package(tmp_path: Path) -> None:

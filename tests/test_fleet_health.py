@@ -469,6 +469,21 @@ def test_the_refit_after_an_aborted_sync_keeps_a_failing_survivors_streak() -> N
     assert f.suspected_shards() == [2]
 
 
+def test_a_shard_replaced_after_an_aborted_sync_does_not_inherit_the_suspicion() -> None:
+    # Shard 2 was SUSPECT when the sync broke, then its process was replaced: the new
+    # one came back SUSPECT with no failure of its own, named by suspected_shards() as
+    # the shard to condemn for the next hang.
+    f, _ = fleet()
+    for _ in range(2):
+        f.report_failure(2, "router: failed generation")
+    for key in f.serving_shards():
+        f.mark_weights_partial(key)
+    assert f.mark_loaded(2).to_state is State.STALE
+    assert f.snapshot()[2].state_before_partial is None
+    assert f.suspected_shards() == []
+    assert f.report_refit(2, weight_version=5).to_state is State.HEALTHY
+
+
 def test_a_refit_without_a_weight_version_is_refused_as_a_stamp_without_one_is() -> None:
     f, _ = fleet()
     f.mark_weights_partial(0)

@@ -1091,6 +1091,40 @@ def test_a_process_that_cannot_be_identified_never_recovers_in_place() -> None:
     assert "neither a start time nor a counter to compare" in t.reason
 
 
+@pytest.mark.parametrize(
+    "word",
+    [
+        lambda now: ProcessGone(now=now, reason="process gone", detail="ActorDiedError"),
+        lambda now: Condemned(now=now, reason="silent participant", detail="no NCCL join"),
+    ],
+    ids=["process gone", "silent participant"],
+)
+def test_a_process_condemned_on_its_callers_word_never_recovers_in_place(
+    word: Callable[[float], Event],
+) -> None:
+    # The same process answering again was let back to STALE within two probes: an
+    # orphaned server outliving its actor, or the participant that had just hung the
+    # weight sync, which a STALE backend joins again.
+    ledger = one_backend(RECOVER)
+    ledger.apply("a", GoodVerdict(now=1.0, request_ok=True, process=seen()))
+    assert ledger.apply("a", word(2.0)).to_state is State.DEAD
+    for now in range(3, 13):
+        t = ledger.apply("a", GoodVerdict(now=float(now), request_ok=True, process=seen()))
+        assert not t.applied and "condemned on its caller's word" in t.reason
+    # It survives the state file, and ends with the process: a new one comes back.
+    again = Ledger.from_dict(json.loads(json.dumps(ledger.to_dict())), RECOVER)
+    t = again.apply("a", GoodVerdict(now=13.0, request_ok=True, process=seen()))
+    assert not t.applied and "condemned on its caller's word" in t.reason
+    assert again.apply("a", NewProcessUp(now=14.0, process=seen(start=2000.0))).applied
+    again.apply("a", Readmitted(now=15.0))
+    for now in (16.0, 17.0, 18.0):
+        again.apply("a", ProbeFailure(now=now, reason="unresponsive", detail="no answer"))
+    assert again.state_of("a") is State.DEAD
+    for now in (19.0, 20.0):
+        t = again.apply("a", GoodVerdict(now=now, request_ok=True, process=seen(start=2000.0)))
+    assert t.to_state is State.STALE, t.reason
+
+
 def test_a_pending_restart_is_left_to_decide() -> None:
     walk = Walk(RECOVER)
     condemned_by_probes(walk)

@@ -356,3 +356,18 @@ def test_a_verdict_read_while_the_caller_rebuilt_the_backend_is_not_its_replacem
     assert [(r.verdict, r.transitions) for r in results] == [(None, ())]
     assert "rebuilt or moved while it was read" in results[0].evidence
     assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
+
+
+def test_the_targets_of_a_large_fleet_recovering_in_place_ask_for_the_serving_set_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Asked once per backend, each answer sorting the whole ledger: 2,000 targets took
+    # 0.37 s of the caller's loop before any read, against 0.4 ms without recovery.
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(50)]
+    fleet = FleetHealth(urls, policy=FleetPolicy(recover_in_place=True))
+    asked = []
+    serving = fleet.serving_shards
+    monkeypatch.setattr(fleet, "serving_shards", lambda: asked.append(1) or serving())
+    prober = Prober(fleet, wait=WAIT)
+    assert prober._targets() == list(fleet.keys)
+    assert len(asked) == 1
