@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_to_keep
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -389,11 +389,14 @@ class AuditLog:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not self.path.exists()
+            owner = owner_to_keep(self.path)
             # Read as well as written: the last byte says whether a torn line needs ending.
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
         try:
+            if owner is not None:
+                os.fchown(fd, *owner)
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
             self._lock(fd, kept)

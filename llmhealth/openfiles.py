@@ -142,6 +142,25 @@ def default_tls() -> ssl.SSLContext:
     return _DefaultTls.context
 
 
+def owner_to_keep(path: Path) -> tuple[int, int] | None:
+    """Whose a file written at ``path`` by root must be: the owner of the file it replaces,
+    else of its directory; None when not root, or when that owner is root.
+
+    The state file, its lock and the audit log belong to whoever runs ``watch``: a service
+    may run it as a user of its own. An operator's ``sudo llmhealth hold`` made them
+    root's, 0600, and the daemon, locked out, skipped every settle from then on while it
+    went on telling systemd it was alive. Asked before the file is opened, since a file
+    this run creates is already root's once it exists.
+    """
+    if os.geteuid() != 0:
+        return None  # a file another user owns is not ours to write, nor to give away
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        found = os.stat(path.parent)
+    return None if found.st_uid == 0 else (found.st_uid, found.st_gid)
+
+
 def lock_within(descriptor: int, seconds: float) -> bool:
     """Take ``descriptor``'s exclusive flock, waiting at most ``seconds`` for its holder;
     False when it is still held then. Any other failure raises OSError."""

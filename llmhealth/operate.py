@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import getpass
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -39,7 +40,14 @@ class VerbResult:
 
 
 def actor() -> str:
-    """Who is acting, for the audit log: the login behind sudo if there is one."""
+    """Who is acting, for the audit log: the login behind sudo if there is one.
+
+    sudo sets LOGNAME and USER to the user it runs as (root), which getpass reads first,
+    and keeps the caller in SUDO_USER: every on-call verb was written down as root's.
+    """
+    behind_sudo = os.environ.get("SUDO_USER")
+    if behind_sudo:
+        return f"operator:{behind_sudo}"
     try:
         return f"operator:{getpass.getuser()}"
     except (KeyError, OSError):

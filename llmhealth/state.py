@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_to_keep, read_regular_file
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
@@ -207,6 +207,7 @@ class StateFile:
     def _holding(self, lock_path: Path, deadline: float) -> Iterator[None]:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            owner = owner_to_keep(lock_path)
             # Not through a symbolic link: one planted at this predictable name had the
             # file it names truncated and made 0600 by every run.
             descriptor = os.open(
@@ -221,6 +222,12 @@ class StateFile:
             raise StateError(f"the lock file {lock_path} is not a regular file")
         with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
             os.fchmod(descriptor, 0o600)
+        try:
+            if owner is not None:
+                os.fchown(descriptor, *owner)
+        except OSError as exc:
+            os.close(descriptor)
+            raise StateError(f"cannot give the lock file {lock_path} to its owner: {exc}") from exc
         try:
             self._acquire(descriptor, lock_path, max(0.0, deadline - time.monotonic()))
             # Our PID, for the message of a run that waits for us: a note only. On a full
@@ -331,6 +338,7 @@ class StateFile:
             with contextlib.suppress(OSError):
                 stale.unlink()
         try:
+            owner = owner_to_keep(target)
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
             # would let anyone who can write the directory plant a symlink there first.
             descriptor, name = tempfile.mkstemp(
@@ -338,6 +346,8 @@ class StateFile:
             )
             temporary = Path(name)
             with os.fdopen(descriptor, "wb") as handle:
+                if owner is not None:
+                    os.fchown(handle.fileno(), *owner)
                 size = 0
                 for piece in encode_pieces({**document, "schema": SCHEMA}):
                     size += handle.write(piece)

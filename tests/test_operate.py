@@ -141,6 +141,25 @@ def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
     assert events == ["hold", "release"]
 
 
+def test_a_verb_run_through_sudo_names_the_operator_behind_it(state: Path) -> None:
+    # sudo sets LOGNAME and USER to root and keeps the caller in SUDO_USER: every
+    # on-call hold, retire and readmit was written down as root's.
+    command = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert command is not None
+    as_sudo = {**os.environ, "LOGNAME": "root", "USER": "root", "SUDO_USER": "alice"}
+    result = subprocess.run(
+        [command, "hold", "gpu1", "--for", "10m", "--reason", "swap", "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=as_sudo,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "by operator:alice" in result.stdout
+    assert [e["actor"] for e in read(state.with_name("audit.jsonl"))] == ["operator:alice"]
+
+
 def test_a_hold_over_a_running_one_names_what_it_replaced(state: Path) -> None:
     """One hold per backend: a trainer's half hour over an operator's four hours ends
     the longer one, and said nothing of it."""

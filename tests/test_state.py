@@ -584,3 +584,39 @@ def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path
     store.path.symlink_to(store.path)
     with store.locked(), pytest.raises(StateError, match="cannot read state"):
         store.load(identity)
+
+
+SERVICE_USER = (65534, 65534)  # nobody: a service's own user, beside root's verbs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root writes files for another user")
+def test_root_leaves_the_state_lock_and_audit_to_the_user_whose_they_are(tmp_path: Path) -> None:
+    # `sudo llmhealth hold` beside a service running as its own user made the state file
+    # root's 0600 (mkstemp, then a rename over it): the daemon, locked out, skipped every
+    # settle from then on. Files it replaces keep their owner; new ones take the
+    # directory's.
+    service = tmp_path / "service"
+    service.mkdir()
+    os.chown(service, *SERVICE_USER)
+    store = StateFile(service / "state.json")
+    with store.locked():
+        store.save({"ledger": {}})
+    AuditLog(service / "audit.jsonl").append({"event": "hold"})
+    owned = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in service.iterdir()}
+    assert owned == dict.fromkeys(["state.json", "state.json.lock", "audit.jsonl"], SERVICE_USER)
+    # In a directory of root's, the state the service made stays the service's.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    store = StateFile(shared / "state.json")
+    with store.locked():
+        store.save({"ledger": {}})
+    for made in shared.iterdir():
+        os.chown(made, *SERVICE_USER)
+    with store.locked():
+        store.save({"ledger": {"again": True}})
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in shared.iterdir()} == {SERVICE_USER}
+    # Root's own files stay root's.
+    mine = tmp_path / "state.json"
+    with StateFile(mine).locked():
+        StateFile(mine).save({"ledger": {}})
+    assert mine.stat().st_uid == 0
