@@ -1819,7 +1819,7 @@ def _parse_backend(value: object, where: str) -> _Backend:
 
 def _entry_dict(b: _Backend) -> dict[str, object]:
     """One ledger entry as the state document holds it."""
-    return {
+    entry: dict[str, object] = {
         "name": b.name,
         "url": b.url,
         "state": str(b.state),
@@ -1842,5 +1842,10 @@ def _entry_dict(b: _Backend) -> dict[str, object]:
         "recovery_times": list(b.recovery_times),
         "restart_ran_at": b.restart_ran_at,
         "traffic_failures": b.traffic_failures,
-        "caller_condemned": b.caller_condemned,
     }
+    # Written only when set, which only the library's verbs do: the state files `check`
+    # and `watch` write keep the layout an earlier build reads (one refuses a key it does
+    # not know, and a state refused is set aside, its ledger started afresh).
+    if b.caller_condemned:
+        entry["caller_condemned"] = True
+    return entry
