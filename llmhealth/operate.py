@@ -44,8 +44,9 @@ def actor() -> str:
 
     sudo sets LOGNAME and USER to the user it runs as (root), which getpass reads first,
     and keeps the caller in SUDO_USER: every on-call verb was written down as root's.
+    Heeded as root only: one left over in a shell of another user (su) names no one.
     """
-    behind_sudo = os.environ.get("SUDO_USER")
+    behind_sudo = os.environ.get("SUDO_USER") if os.geteuid() == 0 else None
     if behind_sudo:
         return f"operator:{behind_sudo}"
     try:

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_to_keep, read_regular_file
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_for_new_file, read_regular_file
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
@@ -207,12 +207,14 @@ class StateFile:
     def _holding(self, lock_path: Path, deadline: float) -> Iterator[None]:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            owner = owner_to_keep(lock_path)
             # Not through a symbolic link: one planted at this predictable name had the
             # file it names truncated and made 0600 by every run.
-            descriptor = os.open(
-                lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-            )
+            flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+            owner = owner_for_new_file(lock_path.parent, like=self._target())
+            try:
+                descriptor = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                descriptor, owner = os.open(lock_path, flags), None
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and os.path.islink(self.path):
                 raise self._dangling() from None  # the lock goes beside what it names
@@ -227,7 +229,7 @@ class StateFile:
                 os.fchown(descriptor, *owner)
         except OSError as exc:
             os.close(descriptor)
-            raise StateError(f"cannot give the lock file {lock_path} to its owner: {exc}") from exc
+            raise StateError(f"cannot give the lock file {lock_path} its owner: {exc}") from exc
         try:
             self._acquire(descriptor, lock_path, max(0.0, deadline - time.monotonic()))
             # Our PID, for the message of a run that waits for us: a note only. On a full
@@ -338,7 +340,7 @@ class StateFile:
             with contextlib.suppress(OSError):
                 stale.unlink()
         try:
-            owner = owner_to_keep(target)
+            owner = owner_for_new_file(target.parent, like=target)
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
             # would let anyone who can write the directory plant a symlink there first.
             descriptor, name = tempfile.mkstemp(

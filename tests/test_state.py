@@ -589,12 +589,15 @@ def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path
 SERVICE_USER = (65534, 65534)  # nobody: a service's own user, beside root's verbs
 
 
+def owners(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.lstat().st_uid, p.lstat().st_gid) for p in directory.iterdir()}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root writes files for another user")
 def test_root_leaves_the_state_lock_and_audit_to_the_user_whose_they_are(tmp_path: Path) -> None:
     # `sudo llmhealth hold` beside a service running as its own user made the state file
     # root's 0600 (mkstemp, then a rename over it): the daemon, locked out, skipped every
-    # settle from then on. Files it replaces keep their owner; new ones take the
-    # directory's.
+    # settle from then on. New files take the state file's owner, else the directory's.
     service = tmp_path / "service"
     service.mkdir()
     os.chown(service, *SERVICE_USER)
@@ -602,21 +605,55 @@ def test_root_leaves_the_state_lock_and_audit_to_the_user_whose_they_are(tmp_pat
     with store.locked():
         store.save({"ledger": {}})
     AuditLog(service / "audit.jsonl").append({"event": "hold"})
-    owned = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in service.iterdir()}
-    assert owned == dict.fromkeys(["state.json", "state.json.lock", "audit.jsonl"], SERVICE_USER)
-    # In a directory of root's, the state the service made stays the service's.
+    assert owners(service) == dict.fromkeys(
+        ["state.json", "state.json.lock", "audit.jsonl"], SERVICE_USER
+    )
+    # A directory of root's that the service's group may write (root:svc 2770): the state
+    # is the service's, so its replacement and a new lock are too.
     shared = tmp_path / "shared"
     shared.mkdir()
+    (shared / "state.json").write_text('{"schema": 1}')
+    os.chown(shared / "state.json", *SERVICE_USER)
     store = StateFile(shared / "state.json")
     with store.locked():
-        store.save({"ledger": {}})
-    for made in shared.iterdir():
-        os.chown(made, *SERVICE_USER)
-    with store.locked():
         store.save({"ledger": {"again": True}})
-    assert {(p.stat().st_uid, p.stat().st_gid) for p in shared.iterdir()} == {SERVICE_USER}
+    assert owners(shared) == dict.fromkeys(["state.json", "state.json.lock"], SERVICE_USER)
     # Root's own files stay root's.
     mine = tmp_path / "state.json"
     with StateFile(mine).locked():
         StateFile(mine).save({"ledger": {}})
-    assert mine.stat().st_uid == 0
+    assert mine.stat().st_uid == 0 and mine.with_name("state.json.lock").stat().st_uid == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root writes files for another user")
+def test_root_gives_away_no_file_a_link_in_the_services_directory_points_at(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The service's user owns the directory, so it may swap the audit log for a link to
+    # a file of root's between a look at the path and its opening; root then handed the
+    # linked file over. Only a file this run created is given away.
+    service = tmp_path / "service"
+    service.mkdir()
+    os.chown(service, *SERVICE_USER)
+    victim = tmp_path / "victim"
+    victim.write_text("root's\n")
+    audit = service / "audit.jsonl"
+    audit.write_text("")
+    os.chown(audit, *SERVICE_USER)
+    opening = os.open
+
+    def swapped_first(path: Any, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == audit and not audit.is_symlink():  # the race, won by the service
+            audit.unlink()
+            audit.symlink_to(victim)
+        return opening(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swapped_first)
+    AuditLog(audit).append({"event": "hold"})
+    monkeypatch.undo()
+    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
+    (service / "state.json").symlink_to(victim)  # a state path may be a link: saved there
+    store = StateFile(service / "state.json")
+    with store.locked():
+        store.save({"ledger": {}})
+    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
