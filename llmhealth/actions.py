@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_for_new_file
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -388,19 +388,12 @@ class AuditLog:
         )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
-            flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
-            owner = owner_for_new_file(self.path.parent)
-            try:
-                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o640)
-                created = True
-            except FileExistsError:
-                fd, created, owner = os.open(self.path, flags), False, None
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
         try:
-            if owner is not None:
-                os.fchown(fd, *owner)
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
             self._lock(fd, kept)

@@ -18,7 +18,6 @@ ends, and a read neither blocks nor takes more than its caller's bound.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -141,29 +140,6 @@ def default_tls() -> ssl.SSLContext:
     if _DefaultTls.context is None:  # another thread's, built meanwhile, is as good
         _DefaultTls.context = context
     return _DefaultTls.context
-
-
-def owner_for_new_file(directory: Path, like: Path | None = None) -> tuple[int, int] | None:
-    """Whose a file root creates in ``directory`` must be: the owner of ``like`` (the state
-    file that the new file replaces or locks) when that is a regular file, else of the
-    directory; None when this process is not root, or when that owner is root.
-
-    The state file, its lock and the audit log belong to whoever runs ``watch``, and a
-    service may run it as a user of its own. An operator's ``sudo llmhealth hold`` made
-    them root's, 0600, and the daemon, locked out, skipped every settle from then on
-    while it went on telling systemd it was alive. Only files this run has just created
-    (``O_EXCL``) are given away: ``lstat`` never follows a link, so whoever owns the
-    directory cannot point this at a file of root's and be handed it.
-    """
-    if os.geteuid() != 0:
-        return None  # a file another user owns is not ours to write, nor to give away
-    found = None
-    if like is not None:
-        with contextlib.suppress(FileNotFoundError):
-            found = os.lstat(like)
-    if found is None or not stat.S_ISREG(found.st_mode):
-        found = os.stat(directory)
-    return None if found.st_uid == 0 else (found.st_uid, found.st_gid)
 
 
 def lock_within(descriptor: int, seconds: float) -> bool:

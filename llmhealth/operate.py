@@ -43,10 +43,10 @@ def actor() -> str:
     """Who is acting, for the audit log: the login behind sudo if there is one.
 
     sudo sets LOGNAME and USER to the user it runs as (root), which getpass reads first,
-    and keeps the caller in SUDO_USER: every on-call verb was written down as root's.
-    Heeded as root only: one left over in a shell of another user (su) names no one.
+    and keeps the caller in SUDO_USER: every on-call verb was written down as root's, or
+    as the service's user when run as it (``sudo -u``), as the README asks.
     """
-    behind_sudo = os.environ.get("SUDO_USER") if os.geteuid() == 0 else None
+    behind_sudo = os.environ.get("SUDO_USER")
     if behind_sudo:
         return f"operator:{behind_sudo}"
     try:

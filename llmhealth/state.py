@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, owner_for_new_file, read_regular_file
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
@@ -209,12 +209,9 @@ class StateFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Not through a symbolic link: one planted at this predictable name had the
             # file it names truncated and made 0600 by every run.
-            flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-            owner = owner_for_new_file(lock_path.parent, like=self._target())
-            try:
-                descriptor = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                descriptor, owner = os.open(lock_path, flags), None
+            descriptor = os.open(
+                lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and os.path.islink(self.path):
                 raise self._dangling() from None  # the lock goes beside what it names
@@ -224,12 +221,6 @@ class StateFile:
             raise StateError(f"the lock file {lock_path} is not a regular file")
         with contextlib.suppress(OSError):  # a lock file an older version left 0644, if ours
             os.fchmod(descriptor, 0o600)
-        try:
-            if owner is not None:
-                os.fchown(descriptor, *owner)
-        except OSError as exc:
-            os.close(descriptor)
-            raise StateError(f"cannot give the lock file {lock_path} its owner: {exc}") from exc
         try:
             self._acquire(descriptor, lock_path, max(0.0, deadline - time.monotonic()))
             # Our PID, for the message of a run that waits for us: a note only. On a full
@@ -340,7 +331,6 @@ class StateFile:
             with contextlib.suppress(OSError):
                 stale.unlink()
         try:
-            owner = owner_for_new_file(target.parent, like=target)
             # mkstemp: a random name opened with O_EXCL, mode 0600; a predictable name
             # would let anyone who can write the directory plant a symlink there first.
             descriptor, name = tempfile.mkstemp(
@@ -348,8 +338,6 @@ class StateFile:
             )
             temporary = Path(name)
             with os.fdopen(descriptor, "wb") as handle:
-                if owner is not None:
-                    os.fchown(handle.fileno(), *owner)
                 size = 0
                 for piece in encode_pieces({**document, "schema": SCHEMA}):
                     size += handle.write(piece)
