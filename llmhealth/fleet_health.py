@@ -166,8 +166,9 @@ class FleetHealth:
         """Proof the process is gone: DEAD at once, with no counting of further rounds.
 
         Waiting for ``unhealthy_threshold`` probes would only delay the same conclusion,
-        long enough for a weight sync hung on that process to abort first. Repeating it
-        for an absent backend changes nothing.
+        long enough for a weight sync hung on that process to abort first. Said of a
+        backend doubt already condemned, it stays DEAD and that process never recovers
+        in place; said again, it changes nothing.
         """
         gone = ProcessGone(now=self._clock(), reason="process gone", detail=_describe(error))
         return self._apply(key, gone)

@@ -78,6 +78,10 @@ class Rule(StrEnum):
     # a replacement that works is neither failed by its startup grace nor restarted again;
     # anything less is ignored, as a good probe is outside the serving set.
     NOTE_WORKING = "note_working"
+    # DEAD stays DEAD when the caller says the process is gone or condemns it, the reason
+    # that condemned it first kept; from then on only a new process comes back, as if the
+    # word had condemned it. Said again, it is ignored: nothing more to record.
+    KEEP_CALLERS_WORD = "keep_callers_word"
     # STALE -> HEALTHY, streaks cleared; but SUSPECT, streaks kept, when it was SUSPECT as
     # a weight sync left its weights partial: re-admission vouches for the weights only.
     READMIT = "readmit"
@@ -131,6 +135,11 @@ TRANSITIONS: Final[Mapping[State, Mapping[EventKind, State | Rule]]] = {
         EventKind.PROBE_FAILURE: Rule.BREAK_RECOVERY,
         EventKind.REQUEST_FAILURE: Rule.BREAK_RECOVERY,
         EventKind.WEDGE_PROVEN: Rule.BREAK_RECOVERY,
+        # Condemned by doubt, the process may come back in place; condemned by its caller
+        # (an actor that died, a participant that hung a sync), never. Doubt first and the
+        # caller's word after must end as the word alone does.
+        EventKind.PROCESS_GONE: Rule.KEEP_CALLERS_WORD,
+        EventKind.CONDEMNED: Rule.KEEP_CALLERS_WORD,
         EventKind.RETIRE: State.RETIRED,
     },
     State.RESTARTING: {
@@ -185,6 +194,7 @@ RULE_LEADS_TO: Final[Mapping[Rule, frozenset[State]]] = {
     Rule.BREAK_RECOVERY: frozenset({State.DEAD}),
     Rule.FAIL_OVERDUE_RESTART: frozenset({State.RESTARTING, State.STALE, State.DEAD}),
     Rule.NOTE_WORKING: frozenset({State.STALE}),
+    Rule.KEEP_CALLERS_WORD: frozenset({State.DEAD}),
     Rule.READMIT: frozenset({State.HEALTHY, State.SUSPECT}),
 }
 
@@ -748,7 +758,7 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
         raise _Refused(
             b.state,
             event.kind,
-            f"condemned on its caller's word ({b.condemned_by}): only a new process comes back",
+            "condemned on its caller's word: only a new process comes back",
         )
     if event.restart_pending:
         raise _Refused(
@@ -875,6 +885,26 @@ def _note_working(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Stat
     )
 
 
+def _keep_callers_word(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
+    """The caller's word on a backend already DEAD by doubt or a wedge.
+
+    ``condemned_by`` stays: the restart policy restarts by the reason that condemned it,
+    and a wedge proven is still the wedge whatever the caller adds. What changes is what
+    may come back: only a new process, as when the word had condemned it.
+    """
+    if not isinstance(event, ProcessGone | Condemned):
+        raise AssertionError(f"{Rule.KEEP_CALLERS_WORD} cannot take {event.kind}")
+    if b.caller_condemned:
+        raise _Refused(b.state, event.kind, "its caller's word is already recorded", off=True)
+    b.caller_condemned = True
+    b.good_streak = 0  # good verdicts before the word count for nothing after it
+    b.last_error = _error_text(event.reason, event.detail)
+    return State.DEAD, (
+        f"{b.last_error}: condemned already ({b.condemned_by or 'no reason kept'}), now on "
+        "its caller's word too; only a new process comes back"
+    )
+
+
 def _readmit(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[State, str]:
     """Back to serving, and to the doubt it was in when a weight sync broke.
 
@@ -965,6 +995,7 @@ _RULES: Final = {
     Rule.BREAK_RECOVERY: _break_recovery,
     Rule.FAIL_OVERDUE_RESTART: _fail_overdue_restart,
     Rule.NOTE_WORKING: _note_working,
+    Rule.KEEP_CALLERS_WORD: _keep_callers_word,
     Rule.READMIT: _readmit,
 }
 

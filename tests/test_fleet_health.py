@@ -238,6 +238,24 @@ def test_a_repeated_death_report_changes_nothing() -> None:
     assert f.membership_epoch == epoch
 
 
+def test_a_death_report_on_a_backend_doubt_condemned_is_kept() -> None:
+    # Ignored as "already absent", the report left a process the caller had written off
+    # free to recover in place, and the Prober kept comparing the dead actor's reads.
+    f, clock = fleet(policy=FleetPolicy(recover_in_place=True))
+    for _ in range(3):
+        clock.tick()
+        f.report_failure(1, "router: failed generation")
+    assert f.state_of(1) is State.DEAD
+    clock.tick()
+    t = f.record_actor_death(1, "ActorDiedError")
+    assert t.applied and f.state_of(1) is State.DEAD, t.reason
+    assert f.process_changes(1) == 1
+    assert f.snapshot()[1].condemned_by == "request failed"
+    clock.tick()
+    assert not f.record_actor_death(1, "again").applied
+    assert f.process_changes(1) == 1
+
+
 def test_a_death_report_never_disturbs_a_retired_backend() -> None:
     f, _ = fleet()
     f.retire(2, reason="operator")

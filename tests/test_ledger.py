@@ -1127,6 +1127,39 @@ def test_a_process_condemned_on_its_callers_word_never_recovers_in_place(
     assert t.to_state is State.STALE, t.reason
 
 
+@pytest.mark.parametrize(
+    "word",
+    [
+        lambda now: ProcessGone(now=now, reason="process gone", detail="ActorDiedError"),
+        lambda now: Condemned(now=now, reason="silent participant", detail="no NCCL join"),
+    ],
+    ids=["process gone", "silent participant"],
+)
+def test_a_callers_word_on_a_backend_already_dead_by_doubt_still_holds(
+    word: Callable[[float], Event],
+) -> None:
+    # Condemned by doubt first (three unanswered reads), then the caller says its actor
+    # died: the word was ignored as "already absent", so two good probes of the same
+    # process brought back what the caller had just written off.
+    ledger = one_backend(RECOVER)
+    ledger.apply("a", GoodVerdict(now=1.0, request_ok=True, process=seen()))
+    for now in (2.0, 3.0, 4.0):
+        ledger.apply("a", ProbeFailure(now=now, reason="unresponsive", detail="no answer"))
+    assert ledger.state_of("a") is State.DEAD
+    epoch = ledger.epoch
+    t = ledger.apply("a", word(5.0))
+    assert t.applied and t.to_state is State.DEAD and not t.epoch_changed, t.reason
+    assert ledger.epoch == epoch
+    # Why it was condemned first stays: the restart policy's reason is that one.
+    assert ledger.snapshot("a", 5.0).condemned_by == "unresponsive"
+    for now in range(6, 12):
+        t = ledger.apply("a", GoodVerdict(now=float(now), request_ok=True, process=seen()))
+        assert not t.applied and "condemned on its caller's word" in t.reason
+    # Said twice, it is what the first time made it: nothing more to record.
+    t = ledger.apply("a", word(12.0))
+    assert not t.applied and "already absent" in t.reason
+
+
 def test_a_pending_restart_is_left_to_decide() -> None:
     walk = Walk(RECOVER)
     condemned_by_probes(walk)
