@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, trusted_target
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -388,9 +388,14 @@ class AuditLog:
         )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            created = not self.path.exists()
+            # Where its links were checked to lead (as root, root's only), and opened
+            # there without following one swapped in since.
+            path = trusted_target(self.path)
+            created = not path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            fd = os.open(
+                path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640
+            )
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
         try:
@@ -418,7 +423,7 @@ class AuditLog:
         finally:
             os.close(fd)  # also releases the lock
         if created:
-            _fsync_dir(self.path.parent)
+            _fsync_dir(path.parent)
 
     def _lock(self, fd: int, kept: str) -> None:
         """Take the log's exclusive lock within ``lock_timeout``. Anything may flock it (a

@@ -45,6 +45,53 @@ class NotRegularFileError(OSError):
     """A path that names a FIFO, a device, a socket or a directory, not a file to read."""
 
 
+class UntrustedLinkError(OSError):
+    """A symbolic link root will not follow: another user's, or one that changed while
+    it was read."""
+
+
+def trusted_target(path: Path) -> Path:
+    """Where ``path`` leads through its symbolic links, each one read once and checked.
+
+    The state file and the audit log live in a directory a service's user owns, and the
+    operator's verbs may run as root: a link that user planted there (the state swapped
+    for a link to /etc/shadow) had root move the file it names aside as corrupt, save
+    the state over it, or append audit records to it. So root follows only root's own
+    links; any other user follows what it can, as before (it can only reach its own).
+    Each link is read between two looks at it that must agree, so a link swapped in
+    between is caught. Directories on the way are the kernel's to follow, as for any
+    path given. Past 40 links (a loop) the path is returned as it stands, and its open
+    fails, as after ``os.path.realpath``. Raises UntrustedLinkError.
+    """
+    root = os.geteuid() == 0
+    current = path
+    for _ in range(40):  # Linux's own limit on links in one lookup
+        try:
+            before = os.lstat(current)
+        except FileNotFoundError:
+            break
+        if not stat.S_ISLNK(before.st_mode):
+            break
+        if root and before.st_uid != 0:
+            raise UntrustedLinkError(
+                f"{current} is a symbolic link owned by uid {before.st_uid}: run as root, "
+                "llmhealth follows only root's links (run it as that user instead)"
+            )
+        leads_to = os.readlink(current)
+        after = os.lstat(current)
+        if (after.st_dev, after.st_ino, after.st_uid, after.st_mode) != (
+            before.st_dev,
+            before.st_ino,
+            before.st_uid,
+            before.st_mode,
+        ):
+            raise UntrustedLinkError(f"{current} changed while its link was read")
+        current = current.parent / leads_to  # an absolute link replaces the whole
+    # Its directory as realpath makes it (the same file has one lock path however it was
+    # reached), its last part never followed past the checks above.
+    return Path(os.path.realpath(current.parent)) / current.name
+
+
 def raise_file_limit() -> int:
     """Raise this process's open-file soft limit to its hard limit; the limit now in force.
 
@@ -157,7 +204,7 @@ def lock_within(descriptor: int, seconds: float) -> bool:
         time.sleep(_LOCK_POLL)
 
 
-def read_regular_file(path: Path, limit: int) -> bytes:
+def read_regular_file(path: Path, limit: int, *, follow_links: bool = True) -> bytes:
     """At most ``limit + 1`` bytes of the regular file at ``path`` (one past the bound
     tells the caller it is too large).
 
@@ -165,11 +212,14 @@ def read_regular_file(path: Path, limit: int) -> bytes:
     device could be read for ever (/dev/zero until the memory ran out), and opening some
     devices acts on them: a path that is not a regular file is refused before it is
     opened, and the open does not wait (O_NONBLOCK), its fstat deciding should the path
-    have changed in between. Raises FileNotFoundError, NotRegularFileError or OSError.
+    have changed in between. Without ``follow_links`` a path that is a link is refused
+    too (a path ``trusted_target`` resolved, which must not have become one since).
+    Raises FileNotFoundError, NotRegularFileError or OSError.
     """
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    if not stat.S_ISREG(os.stat(path, follow_symlinks=follow_links).st_mode):
         raise NotRegularFileError("not a regular file")
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    descriptor = os.open(path, flags if follow_links else flags | os.O_NOFOLLOW)
     try:
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             raise NotRegularFileError("not a regular file")

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file
+from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file, trusted_target
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
@@ -286,7 +286,8 @@ class StateFile:
     def _decoded(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         """The file's record, None without a file; past the size bound, unreadable."""
         try:
-            raw = read_regular_file(self.path, _MAX_STATE_BYTES)
+            # Where the links were checked to lead, and not through one swapped in since.
+            raw = read_regular_file(self._target(), _MAX_STATE_BYTES, follow_links=False)
         except FileNotFoundError:
             if os.path.islink(self.path):
                 raise self._dangling() from None
@@ -386,8 +387,14 @@ class StateFile:
         )
 
     def _target(self) -> Path:
-        """The file the state is: where the path's symbolic links lead, if it has any."""
-        return Path(os.path.realpath(self.path)) if os.path.islink(self.path) else self.path
+        """The file the state is: where the path's symbolic links lead, if it has any;
+        as root, only through root's own (``trusted_target``)."""
+        if not os.path.islink(self.path):
+            return self.path
+        try:
+            return trusted_target(self.path)
+        except OSError as exc:
+            raise StateError(f"state {self.path}: {exc}") from exc
 
     def _set_aside(self) -> Path:
         target = self._target()

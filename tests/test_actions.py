@@ -687,3 +687,20 @@ def test_a_record_after_a_fragment_left_without_its_newline_is_on_a_line_of_its_
     assert found.malformed == 1
     AuditLog(path).append({"event": "next"})  # a log that ends a line gets no blank one
     assert path.read_bytes().count(b"\n") == 4
+
+
+def test_root_never_appends_to_a_file_another_users_audit_link_names(tmp_path: Path) -> None:
+    """The owner of the state directory made the audit log a link to a file of root's:
+    each verb run as root appended its records there."""
+    if os.geteuid() != 0:
+        pytest.skip("making a link another user's takes root")
+    victim = tmp_path / "root-only" / "authorized_keys"
+    victim.parent.mkdir()
+    victim.write_text("ssh-ed25519 AAAA root@here\n")
+    audit = tmp_path / "service" / "audit.jsonl"
+    audit.parent.mkdir()
+    audit.symlink_to(victim)
+    os.lchown(audit, 40123, 40123)
+    with pytest.raises(AuditError, match="owned by uid 40123"):
+        AuditLog(audit).append({"event": "hold", "backend": "gpu0"})
+    assert victim.read_text() == "ssh-ed25519 AAAA root@here\n"

@@ -584,3 +584,72 @@ def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path
     store.path.symlink_to(store.path)
     with store.locked(), pytest.raises(StateError, match="cannot read state"):
         store.load(identity)
+
+
+SOMEONE_ELSE = 40123  # a uid no account here has
+
+
+def link_of_someone_else(link: Path, target: Path) -> None:
+    """A symbolic link as the owner of a service's state directory could plant one: only
+    root can make a link another user's, so the tests that need one run as root."""
+    if os.geteuid() != 0:
+        pytest.skip("making a link another user's takes root")
+    link.symlink_to(target)
+    os.lchown(link, SOMEONE_ELSE, SOMEONE_ELSE)
+
+
+def test_root_never_moves_aside_a_file_another_users_link_names(tmp_path: Path) -> None:
+    """The owner of the state directory swapped the state for a link to a file of root's:
+    `sudo llmhealth hold`, finding no JSON there, moved that file aside."""
+    victim = tmp_path / "root-only" / "shadow"
+    victim.parent.mkdir()
+    victim.write_text("root:x:0:0\n")
+    store = StateFile(tmp_path / "service" / "state.json")
+    store.path.parent.mkdir()
+    link_of_someone_else(store.path, victim)
+    with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"), store.locked():
+        store.load(identity)
+    assert victim.read_text() == "root:x:0:0\n"
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
+
+
+def test_root_never_saves_over_a_file_another_users_link_names(tmp_path: Path) -> None:
+    victim = tmp_path / "root-only" / "shadow"
+    victim.parent.mkdir()
+    victim.write_text("root:x:0:0\n")
+    store = StateFile(tmp_path / "service" / "state.json")
+    store.path.parent.mkdir()
+    link_of_someone_else(store.path, victim)
+    with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"):
+        store.save({"ledger": {}})
+    assert victim.read_text() == "root:x:0:0\n"
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
+
+
+def test_a_link_of_roots_leading_to_another_users_link_is_not_followed_further(
+    tmp_path: Path,
+) -> None:
+    """Root's own link is followed; the next one, in the service's directory, is not."""
+    victim = tmp_path / "root-only" / "shadow"
+    victim.parent.mkdir()
+    victim.write_text("root:x:0:0\n")
+    (tmp_path / "service").mkdir()
+    link_of_someone_else(tmp_path / "service" / "state.json", victim)
+    store = StateFile(tmp_path / "state.json")
+    store.path.symlink_to(tmp_path / "service" / "state.json")
+    with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"), store.locked():
+        store.load(identity)
+    assert victim.read_text() == "root:x:0:0\n"
+
+
+def test_roots_own_link_is_still_followed_as_root(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    (tmp_path / "data").mkdir()
+    store = StateFile(tmp_path / "state.json")
+    store.path.symlink_to(Path("data") / "state.json")  # relative, as `ln -s` makes them
+    with store.locked():
+        store.save({"n": 1})
+        assert store.load(identity) == {"n": 1, "schema": SCHEMA}
+    assert store.path.is_symlink()
+    assert json.loads((tmp_path / "data" / "state.json").read_text())["n"] == 1
