@@ -410,7 +410,9 @@ def _error_event(data: bytes) -> tuple[int | None, str]:
     """An error event's code and words, as far as they can be read."""
     try:
         error = json.loads(data)["error"]
-    except (ValueError, TypeError, KeyError):
+    # RecursionError: an event nested a few thousand deep fits well inside its bound, and
+    # is the backend's odd answer, not a failure of the router's own.
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None, "an error event that is not vLLM's JSON"
     if not isinstance(error, dict):
         return None, printable(f"error event: {str(error)[:200]}")
@@ -667,7 +669,9 @@ class Router:
         if counted:
             # Passed through unchanged (vLLM says why in the body), and counted now, so the
             # reflex drop applies before this response has even been relayed.
-            reason = printable(upstream.reason)  # the backend's words reach `status`
+            # The backend's words reach `status`, the state and the audit, cut as every
+            # other detail is (_short): a reason phrase may be most of a 64 KiB head.
+            reason = printable(upstream.reason[:200])
             self._fail(name, request, FailureKind.SERVER_ERROR, status, reason)
         headers = downstream_headers(Fields(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator

@@ -1431,3 +1431,75 @@ def test_hundreds_of_idle_client_connections_do_not_stop_anyone_else(
                 writer.close()
 
     run(scenario())
+
+
+def test_a_5xx_reason_phrase_reaches_the_ledger_bounded() -> None:
+    # Every other detail the router records is cut to 200 characters (_short), and the
+    # library's report_failure to 300 (fleet_health._describe); a backend's reason phrase
+    # is the backend's to choose, up to the 64 KiB head bound.
+    reason = b"\x80" * 60_000  # latin-1, not printable: escaped to 4 characters each
+
+    async def says(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 500 " + reason + b"\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(says) as bad,
+            routing({"a": bad}) as (router, url),
+            client() as http,
+        ):
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500
+            (outcome,) = (await drained(router))["a"]
+        # As _short bounds every other detail: 200 characters, each escaped to at most 4.
+        assert len(outcome.detail) <= 800, len(outcome.detail)
+        assert outcome.detail.startswith("\\x80")
+
+    run(scenario())
+
+
+def test_an_error_event_nested_too_deep_is_no_error_of_the_routers_own() -> None:
+    # The error event is the backend's to write; json's decoder raises RecursionError (not
+    # a ValueError) past Python's recursion limit, well inside ERROR_EVENT_BOUND.
+    watch = ErrorEventWatch()
+    heard = watch.feed(b'data: {"error": ' + b"[" * 5000 + b"\n\n")
+    assert heard is not None and heard[0] is None  # not vLLM's JSON: no code, not counted
+    assert watch.seen  # and no success either
+
+
+def test_a_stream_with_a_deeply_nested_error_event_reaches_the_client_whole() -> None:
+    token = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+    odd = b'data: {"error": ' + b"[" * 5000 + b"\n\n"
+    done = b"data: [DONE]\n\n"
+    failed_in_router: list[object] = []
+
+    async def streams(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for piece in (token, odd, done, b""):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: failed_in_router.append(context.get("exception"))
+        )
+        async with (
+            raw_backend(streams) as backend,
+            routing({"a": backend}) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=BODY)
+            assert response.status_code == 200
+            assert response.content == token + odd + done
+            assert await drained(router) == {}  # no code: not counted; seen: no success
+        assert failed_in_router == []
+
+    run(scenario())
