@@ -39,6 +39,11 @@ class _Slot:
     client: Client
     window: list[Read] = field(default_factory=list)  # this backend's last reads
     read_started: float | None = None  # time.monotonic() when its last examination began
+    # The newest vLLM read of a verdict the fleet was given: each read is also compared
+    # with it, so a restart is seen when the window no longer shows it (a read not judged
+    # empties the window; a cancelled call's verdicts never reached the fleet, while its
+    # reads were kept), as ``watch`` compares with the record's last sighting.
+    sighted: Signals | None = None
 
 
 class Prober:
@@ -157,10 +162,24 @@ class Prober:
                 results.append(ProbeResult(key, None, MOVED_WHILE_READ, ()))
                 continue
             transitions = tuple(self._fleet.record_verdict(key, verdict))
+            self._sighted(key)
             results.append(ProbeResult(key, verdict.kind, verdict.evidence, transitions))
         if self._stall is not None:
             self._stall.observe(self._newest_signals(), time.monotonic())
         return results
+
+    def _sighted(self, key: Key) -> None:
+        """Its verdict given to the fleet: the window's newest vLLM read is what the next
+        reads are compared with. Not after an undecided one: a restart judged "from a
+        fresh baseline" is undecided, and its old process's reads may leave the window
+        before the verdict comes."""
+        slot = self._slots.get(key)  # gone if aclose() ran meanwhile
+        if slot is None:
+            return
+        for read in reversed(slot.window):
+            if read.signals is not None and read.signals.has_vllm:
+                slot.sighted = read.signals
+                return
 
     def _not_due(self, key: Key, now: float) -> str | None:
         """Why a backend is not read in this call (its last read began less than a wait
@@ -228,7 +247,9 @@ class Prober:
         slot.read_started = called
         # Reads on the wall clock, as check's and watch's: a process's age is a read's
         # time less its start time, which vLLM publishes in seconds since the epoch.
-        return await examine_once(slot.client, target, self._settings, slot.window)
+        return await examine_once(
+            slot.client, target, self._settings, slot.window, baseline=slot.sighted
+        )
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

@@ -6,6 +6,7 @@ time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -205,6 +206,76 @@ def test_a_replacement_loaded_and_refit_between_two_probes_is_not_taken_for_a_re
             assert json.load(answer)["restarts"] == 1
     assert [r.verdict for r in results] == [VerdictKind.IDLE]
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
+
+
+def sim_post(url: str, path: str, body: dict[str, object]) -> None:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert answer.status == 200
+
+
+def test_a_restart_behind_a_read_not_judged_still_lands_in_stale() -> None:
+    """A read llmhealth could not judge (the caller's loop held past the read's grace)
+    empties the window; the process restarted meanwhile, and the next read, with nothing
+    to compare, called the replacement idle: HEALTHY and serving on whatever weights it
+    loaded at start, never STALE."""
+
+    async def main(url: str) -> tuple[FleetHealth, list[VerdictKind | None]]:
+        fleet = FleetHealth([url])
+        verdicts = []
+        async with Prober(fleet, wait=WAIT, timeout=0.5, answer_timeout=2.0) as prober:
+            assert [r.verdict for r in await prober.probe()] == [VerdictKind.IDLE]
+            await asyncio.sleep(INTERVAL)
+            await asyncio.to_thread(sim_post, url, "/sim/metrics", {"hang": True})
+
+            async def trainer_holds_its_loop() -> None:
+                await asyncio.sleep(0.1)  # the read is on its way
+                time.sleep(2.5)  # a synchronous call in the trainer's loop
+
+            results, _ = await asyncio.gather(prober.probe(), trainer_holds_its_loop())
+            assert "not judged" in results[0].evidence, results
+            # Replaced (systemd, Ray) while nobody could look.
+            await asyncio.to_thread(sim_post, url, "/sim/restart", {"mode": "idle", "age": 3600})
+            await asyncio.to_thread(sim_post, url, "/sim/metrics", {"hang": False})
+            for _ in range(3):
+                await asyncio.sleep(INTERVAL)
+                verdicts += [r.verdict for r in await prober.probe()]
+        return fleet, verdicts
+
+    with running_simulator(["idle"]) as sim:
+        fleet, verdicts = asyncio.run(main(sim.urls[0]))
+    assert VerdictKind.RESTARTED in verdicts, verdicts
+    assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
+
+
+def test_a_restart_read_in_a_cancelled_call_is_not_lost() -> None:
+    """A controller bounds its probe call (``asyncio.wait_for``). One backend's read saw
+    its process restart and kept only the new process's reads; another's was still in
+    flight when the call was cancelled, so the ``restarted`` verdict never reached the
+    fleet, and every later read compared the replacement with itself alone."""
+
+    async def main(restarted: str, slow: str) -> tuple[FleetHealth, list[VerdictKind | None]]:
+        fleet = FleetHealth([restarted, slow])
+        verdicts = []
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            assert [r.verdict for r in await prober.probe()] == [VerdictKind.IDLE] * 2
+            await asyncio.sleep(INTERVAL)
+            await asyncio.to_thread(sim_post, slow, "/sim/metrics", {"hang": True})
+            await asyncio.to_thread(
+                sim_post, restarted, "/sim/restart", {"mode": "idle", "age": 3600}
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(prober.probe(), 1.0)
+            await asyncio.to_thread(sim_post, slow, "/sim/metrics", {"hang": False})
+            for _ in range(3):
+                await asyncio.sleep(INTERVAL)
+                verdicts += [r.verdict for r in await prober.probe() if r.key == 0]
+        return fleet, verdicts
+
+    with running_simulator(["idle", "idle"]) as sim:
+        fleet, verdicts = asyncio.run(main(*sim.urls))
+    assert VerdictKind.RESTARTED in verdicts, verdicts
+    assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
 
 
 def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
