@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
@@ -141,6 +141,10 @@ class Cluster:
     shard_reads: bool = False  # each member reads its share; the leader settles them all
 
 
+# The source of a config no file gave: the defaults, with what the command line said.
+COMMAND_LINE: Final = "<command line>"
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     wait: float = DEFAULT_WAIT
@@ -160,7 +164,7 @@ class Config:
     proxies: tuple[Proxy, ...] = ()
     router: Router = field(default_factory=Router)
     cluster: Cluster | None = None
-    source: str = "<command line>"
+    source: str = COMMAND_LINE
 
     def cannot_replace(self, running: Config) -> str | None:
         """Why this config may not replace ``running`` in a live daemon (SIGHUP), or None.

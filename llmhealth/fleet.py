@@ -677,6 +677,8 @@ class FleetRecord:
         save writes."""
         return {
             "ledger": self.ledger.to_document(),
+            # The floor its writer judged by, for a reader with no config (``saved_floor``).
+            "min_healthy": self.ledger.policy.min_healthy,
             "sightings": Table(self.sightings, Sighting.to_dict),
             "holds": {name: hold.to_dict() for name, hold in sorted(self.holds.items())},
             "restarts": {name: h.to_dict() for name, h in sorted(self.restarts.items())},
@@ -739,6 +741,21 @@ class FleetRecord:
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
         """The same record under new thresholds (a config reload)."""
         return replace(self, ledger=Ledger.from_dict(self.ledger.to_dict(), policy))
+
+
+def saved_floor(data: Mapping[str, Any]) -> int | None:
+    """The ``min_healthy`` a record was saved with; None in a record from before it was.
+
+    Only the config knows the floor, and ``status`` or a verb run without one would judge
+    the fleet by the default (1): a fleet its daemon calls CRITICAL looked OK. Malformed,
+    the record is as unreadable as for any other malformed part (a ValueError).
+    """
+    value = data.get("min_healthy")
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"min_healthy: expected a whole number of 0 or more, got {value!r}")
+    return value
 
 
 def _table(value: object, where: str) -> Mapping[str, Any]:

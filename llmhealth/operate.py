@@ -17,14 +17,14 @@ import getpass
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ParamSpec
 
 from llmhealth.actions import Audit
-from llmhealth.config import Config
+from llmhealth.config import COMMAND_LINE, Config
 from llmhealth.cycle import fresh_record, ledger_policy
-from llmhealth.fleet import FleetRecord, MembershipChange
-from llmhealth.ledger import Event, OperatorReset, Readmitted, Retire
+from llmhealth.fleet import FleetRecord, MembershipChange, saved_floor
+from llmhealth.ledger import Event, LedgerPolicy, OperatorReset, Readmitted, Retire
 from llmhealth.policy import Hold
 from llmhealth.state import RecordMovedError, StateError, Store
 
@@ -95,7 +95,7 @@ def _editing(
     """
     with store.locked():
         policy = ledger_policy(config.policy)
-        record = store.load(lambda doc: FleetRecord.from_dict(doc, policy))
+        record = store.load(lambda doc: FleetRecord.from_dict(doc, _policy(config, doc)))
         configured = {backend.name: backend.url for backend in config.backends}
         saved = f"saved to {store.path}"
         if record is None:
@@ -267,10 +267,18 @@ def release(
         return VerbResult(True, f"{name}: hold released ({removed.reason}); {edit.saved}")
 
 
+def _policy(config: Config, document: Mapping[str, Any]) -> LedgerPolicy:
+    """The config's thresholds; without a config file, the floor the record was saved
+    with, so that ``status`` judges it as the daemon did and a verb saves it unchanged."""
+    policy = ledger_policy(config.policy)
+    floor = saved_floor(document) if config.source == COMMAND_LINE else None
+    return policy if floor is None else replace(policy, min_healthy=floor)
+
+
 def read_record(store: Store, config: Config) -> FleetRecord:
     """For ``status``: the record as saved. Only read (``Store.read``): a look creates no
     lock file or directory, and moves no corrupt record aside."""
-    record = store.read(lambda doc: FleetRecord.from_dict(doc, ledger_policy(config.policy)))
+    record = store.read(lambda doc: FleetRecord.from_dict(doc, _policy(config, doc)))
     if record is None:
         raise StateError(f"no state at {store.path} yet: run 'llmhealth check' with it first")
     return record

@@ -710,3 +710,34 @@ def test_a_verb_prints_a_stored_hold_reason_escaped(entry_point: str, tmp_path: 
         assert result.returncode == 0, (result.stdout, result.stderr)
         assert "\x1b" not in result.stdout and "\x07" not in result.stdout, result.stdout
         assert "x\\x1b]0;owned\\x07" in result.stdout, result.stdout
+
+
+def test_status_without_the_config_judges_the_floor_the_daemon_judged(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """`sudo llmhealth status -f nagios` without --config read the service's state (root's
+    default path) and judged its floor by the default min_healthy, 1: a fleet its daemon
+    called CRITICAL, two serving of three wanted, showed OK."""
+    url = serve_idle(httpserver)
+    state = tmp_path / "state.json"
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'[policy]\nmin_healthy = 3\n[[backend]]\nname = "a"\nurl = "{url}"\n'
+        f'[[backend]]\nname = "b"\nurl = "{url}/b"\n'
+    )
+    check = ["check", "--config", str(config), "--state", str(state), "--wait", "0.1"]
+    assert runner.invoke(app, check).exit_code == 2  # both serve, fewer than three
+    for given in (["--config", str(config)], []):
+        shown = runner.invoke(app, ["status", "--state", str(state), "-f", "json", *given])
+        fleet = json.loads(shown.output)["fleet"]
+        assert (shown.exit_code, fleet["min_healthy"], fleet["floor_breached"]) == (2, 3, 1)
+    # A verb run without it keeps that floor in the record, as the daemon saved it.
+    held = runner.invoke(
+        app, ["hold", "a", "--for", "1h", "--reason", "sync", "--state", str(state)]
+    )
+    assert held.exit_code == 0, held.output
+    assert json.loads(state.read_text())["min_healthy"] == 3
+    # A config given is what the floor is judged by.
+    config.write_text(config.read_text().replace("min_healthy = 3", "min_healthy = 2"))
+    given = ["status", "--state", str(state), "-f", "json", "--config", str(config)]
+    assert json.loads(runner.invoke(app, given).output)["fleet"]["min_healthy"] == 2

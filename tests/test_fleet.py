@@ -30,6 +30,7 @@ from llmhealth.fleet import (
     events_for,
     reads_per_wait,
     requests_finished,
+    saved_floor,
     sighting_of,
     smoothed_gap,
 )
@@ -1461,3 +1462,14 @@ def test_the_average_gap_covers_the_same_time_however_often_a_target_is_read() -
 def test_nothing_examined_or_no_wait_is_no_figure() -> None:
     assert reads_per_wait([], 5.0) is None
     assert reads_per_wait([(5.0, 1.0)], 0.0) is None
+
+
+def test_the_floor_a_record_was_saved_with_is_read_back_strictly() -> None:
+    policy = LedgerPolicy(min_healthy=3)
+    record = FleetRecord(Ledger(policy, [("a", "http://127.0.0.1:8000")], now=0.0))
+    document = json.loads(b"".join(encode_pieces(record.to_document())))
+    assert saved_floor(document) == 3
+    assert saved_floor({}) is None  # a record from before it was saved
+    for odd in (True, -1, 2.0, "3"):
+        with pytest.raises(ValueError, match="min_healthy"):
+            saved_floor({"min_healthy": odd})
