@@ -46,50 +46,83 @@ class NotRegularFileError(OSError):
 
 
 class UntrustedLinkError(OSError):
-    """A symbolic link root will not follow: another user's, or one that changed while
-    it was read."""
+    """A path root will not write through: another user could change where it leads."""
 
 
 def trusted_target(path: Path) -> Path:
-    """Where ``path`` leads through its symbolic links, each one read once and checked.
+    """Where ``path`` leads through its symbolic links: the file the state or the audit
+    log is.
 
-    The state file and the audit log live in a directory a service's user owns, and the
-    operator's verbs may run as root: a link that user planted there (the state swapped
-    for a link to /etc/shadow) had root move the file it names aside as corrupt, save
-    the state over it, or append audit records to it. So root follows only root's own
-    links; any other user follows what it can, as before (it can only reach its own).
-    Each link is read between two looks at it that must agree, so a link swapped in
-    between is caught. Directories on the way are the kernel's to follow, as for any
-    path given. Past 40 links (a loop) the path is returned as it stands, and its open
-    fails, as after ``os.path.realpath``. Raises UntrustedLinkError.
+    The state and the audit log live in a directory a service's user may own, and the
+    operator's verbs may run as root. Through a path that user could change, root moved
+    a file of its choosing aside as a corrupt state, saved the state over it, created
+    files beside it or appended audit records to it: its own link at the state's name
+    (to /etc/shadow, say), a directory on the way swapped for a link, or root's own links
+    renamed into each other's places. So, run as root, a path is used only where nobody
+    else can change it: each link on the way is followed only when it is root's and
+    every directory above it is root's alone (``_root_alone``), and so is every directory
+    above the one holding the file. That directory may be anyone's: what is in it is
+    opened without following links, created exclusively or renamed over. The path comes
+    back with its links resolved, so nothing on it is read again. Any other user follows
+    its links as before: it can only reach what it could anyway.
+    Raises UntrustedLinkError.
     """
-    root = os.geteuid() == 0
-    current = path
-    for _ in range(40):  # Linux's own limit on links in one lookup
+    if os.geteuid() != 0:
+        return Path(os.path.realpath(path)) if os.path.islink(path) else path
+    resolved = Path("/")
+    pending = list(Path(os.path.abspath(path)).parts[1:])
+    links = 0
+    while pending:
+        name = pending.pop(0)
+        if name == "..":
+            resolved = resolved.parent  # of a path with no links left: the kernel's ".."
+            continue
+        here = resolved / name
         try:
-            before = os.lstat(current)
+            status = os.lstat(here)
         except FileNotFoundError:
-            break
-        if not stat.S_ISLNK(before.st_mode):
-            break
-        if root and before.st_uid != 0:
+            resolved = here  # made by root, when it is made
+            continue
+        if not stat.S_ISLNK(status.st_mode):
+            resolved = here
+            continue
+        links += 1
+        if links > 40:  # Linux's own limit on links in one lookup
+            raise UntrustedLinkError(f"{path}: too many levels of symbolic links")
+        if status.st_uid != 0:
             raise UntrustedLinkError(
-                f"{current} is a symbolic link owned by uid {before.st_uid}: run as root, "
+                f"{here} is a symbolic link owned by uid {status.st_uid}: run as root, "
                 "llmhealth follows only root's links (run it as that user instead)"
             )
-        leads_to = os.readlink(current)
-        after = os.lstat(current)
-        if (after.st_dev, after.st_ino, after.st_uid, after.st_mode) != (
-            before.st_dev,
-            before.st_ino,
-            before.st_uid,
-            before.st_mode,
-        ):
-            raise UntrustedLinkError(f"{current} changed while its link was read")
-        current = current.parent / leads_to  # an absolute link replaces the whole
-    # Its directory as realpath makes it (the same file has one lock path however it was
-    # reached), its last part never followed past the checks above.
-    return Path(os.path.realpath(current.parent)) / current.name
+        _root_alone(resolved, f"the symbolic link {here}")
+        leads_to = Path(os.readlink(here))
+        if leads_to.is_absolute():
+            resolved = Path("/")
+        pending[:0] = [part for part in leads_to.parts if part not in ("/", ".")]
+    _root_alone(resolved.parent.parent, str(resolved))
+    return resolved
+
+
+def _root_alone(directory: Path, holding: str) -> None:
+    """``directory`` and each above it: root's, no link, and writable by nobody else
+    (or sticky, as /tmp is, where nobody else may rename or remove what root made)."""
+    for each in (directory, *directory.parents):
+        try:
+            status = os.lstat(each)
+        except FileNotFoundError:
+            continue  # made by root, when it is made
+        if stat.S_ISLNK(status.st_mode):
+            why = "is a symbolic link"
+        elif status.st_uid != 0:
+            why = f"is owned by uid {status.st_uid}"
+        elif status.st_mode & 0o022 and not status.st_mode & stat.S_ISVTX:
+            why = "is writable by others than root"
+        else:
+            continue
+        raise UntrustedLinkError(
+            f"{each}, a directory above {holding}, {why}: run as root, llmhealth writes "
+            "only where nobody else can redirect it (run it as the directory's owner)"
+        )
 
 
 def raise_file_limit() -> int:

@@ -387,10 +387,8 @@ class StateFile:
         )
 
     def _target(self) -> Path:
-        """The file the state is: where the path's symbolic links lead, if it has any;
-        as root, only through root's own (``trusted_target``)."""
-        if not os.path.islink(self.path):
-            return self.path
+        """The file the state is: where the path's symbolic links lead, if it has any; as
+        root, only where nobody else can redirect it (``trusted_target``)."""
         try:
             return trusted_target(self.path)
         except OSError as exc:

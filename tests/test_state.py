@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -582,7 +583,9 @@ def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path
     the one lock twice, and the run waited out its own lock, blaming itself."""
     store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
     store.path.symlink_to(store.path)
-    with store.locked(), pytest.raises(StateError, match="cannot read state"):
+    # Root resolves the links itself (openfiles.trusted_target), anyone else at the read.
+    refused = "too many levels of symbolic links" if os.geteuid() == 0 else "cannot read state"
+    with pytest.raises(StateError, match=refused), store.locked():
         store.load(identity)
 
 
@@ -653,3 +656,104 @@ def test_roots_own_link_is_still_followed_as_root(tmp_path: Path) -> None:
         assert store.load(identity) == {"n": 1, "schema": SCHEMA}
     assert store.path.is_symlink()
     assert json.loads((tmp_path / "data" / "state.json").read_text())["n"] == 1
+
+
+def _service_dir(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    service = tmp_path / "service"
+    service.mkdir()
+    os.chown(service, SOMEONE_ELSE, SOMEONE_ELSE)  # the hostile service user's
+    return service
+
+
+def test_roots_link_swapped_out_and_back_by_the_directorys_owner_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two lstats compare the inode, not what readlink read: the directory's owner
+    renames root's own link away, puts its own in, and renames root's back (one
+    renameat2(RENAME_EXCHANGE) each way). Both lstats see root's link; readlink read the
+    other. Here the attacker always wins the race, as a loop of exchanges sometimes does."""
+    service = _service_dir(tmp_path)
+    victim = tmp_path / "root-only" / "shadow"
+    victim.parent.mkdir()
+    victim.write_text("root:x:0:0\n")
+    volume = tmp_path / "volume"  # the state on another volume, by root's own link
+    volume.mkdir()
+    (volume / "state.json").write_text(json.dumps({"schema": SCHEMA}))
+    store = StateFile(service / "state.json")
+    store.path.symlink_to(volume / "state.json")
+    link_of_someone_else(service / "evil", victim)
+    read_link = os.readlink
+
+    def exchanged_around(path: Any = "", *args: Any, **kwargs: Any) -> str:
+        if kwargs.get("dir_fd") is None and Path(path) != store.path:
+            return read_link(path, *args, **kwargs)
+        os.rename(store.path, service / "held")  # attacker: root's link away,
+        os.rename(service / "evil", store.path)  # its own in
+        try:
+            return read_link(path, *args, **kwargs)
+        finally:
+            os.rename(store.path, service / "evil")  # and root's back: same inode
+            os.rename(service / "held", store.path)
+
+    monkeypatch.setattr(os, "readlink", exchanged_around)
+    with contextlib.suppress(StateError), store.locked():
+        store.load(identity)
+    assert victim.read_text() == "root:x:0:0\n"
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
+
+
+def test_a_directory_on_the_way_that_another_user_swaps_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Root's link `state.json -> data/state.json` (as the commit's own test makes it):
+    `data` is in the service's directory, and its owner swaps it for a link of its own
+    to another directory; trusted_target realpaths the directory, whoever's links."""
+    service = _service_dir(tmp_path)
+    other = tmp_path / "otherservice"  # root's: another program's state.json
+    other.mkdir()
+    (other / "state.json").write_text("[not json: another program's]\n")
+    store = StateFile(service / "state.json")
+    store.path.symlink_to(Path("data") / "state.json")
+    link_of_someone_else(service / "data", other)  # was a directory; now the attacker's link
+    with contextlib.suppress(StateError), store.locked():
+        store.load(identity)
+    assert (other / "state.json").read_text() == "[not json: another program's]\n"
+    assert sorted(p.name for p in other.iterdir()) == ["state.json"]
+
+
+def test_a_directory_on_the_way_that_another_user_swaps_gets_no_save_nor_lock(
+    tmp_path: Path,
+) -> None:
+    service = _service_dir(tmp_path)
+    other = tmp_path / "etc-like"  # root's directory
+    other.mkdir()
+    store = StateFile(service / "state.json")
+    store.path.symlink_to(Path("data") / "state.json")
+    link_of_someone_else(service / "data", other)
+    with contextlib.suppress(StateError), store.locked():
+        store.save({"ledger": {}})
+    assert sorted(p.name for p in other.iterdir()) == []
+
+
+def test_roots_links_renamed_into_each_others_places_are_not_followed(tmp_path: Path) -> None:
+    """Root's own links are trusted under whatever name the directory's owner gives them:
+    with the state and the audit log both linked elsewhere, it exchanges the two, and
+    root's `hold` moves the audit log (outside the directory) aside as a corrupt state."""
+    service = _service_dir(tmp_path)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "state.json").write_text(json.dumps({"schema": SCHEMA}))
+    logs = tmp_path / "log"
+    logs.mkdir()
+    (logs / "audit.jsonl").write_text('{"event": "hold"}\n{"event": "readmit"}\n')
+    (service / "state.json").symlink_to(volume / "state.json")  # root's
+    (service / "audit.jsonl").symlink_to(logs / "audit.jsonl")  # root's
+    os.rename(service / "state.json", service / "t")  # the owner exchanges them
+    os.rename(service / "audit.jsonl", service / "state.json")
+    os.rename(service / "t", service / "audit.jsonl")
+    store = StateFile(service / "state.json")
+    with contextlib.suppress(StateError), store.locked():
+        store.load(identity)
+    assert sorted(p.name for p in logs.iterdir()) == ["audit.jsonl"]
