@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
+    SERVING,
     Event,
     EventKind,
     GoodVerdict,
@@ -443,6 +444,10 @@ class FleetRecord:
     # config (an edit undone, or a cluster member whose config lacked it leading for a
     # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
     retired_forgotten: dict[str, float] = field(default_factory=dict)
+    # Backends forgotten while out of the serving set and not retired (DEAD, RESTARTING,
+    # STALE), by name, with when: back in the config, one comes back STALE, to serve
+    # once it proves itself, never HEALTHY and serving the wedge it was condemned for.
+    withheld_forgotten: dict[str, float] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
@@ -460,7 +465,9 @@ class FleetRecord:
             if name not in backends:
                 state = self.ledger.state_of(name)
                 if state is State.RETIRED:
-                    self._remember_retired(name, now)
+                    _remember(self.retired_forgotten, name, now)
+                elif state not in SERVING:
+                    _remember(self.withheld_forgotten, name, now)
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -526,14 +533,22 @@ class FleetRecord:
         # A retired backend forgotten under the new name was another server: kept, this
         # one would come back RETIRED the next time it left the config and returned.
         self.retired_forgotten.pop(new, None)
+        self.withheld_forgotten.pop(new, None)
         state = self.ledger.state_of(new)
         note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
         return MembershipChange(new, "renamed", state, note)
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:
-        """Add a configured backend the record does not hold: HEALTHY, or RETIRED when it
-        was retired as it left the config (an operator's decision outlives an edit).
-        ValueError when its URL is another backend's."""
+        """Add a configured backend the record does not hold: HEALTHY; RETIRED when it was
+        retired as it left the config (an operator's decision outlives an edit); STALE
+        when it left out of the serving set otherwise (the evidence against it outlives
+        an edit too). ValueError when its URL is another backend's."""
+        if name in self.withheld_forgotten:
+            why = "out of the serving set when it left the config; must prove itself"
+            self.ledger.add(name, url, now, stale_because=why)
+            del self.withheld_forgotten[name]  # remembered until the ledger holds it again
+            note = f"{name}: back in the config at {url}; STALE ({why})"
+            return MembershipChange(name, "added", State.STALE, note)
         if name not in self.retired_forgotten:
             self.ledger.add(name, url, now)
             note = f"{name}: new backend at {url}; starts HEALTHY"
@@ -546,13 +561,6 @@ class FleetRecord:
         del self.retired_forgotten[name]  # remembered until the ledger holds it again
         note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
         return MembershipChange(name, "added", State.RETIRED, note)
-
-    def _remember_retired(self, name: str, now: float) -> None:
-        self.retired_forgotten[name] = now
-        while len(self.retired_forgotten) > MAX_RETIRED_FORGOTTEN:  # the oldest go first
-            del self.retired_forgotten[
-                min(self.retired_forgotten, key=self.retired_forgotten.__getitem__)
-            ]
 
     def observe(
         self,
@@ -687,6 +695,7 @@ class FleetRecord:
             "request_streaks": dict(sorted(self.request_streaks.items())),
             "fresh_since": dict(sorted(self.fresh_since.items())),
             "retired_forgotten": dict(sorted(self.retired_forgotten.items())),
+            "withheld_forgotten": dict(sorted(self.withheld_forgotten.items())),
         }
 
     @classmethod
@@ -726,6 +735,10 @@ class FleetRecord:
             str(name): _number(at, f"retired_forgotten.{name}")
             for name, at in _table(data.get("retired_forgotten", {}), "retired_forgotten").items()
         }
+        withheld_forgotten = {  # likewise
+            str(name): _number(at, f"withheld_forgotten.{name}")
+            for name, at in _table(data.get("withheld_forgotten", {}), "withheld_forgotten").items()
+        }
         return cls(
             ledger,
             sightings,
@@ -736,6 +749,7 @@ class FleetRecord:
             streaks,
             fresh_since,
             retired_forgotten,
+            withheld_forgotten,
         )
 
     def with_policy(self, policy: LedgerPolicy) -> FleetRecord:
@@ -756,6 +770,14 @@ def saved_floor(data: Mapping[str, Any]) -> int | None:
     if type(value) is not int or value < 0:
         raise ValueError(f"min_healthy: expected a whole number of 0 or more, got {value!r}")
     return value
+
+
+def _remember(forgotten: dict[str, float], name: str, now: float) -> None:
+    """A backend forgotten in a state it must keep when it comes back; the oldest of more
+    than MAX_RETIRED_FORGOTTEN go first."""
+    forgotten[name] = now
+    while len(forgotten) > MAX_RETIRED_FORGOTTEN:
+        del forgotten[min(forgotten, key=forgotten.__getitem__)]
 
 
 def _table(value: object, where: str) -> Mapping[str, Any]:

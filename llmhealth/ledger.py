@@ -1245,15 +1245,30 @@ class Ledger:
         grace = self._policy.startup_grace
         return [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
 
-    def add(self, name: str, url: str, now: float, *, retired_because: str | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        url: str,
+        now: float,
+        *,
+        retired_because: str | None = None,
+        stale_because: str | None = None,
+    ) -> None:
         """Add a newly configured backend, HEALTHY (see the class docstring for why), or
         RETIRED for the given reason: an operator's retirement that outlived a config
-        edit. A RETIRED one joins outside the serving set, so the epoch stays put."""
+        edit; or STALE for the given reason: one that left the config out of the serving
+        set, with evidence against it, and re-enters only after proof. Either joins
+        outside the serving set, so the epoch stays put."""
         _as_time(now, "now")
+        if retired_because is not None and stale_because is not None:
+            raise ValueError(f"add {name!r}: RETIRED or STALE, not both")
         b = _Backend(name=name, url=url, state_since=now)
         if retired_because is not None:
             _record(b, Retire(now=now, reason=retired_because))
             b.state = State.RETIRED
+        if stale_because is not None:
+            b.last_error = stale_because
+            b.state = State.STALE
         self._insert(b, "add")
         if b.state in SERVING:
             self._epoch += 1

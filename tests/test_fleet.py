@@ -50,6 +50,7 @@ from llmhealth.ledger import (
     State,
     UnplannedRestart,
     WedgeProven,
+    WeightsPartial,
 )
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
@@ -711,6 +712,40 @@ def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired(
     assert notes_of(again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 4)) == [
         f"gpu0: new backend at {URL_0}; starts HEALTHY"
     ]
+
+
+def test_a_condemned_backend_dropped_from_the_config_and_added_back_must_prove_itself() -> None:
+    """An edit undone (a backend commented out, then back), or a cluster member whose
+    config lacked it leading for a while: forgotten and added again, a wedged backend
+    came back HEALTHY and served until a read proved the wedge again, two waits later."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
+    record.observe("gpu1", VERDICTS["busy"], NOW)
+    record.observe("gpu1", VERDICTS["wedged"], NOW + 1)
+    record.ledger.apply("gpu2", WeightsPartial(now=NOW + 1))  # STALE: alive, unproven
+    assert [record.ledger.state_of(n) for n in ("gpu1", "gpu2")] == [State.DEAD, State.STALE]
+    assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 2)) == [
+        "gpu1: no longer configured; forgotten (dead)",
+        "gpu2: no longer configured; forgotten (stale)",
+    ]
+    again = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), POLICY)
+    epoch = again.ledger.epoch
+    changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1, "gpu2": URL_2}, NOW + 3)
+    assert [(c.name, c.event, c.state) for c in changes] == [
+        ("gpu1", "added", State.STALE),
+        ("gpu2", "added", State.STALE),
+    ]
+    assert changes[0].note == (
+        f"gpu1: back in the config at {URL_1}; STALE (out of the serving set when it left "
+        "the config; must prove itself)"
+    )
+    assert again.ledger.serving == ("gpu0",) and again.ledger.epoch == epoch
+    assert again.withheld_forgotten == {}
+    # Proof returns it as it returns any STALE backend.
+    assert again.ledger.apply("gpu1", Readmitted(now=NOW + 4)).to_state is State.HEALTHY
+    # Served when it left, it starts afresh, as before.
+    again.reconcile({"gpu1": URL_1}, NOW + 5)
+    changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 6)
+    assert [(c.name, c.state) for c in changes] == [("gpu0", State.HEALTHY)]
 
 
 def test_the_retired_backends_remembered_are_bounded_oldest_first() -> None:
