@@ -14,6 +14,7 @@ import math
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, trusted_target
+from llmhealth.openfiles import LOCK_TIMEOUT, NotRegularFileError, lock_within, trusted_target
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -387,10 +388,12 @@ class AuditLog:
             "the record was not kept" if count == 1 else f"not all of its {count} records were kept"
         )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             # Where its links were checked to lead (as root, root's only), and opened
-            # there without following one swapped in since.
+            # there without following one swapped in since. Checked before any directory
+            # is made: a missing parent made through another user's link was made
+            # wherever that link led.
             path = trusted_target(self.path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
             fd = os.open(
@@ -398,6 +401,9 @@ class AuditLog:
             )
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO its directory's owner made
+            os.close(fd)
+            raise AuditError(f"{self.path}: the audit log is not a regular file")
         try:
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
@@ -489,7 +495,18 @@ def scan(path: str | os.PathLike[str], last: int | None = None) -> AuditScan:
     """The records of an audit log, oldest first; only the ``last`` ones if given. A log
     not yet written is empty; malformed lines are skipped and counted."""
     try:
-        with open(path, "rb") as f:
+        # As root, only where nobody else can redirect it (the log beside the state is in
+        # the service's directory), and never a FIFO or a device: opened without waiting
+        # and without following a link swapped in since.
+        target = trusted_target(Path(path))
+        if not stat.S_ISREG(os.stat(target, follow_symlinks=False).st_mode):
+            raise NotRegularFileError("not a regular file")
+        fd = os.open(
+            target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW
+        )
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFileError("not a regular file")
             return parse_records(_lines_within(f, MAX_AUDIT_LINE), last)
     except FileNotFoundError:
         return AuditScan([], 0)

@@ -18,6 +18,7 @@ ends, and a read neither blocks nor takes more than its caller's bound.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -100,6 +101,17 @@ def trusted_target(path: Path) -> Path:
             resolved = Path("/")
         pending[:0] = [part for part in leads_to.parts if part not in ("/", ".")]
     _root_alone(resolved.parent.parent, str(resolved))
+    # A sticky directory keeps what root made there root's, not what its owner made: the
+    # service's own directory in one (a spool 1770, or /tmp without protected_symlinks)
+    # can be renamed away by its owner and a link of its own put in its place.
+    holding = resolved.parent
+    with contextlib.suppress(FileNotFoundError):
+        if os.lstat(holding).st_uid != 0 and os.lstat(holding.parent).st_mode & 0o022:
+            raise UntrustedLinkError(
+                f"{holding.parent}, a directory above {resolved}, is writable by others "
+                f"than root, and {holding} is not root's: its owner may rename it there "
+                "(run it as the directory's owner)"
+            )
     return resolved
 
 

@@ -381,8 +381,12 @@ class StateFile:
         """The state path is a symbolic link to nothing: its file's volume not mounted
         yet, say. A fresh ledger here would forget every retirement and hold, and its
         save would replace the link."""
+        try:
+            leads_to = os.readlink(self.path)
+        except OSError:  # no link any more: changed since it was found one
+            leads_to = "a path that has since changed"
         return StateError(
-            f"state {self.path} is a symbolic link to {os.readlink(self.path)}, "
+            f"state {self.path} is a symbolic link to {leads_to}, "
             "which does not exist: refusing to start a fresh ledger in its place"
         )
 
