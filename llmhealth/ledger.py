@@ -608,6 +608,9 @@ class BackendSnapshot:
     restart_ran_at: float | None = None  # when a restart's command last exited 0
     traffic_failures: int = 0  # of request_failures, those real traffic reported
     replaced_while_dead: bool | None = False  # this STALE spell began where a DEAD one was
+    # Condemned on its caller's word (a process gone, a silent participant): only a new
+    # process comes back, never this one in place.
+    caller_condemned: bool = False
 
     @property
     def serving(self) -> bool:
@@ -1494,6 +1497,7 @@ class Ledger:
             restart_ran_at=b.restart_ran_at,
             traffic_failures=b.traffic_failures,
             replaced_while_dead=b.replaced_while_dead,
+            caller_condemned=b.caller_condemned,
         )
 
     def snapshots(

@@ -16,7 +16,7 @@ from types import TracebackType
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
-from llmhealth.ledger import State, Transition
+from llmhealth.ledger import BackendSnapshot, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
 
@@ -210,7 +210,10 @@ class Prober:
         if not fleet.policy.recover_in_place:
             return fleet.serving_shards()
         serving = set(fleet.serving_shards())  # once: it sorts the whole ledger
-        return [k for k in fleet.keys if k in serving or _dead(fleet, k)]
+        # DEAD ones may come back in place, but not those condemned on the caller's word:
+        # reading an orphaned server, and asking it the tiny request, proves nothing.
+        snapshots = fleet.snapshot()
+        return [k for k in fleet.keys if k in serving or _may_recover(snapshots[k])]
 
     async def aclose(self) -> None:
         slots, self._slots = list(self._slots.values()), {}
@@ -259,8 +262,8 @@ class Prober:
         return newest
 
 
-def _dead(fleet: FleetHealth, key: Key) -> bool:
-    return fleet.state_of(key) is State.DEAD
+def _may_recover(snapshot: BackendSnapshot) -> bool:
+    return snapshot.state is State.DEAD and not snapshot.caller_condemned
 
 
 def _is_token(text: str) -> bool:

@@ -348,6 +348,7 @@ def test_proof_of_death_condemns_at_once_without_counting() -> None:
         state=State.DEAD,
         last_error="down: unit inactive",
         condemned_by="down",
+        caller_condemned=True,
     )
     assert t.epoch_changed
 
@@ -656,6 +657,7 @@ def test_a_stale_backend_that_dies_or_wedges_is_condemned() -> None:
         last_error="down",
         condemned_by="down",
         replaced_while_dead=False,
+        caller_condemned=True,
     )
 
 

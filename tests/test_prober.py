@@ -429,6 +429,31 @@ def test_a_verdict_read_while_the_caller_rebuilt_the_backend_is_not_its_replacem
     assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
 
 
+def test_a_backend_condemned_on_the_callers_word_is_not_probed_to_recover_in_place() -> None:
+    """The ledger never lets it back in place, yet every call read it and, idle, sent it
+    the tiny request: an orphaned server kept answering for nothing."""
+
+    async def main(url: str) -> tuple[FleetHealth, list[list[ProbeResult]]]:
+        fleet = FleetHealth([url], policy=FleetPolicy(recover_in_place=True))
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await prober.probe()  # idle: the ledger learns which process this is
+            fleet.record_actor_death(0, "ActorDiedError")
+            rounds = []
+            for _ in range(3):
+                await asyncio.sleep(INTERVAL)
+                rounds.append(await prober.probe())
+        return fleet, rounds
+
+    with running_simulator(["idle"]) as sim:
+        fleet, rounds = asyncio.run(main(sim.urls[0]))
+        with urllib.request.urlopen(f"{sim.urls[0]}/sim/stats", timeout=5) as answer:
+            stats = json.load(answer)
+    assert rounds == [[], [], []]
+    assert fleet.state_of(0) is State.DEAD and fleet.snapshot()[0].caller_condemned
+    # The first call's read and tiny request alone.
+    assert (stats["metrics_reads"], stats["completions_received"]) == (1, 1), stats
+
+
 def test_the_targets_of_a_large_fleet_recovering_in_place_ask_for_the_serving_set_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
