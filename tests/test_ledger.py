@@ -1093,7 +1093,7 @@ def test_a_process_that_cannot_be_identified_never_recovers_in_place() -> None:
     assert "neither a start time nor a counter to compare" in t.reason
 
 
-@pytest.mark.parametrize(
+CALLERS_WORD = pytest.mark.parametrize(
     "word",
     [
         lambda now: ProcessGone(now=now, reason="process gone", detail="ActorDiedError"),
@@ -1101,6 +1101,9 @@ def test_a_process_that_cannot_be_identified_never_recovers_in_place() -> None:
     ],
     ids=["process gone", "silent participant"],
 )
+
+
+@CALLERS_WORD
 def test_a_process_condemned_on_its_callers_word_never_recovers_in_place(
     word: Callable[[float], Event],
 ) -> None:
@@ -1129,14 +1132,7 @@ def test_a_process_condemned_on_its_callers_word_never_recovers_in_place(
     assert t.to_state is State.STALE, t.reason
 
 
-@pytest.mark.parametrize(
-    "word",
-    [
-        lambda now: ProcessGone(now=now, reason="process gone", detail="ActorDiedError"),
-        lambda now: Condemned(now=now, reason="silent participant", detail="no NCCL join"),
-    ],
-    ids=["process gone", "silent participant"],
-)
+@CALLERS_WORD
 def test_a_callers_word_on_a_backend_already_dead_by_doubt_still_holds(
     word: Callable[[float], Event],
 ) -> None:

@@ -601,9 +601,13 @@ def link_of_someone_else(link: Path, target: Path) -> None:
     os.lchown(link, SOMEONE_ELSE, SOMEONE_ELSE)
 
 
-def test_root_never_moves_aside_a_file_another_users_link_names(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verb", ["load", "save"])
+def test_root_never_moves_aside_nor_saves_over_a_file_another_users_link_names(
+    tmp_path: Path, verb: str
+) -> None:
     """The owner of the state directory swapped the state for a link to a file of root's:
-    `sudo llmhealth hold`, finding no JSON there, moved that file aside."""
+    `sudo llmhealth hold`, finding no JSON there, moved that file aside, or saved the
+    state over it."""
     victim = tmp_path / "root-only" / "shadow"
     victim.parent.mkdir()
     victim.write_text("root:x:0:0\n")
@@ -611,20 +615,10 @@ def test_root_never_moves_aside_a_file_another_users_link_names(tmp_path: Path) 
     store.path.parent.mkdir()
     link_of_someone_else(store.path, victim)
     with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"), store.locked():
-        store.load(identity)
-    assert victim.read_text() == "root:x:0:0\n"
-    assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
-
-
-def test_root_never_saves_over_a_file_another_users_link_names(tmp_path: Path) -> None:
-    victim = tmp_path / "root-only" / "shadow"
-    victim.parent.mkdir()
-    victim.write_text("root:x:0:0\n")
-    store = StateFile(tmp_path / "service" / "state.json")
-    store.path.parent.mkdir()
-    link_of_someone_else(store.path, victim)
-    with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"):
-        store.save({"ledger": {}})
+        if verb == "load":
+            store.load(identity)
+        else:
+            store.save({"ledger": {}})
     assert victim.read_text() == "root:x:0:0\n"
     assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
 
