@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final, Protocol
 
-from llmhealth.openfiles import LOCK_TIMEOUT, NotRegularFileError, lock_within, trusted_target
+from llmhealth.openfiles import (
+    LOCK_TIMEOUT,
+    NotRegularFileError,
+    lock_within,
+    open_within,
+    trusted_target,
+)
 from llmhealth.text import printable
 
 DEFAULT_OUTPUT_LIMIT: Final = 4096
@@ -396,8 +402,12 @@ class AuditLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
-            fd = os.open(
-                path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640
+            # Not waiting on a lease longer than on the lock (openfiles.open_within).
+            fd = open_within(
+                path,
+                os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o640,
+                self.lock_timeout,
             )
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc

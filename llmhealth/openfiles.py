@@ -71,7 +71,9 @@ def trusted_target(path: Path) -> Path:
     if os.geteuid() != 0:
         return Path(os.path.realpath(path)) if os.path.islink(path) else path
     resolved = Path("/")
-    pending = list(Path(os.path.abspath(path)).parts[1:])
+    # Absolute, its ".." kept: taken before the link ahead of it is followed, as abspath
+    # takes it, it named another file than the kernel's (and every other user's).
+    pending = list(Path(path).absolute().parts[1:])
     links = 0
     while pending:
         name = pending.pop(0)
@@ -246,6 +248,23 @@ def lock_within(descriptor: int, seconds: float) -> bool:
             pass  # held elsewhere (EAGAIN/EWOULDBLOCK)
         if time.monotonic() >= deadline:
             return False
+        time.sleep(_LOCK_POLL)
+
+
+def open_within(path: Path, flags: int, mode: int, seconds: float) -> int:
+    """``os.open(path, flags | O_NONBLOCK, mode)``, tried again for at most ``seconds``
+    while it would block. An open for writing waits for a file lease (fcntl F_SETLEASE)
+    the file's owner holds to be given up, for lease-break-time (45 s by default): the
+    owner of the state's directory held root's run that long with its own lock file or
+    audit log. O_NONBLOCK does nothing else to a regular file. Raises OSError
+    (BlockingIOError when a lease is still held at the end)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return os.open(path, flags | os.O_NONBLOCK, mode)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
         time.sleep(_LOCK_POLL)
 
 

@@ -22,7 +22,13 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from llmhealth.openfiles import LOCK_TIMEOUT, lock_within, read_regular_file, trusted_target
+from llmhealth.openfiles import (
+    LOCK_TIMEOUT,
+    lock_within,
+    open_within,
+    read_regular_file,
+    trusted_target,
+)
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
 
@@ -209,8 +215,12 @@ class StateFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Not through a symbolic link: one planted at this predictable name had the
             # file it names truncated and made 0600 by every run.
-            descriptor = os.open(
-                lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            # Nor waiting on a lease the directory's owner holds on a lock file of its own.
+            descriptor = open_within(
+                lock_path,
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+                max(0.0, deadline - time.monotonic()),
             )
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) and os.path.islink(self.path):

@@ -1,14 +1,18 @@
 """Root over a directory another user owns: the audit verb and the audit append go only
-where nobody else can redirect them (llmhealth.openfiles.trusted_target), and never into
-a FIFO or a device. The state file's side is in test_state.py."""
+where nobody else can redirect them (llmhealth.openfiles.trusted_target), never into a
+FIFO or a device, and no file lease of the owner's holds root's run past its bounds.
+The state file's side is in test_state.py."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -169,4 +173,94 @@ def test_the_audit_append_never_writes_into_a_fifo(tmp_path: Path) -> None:
                 os.read(drain, 1 << 16)
         os.close(drain)
     assert not blocked
+    assert isinstance(outcome[0], AuditError)
+
+
+class _Holder:
+    """A process of the directory's owner holding a read lease on a file of its own."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> None:
+        os.waitpid(self.pid, 0)
+
+
+def _their_leased_file(path: Path) -> _Holder:
+    """The directory's owner makes ``path`` its own file and holds a read lease on it."""
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    path.write_text("")
+    os.chown(path, SOMEONE_ELSE, SOMEONE_ELSE)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the owner: its uid, its own file, a read lease, then wait to be killed
+        try:
+            signal.signal(signal.SIGIO, signal.SIG_IGN)  # a lease break would end it
+            # Opened before the uid is dropped only because pytest's tmp_path is 0700:
+            # the directory's owner opens its own file in its own directory.
+            fd = os.open(path, os.O_RDONLY)
+            os.setgroups([])
+            os.setgid(SOMEONE_ELSE)
+            os.setuid(SOMEONE_ELSE)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            os.write(ready_w, b"leased")
+            while True:
+                time.sleep(60)
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    said = os.read(ready_r, 16)
+    os.close(ready_r)
+    assert said == b"leased"
+    return _Holder(pid)
+
+
+def _within(seconds: float, work: object) -> tuple[bool, float, list[object]]:
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())  # type: ignore[operator]
+        except (StateError, AuditError) as exc:
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return thread.is_alive(), time.monotonic() - started, outcome
+
+
+def test_a_lease_on_the_lock_file_never_holds_root_past_the_lock_timeout(tmp_path: Path) -> None:
+    service = _service_dir(tmp_path)
+    holder = _their_leased_file(service / "state.json.lock")
+    store = StateFile(service / "state.json", lock_timeout=1.0)
+
+    def lock_once() -> str:
+        with store.locked():
+            return "held"
+
+    try:
+        hung, _, outcome = _within(5.0, lock_once)
+    finally:
+        holder.kill()  # the lease goes with its holder: root's open goes on
+        holder.wait()
+    assert not hung, "root's lock open waited on the owner's lease (lease-break-time)"
+    assert isinstance(outcome[0], StateError)
+
+
+def test_a_lease_on_the_audit_log_never_holds_roots_append_past_its_bound(tmp_path: Path) -> None:
+    service = _service_dir(tmp_path)
+    holder = _their_leased_file(service / "audit.jsonl")
+    log = AuditLog(service / "audit.jsonl", lock_timeout=1.0)
+    try:
+        hung, _, outcome = _within(5.0, lambda: log.append({"event": "hold"}))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not hung, "root's audit open waited on the owner's lease (lease-break-time)"
     assert isinstance(outcome[0], AuditError)

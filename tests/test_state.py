@@ -751,3 +751,26 @@ def test_roots_links_renamed_into_each_others_places_are_not_followed(tmp_path: 
     with contextlib.suppress(StateError), store.locked():
         store.load(identity)
     assert sorted(p.name for p in logs.iterdir()) == ["audit.jsonl"]
+
+
+def test_dotdot_after_roots_directory_link_is_the_kernels(tmp_path: Path) -> None:
+    """Root took ".." before following the link ahead of it (a config beside a linked
+    directory: state = "../state/state.json"), and so worked on another file than the
+    kernel, and every other user, reach: a fresh ledger beside the real one."""
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    real = tmp_path / "opt" / "llmhealth"
+    (real / "etc").mkdir(parents=True)
+    (real / "state").mkdir()
+    (real / "state" / "state.json").write_text(json.dumps({"schema": SCHEMA, "n": 1}))
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "llmhealth").symlink_to(real / "etc")  # root's link, as /etc/x -> /opt/x
+    (tmp_path / "etc" / "state").mkdir()  # an unrelated directory at the lexical place
+    given = tmp_path / "etc" / "llmhealth" / ".." / "state" / "state.json"
+    assert json.loads(Path(given).read_text())["n"] == 1  # what open() and any user reach
+    store = StateFile(given)
+    assert store.read(lambda doc: doc) == {"schema": SCHEMA, "n": 1}
+    with store.locked():
+        store.save({"n": 2})
+    assert json.loads((real / "state" / "state.json").read_text())["n"] == 2
+    assert sorted(p.name for p in (tmp_path / "etc" / "state").iterdir()) == []
