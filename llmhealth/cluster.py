@@ -114,6 +114,9 @@ class KeyValue:
     mod_revision: int
     create_revision: int
     lease: int
+    # The key's own bytes: its name as text was decoded lossily (anyone may write a key
+    # that is not UTF-8), and re-encoded it can sort elsewhere than the key does.
+    key: bytes = b""
 
 
 def _b64(text: str | bytes) -> str:
@@ -236,7 +239,7 @@ class Etcd:
                 start = last + "\0"
 
     def scan_down(
-        self, prefix: str, end: str | None, limit: int, *, keys_only: bool = False
+        self, prefix: str, end: str | bytes | None, limit: int, *, keys_only: bool = False
     ) -> list[tuple[str, KeyValue]]:
         """Up to ``limit`` keys under ``prefix`` below ``end`` (exclusive), largest first."""
         range_end = end if end is not None else _after_prefix(prefix)
@@ -291,15 +294,17 @@ def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
         raise TypeError(f"kvs is a {type(kvs).__name__}")
     return [
         (
-            base64.b64decode(item["key"], validate=True).decode(errors="replace"),
+            raw.decode(errors="replace"),
             KeyValue(
                 value=base64.b64decode(item.get("value", ""), validate=True),
                 mod_revision=int(item.get("mod_revision", 0)),
                 create_revision=int(item.get("create_revision", 0)),
                 lease=int(item.get("lease", 0)),
+                key=raw,
             ),
         )
         for item in kvs
+        for raw in (base64.b64decode(item["key"], validate=True),)
     ]
 
 
@@ -830,14 +835,21 @@ class EtcdStore:
             # Our own transaction may be what failed the compare: offered again after its
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
             # key holding the very bytes we wrote (our fence, this settle's times) says
-            # it went in, whole, and that nobody wrote after it.
-            if len(found) != len(writes) or any(
-                held is None or held.value != value
+            # it went in, whole, and that nobody wrote after it. So does the audit key
+            # alone, whose name only this write makes (a nonce), when another (an
+            # operator's verb) wrote the record on top since: said "nothing written",
+            # the daemon settled again on the verb's record, the restart this write had
+            # ordered never ran and the cycle's verdicts counted twice.
+            ours = [
+                held is not None and held.value == value
                 for held, (_, value) in zip(found, writes, strict=False)
-            ):
+            ]
+            if len(found) != len(writes) or not (all(ours) or (records and ours[1])):
                 raise self._not_written(f"the write of {self.keys.state} failed")
-            assert found[0] is not None
-            revision = found[0].mod_revision
+            made = found[0] if all(ours) else found[1]
+            assert made is not None
+            # The revision our write made: where a later save of this section stands.
+            revision = made.mod_revision if all(ours) else made.create_revision
         self._read_revision = self._last_revision = revision
         self._saved_fence = self._fence
         self._pending = []
@@ -1006,7 +1018,8 @@ def _records_in(key: str) -> int:
 def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
     """Delete the oldest audit batches while at least ``keep`` records remain; how many
     records went. Fenced by the leader key when a leader trims."""
-    names = [name for name, _ in etcd.scan_down(keys.audit, None, 1 << 30, keys_only=True)]
+    found = etcd.scan_down(keys.audit, None, 1 << 30, keys_only=True)
+    names = [name for name, _ in found]
     kept, cut = 0, None
     for index, name in enumerate(names):  # newest first
         if kept >= keep:
@@ -1015,7 +1028,7 @@ def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
         kept += _records_in(name)
     if cut is None:
         return 0
-    oldest_kept = names[cut - 1]
+    oldest_kept = found[cut - 1][1].key  # its bytes: a bound of its text could cut more
     compare = [] if fence is None else [compare_created(keys.leader, fence)]
     delete = {"request_delete_range": {"key": _b64(keys.audit), "range_end": _b64(oldest_kept)}}
     written, _, _ = etcd.txn(compare, [delete])
@@ -1037,7 +1050,9 @@ def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditScan:
             held += _records_in(name)
         if len(page) < _AUDIT_PAGE:
             break
-        end = page[-1][0]
+        # The next page below this one's last key, by its bytes: its text re-encoded sorts
+        # above a key that is not UTF-8, and the same page came back for ever.
+        end = page[-1][1].key
     lines = (raw for _, _, value in sorted(batches) for raw in value.splitlines())
     return parse_records(lines, last)
 

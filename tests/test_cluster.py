@@ -7,6 +7,7 @@ daemon concludes from it, never how fast a loaded machine runs.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import re
@@ -434,10 +435,12 @@ def read_posted(connection: socket.socket) -> tuple[bytes, bytes]:
     return head, body
 
 
-def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
+def losing_txn_answers(
+    endpoint: str, meanwhile: Callable[[], None] = lambda: None
+) -> Callable[[socket.socket, int], None]:
     """An etcd endpoint that passes each request on to ``endpoint`` and its answer back,
     except a transaction's answer, which it drops: a write that reached etcd, whose
-    answer was lost on the way back."""
+    answer was lost on the way back; ``meanwhile`` runs before the client hears nothing."""
     host, _, port = endpoint.removeprefix("http://").partition(":")
 
     def forward(connection: socket.socket, _: int) -> None:
@@ -449,6 +452,8 @@ def losing_txn_answers(endpoint: str) -> Callable[[socket.socket, int], None]:
                 answer += chunk
         if not head.startswith(b"POST /v3/kv/txn "):
             connection.sendall(answer)
+        else:
+            meanwhile()
 
     return forward
 
@@ -481,6 +486,58 @@ def test_a_save_whose_answer_was_lost_is_found_written_not_reported_as_nothing_w
         audit = [record["event"] for record in read_audit(etcd, keys).records]
         assert audit.count("restart_ordered") == 1, audit
         leader.stop()
+
+
+def test_a_save_whose_answer_was_lost_is_found_written_though_a_verb_wrote_on_top(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # As above, and before the client offered the transaction to the next endpoint an
+    # operator's verb wrote the record on top of it: the read-back found the verb's
+    # state and said "nothing written", so the daemon settled again on the verb's record,
+    # the restart its write had ordered never ran, and the cycle's verdicts counted twice.
+    def verb_writes() -> None:
+        verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with verb.locked():
+            verb.save({**(verb.load(dict) or {}), "value": 99})
+
+    with tcp_server(losing_txn_answers(etcd_server.endpoints[0], verb_writes)) as (lossy, _):
+        etcd = Etcd([lossy, *etcd_server.endpoints])
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.load(dict)
+            store.append_record({"event": "restart_ordered", "backend": "gpu1"})
+            store.save(document(1))  # RecordMovedError, "nothing written", before
+        assert store_value(etcd, keys) == 99  # the verb's, on top of ours
+        audit = [record["event"] for record in read_audit(etcd, keys).records]
+        assert audit == ["restart_ordered"]
+        with store.locked():  # the next section stands on the record as it now is
+            assert (store.load(dict) or {})["value"] == 99
+            store.save(document(2))
+        assert store_value(etcd, keys) == 2
+        leader.stop()
+
+
+def test_the_audit_trail_is_read_to_its_end_past_keys_that_are_not_utf8(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Anyone who may write etcd can leave keys under PREFIX/audit/ that are not UTF-8. A
+    # page's last key, decoded with U+FFFD and encoded again, sorts above the real key, so
+    # the next page was the same page: `llmhealth audit` read for ever, its memory
+    # growing a page a request.
+    etcd = Etcd(etcd_server.endpoints)
+    record = b'{"time": 1.0, "backend": "gpu0", "event": "x", "from": "a", "to": "b"}\n'
+    for index in range(70):  # more than a page
+        key = keys.audit.encode() + b"\x80" + bytes([0x21 + index])
+        etcd.txn([], [{"request_put": {"key": b64(key), "value": b64(record)}}])
+    done: list[object] = []
+    reading = threading.Thread(target=lambda: done.append(read_audit(etcd, keys)), daemon=True)
+    reading.start()
+    reading.join(15.0)
+    assert done, "read_audit read the same page again and again"
+    assert len(done[0].records) == 70  # type: ignore[attr-defined]
 
 
 def test_a_corrupt_state_key_is_kept_aside_and_reported(
@@ -522,10 +579,8 @@ def test_a_reader_leaves_a_corrupt_state_key_where_it_is(
     assert [key for key in etcd.get_prefix(keys.prefix) if ".corrupt-" in key] == []
 
 
-def b64(text: str) -> str:
-    import base64  # noqa: PLC0415
-
-    return base64.b64encode(text.encode()).decode()
+def b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
 
 def test_an_endpoint_that_does_not_answer_is_passed_over(
