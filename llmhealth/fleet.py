@@ -9,7 +9,7 @@ file holds between runs; it is encoded and decoded here, stored by ``state``.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -41,6 +41,7 @@ from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
 
 _Value = TypeVar("_Value")
+_Kept = TypeVar("_Kept")
 
 # What a backend condemned by real traffic is condemned by: the word restart_on matches.
 TRAFFIC_CAUSE = "request_failures"
@@ -445,9 +446,10 @@ class FleetRecord:
     # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
     retired_forgotten: dict[str, float] = field(default_factory=dict)
     # Backends forgotten while out of the serving set and not retired (DEAD, RESTARTING,
-    # STALE), by name, with when: back in the config, one comes back STALE, to serve
-    # once it proves itself, never HEALTHY and serving the wedge it was condemned for.
-    withheld_forgotten: dict[str, float] = field(default_factory=dict)
+    # STALE), by name: when ("at"), their ledger entry and their sighting. Back in the
+    # config, one comes back as it left, never HEALTHY and serving the wedge it was
+    # condemned for, nor STALE for ever where a DEAD one would have been restarted.
+    withheld_forgotten: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
         """Make the ledger's members the configured backends; return what changed.
@@ -465,9 +467,15 @@ class FleetRecord:
             if name not in backends:
                 state = self.ledger.state_of(name)
                 if state is State.RETIRED:
-                    _remember(self.retired_forgotten, name, now)
+                    _remember(self.retired_forgotten, name, now, float)
                 elif state not in SERVING:
-                    _remember(self.withheld_forgotten, name, now)
+                    sighting = self.sightings.get(name)
+                    kept = {
+                        "at": now,
+                        "entry": self.ledger.entry(name),
+                        "sighting": None if sighting is None else sighting.to_dict(),
+                    }
+                    _remember(self.withheld_forgotten, name, kept, lambda k: float(k["at"]))
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -544,11 +552,13 @@ class FleetRecord:
         when it left out of the serving set otherwise (the evidence against it outlives
         an edit too). ValueError when its URL is another backend's."""
         if name in self.withheld_forgotten:
-            why = "out of the serving set when it left the config; must prove itself"
-            self.ledger.add(name, url, now, stale_because=why)
+            kept = self.withheld_forgotten[name]
+            state = self.ledger.restore(kept["entry"], url)
             del self.withheld_forgotten[name]  # remembered until the ledger holds it again
-            note = f"{name}: back in the config at {url}; STALE ({why})"
-            return MembershipChange(name, "added", State.STALE, note)
+            if kept["sighting"] is not None:
+                self.sightings[name] = Sighting.from_dict(kept["sighting"], f"{name}.sighting")
+            note = f"{name}: back in the config at {url}; stays {state} as it left"
+            return MembershipChange(name, "added", state, note)
         if name not in self.retired_forgotten:
             self.ledger.add(name, url, now)
             note = f"{name}: new backend at {url}; starts HEALTHY"
@@ -736,8 +746,10 @@ class FleetRecord:
             for name, at in _table(data.get("retired_forgotten", {}), "retired_forgotten").items()
         }
         withheld_forgotten = {  # likewise
-            str(name): _number(at, f"withheld_forgotten.{name}")
-            for name, at in _table(data.get("withheld_forgotten", {}), "withheld_forgotten").items()
+            str(name): _withheld(value, f"withheld_forgotten.{name}")
+            for name, value in _table(
+                data.get("withheld_forgotten", {}), "withheld_forgotten"
+            ).items()
         }
         return cls(
             ledger,
@@ -772,12 +784,28 @@ def saved_floor(data: Mapping[str, Any]) -> int | None:
     return value
 
 
-def _remember(forgotten: dict[str, float], name: str, now: float) -> None:
-    """A backend forgotten in a state it must keep when it comes back; the oldest of more
-    than MAX_RETIRED_FORGOTTEN go first."""
-    forgotten[name] = now
+def _withheld(value: object, where: str) -> dict[str, Any]:
+    """A withheld backend as saved: malformed, a ValueError here, not at its return."""
+    kept = _table(value, where)
+    Ledger(LedgerPolicy()).restore(kept.get("entry"), "http://check.invalid")
+    sighting = kept.get("sighting")
+    if sighting is not None:
+        Sighting.from_dict(sighting, f"{where}.sighting")
+    return {
+        "at": _number(kept.get("at"), f"{where}.at"),
+        "entry": kept["entry"],
+        "sighting": sighting,
+    }
+
+
+def _remember(
+    forgotten: dict[str, _Kept], name: str, kept: _Kept, at: Callable[[_Kept], float]
+) -> None:
+    """A backend forgotten in a state it must keep when it comes back; the oldest (by
+    ``at``) of more than MAX_RETIRED_FORGOTTEN go first."""
+    forgotten[name] = kept
     while len(forgotten) > MAX_RETIRED_FORGOTTEN:
-        del forgotten[min(forgotten, key=forgotten.__getitem__)]
+        del forgotten[min(forgotten, key=lambda each: at(forgotten[each]))]
 
 
 def _table(value: object, where: str) -> Mapping[str, Any]:

@@ -1248,30 +1248,15 @@ class Ledger:
         grace = self._policy.startup_grace
         return [b.name for b in self._sorted() if _overdue_restart(b, now, grace) is not None]
 
-    def add(
-        self,
-        name: str,
-        url: str,
-        now: float,
-        *,
-        retired_because: str | None = None,
-        stale_because: str | None = None,
-    ) -> None:
+    def add(self, name: str, url: str, now: float, *, retired_because: str | None = None) -> None:
         """Add a newly configured backend, HEALTHY (see the class docstring for why), or
         RETIRED for the given reason: an operator's retirement that outlived a config
-        edit; or STALE for the given reason: one that left the config out of the serving
-        set, with evidence against it, and re-enters only after proof. Either joins
-        outside the serving set, so the epoch stays put."""
+        edit. A RETIRED one joins outside the serving set, so the epoch stays put."""
         _as_time(now, "now")
-        if retired_because is not None and stale_because is not None:
-            raise ValueError(f"add {name!r}: RETIRED or STALE, not both")
         b = _Backend(name=name, url=url, state_since=now)
         if retired_because is not None:
             _record(b, Retire(now=now, reason=retired_because))
             b.state = State.RETIRED
-        if stale_because is not None:
-            b.last_error = stale_because
-            b.state = State.STALE
         self._insert(b, "add")
         if b.state in SERVING:
             self._epoch += 1
@@ -1313,6 +1298,23 @@ class Ledger:
         self._backends[new] = b
         if self._by_url.get(_url_key(b.url)) == old:
             self._by_url[_url_key(b.url)] = new
+
+    def entry(self, name: str) -> dict[str, object]:
+        """One backend's entry as the state holds it, for ``restore``."""
+        return _entry_dict(self._lookup(name))
+
+    def restore(self, entry: object, url: str) -> State:
+        """Take back, at ``url``, a backend ``entry`` gave that left the config out of the
+        serving set: as it was (its state, the cause and process it was condemned for,
+        its restarts), so the restart policy and recovery in place go on with it. Out of
+        the serving set, it leaves the epoch alone. ValueError when the entry is malformed
+        or serving, or its URL is another backend's."""
+        b = _parse_backend(entry, "restore")
+        if b.state in SERVING:
+            raise ValueError(f"restore {b.name!r}: only a backend out of the serving set")
+        b.url = url
+        self._insert(b, "restore")
+        return b.state
 
     def remove(self, name: str) -> None:
         """Forget a backend that left the configuration."""

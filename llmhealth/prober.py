@@ -250,8 +250,15 @@ class Prober:
         slot.read_started = called
         # Reads on the wall clock, as check's and watch's: a process's age is a read's
         # time less its start time, which vLLM publishes in seconds since the epoch.
+        # The baseline stands before the window's oldest read: only once the window no
+        # longer holds it (emptied, or trimmed to a new process). Still in it, the oldest
+        # reads are older than it, and without start times their lower counters read as
+        # "a counter went down": a busy engine restarted.
+        baseline = slot.sighted
+        if baseline is not None and any(read.signals is baseline for read in slot.window):
+            baseline = None
         return await examine_once(
-            slot.client, target, self._settings, slot.window, baseline=slot.sighted
+            slot.client, target, self._settings, slot.window, baseline=baseline
         )
 
     def _newest_signals(self) -> dict[str, Signals]:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from llmhealth.actions import CommandResult
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
+from llmhealth.config import Backend, Policy
 from llmhealth.fleet import (
     MAX_RETIRED_FORGOTTEN,
     READS_KEEP_UP,
@@ -53,7 +54,7 @@ from llmhealth.ledger import (
     WeightsPartial,
 )
 from llmhealth.metrics import EngineSignals, Signals
-from llmhealth.policy import Hold, RestartHistory
+from llmhealth.policy import Action, Hold, RestartHistory, plan_restarts
 from llmhealth.remediate import (
     CommandDone,
     RestartOrder,
@@ -717,7 +718,9 @@ def test_a_retired_backend_dropped_from_the_config_and_added_back_stays_retired(
 def test_a_condemned_backend_dropped_from_the_config_and_added_back_must_prove_itself() -> None:
     """An edit undone (a backend commented out, then back), or a cluster member whose
     config lacked it leading for a while: forgotten and added again, a wedged backend
-    came back HEALTHY and served until a read proved the wedge again, two waits later."""
+    came back HEALTHY and served until a read proved the wedge again, two waits later.
+    It comes back as it left: DEAD for what condemned it (the restart policy's to act
+    on), STALE until proven."""
     record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
     record.observe("gpu1", VERDICTS["busy"], NOW)
     record.observe("gpu1", VERDICTS["wedged"], NOW + 1)
@@ -731,20 +734,18 @@ def test_a_condemned_backend_dropped_from_the_config_and_added_back_must_prove_i
     epoch = again.ledger.epoch
     changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1, "gpu2": URL_2}, NOW + 3)
     assert [(c.name, c.event, c.state) for c in changes] == [
-        ("gpu1", "added", State.STALE),
+        ("gpu1", "added", State.DEAD),
         ("gpu2", "added", State.STALE),
     ]
-    assert changes[0].note == (
-        f"gpu1: back in the config at {URL_1}; STALE (out of the serving set when it left "
-        "the config; must prove itself)"
-    )
+    assert changes[0].note == f"gpu1: back in the config at {URL_1}; stays dead as it left"
+    assert again.ledger.snapshot("gpu1", NOW + 3).condemned_by == "wedged"
     assert again.ledger.serving == ("gpu0",) and again.ledger.epoch == epoch
     assert again.withheld_forgotten == {}
     # Proof returns it as it returns any STALE backend.
-    assert again.ledger.apply("gpu1", Readmitted(now=NOW + 4)).to_state is State.HEALTHY
+    assert again.ledger.apply("gpu2", Readmitted(now=NOW + 4)).to_state is State.HEALTHY
     # Served when it left, it starts afresh, as before.
-    again.reconcile({"gpu1": URL_1}, NOW + 5)
-    changes = again.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 6)
+    again.reconcile({"gpu2": URL_2}, NOW + 5)
+    changes = again.reconcile({"gpu0": URL_0, "gpu2": URL_2}, NOW + 6)
     assert [(c.name, c.state) for c in changes] == [("gpu0", State.HEALTHY)]
 
 
@@ -1508,3 +1509,50 @@ def test_the_floor_a_record_was_saved_with_is_read_back_strictly() -> None:
     for odd in (True, -1, 2.0, "3"):
         with pytest.raises(ValueError, match="min_healthy"):
             saved_floor({"min_healthy": odd})
+
+
+def test_a_dead_backend_dropped_and_added_back_whose_process_is_down_is_still_restarted() -> None:
+    """Forgotten while DEAD and added back STALE (as it once was), a backend whose
+    process is down stayed STALE for ever: a STALE one without a restart of ours is never
+    condemned by failures nor failed by a startup grace, so it was never restarted.
+    Back DEAD for what condemned it, the restart policy acts on it."""
+    policy = Policy(restart_on=("wedged", "down"))
+    ledger_policy = LedgerPolicy(startup_grace=policy.startup_grace)
+    record = FleetRecord(Ledger(ledger_policy, [("gpu0", URL_0), ("gpu1", URL_1)], now=0.0))
+    backends = {
+        "gpu0": Backend("gpu0", URL_0, restart=("systemctl", "restart", "vllm@0")),
+        "gpu1": Backend("gpu1", URL_1, restart=("systemctl", "restart", "vllm@1")),
+    }
+    for i in range(3):
+        record.observe("gpu1", VERDICTS["down"], NOW + i)
+    assert record.ledger.state_of("gpu1") is State.DEAD
+    record.reconcile({"gpu0": URL_0}, NOW + 5)  # an edit ...
+    record = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), ledger_policy)
+    record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, NOW + 10)  # ... undone
+    # Its process is still down: read every 5 s for two startup graces.
+    restarted = False
+    t = NOW + 10
+    while t < NOW + 10 + 2 * policy.startup_grace and not restarted:
+        t += 5.0
+        record.observe("gpu1", VERDICTS["down"], t)
+        record.ledger.expire_restarts(t)
+        decisions = plan_restarts(record.ledger, backends, {}, {}, policy, t)
+        restarted = any(d.name == "gpu1" and d.action is Action.RESTART for d in decisions)
+    assert restarted, f"gpu1 left {record.ledger.state_of('gpu1')}, never restarted"
+
+
+def test_a_damaged_withheld_backend_makes_the_record_unreadable_at_once() -> None:
+    # Found only when the backend came back to the config, it would have failed that
+    # reload; read with the rest, the record is set aside as any malformed one is.
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1))
+    record.observe("gpu1", VERDICTS["busy"], NOW)
+    record.observe("gpu1", VERDICTS["wedged"], NOW + 1)
+    record.reconcile({"gpu0": URL_0}, NOW + 2)
+    document = json.loads(json.dumps(record.to_dict()))
+    assert FleetRecord.from_dict(document, POLICY).withheld_forgotten.keys() == {"gpu1"}
+    document["withheld_forgotten"]["gpu1"]["entry"]["state"] = "sleeping"
+    with pytest.raises(ValueError, match="state"):
+        FleetRecord.from_dict(document, POLICY)
+    document["withheld_forgotten"]["gpu1"] = {"at": NOW}
+    with pytest.raises(ValueError):
+        FleetRecord.from_dict(document, POLICY)

@@ -2092,12 +2092,3 @@ def test_a_rename_keeps_the_backend_and_its_address_under_the_new_name() -> None
         ledger.rename("node-a", "b")
     with pytest.raises(UnknownBackend):
         ledger.rename("a", "c")
-
-
-def test_a_backend_is_added_retired_or_stale_never_both() -> None:
-    ledger = Ledger(POLICY, [], now=0.0)
-    with pytest.raises(ValueError, match="RETIRED or STALE, not both"):
-        ledger.add("a", URL_A, 1.0, retired_because="bad GPU", stale_because="was dead")
-    assert ledger.names == ()
-    ledger.add("a", URL_A, 1.0, stale_because="was dead")
-    assert (ledger.state_of("a"), ledger.serving, ledger.epoch) == (State.STALE, (), 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -467,3 +468,46 @@ def test_the_targets_of_a_large_fleet_recovering_in_place_ask_for_the_serving_se
     prober = Prober(fleet, wait=WAIT)
     assert prober._targets() == list(fleet.keys)
     assert len(asked) == 1
+
+
+def test_the_prober_takes_no_busy_engine_without_a_start_time_for_a_restarted_one(
+    httpserver: HTTPServer, fixture_text: Callable[[str], str]
+) -> None:
+    """Each read is compared with the newest read of the last verdict given to the
+    fleet, and was put before a window whose oldest read is older than it. With start
+    times the two agree; without them (vLLM's multiprocess mode) only counters compare,
+    and the window's oldest read, behind the baseline by the engine's progress, read as
+    "a counter went down": a busy, healthy backend was called restarted and left the
+    serving set, STALE until a refit."""
+    text = "\n".join(
+        line
+        for line in fixture_text("vllm-0.32/busy-1.txt").splitlines()
+        if not line.startswith("process_start_time_seconds")
+    )
+    served = []
+
+    def metrics(request: Request) -> Response:
+        n = len(served)
+        served.append(n)
+        body = re.sub(
+            r"^(vllm:(?:iteration_tokens_total_count|generation_tokens_total)\{[^}]*\}) [0-9.e+]+$",
+            lambda m: f"{m.group(1)} {1000.0 + 500.0 * n}",
+            text,
+            flags=re.M,
+        )
+        return Response(body + "\n", content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+
+    async def main(url: str) -> tuple[FleetHealth, list[VerdictKind | None]]:
+        fleet = FleetHealth([url])
+        verdicts = []
+        async with Prober(fleet, wait=0.3, timeout=2.0, answer_timeout=2.0) as prober:
+            for _ in range(5):
+                verdicts += [r.verdict for r in await prober.probe()]
+                await asyncio.sleep(0.4)
+        return fleet, verdicts
+
+    fleet, verdicts = asyncio.run(main(httpserver.url_for("").rstrip("/")))
+    assert VerdictKind.RESTARTED not in verdicts, verdicts
+    assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
