@@ -395,6 +395,10 @@ def _detail(verdict: Verdict) -> str:
 
 # Retired backends remembered after a config dropped them; past this the oldest are let go.
 MAX_RETIRED_FORGOTTEN = 1024
+# Withheld ones (DEAD, RESTARTING, STALE) keep their whole entry and sighting, about
+# 800 bytes each where a retired one's name and time are 30: 1,024 of them added
+# 0.8 MB to a record that must fit one etcd request (1.5 MiB by default).
+MAX_WITHHELD_FORGOTTEN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,15 +471,25 @@ class FleetRecord:
             if name not in backends:
                 state = self.ledger.state_of(name)
                 if state is State.RETIRED:
-                    _remember(self.retired_forgotten, name, now, float)
+                    _remember(self.retired_forgotten, name, now, float, bound=MAX_RETIRED_FORGOTTEN)
                 elif state not in SERVING:
                     sighting = self.sightings.get(name)
+                    history = self.restarts.get(name)
                     kept = {
                         "at": now,
                         "entry": self.ledger.entry(name),
                         "sighting": None if sighting is None else sighting.to_dict(),
+                        # Its back-off (failed restarts in a row): "as it left", the
+                        # restart policy goes on with it, not from a fresh cooldown.
+                        "restarts": None if history is None else history.to_dict(),
                     }
-                    _remember(self.withheld_forgotten, name, kept, lambda k: float(k["at"]))
+                    _remember(
+                        self.withheld_forgotten,
+                        name,
+                        kept,
+                        lambda k: float(k["at"]),
+                        bound=MAX_WITHHELD_FORGOTTEN,
+                    )
                 self.ledger.remove(name)
                 self.sightings.pop(name, None)
                 self.restarts.pop(name, None)
@@ -557,6 +571,8 @@ class FleetRecord:
             del self.withheld_forgotten[name]  # remembered until the ledger holds it again
             if kept["sighting"] is not None:
                 self.sightings[name] = Sighting.from_dict(kept["sighting"], f"{name}.sighting")
+            if kept.get("restarts") is not None:
+                self.restarts[name] = RestartHistory.from_dict(kept["restarts"], f"{name}.restarts")
             note = f"{name}: back in the config at {url}; stays {state} as it left"
             return MembershipChange(name, "added", state, note)
         if name not in self.retired_forgotten:
@@ -791,20 +807,29 @@ def _withheld(value: object, where: str) -> dict[str, Any]:
     sighting = kept.get("sighting")
     if sighting is not None:
         Sighting.from_dict(sighting, f"{where}.sighting")
+    history = kept.get("restarts")  # absent from a record written before it was kept
+    if history is not None:
+        RestartHistory.from_dict(history, f"{where}.restarts")
     return {
         "at": _number(kept.get("at"), f"{where}.at"),
         "entry": kept["entry"],
         "sighting": sighting,
+        "restarts": history,
     }
 
 
 def _remember(
-    forgotten: dict[str, _Kept], name: str, kept: _Kept, at: Callable[[_Kept], float]
+    forgotten: dict[str, _Kept],
+    name: str,
+    kept: _Kept,
+    at: Callable[[_Kept], float],
+    *,
+    bound: int,
 ) -> None:
     """A backend forgotten in a state it must keep when it comes back; the oldest (by
-    ``at``) of more than MAX_RETIRED_FORGOTTEN go first."""
+    ``at``) of more than ``bound`` go first."""
     forgotten[name] = kept
-    while len(forgotten) > MAX_RETIRED_FORGOTTEN:
+    while len(forgotten) > bound:
         del forgotten[min(forgotten, key=lambda each: at(forgotten[each]))]
 
 

@@ -46,6 +46,7 @@ from llmhealth.ledger import (
     ProcessSeen,
     Readmitted,
     RequestFailure,
+    RestartFailed,
     RestartIssued,
     Retire,
     State,
@@ -1556,3 +1557,70 @@ def test_a_damaged_withheld_backend_makes_the_record_unreadable_at_once() -> Non
     document["withheld_forgotten"]["gpu1"] = {"at": NOW}
     with pytest.raises(ValueError):
         FleetRecord.from_dict(document, POLICY)
+
+
+def test_a_dead_backend_dropped_and_added_back_keeps_its_restart_cooldown() -> None:
+    """Three failed restarts in a row: the next waits cooldown * 2**3 (8 min). Forgotten
+    and added back "as it left", its RestartHistory was dropped with the rest of the
+    record's per-backend tables: the cooldown fell back to the base minute and a
+    restart that keeps failing was run again 7 minutes early (and every config flap
+    resets the back-off)."""
+    policy = Policy(restart_on=("down",))
+    ledger_policy = LedgerPolicy(startup_grace=policy.startup_grace)
+    record = FleetRecord(Ledger(ledger_policy, [("gpu0", URL_0), ("gpu1", URL_1)], now=0.0))
+    backends = {
+        "gpu0": Backend("gpu0", URL_0, restart=("true",)),
+        "gpu1": Backend("gpu1", URL_1, restart=("true",)),
+    }
+    for i in range(3):
+        record.observe("gpu1", VERDICTS["down"], NOW + i)
+    assert record.ledger.state_of("gpu1") is State.DEAD
+    t = NOW + 10
+    for _ in range(3):  # three restarts whose command failed
+        assert record.ledger.apply("gpu1", RestartIssued(now=t)).to_state is State.RESTARTING
+        history = record.restarts.get("gpu1", RestartHistory())
+        record.restarts["gpu1"] = history.record_attempt(t)
+        record.ledger.apply("gpu1", RestartFailed(now=t + 1, reason="restart command exited 1"))
+        record.restart_failed("gpu1")
+        t += 2000.0
+    last = t - 2000.0
+    probe = last + 120.0  # 2 min after the last attempt: inside 8 min of back-off
+
+    def decision(rec: FleetRecord) -> Action:
+        decisions = plan_restarts(rec.ledger, backends, {}, rec.restarts, policy, probe)
+        (d,) = [d for d in decisions if d.name == "gpu1"]
+        return d.action
+
+    assert decision(record) is Action.SKIP  # cooling down, before the edit
+    record.reconcile({"gpu0": URL_0}, last + 60)  # an edit ...
+    record = FleetRecord.from_dict(json.loads(json.dumps(record.to_dict())), ledger_policy)
+    changes = record.reconcile({"gpu0": URL_0, "gpu1": URL_1}, last + 90)  # ... undone
+    assert [(c.name, c.state) for c in changes] == [("gpu1", State.DEAD)]
+    assert decision(record) is Action.SKIP, "the restart back-off was forgotten"
+
+
+def test_a_fleet_within_the_documented_size_still_fits_etcd_after_churn() -> None:
+    """README: the record is one etcd value, under etcd's default 1.5 MiB request limit
+    up to about 1,500 backends. Each backend forgotten while withheld now keeps its whole
+    ledger entry and sighting (about 800 bytes, was about 30), 1,024 of them: a fleet of
+    1,400 whose dead nodes were taken out of the config over time no longer fits, and
+    every settle is refused by etcd."""
+    live, gone = 1400, 1024
+    names = [
+        (f"gpu{i}", f"http://10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000")
+        for i in range(live + gone)
+    ]
+    record = FleetRecord(Ledger(LedgerPolicy(), names, now=1.0))
+    engine = EngineSignals("0", 4, 8, 1200.0, 4800.0, 9600.0, 30.0, 0.0, 0.3)
+    busy = Verdict(VerdictKind.BUSY, True, "busy")
+    down = Verdict(VerdictKind.DOWN, False, "down: connection refused")
+    for i, (name, _) in enumerate(names):
+        record.observe(name, busy, 2.0)
+        if i >= live:
+            for k in range(3):
+                record.observe(name, down, 3.0 + k)
+        record.sightings[name] = Sighting(2.0, True, Signals((engine,), 1_796_000_000.0))
+    record.reconcile(dict(names[:live]), 10.0)
+    assert record.withheld_forgotten
+    size = len(json.dumps(record.to_dict(), sort_keys=True).encode())
+    assert size < 1_572_864 - 64 * 1024, f"{size} bytes: over etcd's default request limit"
