@@ -394,10 +394,10 @@ class AuditLog:
             "the record was not kept" if count == 1 else f"not all of its {count} records were kept"
         )
         try:
-            # Where its links were checked to lead (as root, root's only), and opened
-            # there without following one swapped in since. Checked before any directory
-            # is made: a missing parent made through another user's link was made
-            # wherever that link led.
+            # Where its links lead (as root, only where nobody else can redirect it),
+            # opened there without following a link swapped in since. Checked before any
+            # directory is made: a missing parent made through another user's link was
+            # made wherever that link led.
             path = trusted_target(self.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             created = not path.exists()

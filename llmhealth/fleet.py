@@ -450,9 +450,10 @@ class FleetRecord:
     # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
     retired_forgotten: dict[str, float] = field(default_factory=dict)
     # Backends forgotten while out of the serving set and not retired (DEAD, RESTARTING,
-    # STALE), by name: when ("at"), their ledger entry and their sighting. Back in the
-    # config, one comes back as it left, never HEALTHY and serving the wedge it was
-    # condemned for, nor STALE for ever where a DEAD one would have been restarted.
+    # STALE), by name: when ("at"), their ledger entry, sighting and restart history (the
+    # newest MAX_WITHHELD_FORGOTTEN). Back in the config, one comes back as it left, never
+    # HEALTHY and serving the wedge it was condemned for, nor STALE for ever where a DEAD
+    # one would have been restarted.
     withheld_forgotten: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reconcile(self, backends: Mapping[str, str], now: float) -> list[MembershipChange]:
@@ -562,9 +563,10 @@ class FleetRecord:
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:
         """Add a configured backend the record does not hold: HEALTHY; RETIRED when it was
-        retired as it left the config (an operator's decision outlives an edit); STALE
-        when it left out of the serving set otherwise (the evidence against it outlives
-        an edit too). ValueError when its URL is another backend's."""
+        retired as it left the config (an operator's decision outlives an edit); as it
+        left when it left out of the serving set otherwise (DEAD for what condemned it,
+        its back-off kept: the evidence against it outlives an edit too). ValueError when
+        its URL is another backend's."""
         if name in self.withheld_forgotten:
             kept = self.withheld_forgotten[name]
             state = self.ledger.restore(kept["entry"], url)

@@ -39,10 +39,11 @@ class _Slot:
     client: Client
     window: list[Read] = field(default_factory=list)  # this backend's last reads
     read_started: float | None = None  # time.monotonic() when its last examination began
-    # The newest vLLM read of a verdict the fleet was given: each read is also compared
-    # with it, so a restart is seen when the window no longer shows it (a read not judged
-    # empties the window; a cancelled call's verdicts never reached the fleet, while its
-    # reads were kept), as ``watch`` compares with the record's last sighting.
+    # The newest vLLM read of a verdict the fleet was given: once the window no longer
+    # holds it, reads are also compared with it, so a restart is seen that the window no
+    # longer shows (a read not judged empties the window; a cancelled call's verdicts
+    # never reached the fleet, while its reads were kept), as ``watch`` compares with the
+    # record's last sighting.
     sighted: Signals | None = None
 
 
