@@ -1143,6 +1143,7 @@ class SharedReads:
         seat.elector.shares_reads = True  # in its member key from its next renewal on
         self._clock = clock
         self._intake: Intake | None = None
+        self._intake_fence: int | None = None  # the lead it belongs to
         self.stale: tuple[str, ...] = ()  # backends the last settle settled as doubt
 
     def members(self) -> list[str]:
@@ -1188,8 +1189,11 @@ class SharedReads:
         read at another address than ``backends`` (name → URL) gives it
         (``shares.take_published``, ``shares.Intake``)."""
         now = self._clock()
-        if self._intake is None:
-            self._intake = Intake(started=now, undecided_for=undecided_for)
+        fence = self.seat.elector.fence
+        if self._intake is None or fence != self._intake_fence:
+            # A lead lost and won again between two settles never met ``stand_down``: the
+            # intake it kept took what the leader between settled as news, a second time.
+            self._intake, self._intake_fence = Intake(now, undecided_for), fence
         members = self.members()
         owners = {
             name: found

@@ -1189,3 +1189,55 @@ def test_a_check_that_won_the_lead_and_then_lost_etcd_gives_the_lead_back(
     assert garbled, "the round never won the lead"
     assert any("etcd unreachable" in note for note in report.notes), report.notes
     assert direct.get(keys.leader) is None
+
+
+def test_a_leader_that_lost_and_won_the_lead_between_two_settles_takes_no_verdict_twice(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """a leads and settles c's verdict 1; a's lease lapses, b leads and settles c's
+    verdict 2; b's lapses and a leads again before its next settle, so it never settled
+    as a standby. Its intake, kept across the two leads, took verdict 2 as new: a
+    backend's failure counted twice, once by each leader, condemns early."""
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
+    clock = Clock()
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"
+    }
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    for seat in seats.values():
+        seat.elector.step()
+        seat.elector.observed = Observation(True, None, [])  # each alone with c's verdicts
+    for shared in reads.values():
+        shared.members = lambda: ["a", "b", "c"]  # type: ignore[method-assign]
+    mine = {b for b in backends if leadership.owner(b, ["a", "b", "c"]) == "c"}
+    assert mine
+
+    def publish(serial: int) -> dict[str, Verdict]:
+        verdicts = {b: Verdict(VerdictKind.WEDGED, False, f"wedged {serial}") for b in mine}
+        reads["c"].publish({b: serial for b in mine}, verdicts, {b: serial for b in mine}, {})
+        return verdicts
+
+    def lapse(name: str) -> None:
+        lease = seats[name].elector.lease_id
+        assert lease is not None
+        seats[name].etcd.revoke(lease)
+        seats[name].elector.step()  # finds its lease gone: no longer leads
+
+    assert seats["a"].elector.decision().may_act
+    assert reads["a"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == {}
+    first = publish(1)
+    assert reads["a"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == first
+    lapse("a")
+    seats["b"].elector.step()
+    assert seats["b"].elector.decision().may_act
+    assert reads["b"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == {}
+    second = publish(2)
+    assert reads["b"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == second
+    lapse("b")
+    seats["a"].elector.step()  # a new lease, then the campaign
+    assert seats["a"].elector.decision().may_act
+    assert reads["a"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == {}
+    third = publish(3)
+    assert reads["a"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == third
+    for seat in seats.values():
+        seat.elector.stop()
