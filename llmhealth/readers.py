@@ -70,9 +70,11 @@ STOP_TIMEOUT = 5.0  # for a worker to leave after its stdin closed, before it is
 # least) is stopped or deadlocked: killed and replaced, as one that exited.
 SILENT_WAITS = 10
 SILENT_FLOOR = 5.0
-# Targets per read worker before `read_workers = "auto"` adds one: at about 1 ms of CPU
-# per backend per cycle, 2,000 fill 40% of one core at the default 5 s wait.
-AUTO_SHARE = 2000
+# Targets per read worker before `read_workers = "auto"` adds one: at 0.40-0.48 ms of CPU
+# per read (RESULTS.md 3c), 4,000 fill about 40% of one core at the default 5 s wait. At
+# 3,000 the daemon's own loop held its wait on 1.29 s of CPU a cycle and 19.4 KB a backend,
+# where two workers took 1.68 s and 40.5 KB: a worker is an interpreter of its own.
+AUTO_SHARE = 4000
 
 Clock = Callable[[], float]
 # What one examination of one target concluded: the verdict (None while undecided), how
