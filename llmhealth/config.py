@@ -358,6 +358,9 @@ def check_url(url: str) -> str:
             f"{up_to_query(url.strip())!r}: a base URL takes no query, parameters or fragment"
             " (an API key goes in api_key_env)"
         )
+    if any(character.isspace() for character in parts.netloc):
+        # No host name holds a space: resolved, it failed as the server's `down` (exit 2).
+        raise ValueError(f"{url!r} has white space in its host and port")
     try:
         _ = parts.port
     except ValueError as exc:
@@ -399,6 +402,8 @@ def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None)
         path = Path(value).expanduser()
     except RuntimeError as exc:  # "~" with no HOME and no passwd entry for the user
         raise reader.fail(key, f"{value!r}: {exc}") from None
+    if not path.name:  # "/", ".": a directory, with no file name to lock or write beside
+        raise reader.fail(key, f"{value!r} names a directory, not a file")
     return str(base / path if base is not None and not path.is_absolute() else path)
 
 
@@ -769,6 +774,9 @@ class _Reader:
             return ()
         if not argv:
             raise self.fail(key, "an empty command; leave the key out")
+        if any("\0" in word for word in argv):
+            # No process can be given one: every restart would be "not run", its budget spent.
+            raise self.fail(key, "holds a NUL character, which no command line can carry")
         program = argv[0]
         if not program.strip():
             raise self.fail(key, "its first word, the program to run, is empty")

@@ -91,7 +91,10 @@ def given_path(value: str) -> Path:
     state, forgetting every backend the call did not name."""
     if not value.strip():
         raise ValueError("an empty state path: name a file, or leave it out")
-    return Path(value)
+    path = Path(value)
+    if not path.name:  # "/", ".": no file to lock beside, nor an audit log to put beside it
+        raise ValueError(f"{value!r} names a directory, not a state file")
+    return path
 
 
 def default_path(environ: dict[str, str] | None = None) -> Path:

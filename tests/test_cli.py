@@ -291,6 +291,13 @@ def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
         (["check", "http://127.0.0.1:9", "--state", ""], "an empty state path"),
         (["status", "--state", " "], "an empty state path"),
         (["check", "--config", ""], "an empty config path"),
+        # Paths naming no file were an internal error with a traceback, past the config.
+        (["check", "http://127.0.0.1:9", "--state", "/"], "'/' names a directory"),
+        (["status", "--state", ".", "-f", "json"], "'.' names a directory"),
+        (["hold", "gpu0", "--for", "1m", "--reason", "x", "--state", "./"], "names a directory"),
+        (["audit", "--state", "/"], "'/' names a directory"),
+        # A host with a space was the server's `down`: CRITICAL (2) for a typo.
+        (["check", "http://127.0.0.1 :9", "-f", "nagios"], "white space in its host"),
     ],
 )
 def test_an_empty_path_exits_3_and_touches_no_default_state(

@@ -189,6 +189,15 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[cluster]\netcd = ['http://e:1']\nttl = 3", "cluster.ttl: unknown key"),
         ("[cluster]\netcd = ['http://e:1']\naudit_keep = 99", "cluster.audit_keep: 99 is below"),
         ("[cluster]\netcd = ['http://e:1']\nshard_reads = 1", "cluster.shard_reads: 1 is not true"),
+        # Each of these passed, then failed at run time as something else: a host with a
+        # space as the server's `down` (exit 2, a restart under restart_on = ["down"]); a
+        # NUL as a restart "not run", its budget spent; "/" as an internal error.
+        ("[[backend]]\nurl = 'http://gpu 0.lan:80'", "backend[0].url: 'http://gpu 0.lan:80' has"),
+        ("[[backend]]\nurl = 'http://a :1'", "has white space in its host and port"),
+        ("[[backend]]\nurl = 'http://a:1'\nrestart = [\"/bin/x\\u0000\"]", "restart: holds a NUL"),
+        ('on_serving_change = ["/bin/x", "a\\u0000b"]', "on_serving_change: holds a NUL"),
+        ("state = '/'", "state: '/' names a directory, not a file"),
+        ("audit_log = '.'", "audit_log: '.' names a directory, not a file"),
     ],
 )
 def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
