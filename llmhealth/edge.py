@@ -384,7 +384,11 @@ class _Connection(asyncio.Protocol):
             return
         else:
             self._chunk_state, self._body_left, self._body_done = 0, length, length == 0
-        if not self._body_done and (request.headers.get("Expect") or "").lower() == "100-continue":
+        if (
+            not self._body_done
+            and request.version == "HTTP/1.1"  # RFC 9110 10.1.1: ignored in HTTP/1.0
+            and (request.headers.get("Expect") or "").lower() == "100-continue"
+        ):
             self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._feed_body()
 

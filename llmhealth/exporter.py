@@ -8,6 +8,7 @@ so a scrape never sees half a cycle and never waits for one. Names carry the
 from __future__ import annotations
 
 import contextlib
+import http.client
 import socket
 import sys
 import threading
@@ -19,7 +20,7 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 
 from llmhealth.classify import VerdictKind
@@ -324,7 +325,10 @@ SCRAPES_AT_ONCE: Final = 16
 _SCRAPERS_OWN: Final = (TimeoutError, ConnectionError)
 # The longest request line read, as wsgiref reads it (longer ones are answered 414).
 _MAX_REQUEST_LINE: Final = 65536
-# Pages kept of one view, one per way of asking (format, compression, names asked for).
+# The most a request's header fields take in all (each line and their number alone
+# bounded a head to 6 MB): as the router's edge allows (http1.MAX_HEAD_BYTES).
+_MAX_FIELDS_BYTES: Final = 65536
+# Pages kept of one view, one per way of asking (format, compression).
 _PAGES_PER_VIEW: Final = 8
 
 
@@ -335,6 +339,22 @@ class _QuietServerHandler(ServerHandler):
     def log_exception(self, exc_info: Any) -> None:
         if not isinstance(exc_info[1], _SCRAPERS_OWN):
             super().log_exception(exc_info)
+
+
+class _HeadReader:
+    """The request's file while its header fields are read: ``LineTooLong`` (a 431 from
+    ``parse_request``) once they pass ``left`` bytes in all."""
+
+    def __init__(self, rfile: Any, left: int) -> None:
+        self._rfile, self._left = rfile, left
+
+    def readline(self, size: int = -1) -> bytes:
+        cap = self._left + 1 if size < 0 else min(size, self._left + 1)
+        line: bytes = self._rfile.readline(cap)
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong(f"request header fields over {_MAX_FIELDS_BYTES} bytes")
+        return line
 
 
 class _ScrapeHandler(WSGIRequestHandler):
@@ -359,8 +379,13 @@ class _ScrapeHandler(WSGIRequestHandler):
                 self.requestline = self.request_version = self.command = ""
                 self.send_error(414)
                 return
-            if not self.parse_request() or cut_off.is_set():
-                return
+            rfile = self.rfile
+            self.rfile = _HeadReader(rfile, _MAX_FIELDS_BYTES)  # type: ignore[assignment]
+            try:
+                if not self.parse_request() or cut_off.is_set():
+                    return
+            finally:
+                self.rfile = rfile
         finally:
             deadline.cancel()
         handler = _QuietServerHandler(
@@ -426,11 +451,16 @@ class _PagePerView:
         self._pages: dict[tuple[str, ...], _Page] = {}
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
-        if environ.get("REQUEST_METHOD") != "GET":  # a 405, or OPTIONS: cheap, and no page
-            return list(self._app(environ, start_response))
-        asked = tuple(
-            str(environ.get(key, ""))
-            for key in ("PATH_INFO", "QUERY_STRING", "HTTP_ACCEPT", "HTTP_ACCEPT_ENCODING")
+        if environ.get("REQUEST_METHOD") != "GET" or environ.get("PATH_INFO") == "/favicon.ico":
+            return list(self._app(environ, start_response))  # a 405, OPTIONS, an empty icon
+        # Keyed on what makes pages differ, not on text a scraper chooses: keyed on its path
+        # and query, each new one rendered the whole view again (1.6 s of CPU at 10,000
+        # backends). Every path is the page; a query, prometheus_client's name[] filter
+        # too, is dropped, and the whole page served.
+        environ = {**environ, "QUERY_STRING": ""}
+        asked = (
+            choose_encoder(str(environ.get("HTTP_ACCEPT", "")))[1],
+            str(gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING", "")))),
         )
         with self._lock:
             view = self._collector.view

@@ -473,6 +473,18 @@ def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
     run(scenario())
 
 
+def test_expect_100_continue_from_an_http_1_0_client_is_ignored() -> None:
+    # RFC 9110 10.1.1: an HTTP/1.0 client knows no 1xx answer; it took the 100 for the
+    # whole answer, and the real one for garbage.
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.0\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\nhi")
+            status, _, body = await answer(reader)
+            assert (status, json.loads(body)["body"]) == (200, "hi")
+
+    run(scenario())
+
+
 def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):

@@ -391,6 +391,26 @@ def test_a_connection_that_sends_nothing_is_let_go_and_a_full_house_is_turned_aw
     assert "Traceback" not in capsys.readouterr().err  # a scraper's timeout is not news
 
 
+def test_a_request_head_of_megabytes_is_refused_not_parsed() -> None:
+    """Each field line and the number of lines were bounded, not their sum: a head of
+    about 6 MB was read and parsed, for each of the sixteen scrape places at once."""
+    collector = FleetCollector()
+    collector.publish(ExportView())
+    fields = b"".join(b"X-%d: %s\r\n" % (n, b"a" * 60_000) for n in range(90))
+    head = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n"
+    with served(collector) as port, socket.create_connection(("127.0.0.1", port), 10) as sock:
+
+        def send() -> None:
+            with contextlib.suppress(OSError):  # a server that stops reading ends it
+                sock.sendall(head)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        status_line = sock.makefile("rb").readline()  # read while the head goes out
+        sender.join(30.0)
+    assert status_line.split()[1] == b"431", status_line
+
+
 def test_a_client_dribbling_its_request_is_cut_off_and_its_place_freed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -480,10 +500,16 @@ def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
         for thread in scrapers:
             thread.join(30.0)
         assert len(pages) == 6 and len(set(pages)) == 1 and len(renders) == 1
+        # A path or query of the scraper's choosing is the same page, not a new render:
+        # keyed on them, every new one rendered the whole view again.
+        for n in range(12):
+            for asked in (f"{url}?cachebust={n}", f"http://127.0.0.1:{port}/{n}"):
+                assert httpx.get(asked, timeout=10.0).content == pages[0]
+        assert len(renders) == 1
         # Another way of asking is another page; a new view, a new render.
-        gzipped = scrape(**{"Accept-Encoding": "gzip"})
-        assert gzipped.headers["content-encoding"] == "gzip"
-        assert Page(gzipped.text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
+        plain = scrape(**{"Accept-Encoding": "identity"})
+        assert "content-encoding" not in plain.headers
+        assert Page(plain.text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
         assert len(renders) == 2
         collector.publish(ExportView(backends=(busy("gpu1"),)))
         assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
