@@ -470,6 +470,7 @@ def _after_a_torn_line(fd: int) -> bytes:
 class AuditScan:
     records: list[dict[str, object]]
     malformed: int  # lines that were not a JSON object (a torn write, a hand edit)
+    missing: bool = False  # no log there: nothing written yet, or the wrong path
 
 
 # The longest audit line read whole, as the state file's bound: a record of one
@@ -519,7 +520,7 @@ def scan(path: str | os.PathLike[str], last: int | None = None) -> AuditScan:
                 raise NotRegularFileError("not a regular file")
             return parse_records(_lines_within(f, MAX_AUDIT_LINE), last)
     except FileNotFoundError:
-        return AuditScan([], 0)
+        return AuditScan([], 0, missing=True)
     except OSError as exc:
         raise AuditError(f"{path}: cannot read the audit log: {_why(exc)}") from exc
 

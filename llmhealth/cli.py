@@ -469,6 +469,7 @@ def audit(
     """
     from llmhealth.actions import scan  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
+    from llmhealth.text import printable  # noqa: PLC0415
 
     loaded = _config_or_default(config_file)
     if loaded.cluster is not None:
@@ -477,9 +478,15 @@ def audit(
         trail = read_audit(Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix), last)
         records, malformed, where = trail.records, trail.malformed, loaded.cluster.prefix
     else:
-        path = audit_path_for(loaded, state_path_for(loaded, state))
+        state_path = state_path_for(loaded, state)
+        path = audit_path_for(loaded, state_path)
         scanned = scan(path, last)
         records, malformed, where = scanned.records, scanned.malformed, str(path)
+        if scanned.missing:
+            # An empty trail, silently, read as "nothing happened" where a path was mistyped.
+            if not state_path.exists():
+                raise StateError(f"no state at {state_path} and no audit log at {path}")
+            print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
     for record in records:
         # ensure_ascii escapes every control character but DEL; nothing a server said
         # reaches the terminal raw.

@@ -577,6 +577,21 @@ def test_audit_prints_the_local_trail_as_json_lines_with_nothing_raw_for_the_ter
     assert "1 malformed audit lines skipped" in result.stderr
 
 
+def test_audit_of_a_path_with_no_log_says_so_and_with_no_state_either_exits_3(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # An empty trail with exit 0 read as "nothing happened" where a path was mistyped.
+    mistyped = run(entry_point, "audit", "--state", str(tmp_path / "stat.json"))
+    assert mistyped.returncode == 3 and mistyped.stdout == ""
+    assert f"no state at {tmp_path / 'stat.json'} and no audit log at" in mistyped.stderr
+    state = tmp_path / "state.json"
+    assert run(entry_point, "check", "http://127.0.0.1:9", "--state", str(state)).returncode
+    (tmp_path / "audit.jsonl").unlink()  # a state kept, its log gone (rotated away)
+    quiet = run(entry_point, "audit", "--state", str(state))
+    assert quiet.returncode == 0 and quiet.stdout == ""
+    assert "no audit log at" in quiet.stderr and "yet" in quiet.stderr
+
+
 def test_status_names_each_members_share_when_reads_are_sharded() -> None:
     from llmhealth.cli import _cluster_lines  # noqa: PLC0415
 
