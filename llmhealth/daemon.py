@@ -218,6 +218,7 @@ class Daemon:
         self._state = WatchState(StallWatch(started_at=clock()))
         self._stop = asyncio.Event()
         self._reload = False
+        self._reload_asked = asyncio.Event()  # wakes a wait, so a reload applies at once
         # Who reads: tasks in this loop, or read worker processes for a large fleet
         # (chosen when `run` starts; a changed read_workers takes a restart).
         self._reading: ReadTasks | ReadPool = ReadTasks(
@@ -363,6 +364,7 @@ class Daemon:
 
     def _ask_reload(self) -> None:
         self._reload = True
+        self._reload_asked.set()
 
     async def _loop(self) -> None:
         live = (
@@ -392,7 +394,15 @@ class Daemon:
                     self._publication(),
                     commands_running=self._restarting_now(),
                 )
-                cycle = _in_daemon_thread(self._settle_and_give_back, news)
+                try:
+                    cycle = _in_daemon_thread(self._settle_and_give_back, news)
+                except RuntimeError as exc:  # out of threads: skipped, as a failed save is
+                    self._commands_done[:0] = news.commands
+                    if self._router is not None and requests:
+                        self._router.give_back(requests)
+                    self._log(f"cycle skipped: no thread to settle in: {exc}")
+                    self._tell_systemd(f"cycle skipped: {exc}")
+                    continue
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
                 # state file is only ever replaced whole, so an abandoned cycle loses
                 # its own verdicts and nothing else. It runs in a daemon thread, which
@@ -437,12 +447,23 @@ class Daemon:
         against the unit's 30 s killed the daemon every cycle); a cycle that hangs still
         starves the watchdog, as it should."""
         while not self._stop.is_set():
+            if self._reload:  # between settles: none reads the config meanwhile
+                self._reload = False
+                self._reload_config()
             left = due - time.monotonic()
             if left <= 0:
                 return
             every = self._watchdog_every if self._ready_told else None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=min(left, every or left))
+            self._reload_asked.clear()
+            woken = [
+                asyncio.ensure_future(self._stop.wait()),
+                asyncio.ensure_future(self._reload_asked.wait()),
+            ]
+            await asyncio.wait(
+                woken, timeout=min(left, every or left), return_when=asyncio.FIRST_COMPLETED
+            )
+            for waiting in woken:
+                waiting.cancel()
             if every is not None and not self._stop.is_set() and time.monotonic() < due:
                 self._notifier.send("WATCHDOG=1")
 
@@ -530,7 +551,12 @@ class Daemon:
             return
         # Like a restart command, the hook has no business with any backend's API key.
         environment = without_keys(os.environ, self._key_variables)
-        self._hook = _in_daemon_thread(_run_hook, (argv, environment))
+        try:
+            self._hook = _in_daemon_thread(_run_hook, (argv, environment), "llmhealth-hook")
+        except RuntimeError as exc:  # out of threads: this change's hook, after the next settle
+            self._serving_changed = True
+            self._log(f"on_serving_change not run yet: no thread to run it in: {exc}")
+            return
         self._hook.add_done_callback(self._serving_hook_finished)
 
     def _serving_hook_finished(self, hook: asyncio.Future[CommandResult]) -> None:
@@ -566,12 +592,12 @@ class Daemon:
         done = self._take_commands()
         if not done:
             return
-        last = _in_daemon_thread(self._settle, News([], done, final=True))
         try:
+            last = _in_daemon_thread(self._settle, News([], done, final=True))
             await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
         except TimeoutError:
             self._log("stopping before the restart commands' outcomes were saved")
-        except (StateError, AuditError) as exc:
+        except (StateError, AuditError, RuntimeError) as exc:  # RuntimeError: no thread
             self._log(f"the restart commands' outcomes were not saved: {exc}")
 
     def _read_baselines(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
@@ -1041,7 +1067,12 @@ class Daemon:
             self._log(f"reload refused, keeping the running config: {refused}")
             return
         wait = self._wait
+        was = {target.name: target.url for target in self._targets}
         self._config, self._targets = config, targets
+        # A model list learned of another server (a name dropped, or moved) is not this one's.
+        for target in targets:
+            if was.get(target.name) != target.url:
+                self._models.pop(target.name, None)
         self._key_variables |= config.key_variables
         self._forget_series_of_removed(targets)
         if self._wait != wait:
@@ -1065,6 +1096,10 @@ class Daemon:
                 del counter[key]
         for name in [name for name in state.probe_task_restarts if name not in names]:
             del state.probe_task_restarts[name]
+        # Nor may what is kept by name grow with every name a fleet ever had (pods).
+        for name in [name for name in self._models if name not in names]:
+            del self._models[name]
+        state.stall.forget_all_but(names)
 
     def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:
         """Tell an existing balancer which backends serve: a file, then an optional hook."""
@@ -1150,8 +1185,11 @@ def _run_hook(command: tuple[tuple[str, ...], Mapping[str, str]]) -> CommandResu
     return run_command(argv, SERVING_HOOK_TIMEOUT, env=environment)
 
 
-def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future[T]:
-    """Run ``function`` in a daemon thread; asyncio.to_thread's pool would be joined at exit."""
+def _in_daemon_thread(
+    function: Callable[[A], T], argument: A, name: str = "llmhealth-cycle"
+) -> asyncio.Future[T]:
+    """Run ``function`` in a daemon thread; asyncio.to_thread's pool would be joined at exit.
+    RuntimeError when no thread can be started (a process or pids limit)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -1170,7 +1208,7 @@ def _in_daemon_thread(function: Callable[[A], T], argument: A) -> asyncio.Future
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(deliver, lambda: future.set_result(result))
 
-    threading.Thread(target=run, name="llmhealth-cycle", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 

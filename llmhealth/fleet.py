@@ -9,7 +9,7 @@ file holds between runs; it is encoded and decoded here, stored by ``state``.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -878,6 +878,11 @@ class StallWatch:
             self._finished[name] = finished
             pending = pending or any((e.work or 0) > 0 for e in signals.engines if not e.asleep)
         self.work_pending = pending
+
+    def forget_all_but(self, names: Collection[str]) -> None:
+        """Forget the backends no longer watched: one named again is first seen again."""
+        for name in [name for name in self._finished if name not in names]:
+            del self._finished[name]
 
     def seconds_since_finished(self, now: float) -> float:
         """Since the last finished request seen, or since watching began if none was."""

@@ -2289,3 +2289,147 @@ def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
     )
     daemon._start_probes()
     assert started == [("b0", 0.0), ("b1", 0.25), ("b2", 0.5), ("b3", 0.75)]
+
+
+def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: SIGHUP reloads the config, "the rest at once". With a long wait (here
+    120 s) the reload was only taken at the next cycle: a backend the reload added went
+    unread, and one it dropped kept being read, for up to a whole wait."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    read = threading.Event()
+
+    def metrics(_request: Request) -> Response:
+        read.set()
+        return Response("", status=500)
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    added = Target("added", httpserver.url_for("").rstrip("/"))
+    config = config_module.Config(wait=120.0, timeout=1.0, answer_timeout=1.0, read_workers=1)
+    fleets = [[Target("first", REFUSED_URL)]]
+    daemon = Daemon(
+        lambda: (config, fleets[-1]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> bool:
+        running = asyncio.create_task(daemon.run())
+        try:
+            # Up and reading: its first target was examined.
+            for _ in range(int(PATIENCE / 0.05)):
+                probe = daemon._state.probes.get("first")
+                if probe is not None and probe.examinations:
+                    break
+                await asyncio.sleep(0.05)
+            fleets.append([Target("first", REFUSED_URL), added])
+            os.kill(os.getpid(), signal.SIGHUP)
+            return await asyncio.to_thread(read.wait, PATIENCE)
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    assert asyncio.run(scenario()), "the backend SIGHUP added was not read"
+
+
+def test_a_daemon_whose_backends_are_renamed_keeps_nothing_of_the_names_they_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pods: each deploy renames the backends and reloads. What the daemon keeps per
+    backend name must follow the config, not grow by every name it ever had (the
+    router's model lists, the stall watch's finished counts)."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    generation = [0]
+    with running_simulator(["idle", "busy"]) as sim:
+
+        def load() -> tuple[config_module.Config, list[Target]]:
+            return config, [Target(f"pod{generation[0]}-{i}", u) for i, u in enumerate(sim.urls)]
+
+        daemon = Daemon(
+            load,
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=0.2,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+
+        async def seen_by_a_settle(names: set[str]) -> None:
+            for _ in range(int(PATIENCE / 0.05)):
+                if names <= daemon._state.stall._finished.keys() and any(
+                    n in daemon._models for n in names
+                ):
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{names} never settled")
+
+        async def scenario() -> tuple[set[str], set[str], set[str]]:
+            running = asyncio.create_task(daemon.run())
+            try:
+                for _ in range(5):
+                    await seen_by_a_settle({f"pod{generation[0]}-{i}" for i in range(2)})
+                    generation[0] += 1
+                    os.kill(os.getpid(), signal.SIGHUP)
+                await seen_by_a_settle({f"pod{generation[0]}-{i}" for i in range(2)})
+                now = {t.name for t in daemon._targets}
+                return now, set(daemon._models), set(daemon._state.stall._finished)
+            finally:
+                daemon.stop()
+                assert await asyncio.wait_for(running, 10.0) == 0
+
+        configured, models, finished = asyncio.run(scenario())
+    assert models <= configured, sorted(models - configured)
+    assert finished <= configured, sorted(finished - configured)
+
+
+@pytest.mark.parametrize("refused_thread", ["llmhealth-cycle", "llmhealth-hook"])
+def test_a_settle_or_hook_that_gets_no_thread_is_put_off_not_the_end_of_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_thread: str
+) -> None:
+    """Out of threads (a pids limit), starting the settle's thread raised out of the loop
+    and ended `watch`, the verdicts and command outcomes it held with it; the serving
+    hook's likewise. The cycle is skipped, the hook run after the next settle."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    real_start = threading.Thread.start
+    refused = threading.Event()
+
+    def start(self: threading.Thread) -> None:
+        if self.name == refused_thread and not refused.is_set():
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    hook_log = tmp_path / "hook.log"
+    config = config_module.Config(
+        timeout=1.0, answer_timeout=1.0, read_workers=1, on_serving_change=append_command(hook_log)
+    )
+    daemon = Daemon(
+        lambda: (config, [Target("b", REFUSED_URL)]),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.2,
+        serving_file=tmp_path / "serving.json",
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        for _ in range(int(PATIENCE / 0.05)):
+            if (daemon._state.cycles >= 2 and hook_log.exists()) or running.done():
+                break
+            await asyncio.sleep(0.05)
+        cycles = daemon._state.cycles
+        daemon.stop()
+        assert await asyncio.wait_for(running, 10.0) == 0
+        return cycles
+
+    cycles = asyncio.run(scenario())
+    assert refused.is_set()
+    assert cycles >= 2
+    assert hook_log.read_text().startswith("changed\n")
