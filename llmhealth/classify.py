@@ -249,15 +249,23 @@ def learned_step(reads: Sequence[Read], learned: LongestStep | None) -> LongestS
 
 
 def window_for(
-    reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules = DEFAULT_RULES
+    reads: Sequence[Read],
+    learned: LongestStep | None,
+    rules: WedgeRules = DEFAULT_RULES,
+    *,
+    since: float | None = None,
 ) -> Window:
-    """The wedge window that applies to the newest process seen in these reads."""
+    """The wedge window that applies to the newest process seen in these reads.
+
+    ``since``: when the freeze being judged began; the process's youth is taken then, so
+    a step that began inside ``startup_grace`` keeps the startup window to its end.
+    """
     age = None
     nothing_finished = False
     for read in reversed(reads):
         if read.signals is not None and read.signals.has_vllm:
             start = read.signals.process_start
-            age = None if start is None else read.at - start
+            age = None if start is None else (read.at if since is None else since) - start
             nothing_finished = not any(engine.finished for engine in read.signals.engines)
             break
     step = learned_step(reads, learned)
@@ -345,7 +353,9 @@ def _judge_work(
 
     if not working:
         if len(reads) >= 2:
-            kind = VerdictKind.BUSY if _had_work(reads[-2]) else VerdictKind.IDLE
+            previous = _previous_readable(reads)
+            had_work = previous is not None and _had_work(previous)
+            kind = VerdictKind.BUSY if had_work else VerdictKind.IDLE
             progressed = _healthy_if_progressing(reads, kind, answer)
             if progressed is not None and answer is None and answer_wanted:
                 wanted = "an answer is wanted to re-admit it"
@@ -392,7 +402,7 @@ def _judge_freeze(
     """
     frozen = reads[-1 - streak :]
     elapsed = _stood_still(frozen)
-    window = window_for(reads, freeze.learned, freeze.rules)
+    window = window_for(reads, freeze.learned, freeze.rules, since=frozen[0].at)
     if elapsed < freeze.least_span:
         # A read answered late and the next on schedule: the reads of two waits came
         # within about one (a slow server's /metrics, under load), and 2 s of freeze at
@@ -546,8 +556,13 @@ def _healthy_if_progressing(
     stepped: alive and idle, proven without spending a request (or with one that timed
     out while the engine moved: queued, not ignored).
     """
-    before, after = _signals(reads[-2]), _signals(reads[-1])
-    elapsed = reads[-1].at - reads[-2].at
+    previous = _previous_readable(reads)
+    if previous is None:
+        return None
+    # Across a failed read (judged on its own): counters only grow within a process, and
+    # a restart between the two was judged before this (``_last_restart``).
+    before, after = _signals(previous), _signals(reads[-1])
+    elapsed = reads[-1].at - previous.at
     moved = [
         name for name, older, newer in _engine_pairs(before, after) if _progressed(older, newer)
     ]
@@ -569,6 +584,14 @@ def _healthy_if_progressing(
     return _verdict(
         kind, True, evidence, reads, answer, steps_per_s=steps_rate, tokens_per_s=tokens_rate
     )
+
+
+def _previous_readable(reads: Sequence[Read]) -> Read | None:
+    """The newest read with vLLM series before the newest read."""
+    for read in reversed(reads[:-1]):
+        if _has_vllm(read):
+            return read
+    return None
 
 
 def _had_work(read: Read) -> bool:
