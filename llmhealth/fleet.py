@@ -483,6 +483,10 @@ class FleetRecord:
                         # Its back-off (failed restarts in a row): "as it left", the
                         # restart policy goes on with it, not from a fresh cooldown.
                         "restarts": None if history is None else history.to_dict(),
+                        # What condemned it, for the restart it may still be owed: its
+                        # verdict and evidence, not its reads (the record must fit one
+                        # etcd request; the condemnation's audit record has them).
+                        "proof": _without_reads(self.proofs.get(name)),
                     }
                     _remember(
                         self.withheld_forgotten,
@@ -575,6 +579,8 @@ class FleetRecord:
                 self.sightings[name] = Sighting.from_dict(kept["sighting"], f"{name}.sighting")
             if kept.get("restarts") is not None:
                 self.restarts[name] = RestartHistory.from_dict(kept["restarts"], f"{name}.restarts")
+            if kept.get("proof") is not None:
+                self.proofs[name] = dict(kept["proof"])
             note = f"{name}: back in the config at {url}; stays {state} as it left"
             return MembershipChange(name, "added", state, note)
         if name not in self.retired_forgotten:
@@ -812,12 +818,23 @@ def _withheld(value: object, where: str) -> dict[str, Any]:
     history = kept.get("restarts")  # absent from a record written before it was kept
     if history is not None:
         RestartHistory.from_dict(history, f"{where}.restarts")
+    proof = kept.get("proof")  # likewise
+    if proof is not None:
+        proof = {str(key): str(text) for key, text in _table(proof, f"{where}.proof").items()}
     return {
         "at": _number(kept.get("at"), f"{where}.at"),
         "entry": kept["entry"],
         "sighting": sighting,
         "restarts": history,
+        "proof": proof,
     }
+
+
+def _without_reads(proof: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """A proof's verdict and evidence, as text."""
+    if proof is None:
+        return None
+    return {key: str(proof[key]) for key in ("verdict", "evidence") if key in proof}
 
 
 def _remember(

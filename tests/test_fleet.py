@@ -727,6 +727,10 @@ def test_a_condemned_backend_dropped_from_the_config_and_added_back_must_prove_i
     record.observe("gpu1", VERDICTS["wedged"], NOW + 1)
     record.ledger.apply("gpu2", WeightsPartial(now=NOW + 1))  # STALE: alive, unproven
     assert [record.ledger.state_of(n) for n in ("gpu1", "gpu2")] == [State.DEAD, State.STALE]
+    # What condemned it, as cycle.settle writes it: the restart it is owed is audited with
+    # it (it came back with "last_error" alone); its reads are in the condemnation's record.
+    proof = {"verdict": "wedged", "evidence": "engine 0: 4 running", "reads": [{"at": NOW}]}
+    record.proofs["gpu1"] = proof
     assert notes_of(record.reconcile({"gpu0": URL_0}, NOW + 2)) == [
         "gpu1: no longer configured; forgotten (dead)",
         "gpu2: no longer configured; forgotten (stale)",
@@ -740,6 +744,7 @@ def test_a_condemned_backend_dropped_from_the_config_and_added_back_must_prove_i
     ]
     assert changes[0].note == f"gpu1: back in the config at {URL_1}; stays dead as it left"
     assert again.ledger.snapshot("gpu1", NOW + 3).condemned_by == "wedged"
+    assert again.proofs == {"gpu1": {"verdict": "wedged", "evidence": "engine 0: 4 running"}}
     assert again.ledger.serving == ("gpu0",) and again.ledger.epoch == epoch
     assert again.withheld_forgotten == {}
     # Proof returns it as it returns any STALE backend.
@@ -1551,6 +1556,10 @@ def test_a_damaged_withheld_backend_makes_the_record_unreadable_at_once() -> Non
     record.reconcile({"gpu0": URL_0}, NOW + 2)
     document = json.loads(json.dumps(record.to_dict()))
     assert FleetRecord.from_dict(document, POLICY).withheld_forgotten.keys() == {"gpu1"}
+    document["withheld_forgotten"]["gpu1"]["proof"] = ["wedged"]
+    with pytest.raises(ValueError, match="proof"):
+        FleetRecord.from_dict(document, POLICY)
+    document["withheld_forgotten"]["gpu1"]["proof"] = None
     document["withheld_forgotten"]["gpu1"]["entry"]["state"] = "sleeping"
     with pytest.raises(ValueError, match="state"):
         FleetRecord.from_dict(document, POLICY)
@@ -1620,6 +1629,8 @@ def test_a_fleet_within_the_documented_size_still_fits_etcd_after_churn() -> Non
             for k in range(3):
                 record.observe(name, down, 3.0 + k)
         record.sightings[name] = Sighting(2.0, True, Signals((engine,), 1_796_000_000.0))
+        if i >= live:  # a wedge's evidence names every engine's frozen numbers
+            record.proofs[name] = {"verdict": "wedged", "evidence": "e" * 600, "reads": []}
     record.reconcile(dict(names[:live]), 10.0)
     assert record.withheld_forgotten
     size = len(json.dumps(record.to_dict(), sort_keys=True).encode())
