@@ -40,11 +40,6 @@ _BUCKETS: dict[str, str] = {
     "vllm:iteration_tokens_total_bucket": "largest_step_tokens",
 }
 _PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
-# The tokens of every step, read beside the step-token buckets as a bucket of this bound
-# (no real bucket's bound is negative): the top bucket may be as low as 512 (vLLM makes
-# the buckets its CUDA graph sizes), and a step past it was taken for one of 512 tokens.
-_STEP_TOKENS_SUM = "vllm:iteration_tokens_total_sum"
-_SUM_BOUND = -1.0
 _SLEEP_SERIES = "vllm:engine_sleep_state"
 _START_SERIES = "process_start_time_seconds"
 # Waiting requests by reason (vLLM 0.11 on): only the "deferred" ones are read, into
@@ -84,9 +79,8 @@ class EngineSignals:
     sleep_state: str | None = None
     # From the histograms: the upper bound of the highest non-empty inter-token-latency
     # bucket (its largest finite bound when a gap landed in +Inf, with ``gap_beyond``
-    # set: then it is a lower bound), the same for the tokens of one engine step (past
-    # the top bucket, the least mean the steps there can have, from the tokens' sum:
-    # one long prefill's own size), and the total time requests spent in prefill.
+    # set: then it is a lower bound), the same for the tokens of one engine step, and
+    # the total time requests spent in prefill.
     longest_gap: float | None = None
     gap_beyond: bool = False
     largest_step_tokens: float | None = None
@@ -418,21 +412,12 @@ def _engines(plans: tuple[_Engine, ...], values: list[float]) -> tuple[EngineSig
             # Several label sets (model names) of one engine: the longest of them counts.
             highest = None
             beyond = False
-            for bounds_read, counts in label_sets:
-                bounds, read = bounds_read, counts(values)
-                tokens: float | None = None
-                if bounds[0] == _SUM_BOUND:  # the step tokens' sum, before their buckets
-                    bounds, read, tokens = bounds[1:], read[1:], read[0]
-                    if not bounds:
-                        continue
-                found = _highest_bucket(bounds, read)
+            for bounds, counts in label_sets:
+                found = _highest_bucket(bounds, counts(values))
                 if found is not None:
-                    longest, past = found
-                    if past and tokens is not None:
-                        longest = max(longest, _mean_past_top(bounds, read, tokens))
-                    if highest is None or longest > highest:
-                        highest = longest
-                    beyond = beyond or past
+                    if highest is None or found[0] > highest:
+                        highest = found[0]
+                    beyond = beyond or found[1]
             if highest is not None:
                 fields[name] = highest
                 if beyond and name == "longest_gap":
@@ -639,9 +624,6 @@ def _interpret(head: bytes) -> _Meaning | None:
         bound = _bucket_bound(labels.pop("le", None))
         key = (_BUCKETS[name], engine, frozenset(labels.items()))
         return (_BUCKET, key, bound, leftover)
-    if name == _STEP_TOKENS_SUM:
-        key = ("largest_step_tokens", engine, frozenset(labels.items()))
-        return (_BUCKET, key, _SUM_BOUND, leftover)
     field_name = "prefill_seconds" if name == _PREFILL_SUM else _SERIES[name]
     return (_SAMPLE, (field_name, engine, frozenset(labels.items())), None, leftover)
 
@@ -681,20 +663,6 @@ def _highest_bucket(
     return None if lowest == 0 else (bounds[lowest - 1], True)
 
 
-def _mean_past_top(bounds: tuple[float, ...], counts: tuple[float, ...], total: float) -> float:
-    """The least mean the observations only +Inf holds can have, given their ``total``:
-    each observation of a finite bucket is at most its bound. For steps it is the
-    largest step's size (no more than its mean) when one long prefill went past the top
-    bucket, and a lower bound on the largest always; 0 when it says nothing."""
-    below = 0.0
-    counted = 0.0
-    for bound, cumulative in zip(bounds[:-1], counts[:-1], strict=True):
-        below += max(0.0, cumulative - counted) * bound
-        counted = max(counted, cumulative)
-    past = counts[-1] - counted
-    return (total - below) / past if past > 0 and total > below else 0.0
-
-
 def _engine_order(engine: str) -> tuple[int, str]:
     # isdigit() alone admits "²" (int() rejects it) and int() refuses over 4300 digits.
     if engine.isascii() and engine.isdigit() and len(engine) <= 18:
@@ -702,15 +670,7 @@ def _engine_order(engine: str) -> tuple[int, str]:
     return (1 << 62, engine)
 
 
-_READ = (
-    *_SERIES,
-    *_BUCKETS,
-    _PREFILL_SUM,
-    _STEP_TOKENS_SUM,
-    _SLEEP_SERIES,
-    _START_SERIES,
-    _BY_REASON_SERIES,
-)
+_READ = (*_SERIES, *_BUCKETS, _PREFILL_SUM, _SLEEP_SERIES, _START_SERIES, _BY_REASON_SERIES)
 
 
 def _value_before_timestamp(tail: bytes) -> float | None:

@@ -1353,50 +1353,6 @@ def test_a_new_process_that_turns_our_key_away_is_news_unproven_not_a_failure(
     assert verdict_exit_code(verdict) is ExitCode.WARNING
 
 
-def test_a_second_100k_token_prefill_step_is_not_wedged_inside_the_step_it_learned(
-    fixture_text: Load,
-) -> None:
-    """The engine already took one 100,000-token prefill step (no chunked prefill, or
-    --max-num-batched-tokens >= the prompt) that lasted 30 s, alone: its histograms hold
-    it (iteration_tokens_total: one step in +Inf, _sum +100,000; prefill time +30 s for
-    +100,000 prompt tokens). A second such prompt now runs beside a decode request: one
-    30 s step, all counters and gauges frozen until it ends. The learned step must be
-    about 30 s (window 90 s); reading the +Inf bucket as "16,384 tokens" learns 4.9 s and
-    wedges the engine 15 s into a healthy 30 s step."""
-    text = capture(fixture_text, "busy-2")  # running 4, waiting 8, old process
-    text = set_sample(text, "vllm:num_requests_running", "1.0")
-    text = set_sample(text, "vllm:num_requests_waiting", "1.0")
-    text = set_sample(text, "vllm:num_requests_waiting_by_reason", "1.0", reason="capacity")
-    # The earlier long prompt: +100,000 prompt tokens, +30 s of prefill, one step of
-    # 100,000 tokens (counted only in the +Inf bucket, and in _count and _sum).
-    text = set_sample(text, "vllm:prompt_tokens_total", "100057.0")
-    text = set_sample(text, "vllm:request_prefill_time_seconds_sum", "30.1003197850000106")
-    text = set_sample(text, "vllm:iteration_tokens_total_bucket", "1683.0", le="+Inf")
-    text = set_sample(text, "vllm:iteration_tokens_total_count", "1683.0")
-    text = set_sample(text, "vllm:iteration_tokens_total_sum", "106122.0")
-    # That request finished: vLLM observes its prefill time (30 s) at the end.
-    text = set_sample(text, "vllm:request_success_total", "3.0", finished_reason="length")
-    text = set_sample(text, "vllm:request_prefill_time_seconds_count", "3.0")
-    for le in (
-        "30.0",
-        "40.0",
-        "50.0",
-        "60.0",
-        "120.0",
-        "240.0",
-        "480.0",
-        "960.0",
-        "1920.0",
-        "7680.0",
-        "+Inf",
-    ):
-        text = set_sample(text, "vllm:request_prefill_time_seconds_bucket", "3.0", le=le)
-    signals = parse_metrics(text)
-    reads = [Read(T0 + index * WAIT, signals) for index in range(5)]  # 20 s of the step
-    verdict = walk(reads, max_reads=len(reads)).verdict
-    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
-
-
 def test_a_young_engine_compiling_across_the_end_of_startup_grace_is_not_wedged_at_once(
     fixture_text: Load,
 ) -> None:

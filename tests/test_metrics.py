@@ -183,28 +183,6 @@ def test_a_gap_past_the_last_bucket_is_known_only_to_exceed_it(fixture_text: Loa
     assert (engine.longest_gap, engine.gap_beyond) == (80.0, True)
 
 
-def test_a_step_past_the_top_token_bucket_is_sized_from_the_tokens_sum() -> None:
-    """With CUDA graphs vLLM's step-token buckets are its graph sizes (up to 512, say):
-    every prefill chunk of 2,048 or 8,192 tokens lands past the top one, and was taken
-    for 512 tokens, a learned step a sixteenth of the real one. The sum says more: 10
-    steps of at most 1 token and 90 of at most 512 leave 113,910 tokens for the last."""
-    text = (
-        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0"} 10\n'
-        'vllm:iteration_tokens_total_bucket{engine="0",le="512.0"} 100\n'
-        'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 101\n'
-        'vllm:iteration_tokens_total_count{engine="0"} 101\n'
-        'vllm:iteration_tokens_total_sum{engine="0"} 160000\n'
-    )
-    assert only_engine(parse_metrics(text)).largest_step_tokens == 160000 - 10 - 90 * 512
-    # Without the sum, or with one the finite buckets already account for: the top bound.
-    without = text.replace('vllm:iteration_tokens_total_sum{engine="0"} 160000\n', "")
-    assert only_engine(parse_metrics(without)).largest_step_tokens == 512.0
-    small = text.replace("} 160000", "} 400")
-    assert only_engine(parse_metrics(small)).largest_step_tokens == 512.0
-    # The sum alone is no engine: it says nothing of a step.
-    assert parse_metrics('vllm:iteration_tokens_total_sum{engine="0"} 5\n').engines == ()
-
-
 @pytest.mark.parametrize("bound", ["x", "NaN", "-1", ""])
 def test_a_bucket_with_an_unusable_bound_is_skipped(bound: str) -> None:
     text = f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="{bound}"}} 3\n'
