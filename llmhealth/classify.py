@@ -502,8 +502,11 @@ def _ask_or_doubt(
     """
     if answer is None or answer.ok or not answer.timed_out:
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
-    window = window_for(reads, freeze.learned, freeze.rules)
     asked_after = [read for read in reads if read.at <= answer.at]
+    # The process's youth when the request was sent, as a freeze keeps the youth it began
+    # with: a young engine's first step is no less long once the process turns old.
+    since = asked_after[-1].at if asked_after else None
+    window = window_for(reads, freeze.learned, freeze.rules, since=since)
     waited = answer.at - asked_after[-1].at if asked_after else 0.0
     # Only a window longer than the request waited can excuse the timeout (a step that
     # long may hold it); otherwise the engine should have answered at once.

@@ -175,7 +175,10 @@ class ProbeSettings:
         Finding a backend's processes scans /proc; a fleet of engines with short steps
         never pays for it.
         """
-        return window_for(reads, learned, rules).seconds > 2 * self.wait
+        window = window_for(reads, learned, rules).seconds
+        if reads:  # a freeze keeps the youth it began with (classify._judge_freeze)
+            window = max(window, window_for(reads, learned, rules, since=reads[0].at).seconds)
+        return window > 2 * self.wait
 
     def for_answer(
         self, reads: Sequence[Read], learned: LongestStep | None, rules: WedgeRules

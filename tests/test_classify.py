@@ -1388,3 +1388,61 @@ def test_a_busy_engine_read_again_after_one_slow_metrics_answer_is_not_stalled(
     decision = decide(window, max_reads=settings.paced_read_limit, paced_wait=settings.wait)
     assert isinstance(decision, Verdict)
     assert decision.healthy and decision.kind is VerdictKind.BUSY, decision.evidence
+
+
+def _watch_stopped_engine(fixture_text: Load, first_age: float, reads: int) -> list[object]:
+    """watch's reading of an engine whose core was SIGSTOPped (wedge-1: 4 running, 8
+    waiting, every counter frozen), its CPU sampled exactly when ``wants_cpu`` says so
+    (probe._with_cpu); the stopped process shows in every sample taken."""
+    frozen = parse_metrics(capture(fixture_text, "wedge-1"))
+    assert frozen.process_start is not None
+    settings = ProbeSettings(wait=WAIT)
+    window: list[Read] = []
+    decisions: list[object] = []
+    for index in range(reads):
+        read = Read(frozen.process_start + first_age + index * WAIT, frozen)
+        if settings.wants_cpu([*window, read], None, WedgeRules()):
+            read = Read(read.at, frozen, cpu=CpuSample(5.0, (7, 8), stopped=(7,)))
+        keep_read(window, read, settings.paced_read_limit)
+        decisions.append(decide(window, max_reads=settings.paced_read_limit))
+    return decisions
+
+
+def test_a_stopped_engine_whose_freeze_began_young_is_still_sampled_and_proven(
+    fixture_text: Load,
+) -> None:
+    """A freeze keeps the youth it began with (window 300 s), and so must the choice to
+    sample CPU: taken at the newest read, once the process turned startup_grace (900 s)
+    old it said "two waits, CPU not worth sampling", the samples that prove a stopped
+    engine at two waits stopped coming, and the wedge waited out the whole window."""
+    # Control: a freeze that begins at 800 s is sampled throughout and proven at two waits.
+    early = _watch_stopped_engine(fixture_text, 800.0, 6)
+    assert any(isinstance(d, Verdict) and d.kind is VerdictKind.WEDGED for d in early)
+    # The same freeze beginning at 896 s: 12 reads (55 s), never proven.
+    late = _watch_stopped_engine(fixture_text, 896.0, 12)
+    assert any(isinstance(d, Verdict) and d.kind is VerdictKind.WEDGED for d in late), [
+        d.reason if isinstance(d, TakeRead) else d for d in late[-2:]
+    ]
+
+
+def test_a_young_engine_compiling_across_startup_grace_is_doubt_not_unanswered(
+    fixture_text: Load,
+) -> None:
+    """A fresh server (idle-1: nothing run yet) gets its first request at age 880 s and
+    compiles: its gauges are published when that first step ends, so it shows no work,
+    and our tiny request (sent at 895 s) queues behind the step and times out at 905 s.
+    Youth taken at the newest read, the process had turned 900 s old meanwhile, and the
+    timeout was `unanswered`, a failure (three condemn a healthy engine mid-compile)
+    where ten seconds younger it was doubt. It is taken when the request was sent."""
+    idle = parse_metrics(capture(fixture_text, "idle-1"))
+    assert idle.process_start is not None
+    start = idle.process_start
+    reads = [Read(start + 885.0, idle), Read(start + 890.0, idle), Read(start + 895.0, idle)]
+    timed_out = Answer(start + 905.1, False, "timed out after 10.0 s", timed_out=True)
+    reads.append(Read(start + 906.0, idle))
+    decision = decide(reads, timed_out, max_reads=65)
+    assert not (isinstance(decision, Verdict) and decision.kind is VerdictKind.UNANSWERED), decision
+    # Ten seconds younger, the same reads are doubt, never a failure.
+    younger = [Read(read.at - 10.0, idle) for read in reads]
+    earlier = Answer(timed_out.at - 10.0, False, "timed out after 10.0 s", timed_out=True)
+    assert settled(decide(younger, earlier, max_reads=65)).kind is VerdictKind.STALLED
