@@ -125,6 +125,11 @@ def longest_step(signals: Signals) -> LongestStep | None:
         ):
             per_token = engine.prefill_seconds / engine.prompt_tokens
             seconds = per_token * engine.largest_step_tokens
+            if not math.isfinite(seconds):
+                # Finite figures whose product is not (a server's 1e308 s of prefill):
+                # saved, an infinite step made the state unreadable, and a fresh ledger
+                # forgot every DEAD, RETIRED, hold and budget.
+                continue
             why = (
                 f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
                 f"x up to {engine.largest_step_tokens:g} tokens in one step"

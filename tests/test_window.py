@@ -36,6 +36,21 @@ def test_the_prefill_cost_of_the_largest_step_can_be_the_longest() -> None:
     assert step.why == "engine 3: prefill 2 ms per prompt token x up to 4096 tokens in one step"
 
 
+def test_figures_whose_product_is_no_number_teach_nothing_and_save_as_they_load() -> None:
+    """1e308 s of prefill for one prompt token, times 512 tokens: each figure finite, the
+    step infinite. Saved, it made the state unreadable at the next load, and a fresh
+    ledger forgot every DEAD, RETIRED, hold and budget."""
+    from llmhealth.fleet import Sighting  # noqa: PLC0415
+
+    engine = EngineSignals(
+        "0", prompt_tokens=1.0, prefill_seconds=1e308, largest_step_tokens=512.0, longest_gap=0.5
+    )
+    step = longest_step(Signals((engine,)))
+    assert step is not None and step.seconds == 0.5  # the gap alone
+    sighting = Sighting(1.0, True, longest_step=step)
+    assert Sighting.from_dict(sighting.to_dict(), "sightings.b") == sighting
+
+
 def test_the_longest_of_several_engines_counts() -> None:
     engines = (
         EngineSignals("0", longest_gap=0.5),
