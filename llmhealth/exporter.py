@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import re
 import socket
 import sys
 import threading
@@ -328,6 +329,7 @@ _MAX_REQUEST_LINE: Final = 65536
 # The most a request's header fields take in all (each line and their number alone
 # bounded a head to 6 MB): as the router's edge allows (http1.MAX_HEAD_BYTES).
 _MAX_FIELDS_BYTES: Final = 65536
+_ANY_VERSION: Final = re.compile(r"version=[^;]*")
 # Pages kept of one view, one per way of asking (format, compression).
 _PAGES_PER_VIEW: Final = 8
 
@@ -457,11 +459,14 @@ class _PagePerView:
         # and query, each new one rendered the whole view again (1.6 s of CPU at 10,000
         # backends). Every path is the page; a query, prometheus_client's name[] filter
         # too, is dropped, and the whole page served.
-        environ = {**environ, "QUERY_STRING": ""}
-        asked = (
-            choose_encoder(str(environ.get("HTTP_ACCEPT", "")))[1],
-            str(gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING", "")))),
-        )
+        content_type = choose_encoder(str(environ.get("HTTP_ACCEPT", "")))[1]
+        if content_type.startswith("application/openmetrics-text"):
+            # Its version is the scraper's text, echoed: a page per version asked. Every
+            # version renders this page alike (it has no native histograms); its
+            # escaping is one of four.
+            content_type = _ANY_VERSION.sub("version=1.0.0", content_type)
+        environ = {**environ, "QUERY_STRING": "", "HTTP_ACCEPT": content_type}
+        asked = (content_type, str(gzip_accepted(str(environ.get("HTTP_ACCEPT_ENCODING", "")))))
         with self._lock:
             view = self._collector.view
             if view is not self._of:

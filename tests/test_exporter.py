@@ -506,14 +506,23 @@ def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
             for asked in (f"{url}?cachebust={n}", f"http://127.0.0.1:{port}/{n}"):
                 assert httpx.get(asked, timeout=10.0).content == pages[0]
         assert len(renders) == 1
+        # Nor an OpenMetrics version it chose: echoed in the content type, it was a
+        # page, and a render, per version asked.
+        for n in range(12):
+            accept = f"application/openmetrics-text; version=1.0.{n}"
+            answer = httpx.get(url, timeout=10.0, headers={"Accept": accept})
+            assert answer.headers["content-type"].startswith(
+                "application/openmetrics-text; version=1.0.0"
+            )
+        assert len(renders) == 2
         # Another way of asking is another page; a new view, a new render.
         plain = scrape(**{"Accept-Encoding": "identity"})
         assert "content-encoding" not in plain.headers
         assert Page(plain.text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
-        assert len(renders) == 2
+        assert len(renders) == 3
         collector.publish(ExportView(backends=(busy("gpu1"),)))
         assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["healthy"]
-        assert len(renders) == 3
+        assert len(renders) == 4
         # Another method's answer (prometheus_client's 405, an empty OPTIONS) is not the
         # page: kept in its place, a balancer's HEAD failed every scrape until a new view.
         collector.publish(ExportView(backends=(wedged("gpu1"),)))
