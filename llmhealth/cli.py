@@ -484,7 +484,7 @@ def audit(
         records, malformed, where = scanned.records, scanned.malformed, str(path)
         if scanned.missing:
             # An empty trail, silently, read as "nothing happened" where a path was mistyped.
-            if not state_path.exists():
+            if not state_path.is_file():
                 raise StateError(f"no state at {state_path} and no audit log at {path}")
             print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
     for record in records:

@@ -584,6 +584,8 @@ def test_audit_of_a_path_with_no_log_says_so_and_with_no_state_either_exits_3(
     mistyped = run(entry_point, "audit", "--state", str(tmp_path / "stat.json"))
     assert mistyped.returncode == 3 and mistyped.stdout == ""
     assert f"no state at {tmp_path / 'stat.json'} and no audit log at" in mistyped.stderr
+    (tmp_path / "a-directory").mkdir()  # an existing path, and no state either
+    assert run(entry_point, "audit", "--state", str(tmp_path / "a-directory")).returncode == 3
     state = tmp_path / "state.json"
     assert run(entry_point, "check", "http://127.0.0.1:9", "--state", str(state)).returncode
     (tmp_path / "audit.jsonl").unlink()  # a state kept, its log gone (rotated away)
