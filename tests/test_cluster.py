@@ -876,6 +876,19 @@ def test_a_share_that_shrinks_leaves_no_chunk_of_its_old_publication(
     seat.elector.stop()
 
 
+def three_members(
+    etcd_server: EtcdCluster, keys: Keys, clock: Clock
+) -> tuple[dict[str, Seat], dict[str, SharedReads]]:
+    """Members a, b and c sharing the reads, each through one elector round (a leads)."""
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"
+    }
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    for seat in seats.values():
+        seat.elector.step()
+    return seats, reads
+
+
 def test_the_leader_takes_publications_larger_than_one_answer_page_by_page(
     etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -886,13 +899,7 @@ def test_the_leader_takes_publications_larger_than_one_answer_page_by_page(
     monkeypatch.setattr(cluster, "PUBLICATION_BYTES", 4096)
     monkeypatch.setattr(cluster, "PUBLICATION_PAGE", 4)  # 16 KiB a page, as 8 MiB is to 32
     backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(120)}
-    clock = Clock()
-    seats = {
-        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"
-    }
-    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
-    for seat in seats.values():
-        seat.elector.step()
+    seats, reads = three_members(etcd_server, keys, Clock())
     for seat in seats.values():
         seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
     assert seats["a"].elector.decision().may_act
@@ -1199,13 +1206,8 @@ def test_a_leader_that_lost_and_won_the_lead_between_two_settles_takes_no_verdic
     as a standby. Its intake, kept across the two leads, took verdict 2 as new: a
     backend's failure counted twice, once by each leader, condemns early."""
     backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
-    clock = Clock()
-    seats = {
-        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "abc"
-    }
-    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    seats, reads = three_members(etcd_server, keys, Clock())
     for seat in seats.values():
-        seat.elector.step()
         seat.elector.observed = Observation(True, None, [])  # each alone with c's verdicts
     for shared in reads.values():
         shared.members = lambda: ["a", "b", "c"]  # type: ignore[method-assign]

@@ -2291,6 +2291,23 @@ def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
     assert started == [("b0", 0.0), ("b1", 0.25), ("b2", 0.5), ("b3", 0.75)]
 
 
+def in_process(
+    load: Callable[[], tuple[config_module.Config, list[Target]]],
+    tmp_path: Path,
+    wait: float | None,
+    serving_file: Path | None = None,
+) -> Daemon:
+    """A daemon in this process, its state in ``tmp_path``, no metrics listener."""
+    return Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=wait,
+        serving_file=serving_file,
+        console=Console(stderr=True),
+    )
+
+
 def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
     httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2308,14 +2325,7 @@ def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
     added = Target("added", httpserver.url_for("").rstrip("/"))
     config = config_module.Config(wait=120.0, timeout=1.0, answer_timeout=1.0, read_workers=1)
     fleets = [[Target("first", REFUSED_URL)]]
-    daemon = Daemon(
-        lambda: (config, fleets[-1]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = in_process(lambda: (config, fleets[-1]), tmp_path, None)
 
     async def scenario() -> bool:
         running = asyncio.create_task(daemon.run())
@@ -2350,14 +2360,7 @@ def test_a_daemon_whose_backends_are_renamed_keeps_nothing_of_the_names_they_lef
         def load() -> tuple[config_module.Config, list[Target]]:
             return config, [Target(f"pod{generation[0]}-{i}", u) for i, u in enumerate(sim.urls)]
 
-        daemon = Daemon(
-            load,
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=0.2,
-            serving_file=None,
-            console=Console(stderr=True),
-        )
+        daemon = in_process(load, tmp_path, 0.2)
 
         async def seen_by_a_settle(names: set[str]) -> None:
             for _ in range(int(PATIENCE / 0.05)):
@@ -2409,13 +2412,8 @@ def test_a_settle_or_hook_that_gets_no_thread_is_put_off_not_the_end_of_watch(
     config = config_module.Config(
         timeout=1.0, answer_timeout=1.0, read_workers=1, on_serving_change=append_command(hook_log)
     )
-    daemon = Daemon(
-        lambda: (config, [Target("b", REFUSED_URL)]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.2,
-        serving_file=tmp_path / "serving.json",
-        console=Console(stderr=True),
+    daemon = in_process(
+        lambda: (config, [Target("b", REFUSED_URL)]), tmp_path, 0.2, tmp_path / "serving.json"
     )
 
     async def scenario() -> int:
