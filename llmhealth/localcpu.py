@@ -365,17 +365,36 @@ _CMDLINE_BYTES = 4096
 
 
 def _names_vllm(pid: int) -> bool:
-    """Whether a process's command line or name names vLLM: its engine core and workers
+    """Whether a process's program or name names vLLM: its engine core and workers
     retitle themselves (``VLLM::EngineCore``, ``VLLM::Worker``, with setproctitle, which
-    sets both), its API server runs ``vllm``."""
-    for part in ("cmdline", "comm"):
-        try:
-            with open(f"{_PROC}/{pid}/{part}", "rb") as handle:
-                if b"vllm" in handle.read(_CMDLINE_BYTES).lower():
-                    return True
-        except OSError:
-            continue
-    return False
+    sets both), its API server runs ``vllm`` (the script, or ``python -m vllm...``).
+    Its program only, not its arguments: a forwarder on this host names the vLLM it
+    forwards to (``kubectl port-forward svc/vllm``, ``ssh -L ... vllm-01``)."""
+    try:
+        with open(f"{_PROC}/{pid}/comm", "rb") as handle:
+            if b"vllm" in handle.read(_CMDLINE_BYTES).lower():
+                return True
+        with open(f"{_PROC}/{pid}/cmdline", "rb") as handle:
+            return b"vllm" in _program(handle.read(_CMDLINE_BYTES).split(b"\0")).lower()
+    except OSError:
+        return False
+
+
+def _program(argv: list[bytes]) -> bytes:
+    """What a command line runs: its first word, or the script or module a Python runs."""
+    if not os.path.basename(argv[0]).startswith(b"python"):
+        return argv[0]
+    rest = iter(argv[1:])
+    for word in rest:
+        if word in (b"-m", b"-X", b"-W"):
+            module = next(rest, b"")
+            if word == b"-m":
+                return module
+        elif word.startswith(b"-m"):
+            return word[2:]
+        elif word == b"-c" or not word.startswith(b"-"):
+            return b"" if word == b"-c" else word
+    return b""
 
 
 def _stat_fields(pid: int) -> list[str]:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import select
 import socket
 import ssl
 import traceback
@@ -43,6 +44,9 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewis
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
 _MAX_INFORMATIONAL = 8  # 1xx answers skipped before the real one
 _READ_SIZE = 256 * 1024
+# Bytes a chunk of a chunked body is counted as at least: a chunk costs an await or two
+# whatever its size, and 16 MiB of one-byte chunks was 4 s of this process's CPU.
+_CHUNK_COST = 128
 # Bytes a connection's socket is read by while its answer's head is awaited: the head and
 # the start of the body, not the whole body (see _BodyGate).
 _HEAD_READ_SIZE = 1024
@@ -157,8 +161,12 @@ class Connection:
         loop = asyncio.get_running_loop()
         bound = _Deadline(loop, deadline)
         sent = self._last_sent_at
-        if method not in http1.IDEMPOTENT and (sent is None or loop.time() - sent > _WARM):
-            await self.aclose()  # this request may not be sent again: see _WARM
+        if method not in http1.IDEMPOTENT and (
+            sent is None or loop.time() - sent > _WARM or _pending(self._writer)
+        ):
+            # This request may not be sent again: see _WARM. A close (or anything) the
+            # server sent that the loop has not taken in yet is seen here, not after.
+            await self.aclose()
         while True:
             reused = self._origin == origin and self._writer is not None
             if reused and self._reader is not None and self._reader.at_eof():
@@ -577,6 +585,19 @@ async def _open(
     raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")
 
 
+def _pending(writer: asyncio.StreamWriter | None) -> bool:
+    """Whether a kept connection's socket holds what the loop has not read yet: a server
+    that closed it after its last answer without saying so, whose FIN is already here."""
+    if writer is None:
+        return False
+    sock = writer.get_extra_info("socket")
+    if writer.is_closing() or sock is None or sock.fileno() < 0:
+        return True  # a reset the loop took in already (the reader holds its error)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
+    return bool(poller.poll(0))
+
+
 def _is_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -704,6 +725,7 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
     (chunk extensions of 60 KB a line were free, and a read took 822 MB in 2 s), kept in
     one buffer (a list of two-byte chunks held 30 times their size)."""
     body = bytearray()
+    charged = 0  # the body's bytes, each chunk counted as at least _CHUNK_COST
     while True:
         size_line = await _framing_line(reader, "chunk-size line")
         progress.received += len(size_line)
@@ -718,7 +740,8 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
                 if trailers > MAX_HEAD_BYTES:
                     raise WireError(Failure.MALFORMED, f"trailers over {MAX_HEAD_BYTES} bytes")
             return bytes(body)
-        if progress.received + size + 2 > max_bytes:
+        charged += len(size_line) + max(size, _CHUNK_COST) + 2
+        if progress.received + size + 2 > max_bytes or charged > max_bytes:
             raise WireError(Failure.TOO_BIG, "over the cap", received=progress.received)
         data = await reader.readexactly(size + 2)
         if not data.endswith(b"\r\n"):

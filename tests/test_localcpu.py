@@ -31,7 +31,7 @@ from llmhealth.window import LongestStep
 ENGINE = """
 import subprocess, sys, time
 def engine(code):
-    child = subprocess.Popen([sys.executable, "-c", code, "VLLM::EngineCore"])
+    child = subprocess.Popen(["VLLM::EngineCore", "-c", code], executable=sys.executable)
     for _ in range(10_000):
         with open(f"/proc/{child.pid}/cmdline", "rb") as cmdline:
             if b"VLLM::EngineCore" in cmdline.read():
@@ -555,3 +555,74 @@ def test_a_broken_socket_diagnostics_dump_is_an_error_not_an_answer(
     monkeypatch.setattr(localcpu, "_DIAG_MAX_BYTES", 64 * 1024)
     with pytest.raises(error):
         localcpu._read_diag_dump(_Datagrams(datagrams), 1, {})  # type: ignore[arg-type]
+
+
+# `kubectl port-forward svc/vllm 8000:8000` or `ssh -L 8000:localhost:8000 vllm-01`: a
+# forwarder on this host, its engine elsewhere; "vllm" is in its arguments only.
+FORWARDER = """
+import socket, sys
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(listener.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_forwarder_naming_its_vllm_target_gives_no_evidence() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", FORWARDER, "port-forward", "svc/vllm", "8000:8000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
+        # Its idle CPU is not the remote engine's: sampled, it proves a computing
+        # engine wedged in two waits ("the engine is doing nothing").
+        assert sample is None, sample
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
+FORWARDED_FROZEN = """
+import http.server, sys
+text = open(sys.argv[1], "rb").read()
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_an_engine_inside_a_long_step_behind_a_named_forwarder_is_not_wedged(
+    tmp_path: Path,
+) -> None:
+    # The remote engine is inside an 80 s step (window 240 s); the local forwarder idles.
+    process = subprocess.Popen(
+        [sys.executable, "-c", FORWARDED_FROZEN, str(frozen_text(tmp_path)), "svc/vllm"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        verdict = examine(f"http://127.0.0.1:{port}", LEARNED)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        assert process.stdout is not None
+        process.stdout.close()
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence

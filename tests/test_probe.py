@@ -1133,3 +1133,25 @@ def test_a_read_the_checker_was_too_held_up_to_time_is_not_judged_and_not_down(
     assert not verdict.healthy
     assert "not judged" in verdict.evidence
     assert "could not run" in verdict.evidence
+
+
+def test_an_idle_server_that_closes_after_each_answer_is_idle_not_unanswered() -> None:
+    from tests.test_wire import read_request, tcp_server  # noqa: PLC0415
+
+    bodies = {
+        b"GET /metrics": capture("idle-1").encode(),
+        b"GET /v1/models": json.dumps(MODELS).encode(),
+        b"POST /v1/completions": b'{"choices":[{"index":0,"text":"!"}]}',
+    }
+
+    def one_answer_per_connection(connection: socket.socket, number: int) -> None:
+        request = read_request(connection)
+        body = next(b for start, b in bodies.items() if request.startswith(start))
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        connection.shutdown(socket.SHUT_WR)
+        connection.recv(1)
+
+    with tcp_server(one_answer_per_connection) as (url, _):
+        verdict = examine(url)
+    assert verdict.kind is VerdictKind.IDLE, verdict.evidence

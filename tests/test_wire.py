@@ -1034,3 +1034,70 @@ def test_a_certificate_for_another_name_is_judged_however_short_the_process_is(
         )
     assert first.startswith("connect_failed ") and "mismatch" in first, first
     assert second.startswith("connect_failed ") and "mismatch" in second, second
+
+
+def test_a_post_after_a_get_whose_server_closed_silently_is_not_a_failure() -> None:
+    # An HTTP/1.1 server may close a connection after any answer without saying so
+    # (RFC 9112 9.6); the close was on the wire before the POST was written.
+    def one_answer_per_connection(connection: socket.socket, number: int) -> None:
+        request = read_request(connection)
+        body = b'{"choices":[{"text":"!"}]}' if request.startswith(b"POST") else b"{}"
+        # Corked: the answer and its FIN leave in one segment, as one process's send
+        # and close do on a network, whatever this process's threads do between them.
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        connection.shutdown(socket.SHUT_WR)
+        connection.recv(1)  # until the client closes
+
+    async def run(url: str) -> WireResponse | WireError:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            await connection.request(
+                "GET", f"{url}/v1/models", deadline=loop.time() + 5, max_bytes=100
+            )
+            try:
+                return await connection.request(
+                    "POST",
+                    f"{url}/v1/completions",
+                    deadline=loop.time() + 5,
+                    max_bytes=100,
+                    body=b"{}",
+                )
+            except WireError as error:
+                return error
+        finally:
+            await connection.aclose()
+
+    with tcp_server(one_answer_per_connection) as (url, _):
+        outcome = eventloop.run(run(url))
+    assert isinstance(outcome, WireResponse), outcome
+
+
+def test_a_body_of_one_byte_chunks_is_refused_by_its_framing_not_timed_out() -> None:
+    # 16 MiB of "1\r\nx\r\n": within the byte cap, 2.8 million chunks. Read one await
+    # each, it cost this process ~4 s of CPU (a plain 16 MiB body: ~10 ms), and a read
+    # given 2 s blamed the server: "connected, but no complete HTTP answer".
+    chunks = 16 * 1024 * 1024 // 6
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * chunks
+
+    def tiny_chunks(connection: socket.socket, number: int) -> None:
+        read_request(connection)
+        connection.sendall(answer + b"0\r\n\r\n")
+
+    async def run(url: str) -> WireError | WireResponse:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            return await connection.request(
+                "GET", url, deadline=loop.time() + 2, max_bytes=16 * 1024 * 1024
+            )
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+
+    with tcp_server(tiny_chunks) as (url, _):
+        outcome = eventloop.run(run(url))
+    assert isinstance(outcome, WireError), outcome
+    assert outcome.failure is Failure.TOO_BIG, (outcome.failure, outcome.detail)
