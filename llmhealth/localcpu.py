@@ -381,9 +381,11 @@ def _names_vllm(pid: int) -> bool:
 
 
 def _program(argv: list[bytes]) -> bytes:
-    """What a command line runs: its first word, or the script or module a Python runs."""
+    """What a command line runs: its first word's name, or the name of the script or the
+    module a Python runs; never a directory on the way (``/home/vllm/.local/bin/kubectl``
+    is a forwarder's, in the home of a service account named after the engine)."""
     if not os.path.basename(argv[0]).startswith(b"python"):
-        return argv[0]
+        return os.path.basename(argv[0])
     rest = iter(argv[1:])
     for word in rest:
         if word in (b"-m", b"-X", b"-W"):
@@ -393,7 +395,7 @@ def _program(argv: list[bytes]) -> bytes:
         elif word.startswith(b"-m"):
             return word[2:]
         elif word == b"-c" or not word.startswith(b"-"):
-            return b"" if word == b"-c" else word
+            return b"" if word == b"-c" else os.path.basename(word)
     return b""
 
 

@@ -626,3 +626,54 @@ def test_an_engine_inside_a_long_step_behind_a_named_forwarder_is_not_wedged(
         assert process.stdout is not None
         process.stdout.close()
     assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+
+
+def _kubectl_of_user_vllm(tmp_path: Path) -> Path:
+    """A forwarder binary installed in the home of a service account named vllm
+    (~vllm/.local/bin/kubectl): a real program, here a link to this Python."""
+    where = tmp_path / "home" / "vllm" / ".local" / "bin"
+    where.mkdir(parents=True)
+    kubectl = where / "kubectl"
+    os.symlink(os.path.realpath(sys.executable), kubectl)
+    return kubectl
+
+
+def test_a_forwarder_in_a_vllm_users_home_gives_no_evidence(tmp_path: Path) -> None:
+    kubectl = _kubectl_of_user_vllm(tmp_path)
+    process = subprocess.Popen(
+        [str(kubectl), "-c", FORWARDER, "port-forward", "svc/model", "8000:8000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
+        assert sample is None, sample
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+
+
+def test_an_engine_behind_a_forwarder_in_a_vllm_users_home_is_not_wedged(
+    tmp_path: Path,
+) -> None:
+    kubectl = _kubectl_of_user_vllm(tmp_path)
+    process = subprocess.Popen(
+        [str(kubectl), "-c", FORWARDED_FROZEN, str(frozen_text(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+        verdict = examine(f"http://127.0.0.1:{port}", LEARNED)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        assert process.stdout is not None
+        process.stdout.close()
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
