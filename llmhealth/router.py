@@ -610,6 +610,7 @@ class Router:
         api_key = backend_key(backend)
         started = time.monotonic()
         series = self.metrics.backend(name)
+        origin = self._origins[name]  # a reload may move the backend while this runs
         self._in_flight[name] += 1
         upstream: Response | None = None
         finished = False
@@ -617,7 +618,7 @@ class Router:
             try:
                 with self._deadlines.within(self._settings.first_byte_timeout):
                     upstream = await self._pool.request(
-                        self._origins[name],
+                        origin,
                         request.method,
                         request.target,
                         upstream_headers(request.headers, api_key).items(),
@@ -638,19 +639,19 @@ class Router:
                     return _Retry(
                         f"{_short(exc)}, the router itself {exc.late:.1f} s late", ours=True
                     )
-                self._fail(name, request, FailureKind.REFUSED, None, _short(exc))
+                self._fail(name, origin, request, FailureKind.REFUSED, None, _short(exc))
                 return _Retry(f"connection failed: {_short(exc)}")
             except TimeoutError:
                 seconds = self._settings.first_byte_timeout
                 detail = f"no response headers within {seconds:g} s"
-                self._fail(name, request, FailureKind.FIRST_BYTE_TIMEOUT, None, detail)
+                self._fail(name, origin, request, FailureKind.FIRST_BYTE_TIMEOUT, None, detail)
                 return self._backend_failed(name, detail)
             except BrokenError as exc:
                 detail = f"connection broke before the response: {_short(exc)}"
-                self._fail(name, request, FailureKind.BROKEN, None, detail)
+                self._fail(name, origin, request, FailureKind.BROKEN, None, detail)
                 return self._backend_failed(name, detail)
             series.first_byte.observe(time.monotonic() - started)
-            finished = await self._relay(request, name, upstream)
+            finished = await self._relay(request, name, origin, upstream)
             return None
         finally:
             if upstream is not None and finished:
@@ -660,7 +661,7 @@ class Router:
             self._in_flight[name] -= 1
             series.duration.observe(time.monotonic() - started)
 
-    async def _relay(self, request: Request, name: str, upstream: Response) -> bool:
+    async def _relay(self, request: Request, name: str, origin: Origin, upstream: Response) -> bool:
         """Pass the backend's response on as it comes; True when it ended cleanly."""
         status = upstream.status
         # One request, one outcome: a 5xx is counted at its head, and a body of it that
@@ -672,7 +673,7 @@ class Router:
             # The backend's words reach `status`, the state and the audit, cut as every
             # other detail is (_short): a reason phrase may be most of a 64 KiB head.
             reason = printable(upstream.reason[:200])
-            self._fail(name, request, FailureKind.SERVER_ERROR, status, reason)
+            self._fail(name, origin, request, FailureKind.SERVER_ERROR, status, reason)
         headers = downstream_headers(Fields(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self.metrics.answered(name, status)
@@ -692,7 +693,7 @@ class Router:
                 # send, headers and body together, without the read loop's waits.
                 with self._deadlines.within(self._settings.client_timeout):
                     await request.answer(status, headers, whole, upstream.reason)
-                self._record_success(name, request, status)
+                self._record_success(name, origin, request, status)
                 return True
             with self._deadlines.within(self._settings.client_timeout):
                 await request.start(status, headers, upstream.reason)
@@ -704,13 +705,13 @@ class Router:
                     seconds = self._settings.stream_idle_timeout
                     detail = f"response silent for {seconds:g} s after it started"
                     if not counted:
-                        self._fail(name, request, FailureKind.STREAM_IDLE, status, detail)
+                        self._fail(name, origin, request, FailureKind.STREAM_IDLE, status, detail)
                     await self._end_broken(request, name, detail, in_band)
                     return False
                 except BrokenError as exc:
                     detail = f"response cut off: {_short(exc)}"
                     if not counted:
-                        self._fail(name, request, FailureKind.BROKEN, status, detail)
+                        self._fail(name, origin, request, FailureKind.BROKEN, status, detail)
                     await self._end_broken(request, name, detail, in_band)
                     return False
                 if not chunk:
@@ -719,7 +720,7 @@ class Router:
                     code, detail = error
                     if code is not None and code >= 500:  # below: the request's own fault
                         counted = True
-                        self._fail(name, request, FailureKind.SERVER_ERROR, code, detail)
+                        self._fail(name, origin, request, FailureKind.SERVER_ERROR, code, detail)
                 with self._deadlines.within(self._settings.client_timeout):
                     await request.write(chunk)
             with self._deadlines.within(self._settings.client_timeout):
@@ -729,12 +730,12 @@ class Router:
             request.abort()
             return False
         if watch is None or not watch.seen:
-            self._record_success(name, request, status)
+            self._record_success(name, origin, request, status)
         return True
 
-    def _record_success(self, name: str, request: Request, status: int) -> None:
+    def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
-        if status < 400:
+        if status < 400 and self._origins.get(name) == origin:
             self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
@@ -766,12 +767,17 @@ class Router:
     def _fail(
         self,
         name: str,
+        origin: Origin,
         request: Request,
         kind: FailureKind,
         status: int | None,
         detail: str,
     ) -> None:
-        """Count a failure against a backend and drop it from choice until the next push."""
+        """Count a failure against a backend and drop it from choice until the next push.
+        Not a failure at the address a reload has since moved it from: that server is not
+        this one, and the new one never saw the request."""
+        if self._origins.get(name) != origin:
+            return
         self._log.record(
             name,
             RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),

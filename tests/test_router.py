@@ -9,6 +9,7 @@ import errno
 import itertools
 import json
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -1470,3 +1471,82 @@ def test_an_error_event_nested_too_deep_is_no_error_of_the_routers_own() -> None
     heard = watch.feed(NESTED_ERROR_EVENT)
     assert heard is not None and heard[0] is None  # not vLLM's JSON: no code, not counted
     assert watch.seen  # and no success either
+
+
+MOVED_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+MOVED_TOKEN = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+
+
+def test_streams_cut_at_a_moved_backends_old_address_do_not_condemn_the_new_one() -> None:
+    from llmhealth.fleet import FleetRecord  # noqa: PLC0415
+    from llmhealth.ledger import Ledger, LedgerPolicy, State  # noqa: PLC0415
+
+    """A reload moves "a" to a new server; the old one is then switched off and the three
+    streams still in flight there break. The new server never saw a request, yet the
+    settle after the move counts the old address's failures against it and condemns it."""
+    streaming = 0
+    all_streaming = asyncio.Event()
+    old_goes_away = asyncio.Event()
+    new_server_requests = 0
+
+    async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal streaming
+        await read_request(reader)
+        writer.write(MOVED_SSE_HEAD + b"%x\r\n%s\r\n" % (len(MOVED_TOKEN), MOVED_TOKEN))
+        await writer.drain()
+        streaming += 1
+        if streaming == 3:
+            all_streaming.set()
+        await old_goes_away.wait()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # the old machine is switched off: a reset
+
+    async def new_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal new_server_requests
+        await read_request(reader)
+        new_server_requests += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with raw_backend(old_server) as old, raw_backend(new_server) as new:
+            record = FleetRecord(Ledger(LedgerPolicy(), [("a", old)], now=time.time()))
+            router = Router(RouterConfig(), [Backend("a", old)])
+            port = free_port()
+            await router.start("127.0.0.1", port)
+            router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
+            try:
+                clients = []
+                for _ in range(3):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.write(
+                        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                        % (CHAT.encode(), len(BODY), BODY)
+                    )
+                    clients.append((reader, writer))
+                await asyncio.wait_for(all_streaming.wait(), BOUND)
+                # SIGHUP: the daemon reconfigures the router at once (_reload_config) ...
+                router.configure([Backend("a", new)])
+                # ... and its next settle reconciles the record (cycle._open), then pushes.
+                record.reconcile({"a": new}, time.time())
+                router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
+                old_goes_away.set()  # the old server is switched off
+                for reader, writer in clients:
+                    await asyncio.wait_for(reader.read(), BOUND)  # its error event and end
+                    writer.close()
+                await quiet(router)
+                drained = router.drain()
+                # The settle after: what the router saw is fed to the ledger.
+                record.observe_requests("a", drained.get("a", ()))
+                assert new_server_requests == 0
+                snapshot = record.ledger.snapshot("a", time.time())
+                assert snapshot.request_failures == 0, [o.describe() for o in drained["a"]]
+                assert record.ledger.state_of("a") is State.HEALTHY
+            finally:
+                await router.close()
+
+    run(scenario())
