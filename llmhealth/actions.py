@@ -204,8 +204,8 @@ class _Capture:
         head = self._head.decode("utf-8", errors="replace")
         tail = self._tail.decode("utf-8", errors="replace")
         omitted = self._total - len(self._head) - len(self._tail)
-        if omitted == 0:
-            return head + tail
+        if omitted == 0:  # one text: a character may straddle the two halves
+            return (self._head + self._tail).decode("utf-8", errors="replace")
         return f"{head}\n[... {omitted} bytes omitted ...]\n{tail}"
 
 

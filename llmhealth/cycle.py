@@ -415,6 +415,7 @@ async def run_cycle_async(
     if not settled.orders:
         return settled.report
     done = []
+    first, interrupted = settled.report, False
     for order in settled.orders:
         assert store is not None  # orders come only from a settle that saved them
         try:
@@ -423,9 +424,21 @@ async def run_cycle_async(
             env = {**order.env, **store.command_env()}
         except StateError as exc:
             note = f"{order.name}: restart saved but not run: {exc}"
-            return replace(settled.report, notes=(*settled.report.notes, note))
-        result = await asyncio.to_thread(run_command, order.argv, order.timeout, env=env)
+            first = replace(first, notes=(*first.notes, note))
+            break  # nor the orders after it; the commands already run are still heard
+        running = asyncio.ensure_future(
+            asyncio.to_thread(run_command, order.argv, order.timeout, env=env)
+        )
+        try:
+            result = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # Ctrl-C: its thread runs the command to its end regardless; hear how it went.
+            done.append(CommandDone(order, await running))
+            interrupted = True
+            break
         done.append(CommandDone(order, result))
+    if not done:
+        return first
 
     async def nothing(_record: FleetRecord) -> list[Outcome]:
         return []
@@ -443,8 +456,12 @@ async def run_cycle_async(
             kept=kept,
         )
     except (StateError, AuditError) as exc:
-        return _commands_unsettled(settled.report, done, audit, clock(), exc)
-    return _with_commands(settled.report, heard)
+        report = _commands_unsettled(first, done, audit, clock(), exc)
+    else:
+        report = _with_commands(first, heard)
+    if interrupted:
+        raise asyncio.CancelledError  # recorded: now the interruption goes on
+    return report
 
 
 def _commands_unsettled(

@@ -704,3 +704,13 @@ def test_root_never_appends_to_a_file_another_users_audit_link_names(tmp_path: P
     with pytest.raises(AuditError, match="owned by uid 40123"):
         AuditLog(audit).append({"event": "hold", "backend": "gpu0"})
     assert victim.read_text() == "ssh-ed25519 AAAA root@here\n"
+
+
+def test_output_within_the_limit_keeps_a_character_that_straddles_the_halves() -> None:
+    # Its head and tail were decoded apart though nothing was left out: two U+FFFD.
+    """4096 bytes of output, nothing omitted: the é across the head/tail seam is lost."""
+    written = "a" * 2047 + "é" + "b" * 2047  # 4096 bytes, the default limit
+    script = f"import sys; sys.stdout.buffer.write({written.encode()!r})"
+    result = run_command([sys.executable, "-c", script], timeout=30)
+    assert result.ok
+    assert result.stdout == written

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,11 @@ from typing import Any
 import pytest
 from restartable import Fleet, Server, alive, restartable_fleet, stop
 
+from llmhealth import config as config_module
 from llmhealth.actions import read as read_audit
+from llmhealth.cycle import run_cycle
+from llmhealth.probe import ProbeSettings
+from llmhealth.state import StateError, StateFile
 
 WEDGE = "wedge:0.3"  # busy, then the engine freezes 0.3 s after the process started
 # One HTTP read. No test waits for it to expire; 2 s rather than 1 s so that a simulator
@@ -850,3 +855,91 @@ def test_the_restart_command_gets_no_api_key_and_is_told_what_to_restart_and_why
     assert environment["LLMHEALTH_BACKEND"] == "gpu0"
     assert environment["LLMHEALTH_URL"] == gpu.url
     assert environment["LLMHEALTH_REASON"].startswith("wedged: engine 0 had work and made no")
+
+
+def test_a_command_already_run_is_heard_when_a_later_order_may_not_run(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """check runs its orders one after another; when a later one's store refuses
+    (command_env: a cluster leader whose lease lapsed while the first command ran), the
+    first command's outcome (it ran, exit 3) must still reach the trail or the report."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    failing = [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+    setup = configure(
+        "unused",
+        tmp_path,
+        [("gpu0", gpu0.url, failing), ("gpu1", gpu1.url, failing)],
+        max_concurrent_restarts=2,
+    )
+
+    class LeaseLapsesAfterTheFirstCommand(StateFile):
+        asked = 0
+
+        def command_env(self) -> dict[str, str]:
+            self.asked += 1
+            if self.asked > 1:
+                raise StateError("the lease passed on while the first command ran; not run")
+            return {}
+
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    settings = ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+    until_frozen(gpu0, gpu1)
+    report = run_cycle(loaded, targets, settings, LeaseLapsesAfterTheFirstCommand(setup.state))
+    ran = [note for note in report.restarts if note.action == "restart" and note.ran]
+    commands = [r for r in read_audit(setup.audit_path) if r["event"] == "restart_command"]
+    print(report.notes, report.restarts, commands)
+    assert len(ran) == 1 and len(commands) == 1, "the command that ran is in no trail"
+
+
+INTERRUPTIBLE = (
+    "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
+    " time.sleep(3); sys.stderr.write('restart failed'); sys.exit(7)"
+)
+
+
+def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Ctrl-C while check runs a restart command: check waits for the command anyway
+    (asyncio.run joins its thread), then leaves without the settle that records it: a
+    failed command's exit code and stderr are in no audit line, its backend RESTARTING
+    until the startup grace instead of DEAD."""
+    gpu = fleet.start("gpu0", WEDGE)
+    started = tmp_path / "command-started"
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
+    )
+    until_frozen(gpu)
+    check = subprocess.Popen(
+        [entry_point, "check", *setup.where(), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # As from a shell: a background job (CI) starts with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
+    )
+    try:
+        until = time.monotonic() + 60
+        while not started.exists() or not started.read_text():
+            assert check.poll() is None, check.communicate()
+            assert time.monotonic() < until, "the restart command never started"
+            time.sleep(0.05)
+        check.send_signal(signal.SIGINT)  # Ctrl-C
+        out, err = check.communicate(timeout=60)
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+    print(check.returncode, out, err)
+    commands = [r for r in setup.audit() if r["event"] == "restart_command"]
+    assert [c["command"]["exit_code"] for c in commands] == [7], setup.audit()
+    assert check.returncode == 130  # still an interrupted run
