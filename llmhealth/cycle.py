@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -426,14 +427,20 @@ async def run_cycle_async(
             note = f"{order.name}: restart saved but not run: {exc}"
             first = replace(first, notes=(*first.notes, note))
             break  # nor the orders after it; the commands already run are still heard
-        running = asyncio.ensure_future(
-            asyncio.to_thread(run_command, order.argv, order.timeout, env=env)
+        # A future, not a task: asyncio.run's close cancels every task left (a second
+        # Ctrl-C), and a cancelled task would lose the result its thread still brings.
+        running = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(run_command, order.argv, order.timeout, env=env)
         )
         try:
             result = await asyncio.shield(running)
         except asyncio.CancelledError:
-            # Ctrl-C: its thread runs the command to its end regardless; hear how it went.
-            done.append(CommandDone(order, await running))
+            # Ctrl-C: its thread runs the command to its end regardless; hear how it went,
+            # through a second Ctrl-C too (asyncio.run's close waits for the thread anyway).
+            while not running.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(running)
+            done.append(CommandDone(order, running.result()))
             interrupted = True
             break
         done.append(CommandDone(order, result))

@@ -375,7 +375,7 @@ class Daemon:
             while not self._stop.is_set():
                 # Cycles keep a fixed period: the settle's own time is not added to the wait.
                 due = max(due + self.settings.wait, time.monotonic())
-                await self._wait_until(due)
+                due = await self._wait_until(due)
                 if self._stop.is_set():
                     break
                 if self._reload:
@@ -441,7 +441,7 @@ class Daemon:
                 self._push_router()
                 self._after_cycle(settled.report, time.monotonic() - started, pace, live)
 
-    async def _wait_until(self, due: float) -> None:
+    async def _wait_until(self, due: float) -> float:
         """Until the next cycle is due, or a stop. Waiting is health: systemd hears so at
         least twice per watchdog period, as a `wait` may be longer than WatchdogSec (35 s
         against the unit's 30 s killed the daemon every cycle); a cycle that hangs still
@@ -449,10 +449,12 @@ class Daemon:
         while not self._stop.is_set():
             if self._reload:  # between settles: none reads the config meanwhile
                 self._reload = False
+                wait = self._wait
                 self._reload_config()
+                due += self._wait - wait  # a changed wait counts from the last cycle
             left = due - time.monotonic()
             if left <= 0:
-                return
+                return due
             every = self._watchdog_every if self._ready_told else None
             self._reload_asked.clear()
             woken = [
@@ -466,6 +468,7 @@ class Daemon:
                 waiting.cancel()
             if every is not None and not self._stop.is_set() and time.monotonic() < due:
                 self._notifier.send("WATCHDOG=1")
+        return due
 
     def _tell_systemd(self, status: str) -> None:
         """After every cycle, settled or skipped: READY=1 the first time, then WATCHDOG=1.

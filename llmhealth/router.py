@@ -735,7 +735,7 @@ class Router:
 
     def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
-        if status < 400 and self._origins.get(name) == origin:
+        if status < 400 and not self._moved(name, origin):
             self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
@@ -776,7 +776,7 @@ class Router:
         """Count a failure against a backend and drop it from choice until the next push.
         Not a failure at the address a reload has since moved it from: that server is not
         this one, and the new one never saw the request."""
-        if self._origins.get(name) != origin:
+        if self._moved(name, origin):
             return
         self._log.record(
             name,
@@ -785,6 +785,18 @@ class Router:
         self._dropped.add(name)
         self.metrics.failures[name, str(kind)] += 1
         self.metrics.serving = len(self._pick_set())
+
+    def _moved(self, name: str, origin: Origin) -> bool:
+        """Whether a reload has since taken the backend from the server at ``origin``; its
+        URL written another way (the scheme's own port spelled out) is no move, as in
+        ``configure``: the Host header it sends is not where it is."""
+        now = self._origins.get(name)
+        return now is None or (now.scheme, now.host, now.port, now.prefix) != (
+            origin.scheme,
+            origin.host,
+            origin.port,
+            origin.prefix,
+        )
 
     def _pick_set(self) -> dict[str, Models]:
         return {n: m for n, m in self._serving.items() if n not in self._dropped}

@@ -2431,3 +2431,42 @@ def test_a_settle_or_hook_that_gets_no_thread_is_put_off_not_the_end_of_watch(
     assert refused.is_set()
     assert cycles >= 2
     assert hook_log.read_text().startswith("changed\n")
+
+
+def test_a_reload_that_shortens_the_wait_does_not_wait_out_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: SIGHUP applies "the rest at once, between two settles, without waiting out
+    the wait". A wait cut from 600 s to 0.5 s is still waited out: the next settle stays
+    due 600 s after the last, while the probes already read every 0.5 s."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    configs = [config_module.Config(wait=600.0, timeout=1.0, answer_timeout=1.0, read_workers=1)]
+    targets = [Target("first", REFUSED_URL)]
+    daemon = in_process(lambda: (configs[-1], targets), tmp_path, None)
+    state = tmp_path / "state.json"
+
+    async def scenario() -> bool:
+        running = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(int(PATIENCE / 0.05)):  # up and reading
+                probe = daemon._state.probes.get("first")
+                if probe is not None and probe.examinations:
+                    break
+                await asyncio.sleep(0.05)
+            assert not state.exists()  # no settle yet: the first is due one wait in
+            configs.append(
+                config_module.Config(wait=0.5, timeout=1.0, answer_timeout=1.0, read_workers=1)
+            )
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(int(PATIENCE / 0.05)):
+                if state.exists():
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    settled = asyncio.run(scenario())
+    assert daemon._wait == 0.5, "the reload was not applied"
+    assert settled, "no settle within PATIENCE of a reload to a 0.5 s wait (old wait 600 s)"

@@ -904,13 +904,15 @@ INTERRUPTIBLE = (
 )
 
 
+@pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c twice"])
 def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
-    entry_point: str, fleet: Fleet, tmp_path: Path
+    entry_point: str, fleet: Fleet, tmp_path: Path, presses: int
 ) -> None:
     """Ctrl-C while check runs a restart command: check waits for the command anyway
-    (asyncio.run joins its thread), then leaves without the settle that records it: a
-    failed command's exit code and stderr are in no audit line, its backend RESTARTING
-    until the startup grace instead of DEAD."""
+    (asyncio.run joins its thread), then left without the settle that records it: a
+    failed command's exit code and stderr were in no audit line, its backend RESTARTING
+    until the startup grace instead of DEAD. An operator who sees nothing happen presses
+    it again: asyncio.run's close then cancelled the thread's task, and lost it again."""
     gpu = fleet.start("gpu0", WEDGE)
     started = tmp_path / "command-started"
     setup = configure(
@@ -933,13 +935,17 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
             assert check.poll() is None, check.communicate()
             assert time.monotonic() < until, "the restart command never started"
             time.sleep(0.05)
-        check.send_signal(signal.SIGINT)  # Ctrl-C
+        command = Path(f"/proc/{started.read_text()}")
+        for press in range(presses):
+            if press:
+                time.sleep(0.5)  # handled apart, not coalesced with the first
+                assert command.exists(), "the command ended before the second Ctrl-C"
+            check.send_signal(signal.SIGINT)  # Ctrl-C
         out, err = check.communicate(timeout=60)
     finally:
         if check.poll() is None:
             check.kill()
             check.wait(10)
-    print(check.returncode, out, err)
     commands = [r for r in setup.audit() if r["event"] == "restart_command"]
-    assert [c["command"]["exit_code"] for c in commands] == [7], setup.audit()
+    assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
     assert check.returncode == 130  # still an interrupted run

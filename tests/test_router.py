@@ -1550,3 +1550,61 @@ def test_streams_cut_at_a_moved_backends_old_address_do_not_condemn_the_new_one(
                 await router.close()
 
     run(scenario())
+
+
+def test_a_reload_that_only_respells_the_url_loses_no_failure() -> None:
+    """configure(): "written another way is no move" (same_server: the scheme's own port
+    dropped). But _fail compares Origin objects, whose host_header differs for
+    ``http://127.0.0.1:80`` and ``http://127.0.0.1``: a 500 from the very server the
+    request went to, still the backend's server, is neither counted nor drops it."""
+    try:  # port 80: the scheme's own, so the respelling is possible at all
+        probe = socket.socket()
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", 80))
+        probe.close()
+    except OSError as exc:
+        pytest.skip(f"port 80 not bindable here: {errno.errorcode.get(exc.errno, exc)}")
+    answer = asyncio.Event()
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await answer.wait()  # the reload comes while the request is at the server
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        listening = await asyncio.start_server(server, "127.0.0.1", 80)
+        router = Router(RouterConfig(), [Backend("a", "http://127.0.0.1:80")])
+        port = free_port()
+        await router.start("127.0.0.1", port)
+        router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            await writer.drain()
+            for _ in range(int(BOUND / 0.01)):
+                if router.in_flight.get("a"):
+                    break
+                await asyncio.sleep(0.01)
+            # SIGHUP: the same server, its URL written without the scheme's own port.
+            router.configure([Backend("a", "http://127.0.0.1")])
+            assert "a" in router._pick_set(), "a respelling is no move (configure)"
+            answer.set()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            assert head.startswith(b"HTTP/1.1 500"), head
+            writer.close()
+            await quiet(router)
+            drained = router.drain()
+            assert [o.status for o in drained.get("a", ())] == [500], drained
+            assert "a" not in router._pick_set(), "the reflex drop did not apply"
+        finally:
+            await router.close()
+            listening.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(listening.wait_closed(), 2)
+
+    run(scenario())
