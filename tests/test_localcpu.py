@@ -557,8 +557,9 @@ def test_a_broken_socket_diagnostics_dump_is_an_error_not_an_answer(
         localcpu._read_diag_dump(_Datagrams(datagrams), 1, {})  # type: ignore[arg-type]
 
 
-# `kubectl port-forward svc/vllm 8000:8000` or `ssh -L 8000:localhost:8000 vllm-01`: a
-# forwarder on this host, its engine elsewhere; "vllm" is in its arguments only.
+# A forwarder on this host, its engine elsewhere, that names vLLM only in its arguments
+# (`kubectl port-forward svc/vllm`, `ssh -L 8000:localhost:8000 vllm-01`) or in the
+# directories of its path (a vllm service account's ~/.local/bin/kubectl).
 FORWARDER = """
 import socket, sys
 listener = socket.socket()
@@ -567,11 +568,42 @@ listener.listen()
 print(listener.getsockname()[1], flush=True)
 sys.stdin.read()
 """
+FORWARDED_FROZEN = """
+import http.server, sys
+text = open(sys.argv[1], "rb").read()
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
 
 
-def test_a_forwarder_naming_its_vllm_target_gives_no_evidence() -> None:
+def forwarder_program(tmp_path: Path, where: str) -> tuple[str, list[str]]:
+    """The forwarder's program and the arguments after its code: this Python, told the
+    vLLM it forwards to, or a link to it in the home of a service account named vllm."""
+    if where == "arguments":
+        return sys.executable, ["port-forward", "svc/vllm", "8000:8000"]
+    home_bin = tmp_path / "home" / "vllm" / ".local" / "bin"
+    home_bin.mkdir(parents=True)
+    kubectl = home_bin / "kubectl"
+    os.symlink(os.path.realpath(sys.executable), kubectl)
+    return str(kubectl), ["port-forward", "svc/model", "8000:8000"]
+
+
+@pytest.mark.parametrize("where", ["arguments", "directory"])
+def test_a_forwarder_naming_vllm_outside_its_programs_name_gives_no_evidence(
+    tmp_path: Path, where: str
+) -> None:
+    program, arguments = forwarder_program(tmp_path, where)
     process = subprocess.Popen(
-        [sys.executable, "-c", FORWARDER, "port-forward", "svc/vllm", "8000:8000"],
+        [program, "-c", FORWARDER, *arguments],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -590,80 +622,14 @@ def test_a_forwarder_naming_its_vllm_target_gives_no_evidence() -> None:
         process.stdout.close()
 
 
-FORWARDED_FROZEN = """
-import http.server, sys
-text = open(sys.argv[1], "rb").read()
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(text)))
-        self.end_headers()
-        self.wfile.write(text)
-    def log_message(self, *args):
-        pass
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-print(server.server_address[1], flush=True)
-server.serve_forever()
-"""
-
-
-def test_an_engine_inside_a_long_step_behind_a_named_forwarder_is_not_wedged(
-    tmp_path: Path,
+@pytest.mark.parametrize("where", ["arguments", "directory"])
+def test_an_engine_inside_a_long_step_behind_such_a_forwarder_is_not_wedged(
+    tmp_path: Path, where: str
 ) -> None:
     # The remote engine is inside an 80 s step (window 240 s); the local forwarder idles.
+    program, arguments = forwarder_program(tmp_path, where)
     process = subprocess.Popen(
-        [sys.executable, "-c", FORWARDED_FROZEN, str(frozen_text(tmp_path)), "svc/vllm"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        port = int(process.stdout.readline())
-        verdict = examine(f"http://127.0.0.1:{port}", LEARNED)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-        assert process.stdout is not None
-        process.stdout.close()
-    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
-
-
-def _kubectl_of_user_vllm(tmp_path: Path) -> Path:
-    """A forwarder binary installed in the home of a service account named vllm
-    (~vllm/.local/bin/kubectl): a real program, here a link to this Python."""
-    where = tmp_path / "home" / "vllm" / ".local" / "bin"
-    where.mkdir(parents=True)
-    kubectl = where / "kubectl"
-    os.symlink(os.path.realpath(sys.executable), kubectl)
-    return kubectl
-
-
-def test_a_forwarder_in_a_vllm_users_home_gives_no_evidence(tmp_path: Path) -> None:
-    kubectl = _kubectl_of_user_vllm(tmp_path)
-    process = subprocess.Popen(
-        [str(kubectl), "-c", FORWARDER, "port-forward", "svc/model", "8000:8000"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        port = int(process.stdout.readline())
-        sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
-        assert sample is None, sample
-    finally:
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.close()
-        process.wait(timeout=10)
-        process.stdout.close()
-
-
-def test_an_engine_behind_a_forwarder_in_a_vllm_users_home_is_not_wedged(
-    tmp_path: Path,
-) -> None:
-    kubectl = _kubectl_of_user_vllm(tmp_path)
-    process = subprocess.Popen(
-        [str(kubectl), "-c", FORWARDED_FROZEN, str(frozen_text(tmp_path))],
+        [program, "-c", FORWARDED_FROZEN, str(frozen_text(tmp_path)), *arguments],
         stdout=subprocess.PIPE,
         text=True,
     )
