@@ -290,10 +290,9 @@ def test_a_sample_stuck_in_a_read_is_given_up_on_and_not_started_twice(tmp_path:
 
 # A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the
 # listener, and the "engine core" child is the process that gets stopped.
-FROZEN_SERVER = (
-    ENGINE
-    + """
-import http.server, signal, subprocess, sys
+# A server of the text in the file its first argument names, at every GET.
+SERVING_A_FILE = """
+import http.server, sys
 text = open(sys.argv[1], "rb").read()
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -304,6 +303,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+"""
+FROZEN_SERVER = (
+    ENGINE
+    + SERVING_A_FILE
+    + """
+import signal
 # The engine core, then any workers: one child process per code given.
 children = [engine(code) for code in sys.argv[2:]]
 print(server.server_address[1], *(child.pid for child in children), flush=True)
@@ -568,21 +573,13 @@ listener.listen()
 print(listener.getsockname()[1], flush=True)
 sys.stdin.read()
 """
-FORWARDED_FROZEN = """
-import http.server, sys
-text = open(sys.argv[1], "rb").read()
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(text)))
-        self.end_headers()
-        self.wfile.write(text)
-    def log_message(self, *args):
-        pass
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+FORWARDED_FROZEN = (
+    SERVING_A_FILE
+    + """
 print(server.server_address[1], flush=True)
 server.serve_forever()
 """
+)
 
 
 def forwarder_program(tmp_path: Path, where: str) -> tuple[str, list[str]]:
