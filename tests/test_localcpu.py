@@ -141,17 +141,19 @@ finally:
 def test_a_listener_with_no_vllm_process_below_it_gives_no_evidence(children: list[str]) -> None:
     """The idle CPU of a forwarder in front of vLLM, or of a helper beside an engine that
     runs inside its API server, proved a wedge in two waits of an engine computing."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", NOT_VLLM, *children],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        port = int(process.stdout.readline())
+    with listening([sys.executable, "-c", NOT_VLLM, *children]) as port:
         cpu = LocalCpu(f"http://127.0.0.1:{port}")
         assert cpu.applies and cpu.sample() is None
+
+
+@contextmanager
+def listening(argv: list[str]) -> Iterator[int]:
+    """The port a process started with ``argv`` prints once it listens; it leaves when
+    its stdin closes, and is waited for."""
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield int(process.stdout.readline())
     finally:
         assert process.stdin is not None and process.stdout is not None
         process.stdin.close()
@@ -599,24 +601,11 @@ def test_a_forwarder_naming_vllm_outside_its_programs_name_gives_no_evidence(
     tmp_path: Path, where: str
 ) -> None:
     program, arguments = forwarder_program(tmp_path, where)
-    process = subprocess.Popen(
-        [program, "-c", FORWARDER, *arguments],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        port = int(process.stdout.readline())
+    with listening([program, "-c", FORWARDER, *arguments]) as port:
         sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
-        # Its idle CPU is not the remote engine's: sampled, it proves a computing
-        # engine wedged in two waits ("the engine is doing nothing").
-        assert sample is None, sample
-    finally:
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.close()
-        process.wait(timeout=10)
-        process.stdout.close()
+    # Its idle CPU is not the remote engine's: sampled, it proves a computing engine
+    # wedged in two waits ("the engine is doing nothing").
+    assert sample is None, sample
 
 
 @pytest.mark.parametrize("where", ["arguments", "directory"])
