@@ -362,9 +362,11 @@ def check_url(url: str) -> str:
         # No host name holds a space: resolved, it failed as the server's `down` (exit 2).
         raise ValueError(f"{url!r} has white space in its host and port")
     try:
-        _ = parts.port
+        port = parts.port
     except ValueError as exc:
         raise ValueError(f"{url!r} has a bad port") from exc
+    if port == 0:  # nothing listens there; the router read it as the scheme's own port
+        raise ValueError(f"{url!r} has port 0")
     if ":" not in parts.hostname:  # an IPv6 literal is no name
         try:
             parts.hostname.encode("idna")  # as every request's Host header is written

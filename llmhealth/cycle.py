@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -417,6 +419,7 @@ async def run_cycle_async(
         return settled.report
     done = []
     first, interrupted = settled.report, False
+    held = contextlib.ExitStack()  # Ctrl-C held off, once it came, until it is recorded
     for order in settled.orders:
         assert store is not None  # orders come only from a settle that saved them
         try:
@@ -435,8 +438,10 @@ async def run_cycle_async(
         try:
             result = await asyncio.shield(running)
         except asyncio.CancelledError:
-            # Ctrl-C: its thread runs the command to its end regardless; hear how it went,
-            # through a second Ctrl-C too (asyncio.run's close waits for the thread anyway).
+            # Ctrl-C: its thread runs the command to its end regardless; hear how it went.
+            # A later Ctrl-C is held off until that is recorded: raised as KeyboardInterrupt
+            # anywhere (the recording settle's wait for the state lock too), it lost it.
+            held.callback(_hold_ctrl_c())
             while not running.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(running)
@@ -466,9 +471,20 @@ async def run_cycle_async(
         report = _commands_unsettled(first, done, audit, clock(), exc)
     else:
         report = _with_commands(first, heard)
+    finally:
+        held.close()
     if interrupted:
         raise asyncio.CancelledError  # recorded: now the interruption goes on
     return report
+
+
+def _hold_ctrl_c() -> Callable[[], object]:
+    """Ignore SIGINT (in the main thread, where a handler can be set) until the function
+    returned puts back the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = signal.signal(signal.SIGINT, lambda _signal, _frame: None)
+    return lambda: signal.signal(signal.SIGINT, before)
 
 
 def _commands_unsettled(

@@ -194,6 +194,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         # NUL as a restart "not run", its budget spent; "/" as an internal error.
         ("[[backend]]\nurl = 'http://gpu 0.lan:80'", "backend[0].url: 'http://gpu 0.lan:80' has"),
         ("[[backend]]\nurl = 'http://a :1'", "has white space in its host and port"),
+        ("[[backend]]\nurl = 'http://a:0'", "backend[0].url: 'http://a:0' has port 0"),
         ("[[backend]]\nurl = 'http://a:1'\nrestart = [\"/bin/x\\u0000\"]", "restart: holds a NUL"),
         ('on_serving_change = ["/bin/x", "a\\u0000b"]', "on_serving_change: holds a NUL"),
         ("state = '/'", "state: '/' names a directory, not a file"),

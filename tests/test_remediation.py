@@ -11,8 +11,10 @@ is stopped when its test ends, failing or not.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -904,7 +906,28 @@ INTERRUPTIBLE = (
 )
 
 
-@pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c twice"])
+def check_in_background(entry_point: str, setup: Setup) -> subprocess.Popen[str]:
+    """`check` as from a shell: a background job (CI) starts with SIGINT ignored."""
+    return subprocess.Popen(
+        [entry_point, "check", *setup.where(), "--format", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
+    )
+
+
+def command_started(check: subprocess.Popen[str], started: Path) -> Path:
+    """The running command's /proc entry, once it wrote its pid to ``started``."""
+    until = time.monotonic() + 60
+    while not started.exists() or not started.read_text():
+        assert check.poll() is None, check.communicate()
+        assert time.monotonic() < until, "the restart command never started"
+        time.sleep(0.05)
+    return Path(f"/proc/{started.read_text()}")
+
+
+@pytest.mark.parametrize("presses", [1, 2, 3], ids=["once", "twice", "three times"])
 def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     entry_point: str, fleet: Fleet, tmp_path: Path, presses: int
 ) -> None:
@@ -912,7 +935,8 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     (asyncio.run joins its thread), then left without the settle that records it: a
     failed command's exit code and stderr were in no audit line, its backend RESTARTING
     until the startup grace instead of DEAD. An operator who sees nothing happen presses
-    it again: asyncio.run's close then cancelled the thread's task, and lost it again."""
+    it again: asyncio.run's close then cancelled the thread's task and lost it again, and
+    a third press abandoned the task ("Task was destroyed but it is pending!")."""
     gpu = fleet.start("gpu0", WEDGE)
     started = tmp_path / "command-started"
     setup = configure(
@@ -921,25 +945,13 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
         [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
     )
     until_frozen(gpu)
-    check = subprocess.Popen(
-        [entry_point, "check", *setup.where(), "--format", "json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # As from a shell: a background job (CI) starts with SIGINT ignored.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
-    )
+    check = check_in_background(entry_point, setup)
     try:
-        until = time.monotonic() + 60
-        while not started.exists() or not started.read_text():
-            assert check.poll() is None, check.communicate()
-            assert time.monotonic() < until, "the restart command never started"
-            time.sleep(0.05)
-        command = Path(f"/proc/{started.read_text()}")
+        command = command_started(check, started)
         for press in range(presses):
             if press:
-                time.sleep(0.5)  # handled apart, not coalesced with the first
-                assert command.exists(), "the command ended before the second Ctrl-C"
+                time.sleep(0.5)  # handled apart, not coalesced with the one before
+                assert command.exists(), "the command ended before this Ctrl-C"
             check.send_signal(signal.SIGINT)  # Ctrl-C
         out, err = check.communicate(timeout=60)
     finally:
@@ -949,3 +961,47 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     commands = [r for r in setup.audit() if r["event"] == "restart_command"]
     assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
     assert check.returncode == 130  # still an interrupted run
+    assert "Task was destroyed" not in err
+
+
+def test_a_second_ctrl_c_while_the_record_waits_for_the_state_lock_keeps_it(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """Another run holds the state (a cron check, flock(1) in a backup) when the command
+    ends: the settle that records it waits up to 10 s for the lock, and a second Ctrl-C
+    then was a KeyboardInterrupt inside that settle, the record lost."""
+    gpu = fleet.start("gpu0", WEDGE)
+    started = tmp_path / "command-started"
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
+    )
+    until_frozen(gpu)
+    check = check_in_background(entry_point, setup)
+    lock = None
+    try:
+        command = command_started(check, started)
+        # The first settle let go of the lock before the command ran: another run takes it.
+        lock = os.open(setup.state.with_name("state.json.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        check.send_signal(signal.SIGINT)  # Ctrl-C
+        until = time.monotonic() + 30
+        while command.exists():
+            assert time.monotonic() < until, "the command did not end"
+            time.sleep(0.05)
+        time.sleep(1.0)  # check's recording settle now waits for the lock (up to 10 s)
+        assert check.poll() is None, "check gave up on the lock already"
+        check.send_signal(signal.SIGINT)  # Ctrl-C again: nothing seems to happen
+        time.sleep(0.5)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        out, err = check.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+    commands = [r for r in setup.audit() if r["event"] == "restart_command"]
+    assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
+    assert check.returncode == 130
