@@ -927,6 +927,7 @@ def command_started(check: subprocess.Popen[str], started: Path) -> Path:
     return Path(f"/proc/{started.read_text()}")
 
 
+@pytest.mark.slow  # a check and its command each time: 4 s a case
 @pytest.mark.parametrize("presses", [1, 2, 3], ids=["once", "twice", "three times"])
 def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     entry_point: str, fleet: Fleet, tmp_path: Path, presses: int
@@ -964,6 +965,7 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     assert "Task was destroyed" not in err
 
 
+@pytest.mark.slow  # 6 s of a check, its command and a lock held
 def test_a_second_ctrl_c_while_the_record_waits_for_the_state_lock_keeps_it(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
