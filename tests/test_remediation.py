@@ -896,7 +896,6 @@ def test_a_command_already_run_is_heard_when_a_later_order_may_not_run(
     report = run_cycle(loaded, targets, settings, LeaseLapsesAfterTheFirstCommand(setup.state))
     ran = [note for note in report.restarts if note.action == "restart" and note.ran]
     commands = [r for r in read_audit(setup.audit_path) if r["event"] == "restart_command"]
-    print(report.notes, report.restarts, commands)
     assert len(ran) == 1 and len(commands) == 1, "the command that ran is in no trail"
 
 
@@ -915,6 +914,22 @@ def check_in_background(entry_point: str, setup: Setup) -> subprocess.Popen[str]
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
     )
+
+
+def check_running_a_failing_command(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> tuple[Setup, subprocess.Popen[str], Path]:
+    """A `check` in the background that condemns a wedged backend and runs its restart
+    command (3 s, then exit 7), and the file the command writes its pid to."""
+    gpu = fleet.start("gpu0", WEDGE)
+    started = tmp_path / "command-started"
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
+    )
+    until_frozen(gpu)
+    return setup, check_in_background(entry_point, setup), started
 
 
 def command_started(check: subprocess.Popen[str], started: Path) -> Path:
@@ -938,15 +953,7 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     until the startup grace instead of DEAD. An operator who sees nothing happen presses
     it again: asyncio.run's close then cancelled the thread's task and lost it again, and
     a third press abandoned the task ("Task was destroyed but it is pending!")."""
-    gpu = fleet.start("gpu0", WEDGE)
-    started = tmp_path / "command-started"
-    setup = configure(
-        entry_point,
-        tmp_path,
-        [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
-    )
-    until_frozen(gpu)
-    check = check_in_background(entry_point, setup)
+    setup, check, started = check_running_a_failing_command(entry_point, fleet, tmp_path)
     try:
         command = command_started(check, started)
         for press in range(presses):
@@ -972,15 +979,7 @@ def test_a_second_ctrl_c_while_the_record_waits_for_the_state_lock_keeps_it(
     """Another run holds the state (a cron check, flock(1) in a backup) when the command
     ends: the settle that records it waits up to 10 s for the lock, and a second Ctrl-C
     then was a KeyboardInterrupt inside that settle, the record lost."""
-    gpu = fleet.start("gpu0", WEDGE)
-    started = tmp_path / "command-started"
-    setup = configure(
-        entry_point,
-        tmp_path,
-        [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
-    )
-    until_frozen(gpu)
-    check = check_in_background(entry_point, setup)
+    setup, check, started = check_running_a_failing_command(entry_point, fleet, tmp_path)
     lock = None
     try:
         command = command_started(check, started)
