@@ -375,12 +375,9 @@ class Daemon:
             while not self._stop.is_set():
                 # Cycles keep a fixed period: the settle's own time is not added to the wait.
                 due = max(due + self.settings.wait, time.monotonic())
-                due = await self._wait_until(due)
+                due = await self._wait_until(due)  # a reload asked meanwhile is applied
                 if self._stop.is_set():
                     break
-                if self._reload:
-                    self._reload = False
-                    self._reload_config()
                 started = time.monotonic()
                 pace = self._reads_per_wait(started)
                 # Drained here, on the loop's thread: the router records on it too.
