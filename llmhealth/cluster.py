@@ -228,15 +228,17 @@ class Etcd:
         if skip is not None and skip.startswith(prefix):
             spans = [(prefix, skip), (_after_prefix(skip), _after_prefix(prefix))]
         for first, end in spans:
-            start, last = first, None
+            start = first.encode()
             while True:
                 request = {"key": _b64(start), "range_end": _b64(end), "limit": page}
                 found = self._range(request)
                 yield from found
-                if len(found) < page or found[-1][0] == last:
-                    break  # the span's end, or a key that does not decode moved no further
-                last = found[-1][0]
-                start = last + "\0"
+                # Past the last key by its bytes: its text re-encoded sorts elsewhere when
+                # it is not UTF-8, and the keys between were skipped.
+                following = found[-1][1].key + b"\0" if found else start
+                if len(found) < page or following <= start:
+                    break  # the span's end (or an answer that moved no further)
+                start = following
 
     def scan_down(
         self, prefix: str, end: str | bytes | None, limit: int, *, keys_only: bool = False
@@ -545,9 +547,10 @@ class Elector:
         ``standing`` says. A process that takes part for one run (a check from cron) has
         no thread to observe for it, and would say etcd was unreachable."""
         self.step()
-        self.observed = Observation(
-            True, read_leader(self.etcd, self.keys), read_members(self.etcd, self.keys)
-        )
+        self._renew_if_due()
+        leader = read_leader(self.etcd, self.keys)
+        self._renew_if_due()
+        self.observed = Observation(True, leader, read_members(self.etcd, self.keys))
 
     def _run(self) -> None:
         failures = 0  # rounds failed in a row
@@ -585,7 +588,10 @@ class Elector:
         lease = self._renew()
         if lease is None:
             return
+        self._renew_if_due()
         with self._lock:
+            if self._facts.lease_id != lease:
+                return  # etcd no longer has it: the next round gets another
             leading = self._fence is not None
         if leading:
             self._confirm()
@@ -600,14 +606,35 @@ class Elector:
             lease = self.etcd.grant(max(1, round(self.timing.ttl)))
             with self._lock:
                 self._facts = LeaseFacts(lease, sent, None)
-        elif self.etcd.keepalive(lease) <= 0:
-            self._lose(f"etcd no longer has lease {lease:x}")
+        elif not self._keep_alive(lease):
             return None
-        else:
-            with self._lock:
-                self._facts = LeaseFacts(lease, sent, self._facts.leader_since)
         self._put_member(lease)
         return lease
+
+    def _keep_alive(self, lease: int) -> bool:
+        """Renew ``lease``; False (and the lead lost) when etcd no longer has it."""
+        sent = self._clock()
+        if self.etcd.keepalive(lease) <= 0:
+            self._lose(f"etcd no longer has lease {lease:x}")
+            return False
+        with self._lock:
+            if self._facts.lease_id == lease:
+                self._facts = LeaseFacts(lease, sent, self._facts.leader_since)
+        return True
+
+    def _renew_if_due(self) -> None:
+        """A renewal between a round's other requests once one is due: a round makes five,
+        and on an etcd slow to answer each (0.5 s, within every bound) they outlasted the
+        renew deadline of a lease etcd kept alive, so the leader stepped down and revoked
+        it every round. Not past the deadline: then the next round steps down."""
+        with self._lock:
+            facts = self._facts
+        now = self._clock()
+        if facts.lease_id is None or renewal_due(facts, self.timing, now) > now:
+            return
+        if decide(facts, self.timing, now).standing is Standing.STEPPING_DOWN:
+            return
+        self._keep_alive(facts.lease_id)
 
     def _put_member(self, lease: int) -> None:
         with self._lock:

@@ -1243,3 +1243,45 @@ def test_a_leader_that_lost_and_won_the_lead_between_two_settles_takes_no_verdic
     assert reads["a"].take(backends, stale_after=60.0, undecided_for=300.0).verdicts == third
     for seat in seats.values():
         seat.elector.stop()
+
+
+def test_a_leader_on_a_slow_etcd_renews_in_time_and_keeps_the_lead(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Every answer 0.5 s after its request, well within each bound (2 s a wait): a round
+    # of five requests (renewal, member key, leader key, who leads, who is a member) took
+    # 2.5 s between two renewals, past the 2 s renew deadline of a 3 s lease etcd kept
+    # alive all along. The leader stepped down every round, revoked its own live lease
+    # and campaigned again: nobody acted for most of each round, the leadership flapped.
+    clock, log = Clock(), []
+
+    def slow(_: str, answer: Any) -> Any:
+        clock.now += 0.5
+        return answer
+
+    with tcp_server(editing(etcd_server.endpoints[0], slow)) as (url, _):
+        leader = elector(Etcd([url]), keys, "a", clock, log)
+        try:
+            for _ in range(3):
+                leader.step_and_observe()
+                assert leader.decision().may_act, log
+        finally:
+            leader.stop()
+    assert leader.transitions == 1, log
+    assert not any("steps down" in line for line in log), log
+
+
+def test_publications_are_read_page_by_page_past_a_key_that_is_not_utf8(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A key under PREFIX/verdicts/ that is not UTF-8 (anyone who may write etcd can leave
+    # one), last on a page: its name decoded with U+FFFD and encoded again sorts above
+    # the real key, and the next page began there, past every key in between: a member
+    # named "b한" (its name's bytes sort there) went unread, its share settled `stalled`.
+    etcd = Etcd(etcd_server.endpoints)
+    names = [b"a/00000", b"b\xe9/00000", "b한/00000".encode()]
+    for name in names:
+        key = b64(keys.verdicts.encode() + name)
+        etcd.txn([], [{"request_put": {"key": key, "value": b64("{}")}}])
+    read = [found.key for _, found in etcd.get_prefix_paged(keys.verdicts, 2)]
+    assert read == [keys.verdicts.encode() + name for name in names]
