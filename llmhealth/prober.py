@@ -104,6 +104,7 @@ class Prober:
         self._stall = stall
         self._slots: dict[Key, _Slot] = {}
         self._probing = False
+        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -116,12 +117,17 @@ class Prober:
         unread. A backend out of the serving set is not probed: an answer would
         not bring it back, and its next reads start afresh. The exception is a DEAD one
         when the policy allows recovery in place: its own process may prove itself.
+        Each verdict goes to the fleet as soon as its own read ends, so a backend slow to
+        answer holds back no other's, and a call cancelled midway keeps those given.
 
         One call at a time: two at once shared each backend's connection, and the
         collision read as the backend's ``down``, three of which condemned a healthy one.
         """
         if self._probing:
             raise RuntimeError("Prober.probe() is already running: await one call at a time")
+        if self._closed:
+            # Its connections were closed for good: reopened here, nothing closed them again.
+            raise RuntimeError("this Prober is closed (aclose, or its async with ended)")
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -146,28 +152,32 @@ class Prober:
         now = time.monotonic()
         unread = {key: why for key in keys if (why := self._not_due(key, now)) is not None}
         due = [key for key in keys if key not in unread]
-        examined = [self._examine(key, now) for key in due]
-        verdicts = dict(zip(due, await asyncio.gather(*examined), strict=True))
-        results = []
-        for key in keys:
-            if key in unread:
-                results.append(ProbeResult(key, None, unread[key], ()))
-                continue
-            verdict = verdicts[key]
-            if verdict is None:
-                results.append(ProbeResult(key, None, "undecided: needs the next read", ()))
-                continue
-            if self._moved(key):
-                # The caller rebuilt it while it was read (an actor's death, a restart, a
-                # new address): the verdict is the old process's, not the replacement's.
-                results.append(ProbeResult(key, None, MOVED_WHILE_READ, ()))
-                continue
-            transitions = tuple(self._fleet.record_verdict(key, verdict))
-            self._sighted(key)
-            results.append(ProbeResult(key, verdict.kind, verdict.evidence, transitions))
+
+        async def read_and_feed(key: Key) -> ProbeResult:
+            # Fed as its own read ends, not once every read has: a backend whose /metrics
+            # hangs held a proven wedge back for its whole timeout (the selector still
+            # sending to the wedged engine), and a call cancelled meanwhile lost it.
+            return self._feed(key, await self._examine(key, now))
+
+        fed = dict(zip(due, await asyncio.gather(*map(read_and_feed, due)), strict=True))
+        results = [
+            fed[key] if key in fed else ProbeResult(key, None, unread[key], ()) for key in keys
+        ]
         if self._stall is not None:
             self._stall.observe(self._newest_signals(), time.monotonic())
         return results
+
+    def _feed(self, key: Key, verdict: Verdict | None) -> ProbeResult:
+        """One backend's verdict given to the fleet, and what came of it."""
+        if verdict is None:
+            return ProbeResult(key, None, "undecided: needs the next read", ())
+        if self._moved(key):
+            # The caller rebuilt it while it was read (an actor's death, a restart, a
+            # new address): the verdict is the old process's, not the replacement's.
+            return ProbeResult(key, None, MOVED_WHILE_READ, ())
+        transitions = tuple(self._fleet.record_verdict(key, verdict))
+        self._sighted(key)
+        return ProbeResult(key, verdict.kind, verdict.evidence, transitions)
 
     def _sighted(self, key: Key) -> None:
         """Its verdict given to the fleet: the window's newest vLLM read is what the next
@@ -217,6 +227,8 @@ class Prober:
         return [k for k in fleet.keys if k in serving or _may_recover(snapshots[k])]
 
     async def aclose(self) -> None:
+        """Close every connection; the Prober is not used again after it."""
+        self._closed = True
         slots, self._slots = list(self._slots.values()), {}
         for slot in slots:
             await slot.client.aclose()
@@ -233,6 +245,8 @@ class Prober:
         await self.aclose()
 
     async def _examine(self, key: Key, called: float) -> Verdict | None:
+        if self._closed:
+            return None  # closed while this call ran: no connection is opened again
         slot = self._slots.get(key)
         if slot is None or self._moved(key):
             # A new address, or a process the caller said ended or was replaced, is a new

@@ -275,8 +275,9 @@ def test_a_restart_read_in_a_cancelled_call_is_not_lost() -> None:
 
     with running_simulator(["idle", "idle"]) as sim:
         fleet, verdicts = asyncio.run(main(*sim.urls))
-    assert VerdictKind.RESTARTED in verdicts, verdicts
-    assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
+    # The verdict reaches the fleet as its read ends, in the cancelled call itself; the
+    # reads after it see a STALE backend, which is not probed.
+    assert fleet.state_of(0) is State.STALE, (verdicts, fleet.snapshot()[0])
 
 
 def test_the_stall_watch_sees_the_fleet_finish_requests() -> None:
@@ -511,3 +512,56 @@ def test_the_prober_takes_no_busy_engine_without_a_start_time_for_a_restarted_on
     fleet, verdicts = asyncio.run(main(httpserver.url_for("").rstrip("/")))
     assert VerdictKind.RESTARTED not in verdicts, verdicts
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
+
+
+def test_a_wedge_proven_while_another_backend_hangs_reaches_the_fleet_at_once() -> None:
+    """Each verdict reached the fleet only once every backend's read had ended: one
+    backend whose /metrics hangs (a partition) held a proven wedge back for its whole
+    timeout, the selector still sending to the wedged engine, and a controller bounding
+    its probe call below that timeout (``asyncio.wait_for``) lost every verdict of every
+    call, so the wedged engine stayed HEALTHY for as long as the other one hung."""
+
+    async def main(wedged: str, partitioned: str) -> FleetHealth:
+        fleet = FleetHealth([wedged, partitioned])
+        async with Prober(fleet, wait=WAIT, timeout=5.0, answer_timeout=2.0) as prober:
+            await asyncio.to_thread(sim_post, partitioned, "/sim/metrics", {"hang": True})
+            try:
+                for _ in range(10):  # the wedge is proven within a few calls
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(prober.probe(), 0.5)
+                    if fleet.state_of(0) is State.DEAD:
+                        break
+                    await asyncio.sleep(INTERVAL)
+            finally:
+                await asyncio.to_thread(sim_post, partitioned, "/sim/metrics", {"hang": False})
+        return fleet
+
+    with running_simulator(["wedge:0.5", "idle"]) as sim:
+        fleet = asyncio.run(main(*sim.urls))
+    assert fleet.state_of(0) is State.DEAD, fleet.snapshot()[0]
+    assert fleet.snapshot()[0].condemned_by == "wedged"
+    # The partitioned one was never read to the end: nothing is said of it.
+    assert fleet.state_of(1) is State.HEALTHY
+
+
+def test_a_closed_prober_refuses_to_probe_rather_than_open_connections_nobody_closes() -> None:
+    """A call after ``aclose`` (after its ``async with`` block) opened a new connection to
+    every backend and kept it: nothing closed them again, and they stayed open until the
+    loop's end (``ResourceWarning: unclosed``)."""
+
+    async def main(url: str) -> tuple[FleetHealth, BaseException | None, int]:
+        fleet = FleetHealth([url])
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await prober.probe()
+        await asyncio.sleep(INTERVAL)
+        try:
+            await prober.probe()
+        except RuntimeError as exc:
+            return fleet, exc, len(prober._slots)
+        return fleet, None, len(prober._slots)
+
+    with running_simulator(["idle"]) as sim:
+        fleet, error, connections = asyncio.run(main(sim.urls[0]))
+    assert isinstance(error, RuntimeError) and "closed" in str(error), error
+    assert connections == 0
+    assert fleet.state_of(0) is State.HEALTHY
