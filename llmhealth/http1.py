@@ -94,12 +94,16 @@ def head_lines(head: str) -> list[str]:
 
 
 def status_line(line: str) -> tuple[str, int, str]:
-    """An answer's version, status code and reason phrase (the phrase unescaped)."""
+    """An answer's version, status code and reason phrase (the phrase unescaped).
+
+    A code below 100 is no status (RFC 9110 15): relayed, "HTTP/1.1 99" is a line no
+    client reads, and its answer passed for a 1xx without a body. One above 599 is read
+    as RFC 9110 says a client does, as a 5xx."""
     version, _, rest = line.partition(" ")
     code, _, reason = rest.partition(" ")
     # isascii: latin-1 "\xb2" is a digit to isdigit() and not to int().
     if version not in ("HTTP/1.1", "HTTP/1.0") or not (
-        len(code) == 3 and code.isascii() and code.isdigit()
+        len(code) == 3 and code.isascii() and code.isdigit() and code[0] != "0"
     ):
         raise FramingError(f"not an HTTP/1.x status line: {line[:80]!r}")
     return version, int(code), reason

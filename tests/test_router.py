@@ -10,14 +10,17 @@ import itertools
 import json
 import socket
 import struct
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from werkzeug import Request, Response
@@ -334,6 +337,44 @@ def test_the_router_answers_models_health_metrics_and_unrouted_paths_itself(
     assert httpserver.log == []
 
 
+def test_a_metrics_page_is_rendered_beside_the_loop_not_on_it() -> None:
+    """The page holds every backend's series and, in `route`, the daemon's: at 1,000
+    backends a render is 0.2 s of CPU, on the loop that every stream waits on, per
+    request, and any client of the router may ask for it again and again."""
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    class Slow(Collector):
+        def describe(self) -> list[Metric]:
+            return []  # registered without a collect(), which would block right there
+
+        def collect(self) -> Iterator[Metric]:
+            entered.set()
+            release.wait(5)  # a bound for the failing case only: set below once answered
+            returned.set()
+            yield from ()
+
+    async def scenario() -> None:
+        router = Router(RouterConfig(), [Backend("a", refused_url())], collectors=[Slow()])
+        port = free_port()
+        await router.start("127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with client() as http:
+                scrapes = [asyncio.ensure_future(http.get(url + "/metrics")) for _ in range(2)]
+                assert await asyncio.to_thread(entered.wait, BOUND)
+                health = await http.get(url + "/health")
+                assert health.status_code == 503  # answered while the page is rendered
+                assert not returned.is_set()
+                release.set()
+                for scrape in scrapes:
+                    assert (await scrape).status_code == 200
+        finally:
+            release.set()
+            await router.close()
+
+    run(scenario())
+
+
 def test_a_reload_that_drops_a_backend_drops_its_series(httpserver: HTTPServer) -> None:
     """Frozen counters of a backend no longer configured kept alerts firing and grew the
     page with every rename; the router's own answers ('none') are not a backend's."""
@@ -356,6 +397,42 @@ def test_a_reload_that_drops_a_backend_drops_its_series(httpserver: HTTPServer) 
     assert 'backend="gone"' not in metrics
     assert 'llmhealth_router_requests_total{backend="none",code="404"} 1.0' in metrics
     assert 'llmhealth_router_in_flight_requests{backend="a"} 0.0' in metrics
+
+
+@pytest.mark.parametrize("answer", [b"200 OK", b"503 Busy"])
+def test_a_backend_a_reload_drops_mid_request_gets_no_series_back(answer: bytes) -> None:
+    """Its answer, heard after the reload, put its requests_total back on the page, a
+    series no reload would drop again (its name is no longer configured)."""
+    asked, go = asyncio.Event(), asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        asked.set()
+        await go.wait()
+        writer.write(b"HTTP/1.1 " + answer + b"\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(slow) as gone,
+            routing({"gone": gone, "stays": refused_url()}, models={"stays": frozenset()}) as (
+                router,
+                url,
+            ),
+            client() as http,
+        ):
+            request = asyncio.ensure_future(http.post(url + CHAT, content=BODY))
+            async with asyncio.timeout(BOUND):
+                await asked.wait()
+            router.configure([Backend("stays", refused_url())])
+            go.set()
+            await request
+            await quiet(router)
+            metrics = (await http.get(url + "/metrics")).text
+        assert 'backend="gone"' not in metrics
+
+    run(scenario())
 
 
 def test_a_reload_that_drops_a_serving_backend_sends_it_nothing_before_the_next_push(
@@ -676,8 +753,12 @@ def test_a_5xx_reason_phrase_is_recorded_printable_and_bounded(
         b"this is not HTTP\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part",
         b"",
+        # A status code below 100 is no HTTP status (RFC 9110 15): it was relayed as
+        # "HTTP/1.1 99", a line no client reads, its body dropped as a 1xx's, and counted
+        # as the backend's success.
+        b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok",
     ],
-    ids=["garbage", "closed-mid-body", "closed-before-answering"],
+    ids=["garbage", "closed-mid-body", "closed-before-answering", "status-below-100"],
 )
 def test_a_backend_that_sends_garbage_or_closes_early_is_counted(reply: bytes) -> None:
     async def misbehaves(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -235,6 +235,7 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         (b"HTTP/1.1 200 OK\r\nX-A: 1\nX-B: 2\r\n\r\n", "bare CR or LF"),
         (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 101 + b"\r\n", "header fields"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "Transfer-Encoding"),
+        (b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok", "not an HTTP/1.x status line"),
     ],
     ids=[
         "huge-head",
@@ -247,6 +248,7 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         "bare-lf",
         "too-many-fields",
         "gzip-then-chunked",  # its body read as plain chunks, the gzip dropped
+        "status-below-100",  # no HTTP status: relayed as "HTTP/1.1 99", counted a success
     ],
 )
 def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:
