@@ -309,6 +309,12 @@ class StateFile:
             raise StateError(f"cannot read state {self.path}: {exc}") from exc
         if len(raw) > _MAX_STATE_BYTES:
             raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+        if not _could_be_ours(raw):
+            raise StateError(
+                f"state {self.path} is not a file llmhealth wrote (it does not begin with "
+                "'{'): left in place; give --state the ledger's own file (a config is "
+                "--config), or move this one away to start a fresh ledger there"
+            )
         return decode_record(raw, decode, str(self.path))
 
     def mark(self) -> tuple[int, ...] | None:
@@ -425,6 +431,19 @@ class StateFile:
                 f"state {self.path} is unreadable and cannot be moved aside: {exc}"
             ) from exc
         return aside
+
+
+def _could_be_ours(raw: bytes) -> bool:
+    """Whether a file could be a state this program saved, however damaged since.
+
+    Every save writes one JSON object, so a state's first byte is "{"; what a crash or
+    a failing disk leaves of one is empty, zeros, or a text that still begins so. Any
+    other file is someone else's: a config given as --state (`--state fleet.toml`), or,
+    run as root, any file a slip names (/etc/passwd). Moved aside as a corrupt state, it
+    was gone from where its own program looks for it.
+    """
+    begins = raw.lstrip(b" \t\r\n\x00")
+    return not begins or begins.startswith(b"{")
 
 
 class MemoryStore:

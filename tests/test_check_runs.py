@@ -225,11 +225,10 @@ def test_two_runs_started_together_take_turns_on_the_state(
 
 CORRUPT = {
     "not json": b'{"ledger": {"schema": 1,',
-    "not an object": b"[]",
     "a ledger of the wrong shape": json.dumps(
         {"schema": 1, "ledger": {"schema": 1, "epoch": 0, "backends": "gpu0"}}
     ).encode(),
-    "bytes that are not text": b"\xff\xfe\x00garbage",
+    "bytes that are not text": b'{"ledger": "\xff\xfe\x00garbage"}',
 }
 
 

@@ -765,3 +765,19 @@ def test_status_without_the_config_judges_the_floor_the_daemon_judged(
     config.write_text(config.read_text().replace("min_healthy = 3", "min_healthy = 2"))
     given = ["status", "--state", str(state), "-f", "json", "--config", str(config)]
     assert json.loads(runner.invoke(app, given).output)["fleet"]["min_healthy"] == 2
+
+
+@pytest.mark.parametrize("verb", [("status",), ("hold", "gpu0", "--for", "1h", "--reason", "x")])
+def test_a_config_given_as_the_state_is_left_where_it_is(
+    entry_point: str, tmp_path: Path, verb: tuple[str, ...]
+) -> None:
+    """`--state fleet.toml` for `--config fleet.toml`: the config was moved aside as a
+    corrupt state, and the next `watch --config fleet.toml` found no config."""
+    config = tmp_path / "fleet.toml"
+    text = f'[[backend]]\nname = "gpu0"\nurl = "{closed_port_url()}"\n'
+    config.write_text(text)
+    result = run(entry_point, *verb, "--state", str(config))
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "not a file llmhealth wrote" in result.stderr
+    assert config.read_text() == text
+    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]

@@ -123,7 +123,7 @@ def test_a_service_directory_its_owner_may_rename_is_refused_as_root(
     os.chown(service, SOMEONE_ELSE, SOMEONE_ELSE)
     victim_dir = tmp_path / "root-only"
     victim_dir.mkdir()
-    (victim_dir / "state.json").write_text("root:x:0:0\n")
+    (victim_dir / "state.json").write_text('{"root": "x:0:0"}\n')
     store = StateFile(service / "state.json")
     real = state_module.trusted_target
 
@@ -141,7 +141,7 @@ def test_a_service_directory_its_owner_may_rename_is_refused_as_root(
         store.load(lambda doc: doc)
     # Root's file was moved aside as corrupt, and a lock made beside it.
     assert sorted(p.name for p in victim_dir.iterdir()) == ["state.json"]
-    assert (victim_dir / "state.json").read_text() == "root:x:0:0\n"
+    assert (victim_dir / "state.json").read_text() == '{"root": "x:0:0"}\n'
 
 
 def test_the_audit_append_never_writes_into_a_fifo(tmp_path: Path) -> None:

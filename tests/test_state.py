@@ -55,8 +55,15 @@ def test_a_saved_document_loads_back_with_its_schema(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b"[1, 2]", b'{"schema": 0}', b"\xff\xfe binary", b"", b"[" * 200_000],
-    ids=["broken-json", "not-an-object", "past-schema", "binary", "empty", "deeply-nested"],
+    [
+        b"{not json",
+        b'{"schema": 0}',
+        b'{"ledger": "\xff\xfe binary"}',
+        b"",
+        b"\x00" * 4096,
+        b'{"a": ' * 200_000,
+    ],
+    ids=["broken-json", "past-schema", "binary", "empty", "zeros", "deeply-nested"],
 )
 def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: bytes) -> None:
     store = StateFile(tmp_path / "state.json")
@@ -70,6 +77,24 @@ def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: byt
     assert not store.path.exists()
     with store.locked():
         assert store.load(identity) is None  # the next run starts fresh
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"[1, 2]", b"\xff\xfe binary", b"root:x:0:0:root:/root:/bin/bash\n", b'state = "x"\n'],
+    ids=["a-list", "binary", "passwd", "a-config"],
+)
+def test_a_file_llmhealth_never_wrote_is_left_in_place(tmp_path: Path, content: bytes) -> None:
+    """Every state is saved as one JSON object. A file that does not begin with "{" was
+    never one (a config given as --state, or as root any file a slip names): moved aside
+    as corrupt, it was gone from where its own program looks for it."""
+    store = StateFile(tmp_path / "fleet.toml")
+    store.path.write_bytes(content)
+    for use in (store.load, store.read):
+        with store.locked(), pytest.raises(StateError, match="not a file llmhealth wrote"):
+            use(identity)
+    assert store.path.read_bytes() == content
+    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
 
 
 def test_two_corrupt_files_set_aside_in_one_second_keep_their_name(tmp_path: Path) -> None:
@@ -590,6 +615,9 @@ def test_a_state_path_linked_to_itself_is_an_error_not_a_lock_on_itself(tmp_path
 
 
 SOMEONE_ELSE = 40123  # a uid no account here has
+# Root's file a link leads to: it begins as a state does, so the link rules alone keep
+# it from being moved aside or saved over (a file that does not is never moved aside).
+VICTIM = '{"root": "x:0:0"}\n'
 
 
 def link_of_someone_else(link: Path, target: Path) -> None:
@@ -610,7 +638,7 @@ def test_root_never_moves_aside_nor_saves_over_a_file_another_users_link_names(
     state over it."""
     victim = tmp_path / "root-only" / "shadow"
     victim.parent.mkdir()
-    victim.write_text("root:x:0:0\n")
+    victim.write_text(VICTIM)
     store = StateFile(tmp_path / "service" / "state.json")
     store.path.parent.mkdir()
     link_of_someone_else(store.path, victim)
@@ -619,7 +647,7 @@ def test_root_never_moves_aside_nor_saves_over_a_file_another_users_link_names(
             store.load(identity)
         else:
             store.save({"ledger": {}})
-    assert victim.read_text() == "root:x:0:0\n"
+    assert victim.read_text() == VICTIM
     assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
 
 
@@ -629,14 +657,14 @@ def test_a_link_of_roots_leading_to_another_users_link_is_not_followed_further(
     """Root's own link is followed; the next one, in the service's directory, is not."""
     victim = tmp_path / "root-only" / "shadow"
     victim.parent.mkdir()
-    victim.write_text("root:x:0:0\n")
+    victim.write_text(VICTIM)
     (tmp_path / "service").mkdir()
     link_of_someone_else(tmp_path / "service" / "state.json", victim)
     store = StateFile(tmp_path / "state.json")
     store.path.symlink_to(tmp_path / "service" / "state.json")
     with pytest.raises(StateError, match=f"owned by uid {SOMEONE_ELSE}"), store.locked():
         store.load(identity)
-    assert victim.read_text() == "root:x:0:0\n"
+    assert victim.read_text() == VICTIM
 
 
 def test_roots_own_link_is_still_followed_as_root(tmp_path: Path) -> None:
@@ -671,7 +699,7 @@ def test_roots_link_swapped_out_and_back_by_the_directorys_owner_is_not_followed
     service = _service_dir(tmp_path)
     victim = tmp_path / "root-only" / "shadow"
     victim.parent.mkdir()
-    victim.write_text("root:x:0:0\n")
+    victim.write_text(VICTIM)
     volume = tmp_path / "volume"  # the state on another volume, by root's own link
     volume.mkdir()
     (volume / "state.json").write_text(json.dumps({"schema": SCHEMA}))
@@ -694,7 +722,7 @@ def test_roots_link_swapped_out_and_back_by_the_directorys_owner_is_not_followed
     monkeypatch.setattr(os, "readlink", exchanged_around)
     with contextlib.suppress(StateError), store.locked():
         store.load(identity)
-    assert victim.read_text() == "root:x:0:0\n"
+    assert victim.read_text() == VICTIM
     assert sorted(p.name for p in victim.parent.iterdir()) == ["shadow"]
 
 
@@ -707,13 +735,13 @@ def test_a_directory_on_the_way_that_another_user_swaps_is_refused(
     service = _service_dir(tmp_path)
     other = tmp_path / "otherservice"  # root's: another program's state.json
     other.mkdir()
-    (other / "state.json").write_text("[not json: another program's]\n")
+    (other / "state.json").write_text("{not json: another program's}\n")
     store = StateFile(service / "state.json")
     store.path.symlink_to(Path("data") / "state.json")
     link_of_someone_else(service / "data", other)  # was a directory; now the attacker's link
     with contextlib.suppress(StateError), store.locked():
         store.load(identity)
-    assert (other / "state.json").read_text() == "[not json: another program's]\n"
+    assert (other / "state.json").read_text() == "{not json: another program's}\n"
     assert sorted(p.name for p in other.iterdir()) == ["state.json"]
 
 
