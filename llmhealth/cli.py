@@ -21,6 +21,7 @@ import typer
 from llmhealth import config as config_module
 from llmhealth.actions import AuditError
 from llmhealth.classify import Target
+from llmhealth.openfiles import reader_may_leave
 from llmhealth.report import ExitCode
 from llmhealth.state import StateError, given_path
 
@@ -183,7 +184,8 @@ def check(
         keeps_state = state is not None or config_file is not None
         store = StateFile(state_path_for(loaded, state)) if keeps_state else None
         report = run_cycle(loaded, targets, settings, store, mode=mode)
-    _print(report, output)
+    with reader_may_leave(sys.stdout):  # the verdicts' exit code stands without a reader
+        _print(report, output)
     from llmhealth.report import exit_code  # noqa: PLC0415
 
     raise typer.Exit(int(exit_code(report)))
@@ -216,7 +218,8 @@ def _log_quoted(message: str) -> None:
     """A line on stderr, escaped: etcd's own error texts are quoted in these."""
     from llmhealth.text import printable  # noqa: PLC0415
 
-    print(printable(message), file=sys.stderr, flush=True)
+    with reader_may_leave(sys.stderr):  # a daemon outlives its log's reader
+        print(printable(message), file=sys.stderr, flush=True)
 
 
 @app.command()
@@ -375,7 +378,9 @@ def _verb_exit(result: VerbResult) -> None:
     from llmhealth.text import printable  # noqa: PLC0415
 
     # The message quotes stored words (a hold's reason, a last error): escaped, not raw.
-    print(printable(result.message), file=sys.stdout if result.applied else sys.stderr)
+    stream = sys.stdout if result.applied else sys.stderr
+    with reader_may_leave(stream):  # saved or refused, whoever reads the message
+        print(printable(result.message), file=stream)
     raise typer.Exit(0 if result.applied else 1)
 
 
@@ -409,16 +414,17 @@ def status(
 
         assert isinstance(store, EtcdStore)
         cluster = describe(store.etcd, store.keys, store.revision)
-    if output is OutputFormat.JSON:
-        document = status_json(snapshots, record.holds, fleet, now)
-        document = {**document, "cluster": cluster} if cluster else document
-        print(json.dumps(document, indent=2, allow_nan=False))
-    elif output is OutputFormat.NAGIOS:
-        print(status_nagios(snapshots, fleet))
-    else:
-        print_status(snapshots, record.holds, fleet, now, console_for_output())
-        if cluster is not None:
-            print(_cluster_lines(cluster, now))
+    with reader_may_leave(sys.stdout):
+        if output is OutputFormat.JSON:
+            document = status_json(snapshots, record.holds, fleet, now)
+            document = {**document, "cluster": cluster} if cluster else document
+            print(json.dumps(document, indent=2, allow_nan=False))
+        elif output is OutputFormat.NAGIOS:
+            print(status_nagios(snapshots, fleet))
+        else:
+            print_status(snapshots, record.holds, fleet, now, console_for_output())
+            if cluster is not None:
+                print(_cluster_lines(cluster, now))
     raise typer.Exit(int(status_exit_code(snapshots, fleet)))
 
 
@@ -471,26 +477,33 @@ def audit(
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.text import printable  # noqa: PLC0415
 
-    loaded = _config_or_default(config_file)
-    if loaded.cluster is not None:
-        from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
-
-        trail = read_audit(Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix), last)
-        records, malformed, where = trail.records, trail.malformed, loaded.cluster.prefix
-    else:
-        state_path = state_path_for(loaded, state)
-        path = audit_path_for(loaded, state_path)
-        scanned = scan(path, last)
-        records, malformed, where = scanned.records, scanned.malformed, str(path)
-        if scanned.missing:
-            # An empty trail, silently, read as "nothing happened" where a path was mistyped.
-            if not state_path.is_file():
-                raise StateError(f"no state at {state_path} and no audit log at {path}")
-            print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
-    for record in records:
+    def show(record: dict[str, object]) -> None:
         # ensure_ascii escapes every control character but DEL; nothing a server said
         # reaches the terminal raw.
         print(json.dumps(record, ensure_ascii=True).replace("\x7f", "\\u007f"))
+
+    loaded = _config_or_default(config_file)
+    malformed = 0
+    with reader_may_leave(sys.stdout):  # `audit | head` reads no further than head does
+        if loaded.cluster is not None:
+            from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
+
+            trail = read_audit(Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix), last)
+            malformed, where = trail.malformed, loaded.cluster.prefix
+            for record in trail.records:
+                show(record)
+        else:
+            state_path = state_path_for(loaded, state)
+            path = audit_path_for(loaded, state_path)
+            # Printed as read: a log is never rotated, and held whole it took 7 times its size.
+            scanned = scan(path, last, show)
+            malformed, where = scanned.malformed, str(path)
+            if scanned.missing:
+                # An empty trail, silently, read as "nothing happened" where a path was
+                # mistyped.
+                if not state_path.is_file():
+                    raise StateError(f"no state at {state_path} and no audit log at {path}")
+                print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
     if malformed:
         print(f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr)
 
@@ -594,10 +607,12 @@ def config_check(path: Annotated[str, typer.Argument(help="The TOML file to vali
             file=sys.stderr,
         )
     restartable = sum(1 for backend in loaded.backends if backend.restart)
-    print(
-        f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart command), "
-        f"{len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout {loaded.timeout:g}s"
-    )
+    with reader_may_leave(sys.stdout):
+        print(
+            f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart "
+            f"command), {len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout "
+            f"{loaded.timeout:g}s"
+        )
 
 
 @app.command()
@@ -722,14 +737,16 @@ def _cannot_check(message: str) -> NoReturn:
     asked for: a plugin runner (NRPE, Icinga) reads stdout only, and shows an empty one
     as "no output returned from plugin" instead of the reason; a script piping JSON to
     a parser got nothing to parse, and no exit_code in it."""
-    print(f"llmhealth: {message}", file=sys.stderr)
+    with reader_may_leave(sys.stderr):
+        print(f"llmhealth: {message}", file=sys.stderr)
     asked = _format_asked(sys.argv[1:])
-    if asked is OutputFormat.NAGIOS:
-        from llmhealth.text import nagios_text  # noqa: PLC0415
+    with reader_may_leave(sys.stdout):
+        if asked is OutputFormat.NAGIOS:
+            from llmhealth.text import nagios_text  # noqa: PLC0415
 
-        print(f"LLMHEALTH UNKNOWN - {nagios_text(message)}")
-    elif asked is OutputFormat.JSON:
-        print(json.dumps({"exit_code": int(ExitCode.UNKNOWN), "error": message}, indent=2))
+            print(f"LLMHEALTH UNKNOWN - {nagios_text(message)}")
+        elif asked is OutputFormat.JSON:
+            print(json.dumps({"exit_code": int(ExitCode.UNKNOWN), "error": message}, indent=2))
     sys.exit(ExitCode.UNKNOWN)
 
 

@@ -58,6 +58,7 @@ from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
+from llmhealth.openfiles import reader_may_leave
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import (
@@ -1146,7 +1147,9 @@ class Daemon:
         if self._console.is_terminal:
             self._console.log(message, markup=False, highlight=False, emoji=False)
         else:  # journald adds its own timestamp
-            print(message, file=sys.stderr, flush=True)
+            # A log's reader gone (a closed pipe) is no reason to stop watching or routing.
+            with reader_may_leave(sys.stderr):
+                print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True, slots=True)

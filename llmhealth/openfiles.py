@@ -26,8 +26,9 @@ import resource
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     import ssl
@@ -298,3 +299,30 @@ def read_regular_file(path: Path, limit: int, *, follow_links: bool = True) -> b
         return b"".join(chunks)
     finally:
         os.close(descriptor)
+
+
+@contextlib.contextmanager
+def reader_may_leave(stream: IO[str]) -> Iterator[None]:
+    """Writes to ``stream`` that nobody reads any more (a closed pipe: ``| head``, a log
+    reader that went away) end here, and the rest of this process's output there goes to
+    /dev/null: Python ignores SIGPIPE, so a write raised BrokenPipeError, and a check or
+    verb exited 1 (click's answer to it: WARNING, or "refused" for a hold that was saved)
+    or 120 (a flush at exit), and ``watch`` or ``route`` died at its next log line. What
+    the run decides (its exit code, its state, its routing) does not depend on a reader.
+    """
+    try:
+        yield
+        stream.flush()  # what is buffered fails here, not at exit
+    except BrokenPipeError:
+        discard_output(stream)
+
+
+def discard_output(stream: IO[str]) -> None:
+    """Send what is written to ``stream`` from now on, and what it still buffers, to
+    /dev/null: its reader is gone."""
+    with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)

@@ -367,7 +367,8 @@ async def read_metrics(
 async def list_models(
     client: Client, target: Target, timeout: float, headers: Mapping[str, str]
 ) -> tuple[str, ...]:
-    """The model ids GET /v1/models lists; raises _RequestFailedError with the cause otherwise."""
+    """The model ids GET /v1/models lists, as listed (not yet made printable); raises
+    _RequestFailedError with the cause otherwise."""
     response = await _request(
         client,
         "GET",
@@ -397,7 +398,7 @@ def _model_id(value: object) -> str:
     whole into every status line, the state and each audit record)."""
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_MODEL_ID:
         raise ValueError("a model id that is not a name")
-    return printable(value)
+    return value  # as served: callers make it printable where it is shown or kept
 
 
 # Statuses by which a server turns away our credentials, not our request: vLLM's
@@ -413,9 +414,13 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
     except _RequestFailedError as failure:
         refused = failure.status in _KEY_REFUSED
         return Answer(clock(), False, f"not sent: {failure.detail}", refused=refused)
-    model = target.model or (models[0] if models else None)
-    if model is None:
+    # The id as the server listed it is the one it serves: made printable, the tiny
+    # request asked for a model it does not have ("llama\\xa03"), and an idle backend
+    # was unanswered. What is shown and kept stays printable.
+    asked = target.model or (models[0] if models else None)
+    if asked is None:
         return Answer(clock(), False, "not sent: GET /v1/models lists no model")
+    models, model = tuple(map(printable, models)), printable(asked)
     try:
         response = await _request(
             client,
@@ -423,7 +428,7 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
             f"{target.url}/v1/completions",
             timeout=settings.answer_timeout,
             max_bytes=_SMALL_BODY,
-            body={"model": model, "prompt": _TINY_PROMPT, "max_tokens": 1, "temperature": 0},
+            body={"model": asked, "prompt": _TINY_PROMPT, "max_tokens": 1, "temperature": 0},
             headers=headers,
         )
     except _RequestFailedError as failure:
@@ -615,7 +620,7 @@ async def examine_proxy(client: Client, target: Target, settings: ProbeSettings)
         return judge_proxy(False, failure.detail, ())
     except Exception as exc:  # one proxy's problem must not end the fleet's check
         return judge_proxy(False, _not_judged(exc), ())
-    return judge_proxy(True, "", models)
+    return judge_proxy(True, "", tuple(map(printable, models)))
 
 
 async def check_fleet(

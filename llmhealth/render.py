@@ -11,6 +11,7 @@ from rich.text import Text
 
 from llmhealth.classify import VerdictKind
 from llmhealth.ledger import BackendSnapshot, State
+from llmhealth.openfiles import discard_output
 from llmhealth.policy import Hold
 from llmhealth.report import (
     BackendReport,
@@ -98,8 +99,16 @@ def report_renderables(report: CycleReport) -> list[RenderableType]:
 
 def console_for_output() -> Console:
     """The terminal's width on a terminal; elsewhere (cron mail, journald) wide enough."""
-    probe = Console()
-    return probe if probe.is_terminal else Console(width=132)
+    probe = _Output()
+    return probe if probe.is_terminal else _Output(width=132)
+
+
+class _Output(Console):
+    def on_broken_pipe(self) -> None:
+        """Nobody reads the table any more (``| head``): the rest goes nowhere, and the
+        run's own exit code stands. rich's own answer exits 1, WARNING to a monitor."""
+        self.quiet = True
+        discard_output(self.file)
 
 
 def _row(backend: BackendReport) -> tuple[Text, ...]:

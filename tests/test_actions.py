@@ -13,7 +13,7 @@ import sys
 import time
 import tracemalloc
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import IntEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -29,6 +29,7 @@ from llmhealth.actions import (
     AuditLog,
     CommandResult,
     encode_record,
+    parse_records,
     read,
     restart_environment,
     run_command,
@@ -714,3 +715,36 @@ def test_output_within_the_limit_keeps_a_character_that_straddles_the_halves() -
     result = run_command([sys.executable, "-c", script], timeout=30)
     assert result.ok
     assert result.stdout == written
+
+
+def test_a_scan_hands_each_record_on_as_it_is_read_and_keeps_none(tmp_path: Path) -> None:
+    """`audit` held the whole log as dicts before printing its first line: a log is never
+    rotated, and 300 MB of it took 2.3 GB."""
+    handed: list[dict[str, object]] = []
+
+    def lines() -> Iterator[bytes]:
+        yield b'{"time": 1, "n": 1}\n'
+        assert handed == [{"time": 1, "n": 1}], "the first record was held, not handed on"
+        yield b"torn\n"
+        yield b'{"time": 2, "n": 2}\n'
+
+    found = parse_records(lines(), each=handed.append)
+    assert (found.records, found.malformed) == ([], 1)
+    assert [record["n"] for record in handed] == [1, 2]
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"n": 1}\n{"n": 2}\n{"n": 3}\n')
+    newest: list[dict[str, object]] = []
+    assert scan(path, last=2, each=newest.append).records == []
+    assert newest == [{"n": 2}, {"n": 3}]
+
+
+def test_an_error_of_the_records_taker_is_not_the_logs(tmp_path: Path) -> None:
+    """A reader gone (`audit | head`) is no audit log that cannot be read (exit 3)."""
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"n": 1}\n{"n": 2}\n')
+
+    def gone(record: dict[str, object]) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        scan(path, each=gone)

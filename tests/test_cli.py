@@ -781,3 +781,124 @@ def test_a_config_given_as_the_state_is_left_where_it_is(
     assert "not a file llmhealth wrote" in result.stderr
     assert config.read_text() == text
     assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+def run_unread(entry_point: str, *args: str, buffered: bool) -> subprocess.CompletedProcess[str]:
+    """``llmhealth ARGS | true``: its stdout a pipe whose reader is gone before it writes.
+    ``buffered``: as cron and systemd run it (no PYTHONUNBUFFERED), its output written at
+    the end; else every print written at once."""
+    env = dict(os.environ)
+    if buffered:
+        env.pop("PYTHONUNBUFFERED", None)
+    else:
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [entry_point, *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_check_whose_reader_is_gone_still_exits_with_its_verdicts_code(
+    entry_point: str, buffered: bool
+) -> None:
+    """`check -f nagios | true` of a down backend exited 1 (click's answer to a broken
+    pipe), or 120 (Python's, flushing at exit): WARNING, or no plugin code at all, for a
+    CRITICAL fleet, with "Exception ignored ... BrokenPipeError" on stderr."""
+    for output in ("nagios", "json", "table"):
+        result = run_unread(
+            entry_point, "check", closed_port_url(), "-f", output, buffered=buffered
+        )
+        assert (result.returncode, result.stderr) == (2, ""), (output, result.stderr)
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_verb_or_status_whose_reader_is_gone_keeps_its_exit_code(
+    entry_point: str, tmp_path: Path, buffered: bool
+) -> None:
+    """A hold that was saved exited 1, which says "refused, nothing changed"; `status`
+    of a fleet under its floor exited 1 or 120 instead of 2."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[backend]]\nname = "gpu0"\nurl = "{closed_port_url()}"\n')
+    where = ("--config", str(config), "--state", str(tmp_path / "s.json"))
+    held = run_unread(
+        entry_point, "hold", "gpu0", "--for", "1h", "--reason", "r", *where, buffered=buffered
+    )
+    assert (held.returncode, held.stderr) == (0, ""), held.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["holds"]["gpu0"]["reason"] == "r"
+    # The only backend retired: under the floor (min_healthy 1), CRITICAL.
+    assert runner.invoke(app, ["retire", "gpu0", "--reason", "gone", *where]).exit_code == 0
+    for output in ("nagios", "json", "table"):
+        shown = run_unread(entry_point, "status", *where, "-f", output, buffered=buffered)
+        assert (shown.returncode, shown.stderr) == (2, ""), (output, shown.stderr)
+    missing = run_unread(
+        entry_point,
+        "status",
+        "--state",
+        str(tmp_path / "none.json"),
+        "-f",
+        "json",
+        buffered=buffered,
+    )
+    assert missing.returncode == 3 and "no state at" in missing.stderr, missing.stderr
+
+
+def test_audit_skips_lines_too_deep_to_parse_and_prints_only_strict_json(tmp_path: Path) -> None:
+    """A line nested 100,000 deep (a hand edit, or any writer of a cluster's etcd trail)
+    made `audit` a traceback instead of the trail; a number JSON has not (NaN, 1e999) was
+    printed back as NaN or Infinity, which strict parsers (jq, JSON.parse) reject."""
+    log = tmp_path / "audit.jsonl"
+    log.write_text(
+        '{"time": 1, "n": 1}\n'
+        + "[" * 100_000
+        + "]" * 100_000
+        + "\n"
+        + '{"time": 2, "x": NaN}\n{"time": 3, "x": 1e999}\n{"time": 4, "x": -Infinity}\n'
+        + '{"time": 5, "n": 2}\n'
+    )
+    (tmp_path / "state.json").write_text("{}")
+    for last in ([], ["--last", "1"]):
+        result = CliRunner().invoke(app, ["audit", "--state", str(tmp_path / "state.json"), *last])
+        assert result.exit_code == 0, result.output
+        strict = [json.loads(line, parse_constant=_refused) for line in result.stdout.splitlines()]
+        assert [record["n"] for record in strict] == ([1, 2] if not last else [2])
+        assert "4 malformed audit lines skipped" in result.stderr
+
+
+def _refused(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_the_tiny_request_asks_for_the_model_id_as_the_server_listed_it(
+    httpserver: HTTPServer,
+) -> None:
+    """A served name with a character that is not printable (a no-break space) was sent
+    escaped, "llama\\xa03": the server had no such model, and an idle, healthy backend
+    was judged unanswered, CRITICAL. Shown, it is still escaped."""
+    listed = "llama\u00a03"
+    asked: list[str] = []
+
+    def complete(request: Request) -> Response:
+        asked.append(json.loads(request.data)["model"])
+        if asked[-1] != listed:
+            return Response('{"error": "model not found"}', status=404)
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": listed}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    result = runner.invoke(app, ["check", httpserver.url_for("").rstrip("/"), "-f", "json"])
+    assert asked == [listed]
+    backend = json.loads(result.output)["backends"][0]
+    assert (result.exit_code, backend["verdict"]) == (0, "idle"), backend["evidence"]
+    assert "by model llama\\xa03" in backend["evidence"]

@@ -459,6 +459,39 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
             assert line.startswith("llmhealth_backend_probe_errors_total{"), line
 
 
+def test_watch_outlives_the_reader_of_its_log(entry_point: str) -> None:
+    """`watch ... 2>&1 | logger`, the logger gone: the daemon's next log line raised
+    BrokenPipeError and it exited 1, silently, its metrics, restarts and routing with it."""
+    port = free_port_block(1)
+    environment = child_env()
+    environment.pop("NOTIFY_SOCKET", None)
+    argv = [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT)]
+    read_end, write_end = os.pipe()
+    with ExitStack() as stack:
+        unused = stack.enter_context(tempfile.TemporaryFile())
+        process = subprocess.Popen(
+            [*argv, "--listen", f"127.0.0.1:{port}"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=write_end,
+            env=environment,
+        )
+        os.close(write_end)
+
+        def reap() -> None:
+            if process.poll() is None:
+                process.kill()
+            process.wait(STOP_BOUND)
+
+        stack.callback(reap)
+        with os.fdopen(read_end, "rb") as log:
+            assert log.readline().startswith(b"metrics on"), "it logs to its stderr"
+        watch = Watch(process, port, unused)  # its log's reader is gone from here on
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
+        assert watch.stop()[0] == 0
+
+
 def test_a_hung_backend_does_not_hold_up_the_cycles_of_the_others(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
