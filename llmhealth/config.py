@@ -811,6 +811,7 @@ class _Reader:
 
 CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ORDINARY_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 class BadTargetError(ValueError):
@@ -834,12 +835,22 @@ def unset_key_variables(config: Config) -> list[str]:
     backend's own fault (a 401), and the ledger condemned a healthy backend, the router
     dropped it."""
     return [
-        f"backend {backend.name!r}: its api_key_env names {backend.api_key_env}, which is not"
-        " set (or empty) here; without its key every request would fail as the backend's"
-        " fault"
+        f"backend {backend.name!r}: its api_key_env names {_shown_variable(backend.api_key_env)},"
+        " which is not set (or empty) here; without its key every request would fail as the"
+        " backend's fault"
         for backend in config.backends
         if backend.api_key_env and backend_key(backend) is None
     ]
+
+
+def _shown_variable(name: str) -> str:
+    """A variable's name as an error may repeat it: a key pasted into api_key_env passes
+    the name rule when it is letters and digits alone (vLLM's --api-key is any text, an
+    HF token is ``hf_`` and letters), and the error printed it into every log. An
+    ordinary name (capitals, digits, '_') is shown; any other is not repeated."""
+    if _ORDINARY_VARIABLE.fullmatch(name):
+        return name
+    return "a variable (its name has lowercase letters, so it may be a key pasted in: not shown)"
 
 
 def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> list[Target]:

@@ -596,6 +596,27 @@ def test_a_backend_whose_key_variable_is_unset_is_refused_as_llmhealths_own_prob
     assert targets_for(config, [], [])[0].api_key == "s3cret"
 
 
+@pytest.mark.parametrize("pasted", ["a8F3kd93xQ7Lm2", "hf_AbCdEfGh12345"])
+def test_a_key_pasted_as_a_variables_name_is_not_repeated_when_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pasted: str
+) -> None:
+    """A key of letters and digits alone (vLLM's --api-key is any text; an HF token)
+    passes the name rule, names no variable set here, and the refusal printed it into
+    every log that quoted it (`config check`, the daemon's reload, a cron mail)."""
+    path = write(
+        tmp_path,
+        f'[[backend]]\nname = "gpu0"\nurl = "http://10.0.0.5:8000"\napi_key_env = "{pasted}"\n',
+    )
+    monkeypatch.delenv(pasted, raising=False)
+    config = load(path)
+    (reason,) = unset_key_variables(config)
+    assert pasted not in reason, reason
+    assert "'gpu0': its api_key_env names a variable" in reason
+    with pytest.raises(BadTargetError) as raised:
+        targets_for(config, [], [])
+    assert pasted not in str(raised.value)
+
+
 def test_a_program_path_with_a_space_that_exists_is_a_program(tmp_path: Path) -> None:
     """Only a first word that is no file is taken for a shell line written as one."""
     program = tmp_path / "restart vllm.sh"
