@@ -159,13 +159,15 @@ class Prober:
             # sending to the wedged engine), and a call cancelled meanwhile lost it.
             return self._feed(key, await self._examine(key, now))
 
-        fed = dict(zip(due, await asyncio.gather(*map(read_and_feed, due)), strict=True))
-        results = [
-            fed[key] if key in fed else ProbeResult(key, None, unread[key], ()) for key in keys
-        ]
-        if self._stall is not None:
-            self._stall.observe(self._newest_signals(), time.monotonic())
-        return results
+        try:
+            fed = dict(zip(due, await asyncio.gather(*map(read_and_feed, due)), strict=True))
+        finally:
+            # A call cancelled midway (an ``asyncio.wait_for`` around it while one backend
+            # hangs) fed the fleet its ended reads' verdicts: the stall watch hears them
+            # too, or it never heard a read while that backend hung.
+            if self._stall is not None:
+                self._stall.observe(self._newest_signals(), time.monotonic())
+        return [fed[key] if key in fed else ProbeResult(key, None, unread[key], ()) for key in keys]
 
     def _feed(self, key: Key, verdict: Verdict | None) -> ProbeResult:
         """One backend's verdict given to the fleet, and what came of it."""

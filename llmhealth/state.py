@@ -9,6 +9,7 @@ state holds every backend's URL and evidence.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import json
@@ -307,14 +308,16 @@ class StateFile:
             return None
         except OSError as exc:  # a FIFO or a device among them: never waited on
             raise StateError(f"cannot read state {self.path}: {exc}") from exc
-        if len(raw) > _MAX_STATE_BYTES:
-            raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+        # Before the size: a large file that is not ours (`--state /var/log/syslog`) was
+        # moved aside as a state too large to read.
         if not _could_be_ours(raw):
             raise StateError(
                 f"state {self.path} is not a file llmhealth wrote (it does not begin with "
                 "'{'): left in place; give --state the ledger's own file (a config is "
                 "--config), or move this one away to start a fresh ledger there"
             )
+        if len(raw) > _MAX_STATE_BYTES:
+            raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
         return decode_record(raw, decode, str(self.path))
 
     def mark(self) -> tuple[int, ...] | None:
@@ -442,7 +445,14 @@ def _could_be_ours(raw: bytes) -> bool:
     run as root, any file a slip names (/etc/passwd). Moved aside as a corrupt state, it
     was gone from where its own program looks for it.
     """
-    begins = raw.lstrip(b" \t\r\n\x00")
+    blank = b" \t\r\n\x00"
+    begins = raw.lstrip(blank)
+    # A byte order mark, as an editor may save one (json.loads reads it): UTF-8's, or
+    # UTF-16's (UTF-32's begins with one), the "{" then in two or four bytes.
+    for mark in (codecs.BOM_UTF8, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        if begins.startswith(mark):
+            begins = begins.removeprefix(mark).lstrip(blank)
+            break
     return not begins or begins.startswith(b"{")
 
 

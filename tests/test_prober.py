@@ -565,3 +565,31 @@ def test_a_closed_prober_refuses_to_probe_rather_than_open_connections_nobody_cl
     assert isinstance(error, RuntimeError) and "closed" in str(error), error
     assert connections == 0
     assert fleet.state_of(0) is State.HEALTHY
+
+
+def test_the_stall_watch_is_fed_by_calls_cancelled_while_another_backend_hangs() -> None:
+    """A controller bounding each call (``asyncio.wait_for``) while one backend's /metrics
+    hangs: the verdicts of the others reach the fleet, but the StallWatch was fed only at
+    the end of a whole call, so it never heard of any read: no work pending, no request
+    finished, and a fleet that stops finishing requests would never be called stalled."""
+
+    async def main(busy: str, partitioned: str) -> StallWatch:
+        stall = StallWatch(started_at=time.monotonic())
+        fleet = FleetHealth([busy, partitioned])
+        async with Prober(fleet, wait=WAIT, timeout=5.0, stall=stall) as prober:
+            await asyncio.to_thread(sim_post, partitioned, "/sim/metrics", {"hang": True})
+            try:
+                for _ in range(MAX_ROUNDS):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(prober.probe(), 0.5)
+                    if stall.last_finished_at is not None:
+                        break
+                    await asyncio.sleep(INTERVAL)
+            finally:
+                await asyncio.to_thread(sim_post, partitioned, "/sim/metrics", {"hang": False})
+        return stall
+
+    with running_simulator(["busy", "idle"], request_seconds=0.3) as sim:
+        stall = asyncio.run(main(*sim.urls))
+    assert stall.last_finished_at is not None
+    assert stall.work_pending

@@ -97,6 +97,41 @@ def test_a_file_llmhealth_never_wrote_is_left_in_place(tmp_path: Path, content: 
     assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
 
 
+def test_a_large_file_llmhealth_never_wrote_is_left_in_place_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the size a run reads back (64 MiB), any file was moved aside as a corrupt
+    state before its first byte was looked at: `--state /var/log/syslog`, a model's
+    weights or an initrd named by a slip, as root, went from where their programs look."""
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    store = StateFile(tmp_path / "syslog")
+    content = b"Jan  1 00:00:00 host kernel: a line of a log\n" * 100
+    store.path.write_bytes(content)
+    for use in (store.load, store.read):
+        with store.locked(), pytest.raises(StateError, match="not a file llmhealth wrote"):
+            use(identity)
+    assert store.path.read_bytes() == content
+    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_a_state_saved_again_by_an_editor_with_a_byte_order_mark_still_loads(
+    tmp_path: Path, encoding: str
+) -> None:
+    """JSON read from bytes takes a byte order mark (json.loads, RFC 8259 8.1 lets a
+    parser ignore it), so a state an operator's editor saved again with one loaded; it
+    was refused as "not a file llmhealth wrote (it does not begin with '{')" and every
+    run exited 3, though the file begins with "{" in every editor."""
+    store = StateFile(tmp_path / "state.json")
+    with store.locked():
+        store.save({"ledger": {"gpu0": "retired"}})
+    text = store.path.read_bytes().decode()
+    store.path.write_bytes(text.encode(encoding))
+    with store.locked():
+        assert store.load(identity) == {"ledger": {"gpu0": "retired"}, "schema": SCHEMA}
+    assert store.read(identity) == {"ledger": {"gpu0": "retired"}, "schema": SCHEMA}
+
+
 def test_two_corrupt_files_set_aside_in_one_second_keep_their_name(tmp_path: Path) -> None:
     # The second one's name was cut at the first "~": "fleet~prod.json" became "fleet~1".
     store = StateFile(tmp_path / "fleet~prod.json")
