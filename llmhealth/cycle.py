@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from llmhealth.actions import Audit, AuditError, AuditLog, run_command
-from llmhealth.classify import Outcome, Target, Verdict
+from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
 from llmhealth.fleet import FleetRecord, MembershipChange
@@ -41,7 +41,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path, given_path
-from llmhealth.text import printable
+from llmhealth.text import printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -250,6 +250,12 @@ def _close(
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
+    renamed = {change.was: change.name for change in opened.changes if change.was is not None}
+    if requests and renamed.keys() & requests.keys():
+        # Outcomes recorded under a backend's old name before a reload renamed it: the same
+        # server, whose streak the rename kept. Dropped as "no longer configured", a
+        # failure drained across the rename was lost.
+        requests = _renamed_requests(requests, renamed)
     # One fsync for the settle's audit records, once the state that follows from them is
     # written aside and before it replaces the old: a full disk fails the state's write
     # first, and nothing of the settle is kept, its records included.
@@ -275,6 +281,18 @@ def _close(
     if store is not None and kept is not None:
         kept.keep(store, record, opened.policy)
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))
+
+
+def _renamed_requests(
+    requests: Mapping[str, Sequence[RequestOutcome]], renamed: Mapping[str, str]
+) -> dict[str, list[RequestOutcome]]:
+    """``requests`` under the names the backends have now, each backend's in time order."""
+    merged: dict[str, list[RequestOutcome]] = {}
+    for name, seen in requests.items():
+        merged.setdefault(renamed.get(name, name), []).extend(seen)
+    for name in set(renamed.values()) & merged.keys():
+        merged[name].sort(key=lambda outcome: outcome.at)  # stable: ties keep their order
+    return merged
 
 
 def run_cycle(
@@ -651,7 +669,8 @@ def settle(
             or name not in record.ledger
             # Read at the address the backend had before a reload moved it: what its old
             # server did says nothing of the new one, which starts afresh (``moved``).
-            or outcome.target.url != record.ledger.url_of(name)
+            # Its URL only written another way is the same server.
+            or _moved_from(outcome.target.url, record.ledger.url_of(name))
         ):
             reports.append(BackendReport(outcome, None))
             continue
@@ -667,6 +686,14 @@ def settle(
         if cut:
             unheard[name] = drained[cut:]
             hear_requests(name, drained[:cut])
+        # A wedge proven on a backend something else condemned becomes its cause, DEAD to
+        # DEAD: written down with its proof like any condemnation, or a restart for it
+        # went to the trail with the evidence of the cause it replaced.
+        dead = (
+            outcome.verdict.kind is VerdictKind.WEDGED
+            and record.ledger.state_of(name) is State.DEAD
+        )
+        cause = record.ledger.condemned_by(name) if dead else None
         transitions = tuple(
             record.observe(
                 name,
@@ -676,7 +703,17 @@ def settle(
                 restart_pending=name in pending,
             )
         )
-        moved = [t for t in transitions if t.applied and t.from_state != t.to_state]
+        recondemned = (
+            dead
+            and record.ledger.state_of(name) is State.DEAD
+            and record.ledger.condemned_by(name) != cause
+        )
+        moved = [
+            t
+            for t in transitions
+            if t.applied
+            and (t.from_state != t.to_state or (recondemned and t.to_state is t.from_state))
+        ]
         if moved:  # evidence as plain values only when something is written down
             evidence = {
                 "verdict": str(outcome.verdict.kind),
@@ -724,6 +761,11 @@ def settle(
         tuple(traffic),
     )
     return report, [outcome.order for outcome in restarts if outcome.order is not None]
+
+
+def _moved_from(read_at: str, url: str) -> bool:
+    """Whether a verdict read at ``read_at`` was read at a server other than ``url``'s."""
+    return read_at != url and same_server(read_at) != same_server(url)
 
 
 def _verdict_time(verdict: Verdict) -> float | None:

@@ -412,6 +412,7 @@ class MembershipChange:
     event: str  # "forgotten", "renamed", "readdressed" or "added"
     state: State  # the backend's state when it changed (HEALTHY for an added one)
     note: str
+    was: str | None = None  # a renamed backend's old name
 
     def audit_record(self, now: float, actor: str) -> dict[str, Any]:
         return {
@@ -522,8 +523,11 @@ class FleetRecord:
             state = self.ledger.state_of(name)
             note = f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}"
             changes.append(MembershipChange(name, "readdressed", state, note))
-            # Requests drained after the move went to the old address.
-            self.fresh_since[name] = now
+            # Requests drained after the move went to the old address; not when it is only
+            # written another way (the scheme's own port, a host's case): the same server,
+            # whose outcomes the router still records (``Router.configure``).
+            if same_server(url) != same_server(self.ledger.url_of(name)):
+                self.fresh_since[name] = now
         self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
@@ -563,7 +567,7 @@ class FleetRecord:
         self.withheld_forgotten.pop(new, None)
         state = self.ledger.state_of(new)
         note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
-        return MembershipChange(new, "renamed", state, note)
+        return MembershipChange(new, "renamed", state, note, was=old)
 
     def admit(self, name: str, url: str, now: float) -> MembershipChange:
         """Add a configured backend the record does not hold: HEALTHY; RETIRED when it was

@@ -1425,6 +1425,10 @@ class Ledger:
     def state_of(self, name: str) -> State:
         return self._lookup(name).state
 
+    def condemned_by(self, name: str) -> str | None:
+        """What last condemned it (None once it served): a snapshot's, without making one."""
+        return self._lookup(name).condemned_by
+
     def restart_ran_at(self, name: str) -> float | None:
         """When the last restart's command exited 0 (``RestartRan``), if it did."""
         return self._lookup(name).restart_ran_at

@@ -36,6 +36,7 @@ from llmhealth.policy import RestartHistory
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateError, StateFile, StateLockedError, nothing_before
+from llmhealth.traffic import FailureKind, RequestOutcome
 
 T = TypeVar("T")
 
@@ -825,3 +826,98 @@ def test_a_replacement_that_wedges_again_holds_the_slot_and_doubles_its_cooldown
     later = at + record.ledger.policy.startup_grace + 1
     idle = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5", reads=up[-1:])
     assert _settled(record, "b", idle, later) == ["a"]  # grace over: a again, first in line
+
+
+def test_a_wedge_proven_on_a_backend_traffic_condemned_is_audited_and_restarted_with_its_proof(
+    tmp_path: Path,
+) -> None:
+    # Failed requests condemned gpu0 (not in restart_on); a wedge proven later becomes the
+    # condemning cause and the restart follows. That re-condemnation, DEAD to DEAD, was
+    # written nowhere, and the restart was audited "condemned_by: wedged" with the failed
+    # requests as its evidence: the reads that proved the wedge were in no record.
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    failed = [
+        RequestOutcome(T0 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    first = settle_fleet(
+        store, RESTARTABLE, backend_urls([GPU0]), lambda _record: [], mode=Mode.ACT,
+        audit=audit, clock=ticking(T0 + 10), requests={"gpu0": failed},
+    )  # fmt: skip
+    assert first.record.ledger.snapshot("gpu0", T0 + 20).condemned_by == "request_failures"
+    assert first.orders == ()
+    settled = settle_fleet(
+        store, RESTARTABLE, backend_urls([GPU0]), lambda _record: [wedged(GPU0)],
+        mode=Mode.ACT, audit=audit, clock=ticking(T0 + 20),
+    )  # fmt: skip
+    assert [order.name for order in settled.orders] == ["gpu0"]
+    lines = read(audit.path)
+    [proven] = [line for line in lines if line["event"] == "wedge_proven"]
+    assert (proven["from"], proven["to"]) == ("dead", "dead")
+    assert proven["evidence"]["verdict"] == "wedged"
+    [restart] = [line for line in lines if line["event"] == "restart"]
+    assert restart["condemned_by"] == "wedged"
+    assert restart["evidence"]["verdict"] == "wedged"  # not the failed requests
+
+
+def test_a_reload_that_only_respells_a_url_loses_no_failure_nor_verdict(
+    tmp_path: Path,
+) -> None:
+    # The router counts a request's failure across a reload that writes the backend's URL
+    # another way (the scheme's own port dropped, a host's case): the same server. The
+    # settle dropped every outcome drained across it as if it had moved (three 500s in a
+    # row left gpu0 HEALTHY and serving), and the verdict read just before the reload
+    # (gpu1's wedge, proven a settle late).
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    before = {"gpu0": "http://127.0.0.1:80", "gpu1": "http://LOCALHOST:10"}
+    after = {"gpu0": "http://127.0.0.1", "gpu1": "http://localhost:10"}
+
+    def config(urls: dict[str, str]) -> Config:
+        return Config(backends=tuple(Backend(name, url) for name, url in urls.items()))
+
+    settle_fleet(
+        store, config(before), before, lambda _record: [], mode=Mode.ACT, audit=audit,
+        clock=ticking(T0),
+    )  # fmt: skip
+    failed = [
+        RequestOutcome(T0 + 5 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    read_before = wedged(Target("gpu1", before["gpu1"]))
+    settled = settle_fleet(
+        store, config(after), after, lambda _record: [read_before], mode=Mode.ACT,
+        audit=audit, clock=ticking(T0 + 10), requests={"gpu0": failed},
+    )  # fmt: skip
+    ledger = settled.record.ledger
+    assert {name: ledger.url_of(name) for name in after} == after  # as the config writes them
+    gpu0, gpu1 = (ledger.snapshot(name, T0 + 20) for name in ("gpu0", "gpu1"))
+    assert (gpu0.state, gpu0.condemned_by) == (State.DEAD, "request_failures")
+    assert (gpu1.state, gpu1.condemned_by) == (State.DEAD, "wedged")
+
+
+def test_failures_recorded_under_a_name_a_reload_then_changed_count_against_the_backend(
+    tmp_path: Path,
+) -> None:
+    # A rename keeps the backend's failure streak; the router's outcomes recorded under
+    # the old name before the reload, drained at the next settle, were dropped as those of
+    # a backend no longer configured: the failure that made three in a row was lost.
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    url = GPU0.url
+
+    def failed(at: float) -> RequestOutcome:
+        return RequestOutcome(at, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+
+    settle_fleet(
+        store, Config(backends=(Backend("gpu0", url),)), {"gpu0": url}, lambda _record: [],
+        mode=Mode.ACT, audit=audit, clock=ticking(T0 + 10),
+        requests={"gpu0": [failed(T0 + 1), failed(T0 + 2)]},
+    )  # fmt: skip
+    settled = settle_fleet(
+        store, Config(backends=(Backend("node-gpu0", url),)), {"node-gpu0": url},
+        lambda _record: [], mode=Mode.ACT, audit=audit, clock=ticking(T0 + 20),
+        requests={"gpu0": [failed(T0 + 15)]},
+    )  # fmt: skip
+    snap = settled.record.ledger.snapshot("node-gpu0", T0 + 30)
+    assert (snap.state, snap.condemned_by) == (State.DEAD, "request_failures")
+    proof = settled.record.proofs["node-gpu0"]["requests"]
+    assert [r["at"] for r in proof] == [T0 + 1, T0 + 2, T0 + 15]
