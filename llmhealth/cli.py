@@ -7,6 +7,7 @@ alert on CRITICAL always means a server, not a typo.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sys
@@ -218,7 +219,9 @@ def _log_quoted(message: str) -> None:
     """A line on stderr, escaped: etcd's own error texts are quoted in these."""
     from llmhealth.text import printable  # noqa: PLC0415
 
-    with reader_may_leave(sys.stderr):  # a daemon outlives its log's reader
+    # A daemon outlives its log's reader, and a log it cannot write (a full disk): the
+    # cluster's elector logs here from its thread, which an error would end.
+    with contextlib.suppress(OSError), reader_may_leave(sys.stderr):
         print(printable(message), file=sys.stderr, flush=True)
 
 
@@ -253,11 +256,10 @@ def watch(
     saves what they did, and exits 0; a restart whose command still runs stays on record
     as issued.
     """
-    from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
-
-    from llmhealth.daemon import Daemon  # noqa: PLC0415
+    from llmhealth.daemon import Daemon  # noqa: PLC0415 - only the daemon needs these
     from llmhealth.eventloop import run  # noqa: PLC0415
     from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
+    from llmhealth.render import console_for_log  # noqa: PLC0415
 
     given_urls, given_proxies = urls or [], proxy or []
 
@@ -277,7 +279,7 @@ def watch(
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait, config_module.LONGEST_READ),
         serving_file=Path(serving_file) if serving_file else None,
-        console=Console(stderr=True),
+        console=console_for_log(),
     )
     raise typer.Exit(run(daemon.run()))
 
@@ -302,12 +304,11 @@ def route(
     One process, one ledger: probing, settling, restarts and systemd notify as in `watch`,
     plus real-traffic failures counted against the backend that caused them.
     """
-    from rich.console import Console  # noqa: PLC0415 - only the daemon needs these
-
     from llmhealth.cycle import routed_backends  # noqa: PLC0415
     from llmhealth.daemon import Daemon  # noqa: PLC0415
     from llmhealth.eventloop import run  # noqa: PLC0415
     from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
+    from llmhealth.render import console_for_log  # noqa: PLC0415
     from llmhealth.router import Router  # noqa: PLC0415
 
     given_urls = urls or []
@@ -332,7 +333,7 @@ def route(
         listen=None,
         wait_override=wait_seconds,
         serving_file=None,
-        console=Console(stderr=True),
+        console=console_for_log(),
         router=router,
         router_listen=address,
     )
@@ -477,10 +478,18 @@ def audit(
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
     from llmhealth.text import printable  # noqa: PLC0415
 
+    unprintable = 0
+
     def show(record: dict[str, object]) -> None:
-        # ensure_ascii escapes every control character but DEL; nothing a server said
-        # reaches the terminal raw.
-        print(json.dumps(record, ensure_ascii=True).replace("\x7f", "\\u007f"))
+        nonlocal unprintable
+        try:
+            # ensure_ascii escapes every control character but DEL; nothing a server said
+            # reaches the terminal raw.
+            line = json.dumps(record, ensure_ascii=True).replace("\x7f", "\\u007f")
+        except RecursionError:  # read just under the parser's depth, written from deeper
+            unprintable += 1
+            return
+        print(line)
 
     loaded = _config_or_default(config_file)
     malformed = 0
@@ -503,9 +512,14 @@ def audit(
                 # mistyped.
                 if not state_path.is_file():
                     raise StateError(f"no state at {state_path} and no audit log at {path}")
-                print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
+                with reader_may_leave(sys.stderr):
+                    print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
+        malformed += unprintable
     if malformed:
-        print(f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr)
+        with reader_may_leave(sys.stderr):
+            print(
+                f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr
+            )
 
 
 @app.command()
@@ -601,11 +615,12 @@ def config_check(path: Annotated[str, typer.Argument(help="The TOML file to vali
     if not loaded.backends and not loaded.proxies:
         # Said, not refused: `watch -c FILE URL...` takes its targets from its command line,
         # which this cannot see. Without them the daemon refuses the reload, in its log.
-        print(
-            f"{path}: note: no [[backend]] or [[proxy]]: watch, route and check need URLs "
-            "on their command line with it, or refuse it (a reload too)",
-            file=sys.stderr,
-        )
+        with reader_may_leave(sys.stderr):  # a note: the verdict is the exit code
+            print(
+                f"{path}: note: no [[backend]] or [[proxy]]: watch, route and check need "
+                "URLs on their command line with it, or refuse it (a reload too)",
+                file=sys.stderr,
+            )
     restartable = sum(1 for backend in loaded.backends if backend.restart)
     with reader_may_leave(sys.stdout):
         print(

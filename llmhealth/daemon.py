@@ -1147,8 +1147,9 @@ class Daemon:
         if self._console.is_terminal:
             self._console.log(message, markup=False, highlight=False, emoji=False)
         else:  # journald adds its own timestamp
-            # A log's reader gone (a closed pipe) is no reason to stop watching or routing.
-            with reader_may_leave(sys.stderr):
+            # A log's reader gone (a closed pipe) is no reason to stop watching or routing,
+            # nor is a log that cannot be written (a full disk: ENOSPC): the line is lost.
+            with contextlib.suppress(OSError), reader_may_leave(sys.stderr):
                 print(message, file=sys.stderr, flush=True)
 
 

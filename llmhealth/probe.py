@@ -420,6 +420,10 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
     asked = target.model or (models[0] if models else None)
     if asked is None:
         return Answer(clock(), False, "not sent: GET /v1/models lists no model")
+    # An expected_model is printable (config.py), so one with a character that is not
+    # can only be written as it is shown: asked for as the server listed it.
+    if asked not in models:
+        asked = next((listed for listed in models if printable(listed) == asked), asked)
     models, model = tuple(map(printable, models)), printable(asked)
     try:
         response = await _request(

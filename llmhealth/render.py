@@ -103,12 +103,27 @@ def console_for_output() -> Console:
     return probe if probe.is_terminal else _Output(width=132)
 
 
+def console_for_log() -> Console:
+    """The daemon's log, on stderr: a pipe taken for a terminal (FORCE_COLOR,
+    TTY_COMPATIBLE) is written through it, and its reader leaving stops no daemon."""
+    return _Output(stderr=True)
+
+
 class _Output(Console):
     def on_broken_pipe(self) -> None:
         """Nobody reads the table any more (``| head``): the rest goes nowhere, and the
         run's own exit code stands. rich's own answer exits 1, WARNING to a monitor."""
         self.quiet = True
         discard_output(self.file)
+
+    def _check_buffer(self) -> None:
+        # rich answers a broken pipe only: a terminal that hung up (EIO, `watch & disown`
+        # and the terminal closed) or a full disk raised through every log line and
+        # every Live refresh, and ended the daemon.
+        try:
+            super()._check_buffer()
+        except OSError:
+            self.on_broken_pipe()
 
 
 def _row(backend: BackendReport) -> tuple[Text, ...]:

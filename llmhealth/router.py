@@ -97,7 +97,9 @@ def connection_cap(file_limit: int, backends: int) -> int:
 def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
     """The request's ``model`` and its parsed JSON object; an empty body has neither.
 
-    The body itself is forwarded byte for byte: this parse only decides the choice.
+    The body itself is forwarded byte for byte: this parse only decides the choice. The
+    model is made printable, as the models each backend serves are known (probe.py): a
+    served id with a character that is not (a no-break space) is then still found.
     """
     if not body.strip():
         return None, None
@@ -111,7 +113,7 @@ def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
     model = parsed.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError(400, "the request body names no model: the router chooses by model")
-    return model, parsed
+    return printable(model), parsed
 
 
 def upstream_headers(incoming: HeaderSource, api_key: str | None) -> Fields:

@@ -822,6 +822,7 @@ def test_a_check_whose_reader_is_gone_still_exits_with_its_verdicts_code(
         assert (result.returncode, result.stderr) == (2, ""), (output, result.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffered", [True, False])
 def test_a_verb_or_status_whose_reader_is_gone_keeps_its_exit_code(
     entry_point: str, tmp_path: Path, buffered: bool
@@ -902,3 +903,83 @@ def test_the_tiny_request_asks_for_the_model_id_as_the_server_listed_it(
     backend = json.loads(result.output)["backends"][0]
     assert (result.exit_code, backend["verdict"]) == (0, "idle"), backend["evidence"]
     assert "by model llama\\xa03" in backend["evidence"]
+
+
+def test_audit_skips_a_line_it_can_read_but_not_print_again(tmp_path: Path) -> None:
+    """Records are printed as they are read, from one frame deeper than the one that
+    parsed them: a line nested just under the parser's limit was read, and printing it
+    back raised RecursionError, a traceback ("internal error", exit 3) in place of the
+    rest of the trail."""
+    log = tmp_path / "audit.jsonl"
+    deep = "".join(
+        '{"time": 2, "x": ' + "[" * depth + "]" * depth + "}\n" for depth in range(500, 1000)
+    )
+    log.write_text('{"time": 1, "n": 1}\n' + deep + '{"time": 3, "n": 2}\n')
+    (tmp_path / "state.json").write_text("{}")
+    result = CliRunner().invoke(app, ["audit", "--state", str(tmp_path / "state.json")])
+    assert result.exit_code == 0, result.exception
+    shown = [json.loads(line) for line in result.stdout.splitlines()]
+    assert shown[0]["n"] == 1 and shown[-1]["n"] == 2
+    skipped = 500 - (len(shown) - 2)
+    assert f"{skipped} malformed audit lines skipped" in result.stderr
+
+
+def test_the_tiny_request_asks_for_the_served_id_of_an_expected_model_given_as_shown(
+    httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """expected_model must be printable, so a served `llama` + no-break space + `3` can
+    be named only as llmhealth shows it, `llama\\xa03`: the tiny request asked for that
+    text, which the server does not serve, and an idle, healthy backend was unanswered."""
+    listed = "llama\u00a03"
+    asked: list[str] = []
+
+    def complete(request: Request) -> Response:
+        asked.append(json.loads(request.data)["model"])
+        if asked[-1] != listed:
+            return Response('{"error": "model not found"}', status=404)
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
+    httpserver.expect_request("/v1/models").respond_with_json(
+        {"data": [{"id": "other"}, {"id": listed}]}
+    )
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    config = tmp_path / "c.toml"
+    url = httpserver.url_for("").rstrip("/")
+    config.write_text(
+        f'[[backend]]\nname = "gpu0"\nurl = "{url}"\nexpected_model = \'llama\\xa03\'\n'
+    )
+    result = runner.invoke(
+        app, ["check", "--config", str(config), "--state", str(tmp_path / "s.json"), "-f", "json"]
+    )
+    assert asked == [listed]
+    backend = json.loads(result.output)["backends"][0]
+    assert (result.exit_code, backend["verdict"]) == (0, "idle"), backend["evidence"]
+    assert "by model llama\\xa03" in backend["evidence"]
+
+
+def test_config_check_and_audit_keep_their_exit_code_when_stderr_is_unread(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """`config check FILE 2>&1 | head -0`, `audit ... 2>&1 | tail` with the reader gone:
+    their notes on stderr were outside what a reader leaving may end, and a valid config
+    exited 1, as a refused one would not even (3), and an audit that printed its trail 1."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text('wait = "5s"\n')  # valid: targets may come on the command line
+    (tmp_path / "s.json").write_text("{}")
+    (tmp_path / "audit.jsonl").write_text('{"time": 1}\ntorn\n')
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        audit = ["audit", "--state", str(tmp_path / "s.json")]
+        for args in (["config", "check", str(empty)], audit):
+            done = subprocess.run(
+                [entry_point, *args],
+                stdout=subprocess.DEVNULL,
+                stderr=write_end,
+                timeout=60,
+                check=False,
+            )
+            assert done.returncode == 0, args
+    finally:
+        os.close(write_end)

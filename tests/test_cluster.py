@@ -12,6 +12,7 @@ import contextlib
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -1285,3 +1286,28 @@ def test_publications_are_read_page_by_page_past_a_key_that_is_not_utf8(
         etcd.txn([], [{"request_put": {"key": key, "value": b64("{}")}}])
     read = [found.key for _, found in etcd.get_prefix_paged(keys.verdicts, 2)]
     assert read == [keys.verdicts.encode() + name for name in names]
+
+
+def test_the_elector_outlives_a_log_it_cannot_write(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`watch` or `route` logging to a file on a full disk: the elector's "leads" line
+    raised OSError (ENOSPC) in its round, the line saying so raised again, and its thread
+    died: the member leader no longer renewed its lease, its daemon alive and unaware."""
+    from llmhealth.cli import _log_quoted  # noqa: PLC0415 - the daemon's own logger
+
+    full = open("/dev/full", "w")  # noqa: SIM115 - closed below
+    monkeypatch.setattr(sys, "stderr", full)
+    member = Elector(Etcd(etcd_server.endpoints), keys, "a", TIMING, log=_log_quoted)
+    member.start()
+    try:
+        deadline = time.monotonic() + 30.0
+        while not member.observed.etcd_up:
+            assert time.monotonic() < deadline, "the elector never completed a round"
+            time.sleep(0.05)
+        assert member.transitions == 1 and member.fence is not None
+    finally:
+        member.stop()
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            full.close()

@@ -2503,3 +2503,100 @@ def test_a_reload_that_shortens_the_wait_does_not_wait_out_the_old_one(
     settled = asyncio.run(scenario())
     assert daemon._wait == 0.5, "the reload was not applied"
     assert settled, "no settle within PATIENCE of a reload to a 0.5 s wait (old wait 600 s)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forced", ["FORCE_COLOR", "TTY_COMPATIBLE"])
+def test_watch_told_its_log_is_a_terminal_outlives_the_log_reader(
+    entry_point: str, forced: str
+) -> None:
+    """FORCE_COLOR=1 (or TTY_COMPATIBLE=1), as a container or CI environment may set it:
+    rich takes the pipe for a terminal, the daemon logs through its console, and rich's
+    answer to the reader gone was SystemExit(1): `watch ... 2>&1 | logger` died with it."""
+    port = free_port_block(1)
+    environment = child_env()
+    environment.pop("NOTIFY_SOCKET", None)
+    environment[forced] = "1"
+    argv = [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT)]
+    read_end, write_end = os.pipe()
+    with ExitStack() as stack:
+        unused = stack.enter_context(tempfile.TemporaryFile())
+        process = subprocess.Popen(
+            [*argv, "--listen", f"127.0.0.1:{port}"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=write_end,
+            env=environment,
+        )
+        os.close(write_end)
+
+        def reap() -> None:
+            if process.poll() is None:
+                process.kill()
+            process.wait(STOP_BOUND)
+
+        stack.callback(reap)
+        with os.fdopen(read_end, "rb") as log:
+            assert b"metrics on" in log.readline(), "it logs to its stderr"
+        watch = Watch(process, port, unused)  # its log's reader is gone from here on
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
+        assert watch.stop()[0] == 0
+
+
+def _watch_logging_to(entry_point: str, log: int, stack: ExitStack) -> Watch:
+    """`watch` of a refused URL whose stderr is ``log``; reaped by ``stack``."""
+    port = free_port_block(1)
+    environment = child_env()
+    for name in ("NOTIFY_SOCKET", "FORCE_COLOR", "TTY_COMPATIBLE"):
+        environment.pop(name, None)
+    unused = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - stack closes it
+    process = subprocess.Popen(
+        [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT), "--listen", f"127.0.0.1:{port}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env=environment,
+        start_new_session=True,  # a terminal given as its log is not its controlling one
+    )
+
+    def reap() -> None:
+        if process.poll() is None:
+            process.kill()
+        process.wait(STOP_BOUND)
+
+    stack.callback(reap)
+    return Watch(process, port, unused)
+
+
+@pytest.mark.slow
+def test_watch_outlives_a_log_on_a_full_disk(entry_point: str) -> None:
+    """`watch ... 2>>/var/log/llmhealth.log` with the disk full: the next log line raised
+    OSError (ENOSPC) and the daemon exited 1, routing and restarts with it, in the very
+    incident that filled the disk."""
+    with ExitStack() as stack, open("/dev/full", "wb") as full:
+        watch = _watch_logging_to(entry_point, full.fileno(), stack)
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line it could not
+        assert watch.stop()[0] == 0
+
+
+@pytest.mark.slow
+def test_watch_outlives_the_terminal_it_logs_to(entry_point: str) -> None:
+    """`llmhealth watch ... & disown`, and the terminal closed: each write to it fails
+    with EIO, which rich does not take as a broken pipe, and the daemon exited 1."""
+    import pty  # noqa: PLC0415
+
+    master, terminal = pty.openpty()
+    with ExitStack() as stack:
+        try:
+            watch = _watch_logging_to(entry_point, terminal, stack)
+        finally:
+            os.close(terminal)
+        try:
+            assert b"metrics on" in os.read(master, 4096), "it logs to its terminal"
+        finally:
+            os.close(master)  # the terminal hangs up
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
+        assert watch.stop()[0] == 0

@@ -1689,3 +1689,38 @@ def test_a_reload_that_only_respells_the_url_loses_no_failure() -> None:
                 await asyncio.wait_for(listening.wait_closed(), 2)
 
     run(scenario())
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_model_whose_served_id_is_not_printable_is_routed(httpserver: HTTPServer) -> None:
+    """The models a backend serves reach the router made printable (`llama\\xa03` for a
+    served `llama` + no-break space + `3`): a client asking for the model by the id the
+    backend serves, and answers, was told no backend serves it."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from llmhealth.classify import Target  # noqa: PLC0415
+    from llmhealth.probe import ProbeSettings, check_fleet  # noqa: PLC0415
+
+    served = "llama\u00a03"
+    idle = Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "idle-1.txt"
+    httpserver.expect_request("/metrics").respond_with_data(idle.read_text())
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": served}]})
+    httpserver.expect_request("/v1/completions").respond_with_json(
+        {"choices": [{"index": 0, "text": "!"}]}
+    )
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+    url = httpserver.url_for("").rstrip("/")
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=1.0)
+    (outcome,) = asyncio.run(check_fleet([Target("a", url)], settings))
+    answer = outcome.verdict.answer
+    assert answer is not None and answer.ok, outcome.verdict.evidence
+    body = json.dumps({"model": served, "messages": [{"role": "user", "content": "hi"}]})
+
+    async def scenario() -> None:
+        # What the daemon hands the router: the models the tiny request saw.
+        models = {"a": frozenset(answer.models_served)}
+        async with routing({"a": url}, models=models) as (_, router_url), client() as http:
+            response = await http.post(router_url + CHAT, content=body)
+            assert response.status_code == 200, response.text
+
+    run(scenario())
