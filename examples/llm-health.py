@@ -10,27 +10,34 @@ import argparse
 import shlex
 import subprocess
 import sys
+from typing import NoReturn
 
 import llmhealth
 
 
 def main() -> int:
+    def unknown(why: object) -> NoReturn:  # bad options too: 3, never argparse's 2 (CRITICAL)
+        print(f"UNKNOWN - {why}")
+        sys.exit(3)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000")
     parser.add_argument("--wait", type=float, default=5.0, help="seconds between two reads")
     parser.add_argument("--timeout", type=float, default=5.0, help="bound on one HTTP read")
-    parser.add_argument("--restart-cmd", help="run (split like a shell, never by one) on a wedge")
+    parser.add_argument("--restart-cmd", type=shlex.split, help="run on a wedge; never by a shell")
+    parser.error = unknown  # type: ignore[method-assign]
     args = parser.parse_args()
     try:
+        if args.restart_cmd == []:  # found now, not when a wedge needs it
+            raise ValueError("argument --restart-cmd: an empty command")
         report = llmhealth.check([args.url], wait=args.wait, timeout=args.timeout)
     except (ValueError, TypeError) as exc:  # a bad URL or option: we could not check
-        print(f"UNKNOWN - {exc}")
-        return 3
+        unknown(exc)
     backend = report.backends[0]
     line = f"{report.exit_code.name} - {backend.verdict}: {backend.evidence}"
     if backend.verdict is llmhealth.VerdictKind.WEDGED and args.restart_cmd:
         try:
-            done = subprocess.run(shlex.split(args.restart_cmd), timeout=600, check=False)
+            done = subprocess.run(args.restart_cmd, timeout=600, check=False)
             line += f"; restart command exited {done.returncode}"
         except (OSError, subprocess.TimeoutExpired) as exc:
             line += f"; restart command failed: {exc}"

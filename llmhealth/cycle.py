@@ -574,18 +574,18 @@ def expire_restarts(
     now: float,
     verdicts: Mapping[str, Verdict],
     sparing: Collection[str] = frozenset(),
-) -> list[str]:
+) -> list[Transition]:
     """Restarts not proven within their startup grace failed: DEAD again, cooldown doubled;
     never those of ``sparing`` (a command still running, a new process seen first now).
 
     Called after this settle's verdicts were fed, so a replacement re-admitted just now is
     not failed. The audit line says what was waited for and what was last seen.
     """
-    notes = []
+    failed = []
     before = {name: record.ledger.snapshot(name, now) for name in record.ledger.overdue(now)}
     for expired in record.ledger.expire_restarts(now, sparing=sparing):
         record.restart_failed(expired.name)
-        notes.append(f"{expired.name}: {expired.reason}")
+        failed.append(expired)
         snap = before[expired.name]
         evidence: dict[str, Any] = {
             "restarted_at": snap.last_restart_at,
@@ -599,7 +599,7 @@ def expire_restarts(
             evidence["verdict"] = str(verdict.kind)
             evidence["evidence"] = verdict.evidence
         _audit_transition(audit, expired, now, evidence)
-    return notes
+    return failed
 
 
 def baselines_of(record: FleetRecord) -> dict[str, Signals]:
@@ -730,7 +730,8 @@ def settle(
     for name, seen in unheard.items():
         if name in record.ledger and seen:  # else it left the config since it was forwarded
             hear_requests(name, seen)
-    notes = [*notes, *expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived})]
+    expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived})
+    notes = [*notes, *(f"{t.name}: {t.reason}" for t in expired)]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
     )
@@ -759,6 +760,7 @@ def settle(
         tuple(notes),
         (*heard, *(_restart_note(o, mode) for o in restarts)),
         tuple(traffic),
+        tuple(expired),
     )
     return report, [outcome.order for outcome in restarts if outcome.order is not None]
 

@@ -912,6 +912,8 @@ class Daemon:
                 state.restarts[(note.name, "ok" if note.ok else "failed")] += 1
             elif note.action == "retire":
                 state.restarts[(note.name, "retired")] += 1
+        for expired in report.expired:  # its command may have exited 0: the restart failed
+            state.restarts[(expired.name, "failed")] += 1
         state.stall.observe(signals, now)
         stalled = state.stall.stalled(now, self._config.stall_timeout)
         # Every backend's ledger state, not only those whose probe reported this cycle.

@@ -182,7 +182,8 @@ def _backend_families(view: ExportView) -> Iterator[Metric]:
         errors.add_metric([name, error], float(count))
     restarts = CounterMetricFamily(
         "llmhealth_backend_restarts",
-        "Restart decisions carried out, by outcome (ok, failed, retired).",
+        "Restart decisions carried out, by outcome (ok: the command exited 0; failed: it did "
+        "not, or no new process was proven within startup_grace; retired).",
         labels=["backend", "outcome"],
     )
     for (name, outcome), count in sorted(view.restarts.items()):

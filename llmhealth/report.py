@@ -63,6 +63,7 @@ class CycleReport:
     notes: tuple[str, ...] = ()
     restarts: tuple[RestartNote, ...] = ()
     traffic: tuple[Transition, ...] = ()  # what real requests through `route` did to the ledger
+    expired: tuple[Transition, ...] = ()  # restarts whose startup grace ran out: failed
 
 
 def summarize(ledger: Ledger) -> FleetSummary:

@@ -624,6 +624,27 @@ def test_our_replacement_first_seen_past_its_grace_gets_one_settle_to_prove_itse
     assert record.ledger.state_of("a") is (State.HEALTHY if proven else State.RESTARTING)
 
 
+def test_a_restart_failed_by_its_grace_is_in_the_settles_report() -> None:
+    # Its command exited 0 (counted ok), and no new process came within the grace: the
+    # restart failed, and the daemon counts the report's expired ones as failed restarts
+    # (llmhealth_backend_restarts_total{outcome="failed"}, LLMHealthRestartsFailing).
+    at = T0
+    record = _restarted(["a"], at)
+    now = at + record.ledger.policy.startup_grace + 1
+    down = Verdict(VerdictKind.DOWN, False, "down: refused")
+    report, _ = settle(
+        record,
+        SHARED_FAULT_FLEET,
+        [Outcome(Target("a", record.ledger.url_of("a")), down)],
+        now,
+        mode=Mode.ACT,
+        audit=None,
+    )
+    assert [(t.name, t.from_state, t.to_state) for t in report.expired] == [
+        ("a", State.RESTARTING, State.DEAD)
+    ]
+
+
 def test_a_stale_spell_begun_after_the_restarts_grace_ran_out_is_not_failed_by_it() -> None:
     # The restart's grace ran out (DEAD), an operator held the backend and restarted it by
     # hand: the new process was failed by that old grace the moment it was seen (a second

@@ -579,6 +579,41 @@ def test_a_wedged_backend_goes_dead_and_one_with_a_restart_command_is_restarted(
 
 
 @pytest.mark.slow
+def test_a_restart_whose_backend_never_came_back_counts_as_failed_for_the_alert(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The command exits 0 (`systemctl restart` does at once) and the server never comes
+    up: the startup grace fails the restart, and LLMHealthRestartsFailing counts
+    ``outcome="failed"``. Before, every such restart was counted ``ok``, so a server that
+    dies at each start never raised the alert meant for failing restarts."""
+    marker = tmp_path / "restarted"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config([{"name": "wedge", "url": urls.wedge_b, "restart": touch_command(marker)}])
+        + '\n[policy]\nstartup_grace = "1s"\ncooldown = "1s"\ncooldown_max = "1s"\n',
+    )
+    audit = tmp_path / "audit.jsonl"
+
+    def expired() -> int:
+        lines = audit.read_text().splitlines() if audit.exists() else []
+        return sum(json.loads(line)["event"] == "startup_expired" for line in lines)
+
+    with watching(entry_point, config, tmp_path / "state.json") as watch:
+        page = watch.until("a restart", lambda p: p.state("wedge") == "restarting")
+        deadline = time.monotonic() + PATIENCE
+        while expired() < 1:
+            if time.monotonic() > deadline:
+                raise NotObservedError(f"no startup_expired; stderr:\n{watch.stderr()}")
+            time.sleep(POLL)
+        page = watch.next_cycle(page)
+        rc, _ = watch.stop()
+        log = watch.stderr()
+    assert rc == 0
+    assert "restart failed: no new process within the startup grace" in log
+    assert page.counts("llmhealth_backend_restarts", "outcome")[("wedge", "failed")] >= 1
+
+
+@pytest.mark.slow
 def test_a_dead_backend_left_alone_is_audited_once_not_once_per_cycle(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

@@ -302,6 +302,14 @@ def test_every_alert_has_a_delay_a_severity_and_something_to_run() -> None:
         assert "`" in block.split("action:", 1)[1], f"{name}: the action names no command"
 
 
+def test_the_key_alert_sends_the_operator_to_a_restart_not_a_reload() -> None:
+    """The key is in the daemon's environment, which a reload (SIGHUP) does not renew: after
+    `systemctl reload` as the action said, the old key was still sent and refused."""
+    action = _alert_blocks()["LLMHealthAPIKeyRefused"].split("action:", 1)[1]
+    assert "systemctl reload" not in action
+    assert "`systemctl restart llmhealth`" in action
+
+
 def test_every_alert_has_a_case_that_fires_and_one_that_does_not() -> None:
     cases = re.split(r"^\s*- eval_time: ", RULE_TESTS.read_text(), flags=re.MULTILINE)[1:]
     fires: set[str] = set()

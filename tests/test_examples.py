@@ -127,3 +127,25 @@ def test_the_trainer_loop_restarts_no_shard_the_restart_budget_retired() -> None
         restarts = httpx.get(f"{sim.urls[0]}/sim/stats", timeout=2.0).json()["restarts"]
     assert fleet.state_of(0) is State.RETIRED
     assert restarts == 2
+
+
+def test_the_health_script_is_unknown_not_critical_for_bad_arguments() -> None:
+    """A typo in a health script's options is the check's failure (3), never the server's
+    (2, which pages as a dead server), and never a usage text a plugin runner shows."""
+    for args in (["--wait", "abc"], ["--bogus"]):
+        done = run(HEALTH, "http://127.0.0.1:9", *args)
+        assert done.returncode == 3, (args, done.stdout, done.stderr)
+        assert done.stdout.startswith("UNKNOWN - "), done.stdout
+
+
+def test_a_restart_command_that_does_not_parse_is_unknown_before_any_check(
+    tmp_path: Path,
+) -> None:
+    """Found at start, not at the first wedge: there it was a traceback and exit 1
+    (WARNING) in place of CRITICAL, and the wedged server was never restarted."""
+    with running_simulator(["wedge:0.1"]) as sim:
+        for command in ("touch 'unclosed", " "):
+            done = health(sim.urls[0], "--restart-cmd", command)
+            assert done.returncode == 3, (command, done.stdout, done.stderr)
+            assert done.stdout.startswith("UNKNOWN - argument --restart-cmd"), done.stdout
+        assert completions_received(sim.urls[0]) == 0
