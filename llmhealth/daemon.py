@@ -874,9 +874,9 @@ class Daemon:
         """The model lists the tiny request saw; kept while the backend is busy and so
         not asked again. Only where the backend is now: a reload may have moved it while
         the old address was asked."""
-        where = {target.name: target.url for target in self._targets}
+        where = {target.name: same_server(target.url) for target in self._targets}
         for backend in report.backends:
-            if where.get(backend.outcome.target.name) != backend.outcome.target.url:
+            if where.get(backend.outcome.target.name) != same_server(backend.outcome.target.url):
                 continue
             answer = backend.outcome.verdict.answer
             if answer is not None and answer.models_served:
@@ -1070,12 +1070,16 @@ class Daemon:
             self._log(f"reload refused, keeping the running config: {refused}")
             return
         wait = self._wait
-        was = {target.name: target.url for target in self._targets}
+        was = {(t.kind, same_server(t.url)): t.name for t in self._targets}
         self._config, self._targets = config, targets
-        # A model list learned of another server (a name dropped, or moved) is not this one's.
+        # A model list learned of another server (a name dropped, or moved) is not this
+        # one's; its URL written another way, or a new name at its server, is the same one
+        # (a busy backend is not asked again: dropped, it was pushed as serving any model).
+        learned, self._models = self._models, {}
         for target in targets:
-            if was.get(target.name) != target.url:
-                self._models.pop(target.name, None)
+            old = was.get((target.kind, same_server(target.url)))
+            if old is not None and old in learned:
+                self._models[target.name] = learned[old]
         self._key_variables |= config.key_variables
         self._forget_series_of_removed(targets)
         if self._wait != wait:

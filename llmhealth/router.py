@@ -764,8 +764,8 @@ class Router:
 
     def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
-        if status < 400 and not self._moved(name, origin):
-            self._log.record(name, RequestOutcome(self._clock(), request.method, request.path))
+        if status < 400 and (now := self._named_now(name, origin)) is not None:
+            self._log.record(now, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
         self,
@@ -804,9 +804,12 @@ class Router:
     ) -> None:
         """Count a failure against a backend and drop it from choice until the next push.
         Not a failure at the address a reload has since moved it from: that server is not
-        this one, and the new one never saw the request."""
-        if self._moved(name, origin):
+        this one, and the new one never saw the request. Renamed at that server since, it
+        counts under the new name (``_named_now``)."""
+        now = self._named_now(name, origin)
+        if now is None:
             return
+        name = now
         self._log.record(
             name,
             RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),
@@ -826,6 +829,20 @@ class Router:
             origin.port,
             origin.prefix,
         )
+
+    def _named_now(self, name: str, origin: Origin) -> str | None:
+        """The name the server at ``origin`` has now, for an outcome of a request sent to
+        it as ``name``: that name unless a reload since moved it (``_moved``); the new
+        name when one renamed it there (the settle renames it, its streak kept); None
+        when nothing is configured there any more."""
+        if not self._moved(name, origin):
+            return name
+        if name in self._backends:
+            return None  # moved elsewhere: what its old server did is not this one's
+        for other in self._backends:
+            if not self._moved(other, origin):
+                return other
+        return None
 
     def _pick_set(self) -> dict[str, Models]:
         return {n: m for n, m in self._serving.items() if n not in self._dropped}

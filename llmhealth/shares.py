@@ -22,7 +22,7 @@ from typing import Any
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals, Signals
-from llmhealth.text import printable
+from llmhealth.text import printable, same_server
 from llmhealth.window import CpuSample, LongestStep
 
 _ENGINE_NUMBERS = (
@@ -458,9 +458,15 @@ def take_published(
 
 
 def _apart(said: str | None, address: str | None) -> bool:
-    """Whether a member said it read at another address than the leader's (compared as
-    ``cycle`` compares them: the configured text); an unsaid one is not apart."""
-    return said is not None and address is not None and said != address
+    """Whether a member said it read at another server than the leader's address
+    (compared as ``cycle`` compares them: written another way is the same server,
+    ``same_server``); an unsaid one is not apart."""
+    return (
+        said is not None
+        and address is not None
+        and said != address
+        and same_server(said) != same_server(address)
+    )
 
 
 def doubt(

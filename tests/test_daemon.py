@@ -2635,3 +2635,49 @@ def test_watch_outlives_the_terminal_it_logs_to(entry_point: str) -> None:
         first = watch.until("a cycle", lambda page: page.last_cycle is not None)
         watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
         assert watch.stop()[0] == 0
+
+
+def test_a_reload_that_only_respells_or_renames_keeps_what_the_server_was_seen_serving(
+    tmp_path: Path,
+) -> None:
+    """A busy backend is never sent the tiny request that lists its models: the list the
+    daemon learned is kept "while the backend is busy" (``_remember_models``). A reload
+    that only wrote its URL another way (same_server, as the router and the settle take
+    it), or renamed it at its server, dropped it: pushed as serving any model, it was
+    sent every other model's requests (a 404 to each client) and left /v1/models."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.ledger import Ledger, LedgerPolicy  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    fleets = [
+        [Target("b", "http://127.0.0.1:80"), Target("c", "http://127.0.0.2:8000")],
+        [Target("b", "HTTP://127.0.0.1"), Target("node-c", "http://127.0.0.2:8000")],
+    ]
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0)
+
+    async def scenario() -> dict[str, object]:
+        router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+        daemon = Daemon(
+            lambda: (config, fleets[0]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+            router=router,
+        )
+        try:
+            daemon._models.update(b=frozenset({"m1"}), c=frozenset({"m2"}))
+            fleets.pop(0)
+            daemon._reload_config()
+            now = time.time()
+            ledger = Ledger(LedgerPolicy(), [(t.name, t.url) for t in fleets[0]], now=now)
+            daemon._snapshots = {snap.name: snap for snap in ledger.snapshots(now)}
+            daemon._push_router()
+            return dict(router._serving)
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    assert asyncio.run(scenario()) == {"b": frozenset({"m1"}), "node-c": frozenset({"m2"})}

@@ -1723,4 +1723,48 @@ def test_a_model_whose_served_id_is_not_printable_is_routed(httpserver: HTTPServ
             response = await http.post(router_url + CHAT, content=body)
             assert response.status_code == 200, response.text
 
+
+def test_a_failure_in_flight_across_a_rename_counts_against_the_renamed_backend() -> None:
+    """A reload that only renames a backend keeps its server (the settle renames it in
+    the ledger, its streak kept, and moves the outcomes recorded under its old name to
+    the new one). A request in flight at the reload that then failed at that very server
+    was counted under neither name: the old one is no longer configured (``_moved``), so
+    a wedged server's hung requests, timing out just after a rename, were all lost."""
+    answer = asyncio.Event()
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await answer.wait()  # the reload comes while the request is at the server
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with raw_backend(server) as url:
+            router = Router(RouterConfig(), [Backend("a", url)])
+            port = free_port()
+            await router.start("127.0.0.1", port)
+            router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                    % (CHAT.encode(), len(BODY), BODY)
+                )
+                await writer.drain()
+                for _ in range(int(BOUND / 0.01)):
+                    if router.in_flight.get("a"):
+                        break
+                    await asyncio.sleep(0.01)
+                router.configure([Backend("node-a", url)])  # SIGHUP: a new name, same server
+                answer.set()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+                assert head.startswith(b"HTTP/1.1 500"), head
+                writer.close()
+                await quiet(router)
+                drained = router.drain()
+                assert [o.status for o in drained.get("node-a", ())] == [500], drained
+            finally:
+                await router.close()
+
     run(scenario())

@@ -348,3 +348,26 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
         merged.update(parse_publication("b", json.loads(chunk)))
     assert merged == {name: Published("b", 7, verdict) for name in verdicts}
     assert publication({}, {}, {}, 1024, {}) == [b'{"verdicts":{}}']  # an empty share clears
+
+
+def test_a_member_whose_config_only_respells_the_address_is_read_at_the_same_server() -> None:
+    # A reload that writes a backend's URL another way (the scheme's own port dropped, the
+    # host's case) is no move: settle takes a verdict read at the old spelling (cycle's
+    # _moved_from, the router's _moved). Until the member reading it reloads too (a
+    # rolling rollout, or for good), the leader took its verdicts for reads elsewhere:
+    # none settled, then "stalled" doubt every wait, three of which condemn a server that
+    # answers, and a wedge it proved was never settled.
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    owners, here = {"gpu1": "b"}, {"gpu1": "http://gpu1.example"}
+    there = "HTTP://GPU1.example:80"
+
+    def respelled(serial: int) -> dict[str, dict[str, Published]]:
+        found = Published("b", serial, healthy(f"b#{serial}"), examined=serial, url=there)
+        return {"b": {"gpu1": replace(found, reading_at=there)}}
+
+    take_published(intake, owners, respelled(1), 1.0, 10.0, here)
+    for at in range(2, 12):
+        taken = take_published(intake, owners, respelled(at), float(at), 10.0, here)
+        assert taken.stale == (), at
+        assert taken.verdicts == {"gpu1": healthy(f"b#{at}")}, at
+        assert taken.urls == {"gpu1": there}  # settle compares it with same_server
