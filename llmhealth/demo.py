@@ -58,11 +58,18 @@ _FLEET = (
     ("gpu3-no-metrics", "no-metrics"),
 )
 # The demo's restart command: ask the simulator for a new process in idle mode. A real
-# fleet would have e.g. ["systemctl", "restart", "vllm@2"]; either way it is an argv.
+# fleet would have e.g. ["systemctl", "restart", "vllm@2"]; either way it is an argv. It
+# goes direct, as every read of the demo does (trust_env=False): an HTTP_PROXY in the
+# environment is no way to loopback, and through it the restart failed.
 _RESTART_CODE = (
-    "import sys, urllib.request; urllib.request.urlopen(urllib.request.Request("
+    "import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(u.Request("
     "sys.argv[1] + '/sim/restart', data=b'{\"mode\": \"idle\"}', method='POST'), timeout=5)"
 )
+
+
+class DemoError(RuntimeError):
+    """A part of the demo could not run (a port taken meanwhile, a process that did not
+    come up): said in a sentence, not as a traceback nor as an interrupt."""
 
 
 def free_port_block(count: int, attempts: int = 50) -> int:
@@ -85,7 +92,7 @@ def free_port_block(count: int, attempts: int = 50) -> int:
             for sock in sockets:
                 sock.close()
         return base
-    raise RuntimeError(f"no block of {count} free ports on {_HOST}")
+    raise DemoError(f"no block of {count} free ports on {_HOST}")
 
 
 @contextlib.contextmanager
@@ -121,9 +128,9 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
         if line.strip() == "ready":
             return
         if not line and process.poll() is not None:
-            error = process.stderr.read() if process.stderr else ""
-            raise RuntimeError(f"the simulator exited with {process.returncode}: {error}")
-    raise RuntimeError(f"the simulator was not ready within {_READY_WITHIN:g} s")
+            error = process.stderr.read().strip() if process.stderr else ""
+            raise DemoError(f"the simulator exited with {process.returncode}: {error}")
+    raise DemoError(f"the simulator was not ready within {_READY_WITHIN:g} s")
 
 
 def _interrupted(signum: int, _frame: object) -> None:
@@ -151,16 +158,25 @@ def _run(main: Coroutine[Any, Any, _T]) -> _T:
 
 
 def _stopped_early(daemon: asyncio.Task[int]) -> None:
-    """A daemon that stopped before the demo stopped it took a Ctrl-C or a SIGTERM meant
-    for the demo (it handles both itself): the demo stops too, instead of scraping or
+    """A daemon that stopped before the demo stopped it either failed (a port it was to
+    serve on was taken meanwhile: said as such) or took a Ctrl-C or a SIGTERM meant for
+    the demo (it handles both itself): the demo stops too, instead of scraping or
     streaming from what is gone."""
-    if daemon.done():
-        raise KeyboardInterrupt("stopped")
+    if not daemon.done():
+        return
+    failure = None if daemon.cancelled() else daemon.exception()
+    if failure is not None:
+        raise DemoError(f"its daemon stopped: {failure}") from failure
+    raise KeyboardInterrupt("stopped")
 
 
 def run_demo(console: Console) -> int:
     with _terminate_as_interrupt():
-        return _run_parts(console)
+        try:
+            return _run_parts(console)
+        except DemoError as exc:
+            console.print(f"\nThe demo stopped: {exc}.", markup=False)
+            return 1
 
 
 def _run_parts(console: Console) -> int:
@@ -184,7 +200,7 @@ def _run_parts(console: Console) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         try:
             _takeover_live(console, Path(scratch))
-        except RuntimeError as exc:  # a machine too slow for its bounds: say so, plainly
+        except DemoError as exc:  # a machine too slow for its bounds: say so, plainly
             console.print(f"The takeover part did not finish: {exc}.", markup=False)
             return 1
     console.print("\nSimulators stopped; the demo's state and audit logs were in temp dirs.")
@@ -294,7 +310,7 @@ def _watch_live(
 
 def _own_metrics(port: int) -> str:
     """A few lines of the daemon's own /metrics, as Prometheus would scrape them."""
-    text = httpx.get(f"http://{_HOST}:{port}/metrics", timeout=5).text
+    text = httpx.get(f"http://{_HOST}:{port}/metrics", timeout=5, trust_env=False).text
     wanted = (
         "llmhealth_fleet_",
         "llmhealth_backend_restarts_total",
@@ -370,7 +386,8 @@ def _route_live(console: Console, scratch: Path) -> None:
         finally:
             client.cancel()
             daemon.stop()
-            await task
+            await asyncio.wait({task})
+        task.result()
 
     modes = [mode for _, mode in _ROUTE_FLEET]
     with simulated_fleet(modes, base, request_seconds=0.4):
@@ -408,13 +425,13 @@ async def _stream_client(
     """Stream one completion after another through the router, a line per stream, and
     each one's backend and whether it ended in error into ``streams``."""
     states: dict[str, str] = {}
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         while True:  # the daemon reads the saved ledger before it listens
             with contextlib.suppress(httpx.ConnectError):
                 await http.get(f"{url}/health")
                 break
             if time.monotonic() > until:
-                raise RuntimeError(f"the router at {url} did not come up")
+                raise DemoError(f"the router at {url} did not come up")
             await asyncio.sleep(0.1)
         number = 0
         while time.monotonic() < until:
@@ -585,19 +602,19 @@ def _until(found: Callable[[], Any], what: str, poll: float = 0.2) -> Any:
         if value is not None and value is not False:
             return value
         time.sleep(poll)
-    raise RuntimeError(f"the demo waited {_TAKEOVER_WITHIN:g} s for {what}")
+    raise DemoError(f"the demo waited {_TAKEOVER_WITHIN:g} s for {what}")
 
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        return httpx.get(url, timeout=1.0, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
 
 
 def _scrape(port: int) -> str:
     try:
-        return httpx.get(f"http://{_HOST}:{port}/metrics", timeout=2.0).text
+        return httpx.get(f"http://{_HOST}:{port}/metrics", timeout=2.0, trust_env=False).text
     except httpx.HTTPError:
         return ""  # not up yet, or killed
 

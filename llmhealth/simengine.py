@@ -20,6 +20,10 @@ WAITING_PER_SLOT = 2  # synthetic queue length, per slot
 SYNTHETIC_PROMPT_TOKENS = 12
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 MAX_MODEL_LEN = 2048  # what /v1/models reports, as the captured server did
+# Prefill time per prompt token, the captured server's own (busy-0.txt: 17 prompt tokens
+# read in 0.1003 s): a process shows the prefill time of the prompts it has read, which
+# llmhealth divides by its prompt tokens to learn how long a step can take.
+PREFILL_SECONDS_PER_PROMPT_TOKEN = 0.1003197850000106 / 17
 
 
 class Load(Enum):
@@ -397,7 +401,7 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 _PROCESS_KEYS = frozenset({"start", "created"})
 _ENGINE_KEYS = frozenset(
     {"running", "waiting", "kv", "steps", "iter_sum", "gen", "prompt", "finished"}
-    | {"preemptions", "awake", "offloaded"}
+    | {"preemptions", "awake", "offloaded", "prefill"}
 )
 # Prometheus multiprocess mode leaves these out until the engine first reported stats.
 _LATE_GAUGES = frozenset(
@@ -546,6 +550,7 @@ def _engine_values(e: EngineSnapshot) -> dict[str, str]:
         "gen": format_value(e.generation_tokens),
         "prompt": format_value(e.prompt_tokens),
         "finished": format_value(e.finished),
+        "prefill": format_value(e.prompt_tokens * PREFILL_SECONDS_PER_PROMPT_TOKEN),
         "preemptions": format_value(e.preemptions),
         "awake": "1.0" if e.awake else "0.0",
         "offloaded": "0.0" if e.awake else "1.0",

@@ -209,19 +209,22 @@ async def _cancel(*tasks: asyncio.Future[Any]) -> None:
 
 
 Handler = Callable[[_Request, _Connection], Awaitable[_Response | None]]
+# How long an idle connection may wait for its next request (None: forever), asked before
+# each one: a restart may turn a backend into a hung one or back.
+IdleTimeout = Callable[[], float | None]
 
 
 async def _serve_connection(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     handler: Handler,
-    idle_timeout: float | None,
+    idle_timeout: IdleTimeout,
 ) -> None:
     conn = _Connection(reader, writer)
     try:
         while True:
             try:
-                request = await conn.read_request(idle_timeout)
+                request = await conn.read_request(idle_timeout())
             except _HttpError as exc:
                 writer.write(_encode(_error(exc.status, str(exc)), close=True))
                 await writer.drain()
@@ -296,22 +299,30 @@ class _Backend:
         start = self.model.start_time(self.clock())
         return _json(200, {**self.stats.__dict__, "start_time": start})
 
+    def idle_timeout(self) -> float | None:
+        """A hung server never times a connection out; the others close idle ones as uvicorn."""
+        return None if self.spec.hang else self.config.keep_alive
+
     async def handle(self, request: _Request, conn: _Connection) -> _Response | None:
+        path, method = request.path, request.method
+        # The simulator's own controls answer whatever its process does: a restart is
+        # what brings a frozen API server back, and a test asks for the stats of any.
+        if path == "/sim/restart" and method == "POST":
+            return self._restart(request)
+        if path == "/sim/metrics" and method == "POST":
+            return self._set_metrics_hang(request)
+        if path == "/sim/stats" and method == "GET":
+            return self.stats_response()
         if self.spec.hang:
             # A frozen API server: the connection opens, the request is read, nothing comes back.
             await conn.until_peer_closes()
             return None
-        path, method = request.path, request.method
         if path == "/v1/completions":
             if method != "POST":
                 return _detail(405)
             return await self._completion(request, conn)
         if path == "/ping" and method == "POST":
             return _Response(200)
-        if path == "/sim/restart" and method == "POST":
-            return self._restart(request)
-        if path == "/sim/metrics" and method == "POST":
-            return self._set_metrics_hang(request)
         if path == "/metrics" and self.metrics_hang:
             await conn.until_peer_closes()
             return None
@@ -333,9 +344,16 @@ class _Backend:
         try:
             payload = json.loads(request.body or b"{}")
             spec = simengine.parse_mode(str(payload.get("mode", self.spec.text)))
-            config = replace(self.config, age=payload.get("age", 0.0))
+            age = payload.get("age", 0.0)
+            if isinstance(age, bool) or not isinstance(age, int | float):
+                return _error(400, "age must be a number of seconds")
+            # float() first: an integer too large for one passed the checks, and then
+            # every /metrics of the new process failed on it.
+            config = replace(self.config, age=float(age))
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
             return _error(400, f"body must be a JSON object: {exc}")
+        except OverflowError:
+            return _error(400, "age must be a finite number of seconds, 0 or more")
         except (simengine.ModeError, TypeError, ValueError) as exc:
             return _error(400, str(exc))
         if spec.is_proxy or spec.multiproc != self.spec.multiproc:
@@ -592,7 +610,7 @@ class _Listeners:
         self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False
 
-    async def listen(self, handler: Handler, host: str, port: int, idle: float | None) -> int:
+    async def listen(self, handler: Handler, host: str, port: int, idle: IdleTimeout) -> int:
         def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if self.closing:
                 writer.transport.abort()
@@ -672,14 +690,14 @@ async def _serve(specs: list[ModeSpec], config: SimConfig, host: str, port: int)
         lines = []
         for offset, spec in enumerate(specs):
             handler: Handler
+            idle: IdleTimeout
             if spec.is_proxy:
                 if client is None:
                     client = _proxy_client()
-                handler = _Proxy(spec, client).handle
+                handler, idle = _Proxy(spec, client).handle, lambda: config.keep_alive
             else:
-                handler = _Backend(spec, config, texts[spec.multiproc], clock).handle
-            # A hung server never times a connection out; the others close idle ones as uvicorn.
-            idle = None if spec.hang else config.keep_alive
+                backend = _Backend(spec, config, texts[spec.multiproc], clock)
+                handler, idle = backend.handle, backend.idle_timeout
             bound = await listeners.listen(handler, host, port + offset if port else 0, idle)
             lines.append(f"listening {_url(host, bound)} {spec.text}\n")
         sys.stdout.write("".join(lines) + "ready\n")

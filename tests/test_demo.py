@@ -6,16 +6,22 @@ The demo runs for about a minute, so only its stop is tested here (in the slow l
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
-from simproc import alive, children
+from rich.console import Console
+from simproc import alive, children, running_simulator
 
+from llmhealth import demo
 from llmhealth.demo import _streams_told
 
 PATIENCE = 60.0  # seconds: a bound on what must happen, never a timing claim
@@ -91,3 +97,69 @@ def test_the_routing_part_tells_what_its_streams_showed(
     """Its closing words were fixed text ("steered the next ones to r1 at once"), true
     on a fast machine, told also where a stream after the first failure failed again."""
     assert _streams_told(streams) == told
+
+
+def _refusing_proxy() -> socket.socket:
+    """A port nothing answers on (bound, never listening): a proxy that refuses."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    return dead
+
+
+def test_the_demo_reaches_its_loopback_servers_past_an_http_proxy_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a host with HTTP_PROXY set (a corporate network), the demo's restart command
+    and its own reads went to the proxy: gpu2's restart FAILED and part 2 ended in a
+    ConnectError traceback ("internal error"), though llmhealth itself reads direct."""
+    with _refusing_proxy() as dead, running_simulator(["idle"]) as sim:
+        proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, proxy)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        url = sim.urls[0]
+        port = int(url.rsplit(":", 1)[1])
+        restart = subprocess.run(
+            [sys.executable, "-c", demo._RESTART_CODE, url],
+            capture_output=True,
+            text=True,
+            timeout=PATIENCE,
+            check=False,
+        )
+        assert restart.returncode == 0, restart.stderr
+        with httpx.Client(timeout=5.0, trust_env=False) as direct:
+            assert direct.get(f"{url}/sim/stats").json()["restarts"] == 1
+        assert demo._answers(f"{url}/health")
+        assert "vllm:num_requests_running" in demo._scrape(port)
+        assert demo._own_metrics(port).startswith("\n$ curl")
+
+
+def test_a_taken_metrics_port_stops_the_watch_part_with_its_reason_not_an_interrupt(
+    tmp_path: Path,
+) -> None:
+    """The demo picks its ports first and serves the daemon's metrics seconds later: a
+    port taken meanwhile ended the demo with exit 130, as if interrupted, and only an
+    asyncio "Task exception was never retrieved" traceback said why."""
+    urls = [f"http://127.0.0.1:{port}" for port in (1, 2, 3, 4)]  # never read
+    console = Console(file=io.StringIO())
+    with socket.socket() as taken, demo._terminate_as_interrupt():
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(demo.DemoError, match=f"127.0.0.1:{port}: cannot serve metrics"):
+            demo._watch_live(console, urls, "http://127.0.0.1:5", tmp_path, port)
+
+
+def test_a_simulator_that_cannot_listen_is_a_plain_failure_not_a_bug_report() -> None:
+    """It was a RuntimeError, which the CLI prints as a traceback and "internal error
+    (the traceback above is a bug report)"."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with (
+            pytest.raises(demo.DemoError, match="cannot listen"),
+            demo.simulated_fleet(["idle"], port),
+        ):
+            pass

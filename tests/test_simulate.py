@@ -17,6 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from simproc import LAUNCH, Simulator, child_env, running_simulator
 
+from llmhealth.metrics import EngineSignals, parse_metrics
+
 CAPTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 SHORT = 0.3  # a client timeout that a hung request runs into
@@ -567,3 +569,66 @@ def test_metrics_can_be_made_to_hang_and_answer_again_from_the_same_process(
         assert value(after, steps) >= value(before, steps)
         for bad in ({"hang": "yes"}, {}, []):
             assert client.post(f"{url}/sim/metrics", json=bad).status_code == 400
+
+
+def test_a_hung_backend_still_takes_its_control_requests_and_a_restart_revives_it(
+    client: httpx.Client,
+) -> None:
+    """A frozen API server is what a restart command is for; /sim/restart, which stands
+    in for one, hung with the rest of a `hang` backend (and once a restart had made one,
+    for good), so a restart command timed out where a real restart brings it back."""
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with running_simulator(["hang"], keep_alive=0.3) as sim:
+        url = sim.urls[0]
+        assert times_out(client, url, "/health")
+        assert client.get(f"{url}/sim/stats", timeout=2.0).json()["mode"] == "hang"
+        answer = client.post(f"{url}/sim/restart", json={"mode": "idle"}, timeout=2.0)
+        assert answer.status_code == 200, answer.text
+        assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+        with connect(url) as idle:  # and it keeps its keep-alive, as the idle one it is
+            idle.sendall(request)
+            assert idle.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+            assert idle.recv(1) == b""  # closed by the server
+        assert client.post(f"{url}/sim/restart", json={"mode": "hang"}).status_code == 200
+        assert times_out(client, url, "/metrics")
+        assert client.post(f"{url}/sim/restart", json={"mode": "busy"}).status_code == 200
+        assert client.get(f"{url}/metrics").status_code == 200
+
+
+def test_a_process_shows_the_prefill_time_of_the_prompts_it_read(client: httpx.Client) -> None:
+    """The prefill time was the template's fixed 0.10 s whatever the prompts: a restarted
+    process that had read none showed it (a real new one shows 0, restart-2.txt), and
+    after one 1-token prompt llmhealth learned "prefill 100 ms per prompt token", a
+    0.8 s step, where the real server's own rate is 5.9 ms (busy-0.txt)."""
+
+    def engine(body: bytes) -> EngineSignals:
+        return parse_metrics(body).engines[0]
+
+    real_new = engine((CAPTURES / "restart-2.txt").read_bytes())
+    real_served = engine((CAPTURES / "busy-0.txt").read_bytes())
+    assert real_served.prefill_seconds and real_served.prompt_tokens
+    with running_simulator(["busy"]) as sim:
+        url = sim.urls[0]
+        assert client.post(f"{url}/sim/restart", json={"mode": "idle"}).status_code == 200
+        fresh = engine(client.get(f"{url}/metrics").content)
+        assert fresh.prefill_seconds == real_new.prefill_seconds == 0
+        assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
+        served = engine(client.get(f"{url}/metrics").content)
+    assert served.prefill_seconds and served.prompt_tokens
+    assert served.prefill_seconds / served.prompt_tokens == pytest.approx(
+        real_served.prefill_seconds / real_served.prompt_tokens
+    )
+
+
+def test_a_restart_whose_age_is_no_number_of_seconds_is_refused(client: httpx.Client) -> None:
+    """An integer age too large for a float was taken, and every /metrics after it
+    answered 500 with a traceback; `true` was taken for one second."""
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+        for bad in ('{"age": 1' + "0" * 400 + "}", '{"age": true}'):
+            answer = client.post(f"{url}/sim/restart", content=bad)
+            assert answer.status_code == 400, answer.text
+        assert client.get(f"{url}/metrics").status_code == 200
+        assert client.get(f"{url}/sim/stats").json()["restarts"] == 0
+        assert sim.stop() == 0
+        assert sim.stderr() == ""
