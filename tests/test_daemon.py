@@ -492,6 +492,7 @@ def test_watch_outlives_the_reader_of_its_log(entry_point: str) -> None:
         assert watch.stop()[0] == 0
 
 
+@pytest.mark.slow
 def test_a_hung_backend_does_not_hold_up_the_cycles_of_the_others(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -739,6 +740,7 @@ def test_sighup_that_drops_a_backend_forgets_it_aloud_and_an_empty_config_is_ref
     ]
 
 
+@pytest.mark.slow
 def test_sighup_onto_a_fifo_or_an_oversize_file_is_refused_and_the_loop_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1157,6 +1159,7 @@ def server_line(url: str) -> str:
     return f"server {url.removeprefix('http://')};"
 
 
+@pytest.mark.slow
 def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_runs(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1195,6 +1198,7 @@ def test_an_nginx_serving_file_lists_exactly_the_serving_backends_and_the_hook_r
     assert not list(tmp_path.glob(".upstream.conf*"))
 
 
+@pytest.mark.slow
 def test_a_key_variable_a_reload_dropped_reaches_neither_the_hook_nor_a_restart_command(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1258,6 +1262,7 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
     ]
 
 
+@pytest.mark.slow
 def test_a_serving_file_that_can_no_longer_be_written_is_reported_and_watching_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1319,6 +1324,7 @@ def test_pending_work_with_no_finished_request_stalls_the_fleet_and_restarts_not
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_reads_that_fall_behind_the_wait_show_on_the_page_and_in_the_log(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

@@ -149,6 +149,7 @@ def test_a_backend_that_went_away_is_counted_down_to_dead() -> None:
     assert {r[0].verdict for r in rounds} == {VerdictKind.DOWN}
 
 
+@pytest.mark.slow
 def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place() -> None:
     """Condemned by failed requests while its process is fine: with recover_in_place its
     own process proves itself back to STALE (a refit still decides); without, it is left
@@ -215,6 +216,7 @@ def sim_post(url: str, path: str, body: dict[str, object]) -> None:
         assert answer.status == 200
 
 
+@pytest.mark.slow
 def test_a_restart_behind_a_read_not_judged_still_lands_in_stale() -> None:
     """A read llmhealth could not judge (the caller's loop held past the read's grace)
     empties the window; the process restarted meanwhile, and the next read, with nothing
@@ -249,6 +251,7 @@ def test_a_restart_behind_a_read_not_judged_still_lands_in_stale() -> None:
     assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
 
 
+@pytest.mark.slow
 def test_a_restart_read_in_a_cancelled_call_is_not_lost() -> None:
     """A controller bounds its probe call (``asyncio.wait_for``). One backend's read saw
     its process restart and kept only the new process's reads; another's was still in
