@@ -36,8 +36,8 @@ def main() -> int:
     backend = report.backends[0]
     line = f"{report.exit_code.name} - {backend.verdict}: {backend.evidence}"
     if backend.verdict is llmhealth.VerdictKind.WEDGED and args.restart_cmd:
-        try:
-            done = subprocess.run(args.restart_cmd, timeout=600, check=False)
+        try:  # its output to stderr: a plugin runner takes stdout's first line as the status
+            done = subprocess.run(args.restart_cmd, timeout=600, check=False, stdout=sys.stderr)
             line += f"; restart command exited {done.returncode}"
         except (OSError, subprocess.TimeoutExpired) as exc:
             line += f"; restart command failed: {exc}"

@@ -35,6 +35,7 @@ from llmhealth.remediate import (
     RestartOutcome,
     command_record,
     hear_commands,
+    heard_as,
     pending_restarts,
     reads_evidence,
     remediate,
@@ -153,6 +154,7 @@ def settle_fleet(
     commands: Sequence[CommandDone] = (),
     commands_running: Collection[str] = frozenset(),
     kept: Kept | None = None,
+    unread: Collection[str] = frozenset(),
 ) -> Settled:
     """The one settle path: lock, load, gather verdicts, settle, save.
 
@@ -161,7 +163,9 @@ def settle_fleet(
     tasks read since the last settle. ``requests`` are what real traffic through
     ``route`` showed since then, per backend in order; ``commands`` the restart commands
     that finished, ``commands_running`` the backends whose command still runs (never a
-    second at once). No command runs in here: the restarts it issues come back as orders.
+    second at once), ``unread`` those it has not read yet at their present address (a
+    daemon just started, a backend just added or moved). No command runs in here: the
+    restarts it issues come back as orders.
     ``kept``: the record the caller's last settle saved, used instead of loading while
     the store is unchanged (``Kept``), and updated by this one. Without a store nothing
     is kept between runs.
@@ -181,6 +185,7 @@ def settle_fleet(
             commands,
             commands_running,
             kept,
+            unread,
         )
 
 
@@ -247,6 +252,7 @@ def _close(
     commands: Sequence[CommandDone],
     commands_running: Collection[str],
     kept: Kept | None,
+    unread: Collection[str] = frozenset(),
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
@@ -275,6 +281,7 @@ def _close(
             requests=requests,
             commands=commands,
             commands_running=commands_running,
+            unread=unread,
         )
         if store is not None:
             store.save(record.to_document(), before=batch.close)
@@ -632,6 +639,7 @@ def settle(
     requests: Mapping[str, Sequence[RequestOutcome]] | None = None,
     commands: Sequence[CommandDone] = (),
     commands_running: Collection[str] = frozenset(),
+    unread: Collection[str] = frozenset(),
 ) -> tuple[CycleReport, list[RestartOrder]]:
     """Feed finished restart commands, verdicts, then real-traffic outcomes to the ledger;
     fail the restarts left unproven past their startup grace; plan and issue restarts;
@@ -730,7 +738,10 @@ def settle(
     for name, seen in unheard.items():
         if name in record.ledger and seen:  # else it left the config since it was forwarded
             hear_requests(name, seen)
-    expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived})
+    # Nor one its caller has not read yet (a daemon started, or a backend added, past the
+    # grace): failed unseen, a server that came back meanwhile was restarted, unread.
+    unseen = {name for name in unread if name not in verdicts}
+    expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived, *unseen})
     notes = [*notes, *(f"{t.name}: {t.reason}" for t in expired)]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
@@ -744,7 +755,8 @@ def settle(
     ]
     heard = [
         RestartNote(
-            name=done.order.name,
+            # Under the name hear_commands gave it: a rename while it ran is the same server.
+            name=heard_as(record, done.order),
             action="restart",
             reason=done.order.reason,
             ran=True,

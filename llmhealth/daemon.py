@@ -391,6 +391,7 @@ class Daemon:
                     requests,
                     self._publication(),
                     commands_running=self._restarting_now(),
+                    unread=self._unread(),
                 )
                 try:
                     cycle = _in_daemon_thread(self._settle_and_give_back, news)
@@ -503,6 +504,21 @@ class Daemon:
             names |= here if here and order.name not in configured else {*here, order.name}
         return frozenset(names)
 
+    def _unread(self) -> frozenset[str]:
+        """Backends this daemon has had no verdict of at their configured server yet:
+        just started, or added or moved by a reload. Their restarts' startup grace does
+        not fail them unseen (``settle``'s ``unread``)."""
+        latest = self._state.latest
+        return frozenset(
+            target.name
+            for target in self._targets
+            if target.kind == "backend"
+            and (
+                (seen := latest.get(target.name)) is None
+                or same_server(seen.target.url) != same_server(target.url)
+            )
+        )
+
     def _launch(self, order: RestartOrder) -> None:
         """Run a restart command in its own thread; its outcome waits for a later settle.
 
@@ -594,7 +610,8 @@ class Daemon:
         if not done:
             return
         try:
-            last = _in_daemon_thread(self._settle, News([], done, final=True))
+            news = News([], done, final=True, unread=self._unread())
+            last = _in_daemon_thread(self._settle, news)
             await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
         except TimeoutError:
             self._log("stopping before the restart commands' outcomes were saved")
@@ -806,6 +823,7 @@ class Daemon:
                     commands=news.commands,
                     commands_running=news.commands_running,
                     kept=self._kept,
+                    unread=news.unread,
                 )
             except RecordMovedError:
                 # Nothing was written nor kept: the next attempt loads the verb's record.
@@ -1171,6 +1189,7 @@ class News:
     published: Publication | None = None  # shard_reads
     final: bool = False
     commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
+    unread: frozenset[str] = frozenset()  # backends not read yet where they are configured
 
 
 def watchdog_interval(environment: Mapping[str, str], pid: int) -> float | None:

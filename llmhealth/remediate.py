@@ -238,6 +238,14 @@ def command_record(finished: CommandDone, now: float) -> dict[str, Any]:
     }
 
 
+def heard_as(record: FleetRecord, order: RestartOrder) -> str:
+    """The name a finished command's backend has now: a reload may have renamed it at
+    its server while the command ran."""
+    if order.name in record.ledger:
+        return order.name
+    return record.ledger.by_url(order.url) or order.name
+
+
 def hear_commands(
     record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
@@ -252,10 +260,7 @@ def hear_commands(
     """
     for finished in done:
         order, result = finished.order, finished.result
-        # Under the name its server has now: a reload may have renamed it meanwhile.
-        name = order.name
-        if name not in record.ledger:
-            name = record.ledger.by_url(order.url) or name
+        name = heard_as(record, order)
         entry = command_record(finished, now)
         if name != order.name:
             entry.update(backend=name, issued_as=order.name)

@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import gc
 import importlib.resources
+import io
 import itertools
 import json
 import os
@@ -53,7 +54,7 @@ from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
 from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, read
-from llmhealth.classify import Read, Target, Verdict, VerdictKind, decide
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import READS_KEEP_UP, StallWatch
@@ -2687,3 +2688,105 @@ def test_a_reload_that_only_respells_or_renames_keeps_what_the_server_was_seen_s
             await router.close()
 
     assert asyncio.run(scenario()) == {"b": frozenset({"m1"}), "node-c": frozenset({"m2"})}
+
+
+def test_a_restart_command_heard_after_a_rename_counts_under_the_new_name(
+    tmp_path: Path,
+) -> None:
+    """The settle hears a command's outcome under the name its server has now (its
+    audit line, the ledger's DEAD); the daemon counted the failure under the name the
+    order was issued as, which the reload had dropped: a frozen series of a backend no
+    longer configured, and LLMHealthRestartsFailing one failure short for the renamed."""
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
+    from llmhealth.remediate import CommandDone, Mode  # noqa: PLC0415
+
+    url = "http://127.0.0.1:9"
+    restart = ("systemctl", "restart", "vllm@0")
+    before = config_module.Config(backends=(config_module.Backend("gpu0", url, restart=restart),))
+    after = config_module.Config(
+        backends=(config_module.Backend("node-gpu0", url, restart=restart),)
+    )
+    store = StateFile(tmp_path / "state.json")
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    issued = settle_fleet(
+        store,
+        before,
+        backend_urls([Target("gpu0", url)]),
+        lambda _record: [Outcome(Target("gpu0", url), wedged)],
+        mode=Mode.ACT,
+        audit=None,
+    )
+    [order] = issued.orders
+    configs = [(before, [Target("gpu0", url)]), (after, [Target("node-gpu0", url)])]
+
+    async def scenario() -> dict[tuple[str, str], int]:
+        daemon = Daemon(
+            lambda: configs[0],
+            store,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(file=io.StringIO()),
+        )
+        try:
+            configs.pop(0)
+            daemon._reload_config()  # SIGHUP while the command runs: a new name, same server
+            failed = CommandDone(order, CommandResult(restart, 1, False, 0.1, "", "no unit"))
+            settled = daemon._settle(daemon_module.News([], [failed]))
+            assert settled.record.ledger.state_of("node-gpu0") == "dead"
+            daemon._after_cycle(settled.report, 0.0, None, None)
+            return dict(daemon._state.restarts)
+        finally:
+            await daemon._reading.close()
+
+    assert asyncio.run(scenario()) == {("node-gpu0", "failed"): 1}
+
+
+def _saved_restarting(store: StateFile, url: str, then: float) -> None:
+    """gpu0 proven wedged and restarted at ``then`` by an earlier run, its old process
+    sighted (started long before), the command's outcome never heard."""
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from llmhealth.fleet import Sighting  # noqa: PLC0415
+    from llmhealth.ledger import RestartIssued, WedgeProven  # noqa: PLC0415
+    from llmhealth.policy import RestartHistory  # noqa: PLC0415
+
+    policy = ledger_policy(config_module.Config(backends=()).policy)
+    record = fresh_record(policy, {"gpu0": url}, now=then - 100)
+    record.ledger.apply("gpu0", WedgeProven(now=then - 10, evidence="steps 10→10→10"))
+    record.ledger.apply("gpu0", RestartIssued(now=then))
+    record.restarts["gpu0"] = RestartHistory(0, then)
+    engine = EngineSignals(
+        engine="0", running=4.0, waiting=8.0, steps=10.0, generation_tokens=40.0,
+        prompt_tokens=48.0, finished=1.0, preemptions=0.0, kv_usage=0.1,
+    )  # fmt: skip
+    old = Signals(engines=(engine,), process_start=then - 5000)
+    record.sightings["gpu0"] = Sighting(then - 10, True, old)
+    with store.locked():
+        store.save(record.to_document())
+
+
+@pytest.mark.slow
+def test_a_restart_past_its_grace_is_not_failed_before_the_new_daemon_read_it(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """The daemon was down (an upgrade, a crash loop) longer than startup_grace while a
+    restart was under way, and the replacement came up meanwhile and serves. The new
+    daemon's first settle, before any verdict of it, failed that restart ("no new process
+    within the startup grace"), counted it failed and restarted the busy server."""
+    marker = tmp_path / "restarted"
+    with running_simulator(["busy"]) as sim:  # its process started an hour ago
+        url = sim.urls[0]
+        state = tmp_path / "state.json"
+        _saved_restarting(StateFile(state), url, time.time() - 5000)
+        config = write_config(
+            tmp_path / "fleet.toml",
+            fleet_config([{"name": "gpu0", "url": url, "restart": touch_command(marker)}]),
+        )
+        with watching(entry_point, config, state) as watch:
+            watch.until("its replacement seen", lambda page: page.state("gpu0") == "stale")
+            rc, _ = watch.stop()
+    assert rc == 0
+    events = [(r["event"], r.get("to")) for r in read(tmp_path / "audit.jsonl")]
+    assert ("startup_expired", "dead") not in events, events
+    assert not marker.exists()

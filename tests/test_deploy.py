@@ -432,3 +432,14 @@ def test_install_tools_names_what_it_could_not_install(tmp_path: Path) -> None:
     assert status == 1
     # Only the missing package is named: ": prometheus", then the end or "(run: sudo ...)".
     assert re.search(r": prometheus( \(|$)", output, re.MULTILINE), output
+
+
+def test_the_dedicated_user_notes_let_that_user_read_the_config() -> None:
+    """The install makes /etc/llmhealth 0750 root:root; a service run as the dedicated
+    user the notes describe (and every verb they tell to run as it) could not read its
+    config there and exited 3, "cannot read: Permission denied"."""
+    unit = (UNITS / "llmhealth.service").read_text()
+    notes = unit.split("Alternative, a dedicated user", 1)[1].split("polkit", 1)[0]
+    assert "chgrp -R llmhealth /etc/llmhealth" in notes
+    install = (UNITS / "README.md").read_text().split("install -d -m 0750 /etc/llmhealth")[0]
+    assert "chgrp -R llmhealth /etc/llmhealth" in install.rsplit("# 2.", 1)[1]

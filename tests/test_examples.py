@@ -149,3 +149,15 @@ def test_a_restart_command_that_does_not_parse_is_unknown_before_any_check(
             assert done.returncode == 3, (command, done.stdout, done.stderr)
             assert done.stdout.startswith("UNKNOWN - argument --restart-cmd"), done.stdout
         assert completions_received(sim.urls[0]) == 0
+
+
+def test_the_health_script_is_one_line_when_its_restart_command_prints() -> None:
+    """A plugin runner (Nagios, NRPE) takes the first line of stdout as the status: a
+    restart command that prints (`docker restart vllm` echoes the container's name) put
+    its words first, and the status line "CRITICAL - wedged: ..." second."""
+    with running_simulator(["wedge:0.1"]) as sim:
+        done = health(sim.urls[0], "--restart-cmd", "echo vllm")
+    assert done.returncode == 2
+    assert done.stdout.splitlines() == [done.stdout.rstrip("\n")], done.stdout
+    assert done.stdout.startswith("CRITICAL - wedged: ")
+    assert "restart command exited 0" in done.stdout
