@@ -36,6 +36,7 @@ from llmhealth.remediate import (
     command_record,
     hear_commands,
     heard_as,
+    not_run,
     pending_restarts,
     reads_evidence,
     remediate,
@@ -442,11 +443,17 @@ async def run_cycle_async(
     )
     if not settled.orders:
         return settled.report
-    done = []
+    done: list[CommandDone] = []
     first, interrupted = settled.report, False
     held = contextlib.ExitStack()  # Ctrl-C held off, once it came, until it is recorded
     for order in settled.orders:
         assert store is not None  # orders come only from a settle that saved them
+        # An operator's verb saved while an earlier command ran (outside the lock, which
+        # it must not hold up): a hold or a retire since the settle stops this one.
+        why = _no_longer_to_run(store, config, order, clock()) if done else None
+        if why is not None:
+            done.append(not_run(order, why))
+            continue
         try:
             # A cluster leader's store refuses once its lease may have passed on, and
             # otherwise adds its fencing token to the command's environment.
@@ -501,6 +508,30 @@ async def run_cycle_async(
     if interrupted:
         raise asyncio.CancelledError  # recorded: now the interruption goes on
     return report
+
+
+def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: float) -> str | None:
+    """Why a restart this check saved must not run now, if it must not: its backend held,
+    retired or otherwise moved past that restart since (the record as stored now). None
+    when the record cannot be read: the settle that hears the commands says why."""
+    policy = ledger_policy(config.policy)
+    try:
+        record = store.read(lambda document: FleetRecord.from_dict(document, policy))
+    except StateError:
+        return None
+    if record is None:
+        return None
+    ledger = record.ledger
+    name = order.name if order.name in ledger else ledger.by_url(order.url)
+    if name is None:
+        return f"{order.name} is no longer in the state"
+    snapshot = ledger.snapshot(name, now)
+    if snapshot.state is not State.RESTARTING or snapshot.last_restart_at != order.issued_at:
+        return f"{name} is {snapshot.state} since its restart was issued"
+    hold = record.holds.get(name)
+    if hold is not None and hold.active(now):
+        return f"{name} is {hold.describe(now)}"
+    return None
 
 
 def _hold_ctrl_c() -> Callable[[], object]:

@@ -149,6 +149,7 @@ def plan_restarts(
     policy: Policy,
     now: float,
     commands_running: Collection[str] = frozenset(),
+    unread: Collection[str] = frozenset(),
 ) -> list[RestartDecision]:
     """One decision per DEAD backend, in name order.
 
@@ -159,13 +160,15 @@ def plan_restarts(
     hold; no restart command of its own still runs (``commands_running``: a restart whose
     startup grace ran out before its command ended, a ``restart_timeout`` past the grace or
     a command that outlived its kill, is still under way, and a second command at once
-    would fight the first); its cooldown has passed; its restart budget is not spent (if
-    it is, the decision is RETIRE); and fewer than ``policy.max_concurrent_restarts``
-    restarts are under way, counting the other backends whose restart has not proven
-    itself yet (RESTARTING, or STALE on the replacement until it is re-admitted, seen
-    finishing requests, or out of its startup grace, or DEAD again within that grace), the
-    backends whose restart command still runs, and the restarts planned earlier in this
-    same call.
+    would fight the first); it has been read since a reload moved it to another server
+    (``unread``: the wedge was proven on the server it left, and the first read of the new
+    one tells whether that is another process); its cooldown has passed; its restart
+    budget is not spent (if it is, the decision is RETIRE); and fewer than
+    ``policy.max_concurrent_restarts`` restarts are under way, counting the other backends
+    whose restart has not proven itself yet (RESTARTING, or STALE on the replacement until
+    it is re-admitted, seen finishing requests, or out of its startup grace, or DEAD again
+    within that grace), the backends whose restart command still runs, and the restarts
+    planned earlier in this same call.
 
     A RETIRE neither waits for nor takes a concurrency slot, as it starts no process; it
     does wait out the hold, its running command and the cooldown, since it stands for the
@@ -188,6 +191,7 @@ def plan_restarts(
             len(under_way - {snap.name}),
             now,
             command_running=snap.name in commands_running,
+            unread=snap.name in unread,
         )
         if action is Action.RESTART:
             under_way.add(snap.name)  # planned now: once, if it held a slot already
@@ -261,12 +265,15 @@ def _decide(
     now: float,
     *,
     command_running: bool,
+    unread: bool = False,
 ) -> tuple[Action, str]:
     refusal = _not_restartable(snap, backend, hold, policy, now)
     if refusal is not None:
         return Action.SKIP, refusal
     if command_running:
         return Action.SKIP, "its last restart command still runs"
+    if unread:
+        return Action.SKIP, f"moved to {snap.url}: not read there yet"
     cause = snap.condemned_by
     ready_at = cooldown_ends_at(history, snap.last_restart_at, policy)
     if ready_at is not None and now < ready_at:

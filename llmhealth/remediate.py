@@ -131,8 +131,28 @@ def remediate(
         return []
     backends = {backend.name: backend for backend in config.backends}
     holds = {name: hold for name, hold in record.holds.items() if hold.active(now)}
+    # Moved by a reload to another server while DEAD (the one mark a DEAD backend gets
+    # after it was condemned, ``fresh_since``) and not read there since: what condemned
+    # it was the server it left, and a restart before the first read hit one never judged.
+    unread = {
+        name
+        for name, since in record.fresh_since.items()
+        if name in record.ledger
+        and record.ledger.state_of(name) is State.DEAD
+        and (seen := record.sightings.get(name)) is not None
+        and seen.at < since
+        and (dead_since := record.ledger.snapshot(name, now).state_since) is not None
+        and dead_since < since
+    }
     decisions = plan_restarts(
-        record.ledger, backends, holds, record.restarts, config.policy, now, commands_running
+        record.ledger,
+        backends,
+        holds,
+        record.restarts,
+        config.policy,
+        now,
+        commands_running,
+        unread,
     )
     for name in list(record.skips):  # a backend that left DEAD starts afresh
         if name not in record.ledger or record.ledger.state_of(name) is not State.DEAD:
@@ -200,6 +220,9 @@ def _issue(
     history = record.restarts.get(decision.name, RestartHistory())
     record.restarts[decision.name] = history.record_attempt(now)
     snapshot = record.ledger.snapshot(decision.name, now)
+    # What condemned it, as README promises: its last error may be a failed restart
+    # ("restart failed: ...") or a probe since, and a script choosing by cause chose wrong.
+    condemned = _condemning_evidence(record, decision.name)
     # This config's keys only: a daemon also strips those of the configs it loaded before
     # a reload (still in its environment) when it launches the order (daemon._launch).
     environment = restart_environment(
@@ -207,7 +230,7 @@ def _issue(
         config.key_variables,
         backend=decision.name,
         url=snapshot.url,
-        reason=snapshot.last_error or decision.reason,
+        reason=condemned or snapshot.last_error or decision.reason,
     )
     order = RestartOrder(
         decision.name,
@@ -219,6 +242,14 @@ def _issue(
         environment,
     )
     return RestartOutcome(decision, order=order)
+
+
+def _condemning_evidence(record: FleetRecord, name: str) -> str | None:
+    """The evidence of the verdict (or the failed requests) that condemned ``name``, as
+    kept with its proof until it serves again."""
+    proof = record.proofs.get(name) or {}
+    evidence = proof.get("evidence")
+    return evidence if isinstance(evidence, str) and evidence else None
 
 
 def not_run(order: RestartOrder, why: str) -> CommandDone:

@@ -332,6 +332,9 @@ def test_a_command_heard_after_a_reload_renamed_its_backend_is_that_backends(
     assert settled.record.ledger.state_of("node-gpu0") == "dead"  # before: "superseded"
     [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
     assert (line["backend"], line["issued_as"], line["to"]) == ("node-gpu0", "gpu0", "dead")
+    # The report (and watch's llmhealth_backend_restarts_total) names it as the trail does:
+    # under the old name, a series a reload had just dropped came back for a name gone.
+    assert [(n.name, n.ran, n.ok) for n in settled.report.restarts] == [("node-gpu0", True, False)]
 
 
 class CountingFile(StateFile):
@@ -942,3 +945,66 @@ def test_failures_recorded_under_a_name_a_reload_then_changed_count_against_the_
     assert (snap.state, snap.condemned_by) == (State.DEAD, "request_failures")
     proof = settled.record.proofs["node-gpu0"]["requests"]
     assert [r["at"] for r in proof] == [T0 + 1, T0 + 2, T0 + 15]
+
+
+def test_a_restart_after_a_failed_one_still_tells_its_command_what_condemned_the_backend(
+    tmp_path: Path,
+) -> None:
+    """README: LLMHEALTH_REASON is the evidence that condemned the backend. The retry
+    after a failed command (or a startup grace run out) was told the last error instead,
+    "restart failed: restart command exited 1", and a script choosing by cause chose wrong."""
+    store, audit, order = issued(tmp_path)
+    assert order.env["LLMHEALTH_REASON"] == "wedged: steps 5→5→5"
+    hear(store, audit, CommandDone(order, result(1)))
+    retried = settle_empty(store, audit, T0 + 1000)  # past the doubled cooldown
+    [again] = retried.orders
+    assert again.env["LLMHEALTH_REASON"] == "wedged: steps 5→5→5"
+    # And after a restart whose replacement never came: the grace ran out.
+    hear(store, audit, CommandDone(again, result(0)), start=T0 + 1010)
+    expired = settle_empty(store, audit, T0 + 5000)
+    [third] = expired.orders
+    assert third.env["LLMHEALTH_REASON"] == "wedged: steps 5→5→5"
+
+
+def test_a_dead_backend_a_reload_moved_is_not_restarted_before_it_is_read_where_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """The wedge was proven on the server it left: restarted in the settle that moved it
+    (here its hold released meanwhile), the new server was restarted never having been
+    read, let alone proven wedged. Its first read there decides, as fleet.py intends."""
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    held = operate.hold(store, audit, RESTARTABLE, "gpu0", 3600, "moving it", clock=lambda: T0)
+    assert held.applied, held.message
+    first = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [wedged(GPU0)],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(T0 + 10),
+    )
+    assert first.orders == () and first.record.ledger.state_of("gpu0") == "dead"
+    there = Target("gpu0", "http://127.0.0.1:11")
+    moved = Config(backends=(Backend("gpu0", there.url, restart=RESTART),))
+    released = operate.release(store, audit, moved, "gpu0", clock=lambda: T0 + 100)
+    assert released.applied, released.message
+
+    def settle_moved(outcomes: list[Outcome], start: float) -> Settled:
+        return settle_fleet(
+            store,
+            moved,
+            backend_urls([there]),
+            lambda _record: outcomes,
+            mode=Mode.ACT,
+            audit=audit,
+            clock=ticking(start),
+        )
+
+    unread = settle_moved([], T0 + 200)
+    assert unread.orders == ()  # before: a restart of the server at :11, never read
+    assert [(n.action, n.reason) for n in unread.report.restarts] == [
+        ("skip", "moved to http://127.0.0.1:11: not read there yet")
+    ]
+    read_there = settle_moved([wedged(there)], T0 + 300)  # its first read: wedged as well
+    assert [order.url for order in read_there.orders] == [there.url]

@@ -1006,3 +1006,44 @@ def test_a_second_ctrl_c_while_the_record_waits_for_the_state_lock_keeps_it(
     commands = [r for r in setup.audit() if r["event"] == "restart_command"]
     assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
     assert check.returncode == 130
+
+
+# Runs an operator's verb (the rest of its argv), as one typed while a check's command runs.
+VERB = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", ["hold", "retire"])
+def test_a_restart_held_or_retired_while_an_earlier_command_of_the_check_runs_is_not_run(
+    entry_point: str, fleet: Fleet, tmp_path: Path, verb: str
+) -> None:
+    """`check` runs its commands one after another, outside the state lock, so operator
+    verbs are not held up meanwhile: a hold (a trainer's weight sync) or a retire ("bad
+    HBM") saved while gpu0's command ran was then ignored, and gpu1 restarted anyway."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    marker = tmp_path / "gpu1-restarted"
+    config, state = tmp_path / "fleet.toml", tmp_path / "state.json"
+    where = ["--config", str(config), "--state", str(state)]
+    said = ["--for", "1h"] if verb == "hold" else []
+    operator = [sys.executable, "-c", VERB, entry_point, verb, "gpu1", *said, "--reason", "sync"]
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [*operator, *where]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+    )
+    until_frozen(gpu0, gpu1)
+    run = setup.check()
+    assert [(n["name"], n["action"]) for n in run.restarts] == [
+        ("gpu0", "restart"),
+        ("gpu1", "restart"),
+    ]
+    assert run.restarts[0]["ok"] is True  # the verb went through, its change saved
+    assert not marker.exists()  # before: gpu1 restarted all the same
+    assert run.restarts[1]["ran"] and run.restarts[1]["ok"] is False
+    [heard] = [r for r in setup.audit() if r["event"] == COMMAND and r["backend"] == "gpu1"]
+    assert heard["command"]["stderr"].startswith("not run: ")
+    assert setup.saved("gpu1")["state"] == ("dead" if verb == "hold" else "retired")
