@@ -450,9 +450,9 @@ async def run_cycle_async(
         assert store is not None  # orders come only from a settle that saved them
         # An operator's verb saved while an earlier command ran (outside the lock, which
         # it must not hold up): a hold or a retire since the settle stops this one.
-        why = _no_longer_to_run(store, config, order, clock()) if done else None
-        if why is not None:
-            done.append(not_run(order, why))
+        dropped = _withdrawn(store, config, order, clock()) if done else None
+        if dropped is not None:
+            done.append(dropped)
             continue
         try:
             # A cluster leader's store refuses once its lease may have passed on, and
@@ -508,6 +508,13 @@ async def run_cycle_async(
     if interrupted:
         raise asyncio.CancelledError  # recorded: now the interruption goes on
     return report
+
+
+def _withdrawn(store: Store, config: Config, order: RestartOrder, now: float) -> CommandDone | None:
+    """The order dropped, not run, if the record as stored now says it must not run: an
+    operator's verb, which is no failed restart (``CommandDone.withdrawn``)."""
+    why = _no_longer_to_run(store, config, order, now)
+    return None if why is None else not_run(order, why, withdrawn=True)
 
 
 def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: float) -> str | None:

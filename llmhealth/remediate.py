@@ -61,6 +61,9 @@ class CommandDone:
 
     order: RestartOrder
     result: CommandResult
+    # Dropped before it ran because an operator's verb (a hold, a retire) came since it
+    # was issued: back to DEAD as any command not run, but no failed restart of its own.
+    withdrawn: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,9 +255,11 @@ def _condemning_evidence(record: FleetRecord, name: str) -> str | None:
     return evidence if isinstance(evidence, str) and evidence else None
 
 
-def not_run(order: RestartOrder, why: str) -> CommandDone:
-    """An order dropped before its command ran, heard and audited as any command's end."""
-    return CommandDone(order, CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}"))
+def not_run(order: RestartOrder, why: str, *, withdrawn: bool = False) -> CommandDone:
+    """An order dropped before its command ran, heard and audited as any command's end.
+    ``withdrawn``: dropped for an operator's verb, not a failure (``CommandDone``)."""
+    result = CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}")
+    return CommandDone(order, result, withdrawn)
 
 
 def command_record(finished: CommandDone, now: float) -> dict[str, Any]:
@@ -315,7 +320,7 @@ def hear_commands(
                     name, RestartFailed(now=now, reason=f"restart command {why}")
                 )
                 entry["to"] = str(failed.to_state)
-                if failed.applied:
+                if failed.applied and not finished.withdrawn:
                     record.restart_failed(name)
         else:
             entry["superseded"] = True

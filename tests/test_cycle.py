@@ -21,6 +21,7 @@ from llmhealth.config import Backend, Config
 from llmhealth.cycle import (
     Kept,
     Settled,
+    _withdrawn,
     backend_urls,
     fresh_record,
     ledger_policy,
@@ -1008,3 +1009,19 @@ def test_a_dead_backend_a_reload_moved_is_not_restarted_before_it_is_read_where_
     ]
     read_there = settle_moved([wedged(there)], T0 + 300)  # its first read: wedged as well
     assert [order.url for order in read_there.orders] == [there.url]
+
+
+def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_restart(
+    tmp_path: Path,
+) -> None:
+    """check drops a later command whose backend was held meanwhile (``_no_longer_to_run``):
+    the operator only held it. Heard as a failed command, its cooldown doubled, as though
+    the restart had been tried and failed."""
+    store, audit, order = issued(tmp_path)
+    held = operate.hold(store, audit, RESTARTABLE, "gpu0", 60, "sync", clock=lambda: T0 + 10)
+    assert held.applied, held.message
+    dropped = _withdrawn(store, RESTARTABLE, order, T0 + 20)  # as check drops a later command
+    assert dropped is not None and "hold" in dropped.result.stderr, dropped
+    record = hear(store, audit, dropped, start=T0 + 30)
+    assert record.ledger.state_of("gpu0") == "dead"  # owed its restart once the hold ends
+    assert record.restarts["gpu0"].failures == 0  # before: 1, the cooldown doubled
