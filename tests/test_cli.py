@@ -886,20 +886,32 @@ def test_the_tiny_request_asks_for_the_model_id_as_the_server_listed_it(
     """A served name with a character that is not printable (a no-break space) was sent
     escaped, "llama\\xa03": the server had no such model, and an idle, healthy backend
     was judged unanswered, CRITICAL. Shown, it is still escaped."""
-    listed = "llama\u00a03"
+    asked = _idle_serving(httpserver, [LISTED])
+    result = runner.invoke(app, ["check", httpserver.url_for("").rstrip("/"), "-f", "json"])
+    _asked_as_listed_and_shown_escaped(asked, result)
+
+
+LISTED = "llama\u00a03"  # a served id with a character that is not printable
+
+
+def _idle_serving(httpserver: HTTPServer, ids: list[str]) -> list[str]:
+    """An idle vLLM serving ``ids`` that completes for LISTED alone; the models asked for."""
     asked: list[str] = []
 
     def complete(request: Request) -> Response:
         asked.append(json.loads(request.data)["model"])
-        if asked[-1] != listed:
+        if asked[-1] != LISTED:
             return Response('{"error": "model not found"}', status=404)
         return Response(json.dumps(COMPLETION), content_type="application/json")
 
     httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
-    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": listed}]})
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": i} for i in ids]})
     httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
-    result = runner.invoke(app, ["check", httpserver.url_for("").rstrip("/"), "-f", "json"])
-    assert asked == [listed]
+    return asked
+
+
+def _asked_as_listed_and_shown_escaped(asked: list[str], result: Any) -> None:
+    assert asked == [LISTED]
     backend = json.loads(result.output)["backends"][0]
     assert (result.exit_code, backend["verdict"]) == (0, "idle"), backend["evidence"]
     assert "by model llama\\xa03" in backend["evidence"]
@@ -930,20 +942,7 @@ def test_the_tiny_request_asks_for_the_served_id_of_an_expected_model_given_as_s
     """expected_model must be printable, so a served `llama` + no-break space + `3` can
     be named only as llmhealth shows it, `llama\\xa03`: the tiny request asked for that
     text, which the server does not serve, and an idle, healthy backend was unanswered."""
-    listed = "llama\u00a03"
-    asked: list[str] = []
-
-    def complete(request: Request) -> Response:
-        asked.append(json.loads(request.data)["model"])
-        if asked[-1] != listed:
-            return Response('{"error": "model not found"}', status=404)
-        return Response(json.dumps(COMPLETION), content_type="application/json")
-
-    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
-    httpserver.expect_request("/v1/models").respond_with_json(
-        {"data": [{"id": "other"}, {"id": listed}]}
-    )
-    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    asked = _idle_serving(httpserver, ["other", LISTED])
     config = tmp_path / "c.toml"
     url = httpserver.url_for("").rstrip("/")
     config.write_text(
@@ -952,10 +951,7 @@ def test_the_tiny_request_asks_for_the_served_id_of_an_expected_model_given_as_s
     result = runner.invoke(
         app, ["check", "--config", str(config), "--state", str(tmp_path / "s.json"), "-f", "json"]
     )
-    assert asked == [listed]
-    backend = json.loads(result.output)["backends"][0]
-    assert (result.exit_code, backend["verdict"]) == (0, "idle"), backend["evidence"]
-    assert "by model llama\\xa03" in backend["evidence"]
+    _asked_as_listed_and_shown_escaped(asked, result)
 
 
 def test_config_check_and_audit_keep_their_exit_code_when_stderr_is_unread(

@@ -463,31 +463,8 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
 def test_watch_outlives_the_reader_of_its_log(entry_point: str) -> None:
     """`watch ... 2>&1 | logger`, the logger gone: the daemon's next log line raised
     BrokenPipeError and it exited 1, silently, its metrics, restarts and routing with it."""
-    port = free_port_block(1)
-    environment = child_env()
-    environment.pop("NOTIFY_SOCKET", None)
-    argv = [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT)]
-    read_end, write_end = os.pipe()
     with ExitStack() as stack:
-        unused = stack.enter_context(tempfile.TemporaryFile())
-        process = subprocess.Popen(
-            [*argv, "--listen", f"127.0.0.1:{port}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=write_end,
-            env=environment,
-        )
-        os.close(write_end)
-
-        def reap() -> None:
-            if process.poll() is None:
-                process.kill()
-            process.wait(STOP_BOUND)
-
-        stack.callback(reap)
-        with os.fdopen(read_end, "rb") as log:
-            assert log.readline().startswith(b"metrics on"), "it logs to its stderr"
-        watch = Watch(process, port, unused)  # its log's reader is gone from here on
+        watch = _watch_whose_log_reader_leaves(entry_point, stack, {})
         first = watch.until("a cycle", lambda page: page.last_cycle is not None)
         watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
         assert watch.stop()[0] == 0
@@ -2555,43 +2532,37 @@ def test_watch_told_its_log_is_a_terminal_outlives_the_log_reader(
     """FORCE_COLOR=1 (or TTY_COMPATIBLE=1), as a container or CI environment may set it:
     rich takes the pipe for a terminal, the daemon logs through its console, and rich's
     answer to the reader gone was SystemExit(1): `watch ... 2>&1 | logger` died with it."""
-    port = free_port_block(1)
-    environment = child_env()
-    environment.pop("NOTIFY_SOCKET", None)
-    environment[forced] = "1"
-    argv = [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT)]
-    read_end, write_end = os.pipe()
     with ExitStack() as stack:
-        unused = stack.enter_context(tempfile.TemporaryFile())
-        process = subprocess.Popen(
-            [*argv, "--listen", f"127.0.0.1:{port}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=write_end,
-            env=environment,
-        )
-        os.close(write_end)
-
-        def reap() -> None:
-            if process.poll() is None:
-                process.kill()
-            process.wait(STOP_BOUND)
-
-        stack.callback(reap)
-        with os.fdopen(read_end, "rb") as log:
-            assert b"metrics on" in log.readline(), "it logs to its stderr"
-        watch = Watch(process, port, unused)  # its log's reader is gone from here on
+        watch = _watch_whose_log_reader_leaves(entry_point, stack, {forced: "1"})
         first = watch.until("a cycle", lambda page: page.last_cycle is not None)
         watch.next_cycle(watch.next_cycle(first))  # each cycle logged a line to nobody
         assert watch.stop()[0] == 0
 
 
-def _watch_logging_to(entry_point: str, log: int, stack: ExitStack) -> Watch:
-    """`watch` of a refused URL whose stderr is ``log``; reaped by ``stack``."""
+def _watch_whose_log_reader_leaves(
+    entry_point: str, stack: ExitStack, forced: Mapping[str, str]
+) -> Watch:
+    """`watch` logging to a pipe whose reader reads the first line and leaves."""
+    read_end, write_end = os.pipe()
+    try:
+        watch = _watch_logging_to(entry_point, write_end, stack, forced)
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as log:
+        assert b"metrics on" in log.readline(), "it logs to its stderr"
+    return watch  # its log's reader is gone from here on
+
+
+def _watch_logging_to(
+    entry_point: str, log: int, stack: ExitStack, forced: Mapping[str, str] | None = None
+) -> Watch:
+    """`watch` of a refused URL whose stderr is ``log`` (``forced``: environment
+    variables set for it); reaped by ``stack``."""
     port = free_port_block(1)
     environment = child_env()
     for name in ("NOTIFY_SOCKET", "FORCE_COLOR", "TTY_COMPATIBLE"):
         environment.pop(name, None)
+    environment.update(forced or {})
     unused = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - stack closes it
     process = subprocess.Popen(
         [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT), "--listen", f"127.0.0.1:{port}"],

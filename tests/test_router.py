@@ -1661,16 +1661,7 @@ def test_a_reload_that_only_respells_the_url_loses_no_failure() -> None:
         await router.start("127.0.0.1", port)
         router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(
-                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                % (CHAT.encode(), len(BODY), BODY)
-            )
-            await writer.drain()
-            for _ in range(int(BOUND / 0.01)):
-                if router.in_flight.get("a"):
-                    break
-                await asyncio.sleep(0.01)
+            reader, writer = await _chat_in_flight(router, port, "a")
             # SIGHUP: the same server, its URL written without the scheme's own port.
             router.configure([Backend("a", "http://127.0.0.1")])
             assert "a" in router._pick_set(), "a respelling is no move (configure)"
@@ -1746,16 +1737,7 @@ def test_a_failure_in_flight_across_a_rename_counts_against_the_renamed_backend(
             await router.start("127.0.0.1", port)
             router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
             try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(
-                    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                    % (CHAT.encode(), len(BODY), BODY)
-                )
-                await writer.drain()
-                for _ in range(int(BOUND / 0.01)):
-                    if router.in_flight.get("a"):
-                        break
-                    await asyncio.sleep(0.01)
+                reader, writer = await _chat_in_flight(router, port, "a")
                 router.configure([Backend("node-a", url)])  # SIGHUP: a new name, same server
                 answer.set()
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
@@ -1768,3 +1750,20 @@ def test_a_failure_in_flight_across_a_rename_counts_against_the_renamed_backend(
                 await router.close()
 
     run(scenario())
+
+
+async def _chat_in_flight(
+    router: Router, port: int, name: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A chat request sent to the router on ``port``, once it is in flight at ``name``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+        % (CHAT.encode(), len(BODY), BODY)
+    )
+    await writer.drain()
+    for _ in range(int(BOUND / 0.01)):
+        if router.in_flight.get(name):
+            break
+        await asyncio.sleep(0.01)
+    return reader, writer

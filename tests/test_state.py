@@ -88,13 +88,17 @@ def test_a_file_llmhealth_never_wrote_is_left_in_place(tmp_path: Path, content: 
     """Every state is saved as one JSON object. A file that does not begin with "{" was
     never one (a config given as --state, or as root any file a slip names): moved aside
     as corrupt, it was gone from where its own program looks for it."""
-    store = StateFile(tmp_path / "fleet.toml")
+    _left_in_place(StateFile(tmp_path / "fleet.toml"), content)
+
+
+def _left_in_place(store: StateFile, content: bytes) -> None:
+    """``content`` at the state's path is refused by load and read, and stays as it is."""
     store.path.write_bytes(content)
     for use in (store.load, store.read):
         with store.locked(), pytest.raises(StateError, match="not a file llmhealth wrote"):
             use(identity)
     assert store.path.read_bytes() == content
-    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert not [p for p in store.path.parent.iterdir() if ".corrupt-" in p.name]
 
 
 def test_a_large_file_llmhealth_never_wrote_is_left_in_place_too(
@@ -104,14 +108,7 @@ def test_a_large_file_llmhealth_never_wrote_is_left_in_place_too(
     state before its first byte was looked at: `--state /var/log/syslog`, a model's
     weights or an initrd named by a slip, as root, went from where their programs look."""
     monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
-    store = StateFile(tmp_path / "syslog")
-    content = b"Jan  1 00:00:00 host kernel: a line of a log\n" * 100
-    store.path.write_bytes(content)
-    for use in (store.load, store.read):
-        with store.locked(), pytest.raises(StateError, match="not a file llmhealth wrote"):
-            use(identity)
-    assert store.path.read_bytes() == content
-    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    _left_in_place(StateFile(tmp_path / "syslog"), b"Jan  1 00:00:00 host kernel: a line\n" * 100)
 
 
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
