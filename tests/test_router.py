@@ -1646,13 +1646,7 @@ def test_a_reload_that_only_respells_the_url_loses_no_failure() -> None:
     except OSError as exc:
         pytest.skip(f"port 80 not bindable here: {errno.errorcode.get(exc.errno, exc)}")
     answer = asyncio.Event()
-
-    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        await answer.wait()  # the reload comes while the request is at the server
-        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
-        await writer.drain()
-        writer.close()
+    server = _a_500_once(answer)  # the reload comes while the request is at the server
 
     async def scenario() -> None:
         listening = await asyncio.start_server(server, "127.0.0.1", 80)
@@ -1722,13 +1716,7 @@ def test_a_failure_in_flight_across_a_rename_counts_against_the_renamed_backend(
     was counted under neither name: the old one is no longer configured (``_moved``), so
     a wedged server's hung requests, timing out just after a rename, were all lost."""
     answer = asyncio.Event()
-
-    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        await answer.wait()  # the reload comes while the request is at the server
-        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
-        await writer.drain()
-        writer.close()
+    server = _a_500_once(answer)  # the reload comes while the request is at the server
 
     async def scenario() -> None:
         async with raw_backend(server) as url:
@@ -1767,3 +1755,18 @@ async def _chat_in_flight(
             break
         await asyncio.sleep(0.01)
     return reader, writer
+
+
+def _a_500_once(
+    answer: asyncio.Event,
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A backend that reads a request and answers it 500 once ``answer`` is set."""
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await answer.wait()
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    return server
