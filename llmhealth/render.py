@@ -110,6 +110,9 @@ def console_for_log() -> Console:
 
 
 class _Output(Console):
+    """A console whose reader may leave: rich's own ends the process with exit 1 then,
+    which for `check` reads as WARNING and for `watch` stops the daemon."""
+
     def on_broken_pipe(self) -> None:
         """Nobody reads the table any more (``| head``): the rest goes nowhere, and the
         run's own exit code stands. rich's own answer exits 1, WARNING to a monitor."""

@@ -764,8 +764,8 @@ class Router:
 
     def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
-        if status < 400 and (now := self._named_now(name, origin)) is not None:
-            self._log.record(now, RequestOutcome(self._clock(), request.method, request.path))
+        if status < 400 and (named := self._named_now(name, origin)) is not None:
+            self._log.record(named, RequestOutcome(self._clock(), request.method, request.path))
 
     async def _end_broken(
         self,
@@ -806,10 +806,10 @@ class Router:
         Not a failure at the address a reload has since moved it from: that server is not
         this one, and the new one never saw the request. Renamed at that server since, it
         counts under the new name (``_named_now``)."""
-        now = self._named_now(name, origin)
-        if now is None:
+        named = self._named_now(name, origin)
+        if named is None:
             return
-        name = now
+        name = named
         self._log.record(
             name,
             RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),
