@@ -43,7 +43,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path, given_path
-from llmhealth.text import printable, same_server
+from llmhealth.text import other_server, printable
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -716,7 +716,7 @@ def settle(
             # Read at the address the backend had before a reload moved it: what its old
             # server did says nothing of the new one, which starts afresh (``moved``).
             # Its URL only written another way is the same server.
-            or _moved_from(outcome.target.url, record.ledger.url_of(name))
+            or other_server(outcome.target.url, record.ledger.url_of(name))
         ):
             reports.append(BackendReport(outcome, None))
             continue
@@ -813,11 +813,6 @@ def settle(
         tuple(expired),
     )
     return report, [outcome.order for outcome in restarts if outcome.order is not None]
-
-
-def _moved_from(read_at: str, url: str) -> bool:
-    """Whether a verdict read at ``read_at`` was read at a server other than ``url``'s."""
-    return read_at != url and same_server(read_at) != same_server(url)
 
 
 def _verdict_time(verdict: Verdict) -> float | None:

@@ -70,7 +70,7 @@ from llmhealth.remediate import (
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import MemoryStore, RecordMovedError, StateError, StateFile, Store
-from llmhealth.text import printable, same_server
+from llmhealth.text import other_server, printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -515,7 +515,7 @@ class Daemon:
             if target.kind == "backend"
             and (
                 (seen := latest.get(target.name)) is None
-                or same_server(seen.target.url) != same_server(target.url)
+                or other_server(seen.target.url, target.url)
             )
         )
 
@@ -892,9 +892,12 @@ class Daemon:
         """The model lists the tiny request saw; kept while the backend is busy and so
         not asked again. Only where the backend is now: a reload may have moved it while
         the old address was asked."""
-        where = {target.name: same_server(target.url) for target in self._targets}
+        where = {target.name: target.url for target in self._targets}
         for backend in report.backends:
-            if where.get(backend.outcome.target.name) != same_server(backend.outcome.target.url):
+            read_at = backend.outcome.target.url
+            if (url := where.get(backend.outcome.target.name)) is None or other_server(
+                read_at, url
+            ):
                 continue
             answer = backend.outcome.verdict.answer
             if answer is not None and answer.models_served:

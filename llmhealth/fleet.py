@@ -36,7 +36,7 @@ from llmhealth.ledger import (
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
 from llmhealth.rows import Table
-from llmhealth.text import same_server
+from llmhealth.text import other_server, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
 
@@ -526,7 +526,7 @@ class FleetRecord:
             # Requests drained after the move went to the old address; not when it is only
             # written another way (the scheme's own port, a host's case): the same server,
             # whose outcomes the router still records (``Router.configure``).
-            if same_server(url) != same_server(self.ledger.url_of(name)):
+            if other_server(url, self.ledger.url_of(name)):
                 self.fresh_since[name] = now
         self.ledger.readdress(moves)
         for name, url in backends.items():

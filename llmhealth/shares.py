@@ -22,7 +22,7 @@ from typing import Any
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
 from llmhealth.metrics import EngineSignals, Signals
-from llmhealth.text import printable, same_server
+from llmhealth.text import other_server, printable
 from llmhealth.window import CpuSample, LongestStep
 
 _ENGINE_NUMBERS = (
@@ -461,12 +461,7 @@ def _apart(said: str | None, address: str | None) -> bool:
     """Whether a member said it read at another server than the leader's address
     (compared as ``cycle`` compares them: written another way is the same server,
     ``same_server``); an unsaid one is not apart."""
-    return (
-        said is not None
-        and address is not None
-        and said != address
-        and same_server(said) != same_server(address)
-    )
+    return said is not None and address is not None and other_server(said, address)
 
 
 def doubt(

@@ -53,6 +53,12 @@ def same_server(url: str) -> str:
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
+def other_server(url: str, than: str) -> bool:
+    """Whether ``url`` names another server than ``than`` (``same_server``'s rule), the
+    texts compared first: on a settle's path they are nearly always equal."""
+    return url != than and same_server(url) != same_server(than)
+
+
 def openai_root(url: str) -> str | None:
     """The server's root when ``url`` is an OpenAI base URL (its path ends in ``/v1``, as
     clients and routers know backends by), else None: llmhealth reads ``/metrics``

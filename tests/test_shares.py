@@ -353,7 +353,7 @@ def test_a_large_share_is_published_in_chunks_of_bounded_size_that_add_up(
 def test_a_member_whose_config_only_respells_the_address_is_read_at_the_same_server() -> None:
     # A reload that writes a backend's URL another way (the scheme's own port dropped, the
     # host's case) is no move: settle takes a verdict read at the old spelling (cycle's
-    # _moved_from, the router's _moved). Until the member reading it reloads too (a
+    # text.other_server, the router's _moved). Until the member reading it reloads too (a
     # rolling rollout, or for good), the leader took its verdicts for reads elsewhere:
     # none settled, then "stalled" doubt every wait, three of which condemn a server that
     # answers, and a wedge it proved was never settled.

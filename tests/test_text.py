@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmhealth.config import check_url
-from llmhealth.text import printable, refuse_user_info, same_server
+from llmhealth.text import other_server, printable, refuse_user_info, same_server
 
 
 @pytest.mark.parametrize(
@@ -110,3 +110,10 @@ def test_urls_of_one_server_have_one_key(one: str, other: str) -> None:
 )
 def test_urls_of_two_servers_have_two_keys(one: str, other: str) -> None:
     assert same_server(one) != same_server(other)
+
+
+def test_other_server_takes_a_url_written_another_way_for_the_same_server() -> None:
+    assert not other_server("http://h:80/", "HTTP://H")
+    assert not other_server("http://h:018100", "http://h:18100")
+    assert other_server("http://h:8000", "http://h:8001")
+    assert other_server("http://h/a", "http://h/b")
