@@ -604,7 +604,19 @@ app.add_typer(config_app, name="config")
 
 
 @config_app.command("check")
-def config_check(path: Annotated[str, typer.Argument(help="The TOML file to validate.")]) -> None:
+def config_check(
+    path: Annotated[str, typer.Argument(help="The TOML file to validate.")],
+    for_reload: Annotated[
+        bool,
+        typer.Option(
+            "--for-reload",
+            help="Check it as the new config of a `watch` or `route` started with --config "
+            "alone (the units' ExecReload): one naming no backend or proxy, which its "
+            "reload refuses, is refused. A changed [cluster], state or audit_log, which "
+            "the reload refuses too, is not seen here.",
+        ),
+    ] = False,
+) -> None:
     """Validate a config file: exit 0 when usable, 3 naming the first problem (file and
     key) otherwise; mend it and run again for the next."""
     loaded = config_module.load(path)
@@ -613,6 +625,13 @@ def config_check(path: Annotated[str, typer.Argument(help="The TOML file to vali
     if unset := config_module.unset_key_variables(loaded):
         raise config_module.ConfigError(f"{path}: {'; '.join(unset)}")
     if not loaded.backends and not loaded.proxies:
+        if for_reload:
+            # The daemon has no URLs on its command line: it would forget every backend,
+            # with its retirement, proof and budget, so it refuses the reload; fail it here.
+            raise config_module.ConfigError(
+                f"{path}: no [[backend]] or [[proxy]]: nothing to watch, and a daemon "
+                "started with --config alone refuses to reload it"
+            )
         # Said, not refused: `watch -c FILE URL...` takes its targets from its command line,
         # which this cannot see. Without them the daemon refuses the reload, in its log.
         with reader_may_leave(sys.stderr):  # a note: the verdict is the exit code

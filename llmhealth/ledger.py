@@ -447,8 +447,12 @@ class RestartIssued(_EventBase):
 
 @dataclass(frozen=True, kw_only=True)
 class RestartFailed(_EventBase):
+    """The restart brought up no process: back to DEAD. ``withdrawn``: its command never
+    ran (an operator's hold came before it), so the attempt it spent is given back."""
+
     kind: ClassVar[EventKind] = EventKind.RESTART_FAILED
     reason: str
+    withdrawn: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1032,6 +1036,12 @@ def _record(b: _Backend, event: Event) -> str:
         case RestartFailed():
             # condemned_by stays: the restart failing does not change why it was condemned,
             # and the restart policy needs that reason to try again.
+            if event.withdrawn:
+                # No command ran, so no attempt was made: the budget gets back the one this
+                # RESTARTING spell spent (stamped when it began), and the last error stays.
+                if b.state_since in b.restart_times:
+                    b.restart_times.remove(b.state_since)
+                return f"restart withdrawn before its command ran ({event.reason}): no attempt"
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
         case RestartRan():

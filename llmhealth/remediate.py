@@ -62,7 +62,8 @@ class CommandDone:
     order: RestartOrder
     result: CommandResult
     # Dropped before it ran because an operator's verb (a hold, a retire) came since it
-    # was issued: back to DEAD as any command not run, but no failed restart of its own.
+    # was issued: back to DEAD as any command not run, but no failed restart of its own,
+    # nor an attempt against the restart budget.
     withdrawn: bool = False
 
 
@@ -317,7 +318,10 @@ def hear_commands(
                 else:
                     why = f"exited {result.exit_code}"
                 failed = record.ledger.apply(
-                    name, RestartFailed(now=now, reason=f"restart command {why}")
+                    name,
+                    RestartFailed(
+                        now=now, reason=f"restart command {why}", withdrawn=finished.withdrawn
+                    ),
                 )
                 entry["to"] = str(failed.to_state)
                 if failed.applied and not finished.withdrawn:

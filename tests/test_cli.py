@@ -421,6 +421,23 @@ def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     assert f"{empty}: note: no [[backend]] or [[proxy]]" in result.stderr
 
 
+def test_config_check_for_reload_refuses_a_file_the_daemons_reload_refuses(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """The units' ExecReload: `watch --config FILE` takes its targets from the file alone,
+    and refuses a reload to one naming none ("nothing to watch"). `config check` said ok,
+    so `systemctl reload` succeeded and the refusal was only in the journal."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text('wait = "5s"\n')
+    result = run(entry_point, "config", "check", "--for-reload", str(empty))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"{empty}: no [[backend]] or [[proxy]]: nothing to watch" in result.stderr
+    good = tmp_path / "good.toml"
+    good.write_text('[[proxy]]\nname = "lb"\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "config", "check", "--for-reload", str(good))
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_check_of_a_healthy_proxy_alone_exits_0(httpserver: HTTPServer) -> None:
     httpserver.expect_request("/v1/models").respond_with_json(MODELS)
     url = httpserver.url_for("").rstrip("/")

@@ -17,7 +17,7 @@ from werkzeug import Request, Response
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind
-from llmhealth.config import Backend, Config
+from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import (
     Kept,
     Settled,
@@ -1025,3 +1025,42 @@ def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_res
     record = hear(store, audit, dropped, start=T0 + 30)
     assert record.ledger.state_of("gpu0") == "dead"  # owed its restart once the hold ends
     assert record.restarts["gpu0"].failures == 0  # before: 1, the cooldown doubled
+
+
+def test_a_restart_withdrawn_because_an_operator_held_its_backend_spends_no_attempt(
+    tmp_path: Path,
+) -> None:
+    """A withdrawn command never ran, so it is no attempt against the restart budget
+    (DESIGN: attempts are bounded): it kept the attempt its RESTARTING spent, and with
+    restart_budget 1 the backend released from its hold was retired without a single
+    command ever having run."""
+    config = replace(RESTARTABLE, policy=Policy(restart_budget=1))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+
+    def settle_at(start: float, commands: Sequence[CommandDone] = ()) -> Settled:
+        return settle_fleet(
+            store,
+            config,
+            backend_urls([GPU0]),
+            lambda _record: [wedged(GPU0)] if start == T0 else [],
+            mode=Mode.OFF if commands else Mode.ACT,
+            audit=audit,
+            clock=ticking(start),
+            commands=commands,
+        )
+
+    [order] = settle_at(T0).orders
+    held = operate.hold(store, audit, config, "gpu0", 3600, "sync", clock=lambda: T0 + 10)
+    assert held.applied, held.message
+    dropped = _withdrawn(store, config, order, T0 + 20)  # as check drops a later command
+    assert dropped is not None and dropped.withdrawn, dropped
+    record = settle_at(T0 + 30, [dropped]).record
+    assert record.ledger.state_of("gpu0") == "dead"
+    assert record.ledger.snapshot("gpu0", T0 + 30).restart_attempts == 0  # before: 1
+    released = operate.release(store, audit, config, "gpu0", clock=lambda: T0 + 100)
+    assert released.applied, released.message
+    after = settle_at(T0 + 200)
+    assert [(n.action, n.reason) for n in after.report.restarts] == [
+        ("restart", "condemned by wedged: restart 1 of 1 allowed in 24h")
+    ]  # before: ("retire", "restart budget spent: 1 attempt in 24h ...")
+    assert [o.name for o in after.orders] == ["gpu0"]

@@ -8,8 +8,10 @@ systemd/ by `systemd-analyze verify` (and its hardening score by `systemd-analyz
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmhealth import cli
 from llmhealth.actions import KILL_GRACE
 from llmhealth.classify import VerdictKind
 from llmhealth.config import DEFAULT_MAX_CHECK_TIME, DEFAULT_WAIT, Backend, Policy
@@ -241,6 +244,29 @@ def test_the_route_service_is_the_watch_service_with_a_router() -> None:
     }
 
 
+@pytest.mark.parametrize("name", ["llmhealth.service", "llmhealth-route.service"])
+def test_the_reload_check_refuses_a_config_the_daemon_would_refuse(
+    tmp_path: Path, name: str
+) -> None:
+    """ExecReload's check, as the unit runs it: a config naming no backend, which the
+    daemon (started with --config alone) refuses on SIGHUP, fails `systemctl reload`
+    instead of passing it and leaving the refusal in the journal."""
+    entry_point = str(Path(sys.executable).with_name("llmhealth"))
+    check, signal_line = _unit_settings(name)["Service.ExecReload"]
+    assert signal_line == "/bin/kill -HUP $MAINPID"
+    config = tmp_path / "llmhealth.toml"
+    argv = [
+        entry_point if word == INSTALLED_BINARY else str(config) if word.endswith(".toml") else word
+        for word in shlex.split(check)
+    ]
+    config.write_text('wait = "5s"\n')
+    status, output = _run(argv, cwd=tmp_path)
+    assert status == 3 and "nothing to watch" in output, output
+    config.write_text('[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n')
+    status, output = _run(argv, cwd=tmp_path)
+    assert status == 0, output
+
+
 def test_the_check_service_fails_only_on_critical_or_unknown() -> None:
     settings = _unit_settings("llmhealth-check.service")
     assert settings["Service.Type"] == ["oneshot"]
@@ -405,6 +431,23 @@ def test_the_exported_metrics_pass_promtool_check_metrics() -> None:
         check=False,
     )
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_the_scrape_example_covers_the_jobs_the_rules_expect_at_the_default_addresses() -> None:
+    """systemd/README.md's scrape config had only watch's job: a site running
+    llmhealth-route.service copied it, scraped 127.0.0.1:9464 where nothing listens, and
+    the router's series (and every watch series it serves) went unscraped."""
+    section = (UNITS / "README.md").read_text().split("## Prometheus", 1)[1]
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    jobs = re.findall(r"job_name: (\S+)\s+static_configs:\s+- targets: \[([^\]]*)\]", block)
+    scraped = {job: [t.strip().strip('"') for t in targets.split(",")] for job, targets in jobs}
+    watch_listen = inspect.signature(cli.watch).parameters["listen"].default
+    assert scraped == {
+        "llmhealth": [watch_listen],
+        "llmhealth-route": [cli.DEFAULT_ROUTE_LISTEN],
+    }
+    down = _alert_blocks()["LLMHealthWatchDown"]
+    assert re.search(r'up\{job=~"llmhealth\|llmhealth-route"\}', down), down
 
 
 # --- scripts/install-tools.sh ----------------------------------------------------------

@@ -1047,3 +1047,5 @@ def test_a_restart_held_or_retired_while_an_earlier_command_of_the_check_runs_is
     [heard] = [r for r in setup.audit() if r["event"] == COMMAND and r["backend"] == "gpu1"]
     assert heard["command"]["stderr"].startswith("not run: ")
     assert setup.saved("gpu1")["state"] == ("dead" if verb == "hold" else "retired")
+    if verb == "hold":  # released later, it has its whole budget: no command ran
+        assert setup.saved("gpu1")["restart_times"] == []
