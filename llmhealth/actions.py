@@ -16,6 +16,7 @@ import selectors
 import signal
 import stat
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -495,7 +496,8 @@ def parse_records(
     whole as dicts took seven times its size (2.3 GB for 300 MB) before `audit` printed
     its first line.
     """
-    keep: deque[dict[str, object]] = deque(maxlen=last)
+    # More than a deque can hold is more than any trail has: all of them.
+    keep: deque[dict[str, object]] = deque(maxlen=None if last is None else min(last, sys.maxsize))
     malformed = 0
     for raw in lines:
         if not raw.strip():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -257,7 +258,11 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         _proxy(reader, entry, f"proxy[{index}]")
         for index, entry in enumerate(reader.table_list(data, "proxy"))
     )
-    named = Counter(backend.name for backend in backends) + Counter(p.name for p in proxies)
+    # One text in two Unicode forms ("café" composed and decomposed) is one name to every
+    # reader: status, Nagios perfdata and logs showed two backends as one.
+    named = Counter(_same_name(backend.name) for backend in backends) + Counter(
+        _same_name(p.name) for p in proxies
+    )
     duplicates = sorted(name for name, count in named.items() if count > 1)
     if duplicates:
         raise ConfigError(f"{where}: name used twice: {', '.join(duplicates)}")
@@ -310,6 +315,11 @@ def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
         longest = f"{most / 86400:g} days" if most >= 86400 else f"{most / 3600:g} h"
         raise ValueError(f"{value!r} is longer than {longest}: a unit missed?")
     return seconds
+
+
+def _same_name(name: str) -> str:
+    """A name as compared with another: in Unicode's composed form (NFC), as shown."""
+    return unicodedata.normalize("NFC", name)
 
 
 def name_for_url(url: str) -> str:
@@ -368,6 +378,14 @@ def check_url(url: str) -> str:
     if port == 0:  # nothing listens there; the router read it as the scheme's own port
         raise ValueError(f"{url!r} has port 0")
     if ":" not in parts.hostname:  # an IPv6 literal is no name
+        if (odd := _NOT_IN_A_HOST.search(parts.hostname)) is not None:
+            # "${VLLM_HOST}": no variable is expanded in a URL, and a host no lookup can
+            # find was judged the server's `down` (a CRITICAL for a typo).
+            unexpanded = " (a variable is not expanded here)" if odd.group() in "${}" else ""
+            raise ValueError(
+                f"{url!r}: its host holds {odd.group()!r}, which no host name or address "
+                f"holds{unexpanded}"
+            )
         try:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
@@ -406,7 +424,12 @@ def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None)
         raise reader.fail(key, f"{value!r}: {exc}") from None
     if not path.name:  # "/", ".": a directory, with no file name to lock or write beside
         raise reader.fail(key, f"{value!r} names a directory, not a file")
-    return str(base / path if base is not None and not path.is_absolute() else path)
+    path = base / path if base is not None and not path.is_absolute() else path
+    if os.path.isdir(path):
+        # `state = "/var/lib/llmhealth"`, the state's directory: every run failed to read
+        # or write it, and `watch` skipped every cycle after `config check` said ok.
+        raise reader.fail(key, f"{value!r} names a directory, not a file")
+    return str(path)
 
 
 def _refuse_shared_urls(where: str, located: Sequence[tuple[str, str]]) -> None:
@@ -810,6 +833,9 @@ class _Reader:
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted
+# ASCII a host name or IPv4 address never holds: only letters, digits, '-', '.' and '_'
+# (a container's service name); other scripts are IDNA's to judge.
+_NOT_IN_A_HOST = re.compile(r"[\x00-\x2c/:-@\[-\^`{-\x7f]")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ORDINARY_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*")
 
@@ -829,18 +855,32 @@ def backend_key(backend: Backend) -> str | None:
 
 
 def unset_key_variables(config: Config) -> list[str]:
-    """Why each backend whose api_key_env names a variable unset or empty here cannot be
-    used. Refused at start and reload (``targets_for``): a cron job or unit without the
-    operator's environment sent every request without its key, each failed as the
-    backend's own fault (a 401), and the ledger condemned a healthy backend, the router
-    dropped it."""
-    return [
-        f"backend {backend.name!r}: its api_key_env names {_shown_variable(backend.api_key_env)},"
-        " which is not set (or empty) here; without its key every request would fail as the"
-        " backend's fault"
-        for backend in config.backends
-        if backend.api_key_env and backend_key(backend) is None
-    ]
+    """Why each backend whose api_key_env names a variable unset or empty here, or one
+    holding a key no request header can carry, cannot be used. Refused at start and
+    reload (``targets_for``): a cron job or unit without the operator's environment sent
+    every request without its key, each failed as the backend's own fault (a 401), and
+    the ledger condemned a healthy backend, the router dropped it."""
+    reasons = []
+    for backend in config.backends:
+        if not backend.api_key_env:
+            continue
+        key = backend_key(backend)
+        if key is None:
+            reasons.append(
+                f"backend {backend.name!r}: its api_key_env names "
+                f"{_shown_variable(backend.api_key_env)}, which is not set (or empty) here; "
+                "without its key every request would fail as the backend's fault"
+            )
+        elif not (key.isascii() and key.isprintable()):
+            # A CR an environment file with Windows line ends left: every probe raised as
+            # "not judged", and the router sent each request without its Authorization.
+            reasons.append(
+                f"backend {backend.name!r}: its api_key_env names "
+                f"{_shown_variable(backend.api_key_env)}, whose value holds a character no "
+                "HTTP header can carry (a control character, such as the CR of a file with "
+                "Windows line ends, or one outside ASCII); no request could send it"
+            )
+    return reasons
 
 
 def _shown_variable(name: str) -> str:

@@ -16,7 +16,8 @@ import functools
 import getpass
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ParamSpec
 
@@ -61,6 +62,8 @@ class _Edit:
 
     record: FleetRecord
     saved: str
+    # The backend's name as the record or config spells it (``_spelled``).
+    name: str
     # A configured backend the record did not hold, added for this verb: audited with the
     # verb's own record when the verb saves.
     added: MembershipChange | None = None
@@ -97,6 +100,8 @@ def _editing(
         policy = ledger_policy(config.policy)
         record = store.load(lambda doc: FleetRecord.from_dict(doc, _policy(config, doc)))
         configured = {backend.name: backend.url for backend in config.backends}
+        saved_names = () if record is None else (*record.ledger.names, *record.holds)
+        name = _spelled(name, [*configured, *saved_names])
         saved = f"saved to {store.path}"
         if record is None:
             if name not in configured:
@@ -118,7 +123,16 @@ def _editing(
         if name not in record.ledger and not (or_held and name in record.holds):
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
-        yield _Edit(record, saved, added)
+        yield _Edit(record, saved, name, added)
+
+
+def _spelled(name: str, known: Iterable[str]) -> str:
+    """``name`` as the record or config spells it: the one known name that is the same
+    text in another Unicode form ("café" typed composed, saved decomposed), else as typed.
+    Told apart by bytes alone, a verb said "no backend named 'café' (known: café)"."""
+    wanted = unicodedata.normalize("NFC", name)
+    same = {other for other in known if unicodedata.normalize("NFC", other) == wanted}
+    return name if name in same or len(same) != 1 else same.pop()
 
 
 def _again_when_moved(verb: Callable[_P, VerbResult]) -> Callable[_P, VerbResult]:
@@ -151,7 +165,7 @@ def apply_event(
     """Lock, feed one operator event to the ledger, save it with its audit record (a
     refusal is only audited)."""
     with _editing(store, config, name, clock) as edit:
-        record, now = edit.record, clock()
+        record, now, name = edit.record, clock(), edit.name
         transition = record.ledger.apply(name, make_event(now))
         entry: dict[str, Any] = {
             "time": now,
@@ -217,7 +231,7 @@ def hold(
     end an operator's long one), so the answer and the trail name what it replaced.
     """
     with _editing(store, config, name, clock) as edit:
-        record, now = edit.record, clock()
+        record, now, name = edit.record, clock(), edit.name
         new_hold = Hold(reason=reason, until=now + seconds, by=actor())
         running = record.holds.get(name)
         replaced = running if running is not None and running.active(now) else None
@@ -244,7 +258,7 @@ def release(
 ) -> VerbResult:
     """End a hold early; also one a name keeps after the config dropped it."""
     with _editing(store, config, name, clock, or_held=True) as edit:
-        now = clock()
+        now, name = clock(), edit.name
         held = edit.record.holds.get(name)
         if held is None or not held.active(now):
             # An ended hold holds nothing (the next settle drops it): releasing it would

@@ -95,6 +95,13 @@ def given_path(value: str) -> Path:
     path = Path(value)
     if not path.name:  # "/", ".": no file to lock beside, nor an audit log to put beside it
         raise ValueError(f"{value!r} names a directory, not a state file")
+    if os.path.isdir(path):
+        # `--state /var/lib/llmhealth`, the state's directory: read as a state it failed,
+        # after a lock file was made beside it.
+        raise ValueError(
+            f"{value!r} is a directory, not a state file (the file in it, e.g. "
+            f"{str(path / 'state.json')!r})"
+        )
     return path
 
 

@@ -674,7 +674,8 @@ def test_a_bare_url_whose_host_breaks_the_name_rule_is_refused_naming_it(entry_p
     assert result.returncode == 3, (result.stdout, result.stderr)
     assert result.stdout.startswith("LLMHEALTH UNKNOWN - "), result.stdout
     assert "healthy'=" not in result.stdout, result.stdout
-    assert "'http://x|y:8000' would be named 'x|y:8000'" in result.stderr, result.stderr
+    # Refused as no server's host before its name is made (config.check_url).
+    assert "'http://x|y:8000': its host holds '|'" in result.stderr, result.stderr
 
 
 def overflowing_metrics(hits: list[int]) -> Callable[[Request], Response]:
@@ -996,3 +997,29 @@ def test_config_check_and_audit_keep_their_exit_code_when_stderr_is_unread(
             assert done.returncode == 0, args
     finally:
         os.close(write_end)
+
+
+def test_audit_of_more_records_than_any_trail_holds_prints_them_all(tmp_path: Path) -> None:
+    # `--last 99999999999999999999` ended in "internal error" (deque's maxlen overflowed).
+    (tmp_path / "state.json").write_text("{}")
+    (tmp_path / "audit.jsonl").write_text('{"time": 1, "event": "hold"}\n')
+    result = runner.invoke(
+        app, ["audit", "--last", "9" * 30, "--state", str(tmp_path / "state.json")]
+    )
+    assert result.exit_code == 0, result.output
+    assert '"event": "hold"' in result.stdout
+
+
+def test_a_state_path_that_is_a_directory_is_refused_before_anything_is_made(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # `--state /var/lib/llmhealth`: exit 3 "cannot read state", leaving a
+    # /var/lib/llmhealth.lock beside the directory.
+    directory = tmp_path / "llmhealth"
+    directory.mkdir()
+    result = run(
+        entry_point, "hold", "gpu0", "--for", "1h", "--reason", "x", "--state", str(directory)
+    )
+    assert result.returncode == 3
+    assert "is a directory, not a state file" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llmhealth"]

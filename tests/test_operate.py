@@ -509,3 +509,28 @@ def test_a_verb_whose_state_cannot_be_saved_leaves_no_audit_record(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["state.json", "state.json.lock", *(["audit.jsonl"] if trail else [])]
     )
+
+
+def test_a_verb_finds_a_name_typed_in_another_unicode_form(tmp_path: Path) -> None:
+    # A config written with "café" decomposed (e + U+0301, as some tools save text), an
+    # operator's terminal typing it composed: "no backend named 'café' (known: café)".
+    from llmhealth import operate  # noqa: PLC0415
+    from llmhealth.actions import AuditLog  # noqa: PLC0415
+    from llmhealth.config import Config  # noqa: PLC0415
+
+    decomposed, composed = "cafe\u0301", "caf\u00e9"
+    ledger = Ledger(LedgerPolicy(), [(decomposed, "http://127.0.0.1:9")], now=T0)
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    held = operate.hold(store, audit, Config(), composed, 3600.0, "weight sync")
+    assert held.applied, held.message
+    retired = operate.retire(store, audit, Config(), composed, "bad GPU")
+    assert retired.applied, retired.message
+    saved = json.loads(path.read_text())
+    assert list(saved["holds"]) == [decomposed]
+    assert [b["name"] for b in saved["ledger"]["backends"]] == [decomposed]
+    assert saved["ledger"]["backends"][0]["state"] == "retired"
+    assert [r["backend"] for r in read(tmp_path / "audit.jsonl")] == [decomposed, decomposed]
