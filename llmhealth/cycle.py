@@ -40,6 +40,7 @@ from llmhealth.remediate import (
     pending_restarts,
     reads_evidence,
     remediate,
+    restart_pending_now,
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path, given_path
@@ -689,8 +690,10 @@ def settle(
     condemnation still becomes the condemning cause). Overdue restarts come after both,
     so a replacement re-admitted in this settle is spared.
     """
-    hear_commands(record, commands, audit, now)
+    hear_commands(record, commands, audit, now)  # first: each knows its restart by its time
+    stepped = record.pull_back(now)
     expected = {b.name: b.expected_model for b in config.backends}
+    configured = {b.name: b for b in config.backends}
     pending = pending_restarts(record, config, now)
     reports = []
     in_ledger = set()
@@ -707,6 +710,11 @@ def settle(
             traffic.append(transition)
             if transition.applied and transition.from_state != transition.to_state:
                 _audit_transition(audit, transition, now, record.proofs.get(name, {}))
+                # Condemned by traffic before its verdict: its restart is as pending as
+                # one condemned before the settle, or the verdict counted towards a
+                # recovery in place, stamped good at the instant of the restart after it.
+                if restart_pending_now(record, configured.get(name), name, config, now):
+                    pending.add(name)
 
     for outcome in outcomes:
         name = outcome.target.name
@@ -780,7 +788,11 @@ def settle(
     # grace): failed unseen, a server that came back meanwhile was restarted, unread.
     unseen = {name for name in unread if name not in verdicts}
     expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived, *unseen})
-    notes = [*notes, *(f"{t.name}: {t.reason}" for t in expired)]
+    notes = [
+        *notes,
+        *(f"{name}: times ahead of the clock taken as now (it stepped back?)" for name in stepped),
+        *(f"{t.name}: {t.reason}" for t in expired),
+    ]
     restarts = remediate(
         record, config, now, mode=mode, audit=audit, commands_running=commands_running
     )

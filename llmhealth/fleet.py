@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
+    CLOCKS_APART,
     SERVING,
     Event,
     EventKind,
@@ -702,6 +703,23 @@ class FleetRecord:
         if not streak:
             self.request_streaks.pop(name, None)
         return transitions
+
+    def pull_back(self, now: float) -> list[str]:
+        """``Ledger.pull_back``, and the record's own times likewise: a cooldown counted
+        from an attempt stamped ahead of the clock lasted as long, and a fresh start
+        stamped ahead dropped every real-traffic outcome until then."""
+        changed = set(self.ledger.pull_back(now))
+        ahead = now + CLOCKS_APART
+        for name, history in self.restarts.items():
+            last = history.last_attempt_at
+            if last is not None and last > ahead:
+                self.restarts[name] = replace(history, last_attempt_at=now)
+                changed.add(name)
+        for name, since in self.fresh_since.items():
+            if since > ahead:
+                self.fresh_since[name] = now
+                changed.add(name)
+        return sorted(changed)
 
     def restart_worked(self, name: str) -> None:
         """Re-admission is the only proof a restart worked: its failures stop counting."""

@@ -965,8 +965,9 @@ def _awaited_restart(b: _Backend, grace: float) -> float | None:
     if b.state is State.STALE and b.restart_times:
         restarted_at = max(b.restart_times)
         # Good since (re-admitted, seen working, or recovered in place and then STALE
-        # again): that restart is not what this spell waits on.
-        if b.last_ok_at is not None and b.last_ok_at >= restarted_at:
+        # again): that restart is not what this spell waits on. Good at its very instant
+        # is good before it: a settle feeds its verdicts before it restarts.
+        if b.last_ok_at is not None and b.last_ok_at > restarted_at:
             return None
         # Replaced while DEAD once that restart's grace had run out (an operator's hand
         # restart): not ours to fail. Counted from our restart, it was failed the moment
@@ -1235,6 +1236,35 @@ class Ledger:
             epoch_changed=moved,
         )
 
+    def pull_back(self, now: float) -> list[str]:
+        """Take the times kept later than ``now`` as ``now``, for each backend holding one
+        more than a minute ahead (hosts' clocks apart, as ``CLOCKS_APART`` allows); the
+        backends so changed, in name order.
+
+        The wall clock stepped back since (NTP correcting a clock that ran ahead, a VM
+        resumed from a snapshot), or the record came from a host whose clock ran ahead:
+        a restart stamped hours ahead stayed RESTARTING, its grace not begun, for those
+        hours (for ever at 1e300), holding the fleet's restart slot all the while, and
+        its cooldown likewise. How long ago it really was is unknown, so the startup
+        grace, the cooldown and the budget window count from when it is first seen.
+        """
+        _as_time(now, "now")
+        ahead = now + CLOCKS_APART
+        changed = []
+        for b in self._backends.values():
+            stamps = [b.state_since, b.last_ok_at, b.restart_ran_at]
+            if not any(
+                t is not None and t > ahead for t in (*stamps, *b.restart_times, *b.recovery_times)
+            ):
+                continue
+            b.state_since = _at_most(b.state_since, now)
+            b.last_ok_at = _at_most(b.last_ok_at, now)
+            b.restart_ran_at = _at_most(b.restart_ran_at, now)
+            b.restart_times = [min(t, now) for t in b.restart_times]
+            b.recovery_times = [min(t, now) for t in b.recovery_times]
+            changed.append(b.name)
+        return sorted(changed)
+
     def expire_restarts(
         self, now: float, *, sparing: Collection[str] = frozenset()
     ) -> list[Transition]:
@@ -1480,8 +1510,8 @@ class Ledger:
             # (multiprocess mode) is taken as replaced, the doubt erring towards fewer
             # restarts, as the budget's.
             start = b.process.start
-            replaced = start is None or start >= restarted_at - _CLOCKS_APART
-        proven = b.last_ok_at is not None and b.last_ok_at >= restarted_at
+            replaced = start is None or start >= restarted_at - CLOCKS_APART
+        proven = b.last_ok_at is not None and b.last_ok_at > restarted_at
         spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
         return (
             replaced
@@ -1679,8 +1709,13 @@ def is_finite_number(value: object) -> bool:
 
 
 # Seconds a backend's host clock may run behind ours when its process's start time is
-# compared with when we restarted it (a replacement starts after the command, on its host).
-_CLOCKS_APART: Final = 60.0
+# compared with when we restarted it (a replacement starts after the command, on its host);
+# and a record's times may run ahead of our clock before ``pull_back`` takes them as now.
+CLOCKS_APART: Final = 60.0
+
+
+def _at_most(t: float | None, now: float) -> float | None:
+    return None if t is None else min(t, now)
 
 
 def _in_window(t: float, now: float, window: float) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
-from llmhealth.config import Config
+from llmhealth.config import Backend, Config
 from llmhealth.fleet import FleetRecord, process_of
 from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, RestartRan, State
 from llmhealth.policy import (
@@ -109,6 +109,17 @@ def pending_restarts(record: FleetRecord, config: Config, now: float) -> set[str
             snap, backends.get(snap.name), record.holds.get(snap.name), config.policy, now
         )
     }
+
+
+def restart_pending_now(
+    record: FleetRecord, backend: Backend | None, name: str, config: Config, now: float
+) -> bool:
+    """Whether ``pending_restarts`` would hold this backend as the ledger has it now (one
+    real traffic condemned after that set was made)."""
+    if name not in record.ledger or record.ledger.state_of(name) not in CONDEMNED:
+        return False
+    snap = record.ledger.snapshot(name, now)
+    return restart_pending(snap, backend, record.holds.get(name), config.policy, now)
 
 
 def remediate(

@@ -30,10 +30,17 @@ from llmhealth.cycle import (
     settle,
     settle_fleet,
 )
-from llmhealth.fleet import FleetRecord, Sighting
-from llmhealth.ledger import NewProcessUp, RestartIssued, State, WedgeProven
+from llmhealth.fleet import FleetRecord, Sighting, process_of
+from llmhealth.ledger import (
+    GoodVerdict,
+    NewProcessUp,
+    Readmitted,
+    RestartIssued,
+    State,
+    WedgeProven,
+)
 from llmhealth.metrics import EngineSignals, Signals
-from llmhealth.policy import RestartHistory
+from llmhealth.policy import Hold, RestartHistory
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.state import StateError, StateFile, StateLockedError, nothing_before
@@ -1064,3 +1071,75 @@ def test_a_restart_withdrawn_because_an_operator_held_its_backend_spends_no_atte
         ("restart", "condemned by wedged: restart 1 of 1 allowed in 24h")
     ]  # before: ("retire", "restart budget spent: 1 attempt in 24h ...")
     assert [o.name for o in after.orders] == ["gpu0"]
+
+
+def test_a_backend_traffic_condemned_and_restarted_in_one_settle_has_its_restart_awaited() -> None:
+    # Real traffic condemned "a" (request_failures in restart_on) in the settle that then
+    # restarted it; its verdict in between, busy with requests finishing, was counted
+    # towards recovery in place as if no restart were pending, and stamped it good at the
+    # restart's own instant. That stamp passed for the replacement proving itself: a
+    # replacement that never answered stayed STALE for ever, never failed by its grace,
+    # never restarted or retired, and it held no restart slot meanwhile.
+    config = Config(
+        backends=(Backend("a", "http://10.0.0.1:8000", restart=("true",)),),
+        policy=Policy(restart_on=("wedged", "request_failures")),
+    )
+    record = fresh_record(ledger_policy(config.policy), {"a": config.backends[0].url}, T0 - 100)
+    start = T0 - 5000
+    record.sightings["a"] = Sighting(T0 - 10, True, _serving(10, 1, start))
+    record.ledger.apply("a", GoodVerdict(now=T0 - 10, process=process_of(_serving(10, 1, start))))
+    failed = [
+        RequestOutcome(T0 - 8 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    reads = (Read(T0 - 5, _serving(100, 3, start)), Read(T0 - 1, _serving(140, 5, start)))
+    busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
+    target = Target("a", config.backends[0].url)
+    _, orders = settle(
+        record, config, [Outcome(target, busy)], T0, mode=Mode.ACT, audit=None,
+        requests={"a": failed},
+    )  # fmt: skip
+    assert [order.name for order in orders] == ["a"]
+    assert record.ledger.state_of("a") is State.RESTARTING
+    # Its replacement comes up and fails every tiny request.
+    later = T0 + 60
+    up = Read(later - 1, _serving(0, 0, T0 + 30))
+    answer = Answer(later, False, "failed: HTTP 500", "tiny", ("tiny",))
+    new = Verdict(VerdictKind.RESTARTED, False, "restarted: new", reads=(up,), answer=answer)
+    settle(record, config, [Outcome(target, new)], later, mode=Mode.ACT, audit=None)
+    assert record.ledger.state_of("a") is State.STALE
+    assert record.ledger.restart_unproven("a", later)  # its restart holds the slot
+    past = T0 + record.ledger.policy.startup_grace + 1
+    still = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: HTTP 500",
+        reads=(Read(past - 1, _serving(0, 0, T0 + 30)),),
+        answer=Answer(past, False, "failed: HTTP 500", "tiny", ("tiny",)),
+    )  # fmt: skip
+    report, _ = settle(record, config, [Outcome(target, still)], past, mode=Mode.ACT, audit=None)
+    assert [(t.name, t.to_state) for t in report.expired] == [("a", State.DEAD)]
+
+
+@pytest.mark.parametrize("ahead", [6 * 3600.0, 1e300], ids=["clock stepped back 6 h", "1e300"])
+def test_a_restart_stamped_after_now_is_failed_one_grace_after_it_is_first_seen(
+    ahead: float,
+) -> None:
+    # The wall clock stepped back after "a" was restarted (NTP correcting a clock that ran
+    # ahead, a VM resumed from a snapshot), or the state holds a time far ahead: "a" stayed
+    # RESTARTING for as long as the step (for ever at 1e300), its replacement never came,
+    # and its restart held the fleet's one slot, so a wedged "b" was never restarted.
+    now = T0
+    record = _restarted(["a"], now + ahead)
+    record.ledger.apply("b", WedgeProven(now=now - 1))
+    down = Verdict(VerdictKind.DOWN, False, "down: refused")
+    assert _settled(record, "a", down, now) == []
+    assert record.ledger.state_of("a") is State.RESTARTING
+    later = now + record.ledger.policy.startup_grace + 1
+    record.holds["a"] = Hold("looking at it", later + 60, "operator")
+    assert _settled(record, "a", down, later) == ["b"]
+    assert record.ledger.state_of("a") is State.DEAD
+    # Its own next attempt waits a cooldown counted from when the step was seen, not
+    # from an attempt stamped ahead.
+    record.ledger.apply("b", NewProcessUp(now=later + 1))
+    record.ledger.apply("b", Readmitted(now=later + 2))
+    del record.holds["a"]
+    assert _settled(record, "a", down, later + 3) == ["a"]
