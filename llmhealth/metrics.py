@@ -595,7 +595,7 @@ def _interpret(head: bytes) -> _Meaning | None:
     """What one series line means, from its name and label text; None when the labels
     do not parse (the line is then counted as malformed)."""
     name_bytes, brace, label_bytes = head.partition(b"{")
-    name = name_bytes.decode("ascii")  # one of ours, which _LINES matched
+    name = name_bytes.decode("ascii").rstrip(" \t")  # one of ours, which _LINES matched
     labels: dict[str, str] = {}
     leftover = b""
     if brace:
@@ -721,9 +721,15 @@ def _alternatives(names: Iterable[str]) -> str:
 # Every sample line of the series read, in one pass in C over the text: its name (which
 # must start a line and be followed by ``{``, a space or a tab: a longer name sharing the
 # prefix is another series) with its label text up to the line's last ``}`` (a lone ``{``
-# when there is none, which no label set parses from), and the rest of the line. The
-# first line is matched on its own, sparing a copy of the text to put a newline before it.
-_LINE = (rf"((?:{_alternatives(_READ)})(?=[{{ \t])(?:\{{[^\n]*\}}|\{{|))([^\n]*)").encode("ascii")
+# when there is none, which no label set parses from), and the rest of the line. Blanks
+# may come between the name and its labels, as the text format allows (Prometheus and
+# prometheus_client read them): such lines were dropped as malformed, and a busy server
+# written so had no engines. The first line is matched on its own, sparing a copy of the
+# text to put a newline before it.
+_LINE = (
+    rf"((?:{_alternatives(_READ)})(?=[{{ \t])"
+    rf"(?:\{{[^\n]*\}}|[ \t]+\{{[^\n]*\}}|\{{|[ \t]+\{{|))([^\n]*)"
+).encode("ascii")
 _LINES = re.compile(b"\n" + _LINE)
 _FIRST_LINE = re.compile(_LINE)
 
@@ -744,12 +750,17 @@ def _parse_labels(text: str) -> tuple[dict[str, str], int] | None:
         if text[position] == "}":
             return labels, position + 1
         equals = text.find("=", position)
-        if equals == -1 or equals + 1 >= length or text[equals + 1] != '"':
+        if equals == -1:
+            return None
+        quote = equals + 1
+        while quote < length and text[quote] in " \t":  # the format allows blanks around "="
+            quote += 1
+        if quote >= length or text[quote] != '"':
             return None
         key = text[position:equals].strip()
         if not key:
             return None
-        position = equals + 2
+        position = quote + 1
         closing = text.find('"', position)
         if closing == -1:
             return None

@@ -193,6 +193,24 @@ def test_a_busy_server_shown_from_any_prefix_is_never_sent_a_request(fixture_tex
         assert not isinstance(decide(reads[:end]), SendTinyRequest)
 
 
+def test_a_busy_server_whose_text_has_legal_blanks_is_busy_without_a_request(
+    fixture_text: Load,
+) -> None:
+    """``name {labels}`` and ``engine = "0"`` are legal text: a busy server written so was
+    read as having no vLLM series, and sent the tiny request (``no_metrics``)."""
+
+    def spaced(text: str) -> str:
+        return "\n".join(
+            line.replace("{", " {", 1).replace('="', ' = "') if line.startswith("vllm:") else line
+            for line in text.splitlines()
+        )
+
+    reads = timed([spaced(capture(fixture_text, name)) for name in ("busy-1", "busy-2")])
+    result = walk(reads)
+    assert result.verdict.kind is VerdictKind.BUSY
+    assert not sends_a_request(result.decisions)
+
+
 def test_busy_rates_match_the_capture_summary_at_the_real_times(fixture_text: Load) -> None:
     # The real epochs from INDEX.tsv: 1.56 s apart, at 1,754 generated tokens/s and 438 steps/s.
     reads = [

@@ -635,6 +635,45 @@ def test_binary_junk_gives_no_engines(fixture_text: Load) -> None:
     assert not signals.has_vllm
 
 
+def _samples(text: str, change: Callable[[str], str]) -> str:
+    return "\n".join(
+        change(line) if line and not line.startswith("#") else line for line in text.split("\n")
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda line: line.replace("{", " {", 1), id="a blank before the labels"),
+        pytest.param(lambda line: line.replace("{", "\t{", 1), id="a tab before the labels"),
+        pytest.param(lambda line: line.replace('="', ' = "'), id="blanks around ="),
+    ],
+)
+def test_blanks_the_text_format_allows_read_as_without_them(
+    fixture_text: Load, change: Callable[[str], str]
+) -> None:
+    """The text format lets blanks and tabs come between a series' name and its labels and
+    around a label's ``=`` (Prometheus reads them; so does prometheus_client, this test's
+    judge). Such lines were dropped as malformed: a backend whose exporter wrote them had
+    no engines ("no metrics", and a tiny request sent to a busy server)."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    text = capture(fixture_text, "busy-2")
+    spaced = _samples(text, change)
+    assert spaced != text
+
+    def running(body: str) -> list[float]:
+        return [
+            sample.value
+            for family in text_string_to_metric_families(body)
+            for sample in family.samples
+            if sample.name == "vllm:num_requests_running"
+        ]
+
+    assert running(spaced) == running(text) == [4.0]
+    assert parse_metrics(spaced) == parse_metrics(text)
+
+
 def test_windows_line_endings_read_the_same(fixture_text: Load) -> None:
     text = capture(fixture_text, "wedge-3")
     assert parse_metrics(text.replace("\n", "\r\n")) == parse_metrics(text)
