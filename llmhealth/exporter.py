@@ -331,8 +331,11 @@ _MAX_REQUEST_LINE: Final = 65536
 # bounded a head to 6 MB): as the router's edge allows (http1.MAX_HEAD_BYTES).
 _MAX_FIELDS_BYTES: Final = 65536
 _ANY_VERSION: Final = re.compile(r"version=[^;]*")
-# Pages kept of one view, one per way of asking (format, compression).
-_PAGES_PER_VIEW: Final = 8
+# Pages kept of one view, one per way of asking (format, compression): every one
+# prometheus_client answers, ten content types (text 0.0.4; text 1.0.0 and OpenMetrics in
+# each of four escapings; OpenMetrics unversioned), each compressed or not. With eight
+# kept, a scraper going round nine or more had the view rendered again at every scrape.
+_PAGES_PER_VIEW: Final = 20
 
 
 class _QuietServerHandler(ServerHandler):
@@ -460,7 +463,14 @@ class _PagePerView:
         # and query, each new one rendered the whole view again (1.6 s of CPU at 10,000
         # backends). Every path is the page; a query, prometheus_client's name[] filter
         # too, is dropped, and the whole page served.
-        content_type = choose_encoder(str(environ.get("HTTP_ACCEPT", "")))[1]
+        try:
+            content_type = choose_encoder(str(environ.get("HTTP_ACCEPT", "")))[1]
+        except (TypeError, ValueError):
+            # A version it cannot compare (`version="1.0.0"`, quoted as HTTP allows, or
+            # `version=latest`) raises in prometheus_client: a 500 and a traceback in the
+            # daemon's log per scrape. Such a scraper gets the text page, as one asking
+            # for nothing in particular does.
+            content_type = choose_encoder("")[1]
         if content_type.startswith("application/openmetrics-text"):
             # Its version is the scraper's text, echoed: a page per version asked. Every
             # version renders this page alike (it has no native histograms); its

@@ -563,6 +563,11 @@ async def examine_once(
                 # moved meanwhile; the answer does not outlive this cycle, so read now.
                 await read_into_window()
                 decision = judge(answer)
+    except CheckerStarvedError as exc:
+        # Cut off by this process's own lateness: no read of the server, as a failed read
+        # is none, and the reads before it stand. Emptied, each overloaded moment started
+        # a freeze's proof again.
+        return _unexamined(exc)
     except Exception as exc:  # a verdict, and a fresh window: these reads judged nothing
         window.clear()
         return _unexamined(exc)

@@ -103,13 +103,17 @@ Accept = Callable[[int, Mapping[str, str]], None]
 class _Progress:
     """Where one attempt got to: what a timeout or a reset is then reported as."""
 
-    __slots__ = ("connected", "head_bytes", "received", "secured")
+    __slots__ = ("connected", "head_bytes", "opened_at", "received", "secured")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
         self.connected = False  # a TCP connection is made (a TLS handshake may follow)
         self.secured = False  # the TLS handshake, where there is one, is done
         self.head_bytes = 0
         self.received = 0
+        # The event loop's time the connection began to be made (its name looked up by
+        # then), or this attempt began on a kept one: no server can have given up on a
+        # connection for this process's silence before it.
+        self.opened_at = started
 
 
 class Connection:
@@ -178,11 +182,19 @@ class Connection:
                 # the next answer would begin with them.
                 await self.aclose()
                 reused = False
-            progress = _Progress()
+            progress = _Progress(loop.time())
             try:
                 async with asyncio.timeout(None) as timeout:
                     bound.arm(timeout)
-                    return await self._exchange(origin, request, max_bytes, accept, progress, bound)
+                    try:
+                        return await self._exchange(
+                            origin, request, max_bytes, accept, progress, bound
+                        )
+                    finally:
+                        # Before the timeout is left: the handlers below may wait (a TLS
+                        # close, up to 0.1 s), and a deadline falling then rescheduled a
+                        # timeout already left (a RuntimeError in the loop's log).
+                        bound.disarm()
             except TimeoutError as exc:
                 await self.aclose()
                 if bound.starved:
@@ -233,7 +245,7 @@ class Connection:
                     traceback.clear_frames(exc.__traceback__)
                     self.idle_closes += 1
                     continue
-                late = bound.late_so_far()
+                late = bound.late_since(progress.opened_at)
                 if not answered and late > _LATE_FOR_A_CLOSE:
                     # A server gives up on a connection that sends it nothing for a while
                     # (uvicorn after 5 s): when this process could not send for that
@@ -248,8 +260,6 @@ class Connection:
             except BaseException:
                 await self.aclose()  # cancelled: the connection is in an unknown state
                 raise
-            finally:
-                bound.disarm()
 
     async def aclose(self) -> None:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
@@ -306,7 +316,7 @@ class Connection:
             # Before the connection: a trust store this process could not read for want
             # of descriptors is its own failure, said as such, as a socket not opened is.
             tls = self._context() if scheme == "https" else None
-            self._reader, self._writer = await _open(host, port, bound)
+            self._reader, self._writer = await _open(host, port, bound, progress)
             self._origin = origin
             progress.connected = True
             if tls is not None:
@@ -432,6 +442,12 @@ class _Deadline:
         now = self._loop.time()
         return min(self._lateness.since(self._started) + self._held_so_far(), now - self._started)
 
+    def late_since(self, since: float) -> float:
+        """Seconds since ``since`` this loop ran late: what a server waiting on a
+        connection made then saw of this process's silence. The name's lookup and the
+        waits before ``since`` are left out: the connection did not exist yet."""
+        return min(self._lateness.since(since), max(0.0, self._loop.time() - since))
+
     def _held_by(self) -> dict[_Why, float]:
         """Seconds the read has waited on this process's account, by what for, the wait
         under way included."""
@@ -525,7 +541,7 @@ def _looking_up(host: str, seconds: float) -> str:
 
 
 async def _open(
-    host: str, port: int, bound: _Deadline
+    host: str, port: int, bound: _Deadline, progress: _Progress
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP connection to ``host``, a name looked up on this process's account.
 
@@ -554,6 +570,7 @@ async def _open(
         ) from exc
     finally:
         bound.unhold()
+    progress.opened_at = loop.time()
     errors: list[OSError] = []
     for family, kind, proto, _name, address in found:
         sock = None

@@ -1155,3 +1155,34 @@ def test_an_idle_server_that_closes_after_each_answer_is_idle_not_unanswered() -
     with tcp_server(one_answer_per_connection) as (url, _):
         verdict = examine(url)
     assert verdict.kind is VerdictKind.IDLE, verdict.evidence
+
+
+def test_a_read_watch_was_too_held_up_to_time_keeps_the_freeze_it_interrupted(
+    httpserver: HTTPServer,
+) -> None:
+    """A read cut off by this process's own lateness judges nothing, and neither does it
+    undo what the reads before it showed: it emptied the window, so each overloaded
+    moment started a wedge's proof again (one whose window is minutes, a young engine's
+    or a long-stepping one's, was never proven on a host loaded that often)."""
+    backend = Backend(httpserver, [capture("wedge-1")])
+    settings = ProbeSettings(wait=5.0, timeout=0.2, answer_timeout=0.2)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def watched(held: bool) -> Verdict | None:
+        clock.now += 5.0
+        if held:  # an overloaded host: this process cannot run for far past the timeout
+            asyncio.get_running_loop().call_soon(time.sleep, 1.5)
+        async with new_client() as client:
+            return await examine_once(
+                client, Target("b", backend.url), settings, window, clock=clock
+            )
+
+    async def run() -> list[Verdict | None]:
+        return [await watched(held) for held in (False, False, True, False)]
+
+    first, second, starved, fourth = asyncio.run(run())
+    assert first is None and second is None
+    assert starved is not None and not starved.judged, starved
+    assert "could not run" in starved.evidence
+    assert fourth is not None and fourth.kind is VerdictKind.WEDGED, fourth

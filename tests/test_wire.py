@@ -1101,3 +1101,85 @@ def test_a_body_of_one_byte_chunks_is_refused_by_its_framing_not_timed_out() -> 
         outcome = eventloop.run(run(url))
     assert isinstance(outcome, WireError), outcome
     assert outcome.failure is Failure.TOO_BIG, (outcome.failure, outcome.detail)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_server_that_closes_at_once_is_closed_whatever_its_name_took_to_look_up(
+    monkeypatch: pytest.MonkeyPatch, reset: bool
+) -> None:
+    """The close before any answer was forgiven as this process's when the read had been
+    held up for more than a second since it began, the name's lookup included: a dead
+    backend behind a port forwarder (docker-proxy, kube-proxy: accepted, then closed)
+    read "not judged, an overloaded host" for as long as its lookups took that long (a
+    hundred backends by name queue in asyncio's few lookup threads), never `down`. The
+    lookup ends before the connection is made: no server can have given up on it."""
+
+    def close_at_once(connection: socket.socket, _number: int) -> None:
+        time.sleep(0.2)  # the connection made on both sides, no request read
+        if reset:
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    with tcp_server(close_at_once) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        found = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        _name_for(monkeypatch, "slow.test", found, 1.2)
+
+        async def run() -> WireError:
+            connection = Connection(None, "llmhealth/test")
+            loop = asyncio.get_running_loop()
+            try:
+                await connection.request(
+                    "GET", f"http://slow.test:{port}/", deadline=loop.time() + 1.0, max_bytes=100
+                )
+            except WireError as error:
+                return error
+            finally:
+                await connection.aclose()
+            raise AssertionError("answered")
+
+        error = eventloop.run(run())
+    assert error.failure is Failure.CLOSED, error.detail
+
+
+@pytest.mark.parametrize("ended_by", ["a malformed answer", "a cancel"])
+def test_a_tls_read_ended_just_before_its_deadline_leaves_no_error_behind(
+    certificate: tuple[Path, Path], ended_by: str
+) -> None:
+    """A TLS connection's close waits up to 0.1 s for the server's goodbye, after the
+    attempt's timeout has been left and before the deadline's timer is cancelled: a
+    deadline falling in that wait rescheduled a timeout already left, and the event loop
+    logged "Exception in callback _Deadline._at_deadline()" with a RuntimeError."""
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    done = threading.Event()
+
+    def answers_late_and_hangs(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            if ended_by == "a malformed answer":
+                time.sleep(0.45)
+                tls.sendall(b"NOT HTTP\r\n\r\n")
+            done.wait(10)  # never says goodbye, holds its end open
+
+    async def run(url: str) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        connection = Connection(ssl.create_default_context(cafile=str(cert)), "llmhealth/test")
+        deadline = loop.time() + 0.5
+        read = asyncio.create_task(connection.request("GET", url, deadline=deadline, max_bytes=100))
+        if ended_by == "a cancel":
+            loop.call_at(deadline - 0.05, read.cancel)
+        with contextlib.suppress(WireError, asyncio.CancelledError):
+            await read
+        await asyncio.sleep(0.2)  # past the deadline and the close's wait
+        await connection.aclose()
+        return errors
+
+    with tcp_server(answers_late_and_hangs) as (url, _):
+        try:
+            errors = asyncio.run(run(url.replace("http:", "https:") + "/metrics"))
+        finally:
+            done.set()
+    assert errors == [], [context.get("exception") for context in errors]
