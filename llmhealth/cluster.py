@@ -81,6 +81,7 @@ AUDIT_BATCH_BYTES = 256 * 1024
 AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of them
 _AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
 _AUDIT_PAGE = 64  # audit keys read per request, newest first
+_TRIM_PAGE = 10_000  # audit keys' names read per request by the trim: about 2 MiB
 PUBLICATION_BYTES = 512 * 1024  # one key of a member's published verdicts (shard_reads)
 PUBLICATION_PAGE = 16  # such keys per read of them: 8 MiB, about 11 as etcd's JSON
 # etcd keeps every revision of every key until it is compacted, and its own compaction is
@@ -371,6 +372,12 @@ class Keys:
     @property
     def verdicts(self) -> str:
         return f"{self.prefix}/verdicts/"
+
+    @property
+    def saved(self) -> str:
+        """A nonce of the last leader's save, written with it: a save whose answer was lost
+        finds there whether it went in when another wrote the record on top since."""
+        return f"{self.prefix}/saved"
 
     def audit_batch(self, revision: int, count: int) -> str:
         """One write's audit records: after the state revision the write compared with, so
@@ -852,7 +859,11 @@ class EtcdStore:
             {**document, "schema": SCHEMA, "written_by": writer}, sort_keys=True, default=plain
         ).encode()
         records, count = self._records()
-        writes = [(self.keys.state, payload), *records]
+        # A leader's save carries a nonce of its own (verbs always write an audit record,
+        # which is one): most settles write no record, and without it a lost answer under
+        # a verb's write could not be told from a write that never went in.
+        proof = [(self.keys.saved, secrets.token_hex(8).encode())] if self.elector else []
+        writes = [(self.keys.state, payload), *records, *proof]
         written, revision, found = self.etcd.txn(
             compare,
             [put(key, value) for key, value in writes],
@@ -863,20 +874,30 @@ class EtcdStore:
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
             # key holding the very bytes we wrote (our fence, this settle's times) says
             # it went in, whole, and that nobody wrote after it. So does the audit key
-            # alone, whose name only this write makes (a nonce), when another (an
-            # operator's verb) wrote the record on top since: said "nothing written",
-            # the daemon settled again on the verb's record, the restart this write had
-            # ordered never ran and the cycle's verdicts counted twice.
+            # alone, whose name only this write makes (a nonce), or the save's own nonce,
+            # when another (an operator's verb) wrote the record on top since: said
+            # "nothing written", the daemon settled again on the verb's record, the
+            # restart this write had ordered never ran and the cycle's verdicts counted
+            # twice.
             ours = [
                 held is not None and held.value == value
                 for held, (_, value) in zip(found, writes, strict=False)
             ]
-            if len(found) != len(writes) or not (all(ours) or (records and ours[1])):
+            if len(found) != len(writes) or not any(ours):
                 raise self._not_written(f"the write of {self.keys.state} failed")
-            made = found[0] if all(ours) else found[1]
-            assert made is not None
             # The revision our write made: where a later save of this section stands.
-            revision = made.mod_revision if all(ours) else made.create_revision
+            if ours[0]:  # the record itself: nobody wrote after it
+                made = found[0]
+                assert made is not None
+                revision = made.mod_revision
+            elif proof and ours[-1]:  # the nonce: no leader's save wrote after it
+                made = found[-1]
+                assert made is not None
+                revision = made.mod_revision
+            else:  # the audit key, made by this write alone
+                made = found[1]
+                assert made is not None
+                revision = made.create_revision
         self._read_revision = self._last_revision = revision
         self._saved_fence = self._fence
         self._pending = []
@@ -1037,29 +1058,41 @@ def bounded_record(line: bytes, limit: int) -> bytes:
 
 
 def _records_in(key: str) -> int:
-    """How many records a batch key says it holds (1 for a key written by hand)."""
+    """How many records a batch key says it holds (1 for a key written by hand). Ours
+    have six digits or a few more; int() refuses text past 4,300 digits (ValueError),
+    and a key written by hand with that many ended the leader's trim, and its settle."""
     count = key.rpartition("-")[2]
-    return int(count) if count.isascii() and count.isdigit() else 1
+    return int(count) if count.isascii() and count.isdigit() and len(count) <= 18 else 1
 
 
 def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
     """Delete the oldest audit batches while at least ``keep`` records remain; how many
-    records went. Fenced by the leader key when a leader trims."""
-    found = etcd.scan_down(keys.audit, None, 1 << 30, keys_only=True)
-    names = [name for name, _ in found]
-    kept, cut = 0, None
-    for index, name in enumerate(names):  # newest first
-        if kept >= keep:
-            cut = index
+    records went. Fenced by the leader key when a leader trims.
+
+    The keys' names are read newest first, ``_TRIM_PAGE`` per answer: read in one, a
+    trail of some 200,000 keys (an ``audit_keep`` of 200,000) outgrew what an answer may
+    be (in bytes, and in the time etcd took to make it), every trim failed, silently,
+    and the trail grew without bound towards etcd's quota."""
+    kept, deleted, oldest_kept, cut = 0, 0, b"", False
+    end: bytes | None = None
+    while True:
+        page = etcd.scan_down(keys.audit, end, _TRIM_PAGE, keys_only=True)
+        for name, found in page:  # newest first
+            if kept >= keep:
+                cut = True
+                deleted += _records_in(name)
+            else:
+                kept += _records_in(name)
+                oldest_kept = found.key  # its bytes: a bound of its text could cut more
+        if len(page) < _TRIM_PAGE:
             break
-        kept += _records_in(name)
-    if cut is None:
+        end = page[-1][1].key
+    if not cut or not oldest_kept:
         return 0
-    oldest_kept = found[cut - 1][1].key  # its bytes: a bound of its text could cut more
     compare = [] if fence is None else [compare_created(keys.leader, fence)]
     delete = {"request_delete_range": {"key": _b64(keys.audit), "range_end": _b64(oldest_kept)}}
     written, _, _ = etcd.txn(compare, [delete])
-    return sum(_records_in(name) for name in names[cut:]) if written else 0
+    return deleted if written else 0
 
 
 def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditScan:

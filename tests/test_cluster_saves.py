@@ -1,0 +1,171 @@
+"""A leader's saves and the audit trim on a real etcd: a lost answer under a verb's write,
+hand-written audit keys, a trail larger than one answer."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import pytest
+
+from llmhealth import cluster, etcd_http
+from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
+from llmhealth.cluster import Etcd, EtcdStore, Keys, read_audit, trim_audit
+from llmhealth.config import Backend, Config
+from llmhealth.cycle import settle_fleet
+from llmhealth.fleet import FleetRecord
+from llmhealth.remediate import Mode
+from llmhealth.state import RecordMovedError
+from tests.etcdproc import EtcdCluster, running_etcd
+from tests.test_cluster import Clock, elector, losing_txn_answers, store_value
+from tests.test_wire import tcp_server
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def keys(request: pytest.FixtureRequest) -> Keys:
+    return Keys(f"/llmhealth-saves/{request.node.name}")
+
+
+def test_a_save_without_records_whose_answer_was_lost_under_a_verb_is_found_written(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Most settles write no audit record (no backend changed state: a failure streak
+    # grew, a good streak grew). Such a save whose answer was lost, with an operator's
+    # verb written on top before the retry, was said "moved, nothing written"
+    # (RecordMovedError) though it went in: the daemon settled the same verdicts again
+    # on the verb's record, which already held them, and a second failure of a SUSPECT
+    # backend counted as two (DEAD, and a restart, a failure early).
+    def verb_writes() -> None:
+        verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with verb.locked():
+            verb.save({**(verb.load(dict) or {}), "value": 99})
+
+    with tcp_server(losing_txn_answers(etcd_server.endpoints[0], verb_writes)) as (lossy, _):
+        etcd = Etcd([lossy, *etcd_server.endpoints])
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.load(dict)
+            store.save({"value": 1})  # no audit record: RecordMovedError before
+        assert store_value(etcd, keys) == 99
+        with store.locked():  # the next section goes on from the record as it is
+            assert (store.load(dict) or {})["value"] == 99
+        leader.stop()
+
+
+def test_a_settle_whose_answer_was_lost_under_a_verb_counts_its_verdicts_once(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # As the daemon settles: a RecordMovedError is settled again on the record as it now
+    # is (daemon.SETTLE_ATTEMPTS). gpu0 is SUSPECT after one failure; its second failure
+    # is settled, the answer lost, and a verb (here one that changes nothing) writes the
+    # record on top. Said "nothing written", the second failure was settled again on the
+    # verb's record, which held it already: three failures, DEAD, for two.
+
+    gpu0, gpu1 = Target("gpu0", "http://127.0.0.1:9"), Target("gpu1", "http://127.0.0.1:10")
+    config = Config(backends=(Backend("gpu0", gpu0.url), Backend("gpu1", gpu1.url)))
+    backends = {"gpu0": gpu0.url, "gpu1": gpu1.url}
+    down = [Outcome(gpu0, Verdict(VerdictKind.DOWN, False, "down: refused"))]
+    armed = [False]
+
+    def verb_writes() -> None:
+        if not armed[0]:
+            return
+        armed[0] = False
+        verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with verb.locked():
+            verb.save(verb.load(dict) or {})
+
+    with tcp_server(losing_txn_answers(etcd_server.endpoints[0], verb_writes)) as (lossy, _):
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        direct = EtcdStore(Etcd(etcd_server.endpoints), keys, leader)
+        lossy_store = EtcdStore(Etcd([lossy, *etcd_server.endpoints]), keys, leader)
+
+        def settle(store: EtcdStore) -> FleetRecord:
+            for attempt in range(1, 4):  # as Daemon._settle does
+                try:
+                    settled = settle_fleet(
+                        store, config, backends, lambda _: down, mode=Mode.ACT, audit=store.audit
+                    )
+                except RecordMovedError:
+                    if attempt == 3:
+                        raise
+                else:
+                    return settled.record
+            raise AssertionError("unreachable")
+
+        first = settle(direct)
+        assert first.ledger.state_of("gpu0") == "suspect"
+        armed[0] = True
+        settle(lossy_store)
+        reader = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with reader.locked():
+            stored = reader.load(dict)
+        assert stored is not None
+        (gpu0_saved,) = [b for b in stored["ledger"]["backends"] if b["name"] == "gpu0"]
+        assert (gpu0_saved["state"], gpu0_saved["probe_failures"]) == ("suspect", 2)
+        leader.stop()
+
+
+def test_an_audit_key_whose_count_has_thousands_of_digits_ends_no_settle_nor_audit(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A key under PREFIX/audit/ that ends in "-" and more digits than int() takes from
+    # text (4,300: Python's guard against quadratic conversion) raised ValueError out of
+    # the trim, so out of a leader's save that had been written: the daemon's loop
+    # ended with a traceback at its first settle with a record, after every restart; and
+    # `llmhealth audit` ended in one too.
+
+    etcd = Etcd(etcd_server.endpoints)
+    hand = f"{keys.audit}by-hand-{'9' * 5000}".encode()
+    line = b'{"time": 1.0, "backend": "gpu0", "event": "x", "from": "a", "to": "b"}\n'
+    body = {"key": base64.b64encode(hand).decode(), "value": base64.b64encode(line).decode()}
+    etcd.call("kv/put", body, lambda _: None)
+    clock, log = Clock(), []
+    leader = elector(etcd, keys, "a", clock, log)
+    leader.step()
+    store = EtcdStore(etcd, keys, leader)
+    with store.locked():
+        store.load(dict)
+        store.append_record({"event": "restart_ordered", "backend": "gpu1"})
+        store.save({"value": 1})  # ValueError before, though written
+    events = [record["event"] for record in read_audit(etcd, keys).records]
+    assert sorted(events) == ["restart_ordered", "x"]
+    leader.stop()
+
+
+def test_a_trail_of_more_keys_than_one_answer_holds_is_still_trimmed(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trim read every audit key's name in one answer. Past what one answer may hold
+    # (about 200,000 keys at 32 MiB; on a real etcd 230,000 keys already took longer than
+    # the 2 s an answer may keep silent) every trim failed, silently (best effort), and
+    # the trail grew without bound, towards etcd's quota, past which nothing, leases
+    # included, can be written. An audit_keep of 200,000 (250,000 records of 8 KiB is
+    # etcd's 2 GiB) got there. Here one answer may hold 64 KiB, and pages of 128 keys do.
+
+    monkeypatch.setattr(cluster, "_TRIM_PAGE", 128, raising=False)
+    etcd = Etcd(etcd_server.endpoints, bounds=etcd_http.Bounds(silence=2.0, max_bytes=64 * 1024))
+    line = base64.b64encode(b'{"time": 1.0, "backend": "gpu0", "event": "x"}\n').decode()
+    for start in range(0, 1200, 120):
+        etcd.txn(
+            [],
+            [
+                {"request_put": {"key": base64.b64encode(name.encode()).decode(), "value": line}}
+                for name in (keys.audit_batch(1000 + i, 1) for i in range(start, start + 120))
+            ],
+        )
+    assert trim_audit(etcd, keys, 1000, None) == 200
+    left = Etcd(etcd_server.endpoints).scan_down(keys.audit, None, 5000, keys_only=True)
+    assert len(left) == 1000
+    assert left[-1][0].startswith(f"{keys.audit}{1200:020d}-")  # the oldest 200 went
