@@ -883,14 +883,16 @@ class EtcdStore:
                 held is not None and held.value == value
                 for held, (_, value) in zip(found, writes, strict=False)
             ]
-            if len(found) != len(writes) or not any(ours):
+            if len(found) != len(writes):
+                raise self._not_written(f"the write of {self.keys.state} failed")
+            # A leader's record alone proves nothing: a settle that changed nothing writes
+            # the very bytes its last one did, and fenced out, it found them and was said
+            # written, its audit records lost. Its nonce is this write's alone.
+            whole = ours[-1] if proof else all(ours)
+            if not whole and not (records and ours[1]):
                 raise self._not_written(f"the write of {self.keys.state} failed")
             # The revision our write made: where a later save of this section stands.
-            if ours[0]:  # the record itself: nobody wrote after it
-                made = found[0]
-                assert made is not None
-                revision = made.mod_revision
-            elif proof and ours[-1]:  # the nonce: no leader's save wrote after it
+            if whole:  # the nonce (or, for a verb, every key): nobody saved after it
                 made = found[-1]
                 assert made is not None
                 revision = made.mod_revision

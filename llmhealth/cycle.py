@@ -36,6 +36,7 @@ from llmhealth.remediate import (
     command_record,
     hear_commands,
     heard_as,
+    is_its_restart,
     not_run,
     pending_restarts,
     reads_evidence,
@@ -82,16 +83,33 @@ def routed_backends(config: Config, targets: Sequence[Target]) -> list[Backend]:
 
 def load_record(
     store: Store | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
-) -> tuple[FleetRecord, list[MembershipChange]]:
+) -> tuple[FleetRecord, list[MembershipChange], list[str]]:
     """The persisted record made to match the configured backends, or a fresh one.
 
-    Call with the store's lock held. The changes say which backends came, moved or went.
+    Call with the store's lock held. The changes say which backends came, moved or went;
+    the notes, whose times were ahead of the clock (``reconciled``).
     """
     if store is not None:
         loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
         if loaded is not None:
-            return loaded, loaded.reconcile(backends, now)
-    return fresh_record(policy, backends, now), []
+            return loaded, *reconciled(loaded, backends, now)
+    return fresh_record(policy, backends, now), [], []
+
+
+def reconciled(
+    record: FleetRecord, backends: Mapping[str, str], now: float
+) -> tuple[list[MembershipChange], list[str]]:
+    """``record.reconcile``, and a note per backend whose times ahead of the clock were
+    taken back first: they came before a move or an arrival the reconcile stamps at
+    ``now``, and a moved backend is read where it went before it is restarted (``settle``
+    takes them back as well, for its own callers)."""
+    stepped = [stepped_note(name) for name in record.pull_back(now)]
+    return record.reconcile(backends, now), stepped
+
+
+def stepped_note(name: str) -> str:
+    """The note of a settle that pulled ``name``'s times back (``FleetRecord.pull_back``)."""
+    return f"{name}: times ahead of the clock taken as now (it stepped back?)"
 
 
 def fresh_record(policy: LedgerPolicy, backends: Mapping[str, str], now: float) -> FleetRecord:
@@ -236,10 +254,11 @@ def _open(
     policy = ledger_policy(config.policy)
     record = kept.take(store, policy) if kept is not None and store is not None else None
     if record is not None:
-        changes = record.reconcile(backends, started)
+        changes, stepped = reconciled(record, backends, started)
     else:
-        record, changes = load_record(store, policy, backends, started)
-    return _Opened(record, policy, started, [*notes, *(c.note for c in changes)], changes)
+        record, changes, stepped = load_record(store, policy, backends, started)
+    notes = [*notes, *(c.note for c in changes), *stepped]
+    return _Opened(record, policy, started, notes, changes)
 
 
 def _close(
@@ -534,7 +553,9 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     if name is None:
         return f"{order.name} is no longer in the state"
     snapshot = ledger.snapshot(name, now)
-    if snapshot.state is not State.RESTARTING or snapshot.last_restart_at != order.issued_at:
+    if snapshot.state is not State.RESTARTING or not is_its_restart(
+        order, snapshot.last_restart_at
+    ):
         return f"{name} is {snapshot.state} since its restart was issued"
     hold = record.holds.get(name)
     if hold is not None and hold.active(now):
@@ -790,7 +811,7 @@ def settle(
     expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived, *unseen})
     notes = [
         *notes,
-        *(f"{name}: times ahead of the clock taken as now (it stepped back?)" for name in stepped),
+        *(stepped_note(name) for name in stepped),
         *(f"{t.name}: {t.reason}" for t in expired),
     ]
     restarts = remediate(

@@ -622,7 +622,7 @@ class Daemon:
         """What earlier runs last read of each backend, and the longest step each took."""
         try:
             with self._reader.locked():
-                record, _ = load_record(
+                record, _, _ = load_record(
                     self._reader,
                     ledger_policy(self._config.policy),
                     backend_urls(self._targets),
@@ -1087,6 +1087,10 @@ class Daemon:
             # As at start: an empty or truncated file would forget every backend, and with
             # them every retirement, proof and restart budget.
             refused = "nothing to watch (no backends or proxies)"
+        elif self._router is not None and not routed_backends(config, targets):
+            # As `route` refuses to start: a router left with no backend refuses every
+            # request, and the reload forgot every backend as an empty file would.
+            refused = "nothing to route to (no backends)"
         if refused is not None:
             self._log(f"reload refused, keeping the running config: {refused}")
             return

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
 from llmhealth.ledger import (
-    CLOCKS_APART,
     SERVING,
     Event,
     EventKind,
@@ -705,20 +704,31 @@ class FleetRecord:
         return transitions
 
     def pull_back(self, now: float) -> list[str]:
-        """``Ledger.pull_back``, and the record's own times likewise: a cooldown counted
-        from an attempt stamped ahead of the clock lasted as long, and a fresh start
-        stamped ahead dropped every real-traffic outcome until then."""
-        changed = set(self.ledger.pull_back(now))
-        ahead = now + CLOCKS_APART
+        """``Ledger.pull_back``, with the record's own times of each backend in the same
+        order: a cooldown counted from an attempt stamped ahead of the clock lasted as
+        long, a fresh start stamped ahead dropped every real-traffic outcome until then,
+        and a last read or a death stamped ahead is still before a move made now (a moved
+        backend is read where it went before it is restarted). The backends so changed."""
+        beside: dict[str, list[float]] = {}
         for name, history in self.restarts.items():
-            last = history.last_attempt_at
-            if last is not None and last > ahead:
-                self.restarts[name] = replace(history, last_attempt_at=now)
-                changed.add(name)
+            if history.last_attempt_at is not None:
+                beside.setdefault(name, []).append(history.last_attempt_at)
         for name, since in self.fresh_since.items():
-            if since > ahead:
-                self.fresh_since[name] = now
-                changed.add(name)
+            beside.setdefault(name, []).append(since)
+        for name, sighting in self.sightings.items():
+            beside.setdefault(name, []).append(sighting.at)
+        changed = self.ledger.pull_back(now, beside)
+        for name, taken in changed.items():
+            attempt = self.restarts.get(name)
+            if attempt is not None and attempt.last_attempt_at in taken:
+                self.restarts[name] = replace(
+                    attempt, last_attempt_at=taken[attempt.last_attempt_at]
+                )
+            if name in self.fresh_since:
+                self.fresh_since[name] = taken.get(self.fresh_since[name], self.fresh_since[name])
+            seen = self.sightings.get(name)
+            if seen is not None and seen.at in taken:
+                self.sightings[name] = replace(seen, at=taken[seen.at])
         return sorted(changed)
 
     def restart_worked(self, name: str) -> None:

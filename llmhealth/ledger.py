@@ -1236,34 +1236,40 @@ class Ledger:
             epoch_changed=moved,
         )
 
-    def pull_back(self, now: float) -> list[str]:
-        """Take the times kept later than ``now`` as ``now``, for each backend holding one
-        more than a minute ahead (hosts' clocks apart, as ``CLOCKS_APART`` allows); the
-        backends so changed, in name order.
+    def pull_back(
+        self, now: float, beside: Mapping[str, Iterable[float]] | None = None
+    ) -> dict[str, dict[float, float]]:
+        """Take the times kept later than ``now`` back to just before it, in their order,
+        for each backend holding one more than a minute ahead (hosts' clocks apart, as
+        ``CLOCKS_APART`` allows); per backend so changed, how its times were taken back
+        (``pulled_back``). ``beside``: more times of each backend the caller keeps
+        (``FleetRecord.pull_back``), ordered with these and taken back with them.
 
         The wall clock stepped back since (NTP correcting a clock that ran ahead, a VM
         resumed from a snapshot), or the record came from a host whose clock ran ahead:
         a restart stamped hours ahead stayed RESTARTING, its grace not begun, for those
         hours (for ever at 1e300), holding the fleet's restart slot all the while, and
         its cooldown likewise. How long ago it really was is unknown, so the startup
-        grace, the cooldown and the budget window count from when it is first seen.
+        grace, the cooldown and the budget window count from when it is first seen. What
+        came before what is known, and kept: taken to one instant, a replacement seen
+        working after its restart was failed by the restart's grace.
         """
         _as_time(now, "now")
-        ahead = now + CLOCKS_APART
-        changed = []
+        beside = beside or {}
+        changed = {}
         for b in self._backends.values():
             stamps = [b.state_since, b.last_ok_at, b.restart_ran_at]
-            if not any(
-                t is not None and t > ahead for t in (*stamps, *b.restart_times, *b.recovery_times)
-            ):
+            times = [*stamps, *b.restart_times, *b.recovery_times, *beside.get(b.name, ())]
+            taken = pulled_back(times, now)
+            if taken is None:
                 continue
-            b.state_since = _at_most(b.state_since, now)
-            b.last_ok_at = _at_most(b.last_ok_at, now)
-            b.restart_ran_at = _at_most(b.restart_ran_at, now)
-            b.restart_times = [min(t, now) for t in b.restart_times]
-            b.recovery_times = [min(t, now) for t in b.recovery_times]
-            changed.append(b.name)
-        return sorted(changed)
+            b.state_since = _taken(b.state_since, taken)
+            b.last_ok_at = _taken(b.last_ok_at, taken)
+            b.restart_ran_at = _taken(b.restart_ran_at, taken)
+            b.restart_times = [taken.get(t, t) for t in b.restart_times]
+            b.recovery_times = [taken.get(t, t) for t in b.recovery_times]
+            changed[b.name] = taken
+        return changed
 
     def expire_restarts(
         self, now: float, *, sparing: Collection[str] = frozenset()
@@ -1714,8 +1720,23 @@ def is_finite_number(value: object) -> bool:
 CLOCKS_APART: Final = 60.0
 
 
-def _at_most(t: float | None, now: float) -> float | None:
-    return None if t is None else min(t, now)
+# How far apart the times ``pulled_back`` takes back are set: their order is kept.
+_PULLED_APART: Final = 0.001
+
+
+def pulled_back(times: Iterable[float | None], now: float) -> dict[float, float] | None:
+    """How one backend's times later than ``now`` are taken back, when one of them is more
+    than ``CLOCKS_APART`` ahead (None otherwise): each to just before ``now``, in their
+    order, equal ones equal (a RESTARTING spell's start is its restart's stamp), and all
+    before what this settle stamps at ``now``."""
+    ahead = sorted({t for t in times if t is not None and t > now})
+    if not ahead or ahead[-1] <= now + CLOCKS_APART:
+        return None
+    return {t: now - (len(ahead) - i) * _PULLED_APART for i, t in enumerate(ahead)}
+
+
+def _taken(t: float | None, taken: Mapping[float, float]) -> float | None:
+    return None if t is None else taken.get(t, t)
 
 
 def _in_window(t: float, now: float, window: float) -> bool:

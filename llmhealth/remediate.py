@@ -22,7 +22,14 @@ from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.fleet import FleetRecord, process_of
-from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, RestartRan, State
+from llmhealth.ledger import (
+    CLOCKS_APART,
+    CONDEMNED,
+    RestartFailed,
+    RestartIssued,
+    RestartRan,
+    State,
+)
 from llmhealth.policy import (
     Action,
     RestartDecision,
@@ -294,6 +301,16 @@ def heard_as(record: FleetRecord, order: RestartOrder) -> str:
     return record.ledger.by_url(order.url) or order.name
 
 
+def is_its_restart(order: RestartOrder, last_restart_at: float | None) -> bool:
+    """Whether the ledger's last restart is the one ``order`` ran for: stamped at its issue,
+    or the same one taken back to a settle's clock (``Ledger.pull_back``) while its command
+    ran. No later restart is stamped before it by more than the clocks' allowance: one
+    issued that much later than the ledger's last restart is that restart, pulled back."""
+    if last_restart_at is None:
+        return False
+    return last_restart_at == order.issued_at or order.issued_at > last_restart_at + CLOCKS_APART
+
+
 def hear_commands(
     record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
@@ -312,8 +329,8 @@ def hear_commands(
         entry = command_record(finished, now)
         if name != order.name:
             entry.update(backend=name, issued_as=order.name)
-        current = name in record.ledger and (
-            record.ledger.snapshot(name, now).last_restart_at == order.issued_at
+        current = name in record.ledger and is_its_restart(
+            order, record.ledger.snapshot(name, now).last_restart_at
         )
         if current:
             state = record.ledger.state_of(name)

@@ -332,6 +332,17 @@ class Connection:
                             f"llmhealth's own process could not verify the certificate ({exc}) "
                             "for want of file descriptors: the server was not judged",
                         ) from exc
+                    late = bound.late_since(progress.opened_at)
+                    if _cut_off(exc) and late > _LATE_FOR_A_CLOSE:
+                        # A server gives up on a handshake it waits for (a TLS front's
+                        # timeout) as on a request: our silence, as Connection.request
+                        # says of a close before an answer.
+                        raise WireError(
+                            Failure.STARVED,
+                            f"llmhealth's own process could not run for {late:.1f} s of the "
+                            "read (an overloaded host), and the server closed the connection "
+                            "during the TLS handshake meanwhile: the server was not judged",
+                        ) from exc
                     raise WireError(Failure.CONNECT_FAILED, str(exc)) from exc
         progress.connected = progress.secured = True
         reader, writer = self._reader, self._writer
@@ -600,6 +611,12 @@ async def _open(
     if len({str(error) for error in errors}) == 1:
         raise errors[0]
     raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")
+
+
+def _cut_off(exc: OSError) -> bool:
+    """Whether a TLS handshake failed by the connection's end (a close, a reset), not by
+    what the server said in it (a certificate refused, an alert)."""
+    return isinstance(exc, ConnectionError | ssl.SSLEOFError | ssl.SSLZeroReturnError)
 
 
 def _pending(writer: asyncio.StreamWriter | None) -> bool:

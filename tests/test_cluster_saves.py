@@ -10,7 +10,7 @@ import pytest
 
 from llmhealth import cluster, etcd_http
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
-from llmhealth.cluster import Etcd, EtcdStore, Keys, read_audit, trim_audit
+from llmhealth.cluster import Etcd, EtcdStore, FencedOutError, Keys, read_audit, trim_audit
 from llmhealth.config import Backend, Config
 from llmhealth.cycle import settle_fleet
 from llmhealth.fleet import FleetRecord
@@ -169,3 +169,34 @@ def test_a_trail_of_more_keys_than_one_answer_holds_is_still_trimmed(
     left = Etcd(etcd_server.endpoints).scan_down(keys.audit, None, 5000, keys_only=True)
     assert len(left) == 1000
     assert left[-1][0].startswith(f"{keys.audit}{1200:020d}-")  # the oldest 200 went
+
+
+def test_a_deposed_leaders_save_of_an_unchanged_record_with_records_is_not_taken_as_written(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A settle that changes nothing in the record but writes an audit record (a dry run's
+    # "would restart", a skip) by a leader deposed behind its back (its lease revoked, as
+    # after a pause): its compare fails on the fence. The record in etcd is still the bytes
+    # its own last settle wrote, the same as this one's; taken for this write's, the save
+    # was said written and its records were lost, though its nonce (and its audit key)
+    # said it never went in.
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    old, new = elector(etcd, keys, "old", clock, log), elector(etcd, keys, "new", clock, log)
+    old.step()
+    new.step()
+    old_store = EtcdStore(etcd, keys, old)
+    with old_store.locked():
+        old_store.load(dict)
+        old_store.save({"value": 1})
+    with pytest.raises(FencedOutError), old_store.locked():
+        old_store.load(dict)
+        old_lease = old.lease_id
+        assert old_lease is not None
+        etcd.revoke(old_lease)
+        new.step()
+        assert old.decision().may_act  # nothing told it yet: only the fence stops it
+        old_store.append_record({"event": "restart_dry_run", "backend": "gpu1"})
+        old_store.save({"value": 1})  # said written before: the record lost
+    old.stop()
+    new.stop()

@@ -1143,3 +1143,83 @@ def test_a_restart_stamped_after_now_is_failed_one_grace_after_it_is_first_seen(
     record.ledger.apply("b", Readmitted(now=later + 2))
     del record.holds["a"]
     assert _settled(record, "a", down, later + 3) == ["a"]
+
+
+def test_a_command_running_when_the_clock_stepped_back_is_heard_as_its_restarts(
+    tmp_path: Path,
+) -> None:
+    """watch runs a restart command beside its settles: one settle while it ran found the
+    restart stamped ahead of a clock stepped back and took it as now, and the command's
+    failure, heard after, no longer matched its restart's time: dropped as superseded, the
+    backend stayed RESTARTING for a whole grace instead of DEAD and retried."""
+    store, audit, order = issued(tmp_path)  # issued at T0 + 2 by a clock 2 h ahead
+    back = T0 - 7200
+    during = settle_empty(store, audit, back, commands_running=frozenset({"gpu0"}))
+    assert during.record.ledger.state_of("gpu0") == "restarting"
+    record = hear(store, audit, CommandDone(order, result(1)), start=back + 30)
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert "superseded" not in line, line
+    assert record.ledger.state_of("gpu0") == "dead"
+    assert record.restarts["gpu0"].failures == 1
+
+
+def test_a_replacement_seen_working_before_the_clock_stepped_back_is_not_failed_by_its_grace() -> (
+    None
+):
+    """Taken back to now, a restart and the replacement's requests seen finishing after it
+    became one instant, and that good no longer came after the restart: the grace failed
+    a working replacement busy with long generations, and restarted it."""
+    at = T0 + 7200  # stamped by a clock two hours ahead
+    record = _restarted(["a"], at)
+    start = at + 30
+    first = (Read(at + 60, _serving(10, 0, start)), Read(at + 65, _serving(30, 2, start)))
+    up = Verdict(VerdictKind.RESTARTED, True, "restarted: a new process", reads=first)
+    assert _settled(record, "a", up, at + 65) == []
+    assert record.ledger.snapshot("a", at + 65).last_ok_at == at + 65  # seen working
+    grace = record.ledger.policy.startup_grace
+    for now in (T0, T0 + grace + 10):  # the clock stepped back; long generations finish nothing
+        reads = (Read(now - 5, _serving(300, 2, start)), Read(now, _serving(340, 2, start)))
+        busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
+        assert _settled(record, "a", busy, now) == []
+        assert record.ledger.state_of("a") is State.STALE
+
+
+def test_a_dead_backend_moved_after_the_clock_stepped_back_is_still_read_before_its_restart(
+    tmp_path: Path,
+) -> None:
+    """Its death and its last read stamped by a clock two hours ahead, then taken back to
+    now: moved by a reload in that settle, it looked dead since no earlier than the move
+    and read since it, and the server it moved to was restarted never having been read."""
+    ahead = 7200.0
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    held = operate.hold(
+        store, audit, RESTARTABLE, "gpu0", 3600, "moving it", clock=lambda: T0 + ahead
+    )
+    assert held.applied, held.message
+    first = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [wedged(GPU0)],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(T0 + ahead + 10),
+    )
+    assert first.orders == () and first.record.ledger.state_of("gpu0") == "dead"
+    there = Target("gpu0", "http://127.0.0.1:11")
+    moved = Config(backends=(Backend("gpu0", there.url, restart=RESTART),))
+    released = operate.release(store, audit, moved, "gpu0", clock=lambda: T0 + ahead + 100)
+    assert released.applied, released.message
+    unread = settle_fleet(
+        store,
+        moved,
+        backend_urls([there]),
+        lambda _record: [],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(T0 + 200),  # the clock stepped back
+    )
+    assert unread.orders == ()
+    assert [(n.action, n.reason) for n in unread.report.restarts] == [
+        ("skip", "moved to http://127.0.0.1:11: not read there yet")
+    ]

@@ -765,10 +765,11 @@ def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused
 
 
 def unwritable_audit(tmp_path: Path, backends: list[dict[str, object]]) -> Path:
-    """A config whose audit log cannot be opened (its path is a directory; root writes any
+    """A config whose audit log cannot be opened (its directory is a file; root writes any
     file), over ``backends`` and one that is down, so every settle has records to write."""
-    where = tmp_path / "audit-is-a-directory"
-    where.mkdir()
+    not_a_directory = tmp_path / "not-a-directory"
+    not_a_directory.write_text("")
+    where = not_a_directory / "audit.jsonl"
     down = {"name": "down", "url": REFUSED_URL}
     return write_config(
         tmp_path / "fleet.toml",
@@ -2761,3 +2762,48 @@ def test_a_restart_past_its_grace_is_not_failed_before_the_new_daemon_read_it(
     events = [(r["event"], r.get("to")) for r in read(tmp_path / "audit.jsonl")]
     assert ("startup_expired", "dead") not in events, events
     assert not marker.exists()
+
+
+def test_a_route_reload_to_a_config_with_no_backend_is_refused_as_its_start_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`route` refuses to start with no backend ("nothing to route to"); its reload took a
+    file naming only a [[proxy]] (which `config check --for-reload`, the unit's
+    ExecReload, passes): the router was left with no backend, every client's request
+    refused, and every backend forgotten with its retirement, proof and budget."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    backend = Target("b", "http://127.0.0.1:9")
+    fleets = [
+        (config_module.Config(), [backend]),
+        (
+            config_module.Config(proxies=(config_module.Proxy("lb", "http://127.0.0.1:10"),)),
+            [Target("lb", "http://127.0.0.1:10", "proxy")],
+        ),
+    ]
+
+    async def scenario() -> list[str]:
+        router = Router(RouterConfig(), [Backend(backend.name, backend.url)])
+        daemon = Daemon(
+            lambda: fleets[0],
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+            router=router,
+        )
+        try:
+            fleets.pop(0)
+            daemon._reload_config()
+            return list(router._backends)
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    assert asyncio.run(scenario()) == ["b"]
+    assert "reload refused, keeping the running config: nothing to route to" in (
+        capsys.readouterr().err
+    )

@@ -647,6 +647,10 @@ def _samples(text: str, change: Callable[[str], str]) -> str:
         pytest.param(lambda line: line.replace("{", " {", 1), id="a blank before the labels"),
         pytest.param(lambda line: line.replace("{", "\t{", 1), id="a tab before the labels"),
         pytest.param(lambda line: line.replace('="', ' = "'), id="blanks around ="),
+        # "Leading and trailing whitespace is ignored" (the text format); Prometheus's
+        # lexer skips blanks in every state, the line's start too.
+        pytest.param(lambda line: "  " + line, id="blanks before the name"),
+        pytest.param(lambda line: "\t" + line.replace("{", " {", 1), id="a tab first, then one"),
     ],
 )
 def test_blanks_the_text_format_allows_read_as_without_them(

@@ -87,8 +87,9 @@ def test_a_request_failure_seen_while_settles_cannot_be_saved_reaches_the_ledger
     # The audit log cannot be opened (a full disk, a bad mount): every settle is skipped.
     # The failures it drained from the router were lost with it, so a backend failing
     # every request went back to the choice with a clean streak once the disk recovered.
-    audit = tmp_path / "audit-is-a-directory"
-    audit.mkdir()
+    not_a_directory = tmp_path / "not-a-directory"
+    not_a_directory.write_text("")
+    audit = not_a_directory / "audit.jsonl"
     with running_simulator(["busy+unanswered", "idle"], request_seconds=0.05) as sim:
         config = write_config(tmp_path, {"a": sim.urls[0], "b": sim.urls[1]})
         config.write_text(f'audit_log = "{audit}"\n' + config.read_text())
@@ -98,7 +99,8 @@ def test_a_request_failure_seen_while_settles_cannot_be_saved_reaches_the_ledger
             time.sleep(2.0)  # four waits: the failure is drained by a settle that is skipped
             state = tmp_path / "state.json"
             assert saved_record(state, "a")["request_failures"] == 0  # nothing saved since
-            audit.rmdir()  # the disk is back
+            not_a_directory.unlink()  # the disk is back
+            not_a_directory.mkdir()
             saved = state.stat().st_mtime_ns
             deadline = time.monotonic() + BOUND
             for _ in range(2):  # two settles saved after it: the next one had the failure

@@ -1183,3 +1183,30 @@ def test_a_tls_read_ended_just_before_its_deadline_leaves_no_error_behind(
         finally:
             done.set()
     assert errors == [], [context.get("exception") for context in errors]
+
+
+def test_a_tls_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() -> None:
+    """As over plain HTTP: a server gives up on a connection that says nothing (a TLS
+    front's handshake timeout, Go's ReadHeaderTimeout); when the silence was this process
+    held up, the close during the handshake says nothing about the server. It was
+    "connect_failed" (`down`), never checked against the loop's lateness at all."""
+
+    def give_up(connection: socket.socket, _number: int) -> None:
+        time.sleep(0.3)  # no handshake yet: the front's timeout, shortened
+
+    async def run(url: str) -> WireError:
+        connection = Connection(ssl.create_default_context(), "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 1.5)  # held from the request's first wait on
+        try:
+            await connection.request("GET", url, deadline=loop.time() + 5.0, max_bytes=100)
+        except WireError as error:
+            return error
+        finally:
+            await connection.aclose()
+        raise AssertionError("answered")
+
+    with tcp_server(give_up) as (url, _):
+        outcome = asyncio.run(run(url.replace("http:", "https:") + "/metrics"))
+    assert outcome.failure is Failure.STARVED, (outcome.failure, outcome.detail)
+    assert "closed the connection" in outcome.detail
