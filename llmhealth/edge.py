@@ -216,6 +216,7 @@ class _Connection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         # The body of the request in progress.
         self._body = bytearray()
+        self._whole: bytes | None = None  # the body once whole, as the handler takes it
         self._body_left = 0  # Content-Length bytes still to come, or the chunk's
         self._chunk_state = 0  # 0: not chunked; 1: a size line next; 2: data; 3: trailers
         self._body_done = True
@@ -344,6 +345,7 @@ class _Connection(asyncio.Protocol):
         """The answer is written: next request, or the connection's end."""
         self._request = self._task = None
         self._body = bytearray()  # an idle connection holds no request body
+        self._whole = None
         if self._lost:
             return
         if not request.ended:
@@ -372,6 +374,7 @@ class _Connection(asyncio.Protocol):
 
     def _start_body(self, request: Request, length: int | None) -> None:
         self._body = bytearray()
+        self._whole = None
         self._body_error = None
         max_body = self._edge.max_body
         if length is None:
@@ -400,7 +403,13 @@ class _Connection(asyncio.Protocol):
     def body_in_hand(self) -> bytes | None:
         if self._body_error is not None:
             raise self._body_error
-        return bytes(self._body) if self._body_done else None
+        if not self._body_done:
+            return None
+        if self._whole is None:
+            # Made once, and what it was made of let go: kept beside it, the body was held
+            # twice for as long as the request was in progress (a backend's generation).
+            self._whole, self._body = bytes(self._body), bytearray()
+        return self._whole
 
     async def read_body(self) -> bytes:
         while (body := self.body_in_hand()) is None:

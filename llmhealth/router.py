@@ -78,6 +78,7 @@ LOOP_LATE: Final = 0.5
 # together were parsed in one turn of the loop, which polled no socket for seconds;
 # one at a time, the loop serves everything else between two of them.
 BIG_BODY: Final = 1 << 20
+MAX_METHOD: Final = 32  # characters of a request's method an outcome keeps (``_method``)
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
@@ -765,7 +766,7 @@ class Router:
     def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""
         if status < 400 and (named := self._named_now(name, origin)) is not None:
-            self._log.record(named, RequestOutcome(self._clock(), request.method, request.path))
+            self._log.record(named, RequestOutcome(self._clock(), _method(request), request.path))
 
     async def _end_broken(
         self,
@@ -812,7 +813,7 @@ class Router:
         name = named
         self._log.record(
             name,
-            RequestOutcome(self._clock(), request.method, request.path, kind, status, detail),
+            RequestOutcome(self._clock(), _method(request), request.path, kind, status, detail),
         )
         self._dropped.add(name)
         self.metrics.failures[name, str(kind)] += 1
@@ -934,6 +935,14 @@ def _json(status: int, body: object, headers: Mapping[str, str] | None = None) -
     for name, value in (headers or {}).items():
         fields.add(name, value)
     return Answer(status, fields, json.dumps(body).encode())
+
+
+def _method(request: Request) -> str:
+    """The request's method as an outcome keeps it: the client's to choose, any token up
+    to the 64 KiB head bound, and it reaches the ledger's last error, the state and the
+    audit with every failure, where each other detail is cut (``_short``)."""
+    method = request.method
+    return method if len(method) <= MAX_METHOD else method[:MAX_METHOD] + "..."
 
 
 def _short(exc: BaseException) -> str:

@@ -28,7 +28,10 @@ which cancels; a cancelled or failed exchange closes its connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
+import struct
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -43,6 +46,8 @@ from llmhealth.openfiles import default_tls, out_of_files, short_of_descriptors,
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
+CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a reset
+_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 
 
 class ConnectError(Exception):
@@ -107,6 +112,7 @@ class _Link(asyncio.Protocol):
         # when a slow client had been handed the answer.
         self.last_arrival = 0.0
         self._waiter: asyncio.Future[None] | None = None
+        self._deadline: asyncio.TimerHandle | None = None  # a close's reset, if it lingers
         self._paused = False
         # Ever paused: what the kernel held meanwhile came in no one knows when, and a
         # paused connection does not hear the backend close it.
@@ -134,6 +140,8 @@ class _Link(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self.lost = exc
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._wake()
 
     def _wake(self) -> None:
@@ -161,9 +169,35 @@ class _Link(asyncio.Protocol):
         return data
 
     def close(self) -> None:
+        """End the connection: in order once what was written is sent, but never later
+        than ``CLOSE_WITHIN``, and at once while some of it is known to be unsent.
+        ``transport.close()`` waits for that, and a frozen backend that reads nothing
+        kept the socket and up to a whole request body for as long as it stayed so (a TLS
+        link's own buffer is empty then: it passed everything on to its socket's)."""
         self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if transport.get_write_buffer_size():
+            self.abort()
+            return
+        transport.close()
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing left to wait for
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(CLOSE_WITHIN, self.abort)
+
+    def abort(self) -> None:
+        """End the connection now with a reset, whatever is unsent."""
+        transport = self.transport
+        if transport is None:
+            return
+        # Closed in order, the kernel would still hold what it took of the request, and
+        # the connection, until the backend read it.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        transport.abort()
 
 
 class Response:
@@ -317,7 +351,7 @@ class Pool:
 
         ``target`` is the path and query as the client sent them (already encoded).
         """
-        message = _request_bytes(origin, method, target, headers, body)
+        head = _request_head(origin, method, target, headers, body)
         while True:
             link = self._reused(origin)
             reused = link is not None
@@ -325,7 +359,9 @@ class Pool:
                 link = await self._connect(origin)
             assert link.transport is not None
             received = link.received
-            link.transport.write(message)
+            # Joined for the write alone: a request kept whole while the backend generates
+            # was one more copy of a prompt of up to max_body, for up to first_byte_timeout.
+            link.transport.write(head + body)
             try:
                 return await self._head(link, method)
             except BrokenError:
@@ -461,10 +497,10 @@ class Pool:
         return Response(self, link, status, reason, headers, "length", length, reusable)
 
 
-def _request_bytes(
+def _request_head(
     origin: Origin, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
 ) -> bytes:
-    """The request as it goes on the wire: one buffer, one write."""
+    """The request's head as it goes on the wire, its body's length included."""
     host = origin.host_header.decode("ascii")  # IDNA: ASCII by construction
     lines = [f"{method} {origin.prefix}{target} HTTP/1.1", f"Host: {host}"]
     for name, value in headers:
@@ -476,7 +512,7 @@ def _request_bytes(
     lines.append("\r\n")  # the blank line that ends the head
     # One encode for the whole head. utf-8 with surrogateescape: the bytes aiohttp's parser
     # decoded so, exactly as they came.
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
 
 async def _line(link: _Link, what: str) -> bytes:

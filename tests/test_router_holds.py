@@ -1,0 +1,193 @@
+"""What the router holds for a request: a frozen backend's connection, a prompt, a method."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import socket
+import ssl
+import threading
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from test_router import (
+    BODY,
+    BOUND,
+    CHAT,
+    client,
+    drained,
+    quiet,
+    raw_backend,
+    read_request,
+    refused_url,
+    routing,
+    run,
+)
+from tlsproc import make_certificate
+
+from llmhealth import eventloop, upstream
+from llmhealth.config import Router as RouterConfig
+
+TCP_ESTABLISHED = 1
+
+
+def tcp_state(sock: socket.socket) -> int:
+    """The kernel's TCP state of one socket (tcp_info's first byte)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_request_body_a_frozen_backend_never_read_does_not_keep_its_connection() -> None:
+    # A frozen backend (its process stopped, its loop held) accepts the connection and
+    # reads nothing: a large prompt fills the kernel's buffers and the rest waits in the
+    # router's transport. Once the router gives up on it (no headers in time), the
+    # connection must end; transport.close() waits for every byte to be sent first, so
+    # socket and buffer stayed for as long as the backend stayed frozen.
+    accepted: list[socket.socket] = []
+    held: list[asyncio.StreamWriter] = []
+    done = asyncio.Event()
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("socket"))
+        held.append(writer)
+        writer.transport.pause_reading()  # reads nothing, as a stopped process
+        await done.wait()
+        writer.transport.abort()
+
+    body = json.dumps({"model": "tiny", "prompt": "x" * (12 << 20)}).encode()
+    settings = RouterConfig(connect_timeout=0.2, first_byte_timeout=0.5)
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(frozen) as url,
+            routing({"a": url}, settings) as (router, base),
+            client() as http,
+        ):
+            try:
+                response = await http.post(base + CHAT, content=body)
+                assert response.status_code == 500
+                await quiet(router)
+                (sock,) = accepted
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(BOUND):
+                        while tcp_state(sock) == TCP_ESTABLISHED:
+                            await asyncio.sleep(0.02)
+                assert tcp_state(sock) != TCP_ESTABLISHED, "the router still holds it"
+            finally:
+                done.set()
+
+    run(scenario())
+
+
+def test_a_clients_method_reaches_the_ledger_bounded() -> None:
+    # The method is the client's to choose: any token up to the 64 KiB head bound. A
+    # backend refusing connections has every request that met it recorded with it, and
+    # describe() is its last error in the state, the audit and (cluster) the etcd record,
+    # where every other detail the router records is cut to 200 characters.
+    method = "X" * 60_000
+
+    async def scenario() -> None:
+        async with (
+            routing({"a": refused_url()}) as (router, base),
+            client() as http,
+        ):
+            response = await http.request(method, base + CHAT, content=BODY)
+            assert response.status_code == 500
+            (outcome,) = (await drained(router))["a"]
+        assert len(outcome.describe()) <= 1000, len(outcome.describe())
+        assert len(str(outcome.to_dict())) <= 1000
+
+    run(scenario())
+
+
+def test_a_prompt_is_held_once_while_the_backend_generates() -> None:
+    # The edge's bytearray beside the bytes made of it, and the request joined whole for
+    # its one write, were two more copies of a prompt of up to max_body (16 MiB), held
+    # for as long as a non-streamed generation takes (first_byte_timeout, 300 s).
+    size = 8 << 20
+    body = json.dumps({"model": "tiny", "prompt": "x" * size}).encode()
+    generating = asyncio.Event()
+    answered = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        generating.set()
+        await answered.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> int:
+        async with raw_backend(slow) as url, routing({"a": url}) as (_, base):
+            port = int(base.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before, _ = tracemalloc.get_traced_memory()
+                writer.write(
+                    b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (CHAT.encode(), len(body))
+                )
+                writer.write(body)
+                await writer.drain()
+                await generating.wait()
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+                answered.set()
+            await reader.readuntil(b"{}")
+            writer.close()
+            return held
+
+    held = eventloop.run(asyncio.wait_for(scenario(), 60))
+    assert held < 1.5 * len(body), f"{held / len(body):.1f} copies of the body held"
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_request_a_frozen_tls_backend_never_read_does_not_keep_its_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As over plain TCP; a TLS transport's own buffer is empty here (all of it went on to
+    # the socket's transport), so only an abort of the exchange given up on ends it.
+    cert, key = make_certificate(tmp_path)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(upstream, "default_tls", lambda: trusted)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[ssl.SSLSocket] = []
+
+    def frozen() -> None:  # a handshake, then nothing read: a process stopped after it
+        with contextlib.suppress(OSError):
+            connection, _ = listener.accept()
+            accepted.append(server_side.wrap_socket(connection, server_side=True))
+
+    thread = threading.Thread(target=frozen, daemon=True)
+    thread.start()
+    body = json.dumps({"model": "tiny", "prompt": "x" * (12 << 20)}).encode()
+    settings = RouterConfig(connect_timeout=1.0, first_byte_timeout=1.5)
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def scenario() -> None:
+        async with routing({"a": url}, settings) as (router, base), client() as http:
+            try:
+                response = await http.post(base + CHAT, content=body)
+                assert response.status_code == 500
+                await quiet(router)
+                (sock,) = accepted
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(BOUND):
+                        while tcp_state(sock) == TCP_ESTABLISHED:
+                            await asyncio.sleep(0.02)
+                assert tcp_state(sock) != TCP_ESTABLISHED, "the router still holds it"
+            finally:
+                listener.close()
+                for sock in accepted:
+                    sock.close()  # unread bytes: a reset, which ends the router's side too
+
+    run(scenario())
+    thread.join(5)
