@@ -283,8 +283,8 @@ class Daemon:
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self.stop)
+        loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self._ask_reload)
         server = None
         if self._listen is not None:
@@ -320,7 +320,8 @@ class Daemon:
             await self._loop()
             await self._finish_commands()
         finally:
-            self._notifier.send("STOPPING=1")
+            if not self._stop.is_set():  # ended by an error: stopping from here on
+                self._notifier.send("STOPPING=1")
             if self._seat is not None:
                 # Resigning revokes the lease: a standby leads at its next round, not a TTL on.
                 await asyncio.to_thread(self._seat.elector.stop)
@@ -360,8 +361,14 @@ class Daemon:
         self._router.push(serving, states, self._config.policy.min_healthy)
 
     def stop(self) -> None:
-        """Ask the loop to finish, as SIGTERM does."""
-        self._stop.set()
+        """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the
+        settle under way, the restart commands' grace and the last settle take up to
+        three SHUTDOWN_GRACE, without a watchdog ping, and told only at their end, a stop
+        systemd did not send itself (`kill`, `systemctl kill`) looked all that while like
+        a running daemon that had stopped petting its watchdog."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._notifier.send("STOPPING=1")
 
     def _ask_reload(self) -> None:
         self._reload = True
@@ -474,6 +481,8 @@ class Daemon:
         Ready does not wait for a settle that succeeds: the daemon probes, serves its page
         and routes while its state cannot be written, and systemd's start timeout would
         otherwise restart it in a loop for as long as the disk stays full."""
+        if self._stop.is_set():  # STOPPING=1 was said (stop): nothing after it
+            return
         if not self._ready_told:
             self._ready_told = True
             self._notifier.send("READY=1", f"STATUS={status}")

@@ -400,9 +400,12 @@ def _program(argv: list[bytes]) -> bytes:
 
 
 def _stat_fields(pid: int) -> list[str]:
-    text = (_PROC / str(pid) / "stat").read_text()
-    # The command name is in parentheses and may hold spaces or parentheses itself.
-    return text[text.rindex(")") + 2 :].split()
+    raw = (_PROC / str(pid) / "stat").read_bytes()
+    # The command name is in parentheses and may hold spaces or parentheses itself, and
+    # any bytes: the kernel cuts a name at 15 of them, inside a character if it must.
+    # Read as text, such a name failed every sample of its backend. Only what follows it
+    # is read, and that is numbers and a state letter.
+    return raw[raw.rindex(b")") + 2 :].decode("ascii").split()
 
 
 def _start_of(pid: int) -> int | None:

@@ -2129,6 +2129,69 @@ def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_co
     assert took < 2.5, f"stopping took {took:.1f} s with a grace of 0.5 s"
 
 
+def test_systemd_hears_stopping_when_the_stop_begins_not_after_the_grace(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STOPPING=1 came only once the restart commands' grace and the last settle were over
+    (up to 30 s after SIGTERM): all that while systemd took the daemon for a running one
+    that had stopped petting its watchdog (a SIGTERM not sent by systemd itself: `kill`,
+    `systemctl kill`), and could abort it in the middle of saving the commands' outcomes."""
+    address = str(tmp_path / "notify.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)
+    started, go = tmp_path / "command.pid", tmp_path / "command.go"
+    command = (sys.executable, "-c", SLOW_RESTART, str(started), str(go))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+        return config, [Target("w", urls.wedge_b)]
+
+    state = tmp_path / "state.json"
+    heard: list[bytes] = []
+
+    async def scenario(sock: socket.socket) -> int:
+        daemon = Daemon(
+            load,
+            StateFile(state),
+            listen=None,
+            wait_override=0.1,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not (started.exists() and started.read_text()):
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("the restart command did not start")
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        deadline = time.monotonic() + STOP_BOUND
+        while b"STOPPING=1" not in heard:
+            with contextlib.suppress(BlockingIOError):
+                heard.append(sock.recv(4096))
+                continue
+            if time.monotonic() > deadline:
+                break  # the command still runs: nothing more comes until it ends
+            await asyncio.sleep(POLL)
+        told_while_the_command_ran = b"STOPPING=1" in heard
+        go.touch()  # the command ends inside the grace, and its outcome is saved
+        code = await asyncio.wait_for(running, PATIENCE)
+        assert told_while_the_command_ran, heard
+        return code
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(address)
+            sock.setblocking(False)
+            assert asyncio.run(scenario(sock)) == 0
+    finally:
+        go.touch()
+    assert heard.count(b"STOPPING=1") == 1
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in audit][-1] == "restart_command"
+
+
 # --- sd_notify, unit ----------------------------------------------------------------------
 
 

@@ -629,3 +629,66 @@ def test_an_engine_inside_a_long_step_behind_such_a_forwarder_is_not_wedged(
         assert process.stdout is not None
         process.stdout.close()
     assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+
+
+# An API server with its engine and one helper, the server or the helper named (through
+# /proc/<pid>/comm, as prctl and setproctitle name a process) with a name the kernel cut
+# at 15 bytes, inside a character: "tokenizer-poolü" is kept as b"tokenizer-pool\xc3".
+ODDLY_NAMED = (
+    ENGINE
+    + """
+import socket, subprocess, sys
+NAME = "tokenizer-pool\\u00fc".encode()
+def named():
+    with open("/proc/self/comm", "wb") as comm:
+        comm.write(NAME)
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+engine = engine("import time\\nwhile True: time.sleep(1)")
+helper = subprocess.Popen(
+    [sys.executable, "-c", "import sys, time\\nexec(sys.argv[1])\\nnamed()\\ntime.sleep(600)",
+     "def named():\\n    open('/proc/self/comm', 'wb').write(%r)" % NAME]
+)
+if sys.argv[1] == "server":
+    named()
+for _ in range(10_000):  # the helper renamed itself
+    with open(f"/proc/{helper.pid}/comm", "rb") as comm:
+        if comm.read().startswith(NAME[:14]):
+            break
+    time.sleep(0.001)
+print(listener.getsockname()[1], engine.pid, helper.pid, flush=True)
+try:
+    sys.stdin.read()
+finally:
+    for child in (engine, helper):
+        child.kill()
+        child.wait()
+"""
+)
+
+
+@pytest.mark.parametrize("named", ["server", "helper"])
+def test_a_process_name_cut_inside_a_character_still_gives_evidence(named: str) -> None:
+    """/proc/<pid>/stat holds the name as the kernel keeps it, 15 bytes cut anywhere: read
+    as UTF-8 text, one such name (the API server's, or any process below it) failed every
+    sample of the backend, and its engine was never sampled."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", ODDLY_NAMED, named],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        port, engine, helper = (int(field) for field in process.stdout.readline().split())
+        with open(f"/proc/{process.pid if named == 'server' else helper}/comm", "rb") as comm:
+            assert comm.read() == b"tokenizer-pool\xc3\n"  # what the kernel kept
+        sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+    assert sample is not None
+    assert sample.processes == tuple(sorted((engine, helper)))
