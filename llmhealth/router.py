@@ -733,8 +733,11 @@ class Router:
             with self._deadlines.within(self._settings.client_timeout):
                 await request.end()
         except (TimeoutError, ConnectionError):
-            # The client stopped reading or went away: its doing, never the backend's.
+            # The client stopped reading or went away: its doing, never the backend's,
+            # which served all the same when its whole answer was in hand.
             request.abort()
+            if upstream.complete and (watch is None or not watch.seen):
+                self._record_success(name, origin, request, status)
             return False
         if watch is None or not watch.seen:
             self._record_success(name, origin, request, status)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import socket
 import ssl
 import struct
+import termios
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -48,6 +50,8 @@ READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not re
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
 CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a reset
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
+# Linux's SIOCOUTQ: a TCP socket's bytes the peer has not acknowledged (``_kernel_unsent``).
+_OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
 
 
 class ConnectError(Exception):
@@ -113,6 +117,7 @@ class _Link(asyncio.Protocol):
         self.last_arrival = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None  # a close's reset, if it lingers
+        self._gone = False  # connection_lost came: nothing left to end
         self._paused = False
         # Ever paused: what the kernel held meanwhile came in no one knows when, and a
         # paused connection does not hear the backend close it.
@@ -138,7 +143,7 @@ class _Link(asyncio.Protocol):
         return False  # close the transport: nothing is ever sent after the backend's end
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.closed = True
+        self.closed = self._gone = True
         self.lost = exc
         if self._deadline is not None:
             self._deadline.cancel()
@@ -176,10 +181,17 @@ class _Link(asyncio.Protocol):
         link's own buffer is empty then: it passed everything on to its socket's)."""
         self.closed = True
         transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport is None or self._gone:
             return
-        if transport.get_write_buffer_size():
+        # Closing already counts too: the backend's end of its side (an answer framed by
+        # it, a refusal ahead of the body) closes the transport, which then waits as well.
+        if transport.get_write_buffer_size() or _kernel_unsent(transport):
+            # Unsent in the kernel too: closed in order, the descriptor went at once and
+            # with it the reset below, and the kernel held the connection and the bytes
+            # while it probed a frozen backend's closed window (minutes).
             self.abort()
+            return
+        if transport.is_closing():
             return
         transport.close()
         with contextlib.suppress(RuntimeError):  # no loop running: nothing left to wait for
@@ -198,6 +210,19 @@ class _Link(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         transport.abort()
+
+
+def _kernel_unsent(transport: asyncio.BaseTransport) -> bool:
+    """Whether the kernel still holds bytes written on the connection that its peer has
+    not taken (not sent, or not acknowledged); False where that cannot be told."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _OUTQ is None:
+        return False
+    try:
+        queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):  # not a TCP socket's SIOCOUTQ, or already closed
+        return False
+    return bool(struct.unpack("i", queued)[0])
 
 
 class Response:
@@ -237,6 +262,11 @@ class Response:
         self._chunk_left = 0  # bytes of the current chunk still to come ("chunked")
         self._reusable = reusable
         self._done = framing == "none" or (framing == "length" and length == 0)
+
+    @property
+    def complete(self) -> bool:
+        """The body is read to its end: the backend has given its whole answer."""
+        return self._done
 
     def whole(self) -> bytes | None:
         """The whole body when it is already in hand (a short answer, as most are)."""

@@ -1312,6 +1312,44 @@ def test_a_client_that_goes_away_closes_the_upstream_request_and_counts_nothing(
     run(scenario())
 
 
+@pytest.mark.usefixtures("each_loop")
+def test_a_whole_answer_the_client_left_before_taking_still_clears_the_backend() -> None:
+    # "It served, whatever the client did next": a backend whose whole answer is in the
+    # router's hands has served, and only a success clears its request-failure streak
+    # (DESIGN.md section 7); a client gone at that moment was counted as neither.
+    held: dict[str, socket.socket] = {}
+
+    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")  # whole, at once
+        gone = held.pop("client")  # and the client resets as it arrives
+        gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        gone.close()
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(answers) as backend,
+            routing({"a": backend}) as (router, url),
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            held["client"] = socket.create_connection(("127.0.0.1", port))
+            held["client"].sendall(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY)
+            )
+            async with asyncio.timeout(BOUND):
+                while "client" in held or router.in_flight:
+                    await asyncio.sleep(0.01)
+            outcomes = await drained(router)
+            assert [(name, [o.ok for o in seen]) for name, seen in outcomes.items()] == [
+                ("a", [True])
+            ]
+
+    run(scenario())
+
+
 def test_a_client_disconnect_while_waiting_for_headers_closes_the_upstream_too() -> None:
     backend_saw_close = asyncio.Event()
     request_arrived = asyncio.Event()

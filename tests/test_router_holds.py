@@ -191,3 +191,91 @@ def test_a_request_a_frozen_tls_backend_never_read_does_not_keep_its_connection(
 
     run(scenario())
     thread.join(5)
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_body_the_kernel_took_for_a_frozen_backend_does_not_keep_its_connection() -> None:
+    # A prompt small enough for the kernel's buffers (the backend's receive and the
+    # router's autotuned send buffer) leaves the transport's own empty: the orderly close
+    # lets the descriptor go at once, and the 2 s reset, cancelled with it, never comes.
+    # The kernel then kept the connection open, and the prompt, for as long as it went on
+    # probing the frozen backend's closed window (minutes).
+    accepted: list[socket.socket] = []
+    done = asyncio.Event()
+
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("socket"))
+        writer.transport.pause_reading()  # reads nothing, as a stopped process
+        await done.wait()
+        writer.transport.abort()
+
+    body = json.dumps({"model": "tiny", "prompt": "x" * (512 << 10)}).encode()
+    settings = RouterConfig(connect_timeout=0.2, first_byte_timeout=0.5)
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(frozen) as url,
+            routing({"a": url}, settings) as (router, base),
+            client() as http,
+        ):
+            try:
+                response = await http.post(base + CHAT, content=body)
+                assert response.status_code == 500
+                await quiet(router)
+                (sock,) = accepted
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(BOUND):
+                        while tcp_state(sock) == TCP_ESTABLISHED:
+                            await asyncio.sleep(0.02)
+                assert tcp_state(sock) != TCP_ESTABLISHED, "the router's kernel still holds it"
+            finally:
+                done.set()
+
+    run(scenario())
+
+
+TCP_CLOSE = 7  # the connection ended (a reset came): the kernel holds nothing of it
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_body_refused_early_by_a_backend_that_then_froze_does_not_keep_its_connection() -> None:
+    # A backend refuses the body at its head (a 413 whose body ends with the connection),
+    # ends its side as RFC 9112 9.6 has it (the half of a close that lets the answer
+    # arrive whole), then reads nothing.
+    # The router's transport, closing on that end, waited to send the rest of the body
+    # first: the router's own close of it, a no-op on a closing transport, reset nothing.
+    accepted: list[socket.socket] = []
+    done = asyncio.Event()
+
+    async def refuses(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("socket"))
+        await reader.readuntil(b"\r\n\r\n")
+        writer.transport.pause_reading()  # reads nothing more, as a stopped process
+        # Its body framed by the connection's end, as RFC 9112 6.3 allows.
+        writer.write(b"HTTP/1.1 413 Too Large\r\nConnection: close\r\n\r\ntoo large")
+        writer.write_eof()
+        await done.wait()
+        writer.transport.abort()
+
+    body = json.dumps({"model": "tiny", "prompt": "x" * (12 << 20)}).encode()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(refuses) as url,
+            routing({"a": url}) as (router, base),
+            client() as http,
+        ):
+            try:
+                response = await http.post(base + CHAT, content=body)
+                assert response.status_code == 413
+                await quiet(router)
+                (sock,) = accepted
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(BOUND):
+                        while tcp_state(sock) != TCP_CLOSE:
+                            await asyncio.sleep(0.02)
+                assert tcp_state(sock) == TCP_CLOSE, "the router still holds it"
+            finally:
+                done.set()
+
+    run(scenario())
