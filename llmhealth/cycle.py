@@ -81,30 +81,63 @@ def routed_backends(config: Config, targets: Sequence[Target]) -> list[Backend]:
     ]
 
 
+Requests = Mapping[str, Sequence[RequestOutcome]]
+
+
 def load_record(
-    store: Store | None, policy: LedgerPolicy, backends: Mapping[str, str], now: float
-) -> tuple[FleetRecord, list[MembershipChange], list[str]]:
+    store: Store | None,
+    policy: LedgerPolicy,
+    backends: Mapping[str, str],
+    now: float,
+    requests: Requests | None = None,
+) -> tuple[FleetRecord, list[MembershipChange], list[str], Requests | None]:
     """The persisted record made to match the configured backends, or a fresh one.
 
     Call with the store's lock held. The changes say which backends came, moved or went;
-    the notes, whose times were ahead of the clock (``reconciled``).
+    the notes, whose times were ahead of the clock (``reconciled``); then ``requests``,
+    taken back with them.
     """
     if store is not None:
         loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
         if loaded is not None:
-            return loaded, *reconciled(loaded, backends, now)
-    return fresh_record(policy, backends, now), [], []
+            return loaded, *reconciled(loaded, backends, now, requests)
+    return fresh_record(policy, backends, now), [], [], requests
 
 
 def reconciled(
-    record: FleetRecord, backends: Mapping[str, str], now: float
-) -> tuple[list[MembershipChange], list[str]]:
+    record: FleetRecord,
+    backends: Mapping[str, str],
+    now: float,
+    requests: Requests | None = None,
+) -> tuple[list[MembershipChange], list[str], Requests | None]:
     """``record.reconcile``, and a note per backend whose times ahead of the clock were
     taken back first: they came before a move or an arrival the reconcile stamps at
     ``now``, and a moved backend is read where it went before it is restarted (``settle``
-    takes them back as well, for its own callers)."""
-    stepped = [stepped_note(name) for name in record.pull_back(now)]
-    return record.reconcile(backends, now), stepped
+    takes them back as well, for its own callers). ``requests`` are taken back with them
+    (``taken_back``)."""
+    stepped, requests = taken_back(record, now, requests)
+    return record.reconcile(backends, now), [stepped_note(name) for name in stepped], requests
+
+
+def taken_back(
+    record: FleetRecord, now: float, requests: Requests | None
+) -> tuple[list[str], Requests | None]:
+    """``record.pull_back``, with the real-traffic outcomes not fed yet taken back in their
+    order with their backend's times: those seen before the clock stepped back are stamped
+    ahead as the record's times are, and fed as they came, after the record's were taken
+    back, an answered request stayed ahead of the restart the same settle issued and
+    passed for its replacement proving itself (never failed by its grace). The backends
+    whose times were taken back, and the outcomes."""
+    times = {name: [outcome.at for outcome in seen] for name, seen in (requests or {}).items()}
+    taken = record.pull_back(now, times)
+    if requests is not None and taken.keys() & requests.keys():
+        requests = {
+            name: [replace(o, at=taken[name].get(o.at, o.at)) for o in seen]
+            if name in taken
+            else seen
+            for name, seen in requests.items()
+        }
+    return sorted(taken), requests
 
 
 def stepped_note(name: str) -> str:
@@ -191,7 +224,7 @@ def settle_fleet(
     is kept between runs.
     """
     with store.locked() if store is not None else contextlib.nullcontext():
-        opened = _open(store, config, backends, clock, notes, kept)
+        opened = _open(store, config, backends, clock, notes, kept, requests)
         outcomes = gather(opened.record)
         return _close(
             store,
@@ -201,7 +234,7 @@ def settle_fleet(
             mode,
             audit,
             clock,
-            requests,
+            opened.requests,
             commands,
             commands_running,
             kept,
@@ -238,6 +271,7 @@ class _Opened:
     started: float
     notes: list[str]
     changes: list[MembershipChange]  # for the audit trail, with the settle's own records
+    requests: Requests | None = None  # as given, their times taken back with the record's
 
 
 def _open(
@@ -247,18 +281,19 @@ def _open(
     clock: Clock,
     notes: Sequence[str],
     kept: Kept | None,
+    requests: Requests | None = None,
 ) -> _Opened:
     """The first half of a settle, with the lock held: the record as last kept, if the
-    store still holds it, else loaded."""
+    store still holds it, else loaded; ``requests`` taken back with its times."""
     started = clock()
     policy = ledger_policy(config.policy)
     record = kept.take(store, policy) if kept is not None and store is not None else None
     if record is not None:
-        changes, stepped = reconciled(record, backends, started)
+        changes, stepped, requests = reconciled(record, backends, started, requests)
     else:
-        record, changes, stepped = load_record(store, policy, backends, started)
+        record, changes, stepped, requests = load_record(store, policy, backends, started, requests)
     notes = [*notes, *(c.note for c in changes), *stepped]
-    return _Opened(record, policy, started, notes, changes)
+    return _Opened(record, policy, started, notes, changes, requests)
 
 
 def _close(
@@ -553,9 +588,7 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     if name is None:
         return f"{order.name} is no longer in the state"
     snapshot = ledger.snapshot(name, now)
-    if snapshot.state is not State.RESTARTING or not is_its_restart(
-        order, snapshot.last_restart_at
-    ):
+    if snapshot.state is not State.RESTARTING or not is_its_restart(record, name, order, now):
         return f"{name} is {snapshot.state} since its restart was issued"
     hold = record.holds.get(name)
     if hold is not None and hold.active(now):
@@ -712,7 +745,7 @@ def settle(
     so a replacement re-admitted in this settle is spared.
     """
     hear_commands(record, commands, audit, now)  # first: each knows its restart by its time
-    stepped = record.pull_back(now)
+    stepped, requests = taken_back(record, now, requests)
     expected = {b.name: b.expected_model for b in config.backends}
     configured = {b.name: b for b in config.backends}
     pending = pending_restarts(record, config, now)

@@ -631,7 +631,7 @@ class Daemon:
         """What earlier runs last read of each backend, and the longest step each took."""
         try:
             with self._reader.locked():
-                record, _, _ = load_record(
+                record, *_ = load_record(
                     self._reader,
                     ledger_policy(self._config.policy),
                     backend_urls(self._targets),

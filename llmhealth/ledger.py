@@ -653,6 +653,9 @@ class _Backend:
     replaced_while_dead: bool | None = False
     # A new process was seen since the last restart was issued (new_process_up).
     replaced_since_restart: bool = False
+    # The time the last restart was issued at, when ``pull_back`` took it back since: its
+    # order (a command still running) bears this one. None: not taken back.
+    restart_stamped_at: float | None = None
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -737,6 +740,7 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         return State.RETIRED, why
     b.restart_times.append(event.now)
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
+    b.restart_stamped_at = None
     if isinstance(event, RestartIssued) and event.process is not None:
         # The process as last read: compared with it as condemned, one whose counters
         # moved since held a concurrency place after its command failed.
@@ -1042,6 +1046,7 @@ def _record(b: _Backend, event: Event) -> str:
                 # RESTARTING spell spent (stamped when it began), and the last error stays.
                 if b.state_since in b.restart_times:
                     b.restart_times.remove(b.state_since)
+                    b.restart_stamped_at = None
                 return f"restart withdrawn before its command ran ({event.reason}): no attempt"
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
@@ -1081,6 +1086,7 @@ def _record(b: _Backend, event: Event) -> str:
         case OperatorReset():
             _clear_streaks(b)
             b.restart_times.clear()
+            b.restart_stamped_at = None
             b.recovery_times.clear()
             b.condemned_by = None
             b.caller_condemned = False
@@ -1257,12 +1263,19 @@ class Ledger:
         _as_time(now, "now")
         beside = beside or {}
         changed = {}
+        limit = now + CLOCKS_APART
         for b in self._backends.values():
-            stamps = [b.state_since, b.last_ok_at, b.restart_ran_at]
-            times = [*stamps, *b.restart_times, *b.recovery_times, *beside.get(b.name, ())]
-            taken = pulled_back(times, now)
+            more = beside.get(b.name, ())
+            stamps = (b.state_since or 0.0, b.last_ok_at or 0.0, b.restart_ran_at or 0.0)
+            if not more and max(*stamps, *b.restart_times, *b.recovery_times) <= limit:
+                continue  # nothing far enough ahead (``pulled_back``), as nearly always
+            times = [b.state_since, b.last_ok_at, b.restart_ran_at]
+            taken = pulled_back([*times, *b.restart_times, *b.recovery_times, *more], now)
             if taken is None:
                 continue
+            last = max(b.restart_times, default=None)
+            if last in taken and b.restart_stamped_at is None:
+                b.restart_stamped_at = last  # what its command's order still bears
             b.state_since = _taken(b.state_since, taken)
             b.last_ok_at = _taken(b.last_ok_at, taken)
             b.restart_ran_at = _taken(b.restart_ran_at, taken)
@@ -1478,6 +1491,10 @@ class Ledger:
     def restart_ran_at(self, name: str) -> float | None:
         """When the last restart's command exited 0 (``RestartRan``), if it did."""
         return self._lookup(name).restart_ran_at
+
+    def restart_stamped_at(self, name: str) -> float | None:
+        """The time the last restart was issued at, if ``pull_back`` took it back since."""
+        return self._lookup(name).restart_stamped_at
 
     def restarted_from(self, name: str) -> ProcessSeen | None:
         """The process the last restart replaced, as it was last read, if it was."""
@@ -1793,6 +1810,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "replaced_while_dead",
         "replaced_since_restart",
         "caller_condemned",
+        "restart_stamped_at",
     }
 )
 
@@ -1928,6 +1946,9 @@ def _parse_backend(value: object, where: str) -> _Backend:
         restart_ran_at=_as_optional_time(r.get("restart_ran_at"), f"{where}.restart_ran_at"),
         traffic_failures=_as_int(r.get("traffic_failures", 0), f"{where}.traffic_failures"),
         caller_condemned=_as_bool(r.get("caller_condemned", False), f"{where}.caller_condemned"),
+        restart_stamped_at=_as_optional_time(
+            r.get("restart_stamped_at"), f"{where}.restart_stamped_at"
+        ),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
@@ -1970,4 +1991,6 @@ def _entry_dict(b: _Backend) -> dict[str, object]:
     # not know, and a state refused is set aside, its ledger started afresh).
     if b.caller_condemned:
         entry["caller_condemned"] = True
+    if b.restart_stamped_at is not None:  # likewise: only after a clock stepped back
+        entry["restart_stamped_at"] = b.restart_stamped_at
     return entry

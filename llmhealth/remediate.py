@@ -22,14 +22,7 @@ from llmhealth.actions import Audit, CommandResult, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.fleet import FleetRecord, process_of
-from llmhealth.ledger import (
-    CLOCKS_APART,
-    CONDEMNED,
-    RestartFailed,
-    RestartIssued,
-    RestartRan,
-    State,
-)
+from llmhealth.ledger import CONDEMNED, RestartFailed, RestartIssued, RestartRan, State
 from llmhealth.policy import (
     Action,
     RestartDecision,
@@ -301,14 +294,17 @@ def heard_as(record: FleetRecord, order: RestartOrder) -> str:
     return record.ledger.by_url(order.url) or order.name
 
 
-def is_its_restart(order: RestartOrder, last_restart_at: float | None) -> bool:
-    """Whether the ledger's last restart is the one ``order`` ran for: stamped at its issue,
-    or the same one taken back to a settle's clock (``Ledger.pull_back``) while its command
-    ran. No later restart is stamped before it by more than the clocks' allowance: one
-    issued that much later than the ledger's last restart is that restart, pulled back."""
+def is_its_restart(record: FleetRecord, name: str, order: RestartOrder, now: float) -> bool:
+    """Whether the ledger's last restart of ``name`` is the one ``order`` ran for: stamped
+    at its issue, or the same one taken back to a settle's clock (``Ledger.pull_back``)
+    while its command ran, which the ledger remembers it by. Not any restart stamped well
+    before the order's: after the clock stepped back, a restart issued once that one was
+    taken back and failed (a cron `check` running a slow command) is too, and the old
+    command's failure failed it while its own command still ran."""
+    last_restart_at = record.ledger.snapshot(name, now).last_restart_at
     if last_restart_at is None:
         return False
-    return last_restart_at == order.issued_at or order.issued_at > last_restart_at + CLOCKS_APART
+    return order.issued_at in (last_restart_at, record.ledger.restart_stamped_at(name))
 
 
 def hear_commands(
@@ -329,9 +325,7 @@ def hear_commands(
         entry = command_record(finished, now)
         if name != order.name:
             entry.update(backend=name, issued_as=order.name)
-        current = name in record.ledger and is_its_restart(
-            order, record.ledger.snapshot(name, now).last_restart_at
-        )
+        current = name in record.ledger and is_its_restart(record, name, order, now)
         if current:
             state = record.ledger.state_of(name)
             entry["from"] = entry["to"] = str(state)

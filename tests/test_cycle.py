@@ -1223,3 +1223,101 @@ def test_a_dead_backend_moved_after_the_clock_stepped_back_is_still_read_before_
     assert [(n.action, n.reason) for n in unread.report.restarts] == [
         ("skip", "moved to http://127.0.0.1:11: not read there yet")
     ]
+
+
+def test_requests_drained_after_the_clock_stepped_back_keep_their_order_with_the_restart() -> None:
+    """Real traffic seen before the wall clock stepped back is stamped by the clock that
+    ran ahead, and drained by the first settle after the step: fed after that settle took
+    the record's times back, its answered request's time stayed two hours ahead, after
+    the restart the same settle issued. That passed for the replacement proving itself:
+    one that never answered stayed STALE for ever, never failed by its grace, and freed
+    its restart slot at once."""
+    config = Config(
+        backends=(Backend("a", "http://10.0.0.1:8000", restart=("true",)),),
+        policy=Policy(restart_on=("wedged", "request_failures")),
+    )
+    ahead = T0 + 7200  # what the clock read before it stepped back
+    record = fresh_record(ledger_policy(config.policy), {"a": config.backends[0].url}, ahead - 100)
+    start = T0 - 5000
+    serving = _serving(10, 1, start)
+    record.sightings["a"] = Sighting(ahead - 10, True, serving)
+    record.ledger.apply("a", GoodVerdict(now=ahead - 10, process=process_of(serving)))
+    seen = [RequestOutcome(ahead - 9, "POST", "/v1/completions")] + [
+        RequestOutcome(ahead - 8 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    target = Target("a", config.backends[0].url)
+    _, orders = settle(record, config, [], T0, mode=Mode.ACT, audit=None, requests={"a": seen})
+    assert [order.name for order in orders] == ["a"]
+    assert record.ledger.state_of("a") is State.RESTARTING
+    later = T0 + 60
+    up = Read(later - 1, _serving(0, 0, T0 + 30))
+    answer = Answer(later, False, "failed: HTTP 500", "tiny", ("tiny",))
+    new = Verdict(VerdictKind.RESTARTED, False, "restarted: new", reads=(up,), answer=answer)
+    settle(record, config, [Outcome(target, new)], later, mode=Mode.ACT, audit=None)
+    assert record.ledger.state_of("a") is State.STALE
+    assert record.ledger.restart_unproven("a", later)  # its restart holds the slot
+    past = T0 + record.ledger.policy.startup_grace + 1
+    still = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: HTTP 500",
+        reads=(Read(past - 1, _serving(0, 0, T0 + 30)),),
+        answer=Answer(past, False, "failed: HTTP 500", "tiny", ("tiny",)),
+    )  # fmt: skip
+    report, _ = settle(record, config, [Outcome(target, still)], past, mode=Mode.ACT, audit=None)
+    assert [(t.name, t.to_state) for t in report.expired] == [("a", State.DEAD)]
+
+
+def test_a_command_of_a_restart_taken_back_is_not_heard_as_the_restart_after_it() -> None:
+    """A cron check ran the command of a restart stamped by a clock two hours ahead (a
+    `restart_timeout` past the grace: it waits for the server). The clock stepped back;
+    the next checks took the restart back to their time, failed it at its grace and
+    issued another, whose command a later check ran. The first command's timeout, heard
+    then, was taken as the second restart's: its restart "issued" two hours after the
+    ledger's last, it passed for that restart taken back, and failed the one whose
+    command still ran."""
+    at = T0 + 7200  # the clock ran two hours ahead
+    record = _restarted(["a"], at)
+    first = RestartOrder("a", record.ledger.url_of("a"), ("true",), 1200.0, at, "wedged", {})
+    down = Verdict(VerdictKind.DOWN, False, "down: refused")
+    assert _settled(record, "a", down, T0) == []  # the clock stepped back
+    past = T0 + record.ledger.policy.startup_grace + 1
+    assert _settled(record, "a", down, past) == ["a"]  # its grace ran out: restarted again
+    second_at = record.ledger.snapshot("a", past).last_restart_at
+    assert second_at == past
+    timed_out = CommandResult(("true",), None, True, 1200.0, "", "")
+    settle(
+        record, SHARED_FAULT_FLEET, [], past + 100, mode=Mode.OFF, audit=None,
+        commands=[CommandDone(first, timed_out)],
+    )  # fmt: skip
+    assert record.ledger.state_of("a") is State.RESTARTING  # the second's command still runs
+    assert record.ledger.snapshot("a", past + 100).last_restart_at == second_at
+
+
+def test_requests_drained_after_the_clock_stepped_back_are_before_a_restart_through_the_store(
+    tmp_path: Path,
+) -> None:
+    """As watch settles (``settle_fleet``): the record's times are taken back as it is
+    opened, the requests with them, before the restart the settle issues."""
+    config = Config(
+        backends=(Backend("a", "http://10.0.0.1:8000", restart=("true",)),),
+        policy=Policy(restart_on=("wedged", "request_failures")),
+    )
+    ahead = T0 + 7200  # what the clock read before it stepped back
+    store = StateFile(tmp_path / "state.json")
+    record = fresh_record(ledger_policy(config.policy), {"a": config.backends[0].url}, ahead - 100)
+    record.ledger.apply("a", GoodVerdict(now=ahead - 10))
+    with store.locked():
+        store.load(dict)
+        store.save(record.to_document())
+    seen = [RequestOutcome(ahead - 9, "POST", "/v1/completions")] + [
+        RequestOutcome(ahead - 8 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    settled = settle_fleet(
+        store, config, {"a": config.backends[0].url}, lambda _record: [], mode=Mode.ACT,
+        audit=None, clock=ticking(T0), requests={"a": seen},
+    )  # fmt: skip
+    assert [order.name for order in settled.orders] == ["a"]
+    snapshot = settled.record.ledger.snapshot("a", T0 + 5)
+    assert snapshot.last_ok_at is not None and snapshot.last_restart_at is not None
+    assert snapshot.last_ok_at < snapshot.last_restart_at  # 7,189 s after it before

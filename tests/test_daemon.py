@@ -2328,6 +2328,20 @@ def test_time_since_the_last_finished_request_is_never_negative() -> None:
     assert watch.seconds_since_finished(START + 1.5) == 0.0
 
 
+def test_a_wall_clock_stepped_back_holds_back_no_fleet_stall() -> None:
+    """watch feeds the stall watch the wall clock: stepped back two hours (NTP correcting a
+    clock that ran ahead), the last finished request stayed two hours in the future, and
+    a fleet that stalled then was not reported stalled for two hours and the timeout."""
+    watch = StallWatch(started_at=START)
+    watch.observe({"a": engine(finished=1)}, START + 1)
+    watch.observe({"a": engine(finished=2)}, START + 2)
+    back = START - 7200
+    for at in (back, back + 5, back + 10):
+        watch.observe({"a": engine(finished=2)}, at)
+    assert watch.seconds_since_finished(back + 10) == 10.0
+    assert watch.stalled(back + 10, 10.0)
+
+
 def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
