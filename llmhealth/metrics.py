@@ -409,7 +409,10 @@ def _engines(plans: tuple[_Engine, ...], values: list[float]) -> tuple[EngineSig
             total = 0.0
             for one in several(values):
                 total += one
-            fields[name] = total
+            if total < math.inf:
+                # Label sets of finite counts may add up past a float (1e308 twice): no
+                # usable count, absent as an unusable line's is, not infinite.
+                fields[name] = total
         for name, several in plan.maxima:
             fields[name] = max(several(values))  # the first of equal ones
         for name, label_sets in plan.histograms:

@@ -91,17 +91,21 @@ class Selector:
         for which ``counts`` is true reports a failure (by default every one but those
         carrying a status below 500, as in ``counts_against_backend``: the router's
         rule). Cancellation and interrupts are never the backend's fault, so they report
-        nothing.
+        nothing; nor does a request whose backend's process a verb said ended or was
+        replaced meanwhile (``FleetHealth.process_changes``): its end is the old process's,
+        and requests hung on a wedged engine condemned its rebuilt replacement.
         """
         key = self.next_shard(exclude=exclude)
         self.acquire(key)
+        process = self._fleet.process_changes(key)
         try:
             yield key
         except Exception as exc:
-            if counts(exc):
+            if counts(exc) and self._fleet.process_changes(key) == process:
                 self._fleet.report_failure(key, exc)
             raise
         else:
-            self._fleet.report_success(key)
+            if self._fleet.process_changes(key) == process:
+                self._fleet.report_success(key)
         finally:
             self.release(key)

@@ -864,6 +864,29 @@ def test_a_cancelled_request_is_not_counted_against_the_backend() -> None:
     assert f.snapshot()[0].request_failures == 0
 
 
+def test_a_lease_that_outlived_its_process_reports_nothing_on_the_replacement() -> None:
+    """Requests hung on a wedged engine while the trainer rebuilt the shard (a new process
+    on a new port, refit, HEALTHY): their timeouts then condemned the fresh replacement.
+    Their end is the old process's, as a Prober's read of it is."""
+    f, _ = fleet()
+    selector = Selector(f)
+    hung = [selector.lease(exclude={1, 2}) for _ in range(3)]
+    assert [lease.__enter__() for lease in hung] == [0, 0, 0]
+    f.condemn_silent_participant(0, reason="hung the weight sync")
+    f.mark_restarting(0)
+    f.mark_loaded(0, base_url="http://10.0.0.1:8001")
+    f.report_refit(0, weight_version=2)
+    for lease in hung:
+        timed_out = TimeoutError("read timed out")
+        assert not lease.__exit__(TimeoutError, timed_out, None)  # not swallowed
+    assert f.state_of(0) is State.HEALTHY
+    assert f.snapshot()[0].request_failures == 0 and selector.inflight(0) == 0
+    # A request that began on the replacement still reports on it.
+    with pytest.raises(TimeoutError), selector.lease() as key:
+        raise TimeoutError("read timed out")
+    assert key == 0 and f.snapshot()[0].request_failures == 1
+
+
 def test_leases_spread_concurrent_requests_over_the_fleet() -> None:
     f, _ = fleet()
     selector = Selector(f)

@@ -18,6 +18,7 @@ from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from werkzeug import Request, Response
 
+import llmhealth
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
 from llmhealth.probe import KEEP_ALIVE_LEAD
 
@@ -596,3 +597,29 @@ def test_the_stall_watch_is_fed_by_calls_cancelled_while_another_backend_hangs()
         stall = asyncio.run(main(*sim.urls))
     assert stall.last_finished_at is not None
     assert stall.work_pending
+
+
+def test_counts_that_add_up_past_a_float_are_a_verdict_not_an_exception(
+    httpserver: HTTPServer,
+) -> None:
+    """Two finished_reason lines of 1e308 each summed to infinity, which the ledger's
+    record of the process refused with a ValueError: every ``probe()`` of the fleet raised
+    (and ``llmhealth.check`` with it) for one backend's text, never judging the others."""
+    text = (
+        'vllm:num_requests_running{engine="0"} 0\n'
+        'vllm:num_requests_waiting{engine="0"} 0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 1e308\n'
+        'vllm:request_success_total{engine="0",finished_reason="length"} 1e308\n'
+    )
+    httpserver.expect_request("/metrics").respond_with_data(text, content_type="text/plain")
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "m"}]})
+    httpserver.expect_request("/v1/completions").respond_with_json({"choices": [{"text": "x"}]})
+    url = httpserver.url_for("").rstrip("/")
+
+    async def main() -> list[ProbeResult]:
+        async with Prober(FleetHealth([url]), wait=WAIT, timeout=2.0) as prober:
+            return await prober.probe()
+
+    assert [result.verdict for result in asyncio.run(main())] == [VerdictKind.IDLE]
+    report = llmhealth.check([url], wait=WAIT, timeout=2.0)
+    assert report.backends[0].verdict is VerdictKind.IDLE
