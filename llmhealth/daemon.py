@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -121,7 +122,7 @@ class Publication(NamedTuple):
     """What a sharding member publishes for the leader (``SharedReads.publish``), by
     backend of its share."""
 
-    serials: dict[str, int]  # its count of verdicts
+    serials: dict[str, int]  # its newest verdict's serial, new with each
     verdicts: dict[str, Verdict]  # its newest verdict
     examined: dict[str, int]  # its count of examinations, decided or not
     urls: dict[str, str]  # where each verdict was read
@@ -214,7 +215,11 @@ class Daemon:
         self._awaiting: frozenset[str] = frozenset()
         # RETIRED in the last record seen: read, never asked.
         self._retired: frozenset[str] = frozenset()
-        self._serials: Counter[str] = Counter()  # fresh verdicts per backend, for the leader
+        # The serial of each backend's newest fresh verdict, for the leader: one count for
+        # all of them, so a backend the config drops is forgotten here, and one that comes
+        # back never repeats a serial the leader may have settled.
+        self._serials: dict[str, int] = {}
+        self._serial = itertools.count(1)
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
         self._stop = asyncio.Event()
@@ -784,7 +789,7 @@ class Daemon:
             if probe.fresh and probe.outcome is not None:
                 probe.fresh = False
                 fresh.append(probe.outcome)
-                self._serials[probe.outcome.target.name] += 1
+                self._serials[probe.outcome.target.name] = next(self._serial)
         return fresh
 
     def _settle_and_give_back(self, news: News) -> Settled:
@@ -1140,6 +1145,8 @@ class Daemon:
         # Nor may what is kept by name grow with every name a fleet ever had (pods).
         for name in [name for name in self._models if name not in names]:
             del self._models[name]
+        for name in [name for name in self._serials if name not in names]:
+            del self._serials[name]
         state.stall.forget_all_but(names)
 
     def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:

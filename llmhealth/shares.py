@@ -273,7 +273,7 @@ class Published:
     """One backend's newest verdict as a member published it, and how far it has read."""
 
     member: str
-    serial: int  # the member's own count of this backend's verdicts: new when it changes
+    serial: int  # new with each of the member's verdicts of this backend: news when it changes
     verdict: Verdict | None  # None: none yet (``examined`` says so), or unreadable
     problem: str = ""  # why it could not be read, when it could not
     examined: int | None = None  # examinations, decided or not; None: not published
@@ -309,7 +309,11 @@ def publication(
             entry["verdict"] = verdict_to_dict(verdicts[name])
             if name in urls:
                 entry["url"] = urls[name]
-        text = (json.dumps(name) + ":" + json.dumps(entry, allow_nan=False)).encode()
+        text = _entry_text(name, entry)
+        if len(text) > limit and "verdict" in entry:
+            # A frozen window of a server with many engines (128 engines by 61 reads is
+            # 2.2 MB): etcd refused the whole chunk, and the publication stopped there.
+            text = _entry_text(name, _fitted(entry, len(text) - limit))
         if entries and size + len(text) > limit:
             chunks.append(_chunk(entries))
             entries, size = [], 0
@@ -318,6 +322,30 @@ def publication(
     if entries or not chunks:
         chunks.append(_chunk(entries))
     return chunks
+
+
+def _entry_text(name: str, entry: Mapping[str, Any]) -> bytes:
+    return (json.dumps(name) + ":" + json.dumps(entry, allow_nan=False)).encode()
+
+
+def _fitted(entry: Mapping[str, Any], excess: int) -> dict[str, Any]:
+    """An entry ``excess`` bytes over the limit, its verdict without as many of its
+    oldest reads as that takes: the newest are those the leader compares a new process
+    with, and the verdict is the news. Its evidence says how many were left out."""
+    verdict = dict(entry["verdict"])
+    reads = verdict["reads"]
+
+    def note(dropped: int) -> str:
+        return f" (published without its {dropped} oldest of {len(reads)} reads, to fit etcd)"
+
+    excess += len(json.dumps(note(len(reads)))) - 2  # the note's longest, its quotes shared
+    dropped = 0
+    while dropped < len(reads) and excess > 0:
+        excess -= len(json.dumps(reads[dropped], allow_nan=False)) + 2  # and its ", "
+        dropped += 1
+    verdict["reads"] = reads[dropped:]
+    verdict["evidence"] += note(dropped)
+    return {**entry, "verdict": verdict}
 
 
 def _chunk(entries: list[bytes]) -> bytes:

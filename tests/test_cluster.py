@@ -26,7 +26,7 @@ from pytest_httpserver import HTTPServer
 
 from llmhealth import cluster, etcd_http, leadership, operate
 from llmhealth.actions import AuditError
-from llmhealth.classify import Verdict, VerdictKind
+from llmhealth.classify import Read, Verdict, VerdictKind
 from llmhealth.cluster import (
     AUDIT_RECORD_BYTES,
     ClusterUnavailableError,
@@ -51,6 +51,7 @@ from llmhealth.cycle import run_cycle_in_cluster
 from llmhealth.fleet import FleetRecord
 from llmhealth.leadership import LeaseTiming, Standing
 from llmhealth.ledger import Ledger, LedgerPolicy, Readmitted
+from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.probe import ProbeSettings
 from llmhealth.remediate import Mode
 from llmhealth.state import RecordMovedError, StateLockedError
@@ -1311,3 +1312,62 @@ def test_the_elector_outlives_a_log_it_cannot_write(
         monkeypatch.undo()
         with contextlib.suppress(OSError):
             full.close()
+
+
+def test_one_verdict_too_large_for_etcd_costs_neither_its_own_publication_nor_the_others(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A backend whose /metrics lists 128 engines (wide data-parallel, or a hostile
+    text: a legal one may list 40,000), frozen: its wedged verdict of 61 reads was 2.2 MB,
+    over etcd's 1.5 MiB. etcd refused the member's whole chunk, the publish stopped there
+    (silently: the daemon suppresses StateError) and the leader settled that backend and
+    every one after it in the member's publication `stalled` for as long as it lasted."""
+    engines = tuple(
+        EngineSignals(
+            str(i),
+            running=3,
+            waiting=1,
+            steps=12345,
+            generation_tokens=1234567,
+            prompt_tokens=7654321,
+            finished=1000,
+            preemptions=0,
+            kv_usage=0.42,
+            longest_gap=0.01,
+            largest_step_tokens=256,
+            prefill_seconds=12.5,
+        )
+        for i in range(128)
+    )
+    frozen = tuple(
+        Read(1.7e9 + 5 * i, signals=Signals(engines, process_start=1.6e9)) for i in range(61)
+    )
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: frozen", reads=frozen)
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
+    clock = Clock()
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "ab"
+    }
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    for seat in seats.values():
+        seat.elector.step()
+    for seat in seats.values():
+        seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+    leader, member = reads["a"], reads["b"]
+    assert seats["a"].elector.decision().may_act
+    assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}
+    share = sorted(member.share(backends))
+    assert len(share) >= 2, share
+    verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in share}
+    verdicts[share[0]] = wedged  # first in the publication's order
+    member.publish({n: 1 for n in share}, verdicts, {n: 1 for n in share}, {})
+    taken = leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts
+    assert set(taken) == set(share)
+    assert {n: v for n, v in taken.items() if n != share[0]} == {
+        n: v for n, v in verdicts.items() if n != share[0]
+    }
+    got = taken[share[0]]
+    assert got.kind is VerdictKind.WEDGED and not got.healthy
+    assert got.reads and got.reads[-1] == frozen[-1]  # the newest kept: the baseline
+    for seat in seats.values():
+        seat.elector.stop()

@@ -2884,3 +2884,46 @@ def test_a_route_reload_to_a_config_with_no_backend_is_refused_as_its_start_is(
     assert "reload refused, keeping the running config: nothing to route to" in (
         capsys.readouterr().err
     )
+
+
+def test_a_members_serials_keep_no_backend_the_config_no_longer_names(tmp_path: Path) -> None:
+    """Counted by name for the leader's intake, every backend a daemon ever watched kept
+    its count for as long as the daemon ran, copied into each wait's publication: a
+    fleet whose names change (pods) grew it by a name per rollout. A backend that leaves
+    and comes back still never repeats a serial the leader may have settled."""
+    names = iter(f"pod-{n}" for n in range(1000))
+    current = [Target(next(names), REFUSED_URL)]
+    daemon = Daemon(
+        lambda: (config_module.Config(), list(current)),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
+    idle = Verdict(VerdictKind.IDLE, True, "idle")
+    published: list[int] = []
+
+    async def rollouts() -> None:
+        for _ in range(20):
+            daemon._start_probes()
+            daemon.hear(current[0], idle, 0.01)
+            daemon._take_fresh()
+            publication = daemon._publication()
+            assert publication is not None
+            published.append(publication.serials[current[0].name])
+            current[0] = Target(next(names), REFUSED_URL)  # the next rollout's pod
+            daemon._reload_config()
+        assert set(daemon._serials) <= {current[0].name}
+        back = Target("pod-0", REFUSED_URL)
+        current[0] = back
+        daemon._reload_config()
+        daemon.hear(back, idle, 0.01)
+        daemon._take_fresh()
+        publication = daemon._publication()
+        assert publication is not None
+        assert publication.serials["pod-0"] not in published
+        await daemon._reading.close()
+
+    asyncio.run(rollouts())

@@ -371,3 +371,24 @@ def test_a_member_whose_config_only_respells_the_address_is_read_at_the_same_ser
         assert taken.stale == (), at
         assert taken.verdicts == {"gpu1": healthy(f"b#{at}")}, at
         assert taken.urls == {"gpu1": there}  # settle compares it with same_server
+
+
+def test_a_verdict_too_large_for_one_key_is_published_with_its_newest_reads_that_fit(
+    fixture_text: Load,
+) -> None:
+    # Alone in its chunk, a frozen window of a server with many engines was larger than
+    # etcd takes in one request: the publish failed there, and everything after it in the
+    # member's publication was settled `stalled` by the leader (cluster test beside).
+    verdict = wedged_verdict(fixture_text)
+    many = replace(verdict, reads=tuple(replace(verdict.reads[-1], at=float(i)) for i in range(40)))
+    one_read = len(json.dumps(verdict_to_dict(replace(verdict, reads=verdict.reads[-1:]))))
+    limit = 10 * one_read
+    (chunk,) = publication({"gpu1": 4}, {"gpu1": many}, {"gpu1": 9}, limit, {})
+    assert len(chunk) <= limit + len(b'{"verdicts":{}}')
+    found = parse_publication("b", json.loads(chunk))["gpu1"]
+    assert found.verdict is not None and found.examined == 9 and found.serial == 4
+    assert (found.verdict.kind, found.verdict.healthy) == (many.kind, many.healthy)
+    kept = found.verdict.reads
+    assert 0 < len(kept) < len(many.reads)
+    assert kept == many.reads[-len(kept) :]  # the newest: the leader's baseline
+    assert f"without its {len(many.reads) - len(kept)} oldest of 40 reads" in found.verdict.evidence
