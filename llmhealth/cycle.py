@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,24 +85,54 @@ def routed_backends(config: Config, targets: Sequence[Target]) -> list[Backend]:
 Requests = Mapping[str, Sequence[RequestOutcome]]
 
 
+@dataclass(frozen=True, slots=True)
+class TakenBack:
+    """How one backend's times were taken back (``taken_back``)."""
+
+    at: float  # the settle's time: those stamped after it were taken back to before it
+    how: dict[float, float]  # each time, stamped as it was, to the time it is now
+
+    def place(self, t: float) -> float:
+        """A time of the backend's evidence that was not taken back with them (a verdict's
+        reads), placed among those that were as it happened. Compared as stamped, a read
+        from before the clock stepped back followed every real request taken back, and
+        they were all fed before its verdict, those that came after it too."""
+        if t > self.at:  # stamped before the clock stepped back: among those taken back
+            before = [stamped for stamped in self.how if self.at < stamped <= t]
+            if before:
+                return self.how[max(before)]
+            earliest = min(to for stamped, to in self.how.items() if stamped > self.at)
+            return math.nextafter(earliest, -math.inf)
+        # Stamped since it stepped back: after every time taken back, among the requests
+        # seen since as they came.
+        since = [stamped for stamped in self.how if stamped <= t]
+        if since:
+            return self.how[max(since)]
+        return max(to for stamped, to in self.how.items() if stamped > self.at)
+
+
+# Per backend whose times were taken back, how.
+Taken = dict[str, TakenBack]
+
+
 def load_record(
     store: Store | None,
     policy: LedgerPolicy,
     backends: Mapping[str, str],
     now: float,
     requests: Requests | None = None,
-) -> tuple[FleetRecord, list[MembershipChange], list[str], Requests | None]:
+) -> tuple[FleetRecord, list[MembershipChange], Taken, Requests | None]:
     """The persisted record made to match the configured backends, or a fresh one.
 
     Call with the store's lock held. The changes say which backends came, moved or went;
-    the notes, whose times were ahead of the clock (``reconciled``); then ``requests``,
-    taken back with them.
+    then how the times ahead of the clock were taken back (``reconciled``), and
+    ``requests``, taken back with them.
     """
     if store is not None:
         loaded = store.load(lambda document: FleetRecord.from_dict(document, policy))
         if loaded is not None:
             return loaded, *reconciled(loaded, backends, now, requests)
-    return fresh_record(policy, backends, now), [], [], requests
+    return fresh_record(policy, backends, now), [], {}, requests
 
 
 def reconciled(
@@ -109,35 +140,44 @@ def reconciled(
     backends: Mapping[str, str],
     now: float,
     requests: Requests | None = None,
-) -> tuple[list[MembershipChange], list[str], Requests | None]:
-    """``record.reconcile``, and a note per backend whose times ahead of the clock were
-    taken back first: they came before a move or an arrival the reconcile stamps at
-    ``now``, and a moved backend is read where it went before it is restarted (``settle``
-    takes them back as well, for its own callers). ``requests`` are taken back with them
-    (``taken_back``)."""
-    stepped, requests = taken_back(record, now, requests)
-    return record.reconcile(backends, now), [stepped_note(name) for name in stepped], requests
+) -> tuple[list[MembershipChange], Taken, Requests | None]:
+    """``record.reconcile``, and how the times ahead of the clock were taken back first:
+    they came before a move or an arrival the reconcile stamps at ``now``, and a moved
+    backend is read where it went before it is restarted (``settle`` takes them back as
+    well, for its own callers). ``requests`` are taken back with them (``taken_back``)."""
+    taken, requests = taken_back(record, now, requests)
+    return record.reconcile(backends, now), taken, requests
 
 
 def taken_back(
     record: FleetRecord, now: float, requests: Requests | None
-) -> tuple[list[str], Requests | None]:
+) -> tuple[Taken, Requests | None]:
     """``record.pull_back``, with the real-traffic outcomes not fed yet taken back in their
     order with their backend's times: those seen before the clock stepped back are stamped
     ahead as the record's times are, and fed as they came, after the record's were taken
     back, an answered request stayed ahead of the restart the same settle issued and
-    passed for its replacement proving itself (never failed by its grace). The backends
-    whose times were taken back, and the outcomes."""
+    passed for its replacement proving itself (never failed by its grace). Those seen
+    since it stepped back (stamped at most ``now``) came after every time taken back, and
+    are placed after them, in their order: kept where they were, a fresh start taken
+    back passed for one after them, and they were dropped as the old process's. How each
+    backend's times were taken back (``TakenBack.place`` places a verdict's among them),
+    and the outcomes."""
     times = {name: [outcome.at for outcome in seen] for name, seen in (requests or {}).items()}
-    taken = record.pull_back(now, times)
+    taken = {name: TakenBack(now, how) for name, how in record.pull_back(now, times).items()}
     if requests is not None and taken.keys() & requests.keys():
+        for name in taken.keys() & requests.keys():
+            how = taken[name].how
+            since = sorted({o.at for o in requests[name] if o.at <= now})
+            last = max(how.values())  # just before now: the last time taken back
+            gap = (now - last) / (len(since) + 1)
+            how.update((t, last + (i + 1) * gap) for i, t in enumerate(since))
         requests = {
-            name: [replace(o, at=taken[name].get(o.at, o.at)) for o in seen]
+            name: [replace(o, at=taken[name].how.get(o.at, o.at)) for o in seen]
             if name in taken
             else seen
             for name, seen in requests.items()
         }
-    return sorted(taken), requests
+    return taken, requests
 
 
 def stepped_note(name: str) -> str:
@@ -272,6 +312,7 @@ class _Opened:
     notes: list[str]
     changes: list[MembershipChange]  # for the audit trail, with the settle's own records
     requests: Requests | None = None  # as given, their times taken back with the record's
+    taken: Taken = field(default_factory=dict)  # how the record's times were taken back
 
 
 def _open(
@@ -289,11 +330,11 @@ def _open(
     policy = ledger_policy(config.policy)
     record = kept.take(store, policy) if kept is not None and store is not None else None
     if record is not None:
-        changes, stepped, requests = reconciled(record, backends, started, requests)
+        changes, taken, requests = reconciled(record, backends, started, requests)
     else:
-        record, changes, stepped, requests = load_record(store, policy, backends, started, requests)
-    notes = [*notes, *(c.note for c in changes), *stepped]
-    return _Opened(record, policy, started, notes, changes, requests)
+        record, changes, taken, requests = load_record(store, policy, backends, started, requests)
+    notes = [*notes, *(c.note for c in changes), *(stepped_note(name) for name in sorted(taken))]
+    return _Opened(record, policy, started, notes, changes, requests, taken)
 
 
 def _close(
@@ -318,6 +359,7 @@ def _close(
         # server, whose streak the rename kept. Dropped as "no longer configured", a
         # failure drained across the rename was lost.
         requests = _renamed_requests(requests, renamed)
+    taken = {renamed.get(name, name): how for name, how in opened.taken.items()}
     # One fsync for the settle's audit records, once the state that follows from them is
     # written aside and before it replaces the old: a full disk fails the state's write
     # first, and nothing of the settle is kept, its records included.
@@ -338,6 +380,7 @@ def _close(
             commands=commands,
             commands_running=commands_running,
             unread=unread,
+            taken=taken,
         )
         if store is not None:
             store.save(record.to_document(), before=batch.close)
@@ -733,6 +776,7 @@ def settle(
     commands: Sequence[CommandDone] = (),
     commands_running: Collection[str] = frozenset(),
     unread: Collection[str] = frozenset(),
+    taken: Taken | None = None,
 ) -> tuple[CycleReport, list[RestartOrder]]:
     """Feed finished restart commands, verdicts, then real-traffic outcomes to the ledger;
     fail the restarts left unproven past their startup grace; plan and issue restarts;
@@ -743,9 +787,15 @@ def settle(
     two failures breaks the streak whichever told of it (a wedge proven after a traffic
     condemnation still becomes the condemning cause). Overdue restarts come after both,
     so a replacement re-admitted in this settle is spared.
+
+    ``taken``: how the caller already took the record's times back, and ``requests``
+    with them (``settle_fleet``): a verdict's reads are placed among them to be ordered
+    with the requests.
     """
     hear_commands(record, commands, audit, now)  # first: each knows its restart by its time
-    stepped, requests = taken_back(record, now, requests)
+    here, requests = taken_back(record, now, requests)
+    stepped = sorted(here)
+    taken = {**(taken or {}), **here}
     expected = {b.name: b.expected_model for b in config.backends}
     configured = {b.name: b for b in config.backends}
     pending = pending_restarts(record, config, now)
@@ -787,6 +837,8 @@ def settle(
         # Real requests that ended before the verdict's reads go first, in time order: one
         # answered in between broke the streak the verdict would otherwise have ended.
         read_at = _verdict_time(outcome.verdict)
+        if read_at is not None and name in taken:
+            read_at = taken[name].place(read_at)
         drained = unheard.get(name, [])
         cut = 0  # the outcomes come in the order they ended
         while read_at is not None and cut < len(drained) and drained[cut].at <= read_at:

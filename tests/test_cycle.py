@@ -1321,3 +1321,113 @@ def test_requests_drained_after_the_clock_stepped_back_are_before_a_restart_thro
     snapshot = settled.record.ledger.snapshot("a", T0 + 5)
     assert snapshot.last_ok_at is not None and snapshot.last_restart_at is not None
     assert snapshot.last_ok_at < snapshot.last_restart_at  # 7,189 s after it before
+
+
+@pytest.mark.parametrize("ahead", [0.0, 7200.0], ids=["no step", "clock stepped back 2 h"])
+def test_requests_after_a_verdict_read_before_the_clock_stepped_back_stay_after_it(
+    tmp_path: Path, ahead: float
+) -> None:
+    """watch reads a backend, the wall clock steps back (NTP correcting a clock that ran
+    ahead), and the settle after it feeds that read's verdict with the real requests
+    drained since. The requests were taken back with the record's times, the verdict's
+    reads were not: every request passed for one that ended before the read, and went
+    first. A failed tiny request, then a real request answered and two failed: that
+    order leaves two failures in a row; fed the other way round, three condemned it."""
+    config = Config(backends=(Backend("a", "http://10.0.0.1:8000"),))
+    stamped = T0 + ahead  # what the clock read before it stepped back
+    store = StateFile(tmp_path / "state.json")
+    urls = {"a": config.backends[0].url}
+    record = fresh_record(ledger_policy(config.policy), urls, stamped - 100)
+    serving = _serving(0, 0, T0 - 5000)
+    record.ledger.apply("a", GoodVerdict(now=stamped - 30, process=process_of(serving)))
+    with store.locked():
+        store.load(dict)
+        store.save(record.to_document())
+    target = Target("a", config.backends[0].url)
+    unanswered = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: HTTP 500",
+        reads=(Read(stamped - 11, serving),),
+        answer=Answer(stamped - 10, False, "failed: HTTP 500", "tiny", ("tiny",)),
+    )  # fmt: skip
+    seen = [RequestOutcome(stamped - 8, "POST", "/v1/completions")] + [
+        RequestOutcome(stamped - 6 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(2)
+    ]
+    settled = settle_fleet(
+        store, config, {"a": target.url}, lambda _record: [Outcome(target, unanswered)],
+        mode=Mode.ACT, audit=None, clock=ticking(T0), requests={"a": seen},
+    )  # fmt: skip
+    snapshot = settled.record.ledger.snapshot("a", T0 + 5)
+    assert (snapshot.state, snapshot.request_failures) == (State.SUSPECT, 2)
+
+
+@pytest.mark.parametrize("ahead", [0.0, 7200.0], ids=["no step", "clock stepped back 2 h"])
+def test_requests_failed_after_the_clock_stepped_back_count_against_a_backend_restarted_before(
+    tmp_path: Path, ahead: float
+) -> None:
+    """A backend re-admitted while the wall clock ran ahead (its fresh start stamped two
+    hours on), then the clock stepped back, and its new process failed every real request
+    since. Taken back to just before the settle, the fresh start passed for one after
+    those requests, stamped by the corrected clock: dropped as the old process's, they
+    never counted, and the first settle after the step left it HEALTHY and serving."""
+    config = Config(backends=(Backend("a", "http://10.0.0.1:8000"),))
+    stamped = T0 + ahead  # what the clock read before it stepped back
+    store = StateFile(tmp_path / "state.json")
+    urls = {"a": config.backends[0].url}
+    record = fresh_record(ledger_policy(config.policy), urls, stamped - 100)
+    serving = _serving(0, 0, T0 - 5000)
+    record.ledger.apply("a", GoodVerdict(now=stamped - 30, process=process_of(serving)))
+    record.fresh_since["a"] = stamped - 30
+    with store.locked():
+        store.load(dict)
+        store.save(record.to_document())
+    seen = [
+        RequestOutcome(T0 - 3 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    settled = settle_fleet(
+        store, config, urls, lambda _record: [], mode=Mode.ACT, audit=None,
+        clock=ticking(T0), requests={"a": seen},
+    )  # fmt: skip
+    snapshot = settled.record.ledger.snapshot("a", T0 + 5)
+    assert (snapshot.state, snapshot.request_failures) == (State.DEAD, 3)
+
+
+@pytest.mark.parametrize("ahead", [0.0, 7200.0], ids=["no step", "clock stepped back 2 h"])
+def test_requests_before_the_clock_stepped_back_go_before_a_verdict_read_after_it(
+    tmp_path: Path, ahead: float
+) -> None:
+    """The mirror: real requests seen before the wall clock stepped back, a read after it,
+    then a request answered. Taken back to just before the settle, the requests passed
+    for ones after the read, and went after its verdict: an answered request, two failed
+    and a failed tiny request, three in a row that condemn it, were fed as one failure
+    and then two."""
+    config = Config(backends=(Backend("a", "http://10.0.0.1:8000"),))
+    stamped = T0 + ahead - 20  # what the clock read before it stepped back
+    store = StateFile(tmp_path / "state.json")
+    urls = {"a": config.backends[0].url}
+    record = fresh_record(ledger_policy(config.policy), urls, stamped - 100)
+    serving = _serving(0, 0, T0 - 5000)
+    record.ledger.apply("a", GoodVerdict(now=stamped - 30, process=process_of(serving)))
+    with store.locked():
+        store.load(dict)
+        store.save(record.to_document())
+    target = Target("a", config.backends[0].url)
+    seen = [
+        RequestOutcome(stamped - 8, "POST", "/v1/completions"),
+        *(
+            RequestOutcome(stamped - 6 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR)
+            for i in range(2)
+        ),
+        RequestOutcome(T0 - 0.5, "POST", "/v1/completions"),  # after the read
+    ]
+    unanswered = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: HTTP 500",
+        reads=(Read(T0 - 2, serving),),
+        answer=Answer(T0 - 1, False, "failed: HTTP 500", "tiny", ("tiny",)),
+    )  # fmt: skip
+    settled = settle_fleet(
+        store, config, urls, lambda _record: [Outcome(target, unanswered)], mode=Mode.ACT,
+        audit=None, clock=ticking(T0), requests={"a": seen},
+    )  # fmt: skip
+    assert settled.record.ledger.state_of("a") is State.DEAD
