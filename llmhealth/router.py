@@ -691,6 +691,7 @@ class Router:
         in_band = event_stream and headers.get("Content-Length") is None
         whole = None if event_stream else upstream.whole()
         watch = ErrorEventWatch() if event_stream and not counted else None
+        cut = False  # the answer broke: never served, whatever is left in hand
         try:
             # A shared coarse timer, not wait_for nor asyncio.timeout: on Python 3.11
             # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
@@ -709,6 +710,7 @@ class Router:
                     with self._deadlines.within(self._settings.stream_idle_timeout):
                         chunk = await upstream.read()
                 except TimeoutError:
+                    cut = True
                     seconds = self._settings.stream_idle_timeout
                     detail = f"response silent for {seconds:g} s after it started"
                     if not counted:
@@ -716,6 +718,7 @@ class Router:
                     await self._end_broken(request, name, detail, in_band)
                     return False
                 except BrokenError as exc:
+                    cut = True
                     detail = f"response cut off: {_short(exc)}"
                     if not counted:
                         self._fail(name, origin, request, FailureKind.BROKEN, status, detail)
@@ -736,9 +739,15 @@ class Router:
             # The client stopped reading or went away: its doing, never the backend's,
             # which served all the same when its whole answer was in hand.
             request.abort()
-            if upstream.complete and (watch is None or not watch.seen):
-                self._record_success(name, origin, request, status)
+            if not cut:
+                self._served_anyway(name, origin, request, upstream, watch)
             return False
+        except asyncio.CancelledError:
+            # The client's connection ended while a write waited for it to take more: its
+            # end cancels this (edge.py), the usual way a client leaves; as above.
+            if not cut:
+                self._served_anyway(name, origin, request, upstream, watch)
+            raise
         if watch is None or not watch.seen:
             self._record_success(name, origin, request, status)
         return True
@@ -765,6 +774,19 @@ class Router:
     def _rendered(self, rendering: asyncio.Future[bytes]) -> None:
         if self._rendering is rendering:
             self._rendering = None
+
+    def _served_anyway(
+        self,
+        name: str,
+        origin: Origin,
+        request: Request,
+        upstream: Response,
+        watch: ErrorEventWatch | None,
+    ) -> None:
+        """A success for an answer its client left, when the backend's whole answer was
+        read and no error event was in it."""
+        if upstream.complete and (watch is None or not watch.seen):
+            self._record_success(name, origin, request, upstream.status)
 
     def _record_success(self, name: str, origin: Origin, request: Request, status: int) -> None:
         """A request the backend answered below 400: it served, whatever the client did next."""

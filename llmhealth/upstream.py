@@ -33,6 +33,7 @@ import fcntl
 import socket
 import ssl
 import struct
+import sys
 import termios
 import time
 from collections.abc import Collection, Iterable
@@ -52,6 +53,8 @@ CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a 
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 # Linux's SIOCOUTQ: a TCP socket's bytes the peer has not acknowledged (``_kernel_unsent``).
 _OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
+# Linux's SIOCOUTQNSD (linux/sockios.h): those of them not yet sent at all.
+_OUTQ_UNSENT: Final = 0x894B if sys.platform == "linux" else None
 
 
 class ConnectError(Exception):
@@ -173,19 +176,24 @@ class _Link(asyncio.Protocol):
         del self.buffer[:size]
         return data
 
-    def close(self) -> None:
+    def close(self, answered: bool = False) -> None:
         """End the connection: in order once what was written is sent, but never later
         than ``CLOSE_WITHIN``, and at once while some of it is known to be unsent.
         ``transport.close()`` waits for that, and a frozen backend that reads nothing
         kept the socket and up to a whole request body for as long as it stayed so (a TLS
-        link's own buffer is empty then: it passed everything on to its socket's)."""
+        link's own buffer is empty then: it passed everything on to its socket's).
+
+        ``answered``: after a whole answer, bytes only on their way (sent, not yet
+        acknowledged) are no sign of a frozen backend: a TLS link's own close_notify,
+        sent back to a backend that ended the connection, is such; reset for that, the
+        backend saw a healthy exchange end in an abort."""
         self.closed = True
         transport = self.transport
         if transport is None or self._gone:
             return
         # Closing already counts too: the backend's end of its side (an answer framed by
         # it, a refusal ahead of the body) closes the transport, which then waits as well.
-        if transport.get_write_buffer_size() or _kernel_unsent(transport):
+        if transport.get_write_buffer_size() or _kernel_unsent(transport, answered):
             # Unsent in the kernel too: closed in order, the descriptor went at once and
             # with it the reset below, and the kernel held the connection and the bytes
             # while it probed a frozen backend's closed window (minutes).
@@ -212,14 +220,16 @@ class _Link(asyncio.Protocol):
         transport.abort()
 
 
-def _kernel_unsent(transport: asyncio.BaseTransport) -> bool:
+def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
     """Whether the kernel still holds bytes written on the connection that its peer has
-    not taken (not sent, or not acknowledged); False where that cannot be told."""
+    not taken (not sent, or not acknowledged; ``sent_taken``: not sent); False where that
+    cannot be told."""
+    request = _OUTQ_UNSENT if sent_taken else _OUTQ
     sock = transport.get_extra_info("socket")
-    if sock is None or _OUTQ is None:
+    if sock is None or request is None:
         return False
     try:
-        queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+        queued = fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0")
     except (OSError, ValueError):  # not a TCP socket's SIOCOUTQ, or already closed
         return False
     return bool(struct.unpack("i", queued)[0])
@@ -348,11 +358,11 @@ class Response:
         ):
             self._pool.keep(link)
         else:
-            link.close()
+            link.close(answered=self._done)
 
     def close(self) -> None:
-        """The answer will not be read to its end (the client left, or it broke)."""
-        self._link.close()
+        """The answer will not be relayed to its end (the client left, or it broke)."""
+        self._link.close(answered=self._done)
 
 
 def _fresh(link: _Link, fresh_since: float) -> bool:

@@ -1350,6 +1350,85 @@ def test_a_whole_answer_the_client_left_before_taking_still_clears_the_backend()
     run(scenario())
 
 
+def _readable(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+
+
+def _sse(size: int, error: bool) -> bytes:
+    """A chunked event stream of about ``size`` bytes, ending with an error event or not."""
+    event = b"data: " + json.dumps({"choices": [{"text": "x" * 1000}]}).encode() + b"\n\n"
+    events = [event] * (size // len(event))
+    if error:
+        failed = {"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}}
+        events.append(b"event: error\ndata: " + json.dumps(failed).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    head += b"Transfer-Encoding: chunked\r\n\r\n"
+    return head + chunks + b"0\r\n\r\n"
+
+
+LEFT_ANSWERS = {
+    # Came with its head: relayed whole in one write, then the client left.
+    "whole": (b"HTTP/1.1 200 OK\r\nContent-Length: 120000\r\n\r\n" + b"x" * 120_000, [True]),
+    # An error event in the part never relayed: the engine failed it. (An answer relayed
+    # piece by piece whose rest waits unread in the router's buffer when the client
+    # leaves is not known whole, and counts nothing.)
+    "stream with an error": (_sse(200_000, error=True), []),
+}
+
+
+@pytest.mark.usefixtures("each_loop")
+@pytest.mark.parametrize("kind", list(LEFT_ANSWERS))
+def test_a_whole_answer_a_slow_client_then_left_still_clears_the_backend(kind: str) -> None:
+    # The backend's whole answer was read by the router; a slow client across a network
+    # takes only part of it, then goes away, which cancels the relay: the backend served
+    # all the same ("whatever the client did next"), and only a success clears its
+    # request-failure streak. No success for a stream whose unrelayed rest failed.
+    answer, expected = LEFT_ANSWERS[kind]
+    answered = asyncio.Event()
+
+    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        async with asyncio.timeout(BOUND):
+            while writer.transport.get_write_buffer_size():
+                await asyncio.sleep(0.01)
+        answered.set()
+        await reader.read()  # the router's end
+        writer.close()
+
+    async def scenario() -> None:
+        async with raw_backend(answers) as backend, routing({"a": backend}) as (router, url):
+            port = int(url.rsplit(":", 1)[1])
+            client = socket.socket()
+            # A client across a network, reading slowly: a small window, a usual segment.
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1460)
+            client.connect(("127.0.0.1", port))
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_sendall(
+                client,
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (CHAT.encode(), len(BODY), BODY),
+            )
+            await answered.wait()
+            async with asyncio.timeout(BOUND):
+                while not _readable(client):
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the router's relay waits for the client to take more
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+            outcomes = await drained(router)
+            oks = [outcome.ok for outcome in outcomes.get("a", ())]
+            assert oks == expected if expected else True not in oks, outcomes
+
+    run(scenario())
+
+
 def test_a_client_disconnect_while_waiting_for_headers_closes_the_upstream_too() -> None:
     backend_saw_close = asyncio.Event()
     request_arrived = asyncio.Event()

@@ -279,3 +279,79 @@ def test_a_body_refused_early_by_a_backend_that_then_froze_does_not_keep_its_con
                 done.set()
 
     run(scenario())
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_whole_tls_answer_ended_by_its_backend_is_not_reset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A TLS backend answers in full and ends the connection as TLS has it: close_notify
+    # (an answer with "Connection: close", or one framed by its end). The router's
+    # close_notify in return is on its way, not yet acknowledged, when it closes its
+    # side: a healthy exchange, which must end in order, never with a reset.
+    cert, key = make_certificate(tmp_path)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(upstream, "default_tls", lambda: trusted)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(BOUND)
+    seen: list[str] = []
+
+    def answers() -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
+
+        def more(connection: socket.socket) -> None:
+            connection.sendall(outgoing.read())
+            data = connection.recv(65536)
+            if not data:
+                raise ConnectionError("closed before the answer")
+            incoming.write(data)
+
+        try:
+            connection, _ = listener.accept()
+        except OSError as exc:
+            seen.append(repr(exc))
+            return
+        with connection:
+            connection.settimeout(BOUND)
+            try:
+                while True:
+                    try:
+                        tls.do_handshake()
+                        break
+                    except ssl.SSLWantReadError:
+                        more(connection)
+                request = b""
+                while not request.endswith(b"}"):  # BODY, whole
+                    try:
+                        request += tls.read(65536)
+                    except ssl.SSLWantReadError:
+                        more(connection)
+                tls.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{}")
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    tls.unwrap()  # close_notify: sent with the answer, in one segment
+                connection.sendall(outgoing.read())
+                while connection.recv(65536):  # the router's close_notify, then its end
+                    pass
+                seen.append("eof")
+            except OSError as exc:
+                seen.append(repr(exc))
+
+    thread = threading.Thread(target=answers, daemon=True)
+    thread.start()
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def scenario() -> None:
+        async with routing({"a": url}) as (router, base), client() as http:
+            response = await http.post(base + CHAT, content=BODY)
+            assert (response.status_code, response.content) == (200, b"{}")
+            assert [o.ok for o in (await drained(router))["a"]] == [True]
+
+    try:
+        run(scenario())
+        thread.join(BOUND)
+    finally:
+        listener.close()
+    assert seen == ["eof"]
