@@ -36,11 +36,8 @@ collects the body and runs the handler in one task. Its rules:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import socket
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -50,13 +47,13 @@ from urllib.parse import unquote, urlsplit
 
 from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES, Fields, FramingError
+from llmhealth.openfiles import end_with_reset
 
 LINGER: Final = 2.0  # seconds an error answer's connection reads on before it closes
 SWEEP: Final = 1.0  # seconds between looks for connections idle past their timeout
 # RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
 _REQUEST_LINE: Final = re.compile(rf"({http1.TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
 _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
-_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 
 
 class BadRequestError(Exception):
@@ -509,14 +506,8 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         """End now with a reset, dropping what is unsent: an answer cut off, or a
         client that stopped reading."""
-        transport = self.transport
-        if transport is None:
-            return
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-        transport.abort()
+        if self.transport is not None:
+            end_with_reset(self.transport)
 
     def let_go(self) -> None:
         """End an idle connection in order, which keep-alive clients expect of one: the

@@ -25,12 +25,14 @@ import os
 import resource
 import socket
 import stat
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
+    import asyncio
     import ssl
 
 # Where the soft limit is raised to when the hard one is unlimited (Linux's nr_open).
@@ -326,3 +328,18 @@ def discard_output(stream: IO[str]) -> None:
             os.dup2(null, stream.fileno())
         finally:
             os.close(null)
+
+
+_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
+
+
+def end_with_reset(transport: asyncio.WriteTransport) -> None:
+    """End a connection now with a reset, dropping whatever is unsent. Aborted without
+    it, the kernel still held the connection and the bytes it had taken until the peer
+    read them: a client that stopped reading, a backend that froze (the router's two
+    sides, ``edge`` and ``upstream``)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    transport.abort()

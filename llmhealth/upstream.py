@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import socket
 import ssl
 import struct
 import sys
@@ -44,13 +43,18 @@ from urllib.parse import urlsplit
 from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES
 from llmhealth.lateness import lateness_of
-from llmhealth.openfiles import default_tls, out_of_files, short_of_descriptors, trust_unread
+from llmhealth.openfiles import (
+    default_tls,
+    end_with_reset,
+    out_of_files,
+    short_of_descriptors,
+    trust_unread,
+)
 
 MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
 CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a reset
-_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
 # Linux's SIOCOUTQ: a TCP socket's bytes the peer has not acknowledged (``_kernel_unsent``).
 _OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
 # Linux's SIOCOUTQNSD (linux/sockios.h): those of them not yet sent at all.
@@ -208,16 +212,8 @@ class _Link(asyncio.Protocol):
 
     def abort(self) -> None:
         """End the connection now with a reset, whatever is unsent."""
-        transport = self.transport
-        if transport is None:
-            return
-        # Closed in order, the kernel would still hold what it took of the request, and
-        # the connection, until the backend read it.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
-        transport.abort()
+        if self.transport is not None:
+            end_with_reset(self.transport)
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
