@@ -145,6 +145,16 @@ def reconciled(
     they came before a move or an arrival the reconcile stamps at ``now``, and a moved
     backend is read where it went before it is restarted (``settle`` takes them back as
     well, for its own callers). ``requests`` are taken back with them (``taken_back``)."""
+    if requests:
+        # Those the router counted under a backend's new name since a reload renamed it
+        # are the same server's, after those under its old one: taken back with its times
+        # as the record names it (``_close`` gives them the new name again).
+        back = {new: old for old, new in record.renames(backends).items()}
+        if back.keys() & requests.keys():
+            merged = {name: list(seen) for name, seen in requests.items() if name not in back}
+            for new, old in back.items():
+                merged.setdefault(old, []).extend(requests.get(new, ()))
+            requests = merged
     taken, requests = taken_back(record, now, requests)
     return record.reconcile(backends, now), taken, requests
 

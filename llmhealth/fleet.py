@@ -467,7 +467,7 @@ class FleetRecord:
         changes = []
         for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
-        for old, new in self._renames(backends).items():
+        for old, new in self.renames(backends).items():
             changes.append(self._rename(old, new))
         for name in self.ledger.names:
             if name not in backends:
@@ -534,7 +534,7 @@ class FleetRecord:
                 changes.append(self.admit(name, url, now))
         return changes
 
-    def _renames(self, backends: Mapping[str, str]) -> dict[str, str]:
+    def renames(self, backends: Mapping[str, str]) -> dict[str, str]:
         """Old name -> new name, for each backend the config left whose server a backend
         new to the ledger is configured at, one for one."""
         leaving = {

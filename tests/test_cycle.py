@@ -1431,3 +1431,35 @@ def test_requests_before_the_clock_stepped_back_go_before_a_verdict_read_after_i
         audit=None, clock=ticking(T0), requests={"a": seen},
     )  # fmt: skip
     assert settled.record.ledger.state_of("a") is State.DEAD
+
+
+@pytest.mark.parametrize("ahead", [0.0, 7200.0], ids=["no step", "clock stepped back 2 h"])
+def test_requests_failed_after_the_clock_stepped_back_under_a_new_name_count(
+    tmp_path: Path, ahead: float
+) -> None:
+    """As above, with a reload that renamed the backend at its server since the last
+    settle: the router counts its requests under the new name. The record's times were
+    taken back under the old name, the requests under the new one were not re-spaced
+    after them: stamped by the corrected clock, they fell before the fresh start taken
+    back and were dropped as the old process's."""
+    config = Config(backends=(Backend("b", "http://10.0.0.1:8000"),))
+    stamped = T0 + ahead  # what the clock read before it stepped back
+    store = StateFile(tmp_path / "state.json")
+    urls = {"a": config.backends[0].url}
+    record = fresh_record(ledger_policy(config.policy), urls, stamped - 100)
+    serving = _serving(0, 0, T0 - 5000)
+    record.ledger.apply("a", GoodVerdict(now=stamped - 30, process=process_of(serving)))
+    record.fresh_since["a"] = stamped - 30
+    with store.locked():
+        store.load(dict)
+        store.save(record.to_document())
+    seen = [
+        RequestOutcome(T0 - 3 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    settled = settle_fleet(
+        store, config, {"b": config.backends[0].url}, lambda _record: [], mode=Mode.ACT,
+        audit=None, clock=ticking(T0), requests={"b": seen},
+    )  # fmt: skip
+    snapshot = settled.record.ledger.snapshot("b", T0 + 5)
+    assert (snapshot.state, snapshot.request_failures) == (State.DEAD, 3)
