@@ -35,6 +35,7 @@ from llmhealth.ledger import (
     State,
     Transition,
     UnknownBackend,
+    UnplannedRestart,
     WeightsPartial,
     WeightsStamped,
     is_finite_number,
@@ -291,8 +292,9 @@ class FleetHealth:
 
     def process_changes(self, key: Key) -> int:
         """How many times a verb said this backend's process ended or was replaced
-        (``record_actor_death``, ``mark_loaded``). A reader that keeps reads between
-        calls starts afresh when it moves: a restart, load and refit all between two of
+        (``record_actor_death``, ``mark_loaded``), or a verdict showed it restarted by
+        itself (``record_verdict``). A reader that keeps reads between calls starts
+        afresh when it moves: a restart, load and refit all between two of
         its reads must not be compared with the old process's, nor called unplanned."""
         return self._process_changes.get(self._name(key), 0)
 
@@ -352,7 +354,9 @@ class FleetHealth:
         # Transition.name is the ledger's name; callers know the backend by its key.
         name = self._name(key)
         transition = self._ledger.apply(name, event)
-        if transition.applied and isinstance(event, ProcessGone | NewProcessUp):
+        # A restart seen in a verdict (a supervisor's) is a new process as much as a
+        # verb's: requests hung on the old one were counted against its refit successor.
+        if transition.applied and isinstance(event, ProcessGone | NewProcessUp | UnplannedRestart):
             self._process_changes[name] = self._process_changes.get(name, 0) + 1
         return transition
 

@@ -329,10 +329,22 @@ def _entry_text(name: str, entry: Mapping[str, Any]) -> bytes:
 
 
 def _fitted(entry: Mapping[str, Any], excess: int) -> dict[str, Any]:
-    """An entry ``excess`` bytes over the limit, its verdict without as many of its
-    oldest reads as that takes: the newest are those the leader compares a new process
+    """An entry ``excess`` bytes over the limit, its verdict without the models its
+    server lists but the one asked, then without as many of its oldest reads as that
+    takes: the newest are those the leader compares a new process
     with, and the verdict is the news. Its evidence says how many were left out."""
     verdict = dict(entry["verdict"])
+    answer = verdict.get("answer")
+    if answer is not None and len(answer["models_served"]) > 1:
+        # A /v1/models of a thousand long ids (1 MB, under the probe's cap) was 5 MB made
+        # printable, past etcd whatever the reads. The leader asks only whether the
+        # model asked for is listed (``fleet.events_for``): that one is kept.
+        listed = answer["models_served"]
+        asked = [model for model in listed if model == answer["model"]][:1]
+        verdict["answer"] = {**answer, "models_served": asked}
+        said = f" (published without the {len(listed) - len(asked)} other models its server lists)"
+        verdict["evidence"] += said
+        excess -= len(json.dumps(listed)) - len(json.dumps(asked)) - (len(json.dumps(said)) - 2)
     reads = verdict["reads"]
 
     def note(dropped: int) -> str:

@@ -26,7 +26,7 @@ from pytest_httpserver import HTTPServer
 
 from llmhealth import cluster, etcd_http, leadership, operate
 from llmhealth.actions import AuditError
-from llmhealth.classify import Read, Verdict, VerdictKind
+from llmhealth.classify import Answer, Read, Verdict, VerdictKind
 from llmhealth.cluster import (
     AUDIT_RECORD_BYTES,
     ClusterUnavailableError,
@@ -1371,3 +1371,43 @@ def test_one_verdict_too_large_for_etcd_costs_neither_its_own_publication_nor_th
     assert got.reads and got.reads[-1] == frozen[-1]  # the newest kept: the baseline
     for seat in seats.values():
         seat.elector.stop()
+
+
+def test_a_verdict_whose_model_list_is_too_large_for_etcd_costs_no_publication(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A backend whose /v1/models lists 1,000 ids of 1,024 DEL characters (a 1 MB body,
+    under the probe's cap) answered the tiny request: the verdict's model list, each id
+    made printable (``\\x7f`` four times longer, then JSON-escaped), was 5 MB whatever
+    its reads. Dropping every read left the entry over etcd's limit, and the member's
+    publication stopped there: that backend and every one after it settled `stalled`."""
+    served = tuple("\\x7f" * 1024 for _ in range(1000))  # as probe.ask_tiny keeps them
+    answer = Answer(1.7e9, True, "answered in 0.01 s by model m", served[0], served)
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", answer=answer, requests_sent=1)
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
+    clock = Clock()
+    seats = {
+        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "ab"
+    }
+    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
+    try:
+        for seat in seats.values():
+            seat.elector.step()
+        for seat in seats.values():
+            seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+        leader, member = reads["a"], reads["b"]
+        assert seats["a"].elector.decision().may_act
+        assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}
+        share = sorted(member.share(backends))
+        assert len(share) >= 2, share
+        verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in share}
+        verdicts[share[0]] = idle  # first in the publication's order
+        member.publish({n: 1 for n in share}, verdicts, {n: 1 for n in share}, {})
+        taken = leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts
+        assert set(taken) == set(share)
+        got = taken[share[0]]
+        assert got.kind is VerdictKind.IDLE and got.healthy
+        assert got.answer is not None and got.answer.ok and got.answer.model == served[0]
+    finally:
+        for seat in seats.values():
+            seat.elector.stop()

@@ -21,6 +21,7 @@ from werkzeug import Request, Response
 import llmhealth
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
 from llmhealth.probe import KEEP_ALIVE_LEAD
+from llmhealth.selector import Selector
 
 INTERVAL = 0.4  # the controller's probe interval in these tests
 WAIT = 0.3  # the Prober's least time between two reads of a backend, inside INTERVAL
@@ -623,3 +624,31 @@ def test_counts_that_add_up_past_a_float_are_a_verdict_not_an_exception(
     assert [result.verdict for result in asyncio.run(main())] == [VerdictKind.IDLE]
     report = llmhealth.check([url], wait=WAIT, timeout=2.0)
     assert report.backends[0].verdict is VerdictKind.IDLE
+
+
+def test_a_lease_that_outlived_a_restart_the_prober_saw_reports_nothing_on_the_new_process() -> (
+    None
+):
+    """The process restarted by itself (a supervisor's, k8s's) while requests hung on it;
+    the Prober saw the new process (STALE, its failures and identity not inherited) and the
+    trainer refit it. The hung requests then timed out and were counted against the
+    replacement, as the ones ended by ``mark_loaded`` no longer are."""
+
+    async def main(urls: list[str]) -> tuple[FleetHealth, Selector]:
+        fleet = FleetHealth(urls, policy=FleetPolicy(unhealthy_threshold=3))
+        selector = Selector(fleet)
+        hung = [selector.lease() for _ in range(3)]
+        assert [lease.__enter__() for lease in hung] == [0, 0, 0]
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await probe_until(prober, fleet, 0, State.STALE)
+        fleet.report_refit(0, weight_version=5)
+        assert fleet.state_of(0) is State.HEALTHY
+        for lease in hung:
+            timed_out = TimeoutError("read timed out")
+            assert not lease.__exit__(TimeoutError, timed_out, None)
+        return fleet, selector
+
+    with running_simulator(["restart:1.5"]) as sim:
+        fleet, selector = asyncio.run(main(sim.urls))
+    assert fleet.snapshot()[0].request_failures == 0 and selector.inflight(0) == 0
+    assert fleet.state_of(0) is State.HEALTHY

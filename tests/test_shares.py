@@ -392,3 +392,21 @@ def test_a_verdict_too_large_for_one_key_is_published_with_its_newest_reads_that
     assert 0 < len(kept) < len(many.reads)
     assert kept == many.reads[-len(kept) :]  # the newest: the leader's baseline
     assert f"without its {len(many.reads) - len(kept)} oldest of 40 reads" in found.verdict.evidence
+
+
+def test_a_verdict_whose_model_list_is_too_large_keeps_its_reads_and_the_model_asked(
+    fixture_text: Load,
+) -> None:
+    # /v1/models of 1,000 ids of 1,024 DEL characters (1 MB, under the probe's cap) made
+    # printable is 5 MB: with every read dropped the entry was still that, and etcd
+    # refused the chunk (tests/test_cluster.py beside).
+    served = tuple(f"m{i}" + "\\x7f" * 1024 for i in range(1000))
+    answer = Answer(120.0, True, "answered", served[500], served)
+    verdict = replace(wedged_verdict(fixture_text), answer=answer)
+    limit = 512 * 1024
+    (chunk,) = publication({"gpu1": 4}, {"gpu1": verdict}, {"gpu1": 9}, limit, {})
+    assert len(chunk) <= limit + len(b'{"verdicts":{}}')
+    found = parse_publication("b", json.loads(chunk))["gpu1"].verdict
+    assert found is not None and found.reads == verdict.reads
+    assert found.answer is not None and found.answer.models_served == (served[500],)
+    assert "without the 999 other models its server lists" in found.evidence
