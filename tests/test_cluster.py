@@ -1343,47 +1343,21 @@ def test_one_verdict_too_large_for_etcd_costs_neither_its_own_publication_nor_th
         Read(1.7e9 + 5 * i, signals=Signals(engines, process_start=1.6e9)) for i in range(61)
     )
     wedged = Verdict(VerdictKind.WEDGED, False, "wedged: frozen", reads=frozen)
-    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
-    clock = Clock()
-    seats = {
-        name: Seat(etcd_server.endpoints, keys.prefix, name, 3.0, log=[].append) for name in "ab"
+    taken, published, first = published_first(etcd_server, keys, wedged)
+    assert {n: v for n, v in taken.items() if n != first} == {
+        n: v for n, v in published.items() if n != first
     }
-    reads = {name: SharedReads(seat, clock=clock) for name, seat in seats.items()}
-    for seat in seats.values():
-        seat.elector.step()
-    for seat in seats.values():
-        seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
-    leader, member = reads["a"], reads["b"]
-    assert seats["a"].elector.decision().may_act
-    assert leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts == {}
-    share = sorted(member.share(backends))
-    assert len(share) >= 2, share
-    verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in share}
-    verdicts[share[0]] = wedged  # first in the publication's order
-    member.publish({n: 1 for n in share}, verdicts, {n: 1 for n in share}, {})
-    taken = leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts
-    assert set(taken) == set(share)
-    assert {n: v for n, v in taken.items() if n != share[0]} == {
-        n: v for n, v in verdicts.items() if n != share[0]
-    }
-    got = taken[share[0]]
+    got = taken[first]
     assert got.kind is VerdictKind.WEDGED and not got.healthy
     assert got.reads and got.reads[-1] == frozen[-1]  # the newest kept: the baseline
-    for seat in seats.values():
-        seat.elector.stop()
 
 
-def test_a_verdict_whose_model_list_is_too_large_for_etcd_costs_no_publication(
-    etcd_server: EtcdCluster, keys: Keys
-) -> None:
-    """A backend whose /v1/models lists 1,000 ids of 1,024 DEL characters (a 1 MB body,
-    under the probe's cap) answered the tiny request: the verdict's model list, each id
-    made printable (``\\x7f`` four times longer, then JSON-escaped), was 5 MB whatever
-    its reads. Dropping every read left the entry over etcd's limit, and the member's
-    publication stopped there: that backend and every one after it settled `stalled`."""
-    served = tuple("\\x7f" * 1024 for _ in range(1000))  # as probe.ask_tiny keeps them
-    answer = Answer(1.7e9, True, "answered in 0.01 s by model m", served[0], served)
-    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", answer=answer, requests_sent=1)
+def published_first(
+    etcd_server: EtcdCluster, keys: Keys, first: Verdict
+) -> tuple[dict[str, Verdict], dict[str, Verdict], str]:
+    """Two sharding members on etcd, ``b`` publishing busy verdicts of its share with
+    ``first`` first in the publication's order: what the leader ``a`` took of every one
+    of them, what was published, and the name ``first`` went under."""
     backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
     clock = Clock()
     seats = {
@@ -1401,13 +1375,28 @@ def test_a_verdict_whose_model_list_is_too_large_for_etcd_costs_no_publication(
         share = sorted(member.share(backends))
         assert len(share) >= 2, share
         verdicts = {name: Verdict(VerdictKind.BUSY, True, f"busy {name}") for name in share}
-        verdicts[share[0]] = idle  # first in the publication's order
+        verdicts[share[0]] = first
         member.publish({n: 1 for n in share}, verdicts, {n: 1 for n in share}, {})
         taken = leader.take(backends, stale_after=10.0, undecided_for=300.0).verdicts
-        assert set(taken) == set(share)
-        got = taken[share[0]]
-        assert got.kind is VerdictKind.IDLE and got.healthy
-        assert got.answer is not None and got.answer.ok and got.answer.model == served[0]
+        assert set(taken) == set(share)  # none stopped the publication
+        return taken, verdicts, share[0]
     finally:
         for seat in seats.values():
             seat.elector.stop()
+
+
+def test_a_verdict_whose_model_list_is_too_large_for_etcd_costs_no_publication(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A backend whose /v1/models lists 1,000 ids of 1,024 DEL characters (a 1 MB body,
+    under the probe's cap) answered the tiny request: the verdict's model list, each id
+    made printable (``\\x7f`` four times longer, then JSON-escaped), was 5 MB whatever
+    its reads. Dropping every read left the entry over etcd's limit, and the member's
+    publication stopped there: that backend and every one after it settled `stalled`."""
+    served = tuple("\\x7f" * 1024 for _ in range(1000))  # as probe.ask_tiny keeps them
+    answer = Answer(1.7e9, True, "answered in 0.01 s by model m", served[0], served)
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered", answer=answer, requests_sent=1)
+    taken, _, first = published_first(etcd_server, keys, idle)
+    got = taken[first]
+    assert got.kind is VerdictKind.IDLE and got.healthy
+    assert got.answer is not None and got.answer.ok and got.answer.model == served[0]
