@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
 from llmhealth.openfiles import read_regular_file
-from llmhealth.text import openai_root, refuse_user_info, same_server, up_to_query
+from llmhealth.text import header_safe, openai_root, refuse_user_info, same_server, up_to_query
 from llmhealth.window import WedgeRules
 
 DEFAULT_WAIT = 5.0
@@ -871,7 +871,7 @@ def unset_key_variables(config: Config) -> list[str]:
                 f"{_shown_variable(backend.api_key_env)}, which is not set (or empty) here; "
                 "without its key every request would fail as the backend's fault"
             )
-        elif not (key.isascii() and key.isprintable()):
+        elif not header_safe(key):
             # A CR an environment file with Windows line ends left: every probe raised as
             # "not judged", and the router sent each request without its Authorization.
             reasons.append(

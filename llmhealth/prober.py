@@ -19,6 +19,7 @@ from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import BackendSnapshot, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
+from llmhealth.text import header_safe
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class Prober:
         # every tiny request fail on our side, so a backend that never answered stayed
         # HEALTHY; a model that is not a name earned a 404 and condemned a healthy one.
         if api_key is not None and not (
-            isinstance(api_key, str) and _is_token(api_key) and api_key.isascii()
+            isinstance(api_key, str) and _is_token(api_key) and header_safe(api_key)
         ):
             raise ValueError(
                 "api_key must be printable ASCII without spaces at either end "

@@ -95,3 +95,11 @@ def refuse_user_info(url: str) -> None:
             f"give 'http(s)://{shown}' and put a key in the environment (for a backend, "
             "the variable its api_key_env names)"
         )
+
+
+def header_safe(text: str) -> bool:
+    """Whether ``text`` can go in an HTTP header as it is: ASCII with no CR, LF or other
+    control character, so nothing ends the line early. The one rule for what llmhealth
+    sends (``wire``), the keys a config names (``config.unset_key_variables``) and those
+    the library is given (``Prober``)."""
+    return text.isprintable() and text.isascii()

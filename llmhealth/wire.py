@@ -39,6 +39,7 @@ from llmhealth.openfiles import (
     short_of_descriptors,
     trust_unread,
 )
+from llmhealth.text import header_safe
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
@@ -296,7 +297,7 @@ class Connection:
         if body is not None:
             lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
         for name, value in headers.items():
-            if not _is_header_safe(name) or not _is_header_safe(value):
+            if not header_safe(name) or not header_safe(value):
                 raise ValueError("a request header may not hold control characters")
             lines.append(f"{name}: {value}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
@@ -677,11 +678,6 @@ def _drop_own_callback(transport: asyncio.BaseTransport) -> None:
     """
     if getattr(transport, "_read_ready_cb", None) is not None:
         setattr(transport, "_read_ready_cb", None)  # noqa: B010 - a private attribute
-
-
-def _is_header_safe(text: str) -> bool:
-    """No CR, LF or other control character: nothing may end a header line early."""
-    return text.isprintable() and text.isascii()
 
 
 async def _read_head(
