@@ -7,12 +7,14 @@ connection is one ``asyncio.Protocol``: it cuts a request's head out of its buff
 parses it with ``http1``'s rules (the ones ``upstream.py`` reads backends' answers with),
 collects the body and runs the handler in one task. Its rules:
 
-- a head is at most ``MAX_HEAD_BYTES`` and ``MAX_FIELDS`` fields (else 431); a request
-  line that is not ``METHOD SP target SP HTTP/1.x``, a malformed field, a bare CR or LF,
-  or a body framed both ways is 400; a Transfer-Encoding other than chunked is 501;
+- a head, with any blank lines before it, is at most ``MAX_HEAD_BYTES`` and
+  ``MAX_FIELDS`` fields (else 431); a request line that is not ``METHOD SP target SP
+  HTTP/1.x``, a malformed field, a bare CR or LF, or a body framed both ways is 400; a
+  Transfer-Encoding other than chunked is 501;
 - a body is framed by Content-Length or chunked (HTTP/1.1 only) and at most ``max_body``
-  bytes: the handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and
-  the connection closes after the answer, since the rest of the body is unread;
+  bytes, a chunked body's framing too (each chunk costing at least ``http1.CHUNK_COST``): the
+  handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and the connection
+  closes after the answer, since the rest of the body is unread;
 - a connection with no request in progress (no whole head yet, or kept alive after its
   last answer) is idle: idle ones close after ``idle_timeout``, so a head sent a byte a
   minute is bounded too, and at the ``cap`` a new connection makes room by closing the
@@ -219,6 +221,8 @@ class _Connection(asyncio.Protocol):
         self._body_done = True
         self._body_error: BadRequestError | None = None
         self._body_waiter: asyncio.Future[None] | None = None
+        self._framing = 0  # a chunked body's framing bytes so far, charged (CHUNK_COST)
+        self._blank = 0  # bytes of blank lines skipped before the next request line
         # When a connection closing in order (what is buffered sent first) ends anyway:
         # cancelled once it has, so that a closed connection leaves no timer behind.
         self._deadline: asyncio.TimerHandle | None = None
@@ -271,17 +275,25 @@ class _Connection(asyncio.Protocol):
         """Start the next request if its head is whole; refuse one beyond the bounds."""
         buffer = self._buffer
         while buffer.startswith(b"\r\n"):
-            del buffer[:2]  # RFC 9112 2.2: blank lines before a request line are skipped
+            # RFC 9112 2.2: blank lines before a request line are skipped, counted in the
+            # head's bound: unbounded, a client sending nothing else kept the router's
+            # loop busy reading them (300 MiB, 10 s of its CPU in 10 s) until idle_timeout.
+            del buffer[:2]
+            self._blank += 2
+            if self._blank > MAX_HEAD_BYTES:
+                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                return
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
+            if self._blank + len(buffer) > MAX_HEAD_BYTES:
                 self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
             return
-        if end + 4 > MAX_HEAD_BYTES:
+        if self._blank + end + 4 > MAX_HEAD_BYTES:
             self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
             return
         head = bytes(buffer[:end])
         del buffer[: end + 4]
+        self._blank = 0
         try:
             request, framing = self._parse(head)
         except FramingError as exc:
@@ -373,6 +385,7 @@ class _Connection(asyncio.Protocol):
         self._body = bytearray()
         self._whole = None
         self._body_error = None
+        self._framing = 0
         max_body = self._edge.max_body
         if length is None:
             self._chunk_state, self._body_done = 1, False
@@ -462,6 +475,14 @@ class _Connection(asyncio.Protocol):
                 size = http1.chunk_size(line)
                 if len(self._body) + size > max_body:
                     raise BadRequestError(413, f"request body over {max_body} bytes")
+                # The line, its CRLF, the data's CRLF, and what a tiny chunk falls short of:
+                # uncharged, one-byte chunks held the loop 0.2 s per read, and extensions
+                # of 64 KiB a chunk were read for as long as body_timeout allowed.
+                self._framing += len(line) + 4 + max(0, http1.CHUNK_COST - size)
+                if self._framing > max_body:
+                    raise BadRequestError(
+                        413, f"request body's chunk framing over {max_body} bytes (tiny chunks)"
+                    )
                 self._body_left, self._chunk_state = size, 2 if size else 3
                 continue
             # data, then its CRLF

@@ -16,6 +16,11 @@ MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; t
 # a reused connection closing under it is sent once more only if it is one of these.
 IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 MAX_FIELDS: Final = 100  # header fields in one head
+# Bytes each chunk of a chunked body costs at least, its data and framing together: a
+# chunk costs an await or a parse whatever its size, so one-byte chunks (16 million in a
+# 16 MiB body) or long extensions would otherwise hold a loop for seconds. The backends'
+# answers (``wire``) and the clients' requests (``edge``) are held to it.
+CHUNK_COST: Final = 128
 TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # RFC 9110 5.6.2: a method, a field name
 _FIELD_NAME: Final = re.compile(TOKEN)
 # Control characters a field may not carry (tab is a value's; CR and LF end the line).
@@ -144,8 +149,12 @@ def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
 
 
 def keep_alive(version: str, tokens: set[str]) -> bool:
-    """Whether the connection carries another message after this one (RFC 9112 9.3)."""
-    return "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
+    """Whether the connection carries another message after this one (RFC 9112 9.3):
+    never with ``close``, whatever else is listed (an HTTP/1.0 message saying both
+    ``keep-alive`` and ``close`` was kept)."""
+    if "close" in tokens:
+        return False
+    return version != "HTTP/1.0" or "keep-alive" in tokens
 
 
 def body_fields(headers: Iterable[tuple[str, str]]) -> tuple[str | None, str | None]:

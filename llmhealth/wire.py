@@ -45,9 +45,6 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewis
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
 _MAX_INFORMATIONAL = 8  # 1xx answers skipped before the real one
 _READ_SIZE = 256 * 1024
-# Bytes a chunk of a chunked body is counted as at least: a chunk costs an await or two
-# whatever its size, and 16 MiB of one-byte chunks was 4 s of this process's CPU.
-_CHUNK_COST = 128
 # Bytes a connection's socket is read by while its answer's head is awaited: the head and
 # the start of the body, not the whole body (see _BodyGate).
 _HEAD_READ_SIZE = 1024
@@ -755,7 +752,7 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
     (chunk extensions of 60 KB a line were free, and a read took 822 MB in 2 s), kept in
     one buffer (a list of two-byte chunks held 30 times their size)."""
     body = bytearray()
-    charged = 0  # the body's bytes, each chunk counted as at least _CHUNK_COST
+    charged = 0  # the body's bytes, each chunk counted as at least http1.CHUNK_COST
     while True:
         size_line = await _framing_line(reader, "chunk-size line")
         progress.received += len(size_line)
@@ -770,7 +767,7 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
                 if trailers > MAX_HEAD_BYTES:
                     raise WireError(Failure.MALFORMED, f"trailers over {MAX_HEAD_BYTES} bytes")
             return bytes(body)
-        charged += len(size_line) + max(size, _CHUNK_COST) + 2
+        charged += len(size_line) + max(size, http1.CHUNK_COST) + 2
         if progress.received + size + 2 > max_bytes or charged > max_bytes:
             raise WireError(Failure.TOO_BIG, "over the cap", received=progress.received)
         data = await reader.readexactly(size + 2)

@@ -343,6 +343,9 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> 
         for request, kept in [
             (b"GET /x HTTP/1.0\r\n\r\n", False),
             (b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", True),
+            # RFC 9112 9.3: close wins; such a client was answered keep-alive and kept.
+            (b"GET /x HTTP/1.0\r\nConnection: keep-alive, close\r\n\r\n", False),
+            (b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n", False),
             (b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n", False),
             (b"GET /x HTTP/1.1\r\n\r\n", True),
         ]:
@@ -397,6 +400,67 @@ def test_a_broken_or_oversize_chunked_body_is_the_clients_fault(
             writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
             got, fields, _ = await answer(reader)
             assert got == status
+            assert fields["connection"] == "close"
+            assert await closed(reader)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "chunked",
+    [
+        b"1\r\nx\r\n" * MAX_BODY + b"0\r\n\r\n",
+        b"1;" + b"e" * 8000 + b"\r\nx\r\n0\r\n\r\n",
+    ],
+    ids=["one-byte-chunks", "long-extension"],
+)
+def test_a_chunked_bodys_framing_is_held_to_max_body_as_its_data_is(chunked: bytes) -> None:
+    """One-byte chunks cost the router's loop a microsecond each (2 s for 2 million,
+    0.2 s per read), and a 16 MiB max_body let a body have 16 million. Chunk extensions
+    (64 KiB a line) were read without end for as long as body_timeout."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            got, fields, body = await answer(reader)
+            assert got == 413, body
+            assert fields["connection"] == "close"
+            assert await closed(reader)
+
+    run(scenario())
+
+
+def test_a_body_of_max_body_in_chunks_of_ordinary_size_is_taken_whole() -> None:
+    async def scenario() -> None:
+        size = 256  # twice what a chunk costs at least (CHUNK_COST)
+        data = b"x" * MAX_BODY
+        chunked = b"".join(
+            b"%x\r\n%s\r\n" % (size, data[at : at + size]) for at in range(0, MAX_BODY, size)
+        )
+        async with edge() as (_, reader, writer):
+            writer.write(
+                b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
+            )
+            got, _, body = await answer(reader)
+            assert (got, len(json.loads(body)["body"])) == (200, MAX_BODY)
+
+    run(scenario())
+
+
+def test_blank_lines_before_a_request_line_count_in_the_heads_bound() -> None:
+    """A client that sent nothing but CRLFs was read without end until idle_timeout: 300
+    MiB in 10 s from one connection, the router's loop at 100% of a core meanwhile."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"\r\n" * 3)  # a few, as old clients send after a body: skipped
+            writer.write(b"GET /x HTTP/1.1\r\n\r\n")
+            assert (await answer(reader))[0] == 200
+            for _ in range(MAX_HEAD_BYTES // 4096 + 2):  # blank lines, and never a request
+                writer.write(b"\r\n" * 2048)
+                await writer.drain()
+            got, fields, _ = await answer(reader)
+            assert got == 431
             assert fields["connection"] == "close"
             assert await closed(reader)
 
