@@ -95,6 +95,8 @@ class Answer:
     timed_out: bool = False  # sent, and no answer came within its timeout
     # Turned away for its credentials (HTTP 401 or 403): says nothing of the engine.
     refused: bool = False
+    # False when it never went out ("not sent: GET /v1/models ..."): no request was spent.
+    sent: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -817,7 +819,7 @@ def _verdict(
         waiting,
         steps_per_s,
         tokens_per_s,
-        requests_sent=0 if answer is None else 1,
+        requests_sent=1 if answer is not None and answer.sent else 0,
         reads=tuple(reads),
         answer=answer,
     )

@@ -22,7 +22,7 @@ import typer
 from llmhealth import config as config_module
 from llmhealth.actions import AuditError
 from llmhealth.classify import Target
-from llmhealth.openfiles import reader_may_leave
+from llmhealth.openfiles import output_may_fail, reader_may_leave
 from llmhealth.report import ExitCode
 from llmhealth.state import StateError, given_path
 
@@ -185,7 +185,7 @@ def check(
         keeps_state = state is not None or config_file is not None
         store = StateFile(state_path_for(loaded, state)) if keeps_state else None
         report = run_cycle(loaded, targets, settings, store, mode=mode)
-    with reader_may_leave(sys.stdout):  # the verdicts' exit code stands without a reader
+    with output_may_fail(sys.stdout):  # the verdicts' exit code stands without a reader
         _print(report, output)
     from llmhealth.report import exit_code  # noqa: PLC0415
 
@@ -380,7 +380,7 @@ def _verb_exit(result: VerbResult) -> None:
 
     # The message quotes stored words (a hold's reason, a last error): escaped, not raw.
     stream = sys.stdout if result.applied else sys.stderr
-    with reader_may_leave(stream):  # saved or refused, whoever reads the message
+    with output_may_fail(stream):  # saved or refused, whoever reads the message
         print(printable(result.message), file=stream)
     raise typer.Exit(0 if result.applied else 1)
 
@@ -415,7 +415,7 @@ def status(
 
         assert isinstance(store, EtcdStore)
         cluster = describe(store.etcd, store.keys, store.revision)
-    with reader_may_leave(sys.stdout):
+    with output_may_fail(sys.stdout):
         if output is OutputFormat.JSON:
             document = status_json(snapshots, record.holds, fleet, now)
             document = {**document, "cluster": cluster} if cluster else document
@@ -493,7 +493,7 @@ def audit(
 
     loaded = _config_or_default(config_file)
     malformed = 0
-    with reader_may_leave(sys.stdout):  # `audit | head` reads no further than head does
+    with output_may_fail(sys.stdout):  # `audit | head` reads no further than head does
         if loaded.cluster is not None:
             from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
 
@@ -512,11 +512,11 @@ def audit(
                 # mistyped.
                 if not state_path.is_file():
                     raise StateError(f"no state at {state_path} and no audit log at {path}")
-                with reader_may_leave(sys.stderr):
+                with output_may_fail(sys.stderr):
                     print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
         malformed += unprintable
     if malformed:
-        with reader_may_leave(sys.stderr):
+        with output_may_fail(sys.stderr):
             print(
                 f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr
             )
@@ -634,14 +634,14 @@ def config_check(
             )
         # Said, not refused: `watch -c FILE URL...` takes its targets from its command line,
         # which this cannot see. Without them the daemon refuses the reload, in its log.
-        with reader_may_leave(sys.stderr):  # a note: the verdict is the exit code
+        with output_may_fail(sys.stderr):  # a note: the verdict is the exit code
             print(
                 f"{path}: note: no [[backend]] or [[proxy]]: watch, route and check need "
                 "URLs on their command line with it, or refuse it (a reload too)",
                 file=sys.stderr,
             )
     restartable = sum(1 for backend in loaded.backends if backend.restart)
-    with reader_may_leave(sys.stdout):
+    with output_may_fail(sys.stdout):
         print(
             f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart "
             f"command), {len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout "
@@ -771,10 +771,10 @@ def _cannot_check(message: str) -> NoReturn:
     asked for: a plugin runner (NRPE, Icinga) reads stdout only, and shows an empty one
     as "no output returned from plugin" instead of the reason; a script piping JSON to
     a parser got nothing to parse, and no exit_code in it."""
-    with reader_may_leave(sys.stderr):
+    with output_may_fail(sys.stderr):
         print(f"llmhealth: {message}", file=sys.stderr)
     asked = _format_asked(sys.argv[1:])
-    with reader_may_leave(sys.stdout):
+    with output_may_fail(sys.stdout):
         if asked is OutputFormat.NAGIOS:
             from llmhealth.text import nagios_text  # noqa: PLC0415
 

@@ -319,6 +319,27 @@ def reader_may_leave(stream: IO[str]) -> Iterator[None]:
         discard_output(stream)
 
 
+@contextlib.contextmanager
+def output_may_fail(stream: IO[str]) -> Iterator[None]:
+    """``reader_may_leave``, for a run's one output (a check's verdicts, a verb's line):
+    also an output that cannot be written, a terminal that hung up (EIO), a file on a full
+    disk or over quota (``check -f json > report.json``), goes to /dev/null from then on,
+    as rich's console is answered (render.py). ``check -f nagios`` of a CRITICAL fleet
+    exited 1 (WARNING) with two tracebacks, the "cannot check" line failing as the verdicts
+    had, and a hold that was saved said "internal error". Not for a daemon's log, which a
+    disk freed again must take again."""
+    try:
+        with reader_may_leave(stream):
+            yield
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_GONE:
+            raise
+        discard_output(stream)
+
+
+_OUTPUT_GONE: Final = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
+
+
 def discard_output(stream: IO[str]) -> None:
     """Send what is written to ``stream`` from now on, and what it still buffers, to
     /dev/null: its reader is gone."""

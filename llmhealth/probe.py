@@ -413,13 +413,13 @@ async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, cloc
         models = await list_models(client, target, settings.timeout, headers)
     except _RequestFailedError as failure:
         refused = failure.status in _KEY_REFUSED
-        return Answer(clock(), False, f"not sent: {failure.detail}", refused=refused)
+        return Answer(clock(), False, f"not sent: {failure.detail}", refused=refused, sent=False)
     # The id as the server listed it is the one it serves: made printable, the tiny
     # request asked for a model it does not have ("llama\\xa03"), and an idle backend
     # was unanswered. What is shown and kept stays printable.
     asked = target.model or (models[0] if models else None)
     if asked is None:
-        return Answer(clock(), False, "not sent: GET /v1/models lists no model")
+        return Answer(clock(), False, "not sent: GET /v1/models lists no model", sent=False)
     # An expected_model is printable (config.py), so one with a character that is not
     # can only be written as it is shown: asked for as the server listed it.
     if asked not in models:
@@ -624,7 +624,7 @@ async def examine_proxy(client: Client, target: Target, settings: ProbeSettings)
     except _RequestFailedError as failure:
         if failure.status in _KEY_REFUSED:  # it answers: our key, not the proxy, failed
             why = f"{failure.detail}: the proxy turned our API key away (see api_key_env)"
-            refused = Answer(time.time(), False, failure.detail, refused=True)
+            refused = Answer(time.time(), False, failure.detail, refused=True, sent=False)
             return replace(judge_proxy(False, why, ()), judged=False, answer=refused)
         return judge_proxy(False, failure.detail, ())
     except Exception as exc:  # one proxy's problem must not end the fleet's check

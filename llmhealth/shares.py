@@ -69,6 +69,7 @@ def verdict_to_dict(verdict: Verdict) -> dict[str, Any]:
             "models_served": list(answer.models_served),
             "timed_out": answer.timed_out,
             "refused": answer.refused,
+            "sent": answer.sent,
         }
     if verdict.longest_step is not None:
         document["longest_step"] = verdict.longest_step.to_dict()
@@ -142,6 +143,7 @@ def verdict_from_dict(data: object, where: str) -> Verdict:
             ),
             timed_out=_flag(raw, "timed_out", f"{where}.answer"),
             refused=_flag(raw, "refused", f"{where}.answer", missing=False),
+            sent=_flag(raw, "sent", f"{where}.answer", missing=True),
         )
     step = table.get("longest_step")
     running, waiting = (_optional(table, name, where) for name in ("running", "waiting"))

@@ -201,6 +201,27 @@ def test_check_sends_a_retired_backend_no_tiny_request_until_a_reset(
     assert readmitted["state"] == "healthy" and completions() == 2
 
 
+@pytest.mark.parametrize(
+    "models",
+    [Response("no", status=401), Response('{"data": []}', content_type="application/json")],
+    ids=["key refused", "no model listed"],
+)
+def test_a_tiny_request_never_sent_is_not_counted_as_sent(
+    httpserver: HTTPServer, models: Response
+) -> None:
+    """`requests_sent` is the tiny requests sent (README, BackendResult): a backend whose
+    model list turned the key away, or listed nothing, showed 1 beside the evidence
+    "tiny request not sent", and no POST had gone out."""
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "idle-1.txt").read_text())
+    httpserver.expect_request("/v1/models").respond_with_response(models)
+    url = httpserver.url_for("").rstrip("/")
+    result = runner.invoke(app, ["check", url, "--wait", "0.1", "-f", "json"])
+    (backend,) = json.loads(result.output)["backends"]
+    assert "tiny request not sent" in backend["evidence"], backend["evidence"]
+    assert not [request for request, _ in httpserver.log if request.method == "POST"]
+    assert backend["requests_sent"] == 0, backend
+
+
 def test_a_check_without_a_backends_key_variable_exits_3_asking_nothing(
     entry_point: str, httpserver: HTTPServer, tmp_path: Path
 ) -> None:
@@ -838,6 +859,43 @@ def test_a_check_whose_reader_is_gone_still_exits_with_its_verdicts_code(
             entry_point, "check", closed_port_url(), "-f", output, buffered=buffered
         )
         assert (result.returncode, result.stderr) == (2, ""), (output, result.stderr)
+
+
+def run_full(entry_point: str, *args: str, full: str) -> subprocess.CompletedProcess[str]:
+    """``llmhealth ARGS > /dev/full`` (``full="stdout"``) or ``2> /dev/full``: an output
+    on a full disk, written at the end as cron and systemd run it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as device:
+        other = subprocess.PIPE
+        return subprocess.run(
+            [entry_point, *args],
+            stdout=device if full == "stdout" else other,
+            stderr=device if full == "stderr" else other,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+        )
+
+
+def test_an_output_on_a_full_disk_changes_no_exit_code(entry_point: str, tmp_path: Path) -> None:
+    """`check -f nagios > /dev/full` of a down backend exited 1 (WARNING) with two
+    tracebacks, the UNKNOWN line it then tried failing as the verdicts had; a bad config
+    with its stderr full exited 1 too; a hold that was saved said "internal error", 3."""
+    for output in ("nagios", "json", "table"):
+        result = run_full(entry_point, "check", closed_port_url(), "-f", output, full="stdout")
+        assert (result.returncode, result.stderr) == (2, ""), (output, result.stderr)
+    missing = str(tmp_path / "absent.toml")
+    for full in ("stdout", "stderr"):
+        refused = run_full(entry_point, "check", "--config", missing, "-f", "json", full=full)
+        assert refused.returncode == 3, (full, refused.stdout, refused.stderr)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[backend]]\nname = "gpu0"\nurl = "{closed_port_url()}"\n')
+    where = ("--config", str(config), "--state", str(tmp_path / "s.json"))
+    held = run_full(
+        entry_point, "hold", "gpu0", "--for", "1h", "--reason", "r", *where, full="stdout"
+    )
+    assert (held.returncode, held.stderr) == (0, ""), held.stderr
 
 
 @pytest.mark.slow
