@@ -468,7 +468,7 @@ class FleetRecord:
         for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
         for old, new in self.renames(backends).items():
-            changes.append(self._rename(old, new))
+            changes.append(self.rename(old, new))
         for name in self.ledger.names:
             if name not in backends:
                 state = self.ledger.state_of(name)
@@ -548,7 +548,7 @@ class FleetRecord:
             if name not in self.ledger and (server := same_server(url)) in leaving
         }
 
-    def _rename(self, old: str, new: str) -> MembershipChange:
+    def rename(self, old: str, new: str) -> MembershipChange:
         """A new name for the same server is no new backend: forgotten and added again, a
         condemned one served at once, a retired one too, its restart budget and cooldown
         were spent afresh, and the restart its running command stood for was lost."""

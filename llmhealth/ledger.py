@@ -1818,15 +1818,20 @@ _LATER_BACKEND_KEYS: Final = frozenset(
 def _as_record(
     value: object, where: str, keys: frozenset[str], later: frozenset[str] = frozenset()
 ) -> dict[str, object]:
+    """A saved object's keys: ``keys`` required, ``later`` optional, any other passed over.
+
+    A key this build does not know was added by a later one within the same schema, as
+    ``later``'s were: refused, the whole state was set aside as corrupt on a rollback and
+    a fresh ledger started, a retired GPU serving again and every hold gone. A change an
+    older build must not pass over raises ``SCHEMA`` instead."""
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected an object, got {_type_name(value)}")
     record: dict[str, object] = {}
     for key, item in value.items():
         if not isinstance(key, str):
             raise ValueError(f"{where}: keys must be strings, got {key!r}")
-        if key not in keys and key not in later:
-            raise ValueError(f"{where}: unknown key {key!r}")
-        record[key] = item
+        if key in keys or key in later:
+            record[key] = item
     missing = sorted(keys - record.keys())
     if missing:
         raise ValueError(f"{where}: missing key {missing[0]!r}")

@@ -64,8 +64,8 @@ class _Edit:
     saved: str
     # The backend's name as the record or config spells it (``_spelled``).
     name: str
-    # A configured backend the record did not hold, added for this verb: audited with the
-    # verb's own record when the verb saves.
+    # A configured backend the record did not hold, added (or a saved one renamed) for
+    # this verb: audited with the verb's own record when the verb saves.
     added: MembershipChange | None = None
 
     def save(self, store: Store, audit: Audit, now: float, entry: Mapping[str, object]) -> None:
@@ -90,10 +90,11 @@ def _editing(
 
     With no saved record yet, the one a first check would start from (every configured
     backend HEALTHY); a configured backend the saved record does not know yet (added
-    since the last check) is added as a check would add it. Either is saved only if the
-    verb changes something. The message names where: a verb that found no state makes a
-    new one, which a daemon keeping its state elsewhere (another user's default path, a
-    config without ``state``) never reads, and the operator must be able to see that.
+    or renamed since the last check) is added or renamed as a check would. Either is
+    saved only if the verb changes something. The message names where: a verb that found
+    no state makes a new one, which a daemon keeping its state elsewhere (another user's
+    default path, a config without ``state``) never reads, and the operator must be able
+    to see that.
     ``or_held``: a name the config dropped whose hold is kept will do (``release``).
     """
     with store.locked():
@@ -116,8 +117,14 @@ def _editing(
             )
         added = None
         if name not in record.ledger and name in configured:
+            # A new name the config gives a saved backend's server is renamed, as a check
+            # renames it (``reconcile``), its record kept: added, it shared the address.
+            was = {new: old for old, new in record.renames(configured).items()}.get(name)
             try:
-                added = record.admit(name, configured[name], clock())
+                if was is not None:
+                    added = record.rename(was, name)
+                else:
+                    added = record.admit(name, configured[name], clock())
             except ValueError as exc:  # e.g. its URL is another saved backend's
                 raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
         if name not in record.ledger and not (or_held and name in record.holds):

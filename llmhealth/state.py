@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from llmhealth.ledger import SCHEMA as LEDGER_SCHEMA
 from llmhealth.openfiles import (
     LOCK_TIMEOUT,
     lock_within,
@@ -75,12 +76,17 @@ def decode_record(raw: bytes, decode: Callable[[dict[str, Any]], T], where: str)
     if not isinstance(document, dict):
         raise ValueError("not a JSON object")
     schema = document.get("schema")
-    if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA:
-        raise StateError(
-            f"state {where} was written by a newer llmhealth (schema {schema}; this one "
-            f"reads schema {SCHEMA}): left in place; run the newer version, or move it "
-            "aside to start a fresh ledger"
-        )
+    # The ledger's layout has a schema of its own, bumped "on any incompatible change":
+    # newer, it is as much a newer llmhealth's as a newer document.
+    ledger = document.get("ledger")
+    inner = ledger.get("schema") if isinstance(ledger, dict) else None
+    for found, reads, of in ((schema, SCHEMA, ""), (inner, LEDGER_SCHEMA, "ledger ")):
+        if isinstance(found, int) and not isinstance(found, bool) and found > reads:
+            raise StateError(
+                f"state {where} was written by a newer llmhealth ({of}schema {found}; this "
+                f"one reads {of}schema {reads}): left in place; run the newer version, or "
+                "move it aside to start a fresh ledger"
+            )
     if schema != SCHEMA:
         raise ValueError(f"schema {schema!r}, expected {SCHEMA}")
     return decode(document)

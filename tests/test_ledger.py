@@ -1587,7 +1587,7 @@ _DELETE = object()
     [
         (["schema"], 2, "schema: expected 1, got 2"),
         (["schema"], _DELETE, "missing key 'schema'"),
-        (["extra"], 1, "unknown key 'extra'"),
+        (["extra"], 1, None),  # a key a later build added is passed over
         (["epoch"], -1, "epoch: must be from 0 to 2"),
         (["epoch"], 10**400, "epoch: must be from 0 to 2"),  # /metrics raised OverflowError
         (["backends", 0, "probe_failures"], 2**53 + 1, "probe_failures: must be from 0"),
@@ -1607,7 +1607,7 @@ _DELETE = object()
         (["backends", 0, "condemned_by"], 3, "condemned_by: expected a string"),
         (["backends", 2, "state"], "healthy", None),
         (["backends", 1, "state_since"], None, "restarting backend needs"),
-        (["backends", 0, "color"], "red", "unknown key 'color'"),
+        (["backends", 0, "color"], "red", None),  # likewise
     ],
 )
 def test_from_dict_refuses_malformed_data_saying_what_is_wrong(

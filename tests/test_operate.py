@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
@@ -534,3 +535,56 @@ def test_a_verb_finds_a_name_typed_in_another_unicode_form(tmp_path: Path) -> No
     assert [b["name"] for b in saved["ledger"]["backends"]] == [decomposed]
     assert saved["ledger"]["backends"][0]["state"] == "retired"
     assert [r["backend"] for r in read(tmp_path / "audit.jsonl")] == [decomposed, decomposed]
+
+
+def test_a_state_with_keys_a_later_build_added_keeps_its_ledger_on_a_rollback(
+    state: Path,
+) -> None:
+    # Every key added so far came within schema 1 (`state_before_partial`, `process`, ...
+    # `restart_stamped_at`). Refused as unknown, the state a later build wrote was set
+    # aside as corrupt when an upgrade was rolled back: the next run started a fresh
+    # ledger, the retired GPU serving again and the weight-sync hold gone.
+    assert llmhealth("retire", "gpu1", "--reason", "bad GPU", "--state", str(state)).returncode == 0
+    held = llmhealth("hold", "gpu0", "--for", "30m", "--reason", "sync", "--state", str(state))
+    assert held.returncode == 0, held.stderr
+    document = json.loads(state.read_text())
+    document["a_table_added_later"] = {}
+    document["ledger"]["added_later"] = 1
+    for entry in document["ledger"]["backends"]:
+        entry["added_later"] = True
+    document["holds"]["gpu0"]["added_later"] = "x"
+    document["restarts"] = {"gpu1": {"failures": 0, "last_attempt_at": None, "added_later": 2}}
+    state.write_text(json.dumps(document))
+    saved = status(state)
+    assert saved["gpu1"]["state"] == "retired"
+    assert saved["gpu0"]["hold"] == {"reason": "sync", "until": ANY, "by": ANY}
+    released = llmhealth("release", "gpu0", "--state", str(state))
+    assert released.returncode == 0, released.stderr
+    assert status(state)["gpu1"]["state"] == "retired"
+    assert sorted(p.name for p in state.parent.iterdir() if "corrupt" in p.name) == []
+
+
+def test_a_backend_the_config_renamed_since_the_last_check_is_found_by_its_new_name(
+    state: Path, tmp_path: Path
+) -> None:
+    # The saved fleet has gpu0 (port 9) and gpu1 (port 10, DEAD); the config now calls the
+    # server at port 10 "gpu1b". A check renames it, keeping its record; a verb under the
+    # new name exited 3 ("backends 'gpu1' and 'gpu1b' share the URL") until one had run.
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n\n'
+        '[[backend]]\nname = "gpu1b"\nurl = "http://127.0.0.1:10"\n'
+    )
+    retired = llmhealth(
+        "retire", "gpu1b", "--reason", "bad GPU", "--config", str(config), "--state", str(state)
+    )
+    assert retired.returncode == 0, retired.stderr
+    shown = status(state)
+    assert sorted(shown) == ["gpu0", "gpu1b"]
+    assert shown["gpu1b"]["state"] == "retired"
+    audit = read(state.with_name("audit.jsonl"))
+    assert [(e["backend"], e["event"]) for e in audit] == [
+        ("gpu1b", "renamed"),
+        ("gpu1b", "retire"),
+    ]
+    assert audit[1]["from"] == "dead"  # its record kept: not re-added HEALTHY

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from llmhealth import state as state_module
 from llmhealth.actions import AuditLog
+from llmhealth.fleet import FleetRecord
+from llmhealth.ledger import LedgerPolicy
 from llmhealth.state import (
     SCHEMA,
     MemoryStore,
@@ -834,3 +836,22 @@ def test_dotdot_after_roots_directory_link_is_the_kernels(tmp_path: Path) -> Non
         store.save({"n": 2})
     assert json.loads((real / "state" / "state.json").read_text())["n"] == 2
     assert sorted(p.name for p in (tmp_path / "etc" / "state").iterdir()) == []
+
+
+def test_a_ledger_a_newer_llmhealth_laid_out_is_left_in_place_not_started_afresh(
+    tmp_path: Path,
+) -> None:
+    """The ledger's layout has its own schema, to be raised on any incompatible change:
+    raised alone, a rollback set the state aside as corrupt and started a fresh ledger."""
+    store = StateFile(tmp_path / "state.json")
+    newer = b'{"schema": 1, "ledger": {"schema": 2, "epoch": 0, "backends": []}}'
+    store.path.write_bytes(newer)
+    for look in (store.load, store.read):
+        with store.locked(), pytest.raises(StateError) as refused:
+            look(lambda document: FleetRecord.from_dict(document, LedgerPolicy()))
+        assert not isinstance(refused.value, StateCorruptError)
+        assert "newer llmhealth (ledger schema 2; this one reads ledger schema 1)" in str(
+            refused.value
+        )
+    assert store.path.read_bytes() == newer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.lock"]
