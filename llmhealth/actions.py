@@ -143,6 +143,8 @@ def run_command(
         )
     except OSError as exc:  # missing, not executable, not a valid binary...
         return _not_run(args, start, exc.strerror or str(exc))
+    except ValueError as exc:  # an environment no process can be given (a NUL in a value)
+        return _not_run(args, start, f"its environment cannot be passed: {exc}")
 
     out, err = _Capture(output_limit), _Capture(output_limit)
     assert proc.stdout is not None and proc.stderr is not None  # both are PIPE above

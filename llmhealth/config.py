@@ -371,6 +371,10 @@ def check_url(url: str) -> str:
     if any(character.isspace() for character in parts.netloc):
         # No host name holds a space: resolved, it failed as the server's `down` (exit 2).
         raise ValueError(f"{url!r} has white space in its host and port")
+    if not parts.path.isprintable():
+        # A NUL ("\\u0000" in TOML) passed `config check`, then reached a restart command's
+        # LLMHEALTH_URL, which no process can be given: `check` died with a traceback.
+        raise ValueError(f"{url!r} has a control character in its path")
     try:
         port = parts.port
     except ValueError as exc:

@@ -554,7 +554,7 @@ async def run_cycle_async(
     done: list[CommandDone] = []
     first, interrupted = settled.report, False
     held = contextlib.ExitStack()  # Ctrl-C held off, once it came, until it is recorded
-    for order in settled.orders:
+    for index, order in enumerate(settled.orders):
         assert store is not None  # orders come only from a settle that saved them
         # An operator's verb saved while an earlier command ran (outside the lock, which
         # it must not hold up): a hold or a retire since the settle stops this one.
@@ -587,6 +587,11 @@ async def run_cycle_async(
                     await asyncio.shield(running)
             done.append(CommandDone(order, running.result()))
             interrupted = True
+            # The orders after it were saved RESTARTING and will not run: heard as not run
+            # (no attempt spent), or each sat RESTARTING, holding a concurrency place,
+            # until its startup grace failed it as a restart that had been tried.
+            why = "the check was interrupted (Ctrl-C) before it ran"
+            done += [not_run(later, why, withdrawn=True) for later in settled.orders[index + 1 :]]
             break
         done.append(CommandDone(order, result))
     if not done:

@@ -624,7 +624,11 @@ class Daemon:
         if not done:
             return
         try:
-            news = News([], done, final=True, unread=self._unread())
+            # A command still running keeps its restart's grace from running out, in
+            # this settle as in every other.
+            news = News(
+                [], done, final=True, commands_running=self._restarting_now(), unread=self._unread()
+            )
             last = _in_daemon_thread(self._settle, news)
             await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
         except TimeoutError:

@@ -31,7 +31,8 @@ from llmhealth.policy import (
     restart_pending,
 )
 
-_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
+# A number, or a duration written as several ("1m5s", "1m", "55s"): one number to a reader.
+_NUMBERS = re.compile(r"(?:\d+(?:\.\d+)?[hms](?![a-z]))+|\d+(?:\.\d+)?")
 _AUDIT_EVENTS = {Action.RESTART: "restart", Action.RETIRE: "retire", Action.SKIP: "restart_skipped"}
 ACTOR = "llmhealth"
 

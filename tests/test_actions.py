@@ -207,6 +207,14 @@ def test_a_nul_byte_in_an_argument_is_a_result_not_an_exception() -> None:
     assert "argument 1 contains a NUL byte" in result.stderr
 
 
+def test_an_environment_no_process_can_be_given_is_a_result_not_an_exception() -> None:
+    # A config URL whose path held "\\u0000" reached LLMHEALTH_URL: Popen raised
+    # ValueError, `check` died with a traceback and its backend was left RESTARTING.
+    result = run_command(["true"], timeout=30, env={"LLMHEALTH_URL": "http://h:8000/a\0b"})
+    assert result.exit_code is None and not result.ok
+    assert "its environment cannot be passed" in result.stderr
+
+
 def test_a_string_is_refused_as_argv_since_no_shell_will_split_it() -> None:
     with pytest.raises(TypeError, match="not a string"):
         run_command("systemctl restart vllm@0", timeout=30)

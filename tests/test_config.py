@@ -700,6 +700,16 @@ def test_a_host_no_server_can_have_is_refused_not_judged_down(tmp_path: Path, ur
         check_url(good)  # an underscore, an IPv6 zone, an IDN: hosts that resolve
 
 
+def test_a_control_character_in_a_urls_path_is_refused(tmp_path: Path) -> None:
+    # It passed `config check`; a restart command was then given it in LLMHEALTH_URL,
+    # which no process can take with a NUL: `check` died with a traceback, RESTARTING.
+    path = write(tmp_path, '[[backend]]\nurl = "http://127.0.0.1:8000/a\\u0000b"\n')
+    with pytest.raises(ConfigError, match="control character in its path"):
+        load(path)
+    with pytest.raises(ValueError, match="control character in its path"):
+        check_url("http://127.0.0.1:8000/\x1b[31m")
+
+
 def test_two_names_that_are_one_text_in_two_unicode_forms_are_refused(tmp_path: Path) -> None:
     # "café" composed and decomposed: two backends that status, Nagios perfdata and every
     # log showed as one name, and a verb on "café" acted on whichever form was typed.

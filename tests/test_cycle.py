@@ -1463,3 +1463,19 @@ def test_requests_failed_after_the_clock_stepped_back_under_a_new_name_count(
     )  # fmt: skip
     snapshot = settled.record.ledger.snapshot("b", T0 + 5)
     assert (snapshot.state, snapshot.request_failures) == (State.DEAD, 3)
+
+
+def test_a_cooldown_counting_down_writes_its_skip_once_whole_minutes_or_not(
+    tmp_path: Path,
+) -> None:
+    """A skip is written again only when its reason changed, numbers aside. The time left
+    in a cooldown is one number written as several ("1m5s", "1m", "55s"): each time it
+    came out a whole number of minutes, or fell under one, the skip's reason read as new
+    and the same decision went to the trail again, with its proof, fsync'd."""
+    store, audit, order = issued(tmp_path)  # issued at T0 + 2
+    hear(store, audit, CommandDone(order, result(1)), start=T0 + 3)  # 2 min of cooldown
+    for step in range(14):  # a settle every 5 s, from 1m11s to 6s left
+        settled = settle_empty(store, audit, T0 + 50 + 5 * step)
+        assert settled.orders == ()
+    skips = [r["reason"] for r in read(audit.path) if r["event"] == "restart_skipped"]
+    assert len(skips) == 1, skips

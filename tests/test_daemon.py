@@ -2927,3 +2927,71 @@ def test_a_members_serials_keep_no_backend_the_config_no_longer_names(tmp_path: 
         await daemon._reading.close()
 
     asyncio.run(rollouts())
+
+
+@pytest.mark.slow  # a 3 s shutdown grace run out
+def test_the_last_settle_of_a_stop_does_not_fail_a_restart_whose_command_still_runs(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While its command runs, a restart's startup grace does not run out (a command that
+    waits for its server to be ready, a restart_timeout past the grace, costs time, not
+    attempts); every settle is told which commands run. The last settle of a stop, which
+    saves the commands that ended within the shutdown grace, was not: it failed the
+    restart of a command still running (`startup_expired`, the cooldown doubled) and the
+    trail said its new process was never re-admitted while the command was still at it."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    # Long enough for the quick command and the last settle; the slow one outlasts it.
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 3.0)
+    slow_started, slow_go = tmp_path / "slow.pid", tmp_path / "slow.go"
+    quick_started, quick_go = tmp_path / "quick.pid", tmp_path / "quick.go"
+    backends = (
+        config_module.Backend(
+            "slow",
+            urls.wedge_a,
+            restart=(sys.executable, "-c", SLOW_RESTART, str(slow_started), str(slow_go)),
+        ),
+        config_module.Backend(
+            "quick",
+            urls.wedge_b,
+            restart=(sys.executable, "-c", SLOW_RESTART, str(quick_started), str(quick_go)),
+        ),
+    )
+    policy = config_module.Policy(max_concurrent_restarts=2, startup_grace=1.0)
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        config = config_module.Config(
+            timeout=1.0, answer_timeout=1.0, backends=backends, policy=policy
+        )
+        return config, [Target("slow", urls.wedge_a), Target("quick", urls.wedge_b)]
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not (slow_started.exists() and quick_started.exists()):
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("the restart commands did not start")
+            await asyncio.sleep(POLL)
+        await asyncio.sleep(1.5)  # both restarts' graces are over: their commands run on
+        daemon.stop()
+        quick_go.touch()  # one command ends within the shutdown grace: a last settle
+        return await asyncio.wait_for(running, PATIENCE)  # the other is left running
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        slow_go.touch()
+        quick_go.touch()
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    heard = [r["backend"] for r in audit if r["event"] == "restart_command"]
+    assert "quick" in heard  # the last settle ran
+    expired = [r["backend"] for r in audit if r["event"] == "startup_expired"]
+    assert "slow" not in expired, "failed while its command still ran"

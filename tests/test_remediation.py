@@ -11,6 +11,7 @@ is stopped when its test ends, failing or not.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import itertools
 import json
@@ -29,7 +30,7 @@ from restartable import Fleet, Server, alive, restartable_fleet, stop
 
 from llmhealth import config as config_module
 from llmhealth.actions import read as read_audit
-from llmhealth.cycle import run_cycle
+from llmhealth.cycle import run_cycle, run_cycle_async
 from llmhealth.probe import ProbeSettings
 from llmhealth.state import StateError, StateFile
 
@@ -1049,3 +1050,64 @@ def test_a_restart_held_or_retired_while_an_earlier_command_of_the_check_runs_is
     assert setup.saved("gpu1")["state"] == ("dead" if verb == "hold" else "retired")
     if verb == "hold":  # released later, it has its whole budget: no command ran
         assert setup.saved("gpu1")["restart_times"] == []
+
+
+# Writes its pid to its first argument, then fails after a moment: a command still
+# running when Ctrl-C comes, and over soon after.
+BRIEFLY = (
+    "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
+    " time.sleep(0.5); sys.exit(7)"
+)
+
+
+def test_a_restart_a_ctrl_c_kept_from_running_is_heard_as_not_run_with_no_attempt_spent(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """check runs its orders one after another; Ctrl-C during gpu0's command recorded
+    gpu0's outcome and left gpu1's order unrun and unheard: RESTARTING with an attempt
+    spent, its `restart` line saying a command was about to run and no line ever saying
+    it did not, holding a `max_concurrent_restarts` place until the startup grace failed
+    it as a failed restart (with restart_budget = 1: retired, no command having run)."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
+    setup = configure(
+        "unused",
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [sys.executable, "-c", BRIEFLY, str(started)]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+    )
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    settings = ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+    until_frozen(gpu0, gpu1)
+
+    async def interrupted() -> None:
+        check = asyncio.ensure_future(
+            run_cycle_async(loaded, targets, settings, StateFile(setup.state))
+        )
+        until = time.monotonic() + RUN_TIMEOUT
+        while not started.exists():
+            assert not check.done(), check.result()
+            assert time.monotonic() < until, "gpu0's restart command never started"
+            await asyncio.sleep(0.05)
+        check.cancel()  # what asyncio.run does with the main task on Ctrl-C
+        with pytest.raises(asyncio.CancelledError):
+            await check
+
+    asyncio.run(interrupted())
+    assert not marker.exists()  # gpu1's command was not run
+    heard = {r["backend"]: r for r in setup.audit() if r["event"] == COMMAND}
+    assert heard["gpu0"]["command"]["exit_code"] == 7
+    assert "gpu1" in heard, "gpu1's restart is in the trail as about to run, never as not run"
+    assert heard["gpu1"]["command"]["stderr"].startswith("not run: ")
+    assert setup.saved("gpu1")["state"] == "dead"
+    assert setup.saved("gpu1")["restart_times"] == []  # no command ran: no attempt spent
