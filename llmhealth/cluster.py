@@ -142,6 +142,11 @@ def compare_created(key: str, revision: int) -> dict[str, Any]:
     return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": revision}
 
 
+def compare_lease(key: str, lease: int) -> dict[str, Any]:
+    """The key is held on ``lease`` (a key that does not exist is on none)."""
+    return {"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": str(lease)}
+
+
 def compare_modified(key: str, revision: int) -> dict[str, Any]:
     """The key was last written at ``revision`` (0: the key does not exist)."""
     return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": revision}
@@ -504,6 +509,10 @@ class Elector:
         # among the readers it took a share away from the daemons for as long as it ran
         # (minutes, proving a slow wedge), a share it never reads.
         self.shares_reads = False
+        # Why the member key is another process's, while it is (None: it is ours); and
+        # what tells this process's own key, left on a lease it lost, from another's.
+        self.member_refused: str | None = None
+        self._process = secrets.token_hex(8)
         self.transitions = 0  # times this daemon became leader
         self.last_error: str | None = None
         self.observed = Observation()
@@ -615,8 +624,7 @@ class Elector:
                 self._facts = LeaseFacts(lease, sent, None)
         elif not self._keep_alive(lease):
             return None
-        self._put_member(lease)
-        return lease
+        return lease if self._put_member(lease) else None
 
     def _keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False (and the lead lost) when etcd no longer has it."""
@@ -643,7 +651,14 @@ class Elector:
             return
         self._keep_alive(facts.lease_id)
 
-    def _put_member(self, lease: int) -> None:
+    def _put_member(self, lease: int) -> bool:
+        """Write the member key on ``lease``; False (said once) when another process holds
+        it under this name. Two processes as one member (``member`` set in a config
+        copied to two machines) wrote the key and their publications over each other's,
+        and as their serials are their own, every overwrite was a new verdict to the
+        leader: one failed read each counted as three failures, DEAD. The one that holds
+        the name keeps it; the other leads nothing and publishes nothing until its lease
+        ends."""
         with self._lock:
             report = dict(self._report)
             leading = self._fence is not None
@@ -656,8 +671,40 @@ class Elector:
             "shares_reads": self.shares_reads,
             "renewed_at": self._wall(),
             "last_report": report,
+            "process": self._process,
         }
-        self.etcd.txn([], [put(self.keys.member(self.member), json.dumps(value).encode(), lease)])
+        key = self.keys.member(self.member)
+        write = [put(key, json.dumps(value).encode(), lease)]
+        read = [{"request_range": {"key": _b64(key)}}]
+        held, _, found = self.etcd.txn([compare_lease(key, lease)], write, read)
+        holder = None if held or not found else found[0]
+        if not held and (holder is None or self._written_here(holder)):
+            # None yet (this lease's first round, or its last expired), or ours on a
+            # lease this process lost without revoking it (etcd was away).
+            taken = (
+                compare_created(key, 0)
+                if holder is None
+                else compare_modified(key, holder.mod_revision)
+            )
+            held, _, found = self.etcd.txn([taken], write, read)
+            holder = None if held or not found else found[0]
+        if held:
+            self.member_refused = None
+            return True
+        why = f"member name {self.member!r} is held by another process ({_holder(holder)})"
+        why += ": each process of a cluster needs its own [cluster] member name; this one "
+        why += "leads nothing and publishes nothing while that one's lease lives"
+        if why != self.member_refused:
+            self._log(f"cluster: {why}")
+        self.member_refused = why
+        return False
+
+    def _written_here(self, found: KeyValue) -> bool:
+        try:
+            value = _finite_json(found.value)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(value, dict) and value.get("process") == self._process
 
     def _campaign(self, lease: int) -> None:
         """Create the leader key on our lease if nobody holds it (etcd's election, simply).
@@ -716,6 +763,18 @@ class Elector:
             self._facts, self._fence = LeaseFacts(), None
         if was_leading:
             self._log(f"cluster: {self.member} is no longer leader: {why}")
+
+
+def _holder(found: KeyValue | None) -> str:
+    """Who a member key says wrote it, for a message (another process wrote it)."""
+    if found is None:
+        return "gone since"
+    try:
+        value = _finite_json(found.value)
+        host, pid = printable(str(value["host"])), printable(str(value["pid"]))
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return f"lease {found.lease:x}"
+    return f"host {host}, pid {pid}, lease {found.lease:x}"
 
 
 class EtcdStore:
@@ -1234,6 +1293,8 @@ class SharedReads:
         lease = self.seat.elector.lease_id
         if lease is None:
             return
+        if (refused := self.seat.elector.member_refused) is not None:
+            raise ClusterError(refused)
         mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
         chunks = publication(serials, verdicts, examined, PUBLICATION_BYTES, urls, reading_at)
         for index, chunk in enumerate(chunks):

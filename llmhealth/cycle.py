@@ -23,7 +23,7 @@ from llmhealth.actions import Audit, AuditError, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
-from llmhealth.fleet import FleetRecord, MembershipChange
+from llmhealth.fleet import FleetRecord, MembershipChange, kept_proof
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import EventKind, Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
@@ -898,7 +898,7 @@ def settle(
             for transition in moved:
                 _audit_transition(audit, transition, now, evidence)
             if record.ledger.state_of(name) is State.DEAD:
-                record.proofs[name] = evidence
+                record.proofs[name] = kept_proof(evidence)
         if any(t.applied and t.kind is EventKind.NEW_PROCESS_UP for t in transitions):
             arrived.add(name)
         reports.append(BackendReport(outcome, None, transitions))

@@ -208,6 +208,7 @@ class Daemon:
         sharded = self._seat is not None and cluster is not None and cluster.shard_reads
         self._shares = SharedReads(self._seat) if self._seat and sharded else None
         self._share: frozenset[str] | None = None
+        self._publish_error: str | None = None  # why the last publication failed, if it did
         # What the read workers were last told: whether they may send tiny requests,
         # which backends to ask even when their engines moved, and which never to ask.
         self._told: tuple[bool, frozenset[str], frozenset[str]] = (True, frozenset(), frozenset())
@@ -812,9 +813,7 @@ class Daemon:
         seat = self._seat
         shares = self._shares
         if shares is not None and news.published is not None:
-            # Best effort: etcd away stops every settle anyway, and the elector says so.
-            with contextlib.suppress(StateError):
-                shares.publish(*news.published)
+            self._publish(shares, news.published)
         if seat is not None and not seat.elector.decision().may_act:
             if shares is not None:
                 shares.stand_down()
@@ -860,6 +859,22 @@ class Daemon:
         self._fleet = settled.report.fleet
         self._write_serving(settled.record.ledger.serving, backends)
         return settled
+
+    def _publish(self, shares: SharedReads, published: Publication) -> None:
+        """Best effort: a settle goes on without it. Logged once per cause, and when it
+        works again: while it fails the leader settles this member's share `stalled`
+        ("no member has published a verdict of it"), and only this log says why."""
+        try:
+            shares.publish(*published)
+        except StateError as exc:
+            why = str(exc)
+            if why != self._publish_error:
+                self._log(f"cluster: this member's verdicts were not published: {why}")
+            self._publish_error = why
+            return
+        if self._publish_error is not None:
+            self._log("cluster: this member's verdicts are published again")
+        self._publish_error = None
 
     def _others_verdicts(self, shares: SharedReads, backends: Mapping[str, str]) -> list[Outcome]:
         """What the other members read since the last settle, each verdict once; doubt for

@@ -1,0 +1,203 @@
+"""The cluster on a real etcd: one member name per process, its publications, wide proofs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+from rich.console import Console
+
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.cluster import (
+    ClusterError,
+    Etcd,
+    EtcdStore,
+    Keys,
+    Observation,
+    Seat,
+    SharedReads,
+    read_members,
+)
+from llmhealth.config import Backend, Config
+from llmhealth.config import Cluster as ClusterConfig
+from llmhealth.cycle import settle_fleet
+from llmhealth.daemon import Daemon, News, Publication
+from llmhealth.fleet import FleetRecord
+from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.remediate import Mode
+from tests.etcdproc import EtcdCluster, running_etcd
+from tests.test_cluster import Clock, elector
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def keys(request: pytest.FixtureRequest) -> Keys:
+    return Keys(f"/llmhealth-members/{request.node.name}")
+
+
+def frozen_wide_server() -> Verdict:
+    """A wedge proven on a server with 128 engines over a window of 61 reads."""
+    engines = tuple(
+        EngineSignals(
+            str(i),
+            running=3,
+            waiting=1,
+            steps=12345,
+            generation_tokens=1234567,
+            prompt_tokens=7654321,
+            finished=1000,
+            preemptions=0,
+            kv_usage=0.42,
+        )
+        for i in range(128)
+    )
+    frozen = tuple(
+        Read(1.7e9 + 5 * i, signals=Signals(engines, process_start=1.6e9)) for i in range(61)
+    )
+    return Verdict(VerdictKind.WEDGED, False, "wedged: frozen", reads=frozen)
+
+
+def test_a_wedge_of_a_wide_server_does_not_stop_every_later_settle(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """The record kept the reads of each condemnation's proof whole until the backend
+    served again: 1.3 MB for a server of 128 engines frozen over 61 reads. Two such wedges
+    (or one in a record of 500 backends) made a record over etcd's 1.5 MiB: etcd refused
+    every save ("received message larger than max"), and the leader settled nothing more,
+    the wedges never written down nor restarted, while they lasted."""
+    targets = [Target(f"gpu{i}", f"http://127.0.0.1:{9 + i}") for i in range(3)]
+    config = Config(backends=tuple(Backend(t.name, t.url) for t in targets))
+    backends = {t.name: t.url for t in targets}
+    etcd = Etcd(etcd_server.endpoints)
+    leader = elector(etcd, keys, "a", Clock(), [])
+    leader.step()
+    store = EtcdStore(etcd, keys, leader)
+
+    def settle(outcomes: list[Outcome]) -> FleetRecord:
+        return settle_fleet(
+            store, config, backends, lambda _: outcomes, mode=Mode.OFF, audit=store.audit
+        ).record
+
+    try:
+        wedged = settle([Outcome(targets[i], frozen_wide_server()) for i in range(2)])
+        assert wedged.ledger.state_of("gpu0") == wedged.ledger.state_of("gpu1") == "dead"
+        down = settle([Outcome(targets[2], Verdict(VerdictKind.DOWN, False, "down: refused"))])
+        assert down.ledger.state_of("gpu2") == "suspect"
+        proof = down.proofs["gpu0"]
+        assert proof["reads"] and proof["reads_left_out"] > 0
+        assert proof["reads"][-1]["at"] == frozen_wide_server().reads[-1].at  # the newest
+        assert proof["evidence"] == "wedged: frozen"
+    finally:
+        leader.stop()
+
+
+def test_a_second_process_under_one_member_name_is_refused_not_settled_as_news(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """Two processes started as one member (``member`` set in a config copied to two
+    machines, a new process started before the old one is gone): each put the member key
+    and the publication over the other's. Their serials are their own counts, so each
+    overwrite was news to the leader: one failed read on each made three failures, DEAD,
+    by the third wait, and more for as long as both ran."""
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
+    clock = Clock()
+    logs: list[list[str]] = [[], [], []]
+    first = Seat(etcd_server.endpoints, keys.prefix, "a", 3.0, log=logs[0].append)
+    twins = [Seat(etcd_server.endpoints, keys.prefix, "b", 3.0, log=log.append) for log in logs[1:]]
+    seats = [first, *twins]
+    reads = [SharedReads(seat, clock=clock) for seat in seats]
+    try:
+        for seat in seats:
+            seat.elector.step()
+        for seat in seats:
+            seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+        leader, *readers = reads
+        assert first.elector.decision().may_act
+        assert leader.take(backends, 10.0, 300.0).verdicts == {}
+        name = sorted(readers[0].share(backends))[0]
+        down = Verdict(VerdictKind.DOWN, False, "down: refused")
+        taken = 0
+        for reader, serial in ((readers[0], 5), (readers[1], 1), (readers[0], 5)):
+            with contextlib.suppress(ClusterError):
+                reader.publish({name: serial}, {name: down}, {name: 1}, {})
+            taken += name in leader.take(backends, 10.0, 300.0).verdicts
+        assert taken == 1  # the one verdict of the process that holds the name (3 before)
+        assert [line for line in logs[2] if "member name 'b' is held by another" in line]
+        twins[0].elector.step()  # the holder's next round keeps it, and says nothing
+        assert twins[0].elector.member_refused is None and not logs[1]
+        # Once the holder is gone (it resigned), the other takes the name at its next round.
+        twins[0].elector.stop()
+        twins[1].elector.step()
+        assert twins[1].elector.member_refused is None
+        readers[1].publish({name: 1}, {name: down}, {name: 1}, {})
+        assert name in leader.take(backends, 10.0, 300.0).verdicts
+    finally:
+        for seat in seats:
+            seat.elector.stop()
+
+
+def test_a_members_failed_publication_is_logged(
+    etcd_server: EtcdCluster, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A member whose verdicts etcd refused (here its lease is gone behind its back, as
+    after a pause past its TTL; a publication too slow for its link, every wait) said
+    nothing: the leader settled its share `stalled` ("no member has published a verdict
+    of it; b reads it") and b's log was silent about why."""
+    target = Target("gpu0", "http://127.0.0.1:9")
+    cluster_config = ClusterConfig(
+        tuple(etcd_server.endpoints), keys.prefix, 3.0, "b", shard_reads=True
+    )
+    config = Config(backends=(Backend("gpu0", target.url),), cluster=cluster_config)
+    seat = Seat.for_config(cluster_config, [].append)
+    daemon = Daemon(
+        lambda: (config, [target]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    try:
+        seat.elector.step()
+        lease = seat.elector.lease_id
+        assert lease is not None
+        seat.etcd.revoke(lease)
+        down = Verdict(VerdictKind.DOWN, False, "down: refused")
+        published = Publication({"gpu0": 1}, {"gpu0": down}, {"gpu0": 1}, {}, {})
+        capsys.readouterr()
+        daemon._settle(News([], [], published=published))
+        logged = capsys.readouterr().err
+        assert "not published" in logged and "lease not found" in logged, logged
+    finally:
+        seat.elector.stop()
+
+
+def test_a_process_takes_back_its_own_member_key_left_on_a_lease_it_lost(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A lease this process lost without revoking it (etcd away at its step-down, and
+    restored with the lease renewed) still holds its member key: that is no other
+    process under its name."""
+    log: list[str] = []
+    seat = Seat(etcd_server.endpoints, keys.prefix, "c", 3.0, log=log.append)
+    try:
+        seat.elector.step()
+        old = seat.elector.lease_id
+        seat.elector._lose("etcd away")  # as when the keep-alive said the lease was gone
+        seat.elector.step()
+        assert seat.elector.lease_id not in (None, old)
+        assert seat.elector.member_refused is None, log
+        found = seat.etcd.get(keys.member("c"))
+        assert found is not None and found.lease == seat.elector.lease_id
+        assert old is not None
+        seat.etcd.revoke(old)  # its leader key goes with it: the next round leads again
+        seat.elector.step()
+        assert seat.elector.decision().may_act and seat.elector.member_refused is None
+    finally:
+        seat.elector.stop()
