@@ -72,6 +72,11 @@ class Read:
     ``at`` is when the answer was in; ``sent``, where known, when the request went out,
     on the same clock. The server's text is from between the two: an event loop seconds
     behind (thousands of reads at once) takes an answer in long after it was written.
+    ``tick`` and ``sent_tick``: the same two moments on a steady clock
+    (``time.monotonic``), where the reader has one. Time between reads is taken on them:
+    a wall clock stepped forward between two reads (NTP, a VM resumed, ``date -s``)
+    stretched a freeze of seconds past its window, and a busy engine inside a long step
+    was wedged. ``at`` stays the wall time, for a process's age and the record.
     """
 
     at: float
@@ -80,6 +85,8 @@ class Read:
     detail: str = ""
     cpu: CpuSample | None = None  # the engine's local CPU time, when it runs on this host
     sent: float | None = None
+    tick: float | None = None
+    sent_tick: float | None = None
 
 
 @pickled_as_a_call
@@ -97,6 +104,7 @@ class Answer:
     refused: bool = False
     # False when it never went out ("not sent: GET /v1/models ..."): no request was spent.
     sent: bool = True
+    tick: float | None = None  # ``at`` on the reads' steady clock (``Read.tick``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,8 +429,8 @@ def _judge_freeze(
     used = cpu_used(sampled[0], sampled[-1]) if len(sampled) >= 3 else None
     apart = 0.0
     if used is not None:
-        first_at = next(read.at for read in frozen if read.cpu is not None)
-        apart = cpu_span(sampled[0], sampled[-1], frozen[-1].at - first_at)
+        first = next(read for read in frozen if read.cpu is not None)
+        apart = cpu_span(sampled[0], sampled[-1], _apart(first, frozen[-1]))
     cpu_text = "" if used is None else f"; {describe_cpu(used, apart)}"
     # A process stopped throughout is named first: it says which process to look at and
     # why, where "no CPU" alone fits a deadlock too. Which of the two a stopped engine
@@ -462,9 +470,20 @@ def _stood_still(frozen: Sequence[Read]) -> float:
     the first one's arrival to when the newest was asked for. Both taken on arrival, a
     loop that took the newest in seconds late (its lateness forgiven by the read's
     deadline) stretched a 7 s freeze past the 7.5 s two waits need, and into a wedge."""
-    newest = frozen[-1]
+    newest, first = frozen[-1], frozen[0]
+    if newest.tick is not None and first.tick is not None:  # the steady clock (Read.tick)
+        asked = newest.tick if newest.sent_tick is None else newest.sent_tick
+        return asked - first.tick
     asked = newest.at if newest.sent is None else newest.sent
-    return asked - frozen[0].at
+    return asked - first.at
+
+
+def _apart(earlier: Read | Answer, later: Read | Answer) -> float:
+    """Seconds from ``earlier`` to ``later``: on the steady clock where both were stamped
+    on it (``Read.tick``), as a wall clock may step between them."""
+    if earlier.tick is not None and later.tick is not None:
+        return later.tick - earlier.tick
+    return later.at - earlier.at
 
 
 def _stalled(
@@ -504,22 +523,22 @@ def _ask_or_doubt(
     """
     if answer is None or answer.ok or not answer.timed_out:
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
-    asked_after = [read for read in reads if read.at <= answer.at]
+    asked_after = [read for read in reads if _apart(read, answer) >= 0]
     # The process's youth when the request was sent, as a freeze keeps the youth it began
     # with: a young engine's first step is no less long once the process turns old.
     since = asked_after[-1].at if asked_after else None
     window = window_for(reads, freeze.learned, freeze.rules, since=since)
-    waited = answer.at - asked_after[-1].at if asked_after else 0.0
+    waited = _apart(asked_after[-1], answer) if asked_after else 0.0
     # Only a window longer than the request waited can excuse the timeout (a step that
     # long may hold it); otherwise the engine should have answered at once.
     if not window.seconds > waited:
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
-    if reads[-1].at <= answer.at:
+    if _apart(reads[-1], answer) >= 0:
         if len(reads) < max_reads:
             return TakeRead("the tiny request timed out: one more read shows if the engine moved")
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
     asked = asked_after[-1] if asked_after else reads[0]
-    elapsed = reads[-1].at - asked.at
+    elapsed = _apart(asked, reads[-1])
     used = cpu_used(asked.cpu, reads[-1].cpu)
     apart = elapsed
     if asked.cpu is not None and reads[-1].cpu is not None:
@@ -567,7 +586,7 @@ def _healthy_if_progressing(
     # Across a failed read (judged on its own): counters only grow within a process, and
     # a restart between the two was judged before this (``_last_restart``).
     before, after = _signals(previous), _signals(reads[-1])
-    elapsed = reads[-1].at - previous.at
+    elapsed = _apart(previous, reads[-1])
     moved = [
         name for name, older, newer in _engine_pairs(before, after) if _progressed(older, newer)
     ]
@@ -940,7 +959,7 @@ def _wedge_evidence(frozen: Sequence[Read], engine_name: str, window_text: str) 
 
 def _stall_evidence(reads: Sequence[Read], engine_name: str) -> str:
     window = reads[-2:]
-    elapsed = window[-1].at - window[0].at
+    elapsed = _apart(window[0], window[-1])
     return (
         f"stalled: engine {engine_name} had work and made no progress over one wait "
         f"({elapsed:.1f} s): running {_series(window, engine_name, 'running')}, "

@@ -258,6 +258,7 @@ def settle_fleet(
     commands_running: Collection[str] = frozenset(),
     kept: Kept | None = None,
     unread: Collection[str] = frozenset(),
+    in_grace: Collection[str] = frozenset(),
 ) -> Settled:
     """The one settle path: lock, load, gather verdicts, settle, save.
 
@@ -267,7 +268,9 @@ def settle_fleet(
     ``route`` showed since then, per backend in order; ``commands`` the restart commands
     that finished, ``commands_running`` the backends whose command still runs (never a
     second at once), ``unread`` those it has not read yet at their present address (a
-    daemon just started, a backend just added or moved). No command runs in here: the
+    daemon just started, a backend just added or moved), ``in_grace`` those whose restart
+    command it saw end less than the startup grace ago on a steady clock (a wall clock
+    stepped forward since does not fail their restarts). No command runs in here: the
     restarts it issues come back as orders.
     ``kept``: the record the caller's last settle saved, used instead of loading while
     the store is unchanged (``Kept``), and updated by this one. Without a store nothing
@@ -289,6 +292,7 @@ def settle_fleet(
             commands_running,
             kept,
             unread,
+            in_grace,
         )
 
 
@@ -360,6 +364,7 @@ def _close(
     commands_running: Collection[str],
     kept: Kept | None,
     unread: Collection[str] = frozenset(),
+    in_grace: Collection[str] = frozenset(),
 ) -> Settled:
     """The second half, with the lock still held: settle the verdicts, act, save."""
     record = opened.record
@@ -391,6 +396,7 @@ def _close(
             commands_running=commands_running,
             unread=unread,
             taken=taken,
+            in_grace=in_grace,
         )
         if store is not None:
             store.save(record.to_document(), before=batch.close)
@@ -792,6 +798,7 @@ def settle(
     commands_running: Collection[str] = frozenset(),
     unread: Collection[str] = frozenset(),
     taken: Taken | None = None,
+    in_grace: Collection[str] = frozenset(),
 ) -> tuple[CycleReport, list[RestartOrder]]:
     """Feed finished restart commands, verdicts, then real-traffic outcomes to the ledger;
     fail the restarts left unproven past their startup grace; plan and issue restarts;
@@ -908,7 +915,11 @@ def settle(
     # Nor one its caller has not read yet (a daemon started, or a backend added, past the
     # grace): failed unseen, a server that came back meanwhile was restarted, unread.
     unseen = {name for name in unread if name not in verdicts}
-    expired = expire_restarts(record, audit, now, verdicts, {*commands_running, *arrived, *unseen})
+    # Nor one whose command its caller saw end within the grace on a steady clock: a wall
+    # clock stepped forward since (NTP, a VM resumed, `date -s`) failed a restart seconds
+    # old, and restarted a server still loading its model (``settle_fleet``'s in_grace).
+    spared = {*commands_running, *arrived, *unseen, *in_grace}
+    expired = expire_restarts(record, audit, now, verdicts, spared)
     notes = [
         *notes,
         *(stepped_note(name) for name in stepped),

@@ -60,7 +60,7 @@ from llmhealth.heap import give_back_free_pages
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.openfiles import reader_may_leave
-from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings
+from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings, steady_for
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import (
     CommandDone,
@@ -172,6 +172,7 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         router: Router | None = None,
         router_listen: tuple[str, int] | None = None,
+        steady: Callable[[], float] | None = None,
     ) -> None:
         self._load = load
         self._config, self._targets = load()
@@ -199,6 +200,10 @@ class Daemon:
         self._serving_file = serving_file
         self._console = console
         self._clock = clock
+        # The steady clock (``probe.steady_for``): when each backend's last restart command
+        # ended, on it, so that a wall clock stepped forward fails no restart in its grace.
+        self._steady = steady_for(clock, steady)
+        self._commands_ended: dict[str, float] = {}
         self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
         self._watchdog_every = watchdog_interval(os.environ, os.getpid())
         self._ready_told = False
@@ -405,6 +410,7 @@ class Daemon:
                     self._publication(),
                     commands_running=self._restarting_now(),
                     unread=self._unread(),
+                    in_grace=self._in_grace(),
                 )
                 try:
                     cycle = _in_daemon_thread(self._settle_and_give_back, news)
@@ -519,6 +525,20 @@ class Daemon:
             names |= here if here and order.name not in configured else {*here, order.name}
         return frozenset(names)
 
+    def _in_grace(self) -> frozenset[str]:
+        """Backends whose restart command ended less than the startup grace ago on the
+        steady clock: the wall clock stepped forward since (NTP, a VM resumed, `date -s`)
+        failed their restarts a few seconds after the command, and restarted servers still
+        loading their models (``settle_fleet``'s in_grace)."""
+        if self._steady is None:
+            return frozenset()
+        now = self._steady()
+        grace = ledger_policy(self._config.policy).startup_grace
+        for name, ended in list(self._commands_ended.items()):
+            if now - ended >= grace:
+                del self._commands_ended[name]
+        return frozenset(self._commands_ended)
+
     def _unread(self) -> frozenset[str]:
         """Backends this daemon has had no verdict of at their configured server yet:
         just started, or added or moved by a reload. Their restarts' startup grace does
@@ -571,6 +591,8 @@ class Daemon:
         if error is not None:  # a bug of ours; the startup grace will fail the restart
             self._log(f"{order.name}: the restart command could not be run: {error!r}")
             return
+        if self._steady is not None:  # before the settle that starts the grace hears of it
+            self._commands_ended[order.name] = self._steady()
         self._commands_done.append(CommandDone(order, running.result()))
 
     def _run_serving_hook(self) -> None:
@@ -628,7 +650,12 @@ class Daemon:
             # A command still running keeps its restart's grace from running out, in
             # this settle as in every other.
             news = News(
-                [], done, final=True, commands_running=self._restarting_now(), unread=self._unread()
+                [],
+                done,
+                final=True,
+                commands_running=self._restarting_now(),
+                unread=self._unread(),
+                in_grace=self._in_grace(),
             )
             last = _in_daemon_thread(self._settle, news)
             await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
@@ -841,6 +868,7 @@ class Daemon:
                     commands_running=news.commands_running,
                     kept=self._kept,
                     unread=news.unread,
+                    in_grace=news.in_grace,
                 )
             except RecordMovedError:
                 # Nothing was written nor kept: the next attempt loads the verb's record.
@@ -1232,6 +1260,7 @@ class News:
     final: bool = False
     commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
     unread: frozenset[str] = frozenset()  # backends not read yet where they are configured
+    in_grace: frozenset[str] = frozenset()  # restart commands ended within the grace (steady)
 
 
 def watchdog_interval(environment: Mapping[str, str], pid: int) -> float | None:

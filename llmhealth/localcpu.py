@@ -91,7 +91,7 @@ class LocalCpu:
             stopped = tuple(
                 sorted(pid for pid, f in stats.items() if f[0] in ("T", "t") and _names_vllm(pid))
             )
-            return CpuSample(seconds, tuple(sorted(processes)), time.time(), stopped)
+            return CpuSample(seconds, tuple(sorted(processes)), time.monotonic(), stopped)
         except (OSError, ValueError):
             return None
 
@@ -488,5 +488,5 @@ def _cgroup_sample(path: Path) -> CpuSample | None:
         key, _, value = line.partition(" ")
         if key == "usage_usec":
             # One stable identity for the group: its inode (a recreated unit is another).
-            return CpuSample(int(value) / 1e6, (path.stat().st_ino,), time.time())
+            return CpuSample(int(value) / 1e6, (path.stat().st_ino,), time.monotonic())
     return None

@@ -47,6 +47,21 @@ from llmhealth.window import LongestStep, WedgeRules
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
+
+def steady_for(clock: Clock, steady: Clock | None = None) -> Clock | None:
+    """The steady clock reads and answers are stamped with besides ``clock``, for the
+    time between them (``classify.Read.tick``): ``steady`` where given, else
+    ``time.monotonic`` for the wall clock, and none for another clock a caller injected (a
+    test's or a simulation's, which moves only as told): time is then taken on it."""
+    if steady is not None:
+        return steady
+    return time.monotonic if clock is time.time else None
+
+
+def _tick(steady: Clock | None) -> float | None:
+    return None if steady is None else steady()
+
+
 _SMALL_BODY = 1024 * 1024  # /v1/models and completions answers are small; cap them hard
 _TINY_PROMPT = "Hi"
 # The longest model id taken from /v1/models: a served name or a local path (Hugging
@@ -321,29 +336,38 @@ def _wire_failure(
 
 
 async def read_metrics(
-    client: Client, target: Target, settings: ProbeSettings, clock: Clock
+    client: Client,
+    target: Target,
+    settings: ProbeSettings,
+    clock: Clock,
+    steady: Clock | None = None,
 ) -> Read:
-    """One GET /metrics, as a Read; never raises for anything the server does."""
+    """One GET /metrics, as a Read; never raises for anything the server does.
+    ``steady``: as ``steady_for`` takes it."""
     url = f"{target.url}/metrics"
+    steady = steady_for(clock, steady)
+    sent_tick = _tick(steady)
     sent = clock()
     try:
         response = await _request(
             client, "GET", url, timeout=settings.timeout, max_bytes=settings.max_body
         )
     except _RequestFailedError as failure:
-        return Read(clock(), problem=failure.problem, detail=failure.detail)
+        return Read(clock(), problem=failure.problem, detail=failure.detail, tick=_tick(steady))
     if 300 <= response.status < 400:
         location = _shortened(printable(response.headers.get("location", "?")))
         return Read(
             clock(),
             problem=ReadProblem.UNUSABLE,
             detail=f"GET /metrics redirected ({response.status}) to {location}; not followed",
+            tick=_tick(steady),
         )
     if not 200 <= response.status < 300:
         return Read(
             clock(),
             problem=ReadProblem.UNUSABLE,
             detail=f"GET /metrics answered HTTP {response.status}",
+            tick=_tick(steady),
         )
     try:
         signals = _printable_signals(parse_metrics(response.body))
@@ -353,6 +377,7 @@ async def read_metrics(
             problem=ReadProblem.UNUSABLE,
             detail=f"GET /metrics: its {len(response.body)} bytes could not be read "
             f"({_exception(exc)})",
+            tick=_tick(steady),
         )
     detail = ""
     if not signals.has_vllm:
@@ -361,7 +386,9 @@ async def read_metrics(
         # false of a text too long to read, as one showing work could be).
         said = f": {'; '.join(signals.notes)}" if signals.notes else " without vLLM series"
         detail = f"GET /metrics sent {len(response.body)} bytes ({kind}){said}"
-    return Read(clock(), signals=signals, detail=detail, sent=sent)
+    return Read(
+        clock(), signals=signals, detail=detail, sent=sent, tick=_tick(steady), sent_tick=sent_tick
+    )
 
 
 async def list_models(
@@ -406,8 +433,23 @@ def _model_id(value: object) -> str:
 _KEY_REFUSED = frozenset({401, 403})
 
 
-async def ask_tiny(client: Client, target: Target, settings: ProbeSettings, clock: Clock) -> Answer:
-    """The tiny request: one completion of one token, for the configured or listed model."""
+async def ask_tiny(
+    client: Client,
+    target: Target,
+    settings: ProbeSettings,
+    clock: Clock,
+    steady: Clock | None = None,
+) -> Answer:
+    """The tiny request: one completion of one token, for the configured or listed model.
+    ``steady``: as ``steady_for`` takes it."""
+    answer = await _ask_tiny(client, target, settings, clock)
+    steady = steady_for(clock, steady)
+    return answer if steady is None else replace(answer, tick=steady())
+
+
+async def _ask_tiny(
+    client: Client, target: Target, settings: ProbeSettings, clock: Clock
+) -> Answer:
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
         models = await list_models(client, target, settings.timeout, headers)
@@ -472,8 +514,11 @@ async def examine_backend(
     sleep: Sleep = asyncio.sleep,
     baseline: Signals | None = None,
     learned: LongestStep | None = None,
+    steady: Clock | None = None,
 ) -> Verdict:
-    """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict."""
+    """Read, wait and ask exactly as much as ``decide`` needs, then return its verdict.
+    ``steady``: the clock time between reads is taken on (``steady_for``)."""
+    steady = steady_for(clock, steady)
     reads: list[Read] = []
     answer: Answer | None = None
     cpu = LocalCpu(target.url, target.cgroup)
@@ -493,7 +538,7 @@ async def examine_backend(
             if isinstance(decision, TakeRead):
                 if reads:
                     await sleep(settings.wait)
-                read = await read_metrics(client, target, settings, clock)
+                read = await read_metrics(client, target, settings, clock, steady)
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
             elif isinstance(decision, SendTinyRequest) and (
                 unasked := settings.why_unasked(target.name)
@@ -501,7 +546,7 @@ async def examine_backend(
                 return left_unasked(reads, decision, unasked)
             elif isinstance(decision, SendTinyRequest):
                 answer_settings = settings.for_answer(reads, learned, target.rules)
-                answer = await ask_tiny(client, target, answer_settings, clock)
+                answer = await ask_tiny(client, target, answer_settings, clock, steady)
     except Exception as exc:  # one backend's problem must not end the fleet's check
         return _unexamined(exc)
 
@@ -516,6 +561,7 @@ async def examine_once(
     baseline: Signals | None = None,
     learned: LongestStep | None = None,
     cpu: LocalCpu | None = None,
+    steady: Clock | None = None,
 ) -> Verdict | None:
     """One read for the watch loop, judged with the reads of earlier cycles.
 
@@ -526,13 +572,14 @@ async def examine_once(
     never a failure: failures are verdicts. Its callers (``watch``'s reading tasks, the
     ``Prober``) start a read every ``settings.wait`` (up to ``KEEP_ALIVE_LEAD`` of it
     early) whenever the last one ended, not a full wait after it: see ``decide``'s
-    ``paced_wait``.
+    ``paced_wait``. ``steady``: the clock time between reads is taken on (``steady_for``).
     """
+    steady = steady_for(clock, steady)
     limit = settings.paced_read_limit
     answer_wanted = settings.wants_answer(target.name)
 
     async def read_into_window() -> None:
-        read = await read_metrics(client, target, settings, clock)
+        read = await read_metrics(client, target, settings, clock, steady)
         kept = await _with_cpu(read, window, cpu, settings, learned, target.rules)
         keep_read(window, kept, limit)
 
@@ -555,7 +602,7 @@ async def examine_once(
             decision = left_unasked(window, decision, unasked)
         if isinstance(decision, SendTinyRequest):
             answer = await ask_tiny(
-                client, target, settings.for_answer(window, learned, target.rules), clock
+                client, target, settings.for_answer(window, learned, target.rules), clock, steady
             )
             decision = judge(answer)
             if isinstance(decision, TakeRead):
@@ -640,6 +687,7 @@ async def check_fleet(
     sleep: Sleep = asyncio.sleep,
     baselines: Mapping[str, Signals] | None = None,
     learned: Mapping[str, LongestStep] | None = None,
+    steady: Clock | None = None,
 ) -> list[Outcome]:
     """Examine every target concurrently; one hung backend costs only its own timeouts.
 
@@ -662,6 +710,7 @@ async def check_fleet(
                 sleep=sleep,
                 baseline=known.get(target.name),
                 learned=steps.get(target.name),
+                steady=steady,
             )
             return Outcome(target, verdict)
 

@@ -89,7 +89,9 @@ class CpuSample:
 
     ``processes`` names them (pids): two samples compare only over the same processes,
     since a process that exited takes its CPU time with it. ``at`` is when the sample
-    was taken, which may be a while after its read (finding the processes takes time).
+    was taken, which may be a while after its read (finding the processes takes time), on
+    the steady clock (``time.monotonic``): a wall clock stepped forward between two
+    samples made an engine computing all along look idle, and wedged it at two waits.
     ``stopped`` names those stopped by a signal (SIGSTOP, a debugger): a stopped engine
     core is frozen whatever its workers do (they may spin waiting for it).
     """

@@ -1140,6 +1140,27 @@ def test_an_engine_that_burns_cpu_while_frozen_is_doubt_until_its_window(
     assert settled(decide(reads)).kind is VerdictKind.WEDGED
 
 
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
+def test_a_wall_clock_stepped_forward_proves_no_freeze_and_no_idle_cpu(
+    fixture_text: Load, step: float
+) -> None:
+    """Reads and CPU samples on the steady clock as the reader stamps them (``Read.tick``,
+    ``CpuSample.at``), the wall clock stepped an hour forward before the third read: an
+    engine computing a whole CPU inside a long step is still only in doubt."""
+    reads = []
+    for index, read in enumerate(cpu_reads(fixture_text, 100.0, 5.0, 5.0)):
+        tick = 500.0 + index * WAIT
+        cpu = replace(read.cpu, at=tick) if read.cpu is not None else None
+        wall = read.at + (step if index == 2 else 0.0)
+        reads.append(replace(read, at=wall, sent=wall, tick=tick, sent_tick=tick, cpu=cpu))
+    verdict = settled(decide(reads, learned=LongestStep(80.0, "gaps"), max_reads=3))
+    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert "no progress over 2 waits (10.0 s)" in verdict.evidence
+    assert "engine processes used 10.0 s CPU in 10.0 s: compiling or computing" in (
+        verdict.evidence
+    )
+
+
 def test_cpu_of_other_processes_is_not_compared(fixture_text: Load) -> None:
     reads = cpu_reads(fixture_text, 100.0, 0.0, 0.0)
     reads[-1] = Read(reads[-1].at, reads[-1].signals, cpu=CpuSample(100.0, (7, 9)))

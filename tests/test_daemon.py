@@ -2995,3 +2995,83 @@ def test_the_last_settle_of_a_stop_does_not_fail_a_restart_whose_command_still_r
     assert "quick" in heard  # the last settle ran
     expired = [r["backend"] for r in audit if r["event"] == "startup_expired"]
     assert "slow" not in expired, "failed while its command still ran"
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "wall clock stepped 1 h"])
+def test_a_wall_clock_stepped_forward_fails_no_restart_within_its_grace(
+    tmp_path: Path, step: float
+) -> None:
+    """The restart command exited 0 and the new server loads its model (refused the while);
+    then the wall clock stepped an hour forward (NTP, a VM resumed, `date -s`). The
+    daemon's next settle, seconds later on any steady clock, failed the restart ("no new
+    process within the startup grace of 15m") and restarted the server still loading.
+    The grace still runs out on the steady clock."""
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
+    from llmhealth.remediate import Mode  # noqa: PLC0415
+
+    restart = ("true",)
+    config = config_module.Config(
+        backends=(config_module.Backend("gpu0", REFUSED_URL, restart=restart),)
+    )
+    target = Target("gpu0", REFUSED_URL)
+    store = StateFile(tmp_path / "state.json")
+    wall, ticks = [time.time()], [1000.0]
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    issued = settle_fleet(
+        store,
+        config,
+        backend_urls([target]),
+        lambda _record: [Outcome(target, wedged)],
+        mode=Mode.ACT,
+        audit=None,
+        clock=lambda: wall[0],
+    )
+    [order] = issued.orders
+    down = Verdict(VerdictKind.DOWN, False, "down: connection refused")
+    grace = config.policy.startup_grace
+
+    def later(seconds: float, stepped: float = 0.0) -> None:
+        wall[0] += seconds + stepped
+        ticks[0] += seconds
+
+    async def scenario() -> list[tuple[str, list[str], list[str]]]:
+        daemon = Daemon(
+            lambda: (config, [target]),
+            store,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(file=io.StringIO()),
+            clock=lambda: wall[0],
+            steady=lambda: ticks[0],
+        )
+        seen = []
+        try:
+            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
+            daemon._commands_running[ran] = order
+            later(2.0)
+            daemon._command_finished(ran)
+            for seconds, stepped in ((3.0, 0.0), (5.0, step), (grace, 0.0)):
+                later(seconds, stepped)
+                news = daemon_module.News(
+                    [Outcome(target, down)], daemon._take_commands(), in_grace=daemon._in_grace()
+                )
+                settled = daemon._settle(news)
+                seen.append(
+                    (
+                        str(settled.record.ledger.state_of("gpu0")),
+                        [t.name for t in settled.report.expired],
+                        [o.name for o in settled.orders],
+                    )
+                )
+            return seen
+        finally:
+            await daemon._reading.close()
+
+    assert asyncio.run(scenario()) == [
+        ("restarting", [], []),  # the command's exit heard: the grace counts from here
+        ("restarting", [], []),  # still loading, seconds later
+        ("restarting", ["gpu0"], ["gpu0"]),  # the grace over: failed, and restarted
+    ]

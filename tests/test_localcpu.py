@@ -692,3 +692,20 @@ def test_a_process_name_cut_inside_a_character_still_gives_evidence(named: str) 
         process.stdout.close()
     assert sample is not None
     assert sample.processes == tuple(sorted((engine, helper)))
+
+
+def test_samples_are_timed_on_the_steady_clock(tmp_path: Path) -> None:
+    """Two samples' span divides the CPU they show: on the wall clock, a step forward
+    between them (NTP, a VM resumed, ``date -s``) made an engine computing all along use
+    "no CPU" over the hour the clock jumped, and wedged it at two waits."""
+    (tmp_path / "cpu.stat").write_text("usage_usec 19600000\n")
+    with api_server_with_engine() as (port, _server, _engine):
+        for cpu in (
+            LocalCpu("http://10.0.0.5:8000", cgroup=str(tmp_path)),
+            LocalCpu(f"http://127.0.0.1:{port}"),
+        ):
+            before = time.monotonic()
+            sample = cpu.sample()
+            after = time.monotonic()
+            assert sample is not None and sample.at is not None
+            assert before <= sample.at <= after

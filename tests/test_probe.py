@@ -1186,3 +1186,155 @@ def test_a_read_watch_was_too_held_up_to_time_keeps_the_freeze_it_interrupted(
     assert starved is not None and not starved.judged, starved
     assert "could not run" in starved.evidence
     assert fourth is not None and fourth.kind is VerdictKind.WEDGED, fourth
+
+
+class SteppedClock:
+    """The wall clock and a steady one, five seconds a wait each; ``step_at`` reads in,
+    the wall clock alone jumps ``step`` seconds forward (NTP, a VM resumed, ``date -s``)."""
+
+    def __init__(self, now: float, step: float = 0.0, step_at: int = 2) -> None:
+        self.now = now
+        self.ticks = 500.0
+        self.step = step
+        self.step_at = step_at
+        self.served = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def steady(self) -> float:
+        return self.ticks
+
+    def wait(self) -> None:
+        self.now += 5.0
+        self.ticks += 5.0
+
+    async def sleep(self, _seconds: float) -> None:
+        self.wait()
+
+    def serving(self) -> None:
+        """A request reached the server: the step comes once ``step_at`` of them have."""
+        self.served += 1
+        if self.served == self.step_at:
+            self.now += self.step
+
+
+# wedge-1..4: the engine stood still with work for 20 s (SIGSTOP), then moved again; its
+# process 211 s old at wedge-1, so its startup window (300 s) covers the pause.
+PAUSED = ["wedge-1", "wedge-2", "wedge-3", "wedge-4", "wedge-resume-1"]
+PAUSED_AT = 1796024587.7  # wedge-1's own time (fixtures/vllm-0.32/INDEX.tsv)
+
+
+def paused_backend(server: HTTPServer, clock: SteppedClock) -> str:
+    texts = [capture(name) for name in PAUSED]
+
+    def metrics(_request: Request) -> Response:
+        text = texts[min(clock.served, len(texts) - 1)]
+        clock.serving()
+        return Response(text, content_type="text/plain; version=0.0.4")
+
+    server.expect_request("/metrics").respond_with_handler(metrics)
+    return server.url_for("").rstrip("/")
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
+def test_a_wall_clock_stepped_forward_inside_a_long_step_does_not_wedge_check(
+    httpserver: HTTPServer, step: float
+) -> None:
+    clock = SteppedClock(PAUSED_AT, step)
+    url = paused_backend(httpserver, clock)
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            return await examine_backend(
+                client,
+                Target("b", url),
+                ProbeSettings(wait=5.0, timeout=2.0),
+                clock=clock,
+                sleep=clock.sleep,
+                steady=clock.steady,
+            )
+
+    verdict = asyncio.run(run())
+    assert verdict.kind is VerdictKind.BUSY, verdict.evidence
+    assert len(verdict.reads) == len(PAUSED)
+    # The reads keep the wall clock's times, step and all: the record's times are wall.
+    assert verdict.reads[-1].at - verdict.reads[0].at == 4 * 5.0 + step
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
+def test_a_wall_clock_stepped_forward_inside_a_long_step_does_not_wedge_watch(
+    httpserver: HTTPServer, step: float
+) -> None:
+    clock = SteppedClock(PAUSED_AT, step)
+    url = paused_backend(httpserver, clock)
+    settings = ProbeSettings(wait=5.0, timeout=2.0)
+
+    async def run() -> list[Verdict | None]:
+        window: list[Read] = []
+        verdicts = []
+        async with new_client() as client:
+            for _ in PAUSED:
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", url), settings, window, clock=clock, steady=clock.steady
+                    )
+                )
+                clock.wait()
+        return verdicts
+
+    verdicts = asyncio.run(run())
+    assert verdicts[:-1] == [None] * (len(PAUSED) - 1)  # inside its window: undecided
+    last = verdicts[-1]
+    assert last is not None and last.kind is VerdictKind.BUSY, last
+
+
+@contextmanager
+def threaded_server() -> Iterator[HTTPServer]:
+    server = HTTPServer(threaded=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.clear()
+        server.stop()
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
+def test_a_wall_clock_stepped_forward_while_the_tiny_request_waits_is_no_failure(
+    step: float,
+) -> None:
+    """A young engine (42 s) showing no work inside its first long step: its tiny request
+    times out behind the step, which its 300 s startup window excuses; the wall clock
+    stepping an hour meanwhile does not make the wait an hour."""
+    clock = SteppedClock(1796024717.9, step)  # restart-1's own time
+    release = threading.Event()
+
+    def hang(_request: Request) -> Response:
+        clock.now += clock.step
+        release.wait(5)
+        return Response("late")
+
+    with threaded_server() as server:
+        server.expect_request("/metrics").respond_with_data(capture("restart-1"))
+        server.expect_request("/v1/models").respond_with_json(MODELS)
+        server.expect_request("/v1/completions").respond_with_handler(hang)
+        url = server.url_for("").rstrip("/")
+
+        async def run() -> Verdict:
+            async with new_client() as client:
+                return await examine_backend(
+                    client,
+                    Target("b", url),
+                    ProbeSettings(wait=5.0, timeout=2.0, answer_timeout=0.3),
+                    clock=clock,
+                    sleep=clock.sleep,
+                    steady=clock.steady,
+                )
+
+        try:
+            verdict = asyncio.run(run())
+        finally:
+            release.set()
+    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert "not proof of a failure" in verdict.evidence

@@ -400,13 +400,13 @@ def test_a_target_a_reload_gives_a_worker_that_is_not_reading_is_told_so(
 # A worker whose first frame the daemon cannot take in: a Read with a field too many,
 # as a worker of another llmhealth version would send it. It then waits for its pipe.
 FORGED_FRAME_WORKER = """
-import pickle, sys
+import dataclasses, pickle, sys
 from llmhealth import readers
 from llmhealth.classify import Read
 
 class Forged:
     def __reduce__(self):
-        return (Read, tuple(range(7)))
+        return (Read, tuple(range(len(dataclasses.fields(Read)) + 1)))
 
 body = pickle.dumps([Forged()])
 sys.stdout.buffer.write(readers._HEADER.pack(len(body)) + body)
