@@ -22,7 +22,7 @@ import typer
 from llmhealth import config as config_module
 from llmhealth.actions import AuditError
 from llmhealth.classify import Target
-from llmhealth.openfiles import output_may_fail, reader_may_leave
+from llmhealth.openfiles import discard_output, output_may_fail, reader_may_leave
 from llmhealth.report import ExitCode
 from llmhealth.state import StateError, given_path
 
@@ -741,6 +741,27 @@ def _print(report: CycleReport, output: OutputFormat) -> None:
 
 def main() -> None:
     """Entry point: every way a run can end maps to one exit code here."""
+    try:
+        _main()
+    finally:
+        _settle_outputs()
+
+
+def _settle_outputs() -> None:
+    """Flush what stdout and stderr still buffer, and send it to /dev/null if it cannot be
+    written: a daemon's log lines lost to a full disk or a terminal that hung up (dropped
+    as they came) stayed buffered, and the interpreter's own flush at exit failed, so a
+    SIGTERM's orderly stop of `watch` exited 120 instead of 0."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            discard_output(stream)
+        except ValueError:  # closed
+            pass
+
+
+def _main() -> None:
     for stream in (sys.stdout, sys.stderr):
         # A latin-1 or ASCII terminal (a cron mail, an old locale) cannot print "→": a verb
         # that had saved its change then exited 3, and a check's CRITICAL read UNKNOWN.

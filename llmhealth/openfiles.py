@@ -26,6 +26,7 @@ import resource
 import socket
 import stat
 import struct
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -335,6 +336,16 @@ def output_may_fail(stream: IO[str]) -> Iterator[None]:
         if exc.errno not in _OUTPUT_GONE:
             raise
         discard_output(stream)
+        if stream is not sys.stderr:
+            # Said where it can be: silent, `check -f json > report.json` on a full disk
+            # left an empty or cut-off report and an exit code that says all is well.
+            with contextlib.suppress(OSError, ValueError), reader_may_leave(sys.stderr):
+                print(
+                    f"llmhealth: the output could not be written ({os.strerror(exc.errno)}); "
+                    "the rest of it was dropped",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 _OUTPUT_GONE: Final = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})

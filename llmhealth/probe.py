@@ -213,11 +213,14 @@ class ProbeSettings:
 class _RequestFailedError(Exception):
     """Internal: a request that gave no usable answer, already classified."""
 
-    def __init__(self, problem: ReadProblem, detail: str, status: int | None = None) -> None:
+    def __init__(
+        self, problem: ReadProblem, detail: str, status: int | None = None, *, sent: bool = True
+    ) -> None:
         super().__init__(detail)
         self.problem = problem
         self.detail = detail
         self.status = status  # the HTTP status that made the answer unusable, if one did
+        self.sent = sent  # False: no connection, so the request never went out
 
 
 class CheckerStarvedError(Exception):
@@ -310,10 +313,10 @@ def _wire_failure(
     failure, received = exc.failure, exc.received
     if failure is wire.Failure.CONNECT_TIMEOUT:
         return _RequestFailedError(
-            ReadProblem.DOWN, f"no TCP connection within {timeout:g} s (no route?)"
+            ReadProblem.DOWN, f"no TCP connection within {timeout:g} s (no route?)", sent=False
         )
     if failure is wire.Failure.CONNECT_FAILED:
-        return _RequestFailedError(ReadProblem.DOWN, _connect_error(_root_cause(exc)))
+        return _RequestFailedError(ReadProblem.DOWN, _connect_error(_root_cause(exc)), sent=False)
     if failure is wire.Failure.ANSWER_TIMEOUT:
         return _RequestFailedError(
             ReadProblem.UNRESPONSIVE,
@@ -480,7 +483,13 @@ async def _ask_tiny(
     except _RequestFailedError as failure:
         timed_out = failure.problem is ReadProblem.UNRESPONSIVE
         return Answer(
-            clock(), False, f"failed: {failure.detail}", model, models, timed_out=timed_out
+            clock(),
+            False,
+            f"failed: {failure.detail}",
+            model,
+            models,
+            timed_out=timed_out,
+            sent=failure.sent,  # not when no connection took it
         )
     if response.status != 200:
         return Answer(

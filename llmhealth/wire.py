@@ -705,8 +705,7 @@ async def _read_head(
         if 100 <= status < 200:
             continue
         tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
-        keep_alive = "keep-alive" in tokens if version == "HTTP/1.0" else "close" not in tokens
-        return status, headers, keep_alive
+        return status, headers, http1.keep_alive(version, tokens)
     raise WireError(Failure.MALFORMED, f"more than {_MAX_INFORMATIONAL} informational answers")
 
 

@@ -189,6 +189,34 @@ def test_a_body_without_length_runs_to_the_close_and_the_connection_is_not_reuse
     assert [response.body for response in responses] == [b"all of it"] * 2
 
 
+def test_an_http_1_0_answer_saying_close_and_keep_alive_ends_the_connection() -> None:
+    """RFC 9112 9.3 (as http1.keep_alive, the router's two sides): close wins. A server
+    that said so and dropped the next request on that connection failed the tiny POST."""
+
+    def closing(connection: socket.socket, number: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 1\r\n\r\nx"
+        )
+        if number == 0:
+            read_request(connection)  # what comes after its close is not answered
+
+    async def run(url: str) -> list[WireResponse]:
+        connection = Connection(None, "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            return [
+                await connection.request(method, url, deadline=loop.time() + 5, max_bytes=100)
+                for method in ("GET", "POST")
+            ]
+        finally:
+            await connection.aclose()
+
+    with tcp_server(closing) as (url, _):
+        responses = eventloop.run(run(f"{url}/v1/completions"))
+    assert [response.body for response in responses] == [b"x", b"x"]
+
+
 def test_informational_answers_are_skipped() -> None:
     def with_continue(connection: socket.socket, _number: int) -> None:
         read_request(connection)
