@@ -394,6 +394,10 @@ def check_url(url: str) -> str:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
+    elif not parts.hostname.isprintable():
+        # An IPv6 zone ("%25eth0") is not checked as a host name is: a NUL there passed,
+        # and every restart command was "not run" (its LLMHEALTH_URL), a failed attempt.
+        raise ValueError(f"{url!r} has a control character in its IPv6 zone")
     # Rebuilt from its parts, case kept: an empty "?" or "#" left in place made every path
     # appended to it part of the query or the fragment (GET / for /metrics).
     scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 from llmhealth.actions import Audit, AuditError, AuditLog, run_command
@@ -560,6 +561,8 @@ async def run_cycle_async(
     done: list[CommandDone] = []
     first, interrupted = settled.report, False
     held = contextlib.ExitStack()  # Ctrl-C held off, once it came, until it is recorded
+    this = asyncio.current_task()
+    why = "the check was interrupted (Ctrl-C) before it ran"
     for index, order in enumerate(settled.orders):
         assert store is not None  # orders come only from a settle that saved them
         # An operator's verb saved while an earlier command ran (outside the lock, which
@@ -576,6 +579,15 @@ async def run_cycle_async(
             note = f"{order.name}: restart saved but not run: {exc}"
             first = replace(first, notes=(*first.notes, note))
             break  # nor the orders after it; the commands already run are still heard
+        if this is not None and this.cancelling():
+            # Ctrl-C came since the last await (the settle's save, the read between two
+            # commands): started anyway, the command ran and was waited for after it.
+            held.callback(_hold_ctrl_c())
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)  # taken here, as below, not in the recording settle
+            interrupted = True
+            done += [not_run(later, why, withdrawn=True) for later in settled.orders[index:]]
+            break
         # A future, not a task: asyncio.run's close cancels every task left (a second
         # Ctrl-C), and a cancelled task would lose the result its thread still brings.
         running = asyncio.get_running_loop().run_in_executor(
@@ -596,12 +608,16 @@ async def run_cycle_async(
             # The orders after it were saved RESTARTING and will not run: heard as not run
             # (no attempt spent), or each sat RESTARTING, holding a concurrency place,
             # until its startup grace failed it as a restart that had been tried.
-            why = "the check was interrupted (Ctrl-C) before it ran"
             done += [not_run(later, why, withdrawn=True) for later in settled.orders[index + 1 :]]
             break
         done.append(CommandDone(order, result))
     if not done:
         return first
+    if not interrupted:
+        # A Ctrl-C that first comes now (this settle waits up to 10 s for a lock another
+        # run holds) ends the check once it is recorded; one pressed again meanwhile was
+        # a KeyboardInterrupt inside it, the commands' outcomes lost.
+        held.callback(_hold_ctrl_c(pass_first=this is None or not this.cancelling()))
 
     async def nothing(_record: FleetRecord) -> list[Outcome]:
         return []
@@ -660,12 +676,25 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     return None
 
 
-def _hold_ctrl_c() -> Callable[[], object]:
+def _hold_ctrl_c(*, pass_first: bool = False) -> Callable[[], object]:
     """Ignore SIGINT (in the main thread, where a handler can be set) until the function
-    returned puts back the handler it replaced."""
+    returned puts back the handler it replaced. ``pass_first``: the first one still goes
+    to asyncio.run's handler, which cancels the check where it next waits (and makes
+    the run exit 130); only the ones after it are ignored."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    before = signal.signal(signal.SIGINT, lambda _signal, _frame: None)
+    before = signal.getsignal(signal.SIGINT)
+    if pass_first and (not callable(before) or before is signal.default_int_handler):
+        return lambda: None  # no asyncio.run handler to pass it to: left as it is
+    passed = not pass_first
+
+    def pressed(signum: int, frame: FrameType | None) -> None:
+        nonlocal passed
+        if not passed and callable(before):
+            passed = True
+            before(signum, frame)
+
+    signal.signal(signal.SIGINT, pressed)
     return lambda: signal.signal(signal.SIGINT, before)
 
 

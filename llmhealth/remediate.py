@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -54,6 +54,9 @@ class RestartOrder:
     issued_at: float  # the ledger's time of the restart: a later one makes this one moot
     reason: str  # the plan's, for the report once the command is done
     env: Mapping[str, str] = field(repr=False)  # never shown: the daemon's environment
+    # The restart history's attempt before this one: withdrawn, this one is given back,
+    # and its cooldown with it.
+    attempt_before: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +259,7 @@ def _issue(
         now,
         decision.reason,
         environment,
+        history.last_attempt_at,
     )
     return RestartOutcome(decision, order=order)
 
@@ -308,6 +312,15 @@ def is_its_restart(record: FleetRecord, name: str, order: RestartOrder, now: flo
     return order.issued_at in (last_restart_at, record.ledger.restart_stamped_at(name))
 
 
+def _attempt_given_back(record: FleetRecord, name: str, order: RestartOrder) -> None:
+    """A withdrawn restart's attempt out of the history too: kept, the cooldown it
+    started left the backend DEAD ("cooling down ... after the last attempt") although
+    no command ran."""
+    history = record.restarts.get(name)
+    if history is not None and history.last_attempt_at == order.issued_at:
+        record.restarts[name] = replace(history, last_attempt_at=order.attempt_before)
+
+
 def hear_commands(
     record: FleetRecord, done: Sequence[CommandDone], audit: Audit | None, now: float
 ) -> None:
@@ -349,6 +362,8 @@ def hear_commands(
                 entry["to"] = str(failed.to_state)
                 if failed.applied and not finished.withdrawn:
                     record.restart_failed(name)
+                elif failed.applied:
+                    _attempt_given_back(record, name, order)
         else:
             entry["superseded"] = True
         if audit is not None:

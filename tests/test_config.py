@@ -743,3 +743,15 @@ def test_a_key_no_request_header_can_carry_is_refused_like_an_unset_one(
     assert "no HTTP header can carry" in reason
     with pytest.raises(BadTargetError, match="no HTTP header can carry"):
         targets_for(config, [], [])
+
+
+def test_a_control_character_in_an_ipv6_zone_is_refused(tmp_path: Path) -> None:
+    # A zone is not checked as a host name is: "%25lo\u0000" passed `config check`, the
+    # backend was judged down, and a restart command given it in LLMHEALTH_URL was "not
+    # run" each time, a failed attempt, until its budget retired the backend.
+    path = write(tmp_path, '[[backend]]\nname = "a"\nurl = "http://[fe80::1%25lo\\u0000x]:8000"\n')
+    with pytest.raises(ConfigError, match="control character"):
+        load(path)
+    with pytest.raises(ValueError, match="control character"):
+        check_url("http://[fe80::1%25\x1b[31m]:8000")
+    assert check_url("http://[fe80::1%25eth0]:8000") == "http://[fe80::1%25eth0]:8000"

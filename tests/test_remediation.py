@@ -20,10 +20,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from restartable import Fleet, Server, alive, restartable_fleet, stop
@@ -46,6 +46,7 @@ TOUCH = "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()"
 # The audit log's name for each kind of restart decision (remediate._AUDIT_EVENTS).
 RESTART, SKIPPED, RETIRE = "restart", "restart_skipped", "retire"
 COMMAND = "restart_command"  # how a restart command went, written once it has finished
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -1111,3 +1112,155 @@ def test_a_restart_a_ctrl_c_kept_from_running_is_heard_as_not_run_with_no_attemp
     assert heard["gpu1"]["command"]["stderr"].startswith("not run: ")
     assert setup.saved("gpu1")["state"] == "dead"
     assert setup.saved("gpu1")["restart_times"] == []  # no command ran: no attempt spent
+
+
+def test_a_ctrl_c_between_two_commands_of_a_check_runs_no_further_command(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Between two of a check's commands it reads the state again (an operator's verb may
+    have held the next backend): a Ctrl-C pressed then, after gpu0's command ended and
+    before gpu1's started, still started gpu1's command, and the check waited for it
+    before it stopped. A Ctrl-C runs no command not yet started."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    marker = tmp_path / "gpu1-restarted"
+    setup = configure(
+        "unused",
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [sys.executable, "-c", "import sys; sys.exit(7)"]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+    )
+
+    class CtrlCAfterTheFirstCommand(StateFile):
+        """The operator's Ctrl-C lands while the check reads the state between commands."""
+
+        pressed = False
+
+        def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
+            if not self.pressed:
+                self.pressed = True
+                signal.raise_signal(signal.SIGINT)  # asyncio.run's handler hears it
+            return super().read(decode)
+
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    settings = ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+    until_frozen(gpu0, gpu1)
+    store = CtrlCAfterTheFirstCommand(setup.state)
+    with pytest.raises(KeyboardInterrupt):
+        run_cycle(loaded, targets, settings, store)
+    assert store.pressed
+    assert not marker.exists(), "gpu1's command ran after the Ctrl-C"
+    heard = {r["backend"]: r for r in setup.audit() if r["event"] == COMMAND}
+    assert heard["gpu0"]["command"]["exit_code"] == 7
+    assert heard["gpu1"]["command"]["stderr"].startswith("not run: ")
+    assert setup.saved("gpu1")["state"] == "dead"
+    assert setup.saved("gpu1")["restart_times"] == []
+
+
+@pytest.mark.slow  # 5 s of a check, its command and a lock held
+@pytest.mark.slow  # 4 s: a lock held while the commands end
+def test_ctrl_c_twice_once_the_commands_ended_and_the_record_waits_for_the_lock_keeps_it(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """The command ended before any Ctrl-C; the settle that records it then waits up to
+    10 s for a lock another run holds. The operator presses Ctrl-C, sees nothing happen
+    and presses it again: that second press was a KeyboardInterrupt inside the settle,
+    the command's outcome in no trail and its backend RESTARTING until its grace. Held
+    off only after a Ctrl-C that came while a command ran, as if one had to come then."""
+    gpu = fleet.start("gpu0", WEDGE)
+    started = tmp_path / "command-started"
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [("gpu0", gpu.url, [sys.executable, "-c", BRIEFLY, str(started)])],
+    )
+    until_frozen(gpu)
+    check = check_in_background(entry_point, setup)
+    lock = None
+    try:
+        command = command_started(check, started)
+        lock = os.open(setup.state.with_name("state.json.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        until = time.monotonic() + 30
+        while command.exists():
+            assert time.monotonic() < until, "the command did not end"
+            time.sleep(0.05)
+        time.sleep(1.0)  # check's recording settle now waits for the lock (up to 10 s)
+        assert check.poll() is None, "check gave up on the lock already"
+        check.send_signal(signal.SIGINT)  # Ctrl-C
+        time.sleep(0.5)
+        check.send_signal(signal.SIGINT)  # and again: nothing seemed to happen
+        time.sleep(0.5)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        out, err = check.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+    commands = [r for r in setup.audit() if r["event"] == COMMAND]
+    assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
+    assert setup.saved("gpu0")["state"] == "dead"
+    assert check.returncode == 130
+
+
+@pytest.mark.slow  # two checks and a command
+def test_a_restart_a_ctrl_c_kept_from_running_leaves_no_cooldown_behind(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Its attempt was given back, yet the restart history kept the time it was issued:
+    the check run again at once left gpu1 DEAD, "cooling down: 10m left after the last
+    attempt", an attempt no command made."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
+    setup = configure(
+        "unused",
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [sys.executable, "-c", BRIEFLY, str(started)]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+        cooldown="10m",
+        cooldown_max="20m",
+    )
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    settings = ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+    until_frozen(gpu0, gpu1)
+
+    async def interrupted() -> None:
+        check = asyncio.ensure_future(
+            run_cycle_async(loaded, targets, settings, StateFile(setup.state))
+        )
+        until = time.monotonic() + RUN_TIMEOUT
+        while not started.exists():
+            assert not check.done(), check.result()
+            assert time.monotonic() < until, "gpu0's restart command never started"
+            await asyncio.sleep(0.05)
+        check.cancel()  # what asyncio.run does with the main task on Ctrl-C
+        with pytest.raises(asyncio.CancelledError):
+            await check
+
+    asyncio.run(interrupted())
+    assert not marker.exists() and setup.saved("gpu1")["state"] == "dead"
+    again = run_cycle(loaded, targets, settings, StateFile(setup.state))
+    [gpu1_note] = [note for note in again.restarts if note.name == "gpu1"]
+    assert gpu1_note.action == "restart", gpu1_note
+    assert marker.exists()
