@@ -603,6 +603,12 @@ class Elector:
             self._step_down(decision.reason)
         lease = self._renew()
         if lease is None:
+            with self._lock:
+                leading = self._fence is not None
+            if leading and self.member_refused is not None:
+                # Its member key another process's (README: it "leads nothing"): kept,
+                # the lead went on unconfirmed, a deleted leader key unnoticed.
+                self._step_down(self.member_refused)
             return
         self._renew_if_due()
         with self._lock:
@@ -688,6 +694,9 @@ class Elector:
             )
             held, _, found = self.etcd.txn([taken], write, read)
             holder = None if held or not found else found[0]
+            # On this lease, which only this process writes: the write went in, its answer
+            # lost and the write offered again (the compare then failed on itself).
+            held = held or (holder is not None and holder.lease == lease)
         if held:
             self.member_refused = None
             return True
@@ -1284,15 +1293,16 @@ class SharedReads:
         examined: Mapping[str, int],
         urls: Mapping[str, str],
         reading_at: Mapping[str, str] | None = None,
-    ) -> None:
+    ) -> bool:
         """This member's newest verdicts (and where each was read) and examination counts
         (and where they are made) for whoever leads (see
         ``shares.publication``), in keys of at most about
         ``PUBLICATION_BYTES`` (``NAME/00000``, ``NAME/00001``, ...); the chunks a shrunken
-        share no longer fills are deleted with the last. Nothing while it has no lease."""
+        share no longer fills are deleted with the last. Nothing while it has no lease
+        (False: nothing published)."""
         lease = self.seat.elector.lease_id
         if lease is None:
-            return
+            return False
         if (refused := self.seat.elector.member_refused) is not None:
             raise ClusterError(refused)
         mine = f"{self.seat.keys.verdicts}{self.seat.member}/"
@@ -1306,6 +1316,7 @@ class SharedReads:
                 }
                 operations.append({"request_delete_range": left})
             self.seat.etcd.txn([], operations)
+        return True
 
     def take(self, backends: Mapping[str, str], stale_after: float, undecided_for: float) -> Taken:
         """The others' verdicts to settle now: each once, doubt for what went stale or was

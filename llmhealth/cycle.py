@@ -24,7 +24,7 @@ from llmhealth.actions import Audit, AuditError, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
-from llmhealth.fleet import FleetRecord, MembershipChange, kept_proof
+from llmhealth.fleet import FleetRecord, MembershipChange, kept_proof, kept_proofs
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import EventKind, Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
@@ -852,6 +852,7 @@ def settle(
     pending = pending_restarts(record, config, now)
     reports = []
     in_ledger = set()
+    proven = False  # a proof with reads kept in this settle
     verdicts = {}  # what was fed: a restart's expiry may quote it as evidence
     # Backends whose new process this settle saw first: it gets one settle to prove itself
     # before the grace fails it. Seen first late (a cron check every 5 min, a model that
@@ -935,9 +936,12 @@ def settle(
                 _audit_transition(audit, transition, now, evidence)
             if record.ledger.state_of(name) is State.DEAD:
                 record.proofs[name] = kept_proof(evidence)
+                proven = True
         if any(t.applied and t.kind is EventKind.NEW_PROCESS_UP for t in transitions):
             arrived.add(name)
         reports.append(BackendReport(outcome, None, transitions))
+    if proven:  # the record keeps every proof: together within their bytes too
+        kept_proofs(record.proofs)
     for name, seen in unheard.items():
         if name in record.ledger and seen:  # else it left the config since it was forwarded
             hear_requests(name, seen)

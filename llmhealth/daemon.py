@@ -893,7 +893,8 @@ class Daemon:
         works again: while it fails the leader settles this member's share `stalled`
         ("no member has published a verdict of it"), and only this log says why."""
         try:
-            shares.publish(*published)
+            if not shares.publish(*published):
+                return  # no lease (the elector says why): nothing published, again or not
         except StateError as exc:
             why = str(exc)
             if why != self._publish_error:

@@ -49,9 +49,14 @@ TRAFFIC_CAUSE = "request_failures"
 # The reads of a condemnation's proof the record keeps until the backend serves again (its
 # restart is audited with them): a wedge of a server with 128 engines over a window of 61
 # reads is 1.3 MB, and the record is one etcd request (1.5 MiB by default). The
-# condemnation's own audit record has the reads whole.
+# condemnation's own line in audit.jsonl has the reads whole (etcd's audit cuts it).
 PROOF_BYTES = 32 * 1024
-_SURELY_WITHIN = 16  # reads plus their engines' rows, of a proof surely within PROOF_BYTES
+# And every proof's reads together: each kept within PROOF_BYTES, a hundred wedges of
+# one-engine servers over 61 reads (14 KB each, kept whole) were a record over etcd's
+# limit, and every save failed while they lasted (a RETIRED backend's proof for good).
+PROOFS_BYTES = 256 * 1024
+_ROW_MOST = 2048  # bytes, more than a read's or an engine's row of one takes
+_ROW_LEAST = 16  # bytes, fewer than any such row takes
 
 _FRESH_START = frozenset(
     {EventKind.NEW_PROCESS_UP, EventKind.UNPLANNED_RESTART, EventKind.READMITTED}
@@ -883,19 +888,26 @@ def _withheld(value: object, where: str) -> dict[str, Any]:
 
 def kept_proof(evidence: Mapping[str, Any], limit: int = PROOF_BYTES) -> dict[str, Any]:
     """A condemnation's evidence as the record keeps it: whole when within about ``limit``
-    bytes, else with only as many of its newest reads as fit, and how many were left out."""
+    bytes, else with only as many of its newest reads as fit, and how many were left out
+    (counting those an earlier trim left out)."""
     proof = dict(evidence)
     reads = proof.get("reads")
-    if not isinstance(reads, list):
+    if not isinstance(reads, list) or not reads:
         return proof
     # Few engines over few reads are far within it (an engine's row is about 500 bytes,
     # 1.3 KB at most with a 64-character label escaped): not encoded to find that out,
     # as 2,500 backends condemned in one settle would pay 24 µs each.
-    if sum(len(read.get("engines") or ()) + 1 for read in reads) <= _SURELY_WITHIN:
+    rows = sum(_rows(read) for read in reads)
+    if rows * _ROW_MOST <= limit:
         return proof
-    if len(json.dumps(proof, default=str)) <= limit:
+    # Nor encoded whole when it cannot fit: a hundred-odd bytes each is what 2,500
+    # proofs kept in one settle get of PROOFS_BYTES.
+    if rows * _ROW_LEAST <= limit and len(json.dumps(proof, default=str)) <= limit:
         return proof
-    left = limit - len(json.dumps({**proof, "reads": [], "reads_left_out": len(reads)}))
+    before = proof.get("reads_left_out")
+    before = before if isinstance(before, int) and not isinstance(before, bool) else 0
+    bare = {**proof, "reads": [], "reads_left_out": before + len(reads)}
+    left = limit - len(json.dumps(bare, default=str))
     kept = 0
     for read in reversed(reads):
         left -= len(json.dumps(read, default=str)) + 2
@@ -903,8 +915,24 @@ def kept_proof(evidence: Mapping[str, Any], limit: int = PROOF_BYTES) -> dict[st
             break
         kept += 1
     proof["reads"] = reads[len(reads) - kept :]
-    proof["reads_left_out"] = len(reads) - kept
+    proof["reads_left_out"] = before + len(reads) - kept
     return proof
+
+
+def kept_proofs(proofs: dict[str, dict[str, Any]], total: int = PROOFS_BYTES) -> None:
+    """Every proof's reads within its share of ``total`` (and of ``PROOF_BYTES``), in
+    place: the record keeps them all until their backends serve again."""
+    holding = [name for name, proof in proofs.items() if proof.get("reads")]
+    if holding:
+        share = min(PROOF_BYTES, total // len(holding))
+        for name in holding:
+            proofs[name] = kept_proof(proofs[name], share)
+
+
+def _rows(read: object) -> int:
+    """A read's rows in a proof: its own and its engines'."""
+    engines = read.get("engines") if isinstance(read, dict) else None
+    return 1 + (len(engines) if isinstance(engines, dict | list) else 0)
 
 
 def _without_reads(proof: Mapping[str, Any] | None) -> dict[str, str] | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -17,6 +20,7 @@ from llmhealth.cluster import (
     Observation,
     Seat,
     SharedReads,
+    put,
     read_members,
 )
 from llmhealth.config import Backend, Config
@@ -27,7 +31,8 @@ from llmhealth.fleet import FleetRecord
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.remediate import Mode
 from tests.etcdproc import EtcdCluster, running_etcd
-from tests.test_cluster import Clock, elector
+from tests.test_cluster import Clock, elector, read_posted
+from tests.test_wire import tcp_server
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,8 @@ def keys(request: pytest.FixtureRequest) -> Keys:
     return Keys(f"/llmhealth-members/{request.node.name}")
 
 
-def frozen_wide_server() -> Verdict:
-    """A wedge proven on a server with 128 engines over a window of 61 reads."""
+def frozen_wide_server(width: int = 128) -> Verdict:
+    """A wedge proven on a server with ``width`` engines over a window of 61 reads."""
     engines = tuple(
         EngineSignals(
             str(i),
@@ -55,7 +60,7 @@ def frozen_wide_server() -> Verdict:
             preemptions=0,
             kv_usage=0.42,
         )
-        for i in range(128)
+        for i in range(width)
     )
     frozen = tuple(
         Read(1.7e9 + 5 * i, signals=Signals(engines, process_start=1.6e9)) for i in range(61)
@@ -201,3 +206,146 @@ def test_a_process_takes_back_its_own_member_key_left_on_a_lease_it_lost(
         assert seat.elector.decision().may_act and seat.elector.member_refused is None
     finally:
         seat.elector.stop()
+
+
+def test_many_condemned_backends_keep_the_record_within_etcd(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """Each proof kept within 32 KiB does not keep the record within etcd's 1.5 MiB: the
+    proofs stay until their backends serve again (a RETIRED one's for good), and a wedge
+    of an ordinary one-engine server over 61 reads is 14 KB, kept whole. About a hundred
+    of them and every save failed from then on: nothing more condemned,
+    restarted or re-admitted while they lasted."""
+    frozen = frozen_wide_server(width=1)
+    targets = [Target(f"gpu{i}", f"http://127.0.0.1:{9 + i}") for i in range(120)]
+    config = Config(backends=tuple(Backend(t.name, t.url) for t in targets))
+    backends = {t.name: t.url for t in targets}
+    etcd = Etcd(etcd_server.endpoints)
+    leader = elector(etcd, keys, "a", Clock(), [])
+    leader.step()
+    store = EtcdStore(etcd, keys, leader)
+
+    def settle(outcomes: list[Outcome]) -> FleetRecord:
+        return settle_fleet(
+            store, config, backends, lambda _: outcomes, mode=Mode.OFF, audit=store.audit
+        ).record
+
+    try:
+        for start in range(0, 120, 10):  # ten more condemned every settle
+            record = settle([Outcome(target, frozen) for target in targets[start : start + 10]])
+        assert record.ledger.state_of("gpu119") == "dead"
+        for name in ("gpu0", "gpu119"):  # the first one trimmed again as more came
+            proof = record.proofs[name]
+            assert proof["reads"][-1]["at"] == frozen.reads[-1].at  # the newest kept
+            assert proof["reads_left_out"] == 61 - len(proof["reads"])
+    finally:
+        leader.stop()
+
+
+def test_a_leader_whose_member_key_another_process_holds_leads_no_more(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """README: a process whose member name another process holds "leads nothing". A
+    leader whose key another took (an earlier build's process under its name writes over
+    it, as it always did; or the key deleted and taken) went on leading: it stopped
+    confirming its leader key too, every round, so a deleted one went unnoticed."""
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), list[str]()
+    leader = elector(etcd, keys, "x", clock, log)
+    other = elector(etcd, keys, "x", clock, log)
+    try:
+        leader.step()
+        assert leader.decision().may_act
+        lease = etcd.grant(3)  # an earlier build's process "x": no compare, no `process`
+        value = json.dumps({"member": "x", "host": "h2", "pid": 7, "lease": lease})
+        etcd.txn([], [put(keys.member("x"), value.encode(), lease)])
+        leader.step()
+        assert leader.member_refused is not None
+        assert not leader.decision().may_act, "refused, and still leading"
+        etcd.revoke(lease)  # that process ends: its name is free again
+        leader.step()  # a new lease: the name and the lead are its again
+        assert leader.member_refused is None and leader.decision().may_act
+        other.step()
+        assert other.member_refused is not None and not other.decision().may_act
+    finally:
+        leader.stop()
+        other.stop()
+
+
+def test_a_member_key_write_whose_answer_was_lost_is_not_refused_as_anothers(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """The member key created on this lease, its answer lost and the write offered to the
+    next endpoint: the compare failed on the key the first attempt made, and the process
+    refused its own name ("held by another process (host <its own>, pid <its own>)"): no
+    campaign that round, and its publication refused."""
+    txns = []
+
+    def forward(connection: socket.socket, number: int) -> None:
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        head, body = read_posted(connection)
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                answer += chunk
+        if head.startswith(b"POST /v3/kv/txn "):
+            txns.append(number)
+            if len(txns) == 2:  # the member key's creation, the first's compare failed
+                return
+        connection.sendall(answer)
+
+    log: list[str] = []
+    with tcp_server(forward) as (lossy, _):
+        etcd = Etcd([lossy, *etcd_server.endpoints])
+        member = elector(etcd, keys, "c", Clock(), log)
+        try:
+            member.step()
+            assert len(txns) >= 2
+            assert member.member_refused is None, log
+            assert member.decision().may_act
+        finally:
+            member.stop()
+
+
+def test_a_publication_without_a_lease_is_not_logged_as_published_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """etcd away: the publication failed and was logged; at the renew deadline the member
+    stepped down, its lease gone, and ``publish`` returned at once (nothing while it has
+    no lease): logged "published again", the last word of the whole outage."""
+    with running_etcd(tmp_path) as etcd_cluster:
+        target = Target("gpu0", "http://127.0.0.1:9")
+        cluster_config = ClusterConfig(
+            tuple(etcd_cluster.endpoints), "/llmhealth-members/away", 3.0, "b", shard_reads=True
+        )
+        config = Config(backends=(Backend("gpu0", target.url),), cluster=cluster_config)
+        seat = Seat.for_config(cluster_config, list[str]().append)
+        clock = Clock()
+        seat.elector._clock = clock
+        daemon = Daemon(
+            lambda: (config, [target]),
+            seat,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+        shares = daemon._shares
+        assert shares is not None
+        down = Verdict(VerdictKind.DOWN, False, "down: refused")
+        published = Publication({"gpu0": 1}, {"gpu0": down}, {"gpu0": 1}, {}, {})
+        try:
+            seat.elector.step()
+            etcd_cluster.members[0].stop()
+            capsys.readouterr()
+            daemon._publish(shares, published)
+            assert "not published" in capsys.readouterr().err
+            clock.now += 10.0  # past the renew deadline: it steps down, and gets no lease
+            with contextlib.suppress(ClusterError):
+                seat.elector.step()
+            assert seat.elector.lease_id is None
+            daemon._publish(shares, published)
+            assert "published again" not in capsys.readouterr().err
+        finally:
+            seat.elector.stop()
