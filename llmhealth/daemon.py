@@ -658,7 +658,8 @@ class Daemon:
                 in_grace=self._in_grace(),
             )
             last = _in_daemon_thread(self._settle, news)
-            await asyncio.wait_for(asyncio.shield(last), SHUTDOWN_GRACE)
+            async with asyncio.timeout(SHUTDOWN_GRACE):  # not wait_for (readers.py)
+                await asyncio.shield(last)
         except TimeoutError:
             self._log("stopping before the restart commands' outcomes were saved")
         except (StateError, AuditError, RuntimeError) as exc:  # RuntimeError: no thread

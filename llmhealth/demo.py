@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import httpx
 from rich.console import Console
@@ -133,28 +133,37 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
     raise DemoError(f"the simulator was not ready within {_READY_WITHIN:g} s")
 
 
+# Signals whose default ends the demo at once, its children left running: SIGTERM, and
+# SIGHUP (its terminal closed, `kill -HUP`), after which the takeover part's two `watch`
+# daemons, which take SIGHUP as a reload, ran on for ever.
+_STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _interrupted(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds the demo as Ctrl-C does, so every simulator, daemon and etcd it
-    started is stopped on the way out; before, SIGTERM ended it at once and left them."""
-    before = signal.signal(signal.SIGTERM, _interrupted)
+    """SIGTERM and SIGHUP unwind the demo as Ctrl-C does, so every simulator, daemon and
+    etcd it started is stopped on the way out; before, either ended it at once and left
+    them."""
+    before = {signum: signal.signal(signum, _interrupted) for signum in _STOPPING}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
-    """``asyncio.run``, and SIGTERM an interrupt again after it: the daemon's loop takes
-    SIGTERM and SIGINT for itself, and closing it leaves SIGTERM at its default."""
+    """``asyncio.run``, and SIGTERM and SIGHUP an interrupt again after it: the daemon's
+    loop takes them (and SIGINT) for itself, and closing it leaves them at their default."""
     try:
         return asyncio.run(main)
     finally:
-        signal.signal(signal.SIGTERM, _interrupted)
+        for signum in _STOPPING:
+            signal.signal(signum, _interrupted)
 
 
 def _stopped_early(daemon: asyncio.Task[int]) -> None:

@@ -127,7 +127,11 @@ class LocalCpu:
             self._sampling = None
             return None
         try:
-            return await asyncio.wait_for(taken, SAMPLE_LIMIT)
+            # Not wait_for: Python 3.11's returns a result that came in the turn of the
+            # loop its task was cancelled in, and drops the cancellation: a probing task
+            # cancelled so read on for ever, and the stop that waited for it with it.
+            async with asyncio.timeout(SAMPLE_LIMIT):
+                return await taken
         except TimeoutError:
             return None
 

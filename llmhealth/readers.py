@@ -412,8 +412,12 @@ async def _work() -> None:
             sender.alive()
             share_came.clear()
             wait = share.settings.wait if share else ProbeSettings().wait
+            # Not wait_for, which on Python 3.11 drops a cancellation that comes in the
+            # turn its wait ends in (localcpu.sample_within_limit): this task would beat
+            # on after its worker was told to stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(share_came.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await share_came.wait()
             if time.monotonic() - given_back >= wait:
                 give_back_free_pages()
                 given_back = time.monotonic()
@@ -487,7 +491,8 @@ class _Worker:
 async def _let_leave(process: asyncio.subprocess.Process) -> None:
     """A worker whose pipe was closed: STOP_TIMEOUT to leave, then killed."""
     try:
-        await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
+        async with asyncio.timeout(STOP_TIMEOUT):  # not wait_for (see every_wait)
+            await process.wait()
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             process.kill()

@@ -34,8 +34,12 @@ PATIENCE = 60.0  # seconds: a bound on what must happen, never a timing claim
         ("1. one check", signal.SIGTERM),
         ("2. llmhealth watch", signal.SIGINT),
         ("2. llmhealth watch", signal.SIGTERM),
+        # Its terminal closed (or `kill -HUP`): SIGHUP's default ended the demo at once
+        # and left every process it had started running, the two `watch` daemons of its
+        # takeover part too (they take SIGHUP as a reload), for ever.
+        ("1. one check", signal.SIGHUP),
     ],
-    ids=["check-sigterm", "watch-ctrl-c", "watch-sigterm"],
+    ids=["check-sigterm", "watch-ctrl-c", "watch-sigterm", "check-sighup"],
 )
 def test_a_demo_stopped_part_way_stops_its_simulators_and_exits_130(
     part: str, signum: signal.Signals

@@ -529,6 +529,14 @@ def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
         assert httpx.head(url, timeout=10.0).status_code == 405
         assert httpx.options(url, timeout=10.0).status_code == 200
         assert Page(scrape().text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
+        # Nor a render: prometheus_client 0.20, which pyproject allows, rendered the whole
+        # view for any method, uncached, however many were sent.
+        assert len(renders) == 5
+        for method in ("HEAD", "POST", "PUT", "DELETE"):
+            answer = httpx.request(method, f"{url}?name[]=x", timeout=10.0, content=b"{}")
+            assert answer.status_code == 405 and answer.headers["allow"] == "OPTIONS,GET"
+        assert httpx.get(f"http://127.0.0.1:{port}/favicon.ico", timeout=10.0).content == b""
+        assert len(renders) == 5
 
 
 def test_a_rate_past_a_floats_range_is_left_out_not_exported_as_infinity() -> None:

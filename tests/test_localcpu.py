@@ -290,6 +290,31 @@ def test_a_sample_stuck_in_a_read_is_given_up_on_and_not_started_twice(tmp_path:
     assert third is not None and third.seconds == pytest.approx(7.0)
 
 
+def test_a_sample_cancelled_as_it_comes_in_is_cancelled_not_returned(tmp_path: Path) -> None:
+    """Cancelled (a daemon stopping, a reload dropping the backend) in the same turn of
+    the loop as its sample came in, the probing task went on: Python 3.11's wait_for
+    returns the result and drops the cancellation. ReadTasks.close then waited for ever
+    on a task still reading its backend each wait (`llmhealth demo` hung so at the end
+    of its routing part, the router's port and its simulator held)."""
+    stat = tmp_path / "cpu.stat"
+    os.mkfifo(stat)  # the sample blocks reading it until the test writes
+    cpu = LocalCpu("http://10.0.0.5:8000", cgroup=str(tmp_path))
+
+    async def main() -> asyncio.Task[object]:
+        task: asyncio.Task[object] = asyncio.create_task(cpu.sample_within_limit())
+        await asyncio.sleep(0)  # its thread started, and blocks in the read
+        with stat.open("w") as writer:
+            writer.write("usage_usec 5000000\n")
+        for thread in threading.enumerate():
+            if thread.name == "llmhealth-cpu-sample":
+                thread.join(timeout=30)  # its sample is handed to the loop, not taken yet
+        task.cancel()
+        await asyncio.wait({task})
+        return task
+
+    assert asyncio.run(main()).cancelled()
+
+
 # A frozen vLLM: its /metrics (a real capture of work and no progress) is served by the
 # listener, and the "engine core" child is the process that gets stopped.
 # A server of the text in the file its first argument names, at every GET.
