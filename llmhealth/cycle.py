@@ -24,7 +24,7 @@ from llmhealth.actions import Audit, AuditError, AuditLog, run_command
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
-from llmhealth.fleet import FleetRecord, MembershipChange, kept_proof, kept_proofs
+from llmhealth.fleet import FleetRecord, MembershipChange, kept_proofs
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.ledger import EventKind, Ledger, LedgerPolicy, State, Transition
 from llmhealth.metrics import Signals
@@ -676,6 +676,27 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     return None
 
 
+@dataclass(eq=False)
+class _Held:
+    """One hold of Ctrl-C (``_hold_ctrl_c``): what it put aside, and whether the one
+    press it passes on has come."""
+
+    before: Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+    passed: bool
+
+    def pressed(self, signum: int, frame: FrameType | None) -> None:
+        if not self.passed and callable(self.before):
+            self.passed = True
+            self.before(signum, frame)
+
+
+# The main thread's holds, the latest last. Checks run together in one program (a
+# library's check_async, gathered) hold and let go in any order: each putting back what
+# it had replaced, the last to let go put back another's hold, which ignored Ctrl-C for
+# the rest of the program's life.
+_HELD: list[_Held] = []
+
+
 def _hold_ctrl_c(*, pass_first: bool = False) -> Callable[[], object]:
     """Ignore SIGINT (in the main thread, where a handler can be set) until the function
     returned puts back the handler it replaced. ``pass_first``: the first one still goes
@@ -686,16 +707,21 @@ def _hold_ctrl_c(*, pass_first: bool = False) -> Callable[[], object]:
     before = signal.getsignal(signal.SIGINT)
     if pass_first and (not callable(before) or before is signal.default_int_handler):
         return lambda: None  # no asyncio.run handler to pass it to: left as it is
-    passed = not pass_first
+    held = _Held(before, passed=not pass_first)
+    signal.signal(signal.SIGINT, held.pressed)
+    _HELD.append(held)
 
-    def pressed(signum: int, frame: FrameType | None) -> None:
-        nonlocal passed
-        if not passed and callable(before):
-            passed = True
-            before(signum, frame)
+    def release() -> None:
+        index = _HELD.index(held)
+        del _HELD[index]
+        if index < len(_HELD):
+            # A hold taken since is still on, with this one's handler put aside: what
+            # this one replaced is what that one puts back, and passes a press on to.
+            _HELD[index].before = held.before
+        else:
+            signal.signal(signal.SIGINT, held.before)
 
-    signal.signal(signal.SIGINT, pressed)
-    return lambda: signal.signal(signal.SIGINT, before)
+    return release
 
 
 def _commands_unsettled(
@@ -935,7 +961,7 @@ def settle(
             for transition in moved:
                 _audit_transition(audit, transition, now, evidence)
             if record.ledger.state_of(name) is State.DEAD:
-                record.proofs[name] = kept_proof(evidence)
+                record.proofs[name] = evidence  # cut to its share below (kept_proofs)
                 proven = True
         if any(t.applied and t.kind is EventKind.NEW_PROCESS_UP for t in transitions):
             arrived.add(name)

@@ -156,6 +156,15 @@ def _terminate_as_interrupt() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+class _DemoDaemon(Daemon):
+    """The demo's in-process daemon: SIGHUP stops it, and the demo with it, as SIGTERM
+    does. Its config is the demo's own, with nothing to reload; taken as a reload, a
+    closed terminal ran the demo's other parts to their end, and it exited 0."""
+
+    def _ask_reload(self) -> None:
+        self.stop()
+
+
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
     """``asyncio.run``, and SIGTERM and SIGHUP an interrupt again after it: the daemon's
     loop takes them (and SIGINT) for itself, and closing it leaves them at their default."""
@@ -283,7 +292,7 @@ def _watch_live(
         return config, [*targets, Target("lb", proxy_url, "proxy")]
 
     store = StateFile(scratch / "state.json")
-    daemon = Daemon(
+    daemon = _DemoDaemon(
         load,
         store,
         listen=(_HOST, metrics_port),
@@ -368,7 +377,7 @@ def _route_live(console: Console, scratch: Path) -> None:
     )
     targets = [Target(b.name, b.url) for b in config.backends]
     router = Router(config.router, config.backends, retry_after=config.wait)
-    daemon = Daemon(
+    daemon = _DemoDaemon(
         lambda: (config, targets),
         StateFile(scratch / "state.json"),
         listen=None,

@@ -886,7 +886,7 @@ def _withheld(value: object, where: str) -> dict[str, Any]:
     }
 
 
-def kept_proof(evidence: Mapping[str, Any], limit: int = PROOF_BYTES) -> dict[str, Any]:
+def _kept_proof(evidence: Mapping[str, Any], limit: int) -> dict[str, Any]:
     """A condemnation's evidence as the record keeps it: whole when within about ``limit``
     bytes, else with only as many of its newest reads as fit, and how many were left out
     (counting those an earlier trim left out)."""
@@ -926,7 +926,7 @@ def kept_proofs(proofs: dict[str, dict[str, Any]], total: int = PROOFS_BYTES) ->
     if holding:
         share = min(PROOF_BYTES, total // len(holding))
         for name in holding:
-            proofs[name] = kept_proof(proofs[name], share)
+            proofs[name] = _kept_proof(proofs[name], share)
 
 
 def _rows(read: object) -> int:

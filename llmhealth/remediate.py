@@ -312,12 +312,15 @@ def is_its_restart(record: FleetRecord, name: str, order: RestartOrder, now: flo
     return order.issued_at in (last_restart_at, record.ledger.restart_stamped_at(name))
 
 
-def _attempt_given_back(record: FleetRecord, name: str, order: RestartOrder) -> None:
+def _attempt_given_back(
+    record: FleetRecord, name: str, order: RestartOrder, stamped: float | None
+) -> None:
     """A withdrawn restart's attempt out of the history too: kept, the cooldown it
     started left the backend DEAD ("cooling down ... after the last attempt") although
-    no command ran."""
+    no command ran. ``stamped``: the ledger's time of that restart, which a clock
+    stepped back since took back with the history's (``FleetRecord.pull_back``)."""
     history = record.restarts.get(name)
-    if history is not None and history.last_attempt_at == order.issued_at:
+    if history is not None and history.last_attempt_at in (order.issued_at, stamped):
         record.restarts[name] = replace(history, last_attempt_at=order.attempt_before)
 
 
@@ -353,6 +356,7 @@ def hear_commands(
                     why = "did not run"  # the audit line says why (its stderr)
                 else:
                     why = f"exited {result.exit_code}"
+                stamped = record.ledger.snapshot(name, now).last_restart_at
                 failed = record.ledger.apply(
                     name,
                     RestartFailed(
@@ -363,7 +367,7 @@ def hear_commands(
                 if failed.applied and not finished.withdrawn:
                     record.restart_failed(name)
                 elif failed.applied:
-                    _attempt_given_back(record, name, order)
+                    _attempt_given_back(record, name, order, stamped)
         else:
             entry["superseded"] = True
         if audit is not None:

@@ -1264,3 +1264,132 @@ def test_a_restart_a_ctrl_c_kept_from_running_leaves_no_cooldown_behind(
     [gpu1_note] = [note for note in again.restarts if note.name == "gpu1"]
     assert gpu1_note.action == "restart", gpu1_note
     assert marker.exists()
+
+
+@pytest.mark.slow  # a check and a command
+def test_a_restart_a_ctrl_c_kept_from_running_gives_its_attempt_back_after_a_clock_step(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The wall clock stepped back (NTP, `date -s`) while gpu0's command ran, and Ctrl-C
+    came then: the settle that heard the commands took gpu1's restart back to its clock,
+    and the restart history's attempt with it. Compared with the order's own stamp, the
+    attempt was not given back: the ledger's budget was, the cooldown was not."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
+    setup = configure(
+        "unused",
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [sys.executable, "-c", BRIEFLY, str(started)]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+        cooldown="10m",
+        cooldown_max="20m",
+    )
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    settings = ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+    stepped = [0.0]
+
+    def clock() -> float:
+        return time.time() + stepped[0]
+
+    until_frozen(gpu0, gpu1)
+
+    async def interrupted() -> None:
+        check = asyncio.ensure_future(
+            run_cycle_async(loaded, targets, settings, StateFile(setup.state), clock=clock)
+        )
+        until = time.monotonic() + RUN_TIMEOUT
+        while not started.exists():
+            assert not check.done(), check.result()
+            assert time.monotonic() < until, "gpu0's restart command never started"
+            await asyncio.sleep(0.05)
+        stepped[0] = -120.0  # the wall clock stepped back two minutes
+        check.cancel()  # Ctrl-C
+        with pytest.raises(asyncio.CancelledError):
+            await check
+
+    asyncio.run(interrupted())
+    assert not marker.exists() and setup.saved("gpu1")["state"] == "dead"
+    assert setup.saved("gpu1")["restart_times"] == []  # the budget's attempt given back
+    assert setup.history("gpu1")["last_attempt_at"] is None  # and the cooldown's
+    again = run_cycle(loaded, targets, settings, StateFile(setup.state), clock=clock)
+    [gpu1_note] = [note for note in again.restarts if note.name == "gpu1"]
+    assert gpu1_note.action == "restart", gpu1_note  # not "cooling down: 10m left"
+    assert marker.exists()
+
+
+@pytest.mark.slow  # two checks, each with a command
+def test_two_checks_interrupted_together_in_one_program_give_ctrl_c_back(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A program checking two fleets at once (check_async, asyncio.gather) is interrupted
+    while both run their commands. Each holds Ctrl-C off until its command is recorded,
+    and each put back the handler it had replaced: the first to finish put back asyncio's,
+    and the second then put back the first's, which ignores Ctrl-C. Neither asyncio.run
+    nor anything after it took that one off: Ctrl-C did nothing for the rest of the
+    program's life."""
+    runs = []
+    for name, pause in (("a", 0.5), ("b", 1.5)):
+        folder = tmp_path / name
+        folder.mkdir()
+        server = fleet.start(f"gpu-{name}", WEDGE)
+        started = folder / "command-started"
+        waits = (
+            "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
+            f" time.sleep({pause})"
+        )
+        setup = configure(
+            "unused", folder, [("gpu0", server.url, [sys.executable, "-c", waits, str(started)])]
+        )
+        runs.append((server, setup, started))
+    until_frozen(*(server for server, _, _ in runs))
+
+    async def main() -> None:
+        checks = []
+        for _, setup, _ in runs:
+            loaded = config_module.load(setup.config)
+            settings = ProbeSettings(
+                wait=loaded.wait,
+                timeout=loaded.timeout,
+                answer_timeout=loaded.answer_timeout,
+                max_body=loaded.max_body,
+                max_check_time=loaded.max_check_time,
+            )
+            targets = config_module.targets_for(loaded, [], [])
+            checks.append(
+                asyncio.ensure_future(
+                    run_cycle_async(loaded, targets, settings, StateFile(setup.state))
+                )
+            )
+        until = time.monotonic() + RUN_TIMEOUT
+        while not all(started.exists() for _, _, started in runs):
+            assert not any(check.done() for check in checks), [
+                c.result() for c in checks if c.done()
+            ]
+            assert time.monotonic() < until, "a restart command never started"
+            await asyncio.sleep(0.02)
+        for check in checks:  # Ctrl-C, as asyncio.gather passes it on to each
+            check.cancel()
+            await asyncio.sleep(0.05)
+        for check in checks:
+            with pytest.raises(asyncio.CancelledError):
+                await check
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        asyncio.run(main())
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert after is before, after
+    for _, setup, _ in runs:
+        assert [r["command"]["exit_code"] for r in setup.audit() if r["event"] == COMMAND] == [0]
