@@ -76,7 +76,11 @@ class Read:
     (``time.monotonic``), where the reader has one. Time between reads is taken on them:
     a wall clock stepped forward between two reads (NTP, a VM resumed, ``date -s``)
     stretched a freeze of seconds past its window, and a busy engine inside a long step
-    was wedged. ``at`` stays the wall time, for a process's age and the record.
+    was wedged. ``at`` stays the wall time, for the record.
+    ``born``: the process's start on that steady clock, taken from its age at the first
+    read of it and carried from read to read (``probe.with_birth``); its age is taken on
+    it: a wall clock stepped forward since the process started made a young engine an hour
+    old, out of its startup window, and wedged at two waits.
     """
 
     at: float
@@ -87,6 +91,7 @@ class Read:
     sent: float | None = None
     tick: float | None = None
     sent_tick: float | None = None
+    born: float | None = None
 
 
 @pickled_as_a_call
@@ -263,19 +268,26 @@ def window_for(
     learned: LongestStep | None,
     rules: WedgeRules = DEFAULT_RULES,
     *,
-    since: float | None = None,
+    since: Read | None = None,
 ) -> Window:
     """The wedge window that applies to the newest process seen in these reads.
 
-    ``since``: when the freeze being judged began; the process's youth is taken then, so
-    a step that began inside ``startup_grace`` keeps the startup window to its end.
+    ``since``: the read the freeze being judged began at; the process's youth is taken
+    then, so a step that began inside ``startup_grace`` keeps the startup window to its
+    end. On the steady clock where the reads have the process's start on it (``born``).
     """
     age = None
     nothing_finished = False
     for read in reversed(reads):
         if read.signals is not None and read.signals.has_vllm:
             start = read.signals.process_start
-            age = None if start is None else (read.at if since is None else since) - start
+            then = read if since is None else since
+            if start is None:
+                age = None
+            elif read.born is not None and then.tick is not None:
+                age = then.tick - read.born
+            else:
+                age = then.at - start
             nothing_finished = not any(engine.finished for engine in read.signals.engines)
             break
     step = learned_step(reads, learned)
@@ -412,7 +424,7 @@ def _judge_freeze(
     """
     frozen = reads[-1 - streak :]
     elapsed = _stood_still(frozen)
-    window = window_for(reads, freeze.learned, freeze.rules, since=frozen[0].at)
+    window = window_for(reads, freeze.learned, freeze.rules, since=frozen[0])
     if elapsed < freeze.least_span:
         # A read answered late and the next on schedule: the reads of two waits came
         # within about one (a slow server's /metrics, under load), and 2 s of freeze at
@@ -526,7 +538,7 @@ def _ask_or_doubt(
     asked_after = [read for read in reads if _apart(read, answer) >= 0]
     # The process's youth when the request was sent, as a freeze keeps the youth it began
     # with: a young engine's first step is no less long once the process turns old.
-    since = asked_after[-1].at if asked_after else None
+    since = asked_after[-1] if asked_after else None
     window = window_for(reads, freeze.learned, freeze.rules, since=since)
     waited = _apart(asked_after[-1], answer) if asked_after else 0.0
     # Only a window longer than the request waited can excuse the timeout (a step that

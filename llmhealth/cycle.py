@@ -985,7 +985,13 @@ def settle(
         *(f"{t.name}: {t.reason}" for t in expired),
     ]
     restarts = remediate(
-        record, config, now, mode=mode, audit=audit, commands_running=commands_running
+        record,
+        config,
+        now,
+        mode=mode,
+        audit=audit,
+        commands_running=commands_running,
+        in_grace=in_grace,
     )
     # Snapshots after remediation, so a backend restarted this cycle shows RESTARTING.
     reports = [

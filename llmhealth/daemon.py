@@ -203,7 +203,8 @@ class Daemon:
         # The steady clock (``probe.steady_for``): when each backend's last restart command
         # ended, on it, so that a wall clock stepped forward fails no restart in its grace.
         self._steady = steady_for(clock, steady)
-        self._commands_ended: dict[str, float] = {}
+        # By the order's name: its server, and when its command ended on the steady clock.
+        self._commands_ended: dict[str, tuple[str, float]] = {}
         self._notifier = Notifier(os.environ.get("NOTIFY_SOCKET"))
         self._watchdog_every = watchdog_interval(os.environ, os.getpid())
         self._ready_told = False
@@ -534,10 +535,19 @@ class Daemon:
             return frozenset()
         now = self._steady()
         grace = ledger_policy(self._config.policy).startup_grace
-        for name, ended in list(self._commands_ended.items()):
+        for name, (_, ended) in list(self._commands_ended.items()):
             if now - ended >= grace:
                 del self._commands_ended[name]
-        return frozenset(self._commands_ended)
+        if not self._commands_ended:
+            return frozenset()  # the common case: not a walk over every target per settle
+        # As the configuration names its server now: a reload that renamed the backend
+        # (its server kept) has the settle fail the restart under its new name.
+        configured = {t.name: same_server(t.url) for t in self._targets if t.kind == "backend"}
+        names: set[str] = set()
+        for name, (server, _) in self._commands_ended.items():
+            here = {other for other, url in configured.items() if url == server}
+            names |= here or {name}
+        return frozenset(names)
 
     def _unread(self) -> frozenset[str]:
         """Backends this daemon has had no verdict of at their configured server yet:
@@ -592,7 +602,7 @@ class Daemon:
             self._log(f"{order.name}: the restart command could not be run: {error!r}")
             return
         if self._steady is not None:  # before the settle that starts the grace hears of it
-            self._commands_ended[order.name] = self._steady()
+            self._commands_ended[order.name] = (same_server(order.url), self._steady())
         self._commands_done.append(CommandDone(order, running.result()))
 
     def _run_serving_hook(self) -> None:

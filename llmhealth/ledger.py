@@ -1500,7 +1500,7 @@ class Ledger:
         """The process the last restart replaced, as it was last read, if it was."""
         return self._lookup(name).restarted_from
 
-    def restart_unproven(self, name: str, now: float) -> bool:
+    def restart_unproven(self, name: str, now: float, *, in_grace: bool = False) -> bool:
         """Restarted, and the replacement has been neither re-admitted nor seen working
         (nor has its startup grace run out): a restart still under way, as far as
         ``max_concurrent_restarts`` counts. A replacement that came up and then fails as
@@ -1510,7 +1510,9 @@ class Ledger:
         one that differs from the process it replaced), good at no time since, still
         holds it, unless its budget is spent (its next attempt retires it, which starts
         nothing). A restart whose command failed brought up no replacement: it holds
-        nothing, as before.
+        nothing, as before. ``in_grace``: its caller saw the restart's command end less
+        than the startup grace ago on a steady clock (``settle``'s in_grace): a wall clock
+        stepped forward since freed the slot, and the next backend was restarted.
         """
         b = self._lookup(name)
         if _awaited_restart(b, self._policy.startup_grace) is not None:
@@ -1539,7 +1541,7 @@ class Ledger:
         return (
             replaced
             and not proven
-            and now - _grace_from(b, restarted_at) < policy.startup_grace
+            and (in_grace or now - _grace_from(b, restarted_at) < policy.startup_grace)
             and spent < policy.restart_budget
         )
 

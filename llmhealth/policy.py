@@ -150,6 +150,7 @@ def plan_restarts(
     now: float,
     commands_running: Collection[str] = frozenset(),
     unread: Collection[str] = frozenset(),
+    in_grace: Collection[str] = frozenset(),
 ) -> list[RestartDecision]:
     """One decision per DEAD backend, in name order.
 
@@ -177,7 +178,14 @@ def plan_restarts(
     _check_time(now, "now")
     # A backend's own unproven restart does not keep it from the next (its cooldown and
     # budget rule that); its own command still running does (``_decide``).
-    under_way = {name for name in ledger.names if ledger.restart_unproven(name, now)}
+    # ``in_grace``: restarts whose command the caller saw end within the startup grace on
+    # a steady clock, DEAD again on their replacement: a wall clock stepped forward does
+    # not end their grace (``Ledger.restart_unproven``).
+    under_way = {
+        name
+        for name in ledger.names
+        if ledger.restart_unproven(name, now, in_grace=name in in_grace)
+    }
     under_way.update(commands_running)  # a name a reload dropped counts as well
     decisions: list[RestartDecision] = []
     for snap in ledger.snapshots(now, CONDEMNED):

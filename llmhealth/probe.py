@@ -192,7 +192,7 @@ class ProbeSettings:
         """
         window = window_for(reads, learned, rules).seconds
         if reads:  # a freeze keeps the youth it began with (classify._judge_freeze)
-            window = max(window, window_for(reads, learned, rules, since=reads[0].at).seconds)
+            window = max(window, window_for(reads, learned, rules, since=reads[0]).seconds)
         return window > 2 * self.wait
 
     def for_answer(
@@ -547,7 +547,9 @@ async def examine_backend(
             if isinstance(decision, TakeRead):
                 if reads:
                     await sleep(settings.wait)
-                read = await read_metrics(client, target, settings, clock, steady)
+                read = with_birth(
+                    await read_metrics(client, target, settings, clock, steady), reads
+                )
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
             elif isinstance(decision, SendTinyRequest) and (
                 unasked := settings.why_unasked(target.name)
@@ -588,7 +590,7 @@ async def examine_once(
     answer_wanted = settings.wants_answer(target.name)
 
     async def read_into_window() -> None:
-        read = await read_metrics(client, target, settings, clock, steady)
+        read = with_birth(await read_metrics(client, target, settings, clock, steady), window)
         kept = await _with_cpu(read, window, cpu, settings, learned, target.rules)
         keep_read(window, kept, limit)
 
@@ -649,6 +651,20 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
         read = replace(read, signals=shared)
     window.append(read)
     del window[: -min(limit, reads_still_needed(window))]
+
+
+def with_birth(read: Read, earlier: Sequence[Read]) -> Read:
+    """``read`` with its process's start on the steady clock (``Read.born``): the newest
+    earlier read's where that one shows the same process, else taken from its age now."""
+    start = None if read.signals is None else read.signals.process_start
+    if read.born is not None or read.tick is None or start is None:
+        return read
+    for before in reversed(earlier):
+        if before.signals is not None and before.signals.has_vllm:
+            if before.born is not None and before.signals.process_start == start:
+                return replace(read, born=before.born)
+            break
+    return replace(read, born=read.tick - (read.at - start))
 
 
 async def _with_cpu(

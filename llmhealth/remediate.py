@@ -134,6 +134,7 @@ def remediate(
     mode: Mode,
     audit: Audit | None,
     commands_running: Collection[str] = frozenset(),
+    in_grace: Collection[str] = frozenset(),
 ) -> list[RestartOutcome]:
     """Plan restarts for every DEAD backend and issue what the plan allows.
 
@@ -141,7 +142,8 @@ def remediate(
     running its command is the caller's business, after the state is saved.
     ``commands_running``: the backends whose command the caller still runs (``watch``
     runs them beside its settles): never restarted again meanwhile, and each counted as a
-    restart under way (``plan_restarts``).
+    restart under way (``plan_restarts``); ``in_grace`` those whose command it saw end
+    within the startup grace on a steady clock (``plan_restarts``).
 
     Each audit line carries the proof kept when the backend was condemned (the verdict's
     evidence and reads), whichever run that was; failing that, the ledger's last error.
@@ -172,6 +174,7 @@ def remediate(
         now,
         commands_running,
         unread,
+        in_grace,
     )
     for name in list(record.skips):  # a backend that left DEAD starts afresh
         if name not in record.ledger or record.ledger.state_of(name) is not State.DEAD:

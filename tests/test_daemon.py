@@ -3075,3 +3075,168 @@ def test_a_wall_clock_stepped_forward_fails_no_restart_within_its_grace(
         ("restarting", [], []),  # still loading, seconds later
         ("restarting", ["gpu0"], ["gpu0"]),  # the grace over: failed, and restarted
     ]
+
+
+def test_a_wall_clock_stepped_forward_fails_no_restart_a_reload_renamed_in_its_grace(
+    tmp_path: Path,
+) -> None:
+    """The restart command of gpu0 exited 0; a reload then renamed it gpu1 at the same
+    server (the ledger keeps its restart under the new name), and the wall clock stepped
+    an hour forward. The daemon's sparing went by the order's old name: the next settle
+    failed the restart seconds after its command, and restarted the server still loading."""
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
+    from llmhealth.remediate import Mode  # noqa: PLC0415
+
+    restart = ("true",)
+    before = config_module.Config(
+        backends=(config_module.Backend("gpu0", REFUSED_URL, restart=restart),)
+    )
+    after = config_module.Config(
+        backends=(config_module.Backend("gpu1", REFUSED_URL, restart=restart),)
+    )
+    old, new = Target("gpu0", REFUSED_URL), Target("gpu1", REFUSED_URL)
+    store = StateFile(tmp_path / "state.json")
+    wall, ticks = [time.time()], [1000.0]
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    issued = settle_fleet(
+        store,
+        before,
+        backend_urls([old]),
+        lambda _record: [Outcome(old, wedged)],
+        mode=Mode.ACT,
+        audit=None,
+        clock=lambda: wall[0],
+    )
+    [order] = issued.orders
+    down = Verdict(VerdictKind.DOWN, False, "down: connection refused")
+
+    async def scenario() -> list[tuple[str, list[str], list[str]]]:
+        daemon = Daemon(
+            lambda: (after, [new]),  # the reload's config: gpu0 renamed gpu1
+            store,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(file=io.StringIO()),
+            clock=lambda: wall[0],
+            steady=lambda: ticks[0],
+        )
+        seen = []
+        try:
+            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
+            daemon._commands_running[ran] = order
+            daemon._command_finished(ran)
+            for seconds, stepped in ((3.0, 0.0), (5.0, 3600.0)):
+                wall[0] += seconds + stepped
+                ticks[0] += seconds
+                news = daemon_module.News(
+                    [Outcome(new, down)], daemon._take_commands(), in_grace=daemon._in_grace()
+                )
+                settled = daemon._settle(news)
+                seen.append(
+                    (
+                        str(settled.record.ledger.state_of("gpu1")),
+                        [t.name for t in settled.report.expired],
+                        [o.name for o in settled.orders],
+                    )
+                )
+            return seen
+        finally:
+            await daemon._reading.close()
+
+    assert asyncio.run(scenario()) == [
+        ("restarting", [], []),  # renamed, the command's exit heard
+        ("restarting", [], []),  # still loading, seconds later on the steady clock
+    ]
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "wall clock stepped 1 h"])
+def test_a_wall_clock_stepped_forward_frees_no_restart_slot_within_its_grace(
+    tmp_path: Path, step: float
+) -> None:
+    """z was restarted (max_concurrent_restarts 1); its command exited 0, its replacement
+    came up and wedged again, DEAD within its startup grace: its restart holds the slot,
+    so b, condemned since, waits (a fault they share must not restart them all). The wall
+    clock stepped an hour forward: seconds later on any steady clock, the slot was freed
+    and b restarted."""
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
+    from llmhealth.metrics import EngineSignals, Signals  # noqa: PLC0415
+    from llmhealth.remediate import Mode  # noqa: PLC0415
+
+    restart = ("true",)
+    z_url, b_url = REFUSED_URL, "http://127.0.0.2:9"
+    config = config_module.Config(
+        backends=(
+            config_module.Backend("z", z_url, restart=restart),
+            config_module.Backend("b", b_url, restart=restart),
+        )
+    )
+    z, b = Target("z", z_url), Target("b", b_url)
+    store = StateFile(tmp_path / "state.json")
+    wall, ticks = [time.time()], [1000.0]
+    wedged = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5")
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+    issued = settle_fleet(
+        store,
+        config,
+        backend_urls([z, b]),
+        lambda _record: [Outcome(z, wedged), Outcome(b, idle)],
+        mode=Mode.ACT,
+        audit=None,
+        clock=lambda: wall[0],
+    )
+    [order] = issued.orders
+
+    def later(seconds: float, stepped: float = 0.0) -> None:
+        wall[0] += seconds + stepped
+        ticks[0] += seconds
+
+    def signals(start: float, steps: float) -> Signals:
+        engine = EngineSignals("0", running=1.0, waiting=0.0, steps=steps, finished=0.0)
+        return Signals((engine,), start)
+
+    async def scenario() -> str:
+        daemon = Daemon(
+            lambda: (config, [z, b]),
+            store,
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(file=io.StringIO()),
+            clock=lambda: wall[0],
+            steady=lambda: ticks[0],
+        )
+        try:
+            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
+            daemon._commands_running[ran] = order
+            later(2.0)
+            daemon._command_finished(ran)
+            later(5.0)
+            reads = (
+                Read(wall[0] - 5, signals(wall[0] - 300, 50)),
+                Read(wall[0], signals(wall[0], 1)),
+            )
+            new = Verdict(VerdictKind.RESTARTED, False, "restarted: new process", reads=reads)
+            rounds = [
+                (new, idle, 5.0, 0.0),
+                (wedged, wedged, 5.0, 0.0),
+                (wedged, wedged, 5.0, step),
+            ]
+            for z_verdict, b_verdict, seconds, stepped in rounds:
+                later(seconds, stepped)
+                news = daemon_module.News(
+                    [Outcome(z, z_verdict), Outcome(b, b_verdict)],
+                    daemon._take_commands(),
+                    in_grace=daemon._in_grace(),
+                )
+                settled = daemon._settle(news)
+            return str(settled.record.ledger.state_of("b"))
+        finally:
+            await daemon._reading.close()
+
+    # z's replacement DEAD again within its grace: b waits for the slot
+    assert asyncio.run(scenario()) == "dead"

@@ -1338,3 +1338,41 @@ def test_a_wall_clock_stepped_forward_while_the_tiny_request_waits_is_no_failure
             release.set()
     assert verdict.kind is VerdictKind.STALLED, verdict.evidence
     assert "not proof of a failure" in verdict.evidence
+
+
+@pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
+def test_a_wall_clock_stepped_forward_leaves_a_young_engine_young(
+    httpserver: HTTPServer, step: float
+) -> None:
+    """The engine, 210 s old, read busy (wedge-pre); the wall clock then stepped an hour
+    forward, and the engine stood still for 20 s (wedge-1..4), inside its startup window
+    (300 s). Its process start (vLLM's, fixed) against the stepped clock made it an hour
+    old: out of its startup window, it was wedged at two waits."""
+    clock = SteppedClock(PAUSED_AT - 1.1, step)
+    texts = [capture(name) for name in ["wedge-pre", *PAUSED]]
+
+    def metrics(_request: Request) -> Response:
+        text = texts[min(clock.served, len(texts) - 1)]
+        clock.serving()
+        return Response(text, content_type="text/plain; version=0.0.4")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    url = httpserver.url_for("").rstrip("/")
+    settings = ProbeSettings(wait=5.0, timeout=2.0)
+
+    async def run() -> list[Verdict | None]:
+        window: list[Read] = []
+        verdicts = []
+        async with new_client() as client:
+            for _ in texts:
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", url), settings, window, clock=clock, steady=clock.steady
+                    )
+                )
+                clock.wait()
+        return verdicts
+
+    verdicts = asyncio.run(run())
+    kinds = [None if v is None else v.kind for v in verdicts]
+    assert VerdictKind.WEDGED not in kinds, [v.evidence for v in verdicts if v is not None][2:3]
