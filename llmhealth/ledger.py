@@ -791,7 +791,14 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     # may be sent.
     answered = isinstance(event, RequestSuccess) or event.request_ok
     proof = answered or (isinstance(event, GoodVerdict) and event.requests_finished)
-    if event.process is None or b.process is None:
+    condemned = b.process
+    if condemned is None and proof:
+        # Condemned before any read showed its process (requests that failed, or a server
+        # that never answered HTTP, before its first read): the first process to prove
+        # itself since stands for it. Refused for good, it stayed DEAD while every read
+        # showed it; were it a replacement, it would go to STALE all the same.
+        condemned = event.process
+    if event.process is None or condemned is None:
         if not answered or not b.request_failures:
             raise _Refused(
                 b.state,
@@ -806,7 +813,7 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
             "request answered: request failures cleared; which process answered is unknown, "
             "so it does not count towards recovery in place"
         )
-    other = event.process.differs_from(b.process)
+    other = event.process.differs_from(condemned)
     if other is not None:
         raise _Refused(
             b.state, event.kind, f"{other}; a new process goes through new_process_up and STALE"
@@ -818,6 +825,7 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
             "the engine steps but no request finished or was answered: a condemned process "
             "proves itself by requests",
         )
+    b.process = condemned
     b.probe_failures = 0
     b.good_streak += 1
     b.last_ok_at = event.now

@@ -490,6 +490,12 @@ class Router:
         }
         self._states = {n: s for n, s in self._states.items() if n in self._backends}
         self._dropped &= self._backends.keys()
+        # A count of 0 under a name no longer configured is let go (one still in flight
+        # goes as its last request ends, in ``_forward``): kept, a fleet whose names change
+        # with each reload grew the map for good.
+        for name in [n for n, count in self._in_flight.items() if not count]:
+            if name not in self._backends:
+                del self._in_flight[name]
         self._pool.sweep(set(self._origins.values()))
         self.metrics.keep_only(self._backends)
         self.metrics.serving = len(self._pick_set())
@@ -666,6 +672,8 @@ class Router:
             elif upstream is not None:
                 upstream.close()  # never back to the pool half read: the backend sees it end
             self._in_flight[name] -= 1
+            if not self._in_flight[name] and name not in self._backends:
+                del self._in_flight[name]  # a reload dropped it meanwhile (``configure``)
             series.duration.observe(time.monotonic() - started)
 
     async def _relay(self, request: Request, name: str, origin: Origin, upstream: Response) -> bool:

@@ -2092,3 +2092,34 @@ def test_a_rename_keeps_the_backend_and_its_address_under_the_new_name() -> None
         ledger.rename("node-a", "b")
     with pytest.raises(UnknownBackend):
         ledger.rename("a", "c")
+
+
+def test_a_backend_condemned_before_any_read_showed_its_process_can_still_recover_in_place() -> (
+    None
+):
+    """Unresponsive from its first sight (or failing real requests before its first read),
+    it was condemned with no process known; every read after showed one, and each was
+    refused as "which process answered is unknown", so it stayed DEAD for good."""
+    walk = Walk(RECOVER)
+    unresponsive = probe_fail("unresponsive", "no answer in 5 s")
+    walk.feed(
+        unresponsive,
+        state=State.SUSPECT,
+        probe_failures=1,
+        last_error="unresponsive: no answer in 5 s",
+    )
+    walk.feed(unresponsive, probe_failures=2)
+    walk.feed(unresponsive, state=State.DEAD, probe_failures=3, condemned_by="unresponsive")
+    # The first process to prove itself stands for the one condemned, and is held to it.
+    walk.feed(
+        good_from(seen(steps=60.0)), probe_failures=0, good_streak=1, last_ok_at=walk.now + 10
+    )
+    t = walk.ignore(good_from(seen(start=2000.0, steps=1.0)))
+    assert "another process" in t.reason
+    walk.feed(
+        good_from(seen(steps=70.0)),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10,
+    )

@@ -652,3 +652,25 @@ def test_a_lease_that_outlived_a_restart_the_prober_saw_reports_nothing_on_the_n
         fleet, selector = asyncio.run(main(sim.urls))
     assert fleet.snapshot()[0].request_failures == 0 and selector.inflight(0) == 0
     assert fleet.state_of(0) is State.HEALTHY
+
+
+def test_a_backend_condemned_by_requests_before_its_first_read_recovers_in_place() -> None:
+    """Failures reported before the Prober first read the backend condemned it with its
+    process unknown; every later read then showed a process the ledger would not compare
+    ("which process answered is unknown"), and the backend stayed DEAD for good, while
+    one read a moment earlier came back to STALE."""
+
+    async def main(url: str) -> FleetHealth:
+        fleet = FleetHealth([url], policy=FleetPolicy(recover_in_place=True))
+        for _ in range(3):
+            fleet.report_failure(0, "500 from a generation")
+        assert fleet.state_of(0) is State.DEAD
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await probe_until(prober, fleet, 0, State.STALE)
+        return fleet
+
+    with running_simulator(["idle"]) as sim:
+        fleet = asyncio.run(main(sim.urls[0]))
+    assert 0 not in fleet.serving_shards()
+    fleet.report_refit(0, weight_version=1)
+    assert fleet.state_of(0) is State.HEALTHY

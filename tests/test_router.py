@@ -399,6 +399,29 @@ def test_a_reload_that_drops_a_backend_drops_its_series(httpserver: HTTPServer) 
     assert 'llmhealth_router_in_flight_requests{backend="a"} 0.0' in metrics
 
 
+def test_the_in_flight_counts_keep_no_entry_for_backends_reloads_dropped(
+    httpserver: HTTPServer,
+) -> None:
+    """A count of 0 stayed behind for every name a request was ever sent to: a fleet
+    whose names change with each reload (pods) grew the router's memory for good."""
+    httpserver.expect_request(CHAT).respond_with_json({"ok": True})
+    kept: set[str] = set()
+
+    async def scenario() -> None:
+        nonlocal kept
+        async with routing({"pod-0": httpserver.url_for("")}) as (router, url), client() as http:
+            for i in range(1, 30):
+                assert (await http.post(url + CHAT, content=BODY)).status_code == 200
+                await quiet(router)
+                name = f"pod-{i}"
+                router.configure([Backend(name, httpserver.url_for(""))])
+                router.push({name: ANY_MODEL}, {name: "healthy"}, 1)
+            kept = set(router.metrics.in_flight)
+
+    run(scenario())
+    assert kept <= {"pod-29"}
+
+
 @pytest.mark.parametrize("answer", [b"200 OK", b"503 Busy"])
 def test_a_backend_a_reload_drops_mid_request_gets_no_series_back(answer: bytes) -> None:
     """Its answer, heard after the reload, put its requests_total back on the page, a

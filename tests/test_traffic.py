@@ -292,3 +292,17 @@ def test_a_backend_condemned_by_traffic_comes_back_in_place_keeping_its_proof() 
         busy = GoodVerdict(now=T0 + 5 + i, requests_finished=True, process=climbing)
         fleet.ledger.apply("a", busy)
     assert fleet.ledger.state_of("a") is State.STALE
+
+
+def test_a_backend_condemned_by_traffic_before_its_first_verdict_comes_back_in_place() -> None:
+    """`route`'s first settles: requests failed before any verdict showed the backend's
+    process (a busy one is undecided at its first read). Condemned with its process
+    unknown, every later verdict was refused ("which process answered is unknown") and,
+    as restart_on leaves traffic condemnations alone by default, it stayed DEAD for good."""
+    fleet = record(LedgerPolicy(recover_in_place=True))
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1), failed(T0 + 2)])
+    assert fleet.ledger.state_of("a") is State.DEAD
+    process = ProcessSeen(start=T0 - 600, counters={"engine 0 finished": 40.0})
+    for i in range(2):
+        fleet.ledger.apply("a", GoodVerdict(now=T0 + 5 + i, request_ok=True, process=process))
+    assert fleet.ledger.state_of("a") is State.STALE
