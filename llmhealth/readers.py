@@ -559,18 +559,23 @@ class ReadPool:
     async def close(self) -> None:
         """Close every worker's pipe, give them STOP_TIMEOUT to leave, then kill."""
         self._closing = True
-        for worker in self._workers:
-            if worker.process is not None and worker.process.stdin is not None:
-                worker.process.stdin.close()
-        # All at once: one after another, three hung workers took 15 s of a stop that
-        # systemd bounds (TimeoutStopSec), after the last settle's own 10 s.
-        await asyncio.gather(
-            *(_let_leave(w.process) for w in self._workers if w.process is not None)
-        )
-        receiving = [w.receiving for w in self._workers if w.receiving is not None]
-        for task in receiving:
-            task.cancel()
-        await asyncio.gather(*receiving, return_exceptions=True)
+        left: set[asyncio.subprocess.Process] = set()
+        # Again while any is new: a lost worker's replacement whose start was under way
+        # when the close began comes in while the others leave, and read on unclosed.
+        while leaving := [
+            w.process for w in self._workers if w.process is not None and w.process not in left
+        ]:
+            for process in leaving:
+                if process.stdin is not None:
+                    process.stdin.close()
+            # All at once: one after another, three hung workers took 15 s of a stop that
+            # systemd bounds (TimeoutStopSec), after the last settle's own 10 s.
+            await asyncio.gather(*(_let_leave(process) for process in leaving))
+            left.update(leaving)
+            receiving = [w.receiving for w in self._workers if w.receiving is not None]
+            for task in receiving:
+                task.cancel()
+            await asyncio.gather(*receiving, return_exceptions=True)
 
     async def _spawn(self, worker: _Worker) -> None:
         worker.process = await asyncio.create_subprocess_exec(

@@ -530,6 +530,60 @@ def test_hung_workers_are_given_their_time_to_leave_together_not_in_turn(
     assert most_at_once == 3
 
 
+def test_a_worker_started_again_while_the_pool_closes_does_not_outlive_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost worker's replacement whose start was under way when close() began was
+    never told to leave nor waited for: it read on after the pool had closed."""
+    real = asyncio.create_subprocess_exec
+    spawned: list[asyncio.subprocess.Process] = []
+    respawning = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def gated(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        if len(spawned) >= 2:  # the replacement: held until close() is under way
+            respawning.set()
+            await gate.wait()
+        process = await real(*args, **kwargs)
+        spawned.append(process)
+        return process
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", gated)
+    monkeypatch.setattr(readers, "STOP_TIMEOUT", 0.5)
+
+    async def main() -> list[int | None]:
+        pool = readers.ReadPool(
+            2,
+            lambda: ProbeSettings(wait=0.05),
+            lambda *_: None,
+            lambda _n, _c: None,
+            lambda _m: None,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        pool.assign([])
+        first, second = spawned
+        first.kill()  # lost: started again one wait later
+        await respawning.wait()
+        second.send_signal(signal.SIGSTOP)  # slow to leave: close() waits for it
+        closing = asyncio.create_task(pool.close())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set()
+        await closing
+        return [p.returncode for p in spawned]
+
+    try:
+        codes = asyncio.run(main())
+    finally:
+        for process in spawned:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+    assert len(codes) == 3
+    assert None not in codes, f"a worker outlived the pool's close: {codes}"
+
+
 def test_a_worker_forgets_what_it_sent_of_targets_no_longer_its_own() -> None:
     """Kept by name for every target it ever read: a fleet whose names change (pods)
     grew a worker by a read per name."""
