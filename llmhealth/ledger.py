@@ -739,6 +739,9 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         b.last_error = f"{why}; last error: {b.last_error}" if b.last_error else why
         return State.RETIRED, why
     b.restart_times.append(event.now)
+    # Good verdicts towards recovery in place must be in a row, and RESTARTING ignores
+    # every verdict: none seen during the attempt could break the streak, so it ends here.
+    b.good_streak = 0
     b.restart_ran_at = None  # an earlier command's end must not stretch this one's grace
     b.restart_stamped_at = None
     if isinstance(event, RestartIssued) and event.process is not None:
@@ -890,13 +893,18 @@ def _note_working(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Stat
     """A STALE process whose requests finish works: noted, never re-admitted by it."""
     if not isinstance(event, GoodVerdict):
         raise AssertionError(f"{Rule.NOTE_WORKING} cannot take {event.kind}")
-    same = (
-        event.process is not None
-        and b.process is not None
-        and event.process.differs_from(b.process) is None
-    )
+    own = b.process
+    if own is None and event.process is not None and b.replaced_since_restart:
+        # Up with its process unknown (no read showed it yet): the first read that shows
+        # one stands for it, unless it is the process the restart replaced. Refused, a
+        # busy replacement stayed unknown while every read showed it, and its grace failed it.
+        replaced = b.restarted_from
+        if replaced is None or event.process.differs_from(replaced) is not None:
+            own = event.process
+    same = event.process is not None and own is not None and event.process.differs_from(own) is None
     if not (event.requests_finished and same):
         raise _Refused(b.state, event.kind, "no request finished on its process", off=True)
+    b.process = own  # known from now on: a later read of another process is another one
     b.last_ok_at = event.now
     return State.STALE, (
         "requests finish on its process: it works, and no startup grace fails it; "

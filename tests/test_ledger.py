@@ -2123,3 +2123,52 @@ def test_a_backend_condemned_before_any_read_showed_its_process_can_still_recove
         in_place_recoveries=1,
         last_ok_at=walk.now + 10,
     )
+
+
+def test_good_verdicts_before_a_failed_restart_do_not_count_towards_recovery_in_place() -> None:
+    # One good verdict, then a restart: its probe failures are ignored while RESTARTING,
+    # so nothing broke the streak; the command failed, and one good verdict after it was
+    # taken for the second "in a row" and let the process back to STALE.
+    ledger = one_backend(RECOVER)
+    old = seen()
+    for t in (1.0, 2.0, 3.0):
+        ledger.apply("a", ProbeFailure(now=t, reason="stalled", process=old))
+    assert ledger.state_of("a") is State.DEAD
+    assert ledger.apply("a", GoodVerdict(now=4.0, request_ok=True, process=old)).applied
+    assert ledger.apply("a", RestartIssued(now=5.0)).to_state is State.RESTARTING
+    for t in (6.0, 7.0, 8.0):
+        assert not ledger.apply("a", ProbeFailure(now=t, reason="down")).applied
+    assert ledger.apply("a", RestartFailed(now=9.0, reason="exit 1")).to_state is State.DEAD
+    assert ledger.snapshot("a", 9.0).good_streak == 0
+    t = ledger.apply("a", GoodVerdict(now=10.0, request_ok=True, process=old))
+    assert t.to_state is State.DEAD, t.reason
+    assert ledger.apply("a", GoodVerdict(now=11.0, request_ok=True, process=old)).to_state is (
+        State.STALE
+    )
+
+
+def test_a_replacement_first_seen_without_its_process_is_noted_working_once_a_read_shows_it() -> (
+    None
+):
+    # NewProcessUp without a process (FleetHealth.mark_loaded, or a first read of the
+    # replacement without vLLM series) leaves it unknown "until a read shows it": the
+    # first read showing requests finishing on it must count, or a busy replacement,
+    # never sent the tiny request, is failed at its startup grace and restarted again.
+    ledger = one_backend()
+    policy = ledger.policy
+    replaced = ProcessSeen(start=50.0, counters={"steps": 10.0})
+    for event in (
+        WedgeProven(now=1.0, process=replaced),
+        RestartIssued(now=2.0),
+        NewProcessUp(now=60.0),
+    ):
+        assert ledger.apply("a", event).applied
+    # The process the restart replaced, still answering, proves nothing of its replacement.
+    t = ledger.apply("a", GoodVerdict(now=65.0, requests_finished=True, process=replaced))
+    assert not t.applied
+    busy = ProcessSeen(start=90.0, counters={"steps": 400.0})
+    t = ledger.apply("a", GoodVerdict(now=70.0, requests_finished=True, process=busy))
+    assert t.applied and t.to_state is State.STALE, t.reason
+    assert not ledger.restart_unproven("a", 70.0)
+    assert ledger.expire_restarts(2.0 + policy.startup_grace + 1) == []
+    assert ledger.state_of("a") is State.STALE
