@@ -206,8 +206,20 @@ def decide(
     freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
     decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
     if isinstance(decision, Verdict):
-        return replace(decision, longest_step=known)
+        return replace(decision, longest_step=longer(known, _learned_before_restarts(reads)))
     return decision
+
+
+def _learned_before_restarts(reads: Sequence[Read]) -> LongestStep | None:
+    """The longest step the processes these reads saw restart had recorded: their last
+    texts' histograms. Only the newest process's were taken, and a long step the old one
+    had just recorded was lost with it, though the hardware stays (``fleet.Sighting``)."""
+    readable = [_signals(read) for read in reads if _has_vllm(read)]
+    best = None
+    for older, newer in itertools.pairwise(readable):
+        if older is not newer and restarted_between(older, newer):
+            best = longer(best, longest_step(older))
+    return best
 
 
 def reads_still_needed(reads: Sequence[Read]) -> int:
@@ -248,6 +260,30 @@ def reads_still_needed(reads: Sequence[Read]) -> int:
     if restart is not None:
         keep_from = min(keep_from, readable[readable.index(restart[0]) - 1])
     return max(at_least, len(reads) - keep_from)
+
+
+def freeze_began(reads: Sequence[Read]) -> int | None:
+    """The index of the first read of the longest freeze the newest readable read ends
+    (work, no progress, the same process), across failed reads; None without one.
+
+    ``watch`` keeps it when the freeze outgrows its reads (``probe.keep_read``): a freeze
+    is proven once it outlasts its window, and a window longer than the reads span (a
+    learned 218 s step: a window of 654 s, past ``max_check_time``) was never covered by
+    reads that slid past its beginning; the engine was ``stalled`` for ever.
+    """
+    readable = [index for index, read in enumerate(reads) if _has_vllm(read)]
+    if not readable:
+        return None
+    newest = readable[-1]
+    before = reads[: newest + 1]
+    held = max(
+        (
+            _stall_streak(before, engine.engine, newest_wait_read=False)
+            for engine in _signals(reads[newest]).engines
+        ),
+        default=0,
+    )
+    return newest - held if held > 0 else None
 
 
 def _has_vllm(read: Read) -> bool:
@@ -667,11 +703,22 @@ def _stall_streak(reads: Sequence[Read], engine_name: str, *, newest_wait_read: 
         start = newer_signals.process_start
         if across_a_gap and (start is None or older_signals.process_start != start):
             break
-        if _progressed(older, newer):
+        if _progressed(older, newer) or not _measurable(older, newer):
             break
         streak = len(reads) - 1 - index
         newer_index = index
     return streak
+
+
+def _measurable(older: EngineSignals, newer: EngineSignals) -> bool:
+    """Whether two reads of an engine can show progress at all: a counter or the KV use
+    in both. Gauges alone (a text whose counters were filtered out or lost) showed none
+    ever, and a busy engine whose waiting went 8 -> 4 was "wedged" in two waits."""
+    if older is newer:
+        return older.kv_usage is not None or bool(older.counters)
+    if older.kv_usage is not None and newer.kv_usage is not None:
+        return True
+    return not older.counters.keys().isdisjoint(newer.counters)
 
 
 def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:

@@ -32,6 +32,7 @@ from llmhealth.classify import (
     Verdict,
     VerdictKind,
     decide,
+    freeze_began,
     judge_proxy,
     learned_step,
     left_unasked,
@@ -650,7 +651,17 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
         shared = earlier if signals == earlier else sharing(signals, earlier)
         read = replace(read, signals=shared)
     window.append(read)
-    del window[: -min(limit, reads_still_needed(window))]
+    needed = reads_still_needed(window)
+    if needed > limit >= 2:
+        # A freeze longer than the reads kept: its first read stays, with the newest
+        # ones, so that the freeze is measured from its beginning and its window can be
+        # covered (reads dropped between were all of it: no progress between any two).
+        first = freeze_began(window)
+        if first is not None and first < len(window) - limit:
+            del window[first + 1 : len(window) - (limit - 1)]
+            del window[:first]
+            return
+    del window[: -min(limit, needed)]
 
 
 def with_birth(read: Read, earlier: Sequence[Read]) -> Read:

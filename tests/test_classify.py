@@ -1485,3 +1485,68 @@ def test_a_young_engine_compiling_across_startup_grace_is_doubt_not_unanswered(
     younger = [Read(read.at - 10.0, idle) for read in reads]
     earlier = Answer(timed_out.at - 10.0, False, "timed out after 10.0 s", timed_out=True)
     assert settled(decide(younger, earlier, max_reads=65)).kind is VerdictKind.STALLED
+
+
+def test_watch_proves_a_freeze_whose_learned_window_is_longer_than_its_reads_span(
+    fixture_text: Load,
+) -> None:
+    """A CPU engine whose first prompt compiled for 214 s learned a 218 s step (prefill
+    106 ms per token x 2,048 tokens in one step): its window is 654 s, past the 320 s that
+    watch's 65 reads span at the defaults. Its EngineCore then freezes for good with 4
+    running and 8 waiting (wedge-pre, then wedge-1..4 over and over, reads 5 s apart with
+    their steady ticks, as examine_once keeps and judges them). Frozen past its window,
+    it is wedged; sliding past the freeze's first read, it was "stalled" for ever."""
+    settings = ProbeSettings(wait=WAIT)
+    limit = settings.paced_read_limit
+    learned = LongestStep(218.0, "engine 0: prefill 106 ms per prompt token x up to 2048")
+    pre = parse_metrics(capture(fixture_text, "wedge-pre"))
+    frozen = [parse_metrics(capture(fixture_text, f"wedge-{n}")) for n in (1, 2, 3, 4)]
+    window: list[Read] = []
+    kinds: list[VerdictKind] = []
+    for index in range(160):  # 800 s
+        signals = pre if index == 0 else frozen[index % 4]
+        at = T0 + index * WAIT
+        read = Read(at, signals, sent=at - 0.01, tick=at - T0, sent_tick=at - T0 - 0.01)
+        keep_read(window, read, limit)
+        assert len(window) <= limit
+        decision = decide(window, max_reads=limit, learned=learned, paced_wait=WAIT)
+        if isinstance(decision, Verdict):
+            kinds.append(decision.kind)
+            if decision.kind is VerdictKind.WEDGED:
+                assert "window 654 s" in decision.evidence, decision.evidence
+                assert "(655.0 s)" in decision.evidence, decision.evidence
+                break
+    assert kinds[-1] is VerdictKind.WEDGED, kinds[-3:]
+    assert VerdictKind.WEDGED not in kinds[:-1]
+
+
+def test_a_long_step_the_old_process_recorded_outlives_a_restart_seen_between_reads(
+    fixture_text: Load,
+) -> None:
+    """restart-0 (the old server, its histograms holding a 20 s inter-token gap) then
+    restart-1 (the new one, empty): the hardware stays, and the figure is kept across
+    restarts; taken from the new process's text alone, it was lost with the old one, and
+    the next long step of the new process past its startup grace was wedged at two waits."""
+    reads = reads_of(fixture_text, "restart-0", "restart-1")
+    verdict = settled(decide(reads, answer(True, reads[-1].at + 0.1)))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert verdict.longest_step is not None and verdict.longest_step.seconds == 20.0
+
+
+def test_work_gauges_without_any_counter_or_kv_use_never_prove_a_wedge(
+    fixture_text: Load,
+) -> None:
+    """busy-1..3 (a busy server: waiting 8 -> 8 -> 4) with only its running and waiting
+    gauges and its start time left (counters filtered out or lost on the way): nothing
+    there can show progress, so no freeze is proven. It was "wedged" at the third read,
+    its evidence "steps ?→?→?", and restarted."""
+    kept = ("vllm:num_requests_running", "vllm:num_requests_waiting", "process_start")
+
+    def gauges(name: str) -> str:
+        lines = capture(fixture_text, name).splitlines()
+        return "\n".join(line for line in lines if line.startswith(kept)) + "\n"
+
+    reads = timed([gauges(name) for name in ("busy-1", "busy-2", "busy-3")])
+    assert reads[0].signals is not None and reads[0].signals.engines[0].steps is None
+    verdict = walk(reads).verdict
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence

@@ -1043,7 +1043,8 @@ def test_a_watch_window_keeps_its_limit_and_one_copy_of_values_that_did_not_chan
     window: list[Read] = []
     for at in range(1, 6):
         keep_read(window, Read(float(at), signals=Signals((frozen,), 1.0)), 3)
-    assert [read.at for read in window] == [3.0, 4.0, 5.0]
+    # The freeze's first read stays, with the newest: the freeze is measured from it.
+    assert [read.at for read in window] == [1.0, 4.0, 5.0]
     assert window[0].signals is window[1].signals is window[2].signals
     moved = EngineSignals(engine="0", running=4, waiting=8, steps=101.0)
     keep_read(window, Read(6.0, signals=Signals((moved,), 1.0)), 3)
