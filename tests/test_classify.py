@@ -26,7 +26,7 @@ from llmhealth.classify import (
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import ProbeSettings, keep_read
 from llmhealth.report import ExitCode, verdict_exit_code
-from llmhealth.window import CpuSample, LongestStep, WedgeRules
+from llmhealth.window import CpuSample, LongestStep, WedgeRules, longer
 
 Load = Callable[[str], str]
 
@@ -861,8 +861,11 @@ def test_a_sliding_window_decides_as_one_that_keeps_every_read(
     """``watch`` lets reads go that ``reads_still_needed`` says no later decision uses.
     Read for read, the window it keeps decides as one that kept every read (while neither
     reaches ``max_reads``), as watch drives them: a restart's verdict starts both afresh.
-    ``again`` repeats the read before it: freezes of any length."""
+    ``again`` repeats the read before it: freezes of any length. The longest step a
+    verdict carries may come from a read the window let go (an old process's, across a
+    restart): the state already holds it from an earlier verdict, as ``kept`` does."""
     learned = None if learned_seconds is None else LongestStep(learned_seconds, "seen")
+    kept = learned  # every earlier verdict's longest step, as the state keeps it
     every: list[Read] = []
     sliding: list[Read] = []
     template = pool["idle-1"]
@@ -879,7 +882,10 @@ def test_a_sliding_window_decides_as_one_that_keeps_every_read(
             whole = decide(every, sent, max_reads=1000, learned=learned)
             slid = decide(sliding, sent, max_reads=1000, learned=learned)
         if isinstance(whole, Verdict) and isinstance(slid, Verdict):
-            assert replace(slid, reads=()) == replace(whole, reads=()), (names, number)
+            same = {"reads": (), "longest_step": None}
+            assert replace(slid, **same) == replace(whole, **same), (names, number)
+            kept = longer(kept, slid.longest_step)
+            assert longer(kept, whole.longest_step) == kept, (names, number)
             if whole.kind is VerdictKind.RESTARTED:
                 del every[:-1], sliding[:-1]
         else:
@@ -1088,6 +1094,27 @@ def test_a_read_that_failed_within_a_freeze_does_not_start_the_freeze_again(
     after_a_restart = [Read(T0, w1), gap, Read(T0 + 60, restarted[0]), Read(T0 + 90, restarted[1])]
     decision = decide(after_a_restart, rules=rules)
     assert not (isinstance(decision, Verdict) and decision.kind is VerdictKind.WEDGED)
+
+
+def test_a_freeze_without_start_times_is_not_carried_across_a_failed_read(
+    fixture_text: Load,
+) -> None:
+    """vLLM's multiprocess mode publishes no start time: across a failed read there is no
+    telling the process is the same one, so the freeze ends there (``_stall_streak``), as
+    it does at a new start time; only the reads after the gap count."""
+    text = set_sample(
+        capture(fixture_text, "multiapi-after-load"), "vllm:num_requests_running", "2.0"
+    )
+    frozen = parse_metrics(text)
+    assert frozen.process_start is None
+    rules = WedgeRules(wedge_after=60.0)
+    gap = problem(ReadProblem.UNRESPONSIVE, "GET /metrics: no answer", at=T0 + 30)
+    reads = [Read(T0, frozen), gap, Read(T0 + 60, frozen), Read(T0 + 90, frozen)]
+    decision = decide(reads, rules=rules)
+    assert not (isinstance(decision, Verdict) and decision.kind is VerdictKind.WEDGED), decision
+    # Control: the same reads without the gap are a wedge.
+    steady = [Read(T0 + 30 * index, frozen) for index in range(4)]
+    assert settled(decide(steady, rules=rules, max_reads=4)).kind is VerdictKind.WEDGED
 
 
 def test_a_process_of_unknown_age_that_finished_nothing_yet_gets_the_startup_window(
@@ -1302,6 +1329,22 @@ def test_cpu_samples_that_start_late_must_span_two_waits_themselves(fixture_text
     verdict = settled(decide(reads, learned=long_steps, max_reads=10))
     assert verdict.kind is VerdictKind.WEDGED
     assert "used 0.00 s CPU in 10.0 s" in verdict.evidence
+
+
+def test_stopped_samples_that_start_late_must_span_two_waits_themselves(
+    fixture_text: Load,
+) -> None:
+    # As for CPU used: a stopped engine seen in two samples (one wait of them) proves
+    # nothing yet, however long the freeze before the sampling began.
+    frozen = parse_metrics(capture(fixture_text, "wedge-1"))
+    long_steps = LongestStep(80.0, "engine 0: an inter-token gap over 80 s")
+    stopped = [CpuSample(5.0 + 4.9 * index, (7, 8), stopped=(7,)) for index in range(3)]
+    samples = [None, *stopped]
+    reads = [Read(T0 + index * WAIT, frozen, cpu=cpu) for index, cpu in enumerate(samples)]
+    assert isinstance(decide(reads[:3], learned=long_steps, max_reads=10), TakeRead)
+    verdict = settled(decide(reads, learned=long_steps, max_reads=10))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "engine process 7 stayed stopped by a signal (state T) throughout" in verdict.evidence
 
 
 def test_an_engine_process_stopped_throughout_proves_the_wedge_while_others_spin(

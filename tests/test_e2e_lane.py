@@ -13,12 +13,33 @@ from pathlib import Path
 E2E = Path(__file__).resolve().parent.parent / "e2e"
 
 
+# What turns a scenario into anything but a pass or a failure: skip/skipif marks and
+# pytest.skip(), importorskip(), xfail marks and pytest.xfail() (an xfail is no failure,
+# the lane stays green), pytest.exit(), and unittest's SkipTest raised by hand.
+_SKIPPING = frozenset({"skip", "skipif", "importorskip", "xfail", "exit", "SkipTest"})
+
+
 def skips_in(path: Path) -> list[str]:
-    """Every skip a file can make: skip/skipif marks, pytest.skip() and importorskip()."""
+    """Every skip a file can make, reached as an attribute (``pytest.skip``) or by a name
+    imported from pytest or unittest (``from pytest import skip``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Attribute) and node.attr in ("skip", "skipif", "importorskip"):
+        if isinstance(node, ast.Attribute) and node.attr in _SKIPPING:
+            if node.attr == "exit" and not (
+                isinstance(node.value, ast.Name) and node.value.id == "pytest"
+            ):
+                continue  # sys.exit() in the lane's scripts
             found.append(f"{path.name}:{node.lineno}: {node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+            "pytest",
+            "_pytest",
+            "unittest",
+        ):
+            found.extend(
+                f"{path.name}:{node.lineno}: {alias.name}"
+                for alias in node.names
+                if alias.name in _SKIPPING or alias.name == "*"
+            )
     return found
 
 
@@ -39,3 +60,21 @@ def test_the_skip_finder_sees_marks_and_calls(tmp_path: Path) -> None:
         "    pytest.skip('y')\n"
     )
     assert skips_in(sample) == ["sample.py:2: skipif", "sample.py:4: skip"]
+
+
+def test_the_skip_finder_sees_xfail_exit_and_skips_imported_by_name(tmp_path: Path) -> None:
+    # An xfail leaves the lane green as a skip does; a skip imported by name is no
+    # attribute of pytest at its call.
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import pytest\nfrom pytest import skip as later\nfrom unittest import SkipTest\n"
+        "@pytest.mark.xfail(reason='x')\ndef test_a():\n    pytest.xfail('y')\n"
+        "    pytest.exit('z')\n    later('w')\n    raise SkipTest('v')\n"
+    )
+    assert skips_in(sample) == [
+        "sample.py:2: skip",
+        "sample.py:3: SkipTest",
+        "sample.py:4: xfail",
+        "sample.py:6: xfail",
+        "sample.py:7: exit",
+    ]

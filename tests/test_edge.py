@@ -467,6 +467,31 @@ def test_blank_lines_before_a_request_line_count_in_the_heads_bound() -> None:
     run(scenario())
 
 
+TRAILER = b"X-T: " + b"a" * 1000 + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"1;" + b"x" * (MAX_HEAD_BYTES + 10),  # a chunk-size line that never ends
+        b"2\r\nok\r\n0\r\n" + TRAILER * (MAX_HEAD_BYTES // len(TRAILER) + 2) + b"\r\n",
+    ],
+    ids=["endless-chunk-size-line", "trailers-past-the-bound"],
+)
+def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(framing: bytes) -> None:
+    """A chunk-size line, or trailers each line short of it, past MAX_HEAD_BYTES: the
+    request is refused, not buffered for as long as the client sends."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + framing)
+            got, _, body = await answer(reader)
+            assert got == 400, body
+            assert str(MAX_HEAD_BYTES).encode() in body
+
+    run(scenario())
+
+
 def test_a_content_length_over_max_body_is_refused_without_reading_the_body() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):

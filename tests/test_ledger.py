@@ -2172,3 +2172,34 @@ def test_a_replacement_first_seen_without_its_process_is_noted_working_once_a_re
     assert not ledger.restart_unproven("a", 70.0)
     assert ledger.expire_restarts(2.0 + policy.startup_grace + 1) == []
     assert ledger.state_of("a") is State.STALE
+
+
+def test_our_own_replacement_seen_only_after_the_grace_is_still_failed_by_it() -> None:
+    """Late, but from RESTARTING, not replaced while DEAD: the process our restart brought
+    up, seen only once its grace had run out (expire_restarts had not been called yet), is
+    still ours to fail. Exempted as a hand restart, it stayed STALE for ever: out of
+    serving, and never restarted again."""
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=10.0))
+    ledger.apply("a", RestartIssued(now=20.0))
+    ledger.apply("a", NewProcessUp(now=200.0))  # 180 s after the restart, no expiry between
+    snap = ledger.snapshot("a", 200.0)
+    assert snap.state is State.STALE and snap.replaced_while_dead is False
+    assert ledger.restart_unproven("a", 250.0)
+    assert ledger.overdue(250.0) == ["a"]
+    [t] = ledger.expire_restarts(250.0)
+    assert (t.from_state, t.to_state) == (State.STALE, State.DEAD)
+
+
+def test_a_good_verdict_at_the_restarts_own_instant_does_not_prove_the_restart() -> None:
+    """A settle feeds its verdicts before it restarts, at one ``now``: a good one at the
+    restart's very instant came before it, and says nothing of the replacement."""
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", GoodVerdict(now=20.0, request_ok=True))
+    ledger.apply("a", WedgeProven(now=20.0))
+    ledger.apply("a", RestartIssued(now=20.0))
+    ledger.apply("a", NewProcessUp(now=30.0))
+    assert ledger.snapshot("a", 30.0).last_ok_at == 20.0
+    assert ledger.restart_unproven("a", 119.0)
+    assert ledger.overdue(119.0) == []
+    assert ledger.overdue(120.0) == ["a"]

@@ -236,6 +236,19 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         (b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 101 + b"\r\n", "header fields"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "Transfer-Encoding"),
         (b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\nok", "not an HTTP/1.x status line"),
+        # Bounded as the bytes arrive, not only once a whole head or line has come.
+        (b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * (MAX_HEAD_BYTES + 10), "head over"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;"
+            + b"x" * (MAX_HEAD_BYTES + 10),
+            "a chunk size over",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+            + (b"X-T: " + b"a" * 1000 + b"\r\n") * (MAX_HEAD_BYTES // 1007 + 2)
+            + b"\r\n",
+            "trailers over",
+        ),
     ],
     ids=[
         "huge-head",
@@ -249,6 +262,9 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         "too-many-fields",
         "gzip-then-chunked",  # its body read as plain chunks, the gzip dropped
         "status-below-100",  # no HTTP status: relayed as "HTTP/1.1 99", counted a success
+        "endless-head",
+        "endless-chunk-size-line",
+        "trailers-past-the-bound",
     ],
 )
 def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:

@@ -602,6 +602,36 @@ def test_a_content_length_over_the_cap_is_refused_before_the_body_is_read() -> N
     assert error.failure is Failure.TOO_BIG
 
 
+def test_a_body_ended_by_the_close_is_cut_off_at_the_cap() -> None:
+    # No Content-Length and no chunks: only the bytes as they arrive bound the read.
+    def close_delimited(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 5000)
+
+    with tcp_server(close_delimited) as (url, _):
+        error = failure_of(f"{url}/metrics", max_bytes=1000)
+    assert error.failure is Failure.TOO_BIG
+
+
+def test_trailer_lines_under_the_cap_each_are_bounded_together() -> None:
+    # Each line short of MAX_HEAD_BYTES, their sum past it: the trailers end the read.
+    line = b"X-T: " + b"a" * 1000 + b"\r\n"
+    many = line * (MAX_HEAD_BYTES // len(line) + 2)
+
+    def trailers(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+            + many
+            + b"\r\n"
+        )
+
+    with tcp_server(trailers) as (url, _):
+        error = failure_of(f"{url}/metrics")
+    assert error.failure is Failure.MALFORMED
+    assert f"trailers over {MAX_HEAD_BYTES} bytes" in str(error)
+
+
 @pytest.mark.parametrize(
     "head",
     [
