@@ -711,13 +711,15 @@ def _stall_streak(reads: Sequence[Read], engine_name: str, *, newest_wait_read: 
 
 
 def _measurable(older: EngineSignals, newer: EngineSignals) -> bool:
-    """Whether two reads of an engine can show progress at all: a counter or the KV use
-    in both. Gauges alone (a text whose counters were filtered out or lost) showed none
-    ever, and a busy engine whose waiting went 8 -> 4 was "wedged" in two waits."""
+    """Whether two reads of an engine can show a freeze at all: a counter in both.
+    Gauges alone (a text whose counters were filtered out or lost) showed none ever, and
+    a busy engine whose waiting went 8 -> 4 was "wedged" in two waits. The KV use shows
+    progress when it moves, but a busy engine's may stand still over waits (prefill2:
+    100 steps a wait at one KV use), so without a counter it proves no freeze."""
+    if older.steps is not None and newer.steps is not None:
+        return True  # every vLLM text has it: no dict built for a frozen window's walk
     if older is newer:
-        return older.kv_usage is not None or bool(older.counters)
-    if older.kv_usage is not None and newer.kv_usage is not None:
-        return True
+        return bool(older.counters)
     return not older.counters.keys().isdisjoint(newer.counters)
 
 

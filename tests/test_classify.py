@@ -1593,3 +1593,28 @@ def test_work_gauges_without_any_counter_or_kv_use_never_prove_a_wedge(
     assert reads[0].signals is not None and reads[0].signals.engines[0].steps is None
     verdict = walk(reads).verdict
     assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+
+
+def test_work_gauges_with_a_steady_kv_use_but_no_counter_never_prove_a_wedge(
+    fixture_text: Load,
+) -> None:
+    """prefill2-1..3 (a busy server: 98 requests, 100+ engine steps and 400+ tokens a
+    wait) with its KV use steady at 0.0027 while it works. Its counters filtered out on
+    the way, the running/waiting/KV gauges left: an unchanged KV use over two waits is no
+    freeze where no counter is there to show the steps, as gauges alone are not."""
+    kept = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "process_start",
+    )
+
+    def gauges(name: str) -> str:
+        lines = capture(fixture_text, name).splitlines()
+        return "\n".join(line for line in lines if line.startswith(kept)) + "\n"
+
+    reads = timed([gauges(name) for name in ("prefill2-1", "prefill2-2", "prefill2-3")])
+    engine = reads[0].signals.engines[0] if reads[0].signals is not None else None
+    assert engine is not None and engine.steps is None and engine.kv_usage is not None
+    verdict = walk(reads).verdict
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
