@@ -141,6 +141,7 @@ def test_a_worker_refused_its_niceness_reads_on(monkeypatch: pytest.MonkeyPatch)
     readers.yield_to_the_settle()
 
 
+@pytest.mark.slow  # 8 s: a worker stopped, noticed silent, killed, replaced
 def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
     entry_point: str, sim: Simulator, tmp_path: Path
 ) -> None:
@@ -184,6 +185,7 @@ def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
     assert not marker.exists(), "a worker imported llmhealth from the working directory"
 
 
+@pytest.mark.slow  # 8 s of a worker beating while it waits
 def test_a_worker_waiting_minutes_on_a_tiny_request_is_not_taken_for_a_stopped_one() -> None:
     """A tiny request waits three times the longest step learned (up to max_check_time),
     so a worker whose targets all wait on one sends no examination for that long: it
@@ -868,6 +870,7 @@ def test_a_read_answered_late_and_the_next_on_time_do_not_make_two_waits_of_one(
     assert frozen[-1] - frozen[0] >= 1.5 * wait, (frozen, verdict.evidence)
 
 
+@pytest.mark.slow  # 5 s of waits against a dropping server
 def test_a_server_that_drops_connections_idle_for_the_wait_keeps_one_after_its_first_drop(
     fixture_text: Callable[[str], str],
 ) -> None:

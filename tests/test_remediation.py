@@ -887,13 +887,7 @@ def test_a_command_already_run_is_heard_when_a_later_order_may_not_run(
 
     loaded = config_module.load(setup.config)
     targets = config_module.targets_for(loaded, [], [])
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-        max_check_time=loaded.max_check_time,
-    )
+    settings = settings_of(loaded)
     until_frozen(gpu0, gpu1)
     report = run_cycle(loaded, targets, settings, LeaseLapsesAfterTheFirstCommand(setup.state))
     ran = [note for note in report.restarts if note.action == "restart" and note.ran]
@@ -905,6 +899,48 @@ INTERRUPTIBLE = (
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
     " time.sleep(3); sys.stderr.write('restart failed'); sys.exit(7)"
 )
+
+
+def settings_of(loaded: config_module.Config) -> ProbeSettings:
+    """The probe settings `check` takes from its config."""
+    return ProbeSettings(
+        wait=loaded.wait,
+        timeout=loaded.timeout,
+        answer_timeout=loaded.answer_timeout,
+        max_body=loaded.max_body,
+        max_check_time=loaded.max_check_time,
+    )
+
+
+def ctrl_c_once_a_command_started(
+    setup: Setup,
+    started: Path,
+    clock: Callable[[], float] = time.time,
+    on_press: Callable[[], object] = lambda: None,
+) -> None:
+    """Run a check in this process, and Ctrl-C it once the file its first restart command
+    writes appears: its task cancelled, what asyncio.run does with the main task on
+    Ctrl-C. ``on_press`` runs just before (a clock stepped, say)."""
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+
+    async def interrupted() -> None:
+        check = asyncio.ensure_future(
+            run_cycle_async(
+                loaded, targets, settings_of(loaded), StateFile(setup.state), clock=clock
+            )
+        )
+        until = time.monotonic() + RUN_TIMEOUT
+        while not started.exists():
+            assert not check.done(), check.result()
+            assert time.monotonic() < until, "the first restart command never started"
+            await asyncio.sleep(0.05)
+        on_press()
+        check.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await check
+
+    asyncio.run(interrupted())
 
 
 def check_in_background(entry_point: str, setup: Setup) -> subprocess.Popen[str]:
@@ -1080,31 +1116,8 @@ def test_a_restart_a_ctrl_c_kept_from_running_is_heard_as_not_run_with_no_attemp
         ],
         max_concurrent_restarts=2,
     )
-    loaded = config_module.load(setup.config)
-    targets = config_module.targets_for(loaded, [], [])
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-        max_check_time=loaded.max_check_time,
-    )
     until_frozen(gpu0, gpu1)
-
-    async def interrupted() -> None:
-        check = asyncio.ensure_future(
-            run_cycle_async(loaded, targets, settings, StateFile(setup.state))
-        )
-        until = time.monotonic() + RUN_TIMEOUT
-        while not started.exists():
-            assert not check.done(), check.result()
-            assert time.monotonic() < until, "gpu0's restart command never started"
-            await asyncio.sleep(0.05)
-        check.cancel()  # what asyncio.run does with the main task on Ctrl-C
-        with pytest.raises(asyncio.CancelledError):
-            await check
-
-    asyncio.run(interrupted())
+    ctrl_c_once_a_command_started(setup, started)
     assert not marker.exists()  # gpu1's command was not run
     heard = {r["backend"]: r for r in setup.audit() if r["event"] == COMMAND}
     assert heard["gpu0"]["command"]["exit_code"] == 7
@@ -1146,13 +1159,7 @@ def test_a_ctrl_c_between_two_commands_of_a_check_runs_no_further_command(
 
     loaded = config_module.load(setup.config)
     targets = config_module.targets_for(loaded, [], [])
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-        max_check_time=loaded.max_check_time,
-    )
+    settings = settings_of(loaded)
     until_frozen(gpu0, gpu1)
     store = CtrlCAfterTheFirstCommand(setup.state)
     with pytest.raises(KeyboardInterrupt):
@@ -1167,7 +1174,6 @@ def test_a_ctrl_c_between_two_commands_of_a_check_runs_no_further_command(
 
 
 @pytest.mark.slow  # 5 s of a check, its command and a lock held
-@pytest.mark.slow  # 4 s: a lock held while the commands end
 def test_ctrl_c_twice_once_the_commands_ended_and_the_record_waits_for_the_lock_keeps_it(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1215,12 +1221,16 @@ def test_ctrl_c_twice_once_the_commands_ended_and_the_record_waits_for_the_lock_
 
 
 @pytest.mark.slow  # two checks and a command
+@pytest.mark.parametrize("step", [0.0, -120.0], ids=["steady", "clock stepped back 2 min"])
 def test_a_restart_a_ctrl_c_kept_from_running_leaves_no_cooldown_behind(
-    fleet: Fleet, tmp_path: Path
+    fleet: Fleet, tmp_path: Path, step: float
 ) -> None:
     """Its attempt was given back, yet the restart history kept the time it was issued:
     the check run again at once left gpu1 DEAD, "cooling down: 10m left after the last
-    attempt", an attempt no command made."""
+    attempt", an attempt no command made. And with the wall clock stepped back (NTP,
+    `date -s`) while gpu0's command ran: the settle that heard the commands took gpu1's
+    restart back to its clock, and the history's attempt with it, so compared with the
+    order's own stamp the ledger's budget was given back and the cooldown was not."""
     gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
     started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
     setup = configure(
@@ -1233,68 +1243,6 @@ def test_a_restart_a_ctrl_c_kept_from_running_leaves_no_cooldown_behind(
         max_concurrent_restarts=2,
         cooldown="10m",
         cooldown_max="20m",
-    )
-    loaded = config_module.load(setup.config)
-    targets = config_module.targets_for(loaded, [], [])
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-        max_check_time=loaded.max_check_time,
-    )
-    until_frozen(gpu0, gpu1)
-
-    async def interrupted() -> None:
-        check = asyncio.ensure_future(
-            run_cycle_async(loaded, targets, settings, StateFile(setup.state))
-        )
-        until = time.monotonic() + RUN_TIMEOUT
-        while not started.exists():
-            assert not check.done(), check.result()
-            assert time.monotonic() < until, "gpu0's restart command never started"
-            await asyncio.sleep(0.05)
-        check.cancel()  # what asyncio.run does with the main task on Ctrl-C
-        with pytest.raises(asyncio.CancelledError):
-            await check
-
-    asyncio.run(interrupted())
-    assert not marker.exists() and setup.saved("gpu1")["state"] == "dead"
-    again = run_cycle(loaded, targets, settings, StateFile(setup.state))
-    [gpu1_note] = [note for note in again.restarts if note.name == "gpu1"]
-    assert gpu1_note.action == "restart", gpu1_note
-    assert marker.exists()
-
-
-@pytest.mark.slow  # a check and a command
-def test_a_restart_a_ctrl_c_kept_from_running_gives_its_attempt_back_after_a_clock_step(
-    fleet: Fleet, tmp_path: Path
-) -> None:
-    """The wall clock stepped back (NTP, `date -s`) while gpu0's command ran, and Ctrl-C
-    came then: the settle that heard the commands took gpu1's restart back to its clock,
-    and the restart history's attempt with it. Compared with the order's own stamp, the
-    attempt was not given back: the ledger's budget was, the cooldown was not."""
-    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
-    started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
-    setup = configure(
-        "unused",
-        tmp_path,
-        [
-            ("gpu0", gpu0.url, [sys.executable, "-c", BRIEFLY, str(started)]),
-            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
-        ],
-        max_concurrent_restarts=2,
-        cooldown="10m",
-        cooldown_max="20m",
-    )
-    loaded = config_module.load(setup.config)
-    targets = config_module.targets_for(loaded, [], [])
-    settings = ProbeSettings(
-        wait=loaded.wait,
-        timeout=loaded.timeout,
-        answer_timeout=loaded.answer_timeout,
-        max_body=loaded.max_body,
-        max_check_time=loaded.max_check_time,
     )
     stepped = [0.0]
 
@@ -1302,26 +1250,13 @@ def test_a_restart_a_ctrl_c_kept_from_running_gives_its_attempt_back_after_a_clo
         return time.time() + stepped[0]
 
     until_frozen(gpu0, gpu1)
-
-    async def interrupted() -> None:
-        check = asyncio.ensure_future(
-            run_cycle_async(loaded, targets, settings, StateFile(setup.state), clock=clock)
-        )
-        until = time.monotonic() + RUN_TIMEOUT
-        while not started.exists():
-            assert not check.done(), check.result()
-            assert time.monotonic() < until, "gpu0's restart command never started"
-            await asyncio.sleep(0.05)
-        stepped[0] = -120.0  # the wall clock stepped back two minutes
-        check.cancel()  # Ctrl-C
-        with pytest.raises(asyncio.CancelledError):
-            await check
-
-    asyncio.run(interrupted())
+    ctrl_c_once_a_command_started(setup, started, clock, lambda: stepped.__setitem__(0, step))
     assert not marker.exists() and setup.saved("gpu1")["state"] == "dead"
     assert setup.saved("gpu1")["restart_times"] == []  # the budget's attempt given back
     assert setup.history("gpu1")["last_attempt_at"] is None  # and the cooldown's
-    again = run_cycle(loaded, targets, settings, StateFile(setup.state), clock=clock)
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    again = run_cycle(loaded, targets, settings_of(loaded), StateFile(setup.state), clock=clock)
     [gpu1_note] = [note for note in again.restarts if note.name == "gpu1"]
     assert gpu1_note.action == "restart", gpu1_note  # not "cooling down: 10m left"
     assert marker.exists()
@@ -1357,13 +1292,7 @@ def test_two_checks_interrupted_together_in_one_program_give_ctrl_c_back(
         checks = []
         for _, setup, _ in runs:
             loaded = config_module.load(setup.config)
-            settings = ProbeSettings(
-                wait=loaded.wait,
-                timeout=loaded.timeout,
-                answer_timeout=loaded.answer_timeout,
-                max_body=loaded.max_body,
-                max_check_time=loaded.max_check_time,
-            )
+            settings = settings_of(loaded)
             targets = config_module.targets_for(loaded, [], [])
             checks.append(
                 asyncio.ensure_future(
