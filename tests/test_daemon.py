@@ -650,6 +650,7 @@ def test_a_backend_whose_metrics_hang_comes_back_in_place_under_watch(
 # --- signals ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 3.4 s a loop: a daemon reloaded twice
 @pytest.mark.usefixtures("each_loop")
 def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
     entry_point: str, urls: Urls, tmp_path: Path

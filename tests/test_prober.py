@@ -519,6 +519,7 @@ def test_the_prober_takes_no_busy_engine_without_a_start_time_for_a_restarted_on
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
 
 
+@pytest.mark.slow  # 3.5 s: a wedge proven beside a hung backend
 def test_a_wedge_proven_while_another_backend_hangs_reaches_the_fleet_at_once() -> None:
     """Each verdict reached the fleet only once every backend's read had ended: one
     backend whose /metrics hangs (a partition) held a proven wedge back for its whole

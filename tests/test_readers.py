@@ -255,6 +255,7 @@ readers.main()
 """
 
 
+@pytest.mark.slow  # 3 s of waits
 def test_a_worker_hands_back_heap_pages_each_wait_however_often_shares_come() -> None:
     """Shares come at each settle whose news changed, about once a wait; restarting the
     beat at each one restarted the wait before the pages were handed back, so they

@@ -650,6 +650,7 @@ def test_a_replacement_not_readmitted_within_the_startup_grace_is_a_failed_resta
     ]
 
 
+@pytest.mark.slow  # 3 s: three checks of a wedge
 def test_dry_run_logs_the_decision_without_acting_and_no_restart_logs_nothing(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
