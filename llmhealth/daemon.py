@@ -518,13 +518,20 @@ class Daemon:
         again under its new name beside the running command, and a name no longer
         configured stopped counting against ``max_concurrent_restarts``. A command for a
         server nothing is configured at any more still counts, under its old name."""
-        configured = {t.name: same_server(t.url) for t in self._targets if t.kind == "backend"}
+        if not self._commands_running:
+            return frozenset()  # the common case: no walk over every target per settle
+        configured = self._servers_now()
         names: set[str] = set()
         for order in self._commands_running.values():
             server = same_server(order.url)
             here = {name for name, url in configured.items() if url == server}
             names |= here if here and order.name not in configured else {*here, order.name}
         return frozenset(names)
+
+    def _servers_now(self) -> dict[str, str]:
+        """Each configured backend's server (``same_server``), by name: what a command's
+        backend is called now, after a reload that renamed it."""
+        return {t.name: same_server(t.url) for t in self._targets if t.kind == "backend"}
 
     def _in_grace(self) -> frozenset[str]:
         """Backends whose restart command ended less than the startup grace ago on the
@@ -542,7 +549,7 @@ class Daemon:
             return frozenset()  # the common case: not a walk over every target per settle
         # As the configuration names its server now: a reload that renamed the backend
         # (its server kept) has the settle fail the restart under its new name.
-        configured = {t.name: same_server(t.url) for t in self._targets if t.kind == "backend"}
+        configured = self._servers_now()
         names: set[str] = set()
         for name, (server, _) in self._commands_ended.items():
             here = {other for other, url in configured.items() if url == server}
