@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final, TypeVar
 
 import httpx
@@ -139,8 +140,16 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
 _STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _interrupted(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """Taken as a Ctrl-C, by whatever handles Ctrl-C now: inside ``asyncio.run`` its
+    handler cancels the main task where it waits. Raised where it landed instead, in a
+    task a gather started (one backend's read), the run's close raised it again from the
+    main task, and asyncio logged that task's exception as never retrieved: a traceback
+    on the demo's stderr. SIGINT ignored (a background job of a script): raised here."""
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    if not callable(ctrl_c):
+        raise KeyboardInterrupt(f"signal {signum}")
+    ctrl_c(signal.SIGINT, frame)
 
 
 @contextlib.contextmanager

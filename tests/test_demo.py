@@ -6,6 +6,8 @@ The demo runs for about a minute, so only its stop is tested here (in the slow l
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import io
 import os
 import signal
@@ -170,3 +172,25 @@ def test_a_simulator_that_cannot_listen_is_a_plain_failure_not_a_bug_report() ->
             demo.simulated_fleet(["idle"], port),
         ):
             pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_landing_in_a_gathered_task_unwinds_as_ctrl_c_without_a_stray_traceback(
+    signum: signal.Signals, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: the demo's handler raised KeyboardInterrupt wherever the signal landed. In
+    # a task a gather had started (one backend's read in the check part), asyncio.run's
+    # close re-raised it from the main task while cancelling it, and that task's
+    # exception was logged as "never retrieved", a traceback on the demo's stderr.
+    async def one_read() -> None:
+        os.kill(os.getpid(), signum)
+        for _ in range(1_000_000):  # the handler runs here, inside this task's step
+            await asyncio.sleep(0)
+
+    async def check() -> None:
+        await asyncio.gather(one_read(), asyncio.sleep(PATIENCE))
+
+    with demo._terminate_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        asyncio.run(check())
+    gc.collect()
+    assert not [record for record in caplog.records if record.name == "asyncio"]
