@@ -83,7 +83,8 @@ def test_a_command_that_succeeds_reports_both_streams() -> None:
     assert (result.exit_code, result.timed_out) == (0, False)
     assert (result.stdout, result.stderr) == ("restarted\n", "a warning\n")
     assert result.argv == ("sh", "-c", "echo restarted; echo 'a warning' >&2")
-    assert 0 <= result.duration < 30
+    # Recorded, and sane; how long the command took is no claim of this test.
+    assert math.isfinite(result.duration) and result.duration >= 0
 
 
 def test_a_non_zero_exit_is_recorded_and_not_ok() -> None:
@@ -94,13 +95,16 @@ def test_a_non_zero_exit_is_recorded_and_not_ok() -> None:
 
 
 @needs_proc
-def test_a_command_past_its_timeout_is_killed_with_its_children() -> None:
-    script = 'sleep 60 & echo "$$ $!"; sleep 60'
-    result = run_command(["sh", "-c", script], timeout=1.0)
+def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
+    # The command marks the moment it has run well past its 1 s timeout (5 s); killed at
+    # the timeout, it never gets there. Allowed to run on, it would leave the mark.
+    late = tmp_path / "ran-past-its-timeout"
+    script = 'sleep 60 & echo "$$ $!"; sleep 5; echo late > "$1"; sleep 60'
+    result = run_command(["sh", "-c", script, "sh", str(late)], timeout=1.0)
     pgid, child = map(int, result.stdout.split())
     assert result.timed_out and not result.ok
     assert result.exit_code is not None and result.exit_code < 0  # ended by a signal
-    assert result.duration < 30
+    assert not late.exists(), "the command ran on past its timeout"
     assert f"timed out: sent SIGTERM to process group {pgid}" in result.stderr
     assert wait_until_gone(pgid) == []
     assert child not in live_members(pgid)
