@@ -115,6 +115,7 @@ class _Link(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.received = 0  # bytes, ever: did anything come after a request went out?
+        self.unwaited = 0  # bytes taken since the last wait for more (``Response.read``)
         self.closed = False  # the backend ended its side, or the connection was lost
         # Why the connection was lost, when not by the backend's orderly end (a reset):
         # a body framed by the connection's end is whole only after an orderly one.
@@ -173,11 +174,13 @@ class _Link(asyncio.Protocol):
             await self._waiter
         finally:
             self._waiter = None
+        self.unwaited = 0
         return True
 
     def take(self, size: int) -> bytes:
         data = bytes(self.buffer[:size])
         del self.buffer[:size]
+        self.unwaited += len(data)
         return data
 
     def close(self, answered: bool = False) -> None:
@@ -284,12 +287,21 @@ class Response:
         return None
 
     async def read(self) -> bytes:
-        """The next piece of the body as the backend sent it; b"" once it is complete."""
+        """The next piece of the body as the backend sent it; b"" once it is complete.
+
+        A body that came faster than it is relayed is read from the buffer without a wait,
+        and no write to a client that keeps up waits either: past ``READ_SIZE`` bytes so
+        taken, the loop gets a turn first. Without it, a backend sending one-byte chunks
+        held the router's loop for a second and more at a stretch, every other stream and
+        deadline with it."""
         if self._done:
             return b""
+        link = self._link
+        if link.unwaited >= READ_SIZE:
+            link.unwaited = 0
+            await asyncio.sleep(0)
         if self._framing == "chunked":
             return await self._read_chunked()
-        link = self._link
         while not link.buffer:
             if not await link.more():
                 if self._framing == "close" and link.lost is None:
@@ -334,7 +346,36 @@ class Response:
                     raise BrokenError("closed in the middle of a chunk")
             if link.take(2) != b"\r\n":
                 raise BrokenError("a chunk without its CRLF")
+            data = self._whole_chunks(data)
         return data
+
+    def _whole_chunks(self, data: bytes) -> bytes:
+        """``data`` and the whole chunks after it already in hand, up to ``READ_SIZE``
+        bytes of them with their framing, as one piece: relayed one by one, each cost a
+        write and a deadline of its own, for one byte each from a backend that sends
+        them so. The last chunk, and anything not well framed, is left to the next read."""
+        link = self._link
+        buffer = link.buffer
+        pieces = [data]
+        at = 0
+        while (end := buffer.find(b"\r\n", at, at + READ_SIZE)) >= 0:
+            try:
+                size = http1.chunk_size(bytes(buffer[at:end]))
+            except http1.FramingError:
+                break
+            start = end + 2
+            stop = start + size + 2
+            if size == 0 or stop - at + link.unwaited > READ_SIZE or len(buffer) < stop:
+                break
+            if buffer[stop - 2 : stop] != b"\r\n":
+                break
+            pieces.append(bytes(buffer[start : stop - 2]))
+            link.unwaited += stop - at
+            at = stop
+        if at == 0:
+            return data
+        del buffer[:at]
+        return b"".join(pieces)
 
     def release(self) -> None:
         """Done with the answer: its connection is kept for the next request when the

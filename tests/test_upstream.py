@@ -4,6 +4,7 @@ framing, reuse of kept-alive connections, and answers that are not HTTP."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import struct
@@ -287,8 +288,11 @@ def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, w
         (b"zz\r\n", "bad chunk size"),
         (b"2\r\nokXX", "without its CRLF"),
         (b"5\r\nhel", "middle of a chunk"),
+        # Whole chunks in hand are taken together: one badly framed after them still is.
+        (b"1\r\na\r\n1\r\nb\r\nzz\r\n", "bad chunk size"),
+        (b"1\r\na\r\n1\r\nbXX1\r\nc\r\n", "without its CRLF"),
     ],
-    ids=["bad-size", "no-crlf", "cut"],
+    ids=["bad-size", "no-crlf", "cut", "bad-size-after-whole", "no-crlf-after-whole"],
 )
 def test_a_broken_chunked_body_is_a_broken_exchange(body: bytes, why: str) -> None:
     async def scenario() -> None:
@@ -305,6 +309,52 @@ def test_a_broken_chunked_body_is_a_broken_exchange(body: bytes, why: str) -> No
             with pytest.raises(BrokenError, match=why):
                 await exchange(pool, f"http://127.0.0.1:{port}")
             pool.close()
+
+    run(scenario())
+
+
+def test_one_byte_chunks_come_in_few_pieces_and_the_loop_turns_between_them() -> None:
+    """A backend sending a flood of one-byte chunks: relayed one by one, each piece cost
+    the router a client write and a deadline, and none waited, so the loop served nothing
+    else for a second and more at a stretch."""
+    count = 200_000
+
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"1\r\nx\r\n" * count + b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read()
+            writer.close()
+
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            response = await pool.request(
+                Origin.parse(f"http://127.0.0.1:{port}"), "POST", "/", [], b"{}"
+            )
+            counting = asyncio.create_task(ticker())
+            pieces: list[tuple[int, int]] = []  # (the loop's turns so far, the piece's size)
+            while piece := await response.read():
+                pieces.append((turns, len(piece)))
+            counting.cancel()
+            response.release()
+            pool.close()
+        assert sum(size for _, size in pieces) == count
+        assert len(pieces) < count // 100
+        # Never more than a couple of pieces in one turn of the loop.
+        per_turn = collections.Counter(turn for turn, _ in pieces)
+        assert max(per_turn.values()) <= 2
 
     run(scenario())
 
