@@ -34,6 +34,10 @@ MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 
 DEFAULT_AUDIT_KEEP = 10_000  # audit records kept in etcd: at most 8 KiB each, 80 MiB in all
 MIN_AUDIT_KEEP = 100
 DEFAULT_MAX_CHECK_TIME = 300.0
+# Each read worker is an interpreter of its own (tens of MB), started at once: a slip such
+# as 4000 (the targets "auto" gives one worker) started thousands of processes, and 10**9
+# ended `watch` in a MemoryError. "auto" never starts more than the usable cores.
+MAX_READ_WORKERS = 256
 # A bound against a wrong path (a log, an image, /dev/zero), not against a large fleet:
 # 10,000 backends with every key set (restart, cgroup, model) are under 3 MiB of TOML.
 # Read whole, a larger file would hold up a reload and could fill the memory.
@@ -47,6 +51,7 @@ LONGEST_DURATION = 366 * 86400.0
 # holding the state's lock for hours (`timeout = 5000`, meant in milliseconds).
 LONGEST_READ = 3600.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_FLOAT_LIMIT = 10**308  # any integer up to it converts to a float
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 # request_failures: condemned by real traffic through `route`; opt-in, since a wedge proven
 # by reads is the only cause that says a restart will help.
@@ -288,7 +293,7 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         max_check_time=reader.duration(data, "max_check_time", DEFAULT_MAX_CHECK_TIME),
         read_workers=None
         if data.get("read_workers", "auto") == "auto"
-        else reader.integer(data, "read_workers", 1, minimum=1),
+        else reader.integer(data, "read_workers", 1, minimum=1, most=MAX_READ_WORKERS),
         policy=policy,
         backends=backends,
         proxies=proxies,
@@ -303,6 +308,10 @@ def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
     ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int) and abs(value) > _FLOAT_LIMIT:
+        # Past a float's range (TOML takes 4,300 digits): float() raises OverflowError,
+        # which is no ValueError; and its digits are not repeated.
+        raise ValueError(f"an integer of {len(str(abs(value)))} digits is not a duration")
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value)):
@@ -315,6 +324,14 @@ def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
         longest = f"{most / 86400:g} days" if most >= 86400 else f"{most / 3600:g} h"
         raise ValueError(f"{value!r} is longer than {longest}: a unit missed?")
     return seconds
+
+
+def _is_zero(value: object) -> bool:
+    """Whether ``value`` is a duration of nothing, in any unit (0, "0m", "0.0s"): where 0
+    turns a term off, "0m" was refused as "must be a positive duration"."""
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1)) == 0
+    return not isinstance(value, bool) and isinstance(value, int | float) and value == 0
 
 
 def _same_name(name: str) -> str:
@@ -394,10 +411,10 @@ def check_url(url: str) -> str:
             parts.hostname.encode("idna")  # as every request's Host header is written
         except UnicodeError as exc:
             raise ValueError(f"{url!r} has a host name no request can carry: {exc}") from exc
-    elif not parts.hostname.isprintable():
+    elif not parts.hostname.isprintable() or not parts.hostname.isascii():
         # An IPv6 zone ("%25eth0") is not checked as a host name is: a NUL there passed,
         # and every restart command was "not run" (its LLMHEALTH_URL), a failed attempt.
-        raise ValueError(f"{url!r} has a control character in its IPv6 zone")
+        raise ValueError(f"{url!r} has a control character, or one beyond ASCII, in its IPv6 zone")
     # Rebuilt from its parts, case kept: an empty "?" or "#" left in place made every path
     # appended to it part of the query or the fragment (GET / for /metrics).
     scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it
@@ -591,6 +608,10 @@ def parse_listen(value: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{value!r} is not HOST:PORT")
+    if not host.isprintable():
+        # No host holds one, and a NUL passed `config check` to end `route` with a
+        # traceback (asyncio's address lookup raised ValueError, not OSError).
+        raise ValueError(f"{value!r} has a control character in its host")
     return host, int(port)
 
 
@@ -706,19 +727,29 @@ class _Reader:
         if self._leaf(key) not in table:
             return default
         value = table[self._leaf(key)]
-        if zero_is_off and not isinstance(value, bool) and value in (0, "0", "0s"):
+        if zero_is_off and _is_zero(value):
             return 0.0
         try:
             return parse_duration(value, most)
         except ValueError as exc:
             raise self.fail(key, str(exc)) from exc
 
-    def integer(self, table: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
+    def integer(
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        default: int,
+        *,
+        minimum: int,
+        most: int | None = None,
+    ) -> int:
         value = table.get(self._leaf(key), default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"{value!r} is not a whole number")
         if value < minimum:
             raise self.fail(key, f"{value} is below the least allowed value, {minimum}")
+        if most is not None and value > most:
+            raise self.fail(key, f"{value} is above the most allowed value, {most}")
         return value
 
     def boolean(self, table: Mapping[str, Any], key: str, default: bool) -> bool:

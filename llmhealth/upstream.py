@@ -101,10 +101,12 @@ class Origin:
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        shown = f"[{host}]" if ":" in host else host
+        # The name alone as IDNA writes it (``wire``): with its port, a long last label or
+        # IPv6 zone was "label too long", and `route` died at start or on a reload.
+        shown = f"[{host}]" if ":" in host else host.encode("idna").decode("ascii")
         if parts.port is not None:
             shown += f":{parts.port}"
-        return cls(parts.scheme, host, port, parts.path.rstrip("/"), shown.encode("idna"))
+        return cls(parts.scheme, host, port, parts.path.rstrip("/"), shown.encode("ascii"))
 
 
 class _Link(asyncio.Protocol):

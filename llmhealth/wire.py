@@ -281,12 +281,14 @@ class Connection:
         if split.query:
             target += "?" + quote(split.query, safe=_PATH_SAFE + "?")
         host = split.hostname or ""
-        host_header = f"[{host}]" if ":" in host else host
+        # The name alone as IDNA writes it: encoded with its port, a last label within
+        # 63 characters grew past them ("label too long"), and every read of it failed.
+        host_header = f"[{host}]" if ":" in host else host.encode("idna").decode("ascii")
         if split.port is not None:
             host_header += f":{split.port}"
         lines = [
             f"{method} {target} HTTP/1.1",
-            f"Host: {host_header.encode('idna').decode('ascii')}",
+            f"Host: {host_header}",
             f"User-Agent: {self._user_agent}",
             "Accept: */*",
             "Accept-Encoding: identity",

@@ -345,6 +345,27 @@ def test_an_integer_past_pythons_digit_limit_is_invalid_toml_naming_the_file(
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        "wait = {n}\n",
+        "[policy]\ncooldown = {n}\n",
+        "[policy]\nwedge_after = -{n}\n",
+        "[router]\nidle_timeout = {n}\n",
+        '[[backend]]\nurl = "http://10.0.0.5:8000"\nwedge_after = {n}\n',
+    ],
+)
+def test_a_duration_written_as_an_integer_past_a_floats_range_is_refused_naming_the_key(
+    tmp_path: Path, text: str
+) -> None:
+    """Within Python's digit limit but past a float's range: float() raised OverflowError,
+    which is no ValueError. `config check` ended in a traceback, and a SIGHUP to such a
+    file killed `watch` (the reload keeps the running config only on a ConfigError)."""
+    path = write(tmp_path, text.format(n="1" + "0" * 400))
+    with pytest.raises(ConfigError, match=f"^{path}: .*(wait|cooldown|after|timeout): .*digits"):
+        load(path)
+
+
+@pytest.mark.parametrize(
     ("value", "seconds"),
     [(5, 5.0), (0.5, 0.5), ("90s", 90.0), ("15m", 900.0), ("24h", 86400.0), ("250ms", 0.25)],
 )
@@ -410,6 +431,41 @@ def test_the_router_table_has_documented_defaults_and_takes_each_key(tmp_path: P
         no_backend_status=429,
     )
     assert parse_listen("[::1]:8300") == ("::1", 8300)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1\\u0000x", "127.0.0.1\\u001b[2J"])
+def test_a_router_listen_address_with_a_control_character_is_refused(
+    tmp_path: Path, host: str
+) -> None:
+    """A NUL passed `config check`, then `route` died with "internal error": binding raised
+    ValueError ("embedded null character"), not the OSError its start reports."""
+    path = write(tmp_path, f'[router]\nlisten = "{host}:8200"\n')
+    with pytest.raises(ConfigError, match=f"^{path}: router.listen: .*control character"):
+        load(path)
+
+
+@pytest.mark.parametrize("workers", [4000, 10**9])
+def test_a_number_of_read_workers_no_machine_could_start_is_refused(
+    tmp_path: Path, workers: int
+) -> None:
+    """Each read worker is a process of its own, all started at once: `read_workers =
+    1000000000` passed `config check`, then `watch` ended in a MemoryError while making
+    them (and 4000, the share "auto" gives one worker, would start 4000 interpreters)."""
+    path = write(tmp_path, f"read_workers = {workers}\n")
+    with pytest.raises(ConfigError, match=f"^{path}: read_workers: {workers} is above"):
+        load(path)
+    assert load(write(tmp_path, "read_workers = 256\n")).read_workers == 256
+
+
+@pytest.mark.parametrize("zero", ["0", "0s", "0m", "0ms", "0.0", "0.0s", " 0 h ", 0, 0.0])
+def test_zero_turns_a_wedge_term_off_in_any_unit(tmp_path: Path, zero: object) -> None:
+    """`startup_wedge_after = 0` turns that term off (README); written "0m" or "0.0" it
+    was refused as "must be a positive, finite duration"."""
+    text = f"[policy]\nstartup_wedge_after = {zero!r}\nwedge_after = {zero!r}\n".replace("'", '"')
+    policy = load(write(tmp_path, text)).policy
+    assert (policy.startup_wedge_after, policy.wedge_after) == (0.0, 0.0)
+    with pytest.raises(ConfigError, match=r"wait: .* must be a positive"):
+        load(write(tmp_path, "wait = '0m'\n"))
 
 
 def test_a_cluster_section_has_defaults_for_all_but_the_endpoints(tmp_path: Path) -> None:
@@ -755,3 +811,6 @@ def test_a_control_character_in_an_ipv6_zone_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="control character"):
         check_url("http://[fe80::1%25\x1b[31m]:8000")
     assert check_url("http://[fe80::1%25eth0]:8000") == "http://[fe80::1%25eth0]:8000"
+    # Written as it is in a request's Host header (``wire``), which is ASCII.
+    with pytest.raises(ValueError, match="one beyond ASCII, in its IPv6 zone"):
+        check_url("http://[fe80::1%25ethé]:8000")

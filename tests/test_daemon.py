@@ -2887,6 +2887,35 @@ def test_a_route_reload_to_a_config_with_no_backend_is_refused_as_its_start_is(
     )
 
 
+def test_a_reload_to_a_duration_past_a_floats_range_is_refused_and_the_daemon_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`wait = 1000...0` (400 digits, within Python's digit limit) raised OverflowError,
+    which the reload did not take for a bad config: SIGHUP ended `watch` with a traceback."""
+    path = tmp_path / "llmhealth.toml"
+    path.write_text('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9"\n')
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        loaded = config_module.load(path)
+        return loaded, config_module.targets_for(loaded, [], [])
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    path.write_text("wait = 1" + "0" * 400 + "\n" + path.read_text())
+    try:
+        daemon._reload_config()
+    finally:
+        asyncio.run(daemon._reading.close())
+    assert daemon._config.wait == config_module.DEFAULT_WAIT
+    assert "reload refused, keeping the running config" in capsys.readouterr().err
+
+
 def test_a_members_serials_keep_no_backend_the_config_no_longer_names(tmp_path: Path) -> None:
     """Counted by name for the leader's intake, every backend a daemon ever watched kept
     its count for as long as the daemon ran, copied into each wait's publication: a

@@ -147,6 +147,33 @@ def test_the_request_asks_for_identity_names_the_host_and_nothing_else() -> None
     assert (response.status, response.body) == (200, b"ok")
 
 
+def test_a_host_whose_last_label_is_long_is_read_its_port_apart_from_its_name() -> None:
+    """The Host header was IDNA-encoded with its port, which joined the last label: a
+    label `config check` took (63 characters at most) grew past 63 with ":8000", and
+    every read failed as "input llmhealth cannot handle" (the same in the router's
+    origin, which ended `route` with a traceback). Here a dotted quad whose last part
+    is 58 characters long (zeros before the 1, as inet_aton reads it) stands for such
+    a name, as no resolver here knows a long one."""
+    from llmhealth.config import check_url  # noqa: PLC0415
+    from llmhealth.upstream import Origin  # noqa: PLC0415
+
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    host = "127.0.0." + "0" * 57 + "1"
+    with tcp_server(answer) as (url, received):
+        long_url = check_url(url.replace("127.0.0.1", host))
+        (response,) = get(f"{long_url}/metrics")
+    assert (response.status, response.body) == (200, b"ok")
+    port = url.rsplit(":", 1)[1]
+    assert f"\r\nHost: {host}:{port}\r\n".encode() in b"".join(received)
+    assert Origin.parse(long_url).host_header == f"{host}:{port}".encode()
+    zoned = "http://[fe80:0000:0000:0000:0000:0000:0000:0001%25abcdefghijklmno]:8000"
+    assert Origin.parse(check_url(zoned)).host_header == zoned[7:].encode()
+    assert Origin.parse("http://bücher.example:8000").host_header == b"xn--bcher-kva.example:8000"
+
+
 @pytest.mark.usefixtures("each_loop")
 def test_a_kept_alive_connection_is_reused_for_the_next_read() -> None:
     def answer_many(connection: socket.socket, _number: int) -> None:
