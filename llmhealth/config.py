@@ -612,6 +612,14 @@ def parse_listen(value: str) -> tuple[str, int]:
         # No host holds one, and a NUL passed `config check` to end `route` with a
         # traceback (asyncio's address lookup raised ValueError, not OSError).
         raise ValueError(f"{value!r} has a control character in its host")
+    if ":" not in host:
+        try:
+            host.encode("idna")  # as the address lookup writes it
+        except UnicodeError as exc:
+            # "label too long" (a label past 63 characters, or an empty one): a
+            # UnicodeError from the lookup, no OSError, ended `route` and `watch` in
+            # "internal error".
+            raise ValueError(f"{value!r} has a host name no lookup can carry: {exc}") from exc
     return host, int(port)
 
 
@@ -746,6 +754,10 @@ class _Reader:
         value = table.get(self._leaf(key), default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"{value!r} is not a whole number")
+        if abs(value) > _FLOAT_LIMIT:
+            # Past a float's range: every /metrics scrape of a gauge of it (min_healthy)
+            # failed on an OverflowError, and its digits are not repeated.
+            raise self.fail(key, f"an integer of {len(str(abs(value)))} digits is too large")
         if value < minimum:
             raise self.fail(key, f"{value} is below the least allowed value, {minimum}")
         if most is not None and value > most:

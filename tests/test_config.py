@@ -814,3 +814,33 @@ def test_a_control_character_in_an_ipv6_zone_is_refused(tmp_path: Path) -> None:
     # Written as it is in a request's Host header (``wire``), which is ASCII.
     with pytest.raises(ValueError, match="one beyond ASCII, in its IPv6 zone"):
         check_url("http://[fe80::1%25ethé]:8000")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[policy]\nmin_healthy = {n}\n",
+        "[policy]\nunhealthy_threshold = {n}\n",
+        "[router]\nmax_body = {n}\n",
+    ],
+)
+def test_a_whole_number_past_a_floats_range_is_refused_naming_the_key(
+    tmp_path: Path, text: str
+) -> None:
+    """As a duration so written: `min_healthy = 1000...0` (401 digits) passed `config
+    check`, then every /metrics scrape of `watch` and `route` failed on an OverflowError
+    (its gauge is a float)."""
+    path = write(tmp_path, text.format(n="1" + "0" * 400))
+    with pytest.raises(ConfigError, match=f"^{path}: .*(healthy|threshold|max_body): .*digits"):
+        load(path)
+
+
+@pytest.mark.parametrize("host", ["a" * 64, "a..b", "x." + "b" * 64])
+def test_a_listen_host_no_lookup_can_carry_is_refused(tmp_path: Path, host: str) -> None:
+    """A label past 63 characters passed `config check`, then `route` (and `watch
+    --listen`) died in "internal error": the lookup's IDNA step raised UnicodeError."""
+    path = write(tmp_path, f'[router]\nlisten = "{host}:8200"\n')
+    with pytest.raises(ConfigError, match=f"^{path}: router.listen: .*no lookup can carry"):
+        load(path)
+    with pytest.raises(ValueError, match="no lookup can carry"):
+        parse_listen(f"{host}:9100")
