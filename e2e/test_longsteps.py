@@ -295,7 +295,6 @@ def test_an_engine_core_stopped_under_load_is_still_wedged_in_two_waits(
     assert "stayed stopped by a signal (state T) throughout" in evidence, wedged
     # Its worker may poll a little meanwhile; the CPU evidence never calls that computing.
     assert "not computing" in evidence, wedged
-    assert wedged.seconds < WEDGE_AFTER / 2, wedged
     # The positive control: the same restart command does run for a real wedge.
     assert [r["action"] for r in wedged.doc["restarts"]] == ["restart"], wedged
     assert wedged.doc["restarts"][0]["ran"] is True, wedged

@@ -23,6 +23,7 @@ import importlib.resources
 import io
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -373,10 +374,25 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
             and ("gone", "down") in errors
         )
 
+    # The fleet's stall clock counts from the daemon's start, growing every cycle, until a
+    # finished request is seen: then from that cycle (0 there) and less than before.
+    since_seen: list[float] = []
+
+    def finished_seen(p: Page) -> bool:
+        since = p.get("llmhealth_fleet_seconds_since_last_finished_request")
+        if since is None:
+            return False
+        since_seen.append(since)
+        return since == 0.0 or any(since < earlier for earlier in since_seen)
+
+    launched = time.time()
     with watching(entry_point, config, tmp_path / "state.json") as watch:
         page = watch.until("every target judged, with errors counted", complete)
         later = watch.next_cycle(page)
+        # The busy backend finishes one a second; the bound only ends a hung test.
+        watch.until("a finished request seen by the fleet's stall clock", finished_seen)
         rc, _ = watch.stop()
+        scraped = time.time()
     assert rc == 0
 
     # One current verdict per target, the one each simulator mode calls for.
@@ -409,9 +425,10 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
         for s in page.samples("llmhealth_backend_probe_duration_seconds")
     }
     assert set(durations) == {*names, "lb"}
-    assert durations["busy"] < 1.0
-    # The unanswered backend's probe includes its tiny request's 1 s timeout.
-    assert 0.9 <= durations["mute"] < 3.0
+    assert all(math.isfinite(value) and value >= 0.0 for value in durations.values())
+    # The unanswered backend's probe includes its tiny request's 1 s timeout, which the
+    # busy backend's answer does not wait for.
+    assert durations["mute"] > durations["busy"]
 
     errors = page.counts("llmhealth_backend_probe_errors", "kind")
     assert set(errors) == {("mute", "unanswered"), ("gone", "down")}
@@ -426,12 +443,13 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
     assert page.get("llmhealth_fleet_floor_breached") == 0.0
     assert page.get("llmhealth_fleet_stalled") == 0.0
     since = page.get("llmhealth_fleet_seconds_since_last_finished_request")
-    assert since is not None and 0.0 <= since < 5.0  # the busy backend finishes one a second
+    assert since is not None and math.isfinite(since) and since >= 0.0
     cycle_seconds = page.get("llmhealth_cycle_duration_seconds")
-    assert cycle_seconds is not None and 0.0 <= cycle_seconds < WAIT
+    assert cycle_seconds is not None and math.isfinite(cycle_seconds) and cycle_seconds >= 0.0
     assert page.last_cycle is not None and later.last_cycle is not None
     assert later.last_cycle > page.last_cycle
-    assert abs(later.last_cycle - time.time()) < 10.0
+    # Unix time, taken while the daemon ran.
+    assert launched <= page.last_cycle < later.last_cycle <= scraped
 
     assert all(name.startswith("llmhealth_") for name in page.families)
     counters = {n for n, f in page.families.items() if f.type == "counter"}
@@ -885,17 +903,18 @@ def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
         tmp_path / "fleet.toml",
         fleet_config(
             [{"name": "busy", "url": urls.busy}, {"name": "hung", "url": urls.hang}],
-            timeout="10s",
+            timeout="1h",  # the longest read there is: hung's never ends while the test runs
         ),
     )
     state = tmp_path / "state.json"
     with watching(entry_point, config, state) as watch:
-        watch.until("two cycles with busy judged", lambda p: p.verdict("busy") == "busy")
-        # hung's first 10 s read is still out: SIGTERM must not wait for it.
-        rc, took = watch.stop()
+        page = watch.until("two cycles with busy judged", lambda p: p.verdict("busy") == "busy")
+        # hung's first read is still out, and stays out for an hour: a daemon that waited
+        # for it would not exit (the bound only ends such a hung test).
+        rc, _ = watch.stop(timeout=PATIENCE)
         log = watch.stderr()
+    assert page.verdict("hung") is None, "hung's read ended: it was never outstanding"
     assert rc == 0
-    assert took < 4.0, f"exit took {took:.1f} s after SIGTERM"
     assert log.rstrip().endswith("stopped")
 
     document = json.loads(state.read_text())
@@ -2081,17 +2100,13 @@ def test_a_reload_renaming_a_backend_whose_restart_runs_restarts_nothing_beside_
 
 
 def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_command(
-    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 0.5)
+    # The command runs until `go` exists, which this test never makes (or two minutes).
     marker = tmp_path / "restart.pid"
-    command = (
-        sys.executable,
-        "-c",
-        "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(4.5)",
-        str(marker),
-    )
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(tmp_path / "go"))
     backend = config_module.Backend("w", urls.wedge_b, restart=command)
 
     def load() -> tuple[config_module.Config, list[Target]]:
@@ -2106,10 +2121,8 @@ def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_co
         serving_file=None,
         console=Console(stderr=True),
     )
-    stopped_at = 0.0
 
     async def scenario() -> int:
-        nonlocal stopped_at
         running = asyncio.create_task(daemon.run())
         deadline = time.monotonic() + PATIENCE
         while not (marker.exists() and marker.read_text()):
@@ -2117,17 +2130,26 @@ def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_co
                 raise NotObservedError("the restart command did not start")
             await asyncio.sleep(POLL)
         daemon.stop()
-        stopped_at = time.monotonic()
-        return await asyncio.wait_for(running, STOP_BOUND)
+        # The command never ends on its own: a stop that waited for it would not return
+        # (this bound only ends such a hung test).
+        return await asyncio.wait_for(running, PATIENCE)
 
     try:
         assert asyncio.run(scenario()) == 0
-        took = time.monotonic() - stopped_at
+        pid = int(marker.read_text())
+        # Its own process still, not a zombie nobody reaped.
+        stat = Path(f"/proc/{pid}/stat")
+        still_running = stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     finally:
         # Whatever the outcome, the command started for this test does not outlive it.
         with contextlib.suppress(ValueError, OSError):
             os.kill(int(marker.read_text()), signal.SIGKILL)
-    assert took < 2.5, f"stopping took {took:.1f} s with a grace of 0.5 s"
+    # Returned after the grace, with the command left running as documented (systemd's
+    # KillMode=mixed ends it), its restart kept as issued.
+    assert still_running, "the restart command was ended, not left to itself"
+    said = capsys.readouterr().err
+    assert "w: restart command still running; its restart stays issued" in said, said
+    assert said.rstrip().endswith("stopped"), said
 
 
 def test_systemd_hears_stopping_when_the_stop_begins_not_after_the_grace(
