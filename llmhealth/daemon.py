@@ -1176,7 +1176,27 @@ class Daemon:
             return
         wait = self._wait
         was = {(t.kind, same_server(t.url)): t.name for t in self._targets}
+        reading = {t.name: (t.url, t.cgroup) for t in self._targets}
         self._config, self._targets = config, targets
+        # A target read afresh (a new name at its server, an address written another way
+        # or moved, other processes sampled) starts with the longest step the record
+        # learned of that backend, as at start: without it, a renamed server inside a
+        # long step was wedged at two waits and restarted.
+        _, steps = self._record_news()
+        names = {t.name for t in targets}
+        fresh = {}
+        for target in targets:
+            if target.kind != "backend" or reading.get(target.name) == (target.url, target.cgroup):
+                continue  # its reading goes on, with what it learned (``ReadTasks.assign``)
+            step = steps.get(target.name)
+            if target.name not in reading:  # the record renames it (``FleetRecord.renames``)
+                old = was.get((target.kind, same_server(target.url)))
+                if old is not None and old not in names:
+                    step = step or steps.get(old)
+            if step is not None:
+                fresh[target.name] = step
+        if fresh:
+            self._reading.remember({}, fresh)
         # A model list learned of another server (a name dropped, or moved) is not this
         # one's; its URL written another way, or a new name at its server, is the same one
         # (a busy backend is not asked again: dropped, it was pushed as serving any model).

@@ -597,6 +597,12 @@ class FleetRecord:
                 self.restarts[name] = RestartHistory.from_dict(kept["restarts"], f"{name}.restarts")
             if kept.get("proof") is not None:
                 self.proofs[name] = dict(kept["proof"])
+            left_at = kept["entry"].get("url")
+            if isinstance(left_at, str) and other_server(url, left_at):
+                # Back at another server: moved, as a readdress is (``reconcile``). What
+                # condemned it was the server it left, and restarted before its first
+                # read here, a server never judged was restarted.
+                self.fresh_since[name] = now
             note = f"{name}: back in the config at {url}; stays {state} as it left"
             return MembershipChange(name, "added", state, note)
         if name not in self.retired_forgotten:

@@ -1018,6 +1018,57 @@ def test_a_dead_backend_a_reload_moved_is_not_restarted_before_it_is_read_where_
     assert [order.url for order in read_there.orders] == [there.url]
 
 
+def test_a_dead_backend_dropped_and_added_back_at_another_server_is_read_before_a_restart(
+    tmp_path: Path,
+) -> None:
+    """It comes back DEAD as it left, but at another address: what condemned it was the
+    server it left, as for a backend a reload moved. Restarted in the settle that added it
+    back, the new server was restarted never having been read."""
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    first = settle_fleet(
+        store,
+        RESTARTABLE,
+        backend_urls([GPU0]),
+        lambda _record: [wedged(GPU0)],
+        mode=Mode.OFF,  # --no-restart: condemned, not restarted yet
+        audit=audit,
+        clock=ticking(T0),
+    )
+    assert first.record.ledger.state_of("gpu0") == "dead"
+    without = Config(backends=(Backend("gpu1", GPU1.url),))
+    settle_fleet(
+        store,
+        without,
+        backend_urls([GPU1]),
+        lambda _record: [],
+        mode=Mode.ACT,
+        audit=audit,
+        clock=ticking(T0 + 100),
+    )
+    there = Target("gpu0", "http://127.0.0.1:11")
+    back = Config(backends=(Backend("gpu0", there.url, restart=RESTART), Backend("gpu1", GPU1.url)))
+
+    def settle_back(outcomes: list[Outcome], start: float) -> Settled:
+        return settle_fleet(
+            store,
+            back,
+            backend_urls([there, GPU1]),
+            lambda _record: outcomes,
+            mode=Mode.ACT,
+            audit=audit,
+            clock=ticking(start),
+        )
+
+    unread = settle_back([], T0 + 200)
+    assert unread.record.ledger.state_of("gpu0") == "dead"  # as it left
+    assert unread.orders == ()  # before: a restart of the server at :11, never read
+    assert [(n.action, n.reason) for n in unread.report.restarts] == [
+        ("skip", "moved to http://127.0.0.1:11: not read there yet")
+    ]
+    read_there = settle_back([wedged(there)], T0 + 300)  # its first read: wedged as well
+    assert [order.url for order in read_there.orders] == [there.url]
+
+
 def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_restart(
     tmp_path: Path,
 ) -> None:

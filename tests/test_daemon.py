@@ -2499,6 +2499,64 @@ def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
     assert asyncio.run(scenario()), "the backend SIGHUP added was not read"
 
 
+def test_a_reload_that_renames_a_backend_keeps_the_longest_step_it_was_seen_to_take(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record keeps the longest step a backend took, across restarts and renames
+    (``fleet.Sighting``), and a daemon's reading starts with it. Renamed by a reload at
+    its server, the backend was read afresh without it: an engine inside a long step
+    (here frozen, an old process whose histograms show only short gaps) was wedged at
+    two waits, and its busy server restarted."""
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from llmhealth.fleet import Sighting  # noqa: PLC0415
+    from llmhealth.window import LongestStep  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
+    url = httpserver.url_for("").rstrip("/")
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    store = StateFile(tmp_path / "state.json")
+    now = time.time()
+    record = fresh_record(ledger_policy(config.policy), {"a": url}, now - 100)
+    step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
+    record.sightings["a"] = Sighting(now - 10, True, parse_metrics(frozen), step)
+    with store.locked():
+        store.save(record.to_document())
+    fleets = [[Target("a", url)]]
+    daemon = in_process(lambda: (config, fleets[-1]), tmp_path, 0.1)
+
+    def state(name: str) -> str | None:
+        snap = daemon._snapshots.get(name)
+        return None if snap is None else str(snap.state)
+
+    async def read_a_few_times(name: str) -> str | None:
+        for _ in range(int(PATIENCE / 0.02)):
+            probe = daemon._state.probes.get(name)
+            if (probe is not None and probe.examinations >= 6) or state(name) == "dead":
+                break
+            await asyncio.sleep(0.02)
+        settled = daemon._state.cycles
+        while daemon._state.cycles < settled + 2:  # what it read, settled
+            await asyncio.sleep(0.02)
+        return state(name)
+
+    async def scenario() -> tuple[str | None, str | None]:
+        running = asyncio.create_task(daemon.run())
+        try:
+            before = await read_a_few_times("a")
+            fleets.append([Target("b", url)])
+            os.kill(os.getpid(), signal.SIGHUP)
+            return before, await read_a_few_times("b")
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    # Before: ("healthy", "dead"), "b: healthy -> dead: wedged: ... window two waits".
+    assert asyncio.run(scenario()) == ("healthy", "healthy")
+    assert [r["event"] for r in read(tmp_path / "audit.jsonl")] == ["renamed"]
+
+
 def test_a_daemon_whose_backends_are_renamed_keeps_nothing_of_the_names_they_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
