@@ -249,9 +249,14 @@ class Etcd:
     def scan_down(
         self, prefix: str, end: str | bytes | None, limit: int, *, keys_only: bool = False
     ) -> list[tuple[str, KeyValue]]:
-        """Up to ``limit`` keys under ``prefix`` below ``end`` (exclusive), largest first."""
+        """Up to ``limit`` keys under ``prefix`` below ``end`` (exclusive), largest first.
+
+        Only those: the trim and ``read_audit`` ask for the page below the last key they
+        have while pages come back full, and an endpoint answering keys outside the range
+        asked (the same page again) was asked for ever, a leader's settle never ending."""
         range_end = end if end is not None else _after_prefix(prefix)
-        return self._range(
+        low, high = prefix.encode(), range_end.encode() if isinstance(range_end, str) else range_end
+        found = self._range(
             {
                 "key": _b64(prefix),
                 "range_end": _b64(range_end),
@@ -261,6 +266,7 @@ class Etcd:
                 "keys_only": keys_only,
             }
         )
+        return [(name, value) for name, value in found if low <= value.key < high]
 
     def _range(self, request: dict[str, Any]) -> list[tuple[str, KeyValue]]:
         return self.call("kv/range", request, lambda answer: _key_values(answer.get("kvs")))
@@ -318,9 +324,11 @@ def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
 
 def _granted(answer: dict[str, Any]) -> int:
     """A granted lease's ID. etcd never grants lease 0 (its "no lease"): a key put on it
-    would outlive its leader, and the leader key would be held until an operator came."""
+    would outlive its leader, and the leader key would be held until an operator came.
+    Nor one past its int64: kept, every request on it was refused, no other lease was
+    asked for, and the member was out of every election for as long as it ran."""
     lease = int(answer["ID"])
-    if lease <= 0:
+    if not 0 < lease < 2**63:
         raise ValueError(f"lease ID {lease}")
     return lease
 
@@ -333,7 +341,12 @@ def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None
     responses = answer.get("responses") or []
     if not isinstance(responses, list):
         raise TypeError(f"responses is a {type(responses).__name__}")
-    return bool(answer.get("succeeded")), revision, [_ranged(item) for item in responses]
+    # A JSON boolean, left out when false: ``bool("false")`` is true, and a deposed
+    # leader's fenced save, refused by etcd, was said written through such an answer.
+    succeeded = answer.get("succeeded", False)
+    if not isinstance(succeeded, bool):
+        raise TypeError(f"succeeded is a {type(succeeded).__name__}")
+    return succeeded, revision, [_ranged(item) for item in responses]
 
 
 def _ranged(response: object) -> KeyValue | None:

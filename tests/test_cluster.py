@@ -1400,3 +1400,33 @@ def test_a_verdict_whose_model_list_is_too_large_for_etcd_costs_no_publication(
     got = taken[first]
     assert got.kind is VerdictKind.IDLE and got.healthy
     assert got.answer is not None and got.answer.ok and got.answer.model == served[0]
+
+
+def test_a_lease_id_past_etcds_int64_is_not_taken_for_a_lease(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A grant answered with an ID etcd cannot hold (past int64) was kept: every later
+    # request on it (the member key, each keep-alive) was refused by etcd as a JSON
+    # error, no new lease was ever asked for, and the member stayed out of every
+    # election for as long as it ran.
+    answered = [0]
+
+    def garbled_once(connection: socket.socket, _: int) -> None:
+        read_request(connection)
+        answered[0] += 1
+        if answered[0] == 1:
+            said = json.dumps({"ID": str(2**64 + 5), "TTL": "3"}).encode()
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(said) + said)
+
+    with tcp_server(garbled_once) as (garbled, _):
+        clock, log = Clock(), []
+        etcd = Etcd([garbled, *etcd_server.endpoints], timeout=1.0)
+        leader = elector(etcd, keys, "a", clock, log)
+        errors = []
+        for _ in range(3):
+            try:
+                leader.step()
+            except ClusterUnavailableError as exc:
+                errors.append(str(exc))
+        assert leader.decision().may_act, [error[:100] for error in errors]
+        leader.stop()

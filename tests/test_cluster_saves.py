@@ -4,7 +4,9 @@ hand-written audit keys, a trail larger than one answer."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+import json
+import socket
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,8 +19,8 @@ from llmhealth.fleet import FleetRecord
 from llmhealth.remediate import Mode
 from llmhealth.state import RecordMovedError
 from tests.etcdproc import EtcdCluster, running_etcd
-from tests.test_cluster import Clock, elector, losing_txn_answers, store_value
-from tests.test_wire import tcp_server
+from tests.test_cluster import Clock, elector, losing_txn_answers, read_posted, store_value
+from tests.test_wire import read_request, tcp_server
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +202,98 @@ def test_a_deposed_leaders_save_of_an_unchanged_record_with_records_is_not_taken
         old_store.save({"value": 1})  # said written before: the record lost
     old.stop()
     new.stop()
+
+
+def the_same_page(keys: Keys, size: int, served: list[int]) -> Callable[[socket.socket, int], None]:
+    """An endpoint answering every range with the same ``size`` audit keys, whatever range
+    it was asked for (a transaction: succeeded); after 20 answers, an error page."""
+    line = base64.b64encode(b'{"time": 1.0, "backend": "gpu0", "event": "x"}\n').decode()
+    kvs = [
+        {
+            "key": base64.b64encode(keys.audit_batch(1000 + index, 1).encode()).decode(),
+            "value": line,
+            "create_revision": str(1000 + index),
+            "mod_revision": str(1000 + index),
+        }
+        for index in range(size, 0, -1)
+    ]
+    page = json.dumps({"header": {"revision": "5000"}, "kvs": kvs}).encode()
+    txn = json.dumps({"header": {"revision": "5001"}, "succeeded": True}).encode()
+
+    def answer(connection: socket.socket, _: int) -> None:
+        request = read_request(connection)
+        served[0] += 1
+        if served[0] > 20:
+            connection.sendall(b"HTTP/1.1 500 Enough\r\nContent-Length: 0\r\n\r\n")
+            return
+        body = txn if request.startswith(b"POST /v3/kv/txn ") else page
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    return answer
+
+
+@pytest.mark.parametrize("reader", ["audit", "trim"])
+def test_an_endpoint_answering_the_same_page_again_ends_the_audit_read_and_the_trim(
+    keys: Keys, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # read_audit and trim_audit asked for the page below the last key they had, for as
+    # long as pages came back full: an endpoint that answered the same keys whatever
+    # range was asked (or keys outside it) was asked again for ever, `llmhealth audit`
+    # holding every page it got, and a leader's settle never ending (its trim runs in
+    # the save). get_prefix_paged already stops on an answer that moves no further.
+    monkeypatch.setattr(cluster, "_TRIM_PAGE", 64)
+    served = [0]
+    with tcp_server(the_same_page(keys, 64, served)) as (url, _):
+        etcd = Etcd([url], timeout=2.0)
+        if reader == "audit":
+            assert len(read_audit(etcd, keys).records) == 64
+        else:
+            assert trim_audit(etcd, keys, 10, None) == 54
+    assert served[0] <= 3
+
+
+def succeeded_in_words(endpoint: str) -> Callable[[socket.socket, int], None]:
+    """An endpoint passing each request on to ``endpoint``, answering a transaction whose
+    compares failed with ``"succeeded": "false"``: a string where etcd writes a boolean
+    (and leaves it out when false)."""
+    host, _, port = endpoint.removeprefix("http://").partition(":")
+
+    def forward(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            answer = b""
+            while chunk := upstream.recv(65536):  # the request asks etcd to close
+                answer += chunk
+        if head.startswith(b"POST /v3/kv/txn "):
+            document = json.loads(answer.partition(b"\r\n\r\n")[2])
+            document.setdefault("succeeded", "false")
+            said = json.dumps(document).encode()
+            answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(said) + said
+        connection.sendall(answer)
+
+    return forward
+
+
+def test_a_transaction_said_succeeded_in_a_string_is_not_taken_for_a_written_one(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # `bool(answer.get("succeeded"))`: the string "false" is true. A deposed leader's
+    # fenced save, failed in etcd, was said written through such an answer; its restart
+    # order would have run under a fence etcd had refused.
+    etcd = Etcd(etcd_server.endpoints)
+    clock, log = Clock(), []
+    old, new = elector(etcd, keys, "old", clock, log), elector(etcd, keys, "new", clock, log)
+    old.step()
+    with tcp_server(succeeded_in_words(etcd_server.endpoints[0])) as (worded, _):
+        store = EtcdStore(Etcd([worded, *etcd_server.endpoints]), keys, old)
+        with pytest.raises(FencedOutError), store.locked():
+            store.load(dict)
+            old_lease = old.lease_id
+            assert old_lease is not None
+            etcd.revoke(old_lease)
+            new.step()
+            store.save({"value": 1})  # said written before
+    assert etcd.get(keys.state) is None
+    new.stop()
+    old.stop()
