@@ -54,6 +54,10 @@ _DEFAULT_ENGINE = "0"
 # 350,000 one-line engines that held a reader for minutes and gigabytes.
 MAX_LINES = 131_072
 MAX_ENGINE_LABEL = 64
+# vLLM's sleep states are "awake", "weights_offloaded" and "discard_all"; one is named in
+# the verdict of an engine asleep, and a longer one makes its line malformed, as an
+# engine label does (200,000 characters of it went into verdicts, the state and etcd).
+MAX_SLEEP_STATE = 64
 # Up to this many engines, a read's engine is found by a scan of them, not a dict.
 _SCANNED_ENGINES = 8
 
@@ -488,8 +492,21 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
         engines=_plan(samples, histograms, sleep),
         starts=tuple(starts),
     )
-    _LAYOUTS.remember(heads, layout, sum(map(len, heads)))
+    _LAYOUTS.remember(heads, layout, _layout_size(heads, layout))
     return layout
+
+
+# What a remembered layout holds besides its lines' text (measured with tracemalloc): its
+# lines' bytes objects and their places in its tuples and getters, about 130 bytes a line,
+# and each engine's plan with its getters, about 450. Its text alone was counted: a server
+# inventing a text of 20,000 one-line engines on each read kept 15 times the memo's budget
+# (600 MB for its 32 MiB).
+_LINE_COST = 144
+_ENGINE_COST = 512
+
+
+def _layout_size(heads: tuple[bytes, ...], layout: _Layout) -> int:
+    return sum(map(len, heads)) + _LINE_COST * len(heads) + _ENGINE_COST * len(layout.engines)
 
 
 _K = TypeVar("_K")
@@ -499,8 +516,8 @@ _ADMIT_ONE_IN = 16
 
 
 class _Memo(dict[_K, _V]):
-    """A memo bounded in entries and in the bytes of its keys (``remember``); looked up as
-    the plain dict it is, on the read path.
+    """A memo bounded in entries and in the bytes of its entries (``remember``, told the
+    size of each); looked up as the plain dict it is, on the read path.
 
     In bytes too: a server sending a megabyte of label value, new on every read, filled
     an entry-bounded memo with copies of it (122 MB after 60 reads; gigabytes within the
@@ -622,6 +639,8 @@ def _interpret(head: bytes) -> _Meaning | None:
         state = labels.get("sleep_state")
         if state is None:
             return (_IGNORE, _NO_KEY, None, leftover)
+        if len(state) > MAX_SLEEP_STATE:
+            return None
         return (_SLEEP, _NO_KEY, (engine, state), leftover)
     if name == _BY_REASON_SERIES:
         if labels.pop("reason", None) != _DEFERRED:

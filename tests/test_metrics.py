@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import gc
 import math
 import random
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from llmhealth import metrics
 from llmhealth.metrics import (
     MAX_ENGINE_LABEL,
     MAX_LINES,
+    MAX_SLEEP_STATE,
     EngineSignals,
     Signals,
     parse_metrics,
@@ -417,6 +420,44 @@ def test_a_series_written_in_two_blocks_around_other_families_reads_its_last_lin
         assert (signals.process_start, signals.skipped_lines) == (17.0, 0)
 
 
+def _engines_text(engines: int, series: tuple[str, ...]) -> str:
+    return "".join(
+        f'vllm:{name}{{engine="{engine}"}} 1\n' for engine in range(engines) for name in series
+    )
+
+
+@pytest.mark.parametrize("shape", ["one-line-engines", "three-line-engines", "32-engines"])
+def test_a_remembered_layout_is_counted_at_no_less_than_it_holds(
+    shape: str, fixture_text: Load
+) -> None:
+    """The layout memo's budget bounds what it keeps: counting only the lines' text, a
+    server inventing a text of 20,000 one-line engines on each read kept 15 times it
+    (600 MB for 32 MiB)."""
+    if shape == "32-engines":
+        busy = capture(fixture_text, "busy-1")
+        text = "".join(busy.replace('engine="0"', f'engine="{n}"') for n in range(32))
+    elif shape == "one-line-engines":
+        text = _engines_text(10_000, ("num_requests_running",))
+    else:
+        text = _engines_text(
+            10_000, ("num_requests_running", "num_requests_waiting", "generation_tokens_total")
+        )
+    metrics._LAYOUTS.clear()
+    metrics._MEANINGS.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        parse_metrics(text.encode())
+        metrics._MEANINGS.clear()  # what is left is the layout the memo keeps
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        counted = metrics._LAYOUTS._bytes
+    finally:
+        tracemalloc.stop()
+        metrics._LAYOUTS.clear()
+    assert held <= counted + 64 * 1024  # and nothing when not kept (tracemalloc's own noise)
+
+
 def test_more_kinds_of_text_than_the_layout_cache_holds_still_hit_it() -> None:
     """Read in turn, texts of more layouts than are kept: a full cache keeps what it holds
     (it was emptied before, so that every read missed) and admits a few newcomers."""
@@ -456,12 +497,15 @@ def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() ->
         for index in range(3 * metrics._ADMIT_ONE_IN * 10):
             line = f'vllm:num_requests_running{{engine="0",model_name="{big}{index}"}} 1'
             assert only_engine(parse_metrics(line)).running == 1.0
-        for memo, keys in (
-            (metrics._MEANINGS, list(metrics._MEANINGS)),
-            (metrics._LAYOUTS, [head for heads in metrics._LAYOUTS for head in heads]),
-        ):
-            assert 0 < sum(map(len, keys)) <= memo.budget
-            assert memo._bytes == sum(map(len, keys))  # what it counts is what it holds
+        keys = list(metrics._MEANINGS)
+        assert 0 < sum(map(len, keys)) <= metrics._MEANINGS.budget
+        assert metrics._MEANINGS._bytes == sum(map(len, keys))  # it counts what it holds
+        # A layout is counted with what it holds besides its lines' text.
+        lines = [head for heads in metrics._LAYOUTS for head in heads]
+        assert 0 < sum(map(len, lines)) < metrics._LAYOUTS._bytes <= metrics._LAYOUTS.budget
+        assert metrics._LAYOUTS._bytes == sum(
+            metrics._layout_size(heads, layout) for heads, layout in metrics._LAYOUTS.items()
+        )
         # A line remembered twice (two threads that both missed it) is counted once.
         memo: metrics._Memo[bytes, None] = metrics._Memo(8, 800)
         for line in (b"a" * 100, b"b" * 100, b"a" * 100):
@@ -930,6 +974,18 @@ def test_an_engine_label_longer_than_any_engine_name_is_a_malformed_line() -> No
     )
     signals = parse_metrics(text)
     assert [engine.engine for engine in signals.engines] == ["0"]
+    assert signals.skipped_lines == 1
+
+
+def test_a_sleep_state_longer_than_any_state_is_a_malformed_line() -> None:
+    long = "s" * (MAX_SLEEP_STATE + 1)
+    text = (
+        f'vllm:engine_sleep_state{{engine="0",sleep_state="{long}"}} 1\n'
+        'vllm:engine_sleep_state{engine="0",sleep_state="awake"} 0\n'
+        'vllm:num_requests_running{engine="0"} 2\n'
+    )
+    signals = parse_metrics(text)
+    assert [(e.engine, e.sleep_state) for e in signals.engines] == [("0", None)]
     assert signals.skipped_lines == 1
 
 

@@ -124,6 +124,24 @@ def test_a_busy_server_is_judged_busy_and_never_sent_a_request(httpserver: HTTPS
     assert backend.metrics_reads == 2
 
 
+def test_a_sleep_state_longer_than_any_is_not_written_into_the_verdict(
+    httpserver: HTTPServer,
+) -> None:
+    """The sleep state a server names goes into the verdict ("asleep on purpose (engine 0
+    ...)"), and from there to the table, the state, the audit and etcd: 200,000 characters
+    of it went there whole, as a long engine label no longer does."""
+    state = "x" * 200_000
+    text = (
+        capture("idle-1")
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', f'sleep_state="{state}"}} 1.0')
+    )
+    backend = Backend(httpserver, [text])
+    verdict = examine(backend.url)
+    assert len(verdict.evidence) < 1_000
+    assert state not in verdict.evidence
+
+
 def test_a_wedged_server_takes_three_reads_and_no_request(httpserver: HTTPServer) -> None:
     backend = Backend(httpserver, [capture("wedge-1"), capture("wedge-2"), capture("wedge-3")])
     verdict = examine(backend.url)
