@@ -411,14 +411,15 @@ MAX_RETIRED_FORGOTTEN = 1024
 # 800 bytes each where a retired one's name and time are 30: 1,024 of them added
 # 0.8 MB to a record that must fit one etcd request (1.5 MiB by default).
 MAX_WITHHELD_FORGOTTEN = 128
+_RETIRED_BACK = "retired when it left the config; only a reset brings it back"
 
 
 @dataclass(frozen=True, slots=True)
 class MembershipChange:
     """A backend the config added, moved or dropped. A note for whoever runs the verb, and
-    a line of the audit trail: a forgotten backend takes its DEAD state, proofs and
-    restart budget with it (only a RETIRED one is remembered, by name), and only the
-    trail can say so afterwards."""
+    a line of the audit trail: a forgotten serving backend takes its history with it (one
+    out of the serving set is remembered, by name and server: ``admit``, ``renames``),
+    and only the trail can say so afterwards."""
 
     name: str
     event: str  # "forgotten", "renamed", "readdressed" or "added"
@@ -462,6 +463,9 @@ class FleetRecord:
     # config (an edit undone, or a cluster member whose config lacked it leading for a
     # while) comes back RETIRED, an operator's decision kept, never HEALTHY and serving.
     retired_forgotten: dict[str, float] = field(default_factory=dict)
+    # Where each of those was (absent from records written before it was kept): a new
+    # name configured at that server is that backend renamed (``renames``).
+    retired_urls: dict[str, str] = field(default_factory=dict)
     # Backends forgotten while out of the serving set and not retired (DEAD, RESTARTING,
     # STALE), by name: when ("at"), their ledger entry, sighting and restart history (the
     # newest MAX_WITHHELD_FORGOTTEN). Back in the config, one comes back as it left, never
@@ -479,50 +483,22 @@ class FleetRecord:
         changes = []
         for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
-        for old, new in self.renames(backends).items():
+        pending = self.renames(backends)
+        while pending:
+            # One whose own record is renamed on goes first (a chain is two long at most).
+            old, new = next((o, n) for o, n in pending.items() if n not in pending)
+            del pending[old]
+            displaced = new in self.ledger
+            if displaced:  # a serving backend moved onto a condemned server
+                why = f"moved from {self.ledger.url_of(new)} onto {old}'s server, as {old}"
+                changes.append(self._forget(new, now, why))
             changes.append(self.rename(old, new))
+            if displaced or old in backends:
+                # The requests drained under either name were partly another server's.
+                self.fresh_since[new] = now
         for name in self.ledger.names:
             if name not in backends:
-                state = self.ledger.state_of(name)
-                if state is State.RETIRED:
-                    _remember(self.retired_forgotten, name, now, float, bound=MAX_RETIRED_FORGOTTEN)
-                elif state not in SERVING:
-                    sighting = self.sightings.get(name)
-                    history = self.restarts.get(name)
-                    kept = {
-                        "at": now,
-                        "entry": self.ledger.entry(name),
-                        "sighting": None if sighting is None else sighting.to_dict(),
-                        # Its back-off (failed restarts in a row): "as it left", the
-                        # restart policy goes on with it, not from a fresh cooldown.
-                        "restarts": None if history is None else history.to_dict(),
-                        # What condemned it, for the restart it may still be owed: its
-                        # verdict and evidence, not its reads (the record must fit one
-                        # etcd request; the condemnation's audit record has them).
-                        "proof": _without_reads(self.proofs.get(name)),
-                    }
-                    _remember(
-                        self.withheld_forgotten,
-                        name,
-                        kept,
-                        lambda k: float(k["at"]),
-                        bound=MAX_WITHHELD_FORGOTTEN,
-                    )
-                self.ledger.remove(name)
-                self.sightings.pop(name, None)
-                self.restarts.pop(name, None)
-                self.proofs.pop(name, None)
-                self.skips.pop(name, None)
-                self.request_streaks.pop(name, None)
-                self.fresh_since.pop(name, None)
-                note = f"{name}: no longer configured; forgotten ({state})"
-                if name in self.holds:
-                    # Kept until it ends or is released (by name; status lists it): dropped,
-                    # a hold set for a backend just added to the config was lost to a
-                    # daemon that had not reloaded yet, or to a cluster member whose config
-                    # lacked it, and a weight sync met a restart.
-                    note += f"; its hold stays ({self.holds[name].describe(now)})"
-                changes.append(MembershipChange(name, "forgotten", state, note))
+                changes.append(self._forget(name, now, "no longer configured"))
         moves = {
             name: backends[name]
             for name in self.ledger.names
@@ -546,25 +522,109 @@ class FleetRecord:
                 changes.append(self.admit(name, url, now))
         return changes
 
+    def _forget(self, name: str, now: float, why: str) -> MembershipChange:
+        """Drop a backend's record; a RETIRED one is remembered by name and server, one
+        otherwise out of the serving set with its entry (``admit``, ``renames``)."""
+        state = self.ledger.state_of(name)
+        if state is State.RETIRED:
+            _remember(self.retired_forgotten, name, now, float, bound=MAX_RETIRED_FORGOTTEN)
+            self.retired_urls[name] = self.ledger.url_of(name)
+            for gone in self.retired_urls.keys() - self.retired_forgotten.keys():
+                del self.retired_urls[gone]
+        elif state not in SERVING:
+            sighting = self.sightings.get(name)
+            history = self.restarts.get(name)
+            kept = {
+                "at": now,
+                "entry": self.ledger.entry(name),
+                "sighting": None if sighting is None else sighting.to_dict(),
+                # Its back-off (failed restarts in a row): "as it left", the
+                # restart policy goes on with it, not from a fresh cooldown.
+                "restarts": None if history is None else history.to_dict(),
+                # What condemned it, for the restart it may still be owed: its
+                # verdict and evidence, not its reads (the record must fit one
+                # etcd request; the condemnation's audit record has them).
+                "proof": _without_reads(self.proofs.get(name)),
+            }
+            _remember(
+                self.withheld_forgotten,
+                name,
+                kept,
+                lambda k: float(k["at"]),
+                bound=MAX_WITHHELD_FORGOTTEN,
+            )
+        self.ledger.remove(name)
+        self.sightings.pop(name, None)
+        self.restarts.pop(name, None)
+        self.proofs.pop(name, None)
+        self.skips.pop(name, None)
+        self.request_streaks.pop(name, None)
+        self.fresh_since.pop(name, None)
+        note = f"{name}: {why}; forgotten ({state})"
+        if name in self.holds:
+            # Kept until it ends or is released (by name; status lists it): dropped,
+            # a hold set for a backend just added to the config was lost to a
+            # daemon that had not reloaded yet, or to a cluster member whose config
+            # lacked it, and a weight sync met a restart.
+            note += f"; its hold stays ({self.holds[name].describe(now)})"
+        return MembershipChange(name, "forgotten", state, note)
+
     def renames(self, backends: Mapping[str, str]) -> dict[str, str]:
-        """Old name -> new name, for each backend the config left whose server a backend
-        new to the ledger is configured at, one for one."""
-        leaving = {
-            same_server(self.ledger.url_of(name)): name
-            for name in self.ledger.names
-            if name not in backends
+        """Old name -> new name, one for one, for each record whose server the config now
+        calls by another name, which takes the record over (``rename``).
+
+        A record out of the serving set is its server's (the process condemned, the
+        retirement): such a backend, or one forgotten-but-kept (``withheld_forgotten``,
+        ``retired_forgotten``), is renamed when its server is configured under a name new
+        to the ledger, or when its own name is not configured and a serving backend moved
+        onto its server (that one's record is dropped, unless the name at its own server
+        takes it over); not when both names stay (two backends that swap addresses keep
+        their own). A serving backend is renamed only when the config left it and a name
+        new to the ledger is configured at its server. Otherwise the ledger follows names.
+        """
+        ledger = self.ledger
+        if len(backends) == len(ledger.names) and all(
+            name in ledger and ledger.url_of(name) == url for name, url in backends.items()
+        ):
+            return {}  # nothing came, moved or went (each settle asks)
+        configured = {same_server(url): name for name, url in backends.items()}
+        kept = self.withheld_forgotten
+        holders = {  # server -> the record there: the ledger's, else the newest kept
+            same_server(self.retired_urls[name]): name
+            for name in sorted(self.retired_urls, key=lambda n: self.retired_forgotten[n])
         }
-        return {
-            leaving[server]: name
-            for name, url in backends.items()
-            if name not in self.ledger and (server := same_server(url)) in leaving
-        }
+        for name in sorted(kept, key=lambda n: float(kept[n]["at"])):
+            holders[same_server(str(kept[name]["entry"]["url"]))] = name
+        holders.update({same_server(ledger.url_of(name)): name for name in ledger.names})
+        pairs: dict[str, str] = {}
+        onto: dict[str, str] = {}
+        for server, old in holders.items():
+            new = configured.get(server)
+            if new is None or new == old:
+                continue
+            if old in ledger and ledger.state_of(old) in SERVING:
+                if old not in backends and new not in ledger:
+                    pairs[old] = new
+            elif new not in ledger:
+                if old not in backends or not (new in kept or new in self.retired_forgotten):
+                    pairs[old] = new
+            elif old not in backends:
+                onto[old] = new
+        for old, new in onto.items():
+            if ledger.state_of(new) in SERVING or new in pairs:
+                pairs[old] = new
+        return pairs
 
     def rename(self, old: str, new: str) -> MembershipChange:
         """A new name for the same server is no new backend: forgotten and added again, a
         condemned one served at once, a retired one too, its restart budget and cooldown
-        were spent afresh, and the restart its running command stood for was lost."""
-        self.ledger.rename(old, new)
+        were spent afresh, and the restart its running command stood for was lost.
+        ``old`` may be forgotten but kept (``renames``): it comes back as ``new`` at its
+        server, as it left."""
+        if old in self.ledger:
+            self.ledger.rename(old, new)
+        else:
+            self._take_back(old, new)
         _rekey(self.sightings, old, new)
         _rekey(self.restarts, old, new)
         _rekey(self.proofs, old, new)
@@ -576,6 +636,7 @@ class FleetRecord:
         # A retired backend forgotten under the new name was another server: kept, this
         # one would come back RETIRED the next time it left the config and returned.
         self.retired_forgotten.pop(new, None)
+        self.retired_urls.pop(new, None)
         self.withheld_forgotten.pop(new, None)
         state = self.ledger.state_of(new)
         note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
@@ -588,16 +649,8 @@ class FleetRecord:
         its back-off kept: the evidence against it outlives an edit too). ValueError when
         its URL is another backend's."""
         if name in self.withheld_forgotten:
-            kept = self.withheld_forgotten[name]
-            state = self.ledger.restore(kept["entry"], url)
-            del self.withheld_forgotten[name]  # remembered until the ledger holds it again
-            if kept["sighting"] is not None:
-                self.sightings[name] = Sighting.from_dict(kept["sighting"], f"{name}.sighting")
-            if kept.get("restarts") is not None:
-                self.restarts[name] = RestartHistory.from_dict(kept["restarts"], f"{name}.restarts")
-            if kept.get("proof") is not None:
-                self.proofs[name] = dict(kept["proof"])
-            left_at = kept["entry"].get("url")
+            left_at = self.withheld_forgotten[name]["entry"].get("url")
+            state = self._take_back(name, name, url)
             if isinstance(left_at, str) and other_server(url, left_at):
                 # Back at another server: moved, as a readdress is (``reconcile``). What
                 # condemned it was the server it left, and restarted before its first
@@ -612,11 +665,35 @@ class FleetRecord:
             if held is not None and held.active(now):
                 note += f"; {held.describe(now)} (a hold on its name)"
             return MembershipChange(name, "added", State.HEALTHY, note)
-        why = "retired when it left the config; only a reset brings it back"
-        self.ledger.add(name, url, now, retired_because=why)
-        del self.retired_forgotten[name]  # remembered until the ledger holds it again
-        note = f"{name}: back in the config at {url}; stays RETIRED ({why})"
+        self._take_back(name, name, url, now)
+        note = f"{name}: back in the config at {url}; stays RETIRED ({_RETIRED_BACK})"
         return MembershipChange(name, "added", State.RETIRED, note)
+
+    def _take_back(
+        self, kept: str, name: str, url: str | None = None, now: float | None = None
+    ) -> State:
+        """A backend forgotten-but-kept back in the ledger as ``name``, at ``url`` (else
+        where it left), as it left: RETIRED (since ``now``, else since it left), or with
+        its entry, sighting, back-off and proof. Remembered until then."""
+        if kept in self.retired_forgotten:
+            since = self.retired_forgotten.pop(kept)
+            where = self.retired_urls.pop(kept, None) if url is None else url
+            self.retired_urls.pop(kept, None)
+            assert where is not None  # taken back elsewhere only by its server (renames)
+            self.ledger.add(
+                name, where, since if now is None else now, retired_because=_RETIRED_BACK
+            )
+            return State.RETIRED
+        record = self.withheld_forgotten.pop(kept)
+        entry = record["entry"]
+        state = self.ledger.restore({**entry, "name": name}, entry["url"] if url is None else url)
+        if record["sighting"] is not None:
+            self.sightings[name] = Sighting.from_dict(record["sighting"], f"{name}.sighting")
+        if record.get("restarts") is not None:
+            self.restarts[name] = RestartHistory.from_dict(record["restarts"], f"{name}.restarts")
+        if record.get("proof") is not None:
+            self.proofs[name] = dict(record["proof"])
+        return state
 
     def observe(
         self,
@@ -791,6 +868,7 @@ class FleetRecord:
             "request_streaks": dict(sorted(self.request_streaks.items())),
             "fresh_since": dict(sorted(self.fresh_since.items())),
             "retired_forgotten": dict(sorted(self.retired_forgotten.items())),
+            "retired_urls": dict(sorted(self.retired_urls.items())),
             "withheld_forgotten": dict(sorted(self.withheld_forgotten.items())),
         }
 
@@ -831,6 +909,11 @@ class FleetRecord:
             str(name): _number(at, f"retired_forgotten.{name}")
             for name, at in _table(data.get("retired_forgotten", {}), "retired_forgotten").items()
         }
+        retired_urls = {  # likewise
+            str(name): _text(url, f"retired_urls.{name}")
+            for name, url in _table(data.get("retired_urls", {}), "retired_urls").items()
+            if str(name) in retired_forgotten
+        }
         withheld_forgotten = {  # likewise
             str(name): _withheld(value, f"withheld_forgotten.{name}")
             for name, value in _table(
@@ -847,6 +930,7 @@ class FleetRecord:
             streaks,
             fresh_since,
             retired_forgotten,
+            retired_urls,
             withheld_forgotten,
         )
 
@@ -966,6 +1050,12 @@ def _remember(
 def _table(value: object, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{where}: expected a table")
+    return value
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got {value!r}")
     return value
 
 

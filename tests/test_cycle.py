@@ -1530,3 +1530,28 @@ def test_a_cooldown_counting_down_writes_its_skip_once_whole_minutes_or_not(
         assert settled.orders == ()
     skips = [r["reason"] for r in read(audit.path) if r["event"] == "restart_skipped"]
     assert len(skips) == 1, skips
+
+
+def test_a_wedged_server_dropped_and_configured_again_under_a_new_name_stays_dead(
+    tmp_path: Path,
+) -> None:
+    """A wedged gpu0 dropped from the config in one run and added as "node-a" at its
+    server in a later one came in as a new backend, HEALTHY and serving the wedge."""
+    path = tmp_path / "state.json"
+    store, audit, times = StateFile(path), AuditLog(tmp_path / "audit.jsonl"), ticking()
+
+    def settle(backends: dict[str, str], outcomes: Sequence[Outcome] = ()) -> Settled:
+        config = Config(backends=tuple(Backend(name, url) for name, url in backends.items()))
+        return settle_fleet(
+            store, config, backends, lambda _record: outcomes, mode=Mode.ACT, audit=audit,
+            clock=times,
+        )  # fmt: skip
+
+    settle(backend_urls([GPU0, GPU1]), [wedged(GPU0)])
+    settle({"gpu1": GPU1.url})
+    settled = settle({"gpu1": GPU1.url, "node-a": GPU0.url})
+    assert settled.record.ledger.serving == ("gpu1",)
+    assert saved(path)["node-a"]["state"] == "dead"
+    assert saved(path)["node-a"]["condemned_by"] == "wedged"
+    lines = [(r["backend"], r["event"], r["to"]) for r in read(audit.path)][-2:]
+    assert lines[0] == ("node-a", "renamed", "dead")

@@ -1635,3 +1635,107 @@ def test_a_fleet_within_the_documented_size_still_fits_etcd_after_churn() -> Non
     assert record.withheld_forgotten
     size = len(json.dumps(record.to_dict(), sort_keys=True).encode())
     assert size < 1_572_864 - 64 * 1024, f"{size} bytes: over etcd's default request limit"
+
+
+# --- a condemned server's record follows the server, whatever the config calls it ----
+
+
+def wedged_gpu0(*others: tuple[str, str]) -> FleetRecord:
+    record = record_of(("gpu0", URL_0), *others)
+    record.observe("gpu0", VERDICTS["busy"], NOW)
+    record.observe("gpu0", VERDICTS["wedged"], NOW + 1)
+    record.restarts["gpu0"] = RestartHistory(failures=2, last_attempt_at=NOW)
+    return record
+
+
+def saved(record: FleetRecord) -> FleetRecord:
+    return FleetRecord.from_dict(
+        json.loads(json.dumps(record.to_document(), default=plain)), POLICY
+    )
+
+
+@pytest.mark.parametrize("retired", [False, True], ids=["dead", "retired"])
+def test_a_new_name_at_a_forgotten_condemned_server_is_that_backend_renamed(retired: bool) -> None:
+    """Dropped from the config in one run and configured under a new name in a later
+    one, a wedged (or retired) server came in as a new backend, HEALTHY and serving."""
+    record = wedged_gpu0(("gpu1", URL_1))
+    if retired:
+        record.ledger.apply("gpu0", Retire(now=NOW + 1, reason="bad HBM"))
+    record.reconcile({"gpu1": URL_1}, NOW + 2)
+    again = saved(record)
+    changes = again.reconcile({"gpu1": URL_1, "node-a": "http://10.0.0.5:08000"}, NOW + 3)
+    expected = State.RETIRED if retired else State.DEAD
+    first = changes[0]
+    assert (first.name, first.event, first.state, first.was) == (
+        "node-a",
+        "renamed",
+        expected,
+        "gpu0",
+    )
+    assert again.ledger.state_of("node-a") is expected
+    assert again.ledger.serving == ("gpu1",)
+    assert again.ledger.url_of("node-a") == "http://10.0.0.5:08000"  # as configured
+    if not retired:
+        assert again.ledger.snapshot("node-a", NOW + 3).condemned_by == "wedged"
+        assert again.restarts["node-a"].failures == 2  # a new name is no fresh budget
+    assert again.withheld_forgotten == {} and again.retired_forgotten == {}
+
+
+def test_a_backend_moved_onto_a_forgotten_condemned_server_takes_its_condemnation() -> None:
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.reconcile({"gpu1": URL_1}, NOW + 2)
+    again = saved(record)
+    changes = again.reconcile({"gpu1": URL_0}, NOW + 3)
+    assert [(c.name, c.event) for c in changes] == [("gpu1", "forgotten"), ("gpu1", "renamed")]
+    assert again.ledger.state_of("gpu1") is State.DEAD
+    assert again.ledger.serving == ()
+
+
+def test_one_edit_that_shifts_names_onto_a_condemned_server_keeps_it_condemned() -> None:
+    """{gpu0 (wedged): u0, gpu1: u1} -> {gpu1: u0, gpu2: u1}: gpu1 moved onto the wedged
+    server, HEALTHY and serving there."""
+    record = wedged_gpu0(("gpu1", URL_1))
+    epoch = record.ledger.epoch
+    changes = record.reconcile({"gpu1": URL_0, "gpu2": URL_1}, NOW + 2)
+    assert [(c.name, c.event, c.state) for c in changes] == [
+        ("gpu1", "forgotten", State.HEALTHY),
+        ("gpu1", "renamed", State.DEAD),
+        ("gpu2", "added", State.HEALTHY),
+    ]
+    assert record.ledger.state_of("gpu1") is State.DEAD
+    assert record.ledger.by_url(URL_0) == "gpu1" and record.ledger.by_url(URL_1) == "gpu2"
+    assert record.restarts["gpu1"].failures == 2
+    assert record.fresh_since["gpu1"] == NOW + 2  # gpu1's drained requests were at u1
+    assert record.ledger.serving == ("gpu2",)
+    assert record.ledger.epoch == epoch + 2  # gpu1 left the serving set, gpu2 joined
+
+
+def test_one_edit_that_shifts_names_off_a_condemned_server_leaves_its_condemnation() -> None:
+    """{gpu0 (wedged): u0, gpu1: u1} -> {gpu2: u0, gpu0: u1}: gpu2 served the wedged u0,
+    and gpu0's DEAD state and restart budget moved onto u1, a working server."""
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.ledger.apply("gpu1", Retire(now=NOW, reason="bad HBM"))  # u1's own stays too
+    changes = record.reconcile({"gpu2": URL_0, "gpu0": URL_1}, NOW + 2)
+    assert [(c.name, c.event, c.state, c.was) for c in changes] == [
+        ("gpu2", "renamed", State.DEAD, "gpu0"),
+        ("gpu0", "renamed", State.RETIRED, "gpu1"),
+    ]
+    assert record.ledger.by_url(URL_0) == "gpu2" and record.ledger.by_url(URL_1) == "gpu0"
+    assert record.restarts["gpu2"].failures == 2 and "gpu0" not in record.restarts
+    assert record.ledger.serving == ()
+    # A working server vacated the same way: the new name there is new, as before.
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.reconcile({"gpu2": URL_0, "gpu0": URL_1}, NOW + 2)
+    assert record.ledger.state_of("gpu2") is State.DEAD
+    assert record.ledger.state_of("gpu0") is State.HEALTHY
+    assert "gpu0" not in record.restarts and record.ledger.serving == ("gpu0",)
+    assert record.fresh_since["gpu2"] == NOW + 2  # requests drained as gpu0 were at u1 too
+
+
+def test_two_condemned_backends_that_swap_addresses_still_keep_their_own_state() -> None:
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.reconcile({"gpu1": URL_1}, NOW + 2)  # gpu0 kept, DEAD at u0
+    record.observe("gpu1", VERDICTS["wedged"], NOW + 3)
+    changes = record.reconcile({"gpu1": URL_0, "gpu0": URL_1}, NOW + 4)
+    assert [(c.name, c.event) for c in changes] == [("gpu1", "readdressed"), ("gpu0", "added")]
+    assert record.ledger.serving == ()
