@@ -51,6 +51,7 @@ from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollec
 from llmhealth.fleet import (
     READS_KEEP_UP,
     FleetRecord,
+    Sighting,
     StallWatch,
     reads_per_wait,
     smoothed_gap,
@@ -819,7 +820,11 @@ class Daemon:
     def _seen(self, record: FleetRecord) -> None:
         """The record as settled or read, and what the loop's thread may read of it."""
         self._record = record
-        self._news = (baselines_of(record), learned_steps_of(record))
+        # With the steps of backends kept aside (left the config out of the serving set):
+        # one a reload brings back is read at once, before the settle that restores its
+        # sighting, and without its step it was wedged at two waits, as at no start.
+        learned = {**_withheld_steps(record), **learned_steps_of(record)}
+        self._news = (baselines_of(record), learned)
         self._note_whom_to_ask(record)
 
     def _note_whom_to_ask(self, record: FleetRecord) -> None:
@@ -1284,6 +1289,17 @@ class Daemon:
             # nor is a log that cannot be written (a full disk: ENOSPC): the line is lost.
             with contextlib.suppress(OSError), reader_may_leave(sys.stderr):
                 print(message, file=sys.stderr, flush=True)
+
+
+def _withheld_steps(record: FleetRecord) -> dict[str, LongestStep]:
+    """The longest step of each backend the record keeps aside (``withheld_forgotten``)."""
+    steps = {}
+    for name, kept in record.withheld_forgotten.items():
+        if kept.get("sighting") is not None:
+            step = Sighting.from_dict(kept["sighting"], f"{name}.sighting").longest_step
+            if step is not None:
+                steps[name] = step
+    return steps
 
 
 @dataclass(frozen=True, slots=True)

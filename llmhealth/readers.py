@@ -535,7 +535,11 @@ class ReadPool:
     def remember(
         self, baselines: Mapping[str, Signals], learned: Mapping[str, LongestStep]
     ) -> None:
-        self._baselines, self._learned = dict(baselines), dict(learned)
+        # Added to, as ``ReadTasks`` does: a reload's step for a target no worker reads
+        # yet (with shard_reads, a new name is read from the next share on) was replaced
+        # by the share's news, which knew it by its old name only, and lost.
+        self._baselines = {**self._baselines, **baselines}
+        self._learned = {**self._learned, **learned}
 
     async def start(self) -> None:
         for worker in self._workers:
@@ -554,7 +558,10 @@ class ReadPool:
             for name in [n for n in worker.told_not_read if n not in worker.share]:
                 del worker.told_not_read[name]
             self._send_share(worker)
-        self._baselines, self._learned = {}, {}  # sent once, as ReadTasks pops them
+        # Sent once, as ReadTasks pops them; kept for a target not read yet.
+        read = {target.name for target in targets}
+        self._baselines = {n: s for n, s in self._baselines.items() if n not in read}
+        self._learned = {n: s for n, s in self._learned.items() if n not in read}
 
     async def close(self) -> None:
         """Close every worker's pipe, give them STOP_TIMEOUT to leave, then kill."""
@@ -671,9 +678,10 @@ class ReadPool:
             except (OSError, RuntimeError) as exc:  # out of processes, threads or files
                 self._log(f"read worker {worker.index + 1} not started again: {exc}")
                 continue
+            pending = self._baselines, self._learned  # of targets no worker reads yet
             self._baselines, self._learned = self._news()
             self._send_share(worker)
-            self._baselines, self._learned = {}, {}
+            self._baselines, self._learned = pending
             return
 
     def _silence_bound(self) -> float:

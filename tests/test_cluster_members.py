@@ -349,3 +349,83 @@ def test_a_publication_without_a_lease_is_not_logged_as_published_again(
             assert "published again" not in capsys.readouterr().err
         finally:
             seat.elector.stop()
+
+
+def test_a_shard_reader_in_read_workers_keeps_the_step_of_a_backend_a_reload_renames(
+    etcd_server: EtcdCluster, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload's renamed backend starts its reading with the longest step the record
+    learned of it (``Daemon._reload_config``). With shard_reads, the new name is read
+    only from the next cycle's share, and read workers (``ReadPool``) dropped what they
+    were told to remember of a target no worker read yet: the step was lost, and the
+    share's own news of the new name (the record still called it by the old) had none.
+    An engine inside a long step (frozen) was wedged at two waits."""
+    import asyncio  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from pytest_httpserver import HTTPServer  # noqa: PLC0415
+
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from llmhealth.fleet import Sighting  # noqa: PLC0415
+    from llmhealth.metrics import parse_metrics  # noqa: PLC0415
+    from llmhealth.window import LongestStep  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
+    with HTTPServer() as server:
+        server.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
+        url = server.url_for("").rstrip("/")
+        elsewhere = "http://127.0.0.1:9"
+        cluster_config = ClusterConfig(
+            tuple(etcd_server.endpoints), keys.prefix, 3.0, "m", shard_reads=True
+        )
+        config = Config(timeout=1.0, answer_timeout=1.0, read_workers=2, cluster=cluster_config)
+        now = time.time()
+        record = fresh_record(ledger_policy(config.policy), {"a": url, "x": elsewhere}, now - 100)
+        step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
+        record.sightings["a"] = Sighting(now - 10, True, parse_metrics(frozen), step)
+        verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with verb.locked():
+            verb.load(dict)
+            verb.save(record.to_dict())
+        fleets = [[Target("a", url), Target("x", elsewhere)]]
+        seat = Seat.for_config(cluster_config, [].append)
+        daemon = Daemon(
+            lambda: (config, fleets[-1]),
+            seat,
+            listen=None,
+            wait_override=0.1,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+
+        async def kinds_read(name: str) -> list[str]:
+            kinds: list[str] = []
+            for _ in range(1500):
+                probe = daemon._state.probes.get(name)
+                if probe is not None and probe.outcome is not None:
+                    kind = str(probe.outcome.verdict.kind)
+                    if not kinds or kinds[-1] != kind:
+                        kinds.append(kind)
+                if probe is not None and probe.examinations >= 6:
+                    break
+                await asyncio.sleep(0.02)
+            return kinds
+
+        async def scenario() -> tuple[list[str], list[str]]:
+            running = asyncio.create_task(daemon.run())
+            try:
+                before = await kinds_read("a")
+                fleets.append([Target("b", url), Target("x", elsewhere)])
+                os.kill(os.getpid(), signal.SIGHUP)
+                return before, await kinds_read("b")
+            finally:
+                daemon.stop()
+                assert await asyncio.wait_for(running, 20.0) == 0
+
+        before, after = asyncio.run(scenario())
+    assert "wedged" not in before
+    # Before: after == ["wedged"].
+    assert "wedged" not in after
