@@ -487,10 +487,62 @@ def _scan_descendants(root: int) -> list[int]:
 
 
 def _cgroup_sample(path: Path) -> CpuSample | None:
-    """cgroup v2 ``cpu.stat``: usage_usec counts every process in the group."""
+    """cgroup v2 ``cpu.stat``: usage_usec counts every process in the group.
+
+    The group's processes (``cgroup.procs``, its own and its child groups') are held to
+    what the port's are: none of them vLLM's (a unit whose ``docker run`` client waits
+    while the engine runs in the container's own group), the group's idle CPU proved a
+    wedge of an engine that was computing, and gives no evidence; a vLLM process among
+    them stopped by a signal is named, as a stopped engine core whose worker spins.
+    Where the group's processes cannot be listed, its ``cpu.stat`` alone is read.
+    """
+    seconds: float | None = None
     for line in (path / "cpu.stat").read_text().splitlines():
         key, _, value = line.partition(" ")
         if key == "usage_usec":
-            # One stable identity for the group: its inode (a recreated unit is another).
-            return CpuSample(int(value) / 1e6, (path.stat().st_ino,), time.monotonic())
-    return None
+            seconds = int(value) / 1e6
+            break
+    if seconds is None:
+        return None
+    # One stable identity for the group: its inode (a recreated unit is another).
+    identity = (path.stat().st_ino,)
+    members = _cgroup_members(path)
+    if members is None:
+        return CpuSample(seconds, identity, time.monotonic())
+    vllm = [pid for pid in members if _names_vllm(pid)]
+    if not vllm:
+        return None
+    stopped = []
+    for pid in vllm:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if _stat_fields(pid)[0] in ("T", "t"):
+                stopped.append(pid)
+    return CpuSample(seconds, identity, time.monotonic(), tuple(sorted(stopped)))
+
+
+_MAX_CGROUPS = 1024  # a bound on the groups below a configured one that are listed
+
+
+def _cgroup_members(path: Path) -> list[int] | None:
+    """The processes in a cgroup and the groups below it, at most ``_MAX_PROCESSES``;
+    None when its own ``cgroup.procs`` cannot be read."""
+    try:
+        listed = (path / "cgroup.procs").read_text()
+    except OSError:
+        return None
+    members = [int(pid) for pid in listed.split()[:_MAX_PROCESSES]]
+    pending = [path]
+    groups = 0
+    while pending and groups < _MAX_CGROUPS and len(members) < _MAX_PROCESSES:
+        group = pending.pop()
+        groups += 1
+        try:
+            below = [entry for entry in group.iterdir() if entry.is_dir()]
+        except OSError:
+            continue
+        for child in below:
+            with contextlib.suppress(OSError):
+                listed = (child / "cgroup.procs").read_text()
+                members.extend(int(pid) for pid in listed.split()[: _MAX_PROCESSES - len(members)])
+            pending.append(child)
+    return members

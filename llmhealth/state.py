@@ -216,7 +216,16 @@ class StateFile:
         versions took only that one, and one of them running beside this one (an
         upgrade under way) must still be kept out.
         """
-        paths = [self.lock_path]
+        target = self._target()
+        # Not beside a FIFO, a device or a directory the path is or leads to: a state
+        # linked to /dev/null made /dev/null.lock, as root, and each run refused it anyway.
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(target).st_mode):
+                raise StateError(
+                    f"cannot read state {self.path}: {target} is not a regular file; "
+                    "no lock made beside it"
+                )
+        paths = [target.with_name(target.name + ".lock")]
         beside_link = self.path.with_name(self.path.name + ".lock")
         if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself
             paths.insert(0, beside_link)

@@ -734,3 +734,48 @@ def test_samples_are_timed_on_the_steady_clock(tmp_path: Path) -> None:
             after = time.monotonic()
             assert sample is not None and sample.at is not None
             assert before <= sample.at <= after
+
+
+def test_a_stopped_engine_core_in_a_configured_cgroup_is_named_stopped(tmp_path: Path) -> None:
+    # Named by the unit's cgroup rather than by its port, the engine core stopped by a
+    # signal went unnamed: its spinning worker kept the group's CPU above the idle share.
+    with api_server_with_engine() as (_port, server, engine):
+        (tmp_path / "cpu.stat").write_text("usage_usec 19600000\n")
+        (tmp_path / "cgroup.procs").write_text(f"{server}\n")
+        (tmp_path / "engine").mkdir()  # the engine in a group of its own below the unit's
+        (tmp_path / "engine" / "cgroup.procs").write_text(f"{engine}\n")
+        cpu = LocalCpu("http://10.0.0.5:8000", cgroup=str(tmp_path))
+        stop(engine)
+        try:
+            sample = cpu.sample()
+        finally:
+            os.kill(engine, signal.SIGCONT)
+    assert sample is not None
+    assert sample.seconds == pytest.approx(19.6)
+    assert sample.stopped == (engine,)
+
+
+def test_a_cgroup_holding_no_vllm_process_gives_no_evidence(tmp_path: Path) -> None:
+    # A unit that runs `docker run`: its group holds the idle client, the engine computes
+    # in the container's group. The group's flat CPU wedged that engine in two waits.
+    with (
+        frozen_backend(tmp_path, "while True: pass") as (url, _engine),
+        subprocess.Popen([sys.executable, "-c", SLEEPER]) as client,
+    ):
+        try:
+            unit = tmp_path / "unit"
+            unit.mkdir()
+            (unit / "cpu.stat").write_text("usage_usec 19600000\n")
+            (unit / "cgroup.procs").write_text(f"{client.pid}\n")
+            settings = ProbeSettings(wait=0.5, timeout=5.0, answer_timeout=1.0, max_reads=4)
+
+            async def run() -> Verdict:
+                async with new_client() as http:
+                    target = Target("cpu0", url, cgroup=str(unit))
+                    return await examine_backend(http, target, settings, learned=LEARNED)
+
+            verdict = asyncio.run(run())
+        finally:
+            client.kill()
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+    assert "window 240 s" in verdict.evidence

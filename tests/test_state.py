@@ -855,3 +855,21 @@ def test_a_ledger_a_newer_llmhealth_laid_out_is_left_in_place_not_started_afresh
         )
     assert store.path.read_bytes() == newer
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.lock"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_no_lock_file_is_made_beside_what_is_not_a_state_file(tmp_path: Path, kind: str) -> None:
+    # A state linked to /dev/null (state kept nowhere, an operator thought): every run was
+    # refused, and each left /dev/null.lock behind, made as root in /dev.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "fifo":
+        os.mkfifo(elsewhere / "sink")
+    else:
+        (elsewhere / "sink").mkdir()
+    store = StateFile(tmp_path / "state.json", lock_timeout=0.5)
+    store.path.symlink_to(elsewhere / "sink")
+    with pytest.raises(StateError, match="not a regular file"), store.locked():
+        store.load(identity)
+    assert sorted(os.listdir(elsewhere)) == ["sink"]
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "state.json"]
