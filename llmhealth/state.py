@@ -219,12 +219,17 @@ class StateFile:
         target = self._target()
         # Not beside a FIFO, a device or a directory the path is or leads to: a state
         # linked to /dev/null made /dev/null.lock, as root, and each run refused it anyway.
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISREG(os.lstat(target).st_mode):
-                raise StateError(
-                    f"cannot read state {self.path}: {target} is not a regular file; "
-                    "no lock made beside it"
-                )
+        try:
+            mode: int | None = os.lstat(target).st_mode
+        except FileNotFoundError:
+            mode = None  # made when it is saved
+        except OSError as exc:  # a directory it may not search, a file on the way
+            raise StateError(f"cannot read state {self.path}: {exc}") from exc
+        if mode is not None and not stat.S_ISREG(mode):
+            raise StateError(
+                f"cannot read state {self.path}: {target} is not a regular file; "
+                "no lock made beside it"
+            )
         paths = [target.with_name(target.name + ".lock")]
         beside_link = self.path.with_name(self.path.name + ".lock")
         if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself

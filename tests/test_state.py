@@ -873,3 +873,51 @@ def test_no_lock_file_is_made_beside_what_is_not_a_state_file(tmp_path: Path, ki
         store.load(identity)
     assert sorted(os.listdir(elsewhere)) == ["sink"]
     assert sorted(os.listdir(tmp_path)) == ["elsewhere", "state.json"]
+
+
+def _refusal_as_another_user(path: Path) -> str:
+    """What ``StateFile(path).locked()`` raises, taken as a user other than root: the
+    class of the exception and its message."""
+    if os.geteuid() != 0:
+        try:
+            with StateFile(path, lock_timeout=0.5).locked():
+                return "locked"
+        except Exception as exc:  # what escapes is the finding
+            return f"{type(exc).__name__}: {exc}"
+    said_r, said_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child)
+        try:
+            os.close(said_r)
+            os.setgroups([])
+            os.setgid(40123)
+            os.setuid(40123)
+            try:
+                with StateFile(path, lock_timeout=0.5).locked():
+                    said = "locked"
+            except BaseException as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            os.write(said_w, said.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(said_w)
+    with os.fdopen(said_r, "rb") as said_file:
+        said = said_file.read().decode()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_a_state_path_that_cannot_be_looked_at_is_a_state_error(tmp_path: Path) -> None:
+    # Looked at before its lock is made (not beside a FIFO or a device): a path in a
+    # directory its user may not search (or beneath a file) escaped as a raw OSError, a
+    # CLI verb's "internal error (the traceback above is a bug report)".
+    (tmp_path / "closed").mkdir(mode=0o700)
+    path = tmp_path / "closed" / "state.json"
+    if os.geteuid() != 0:
+        (tmp_path / "closed").chmod(0o600)
+    try:
+        said = _refusal_as_another_user(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (tmp_path / "closed").chmod(0o700)
+    assert said.startswith("StateError: "), said
