@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -86,11 +87,7 @@ class LocalCpu:
                 return None
             stats = {pid: _stat_fields(pid) for pid in processes}
             seconds = sum((int(f[11]) + int(f[12])) / _TICKS for f in stats.values())
-            # Only vLLM's own: a helper (or, where pid 1 holds the socket, any process on
-            # the host) stopped in a terminal is no engine stopped.
-            stopped = tuple(
-                sorted(pid for pid, f in stats.items() if f[0] in ("T", "t") and _names_vllm(pid))
-            )
+            stopped = _stopped_engines({pid: f[0] for pid, f in stats.items()})
             return CpuSample(seconds, tuple(sorted(processes)), time.monotonic(), stopped)
         except (OSError, ValueError):
             return None
@@ -509,15 +506,22 @@ def _cgroup_sample(path: Path) -> CpuSample | None:
     members = _cgroup_members(path)
     if members is None:
         return CpuSample(seconds, identity, time.monotonic())
-    vllm = [pid for pid in members if _names_vllm(pid)]
-    if not vllm:
+    if not any(_names_vllm(pid) for pid in members):
         return None
-    stopped = []
-    for pid in vllm:
+    states = {}
+    for pid in members:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if _stat_fields(pid)[0] in ("T", "t"):
-                stopped.append(pid)
-    return CpuSample(seconds, identity, time.monotonic(), tuple(sorted(stopped)))
+            states[pid] = _stat_fields(pid)[0]  # gone since it was listed: not stopped
+    return CpuSample(seconds, identity, time.monotonic(), _stopped_engines(states))
+
+
+def _stopped_engines(states: Mapping[int, str]) -> tuple[int, ...]:
+    """The processes, of these by their state, that are vLLM's and stopped by a signal
+    (``T``, or ``t`` traced). Only vLLM's own: a helper (or, where pid 1 holds the socket,
+    any process on the host) stopped in a terminal is no engine stopped."""
+    return tuple(
+        sorted(pid for pid, state in states.items() if state in ("T", "t") and _names_vllm(pid))
+    )
 
 
 _MAX_CGROUPS = 1024  # a bound on the groups below a configured one that are listed
