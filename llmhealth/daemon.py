@@ -246,6 +246,9 @@ class Daemon:
         self._kept = Kept()
         self._record: FleetRecord | None = None  # as last settled or read
         self._news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
+        # The steps of the backends kept aside, by their server (``same_server``): a new
+        # name a reload gives that server is that backend renamed (``FleetRecord.renames``).
+        self._kept_steps: dict[str, LongestStep] = {}
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
         self._router = router
@@ -823,8 +826,13 @@ class Daemon:
         # With the steps of backends kept aside (left the config out of the serving set):
         # one a reload brings back is read at once, before the settle that restores its
         # sighting, and without its step it was wedged at two waits, as at no start.
-        learned = {**_withheld_steps(record), **learned_steps_of(record)}
+        kept = _withheld_steps(record)
+        learned = {**kept, **learned_steps_of(record)}
         self._news = (baselines_of(record), learned)
+        self._kept_steps = {
+            same_server(str(record.withheld_forgotten[name]["entry"]["url"])): step
+            for name, step in kept.items()
+        }
         self._note_whom_to_ask(record)
 
     def _note_whom_to_ask(self, record: FleetRecord) -> None:
@@ -1198,6 +1206,8 @@ class Daemon:
                 old = was.get((target.kind, same_server(target.url)))
                 if old is not None and old not in names:
                     step = step or steps.get(old)
+                elif old is None:  # a server kept aside, a new name for its record
+                    step = step or self._kept_steps.get(same_server(target.url))
             if step is not None:
                 fresh[target.name] = step
         if fresh:

@@ -483,19 +483,7 @@ class FleetRecord:
         changes = []
         for name in [n for n, hold in self.holds.items() if not hold.active(now)]:
             del self.holds[name]  # nothing reads an ended hold; kept, they piled up
-        pending = self.renames(backends)
-        while pending:
-            # One whose own record is renamed on goes first (a chain is two long at most).
-            old, new = next((o, n) for o, n in pending.items() if n not in pending)
-            del pending[old]
-            displaced = new in self.ledger
-            if displaced:  # a serving backend moved onto a condemned server
-                why = f"moved from {self.ledger.url_of(new)} onto {old}'s server, as {old}"
-                changes.append(self._forget(new, now, why))
-            changes.append(self.rename(old, new))
-            if displaced or old in backends:
-                # The requests drained under either name were partly another server's.
-                self.fresh_since[new] = now
+        changes.extend(self._rename_all(self.renames(backends), backends, now))
         for name in self.ledger.names:
             if name not in backends:
                 changes.append(self._forget(name, now, "no longer configured"))
@@ -520,6 +508,38 @@ class FleetRecord:
         for name, url in backends.items():
             if name not in self.ledger:
                 changes.append(self.admit(name, url, now))
+        return changes
+
+    def renamed_for(
+        self, name: str, backends: Mapping[str, str], now: float
+    ) -> list[MembershipChange]:
+        """The renames a check would make (``reconcile``) that give ``name``, a configured
+        name the ledger lacks, a record, with those along its chain: its own record kept
+        aside, renamed on first (else it was dropped, its server's condemnation with it)."""
+        pending = self.renames(backends)
+        chain = {old: new for old, new in pending.items() if new == name}
+        at = name
+        while at in pending and at not in chain:
+            chain[at] = pending[at]
+            at = pending[at]
+        return self._rename_all(chain, backends, now)
+
+    def _rename_all(
+        self, pending: dict[str, str], backends: Mapping[str, str], now: float
+    ) -> list[MembershipChange]:
+        changes = []
+        while pending:
+            # One whose own record is renamed on goes first (``renames`` has no cycle).
+            old, new = next((o, n) for o, n in pending.items() if n not in pending)
+            del pending[old]
+            displaced = new in self.ledger
+            if displaced:  # a serving backend moved onto a condemned server
+                why = f"moved from {self.ledger.url_of(new)} onto {old}'s server, as {old}"
+                changes.append(self._forget(new, now, why))
+            changes.append(self.rename(old, new))
+            if displaced or old in backends:
+                # The requests drained under either name were partly another server's.
+                self.fresh_since[new] = now
         return changes
 
     def _forget(self, name: str, now: float, why: str) -> MembershipChange:
@@ -596,6 +616,8 @@ class FleetRecord:
         for name in sorted(kept, key=lambda n: float(kept[n]["at"])):
             holders[same_server(str(kept[name]["entry"]["url"]))] = name
         holders.update({same_server(ledger.url_of(name)): name for name in ledger.names})
+        kept_at = {name: same_server(url) for name, url in self.retired_urls.items()}
+        kept_at.update({name: same_server(str(k["entry"]["url"])) for name, k in kept.items()})
         pairs: dict[str, str] = {}
         onto: dict[str, str] = {}
         for server, old in holders.items():
@@ -606,14 +628,23 @@ class FleetRecord:
                 if old not in backends and new not in ledger:
                     pairs[old] = new
             elif new not in ledger:
-                if old not in backends or not (new in kept or new in self.retired_forgotten):
+                # Not when the two swap (each keeps its own); a kept name configured here
+                # while this one moves on elsewhere left its own record at its server.
+                if old not in backends or configured.get(kept_at.get(new, "")) != old:
                     pairs[old] = new
-            elif old not in backends:
+            elif old not in backends or configured.get(same_server(ledger.url_of(new))) != old:
+                # Moved onto a condemned server whose backend left it, or went elsewhere
+                # (not a swap): that server's record, not a HEALTHY one serving its wedge.
                 onto[old] = new
-        for old, new in onto.items():
-            if ledger.state_of(new) in SERVING or new in pairs:
-                pairs[old] = new
-        return pairs
+        while more := {  # until none is left: names shifted along a row of servers
+            old: new
+            for old, new in onto.items()
+            if old not in pairs and (ledger.state_of(new) in SERVING or new in pairs)
+        }:
+            pairs.update(more)
+        # Names turned round a ring of servers all out of the serving set: no order renames
+        # them one by one, and each keeps its own (out of the serving set too).
+        return {old: new for old, new in pairs.items() if not _ring(pairs, old)}
 
     def rename(self, old: str, new: str) -> MembershipChange:
         """A new name for the same server is no new backend: forgotten and added again, a
@@ -633,11 +664,19 @@ class FleetRecord:
         _rekey(self.fresh_since, old, new)
         if old in self.holds and new not in self.holds:
             self.holds[new] = self.holds.pop(old)
-        # A retired backend forgotten under the new name was another server: kept, this
-        # one would come back RETIRED the next time it left the config and returned.
-        self.retired_forgotten.pop(new, None)
-        self.retired_urls.pop(new, None)
-        self.withheld_forgotten.pop(new, None)
+        # One forgotten under the new name was another server: kept under it, this one
+        # would come back as that one the next time it left the config and returned.
+        # Its record follows its server (``renames``): kept aside under a name no config
+        # gives ('|'), not dropped, or that server came in HEALTHY under the next name.
+        here = self.ledger.url_of(new)
+        since = self.retired_forgotten.pop(new, None)
+        where = self.retired_urls.pop(new, None)
+        if since is not None and where is not None and other_server(here, where):
+            self.retired_forgotten[f"{new}|{where}"] = since
+            self.retired_urls[f"{new}|{where}"] = where
+        aside = self.withheld_forgotten.pop(new, None)
+        if aside is not None and other_server(here, left := str(aside["entry"]["url"])):
+            self.withheld_forgotten[f"{new}|{left}"] = aside
         state = self.ledger.state_of(new)
         note = f"{new}: renamed from {old} at {self.ledger.url_of(new)}; stays {state}"
         return MembershipChange(new, "renamed", state, note, was=old)
@@ -1051,6 +1090,16 @@ def _table(value: object, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{where}: expected a table")
     return value
+
+
+def _ring(pairs: Mapping[str, str], start: str) -> bool:
+    """Whether following ``pairs`` (one to one) from ``start`` comes back to it."""
+    at = pairs.get(start)
+    for _ in range(len(pairs)):
+        if at is None or at == start:
+            break
+        at = pairs.get(at)
+    return at == start
 
 
 def _text(value: object, where: str) -> str:

@@ -66,7 +66,7 @@ class _Edit:
     name: str
     # A configured backend the record did not hold, added (or a saved one renamed) for
     # this verb: audited with the verb's own record when the verb saves.
-    added: MembershipChange | None = None
+    added: tuple[MembershipChange, ...] = ()
 
     def save(self, store: Store, audit: Audit, now: float, entry: Mapping[str, object]) -> None:
         """Save the changed record with the verb's audit record, as a settle saves its own
@@ -76,8 +76,8 @@ class _Edit:
         state said it was not."""
         with contextlib.ExitStack() as batch:
             batch.enter_context(audit.batch())
-            if self.added is not None:
-                audit.append(self.added.audit_record(now, actor()))
+            for change in self.added:
+                audit.append(change.audit_record(now, actor()))
             audit.append(entry)
             store.save(self.record.to_document(), before=batch.close)
 
@@ -115,16 +115,17 @@ def _editing(
                 f"saved to a new state at {store.path}: no check had saved one there, and "
                 "a daemon keeping its state elsewhere does not see this"
             )
-        added = None
+        added: tuple[MembershipChange, ...] = ()
         if name not in record.ledger and name in configured:
             # A new name the config gives a saved backend's server is renamed, as a check
             # renames it (``reconcile``), its record kept: added, it shared the address.
-            was = {new: old for old, new in record.renames(configured).items()}.get(name)
+            # Along its chain, as a check renames it: its own record kept aside goes on to
+            # the name now at its server first (taken over, a condemned server's record was
+            # dropped, and it came in HEALTHY under that name at the next check).
             try:
-                if was is not None:
-                    added = record.rename(was, name)
-                else:
-                    added = record.admit(name, configured[name], clock())
+                added = tuple(record.renamed_for(name, configured, clock()))
+                if name not in record.ledger:
+                    added += (record.admit(name, configured[name], clock()),)
             except ValueError as exc:  # e.g. its URL is another saved backend's
                 raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
         if name not in record.ledger and not (or_held and name in record.holds):

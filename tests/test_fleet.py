@@ -36,6 +36,7 @@ from llmhealth.fleet import (
     smoothed_gap,
 )
 from llmhealth.ledger import (
+    SERVING,
     Event,
     EventKind,
     GoodVerdict,
@@ -64,6 +65,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.rows import plain
 from llmhealth.state import encode_pieces
+from llmhealth.text import same_server
 from llmhealth.window import LongestStep
 
 NOW = 1_000.0
@@ -1739,3 +1741,113 @@ def test_two_condemned_backends_that_swap_addresses_still_keep_their_own_state()
     changes = record.reconcile({"gpu1": URL_0, "gpu0": URL_1}, NOW + 4)
     assert [(c.name, c.event) for c in changes] == [("gpu1", "readdressed"), ("gpu0", "added")]
     assert record.ledger.serving == ()
+
+
+def test_a_name_a_condemned_server_kept_aside_had_given_to_another_server_keeps_it_kept() -> None:
+    """gpu0 (wedged at u0) left the config and was kept aside; the config then called
+    gpu1's server (u1) "gpu0": the rename took the name and dropped u0's kept record, so
+    u0 configured later under any name came in HEALTHY and serving its wedge."""
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.reconcile({"gpu1": URL_1}, NOW + 2)  # gpu0 kept aside, DEAD at u0
+    changes = record.reconcile({"gpu0": URL_1}, NOW + 3)
+    assert [(c.name, c.event, c.state, c.was) for c in changes] == [
+        ("gpu0", "renamed", State.HEALTHY, "gpu1")
+    ]
+    again = saved(record)
+    again.reconcile({"gpu0": URL_1, "node-a": URL_0}, NOW + 4)
+    assert again.ledger.state_of("node-a") is State.DEAD
+    assert again.restarts["node-a"].failures == 2
+    assert again.ledger.serving == ("gpu0",)
+
+
+def test_a_backend_moved_onto_a_condemned_server_whose_backend_moves_on_is_condemned() -> None:
+    """{gpu0 (wedged): u0, gpu1: u1} -> {gpu1: u0, gpu0: u2}, not a swap: gpu1 served the
+    wedged u0 as HEALTHY, and gpu0's DEAD state and restart budget moved onto u2."""
+    record = wedged_gpu0(("gpu1", URL_1))
+    record.reconcile({"gpu1": URL_0, "gpu0": URL_2}, NOW + 2)
+    assert record.ledger.by_url(URL_0) == "gpu1" and record.ledger.by_url(URL_2) == "gpu0"
+    assert record.ledger.state_of("gpu1") is State.DEAD
+    assert record.restarts["gpu1"].failures == 2
+    assert record.ledger.serving == ("gpu0",) and "gpu0" not in record.restarts
+
+
+def test_names_turned_round_condemned_servers_keep_their_own_and_the_reconcile_ends() -> None:
+    """gpu0 wedged at u0, gpu1 and gpu2 kept aside condemned at u1 and u2; the config
+    turns the names round: a record renamed along such a ring had no first to go."""
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
+    for name in ("gpu0", "gpu1", "gpu2"):
+        record.ledger.apply(name, WedgeProven(now=NOW, evidence="steps 1→1→1"))
+    record.reconcile({"gpu0": URL_0}, NOW + 1)
+    assert set(record.withheld_forgotten) == {"gpu1", "gpu2"}
+    record.reconcile({"gpu1": URL_0, "gpu2": URL_1, "gpu0": URL_2}, NOW + 2)
+    assert record.ledger.serving == ()
+    assert sorted(record.ledger.names) == ["gpu0", "gpu1", "gpu2"]
+    # One shifted along the servers instead, the kept name taking a moved one's server.
+    record = record_of(("gpu0", URL_0), ("gpu1", URL_1), ("gpu2", URL_2))
+    record.ledger.apply("gpu0", WedgeProven(now=NOW, evidence="steps 1→1→1"))
+    record.ledger.apply("gpu1", WedgeProven(now=NOW, evidence="steps 1→1→1"))
+    record.reconcile({"gpu0": URL_0, "gpu2": URL_2}, NOW + 1)  # gpu1 kept aside at u1
+    record.reconcile({"gpu1": URL_0, "gpu0": URL_2, "node-a": URL_1}, NOW + 2)
+    assert record.ledger.state_of("gpu1") is State.DEAD  # u0, gpu0's wedge
+    assert record.ledger.state_of("node-a") is State.DEAD  # u1, gpu1's
+    assert record.ledger.serving == ("gpu0",)  # u2, gpu2's server
+
+
+_SERVERS = [f"http://10.0.0.{index}:8000" for index in range(5)]
+_edit = st.dictionaries(st.sampled_from("abcde"), st.sampled_from(_SERVERS), max_size=5).filter(
+    lambda config: len(set(config.values())) == len(config)
+)
+_step = st.one_of(
+    st.tuples(st.just("edit"), _edit),
+    st.tuples(st.sampled_from(["wedge", "retire"]), st.integers(0, 4)),
+    st.tuples(st.just("save"), st.none()),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(_step, max_size=12))
+def test_no_config_edit_lets_a_condemned_server_serve_but_a_swap_of_two_names(
+    steps: list[tuple[str, Any]],
+) -> None:
+    """A record out of the serving set (in the ledger or kept aside) follows its server
+    through any run of renames, shifts, removals and returns: only two configured names
+    swapping servers keep their own records, as the README says. Before, a shift of names
+    or a later run's new name served a wedged server (and ``reconcile`` must end, with no
+    cycle of renames)."""
+    now = 100.0
+    record = FleetRecord(Ledger(LedgerPolicy(), [("a", _SERVERS[0]), ("b", _SERVERS[1])], now=now))
+    for action, argument in steps:
+        now += 1.0
+        ledger = record.ledger
+        if action == "save":
+            record = saved(record)
+        elif action in ("wedge", "retire"):
+            serving = ledger.serving
+            if serving:
+                name = serving[argument % len(serving)]
+                event = (
+                    WedgeProven(now=now, evidence="wedged: frozen")
+                    if action == "wedge"
+                    else Retire(now=now, reason="an operator")
+                )
+                ledger.apply(name, event)
+        else:
+            at = {name: same_server(ledger.url_of(name)) for name in ledger.names}
+            kept = {
+                name: same_server(str(entry["entry"]["url"]))
+                for name, entry in record.withheld_forgotten.items()
+            }
+            kept.update({n: same_server(url) for n, url in record.retired_urls.items()})
+            condemned = {at[n] for n in ledger.names if ledger.state_of(n) not in SERVING}
+            condemned |= set(kept.values())
+            holder = {server: name for name, server in {**kept, **at}.items()}
+            record.reconcile(argument, now)
+            for name in record.ledger.serving:
+                server = same_server(record.ledger.url_of(name))
+                if server in condemned:
+                    # Allowed only as a swap: this name was configured at another server,
+                    # and the name that held this one is configured at that one now.
+                    other = holder[server]
+                    assert name in at and same_server(argument.get(other, "")) == at[name], (
+                        f"{name} serves {server}, condemned as {other}"
+                    )

@@ -588,3 +588,40 @@ def test_a_backend_the_config_renamed_since_the_last_check_is_found_by_its_new_n
         ("gpu1b", "retire"),
     ]
     assert audit[1]["from"] == "dead"  # its record kept: not re-added HEALTHY
+
+
+def test_a_verb_under_a_name_a_condemned_server_kept_aside_had_keeps_that_server_condemned(
+    tmp_path: Path,
+) -> None:
+    """gpu1 (DEAD at port 10) was dropped from the config and kept aside; the config now
+    calls port 9 (gpu0's) "gpu1" and port 10 "gpu2". A check renames gpu1's record onto
+    gpu2 and gpu0's onto gpu1; a verb on gpu1 before it renamed gpu0's record alone and
+    dropped gpu1's kept one: the next check took the wedged port 10 in HEALTHY as gpu2."""
+    path = tmp_path / "state.json"
+    ledger = Ledger(
+        LedgerPolicy(), [("gpu0", "http://127.0.0.1:9"), ("gpu1", "http://127.0.0.1:10")], now=T0
+    )
+    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
+    record = FleetRecord(ledger)
+    record.reconcile({"gpu0": "http://127.0.0.1:9"}, T0 + 1)  # gpu1 kept aside, DEAD
+    assert "gpu1" in record.withheld_forgotten
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:9"\n\n'
+        '[[backend]]\nname = "gpu2"\nurl = "http://127.0.0.1:10"\n'
+    )
+    held = llmhealth(
+        "hold", "gpu1", "--for", "1h", "--reason", "sync", "--config", str(config),
+        "--state", str(path),
+    )  # fmt: skip
+    assert held.returncode == 0, held.stderr
+    with store.locked():
+        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert loaded is not None
+    loaded.reconcile({"gpu1": "http://127.0.0.1:9", "gpu2": "http://127.0.0.1:10"}, T0 + 3)
+    assert loaded.ledger.state_of("gpu1") is State.HEALTHY  # gpu0's server
+    assert loaded.ledger.state_of("gpu2") is State.DEAD  # the wedged server stays so
+    assert loaded.ledger.serving == ("gpu1",)
