@@ -74,7 +74,7 @@ from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
 from llmhealth.state import MemoryStore, RecordMovedError, StateError, StateFile, Store
 from llmhealth.text import other_server, printable, same_server
 from llmhealth.traffic import RequestOutcome
-from llmhealth.window import LongestStep
+from llmhealth.window import LongestStep, longer
 
 if TYPE_CHECKING:  # `watch` without a router need not import the router
     from llmhealth.router import Router
@@ -246,9 +246,10 @@ class Daemon:
         self._kept = Kept()
         self._record: FleetRecord | None = None  # as last settled or read
         self._news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
-        # The steps of the backends kept aside, by their server (``same_server``): a new
-        # name a reload gives that server is that backend renamed (``FleetRecord.renames``).
-        self._kept_steps: dict[str, LongestStep] = {}
+        # The longest step learned at each server (``same_server``), under whatever name
+        # the record keeps it: a reload's new name for a server (renamed, shifted, kept
+        # aside) is that server's record (``FleetRecord.renames``).
+        self._steps_at: dict[str, LongestStep | None] = {}
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
         self._router = router
@@ -827,12 +828,17 @@ class Daemon:
         # one a reload brings back is read at once, before the settle that restores its
         # sighting, and without its step it was wedged at two waits, as at no start.
         kept = _withheld_steps(record)
-        learned = {**kept, **learned_steps_of(record)}
-        self._news = (baselines_of(record), learned)
-        self._kept_steps = {
-            same_server(str(record.withheld_forgotten[name]["entry"]["url"])): step
-            for name, step in kept.items()
-        }
+        live = learned_steps_of(record)
+        self._news = (baselines_of(record), {**kept, **live})
+        steps_at: dict[str, LongestStep | None] = {}
+        for name, step in kept.items():
+            server = same_server(str(record.withheld_forgotten[name]["entry"]["url"]))
+            steps_at[server] = step
+        for name, step in live.items():
+            if name in record.ledger:
+                server = same_server(record.ledger.url_of(name))
+                steps_at[server] = longer(steps_at.get(server), step)
+        self._steps_at = steps_at
         self._note_whom_to_ask(record)
 
     def _note_whom_to_ask(self, record: FleetRecord) -> None:
@@ -1193,21 +1199,15 @@ class Daemon:
         self._config, self._targets = config, targets
         # A target read afresh (a new name at its server, an address written another way
         # or moved, other processes sampled) starts with the longest step the record
-        # learned of that backend, as at start: without it, a renamed server inside a
-        # long step was wedged at two waits and restarted.
+        # learned of its server, or of its name (moved), the longer: as at start. Without
+        # it, a renamed server inside a long step was wedged at two waits and restarted;
+        # a longer window only waits longer for a proof.
         _, steps = self._record_news()
-        names = {t.name for t in targets}
         fresh = {}
         for target in targets:
             if target.kind != "backend" or reading.get(target.name) == (target.url, target.cgroup):
                 continue  # its reading goes on, with what it learned (``ReadTasks.assign``)
-            step = steps.get(target.name)
-            if target.name not in reading:  # the record renames it (``FleetRecord.renames``)
-                old = was.get((target.kind, same_server(target.url)))
-                if old is not None and old not in names:
-                    step = step or steps.get(old)
-                elif old is None:  # a server kept aside, a new name for its record
-                    step = step or self._kept_steps.get(same_server(target.url))
+            step = longer(self._steps_at.get(same_server(target.url)), steps.get(target.name))
             if step is not None:
                 fresh[target.name] = step
         if fresh:

@@ -30,6 +30,7 @@ from llmhealth.policy import (
     plan_restarts,
     restart_pending,
 )
+from llmhealth.text import other_server
 
 # A number, or a duration written as several ("1m5s", "1m", "55s"): one number to a reader.
 _NUMBERS = re.compile(r"(?:\d+(?:\.\d+)?[hms](?![a-z]))+|\d+(?:\.\d+)?")
@@ -296,10 +297,19 @@ def command_record(finished: CommandDone, now: float) -> dict[str, Any]:
 
 def heard_as(record: FleetRecord, order: RestartOrder) -> str:
     """The name a finished command's backend has now: a reload may have renamed it at
-    its server while the command ran."""
-    if order.name in record.ledger:
+    its server while the command ran. Its server's record first when its name is now
+    another server's and that record's last restart is the order's: a reload that shifted
+    names (``FleetRecord.renames``) gave the record the order restarted another name, and
+    its outcome went to the backend new at another server."""
+    ledger = record.ledger
+    if order.name in ledger and not other_server(ledger.url_of(order.name), order.url):
         return order.name
-    return record.ledger.by_url(order.url) or order.name
+    at = ledger.by_url(order.url)
+    if at is not None and (
+        order.name not in ledger or is_its_restart(record, at, order, order.issued_at)
+    ):
+        return at
+    return order.name
 
 
 def is_its_restart(record: FleetRecord, name: str, order: RestartOrder, now: float) -> bool:

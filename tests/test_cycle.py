@@ -1555,3 +1555,30 @@ def test_a_wedged_server_dropped_and_configured_again_under_a_new_name_stays_dea
     assert saved(path)["node-a"]["condemned_by"] == "wedged"
     lines = [(r["backend"], r["event"], r["to"]) for r in read(audit.path)][-2:]
     assert lines[0] == ("node-a", "renamed", "dead")
+
+
+def test_a_command_heard_after_a_reload_shifted_its_name_off_its_server_is_that_servers(
+    tmp_path: Path,
+) -> None:
+    """{gpu0 (restarting): u0} -> {node-gpu0: u0, gpu0: u1}: the record at u0 is node-gpu0
+    now (``FleetRecord.renames``), and its command's failure is that record's, not the
+    new gpu0's at u1 ("superseded", the RESTARTING u0 left to its grace)."""
+    store, audit, order = issued(tmp_path)
+    shifted = Config(
+        backends=(Backend("node-gpu0", GPU0.url, restart=RESTART), Backend("gpu0", GPU1.url))
+    )
+    settled = settle_fleet(
+        store,
+        shifted,
+        {"node-gpu0": GPU0.url, "gpu0": GPU1.url},
+        lambda _record: [],
+        mode=Mode.OFF,
+        audit=audit,
+        clock=ticking(T0 + 100),
+        commands=[CommandDone(order, result(1))],
+    )
+    assert settled.record.ledger.by_url(GPU0.url) == "node-gpu0"
+    assert settled.record.ledger.state_of("node-gpu0") == "dead"
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert (line["backend"], line["issued_as"], line["to"]) == ("node-gpu0", "gpu0", "dead")
+    assert [(n.name, n.ran, n.ok) for n in settled.report.restarts] == [("node-gpu0", True, False)]

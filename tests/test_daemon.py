@@ -2682,6 +2682,65 @@ def test_a_reload_that_names_a_withheld_backends_server_anew_keeps_the_step_it_t
     assert "wedged" not in asyncio.run(scenario())
 
 
+def test_a_reload_that_shifts_a_condemned_servers_name_off_it_keeps_the_step_it_took(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """{a (condemned): u0, x: u1} -> {b: u0, a: u1}: the record renames a to b at u0
+    (``FleetRecord.renames``, the names staying configured); the reading of b started
+    without the step a's record learned of u0, and was wedged at two waits."""
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from llmhealth.fleet import Sighting  # noqa: PLC0415
+    from llmhealth.ledger import Condemned  # noqa: PLC0415
+    from llmhealth.window import LongestStep  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
+    url = httpserver.url_for("").rstrip("/")
+    elsewhere = "http://127.0.0.1:9"  # nothing listens: "x" reads as down, and that is all
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    store = StateFile(tmp_path / "state.json")
+    now = time.time()
+    backends = {"a": url, "x": elsewhere}
+    record = fresh_record(ledger_policy(config.policy), backends, now - 100)
+    record.ledger.apply("a", Condemned(now=now - 90, reason="a test's condemnation"))
+    step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
+    record.sightings["a"] = Sighting(now - 80, True, parse_metrics(frozen), step)
+    with store.locked():
+        store.save(record.to_document())
+    fleets = [[Target("a", url), Target("x", elsewhere)]]
+    daemon = in_process(lambda: (config, fleets[-1]), tmp_path, 0.1)
+
+    async def kinds_read(name: str) -> list[str]:
+        kinds: list[str] = []
+        for _ in range(int(PATIENCE / 0.02)):
+            probe = daemon._state.probes.get(name)
+            if probe is not None and probe.outcome is not None:
+                kind = str(probe.outcome.verdict.kind)
+                if not kinds or kinds[-1] != kind:
+                    kinds.append(kind)
+            if probe is not None and probe.examinations >= 6:
+                break
+            await asyncio.sleep(0.02)
+        return kinds
+
+    async def scenario() -> list[str]:
+        running = asyncio.create_task(daemon.run())
+        try:
+            settled = daemon._state.cycles
+            while daemon._state.cycles < settled + 2:
+                await asyncio.sleep(0.02)
+            fleets.append([Target("b", url), Target("a", elsewhere)])
+            os.kill(os.getpid(), signal.SIGHUP)
+            return await kinds_read("b")
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    # Before: ["busy", "wedged"]: the long step it was seen to take was not its reading's.
+    assert "wedged" not in asyncio.run(scenario())
+
+
 def test_a_daemon_whose_backends_are_renamed_keeps_nothing_of_the_names_they_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
