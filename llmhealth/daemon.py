@@ -1130,6 +1130,12 @@ class Daemon:
                         f"{transition.name}: {transition.from_state} -> {transition.to_state}: "
                         f"{backend.outcome.verdict.evidence}"
                     )
+        for transition in report.traffic:  # what requests through the router did
+            if transition.applied and transition.from_state != transition.to_state:
+                self._log(
+                    f"{transition.name}: {transition.from_state} -> {transition.to_state}: "
+                    f"{transition.reason}"
+                )
         for note in report.restarts:
             if note.ran:
                 done = "restart command ran" if note.ok else "restart command FAILED"

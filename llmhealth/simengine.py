@@ -337,13 +337,20 @@ class SimBackend:
             waiting = 0 if load is Load.IDLE else (1 + WAITING_PER_SLOT) * n
             return EngineSnapshot(0, waiting, 0.0, 0, 0, 0, 0, 0, awake=False)
         if load is Load.IDLE:
+            # Requests still decoding count the tokens made so far, as vLLM publishes its
+            # counters at every step's end: counted only when a request finished, a stream
+            # longer than two waits showed work and no progress, and was proven a wedge.
+            made = [_tokens_made(r, t) for r in state.in_flight]
+            begun = [
+                r.prompt_tokens for r, tokens in zip(state.in_flight, made, strict=True) if tokens
+            ]
             return EngineSnapshot(
                 running=real_running,
                 waiting=real_waiting,
-                kv_usage=0.002 * real_running,
-                steps=state.steps,
-                generation_tokens=state.generation_tokens,
-                prompt_tokens=state.prompt_tokens,
+                kv_usage=0.002 * real_running + 0.00001 * sum(made),
+                steps=state.steps + sum(made),
+                generation_tokens=state.generation_tokens + sum(made),
+                prompt_tokens=state.prompt_tokens + sum(begun),
                 finished=state.finished,
                 preemptions=0,
                 awake=True,
@@ -379,6 +386,15 @@ class SimBackend:
             preemptions=0,
             awake=True,
         )
+
+
+def _tokens_made(request: _RealRequest, t: float) -> int:
+    """Output tokens a real request in flight has made by `t`: the first one after
+    FIRST_TOKEN_SECONDS in its slot, then one per step, as its stream sends them."""
+    first = request.start + FIRST_TOKEN_SECONDS
+    if t < first:
+        return 0
+    return min(request.completion_tokens, 1 + int((t - first) * STEP_RATE))
 
 
 def _kv_usage(elapsed: float, n: int, request_seconds: float, load: Load) -> float:

@@ -1851,3 +1851,65 @@ def test_no_config_edit_lets_a_condemned_server_serve_but_a_swap_of_two_names(
                     assert name in at and same_server(argument.get(other, "")) == at[name], (
                         f"{name} serves {server}, condemned as {other}"
                     )
+
+
+# --- a restart another writer already settled ------------------------------------------
+
+
+def _window_across_a_restart() -> Verdict:
+    """What watch's window shows when the process changed between two of its reads: the
+    old process (start 50), then the new one (start 90), idle, its tiny request answered."""
+    return verdict(
+        VerdictKind.RESTARTED,
+        True,
+        "process start time 50.00 → 90.00 between reads; tiny request answered",
+        reads=(readable(NOW - 1.0, running=0.0, start=50.0), readable(running=0.0, start=90.0)),
+        answer=ANSWERED,
+        requests_sent=1,
+    )
+
+
+def test_a_restart_a_cron_check_already_settled_is_not_a_second_unplanned_restart() -> None:
+    # A cron `check` read the new process first: unplanned restart, re-admitted by its
+    # tiny request, and its sighting of the new process saved. The daemon's window still
+    # spans old → new; settled after the check, it knocked the re-admitted backend back to
+    # STALE and wrote a second "process restarted unplanned" for the one restart.
+    check_saw = Sighting(NOW - 0.5, True, signals(running=0.0, start=90.0))
+    events = events_for(_window_across_a_restart(), State.HEALTHY, now=NOW, previous=check_saw)
+    assert not any(isinstance(event, UnplannedRestart) for event in events), events
+    assert [type(event) for event in events] == [GoodVerdict]
+
+
+def test_a_restart_nobody_settled_yet_is_still_unplanned() -> None:
+    daemon_saw = Sighting(NOW - 1.0, True, signals(running=0.0, start=50.0))
+    events = events_for(_window_across_a_restart(), State.HEALTHY, now=NOW, previous=daemon_saw)
+    assert [type(event) for event in events] == [UnplannedRestart, Readmitted]
+    events = events_for(_window_across_a_restart(), State.HEALTHY, now=NOW, previous=None)
+    assert [type(event) for event in events] == [UnplannedRestart, Readmitted]
+
+
+def test_reads_from_before_a_restart_a_cron_check_settled_are_no_restart_back() -> None:
+    # The daemon's newest verdict was read (idle, old process: start 50) just before the
+    # restart; a cron check then read the new process (start 90), settled it and saved its
+    # sighting. Settled after that, the old reads were taken for a second unplanned
+    # restart, back to the old process.
+    old_reads = verdict(
+        VerdictKind.IDLE,
+        True,
+        "no work (0 running, 0 waiting); tiny request answered",
+        reads=(readable(NOW - 1.0, running=0.0, start=50.0),),
+        answer=ANSWERED,
+        requests_sent=1,
+    )
+    check_saw = Sighting(NOW - 0.5, True, signals(running=0.0, start=90.0))
+    events = events_for(old_reads, State.HEALTHY, now=NOW, previous=check_saw)
+    assert [type(event) for event in events] == [GoodVerdict], events
+    # A process seen after the sighting that started earlier (the backend moved to another
+    # host) is still another process.
+    moved = replace(old_reads, reads=(readable(NOW, running=0.0, start=50.0),))
+    events = events_for(moved, State.HEALTHY, now=NOW, previous=check_saw)
+    assert [type(event) for event in events] == [UnplannedRestart, Readmitted]
+    # And the sighting stays that of the newer process, so the daemon's next window (old
+    # → new) is not a restart either.
+    kept = sighting_of(old_reads, NOW, check_saw)
+    assert kept.baseline is not None and kept.baseline.process_start == 90.0

@@ -7,7 +7,9 @@ handful of client-visible failures, each bounded by first_byte_timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ from routeproc import (
     wait_closed_by_peer,
     write_config,
 )
-from simproc import running_simulator
+from simproc import child_env, running_simulator
 
 from llmhealth.router import connection_cap
 
@@ -164,3 +166,43 @@ def test_at_its_file_limit_the_router_closes_the_longest_idle_connection_for_a_n
             finally:
                 for sock in idle:
                     sock.close()
+
+
+@pytest.mark.slow  # about 6 s: a real `route` over the simulator
+def test_a_condemnation_by_traffic_is_in_the_daemons_log(tmp_path: Path, entry_point: str) -> None:
+    # journald is what an operator reads of `llmhealth route`: each ledger move the probes
+    # cause is logged there ("a: healthy -> dead: wedged: ..."), but one the router's
+    # failed requests caused was not, so a backend came back "dead -> stale" in the log
+    # without ever having gone.
+    log = tmp_path / "route.log"
+    with running_simulator(["busy+unanswered", "idle"], request_seconds=0.05) as sim:
+        config = write_config(tmp_path, {"a": sim.urls[0], "b": sim.urls[1]})
+        port = free_port()
+        with log.open("wb") as stderr:
+            process = subprocess.Popen(
+                [entry_point, "route", "--config", str(config), "--listen", f"127.0.0.1:{port}"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=child_env(),
+            )
+            try:
+                route = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + BOUND
+                while True:
+                    assert process.poll() is None, log.read_text()
+                    with contextlib.suppress(httpx.HTTPError):
+                        if backend_state(route, "a") == "dead":
+                            break
+                        httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                    assert time.monotonic() < deadline, "traffic never condemned the backend"
+            finally:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+    text = log.read_text()
+    assert process.returncode == 0, text
+    assert "a: suspect -> dead: request failure 3 in a row" in text, text

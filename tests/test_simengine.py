@@ -385,3 +385,21 @@ def test_the_engine_model_is_pure() -> None:
         )
     }
     assert imported <= {"__future__", "math", "re", "collections", "dataclasses", "enum"}
+
+
+def test_an_idle_engine_decoding_a_long_request_shows_its_progress() -> None:
+    # vLLM publishes its counters at each step's end. Counted only when the request
+    # finished, a 2,000-token stream (5 s) showed running 1 and frozen counters, and
+    # watch or route proved the serving backend wedged and restarted it mid-stream.
+    b = backend("idle")
+    ticket = b.submit(at(1), 5, 2000)
+    assert ticket.outcome is Outcome.ANSWER
+    one, two = b.observe(at(2)).engines[0], b.observe(at(3)).engines[0]
+    assert one.running == two.running == 1
+    assert two.steps - one.steps == pytest.approx(se.STEP_RATE, abs=1)
+    assert two.generation_tokens > one.generation_tokens
+    assert one.prompt_tokens == 5
+    assert two.kv_usage != one.kv_usage
+    done = b.observe(ticket.at + 1).engines[0]
+    assert (done.running, done.steps, done.generation_tokens, done.finished) == (0, 2000, 2000, 1)
+    assert done.prompt_tokens == 5
