@@ -2557,14 +2557,34 @@ def test_a_reload_that_renames_a_backend_keeps_the_longest_step_it_was_seen_to_t
     assert [r["event"] for r in read(tmp_path / "audit.jsonl")] == ["renamed"]
 
 
-def test_a_reload_that_brings_back_a_withheld_backend_keeps_the_longest_step_it_took(
-    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("condemned_at", "kept_aside", "after", "read_as"),
+    [
+        # Left the config DEAD, kept aside with its sighting; back by a SIGHUP at another
+        # server (read there before any restart), its reading started without its step.
+        ("left", True, {"x": "elsewhere", "a": "url"}, "a"),
+        # Its server back under a new name, which the record renames it to.
+        ("url", True, {"x": "elsewhere", "b": "url"}, "b"),
+        # {a (condemned): u0, x: u1} -> {b: u0, a: u1}: renamed to b at u0, the names
+        # staying configured (``FleetRecord.renames``).
+        ("url", False, {"b": "url", "a": "elsewhere"}, "b"),
+    ],
+    ids=["back-elsewhere", "kept-named-anew", "shifted"],
+)
+def test_a_reload_that_brings_a_condemned_record_back_keeps_the_longest_step_it_took(
+    httpserver: HTTPServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    condemned_at: str,
+    kept_aside: bool,
+    after: dict[str, str],
+    read_as: str,
 ) -> None:
-    """A backend that left the config DEAD is kept (``withheld_forgotten``) with its
-    sighting, its longest step included; back in the config at start, its reading starts
-    with that step, as a moved one's does. Back by a SIGHUP (at another server: read there
-    before any restart), it started without it: an engine inside a long step (frozen, as
-    in the rename test) was proven wedged at two waits, and its busy server restarted."""
+    """A condemned backend's record keeps the longest step it took (``fleet.Sighting``);
+    a reading that starts with it at a daemon's start waits out that window. Brought back
+    by a SIGHUP (kept aside, renamed, shifted), the reading of its server started without
+    it: an engine inside a long step (frozen, as in the rename test) was proven wedged at
+    two waits, and its busy server restarted."""
     from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
     from llmhealth.fleet import Sighting  # noqa: PLC0415
     from llmhealth.ledger import Condemned  # noqa: PLC0415
@@ -2573,142 +2593,26 @@ def test_a_reload_that_brings_back_a_withheld_backend_keeps_the_longest_step_it_
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
     httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
-    url = httpserver.url_for("").rstrip("/")
-    elsewhere = "http://127.0.0.1:9"  # nothing listens: "x" reads as down, and that is all
+    urls = {
+        "url": httpserver.url_for("").rstrip("/"),
+        "elsewhere": "http://127.0.0.1:9",  # nothing listens: "x" reads as down, and that is all
+        "left": "http://127.0.0.1:11",  # where it was condemned, when it comes back elsewhere
+    }
     config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
     store = StateFile(tmp_path / "state.json")
     now = time.time()
-    left = "http://127.0.0.1:11"  # where it was condemned; it comes back at ``url``
-    backends = {"a": left, "x": elsewhere}
+    backends = {"a": urls[condemned_at], "x": urls["elsewhere"]}
     record = fresh_record(ledger_policy(config.policy), backends, now - 100)
     record.ledger.apply("a", Condemned(now=now - 90, reason="a test's condemnation"))
     step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
     record.sightings["a"] = Sighting(now - 80, True, parse_metrics(frozen), step)
-    record.reconcile({"x": elsewhere}, now - 50)
-    assert "a" in record.withheld_forgotten
+    if kept_aside:
+        record.reconcile({"x": urls["elsewhere"]}, now - 50)
+        assert "a" in record.withheld_forgotten
     with store.locked():
         store.save(record.to_document())
-    fleets = [[Target("x", elsewhere)]]
-    daemon = in_process(lambda: (config, fleets[-1]), tmp_path, 0.1)
-
-    async def kinds_read(name: str) -> list[str]:
-        kinds: list[str] = []
-        for _ in range(int(PATIENCE / 0.02)):
-            probe = daemon._state.probes.get(name)
-            if probe is not None and probe.outcome is not None:
-                kind = str(probe.outcome.verdict.kind)
-                if not kinds or kinds[-1] != kind:
-                    kinds.append(kind)
-            if probe is not None and probe.examinations >= 6:
-                break
-            await asyncio.sleep(0.02)
-        return kinds
-
-    async def scenario() -> list[str]:
-        running = asyncio.create_task(daemon.run())
-        try:
-            settled = daemon._state.cycles
-            while daemon._state.cycles < settled + 2:  # "a" forgotten, kept aside
-                await asyncio.sleep(0.02)
-            fleets.append([Target("x", elsewhere), Target("a", url)])
-            os.kill(os.getpid(), signal.SIGHUP)
-            return await kinds_read("a")
-        finally:
-            daemon.stop()
-            assert await asyncio.wait_for(running, 10.0) == 0
-
-    # Before: ["busy", "wedged"]: the long step it was seen to take was not its reading's.
-    assert "wedged" not in asyncio.run(scenario())
-
-
-def test_a_reload_that_names_a_withheld_backends_server_anew_keeps_the_step_it_took(
-    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As above, but its server comes back by a SIGHUP under a new name, which the record
-    renames it to (``FleetRecord.renames``): the reading under the new name started
-    without the step kept under the old one, and was wedged at two waits."""
-    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
-    from llmhealth.fleet import Sighting  # noqa: PLC0415
-    from llmhealth.ledger import Condemned  # noqa: PLC0415
-    from llmhealth.window import LongestStep  # noqa: PLC0415
-
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
-    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
-    url = httpserver.url_for("").rstrip("/")
-    elsewhere = "http://127.0.0.1:9"  # nothing listens: "x" reads as down, and that is all
-    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
-    store = StateFile(tmp_path / "state.json")
-    now = time.time()
-    backends = {"a": url, "x": elsewhere}
-    record = fresh_record(ledger_policy(config.policy), backends, now - 100)
-    record.ledger.apply("a", Condemned(now=now - 90, reason="a test's condemnation"))
-    step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
-    record.sightings["a"] = Sighting(now - 80, True, parse_metrics(frozen), step)
-    record.reconcile({"x": elsewhere}, now - 50)
-    assert "a" in record.withheld_forgotten
-    with store.locked():
-        store.save(record.to_document())
-    fleets = [[Target("x", elsewhere)]]
-    daemon = in_process(lambda: (config, fleets[-1]), tmp_path, 0.1)
-
-    async def kinds_read(name: str) -> list[str]:
-        kinds: list[str] = []
-        for _ in range(int(PATIENCE / 0.02)):
-            probe = daemon._state.probes.get(name)
-            if probe is not None and probe.outcome is not None:
-                kind = str(probe.outcome.verdict.kind)
-                if not kinds or kinds[-1] != kind:
-                    kinds.append(kind)
-            if probe is not None and probe.examinations >= 6:
-                break
-            await asyncio.sleep(0.02)
-        return kinds
-
-    async def scenario() -> list[str]:
-        running = asyncio.create_task(daemon.run())
-        try:
-            settled = daemon._state.cycles
-            while daemon._state.cycles < settled + 2:  # "a" forgotten, kept aside
-                await asyncio.sleep(0.02)
-            fleets.append([Target("x", elsewhere), Target("b", url)])
-            os.kill(os.getpid(), signal.SIGHUP)
-            return await kinds_read("b")
-        finally:
-            daemon.stop()
-            assert await asyncio.wait_for(running, 10.0) == 0
-
-    # Before: ["busy", "wedged"]: the long step it was seen to take was not its reading's.
-    assert "wedged" not in asyncio.run(scenario())
-
-
-def test_a_reload_that_shifts_a_condemned_servers_name_off_it_keeps_the_step_it_took(
-    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """{a (condemned): u0, x: u1} -> {b: u0, a: u1}: the record renames a to b at u0
-    (``FleetRecord.renames``, the names staying configured); the reading of b started
-    without the step a's record learned of u0, and was wedged at two waits."""
-    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
-    from llmhealth.fleet import Sighting  # noqa: PLC0415
-    from llmhealth.ledger import Condemned  # noqa: PLC0415
-    from llmhealth.window import LongestStep  # noqa: PLC0415
-
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
-    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
-    url = httpserver.url_for("").rstrip("/")
-    elsewhere = "http://127.0.0.1:9"  # nothing listens: "x" reads as down, and that is all
-    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
-    store = StateFile(tmp_path / "state.json")
-    now = time.time()
-    backends = {"a": url, "x": elsewhere}
-    record = fresh_record(ledger_policy(config.policy), backends, now - 100)
-    record.ledger.apply("a", Condemned(now=now - 90, reason="a test's condemnation"))
-    step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
-    record.sightings["a"] = Sighting(now - 80, True, parse_metrics(frozen), step)
-    with store.locked():
-        store.save(record.to_document())
-    fleets = [[Target("a", url), Target("x", elsewhere)]]
+    first = {"x": backends["x"]} if kept_aside else backends
+    fleets = [[Target(name, url) for name, url in first.items()]]
     daemon = in_process(lambda: (config, fleets[-1]), tmp_path, 0.1)
 
     async def kinds_read(name: str) -> list[str]:
@@ -2730,9 +2634,9 @@ def test_a_reload_that_shifts_a_condemned_servers_name_off_it_keeps_the_step_it_
             settled = daemon._state.cycles
             while daemon._state.cycles < settled + 2:
                 await asyncio.sleep(0.02)
-            fleets.append([Target("b", url), Target("a", elsewhere)])
+            fleets.append([Target(name, urls[where]) for name, where in after.items()])
             os.kill(os.getpid(), signal.SIGHUP)
-            return await kinds_read("b")
+            return await kinds_read(read_as)
         finally:
             daemon.stop()
             assert await asyncio.wait_for(running, 10.0) == 0
