@@ -138,12 +138,8 @@ def sighting_of(verdict: Verdict, at: float, previous: Sighting | None) -> Sight
     reachable = not verdict.reads or verdict.reads[-1].problem not in _UNREACHABLE
     step = longer(previous.longest_step if previous else None, verdict.longest_step)
     newest = _newest_signals(verdict)
-    if newest is not None and not (previous is not None and _older_news(verdict, previous)):
+    if newest is not None:
         return Sighting(at, reachable, newest, step)
-    if previous is not None and newest is not None:
-        # Reads older than the process sighted (another writer saw its replacement
-        # first): the sighting stays that of the newer process, and its time with it.
-        return Sighting(previous.at, previous.reachable, previous.baseline, step)
     return Sighting(at, reachable, previous.baseline if previous else None, step)
 
 
@@ -254,11 +250,7 @@ def events_for(
         # backend's newest verdict, and a second read before the settle (a backend that
         # closes idle connections is read every 0.96 wait and settled every wait:
         # probe.KEEP_ALIVE_LEAD) judges the new process alone.
-        # A restart the record's sighting already shows (a cron check read the new
-        # process first and settled it, re-admitted or not) is not a second one: taken
-        # again, it sent a re-admitted backend back to STALE.
-        restarted = kind is VerdictKind.RESTARTED and not _sighted_already(verdict, previous)
-        if restarted or _another_process(verdict, previous):
+        if kind is VerdictKind.RESTARTED or _another_process(verdict, previous):
             return [UnplannedRestart(now=now, process=process), *readmit]
         if kind is VerdictKind.WEDGED:
             return [WedgeProven(now=now, evidence=_detail(verdict), process=process)]
@@ -326,38 +318,7 @@ def _another_process(verdict: Verdict, previous: Sighting | None) -> bool:
     newest = _newest_signals(verdict)
     if newest is None or previous is None or previous.baseline is None:
         return False
-    if _older_news(verdict, previous):
-        return False
     return restarted_between(previous.baseline, newest)
-
-
-def _older_news(verdict: Verdict, previous: Sighting) -> bool:
-    """The verdict's newest readable read was in before the record's sighting was written
-    and shows a process that started before the sighted one: reads from before a restart
-    another writer (a cron check) read and settled first, not a second restart, back to
-    the old process (it knocked the re-admitted replacement out to STALE again)."""
-    baseline = previous.baseline
-    for read in reversed(verdict.reads):
-        if read.signals is not None and read.signals.has_vllm:
-            start = read.signals.process_start
-            return (
-                baseline is not None
-                and start is not None
-                and baseline.process_start is not None
-                and start < baseline.process_start
-                and read.at < previous.at
-            )
-    return False
-
-
-def _sighted_already(verdict: Verdict, previous: Sighting | None) -> bool:
-    """The record's sighting is of the verdict's newest process, by its start time: the
-    restart the verdict's reads span was settled already (by another writer)."""
-    newest = _newest_signals(verdict)
-    if newest is None or previous is None or previous.baseline is None:
-        return False
-    start = newest.process_start
-    return start is not None and previous.baseline.process_start == start
 
 
 def _same_process(verdict: Verdict, previous: Sighting, *, counters_tell: bool) -> bool:
