@@ -205,6 +205,13 @@ def decide(
     known = learned_step(reads, learned)
     freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
     decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
+    if isinstance(decision, SendTinyRequest) and (asleep := _asleep_engines(reads[-1])):
+        # A completion sent to a server asleep on purpose crashed it (vLLM #15483), and a
+        # data-parallel server routes it to any engine with nothing queued, asleep or not.
+        # A new process is news, but unproven without an answer (as when our key is
+        # refused); an engine with nothing to do beside a sleeping one is idle as shown.
+        unasked = left_unasked(reads, decision, f"asleep on purpose ({asleep})")
+        return replace(unasked, healthy=decision.good is not VerdictKind.RESTARTED)
     if isinstance(decision, Verdict):
         return replace(decision, longest_step=longer(known, _learned_before_restarts(reads)))
     return decision
@@ -284,6 +291,14 @@ def freeze_began(reads: Sequence[Read]) -> int | None:
         default=0,
     )
     return newest - held if held > 0 else None
+
+
+def _asleep_engines(read: Read) -> str:
+    """The engines of this read put to sleep on purpose, for evidence; "" when none."""
+    if read.signals is None:
+        return ""
+    states = [f"engine {e.engine} {e.sleep_state}" for e in read.signals.engines if e.asleep]
+    return _first_few(states, "engines") if states else ""
 
 
 def _has_vllm(read: Read) -> bool:

@@ -430,6 +430,33 @@ def test_an_asleep_engine_beside_a_busy_one_does_not_wedge_the_backend(
     assert not sends_a_request(result.decisions)
 
 
+def test_a_restarted_process_asleep_on_purpose_is_not_sent_a_request(fixture_text: Load) -> None:
+    # An RL trainer restarted the server and put it to sleep: a completion sent to a
+    # sleeping vLLM crashed it (vllm#15483), and asleep is no failure to look for.
+    old, new = capture(fixture_text, "restart-0"), asleep(capture(fixture_text, "restart-1"))
+    reads = timed([old, new])
+    for decision in (decide(reads), decide(reads[1:], baseline=parse_metrics(old))):
+        verdict = settled(decision)
+        assert verdict.kind is VerdictKind.RESTARTED
+        assert not verdict.healthy  # news, unproven without an answer
+        assert verdict.requests_sent == 0
+        assert "engine 0 weights_offloaded" in verdict.evidence
+
+
+@pytest.mark.parametrize("sleeper", ["idle-2", "wedge-1"])
+def test_an_idle_engine_beside_an_asleep_one_is_not_sent_a_request(
+    fixture_text: Load, sleeper: str
+) -> None:
+    # Data-parallel: engine 0 asleep on purpose (with nothing queued, or with requests),
+    # engine 1 idle. The server routes a request to any engine with the least queued,
+    # the asleep one included, and the backend shows work on it in the second case.
+    text = asleep(capture(fixture_text, sleeper)) + relabel(capture(fixture_text, "idle-1"), "1")
+    result = walk(timed([text, text, text]))
+    assert result.verdict.kind is VerdictKind.IDLE
+    assert result.verdict.requests_sent == 0
+    assert "engine 0 weights_offloaded" in result.verdict.evidence
+
+
 # --- idle, unanswered, work unknown --------------------------------------------------
 
 
