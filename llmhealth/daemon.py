@@ -53,6 +53,7 @@ from llmhealth.fleet import (
     FleetRecord,
     Sighting,
     StallWatch,
+    asleep_on_purpose,
     reads_per_wait,
     smoothed_gap,
 )
@@ -368,7 +369,7 @@ class Daemon:
         expected = {b.name: b.expected_model for b in self._config.backends}
         serving: dict[str, Models] = {}
         for name, snapshot in self._snapshots.items():
-            if not snapshot.serving:
+            if not snapshot.serving or self._asleep(name):
                 continue
             models = set(self._models.get(name, ()))
             if expected.get(name):
@@ -376,6 +377,14 @@ class Daemon:
             serving[name] = frozenset(models) if models else ANY_MODEL
         states = {name: str(snapshot.state) for name, snapshot in self._snapshots.items()}
         self._router.push(serving, states, self._config.policy.min_healthy)
+
+    def _asleep(self, name: str) -> bool:
+        """Its newest read shows an engine put to sleep on purpose: healthy, but a client's
+        completion sent to a sleeping vLLM crashed it (vLLM #15483), and a data-parallel
+        server may route one to the sleeping engine. Not routed to until it wakes."""
+        probe = self._state.probes.get(name)
+        outcome = probe.outcome if probe is not None else None
+        return outcome is not None and asleep_on_purpose(outcome.verdict)
 
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the

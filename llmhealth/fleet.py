@@ -244,6 +244,10 @@ def events_for(
         if verdict.healthy and requests_finished(verdict, previous):
             # Not re-admission: the ledger only notes that the replacement works.
             return [GoodVerdict(now=now, requests_finished=True, process=process)]
+        if verdict.healthy and asleep_on_purpose(verdict):
+            # Never asked while it sleeps: failed by the startup grace of our restart, a
+            # server its trainer put to sleep was restarted.
+            return [GoodVerdict(now=now, asleep=True, process=process)]
         return _failures(verdict, now, process)
     if state in (State.HEALTHY, State.SUSPECT):
         # A restart the window saw, or one only the sighting shows: watch settles a
@@ -384,6 +388,12 @@ def _newest_signals(verdict: Verdict) -> Signals | None:
         if read.signals is not None and read.signals.has_vllm:
             return read.signals
     return None
+
+
+def asleep_on_purpose(verdict: Verdict) -> bool:
+    """The verdict's newest readable read shows an engine put to sleep on purpose."""
+    newest = _newest_signals(verdict)
+    return newest is not None and any(engine.asleep for engine in newest.engines)
 
 
 def _finished_total(signals: Signals) -> float | None:

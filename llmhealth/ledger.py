@@ -381,6 +381,10 @@ class GoodVerdict(_SeenEventBase):
     request_ok: bool = False
     requests_finished: bool = False
     restart_pending: bool = False
+    # A STALE process shows an engine put to sleep on purpose: it loaded, and its owner
+    # rests it. Never asked the tiny request (a completion crashed a sleeping vLLM), it is
+    # noted working as one whose requests finish is, so no startup grace fails it.
+    asleep: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -902,13 +906,13 @@ def _note_working(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Stat
         if replaced is None or event.process.differs_from(replaced) is not None:
             own = event.process
     same = event.process is not None and own is not None and event.process.differs_from(own) is None
-    if not (event.requests_finished and same):
+    if not ((event.requests_finished or event.asleep) and same):
         raise _Refused(b.state, event.kind, "no request finished on its process", off=True)
     b.process = own  # known from now on: a later read of another process is another one
     b.last_ok_at = event.now
+    how = "requests finish on its process" if event.requests_finished else "put to sleep"
     return State.STALE, (
-        "requests finish on its process: it works, and no startup grace fails it; "
-        "re-admission still returns it to serving"
+        f"{how}: it works, and no startup grace fails it; re-admission still returns it to serving"
     )
 
 

@@ -16,7 +16,7 @@ from werkzeug import Request, Response
 
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read
-from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import (
     Kept,
@@ -1582,3 +1582,27 @@ def test_a_command_heard_after_a_reload_shifted_its_name_off_its_server_is_that_
     [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
     assert (line["backend"], line["issued_as"], line["to"]) == ("node-gpu0", "gpu0", "dead")
     assert [(n.name, n.ran, n.ok) for n in settled.report.restarts] == [("node-gpu0", True, False)]
+
+
+def test_our_replacement_put_to_sleep_is_not_restarted_by_its_startup_grace() -> None:
+    # An RL trainer put the server we restarted to sleep between rollouts (it loaded its
+    # model to be put to sleep): a sleeping vLLM is never sent the tiny request, so nothing
+    # proved it, its grace failed it, and the restart policy restarted a sleeping server.
+    at = T0
+    record = _restarted(["a"], at)
+    asleep = EngineSignals(
+        engine="0", running=0.0, waiting=0.0, steps=0.0, generation_tokens=0.0,
+        prompt_tokens=0.0, finished=0.0, preemptions=0.0, kv_usage=0.0,
+        sleep_state="weights_offloaded",
+    )  # fmt: skip
+    new = Signals(engines=(asleep,), process_start=at + 30)
+    baseline = record.sightings["a"].baseline
+    up = decide([Read(at + 60, new)], baseline=baseline)
+    assert isinstance(up, Verdict) and up.kind is VerdictKind.RESTARTED and up.requests_sent == 0
+    assert _settled(record, "a", up, at + 60) == []
+    assert record.ledger.state_of("a") is State.STALE
+    later = at + record.ledger.policy.startup_grace + 1
+    sleeping = decide([Read(later - 5, new), Read(later, new)])
+    assert isinstance(sleeping, Verdict) and sleeping.requests_sent == 0
+    assert _settled(record, "a", sleeping, later) == []
+    assert record.ledger.state_of("a") is State.STALE

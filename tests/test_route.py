@@ -206,3 +206,30 @@ def test_a_condemnation_by_traffic_is_in_the_daemons_log(tmp_path: Path, entry_p
     text = log.read_text()
     assert process.returncode == 0, text
     assert "a: suspect -> dead: request failure 3 in a row" in text, text
+
+
+@pytest.mark.slow  # a few seconds: a real `route` over the simulator
+@pytest.mark.usefixtures("each_loop")
+def test_no_client_request_is_sent_to_a_server_asleep_on_purpose(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # A completion sent to a sleeping vLLM crashed it (vLLM #15483), which is why no tiny
+    # request goes to one; the router forwarded clients' completions to it all the same (it
+    # is healthy, idle as shown), and their failures condemned the sleeping server.
+    with running_simulator(["asleep", "idle"], request_seconds=0.05) as sim:
+        # "a" sorts first, so with nothing in flight every tie goes to the sleeper.
+        config = write_config(tmp_path, {"a": sim.urls[0], "b": sim.urls[1]})
+        with running_route(entry_point, config, free_port()) as route:
+            deadline = time.monotonic() + BOUND
+            settled = 'llmhealth_backend_verdict{backend="a",verdict="idle"} 1.0'
+            while settled not in httpx.get(route + "/metrics", timeout=5).text:
+                assert time.monotonic() < deadline, "the sleeping backend was never settled"
+                time.sleep(0.05)
+            failed = []
+            for _ in range(12):  # several settles (a wait is 0.5 s): a streak would condemn it
+                response = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                if response.status_code != 200:
+                    failed.append(response.json().get("backend"))
+                time.sleep(0.1)
+            assert failed == [], failed
+            assert backend_state(route, "a") == "healthy"
