@@ -205,7 +205,7 @@ def decide(
     known = learned_step(reads, learned)
     freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
     decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
-    if isinstance(decision, SendTinyRequest) and (asleep := _asleep_engines(reads[-1])):
+    if isinstance(decision, SendTinyRequest) and (asleep := asleep_engines(reads[-1].signals)):
         # A completion sent to a server asleep on purpose crashed it (vLLM #15483), and a
         # data-parallel server routes it to any engine with nothing queued, asleep or not.
         # A new process is news, but unproven without an answer (as when our key is
@@ -293,11 +293,13 @@ def freeze_began(reads: Sequence[Read]) -> int | None:
     return newest - held if held > 0 else None
 
 
-def _asleep_engines(read: Read) -> str:
-    """The engines of this read put to sleep on purpose, for evidence; "" when none."""
-    if read.signals is None:
+def asleep_engines(signals: Signals | None) -> str:
+    """The engines of a read put to sleep on purpose, for evidence; "" when none. No
+    request goes to such a server (``decide``, the router's set): a completion sent to a
+    sleeping vLLM crashed it."""
+    if signals is None:
         return ""
-    states = [f"engine {e.engine} {e.sleep_state}" for e in read.signals.engines if e.asleep]
+    states = [f"engine {e.engine} {e.sleep_state}" for e in signals.engines if e.asleep]
     return _first_few(states, "engines") if states else ""
 
 

@@ -248,8 +248,9 @@ class Daemon:
         self._record: FleetRecord | None = None  # as last settled or read
         self._news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
         # The longest step learned at each server (``same_server``), under whatever name
-        # the record keeps it: a reload's new name for a server (renamed, shifted, kept
-        # aside) is that server's record (``FleetRecord.renames``).
+        # the record keeps it (in the ledger or kept aside): a reload's new name for a
+        # server may take over its record (``FleetRecord.renames``), and a longer window
+        # only waits longer for a proof.
         self._steps_at: dict[str, LongestStep | None] = {}
         # `route`: the router in front of the backends, fed the serving set after every
         # settle, and drained of what real traffic showed before the next.
@@ -842,7 +843,7 @@ class Daemon:
         steps_at: dict[str, LongestStep | None] = {}
         for name, step in kept.items():
             server = same_server(str(record.withheld_forgotten[name]["entry"]["url"]))
-            steps_at[server] = step
+            steps_at[server] = longer(steps_at.get(server), step)
         for name, step in live.items():
             if name in record.ledger:
                 server = same_server(record.ledger.url_of(name))

@@ -14,7 +14,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from llmhealth.classify import ReadProblem, Verdict, VerdictKind, restarted_between
+from llmhealth.classify import (
+    ReadProblem,
+    Verdict,
+    VerdictKind,
+    asleep_engines,
+    restarted_between,
+)
 from llmhealth.ledger import (
     SERVING,
     Event,
@@ -392,8 +398,7 @@ def _newest_signals(verdict: Verdict) -> Signals | None:
 
 def asleep_on_purpose(verdict: Verdict) -> bool:
     """The verdict's newest readable read shows an engine put to sleep on purpose."""
-    newest = _newest_signals(verdict)
-    return newest is not None and any(engine.asleep for engine in newest.engines)
+    return bool(asleep_engines(_newest_signals(verdict)))
 
 
 def _finished_total(signals: Signals) -> float | None:

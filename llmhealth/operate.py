@@ -64,8 +64,9 @@ class _Edit:
     saved: str
     # The backend's name as the record or config spells it (``_spelled``).
     name: str
-    # A configured backend the record did not hold, added (or a saved one renamed) for
-    # this verb: audited with the verb's own record when the verb saves.
+    # A configured backend the record did not hold, added (or a saved one renamed, and a
+    # backend that rename displaced forgotten) for this verb: audited with the verb's own
+    # record when the verb saves.
     added: tuple[MembershipChange, ...] = ()
 
     def save(self, store: Store, audit: Audit, now: float, entry: Mapping[str, object]) -> None:

@@ -205,8 +205,7 @@ class StateFile:
         """Beside the file the state is (``_target``): beside a symbolic link, a run
         through the link and one through the file it names held two locks, and both
         wrote the one state."""
-        target = self._target()
-        return target.with_name(target.name + ".lock")
+        return _lock_beside(self._target())
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -230,7 +229,7 @@ class StateFile:
                 f"cannot read state {self.path}: {target} is not a regular file; "
                 "no lock made beside it"
             )
-        paths = [target.with_name(target.name + ".lock")]
+        paths = [_lock_beside(target)]
         beside_link = self.path.with_name(self.path.name + ".lock")
         if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself
             paths.insert(0, beside_link)
@@ -584,3 +583,8 @@ def _in_chunks(value: list[Any] | Rows[Any] | Mapping[str, Any], lead: bytes) ->
 
 
 _SORTED_JSON = json.JSONEncoder(sort_keys=True)  # json.dumps would build one a call
+
+
+def _lock_beside(target: Path) -> Path:
+    """The lock file of the state file ``target``: beside it, named after it."""
+    return target.with_name(target.name + ".lock")

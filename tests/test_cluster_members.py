@@ -412,6 +412,9 @@ def test_a_shard_reader_in_read_workers_keeps_the_step_of_a_backend_a_reload_ren
                 if probe is not None and probe.examinations >= 6:
                     break
                 await asyncio.sleep(0.02)
+            probe = daemon._state.probes.get(name)
+            # Read past two waits, or "not wedged" proves nothing (a reload that never came).
+            assert probe is not None and probe.examinations >= 6, f"{name} was not read enough"
             return kinds
 
         async def scenario() -> tuple[list[str], list[str]]:

@@ -2626,6 +2626,9 @@ def test_a_reload_that_brings_a_condemned_record_back_keeps_the_longest_step_it_
             if probe is not None and probe.examinations >= 6:
                 break
             await asyncio.sleep(0.02)
+        probe = daemon._state.probes.get(name)
+        # Read past two waits, or "not wedged" proves nothing (a reload that never came).
+        assert probe is not None and probe.examinations >= 6, f"{name} was not read enough"
         return kinds
 
     async def scenario() -> list[str]:
