@@ -230,7 +230,7 @@ class StateFile:
                 "no lock made beside it"
             )
         paths = [_lock_beside(target)]
-        beside_link = self.path.with_name(self.path.name + ".lock")
+        beside_link = _lock_beside(self.path)
         if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself
             paths.insert(0, beside_link)
         deadline = time.monotonic() + self.lock_timeout  # for both locks together
