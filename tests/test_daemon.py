@@ -54,13 +54,14 @@ from werkzeug import Request, Response
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
 from llmhealth import operate, probe, readers
-from llmhealth.actions import AuditLog, read
+from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import READS_KEEP_UP, StallWatch
 from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
+from llmhealth.remediate import RestartOrder
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 from llmhealth.state import RecordMovedError, StateFile
@@ -2918,7 +2919,6 @@ def test_a_restart_command_heard_after_a_rename_counts_under_the_new_name(
     audit line, the ledger's DEAD); the daemon counted the failure under the name the
     order was issued as, which the reload had dropped: a frozen series of a backend no
     longer configured, and LLMHealthRestartsFailing one failure short for the renamed."""
-    from llmhealth.actions import CommandResult  # noqa: PLC0415
     from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
     from llmhealth.remediate import CommandDone, Mode  # noqa: PLC0415
 
@@ -3198,6 +3198,33 @@ def test_the_last_settle_of_a_stop_does_not_fail_a_restart_whose_command_still_r
     assert "slow" not in expired, "failed while its command still ran"
 
 
+def clocked_daemon(
+    load: Callable[[], tuple[config_module.Config, list[Target]]],
+    store: StateFile,
+    wall: list[float],
+    ticks: list[float],
+) -> Daemon:
+    """A daemon on a wall clock and a steady one the test moves (``wall[0]``, ``ticks[0]``)."""
+    return Daemon(
+        load,
+        store,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(file=io.StringIO()),
+        clock=lambda: wall[0],
+        steady=lambda: ticks[0],
+    )
+
+
+def command_heard(daemon: Daemon, order: RestartOrder, argv: tuple[str, ...]) -> None:
+    """The daemon hears ``order``'s restart command exit 0 now (on its event loop)."""
+    ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+    ran.set_result(CommandResult(argv, 0, False, 0.1, "", ""))
+    daemon._commands_running[ran] = order
+    daemon._command_finished(ran)
+
+
 @pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "wall clock stepped 1 h"])
 def test_a_wall_clock_stepped_forward_fails_no_restart_within_its_grace(
     tmp_path: Path, step: float
@@ -3207,7 +3234,6 @@ def test_a_wall_clock_stepped_forward_fails_no_restart_within_its_grace(
     daemon's next settle, seconds later on any steady clock, failed the restart ("no new
     process within the startup grace of 15m") and restarted the server still loading.
     The grace still runs out on the steady clock."""
-    from llmhealth.actions import CommandResult  # noqa: PLC0415
     from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
 
@@ -3237,23 +3263,11 @@ def test_a_wall_clock_stepped_forward_fails_no_restart_within_its_grace(
         ticks[0] += seconds
 
     async def scenario() -> list[tuple[str, list[str], list[str]]]:
-        daemon = Daemon(
-            lambda: (config, [target]),
-            store,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(file=io.StringIO()),
-            clock=lambda: wall[0],
-            steady=lambda: ticks[0],
-        )
+        daemon = clocked_daemon(lambda: (config, [target]), store, wall, ticks)
         seen = []
         try:
-            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
-            daemon._commands_running[ran] = order
             later(2.0)
-            daemon._command_finished(ran)
+            command_heard(daemon, order, restart)
             for seconds, stepped in ((3.0, 0.0), (5.0, step), (grace, 0.0)):
                 later(seconds, stepped)
                 news = daemon_module.News(
@@ -3285,7 +3299,6 @@ def test_a_wall_clock_stepped_forward_fails_no_restart_a_reload_renamed_in_its_g
     server (the ledger keeps its restart under the new name), and the wall clock stepped
     an hour forward. The daemon's sparing went by the order's old name: the next settle
     failed the restart seconds after its command, and restarted the server still loading."""
-    from llmhealth.actions import CommandResult  # noqa: PLC0415
     from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
 
@@ -3313,22 +3326,11 @@ def test_a_wall_clock_stepped_forward_fails_no_restart_a_reload_renamed_in_its_g
     down = Verdict(VerdictKind.DOWN, False, "down: connection refused")
 
     async def scenario() -> list[tuple[str, list[str], list[str]]]:
-        daemon = Daemon(
-            lambda: (after, [new]),  # the reload's config: gpu0 renamed gpu1
-            store,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(file=io.StringIO()),
-            clock=lambda: wall[0],
-            steady=lambda: ticks[0],
-        )
+        # The reload's config: gpu0 renamed gpu1.
+        daemon = clocked_daemon(lambda: (after, [new]), store, wall, ticks)
         seen = []
         try:
-            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
-            daemon._commands_running[ran] = order
-            daemon._command_finished(ran)
+            command_heard(daemon, order, restart)
             for seconds, stepped in ((3.0, 0.0), (5.0, 3600.0)):
                 wall[0] += seconds + stepped
                 ticks[0] += seconds
@@ -3362,7 +3364,6 @@ def test_a_wall_clock_stepped_forward_frees_no_restart_slot_within_its_grace(
     so b, condemned since, waits (a fault they share must not restart them all). The wall
     clock stepped an hour forward: seconds later on any steady clock, the slot was freed
     and b restarted."""
-    from llmhealth.actions import CommandResult  # noqa: PLC0415
     from llmhealth.cycle import backend_urls, settle_fleet  # noqa: PLC0415
     from llmhealth.metrics import EngineSignals, Signals  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
@@ -3400,22 +3401,10 @@ def test_a_wall_clock_stepped_forward_frees_no_restart_slot_within_its_grace(
         return Signals((engine,), start)
 
     async def scenario() -> str:
-        daemon = Daemon(
-            lambda: (config, [z, b]),
-            store,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(file=io.StringIO()),
-            clock=lambda: wall[0],
-            steady=lambda: ticks[0],
-        )
+        daemon = clocked_daemon(lambda: (config, [z, b]), store, wall, ticks)
         try:
-            ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-            ran.set_result(CommandResult(restart, 0, False, 0.1, "", ""))
-            daemon._commands_running[ran] = order
             later(2.0)
-            daemon._command_finished(ran)
+            command_heard(daemon, order, restart)
             later(5.0)
             reads = (
                 Read(wall[0] - 5, signals(wall[0] - 300, 50)),

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -1265,8 +1265,10 @@ PAUSED = ["wedge-1", "wedge-2", "wedge-3", "wedge-4", "wedge-resume-1"]
 PAUSED_AT = 1796024587.7  # wedge-1's own time (fixtures/vllm-0.32/INDEX.tsv)
 
 
-def paused_backend(server: HTTPServer, clock: SteppedClock) -> str:
-    texts = [capture(name) for name in PAUSED]
+def paused_backend(
+    server: HTTPServer, clock: SteppedClock, names: Sequence[str] = tuple(PAUSED)
+) -> str:
+    texts = [capture(name) for name in names]
 
     def metrics(_request: Request) -> Response:
         text = texts[min(clock.served, len(texts) - 1)]
@@ -1275,6 +1277,26 @@ def paused_backend(server: HTTPServer, clock: SteppedClock) -> str:
 
     server.expect_request("/metrics").respond_with_handler(metrics)
     return server.url_for("").rstrip("/")
+
+
+def watched_by_reads(url: str, clock: SteppedClock, reads: int) -> list[Verdict | None]:
+    """``watch``'s examination of one backend, ``reads`` waits in a row on ``clock``."""
+    settings = ProbeSettings(wait=5.0, timeout=2.0)
+
+    async def run() -> list[Verdict | None]:
+        window: list[Read] = []
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(reads):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", url), settings, window, clock=clock, steady=clock.steady
+                    )
+                )
+                clock.wait()
+        return verdicts
+
+    return asyncio.run(run())
 
 
 @pytest.mark.parametrize("step", [0.0, 3600.0], ids=["steady", "stepped"])
@@ -1307,23 +1329,7 @@ def test_a_wall_clock_stepped_forward_inside_a_long_step_does_not_wedge_watch(
     httpserver: HTTPServer, step: float
 ) -> None:
     clock = SteppedClock(PAUSED_AT, step)
-    url = paused_backend(httpserver, clock)
-    settings = ProbeSettings(wait=5.0, timeout=2.0)
-
-    async def run() -> list[Verdict | None]:
-        window: list[Read] = []
-        verdicts = []
-        async with new_client() as client:
-            for _ in PAUSED:
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", url), settings, window, clock=clock, steady=clock.steady
-                    )
-                )
-                clock.wait()
-        return verdicts
-
-    verdicts = asyncio.run(run())
+    verdicts = watched_by_reads(paused_backend(httpserver, clock), clock, len(PAUSED))
     assert verdicts[:-1] == [None] * (len(PAUSED) - 1)  # inside its window: undecided
     last = verdicts[-1]
     assert last is not None and last.kind is VerdictKind.BUSY, last
@@ -1389,30 +1395,7 @@ def test_a_wall_clock_stepped_forward_leaves_a_young_engine_young(
     (300 s). Its process start (vLLM's, fixed) against the stepped clock made it an hour
     old: out of its startup window, it was wedged at two waits."""
     clock = SteppedClock(PAUSED_AT - 1.1, step)
-    texts = [capture(name) for name in ["wedge-pre", *PAUSED]]
-
-    def metrics(_request: Request) -> Response:
-        text = texts[min(clock.served, len(texts) - 1)]
-        clock.serving()
-        return Response(text, content_type="text/plain; version=0.0.4")
-
-    httpserver.expect_request("/metrics").respond_with_handler(metrics)
-    url = httpserver.url_for("").rstrip("/")
-    settings = ProbeSettings(wait=5.0, timeout=2.0)
-
-    async def run() -> list[Verdict | None]:
-        window: list[Read] = []
-        verdicts = []
-        async with new_client() as client:
-            for _ in texts:
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", url), settings, window, clock=clock, steady=clock.steady
-                    )
-                )
-                clock.wait()
-        return verdicts
-
-    verdicts = asyncio.run(run())
+    names = ["wedge-pre", *PAUSED]
+    verdicts = watched_by_reads(paused_backend(httpserver, clock, names), clock, len(names))
     kinds = [None if v is None else v.kind for v in verdicts]
     assert VerdictKind.WEDGED not in kinds, [v.evidence for v in verdicts if v is not None][2:3]
