@@ -29,7 +29,6 @@ WHOLE_SECONDS: Final = 5.0  # one exchange, connect to last byte (etcdctl's comm
 # of empty objects up to about 20 times, so this also bounds the memory of the decoding.
 MAX_ANSWER_BYTES: Final = 32 * 1024 * 1024
 _READ_SIZE: Final = 256 * 1024
-_MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 # Not etcd's word on the request: the gateway could not reach its server, or gave up; a
 # 502 comes from something in front of etcd (its gateway maps no error to it).
 _ENDPOINT_AWAY: Final = frozenset({408, 502, 503, 504})
@@ -213,7 +212,7 @@ class _Exchange:
         return self._take(end + 2)[:-2]
 
     def _head(self) -> tuple[int, str, list[tuple[str, str]]]:
-        for _ in range(_MAX_INFORMATIONAL):
+        for _ in range(http1.MAX_INFORMATIONAL + 1):  # the answer itself after them
             while (end := self._buffer.find(b"\r\n\r\n")) < 0:
                 if len(self._buffer) > http1.MAX_HEAD_BYTES:
                     raise http1.FramingError(f"an answer head over {http1.MAX_HEAD_BYTES} bytes")
@@ -223,7 +222,7 @@ class _Exchange:
             _, status, reason = http1.status_line(lines[0])
             if not 100 <= status < 200:
                 return status, reason, http1.fields(lines[1:])
-        raise http1.FramingError(f"more than {_MAX_INFORMATIONAL} informational answers")
+        raise http1.FramingError(f"more than {http1.MAX_INFORMATIONAL} informational answers")
 
     def _body(self, status: int, headers: list[tuple[str, str]]) -> bytes:
         if status in (204, 304):

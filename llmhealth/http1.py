@@ -16,6 +16,7 @@ MAX_HEAD_BYTES: Final = 64 * 1024  # start line and fields; a chunk-size line; t
 # a reused connection closing under it is sent once more only if it is one of these.
 IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 MAX_FIELDS: Final = 100  # header fields in one head
+MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 # Bytes each chunk of a chunked body costs at least, its data and framing together: a
 # chunk costs an await or a parse whatever its size, so one-byte chunks (16 million in a
 # 16 MiB body) or long extensions would otherwise hold a loop for seconds. The backends'

@@ -6,7 +6,7 @@ fifth of the router's CPU (bench/README.md, the router's profile). This sends th
 request's head and body in one write on a pooled connection and reads the answer from
 one buffer, handing the body on piece by piece as it arrives. Its rules:
 
-- a response head is bounded (``MAX_HEAD_BYTES``, ``MAX_INFORMATIONAL`` 1xx answers);
+- a response head is bounded (``MAX_HEAD_BYTES``, ``http1.MAX_INFORMATIONAL`` 1xx answers);
   anything that is not HTTP/1.x as RFC 9112 frames it (``http1``'s rules, which the
   router's client side applies too) is ``BrokenError``;
 - bodies are framed by Transfer-Encoding: chunked, Content-Length, or the end of the
@@ -51,7 +51,6 @@ from llmhealth.openfiles import (
     trust_unread,
 )
 
-MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
 CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a reset
@@ -527,7 +526,7 @@ class Pool:
         return link
 
     async def _head(self, link: _Link, method: str) -> Response:
-        for _ in range(MAX_INFORMATIONAL):
+        for _ in range(http1.MAX_INFORMATIONAL + 1):  # the answer itself after them
             while (end := link.buffer.find(b"\r\n\r\n")) < 0:
                 if len(link.buffer) > MAX_HEAD_BYTES:
                     raise BrokenError(f"response head over {MAX_HEAD_BYTES} bytes")
@@ -545,7 +544,7 @@ class Pool:
             if 100 <= status < 200:
                 continue
             return self._framed(link, version, status, reason, headers, method)
-        raise BrokenError(f"more than {MAX_INFORMATIONAL} informational answers")
+        raise BrokenError(f"more than {http1.MAX_INFORMATIONAL} informational answers")
 
     def _framed(
         self,

@@ -43,7 +43,6 @@ from llmhealth.text import header_safe
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
-_MAX_INFORMATIONAL = 8  # 1xx answers skipped before the real one
 _READ_SIZE = 256 * 1024
 # Bytes a connection's socket is read by while its answer's head is awaited: the head and
 # the start of the body, not the whole body (see _BodyGate).
@@ -683,7 +682,7 @@ async def _read_head(
     reader: asyncio.StreamReader, progress: _Progress
 ) -> tuple[int, dict[str, str], bool]:
     """Status, headers and whether the connection may be reused; 1xx answers skipped."""
-    for _ in range(_MAX_INFORMATIONAL + 1):  # the answer itself after them
+    for _ in range(http1.MAX_INFORMATIONAL + 1):  # the answer itself after them
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError as exc:
@@ -708,7 +707,7 @@ async def _read_head(
             continue
         tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
         return status, headers, http1.keep_alive(version, tokens)
-    raise WireError(Failure.MALFORMED, f"more than {_MAX_INFORMATIONAL} informational answers")
+    raise WireError(Failure.MALFORMED, f"more than {http1.MAX_INFORMATIONAL} informational answers")
 
 
 async def _read_body(

@@ -195,6 +195,24 @@ def test_a_chunked_answer_after_an_informational_one_is_read_whole() -> None:
     assert json.loads(sent.partition(b"\r\n\r\n")[2]) == {"key": b64("/k")}
 
 
+@pytest.mark.parametrize(("informational", "read"), [(8, True), (9, False)])
+def test_at_most_eight_informational_answers_are_skipped(informational: int, read: bool) -> None:
+    body = json.dumps(range_answer("/k", b"v")).encode()
+    handler = answering(
+        b"HTTP/1.1 103 Early Hints\r\n\r\n" * informational
+        + b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body),
+        body,
+    )
+    with tcp_server(handler) as (url, _):
+        if read:
+            found = Etcd([url], timeout=2.0).get("/k")
+            assert found is not None
+            assert found.value == b"v"
+        else:
+            with pytest.raises(ClusterUnavailableError, match="informational answers"):
+                Etcd([url], timeout=2.0).get("/k")
+
+
 def test_a_proxy_in_the_environment_is_not_used(
     etcd_server: EtcdCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

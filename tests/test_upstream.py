@@ -201,6 +201,23 @@ def test_informational_answers_are_skipped_and_chunk_extensions_and_trailers_rea
     run(scenario())
 
 
+def test_eight_informational_answers_are_skipped_as_the_probe_skips_them() -> None:
+    async def reply(_: int, __: bytes) -> bytes:
+        return (
+            b"HTTP/1.1 103 Early Hints\r\n\r\n" * 8
+            + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        )
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, _):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            response, body = await exchange(pool, url)
+            assert (response.status, body) == (200, b"ok")
+            pool.close()
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     ("method", "status"), [("HEAD", 200), ("POST", 204), ("POST", 304)], ids=str
 )
