@@ -639,8 +639,10 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
         except ValueError as exc:
             raise reader.fail("cluster.etcd", str(exc)) from exc
     prefix = reader.optional_string(table, "cluster.prefix") or DEFAULT_PREFIX
-    if not prefix.startswith("/") or prefix.endswith("/"):
-        raise reader.fail("cluster.prefix", f"{prefix!r} must start with '/' and not end with one")
+    if not prefix.startswith("/") or prefix.endswith("/") or not prefix.isprintable():
+        raise reader.fail(
+            "cluster.prefix", f"{prefix!r} must be printable, start with '/' and not end with one"
+        )
     lease_ttl = reader.duration(table, "cluster.lease_ttl", DEFAULT_LEASE_TTL)
     if lease_ttl < MIN_LEASE_TTL or lease_ttl != round(lease_ttl):
         raise reader.fail(

@@ -182,7 +182,9 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
         ("[cluster]\netcd = 'http://e:2379'", "cluster.etcd: must be a list of strings"),
         ("[cluster]\netcd = ['e:2379']", "cluster.etcd: 'e:2379' is not an http(s) URL"),
-        ("[cluster]\netcd = ['http://e:1']\nprefix = 'f'", "cluster.prefix: 'f' must start"),
+        ("[cluster]\netcd = ['http://e:1']\nprefix = 'f'", "cluster.prefix: 'f' must be"),
+        # Shown as it is by `audit` and in errors: an escape in it would drive a terminal.
+        ('[cluster]\netcd = ["http://e:1"]\nprefix = "/a\\u001b[2J"', "cluster.prefix: '/a\\x1b"),
         ("[cluster]\netcd = ['http://e:1']\nlease_ttl = '1s'", "cluster.lease_ttl: 1 s: etcd"),
         ("[cluster]\netcd = ['http://e:1']\nlease_ttl = 2.5", "whole seconds"),
         ("[cluster]\netcd = ['http://e:1']\nmember = 'a/b'", "cluster.member: 'a/b' must"),
