@@ -22,6 +22,7 @@ import typer
 from llmhealth import config as config_module
 from llmhealth.actions import AuditError
 from llmhealth.classify import Target
+from llmhealth.ledger import MAX_WEIGHT_VERSION
 from llmhealth.openfiles import discard_output, output_may_fail, reader_may_leave
 from llmhealth.report import ExitCode
 from llmhealth.state import StateError, given_path
@@ -527,7 +528,11 @@ def readmit(
     name: NameArgument,
     weight_version: Annotated[
         int | None,
-        typer.Option(help="Weight version the backend now serves (e.g. after a weight sync)."),
+        typer.Option(
+            min=-MAX_WEIGHT_VERSION,
+            max=MAX_WEIGHT_VERSION,
+            help="Weight version the backend now serves (e.g. after a weight sync).",
+        ),
     ] = None,
     config_file: ConfigOption = None,
     state: StateOption = None,

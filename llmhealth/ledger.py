@@ -495,6 +495,22 @@ class NewProcessUp(_SeenEventBase):
             refuse_user_info(self.url)  # the ledger's URLs reach the state file
 
 
+MAX_WEIGHT_VERSION: Final = 2**63 - 1
+
+
+def check_weight_version(version: object, where: str) -> int:
+    """A weight version is an integer of at most 64 bits (a trainer's step or a sync's
+    counter), refused before anything is recorded. Why a bound: an integer of thousands
+    of digits cannot even be written in a message, so the ledger would keep it and then
+    raise while saying what it did."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        shown = repr(version) if not isinstance(version, int) else type(version).__name__
+        raise ValueError(f"{where} must be an integer, got {shown[:80]}")
+    if not -MAX_WEIGHT_VERSION <= version <= MAX_WEIGHT_VERSION:
+        raise ValueError(f"{where} must fit in 64 bits, got one of {version.bit_length()} bits")
+    return version
+
+
 @dataclass(frozen=True, kw_only=True)
 class Readmitted(_EventBase):
     """The replacement proved itself. ``weight_version`` is recorded as given: None means
@@ -505,9 +521,8 @@ class Readmitted(_EventBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        v = self.weight_version
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"Readmitted.weight_version must be an integer or None, got {v!r}")
+        if self.weight_version is not None:
+            check_weight_version(self.weight_version, "Readmitted.weight_version")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -553,9 +568,7 @@ class WeightsStamped(_EventBase):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        v = self.weight_version
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"WeightsStamped.weight_version must be an integer, got {v!r}")
+        check_weight_version(self.weight_version, "WeightsStamped.weight_version")
 
 
 Event: TypeAlias = (
@@ -1940,8 +1953,8 @@ def _parse_backend(value: object, where: str) -> _Backend:
             )
         before_partial = State(str(raw_before))
     weight = r["weight_version"]
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)):
-        raise ValueError(f"{where}.weight_version: expected an integer or null, got {weight!r}")
+    if weight is not None:
+        weight = check_weight_version(weight, f"{where}.weight_version")
     condemned_by = r["condemned_by"]
     if condemned_by is not None:
         condemned_by = _as_str(condemned_by, f"{where}.condemned_by")

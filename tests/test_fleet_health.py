@@ -510,6 +510,15 @@ def test_a_refit_without_a_weight_version_is_refused_as_a_stamp_without_one_is()
     assert f.state_of(0) is State.STALE
 
 
+def test_a_weight_version_past_64_bits_is_refused_and_the_one_before_kept() -> None:
+    f, _ = fleet()
+    f.record_weight_version(0, weight_version=4)
+    for version in (2**63, 10**5000):
+        with pytest.raises(ValueError, match="64 bits"):
+            f.record_weight_version(0, weight_version=version)
+    assert f.snapshot()[0].weight_version == 4
+
+
 def test_a_weight_version_stamp_is_not_a_transition_and_clears_no_streak() -> None:
     f, _ = fleet()
     f.report_failure(0, "500")

@@ -1543,6 +1543,30 @@ def test_a_weight_version_must_be_an_integer() -> None:
         Readmitted(now=1.0, weight_version="7")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "version", [2**63, -(2**63), 10**5000], ids=["2**63", "-2**63", "10**5000"]
+)
+def test_a_weight_version_past_64_bits_is_refused_before_anything_is_recorded(
+    version: int,
+) -> None:
+    """10**5000 cannot be written as decimal text (Python's 4,300-digit limit): the ledger
+    took it, then raised while describing what it had recorded."""
+    ledger = three_backends()
+    before = ledger.to_dict()
+    for event in (
+        lambda: WeightsStamped(now=1.0, weight_version=version),
+        lambda: Readmitted(now=1.0, weight_version=version),
+    ):
+        with pytest.raises(ValueError, match="64 bits"):
+            ledger.apply("a", event())
+    assert ledger.to_dict() == before
+    record: Any = ledger.to_dict()
+    record["backends"][0]["weight_version"] = version
+    with pytest.raises(ValueError, match="weight_version must fit in 64 bits"):
+        Ledger.from_dict(record, POLICY)
+    assert WeightsStamped(now=1.0, weight_version=2**63 - 1).weight_version == 2**63 - 1
+
+
 # --- persistence ---------------------------------------------------------------------------
 
 

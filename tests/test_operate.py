@@ -122,6 +122,17 @@ def test_retire_reset_readmit_walks_retired_stale_healthy_with_an_audit_line_eac
     assert all(str(e["actor"]).startswith("operator") for e in audit)
 
 
+def test_a_weight_version_past_64_bits_is_a_bad_argument_and_changes_nothing(
+    state: Path,
+) -> None:
+    before = state.read_bytes()
+    result = llmhealth("readmit", "gpu1", "--weight-version", str(2**63), "--state", str(state))
+    assert result.returncode == 3, result.stderr
+    assert "--weight-version" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert state.read_bytes() == before
+
+
 def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
     result = llmhealth(
         "hold", "gpu1", "--for", "30m", "--reason", "weight sync", "--state", str(state)
