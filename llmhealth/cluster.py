@@ -1341,6 +1341,10 @@ class SharedReads:
             # A lead lost and won again between two settles never met ``stand_down``: the
             # intake it kept took what the leader between settled as news, a second time.
             self._intake, self._intake_fence = Intake(now, undecided_for), fence
+        # As the config has it now: kept from the lead's start, a reload that let readers
+        # examine longer undecided (a longer wait or max_check_time) had the backends they
+        # still examined within it settled "stalled", unhealthy.
+        self._intake.undecided_for = undecided_for
         members = self.members()
         owners = {
             name: found

@@ -453,6 +453,12 @@ def take_published(
     for name in [name for name in intake.news_at if name not in owners]:
         del intake.news_at[name]
         intake.verdict_at.pop(name, None)
+    if addresses is not None:
+        # Nor a backend the config no longer names: kept, a fleet whose names change
+        # (pods) grew the intake by a name a deploy for as long as this leader led.
+        for kept in (intake.settled, intake.examined):
+            for name in [name for name in kept if name not in addresses]:
+                del kept[name]
     addresses = addresses or {}
     verdicts: dict[str, Verdict] = {}
     urls: dict[str, str] = {}

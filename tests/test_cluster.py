@@ -1430,3 +1430,32 @@ def test_a_lease_id_past_etcds_int64_is_not_taken_for_a_lease(
                 errors.append(str(exc))
         assert leader.decision().may_act, [error[:100] for error in errors]
         leader.stop()
+
+
+def test_a_reload_that_lets_readers_examine_longer_undecided_reaches_the_leaders_intake(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """The leader's intake kept the undecided bound of the config it took the lead
+    under: after a SIGHUP that lengthened the wait or max_check_time, a backend its
+    member still examined, undecided, within the new bound was settled "stalled"."""
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(12)}
+    clock = Clock()
+    seats, reads = three_members(etcd_server, keys, clock)
+    for seat in seats.values():
+        seat.elector.observed = Observation(True, None, read_members(seat.etcd, seat.keys))
+    assert seats["a"].elector.decision().may_act
+    leader = reads["a"]
+    young = next(name for name in backends if name not in reads["a"].share(backends))
+    owner = next(name for name in "bc" if young in reads[name].share(backends))
+    leader.take(backends, stale_after=10.0, undecided_for=30.0)
+    stale_at = None
+    for wait in range(1, 12):
+        clock.now += 5.0
+        reads[owner].publish({}, {}, {young: wait}, {})  # examined on, undecided
+        # The config reloaded after the first waits: readers may now examine 300 s.
+        taken = leader.take(backends, stale_after=10.0, undecided_for=30.0 if wait < 3 else 300.0)
+        if young in taken.stale and stale_at is None:
+            stale_at = wait
+    for seat in seats.values():
+        seat.elector.stop()
+    assert stale_at is None, f"doubted at wait {stale_at}"

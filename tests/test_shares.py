@@ -410,3 +410,22 @@ def test_a_verdict_whose_model_list_is_too_large_keeps_its_reads_and_the_model_a
     assert found is not None and found.reads == verdict.reads
     assert found.answer is not None and found.answer.models_served == (served[500],)
     assert "without the 999 other models its server lists" in found.evidence
+
+
+def test_the_intake_forgets_backends_the_config_no_longer_names() -> None:
+    # A fleet whose names change (pods, renamed at each deploy) grew a leader's intake by
+    # a settled serial and a count of examinations per name it ever had, for as long as
+    # it led.
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    for deploy in range(50):
+        names = [f"pod-{deploy}-{index}" for index in range(20)]
+        owners = {name: "b" for name in names}
+        addresses = {name: f"http://10.0.{deploy}.{index}:8000" for index, name in enumerate(names)}
+        found = {
+            name: Published("b", 1, healthy(name), examined=3, url=addresses[name])
+            for name in names
+        }
+        for at in range(2):
+            take_published(intake, owners, {"b": found}, float(deploy * 10 + at), 10.0, addresses)
+    kept = set(intake.settled) | set(intake.examined) | set(intake.news_at)
+    assert kept == set(names), len(kept)
