@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 import traceback
@@ -498,8 +499,15 @@ def audit(
         if loaded.cluster is not None:
             from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415
 
-            trail = read_audit(Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix), last)
+            etcd, keys = Etcd(loaded.cluster.etcd), Keys(loaded.cluster.prefix)
+            trail = read_audit(etcd, keys, last)
             malformed, where = trail.malformed, loaded.cluster.prefix
+            if not trail.records and not malformed and etcd.get(keys.state) is None:
+                # As for a file: an empty trail where a prefix was mistyped read as
+                # "nothing happened".
+                raise StateError(
+                    f"no state at {keys.state} and no audit records under {keys.audit}"
+                )
             for record in trail.records:
                 show(record)
         else:
@@ -746,10 +754,32 @@ def _print(report: CycleReport, output: OutputFormat) -> None:
 
 def main() -> None:
     """Entry point: every way a run can end maps to one exit code here."""
+    _open_standard_streams()
     try:
         _main()
     finally:
         _settle_outputs()
+
+
+def _open_standard_streams() -> None:
+    """Descriptors 0 to 2 open, on /dev/null where a launcher closed them, and stdout and
+    stderr streams on them. Python starts a process whose descriptor 1 or 2 is closed
+    (``>&-``) with ``sys.stdout`` or ``sys.stderr`` None: every verb's output and error
+    then raised, a CRITICAL check exited 1 with "internal error", a hold that was saved
+    read "refused", and `watch` died at its first log line. And the first file or socket
+    opened took the closed descriptor's number, where a write to it would have gone."""
+    for descriptor in (0, 1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free: this one
+            if null != descriptor:
+                os.dup2(null, descriptor)
+                os.close(null)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own, for its life
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the process's own, for its life
 
 
 def _settle_outputs() -> None:

@@ -773,9 +773,16 @@ def _connect_error(root: BaseException) -> str:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """The innermost error (socket, TLS, name lookup) names the cause."""
+    """The innermost error (socket, TLS, name lookup) names the cause.
+
+    Below an OSError only what it was raised ``from`` is followed: the error it was
+    merely raised during is whatever was being handled around the check (a cluster
+    `check` probing after etcd failed, a library caller's own ``except``), and the
+    refused backend's evidence said "cannot connect: no etcd endpoint answered ..."."""
     seen = {id(exc)}
-    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+    while (
+        inner := exc.__cause__ or (None if isinstance(exc, OSError) else exc.__context__)
+    ) is not None and id(inner) not in seen:
         seen.add(id(inner))
         exc = inner
     return exc

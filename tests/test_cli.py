@@ -1157,3 +1157,128 @@ def test_a_state_path_that_is_a_directory_is_refused_before_anything_is_made(
     assert result.returncode == 3
     assert "is a directory, not a state file" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llmhealth"]
+
+
+def run_closed(entry_point: str, *args: str, closed: str) -> subprocess.CompletedProcess[str]:
+    """``llmhealth ARGS >&-`` (``closed="stdout"``) or ``2>&-``: started with that
+    descriptor closed, as a launcher that closes what it does not pass on runs it."""
+    redirect = ">&-" if closed == "stdout" else "2>&-"
+    return subprocess.run(
+        ["sh", "-c", f'exec "$0" "$@" {redirect}', entry_point, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_run_started_with_stdout_or_stderr_closed_keeps_its_exit_code(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """Python starts a process whose descriptor 1 or 2 is closed with ``sys.stdout`` (or
+    ``sys.stderr``) None: every verb ended in "internal error" tracebacks and exit 1, a
+    CRITICAL check read WARNING and a hold that was saved read "refused"."""
+    down = closed_port_url()
+    quiet = run_closed(entry_point, "check", down, "-f", "nagios", closed="stdout")
+    assert (quiet.returncode, quiet.stderr) == (2, ""), quiet.stderr
+    mute = run_closed(entry_point, "check", down, "-f", "nagios", closed="stderr")
+    assert mute.returncode == 2, mute.stdout
+    assert mute.stdout.startswith("LLMHEALTH CRITICAL - 1 down"), mute.stdout
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[backend]]\nname = "gpu0"\nurl = "{down}"\n')
+    where = ("--config", str(config), "--state", str(tmp_path / "s.json"))
+    for closed in ("stdout", "stderr"):
+        held = run_closed(
+            entry_point, "hold", "gpu0", "--for", "1h", "--reason", closed, *where, closed=closed
+        )
+        assert held.returncode == 0, (closed, held.stdout, held.stderr)
+        assert json.loads((tmp_path / "s.json").read_text())["holds"]["gpu0"]["reason"] == closed
+    usage = run_closed(entry_point, "check", "--bogus", "-f", "json", closed="stderr")
+    assert usage.returncode == 3 and json.loads(usage.stdout)["exit_code"] == 3, usage.stdout
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_daemon_started_with_an_output_closed_watches_on_and_exits_0_on_sigterm(
+    entry_point: str, tmp_path: Path, closed: str
+) -> None:
+    """`watch 2>&-` died at its first log line (exit 1), and `watch >&-` exited 1 on a
+    SIGTERM's orderly stop: its last flush of an output Python had set to None."""
+    state = tmp_path / "s.json"
+    redirect = ">&-" if closed == "stdout" else "2>&-"
+    argv = [entry_point, "watch", closed_port_url(), "--state", str(state), "--wait", "0.1"]
+    process = subprocess.Popen(
+        ["sh", "-c", f'exec "$0" "$@" {redirect}', *argv, "--listen", "off"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    audit = tmp_path / "audit.jsonl"
+    try:
+        # The backend is down: SUSPECT at the first settle, DEAD at a later one, which
+        # only a daemon that lived past the first cycle's log line reaches.
+        for _ in range(600):
+            if process.poll() is not None or (
+                audit.exists() and '"to": "dead"' in audit.read_text()
+            ):
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, process.returncode
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_audit_of_a_cluster_prefix_with_no_record_and_no_trail_exits_3(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """As for a file (a mistyped --state), a mistyped [cluster] prefix printed an empty
+    trail and exited 0: "nothing happened", where nothing was ever there to read."""
+    from tests.etcdproc import running_etcd  # noqa: PLC0415 - only this test needs etcd
+
+    with running_etcd(tmp_path / "etcd") as cluster:
+        config = tmp_path / "c.toml"
+        endpoints = ", ".join(f'"{endpoint}"' for endpoint in cluster.endpoints)
+        config.write_text(
+            '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:1"\n'
+            f'[cluster]\netcd = [{endpoints}]\nprefix = "/llmhealth/typo"\n'
+        )
+        empty = run(entry_point, "audit", "--config", str(config))
+        assert empty.returncode == 3, (empty.stdout, empty.stderr)
+        assert "no state at /llmhealth/typo" in empty.stderr, empty.stderr
+        held = CliRunner().invoke(
+            app, ["hold", "gpu0", "--for", "1h", "--reason", "r", "--config", str(config)]
+        )
+        assert held.exit_code == 0, held.output
+        shown = CliRunner().invoke(app, ["audit", "--config", str(config)])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["event"] == "hold"
+
+
+def test_a_down_backend_s_evidence_is_its_own_not_an_error_being_handled_around_the_check(
+    entry_point: str, httpserver: HTTPServer, tmp_path: Path
+) -> None:
+    """A `check` with a [cluster] whose etcd answered garbage probed inside the handler of
+    etcd's error, and a library caller may check inside its own ``except``: the refused
+    connection's error carried that one as its context, and the backend's evidence said
+    "cannot connect: no etcd endpoint answered (...)", or the caller's error."""
+    from llmhealth.api import check as library_check  # noqa: PLC0415
+
+    httpserver.expect_request("/v3/kv/range").respond_with_data("<html>not etcd</html>")
+    httpserver.expect_request("/v3/lease/grant").respond_with_data("<html>not etcd</html>")
+    config = tmp_path / "c.toml"
+    down = closed_port_url()
+    config.write_text(
+        f'[[backend]]\nname = "gpu0"\nurl = "{down}"\n'
+        f'[cluster]\netcd = ["{httpserver.url_for("").rstrip("/")}"]\n'
+    )
+    result = run(entry_point, "check", "--config", str(config), "--wait", "0.1", "-f", "json")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    (backend,) = json.loads(result.stdout)["backends"]
+    assert backend["evidence"] == "down: connection refused", backend["evidence"]
+    try:
+        raise RuntimeError("the caller's own trouble")
+    except RuntimeError:
+        report = library_check([down], wait=0.1)
+    assert report.to_dict()["backends"][0]["evidence"] == "down: connection refused"
