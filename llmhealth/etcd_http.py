@@ -22,6 +22,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from llmhealth import http1
+from llmhealth.text import dialable
 
 WHOLE_SECONDS: Final = 5.0  # one exchange, connect to last byte (etcdctl's command timeout)
 # The largest answer read: a page of 64 audit keys of up to 256 KiB each, base64 in JSON
@@ -165,7 +166,9 @@ class _Exchange:
         """A connection to the first of the name's addresses that takes one, all of them
         within the whole bound (``create_connection`` gives each address a full timeout).
         The name's lookup is the resolver's own, bounded by its resolv.conf timeouts."""
-        addresses = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+        addresses = socket.getaddrinfo(
+            dialable(endpoint.host), endpoint.port, type=socket.SOCK_STREAM
+        )
         failure: OSError = OSError(f"no address for {endpoint.host}")
         for family, kind, protocol, _, address in addresses:
             sock = socket.socket(family, kind, protocol)

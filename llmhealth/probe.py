@@ -252,7 +252,8 @@ class Client:
         self.connection = wire.Connection(tls, _USER_AGENT)
 
     async def aclose(self) -> None:
-        await self.connection.aclose()
+        """Close for good: a request under way on it (another task's) opens no new one."""
+        await self.connection.shut()
 
     async def __aenter__(self) -> Client:
         return self

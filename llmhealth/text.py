@@ -10,6 +10,8 @@ URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 
 from __future__ import annotations
 
+from urllib.parse import unquote
+
 
 def printable(text: str) -> str:
     """``text`` with every non-printable character written as its Python escape.
@@ -103,3 +105,12 @@ def header_safe(text: str) -> bool:
     sends (``wire``), the keys a config names (``config.unset_key_variables``) and those
     the library is given (``Prober``)."""
     return text.isprintable() and text.isascii()
+
+
+def dialable(host: str) -> str:
+    """The host of a URL as the resolver takes it. An IPv6 address's zone is written
+    "fe80::1%25eth0" in a URL (RFC 6874; the config accepts it) and "fe80::1%eth0" to the
+    resolver: passed as written, no such address ever resolved, and a healthy backend
+    (or an etcd endpoint) read as down every time."""
+    address, escaped, zone = host.partition("%25")
+    return f"{address}%{unquote(zone)}" if escaped and ":" in address else host

@@ -50,6 +50,7 @@ from llmhealth.openfiles import (
     short_of_descriptors,
     trust_unread,
 )
+from llmhealth.text import dialable
 
 READ_HIGH: Final = 256 * 1024  # buffered bytes past which the backend is not read
 READ_SIZE: Final = 64 * 1024  # the most one read() hands on
@@ -512,7 +513,7 @@ class Pool:
             async with asyncio.timeout_at(deadline):
                 _, link = await loop.create_connection(
                     lambda: _Link(origin),
-                    origin.host,
+                    dialable(origin.host),
                     origin.port,
                     ssl=tls,
                     server_hostname=origin.host if tls else None,

@@ -39,7 +39,7 @@ from llmhealth.openfiles import (
     short_of_descriptors,
     trust_unread,
 )
-from llmhealth.text import header_safe
+from llmhealth.text import dialable, header_safe
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together; trailers likewise
 _PATH_SAFE = "/%:@!$&'()*+,;=-._~"  # what a request target may hold unescaped
@@ -132,6 +132,7 @@ class Connection:
         self.idle_closes = 0
         # The event loop's time the last request on this connection went out (_WARM).
         self._last_sent_at: float | None = None
+        self._shut = False  # closed for good (``shut``): no connection is opened again
 
     async def request(
         self,
@@ -258,6 +259,13 @@ class Connection:
                 await self.aclose()  # cancelled: the connection is in an unknown state
                 raise
 
+    async def shut(self) -> None:
+        """Close the connection for good: a request under way (another task's) fails, and
+        none opens a connection again, its owner being done with it. A stale kept
+        connection closed under a GET was sent again on a fresh one, which nothing closed."""
+        self._shut = True
+        await self.aclose()
+
     async def aclose(self) -> None:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
         self._last_sent_at = None
@@ -268,10 +276,12 @@ class Connection:
                 # TLS says goodbye first, and its close waits for the peer's answer for
                 # 30 s (asyncio's ssl_shutdown_timeout) with the socket held: a hung
                 # TLS backend per read would use up the process's file descriptors.
-                with contextlib.suppress(OSError, TimeoutError):
-                    async with asyncio.timeout(0.1):
-                        await writer.wait_closed()
-                writer.transport.abort()
+                try:
+                    with contextlib.suppress(OSError, TimeoutError):
+                        async with asyncio.timeout(0.1):
+                            await writer.wait_closed()
+                finally:  # cancelled in the wait too: the socket was held for the 30 s
+                    writer.transport.abort()
 
     def _request_bytes(
         self, method: str, split: SplitResult, body: bytes | None, headers: Mapping[str, str]
@@ -311,11 +321,17 @@ class Connection:
     ) -> WireResponse:
         if self._origin != origin or self._writer is None:
             await self.aclose()
+            self._refuse_if_shut()
             scheme, host, port = origin
             # Before the connection: a trust store this process could not read for want
             # of descriptors is its own failure, said as such, as a socket not opened is.
             tls = self._context() if scheme == "https" else None
-            self._reader, self._writer = await _open(host, port, bound, progress)
+            streams = await _open(dialable(host), port, bound, progress)
+            if self._shut:  # shut while it connected: this one is closed, not kept
+                streams[1].close()
+                _drop_own_callback(streams[1].transport)
+                self._refuse_if_shut()
+            self._reader, self._writer = streams
             self._origin = origin
             progress.connected = True
             if tls is not None:
@@ -323,7 +339,14 @@ class Connection:
                 # stalls the handshake is connected (unresponsive), not unreachable.
                 short = short_of_descriptors()  # the socket holds its own: see trust_unread
                 try:
-                    await self._writer.start_tls(tls, server_hostname=host)
+                    # Ended by the read's own deadline, not asyncio's 60 s: a read given
+                    # longer (a timeout past a minute, a tiny request's grown one) read a
+                    # stalled handshake as refused ("TLS handshake failed"): `down`.
+                    await self._writer.start_tls(
+                        tls,
+                        server_hostname=host,
+                        ssl_handshake_timeout=max(0.0, bound.latest - bound.now()) + 1.0,
+                    )
                 except OSError as exc:  # refused certificates among them: never connected
                     if trust_unread(exc, short):
                         raise WireError(
@@ -381,6 +404,12 @@ class Connection:
     def _context(self) -> ssl.SSLContext:
         return self._tls if self._tls is not None else default_tls()
 
+    def _refuse_if_shut(self) -> None:
+        if self._shut:
+            raise WireError(
+                Failure.STARVED, "its client was closed meanwhile: the server was not judged"
+            )
+
 
 class _Deadline:
     """A request's deadline that does not count the time its own process could not run.
@@ -417,6 +446,14 @@ class _Deadline:
     @property
     def due(self) -> float:
         return self._deadline + self._granted
+
+    @property
+    def latest(self) -> float:
+        """The latest the deadline can move to (``due`` with its whole allowance)."""
+        return self._deadline + self._allowance
+
+    def now(self) -> float:
+        return self._loop.time()
 
     def arm(self, timeout: asyncio.Timeout) -> None:
         """Watch the deadline for ``timeout`` (an attempt of the request)."""

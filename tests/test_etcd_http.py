@@ -213,6 +213,13 @@ def test_at_most_eight_informational_answers_are_skipped(informational: int, rea
                 Etcd([url], timeout=2.0).get("/k")
 
 
+def test_an_endpoint_at_an_ipv6_address_with_its_zone_is_dialled_as_an_address() -> None:
+    # As the probe's and the router's: "%25lo" as the URL writes it never resolved.
+    with pytest.raises(ClusterUnavailableError) as raised:
+        Etcd(["http://[fe80::1%25lo]:9"], timeout=2.0).get("/k")
+    assert "Name or service not known" not in str(raised.value), raised.value
+
+
 def test_a_proxy_in_the_environment_is_not_used(
     etcd_server: EtcdCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

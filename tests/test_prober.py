@@ -9,9 +9,12 @@ import asyncio
 import contextlib
 import json
 import re
+import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from pytest_httpserver import HTTPServer
@@ -675,3 +678,51 @@ def test_a_backend_condemned_by_requests_before_its_first_read_recovers_in_place
     assert 0 not in fleet.serving_shards()
     fleet.report_refit(0, weight_version=1)
     assert fleet.state_of(0) is State.HEALTHY
+
+
+def test_a_prober_closed_while_it_reads_sends_no_request_after_its_close() -> None:
+    """``aclose`` from another task (a controller's shutdown) while a read waited on a kept
+    connection: the closed connection looked like a server's idle close, the read was
+    sent again on a new connection, and that one stayed open in a client no one had any
+    more (closed at last by the collector, with ``ResourceWarning: unclosed``)."""
+    metrics = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "busy-1.txt").read_bytes()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(metrics), metrics)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop, second_read = threading.Event(), threading.Event()
+    accepted: list[int] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(len(accepted))
+            with connection, contextlib.suppress(OSError):
+                connection.settimeout(5)
+                connection.recv(65536)
+                connection.sendall(answer)
+                connection.recv(65536)  # the next read, on the kept connection
+                second_read.set()
+                connection.recv(1)  # never answered: the Prober is closed meanwhile
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+
+    async def main(url: str) -> None:
+        prober = Prober(FleetHealth([url]), wait=0.05, timeout=2.0)
+        await prober.probe()
+        await asyncio.sleep(0.1)  # past the wait: the next call reads
+        reading = asyncio.create_task(prober.probe())
+        assert await asyncio.to_thread(second_read.wait, 5)
+        await prober.aclose()
+        await reading
+
+    try:
+        asyncio.run(main(f"http://127.0.0.1:{listener.getsockname()[1]}"))
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    assert accepted == [0]

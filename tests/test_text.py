@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmhealth.config import check_url
-from llmhealth.text import other_server, printable, refuse_user_info, same_server
+from llmhealth.text import dialable, other_server, printable, refuse_user_info, same_server
 
 
 @pytest.mark.parametrize(
@@ -117,3 +117,17 @@ def test_other_server_takes_a_url_written_another_way_for_the_same_server() -> N
     assert not other_server("http://h:018100", "http://h:18100")
     assert other_server("http://h:8000", "http://h:8001")
     assert other_server("http://h/a", "http://h/b")
+
+
+@pytest.mark.parametrize(
+    ("host", "dialled"),
+    [
+        ("fe80::1%25eth0", "fe80::1%eth0"),
+        ("fe80::1%25en%2D1", "fe80::1%en-1"),
+        ("fe80::1", "fe80::1"),
+        ("gpu%25a.example", "gpu%25a.example"),  # a name has no zone
+        ("10.0.0.1", "10.0.0.1"),
+    ],
+)
+def test_an_ipv6_zone_is_dialled_as_the_resolver_writes_it(host: str, dialled: str) -> None:
+    assert dialable(host) == dialled

@@ -529,6 +529,23 @@ def test_no_connection_is_a_connect_error() -> None:
     run(scenario())
 
 
+def test_an_ipv6_zone_as_a_url_writes_it_is_dialled_as_an_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "fe80::1%25lo" went to the resolver as written and never resolved: every request to
+    # a link-local backend failed as a name lookup. fe80::1 is on no interface here: the
+    # connection fails at once, but as an address.
+    monkeypatch.delenv("LLMHEALTH_LOOP", raising=False)
+
+    async def scenario() -> None:
+        pool = Pool(connect_timeout=5, keepalive=60)
+        with pytest.raises(ConnectError) as raised:
+            await exchange(pool, "http://[fe80::1%25lo]:9")
+        assert not isinstance(raised.value.__cause__, socket.gaierror), raised.value.__cause__
+
+    asyncio.run(scenario())
+
+
 def test_the_origin_keeps_the_urls_path_and_brackets_an_ipv6_host() -> None:
     assert Origin.parse("http://10.0.0.5:8000/prefix/") == Origin(
         "http", "10.0.0.5", 8000, "/prefix", b"10.0.0.5:8000"

@@ -1007,6 +1007,37 @@ def test_a_stalled_tls_handshake_is_connected_not_unreachable() -> None:
     assert (error.failure, error.detail) == (Failure.ANSWER_TIMEOUT, "the TLS handshake not done")
 
 
+def test_a_tls_handshake_stalled_past_asyncios_own_limit_is_unresponsive_not_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # asyncio ends a handshake after 60 s of its own: a read given longer (a timeout past a
+    # minute, a tiny request's grown one) read the same stall as "TLS handshake failed:
+    # SSL handshake is taking longer than 60.0 seconds", `down`. Its limit is made shorter
+    # than the read's here, as 60 s is shorter than such a read.
+    monkeypatch.setattr(asyncio.constants, "SSL_HANDSHAKE_TIMEOUT", 0.1)
+
+    def accepts_and_says_nothing(connection: socket.socket, _number: int) -> None:
+        connection.recv(65536)
+        connection.recv(1)
+
+    with tcp_server(accepts_and_says_nothing) as (url, _):
+        error = timed_out_read(url.replace("http:", "https:"), ssl.create_default_context())
+    assert (error.failure, error.detail) == (Failure.ANSWER_TIMEOUT, "the TLS handshake not done")
+
+
+def test_an_ipv6_address_with_its_zone_as_a_url_writes_it_is_an_address_not_a_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "http://[fe80::1%25eth0]:8000" is how RFC 6874 (and the config's check) writes a
+    # zone; it went to the resolver as "fe80::1%25eth0", which names no interface, and a
+    # healthy backend read "name does not resolve": `down`, every time. fe80::1 is on no
+    # interface here: the connection fails at once, on this host, but as an address.
+    monkeypatch.delenv("LLMHEALTH_LOOP", raising=False)  # asyncio's: it says so at once
+    error = failure_of("http://[fe80::1%25lo]:9/metrics")
+    assert error.failure is Failure.CONNECT_FAILED
+    assert not isinstance(error.__cause__, socket.gaierror), error.__cause__
+
+
 def test_a_tls_connection_given_up_on_is_closed_at_once(certificate: tuple[Path, Path]) -> None:
     # TLS's polite close waited 30 s for the peer's goodbye with the socket open: a hung
     # TLS backend per read used up the file descriptors, then healthy ones read `down`.
@@ -1027,6 +1058,45 @@ def test_a_tls_connection_given_up_on_is_closed_at_once(certificate: tuple[Path,
             error = timed_out_read(url.replace("http:", "https:"), client_side)
             assert error.failure is Failure.ANSWER_TIMEOUT
             assert error.detail == "no complete HTTP answer"
+            gone = time.monotonic() + 5  # a bound, far below the 30 s it was held
+            while _client_sockets_to(port) and time.monotonic() < gone:
+                time.sleep(0.05)
+            assert _client_sockets_to(port) == 0
+        finally:
+            done.set()
+
+
+def test_a_tls_close_cancelled_while_it_waits_for_the_goodbye_still_closes_the_socket(
+    certificate: tuple[Path, Path],
+) -> None:
+    # The close waits up to 0.1 s for the peer's goodbye, then aborts; cancelled in that
+    # wait (a caller's shutdown cancelling the task closing its clients), the abort was
+    # skipped and the socket held for asyncio's 30 s goodbye, the descriptor with it.
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    done = threading.Event()
+
+    def answers_then_holds(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            done.wait(10)  # never says goodbye, holds its end open
+
+    async def read_then_cancel_the_close(url: str) -> None:
+        connection = Connection(ssl.create_default_context(cafile=str(cert)), "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=99)
+        closing = asyncio.create_task(connection.aclose())
+        await asyncio.sleep(0)  # the close is under way: waiting for the goodbye
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+
+    with tcp_server(answers_then_holds) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            eventloop.run(read_then_cancel_the_close(url.replace("http:", "https:")))
             gone = time.monotonic() + 5  # a bound, far below the 30 s it was held
             while _client_sockets_to(port) and time.monotonic() < gone:
                 time.sleep(0.05)
