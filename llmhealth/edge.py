@@ -20,7 +20,8 @@ collects the body and runs the handler in one task. Its rules:
   minute is bounded too, and at the ``cap`` a new connection makes room by closing the
   one idle longest (when all are busy, the new one is closed at once);
 - pipelined requests are answered one at a time, in order; while one is in progress at
-  most ``MAX_HEAD_BYTES`` more are read, then the socket is not read until it ends;
+  most ``MAX_HEAD_BYTES`` more are read, then the socket is not read until it ends (its
+  TCP state is looked at instead, so that a client gone meanwhile still ends its request);
 - a response takes its Content-Length when it has one, else it is chunked (HTTP/1.1) or
   ends with the connection (HTTP/1.0); every write waits while the transport holds more
   than its high-water mark, so a client that never reads costs a bounded buffer (the
@@ -40,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -56,6 +58,10 @@ SWEEP: Final = 1.0  # seconds between looks for connections idle past their time
 # RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
 _REQUEST_LINE: Final = re.compile(rf"({http1.TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
 _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+# Linux's TCP_INFO, whose first byte is the connection's state: CLOSE (reset) and
+# CLOSE_WAIT (the client ended its side) say a client is gone without reading the socket.
+_TCP_INFO: Final = getattr(socket, "TCP_INFO", None)
+_PEER_GONE: Final = frozenset({7, 8})
 
 
 class BadRequestError(Exception):
@@ -549,6 +555,25 @@ class _Connection(asyncio.Protocol):
         if not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
+            self._edge.paused(self)
+
+    @property
+    def reading_paused(self) -> bool:
+        return self._reading_paused and not self._lost
+
+    def peer_gone(self) -> bool:
+        """Whether the client reset or ended its side, told by the socket's TCP state: one
+        not read does not hear its end, and a client that pipelined past a head's worth and
+        left kept its request (a generation upstream) going until the backend answered."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or _TCP_INFO is None:
+            return False
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)
+        except (OSError, ValueError):
+            return False
+        return bool(info) and info[0] in _PEER_GONE
 
     def _refuse(self, status: int, message: str) -> None:
         """A head the router will not read: a 4xx, then the connection ends."""
@@ -595,6 +620,7 @@ class Edge:
         self.max_body = max_body
         self.evicted = 0  # connections closed at the cap to make room
         self._held: set[_Connection] = set()
+        self._paused: set[_Connection] = set()  # not read, a request in progress: looked at
         # Idle connections, the one idle longest first, with the time each became idle.
         self._idle: OrderedDict[_Connection, float] = OrderedDict()
         self._server: asyncio.Server | None = None
@@ -656,6 +682,11 @@ class Edge:
     def closed(self, conn: _Connection) -> None:
         self._held.discard(conn)
         self._idle.pop(conn, None)
+        self._paused.discard(conn)
+
+    def paused(self, conn: _Connection) -> None:
+        """Its socket is not read while its request is in progress: looked at each sweep."""
+        self._paused.add(conn)
 
     def busy(self, conn: _Connection) -> None:
         """A request of this connection is in progress: not to be closed for room."""
@@ -678,6 +709,12 @@ class Edge:
                 break
             del self._idle[conn]
             conn.let_go()
+        for paused in list(self._paused):
+            if not paused.reading_paused:
+                self._paused.discard(paused)
+            elif paused.peer_gone():
+                self._paused.discard(paused)
+                paused.abort()  # its end cancels the request, as a close read would
         self._sweeper = asyncio.get_running_loop().call_later(
             min(SWEEP, max(self.idle_timeout / 4, 0.05)), self._sweep
         )

@@ -79,6 +79,12 @@ LOOP_LATE: Final = 0.5
 # one at a time, the loop serves everything else between two of them.
 BIG_BODY: Final = 1 << 20
 MAX_METHOD: Final = 32  # characters of a request's method an outcome keeps (``_method``)
+# Characters of a request's model: past any id a backend is known to serve (the probes
+# take ids of up to 1,024 characters, each at most ten once made printable). Unbounded, a
+# model of 8 Mi characters that are not printable held the loop a second while it was
+# escaped, and came back escaped twice in the 503: 58 MB answered to a 16 MiB request.
+MAX_MODEL: Final = 64 * 1024
+SHOWN_MODEL: Final = 200  # characters of it an answer repeats
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
@@ -114,6 +120,10 @@ def model_of(body: bytes) -> tuple[str | None, dict[str, object] | None]:
     model = parsed.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError(400, "the request body names no model: the router chooses by model")
+    if len(model) > MAX_MODEL:
+        raise BadRequestError(
+            400, f"the request's model name over {MAX_MODEL} characters: no backend serves it"
+        )
     return printable(model), parsed
 
 
@@ -902,7 +912,8 @@ class Router:
 
     def _no_backend(self, model: str | None) -> Answer:
         self.metrics.no_backend += 1
-        wanted = f"model {model!r}" if model else "this request"
+        shown = model if model is None or len(model) <= SHOWN_MODEL else model[:SHOWN_MODEL] + "..."
+        wanted = f"model {shown!r}" if shown else "this request"
         backends = {}
         for name in sorted(self._backends):
             state = self._states.get(name, "unknown")

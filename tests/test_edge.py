@@ -233,6 +233,38 @@ def test_bytes_past_a_head_are_not_read_while_a_request_is_in_progress() -> None
     run(scenario())
 
 
+def test_a_client_gone_while_its_pipelined_bytes_are_not_read_ends_its_request() -> None:
+    # Not read, the socket's end was not heard either: the request in progress (a
+    # generation upstream) ran on for a client long gone, as long as the backend took.
+    cancelled = asyncio.Event()
+
+    async def waits(request: Request) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def scenario() -> None:
+        server = Edge(waits, cap=10, idle_timeout=60, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=16)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /first HTTP/1.1\r\n\r\n" + post(b"x" * (2 * MAX_HEAD_BYTES)))
+        await writer.drain()
+        async with asyncio.timeout(BOUND):
+            while server.held == 0:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the edge reads its head's worth and pauses
+        writer.close()
+        await asyncio.wait_for(cancelled.wait(), BOUND)
+        async with asyncio.timeout(BOUND):
+            while server.held:
+                await asyncio.sleep(0.01)
+        await server.close()
+
+    run(scenario())
+
+
 def test_at_the_cap_the_longest_idle_connection_makes_room_and_a_busy_one_never() -> None:
     release = asyncio.Event()
 

@@ -604,6 +604,31 @@ def test_nothing_serving_the_model_is_answered_at_once_naming_every_backend() ->
     run(scenario())
 
 
+def test_a_model_name_past_any_served_ids_length_is_refused_and_never_echoed_whole() -> None:
+    # A model of half a million characters that are not printable took the loop's time to
+    # escape (a second for a 16 MiB body), and the 503 named it escaped twice: 2.7 MB
+    # answered to a 1 MiB request (58 MB to 16 MiB), held whole while a client read it.
+    huge = json.dumps({"model": "\x85" * (512 * 1024)}, ensure_ascii=False).encode()
+    long = json.dumps({"model": "\x85" * 20_000}, ensure_ascii=False).encode()
+
+    async def scenario() -> None:
+        served = {"a": frozenset({"llama"})}
+        async with (
+            routing({"a": refused_url()}, models=served) as (router, url),
+            client() as http,
+        ):
+            response = await http.post(url + CHAT, content=huge)
+            assert response.status_code == 400
+            assert "model name over" in response.json()["error"]
+            assert len(response.content) < 1024
+            response = await http.post(url + CHAT, content=long)  # within the bound
+            assert response.status_code == 503
+            assert len(response.content) < 2048  # the name shown cut, not its 80,000 bytes
+            assert await failures(router) == []
+
+    run(scenario())
+
+
 # --- failures, counted where they happen -----------------------------------------------------
 
 
