@@ -68,6 +68,7 @@ from llmhealth.remediate import (
     CommandDone,
     Mode,
     RestartOrder,
+    command_record,
     not_run,
 )
 from llmhealth.render import report_renderables
@@ -467,7 +468,13 @@ class Daemon:
                     continue
                 # Saved as RESTARTING first; only now, outside the lock, do commands run.
                 for order in settled.orders:
-                    self._launch(order)
+                    if self._stop.is_set():
+                        # Stopping: a command started now is left running, or killed
+                        # half-way (KillMode=mixed). Heard by the last settle as not run,
+                        # no attempt spent, for the next start to restart.
+                        self._drop_order(order, "the daemon is stopping", withdrawn=True)
+                    else:
+                        self._launch(order)
                 if self._serving_changed:
                     self._serving_changed = False
                     self._run_serving_hook()
@@ -611,9 +618,9 @@ class Daemon:
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
 
-    def _drop_order(self, order: RestartOrder, why: str) -> None:
+    def _drop_order(self, order: RestartOrder, why: str, *, withdrawn: bool = False) -> None:
         self._log(f"{order.name}: its restart command will not run: {why}")
-        self._commands_done.append(not_run(order, why))
+        self._commands_done.append(not_run(order, why, withdrawn=withdrawn))
 
     def _command_finished(self, running: asyncio.Future[CommandResult]) -> None:
         order = self._commands_running.pop(running)
@@ -696,6 +703,23 @@ class Daemon:
             self._log("stopping before the restart commands' outcomes were saved")
         except (StateError, AuditError, RuntimeError) as exc:  # RuntimeError: no thread
             self._log(f"the restart commands' outcomes were not saved: {exc}")
+            self._audit_unsettled(done, exc)
+
+    def _audit_unsettled(self, done: Sequence[CommandDone], exc: Exception) -> None:
+        """The outcomes the last settle could not record, in the audit log by themselves
+        (marked ``unsettled``, as `check` keeps its own): else a command's exit status and
+        output were in no trail. Not after a settle that may still finish (TimeoutError):
+        its records would be written twice. A cluster's trail takes records only with its
+        state, so there this fails and says so."""
+        if self._audit is None:
+            return
+        now = self._clock()
+        try:
+            with self._audit.batch():
+                for finished in done:
+                    self._audit.append({**command_record(finished, now), "unsettled": str(exc)})
+        except AuditError as why:
+            self._log(f"nor are they in the audit log: {why}")
 
     def _read_baselines(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
         """What earlier runs last read of each backend, and the longest step each took."""

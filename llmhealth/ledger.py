@@ -673,6 +673,9 @@ class _Backend:
     # The time the last restart was issued at, when ``pull_back`` took it back since: its
     # order (a command still running) bears this one. None: not taken back.
     restart_stamped_at: float | None = None
+    # While RESTARTING after an earlier restart: whether that one's replacement had been
+    # seen when this one was issued, for a withdrawal to give back. None: nothing to give.
+    replaced_before_restart: bool | None = None
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -755,6 +758,10 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
         # that could not get its GPU and one with a bad config want different answers.
         b.last_error = f"{why}; last error: {b.last_error}" if b.last_error else why
         return State.RETIRED, why
+    # Withdrawn before its command ran, this restart must leave the one before it as it
+    # was: a replacement of that one seen failing still holds its concurrency place.
+    earlier = b.restart_times and b.process is not None
+    b.replaced_before_restart = _replaced_since(b, max(b.restart_times)) if earlier else None
     b.restart_times.append(event.now)
     # Good verdicts towards recovery in place must be in a row, and RESTARTING ignores
     # every verdict: none seen during the attempt could break the streak, so it ends here.
@@ -1026,6 +1033,26 @@ def _overdue_restart(b: _Backend, now: float, grace: float) -> float | None:
     return restarted_at
 
 
+def _replaced_since(b: _Backend, restarted_at: float) -> bool:
+    """Whether the process last seen is the replacement of the restart issued at
+    ``restarted_at`` (``Ledger.restart_unproven``); ``b.process`` must be known."""
+    assert b.process is not None
+    if b.replaced_since_restart:
+        return True  # a new process was seen since: its replacement, whatever it shows
+    if b.restarted_from is not None:
+        # Another process than the one the restart replaced: its replacement. Told by
+        # the processes (start time, or counters gone back), not by clocks: a backend
+        # host 2 min behind ours made every replacement "older" than the restart, and
+        # a shared fault restarted the fleet in turn. Unknown counts as replaced.
+        return b.process.differs_from(b.restarted_from) is not None
+    # The process it replaced was never read (or an older state did not keep it): a
+    # process started since, hosts' clocks a minute apart at most; no start time
+    # (multiprocess mode) is taken as replaced, the doubt erring towards fewer restarts,
+    # as the budget's.
+    start = b.process.start
+    return start is None or start >= restarted_at - CLOCKS_APART
+
+
 def _grace_from(b: _Backend, restarted_at: float) -> float:
     """When the startup grace of the restart issued at ``restarted_at`` began."""
     ran_at = b.restart_ran_at
@@ -1080,6 +1107,9 @@ def _record(b: _Backend, event: Event) -> str:
                 if b.state_since in b.restart_times:
                     b.restart_times.remove(b.state_since)
                     b.restart_stamped_at = None
+                    # The restart before it stands again as it was: its replacement, seen
+                    # before this one was issued, is still its replacement.
+                    b.replaced_since_restart = bool(b.replaced_before_restart)
                 return f"restart withdrawn before its command ran ({event.reason}): no attempt"
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
@@ -1261,6 +1291,8 @@ class Ledger:
             b.replaced_while_dead = before is State.DEAD and isinstance(event, NewProcessUp)
         if isinstance(event, NewProcessUp):
             b.replaced_since_restart = True
+        if after is not State.RESTARTING:
+            b.replaced_before_restart = None  # only a RESTARTING spell's withdrawal reads it
         # Only this backend moved, so the serving set changed iff it crossed the line.
         moved = (before in SERVING) != (after in SERVING)
         if moved:
@@ -1554,21 +1586,7 @@ class Ledger:
             return False
         policy = self._policy
         restarted_at = max(b.restart_times)
-        if b.replaced_since_restart:
-            replaced = True  # a new process was seen since: its replacement, whatever it shows
-        elif b.restarted_from is not None:
-            # Another process than the one the restart replaced: its replacement. Told by
-            # the processes (start time, or counters gone back), not by clocks: a backend
-            # host 2 min behind ours made every replacement "older" than the restart, and
-            # a shared fault restarted the fleet in turn. Unknown counts as replaced.
-            replaced = b.process.differs_from(b.restarted_from) is not None
-        else:
-            # The process it replaced was never read (or an older state did not keep it):
-            # a process started since, hosts' clocks a minute apart at most; no start time
-            # (multiprocess mode) is taken as replaced, the doubt erring towards fewer
-            # restarts, as the budget's.
-            start = b.process.start
-            replaced = start is None or start >= restarted_at - CLOCKS_APART
+        replaced = _replaced_since(b, restarted_at)
         proven = b.last_ok_at is not None and b.last_ok_at > restarted_at
         spent = sum(_in_window(t, now, policy.restart_budget_window) for t in b.restart_times)
         return (
@@ -1846,6 +1864,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "replaced_since_restart",
         "caller_condemned",
         "restart_stamped_at",
+        "replaced_before_restart",
     }
 )
 
@@ -1989,6 +2008,9 @@ def _parse_backend(value: object, where: str) -> _Backend:
         restart_stamped_at=_as_optional_time(
             r.get("restart_stamped_at"), f"{where}.restart_stamped_at"
         ),
+        replaced_before_restart=None
+        if r.get("replaced_before_restart") is None or state is not State.RESTARTING
+        else _as_bool(r["replaced_before_restart"], f"{where}.replaced_before_restart"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
@@ -2033,4 +2055,6 @@ def _entry_dict(b: _Backend) -> dict[str, object]:
         entry["caller_condemned"] = True
     if b.restart_stamped_at is not None:  # likewise: only after a clock stepped back
         entry["restart_stamped_at"] = b.restart_stamped_at
+    if b.replaced_before_restart is not None:  # likewise: only while RESTARTING again
+        entry["replaced_before_restart"] = b.replaced_before_restart
     return entry

@@ -2153,6 +2153,115 @@ def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_co
     assert said.rstrip().endswith("stopped"), said
 
 
+def test_a_stop_during_the_settle_that_issues_a_restart_runs_no_command(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM came while the settle that condemned a wedge and issued its restart ran
+    (waiting for the state lock, a slow disk): the daemon waited for that settle, then
+    launched its command on the way out, gave it the shutdown grace and left it running
+    (or systemd's KillMode=mixed killed it half-way). Stopping, it runs no new command:
+    the restart is heard as not run, withdrawn, DEAD with no attempt spent."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 0.5)
+    marker = tmp_path / "restart.pid"
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(tmp_path / "go"))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = Daemon(
+        load, StateFile(tmp_path / "state.json"), listen=None, wait_override=0.1,
+        serving_file=None, console=Console(stderr=True),
+    )  # fmt: skip
+    entered, go_on = threading.Event(), threading.Event()
+    settle = daemon._settle
+
+    def slow_settle(news: daemon_module.News) -> Any:
+        # The settle that will condemn "w" is held until the stop has come.
+        if any(o.verdict.kind is VerdictKind.WEDGED for o in news.verdicts):
+            entered.set()
+            go_on.wait(PATIENCE)
+        return settle(news)
+
+    daemon._settle = slow_settle  # type: ignore[method-assign]
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not entered.is_set():
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("no settle took the wedge")
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        await asyncio.sleep(0.2)  # heard by the loop, which waits for the settle
+        go_on.set()
+        return await asyncio.wait_for(running, PATIENCE)
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        go_on.set()
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert not marker.exists(), "a restart command was started after the stop"
+    audit = read(tmp_path / "audit.jsonl")
+    assert [(r["event"], r.get("to")) for r in audit if r["backend"] == "w"] == [
+        ("wedge_proven", "dead"),
+        ("restart", "restarting"),
+        ("restart_command", "dead"),  # not run: the daemon was stopping
+    ]
+    [entry] = json.loads((tmp_path / "state.json").read_text())["ledger"]["backends"]
+    assert (entry["state"], entry["restart_times"]) == ("dead", [])
+
+
+def test_a_restart_commands_outcome_the_last_settle_cannot_save_is_still_in_the_audit_log(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart command ended within the shutdown grace, and the last settle could not
+    record it (the state locked by a `check` or a verb, a disk full): its exit status and
+    output were in no trail at all, though DESIGN sends them to the audit log. As
+    `check` does, the outcome goes to a file audit log by itself, marked unsettled."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)
+    marker, go = tmp_path / "restart.pid", tmp_path / "go"
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(go))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+    state = tmp_path / "state.json"
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = Daemon(
+        load, StateFile(state, lock_timeout=0.2), listen=None, wait_override=0.1,
+        serving_file=None, console=Console(stderr=True),
+    )  # fmt: skip
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not (marker.exists() and marker.read_text()):
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("the restart command did not start")
+            await asyncio.sleep(POLL)
+        with StateFile(state).locked():  # another run holds the state meanwhile
+            daemon.stop()
+            go.touch()  # the command ends within the grace, exit 0
+            return await asyncio.wait_for(running, PATIENCE)
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        go.touch()
+    records = [r for r in read(tmp_path / "audit.jsonl") if r["backend"] == "w"]
+    assert [r["event"] for r in records] == ["wedge_proven", "restart", "restart_command"]
+    heard = records[-1]
+    assert heard["command"]["exit_code"] == 0 and heard["command"]["argv"] == list(command)
+    assert "unsettled" in heard, heard
+
+
 def test_systemd_hears_stopping_when_the_stop_begins_not_after_the_grace(
     urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -324,6 +324,32 @@ def test_a_shared_fault_restarts_one_backend_until_its_replacement_proves_itself
     assert not f.ledger.restart_unproven("a", T0 + grace + 1)
 
 
+def test_a_withdrawn_restart_leaves_the_slot_its_predecessors_failing_replacement_holds() -> None:
+    # "a"'s replacement came up and wedged within its grace: it holds the one slot, and
+    # "b" waits. "a"'s own retry is issued, then withdrawn before its command ran (an
+    # operator's hold while `check` ran an earlier command, a Ctrl-C): no command ran,
+    # so nothing changed. Before, the withdrawal forgot that the replacement had been
+    # seen, the slot was freed, and "b" was restarted beside a shared fault.
+    f = fleet("a", "b")
+    f.condemn("a", T0)
+    f.condemn("b", T0)
+    assert f.issue("a", T0) is State.RESTARTING
+    replacement = ProcessSeen(start=T0 + 50)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 60, process=replacement))
+    f.ledger.apply("a", WedgeProven(now=T0 + 120, evidence="again", process=replacement))
+    assert f.ledger.state_of("a") is State.DEAD
+    waits = "1 restart already under way (max_concurrent_restarts 1)"
+    assert f.decision("b", T0 + 300).reason == waits
+    assert f.decision("a", T0 + 300).action is Action.RESTART
+    assert f.issue("a", T0 + 300) is State.RESTARTING
+    # Saved RESTARTING; the withdrawal is heard by a later settle, which loads it.
+    f.ledger = Ledger.from_dict(json.loads(json.dumps(f.ledger.to_dict())), LEDGER_POLICY)
+    withdrawn = RestartFailed(now=T0 + 301, reason="not run: on hold", withdrawn=True)
+    assert f.ledger.apply("a", withdrawn).to_state is State.DEAD
+    assert f.ledger.restart_unproven("a", T0 + 302)
+    assert f.decision("b", T0 + 302).reason == waits  # before: restart
+
+
 def test_a_restart_whose_command_outlives_its_grace_stays_under_way_until_the_command_ends() -> (
     None
 ):
