@@ -1972,8 +1972,11 @@ def _parse_backend(value: object, where: str) -> _Backend:
             )
         before_partial = State(str(raw_before))
     weight = r["weight_version"]
-    if weight is not None:
-        weight = check_weight_version(weight, f"{where}.weight_version")
+    # Any integer a saved record holds (JSON's own bound, 4,300 digits, is writable back):
+    # a build before the 64-bit bound saved larger ones, and a record refused is set aside
+    # whole, every hold and retirement with it. Only new versions are bounded.
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int)):
+        raise ValueError(f"{where}.weight_version: expected an integer or null, got {weight!r}")
     condemned_by = r["condemned_by"]
     if condemned_by is not None:
         condemned_by = _as_str(condemned_by, f"{where}.condemned_by")

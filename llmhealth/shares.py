@@ -454,11 +454,16 @@ def take_published(
         del intake.news_at[name]
         intake.verdict_at.pop(name, None)
     if addresses is not None:
-        # Nor a backend the config no longer names: kept, a fleet whose names change
-        # (pods) grew the intake by a name a deploy for as long as this leader led.
-        for kept in (intake.settled, intake.examined):
-            for name in [name for name in kept if name not in addresses]:
-                del kept[name]
+        # Nor a backend the config no longer names and no member publishes any more: kept,
+        # a fleet whose names change (pods) grew the intake by a name a deploy for as long
+        # as this leader led. One still published keeps its settled serial: named again (a
+        # reload undone), its last verdict was settled a second time.
+        still_published = {name for by in published.values() for name in by}
+        gone = [name for name in intake.settled if name not in addresses]
+        gone += [name for name in intake.examined if name not in addresses]
+        for name in set(gone) - still_published:
+            intake.settled.pop(name, None)
+            intake.examined.pop(name, None)
     addresses = addresses or {}
     verdicts: dict[str, Verdict] = {}
     urls: dict[str, str] = {}

@@ -1560,11 +1560,17 @@ def test_a_weight_version_past_64_bits_is_refused_before_anything_is_recorded(
         with pytest.raises(ValueError, match="64 bits"):
             ledger.apply("a", event())
     assert ledger.to_dict() == before
-    record: Any = ledger.to_dict()
-    record["backends"][0]["weight_version"] = version
-    with pytest.raises(ValueError, match="weight_version must fit in 64 bits"):
-        Ledger.from_dict(record, POLICY)
     assert WeightsStamped(now=1.0, weight_version=2**63 - 1).weight_version == 2**63 - 1
+
+
+def test_a_saved_weight_version_past_64_bits_still_loads() -> None:
+    """A build before the 64-bit bound saved any integer `readmit --weight-version` took:
+    refused on load, the whole record was set aside, its holds and retirements lost."""
+    ledger = three_backends()
+    record: Any = ledger.to_dict()
+    record["backends"][0]["weight_version"] = 2**64
+    loaded = Ledger.from_dict(json.loads(json.dumps(record)), POLICY)
+    assert loaded.to_dict() == record
 
 
 # --- persistence ---------------------------------------------------------------------------

@@ -429,3 +429,20 @@ def test_the_intake_forgets_backends_the_config_no_longer_names() -> None:
             take_published(intake, owners, {"b": found}, float(deploy * 10 + at), 10.0, addresses)
     kept = set(intake.settled) | set(intake.examined) | set(intake.news_at)
     assert kept == set(names), len(kept)
+
+
+def test_a_verdict_settled_before_its_name_left_the_config_is_not_settled_again_on_its_return() -> (
+    None
+):
+    # A reload that dropped a backend and one that named it again (an edit undone) while
+    # its reader had published nothing newer: the intake had forgotten the settled
+    # serial, and the same failure was counted a second time.
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    addresses = {"gpu1": "http://10.0.0.1:8000"}
+    failed = {"gpu1": Published("b", 4, healthy("b#4"), url=addresses["gpu1"])}
+    take_published(intake, {"gpu1": "b"}, {"b": {}}, 1.0, 10.0, addresses)
+    settled = take_published(intake, {"gpu1": "b"}, {"b": failed}, 2.0, 10.0, addresses)
+    assert settled.verdicts == {"gpu1": healthy("b#4")}
+    take_published(intake, {}, {"b": failed}, 3.0, 10.0, {})  # dropped by a reload
+    back = take_published(intake, {"gpu1": "b"}, {"b": failed}, 4.0, 10.0, addresses)
+    assert back.verdicts == {}
