@@ -44,6 +44,7 @@ from llmhealth.cycle import (
     learned_steps_of,
     ledger_policy,
     load_record,
+    reconciled,
     routed_backends,
     settle_fleet,
 )
@@ -73,7 +74,14 @@ from llmhealth.remediate import (
 )
 from llmhealth.render import report_renderables
 from llmhealth.report import BackendReport, CycleReport, FleetSummary, summarize
-from llmhealth.state import MemoryStore, RecordMovedError, StateError, StateFile, Store
+from llmhealth.state import (
+    MemoryStore,
+    RecordMovedError,
+    StateError,
+    StateFile,
+    StateLockedError,
+    Store,
+)
 from llmhealth.text import other_server, printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
@@ -723,14 +731,25 @@ class Daemon:
 
     def _read_baselines(self) -> tuple[dict[str, Signals], dict[str, LongestStep]]:
         """What earlier runs last read of each backend, and the longest step each took."""
+        policy = ledger_policy(self._config.policy)
         try:
             with self._reader.locked():
                 record, *_ = load_record(
-                    self._reader,
-                    ledger_policy(self._config.policy),
-                    backend_urls(self._targets),
-                    self._clock(),
+                    self._reader, policy, backend_urls(self._targets), self._clock()
                 )
+        except StateLockedError as locked:
+            # Another run holds it, a `check` for its whole run (minutes on a frozen
+            # backend): read as `status` does, without the lock. Started without the
+            # steps the record keeps, a backend inside a long step was wedged at two waits.
+            try:
+                stored = self._reader.read(lambda doc: FleetRecord.from_dict(doc, policy))
+            except StateError:
+                stored = None
+            if stored is None:
+                self._log(f"starting without earlier reads: {locked}")
+                return {}, {}
+            record = stored
+            reconciled(record, backend_urls(self._targets), self._clock())
         except StateError as exc:
             self._log(f"starting without earlier reads: {exc}")
             return {}, {}

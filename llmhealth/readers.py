@@ -202,37 +202,48 @@ class ReadTasks:
         window: list[Read] = []
         cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
         learned: LongestStep | None = None
-        # No TLS context of its own: every client shares the process's (wire.py).
-        async with new_client() as client:
-            while True:
-                target = self._probing.get(target.name, target)  # as the last reload left it
-                settings = self._settings()
-                started = time.monotonic()
-                if target.kind == "proxy":
-                    verdict: Verdict | None = await examine_proxy(client, target, settings)
-                else:
-                    # What the record last saw of this backend, when there is news of it (at
-                    # start, or on taking the lead): one read is compared with it, so a
-                    # restart that happened meanwhile is seen; the window is kept.
-                    baseline = self._baselines.pop(target.name, None)
-                    learned = longer(learned, self._learned.pop(target.name, None))
-                    verdict = await examine_once(
-                        client,
-                        target,
-                        settings,
-                        window,
-                        clock=self._clock,
-                        baseline=baseline,
-                        learned=learned,
-                        cpu=cpu,
-                    )
-                    if verdict is not None:
-                        learned = longer(learned, verdict.longest_step)
-                self._deliver(target, verdict, time.monotonic() - started, window)
-                pause = settings.wait
-                if client.connection.idle_closes:
-                    pause -= KEEP_ALIVE_LEAD * settings.wait
-                await asyncio.sleep(max(0.0, started + pause - time.monotonic()))
+        try:
+            # No TLS context of its own: every client shares the process's (wire.py).
+            async with new_client() as client:
+                while True:
+                    target = self._probing.get(target.name, target)  # as the last reload left it
+                    settings = self._settings()
+                    started = time.monotonic()
+                    if target.kind == "proxy":
+                        verdict: Verdict | None = await examine_proxy(client, target, settings)
+                    else:
+                        # What the record last saw of this backend, when there is news of it (at
+                        # start, or on taking the lead): one read is compared with it, so a
+                        # restart that happened meanwhile is seen; the window is kept.
+                        baseline = self._baselines.pop(target.name, None)
+                        learned = longer(learned, self._learned.pop(target.name, None))
+                        verdict = await examine_once(
+                            client,
+                            target,
+                            settings,
+                            window,
+                            clock=self._clock,
+                            baseline=baseline,
+                            learned=learned,
+                            cpu=cpu,
+                        )
+                        if verdict is not None:
+                            learned = longer(learned, verdict.longest_step)
+                    self._deliver(target, verdict, time.monotonic() - started, window)
+                    pause = settings.wait
+                    if client.connection.idle_closes:
+                        pause -= KEEP_ALIVE_LEAD * settings.wait
+                    await asyncio.sleep(max(0.0, started + pause - time.monotonic()))
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            # Died (a bug past every guard): the task started in its place takes the step
+            # this one knew, the record's included, which it took at its first read; else
+            # a backend inside a long step was wedged at two waits.
+            kept = longer(learned, self._learned.get(target.name))
+            if kept is not None:
+                self._learned[target.name] = kept
+            raise
 
 
 def _read_otherwise(now: Target, was: Target) -> bool:

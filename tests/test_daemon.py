@@ -56,15 +56,16 @@ from llmhealth import daemon as daemon_module
 from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
-from llmhealth.cycle import audit_path_for
+from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy
 from llmhealth.daemon import Daemon, Notifier
-from llmhealth.fleet import READS_KEEP_UP, StallWatch
+from llmhealth.fleet import READS_KEEP_UP, Sighting, StallWatch
 from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.remediate import RestartOrder
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 from llmhealth.state import RecordMovedError, StateFile
+from llmhealth.window import LongestStep
 
 WAIT = 0.5
 STOP_BOUND = 5.0  # SIGTERM to exit; far above what a daemon with nothing to finish needs
@@ -3539,3 +3540,136 @@ def test_a_wall_clock_stepped_forward_frees_no_restart_slot_within_its_grace(
 
     # z's replacement DEAD again within its grace: b waits for the slot
     assert asyncio.run(scenario()) == "dead"
+
+
+async def settles_past(daemon: Daemon, cycles: int) -> None:
+    """Until the daemon has settled ``cycles`` cycles, with a snapshot of its backend."""
+    deadline = time.monotonic() + PATIENCE
+    while daemon._state.cycles < cycles or daemon._snapshots.get("a") is None:
+        if time.monotonic() > deadline:
+            raise NotObservedError(f"{cycles} settles")
+        await asyncio.sleep(POLL)
+
+
+def test_a_daemon_started_while_the_state_is_locked_still_reads_with_the_steps_it_learned(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `check` (which holds the lock for its whole run, minutes on a frozen backend) or
+    an operator's verb holding the state lock when `watch` starts: it starts "without
+    earlier reads", and its reading never got the longest step the record keeps, even
+    once its settles loaded that record. An engine inside a long step the record knew
+    (600 s here) was wedged at two waits, and its busy server restarted."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
+    url = httpserver.url_for("").rstrip("/")
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    path = tmp_path / "state.json"
+    holder = StateFile(path)
+    now = time.time()
+    record = fresh_record(ledger_policy(config.policy), {"a": url}, now - 100)
+    step = LongestStep(600.0, "a long prefill seen")  # a window of 1,800 s
+    record.sightings["a"] = Sighting(now - 10, True, parse_metrics(frozen), step)
+    with holder.locked():
+        holder.save(record.to_document())
+    daemon = Daemon(
+        lambda: (config, [Target("a", url)]),
+        StateFile(path, lock_timeout=0.2),
+        listen=None,
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    release = threading.Event()
+    held = threading.Event()
+
+    def hold() -> None:  # another run holding the lock past the daemon's first try
+        with StateFile(path).locked():
+            held.set()
+            release.wait(PATIENCE)
+
+    async def scenario() -> str | None:
+        holding = threading.Thread(target=hold)
+        holding.start()
+        held.wait(PATIENCE)
+        running = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(int(PATIENCE / 0.02)):  # read for many waits, nothing saved
+                probe = daemon._state.probes.get("a")
+                if probe is not None and probe.examinations >= 8:
+                    break
+                await asyncio.sleep(0.02)
+            release.set()
+            await asyncio.to_thread(holding.join, PATIENCE)
+            settled = daemon._state.cycles
+            await settles_past(daemon, settled + 2)
+            snap = daemon._snapshots.get("a")
+            return None if snap is None else str(snap.state)
+        finally:
+            release.set()
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    assert asyncio.run(scenario()) == "healthy"
+
+
+def test_a_probing_task_started_again_still_reads_with_the_step_the_record_keeps(
+    httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probing task that died (a bug past every guard) is started again, "its reads
+    start afresh"; but without the longest step the record keeps, which the first task
+    took at its first read: a backend inside a long step was wedged at two waits, as a
+    lost read worker's replacement (which is handed the record's steps) is not."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    real_examine_once = readers.examine_once
+    calls = 0
+
+    async def dies_at_the_second(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("injected fault")
+        return await real_examine_once(*args, **kwargs)
+
+    monkeypatch.setattr(readers, "examine_once", dies_at_the_second)
+    frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
+    url = httpserver.url_for("").rstrip("/")
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    store = StateFile(tmp_path / "state.json")
+    now = time.time()
+    record = fresh_record(ledger_policy(config.policy), {"a": url}, now - 100)
+    record.sightings["a"] = Sighting(
+        now - 10, True, parse_metrics(frozen), LongestStep(600.0, "a long prefill seen")
+    )
+    with store.locked():
+        store.save(record.to_document())
+    daemon = Daemon(
+        lambda: (config, [Target("a", url)]),
+        store,
+        listen=None,
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def scenario() -> str | None:
+        running = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(int(PATIENCE / 0.02)):
+                probe = daemon._state.probes.get("a")
+                snap = daemon._snapshots.get("a")
+                if (probe is not None and probe.examinations >= 8) or (
+                    snap is not None and str(snap.state) == "dead"
+                ):
+                    break
+                await asyncio.sleep(0.02)
+            await settles_past(daemon, daemon._state.cycles + 2)
+            snap = daemon._snapshots.get("a")
+            return None if snap is None else str(snap.state)
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    assert asyncio.run(scenario()) == "healthy"
+    assert daemon._state.probe_task_restarts["a"] == 1
