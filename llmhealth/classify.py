@@ -205,16 +205,29 @@ def decide(
     known = learned_step(reads, learned)
     freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
     decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
-    if isinstance(decision, SendTinyRequest) and (asleep := asleep_engines(reads[-1].signals)):
+    if isinstance(decision, SendTinyRequest) and (
+        asleep := asleep_engines(_newest_vllm(reads, baseline))
+    ):
         # A completion sent to a server asleep on purpose crashed it (vLLM #15483), and a
         # data-parallel server routes it to any engine with nothing queued, asleep or not.
         # A new process is news, but unproven without an answer (as when our key is
         # refused); an engine with nothing to do beside a sleeping one is idle as shown.
+        # Asleep until a read shows it awake (as the router keeps it): a /metrics that
+        # failed since (HTTP 503) made it "no metrics", and it was sent the request.
         unasked = left_unasked(reads, decision, f"asleep on purpose ({asleep})")
-        return replace(unasked, healthy=decision.good is not VerdictKind.RESTARTED)
+        unproven = (VerdictKind.RESTARTED, VerdictKind.NO_METRICS)
+        return replace(unasked, healthy=decision.good not in unproven)
     if isinstance(decision, Verdict):
         return replace(decision, longest_step=longer(known, _learned_before_restarts(reads)))
     return decision
+
+
+def _newest_vllm(reads: Sequence[Read], baseline: Signals | None) -> Signals | None:
+    """The newest signals with vLLM series: of these reads, else the earlier run's."""
+    for read in reversed(reads):
+        if _has_vllm(read):
+            return read.signals
+    return baseline
 
 
 def _learned_before_restarts(reads: Sequence[Read]) -> LongestStep | None:
@@ -450,20 +463,26 @@ def _judge_work(
     if streaks[worst] == 1:
         if len(reads) < max_reads:
             return TakeRead(f"engine {worst}: no progress over one wait; one more wait decides")
-        return _verdict(VerdictKind.STALLED, False, _stall_evidence(reads, worst), reads)
-    busy = _healthy_if_progressing(reads)
+        return _verdict(VerdictKind.STALLED, False, _stall_evidence(reads, worst), reads, answer)
+    # With the tiny request that timed out before work showed, if one did: it was sent.
+    busy = _healthy_if_progressing(reads, answer=answer)
     if busy is not None:
         return busy
     # Work appeared on an engine with no comparable read before it (new engine, or work
     # that arrived during the wait): no baseline yet, so no doubt either. The next read
     # gives one; only a frozen engine's window may take a run past three reads.
-    if len(reads) < min(max_reads, _TWO_WAITS):
+    # Counted from the work's first read: a watch window holds the idle reads before it,
+    # and the same read was ``stalled`` there at once, where a check reads once more.
+    previous = _previous_readable(reads)
+    appeared = previous is not None and not _had_work(previous)
+    if len(reads) < min(max_reads, _TWO_WAITS) or (appeared and len(reads) < max_reads):
         return TakeRead(f"{_describe_work(last_signals)}: no baseline to compare yet")
     return _verdict(
         VerdictKind.STALLED,
         False,
         f"stalled: {_describe_work(last_signals)}, and no engine progressed in the last wait",
         reads,
+        answer,
     )
 
 

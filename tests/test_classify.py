@@ -443,6 +443,24 @@ def test_a_restarted_process_asleep_on_purpose_is_not_sent_a_request(fixture_tex
         assert "engine 0 weights_offloaded" in verdict.evidence
 
 
+def test_a_server_read_asleep_is_not_asked_when_a_later_metrics_read_is_unusable(
+    fixture_text: Load,
+) -> None:
+    # Asleep at the last read with vLLM series (this run's, or the earlier run's), then a
+    # /metrics answered HTTP 503: nothing shows it awake, so no completion may go to it.
+    sleeping = parse_metrics(asleep(capture(fixture_text, "idle-1")))
+    failed = problem(ReadProblem.UNUSABLE, "GET /metrics answered HTTP 503", T0 + WAIT)
+    for decision in (
+        decide([Read(T0, sleeping), failed]),
+        decide([failed], baseline=sleeping),
+    ):
+        verdict = settled(decision)
+        assert verdict.kind is VerdictKind.NO_METRICS
+        assert not verdict.healthy
+        assert verdict.requests_sent == 0
+        assert "engine 0 weights_offloaded" in verdict.evidence
+
+
 @pytest.mark.parametrize("sleeper", ["idle-2", "wedge-1"])
 def test_an_idle_engine_beside_an_asleep_one_is_not_sent_a_request(
     fixture_text: Load, sleeper: str

@@ -1399,3 +1399,135 @@ def test_a_wall_clock_stepped_forward_leaves_a_young_engine_young(
     verdicts = watched_by_reads(paused_backend(httpserver, clock, names), clock, len(names))
     kinds = [None if v is None else v.kind for v in verdicts]
     assert VerdictKind.WEDGED not in kinds, [v.evidence for v in verdicts if v is not None][2:3]
+
+
+def test_a_tiny_request_that_timed_out_is_kept_in_a_busy_verdict_after_it(
+    httpserver: HTTPServer,
+) -> None:
+    """An idle engine with a long learned step was asked, the request timed out, and the
+    one more read that decides showed work and progress: the verdict said "no request
+    sent" and ``requests_sent`` 0, though a request had been sent and had timed out."""
+    release = threading.Event()
+    backend = Backend(httpserver, [capture("prefill-0"), capture("prefill-1")])
+
+    def hang(_request: Request) -> Response:
+        backend.completions += 1
+        release.wait(0.6)  # past the answer's timeout; the server then reads again
+        return Response("late")
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(backend._metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(hang)
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=0.3, max_check_time=0.4)
+    clock = FakeClock()
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            return await examine_backend(
+                client,
+                Target("b", backend.url),
+                settings,
+                clock=clock,
+                sleep=clock.sleep,
+                learned=LongestStep(60.0, "a long step"),
+            )
+
+    try:
+        verdict = asyncio.run(run())
+    finally:
+        release.set()
+    assert backend.completions == 1
+    assert verdict.kind is VerdictKind.BUSY, verdict.evidence
+    assert verdict.requests_sent == 1, verdict.evidence
+    assert verdict.answer is not None and verdict.answer.timed_out
+    assert "no request sent" not in verdict.evidence
+
+
+def test_work_that_just_appeared_is_not_stalled_in_watch_any_more_than_in_check(
+    httpserver: HTTPServer,
+) -> None:
+    """Idle reads, then one whose engine shows a request waiting and nothing moved yet (no
+    step of it has ended): no baseline for it, so no doubt, and ``check`` reads once more.
+    ``watch``'s window still held the idle reads, counted as reads spent, and the same
+    read was ``stalled`` at once: HEALTHY → SUSPECT for a request that had just come."""
+    idle = capture("prefill-0")
+    arrived = idle.replace(
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0',
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0',
+    ).replace(
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 0.0',
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 1.0',
+    )
+    backend = Backend(httpserver, [idle, idle, idle, arrived, capture("prefill-1")])
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles() -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(5):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", backend.url), settings, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    verdicts = asyncio.run(cycles())
+    assert [v.kind if v else None for v in verdicts[:3]] == [VerdictKind.IDLE] * 3
+    assert verdicts[3] is None, verdicts[3] and verdicts[3].evidence
+    assert verdicts[4] is not None and verdicts[4].kind is VerdictKind.BUSY
+    assert backend.completions == 3
+
+
+def test_a_server_read_asleep_is_not_sent_a_request_when_its_next_metrics_fail(
+    httpserver: HTTPServer,
+) -> None:
+    """A server read asleep on purpose, whose next /metrics answered HTTP 503: judged as
+    "no metrics" by the tiny request, it was sent a completion, which crashed a sleeping
+    vLLM (vLLM #15483). Nothing since showed it awake; the router keeps it out until a
+    read does."""
+    asleep = (
+        capture("idle-1")
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    backend = Backend(httpserver, [asleep, "unavailable"])
+    served = backend._metrics
+
+    def metrics(request: Request) -> Response:
+        response = served(request)
+        if backend.metrics_reads > 1:
+            response.status_code = 503
+        return response
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
+        backend._complete
+    )
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles() -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(2):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", backend.url), settings, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    first, second = asyncio.run(cycles())
+    assert first is not None and first.kind is VerdictKind.IDLE and "asleep" in first.evidence
+    assert backend.completions == 0, second and second.evidence
+    assert second is not None and second.kind is VerdictKind.NO_METRICS
+    assert "asleep" in second.evidence
