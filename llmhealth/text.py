@@ -10,7 +10,9 @@ URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 
 from __future__ import annotations
 
-from urllib.parse import unquote
+import re
+
+_PERCENT = re.compile(r"%([0-9A-Fa-f]{2})")  # one percent-encoded byte (RFC 3986 2.1)
 
 
 def printable(text: str) -> str:
@@ -113,4 +115,6 @@ def dialable(host: str) -> str:
     resolver: passed as written, no such address ever resolved, and a healthy backend
     (or an etcd endpoint) read as down every time."""
     address, escaped, zone = host.partition("%25")
-    return f"{address}%{unquote(zone)}" if escaped and ":" in address else host
+    if not escaped or ":" not in address:
+        return host
+    return f"{address}%{_PERCENT.sub(lambda code: chr(int(code[1], 16)), zone)}"
