@@ -1690,9 +1690,15 @@ class Ledger:
             raise ValueError(f"{name!r} cannot move to {url!r}: backend {other!r} is there")
 
     def _url_taken(self, b: _Backend) -> bool:
-        """Whether another backend holds the address this (RETIRED) one still names."""
+        """Whether another backend holds the address this (RETIRED) one still names. A
+        RETIRED holder does not (``_check_url_free``): which of two held the lookup
+        depended on whether the record had been saved and loaded since."""
         holder = self.by_url(b.url)
-        return holder is not None and holder != b.name
+        return (
+            holder is not None
+            and holder != b.name
+            and self._backends[holder].state is not State.RETIRED
+        )
 
     def _forget_url(self, b: _Backend) -> None:
         """Free b's address, unless another now holds it (a RETIRED b's taken address).

@@ -2233,3 +2233,26 @@ def test_a_good_verdict_at_the_restarts_own_instant_does_not_prove_the_restart()
     assert ledger.restart_unproven("a", 119.0)
     assert ledger.overdue(119.0) == []
     assert ledger.overdue(120.0) == ["a"]
+
+
+def test_two_retired_backends_at_one_address_answer_a_reset_alike_before_and_after_a_save() -> None:
+    """A replacement that took a RETIRED backend's address, retired in its turn, left two
+    RETIRED backends at one server. Which could be reset depended on which held the
+    lookup, and a save and load (every `check`, every verb) gave it to the other: a reset
+    refused in the daemon's record was taken from the file, and the other way round. A
+    RETIRED holder is out for good, as for a replacement's ``NewProcessUp``: either may
+    be reset, and the first one reset takes the address."""
+    ledger = three_backends()
+    ledger.apply("a", Retire(now=1.0, reason="bad GPU"))
+    ledger.apply("b", ProcessGone(now=2.0, reason="gone"))
+    ledger.apply("b", NewProcessUp(now=3.0, url=URL_A))
+    ledger.apply("b", Retire(now=4.0, reason="also bad"))
+    for name in ("a", "b"):
+        live = Ledger.from_dict(ledger.to_dict(), POLICY)
+        live._by_url = dict(ledger._by_url)  # as the record in memory holds it
+        saved = Ledger.from_dict(json.loads(json.dumps(ledger.to_dict())), POLICY)
+        answers = [x.apply(name, OperatorReset(now=5.0)).applied for x in (live, saved)]
+        assert answers == [True, True], (name, answers)
+        assert saved.by_url(URL_A) == name
+        other = "b" if name == "a" else "a"
+        assert not saved.apply(other, OperatorReset(now=6.0)).applied  # now taken
