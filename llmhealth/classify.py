@@ -224,10 +224,17 @@ def decide(
 
 def _newest_vllm(reads: Sequence[Read], baseline: Signals | None) -> Signals | None:
     """The newest signals with vLLM series: of these reads, else the earlier run's."""
-    for read in reversed(reads):
-        if _has_vllm(read):
-            return read.signals
-    return baseline
+    newest = newest_vllm_read(reads)
+    return baseline if newest is None else reads[newest].signals
+
+
+def newest_vllm_read(reads: Sequence[Read]) -> int | None:
+    """The index of the newest read with vLLM series; None without one. Such a read
+    showing an engine asleep keeps it unasked (``decide``), so a window keeps it too."""
+    for index in range(len(reads) - 1, -1, -1):
+        if _has_vllm(reads[index]):
+            return index
+    return None
 
 
 def _learned_before_restarts(reads: Sequence[Read]) -> LongestStep | None:

@@ -676,6 +676,9 @@ class _Backend:
     # While RESTARTING after an earlier restart: whether that one's replacement had been
     # seen when this one was issued, for a withdrawal to give back. None: nothing to give.
     replaced_before_restart: bool | None = None
+    # Likewise: when that earlier restart's command exited 0 (``restart_ran_at``), from
+    # which its startup grace counts. None: nothing to give.
+    ran_before_restart: float | None = None
 
 
 class _Refused(Exception):  # noqa: N818 - a signal inside apply(), never seen outside
@@ -762,6 +765,7 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
     # was: a replacement of that one seen failing still holds its concurrency place.
     earlier = b.restart_times and b.process is not None
     b.replaced_before_restart = _replaced_since(b, max(b.restart_times)) if earlier else None
+    b.ran_before_restart = b.restart_ran_at if b.restart_times else None
     b.restart_times.append(event.now)
     # Good verdicts towards recovery in place must be in a row, and RESTARTING ignores
     # every verdict: none seen during the attempt could break the streak, so it ends here.
@@ -1110,6 +1114,8 @@ def _record(b: _Backend, event: Event) -> str:
                     # The restart before it stands again as it was: its replacement, seen
                     # before this one was issued, is still its replacement.
                     b.replaced_since_restart = bool(b.replaced_before_restart)
+                    # And its grace counts from its command's end again, not its issue.
+                    b.restart_ran_at = b.ran_before_restart
                 return f"restart withdrawn before its command ran ({event.reason}): no attempt"
             b.last_error = f"restart failed: {event.reason}"
             return b.last_error
@@ -1293,6 +1299,7 @@ class Ledger:
             b.replaced_since_restart = True
         if after is not State.RESTARTING:
             b.replaced_before_restart = None  # only a RESTARTING spell's withdrawal reads it
+            b.ran_before_restart = None
         # Only this backend moved, so the serving set changed iff it crossed the line.
         moved = (before in SERVING) != (after in SERVING)
         if moved:
@@ -1331,10 +1338,15 @@ class Ledger:
         limit = now + CLOCKS_APART
         for b in self._backends.values():
             more = beside.get(b.name, ())
-            stamps = (b.state_since or 0.0, b.last_ok_at or 0.0, b.restart_ran_at or 0.0)
+            stamps = (
+                b.state_since or 0.0,
+                b.last_ok_at or 0.0,
+                b.restart_ran_at or 0.0,
+                b.ran_before_restart or 0.0,
+            )
             if not more and max(*stamps, *b.restart_times, *b.recovery_times) <= limit:
                 continue  # nothing far enough ahead (``pulled_back``), as nearly always
-            times = [b.state_since, b.last_ok_at, b.restart_ran_at]
+            times = [b.state_since, b.last_ok_at, b.restart_ran_at, b.ran_before_restart]
             taken = pulled_back([*times, *b.restart_times, *b.recovery_times, *more], now)
             if taken is None:
                 continue
@@ -1344,6 +1356,7 @@ class Ledger:
             b.state_since = _taken(b.state_since, taken)
             b.last_ok_at = _taken(b.last_ok_at, taken)
             b.restart_ran_at = _taken(b.restart_ran_at, taken)
+            b.ran_before_restart = _taken(b.ran_before_restart, taken)
             b.restart_times = [taken.get(t, t) for t in b.restart_times]
             b.recovery_times = [taken.get(t, t) for t in b.recovery_times]
             changed[b.name] = taken
@@ -1871,6 +1884,7 @@ _LATER_BACKEND_KEYS: Final = frozenset(
         "caller_condemned",
         "restart_stamped_at",
         "replaced_before_restart",
+        "ran_before_restart",
     }
 )
 
@@ -2020,6 +2034,9 @@ def _parse_backend(value: object, where: str) -> _Backend:
         replaced_before_restart=None
         if r.get("replaced_before_restart") is None or state is not State.RESTARTING
         else _as_bool(r["replaced_before_restart"], f"{where}.replaced_before_restart"),
+        ran_before_restart=None
+        if state is not State.RESTARTING
+        else _as_optional_time(r.get("ran_before_restart"), f"{where}.ran_before_restart"),
     )
     # Invariants the transitions keep; data breaking them was not written by this ledger.
     if b.state is State.HEALTHY and (b.probe_failures or b.request_failures):
@@ -2066,4 +2083,6 @@ def _entry_dict(b: _Backend) -> dict[str, object]:
         entry["restart_stamped_at"] = b.restart_stamped_at
     if b.replaced_before_restart is not None:  # likewise: only while RESTARTING again
         entry["replaced_before_restart"] = b.replaced_before_restart
+    if b.ran_before_restart is not None:  # likewise
+        entry["ran_before_restart"] = b.ran_before_restart
     return entry

@@ -31,11 +31,13 @@ from llmhealth.classify import (
     Target,
     Verdict,
     VerdictKind,
+    asleep_engines,
     decide,
     freeze_began,
     judge_proxy,
     learned_step,
     left_unasked,
+    newest_vllm_read,
     reads_still_needed,
     window_for,
 )
@@ -662,7 +664,17 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
             del window[first + 1 : len(window) - (limit - 1)]
             del window[:first]
             return
-    del window[: -min(limit, needed)]
+    keep = min(limit, needed)
+    cut = max(0, len(window) - keep) if keep else 0  # as ``del window[:-keep]``
+    newest = newest_vllm_read(window) if cut > 0 and limit >= 2 else None
+    if newest is not None and newest < cut and asleep_engines(window[newest].signals):
+        # Asleep until a read shows it awake (``classify.decide``): the newest read with
+        # vLLM series stays however many failed reads came after it, or the read after
+        # them sent the completion that crashes a sleeping vLLM.
+        del window[newest + 1 : cut + 1]
+        del window[:newest]
+        return
+    del window[:cut]
 
 
 def with_birth(read: Read, earlier: Sequence[Read]) -> Read:

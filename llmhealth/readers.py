@@ -202,6 +202,7 @@ class ReadTasks:
         window: list[Read] = []
         cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
         learned: LongestStep | None = None
+        baseline: Signals | None = None
         try:
             # No TLS context of its own: every client shares the process's (wire.py).
             async with new_client() as client:
@@ -215,7 +216,10 @@ class ReadTasks:
                         # What the record last saw of this backend, when there is news of it (at
                         # start, or on taking the lead): one read is compared with it, so a
                         # restart that happened meanwhile is seen; the window is kept.
-                        baseline = self._baselines.pop(target.name, None)
+                        # Kept until a read with vLLM series is in the window: a server
+                        # the record saw asleep stays unasked until a read shows it awake.
+                        news = self._baselines.pop(target.name, None)
+                        baseline = baseline if news is None else news
                         learned = longer(learned, self._learned.pop(target.name, None))
                         verdict = await examine_once(
                             client,
@@ -229,6 +233,10 @@ class ReadTasks:
                         )
                         if verdict is not None:
                             learned = longer(learned, verdict.longest_step)
+                        if baseline is not None and any(
+                            r.signals is not None and r.signals.has_vllm for r in window
+                        ):
+                            baseline = None
                     self._deliver(target, verdict, time.monotonic() - started, window)
                     pause = settings.wait
                     if client.connection.idle_closes:
@@ -243,6 +251,12 @@ class ReadTasks:
             kept = longer(learned, self._learned.get(target.name))
             if kept is not None:
                 self._learned[target.name] = kept
+            # And the newest read with vLLM series, as a baseline: a server read asleep
+            # stays unasked until a read shows it awake (``classify.decide``).
+            seen = [r.signals for r in window if r.signals is not None and r.signals.has_vllm]
+            newest = seen[-1] if seen else baseline
+            if newest is not None:
+                self._baselines.setdefault(target.name, newest)
             raise
 
 

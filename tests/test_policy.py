@@ -29,6 +29,7 @@ from llmhealth.ledger import (
     RequestFailure,
     RestartFailed,
     RestartIssued,
+    RestartRan,
     Retire,
     State,
     UnplannedRestart,
@@ -348,6 +349,37 @@ def test_a_withdrawn_restart_leaves_the_slot_its_predecessors_failing_replacemen
     assert f.ledger.apply("a", withdrawn).to_state is State.DEAD
     assert f.ledger.restart_unproven("a", T0 + 302)
     assert f.decision("b", T0 + 302).reason == waits  # before: restart
+
+
+def test_a_withdrawn_restart_gives_back_its_predecessors_grace_counted_from_its_commands_end() -> (
+    None
+):
+    # "a"'s first restart command took 200 s (a slow reload): its startup grace counts
+    # from the command's end (RestartRan). Its replacement wedged within that grace and
+    # holds the one slot. "a"'s retry is issued, then withdrawn before its command ran:
+    # nothing ran, so the slot stays held until the grace from T0 + 200 runs out. The
+    # withdrawal gave back the attempt and the replacement, not the command's end: the
+    # grace was counted from the issue again, the slot freed 200 s early, and "b" was
+    # restarted beside a shared fault.
+    f = fleet("a", "b")
+    f.condemn("a", T0)
+    f.condemn("b", T0)
+    assert f.issue("a", T0) is State.RESTARTING
+    f.ledger.apply("a", RestartRan(now=T0 + 200))
+    replacement = ProcessSeen(start=T0 + 190)
+    f.ledger.apply("a", NewProcessUp(now=T0 + 210, process=replacement))
+    f.ledger.apply("a", WedgeProven(now=T0 + 260, evidence="again", process=replacement))
+    grace = LEDGER_POLICY.startup_grace
+    later = T0 + grace + 100  # past a grace from the issue, inside one from the command's end
+    assert f.ledger.restart_unproven("a", later)
+    assert f.issue("a", later) is State.RESTARTING
+    withdrawn = RestartFailed(now=later + 1, reason="not run: on hold", withdrawn=True)
+    assert f.ledger.apply("a", withdrawn).to_state is State.DEAD
+    assert f.ledger.restart_unproven("a", later + 2)
+    # Saved and loaded, as the next settle (or `check`) reads it.
+    f.ledger = Ledger.from_dict(json.loads(json.dumps(f.ledger.to_dict())), LEDGER_POLICY)
+    assert f.ledger.restart_unproven("a", later + 2)
+    assert not f.ledger.restart_unproven("a", T0 + 200 + grace + 1)
 
 
 def test_a_restart_whose_command_outlives_its_grace_stays_under_way_until_the_command_ends() -> (

@@ -1531,3 +1531,53 @@ def test_a_server_read_asleep_is_not_sent_a_request_when_its_next_metrics_fail(
     assert backend.completions == 0, second and second.evidence
     assert second is not None and second.kind is VerdictKind.NO_METRICS
     assert "asleep" in second.evidence
+
+
+def test_a_server_read_asleep_is_not_asked_once_its_failed_reads_fill_the_watch_window(
+    httpserver: HTTPServer,
+) -> None:
+    """Read asleep on purpose, then /metrics failing (HTTP 503) read after read: "no
+    metrics", not asked, while the asleep read is in the window. Once as many failed
+    reads as the window holds (``paced_read_limit``) had come, the asleep read slid out
+    and the next read sent the completion that crashes a sleeping vLLM (#15483), though
+    no read had shown it awake: ``check``, with its baseline, never asks it."""
+    asleep = (
+        capture("idle-1")
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    backend = Backend(httpserver, [asleep])
+    served = backend._metrics
+
+    def metrics(request: Request) -> Response:
+        response = served(request)
+        if backend.metrics_reads > 1:
+            response.status_code = 503
+        return response
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
+        backend._complete
+    )
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles() -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(settings.paced_read_limit + 3):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", backend.url), settings, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    verdicts = asyncio.run(cycles())
+    asked = [v.evidence for v in verdicts if v is not None and v.requests_sent]
+    assert backend.completions == 0, asked[:1]
+    assert all(v is not None and "asleep" in v.evidence for v in verdicts)

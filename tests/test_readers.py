@@ -31,11 +31,12 @@ from pytest_httpserver import HTTPServer
 from simproc import Simulator, alive, children, running_simulator
 from test_daemon import fleet_config, watching, write_config
 from test_wire import read_request, tcp_server
+from werkzeug import Request, Response
 
 from llmhealth import config as config_module
 from llmhealth import readers
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
-from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import ProbeSettings
 from llmhealth.window import LongestStep, WedgeRules
 
@@ -917,3 +918,113 @@ def test_a_server_that_drops_connections_idle_for_the_wait_keeps_one_after_its_f
     # Read on the wait's schedule, each of the 6 reads would need a connection of its own;
     # one late pause of the loop may still cost one more than the first two.
     assert len(connections) <= 3, f"{len(connections)} connections for {reads} reads"
+
+
+def test_a_server_the_record_saw_asleep_is_not_asked_at_watchs_second_failed_read(
+    httpserver: HTTPServer,
+) -> None:
+    """`watch` started while a server the record last read asleep on purpose answers
+    /metrics with HTTP 503: its first read was compared with the record's read, "no
+    metrics" and not asked; the baseline was then dropped, and the second read, which
+    showed nothing awake either, sent the completion that crashes a sleeping vLLM
+    (#15483). `check` keeps it unasked at every run (README: asleep until a read shows
+    it awake)."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    completions: list[str] = []
+
+    def complete(_request: Request) -> Response:
+        completions.append("sent")
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_data("starting", status=503)
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    heard: list[Verdict | None] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=0.05, timeout=1.0, answer_timeout=1.0),
+            time.time,
+            lambda _t, verdict, _s, _w: heard.append(verdict),
+            lambda _name, _cause: None,
+        )
+        tasks.remember({"b": parse_metrics(asleep)}, {})
+        tasks.assign([Target("b", httpserver.url_for("").rstrip("/"), "backend")])
+        for _ in range(200):
+            if len(heard) >= 4:
+                break
+            await asyncio.sleep(0.02)
+        await tasks.close()
+
+    asyncio.run(main())
+    assert len(heard) >= 4
+    assert all(v is not None and v.kind is VerdictKind.NO_METRICS for v in heard)
+    assert not completions, [v.evidence for v in heard if v is not None]
+
+
+def test_a_probing_task_started_again_does_not_ask_a_server_its_predecessor_read_asleep(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task died (a bug past every guard) after reading the server asleep on purpose;
+    its /metrics answers HTTP 503 since. The task started in its place began with an
+    empty window and no baseline, and its first read, which showed nothing awake, sent
+    the completion that crashes a sleeping vLLM (#15483). It takes the newest read its
+    predecessor had, as it takes the step it learned."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    reads: list[str] = []
+    completions: list[str] = []
+
+    def metrics(_request: Request) -> Response:
+        reads.append("read")
+        if len(reads) == 1:
+            return Response(asleep, content_type="text/plain")
+        return Response("starting", status=503)
+
+    def complete(_request: Request) -> Response:
+        completions.append("sent")
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    examine = readers.examine_once
+    calls = itertools.count()
+
+    async def dies_once(*args: Any, **kwargs: Any) -> Verdict | None:
+        if next(calls) == 1:
+            raise RuntimeError("a bug past examine_once's guard")
+        return await examine(*args, **kwargs)
+
+    monkeypatch.setattr(readers, "examine_once", dies_once)
+    heard: list[Verdict | None] = []
+    died: list[str] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=0.05, timeout=1.0, answer_timeout=1.0),
+            time.time,
+            lambda _t, verdict, _s, _w: heard.append(verdict),
+            lambda _name, cause: died.append(cause),
+        )
+        tasks.assign([Target("b", httpserver.url_for("").rstrip("/"), "backend")])
+        for _ in range(200):
+            if died and len(reads) >= 4:
+                break
+            await asyncio.sleep(0.02)
+        await tasks.close()
+
+    asyncio.run(main())
+    assert died and len(reads) >= 4
+    assert not completions, [v.evidence for v in heard if v is not None]
