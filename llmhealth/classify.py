@@ -466,7 +466,7 @@ def _judge_work(
     streaks = {engine.engine: _stall_streak(reads, engine.engine) for engine in working}
     worst = max(streaks, key=lambda name: (streaks[name], name))
     if streaks[worst] >= 2:
-        return _judge_freeze(reads, worst, streaks[worst], max_reads, freeze)
+        return _judge_freeze(reads, worst, streaks[worst], max_reads, freeze, answer)
     if streaks[worst] == 1:
         if len(reads) < max_reads:
             return TakeRead(f"engine {worst}: no progress over one wait; one more wait decides")
@@ -494,7 +494,12 @@ def _judge_work(
 
 
 def _judge_freeze(
-    reads: Sequence[Read], worst: str, streak: int, max_reads: int, freeze: _Freeze
+    reads: Sequence[Read],
+    worst: str,
+    streak: int,
+    max_reads: int,
+    freeze: _Freeze,
+    answer: Answer | None = None,
 ) -> Decision:
     """Two or more waits without progress: proof once the freeze outlasts the window.
 
@@ -513,7 +518,7 @@ def _judge_freeze(
             return TakeRead(
                 f"engine {worst}: no progress over {streak} reads in {elapsed:.1f} s, {squeezed}"
             )
-        return _stalled(reads, worst, streak, elapsed, squeezed)
+        return _stalled(reads, worst, streak, elapsed, squeezed, answer)
     # The shell samples CPU only once a long window makes it worth its cost, so the
     # samples may start after the freeze did: they must span two waits of it themselves.
     sampled = [read.cpu for read in frozen if read.cpu is not None]
@@ -533,12 +538,12 @@ def _judge_freeze(
             "by a signal (state T) throughout"
         )
         return _verdict(
-            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
+            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads, answer
         )
     if used is not None and cpu_was_idle(used, apart):
         why = "no wait beyond two: the engine is doing nothing"
         return _verdict(
-            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads
+            VerdictKind.WEDGED, False, _wedge_evidence(frozen, worst, why + cpu_text), reads, answer
         )
     if elapsed >= window.seconds:
         return _verdict(
@@ -546,6 +551,7 @@ def _judge_freeze(
             False,
             _wedge_evidence(frozen, worst, _window_text(window, frozen) + cpu_text),
             reads,
+            answer,
         )
     if len(reads) < max_reads:
         return TakeRead(
@@ -553,7 +559,7 @@ def _judge_freeze(
             f"{window.seconds:g} s ({window.why}){cpu_text}"
         )
     short = f"short of its window {window.seconds:g} s ({window.why}){cpu_text}"
-    return _stalled(reads, worst, streak, elapsed, short)
+    return _stalled(reads, worst, streak, elapsed, short, answer)
 
 
 def _stood_still(frozen: Sequence[Read]) -> float:
@@ -578,7 +584,12 @@ def _apart(earlier: Read | Answer, later: Read | Answer) -> float:
 
 
 def _stalled(
-    reads: Sequence[Read], worst: str, streak: int, elapsed: float, short_of: str
+    reads: Sequence[Read],
+    worst: str,
+    streak: int,
+    elapsed: float,
+    short_of: str,
+    answer: Answer | None = None,
 ) -> Verdict:
     """A freeze the reads ran out on before it proved anything (``short_of``: what it
     did not yet reach)."""
@@ -589,6 +600,7 @@ def _stalled(
         f"({elapsed:.1f} s), {short_of}; this run's reads ran out first (max_check_time); "
         "not yet proof",
         reads,
+        answer,
     )
 
 
@@ -859,7 +871,9 @@ def _judge_restarted(
             f"{change}; the new process shows {_describe_work(last)}",
         )
     if len(since) >= 2:
-        busy = _healthy_if_progressing(since)
+        # With the tiny request that timed out before the new process showed work, if
+        # one did: it was sent.
+        busy = _healthy_if_progressing(since, answer=answer)
         if busy is not None:
             return Verdict(
                 VerdictKind.RESTARTED,
@@ -869,7 +883,9 @@ def _judge_restarted(
                 busy.waiting,
                 busy.steps_per_s,
                 busy.tokens_per_s,
+                requests_sent=busy.requests_sent,
                 reads=tuple(reads),
+                answer=answer,
             )
     # One wait of the new process's own reads, as before a wedge window existed: a run
     # that may read for minutes must not wait them out before it says "restarted".
@@ -880,6 +896,7 @@ def _judge_restarted(
         False,
         f"restarted: {change}; the new process shows {_describe_work(last)} and no progress yet",
         reads,
+        answer,
     )
 
 

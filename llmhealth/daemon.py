@@ -32,7 +32,7 @@ from rich.live import Live
 from llmhealth import config as config_module
 from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
-from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, asleep_engines
 from llmhealth.cluster import ClusterError, Seat, SharedReads
 from llmhealth.cycle import (
     Kept,
@@ -394,7 +394,16 @@ class Daemon:
         server may route one to the sleeping engine. Not routed to until it wakes."""
         probe = self._state.probes.get(name)
         outcome = probe.outcome if probe is not None else None
-        return outcome is not None and asleep_on_purpose(outcome.verdict)
+        if outcome is None:
+            return False
+        if any(
+            read.signals is not None and read.signals.has_vllm for read in outcome.verdict.reads
+        ):
+            return asleep_on_purpose(outcome.verdict)
+        # No read of its own shows it (its /metrics failing since this run or its task
+        # began): as the record last saw it, asleep until a read shows it awake, as its
+        # verdict judged it (``classify.decide``'s baseline), or clients crashed it.
+        return bool(asleep_engines(self._news[0].get(name)))
 
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the

@@ -40,10 +40,10 @@ from llmhealth.ledger import (
     WedgeProven,
     is_finite_number,
 )
-from llmhealth.metrics import EngineSignals, Signals
+from llmhealth.metrics import MAX_SLEEP_STATE, EngineSignals, Signals
 from llmhealth.policy import Hold, RestartHistory
 from llmhealth.rows import Table
-from llmhealth.text import other_server, same_server
+from llmhealth.text import other_server, printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
 
@@ -93,7 +93,14 @@ class Sighting:
         if self.baseline is not None:
             baseline = {
                 "process_start": self.baseline.process_start,
-                "engines": {e.engine: e.counters for e in self.baseline.engines},
+                # With the sleep state of an engine asleep on purpose: a server last read
+                # asleep is asked nothing until a read shows it awake, in the next run too.
+                "engines": {
+                    e.engine: {**e.counters, "sleep_state": e.sleep_state}
+                    if e.asleep
+                    else e.counters
+                    for e in self.baseline.engines
+                },
             }
         document: dict[str, Any] = {
             "at": self.at,
@@ -125,9 +132,13 @@ class Sighting:
         for engine, counters in engines_table.items():
             path = f"{where}.baseline.engines.{engine}"
             values = _table(counters, path)
+            sleep_state = values.get("sleep_state")
             engines.append(
                 EngineSignals(
                     engine=str(engine),
+                    sleep_state=printable(sleep_state[:MAX_SLEEP_STATE])
+                    if isinstance(sleep_state, str)
+                    else None,
                     steps=_optional_number(values, "steps", path),
                     generation_tokens=_optional_number(values, "generation_tokens", path),
                     prompt_tokens=_optional_number(values, "prompt_tokens", path),

@@ -635,7 +635,10 @@ async def examine_once(
         return _unexamined(exc)
     if isinstance(decision, Verdict) and decision.kind is VerdictKind.RESTARTED:
         # The new process's reads start here: the old one's must not be compared again.
-        del window[:-1]
+        # From its newest read with vLLM series, where failed reads came after it (the
+        # verdict came at one): read asleep, it stays unasked until a read shows it awake.
+        newest = newest_vllm_read(window)
+        del window[: len(window) - 1 if newest is None else newest]
     return decision if isinstance(decision, Verdict) else None
 
 
@@ -661,7 +664,19 @@ def keep_read(window: list[Read], read: Read, limit: int) -> None:
         # covered (reads dropped between were all of it: no progress between any two).
         first = freeze_began(window)
         if first is not None and first < len(window) - limit:
-            del window[first + 1 : len(window) - (limit - 1)]
+            tail = len(window) - (limit - 1)
+            newest = newest_vllm_read(window)
+            if (
+                limit >= 3
+                and newest is not None
+                and first < newest < tail
+                and asleep_engines(window[newest].signals)
+            ):
+                # Asleep too (below): that read stays as well, one read fewer of the rest.
+                del window[newest + 1 : tail + 1]
+                del window[first + 1 : newest]
+            else:
+                del window[first + 1 : tail]
             del window[:first]
             return
     keep = min(limit, needed)

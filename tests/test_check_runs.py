@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import resource
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
+from pytest_httpserver import HTTPServer
 from simproc import running_simulator
+from werkzeug import Request, Response
 
 FAST = ["--format", "json", "--wait", "0.3", "--timeout", "1", "--answer-timeout", "1"]
 RUN_TIMEOUT = 30.0  # a bound for a hung run, far above the ~1.5 s a run takes here
@@ -412,3 +415,44 @@ def test_a_fleet_larger_than_the_open_file_limit_is_read_whole(
     run = Run(completed.returncode, completed.stdout, completed.stderr)
     verdicts = [backend["verdict"] for backend in run.report["backends"]]
     assert verdicts == ["busy"] * 60, completed.stdout
+
+
+def test_a_server_the_last_check_read_asleep_is_not_asked_while_its_metrics_fail(
+    entry_point: str, tmp_path: Path, httpserver: HTTPServer
+) -> None:
+    """README: a server last read asleep stays so until a read shows it awake; a /metrics
+    that fails meanwhile (a 503, or the read before this `check` showed it asleep) is
+    `no_metrics`, not asked. The state file kept the last read's counters and start time
+    but not its sleep state: the next `check`, its /metrics answering 503, sent the
+    completion that crashes a sleeping vLLM (#15483)."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    failing = threading.Event()
+    completions: list[bool] = []  # whether /metrics failed then
+
+    def metrics(_request: Request) -> Response:
+        if failing.is_set():
+            return Response("starting", status=503)
+        return Response(asleep, content_type="text/plain")
+
+    def complete(_request: Request) -> Response:
+        completions.append(failing.is_set())
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    state = tmp_path / "state.json"
+    url = httpserver.url_for("").rstrip("/")
+    first = check(entry_point, state, url)
+    assert first.backend()["verdict"] == "idle", first.stdout
+    failing.set()
+    second = check(entry_point, state, url)
+    assert second.backend()["verdict"] == "no_metrics", second.stdout
+    assert completions == [], second.backend()["evidence"]
+    assert "asleep" in second.backend()["evidence"]

@@ -1663,3 +1663,27 @@ def test_work_gauges_with_a_steady_kv_use_but_no_counter_never_prove_a_wedge(
     assert engine is not None and engine.steps is None and engine.kv_usage is not None
     verdict = walk(reads).verdict
     assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+
+
+def test_a_tiny_request_that_timed_out_is_kept_in_the_restart_verdict_after_it(
+    fixture_text: Load,
+) -> None:
+    # Idle, asked, the request timed out (an engine with a long step), and the reads after
+    # it came from a new process that shows work and progress: a request was sent, and
+    # the verdict says so, as a busy one after it does.
+    def new_process(name: str) -> str:
+        return capture(fixture_text, name).replace(
+            "process_start_time_seconds 1.79602437626e+09",
+            "process_start_time_seconds 1.79602467547e+09",
+        )
+
+    reads = timed([capture(fixture_text, "idle-1"), new_process("busy-1"), new_process("busy-2")])
+    step = LongestStep(60.0, "a long step")
+    assert isinstance(decide(reads[:1], learned=step), SendTinyRequest)
+    timed_out = Answer(T0 + 10, False, "timed out after 10.0 s", timed_out=True)
+    assert isinstance(decide(reads[:1], timed_out, max_reads=61, learned=step), TakeRead)
+    assert isinstance(decide(reads[:2], timed_out, max_reads=61, learned=step), TakeRead)
+    verdict = settled(decide(reads, timed_out, max_reads=61, learned=step))
+    assert verdict.kind is VerdictKind.RESTARTED, verdict.evidence
+    assert verdict.requests_sent == 1, verdict.evidence
+    assert verdict.answer is timed_out

@@ -1581,3 +1581,168 @@ def test_a_server_read_asleep_is_not_asked_once_its_failed_reads_fill_the_watch_
     asked = [v.evidence for v in verdicts if v is not None and v.requests_sent]
     assert backend.completions == 0, asked[:1]
     assert all(v is not None and "asleep" in v.evidence for v in verdicts)
+
+
+def test_an_engine_asleep_beside_a_frozen_one_is_not_asked_once_failed_reads_fill_the_window(
+    httpserver: HTTPServer,
+) -> None:
+    """Data-parallel: engine 0 put to sleep on purpose while engine 1 held work through a
+    long step (no counter moved over one wait), then /metrics failing (HTTP 503) read
+    after read. The window keeps the freeze's first read once failed reads outgrow it
+    (``keep_read``), and that path dropped the asleep read: the freeze's first read,
+    taken before engine 0 slept, was then the newest with vLLM series, and the next read
+    sent the completion a data-parallel server may route to the sleeping engine (#15483)."""
+    one = "\n".join(
+        line.replace('engine="0"', 'engine="1"')
+        for line in capture("wedge-1").splitlines()
+        if line.startswith("vllm:")
+    )
+    sleeping = (
+        capture("idle-1")
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    backend = Backend(httpserver, [f"{capture('idle-1')}\n{one}\n", f"{sleeping}\n{one}\n"])
+    served = backend._metrics
+
+    def metrics(request: Request) -> Response:
+        response = served(request)
+        if backend.metrics_reads > 2:
+            response.status_code = 503
+        return response
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
+        backend._complete
+    )
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles() -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(settings.paced_read_limit + 4):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", backend.url), settings, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    verdicts = asyncio.run(cycles())
+    asked = [v.evidence for v in verdicts if v is not None and v.requests_sent]
+    assert backend.completions == 0, asked[:1]
+    assert all(v is not None and "asleep" in v.evidence for v in verdicts[2:])
+
+
+def test_a_new_process_read_asleep_is_not_asked_after_its_restart_verdict_came_at_a_failed_read(
+    httpserver: HTTPServer,
+) -> None:
+    """A data-parallel server restarted: its new process shows engine 0 asleep on purpose
+    and work on engine 1 (one more read judges it), then /metrics fails (HTTP 503). The
+    ``restarted`` verdict came at the failed read, unasked, and the window was cut to
+    that read alone: the asleep read gone, the next failed read sent the completion the
+    server may route to the sleeping engine (#15483), though no read showed it awake."""
+    one = "\n".join(
+        line.replace('engine="0"', 'engine="1"')
+        for line in capture("wedge-1").splitlines()
+        if line.startswith("vllm:")
+    )
+    sleeping = (
+        capture("restart-1")
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    backend = Backend(httpserver, [capture("restart-0"), f"{sleeping}\n{one}\n"])
+    served = backend._metrics
+
+    def metrics(request: Request) -> Response:
+        response = served(request)
+        if backend.metrics_reads > 2:
+            response.status_code = 503
+        return response
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
+        backend._complete
+    )
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles() -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(5):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", backend.url), settings, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    verdicts = asyncio.run(cycles())
+    kinds = [None if v is None else v.kind for v in verdicts]
+    assert kinds[:3] == [VerdictKind.IDLE, None, VerdictKind.RESTARTED], kinds
+    # The old process, idle and awake, was asked at the first read: that one only.
+    asked = [v.evidence for v in verdicts[1:] if v is not None and v.requests_sent]
+    assert backend.completions == 1, asked[:1]
+
+
+def test_a_tiny_request_that_timed_out_is_kept_in_a_freeze_verdict_after_it(
+    httpserver: HTTPServer,
+) -> None:
+    """An idle engine with a long learned step was asked, the request timed out, and the
+    reads after it showed work that did not move (a freeze, judged by its window): the
+    verdict said ``requests_sent`` 0 and had no answer, though a request had been sent
+    and had timed out, as the busy and one-wait stalled verdicts no longer say."""
+    release = threading.Event()
+    frozen = capture("wedge-1")
+    idle = frozen
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        idle = "\n".join(
+            f"{line.rpartition(' ')[0]} 0.0" if line.startswith(name + "{") else line
+            for line in idle.splitlines()
+        )
+    backend = Backend(httpserver, [idle + "\n", frozen])
+
+    def hang(_request: Request) -> Response:
+        backend.completions += 1
+        release.wait(0.6)  # past the answer's timeout; the server then reads again
+        return Response("late")
+
+    httpserver.clear_all_handlers()
+    httpserver.expect_request("/metrics").respond_with_handler(backend._metrics)
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(hang)
+    settings = ProbeSettings(
+        wait=0.0, timeout=1.0, answer_timeout=0.3, max_check_time=0.4, max_reads=6
+    )
+    clock = FakeClock()
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            return await examine_backend(
+                client,
+                Target("b", backend.url),
+                settings,
+                clock=clock,
+                sleep=clock.sleep,
+                learned=LongestStep(60.0, "a long step"),
+            )
+
+    try:
+        verdict = asyncio.run(run())
+    finally:
+        release.set()
+    assert backend.completions == 1
+    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert verdict.requests_sent == 1, verdict.evidence
+    assert verdict.answer is not None and verdict.answer.timed_out

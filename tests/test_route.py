@@ -11,11 +11,13 @@ import contextlib
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from pytest_httpserver import HTTPServer
 from routeproc import (
     BOUND,
     COMPLETION,
@@ -27,6 +29,7 @@ from routeproc import (
     write_config,
 )
 from simproc import child_env, running_simulator
+from werkzeug import Request, Response
 
 from llmhealth.router import connection_cap
 
@@ -233,3 +236,55 @@ def test_no_client_request_is_sent_to_a_server_asleep_on_purpose(
                 time.sleep(0.1)
             assert failed == [], failed
             assert backend_state(route, "a") == "healthy"
+
+
+@pytest.mark.slow  # a few seconds: two real `route` runs
+def test_no_client_request_is_sent_to_a_server_the_record_saw_asleep_while_its_metrics_fail(
+    tmp_path: Path, entry_point: str, httpserver: HTTPServer
+) -> None:
+    """`route` started again over a server its record last read asleep on purpose, whose
+    /metrics now answers HTTP 503: its verdict said "asleep on purpose", no tiny request
+    went to it, but the router took it for awake (the verdict's own reads show no engine)
+    and forwarded clients' completions to it, the crash of vLLM #15483. Nor was its tiny
+    request withheld: the state file had kept the read's counters, not its sleep state."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    failing = threading.Event()
+    clients: list[bool] = []  # whether /metrics failed then
+
+    def metrics(_request: Request) -> Response:
+        if failing.is_set():
+            return Response("starting", status=503)
+        return Response(asleep, content_type="text/plain")
+
+    def complete(request: Request) -> Response:
+        if json.loads(request.get_data()).get("max_tokens") != 1:
+            clients.append(failing.is_set())  # a client's, not the tiny request
+        elif failing.is_set():
+            clients.append(True)  # the tiny request, once nothing showed it awake
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    with running_simulator(["idle"], request_seconds=0.05) as sim:
+        # "a" sorts first, so with nothing in flight every tie goes to the sleeper.
+        config = write_config(tmp_path, {"a": httpserver.url_for("").rstrip("/"), "b": sim.urls[0]})
+        for verdict in ("idle", "no_metrics"):
+            with running_route(entry_point, config, free_port()) as route:
+                deadline = time.monotonic() + BOUND
+                settled = f'llmhealth_backend_verdict{{backend="a",verdict="{verdict}"}} 1.0'
+                while settled not in httpx.get(route + "/metrics", timeout=5).text:
+                    assert time.monotonic() < deadline, f"never settled {verdict}"
+                    time.sleep(0.05)
+                time.sleep(0.6)  # a settle after it, for the router's serving set
+                for _ in range(6):
+                    response = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                    assert response.status_code == 200
+            failing.set()
+    assert clients == [], f"{len(clients)} client completions sent to the sleeping server"
