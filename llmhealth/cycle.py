@@ -567,7 +567,7 @@ async def run_cycle_async(
         assert store is not None  # orders come only from a settle that saved them
         # An operator's verb saved while an earlier command ran (outside the lock, which
         # it must not hold up): a hold or a retire since the settle stops this one.
-        dropped = _withdrawn(store, config, order, clock()) if done else None
+        dropped = withdrawn_now(store, config, order, clock()) if done else None
         if dropped is not None:
             done.append(dropped)
             continue
@@ -645,7 +645,9 @@ async def run_cycle_async(
     return report
 
 
-def _withdrawn(store: Store, config: Config, order: RestartOrder, now: float) -> CommandDone | None:
+def withdrawn_now(
+    store: Store, config: Config, order: RestartOrder, now: float
+) -> CommandDone | None:
     """The order dropped, not run, if the record as stored now says it must not run: an
     operator's verb, which is no failed restart (``CommandDone.withdrawn``)."""
     why = _no_longer_to_run(store, config, order, now)

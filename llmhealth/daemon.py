@@ -47,6 +47,7 @@ from llmhealth.cycle import (
     reconciled,
     routed_backends,
     settle_fleet,
+    withdrawn_now,
 )
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector, serve
 from llmhealth.fleet import (
@@ -270,7 +271,7 @@ class Daemon:
         self._models: dict[str, frozenset[str]] = {}  # as the tiny request last listed them
         # Restart commands run beside the loop, never inside a settle or the state lock;
         # what they finished waits here for the next settle. Touched on the loop only.
-        self._commands_running: dict[asyncio.Future[CommandResult], RestartOrder] = {}
+        self._commands_running: dict[asyncio.Future[CommandDone], RestartOrder] = {}
         self._commands_done: list[CommandDone] = []
         # on_serving_change runs the same way: one at a time, once more if the serving
         # file changed again while it ran.
@@ -628,18 +629,27 @@ class Daemon:
             self._log(f"{order.name}: restart saved but not run: {exc}")
             return
         try:
-            running = _in_daemon_thread(_run_order, order)
+            running = _in_daemon_thread(self._run_unless_withdrawn, order)
         except RuntimeError as exc:  # out of threads: not run, and the next settle hears so
             self._drop_order(order, f"no thread to run it in: {exc}")
             return
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
 
+    def _run_unless_withdrawn(self, order: RestartOrder) -> CommandDone:
+        """In the command's thread: the order dropped, not run, when the record as stored
+        now says it must not run (``cycle.withdrawn_now``). The settle that issued it let go
+        of the lock before this launch, and an operator's `hold` or `retire` waiting for
+        that lock was saved in between, and answered as applied, while the restart went
+        ahead; `check` looks again before each command for the same reason."""
+        dropped = withdrawn_now(self._store, self._config, order, self._clock())
+        return dropped if dropped is not None else CommandDone(order, _run_order(order))
+
     def _drop_order(self, order: RestartOrder, why: str, *, withdrawn: bool = False) -> None:
         self._log(f"{order.name}: its restart command will not run: {why}")
         self._commands_done.append(not_run(order, why, withdrawn=withdrawn))
 
-    def _command_finished(self, running: asyncio.Future[CommandResult]) -> None:
+    def _command_finished(self, running: asyncio.Future[CommandDone]) -> None:
         order = self._commands_running.pop(running)
         if running.cancelled():
             return
@@ -647,9 +657,12 @@ class Daemon:
         if error is not None:  # a bug of ours; the startup grace will fail the restart
             self._log(f"{order.name}: the restart command could not be run: {error!r}")
             return
-        if self._steady is not None:  # before the settle that starts the grace hears of it
+        done = running.result()
+        if done.withdrawn:  # nothing ran: no grace starts
+            self._log(f"{order.name}: its restart command will not run: {done.result.stderr}")
+        elif self._steady is not None:  # before the settle that starts the grace hears of it
             self._commands_ended[order.name] = (same_server(order.url), self._steady())
-        self._commands_done.append(CommandDone(order, running.result()))
+        self._commands_done.append(done)
 
     def _run_serving_hook(self) -> None:
         """Tell the balancer, beside the loop: a slow `nginx -s reload` holds no settle."""
@@ -700,7 +713,11 @@ class Daemon:
             for order in self._commands_running.values():
                 self._log(f"{order.name}: restart command still running; its restart stays issued")
         done = self._take_commands()
-        if not done:
+        # What the router saw since the last settle too: dropped, an answered request that
+        # broke a failure streak was never heard, and the next run's first failure
+        # condemned the backend "3 in a row".
+        requests = self._router.drain() if self._router is not None else None
+        if not done and not requests:
             return
         try:
             # A command still running keeps its restart's grace from running out, in
@@ -708,6 +725,7 @@ class Daemon:
             news = News(
                 [],
                 done,
+                requests,
                 final=True,
                 commands_running=self._restarting_now(),
                 unread=self._unread(),

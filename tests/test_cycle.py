@@ -21,7 +21,6 @@ from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import (
     Kept,
     Settled,
-    _withdrawn,
     backend_urls,
     fresh_record,
     ledger_policy,
@@ -29,6 +28,7 @@ from llmhealth.cycle import (
     run_loop,
     settle,
     settle_fleet,
+    withdrawn_now,
 )
 from llmhealth.fleet import FleetRecord, Sighting, process_of
 from llmhealth.ledger import (
@@ -1078,7 +1078,7 @@ def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_res
     store, audit, order = issued(tmp_path)
     held = operate.hold(store, audit, RESTARTABLE, "gpu0", 60, "sync", clock=lambda: T0 + 10)
     assert held.applied, held.message
-    dropped = _withdrawn(store, RESTARTABLE, order, T0 + 20)  # as check drops a later command
+    dropped = withdrawn_now(store, RESTARTABLE, order, T0 + 20)  # as check drops a later command
     assert dropped is not None and "hold" in dropped.result.stderr, dropped
     record = hear(store, audit, dropped, start=T0 + 30)
     assert record.ledger.state_of("gpu0") == "dead"  # owed its restart once the hold ends
@@ -1110,7 +1110,7 @@ def test_a_restart_withdrawn_because_an_operator_held_its_backend_spends_no_atte
     [order] = settle_at(T0).orders
     held = operate.hold(store, audit, config, "gpu0", 3600, "sync", clock=lambda: T0 + 10)
     assert held.applied, held.message
-    dropped = _withdrawn(store, config, order, T0 + 20)  # as check drops a later command
+    dropped = withdrawn_now(store, config, order, T0 + 20)  # as check drops a later command
     assert dropped is not None and dropped.withdrawn, dropped
     record = settle_at(T0 + 30, [dropped]).record
     assert record.ledger.state_of("gpu0") == "dead"

@@ -56,12 +56,12 @@ from llmhealth import daemon as daemon_module
 from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
-from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy
+from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy, settle_fleet
 from llmhealth.daemon import Daemon, Notifier
 from llmhealth.fleet import READS_KEEP_UP, Sighting, StallWatch
 from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
-from llmhealth.remediate import RestartOrder
+from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 from llmhealth.state import RecordMovedError, StateFile
@@ -1375,6 +1375,47 @@ def _fast_daemon_over_one_busy_backend(urls: Urls, tmp_path: Path) -> Daemon:
         serving_file=None,
         console=Console(stderr=True),
     )
+
+
+def test_a_hold_saved_after_the_settle_that_issued_a_restart_withdraws_its_command(
+    tmp_path: Path,
+) -> None:
+    # watch saves a restart as issued (RESTARTING), lets go of the state lock, and only
+    # then launches its command. An operator's hold waiting for that lock was saved in
+    # between and answered as applied, and the command ran all the same; check looks at
+    # the record again before a command for this very reason.
+    marker = tmp_path / "restarted"
+    target = Target("w", REFUSED_URL)
+    backend = config_module.Backend("w", REFUSED_URL, restart=("touch", str(marker)))
+    config = config_module.Config(backends=(backend,))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    wedge = Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
+    settled = settle_fleet(
+        store, config, {"w": REFUSED_URL}, lambda _record: [wedge], mode=Mode.ACT, audit=audit
+    )
+    [order] = settled.orders
+    held = operate.hold(store, audit, config, "w", 3600, "weight sync")
+    assert held.applied, held.message
+    daemon = Daemon(
+        lambda: (config, [target]),
+        store,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def launch() -> None:
+        try:
+            daemon._launch(order)
+            await asyncio.wait(set(daemon._commands_running))
+        finally:
+            await daemon._reading.close()
+
+    asyncio.run(launch())
+    assert not marker.exists(), "the restart command ran though its backend was held"
+    [done] = daemon._take_commands()
+    assert done.withdrawn and "on hold" in done.result.stderr, done
 
 
 def test_a_reload_that_shortens_the_wait_forgets_each_targets_timing_until_its_next_read(
@@ -3329,8 +3370,8 @@ def clocked_daemon(
 
 def command_heard(daemon: Daemon, order: RestartOrder, argv: tuple[str, ...]) -> None:
     """The daemon hears ``order``'s restart command exit 0 now (on its event loop)."""
-    ran: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-    ran.set_result(CommandResult(argv, 0, False, 0.1, "", ""))
+    ran: asyncio.Future[CommandDone] = asyncio.get_running_loop().create_future()
+    ran.set_result(CommandDone(order, CommandResult(argv, 0, False, 0.1, "", "")))
     daemon._commands_running[ran] = order
     daemon._command_finished(ran)
 

@@ -8,11 +8,13 @@ handful of client-visible failures, each bounded by first_byte_timeout.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -288,3 +290,134 @@ def test_no_client_request_is_sent_to_a_server_the_record_saw_asleep_while_its_m
                     assert response.status_code == 200
             failing.set()
     assert clients == [], f"{len(clients)} client completions sent to the sleeping server"
+
+
+class _FailingFront(http.server.BaseHTTPRequestHandler):
+    """In front of one simulated backend: answers 500 to the first ``failures`` client
+    completions (the router's, ``max_tokens`` 2), then forwards everything (the tiny
+    request, the reads of /metrics) to ``upstream`` as it is."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    failures = 0
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._forward(b"")
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if json.loads(body).get("max_tokens") == COMPLETION["max_tokens"] and self.failures:
+            type(self).failures -= 1
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._forward(body)
+
+    def _forward(self, body: bytes) -> None:
+        response = httpx.request(
+            self.command, self.upstream + self.path, content=body or None, timeout=BOUND
+        )
+        self.send_response(response.status_code)
+        self.send_header("Content-Type", response.headers.get("content-type", "text/plain"))
+        self.send_header("Content-Length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+
+@contextlib.contextmanager
+def failing_front(upstream: str, failures: int) -> Iterator[str]:
+    handler = type("Front", (_FailingFront,), {"upstream": upstream, "failures": failures})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.slow  # a few seconds: a real `route` over the simulator
+def test_a_backend_condemned_by_traffic_comes_back_in_place_while_others_requests_land(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # Three failed requests condemn "a"; then its same process serves well. The router
+    # sends it nothing (DEAD), and only an answered request clears the request-failure
+    # streak, but the tiny request went to it only when no request had finished since the
+    # last read: another client's short requests, landing between every two reads, kept it
+    # DEAD for as long as they came, while every read proved the same process good.
+    with (
+        running_simulator(["idle", "idle"], request_seconds=0.05) as sim,
+        failing_front(sim.urls[0], 3) as front,
+    ):
+        config = write_config(tmp_path, {"a": front, "b": sim.urls[1]})
+        stop = threading.Event()
+
+        def elsewhere() -> None:  # another client of a's server, straight to it
+            while not stop.wait(0.15):
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(sim.urls[0] + "/v1/completions", json=COMPLETION, timeout=BOUND)
+
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        try:
+            with running_route(entry_point, config, free_port()) as route:
+                deadline = time.monotonic() + BOUND
+                while backend_state(route, "a") != "dead":
+                    assert time.monotonic() < deadline, "traffic never condemned a"
+                    httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                state = tmp_path / "state.json"
+                while True:
+                    assert time.monotonic() < deadline, "a never left DEAD nor proved itself"
+                    record = saved_record(state, "a")
+                    # Twice the good verdicts in a row its recovery needs (2), each proven
+                    # by requests finishing on the condemned process: it had to be back.
+                    if record["state"] != "dead" or int(str(record["good_streak"])) >= 4:
+                        break
+                    time.sleep(0.05)
+        finally:
+            stop.set()
+            other.join()
+    assert record["state"] != "dead", record
+
+
+@pytest.mark.slow  # a few seconds: a real `route` over the simulator
+def test_what_the_router_saw_since_the_last_settle_is_saved_on_the_way_out(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # Two failed requests left "a" SUSPECT, 2 request failures in a row; then a request it
+    # answered broke the streak, and the router was stopped before the next settle. The
+    # answer was dropped with the daemon: the state kept 2 in a row, and the next run's
+    # first failure condemned "a", "request failure 3 in a row".
+    state = tmp_path / "state.json"
+    with (
+        running_simulator(["idle", "idle"], request_seconds=0.05) as sim,
+        failing_front(sim.urls[0], 2) as front,
+    ):
+        config = write_config(tmp_path, {"a": front, "b": sim.urls[1]})
+        config.write_text(config.read_text().replace('wait = "0.5s"', 'wait = "1s"'))
+        with running_route(entry_point, config, free_port()) as route:
+            deadline = time.monotonic() + BOUND
+            for failures in (1, 2):
+                # "a" sorts first: it is sent the next request once back in the choice.
+                while httpx.post(route + "/v1/completions", json=COMPLETION).status_code != 500:
+                    assert time.monotonic() < deadline, "a was never sent a request"
+                while (
+                    not state.exists() or saved_record(state, "a")["request_failures"] != failures
+                ):
+                    assert time.monotonic() < deadline, "the failure was never settled"
+                    time.sleep(0.05)
+            while True:  # back in the choice after the settle: answered now
+                assert time.monotonic() < deadline, "a never answered"
+                response = httpx.post(route + "/v1/completions", json=COMPLETION)
+                if response.headers.get("X-LLMHealth-Backend") == "a":
+                    break
+                time.sleep(0.05)
+            assert response.status_code == 200
+    record = saved_record(state, "a")
+    assert record["request_failures"] == 0, record
