@@ -32,7 +32,15 @@ from rich.live import Live
 from llmhealth import config as config_module
 from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command, without_keys
 from llmhealth.choice import ANY_MODEL, Models
-from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, asleep_engines
+from llmhealth.classify import (
+    Outcome,
+    Read,
+    Target,
+    Verdict,
+    VerdictKind,
+    asleep_engines,
+    newest_vllm_read,
+)
 from llmhealth.cluster import ClusterError, Seat, SharedReads
 from llmhealth.cycle import (
     Kept,
@@ -154,6 +162,10 @@ class _Probe:
     # A not-judged notice heard while a judged verdict awaited its settle: the settle
     # after that one hears it (a reader lost for good is then said as such).
     after: Outcome | None = None
+    # Whether its window's newest read with vLLM series, as last heard, shows an engine
+    # asleep on purpose; None without one. Newer than its verdict's reads: an undecided
+    # read (work on another engine) shows it too.
+    window_asleep: bool | None = None
 
 
 @dataclass(slots=True)
@@ -329,6 +341,8 @@ class Daemon:
             self._seat.elector.start()
         try:
             baselines, learned = await asyncio.to_thread(self._read_baselines)
+            # What the record saw, until the first settle says it again (``_asleep``).
+            self._news = (baselines, self._news[1])
             workers = worker_count(self._config.read_workers, len(self._targets), usable_cores())
             if workers > 1:
                 self._reading = ReadPool(
@@ -394,16 +408,17 @@ class Daemon:
         completion sent to a sleeping vLLM crashed it (vLLM #15483), and a data-parallel
         server may route one to the sleeping engine. Not routed to until it wakes."""
         probe = self._state.probes.get(name)
+        if probe is not None and probe.window_asleep is not None:
+            return probe.window_asleep
         outcome = probe.outcome if probe is not None else None
-        if outcome is None:
-            return False
-        if any(
+        if outcome is not None and any(
             read.signals is not None and read.signals.has_vllm for read in outcome.verdict.reads
         ):
             return asleep_on_purpose(outcome.verdict)
-        # No read of its own shows it (its /metrics failing since this run or its task
-        # began): as the record last saw it, asleep until a read shows it awake, as its
-        # verdict judged it (``classify.decide``'s baseline), or clients crashed it.
+        # No read of its own shows it (no verdict yet since this run or its task began, or
+        # its /metrics failing since): as the record last saw it, asleep until a read shows
+        # it awake, as its verdict judged it (``classify.decide``'s baseline), or clients
+        # crashed it. From the start too: the saved serving set is routed before any read.
         return bool(asleep_engines(self._news[0].get(name)))
 
     def stop(self) -> None:
@@ -886,8 +901,13 @@ class Daemon:
         return Publication(dict(self._serials), verdicts, examined, urls, reading_at)
 
     def _heard(
-        self, target: Target, verdict: Verdict | None, seconds: float, _window: Sequence[Read]
+        self, target: Target, verdict: Verdict | None, seconds: float, window: Sequence[Read]
     ) -> None:
+        newest = newest_vllm_read(window)
+        probe = self._state.probes.setdefault(target.name, _Probe())
+        probe.window_asleep = (
+            None if newest is None else bool(asleep_engines(window[newest].signals))
+        )
         self.hear(target, verdict, seconds)
 
     def _probe_task_died(self, name: str, cause: str) -> None:

@@ -407,6 +407,12 @@ def _newest_signals(verdict: Verdict) -> Signals | None:
     return None
 
 
+def _awake(signals: Signals) -> Signals:
+    """These signals without the sleep state of any engine."""
+    engines = tuple(replace(engine, sleep_state=None) for engine in signals.engines)
+    return replace(signals, engines=engines)
+
+
 def asleep_on_purpose(verdict: Verdict) -> bool:
     """The verdict's newest readable read shows an engine put to sleep on purpose."""
     return bool(asleep_engines(_newest_signals(verdict)))
@@ -530,6 +536,7 @@ class FleetRecord:
             # whose outcomes the router still records (``Router.configure``).
             if other_server(url, self.ledger.url_of(name)):
                 self.fresh_since[name] = now
+                self._not_asleep(name)
         self.ledger.readdress(moves)
         for name, url in backends.items():
             if name not in self.ledger:
@@ -721,6 +728,7 @@ class FleetRecord:
                 # condemned it was the server it left, and restarted before its first
                 # read here, a server never judged was restarted.
                 self.fresh_since[name] = now
+                self._not_asleep(name)
             note = f"{name}: back in the config at {url}; stays {state} as it left"
             return MembershipChange(name, "added", state, note)
         if name not in self.retired_forgotten:
@@ -733,6 +741,14 @@ class FleetRecord:
         self._take_back(name, name, url, now)
         note = f"{name}: back in the config at {url}; stays RETIRED ({_RETIRED_BACK})"
         return MembershipChange(name, "added", State.RETIRED, note)
+
+    def _not_asleep(self, name: str) -> None:
+        """A backend moved to another server: the sleep its sighting shows was the old
+        server's. Kept, a server at the new address whose /metrics has no vLLM series
+        was never asked, routed to nor re-admitted (a read showing it awake never came)."""
+        seen = self.sightings.get(name)
+        if seen is not None and seen.baseline is not None:
+            self.sightings[name] = replace(seen, baseline=_awake(seen.baseline))
 
     def _take_back(
         self, kept: str, name: str, url: str | None = None, now: float | None = None

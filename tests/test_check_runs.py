@@ -456,3 +456,46 @@ def test_a_server_the_last_check_read_asleep_is_not_asked_while_its_metrics_fail
     assert second.backend()["verdict"] == "no_metrics", second.stdout
     assert completions == [], second.backend()["evidence"]
     assert "asleep" in second.backend()["evidence"]
+
+
+def test_a_backend_moved_off_a_server_read_asleep_is_asked_at_its_new_address(
+    entry_point: str, tmp_path: Path, httpserver: HTTPServer
+) -> None:
+    """The record keeps the sleep of a server last read asleep, and a move keeps the
+    sighting (the first read there shows a restart as such): that sleep was the old
+    server's. A backend moved by a config edit onto a server whose /metrics has no vLLM
+    series (HTTP 404) was never asked, `no_metrics` and exit 2 at every check for ever,
+    and `route` sent it no client."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    httpserver.expect_request("/metrics").respond_with_data(asleep, content_type="text/plain")
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    other = HTTPServer(host="127.0.0.1", port=0)
+    other.expect_request("/metrics").respond_with_data("not here", status=404)
+    other.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    other.expect_request("/v1/completions", method="POST").respond_with_json(
+        {"choices": [{"text": "!"}]}
+    )
+    other.start()
+    state = tmp_path / "state.json"
+    config = tmp_path / "llmhealth.toml"
+
+    def at(url: str) -> str:
+        config.write_text(f'state = "{state}"\n[[backend]]\nname = "a"\nurl = "{url}"\n')
+        return str(config)
+
+    try:
+        first = check(entry_point, state, "--config", at(httpserver.url_for("").rstrip("/")))
+        assert first.backend()["verdict"] == "idle", first.stdout
+        moved = check(entry_point, state, "--config", at(other.url_for("").rstrip("/")))
+    finally:
+        other.clear()
+        other.stop()
+    assert moved.backend()["verdict"] == "no_metrics", moved.stdout
+    assert "tiny request answered" in moved.backend()["evidence"]
+    assert moved.code == 0, moved.backend()["evidence"]

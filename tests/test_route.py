@@ -421,3 +421,151 @@ def test_what_the_router_saw_since_the_last_settle_is_saved_on_the_way_out(
             assert response.status_code == 200
     record = saved_record(state, "a")
     assert record["request_failures"] == 0, record
+
+
+@pytest.mark.slow  # a few seconds: two real `route` runs
+def test_route_started_again_sends_no_client_request_to_a_server_its_record_saw_asleep(
+    tmp_path: Path, entry_point: str
+) -> None:
+    """`route` pushes the saved record's serving set before any read; a server the record
+    last read asleep on purpose was in it, and until its first verdict came (a slow
+    /metrics: up to the read's timeout) clients' completions went to it, the crash of
+    vLLM #15483, though no read had shown it awake."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+    asleep = (
+        (captures / "idle-1.txt")
+        .read_text()
+        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
+        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+    )
+    slow, release = threading.Event(), threading.Event()
+    clients: list[bool] = []
+
+    def metrics(_request: Request) -> Response:
+        if slow.is_set():
+            release.wait(BOUND)  # the next run's first read waits for the test's clients
+        return Response(asleep, content_type="text/plain")
+
+    def complete(request: Request) -> Response:
+        if json.loads(request.get_data()).get("max_tokens") != 1:
+            clients.append(True)  # a client's, not the tiny request
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    sleeper = HTTPServer(host="127.0.0.1", port=0, threaded=True)
+    sleeper.expect_request("/metrics").respond_with_handler(metrics)
+    sleeper.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    sleeper.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    sleeper.start()
+    try:
+        with running_simulator(["idle"], request_seconds=0.05) as sim:
+            # "a" sorts first, so with nothing in flight every tie goes to the sleeper.
+            url = sleeper.url_for("").rstrip("/")
+            config = write_config(tmp_path, {"a": url, "b": sim.urls[0]})
+            config.write_text(
+                config.read_text().replace('wait = "0.5s"', 'timeout = "60s"\nwait = "0.5s"')
+            )
+            with running_route(entry_point, config, free_port()) as route:
+                deadline = time.monotonic() + BOUND
+                settled = 'llmhealth_backend_verdict{backend="a",verdict="idle"} 1.0'
+                while settled not in httpx.get(route + "/metrics", timeout=5).text:
+                    assert time.monotonic() < deadline, "never settled asleep"
+                    time.sleep(0.05)
+            slow.set()
+            with running_route(entry_point, config, free_port()) as route:
+                for _ in range(4):
+                    response = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                    assert response.status_code == 200
+                release.set()
+    finally:
+        release.set()
+        sleeper.clear()
+        sleeper.stop()
+    assert clients == [], f"{len(clients)} client completions sent to the sleeping server"
+
+
+@pytest.mark.slow  # a few seconds: a real `route` run
+def test_no_client_request_is_sent_after_the_settle_after_an_undecided_read_shows_it_asleep(
+    tmp_path: Path, entry_point: str
+) -> None:
+    """Data-parallel: engine 0 put to sleep on purpose as engine 1 took work (no counter
+    moved yet: one more read decides, no verdict). README: no client request from the
+    settle after a read shows it asleep; the router looked at verdicts only, and the
+    settle after that read kept forwarding clients' completions to the server, which
+    may route them to the sleeping engine (vLLM #15483)."""
+    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
+
+    def engine_one(name: str) -> str:
+        return "\n".join(
+            line.replace('engine="0"', 'engine="1"')
+            for line in (captures / f"{name}.txt").read_text().splitlines()
+            if line.startswith("vllm:")
+        )
+
+    idle = (captures / "idle-1.txt").read_text()
+    quiet = "\n".join(
+        f"{line.rpartition(' ')[0]} 0.0"
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting"))
+        else line
+        for line in engine_one("wedge-1").splitlines()
+    )
+    awake = f"{idle}\n{quiet}\n"
+    sleeping = (
+        idle.replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0').replace(
+            'sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0'
+        )
+        + "\n"
+        + engine_one("wedge-1")
+        + "\n"
+    )
+    switch, release = threading.Event(), threading.Event()
+    served: list[bool] = []  # asleep or not, per read served
+    clients: list[bool] = []
+
+    def metrics(_request: Request) -> Response:
+        if switch.is_set():
+            if any(served):
+                release.wait(BOUND)  # later reads wait for the test's clients
+            served.append(True)
+            return Response(sleeping, content_type="text/plain")
+        served.append(False)
+        return Response(awake, content_type="text/plain")
+
+    def complete(request: Request) -> Response:
+        if json.loads(request.get_data()).get("max_tokens") != 1:
+            clients.append(switch.is_set())
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    sleeper = HTTPServer(host="127.0.0.1", port=0, threaded=True)
+    sleeper.expect_request("/metrics").respond_with_handler(metrics)
+    sleeper.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    sleeper.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    sleeper.start()
+    try:
+        with running_simulator(["idle"], request_seconds=0.05) as sim:
+            url = sleeper.url_for("").rstrip("/")
+            config = write_config(tmp_path, {"a": url, "b": sim.urls[0]})
+            with running_route(entry_point, config, free_port()) as route:
+                deadline = time.monotonic() + BOUND
+                settled = 'llmhealth_backend_verdict{backend="a",verdict="idle"} 1.0'
+                while settled not in httpx.get(route + "/metrics", timeout=5).text:
+                    assert time.monotonic() < deadline, "never settled idle"
+                    time.sleep(0.05)
+                switch.set()
+                while True:
+                    assert time.monotonic() < deadline, "the asleep read never settled"
+                    if any(served):  # the asleep read served, then heard and settled
+                        n = len(served)
+                        text = httpx.get(route + "/metrics", timeout=5).text
+                        line = f'llmhealth_backend_examinations_total{{backend="a"}} {n}.0'
+                        if line in text:
+                            break
+                    time.sleep(0.05)
+                for _ in range(4):
+                    response = httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                    assert response.status_code == 200
+                release.set()
+    finally:
+        release.set()
+        sleeper.clear()
+        sleeper.stop()
+    assert [c for c in clients if c] == [], f"{len(clients)} client completions sent asleep"
