@@ -718,7 +718,12 @@ class Daemon:
         """On the way out, give running restart commands the shutdown grace, then save how
         every finished one went. A command still running after that is left to itself
         (under systemd, KillMode=mixed ends it); its restart stays on record as issued,
-        RESTARTING, which the startup grace fails if no new process shows."""
+        RESTARTING, which the startup grace fails if no new process shows.
+
+        The router stops first (no new connection; requests in progress get their drain,
+        beside the commands' grace): what it saw while they ended goes to the last settle
+        too. Drained before them, an answer that broke a failure streak was dropped."""
+        closing = None if self._router is None else asyncio.ensure_future(self._router.close())
         if self._commands_running:
             self._log(
                 f"waiting up to {SHUTDOWN_GRACE:g} s for "
@@ -727,6 +732,8 @@ class Daemon:
             await asyncio.wait(set(self._commands_running), timeout=SHUTDOWN_GRACE)
             for order in self._commands_running.values():
                 self._log(f"{order.name}: restart command still running; its restart stays issued")
+        if closing is not None:
+            await closing
         done = self._take_commands()
         # What the router saw since the last settle too: dropped, an answered request that
         # broke a failure streak was never heard, and the next run's first failure

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
@@ -153,12 +154,13 @@ class Prober:
         now = time.monotonic()
         unread = {key: why for key in keys if (why := self._not_due(key, now)) is not None}
         due = [key for key in keys if key not in unread]
+        settings = self._asking(due)
 
         async def read_and_feed(key: Key) -> ProbeResult:
             # Fed as its own read ends, not once every read has: a backend whose /metrics
             # hangs held a proven wedge back for its whole timeout (the selector still
             # sending to the wedged engine), and a call cancelled meanwhile lost it.
-            return self._feed(key, await self._examine(key, now))
+            return self._feed(key, await self._examine(key, now, settings))
 
         try:
             fed = dict(zip(due, await asyncio.gather(*map(read_and_feed, due)), strict=True))
@@ -247,7 +249,23 @@ class Prober:
     ) -> None:
         await self.aclose()
 
-    async def _examine(self, key: Key, called: float) -> Verdict | None:
+    def _asking(self, keys: Sequence[Key]) -> ProbeSettings:
+        """The settings of this call's reads: a DEAD backend whose request failures only
+        an answered request clears is asked the tiny request whenever it has nothing to
+        do, as `watch` asks it (``Ledger.awaiting_readmission``). The caller sends it
+        nothing, and another client's requests finishing between two reads kept it DEAD
+        for as long as they came, its same process proving itself at every read."""
+        if not self._fleet.policy.recover_in_place:
+            return self._settings
+        snapshots = self._fleet.snapshot()
+        awaiting = frozenset(
+            str(key)
+            for key in keys
+            if _may_recover(snapshots[key]) and snapshots[key].request_failures > 0
+        )
+        return replace(self._settings, awaiting_answer=awaiting)
+
+    async def _examine(self, key: Key, called: float, settings: ProbeSettings) -> Verdict | None:
         if self._closed:
             return None  # closed while this call ran: no connection is opened again
         slot = self._slots.get(key)
@@ -275,9 +293,7 @@ class Prober:
         baseline = slot.sighted
         if baseline is not None and any(read.signals is baseline for read in slot.window):
             baseline = None
-        return await examine_once(
-            slot.client, target, self._settings, slot.window, baseline=baseline
-        )
+        return await examine_once(slot.client, target, settings, slot.window, baseline=baseline)
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

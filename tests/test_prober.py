@@ -726,3 +726,39 @@ def test_a_prober_closed_while_it_reads_sends_no_request_after_its_close() -> No
         thread.join(5)
         listener.close()
     assert accepted == [0]
+
+
+@pytest.mark.slow
+def test_a_dead_backend_condemned_by_traffic_recovers_in_place_while_others_requests_land() -> None:
+    """As `watch` and `check` ask it: condemned by the caller's failed requests, its
+    request-failure streak is cleared only by an answered request, and the caller sends
+    it none while it is DEAD. Another client's short requests, finishing between every
+    two reads, made each read "requests finished" with no tiny request sent: the same
+    process proved itself at every read and stayed DEAD for as long as they came."""
+    completion = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+
+    async def main(url: str) -> FleetHealth:
+        fleet = FleetHealth([url], policy=FleetPolicy(recover_in_place=True))
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await prober.probe()  # idle: the ledger learns which process this is
+            for _ in range(3):
+                fleet.report_failure(0, "500 from a generation")
+            assert fleet.state_of(0) is State.DEAD
+            for _ in range(12):
+                # Another client's request, answered between this read and the next.
+                post = urllib.request.Request(
+                    f"{url}/v1/completions",
+                    data=completion,
+                    headers={"Content-Type": "application/json"},
+                )
+                answer = await asyncio.to_thread(urllib.request.urlopen, post, timeout=5)
+                answer.close()
+                await asyncio.sleep(INTERVAL)
+                await prober.probe()
+                if fleet.state_of(0) is not State.DEAD:
+                    break
+        return fleet
+
+    with running_simulator(["idle"], request_seconds=0.05) as sim:
+        fleet = asyncio.run(main(sim.urls[0]))
+    assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]

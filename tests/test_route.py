@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -569,3 +570,83 @@ def test_no_client_request_is_sent_after_the_settle_after_an_undecided_read_show
         sleeper.clear()
         sleeper.stop()
     assert [c for c in clients if c] == [], f"{len(clients)} client completions sent asleep"
+
+
+class _SlowFront(_FailingFront):
+    """As ``_FailingFront``, and each client completion after the failures waits
+    ``delay`` seconds before it is forwarded (``arrived`` set as it comes)."""
+
+    delay = 0.0
+    arrived: threading.Event
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
+        client = json.loads(body).get("max_tokens") == COMPLETION["max_tokens"]
+        if client and self.failures:
+            type(self).failures -= 1
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if client:
+            self.arrived.set()
+            time.sleep(self.delay)
+        self._forward(body)
+
+
+@pytest.mark.slow  # a few seconds: a real `route` over the simulator
+def test_a_request_answered_while_the_router_stops_is_saved_on_the_way_out(
+    tmp_path: Path, entry_point: str
+) -> None:
+    # As above, but the answered request that breaks the streak is still in flight when
+    # SIGTERM comes: the router lets it end (its drain) after the last settle took what
+    # it had seen, and the answer was dropped with the daemon, the streak kept at 2.
+    state = tmp_path / "state.json"
+    arrived = threading.Event()
+    with running_simulator(["idle", "idle"], request_seconds=0.05) as sim:
+        handler = type(
+            "Front",
+            (_SlowFront,),
+            {"upstream": sim.urls[0], "failures": 2, "delay": 1.0, "arrived": arrived},
+        )
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        serving = threading.Thread(target=server.serve_forever)
+        serving.start()
+        try:
+            front = f"http://127.0.0.1:{server.server_address[1]}"
+            config = write_config(tmp_path, {"a": front, "b": sim.urls[1]}, first_byte=5.0)
+            config.write_text(config.read_text().replace('wait = "0.5s"', 'wait = "1s"'))
+            pids: list[int] = []
+            answers: list[httpx.Response] = []
+            with running_route(entry_point, config, free_port(), started=pids) as route:
+                deadline = time.monotonic() + BOUND
+                for failures in (1, 2):
+                    while httpx.post(route + "/v1/completions", json=COMPLETION).status_code != 500:
+                        assert time.monotonic() < deadline, "a was never sent a request"
+                    while not state.exists() or (
+                        saved_record(state, "a")["request_failures"] != failures
+                    ):
+                        assert time.monotonic() < deadline, "the failure was never settled"
+                        time.sleep(0.05)
+                while not arrived.is_set():  # back in the choice after the settle
+                    assert time.monotonic() < deadline, "a never answered"
+                    asking = threading.Thread(
+                        target=lambda: answers.append(
+                            httpx.post(route + "/v1/completions", json=COMPLETION, timeout=BOUND)
+                        )
+                    )
+                    asking.start()
+                    if arrived.wait(0.5):
+                        break
+                    asking.join()
+                os.kill(pids[0], signal.SIGTERM)  # while a's answer is on its way
+                asking.join()
+        finally:
+            server.shutdown()
+            server.server_close()
+            serving.join()
+    assert answers[-1].status_code == 200
+    assert answers[-1].headers.get("X-LLMHealth-Backend") == "a"
+    record = saved_record(state, "a")
+    assert record["request_failures"] == 0, record
