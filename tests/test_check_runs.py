@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from captures import asleep_capture
 from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from werkzeug import Request, Response
@@ -425,13 +426,7 @@ def test_a_server_the_last_check_read_asleep_is_not_asked_while_its_metrics_fail
     `no_metrics`, not asked. The state file kept the last read's counters and start time
     but not its sleep state: the next `check`, its /metrics answering 503, sent the
     completion that crashes a sleeping vLLM (#15483)."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     failing = threading.Event()
     completions: list[bool] = []  # whether /metrics failed then
 
@@ -466,13 +461,7 @@ def test_a_backend_moved_off_a_server_read_asleep_is_asked_at_its_new_address(
     server's. A backend moved by a config edit onto a server whose /metrics has no vLLM
     series (HTTP 404) was never asked, `no_metrics` and exit 2 at every check for ever,
     and `route` sent it no client."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     httpserver.expect_request("/metrics").respond_with_data(asleep, content_type="text/plain")
     httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
     other = HTTPServer(host="127.0.0.1", port=0)

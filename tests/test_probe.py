@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from captures import put_to_sleep
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
@@ -1483,24 +1484,24 @@ def test_work_that_just_appeared_is_not_stalled_in_watch_any_more_than_in_check(
     assert backend.completions == 3
 
 
-def test_a_server_read_asleep_is_not_sent_a_request_when_its_next_metrics_fail(
-    httpserver: HTTPServer,
-) -> None:
-    """A server read asleep on purpose, whose next /metrics answered HTTP 503: judged as
-    "no metrics" by the tiny request, it was sent a completion, which crashed a sleeping
-    vLLM (vLLM #15483). Nothing since showed it awake; the router keeps it out until a
-    read does."""
-    asleep = (
-        capture("idle-1")
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
+def engine_one_frozen() -> str:
+    """A second engine, "1", with work and the counters of ``wedge-1``."""
+    return "\n".join(
+        line.replace('engine="0"', 'engine="1"')
+        for line in capture("wedge-1").splitlines()
+        if line.startswith("vllm:")
     )
-    backend = Backend(httpserver, [asleep, "unavailable"])
+
+
+def failing_after(httpserver: HTTPServer, texts: list[str], good_reads: int) -> Backend:
+    """A backend serving ``texts`` as ``Backend`` does, whose /metrics answers HTTP 503
+    from read ``good_reads`` + 1 on; its completions counted."""
+    backend = Backend(httpserver, texts)
     served = backend._metrics
 
     def metrics(request: Request) -> Response:
         response = served(request)
-        if backend.metrics_reads > 1:
+        if backend.metrics_reads > good_reads:
             response.status_code = 503
         return response
 
@@ -1510,23 +1511,38 @@ def test_a_server_read_asleep_is_not_sent_a_request_when_its_next_metrics_fail(
     httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
         backend._complete
     )
-    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0)
+    return backend
+
+
+def watched(backend: Backend, settings: ProbeSettings, reads: int) -> list[Verdict | None]:
+    """``reads`` examinations of ``backend`` into one window, a wait apart, as `watch`
+    reads it."""
     clock = FakeClock()
     window: list[Read] = []
 
     async def cycles() -> list[Verdict | None]:
         verdicts = []
         async with new_client() as client:
-            for _ in range(2):
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", backend.url), settings, window, clock=clock
-                    )
-                )
-                clock.now += 5.0
+            for _ in range(reads):
+                target = Target("b", backend.url)
+                verdicts.append(await examine_once(client, target, settings, window, clock=clock))
+                clock.now += settings.wait
         return verdicts
 
-    first, second = asyncio.run(cycles())
+    return asyncio.run(cycles())
+
+
+def test_a_server_read_asleep_is_not_sent_a_request_when_its_next_metrics_fail(
+    httpserver: HTTPServer,
+) -> None:
+    """A server read asleep on purpose, whose next /metrics answered HTTP 503: judged as
+    "no metrics" by the tiny request, it was sent a completion, which crashed a sleeping
+    vLLM (vLLM #15483). Nothing since showed it awake; the router keeps it out until a
+    read does."""
+    asleep = put_to_sleep(capture("idle-1"))
+    backend = failing_after(httpserver, [asleep, "unavailable"], good_reads=1)
+    settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0)
+    first, second = watched(backend, settings, 2)
     assert first is not None and first.kind is VerdictKind.IDLE and "asleep" in first.evidence
     assert backend.completions == 0, second and second.evidence
     assert second is not None and second.kind is VerdictKind.NO_METRICS
@@ -1541,43 +1557,10 @@ def test_a_server_read_asleep_is_not_asked_once_its_failed_reads_fill_the_watch_
     reads as the window holds (``paced_read_limit``) had come, the asleep read slid out
     and the next read sent the completion that crashes a sleeping vLLM (#15483), though
     no read had shown it awake: ``check``, with its baseline, never asks it."""
-    asleep = (
-        capture("idle-1")
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
-    backend = Backend(httpserver, [asleep])
-    served = backend._metrics
-
-    def metrics(request: Request) -> Response:
-        response = served(request)
-        if backend.metrics_reads > 1:
-            response.status_code = 503
-        return response
-
-    httpserver.clear_all_handlers()
-    httpserver.expect_request("/metrics").respond_with_handler(metrics)
-    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
-    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
-        backend._complete
-    )
+    asleep = put_to_sleep(capture("idle-1"))
+    backend = failing_after(httpserver, [asleep], good_reads=1)
     settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
-    clock = FakeClock()
-    window: list[Read] = []
-
-    async def cycles() -> list[Verdict | None]:
-        verdicts = []
-        async with new_client() as client:
-            for _ in range(settings.paced_read_limit + 3):
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", backend.url), settings, window, clock=clock
-                    )
-                )
-                clock.now += 5.0
-        return verdicts
-
-    verdicts = asyncio.run(cycles())
+    verdicts = watched(backend, settings, settings.paced_read_limit + 3)
     asked = [v.evidence for v in verdicts if v is not None and v.requests_sent]
     assert backend.completions == 0, asked[:1]
     assert all(v is not None and "asleep" in v.evidence for v in verdicts)
@@ -1592,48 +1575,13 @@ def test_an_engine_asleep_beside_a_frozen_one_is_not_asked_once_failed_reads_fil
     (``keep_read``), and that path dropped the asleep read: the freeze's first read,
     taken before engine 0 slept, was then the newest with vLLM series, and the next read
     sent the completion a data-parallel server may route to the sleeping engine (#15483)."""
-    one = "\n".join(
-        line.replace('engine="0"', 'engine="1"')
-        for line in capture("wedge-1").splitlines()
-        if line.startswith("vllm:")
-    )
-    sleeping = (
-        capture("idle-1")
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
-    backend = Backend(httpserver, [f"{capture('idle-1')}\n{one}\n", f"{sleeping}\n{one}\n"])
-    served = backend._metrics
-
-    def metrics(request: Request) -> Response:
-        response = served(request)
-        if backend.metrics_reads > 2:
-            response.status_code = 503
-        return response
-
-    httpserver.clear_all_handlers()
-    httpserver.expect_request("/metrics").respond_with_handler(metrics)
-    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
-    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
-        backend._complete
+    one = engine_one_frozen()
+    sleeping = put_to_sleep(capture("idle-1"))
+    backend = failing_after(
+        httpserver, [f"{capture('idle-1')}\n{one}\n", f"{sleeping}\n{one}\n"], good_reads=2
     )
     settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
-    clock = FakeClock()
-    window: list[Read] = []
-
-    async def cycles() -> list[Verdict | None]:
-        verdicts = []
-        async with new_client() as client:
-            for _ in range(settings.paced_read_limit + 4):
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", backend.url), settings, window, clock=clock
-                    )
-                )
-                clock.now += 5.0
-        return verdicts
-
-    verdicts = asyncio.run(cycles())
+    verdicts = watched(backend, settings, settings.paced_read_limit + 4)
     asked = [v.evidence for v in verdicts if v is not None and v.requests_sent]
     assert backend.completions == 0, asked[:1]
     assert all(v is not None and "asleep" in v.evidence for v in verdicts[2:])
@@ -1647,48 +1595,13 @@ def test_a_new_process_read_asleep_is_not_asked_after_its_restart_verdict_came_a
     ``restarted`` verdict came at the failed read, unasked, and the window was cut to
     that read alone: the asleep read gone, the next failed read sent the completion the
     server may route to the sleeping engine (#15483), though no read showed it awake."""
-    one = "\n".join(
-        line.replace('engine="0"', 'engine="1"')
-        for line in capture("wedge-1").splitlines()
-        if line.startswith("vllm:")
-    )
-    sleeping = (
-        capture("restart-1")
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
-    backend = Backend(httpserver, [capture("restart-0"), f"{sleeping}\n{one}\n"])
-    served = backend._metrics
-
-    def metrics(request: Request) -> Response:
-        response = served(request)
-        if backend.metrics_reads > 2:
-            response.status_code = 503
-        return response
-
-    httpserver.clear_all_handlers()
-    httpserver.expect_request("/metrics").respond_with_handler(metrics)
-    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
-    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(
-        backend._complete
+    one = engine_one_frozen()
+    sleeping = put_to_sleep(capture("restart-1"))
+    backend = failing_after(
+        httpserver, [capture("restart-0"), f"{sleeping}\n{one}\n"], good_reads=2
     )
     settings = ProbeSettings(wait=5.0, timeout=1.0, answer_timeout=1.0, max_check_time=10.0)
-    clock = FakeClock()
-    window: list[Read] = []
-
-    async def cycles() -> list[Verdict | None]:
-        verdicts = []
-        async with new_client() as client:
-            for _ in range(5):
-                verdicts.append(
-                    await examine_once(
-                        client, Target("b", backend.url), settings, window, clock=clock
-                    )
-                )
-                clock.now += 5.0
-        return verdicts
-
-    verdicts = asyncio.run(cycles())
+    verdicts = watched(backend, settings, 5)
     kinds = [None if v is None else v.kind for v in verdicts]
     assert kinds[:3] == [VerdictKind.IDLE, None, VerdictKind.RESTARTED], kinds
     # The old process, idle and awake, was asked at the first read: that one only.

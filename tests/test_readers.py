@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from captures import asleep_capture
 from pytest_httpserver import HTTPServer
 from simproc import Simulator, alive, children, running_simulator
 from test_daemon import fleet_config, watching, write_config
@@ -929,13 +930,7 @@ def test_a_server_the_record_saw_asleep_is_not_asked_at_watchs_second_failed_rea
     showed nothing awake either, sent the completion that crashes a sleeping vLLM
     (#15483). `check` keeps it unasked at every run (README: asleep until a read shows
     it awake)."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     completions: list[str] = []
 
     def complete(_request: Request) -> Response:
@@ -976,13 +971,7 @@ def test_a_probing_task_started_again_does_not_ask_a_server_its_predecessor_read
     empty window and no baseline, and its first read, which showed nothing awake, sent
     the completion that crashes a sleeping vLLM (#15483). It takes the newest read its
     predecessor had, as it takes the step it learned."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     reads: list[str] = []
     completions: list[str] = []
 

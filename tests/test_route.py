@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from captures import asleep_capture, put_to_sleep
 from pytest_httpserver import HTTPServer
 from routeproc import (
     BOUND,
@@ -250,13 +251,7 @@ def test_no_client_request_is_sent_to_a_server_the_record_saw_asleep_while_its_m
     went to it, but the router took it for awake (the verdict's own reads show no engine)
     and forwarded clients' completions to it, the crash of vLLM #15483. Nor was its tiny
     request withheld: the state file had kept the read's counters, not its sleep state."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     failing = threading.Event()
     clients: list[bool] = []  # whether /metrics failed then
 
@@ -432,13 +427,7 @@ def test_route_started_again_sends_no_client_request_to_a_server_its_record_saw_
     last read asleep on purpose was in it, and until its first verdict came (a slow
     /metrics: up to the read's timeout) clients' completions went to it, the crash of
     vLLM #15483, though no read had shown it awake."""
-    captures = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
-    asleep = (
-        (captures / "idle-1.txt")
-        .read_text()
-        .replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0')
-        .replace('sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0')
-    )
+    asleep = asleep_capture("idle-1")
     slow, release = threading.Event(), threading.Event()
     clients: list[bool] = []
 
@@ -510,14 +499,7 @@ def test_no_client_request_is_sent_after_the_settle_after_an_undecided_read_show
         for line in engine_one("wedge-1").splitlines()
     )
     awake = f"{idle}\n{quiet}\n"
-    sleeping = (
-        idle.replace('sleep_state="awake"} 1.0', 'sleep_state="awake"} 0.0').replace(
-            'sleep_state="weights_offloaded"} 0.0', 'sleep_state="weights_offloaded"} 1.0'
-        )
-        + "\n"
-        + engine_one("wedge-1")
-        + "\n"
-    )
+    sleeping = f"{put_to_sleep(idle)}\n{engine_one('wedge-1')}\n"
     switch, release = threading.Event(), threading.Event()
     served: list[bool] = []  # asleep or not, per read served
     clients: list[bool] = []
