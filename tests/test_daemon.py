@@ -2517,23 +2517,30 @@ def test_a_wall_clock_stepped_back_holds_back_no_fleet_stall() -> None:
     assert watch.stalled(back + 10, 10.0)
 
 
+def dies_at_call(monkeypatch: pytest.MonkeyPatch, call: int, message: str) -> Callable[[], int]:
+    """Make the probing tasks' ``call``-th examination raise, past examine_once's own
+    guard, as a future bug would; how many were made so far, when asked."""
+    real_examine_once = readers.examine_once
+    calls = 0
+
+    async def dies(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise RuntimeError(message)
+        return await real_examine_once(*args, **kwargs)
+
+    monkeypatch.setattr(readers, "examine_once", dies)
+    return lambda: calls
+
+
 def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """examine_once turns any failure into a verdict; this injects one past that guard, as
     a future bug would, to show the task is not lost silently."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    real_examine_once = readers.examine_once
-    calls = 0
-
-    async def dies_once(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("injected \x1b[2J fault")
-        return await real_examine_once(*args, **kwargs)
-
-    monkeypatch.setattr(readers, "examine_once", dies_once)
+    examinations = dies_at_call(monkeypatch, 1, "injected \x1b[2J fault")
     port = free_port_block(1)
 
     def load() -> tuple[config_module.Config, list[Target]]:
@@ -2568,7 +2575,7 @@ def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     assert "b: probing task died (RuntimeError: injected \\x1b[2J fault); started again" in log
     assert "\x1b" not in log
     assert page.get("llmhealth_backend_probe_task_restarts", backend="b") == 1.0
-    assert calls >= 2
+    assert examinations() >= 2
 
 
 def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
@@ -3662,17 +3669,7 @@ def test_a_probing_task_started_again_still_reads_with_the_step_the_record_keeps
     took at its first read: a backend inside a long step was wedged at two waits, as a
     lost read worker's replacement (which is handed the record's steps) is not."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    real_examine_once = readers.examine_once
-    calls = 0
-
-    async def dies_at_the_second(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise RuntimeError("injected fault")
-        return await real_examine_once(*args, **kwargs)
-
-    monkeypatch.setattr(readers, "examine_once", dies_at_the_second)
+    dies_at_call(monkeypatch, 2, "injected fault")
     frozen = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "wedge-1.txt").read_text()
     httpserver.expect_request("/metrics").respond_with_data(frozen, content_type="text/plain")
     url = httpserver.url_for("").rstrip("/")

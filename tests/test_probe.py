@@ -1402,49 +1402,6 @@ def test_a_wall_clock_stepped_forward_leaves_a_young_engine_young(
     assert VerdictKind.WEDGED not in kinds, [v.evidence for v in verdicts if v is not None][2:3]
 
 
-def test_a_tiny_request_that_timed_out_is_kept_in_a_busy_verdict_after_it(
-    httpserver: HTTPServer,
-) -> None:
-    """An idle engine with a long learned step was asked, the request timed out, and the
-    one more read that decides showed work and progress: the verdict said "no request
-    sent" and ``requests_sent`` 0, though a request had been sent and had timed out."""
-    release = threading.Event()
-    backend = Backend(httpserver, [capture("prefill-0"), capture("prefill-1")])
-
-    def hang(_request: Request) -> Response:
-        backend.completions += 1
-        release.wait(0.6)  # past the answer's timeout; the server then reads again
-        return Response("late")
-
-    httpserver.clear_all_handlers()
-    httpserver.expect_request("/metrics").respond_with_handler(backend._metrics)
-    httpserver.expect_request("/v1/models").respond_with_json(MODELS)
-    httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(hang)
-    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=0.3, max_check_time=0.4)
-    clock = FakeClock()
-
-    async def run() -> Verdict:
-        async with new_client() as client:
-            return await examine_backend(
-                client,
-                Target("b", backend.url),
-                settings,
-                clock=clock,
-                sleep=clock.sleep,
-                learned=LongestStep(60.0, "a long step"),
-            )
-
-    try:
-        verdict = asyncio.run(run())
-    finally:
-        release.set()
-    assert backend.completions == 1
-    assert verdict.kind is VerdictKind.BUSY, verdict.evidence
-    assert verdict.requests_sent == 1, verdict.evidence
-    assert verdict.answer is not None and verdict.answer.timed_out
-    assert "no request sent" not in verdict.evidence
-
-
 def test_work_that_just_appeared_is_not_stalled_in_watch_any_more_than_in_check(
     httpserver: HTTPServer,
 ) -> None:
@@ -1609,22 +1566,39 @@ def test_a_new_process_read_asleep_is_not_asked_after_its_restart_verdict_came_a
     assert backend.completions == 1, asked[:1]
 
 
-def test_a_tiny_request_that_timed_out_is_kept_in_a_freeze_verdict_after_it(
-    httpserver: HTTPServer,
+def idle_of(text: str) -> str:
+    """``text`` with nothing running or waiting: an idle engine's read."""
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        text = "\n".join(
+            f"{line.rpartition(' ')[0]} 0.0" if line.startswith(name + "{") else line
+            for line in text.splitlines()
+        )
+    return text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("texts", "max_reads", "kind"),
+    [
+        # The one more read that decides showed work and progress.
+        (("prefill-0", "prefill-1"), None, VerdictKind.BUSY),
+        # The reads after it showed work that did not move, judged by its window.
+        (("idle-of:wedge-1", "wedge-1"), 6, VerdictKind.STALLED),
+    ],
+    ids=["busy", "freeze"],
+)
+def test_a_tiny_request_that_timed_out_is_kept_in_the_verdict_after_it(
+    httpserver: HTTPServer, texts: tuple[str, str], max_reads: int | None, kind: VerdictKind
 ) -> None:
     """An idle engine with a long learned step was asked, the request timed out, and the
-    reads after it showed work that did not move (a freeze, judged by its window): the
-    verdict said ``requests_sent`` 0 and had no answer, though a request had been sent
-    and had timed out, as the busy and one-wait stalled verdicts no longer say."""
+    reads after it showed work: the verdict said "no request sent" and ``requests_sent``
+    0, though a request had been sent and had timed out."""
     release = threading.Event()
-    frozen = capture("wedge-1")
-    idle = frozen
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        idle = "\n".join(
-            f"{line.rpartition(' ')[0]} 0.0" if line.startswith(name + "{") else line
-            for line in idle.splitlines()
-        )
-    backend = Backend(httpserver, [idle + "\n", frozen])
+    served = [
+        idle_of(capture(name.removeprefix("idle-of:"))) if name.startswith("idle-of:")
+        else capture(name)
+        for name in texts
+    ]  # fmt: skip
+    backend = Backend(httpserver, served)
 
     def hang(_request: Request) -> Response:
         backend.completions += 1
@@ -1635,9 +1609,9 @@ def test_a_tiny_request_that_timed_out_is_kept_in_a_freeze_verdict_after_it(
     httpserver.expect_request("/metrics").respond_with_handler(backend._metrics)
     httpserver.expect_request("/v1/models").respond_with_json(MODELS)
     httpserver.expect_request("/v1/completions", method="POST").respond_with_handler(hang)
-    settings = ProbeSettings(
-        wait=0.0, timeout=1.0, answer_timeout=0.3, max_check_time=0.4, max_reads=6
-    )
+    settings = ProbeSettings(wait=0.0, timeout=1.0, answer_timeout=0.3, max_check_time=0.4)
+    if max_reads is not None:
+        settings = replace(settings, max_reads=max_reads)
     clock = FakeClock()
 
     async def run() -> Verdict:
@@ -1656,6 +1630,7 @@ def test_a_tiny_request_that_timed_out_is_kept_in_a_freeze_verdict_after_it(
     finally:
         release.set()
     assert backend.completions == 1
-    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert verdict.kind is kind, verdict.evidence
     assert verdict.requests_sent == 1, verdict.evidence
     assert verdict.answer is not None and verdict.answer.timed_out
+    assert "no request sent" not in verdict.evidence
