@@ -411,9 +411,7 @@ class Daemon:
         if probe is not None and probe.window_asleep is not None:
             return probe.window_asleep
         outcome = probe.outcome if probe is not None else None
-        if outcome is not None and any(
-            read.signals is not None and read.signals.has_vllm for read in outcome.verdict.reads
-        ):
+        if outcome is not None and newest_vllm_read(outcome.verdict.reads) is not None:
             return asleep_on_purpose(outcome.verdict)
         # No read of its own shows it (no verdict yet since this run or its task began, or
         # its /metrics failing since): as the record last saw it, asleep until a read shows

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import IO
 
 from llmhealth import eventloop
-from llmhealth.classify import Read, Target, Verdict
+from llmhealth.classify import Read, Target, Verdict, newest_vllm_read
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
 from llmhealth.localcpu import LocalCpu
@@ -233,9 +233,7 @@ class ReadTasks:
                         )
                         if verdict is not None:
                             learned = longer(learned, verdict.longest_step)
-                        if baseline is not None and any(
-                            r.signals is not None and r.signals.has_vllm for r in window
-                        ):
+                        if newest_vllm_read(window) is not None:
                             baseline = None
                     self._deliver(target, verdict, time.monotonic() - started, window)
                     pause = settings.wait
@@ -253,10 +251,10 @@ class ReadTasks:
                 self._learned[target.name] = kept
             # And the newest read with vLLM series, as a baseline: a server read asleep
             # stays unasked until a read shows it awake (``classify.decide``).
-            seen = [r.signals for r in window if r.signals is not None and r.signals.has_vllm]
-            newest = seen[-1] if seen else baseline
-            if newest is not None:
-                self._baselines.setdefault(target.name, newest)
+            newest = newest_vllm_read(window)
+            last_seen = baseline if newest is None else window[newest].signals
+            if last_seen is not None:
+                self._baselines.setdefault(target.name, last_seen)
             raise
 
 
