@@ -205,9 +205,7 @@ def decide(
     known = learned_step(reads, learned)
     freeze = _Freeze(known, rules, PACED_SPAN * paced_wait)
     decision = _decide(reads, answer, max_reads, baseline, freeze, answer_wanted)
-    if isinstance(decision, SendTinyRequest) and (
-        asleep := asleep_engines(_newest_vllm(reads, baseline))
-    ):
+    if isinstance(decision, SendTinyRequest) and (asleep := asleep_now(reads, baseline)):
         # A completion sent to a server asleep on purpose crashed it (vLLM #15483), and a
         # data-parallel server routes it to any engine with nothing queued, asleep or not.
         # A new process is news, but unproven without an answer (as when our key is
@@ -222,10 +220,22 @@ def decide(
     return decision
 
 
-def _newest_vllm(reads: Sequence[Read], baseline: Signals | None) -> Signals | None:
-    """The newest signals with vLLM series: of these reads, else the earlier run's."""
+def asleep_now(reads: Sequence[Read], baseline: Signals | None) -> str:
+    """The engines asleep on purpose in the newest signals with vLLM series (of these
+    reads, else the earlier run's), for evidence; "" when none, or when a read after
+    them shows another process: a new process starts awake. Kept asleep, one without
+    vLLM series (vLLM started again with --disable-log-stats, another server) was never
+    asked, routed to nor re-admitted, since no read would ever show it awake."""
     newest = newest_vllm_read(reads)
-    return baseline if newest is None else reads[newest].signals
+    sleeper = baseline if newest is None else reads[newest].signals
+    asleep = asleep_engines(sleeper)
+    if not asleep or sleeper is None or sleeper.process_start is None:
+        return asleep
+    for read in reads if newest is None else reads[newest + 1 :]:
+        start = read.signals.process_start if read.signals is not None else None
+        if start is not None and start != sleeper.process_start:
+            return ""
+    return asleep
 
 
 def newest_vllm_read(reads: Sequence[Read]) -> int | None:

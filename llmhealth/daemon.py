@@ -39,6 +39,7 @@ from llmhealth.classify import (
     Verdict,
     VerdictKind,
     asleep_engines,
+    asleep_now,
     newest_vllm_read,
 )
 from llmhealth.cluster import ClusterError, Seat, SharedReads
@@ -908,11 +909,20 @@ class Daemon:
     def _heard(
         self, target: Target, verdict: Verdict | None, seconds: float, window: Sequence[Read]
     ) -> None:
-        newest = newest_vllm_read(window)
         probe = self._state.probes.setdefault(target.name, _Probe())
-        probe.window_asleep = (
-            None if newest is None else bool(asleep_engines(window[newest].signals))
-        )
+        # No reads at all: its task died or its worker was lost, and its reads start
+        # afresh. That shows nothing of the server: the sleep last heard stands until a
+        # read shows it awake (an undecided read's is in no verdict nor the record).
+        if window:
+            # Its newest read with vLLM series, else the record's, unless a read after
+            # it shows another process (a new one starts awake); None with none readable.
+            shown = newest_vllm_read(window) is not None or any(
+                read.signals is not None and read.signals.process_start is not None
+                for read in window
+            )
+            probe.window_asleep = (
+                bool(asleep_now(window, self._news[0].get(target.name))) if shown else None
+            )
         self.hear(target, verdict, seconds)
 
     def _probe_task_died(self, name: str, cause: str) -> None:

@@ -168,7 +168,7 @@ def test_a_restart_between_runs_is_seen_from_the_saved_baseline(
         first = check(entry_point, state, url)
         next_restart = _sleep_into_next_process(url)
         second = check(entry_point, state, url)
-        third = check(entry_point, state, url)
+        third = check(entry_point, state, url)  # and not only once
         finished = time.time()
     assert finished < next_restart, "the runs were too slow to fit between two restarts"
 
@@ -488,3 +488,43 @@ def test_a_backend_moved_off_a_server_read_asleep_is_asked_at_its_new_address(
     assert moved.backend()["verdict"] == "no_metrics", moved.stdout
     assert "tiny request answered" in moved.backend()["evidence"]
     assert moved.code == 0, moved.backend()["evidence"]
+
+
+def test_a_server_read_asleep_then_replaced_by_a_process_without_vllm_series_is_asked(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """A new process at the address starts awake: the sleep the record keeps was its
+    predecessor's. vLLM started again with `--disable-log-stats` publishes no vLLM series
+    (only the process collector's, with its own start time): kept asleep, it was never
+    asked, routed to nor re-admitted, as the move the sleep fix mended."""
+    asleep = asleep_capture()
+    replaced = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.9e+09\n"
+    metrics = [asleep]
+    completions: list[bool] = []
+
+    def serve_metrics(_request: Request) -> Response:
+        return Response(metrics[0], content_type="text/plain")
+
+    def complete(_request: Request) -> Response:
+        completions.append(True)
+        return Response(json.dumps({"choices": [{"text": "!"}]}), content_type="application/json")
+
+    server = HTTPServer(host="127.0.0.1", port=0)
+    server.expect_request("/metrics").respond_with_handler(serve_metrics)
+    server.expect_request("/v1/models").respond_with_json({"data": [{"id": "tiny"}]})
+    server.expect_request("/v1/completions", method="POST").respond_with_handler(complete)
+    server.start()
+    state = tmp_path / "state.json"
+    url = server.url_for("").rstrip("/")
+    try:
+        first = check(entry_point, state, url)
+        assert first.backend()["verdict"] == "idle", first.stdout
+        metrics[0] = replaced
+        second = check(entry_point, state, url)
+        third = check(entry_point, state, url)  # and not only once
+    finally:
+        server.clear()
+        server.stop()
+    assert second.backend()["requests_sent"] == 1, second.backend()["evidence"]
+    assert len(completions) == 2, third.backend()["evidence"]
+    assert third.code == 0, third.backend()["evidence"]

@@ -44,6 +44,7 @@ from typing import IO, Any, cast
 
 import httpx
 import pytest
+from captures import asleep_capture
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from pytest_httpserver import HTTPServer
@@ -3711,3 +3712,44 @@ def test_a_probing_task_started_again_still_reads_with_the_step_the_record_keeps
 
     assert asyncio.run(scenario()) == "healthy"
     assert daemon._state.probe_task_restarts["a"] == 1
+
+
+def test_the_router_routes_to_a_new_process_without_vllm_series_after_one_read_asleep(
+    tmp_path: Path,
+) -> None:
+    """A server read asleep, then replaced by a new process whose /metrics has no vLLM
+    series (vLLM started again with --disable-log-stats): a new process starts awake,
+    but the window kept the old one's asleep read (``probe.keep_read``) and the router
+    sent it no client for ever, as from the record's read after the window's."""
+    target = Target("b", REFUSED_URL)
+    daemon = quiet_daemon(target, StateFile(tmp_path / "state.json"))
+    asleep = parse_metrics(asleep_capture().encode())
+    replaced = parse_metrics(b"process_start_time_seconds 1.9e+09\n")
+    assert asleep.process_start is not None and replaced.process_start != asleep.process_start
+    now = time.time()
+    daemon._heard(target, None, 0.01, [Read(now - 5, asleep)])
+    assert daemon._asleep("b")
+    daemon._heard(target, None, 0.01, [Read(now - 5, asleep), Read(now, replaced)])
+    assert not daemon._asleep("b")
+    # The same when only the record saw it asleep (a daemon started since).
+    daemon._news = ({"b": asleep}, {})
+    daemon._heard(target, None, 0.01, [Read(now, replaced)])
+    assert not daemon._asleep("b")
+
+
+def test_a_server_read_asleep_by_an_undecided_read_stays_unrouted_when_its_reader_is_lost(
+    tmp_path: Path,
+) -> None:
+    """Engine 0 put to sleep as engine 1 took work: a read that decides nothing, so the
+    record still shows it awake. Its probing task died, or its read worker was lost
+    (OOM-killed): the notice comes with no reads, and the router took that for no read
+    at all, routing clients to the sleeping server (vLLM #15483) until the new reader's
+    first read, a wait on, though no read had shown it awake."""
+    target = Target("b", REFUSED_URL)
+    daemon = quiet_daemon(target, StateFile(tmp_path / "state.json"))
+    asleep = parse_metrics(asleep_capture().encode())
+    daemon._heard(target, None, 0.01, [Read(time.time(), asleep)])
+    assert daemon._asleep("b")
+    lost = probe.unjudged("not judged: read worker 1 exited (-9); its reads start afresh")
+    daemon._heard(target, lost, 0.0, ())
+    assert daemon._asleep("b")
