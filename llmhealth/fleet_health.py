@@ -9,7 +9,7 @@ API share one state machine. A verb the table refuses changes nothing and return
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -310,6 +310,12 @@ class FleetHealth:
         """The backends that may be handed traffic (HEALTHY or SUSPECT)."""
         return self._in(self._ledger.serving)
 
+    def awaiting_an_answer(self) -> list[Key]:
+        """DEAD backends condemned by failed requests that may come back in place
+        (``recover_in_place``): a reader asks them the tiny request whenever they are idle
+        (``Ledger.awaiting_an_answer``), as `watch` does."""
+        return self._in(self._ledger.awaiting_an_answer)
+
     def absent_shards(self) -> list[Key]:
         """The backends whose process cannot take part in a collective (DEAD, RESTARTING,
         RETIRED). Not the complement of serving: a STALE process is alive and refits."""
@@ -371,7 +377,7 @@ class FleetHealth:
                 return str(key)
         raise UnknownBackend(f"no backend {key!r} in this fleet; it has {_listing(self._keys)}")
 
-    def _in(self, names: Sequence[str]) -> list[Key]:
+    def _in(self, names: Iterable[str]) -> list[Key]:
         wanted = set(names)
         return [key for key in self._keys if self._names[key] in wanted]
 

@@ -1492,25 +1492,26 @@ class Ledger:
     @property
     def awaiting_readmission(self) -> frozenset[str]:
         """STALE: out of the serving set until re-admitted (by an answered tiny request,
-        or an operator or trainer), so a reader asks them whenever they are idle. Unsorted:
-        every settle of ``watch`` asks, over the whole fleet.
+        or an operator or trainer), so a reader asks them whenever they are idle; and those
+        ``awaiting_an_answer``. Unsorted: every settle of ``watch`` asks, over the whole
+        fleet."""
+        stale = (b.name for b in self._backends.values() if b.state is State.STALE)
+        return self.awaiting_an_answer.union(stale)
 
-        So are DEAD ones whose request failures only an answered request clears (condemned
-        by real traffic, or ``unanswered``) when they may come back in place: the router
-        sends them nothing, and asked only when no request had finished since the last
-        read, requests from elsewhere landing between our reads kept them DEAD for as long
-        as they came, though their same process proved itself at every read."""
-        recover = self.policy.recover_in_place
+    @property
+    def awaiting_an_answer(self) -> frozenset[str]:
+        """DEAD backends whose request failures only an answered request clears (condemned
+        by real traffic, or ``unanswered``) when they may come back in place, so a reader
+        asks them whenever they are idle too: the router sends them nothing, and asked
+        only when no request had finished since the last read, requests from elsewhere
+        landing between our reads kept them DEAD for as long as they came, though their
+        same process proved itself at every read. The library's ``Prober`` asks these."""
+        if not self.policy.recover_in_place:
+            return frozenset()
         return frozenset(
             b.name
             for b in self._backends.values()
-            if b.state is State.STALE
-            or (
-                recover
-                and b.state is State.DEAD
-                and b.request_failures > 0
-                and not b.caller_condemned
-            )
+            if b.state is State.DEAD and b.request_failures > 0 and not b.caller_condemned
         )
 
     @property

@@ -255,14 +255,8 @@ class Prober:
         do, as `watch` asks it (``Ledger.awaiting_readmission``). The caller sends it
         nothing, and another client's requests finishing between two reads kept it DEAD
         for as long as they came, its same process proving itself at every read."""
-        if not self._fleet.policy.recover_in_place:
-            return self._settings
-        snapshots = self._fleet.snapshot()
-        awaiting = frozenset(
-            str(key)
-            for key in keys
-            if _may_recover(snapshots[key]) and snapshots[key].request_failures > 0
-        )
+        wanted = set(keys)
+        awaiting = frozenset(str(key) for key in self._fleet.awaiting_an_answer() if key in wanted)
         return replace(self._settings, awaiting_answer=awaiting)
 
     async def _examine(self, key: Key, called: float, settings: ProbeSettings) -> Verdict | None:
