@@ -33,6 +33,10 @@ DEFAULT_PREFIX = "/llmhealth/default"
 MIN_LEASE_TTL = 2.0  # etcd raises shorter leases to its own minimum (about 1.5 s)
 DEFAULT_AUDIT_KEEP = 10_000  # audit records kept in etcd: at most 8 KiB each, 80 MiB in all
 MIN_AUDIT_KEEP = 100
+# At 8 KiB a record, 100,000 is 800 MiB under the prefix, within etcd's default 2 GiB
+# quota; an unbounded value let the trail fill the quota, and etcd then refuses every
+# write, the state's with it, until an operator defragments and disarms the alarm.
+MAX_AUDIT_KEEP = 100_000
 DEFAULT_MAX_CHECK_TIME = 300.0
 # Each read worker is an interpreter of its own (tens of MB), started at once: a slip such
 # as 4000 (the targets "auto" gives one worker) started thousands of processes, and 10**9
@@ -653,7 +657,11 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
     if member is not None and ("/" in member or not member.isprintable()):
         raise reader.fail("cluster.member", f"{member!r} must be printable and have no '/'")
     audit_keep = reader.integer(
-        table, "cluster.audit_keep", DEFAULT_AUDIT_KEEP, minimum=MIN_AUDIT_KEEP
+        table,
+        "cluster.audit_keep",
+        DEFAULT_AUDIT_KEEP,
+        minimum=MIN_AUDIT_KEEP,
+        most=MAX_AUDIT_KEEP,
     )
     return Cluster(
         tuple(check_url(e) for e in endpoints),

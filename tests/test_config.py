@@ -190,6 +190,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[cluster]\netcd = ['http://e:1']\nmember = 'a/b'", "cluster.member: 'a/b' must"),
         ("[cluster]\netcd = ['http://e:1']\nttl = 3", "cluster.ttl: unknown key"),
         ("[cluster]\netcd = ['http://e:1']\naudit_keep = 99", "cluster.audit_keep: 99 is below"),
+        (
+            "[cluster]\netcd = ['http://e:1']\naudit_keep = 100001",
+            "cluster.audit_keep: 100001 is above the most allowed value, 100000",
+        ),
         ("[cluster]\netcd = ['http://e:1']\nshard_reads = 1", "cluster.shard_reads: 1 is not true"),
         # Each of these passed, then failed at run time as something else: a host with a
         # space as the server's `down` (exit 2, a restart under restart_on = ["down"]); a
