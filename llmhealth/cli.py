@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -632,7 +633,10 @@ def config_check(
 ) -> None:
     """Validate a config file: exit 0 when usable, 3 naming the first problem (file and
     key) otherwise; mend it and run again for the next."""
+    from llmhealth.text import printable  # noqa: PLC0415
+
     loaded = config_module.load(path)
+    shown = printable(path)  # typed by the operator, yet printed: no escape runs raw
     # ExecReload runs this in the unit's environment: a key variable missing there is a
     # reload the daemon would refuse, and must fail here too.
     if unset := config_module.unset_key_variables(loaded):
@@ -649,14 +653,28 @@ def config_check(
         # which this cannot see. Without them the daemon refuses the reload, in its log.
         with output_may_fail(sys.stderr):  # a note: the verdict is the exit code
             print(
-                f"{path}: note: no [[backend]] or [[proxy]]: watch, route and check need "
+                f"{shown}: note: no [[backend]] or [[proxy]]: watch, route and check need "
                 "URLs on their command line with it, or refuse it (a reload too)",
                 file=sys.stderr,
             )
+    commands = [(f"backend {b.name}: restart", b.restart) for b in loaded.backends]
+    commands.append(("on_serving_change", loaded.on_serving_change))
+    # Noted, not refused: the file may be checked on another host than the one it runs
+    # on. Where it runs, a program not found makes every restart "not run", its budget
+    # spent attempt by attempt until the backend is retired. The program itself is not
+    # shown, as a command line may carry a token.
+    for what, argv in commands:
+        if argv and shutil.which(argv[0]) is None:
+            with output_may_fail(sys.stderr):
+                print(
+                    f"{shown}: note: {what}: its program is not an executable found here"
+                    " (an absolute path, or a name on this PATH)",
+                    file=sys.stderr,
+                )
     restartable = sum(1 for backend in loaded.backends if backend.restart)
     with output_may_fail(sys.stdout):
         print(
-            f"{path}: ok: {len(loaded.backends)} backends ({restartable} with a restart "
+            f"{shown}: ok: {len(loaded.backends)} backends ({restartable} with a restart "
             f"command), {len(loaded.proxies)} proxies, wait {loaded.wait:g}s, timeout "
             f"{loaded.timeout:g}s"
         )

@@ -484,6 +484,35 @@ def test_config_check_accepts_a_good_file_and_names_the_key_of_a_bad_one(
     assert f"{empty}: note: no [[backend]] or [[proxy]]" in result.stderr
 
 
+def test_config_check_notes_a_command_whose_program_is_not_found_here(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """A restart program misspelt passed `config check`; under `watch` every restart was
+    then "not run", its budget spent until the backend was retired. Noted (the file may be
+    checked on another host), without the command line, which may carry a token; the
+    operator's file name is shown escaped."""
+    config = tmp_path / "fleet\x1b[2J.toml"
+    config.write_text(
+        'on_serving_change = ["llmhealth-no-such-hook"]\n'
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n'
+        'restart = ["/nonexistent/restart-vllm", "--token=s3cret"]\n'
+        f'[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:10"\nrestart = ["{sys.executable}"]\n'
+    )
+    result = run(entry_point, "config", "check", str(config))
+    assert result.returncode == 0, result.stderr
+    notes = result.stderr.splitlines()
+    shown = str(config).replace("\x1b", "\\x1b")
+    assert notes == [
+        f"{shown}: note: backend gpu0: restart: its program is not an executable found here"
+        " (an absolute path, or a name on this PATH)",
+        f"{shown}: note: on_serving_change: its program is not an executable found here"
+        " (an absolute path, or a name on this PATH)",
+    ], result.stderr
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    assert f"{shown}: ok: 2 backends (2 with a restart command)" in result.stdout
+
+
 def test_config_check_for_reload_refuses_a_file_the_daemons_reload_refuses(
     entry_point: str, tmp_path: Path
 ) -> None:
