@@ -21,6 +21,7 @@ from llmhealth.ledger import BackendSnapshot, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
 from llmhealth.text import header_safe
+from llmhealth.window import LongestStep, longer
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,10 @@ class Prober:
         self._model = model
         self._stall = stall
         self._slots: dict[Key, _Slot] = {}
+        # The longest step each backend was seen to take, as `watch` keeps it: per backend,
+        # not per slot, so it outlives a process change (the hardware stays). Dropped with
+        # the slot, a replacement inside its first long step was wedged at two waits.
+        self._learned: dict[Key, LongestStep] = {}
         self._probing = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -287,7 +292,17 @@ class Prober:
         baseline = slot.sighted
         if baseline is not None and any(read.signals is baseline for read in slot.window):
             baseline = None
-        return await examine_once(slot.client, target, settings, slot.window, baseline=baseline)
+        verdict = await examine_once(
+            slot.client,
+            target,
+            settings,
+            slot.window,
+            baseline=baseline,
+            learned=self._learned.get(key),
+        )
+        if verdict is not None and (step := longer(self._learned.get(key), verdict.longest_step)):
+            self._learned[key] = step
+        return verdict
 
     def _newest_signals(self) -> dict[str, Signals]:
         newest = {}

@@ -762,3 +762,76 @@ def test_a_dead_backend_condemned_by_traffic_recovers_in_place_while_others_requ
     with running_simulator(["idle"], request_seconds=0.05) as sim:
         fleet = asyncio.run(main(sim.urls[0]))
     assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
+
+
+@pytest.mark.slow
+def test_a_long_step_learned_before_a_rebuild_still_covers_the_replacement(
+    httpserver: HTTPServer, fixture_text: Callable[[str], str]
+) -> None:
+    """A trainer's rebuild (or a restart the Prober saw) starts a backend's reads afresh,
+    and they forgot the longest step the engine had been seen to take: a replacement on
+    the same hardware, past its startup window and inside its first long step, was
+    wedged at two waits and condemned, where `watch` keeps what it learned across
+    restarts and waits out three times that step."""
+    busy = fixture_text("vllm-0.32/busy-1.txt")
+    now = time.time()
+    reads: list[int] = []
+    replaced = threading.Event()
+
+    def text() -> str:
+        n = len(reads)
+        reads.append(n)
+        old = not replaced.is_set()
+        start = now - 7200 if old else now - 1800  # the replacement is past startup_grace
+        body = re.sub(
+            r"^process_start_time_seconds .*$",
+            f"process_start_time_seconds {start}",
+            busy,
+            flags=re.M,
+        )
+        if old:
+            # The old process moves, and once waited out one long step: a gap in (20, 40] s.
+            body = re.sub(
+                r"^(vllm:(?:iteration_tokens_total_count|generation_tokens_total)\{[^}]*\}) "
+                r"[0-9.e+]+$",
+                lambda m: f"{m.group(1)} {5000.0 + 100.0 * n}",
+                body,
+                flags=re.M,
+            )
+            body = re.sub(
+                r'^(vllm:inter_token_latency_seconds_bucket\{engine="0",'
+                r'le="(?:40\.0|80\.0|\+Inf)"[^}]*\}) [0-9.e+]+$',
+                lambda m: f"{m.group(1)} 3324.0",
+                body,
+                flags=re.M,
+            )
+        return body
+
+    def metrics(request: Request) -> Response:
+        return Response(text(), content_type="text/plain; version=1.0.0; charset=utf-8")
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+
+    async def main(url: str) -> tuple[FleetHealth, list[VerdictKind | None]]:
+        fleet = FleetHealth([url])
+        verdicts: list[VerdictKind | None] = []
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            for _ in range(2):  # undecided, then busy
+                verdicts += [r.verdict for r in await prober.probe()]
+                await asyncio.sleep(INTERVAL)
+            assert VerdictKind.BUSY in verdicts, verdicts
+            # The trainer rebuilds the shard; the replacement, on the same hardware, has
+            # not yet taken a long step of its own, and is inside one now.
+            fleet.record_actor_death(0, "ActorDiedError")
+            fleet.mark_restarting(0)
+            fleet.mark_loaded(0)
+            fleet.report_refit(0, weight_version=1)
+            replaced.set()
+            for _ in range(5):  # wedged at the fourth before, over two waits
+                verdicts += [r.verdict for r in await prober.probe()]
+                await asyncio.sleep(INTERVAL)
+        return fleet, verdicts
+
+    fleet, verdicts = asyncio.run(main(httpserver.url_for("").rstrip("/")))
+    assert VerdictKind.WEDGED not in verdicts, (verdicts, fleet.snapshot()[0].last_error)
+    assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
