@@ -722,6 +722,51 @@ def test_blanks_the_text_format_allows_read_as_without_them(
     assert parse_metrics(spaced) == parse_metrics(text)
 
 
+@pytest.mark.parametrize(
+    "indented",
+    [
+        pytest.param(lambda index, line: index % 2 == 1, id="every other sample line"),
+        pytest.param(lambda index, line: "_total" in line, id="only the counters"),
+        pytest.param(lambda index, line: "num_requests" in line, id="only the gauges"),
+    ],
+)
+def test_blanks_before_some_lines_only_read_as_without_them(
+    fixture_text: Load, indented: Callable[[int, str], bool]
+) -> None:
+    """Leading blanks are ignored line by line (the text format; prometheus_client strips
+    each line), not only in a text indented throughout: lines an exporter indented beside
+    ones it did not were dropped, and with them a busy engine's counters (never provable
+    wedged, ``stalled`` while it worked) or its gauges (work unknown: a tiny request sent
+    to a busy server)."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    text = "\n".join(
+        line for line in capture(fixture_text, "busy-2").split("\n") if not line.startswith("#")
+    )
+    lines = text.split("\n")
+    mixed = "\n".join(
+        "  " + line if line and indented(index, line) else line for index, line in enumerate(lines)
+    )
+    assert mixed != text and any(not line.startswith(" ") for line in mixed.split("\n") if line)
+
+    def samples(body: str) -> list[tuple[str, dict[str, str], float]]:
+        return [
+            (sample.name, sample.labels, sample.value)
+            for family in text_string_to_metric_families(body)
+            for sample in family.samples
+        ]
+
+    assert samples(mixed) == samples(text)
+    assert parse_metrics(mixed) == parse_metrics(text)
+
+
+def test_a_first_line_indented_alone_is_read() -> None:
+    engine = only_engine(
+        parse_metrics("\tvllm:num_requests_running 3\nvllm:num_requests_waiting 1")
+    )
+    assert (engine.running, engine.waiting) == (3.0, 1.0)
+
+
 def test_windows_line_endings_read_the_same(fixture_text: Load) -> None:
     text = capture(fixture_text, "wedge-3")
     assert parse_metrics(text.replace("\n", "\r\n")) == parse_metrics(text)

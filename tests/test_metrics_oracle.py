@@ -145,3 +145,16 @@ def test_a_label_set_remembered_from_one_text_reads_the_same_in_another() -> Non
         ("3", 2.0),
         ("3", 5.0),
     ]
+
+
+def test_quoted_label_names_read_as_prometheus_client_reads_them() -> None:
+    """A label name may be written quoted (the text format's UTF-8 form, which Prometheus
+    and prometheus_client read): ``"engine"`` was taken for a label of its own, so every
+    engine's lines were engine "0"'s, summed (a wedged engine hidden by busy ones)."""
+    text = "".join(
+        f'vllm:num_requests_running{{"engine"="{engine}", "model_name"="tiny"}} 4\n'
+        f'vllm:iteration_tokens_total_count{{"engine"="{engine}",model_name="tiny"}} {steps}\n'
+        for engine, steps in (("0", 10), ("1", 20))
+    )
+    assert ours(text) == oracle(text)
+    assert set(ours(text)[0]) == {"0", "1"}
