@@ -752,19 +752,34 @@ def _commands_unsettled(
     outcomes = {}
     for finished in done:
         result = finished.result
-        outcomes[finished.order.name] = result.ok
-        went = "ran" if result.ok else f"failed ({printable(result.stderr.strip()[-200:])})"
+        outcomes[finished.order.name] = finished
+        if finished.withdrawn:
+            went = f"withdrawn ({printable(result.stderr.strip()[-200:])})"
+        else:
+            went = "ran" if result.ok else f"failed ({printable(result.stderr.strip()[-200:])})"
         notes.append(
             f"{finished.order.name}: restart command {went}; its outcome is in no state "
             f"({exc}), {kept}"
         )
     restarts = tuple(
-        replace(note, ran=True, ok=outcomes[note.name])
+        _heard_note(note.name, outcomes[note.name])
         if note.action == "restart" and note.name in outcomes
         else note
         for note in first.restarts
     )
     return replace(first, notes=tuple(notes), restarts=restarts)
+
+
+def _heard_note(name: str, done: CommandDone) -> RestartNote:
+    """How a restart command went, for the report: one withdrawn before it ran (an
+    operator's hold or retire since, a Ctrl-C, a stop) did not run, and is no failed
+    restart (``CommandDone.withdrawn``): shown as one, `watch` counted it in
+    ``llmhealth_backend_restarts_total{outcome="failed"}``, where two holds fired
+    LLMHealthRestartsFailing, and logged and printed "restart FAILED"."""
+    if done.withdrawn:
+        why = done.result.stderr.strip()
+        return RestartNote(name, "restart", f"{why} ({done.order.reason})", False, None, False)
+    return RestartNote(name, "restart", done.order.reason, True, done.result.ok, False)
 
 
 def _with_commands(first: CycleReport, heard: Settled) -> CycleReport:
@@ -1003,15 +1018,8 @@ def settle(
         for report in reports
     ]
     heard = [
-        RestartNote(
-            # Under the name hear_commands gave it: a rename while it ran is the same server.
-            name=heard_as(record, done.order),
-            action="restart",
-            reason=done.order.reason,
-            ran=True,
-            ok=done.result.ok,
-            dry_run=False,
-        )
+        # Under the name hear_commands gave it: a rename while it ran is the same server.
+        _heard_note(heard_as(record, done.order), done)
         for done in commands
     ]
     report = CycleReport(

@@ -1142,13 +1142,19 @@ class Daemon:
             if line not in state.notes:  # a standby's note holds from cycle to cycle
                 self._log(line)
         state.notes = report.notes
+        # Only backends configured now: a command heard after a reload dropped its backend
+        # brought that backend's counter back to /metrics, frozen, for the daemon's life.
+        configured = {target.name for target in self._targets}
         for note in report.restarts:
+            if note.name not in configured:
+                continue
             if note.ran:
                 state.restarts[(note.name, "ok" if note.ok else "failed")] += 1
             elif note.action == "retire":
                 state.restarts[(note.name, "retired")] += 1
         for expired in report.expired:  # its command may have exited 0: the restart failed
-            state.restarts[(expired.name, "failed")] += 1
+            if expired.name in configured:
+                state.restarts[(expired.name, "failed")] += 1
         state.stall.observe(signals, now)
         stalled = state.stall.stalled(now, self._config.stall_timeout)
         # Every backend's ledger state, not only those whose probe reported this cycle.

@@ -3753,3 +3753,87 @@ def test_a_server_read_asleep_by_an_undecided_read_stays_unrouted_when_its_reade
     lost = probe.unjudged("not judged: read worker 1 exited (-9); its reads start afresh")
     daemon._heard(target, lost, 0.0, ())
     assert daemon._asleep("b")
+
+
+def test_a_withdrawn_restart_is_not_counted_as_a_failed_restart_in_the_metrics(
+    tmp_path: Path,
+) -> None:
+    # An operator's hold saved between the settle that issued a restart and its launch
+    # withdraws the command: it never ran, so it is no failed restart, in the ledger
+    # (no failure, no attempt) nor on /metrics, where two such holds fired
+    # LLMHealthRestartsFailing ("restarting w failed 2 times").
+    marker = tmp_path / "restarted"
+    target = Target("w", REFUSED_URL)
+    backend = config_module.Backend("w", REFUSED_URL, restart=("touch", str(marker)))
+    config = config_module.Config(backends=(backend,))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    wedge = Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
+    settled = settle_fleet(
+        store, config, {"w": REFUSED_URL}, lambda _record: [wedge], mode=Mode.ACT, audit=audit
+    )
+    [order] = settled.orders
+    assert operate.hold(store, audit, config, "w", 3600, "weight sync").applied
+    daemon = Daemon(
+        lambda: (config, [target]),
+        store,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def launch() -> None:
+        try:
+            daemon._launch(order)
+            await asyncio.wait(set(daemon._commands_running))
+        finally:
+            await daemon._reading.close()
+
+    asyncio.run(launch())
+    done = daemon._take_commands()
+    assert [d.withdrawn for d in done] == [True]
+    heard = daemon._settle(daemon_module.News([], done))
+    daemon._after_cycle(heard.report, 0.0, None, None)
+    restarts = daemon._collector.view.restarts
+    assert restarts[("w", "failed")] == 0, restarts
+    assert not marker.exists()
+
+
+def test_a_restart_heard_after_its_backend_left_the_config_leaves_no_series_behind(
+    tmp_path: Path,
+) -> None:
+    # A reload dropped "w" while its restart command ran: its series left /metrics at the
+    # reload, and the command's outcome, heard at the next settle, must not bring a
+    # counter of a backend nobody configures back for the daemon's life.
+    target, other = Target("w", REFUSED_URL), Target("b", "http://127.0.0.1:10")
+    backend = config_module.Backend("w", REFUSED_URL, restart=("true",))
+    kept = config_module.Backend("b", other.url, restart=("true",))
+    config = config_module.Config(backends=(backend, kept))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    wedge = Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
+    settled = settle_fleet(
+        store,
+        config,
+        {"w": REFUSED_URL, "b": other.url},
+        lambda _record: [wedge],
+        mode=Mode.ACT,
+        audit=audit,
+    )
+    [order] = settled.orders
+    reloaded = config_module.Config(backends=(kept,))
+    daemon = Daemon(
+        lambda: (reloaded, [other]),
+        store,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    failed = CommandResult(order.argv, 1, False, 0.1, "", "unit not found")
+    try:
+        heard = daemon._settle(daemon_module.News([], [CommandDone(order, failed)]))
+        daemon._after_cycle(heard.report, 0.0, None, None)
+    finally:
+        asyncio.run(daemon._reading.close())
+    view = daemon._collector.view
+    assert {name for name, _ in view.restarts} == {"b"}, view.restarts
