@@ -175,20 +175,27 @@ class Etcd:
         self._current = 0
         self._lock = threading.Lock()
 
-    def call(self, path: str, body: Mapping[str, Any], read: Callable[[dict[str, Any]], T]) -> T:
-        """``read`` of etcd's answer at ``/v3/<path>``, from the first endpoint that gives one."""
+    def call(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        read: Callable[[dict[str, Any]], T],
+        *,
+        within: float | None = None,
+    ) -> T:
+        """``read`` of etcd's answer at ``/v3/<path>``, from the first endpoint that gives
+        one, all of them within ``within`` seconds (default: the call's bound)."""
         payload = etcd_http.encode(body)
         with self._lock:
             first = self._current
         problems = []
-        deadline = self._clock() + self._call_seconds
+        spent = self._call_seconds if within is None else min(within, self._call_seconds)
+        deadline = self._clock() + spent
         for step in range(len(self._wires)):
             index = (first + step) % len(self._wires)
             left = deadline - self._clock()
             if left <= 0:
-                problems.append(
-                    f"{self.endpoints[index]}: not tried, {self._call_seconds:g} s spent"
-                )
+                problems.append(f"{self.endpoints[index]}: not tried, {spent:g} s spent")
                 continue
             bounds = replace(
                 self._bounds,
@@ -276,12 +283,14 @@ class Etcd:
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]] | None = None,
+        *,
+        within: float | None = None,
     ) -> tuple[bool, int, list[KeyValue | None]]:
         """Whether the compares held, the revision after it, and what each operation of
         the branch that ran found: a ``request_range``'s first key, None for the others
         (and for a range that found nothing)."""
         body = {"compare": compare, "success": success, "failure": failure or []}
-        return self.call("kv/txn", body, _txn_result)
+        return self.call("kv/txn", body, _txn_result, within=within)
 
     def grant(self, ttl: int) -> int:
         return self.call("lease/grant", {"TTL": ttl, "ID": 0}, _granted)
@@ -945,11 +954,24 @@ class EtcdStore:
         # a verb's write could not be told from a write that never went in.
         proof = [(self.keys.saved, secrets.token_hex(8).encode())] if self.elector else []
         writes = [(self.keys.state, payload), *records, *proof]
-        written, revision, found = self.etcd.txn(
-            compare,
-            [put(key, value) for key, value in writes],
-            [{"request_range": {"key": _b64(key)}} for key, _ in writes],
-        )
+        read_back = [{"request_range": {"key": _b64(key)}} for key, _ in writes]
+        lost: ClusterUnavailableError | None = None
+        try:
+            written, revision, found = self.etcd.txn(
+                compare, [put(key, value) for key, value in writes], read_back
+            )
+        except ClusterUnavailableError as exc:
+            # No endpoint gave the answer (one endpoint, or each cut or slow in turn): the
+            # write may have gone in all the same. Said "not written", the daemon stood by,
+            # the restart it had ordered never ran and the commands it recorded were heard
+            # again. Read back as a failed compare would: the very bytes mean written.
+            # Within one request's bound: the settle already spent a call's on the write,
+            # and a settle longer than the unit's WatchdogSec has the daemon killed.
+            try:
+                _, _, found = self.etcd.txn([], read_back, within=REQUEST_TIMEOUT)
+            except ClusterUnavailableError:
+                raise exc from None
+            written, revision, lost = False, 0, exc
         if not written:
             # Our own transaction may be what failed the compare: offered again after its
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
@@ -965,13 +987,13 @@ class EtcdStore:
                 for held, (_, value) in zip(found, writes, strict=False)
             ]
             if len(found) != len(writes):
-                raise self._not_written(f"the write of {self.keys.state} failed")
+                raise lost or self._not_written(f"the write of {self.keys.state} failed")
             # A leader's record alone proves nothing: a settle that changed nothing writes
             # the very bytes its last one did, and fenced out, it found them and was said
             # written, its audit records lost. Its nonce is this write's alone.
             whole = ours[-1] if proof else all(ours)
             if not whole and not (records and ours[1]):
-                raise self._not_written(f"the write of {self.keys.state} failed")
+                raise lost or self._not_written(f"the write of {self.keys.state} failed")
             # The revision our write made: where a later save of this section stands.
             if whole:  # the nonce (or, for a verb, every key): nobody saved after it
                 made = found[-1]

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -249,9 +250,12 @@ class Daemon:
         self._retired: frozenset[str] = frozenset()
         # The serial of each backend's newest fresh verdict, for the leader: one count for
         # all of them, so a backend the config drops is forgotten here, and one that comes
-        # back never repeats a serial the leader may have settled.
+        # back never repeats a serial the leader may have settled. Started anywhere in 2**48
+        # (below 2**53, jq's exact integers): counted from 1, a member restarted under its
+        # name published its first verdicts under the serials its last process ended on,
+        # and the leader took them for verdicts it had settled.
         self._serials: dict[str, int] = {}
-        self._serial = itertools.count(1)
+        self._serial = itertools.count(1 + secrets.randbelow(2**48))
         self._collector = FleetCollector()
         self._state = WatchState(StallWatch(started_at=clock()))
         self._stop = asyncio.Event()

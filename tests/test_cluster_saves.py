@@ -297,3 +297,110 @@ def test_a_transaction_said_succeeded_in_a_string_is_not_taken_for_a_written_one
     assert etcd.get(keys.state) is None
     new.stop()
     old.stop()
+
+
+def test_a_save_whose_answer_was_lost_on_the_only_endpoint_is_found_written(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # One endpoint (one etcd, or a load balancer in front of several): the transaction
+    # reached etcd and went in, its answer was lost (cut, or later than the client's
+    # bound). There is no next endpoint to offer it to, so the save raised "no etcd
+    # endpoint answered": the daemon stood by for the cycle, the restart this write had
+    # ordered (RESTARTING in the record) never ran until startup_grace failed it, and the
+    # command outcomes it had recorded were heard again by the next settle.
+    with tcp_server(first_answer_lost(etcd_server.endpoints[0])) as (lossy, _):
+        etcd = Etcd([lossy])
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.load(dict)
+            store.append_record({"event": "restart_ordered", "backend": "gpu1"})
+            store.save({"value": 1})
+            written = store.revision
+        found = Etcd(etcd_server.endpoints).get(keys.state)
+        assert found is not None
+        assert (store_value(etcd, keys), written) == (1, found.mod_revision)
+        leader.stop()
+
+
+def first_answer_lost(endpoint: str) -> Callable[[socket.socket, int], None]:
+    """An endpoint in front of ``endpoint`` that drops the first transaction's answer (the
+    transaction went in) and passes everything else on, both ways."""
+    lost = [False]
+
+    def once() -> None:
+        lost[0] = True
+
+    forward = losing_txn_answers(endpoint, once)
+
+    def handle(connection: socket.socket, number: int) -> None:
+        if lost[0]:
+            _pass_through(endpoint, connection)
+        else:
+            forward(connection, number)
+
+    return handle
+
+
+def _pass_through(
+    endpoint: str, connection: socket.socket, head: bytes = b"", body: bytes = b""
+) -> None:
+    """One request (read here unless given) passed on to ``endpoint``, its answer back."""
+    host, _, port = endpoint.removeprefix("http://").partition(":")
+    if not head:
+        head, body = read_posted(connection)
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=5) as upstream:
+        upstream.sendall(head + b"\r\n\r\n" + body)
+        while chunk := upstream.recv(65536):
+            answer += chunk
+    connection.sendall(answer)
+
+
+def test_a_settle_ordering_a_restart_whose_answer_was_lost_still_orders_it(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # As the daemon settles, with one etcd endpoint: a wedge is proven, the restart is
+    # written down (RESTARTING) and the answer lost. Raised, the restart was never run
+    # while the record said RESTARTING, until startup_grace failed it.
+    url = "http://127.0.0.1:9"
+    config = Config(backends=(Backend("gpu0", url, restart=("true",)),))
+    wedged = [Outcome(Target("gpu0", url), Verdict(VerdictKind.WEDGED, False, "wedged"))]
+    with tcp_server(first_answer_lost(etcd_server.endpoints[0])) as (lossy, _):
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(Etcd([lossy]), keys, leader)
+        settled = settle_fleet(
+            store, config, {"gpu0": url}, lambda _: wedged, mode=Mode.ACT, audit=store.audit
+        )
+        assert [order.name for order in settled.orders] == ["gpu0"]
+        assert str(settled.record.ledger.state_of("gpu0")) == "restarting"
+        assert "LLMHEALTH_FENCE" in store.command_env()  # the command may run
+        leader.stop()
+
+
+def test_a_save_that_never_reached_the_only_endpoint_is_still_not_written(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The read-back after a lost answer proves a write only by what that write alone made:
+    # a transaction cut before it reached etcd is still "no etcd endpoint answered".
+    def drop_transactions(connection: socket.socket, _: int) -> None:
+        head, _body = read_posted(connection)
+        if not head.startswith(b"POST /v3/kv/txn ") or b"request_put" not in _body:
+            _pass_through(etcd_server.endpoints[0], connection, head, _body)
+
+    with tcp_server(drop_transactions) as (lossy, _):
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(Etcd([lossy]), keys, leader)
+        with pytest.raises(cluster.ClusterUnavailableError), store.locked():
+            store.load(dict)
+            store.append_record({"event": "restart_ordered", "backend": "gpu1"})
+            store.save({"value": 1})
+        assert Etcd(etcd_server.endpoints).get(keys.state) is None
+        assert read_audit(Etcd(etcd_server.endpoints), keys).records == []
+        leader.stop()

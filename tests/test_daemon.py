@@ -1792,7 +1792,8 @@ def test_a_cluster_member_publishes_a_proof_its_lost_reader_followed_under_its_s
         publication = daemon._publication()
         assert publication is not None
         published.append((publication.serials["b"], publication.verdicts["b"].judged))
-    assert published == [(1, True), (2, False)]
+    first = published[0][0]
+    assert published == [(first, True), (first + 1, False)]
 
 
 def test_a_restart_whose_verdict_a_second_read_replaced_before_the_settle_is_still_seen(
@@ -3837,3 +3838,54 @@ def test_a_restart_heard_after_its_backend_left_the_config_leaves_no_series_behi
         asyncio.run(daemon._reading.close())
     view = daemon._collector.view
     assert {name for name, _ in view.restarts} == {"b"}, view.restarts
+
+
+def test_a_member_restarted_under_its_name_never_repeats_a_serial_the_leader_settled(
+    tmp_path: Path,
+) -> None:
+    """A cluster member restarted under the same `member` name (a config edit and a
+    restart soon after a deploy, a crash loop) counted its serials from 1 again. The
+    leader remembers the last (member, serial) it settled of each backend for as long as
+    it leads, and took the new process's first verdicts, under the very serials the old
+    process had last published, for verdicts it had settled: dropped, unsettled."""
+    from llmhealth.shares import (  # noqa: PLC0415
+        Intake,
+        parse_publication,
+        publication,
+        take_published,
+    )
+
+    target = Target("b", REFUSED_URL)
+    idle = Verdict(VerdictKind.IDLE, True, "idle")
+    down = Verdict(VerdictKind.DOWN, False, "down: refused")
+    intake = Intake(0.0, 60.0)
+    take_published(intake, {"b": "m"}, {}, 0.0, 1e9)  # the leader's first take primes it
+
+    def one_process(verdict: Verdict) -> list[Verdict]:
+        daemon = Daemon(
+            lambda: (config_module.Config(), [target]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+        )
+        daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
+
+        async def one_wait() -> list[Verdict]:
+            daemon._start_probes()
+            daemon.hear(target, verdict, 0.01)
+            daemon._take_fresh()
+            made = daemon._publication()
+            assert made is not None
+            (chunk,) = publication(*made[:3], 512 * 1024, made.urls, made.reading_at)
+            found = parse_publication("m", json.loads(chunk))
+            await daemon._reading.close()
+            taken = take_published(intake, {"b": "m"}, {"m": found}, 1.0, 1e9)
+            return list(taken.verdicts.values())
+
+        return asyncio.run(one_wait())
+
+    assert one_process(idle) == [idle]
+    # The same member, a new process: its first verdict is news to the leader.
+    assert one_process(down) == [down]
