@@ -28,6 +28,7 @@ from llmhealth.openfiles import (
     LOCK_TIMEOUT,
     NotRegularFileError,
     lock_within,
+    make_directories,
     open_within,
     trusted_target,
 )
@@ -402,7 +403,7 @@ class AuditLog:
             # directory is made: a missing parent made through another user's link was
             # made wherever that link led.
             path = trusted_target(self.path)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_directories(self.path.parent)
             created = not path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
             # Not waiting on a lease longer than on the lock (openfiles.open_within).

@@ -143,6 +143,18 @@ def _root_alone(directory: Path, holding: str) -> None:
         )
 
 
+def make_directories(directory: Path) -> None:
+    """``directory`` and each missing above it, made 0755 at most whatever the umask: the
+    state's and the audit log's. Made 0777 under a umask of 0 (0775 under 002), they
+    let anyone rename a state of their own in, and run as root, llmhealth then refused
+    the very directories it had made ("writable by others than root"), every run after
+    its first. A directory there already is left as it is."""
+    missing = [each for each in (directory, *directory.parents) if not os.path.lexists(each)]
+    for each in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile, by another run
+            os.mkdir(each, 0o755)
+
+
 def raise_file_limit() -> int:
     """Raise this process's open-file soft limit to its hard limit; the limit now in force.
 

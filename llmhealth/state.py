@@ -27,6 +27,7 @@ from llmhealth.ledger import SCHEMA as LEDGER_SCHEMA
 from llmhealth.openfiles import (
     LOCK_TIMEOUT,
     lock_within,
+    make_directories,
     open_within,
     read_regular_file,
     trusted_target,
@@ -242,7 +243,7 @@ class StateFile:
     @contextlib.contextmanager
     def _holding(self, lock_path: Path, deadline: float) -> Iterator[None]:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_directories(self.path.parent)
             # Not through a symbolic link: one planted at this predictable name had the
             # file it names truncated and made 0600 by every run.
             # Nor waiting on a lease the directory's owner holds on a lock file of its own.
@@ -337,14 +338,26 @@ class StateFile:
         # Before the size: a large file that is not ours (`--state /var/log/syslog`) was
         # moved aside as a state too large to read.
         if not _could_be_ours(raw):
-            raise StateError(
-                f"state {self.path} is not a file llmhealth wrote (it does not begin with "
-                "'{'): left in place; give --state the ledger's own file (a config is "
-                "--config), or move this one away to start a fresh ledger there"
-            )
-        if len(raw) > _MAX_STATE_BYTES:
-            raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
-        return decode_record(raw, decode, str(self.path))
+            raise self._not_ours("it does not begin with '{'")
+        try:
+            if len(raw) > _MAX_STATE_BYTES:
+                raise ValueError(f"larger than {_MAX_STATE_BYTES} bytes")
+            return decode_record(raw, decode, str(self.path))
+        except UNREADABLE:
+            # Asked only of a file that cannot be used: a whole JSON object that is no
+            # state (the daemon's --serving-file, another program's JSON config, a JSON
+            # lines log) was moved aside as a corrupt one, gone from where its program
+            # looks for it.
+            if _someone_elses(raw):
+                raise self._not_ours("a JSON object with none of a state's keys") from None
+            raise
+
+    def _not_ours(self, why: str) -> StateError:
+        return StateError(
+            f"state {self.path} is not a file llmhealth wrote ({why}): left in place; give "
+            "--state the ledger's own file (a config is --config), or move this one away "
+            "to start a fresh ledger there"
+        )
 
     def mark(self) -> tuple[int, ...] | None:
         """The file's identity and its last change, from one stat: a save by anyone renames
@@ -480,6 +493,22 @@ def _could_be_ours(raw: bytes) -> bool:
             begins = begins.removeprefix(mark).lstrip(blank)
             break
     return not begins or begins.startswith(b"{")
+
+
+def _someone_elses(raw: bytes) -> bool:
+    """Whether a file that begins as a state does is still another program's: its first
+    JSON value is a whole object, not empty, with neither a ``schema`` nor a ``ledger``
+    (every save writes both). What damage leaves of a state (cut short, garbled, zeros)
+    does not parse so, or still has them."""
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+        first, _ = _DECODER.raw_decode(text.lstrip(" \t\r\n\ufeff"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return False
+    return isinstance(first, dict) and bool(first) and not first.keys() & {"schema", "ledger"}
+
+
+_DECODER = json.JSONDecoder()
 
 
 class MemoryStore:

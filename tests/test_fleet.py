@@ -28,6 +28,7 @@ from llmhealth.fleet import (
     FleetRecord,
     MembershipChange,
     Sighting,
+    _remember,
     events_for,
     reads_per_wait,
     requests_finished,
@@ -765,6 +766,27 @@ def test_the_retired_backends_remembered_are_bounded_oldest_first() -> None:
     record.reconcile({}, NOW + 1)
     assert len(record.retired_forgotten) <= MAX_RETIRED_FORGOTTEN
     assert "gpu0" in record.retired_forgotten and "old0" not in record.retired_forgotten
+
+
+def test_a_record_holding_far_more_forgotten_than_its_bound_is_cut_in_one_pass() -> None:
+    """A state edited or merged by hand may hold any number of forgotten backends (some
+    300,000 fit in the 64 MiB a run reads): each one over the bound was found by a walk
+    of all of them, and the first settle to forget a backend held the state lock for
+    hours (40,000 took a `check` 68 s). Each is looked at once now, the newest kept."""
+    looked_at = 0
+
+    def at(value: float) -> float:
+        nonlocal looked_at
+        looked_at += 1
+        return value
+
+    forgotten = {f"old{n}": float(n) for n in range(3000)}
+    _remember(forgotten, "gpu0", 1e9, at, bound=10)
+    assert sorted(forgotten, key=forgotten.__getitem__) == [
+        *(f"old{n}" for n in range(2991, 3000)),
+        "gpu0",
+    ]
+    assert looked_at <= 2 * 3001
 
 
 def test_a_condemned_backend_moved_to_a_new_address_stays_condemned_until_proven() -> None:

@@ -113,6 +113,36 @@ def test_a_large_file_llmhealth_never_wrote_is_left_in_place_too(
     _left_in_place(StateFile(tmp_path / "syslog"), b"Jan  1 00:00:00 host kernel: a line\n" * 100)
 
 
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        (
+            "serving.json",
+            b'{\n "serving": [\n  {\n   "name": "gpu0",\n   "url": "http://h:8"\n  }\n ]\n}',
+        ),
+        ("daemon.json", b'{"log-driver": "journald", "data-root": "/srv/docker"}\n'),
+        ("access.jsonl", b'{"time": 1, "status": 200}\n{"time": 2, "status": 502}\n'),
+        ("settings.json", '{"editor.fontSize": 14}'.encode("utf-16")),
+    ],
+    ids=["the-serving-file", "a-json-config", "a-json-lines-log", "utf-16-with-a-mark"],
+)
+def test_a_json_file_llmhealth_never_wrote_is_left_in_place(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    """A file that begins with "{" but is a whole JSON object with none of a state's keys
+    is someone else's: `hold --state serving.json` (the daemon's own --serving-file, a
+    balancer reads it) or, as root, `--state /etc/docker/daemon.json` moved it aside as a
+    corrupt state, gone from where its program looks for it."""
+    _left_in_place(StateFile(tmp_path / name), content)
+
+
+def test_a_large_json_lines_file_is_left_in_place_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    _left_in_place(StateFile(tmp_path / "app.jsonl"), b'{"level": "info", "msg": "a"}\n' * 100)
+
+
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
 def test_a_state_saved_again_by_an_editor_with_a_byte_order_mark_still_loads(
     tmp_path: Path, encoding: str
@@ -386,6 +416,22 @@ def test_the_audit_log_is_readable_by_the_group_and_no_one_else(
     log = AuditLog(tmp_path / "audit.jsonl")
     log.append({"event": "x"})
     assert mode(tmp_path / "audit.jsonl") == 0o640
+
+
+def test_the_directories_made_for_the_state_and_audit_log_are_writable_by_the_owner_alone(
+    tmp_path: Path, open_umask: None
+) -> None:
+    """Made under the umask alone, a state's new directory was 0777 under a umask of 0
+    (0775 under 002): anyone could rename a state of their own in, and run as root, the
+    next save refused the very directories the lock had just made ("writable by others
+    than root"), as did every run after."""
+    store = StateFile(tmp_path / "new" / "deeper" / "state.json")
+    with store.locked():
+        store.save({"n": 1})
+    AuditLog(tmp_path / "logs" / "llmhealth" / "audit.jsonl").append({"event": "x"})
+    made = ("new", "new/deeper", "logs", "logs/llmhealth")
+    assert {name: mode(tmp_path / name) for name in made} == dict.fromkeys(made, 0o755)
+    assert json.loads(store.path.read_text())["n"] == 1
 
 
 _JSON_VALUES = st.recursive(
