@@ -776,7 +776,12 @@ def _parse_labels(text: str) -> tuple[dict[str, str], int] | None:
             return None
         if text[position] == "}":
             return labels, position + 1
-        equals = text.find("=", position)
+        # A quoted name (the format's UTF-8 form, for a name that is not a legacy one)
+        # may hold "=" itself: the one after the name follows its closing quote.
+        named = text.find('"', position + 1) + 1 if text[position] == '"' else position
+        if named == 0:
+            return None
+        equals = text.find("=", named)
         if equals == -1:
             return None
         quote = equals + 1

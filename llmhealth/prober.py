@@ -20,8 +20,13 @@ from llmhealth.fleet_health import FleetHealth, Key
 from llmhealth.ledger import BackendSnapshot, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
-from llmhealth.text import header_safe
+from llmhealth.text import header_safe, same_server
 from llmhealth.window import LongestStep, longer
+
+# Servers whose longest step is remembered: a trainer rebuilding its shards on fresh
+# ports would otherwise add one for each rebuild, for the life of its process. The one
+# heard from longest ago goes first.
+_SERVERS_REMEMBERED = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,10 @@ class Prober:
         # not per slot, so it outlives a process change (the hardware stays). Dropped with
         # the slot, a replacement inside its first long step was wedged at two waits.
         self._learned: dict[Key, LongestStep] = {}
+        # And per server (``same_server``), as `watch` gives a backend moved to another
+        # address the longer of its own step and its new server's: a shard rebuilt where
+        # another took long steps, inside its first one there, was wedged at two waits.
+        self._learned_at: dict[str, LongestStep] = {}
         self._probing = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -292,16 +301,22 @@ class Prober:
         baseline = slot.sighted
         if baseline is not None and any(read.signals is baseline for read in slot.window):
             baseline = None
+        server = same_server(url)
         verdict = await examine_once(
             slot.client,
             target,
             settings,
             slot.window,
             baseline=baseline,
-            learned=self._learned.get(key),
+            learned=longer(self._learned.get(key), self._learned_at.get(server)),
         )
-        if verdict is not None and (step := longer(self._learned.get(key), verdict.longest_step)):
-            self._learned[key] = step
+        if verdict is not None and verdict.longest_step is not None:
+            if step := longer(self._learned.get(key), verdict.longest_step):
+                self._learned[key] = step
+            if step := longer(self._learned_at.pop(server, None), verdict.longest_step):
+                self._learned_at[server] = step  # the newest heard last: kept longest
+                if len(self._learned_at) > _SERVERS_REMEMBERED:
+                    del self._learned_at[next(iter(self._learned_at))]
         return verdict
 
     def _newest_signals(self) -> dict[str, Signals]:

@@ -158,3 +158,16 @@ def test_quoted_label_names_read_as_prometheus_client_reads_them() -> None:
     )
     assert ours(text) == oracle(text)
     assert set(ours(text)[0]) == {"0", "1"}
+
+
+def test_a_quoted_label_name_holding_an_equals_sign_reads_as_prometheus_client_reads_it() -> None:
+    """A label name is quoted when it is not a legacy name, and may then hold "=": the
+    first "=" was taken for the one after the name, the label set did not parse, and the
+    line was dropped as malformed (an engine's counters or gauges lost)."""
+    text = "".join(
+        f'vllm:num_requests_running{{"pod=x"="a", engine="{engine}"}} 4\n'
+        f'vllm:iteration_tokens_total_count{{engine="{engine}","a=b" = "c"}} {steps}\n'
+        for engine, steps in (("0", 10), ("1", 20))
+    )
+    assert ours(text) == oracle(text)
+    assert set(ours(text)[0]) == {"0", "1"}

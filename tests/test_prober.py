@@ -25,6 +25,7 @@ import llmhealth
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
 from llmhealth.probe import KEEP_ALIVE_LEAD
 from llmhealth.selector import Selector
+from llmhealth.text import same_server
 
 INTERVAL = 0.4  # the controller's probe interval in these tests
 WAIT = 0.3  # the Prober's least time between two reads of a backend, inside INTERVAL
@@ -835,3 +836,120 @@ def test_a_long_step_learned_before_a_rebuild_still_covers_the_replacement(
     fleet, verdicts = asyncio.run(main(httpserver.url_for("").rstrip("/")))
     assert VerdictKind.WEDGED not in verdicts, (verdicts, fleet.snapshot()[0].last_error)
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
+
+
+@pytest.mark.slow
+def test_a_shard_moved_to_a_server_that_learned_a_long_step_keeps_that_step(
+    httpserver: HTTPServer, fixture_text: Callable[[str], str]
+) -> None:
+    """`watch` gives a backend moved to another address the longer of its own step and
+    the one learned at that server (``same_server``): the hardware stays. The Prober kept
+    the shard's own only, so a shard rebuilt at the address where another took 20-40 s
+    steps, inside its first long step there, was wedged at two waits and condemned."""
+    busy = fixture_text("vllm-0.32/busy-1.txt")
+    idle = fixture_text("vllm-0.32/idle-1.txt")
+    now = time.time()
+    reads: list[int] = []
+    replaced = threading.Event()
+
+    def started(body: str, start: float) -> str:
+        return re.sub(
+            r"^process_start_time_seconds .*$",
+            f"process_start_time_seconds {start}",
+            body,
+            flags=re.M,
+        )
+
+    def long_stepping() -> str:
+        n = len(reads)
+        reads.append(n)
+        if replaced.is_set():  # shard 0's replacement, past startup, inside a long step
+            return started(busy, now - 1800)
+        body = re.sub(
+            r"^(vllm:(?:iteration_tokens_total_count|generation_tokens_total)\{[^}]*\}) "
+            r"[0-9.e+]+$",
+            lambda m: f"{m.group(1)} {5000.0 + 100.0 * n}",
+            started(busy, now - 7200),
+            flags=re.M,
+        )
+        return re.sub(
+            r'^(vllm:inter_token_latency_seconds_bucket\{engine="0",'
+            r'le="(?:40\.0|80\.0|\+Inf)"[^}]*\}) [0-9.e+]+$',
+            lambda m: f"{m.group(1)} 3324.0",
+            body,
+            flags=re.M,
+        )
+
+    httpserver.expect_request("/metrics").respond_with_handler(
+        lambda request: Response(long_stepping(), content_type="text/plain; version=0.0.4")
+    )
+    other = HTTPServer(host="127.0.0.1", port=0)
+    other.expect_request("/metrics").respond_with_handler(
+        lambda request: Response(started(idle, now - 7200), content_type="text/plain")
+    )
+    other.expect_request("/c/metrics").respond_with_handler(
+        lambda request: Response(started(idle, now - 60), content_type="text/plain")
+    )
+    other.start()
+
+    async def main(a: str, b: str) -> tuple[FleetHealth, list[VerdictKind | None]]:
+        fleet = FleetHealth([a, b])
+        verdicts: list[VerdictKind | None] = []
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            for _ in range(2):  # shard 1 learns its server's long step
+                results = await prober.probe()
+                verdicts += [r.verdict for r in results if r.key == 1]
+                await asyncio.sleep(INTERVAL)
+            assert VerdictKind.BUSY in verdicts, verdicts
+            # The trainer rebuilds both: shard 1 elsewhere, shard 0 at shard 1's former
+            # server (the hardware there takes long steps).
+            for key, url in ((1, f"{a}/c"), (0, b)):
+                fleet.record_actor_death(key, "ActorDiedError")
+                fleet.mark_restarting(key)
+                fleet.mark_loaded(key, base_url=url)
+                fleet.report_refit(key, weight_version=1)
+            replaced.set()
+            verdicts.clear()
+            for _ in range(5):
+                results = await prober.probe()
+                verdicts += [r.verdict for r in results if r.key == 0]
+                await asyncio.sleep(INTERVAL)
+        return fleet, verdicts
+
+    try:
+        fleet, verdicts = asyncio.run(
+            main(other.url_for("").rstrip("/"), httpserver.url_for("").rstrip("/"))
+        )
+    finally:
+        other.clear()
+        other.stop()
+    assert VerdictKind.WEDGED not in verdicts, (verdicts, fleet.snapshot()[0].last_error)
+    assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
+
+
+def test_the_servers_whose_step_is_remembered_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step per server outlives the shard that moved away (the hardware stays), so a
+    trainer rebuilding on fresh ports added one each time for its process's life: the
+    servers heard from longest ago are let go past the bound."""
+    monkeypatch.setattr(llmhealth.prober, "_SERVERS_REMEMBERED", 2)
+
+    async def main(urls: list[str]) -> list[str]:
+        fleet = FleetHealth(urls[:1])
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            for url in urls:
+                if url != urls[0]:  # the shard rebuilt at the next address
+                    fleet.record_actor_death(0, "rebuilt")
+                    fleet.mark_restarting(0)
+                    fleet.mark_loaded(0, base_url=url)
+                    fleet.report_refit(0, weight_version=1)
+                for _ in range(20):
+                    if (await prober.probe())[0].verdict is not None:
+                        break
+                    await asyncio.sleep(INTERVAL)
+            return list(prober._learned_at)
+
+    with running_simulator(["busy", "busy", "busy"]) as sim:
+        remembered = asyncio.run(main(sim.urls))
+    assert remembered == [same_server(url) for url in sim.urls[1:]], remembered
