@@ -955,23 +955,27 @@ class EtcdStore:
         proof = [(self.keys.saved, secrets.token_hex(8).encode())] if self.elector else []
         writes = [(self.keys.state, payload), *records, *proof]
         read_back = [{"request_range": {"key": _b64(key)}} for key, _ in writes]
+        puts = [put(key, value) for key, value in writes]
         lost: ClusterUnavailableError | None = None
         try:
-            written, revision, found = self.etcd.txn(
-                compare, [put(key, value) for key, value in writes], read_back
-            )
+            written, revision, found = self.etcd.txn(compare, puts, read_back)
         except ClusterUnavailableError as exc:
             # No endpoint gave the answer (one endpoint, or each cut or slow in turn): the
             # write may have gone in all the same. Said "not written", the daemon stood by,
             # the restart it had ordered never ran and the commands it recorded were heard
-            # again. Read back as a failed compare would: the very bytes mean written.
+            # again. Offered again under the same compares, as to a next endpoint: a read
+            # alone proved nothing of a write still on its way (a balancer slow past the
+            # bound), which went in after it. Once this one is answered, the first can no
+            # longer go in (it went in, and this one found it, or the record moved on).
             # Within one request's bound: the settle already spent a call's on the write,
             # and a settle longer than the unit's WatchdogSec has the daemon killed.
             try:
-                _, _, found = self.etcd.txn([], read_back, within=REQUEST_TIMEOUT)
+                written, revision, found = self.etcd.txn(
+                    compare, puts, read_back, within=REQUEST_TIMEOUT
+                )
             except ClusterUnavailableError:
                 raise exc from None
-            written, revision, lost = False, 0, exc
+            lost = exc  # found not ours: raised as before, no settle made again for it
         if not written:
             # Our own transaction may be what failed the compare: offered again after its
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
@@ -1013,7 +1017,25 @@ class EtcdStore:
         """Audit records of a section that saved nothing, under the same compares."""
         compare = self._compares()
         records, count = self._records()
-        written, _, _ = self.etcd.txn(compare, [put(key, value) for key, value in records])
+        [(key, value)] = records
+        try:
+            written, _, _ = self.etcd.txn(compare, [put(key, value)])
+        except ClusterUnavailableError as exc:
+            # Its answer lost (one endpoint, or each in turn): offered again, as ``save``
+            # does, only if its key is not there yet (its name is this write's alone).
+            # Said unwritten, a refused verb was an etcd error to the operator while its
+            # record was in the trail, and trying again wrote it twice.
+            try:
+                written, _, found = self.etcd.txn(
+                    [*compare, compare_created(key, 0)],
+                    [put(key, value)],
+                    [{"request_range": {"key": _b64(key)}}],
+                    within=REQUEST_TIMEOUT,
+                )
+            except ClusterUnavailableError:
+                raise exc from None
+            held = found[0] if found else None
+            written = written or (held is not None and held.value == value)
         if not written:
             raise self._not_written("the audit records of this section were not written")
         self._pending = []

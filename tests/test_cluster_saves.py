@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import socket
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -404,3 +405,74 @@ def test_a_save_that_never_reached_the_only_endpoint_is_still_not_written(
         assert Etcd(etcd_server.endpoints).get(keys.state) is None
         assert read_audit(Etcd(etcd_server.endpoints), keys).records == []
         leader.stop()
+
+
+def test_a_save_said_unwritten_after_its_answer_was_late_does_not_go_in_later(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # One endpoint (a load balancer in front of etcd) slow past the client's bound: the
+    # transaction reaches etcd only after the read-back that was to tell whether it went
+    # in. Said "no etcd endpoint answered", the settle stood by, yet its write (the
+    # restart it ordered, RESTARTING) went in a moment later: the restart never ran and
+    # sat RESTARTING until startup_grace failed it, as before the read-back.
+    answered, landed = threading.Event(), threading.Event()
+    held: list[bytes] = []
+    url = "http://127.0.0.1:9"
+    config = Config(backends=(Backend("gpu0", url, restart=("true",)),))
+    wedged = [Outcome(Target("gpu0", url), Verdict(VerdictKind.WEDGED, False, "wedged"))]
+
+    def late_writes(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        first = head.startswith(b"POST /v3/kv/txn ") and b"request_put" in body and not held
+        if not first:  # the next transaction (the client's second look) is answered first
+            _pass_through(etcd_server.endpoints[0], connection, head, body)
+            if head.startswith(b"POST /v3/kv/txn "):
+                answered.set()
+            return
+        held.append(body)
+        answered.wait(5)  # the client gave up on this one long ago
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while upstream.recv(65536):
+                pass
+        landed.set()
+
+    with tcp_server(late_writes) as (lossy, _):
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(Etcd([lossy], timeout=0.3), keys, leader)
+        try:
+            settle_fleet(
+                store, config, {"gpu0": url}, lambda _: wedged, mode=Mode.ACT, audit=store.audit
+            )
+        except cluster.ClusterUnavailableError:
+            written = False
+        else:
+            written = True
+        assert landed.wait(5)  # the first offer reached etcd, after the client's second look
+        found = Etcd(etcd_server.endpoints).get(keys.state)
+        # Said written, the restart may run; said not, nothing of it may be in etcd.
+        ledger = json.loads(found.value)["ledger"]["backends"] if found else None
+        assert written or found is None, [(b["name"], b["state"]) for b in ledger or []]
+        leader.stop()
+
+
+def test_a_refused_verb_whose_records_answer_was_lost_is_said_refused(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A verb the ledger refuses writes its audit record alone (``_write_records_alone``).
+    # Its answer lost on the only endpoint, the operator was told "no etcd endpoint
+    # answered" while the refusal was in the trail, and trying again wrote it twice.
+    from llmhealth import operate  # noqa: PLC0415
+
+    config = Config(backends=(Backend("gpu", "http://127.0.0.1:9"),))
+    plain = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    assert operate.hold(plain, plain.audit, config, "gpu", 600.0, "weight sync").applied
+    with tcp_server(first_answer_lost(etcd_server.endpoints[0])) as (lossy, _):
+        store = EtcdStore(Etcd([lossy]), keys, None)
+        refused = operate.readmit(store, store.audit, config, "gpu", None)  # HEALTHY already
+    assert not refused.applied, refused
+    trail = read_audit(plain.etcd, keys).records
+    assert [(r["event"], r.get("applied")) for r in trail] == [("hold", None), ("readmit", False)]
