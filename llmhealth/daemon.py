@@ -241,6 +241,9 @@ class Daemon:
         self._shares = SharedReads(self._seat) if self._seat and sharded else None
         self._share: frozenset[str] | None = None
         self._publish_error: str | None = None  # why the last publication failed, if it did
+        # What a leader's settle that wrote nothing drained from the router: the loop gives
+        # it back (on the router's thread) for the next settle, as after a failed save.
+        self._unsettled_requests: Mapping[str, Sequence[RequestOutcome]] | None = None
         # What the read workers were last told: whether they may send tiny requests,
         # which backends to ask even when their engines moved, and which never to ask.
         self._told: tuple[bool, frozenset[str], frozenset[str]] = (True, frozenset(), frozenset())
@@ -491,6 +494,9 @@ class Daemon:
                         return
                 try:
                     settled = cycle.result()
+                    back, self._unsettled_requests = self._unsettled_requests, None
+                    if self._router is not None and back:
+                        self._router.give_back(back)
                 except (StateError, AuditError) as exc:
                     # Nothing was saved, records included (the state is written aside,
                     # the records made durable, then the state put in place): probing,
@@ -1006,7 +1012,7 @@ class Daemon:
             try:
                 verdicts = [*verdicts, *self._others_verdicts(shares, backends)]
             except StateError as exc:
-                return self._stand_by(news, f"did not settle: {exc}")
+                return self._not_settled(news, f"did not settle: {exc}")
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
         for attempt in range(1, SETTLE_ATTEMPTS + 1):
@@ -1034,7 +1040,7 @@ class Daemon:
             except ClusterError as exc:
                 # Deposed, fenced out or cut off from etcd mid-settle: nothing was written,
                 # no restart ordered; this cycle's verdicts are still reported.
-                return self._stand_by(news, f"did not settle: {exc}")
+                return self._not_settled(news, f"did not settle: {exc}")
             else:
                 break
         now = settled.report.checked_at
@@ -1077,6 +1083,14 @@ class Daemon:
             for name, verdict in taken.verdicts.items()
             if name in targets
         ]
+
+    def _not_settled(self, news: News, why: str) -> Settled:
+        """A leader's settle that wrote nothing (etcd away, fenced out, deposed): a stand-by
+        cycle, and the router's outcomes it drained kept for the next settle. Lost, the
+        failures of real traffic let the failing backend back into the router's choice at
+        the push after this cycle, and the next settle never heard of them."""
+        self._unsettled_requests = news.requests
+        return self._stand_by(news, why)
 
     def _stand_by(self, news: News, why: str) -> Settled:
         """A cycle that acts on nothing: the verdicts with the ledger as the leader keeps it.
