@@ -173,6 +173,11 @@ class _DemoDaemon(Daemon):
     def _ask_reload(self) -> None:
         self.stop()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was asked: by the demo, or by a signal the daemon took."""
+        return self._stop.is_set()
+
 
 def _run(main: Coroutine[Any, Any, _T]) -> _T:
     """``asyncio.run``, and SIGTERM and SIGHUP an interrupt again after it: the daemon's
@@ -184,16 +189,19 @@ def _run(main: Coroutine[Any, Any, _T]) -> _T:
             signal.signal(signum, _interrupted)
 
 
-def _stopped_early(daemon: asyncio.Task[int]) -> None:
-    """A daemon that stopped before the demo stopped it either failed (a port it was to
-    serve on was taken meanwhile: said as such) or took a Ctrl-C or a SIGTERM meant for
-    the demo (it handles both itself): the demo stops too, instead of scraping or
-    streaming from what is gone."""
-    if not daemon.done():
+def _stopped_early(daemon: asyncio.Task[int], demo_daemon: _DemoDaemon) -> None:
+    """A daemon that stopped, or began to stop, before the demo stopped it either failed
+    (a port it was to serve on was taken meanwhile: said as such) or took a Ctrl-C, a
+    SIGTERM or a SIGHUP meant for the demo (it handles them itself): the demo stops too,
+    instead of scraping or streaming from what is gone. A daemon still stopping (its
+    restart commands' grace) has closed its router and exporter already: a client's
+    refused request then is that stop, not a failure of the demo."""
+    if daemon.done():
+        failure = None if daemon.cancelled() else daemon.exception()
+        if failure is not None:
+            raise DemoError(f"its daemon stopped: {failure}") from failure
+    elif not demo_daemon.stopping:
         return
-    failure = None if daemon.cancelled() else daemon.exception()
-    if failure is not None:
-        raise DemoError(f"its daemon stopped: {failure}") from failure
     raise KeyboardInterrupt("stopped")
 
 
@@ -314,7 +322,7 @@ def _watch_live(
         task = asyncio.create_task(daemon.run())
         try:
             await asyncio.wait({task}, timeout=_WATCH_FOR)
-            _stopped_early(task)
+            _stopped_early(task, daemon)
             console.print(_own_metrics(metrics_port))
         finally:
             daemon.stop()
@@ -407,8 +415,10 @@ def _route_live(console: Console, scratch: Path) -> None:
         )
         try:
             await asyncio.wait({task, client}, return_when=asyncio.FIRST_COMPLETED)
-            if not client.done():
-                _stopped_early(task)
+            if client.done() and not client.cancelled():
+                client.exception()  # retrieved: a stop below makes it its echo
+            if not client.done() or daemon.stopping:
+                _stopped_early(task, daemon)
             client.result()
         finally:
             client.cancel()

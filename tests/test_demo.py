@@ -194,3 +194,35 @@ def test_a_stop_signal_landing_in_a_gathered_task_unwinds_as_ctrl_c_without_a_st
         asyncio.run(check())
     gc.collect()
     assert not [record for record in caplog.records if record.name == "asyncio"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_in_the_routing_part_unwinds_as_ctrl_c_not_a_connect_error(
+    signum: signal.Signals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the routing part's daemon took the signal and closed the router at once,
+    # then waited for its restart command; the demo's client, its stream over, asked the
+    # gone router for /health, and that ConnectError ended the demo as "internal error"
+    # (a traceback, exit 3), not as an interrupt (130).
+    monkeypatch.setattr(demo, "_ROUTE_WEDGE_AFTER", 0.5)
+    # A restart command still running when the signal comes, as `systemctl restart` is.
+    monkeypatch.setattr(demo, "_RESTART_CODE", "import time; time.sleep(3)")
+    shown = io.StringIO()
+    stopped: list[bool] = []
+
+    def stop_once_restarting() -> None:
+        deadline = time.monotonic() + PATIENCE
+        while time.monotonic() < deadline:
+            if "→ restarting" in shown.getvalue():
+                os.kill(os.getpid(), signum)
+                stopped.append(True)
+                return
+            time.sleep(0.05)
+
+    stopper = threading.Thread(target=stop_once_restarting, daemon=True)
+    stopper.start()
+    with demo._terminate_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        demo._route_live(Console(file=shown, width=200), tmp_path)
+    stopper.join(PATIENCE)
+    assert stopped, shown.getvalue()
