@@ -956,7 +956,6 @@ class EtcdStore:
         writes = [(self.keys.state, payload), *records, *proof]
         read_back = [{"request_range": {"key": _b64(key)}} for key, _ in writes]
         puts = [put(key, value) for key, value in writes]
-        lost: ClusterUnavailableError | None = None
         try:
             written, revision, found = self.etcd.txn(compare, puts, read_back)
         except ClusterUnavailableError as exc:
@@ -975,7 +974,10 @@ class EtcdStore:
                 )
             except ClusterUnavailableError:
                 raise exc from None
-            lost = exc  # found not ours: raised as before, no settle made again for it
+            # Answered: its compares held (written) or failed for good, and then the first
+            # fails them too. Found not ours, nothing went in: the record moved (a verb, a
+            # leader's settle) or the fence did, told apart as for any failed compare; said
+            # "no etcd endpoint answered", a verb was not made again on the moved record.
         if not written:
             # Our own transaction may be what failed the compare: offered again after its
             # answer was lost (cut or timed out, then sent to the next endpoint). Every
@@ -991,13 +993,13 @@ class EtcdStore:
                 for held, (_, value) in zip(found, writes, strict=False)
             ]
             if len(found) != len(writes):
-                raise lost or self._not_written(f"the write of {self.keys.state} failed")
+                raise self._not_written(f"the write of {self.keys.state} failed")
             # A leader's record alone proves nothing: a settle that changed nothing writes
             # the very bytes its last one did, and fenced out, it found them and was said
             # written, its audit records lost. Its nonce is this write's alone.
             whole = ours[-1] if proof else all(ours)
             if not whole and not (records and ours[1]):
-                raise lost or self._not_written(f"the write of {self.keys.state} failed")
+                raise self._not_written(f"the write of {self.keys.state} failed")
             # The revision our write made: where a later save of this section stands.
             if whole:  # the nonce (or, for a verb, every key): nobody saved after it
                 made = found[-1]

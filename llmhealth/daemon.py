@@ -71,6 +71,7 @@ from llmhealth.fleet import (
 )
 from llmhealth.gctune import young_collections_spaced
 from llmhealth.heap import give_back_free_pages
+from llmhealth.leadership import Standing
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
 from llmhealth.openfiles import reader_may_leave
@@ -1003,9 +1004,15 @@ class Daemon:
         shares = self._shares
         if shares is not None and news.published is not None:
             self._publish(shares, news.published)
-        if seat is not None and not seat.elector.decision().may_act:
+        if seat is not None and not (decision := seat.elector.decision()).may_act:
             if shares is not None:
                 shares.stand_down()
+            if decision.standing is Standing.STEPPING_DOWN:
+                # It led when its router saw them, and no other leader is known (etcd
+                # away past the renew deadline): kept, as for a settle cut off mid-way.
+                # Dropped, the failing backend was back in the choice each wait while
+                # etcd stayed away, and the settle on leading again never heard of it.
+                return self._not_settled(news, seat.standing())
             return self._stand_by(news, seat.standing())
         verdicts = news.verdicts
         if shares is not None and not news.final:

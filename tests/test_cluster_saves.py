@@ -476,3 +476,38 @@ def test_a_refused_verb_whose_records_answer_was_lost_is_said_refused(
     assert not refused.applied, refused
     trail = read_audit(plain.etcd, keys).records
     assert [(r["event"], r.get("applied")) for r in trail] == [("hold", None), ("readmit", False)]
+
+
+def test_a_verb_whose_lost_write_was_offered_again_on_a_moved_record_is_made_again(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A verb's write cut before it reached the only endpoint (a balancer), the leader's
+    # settle writing the record meanwhile: the second offer is answered, its compare
+    # failed, and nothing of it is there. Neither offer can go in any more (the record
+    # moved on): the verb raced the leader, and is made again on its record. It was "no
+    # etcd endpoint answered" to the operator, the hold not made, etcd answering all along.
+    from llmhealth import operate  # noqa: PLC0415
+
+    backends = (Backend("gpu", "http://127.0.0.1:9"), Backend("gpu2", "http://127.0.0.1:10"))
+    config = Config(backends=backends)
+    plain = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    assert operate.hold(plain, plain.audit, config, "gpu2", 600.0, "first").applied
+    dropped: list[bytes] = []
+
+    def leader_writes_then_drop(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        if head.startswith(b"POST /v3/kv/txn ") and b"request_put" in body and not dropped:
+            dropped.append(body)
+            # Another writer (the leader's settle; here a verb), between this one's load
+            # and its save.
+            assert operate.release(plain, plain.audit, config, "gpu2").applied
+            return  # cut: never reached etcd
+        _pass_through(etcd_server.endpoints[0], connection, head, body)
+
+    with tcp_server(leader_writes_then_drop) as (lossy, _):
+        store = EtcdStore(Etcd([lossy]), keys, None)
+        held = operate.hold(store, store.audit, config, "gpu", 600.0, "weight sync")
+    assert dropped
+    assert held.applied, held
+    trail = read_audit(plain.etcd, keys).records
+    assert [r["event"] for r in trail] == ["hold", "release", "hold"], trail
