@@ -333,7 +333,8 @@ class RouterMetrics(Collector):
         yield CounterMetricFamily(
             "llmhealth_router_own_connect_failures",
             "Connections the router could not open for want of its own file descriptors "
-            "(a socket, the CA certificates to read): not counted against the backend.",
+            "(a socket, the CA certificates to read) or local ports: not counted against "
+            "the backend.",
             value=self.own_failures,
         )
         in_flight = GaugeMetricFamily(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import ssl
 import struct
@@ -59,6 +60,7 @@ CLOSE_WITHIN: Final = 2.0  # seconds a connection closing in order has before a 
 _OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
 # Linux's SIOCOUTQNSD (linux/sockios.h): those of them not yet sent at all.
 _OUTQ_UNSENT: Final = 0x894B if sys.platform == "linux" else None
+_NO_END: Final = "the connection ended without the backend's end of it (TLS: no close_notify)"
 
 
 class ConnectError(Exception):
@@ -122,6 +124,7 @@ class _Link(asyncio.Protocol):
         # Why the connection was lost, when not by the backend's orderly end (a reset):
         # a body framed by the connection's end is whole only after an orderly one.
         self.lost: BaseException | None = None
+        self.ended = False  # the backend's orderly end came (over TLS: its close_notify)
         # When the last bytes came: the backend's keep-alive runs from about then, not from
         # when a slow client had been handed the answer.
         self.last_arrival = 0.0
@@ -149,11 +152,19 @@ class _Link(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.closed = True
+        # Over TLS the orderly end is close_notify (RFC 9112 9.8): a TCP end without it (a
+        # backend or its terminator killed mid-body) cuts an answer short. asyncio calls
+        # this for either; uvloop only for close_notify (``connection_lost``).
+        self.ended = not _ragged_tls_end(self.transport)
+        if not self.ended:
+            self.lost = ConnectionResetError(_NO_END)
         self._wake()
         return False  # close the transport: nothing is ever sent after the backend's end
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = self._gone = True
+        if exc is None and not self.ended:
+            exc = self.lost or ConnectionResetError(_NO_END)
         self.lost = exc
         if self._deadline is not None:
             self._deadline.cancel()
@@ -219,6 +230,19 @@ class _Link(asyncio.Protocol):
         """End the connection now with a reset, whatever is unsent."""
         if self.transport is not None:
             end_with_reset(self.transport)
+
+
+def _ragged_tls_end(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether a TLS link's backend ended the connection without close_notify: its TLS
+    object, whose bytes were all handed on already, answers b"" to a read only once
+    close_notify came, and wants more otherwise. False for a plain TCP link."""
+    tls = None if transport is None else transport.get_extra_info("ssl_object")
+    if not isinstance(tls, ssl.SSLObject | ssl.SSLSocket):
+        return False
+    try:
+        return tls.read(1) != b""
+    except ssl.SSLError:  # SSLWantReadError: the TCP end came first
+        return True
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
@@ -522,7 +546,10 @@ class Pool:
             late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
-            ours = out_of_files(exc) or trust_unread(exc, short)
+            # EADDRNOTAVAIL: no local port left for it (the ephemeral range in use or in
+            # TIME_WAIT towards this backend), the router's own shortage as EMFILE is.
+            ours = out_of_files(exc) or exc.errno == errno.EADDRNOTAVAIL
+            ours = ours or trust_unread(exc, short)
             raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc
         return link
 

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import itertools
 import json
+import os
 import socket
 import struct
 import threading
@@ -871,8 +872,21 @@ def test_a_connect_timeout_while_the_routers_own_loop_was_held_up_is_not_the_bac
     run(scenario())
 
 
+@pytest.mark.parametrize(
+    "shortage",
+    [
+        errno.EMFILE,
+        # No local port left for one more connection (every one of the ephemeral range in
+        # use or in TIME_WAIT towards that backend, the router closing its idle links
+        # first): the router's own shortage too, counted as the backend refusing, and a
+        # burst of connections condemned every backend (seen in a network namespace with
+        # a narrowed ip_local_port_range).
+        errno.EADDRNOTAVAIL,
+    ],
+    ids=["EMFILE", "EADDRNOTAVAIL"],
+)
 def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
-    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer, shortage: int
 ) -> None:
     # EMFILE from the router's own process was counted as the backend refusing: a router
     # out of descriptors condemned every backend it tried. The shortage is injected where
@@ -884,7 +898,7 @@ def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
 
     def connect(sock: socket.socket, address: Any) -> None:
         if short[0] and address == backend:
-            raise OSError(errno.EMFILE, "Too many open files")
+            raise OSError(shortage, os.strerror(shortage))
         real_connect(sock, address)
 
     monkeypatch.setattr(socket.socket, "connect", connect)

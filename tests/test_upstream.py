@@ -7,7 +7,9 @@ import asyncio
 import collections
 import contextlib
 import socket
+import ssl
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 from test_router import read_request, run
 from tlsproc import make_certificate, run_child, tls_server, trusting
 
+from llmhealth import upstream
 from llmhealth.lateness import lateness_of
 from llmhealth.upstream import MAX_HEAD_BYTES, BrokenError, ConnectError, Origin, Pool, Response
 
@@ -552,6 +555,76 @@ def test_the_origin_keeps_the_urls_path_and_brackets_an_ipv6_host() -> None:
     )
     assert Origin.parse("https://[::1]/").host_header == b"[::1]"
     assert Origin.parse("https://[::1]/").port == 443
+
+
+@pytest.mark.usefixtures("each_loop")
+@pytest.mark.parametrize("close_notify", [True, False], ids=["close_notify", "ragged"])
+def test_a_tls_answer_read_to_its_close_is_whole_only_after_close_notify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_notify: bool
+) -> None:
+    # Over TLS the orderly end of an answer framed by the connection's end is close_notify
+    # (RFC 9112 9.8); a TCP end without it (a backend or its TLS terminator killed mid-body)
+    # passed half a body on as the whole answer, a success that cleared the backend's
+    # failure streak, and the client read it as complete.
+    cert, key = make_certificate(tmp_path)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    monkeypatch.setattr(upstream, "default_tls", lambda: ssl.create_default_context(cafile=cert))
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+
+    def answers() -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
+        with contextlib.suppress(OSError), listener.accept()[0] as connection:
+            connection.settimeout(20)
+
+            def more() -> None:
+                connection.sendall(outgoing.read())
+                incoming.write(connection.recv(65536) or b"")
+
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    more()
+            request = b""
+            while not request.endswith(b"{}"):
+                try:
+                    request += tls.read(65536)
+                except ssl.SSLWantReadError:
+                    more()
+            tls.write(b'HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{"choices": [{"text": "hal')
+            if close_notify:
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    tls.unwrap()
+            connection.sendall(outgoing.read())
+            connection.shutdown(socket.SHUT_WR)  # the TCP end, with or without close_notify
+            while connection.recv(65536):
+                pass
+
+    thread = threading.Thread(target=answers, daemon=True)
+    thread.start()
+
+    async def scenario() -> None:
+        pool = Pool(connect_timeout=5, keepalive=60)
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+        try:
+            if close_notify:
+                _, body = await exchange(pool, url)
+                assert body == b'{"choices": [{"text": "hal'
+            else:
+                with pytest.raises(BrokenError, match="close_notify"):
+                    await exchange(pool, url)
+        finally:
+            pool.close()
+
+    try:
+        run(scenario())
+        thread.join(20)
+    finally:
+        listener.close()
 
 
 def test_a_tls_backend_that_does_not_speak_tls_is_a_connect_error() -> None:
