@@ -183,6 +183,37 @@ def out_of_files(exc: OSError) -> bool:
     return isinstance(exc, socket.gaierror) and short_of_descriptors()
 
 
+def own_connect_shortage(exc: OSError) -> bool:
+    """Whether a connection failed for this process's own shortage, never the server's:
+    of descriptors, or of local ports (EADDRNOTAVAIL: the ephemeral range in use or in
+    TIME_WAIT towards that server). Counted against the server, a burst of connections
+    judged a healthy fleet `down`, or dropped it from the router's choice."""
+    return out_of_files(exc) or exc.errno == errno.EADDRNOTAVAIL
+
+
+def tls_leftover(transport: asyncio.BaseTransport | None) -> tuple[bytes, bool]:
+    """Once a connection's transport saw its end: what its TLS object holds that the
+    transport never handed on, and whether the end was orderly. Over TLS that is the
+    peer's close_notify (RFC 9112 9.8): a TCP end without it (a server or its TLS front
+    killed mid-body) cuts a body framed by the connection's end short. uvloop's TLS
+    layer, its reading paused, drops what it holds at the TCP end, close_notify with
+    it. A plain TCP connection's end is its own: (b"", True)."""
+    import ssl  # noqa: PLC0415  (loaded by whoever made the connection)
+
+    tls = None if transport is None else transport.get_extra_info("ssl_object")
+    if not isinstance(tls, ssl.SSLObject | ssl.SSLSocket):
+        return b"", True
+    held = bytearray()
+    try:
+        while piece := tls.read(65536):
+            held += piece
+    except ssl.SSLZeroReturnError:  # close_notify, and our own answer to it already sent
+        return bytes(held), True
+    except (ssl.SSLError, ValueError):  # wants more: no close_notify (ValueError: closed)
+        return bytes(held), False
+    return bytes(held), True
+
+
 def short_of_descriptors(wanted: int = 1) -> bool:
     """Whether this process could not open ``wanted`` more files now."""
     opened: list[int] = []

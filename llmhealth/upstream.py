@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import ssl
 import struct
@@ -48,7 +47,9 @@ from llmhealth.openfiles import (
     default_tls,
     end_with_reset,
     out_of_files,
+    own_connect_shortage,
     short_of_descriptors,
+    tls_leftover,
     trust_unread,
 )
 from llmhealth.text import dialable
@@ -152,10 +153,10 @@ class _Link(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.closed = True
-        # Over TLS the orderly end is close_notify (RFC 9112 9.8): a TCP end without it (a
-        # backend or its terminator killed mid-body) cuts an answer short. asyncio calls
-        # this for either; uvloop only for close_notify (``connection_lost``).
-        self.ended = not _ragged_tls_end(self.transport)
+        # Over TLS the orderly end is close_notify: a TCP end without it cuts an answer
+        # short (``tls_leftover``). asyncio calls this for either; uvloop only for
+        # close_notify, and for the rest ``connection_lost`` alone.
+        self._take_leftover()
         if not self.ended:
             self.lost = ConnectionResetError(_NO_END)
         self._wake()
@@ -163,12 +164,24 @@ class _Link(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = self._gone = True
+        if exc is None and not self.ended and self.lost is None:
+            # uvloop's TLS layer, its reading paused for us, drops what it still holds at
+            # the TCP end, close_notify with it, and says nothing but this: taken from it
+            # here, a whole answer is not judged a ragged end (nor half of one whole).
+            self._take_leftover()
         if exc is None and not self.ended:
             exc = self.lost or ConnectionResetError(_NO_END)
         self.lost = exc
         if self._deadline is not None:
             self._deadline.cancel()
         self._wake()
+
+    def _take_leftover(self) -> None:
+        held, self.ended = tls_leftover(self.transport)
+        if held:
+            self.buffer += held
+            self.received += len(held)
+            self.last_arrival = time.monotonic()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -230,19 +243,6 @@ class _Link(asyncio.Protocol):
         """End the connection now with a reset, whatever is unsent."""
         if self.transport is not None:
             end_with_reset(self.transport)
-
-
-def _ragged_tls_end(transport: asyncio.BaseTransport | None) -> bool:
-    """Whether a TLS link's backend ended the connection without close_notify: its TLS
-    object, whose bytes were all handed on already, answers b"" to a read only once
-    close_notify came, and wants more otherwise. False for a plain TCP link."""
-    tls = None if transport is None else transport.get_extra_info("ssl_object")
-    if not isinstance(tls, ssl.SSLObject | ssl.SSLSocket):
-        return False
-    try:
-        return tls.read(1) != b""
-    except ssl.SSLError:  # SSLWantReadError: the TCP end came first
-        return True
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
@@ -546,10 +546,7 @@ class Pool:
             late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
-            # EADDRNOTAVAIL: no local port left for it (the ephemeral range in use or in
-            # TIME_WAIT towards this backend), the router's own shortage as EMFILE is.
-            ours = out_of_files(exc) or exc.errno == errno.EADDRNOTAVAIL
-            ours = ours or trust_unread(exc, short)
+            ours = own_connect_shortage(exc) or trust_unread(exc, short)
             raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc
         return link
 

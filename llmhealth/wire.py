@@ -33,10 +33,10 @@ from urllib.parse import SplitResult, quote, urlsplit
 from llmhealth import http1
 from llmhealth.lateness import LATE_ENOUGH, lateness_of
 from llmhealth.openfiles import (
-    OUT_OF_FILES,
     default_tls,
-    out_of_files,
+    own_connect_shortage,
     short_of_descriptors,
+    tls_leftover,
     trust_unread,
 )
 from llmhealth.text import dialable, header_safe
@@ -221,7 +221,11 @@ class Connection:
                     or bool(isinstance(exc, asyncio.IncompleteReadError) and exc.partial)
                 )
                 await self.aclose()
-                if not progress.connected and isinstance(exc, OSError) and out_of_files(exc):
+                if (
+                    not progress.connected
+                    and isinstance(exc, OSError)
+                    and own_connect_shortage(exc)
+                ):
                     raise WireError(
                         Failure.STARVED,
                         f"llmhealth's own process could not open a connection ({exc}): "
@@ -270,9 +274,13 @@ class Connection:
         writer, self._writer, self._reader, self._origin = self._writer, None, None, None
         self._last_sent_at = None
         if writer is not None:
+            # Asked before the close: asyncio's TLS transport, closed already by the
+            # server's close_notify, forgets its protocol on a second close(), and its
+            # get_extra_info then raised AttributeError (the backend "not judged").
+            tls = writer.transport.get_extra_info("sslcontext") is not None
             writer.close()
             _drop_own_callback(writer.transport)
-            if writer.transport.get_extra_info("sslcontext") is not None:
+            if tls:
                 # TLS says goodbye first, and its close waits for the peer's answer for
                 # 30 s (asyncio's ssl_shutdown_timeout) with the socket held: a hung
                 # TLS backend per read would use up the process's file descriptors.
@@ -388,7 +396,7 @@ class Connection:
         async with gate.admit(bound):
             _set_read_size(transport, _READ_SIZE)
             transport.resume_reading()
-            body = await _read_body(reader, status, headers, max_bytes, progress)
+            body = await _read_body(reader, status, headers, max_bytes, progress, transport)
             if not keep_alive or _unread(reader) or reader.at_eof():
                 # Bytes past the answer's end (a Content-Length short of its body, a body
                 # on a 204) would be read as the next answer: the connection goes; as it
@@ -641,7 +649,7 @@ async def _open(
         raise OSError(f"the name {host} has no address to connect to")
     # This process's own want of descriptors is said as such, or the merged error below
     # would judge the server down for it.
-    ours = next((error for error in errors if error.errno in OUT_OF_FILES), None)
+    ours = next((error for error in errors if own_connect_shortage(error)), None)
     if ours is not None:
         raise ours
     if len({str(error) for error in errors}) == 1:
@@ -753,6 +761,7 @@ async def _read_body(
     headers: Mapping[str, str],
     max_bytes: int,
     progress: _Progress,
+    transport: asyncio.BaseTransport | None = None,
 ) -> bytes:
     if status in (204, 304):
         return b""
@@ -763,7 +772,7 @@ async def _read_body(
         return await _read_chunked(reader, max_bytes, progress)
     length_text = headers.get("content-length")
     if length_text is None:
-        return await _read_to_end(reader, max_bytes, progress)
+        return await _read_to_end(reader, max_bytes, progress, transport)
     try:
         # Bounded in digits too: int() of thousands of them raised ValueError, which no
         # verdict caught, and the backend was left "not judged" (and serving) for ever.
@@ -829,13 +838,33 @@ def _unread(reader: asyncio.StreamReader) -> int:
     return len(getattr(reader, "_buffer", b""))
 
 
-async def _read_to_end(reader: asyncio.StreamReader, max_bytes: int, progress: _Progress) -> bytes:
+async def _read_to_end(
+    reader: asyncio.StreamReader,
+    max_bytes: int,
+    progress: _Progress,
+    transport: asyncio.BaseTransport | None = None,
+) -> bytes:
+    """A body framed by the connection's end: over TLS, whole only once the server's
+    close_notify came (RFC 9112 9.8); a TCP end without it (a server or its TLS front
+    killed mid-body) cut it short, and half a /metrics text was read as the whole."""
     chunks: list[bytes] = []
     while chunk := await reader.read(_READ_SIZE):
         progress.received += len(chunk)
         if progress.received > max_bytes:
             raise WireError(Failure.TOO_BIG, "over the cap", received=progress.received)
         chunks.append(chunk)
+    if transport is not None:
+        held, ended = tls_leftover(transport)
+        progress.received += len(held)
+        if progress.received > max_bytes:
+            raise WireError(Failure.TOO_BIG, "over the cap", received=progress.received)
+        chunks.append(held)
+        if not ended:
+            raise WireError(
+                Failure.CLOSED,
+                "closed without TLS close_notify before the end of the body",
+                received=progress.received,
+            )
     return b"".join(chunks)
 
 

@@ -712,3 +712,77 @@ def test_stalls_of_the_loop_that_end_before_a_connects_deadline_excuse_nothing()
         for filler in fillers:
             filler.close()
         blackhole.close()
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_tls_answer_read_to_its_close_notify_while_paused_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A large answer framed by the connection's end, relayed slower than it came: its
+    # reading paused while the rest, the backend's close_notify and its TCP end came.
+    # uvloop's TLS layer then drops what it held undelivered and reports the end as a
+    # plain connection_lost(None): half the answer was judged a ragged end (broken,
+    # counted against a backend that ended in order).
+    cert, key = make_certificate(tmp_path)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    monkeypatch.setattr(upstream, "default_tls", lambda: ssl.create_default_context(cafile=cert))
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    big = b"x" * 600_000
+    sent = threading.Event()
+
+    def answers() -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
+        with contextlib.suppress(OSError), listener.accept()[0] as connection:
+            connection.settimeout(20)
+
+            def more() -> None:
+                connection.sendall(outgoing.read())
+                incoming.write(connection.recv(65536) or b"")
+
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    more()
+            request = b""
+            while not request.endswith(b"{}"):
+                try:
+                    request += tls.read(65536)
+                except ssl.SSLWantReadError:
+                    more()
+            tls.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + big)
+            with contextlib.suppress(ssl.SSLWantReadError):
+                tls.unwrap()
+            connection.sendall(outgoing.read())
+            connection.shutdown(socket.SHUT_WR)
+            sent.set()
+            while connection.recv(65536):
+                pass
+
+    thread = threading.Thread(target=answers, daemon=True)
+    thread.start()
+
+    async def scenario() -> None:
+        pool = Pool(connect_timeout=5, keepalive=60)
+        origin = Origin.parse(f"https://127.0.0.1:{listener.getsockname()[1]}")
+        try:
+            response = await pool.request(origin, "POST", "/v1/completions", [], b"{}")
+            await asyncio.to_thread(sent.wait, 20)
+            await asyncio.sleep(0.3)  # a slow client: the whole answer and its end come
+            body = b""
+            while piece := await response.read():
+                body += piece
+            response.release()
+            assert body == big
+        finally:
+            pool.close()
+
+    try:
+        run(scenario())
+        thread.join(20)
+    finally:
+        listener.close()

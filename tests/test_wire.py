@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import os
 import socket
 import ssl
 import struct
@@ -1365,3 +1366,112 @@ def test_a_tls_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closin
         outcome = asyncio.run(run(url.replace("http:", "https:") + "/metrics"))
     assert outcome.failure is Failure.STARVED, (outcome.failure, outcome.detail)
     assert "closed the connection" in outcome.detail
+
+
+@pytest.mark.usefixtures("each_loop")
+@pytest.mark.parametrize("close_notify", [True, False], ids=["close_notify", "ragged"])
+def test_a_tls_body_read_to_the_close_is_whole_only_after_close_notify(
+    certificate: tuple[Path, Path], close_notify: bool
+) -> None:
+    # Over TLS the orderly end of a body framed by the connection's end is close_notify
+    # (RFC 9112 9.8): a TCP end without it (a backend or its TLS front killed mid-body)
+    # handed half a /metrics text on as the whole of it, read as if complete.
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    text = b"vllm:num_requests_running 1\nvllm:num_requests_waiting 1"
+
+    def cut(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + text)
+            if close_notify:
+                tls.unwrap().shutdown(socket.SHUT_WR)
+            else:
+                tls.shutdown(socket.SHUT_WR)  # the TCP end alone: no close_notify
+            with contextlib.suppress(OSError):
+                while connection.recv(65536):
+                    pass
+
+    async def read(url: str) -> bytes:
+        connection = Connection(ssl.create_default_context(cafile=str(cert)), "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            response = await connection.request(
+                "GET", url, deadline=loop.time() + 5, max_bytes=1 << 20
+            )
+        finally:
+            await connection.aclose()
+        return response.body
+
+    with tcp_server(cut) as (plain, _):
+        url = plain.replace("http:", "https:")
+        if close_notify:
+            assert eventloop.run(read(url)) == text
+        else:
+            with pytest.raises(WireError) as caught:
+                eventloop.run(read(url))
+            assert caught.value.failure is Failure.CLOSED
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "ports.test"])
+def test_no_local_port_left_is_the_checkers_problem_not_the_servers(
+    monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    # No local port left for one more connection (the ephemeral range in use, or in
+    # TIME_WAIT towards the backend): the checker's own shortage, as EMFILE is, and the
+    # router's since 31967f1; the probe judged the backend `down` for it ("connection
+    # refused"), every backend at once in a burst. Injected where the kernel says it.
+    with tcp_server(_answer_after(0.0)) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        if host != "127.0.0.1":
+            _name_for(
+                monkeypatch,
+                host,
+                [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))],
+                0.0,
+            )
+        real_connect = socket.socket.connect
+
+        def connect(sock: socket.socket, address: Any) -> None:
+            if address == ("127.0.0.1", port):
+                raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+            real_connect(sock, address)
+
+        monkeypatch.setattr(socket.socket, "connect", connect)
+        error = failure_of(f"http://{host}:{port}/metrics")
+    assert error.failure is Failure.STARVED, error.detail
+
+
+@pytest.mark.usefixtures("each_loop")
+def test_a_tls_answer_the_server_ends_with_close_notify_is_read(
+    certificate: tuple[Path, Path],
+) -> None:
+    # A TLS server answering "Connection: close" and then saying goodbye in order (uvicorn
+    # over TLS, nginx, Go): asyncio's TLS transport, already closed by that close_notify,
+    # forgot its protocol on our close(), and the next get_extra_info raised
+    # AttributeError: every read of the backend "not judged ... a bug in llmhealth".
+    cert, key = certificate
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+
+    def answer_and_goodbye(connection: socket.socket, _number: int) -> None:
+        with server_side.wrap_socket(connection, server_side=True) as tls:
+            read_request(tls)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+            tls.unwrap().shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):
+                while connection.recv(65536):
+                    pass
+
+    async def read(url: str) -> bytes:
+        connection = Connection(ssl.create_default_context(cafile=str(cert)), "llmhealth/test")
+        loop = asyncio.get_running_loop()
+        try:
+            response = await connection.request("GET", url, deadline=loop.time() + 5, max_bytes=100)
+        finally:
+            await connection.aclose()
+        return response.body
+
+    with tcp_server(answer_and_goodbye) as (url, _):
+        assert eventloop.run(read(url.replace("http:", "https:"))) == b"ok"
