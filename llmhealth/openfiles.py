@@ -28,9 +28,9 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     import asyncio
@@ -183,12 +183,33 @@ def out_of_files(exc: OSError) -> bool:
     return isinstance(exc, socket.gaierror) and short_of_descriptors()
 
 
-def own_connect_shortage(exc: OSError) -> bool:
-    """Whether a connection failed for this process's own shortage, never the server's:
+def own_connect_shortage(exc: OSError, destinations: Iterable[tuple[int, Any]]) -> bool:
+    """Whether a connection to ``destinations`` (each a family and an address, as
+    getaddrinfo gives them) failed for this process's own shortage, never the server's:
     of descriptors, or of local ports (EADDRNOTAVAIL: the ephemeral range in use or in
     TIME_WAIT towards that server). Counted against the server, a burst of connections
-    judged a healthy fleet `down`, or dropped it from the router's choice."""
-    return out_of_files(exc) or exc.errno == errno.EADDRNOTAVAIL
+    judged a healthy fleet `down`, or dropped it from the router's choice.
+
+    EADDRNOTAVAIL says as well that this host has no address to send from towards the
+    server (IPv6 turned off, as containers have it by default, and a name's ``::1`` or
+    an IPv6 backend): out of reach from here, the server's to be judged. Told apart by a
+    UDP socket's connect to the same address, which picks a source address as TCP's does
+    but sends nothing and takes none of TCP's ports."""
+    if out_of_files(exc):
+        return True
+    return exc.errno == errno.EADDRNOTAVAIL and any(
+        _has_source(family, address) for family, address in destinations
+    )
+
+
+def _has_source(family: int, address: Any) -> bool:
+    """Whether this host has an address to send from towards ``address``."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+    except OSError as exc:
+        return exc.errno != errno.EADDRNOTAVAIL
+    return True
 
 
 def tls_leftover(transport: asyncio.BaseTransport | None) -> tuple[bytes, bool]:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
+import socket
 import ssl
 import struct
 import sys
@@ -37,7 +39,7 @@ import termios
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Any, Final, cast
 from urllib.parse import urlsplit
 
 from llmhealth import http1
@@ -243,6 +245,20 @@ class _Link(asyncio.Protocol):
         """End the connection now with a reset, whatever is unsent."""
         if self.transport is not None:
             end_with_reset(self.transport)
+
+
+async def _addresses(origin: Origin) -> list[tuple[int, Any]]:
+    """The backend's addresses, each with its family (none when they cannot be had at
+    once): which of them this host has an address to send from towards."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(1.0):
+            found = await loop.getaddrinfo(
+                dialable(origin.host), origin.port, type=socket.SOCK_STREAM
+            )
+    except (OSError, TimeoutError):
+        return []
+    return [(family, address) for family, _, _, _, address in found]
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
@@ -546,7 +562,9 @@ class Pool:
             late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
         except (OSError, ssl.SSLError) as exc:
-            ours = own_connect_shortage(exc) or trust_unread(exc, short)
+            ours = out_of_files(exc) or trust_unread(exc, short)
+            if not ours and exc.errno == errno.EADDRNOTAVAIL:
+                ours = own_connect_shortage(exc, await _addresses(origin))
             raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc
         return link
 

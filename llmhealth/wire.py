@@ -27,13 +27,14 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import Any, cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 from llmhealth import http1
 from llmhealth.lateness import LATE_ENOUGH, lateness_of
 from llmhealth.openfiles import (
     default_tls,
+    out_of_files,
     own_connect_shortage,
     short_of_descriptors,
     tls_leftover,
@@ -100,7 +101,7 @@ Accept = Callable[[int, Mapping[str, str]], None]
 class _Progress:
     """Where one attempt got to: what a timeout or a reset is then reported as."""
 
-    __slots__ = ("connected", "head_bytes", "opened_at", "received", "secured")
+    __slots__ = ("connected", "head_bytes", "opened_at", "own_shortage", "received", "secured")
 
     def __init__(self, started: float) -> None:
         self.connected = False  # a TCP connection is made (a TLS handshake may follow)
@@ -111,6 +112,8 @@ class _Progress:
         # then), or this attempt began on a kept one: no server can have given up on a
         # connection for this process's silence before it.
         self.opened_at = started
+        # The connection failed for this process's own want (``own_connect_shortage``).
+        self.own_shortage = False
 
 
 class Connection:
@@ -224,7 +227,7 @@ class Connection:
                 if (
                     not progress.connected
                     and isinstance(exc, OSError)
-                    and own_connect_shortage(exc)
+                    and (progress.own_shortage or out_of_files(exc))
                 ):
                     raise WireError(
                         Failure.STARVED,
@@ -608,7 +611,12 @@ async def _open(
     fails the read. An address is connected to at once.
     """
     if _is_address(host):
-        return await asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES)
+        try:
+            return await asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES)
+        except OSError as exc:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            progress.own_shortage = own_connect_shortage(exc, [(family, (host, port))])
+            raise
     loop = asyncio.get_running_loop()
     bound.hold(functools.partial(_looking_up, host))
     try:
@@ -627,6 +635,7 @@ async def _open(
         bound.unhold()
     progress.opened_at = loop.time()
     errors: list[OSError] = []
+    tried: list[tuple[int, Any]] = []
     for family, kind, proto, _name, address in found:
         sock = None
         try:
@@ -639,6 +648,7 @@ async def _open(
             if sock is not None:
                 sock.close()
             errors.append(exc)
+            tried.append((family, address))
             continue
         except BaseException:
             if sock is not None:
@@ -647,10 +657,12 @@ async def _open(
         return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
     if not errors:
         raise OSError(f"the name {host} has no address to connect to")
-    # This process's own want of descriptors is said as such, or the merged error below
-    # would judge the server down for it.
-    ours = next((error for error in errors if own_connect_shortage(error)), None)
+    # This process's own want of descriptors or ports is said as such, or the merged
+    # error below would judge the server down for it.
+    pairs = zip(errors, tried, strict=True)
+    ours = next((error for error, to in pairs if own_connect_shortage(error, [to])), None)
     if ours is not None:
+        progress.own_shortage = True
         raise ours
     if len({str(error) for error in errors}) == 1:
         raise errors[0]

@@ -897,7 +897,9 @@ def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
     real_connect = socket.socket.connect
 
     def connect(sock: socket.socket, address: Any) -> None:
-        if short[0] and address == backend:
+        # TCP's connect alone: a UDP socket's, which takes none of TCP's ports, still has
+        # an address to send from (``own_connect_shortage``).
+        if short[0] and address == backend and sock.type == socket.SOCK_STREAM:
             raise OSError(shortage, os.strerror(shortage))
         real_connect(sock, address)
 
@@ -917,6 +919,36 @@ def test_a_connection_the_router_had_no_descriptor_for_is_not_the_backends(
             assert 'backend="a",code="503"' not in metrics
             short[0] = False
             assert (await http.post(url + CHAT, content=BODY)).status_code == 200
+
+    run(scenario())
+
+
+def test_a_backend_this_host_has_no_address_to_send_to_is_the_backends_failure(
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+) -> None:
+    # EADDRNOTAVAIL also says this host has no source address towards the backend (IPv6
+    # turned off, as containers have it by default, and a backend at an IPv6 address):
+    # taken for a want of local ports, it was never counted against the backend, which
+    # stayed in the choice for ever. Injected as the kernel says it then: at every
+    # connect to that address, a UDP socket's too.
+    backend = ("127.0.0.1", httpserver.port)
+    real_connect = socket.socket.connect
+
+    def connect(sock: socket.socket, address: Any) -> None:
+        if address == backend:
+            raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+        real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+    async def scenario() -> None:
+        backends = {"a": httpserver.url_for("").rstrip("/")}
+        async with routing(backends) as (router, url), client() as http:
+            response = await http.post(url + CHAT, content=BODY)
+            assert "in the router's own process" not in response.text
+            assert await failures(router) == [("a", FailureKind.REFUSED, None)]
+            metrics = (await http.get(url + "/metrics")).text
+            assert "llmhealth_router_own_connect_failures_total 0.0" in metrics
 
     run(scenario())
 

@@ -1434,7 +1434,8 @@ def test_no_local_port_left_is_the_checkers_problem_not_the_servers(
         real_connect = socket.socket.connect
 
         def connect(sock: socket.socket, address: Any) -> None:
-            if address == ("127.0.0.1", port):
+            # TCP's connect alone: a UDP socket takes none of TCP's ports.
+            if address == ("127.0.0.1", port) and sock.type == socket.SOCK_STREAM:
                 raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
             real_connect(sock, address)
 
@@ -1475,3 +1476,35 @@ def test_a_tls_answer_the_server_ends_with_close_notify_is_read(
 
     with tcp_server(answer_and_goodbye) as (url, _):
         assert eventloop.run(read(url.replace("http:", "https:"))) == b"ok"
+
+
+@pytest.mark.parametrize("host", ["[::1]", "dual.test"])
+def test_a_server_this_host_has_no_address_to_send_to_is_judged_not_excused(
+    monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    # EADDRNOTAVAIL also says this host has no source address towards the server: IPv6
+    # turned off, as containers have it by default, and a name's ::1 (localhost's) or an
+    # IPv6 server. Taken for a want of local ports, a dead server behind such a name (its
+    # IPv4 address refused) was "not judged" at every read, never `down`. Injected as
+    # the kernel says it then: at every connect to ::1, a UDP socket's too.
+    with socket.create_server(("127.0.0.1", 0)) as unused:
+        port = unused.getsockname()[1]  # nothing listens there now: refused
+    _name_for(
+        monkeypatch,
+        "dual.test",
+        [
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ],
+        0.0,
+    )
+    real_connect = socket.socket.connect
+
+    def connect(sock: socket.socket, address: Any) -> None:
+        if address[0] == "::1":
+            raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+        real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    error = failure_of(f"http://{host}:{port}/metrics")
+    assert error.failure is Failure.CONNECT_FAILED, error.detail
