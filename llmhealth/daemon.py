@@ -290,6 +290,10 @@ class Daemon:
         if router is not None:  # one /metrics: the router's series and the daemon's
             router.registry.register(self._collector)
         self._models: dict[str, frozenset[str]] = {}  # as the tiny request last listed them
+        # Backends a reload moved to another server, until a settle hears a read there:
+        # what answers at the new address is unproven (another process is STALE, then
+        # re-admitted), so neither the router nor the serving file is handed it before.
+        self._moved: frozenset[str] = frozenset()
         # Restart commands run beside the loop, never inside a settle or the state lock;
         # what they finished waits here for the next settle. Touched on the loop only.
         self._commands_running: dict[asyncio.Future[CommandDone], RestartOrder] = {}
@@ -403,7 +407,7 @@ class Daemon:
         expected = {b.name: b.expected_model for b in self._config.backends}
         serving: dict[str, Models] = {}
         for name, snapshot in self._snapshots.items():
-            if not snapshot.serving or self._asleep(name):
+            if not snapshot.serving or self._asleep(name) or name in self._moved:
                 continue
             models = set(self._models.get(name, ()))
             if expected.get(name):
@@ -1013,6 +1017,9 @@ class Daemon:
                 # Dropped, the failing backend was back in the choice each wait while
                 # etcd stayed away, and the settle on leading again never heard of it.
                 return self._not_settled(news, seat.standing())
+            # A standby serves the serving set the leader's record holds: it may never
+            # read a moved backend itself (another member's share), nor settle its read.
+            self._moved = frozenset()
             return self._stand_by(news, seat.standing())
         verdicts = news.verdicts
         if shares is not None and not news.final:
@@ -1054,7 +1061,15 @@ class Daemon:
         self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
         self._fleet = settled.report.fleet
-        self._write_serving(settled.record.ledger.serving, backends)
+        read_there = {
+            backend.outcome.target.name
+            for backend in settled.report.backends
+            if backend.outcome.target.name in backends
+            and not other_server(backend.outcome.target.url, backends[backend.outcome.target.name])
+        }
+        self._moved = self._moved - read_there
+        serving = tuple(name for name in settled.record.ledger.serving if name not in self._moved)
+        self._write_serving(serving, backends)
         return settled
 
     def _publish(self, shares: SharedReads, published: Publication) -> None:
@@ -1348,6 +1363,15 @@ class Daemon:
         wait = self._wait
         was = {(t.kind, same_server(t.url)): t.name for t in self._targets}
         reading = {t.name: (t.url, t.cgroup) for t in self._targets}
+        self._moved = frozenset(
+            t.name
+            for t in targets
+            if t.kind == "backend"
+            and (
+                t.name in self._moved
+                or (t.name in reading and other_server(t.url, reading[t.name][0]))
+            )
+        )
         self._config, self._targets = config, targets
         # A target read afresh (a new name at its server, an address written another way
         # or moved, other processes sampled) starts with the longest step the record

@@ -58,7 +58,7 @@ from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy, settle_fleet
-from llmhealth.daemon import Daemon, Notifier
+from llmhealth.daemon import Daemon, News, Notifier
 from llmhealth.fleet import READS_KEEP_UP, Sighting, StallWatch
 from llmhealth.gctune import YOUNG
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
@@ -3889,3 +3889,60 @@ def test_a_member_restarted_under_its_name_never_repeats_a_serial_the_leader_set
     assert one_process(idle) == [idle]
     # The same member, a new process: its first verdict is news to the leader.
     assert one_process(down) == [down]
+
+
+def test_a_backend_a_reload_moved_is_routed_to_only_once_a_read_there_is_settled(
+    tmp_path: Path,
+) -> None:
+    """A reload that moves a serving backend to another address keeps its state, and the
+    first read there decides whether another process answers (STALE, then re-admission).
+    The settle after the reload, which had no read at the new address yet, pushed it to
+    the router and wrote it to the serving file as serving: clients were sent to a server
+    nothing had read (in a run, one `unanswered` there cost a client a 500 after the
+    first-byte bound, before the read that made it STALE)."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    old, new = "http://127.0.0.1:9", "http://127.0.0.2:9"
+    fleets = [
+        [Target("b", old), Target("c", "http://127.0.0.3:9")],
+        [Target("b", new), Target("c", "http://127.0.0.3:9")],
+    ]
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0)
+    serving_file = tmp_path / "serving.json"
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+
+    def listed() -> list[str]:
+        return [entry["url"] for entry in json.loads(serving_file.read_text())["serving"]]
+
+    async def scenario() -> tuple[set[str], list[str], set[str], list[str]]:
+        router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+        daemon = Daemon(
+            lambda: (config, fleets[0]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=serving_file,
+            console=Console(stderr=True),
+            router=router,
+        )
+        try:
+            daemon._settle(News([Outcome(t, idle) for t in fleets[0]], []))
+            fleets.pop(0)
+            daemon._reload_config()
+            # The next settle hears nothing read at b's new address yet.
+            daemon._settle(News([Outcome(fleets[0][1], idle)], []))
+            daemon._push_router()
+            before = set(router._serving), listed()
+            # Then a read there is settled: b serves again.
+            daemon._settle(News([Outcome(fleets[0][0], idle)], []))
+            daemon._push_router()
+            return *before, set(router._serving), listed()
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    unread_names, unread_file, read_names, read_file = asyncio.run(scenario())
+    assert unread_names == {"c"} and unread_file == ["http://127.0.0.3:9"]
+    assert read_names == {"b", "c"} and read_file == [new, "http://127.0.0.3:9"]
