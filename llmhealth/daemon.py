@@ -797,7 +797,7 @@ class Daemon:
         policy = ledger_policy(self._config.policy)
         try:
             with self._reader.locked():
-                record, *_ = load_record(
+                record, changes, *_ = load_record(
                     self._reader, policy, backend_urls(self._targets), self._clock()
                 )
         except StateLockedError as locked:
@@ -812,12 +812,14 @@ class Daemon:
                 self._log(f"starting without earlier reads: {locked}")
                 return {}, {}
             record = stored
-            reconciled(record, backend_urls(self._targets), self._clock())
+            changes, *_ = reconciled(record, backend_urls(self._targets), self._clock())
         except StateError as exc:
             self._log(f"starting without earlier reads: {exc}")
             return {}, {}
         now = self._clock()
         self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
+        # The config edited while the daemon was stopped moves them now, as a reload does.
+        self._moved = frozenset(c.name for c in changes if c.event == "readdressed")
         self._note_whom_to_ask(record)
         return baselines_of(record), learned_steps_of(record)
 
@@ -1066,6 +1068,7 @@ class Daemon:
             for backend in settled.report.backends
             if backend.outcome.target.name in backends
             and not other_server(backend.outcome.target.url, backends[backend.outcome.target.name])
+            and _a_judged_read(backend.outcome.verdict)
         }
         self._moved = self._moved - read_there
         serving = tuple(name for name in settled.record.ledger.serving if name not in self._moved)
@@ -1475,6 +1478,13 @@ class Daemon:
             # nor is a log that cannot be written (a full disk: ENOSPC): the line is lost.
             with contextlib.suppress(OSError), reader_may_leave(sys.stderr):
                 print(message, file=sys.stderr, flush=True)
+
+
+def _a_judged_read(verdict: Verdict) -> bool:
+    """Whether ``verdict`` came of a read llmhealth judged: not its own failure
+    (``probe.unjudged``, our API key turned away), nor a cluster leader's doubt of a
+    backend nobody read (``shares.doubt``: STALLED, made of no read)."""
+    return verdict.judged and (verdict.kind is not VerdictKind.STALLED or bool(verdict.reads))
 
 
 def _withheld_steps(record: FleetRecord) -> dict[str, LongestStep]:

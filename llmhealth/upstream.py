@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import socket
 import ssl
 import struct
@@ -39,7 +40,7 @@ import termios
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 from llmhealth import http1
@@ -247,18 +248,72 @@ class _Link(asyncio.Protocol):
             end_with_reset(self.transport)
 
 
-async def _addresses(origin: Origin) -> list[tuple[int, Any]]:
-    """The backend's addresses, each with its family (none when they cannot be had at
-    once): which of them this host has an address to send from towards."""
+class _OwnShortageError(Exception):
+    """A connection this process had no local port (or descriptor) for: ``error``."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _dial(origin: Origin, tls: ssl.SSLContext | None) -> _Link:
+    """A connection to ``origin``, each address of a name tried in turn, as asyncio does.
+
+    Tried here, not by ``create_connection``: it merges the errors of a name's addresses
+    into one without an errno, so a dual-stack name whose IPv4 server had no local port
+    left towards it (its ``::1`` refused) was counted as the backend refusing. Each
+    error is told apart as ``wire._open`` does (``own_connect_shortage``)."""
     loop = asyncio.get_running_loop()
+    host = dialable(origin.host)
+    hostname = origin.host if tls else None
     try:
-        async with asyncio.timeout(1.0):
-            found = await loop.getaddrinfo(
-                dialable(origin.host), origin.port, type=socket.SOCK_STREAM
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:  # an address is connected to at once, without a lookup
+        try:
+            _, link = await loop.create_connection(
+                lambda: _Link(origin), host, origin.port, ssl=tls, server_hostname=hostname
             )
-    except (OSError, TimeoutError):
-        return []
-    return [(family, address) for family, _, _, _, address in found]
+        except OSError as exc:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            if exc.errno == errno.EADDRNOTAVAIL and own_connect_shortage(
+                exc, [(family, (host, origin.port))]
+            ):
+                raise _OwnShortageError(exc) from exc
+            raise
+        return link
+    found = await loop.getaddrinfo(host, origin.port, type=socket.SOCK_STREAM)
+    errors: list[OSError] = []
+    ours: OSError | None = None
+    for family, kind, proto, _, address in found:
+        sock = None
+        try:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            errors.append(exc)
+            if ours is None and own_connect_shortage(exc, [(family, address)]):
+                ours = exc
+            continue
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        _, link = await loop.create_connection(
+            lambda: _Link(origin), sock=sock, ssl=tls, server_hostname=hostname
+        )
+        return link
+    if ours is not None:
+        raise _OwnShortageError(ours) from ours
+    if not errors:
+        raise OSError(f"the name {host} has no address to connect to")
+    if len({str(error) for error in errors}) == 1:
+        raise errors[0]
+    raise OSError(f"Multiple exceptions: {', '.join(map(str, errors))}")
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
@@ -551,20 +606,14 @@ class Pool:
         deadline = loop.time() + self._connect_timeout
         try:
             async with asyncio.timeout_at(deadline):
-                _, link = await loop.create_connection(
-                    lambda: _Link(origin),
-                    dialable(origin.host),
-                    origin.port,
-                    ssl=tls,
-                    server_hostname=origin.host if tls else None,
-                )
+                link = await _dial(origin, tls)
         except TimeoutError as exc:
             late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
+        except _OwnShortageError as shortage:
+            raise ConnectError(str(shortage.error), ours=True) from shortage.error
         except (OSError, ssl.SSLError) as exc:
             ours = out_of_files(exc) or trust_unread(exc, short)
-            if not ours and exc.errno == errno.EADDRNOTAVAIL:
-                ours = own_connect_shortage(exc, await _addresses(origin))
             raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc
         return link
 

@@ -3946,3 +3946,86 @@ def test_a_backend_a_reload_moved_is_routed_to_only_once_a_read_there_is_settled
     unread_names, unread_file, read_names, read_file = asyncio.run(scenario())
     assert unread_names == {"c"} and unread_file == ["http://127.0.0.3:9"]
     assert read_names == {"b", "c"} and read_file == [new, "http://127.0.0.3:9"]
+
+
+def _moved_scenario(
+    tmp_path: Path, first_read: Verdict, *, restarted: bool = False
+) -> tuple[set[str], list[str]]:
+    """b serving at one address, then moved to another (a reload, or the config edited
+    across a restart); the next settle hears ``first_read`` of b at its new address, and
+    c read: what the router and the serving file are handed then."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    old, new, other = "http://127.0.0.1:9", "http://127.0.0.2:9", "http://127.0.0.3:9"
+    fleets = [[Target("b", old), Target("c", other)], [Target("b", new), Target("c", other)]]
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0)
+    serving_file = tmp_path / "serving.json"
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+
+    def made(router: Router) -> Daemon:
+        return Daemon(
+            lambda: (config, fleets[0]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=serving_file,
+            console=Console(stderr=True),
+            router=router,
+        )
+
+    async def scenario() -> tuple[set[str], list[str]]:
+        router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+        daemon = made(router)
+        try:
+            daemon._settle(News([Outcome(t, idle) for t in fleets[0]], []))
+            fleets.pop(0)
+            if restarted:
+                await daemon._reading.close()
+                await router.close()
+                router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+                daemon = made(router)
+                daemon._read_baselines()
+            else:
+                daemon._reload_config()
+            read = [Outcome(fleets[0][1], idle), Outcome(fleets[0][0], first_read)]
+            daemon._settle(News(read, []))
+            daemon._push_router()
+            listed = [e["url"] for e in json.loads(serving_file.read_text())["serving"]]
+            return set(router._serving), listed
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    return asyncio.run(scenario())
+
+
+def test_a_moved_backend_is_not_routed_to_on_a_read_there_that_judged_nothing(
+    tmp_path: Path,
+) -> None:
+    # A read at the new address that llmhealth could not judge (its own shortage, a read
+    # worker lost, our API key turned away there) says nothing of what answers there.
+    names, listed = _moved_scenario(
+        tmp_path, probe.unjudged("not judged: read worker 1 exited (-9)")
+    )
+    assert names == {"c"} and listed == ["http://127.0.0.3:9"]
+
+
+def test_a_moved_backend_is_not_routed_to_on_a_leaders_doubt_of_it(tmp_path: Path) -> None:
+    # With shard_reads, a backend no member read at the leader's address (its reader's
+    # config not reloaded yet, or its reader gone) is settled as the leader's doubt, a
+    # verdict made of no read, given the leader's address (``_others_verdicts``).
+    from llmhealth.shares import doubt  # noqa: PLC0415
+
+    names, listed = _moved_scenario(tmp_path, doubt("m2", None, 40.0))
+    assert names == {"c"} and listed == ["http://127.0.0.3:9"]
+
+
+def test_a_backend_moved_while_the_daemon_was_stopped_waits_for_a_read_there(
+    tmp_path: Path,
+) -> None:
+    # The config edited and the daemon restarted (not reloaded): the saved ledger's b is
+    # moved at start, and nothing has been read at its new address yet.
+    names, listed = _moved_scenario(tmp_path, probe.unjudged("not judged: x"), restarted=True)
+    assert names == {"c"} and listed == ["http://127.0.0.3:9"]

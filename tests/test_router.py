@@ -1981,3 +1981,43 @@ def _a_500_once(
         writer.close()
 
     return server
+
+
+def test_no_local_port_towards_one_address_of_a_backends_name_is_not_the_backends(
+    monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer
+) -> None:
+    # A backend by a name with an IPv6 and an IPv4 address, listening on IPv4 alone (vLLM
+    # on 0.0.0.0): ::1 refuses, and the router has no local port left towards its IPv4
+    # address. asyncio merges the two errors into one without an errno: the router's own
+    # shortage was counted as the backend refusing, and a burst condemned it (the checker
+    # tells each address's error apart, ``wire._open``).
+    httpserver.expect_request(CHAT).respond_with_json({})
+    port = httpserver.port
+    real_getaddrinfo = socket.getaddrinfo
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host != "dual.test":
+            return real_getaddrinfo(host, *args, **kwargs)
+        return [
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ]
+
+    real_connect = socket.socket.connect
+
+    def connect(sock: socket.socket, address: Any) -> None:
+        if address == ("127.0.0.1", port) and sock.type == socket.SOCK_STREAM:
+            raise OSError(errno.EADDRNOTAVAIL, os.strerror(errno.EADDRNOTAVAIL))
+        real_connect(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+    async def scenario() -> None:
+        async with routing({"a": f"http://dual.test:{port}"}) as (router, url), client() as http:
+            response = await http.post(url + CHAT, content=BODY)
+            assert await failures(router) == [], response.text
+            metrics = (await http.get(url + "/metrics")).text
+            assert "llmhealth_router_own_connect_failures_total 1.0" in metrics
+
+    run(scenario())
