@@ -123,9 +123,11 @@ def test_a_proxy_down_is_critical() -> None:
 def test_a_config_file_names_backends_and_proxies(httpserver: HTTPServer, tmp_path: Path) -> None:
     url = serve_idle(httpserver)
     config = tmp_path / "fleet.toml"
+    # A state of its own: without one, run as root, it wrote the machine's own
+    # /var/lib/llmhealth/state.json (and audit log) at every run of the suite.
     config.write_text(
-        f'wait = "1s"\n[[backend]]\nname = "gpu0"\nurl = "{url}"\n'
-        f'[[proxy]]\nname = "lb"\nurl = "{url}"\n'
+        f'wait = "1s"\nstate = "{tmp_path / "state.json"}"\n[[backend]]\nname = "gpu0"\n'
+        f'url = "{url}"\n[[proxy]]\nname = "lb"\nurl = "{url}"\n'
     )
     result = runner.invoke(app, ["check", "--config", str(config), "--format", "json"])
     assert result.exit_code == 0, result.output
