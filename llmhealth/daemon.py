@@ -819,7 +819,7 @@ class Daemon:
         now = self._clock()
         self._snapshots = {snap.name: snap for snap in record.ledger.snapshots(now)}
         # The config edited while the daemon was stopped moves them now, as a reload does.
-        self._moved = frozenset(c.name for c in changes if c.event == "readdressed")
+        self._moved = frozenset(c.name for c in changes if c.event == "readdressed" and c.elsewhere)
         self._note_whom_to_ask(record)
         return baselines_of(record), learned_steps_of(record)
 

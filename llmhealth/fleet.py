@@ -459,6 +459,9 @@ class MembershipChange:
     state: State  # the backend's state when it changed (HEALTHY for an added one)
     note: str
     was: str | None = None  # a renamed backend's old name
+    # A readdressed backend's new address names another server, not the same one written
+    # another way (the scheme's own port, a host's case): what a reload counts as moved.
+    elsewhere: bool = False
 
     def audit_record(self, now: float, actor: str) -> dict[str, Any]:
         return {
@@ -531,11 +534,12 @@ class FleetRecord:
             # shows a process other than the one last seen as the restart it is.
             state = self.ledger.state_of(name)
             note = f"{name}: moved from {self.ledger.url_of(name)} to {url}; stays {state}"
-            changes.append(MembershipChange(name, "readdressed", state, note))
+            elsewhere = other_server(url, self.ledger.url_of(name))
+            changes.append(MembershipChange(name, "readdressed", state, note, elsewhere=elsewhere))
             # Requests drained after the move went to the old address; not when it is only
             # written another way (the scheme's own port, a host's case): the same server,
             # whose outcomes the router still records (``Router.configure``).
-            if other_server(url, self.ledger.url_of(name)):
+            if elsewhere:
                 self.fresh_since[name] = now
                 self._not_asleep(name)
         self.ledger.readdress(moves)
