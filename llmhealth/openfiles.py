@@ -28,9 +28,12 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
+
+# One of getaddrinfo's answers: family, type, protocol, canonical name, address.
+AddressInfo = tuple[int, int, int, str, Any]
 
 if TYPE_CHECKING:
     import asyncio
@@ -200,6 +203,63 @@ def own_connect_shortage(exc: OSError, destinations: Iterable[tuple[int, Any]]) 
     return exc.errno == errno.EADDRNOTAVAIL and any(
         _has_source(family, address) for family, address in destinations
     )
+
+
+class OwnShortageError(OSError):
+    """A connection this process had no descriptor or local port for
+    (``own_connect_shortage``): never the server's failure, whatever the caller counts."""
+
+
+def shortage_or(exc: OSError, host: str, port: int) -> OSError:
+    """``exc``, of a connection to the address ``host``, as an ``OwnShortageError`` when
+    it was this process's own shortage."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if own_connect_shortage(exc, [(family, (host, port))]):
+        return OwnShortageError(exc.errno, exc.strerror)
+    return exc
+
+
+async def connect_one_of(host: str, found: Sequence[AddressInfo]) -> socket.socket:
+    """A socket connected to the first of a name's addresses (``found``, as getaddrinfo
+    gives them) that takes one, each tried on a socket of its own.
+
+    Not asyncio's ``create_connection``: it merges the errors of a name's addresses into
+    one without an errno, so a dual-stack name whose IPv4 server had no local port left
+    towards it (its ``::1`` refused) was the server's failure. This process's own
+    shortage at any address is raised first, as an ``OwnShortageError``; else the one
+    error, or one naming each."""
+    import asyncio  # noqa: PLC0415  (loaded by whoever awaits this)
+
+    loop = asyncio.get_running_loop()
+    errors: list[OSError] = []
+    ours: OSError | None = None
+    for family, kind, proto, _name, address in found:
+        sock = None
+        try:
+            # Made here, not before: a family this host cannot open (IPv6 turned off)
+            # is one address failed, and the next is tried, as asyncio does.
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            errors.append(exc)
+            if ours is None and own_connect_shortage(exc, [(family, address)]):
+                ours = exc
+            continue
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        return sock
+    if ours is not None:
+        raise OwnShortageError(ours.errno, ours.strerror) from ours
+    if not errors:
+        raise OSError(f"the name {host} has no address to connect to")
+    if len({str(error) for error in errors}) == 1:
+        raise errors[0]
+    raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")
 
 
 def _has_source(family: int, address: Any) -> bool:

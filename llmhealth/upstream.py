@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import ipaddress
 import socket
@@ -47,11 +46,13 @@ from llmhealth import http1
 from llmhealth.http1 import MAX_HEAD_BYTES
 from llmhealth.lateness import lateness_of
 from llmhealth.openfiles import (
+    OwnShortageError,
+    connect_one_of,
     default_tls,
     end_with_reset,
     out_of_files,
-    own_connect_shortage,
     short_of_descriptors,
+    shortage_or,
     tls_leftover,
     trust_unread,
 )
@@ -248,21 +249,10 @@ class _Link(asyncio.Protocol):
             end_with_reset(self.transport)
 
 
-class _OwnShortageError(Exception):
-    """A connection this process had no local port (or descriptor) for: ``error``."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 async def _dial(origin: Origin, tls: ssl.SSLContext | None) -> _Link:
-    """A connection to ``origin``, each address of a name tried in turn, as asyncio does.
-
-    Tried here, not by ``create_connection``: it merges the errors of a name's addresses
-    into one without an errno, so a dual-stack name whose IPv4 server had no local port
-    left towards it (its ``::1`` refused) was counted as the backend refusing. Each
-    error is told apart as ``wire._open`` does (``own_connect_shortage``)."""
+    """A connection to ``origin``: a name's addresses each tried in turn, as the probe
+    does (``connect_one_of``), so that this process's own shortage towards one of them
+    is told from the backend's refusal."""
     loop = asyncio.get_running_loop()
     host = dialable(origin.host)
     hostname = origin.host if tls else None
@@ -276,44 +266,14 @@ async def _dial(origin: Origin, tls: ssl.SSLContext | None) -> _Link:
                 lambda: _Link(origin), host, origin.port, ssl=tls, server_hostname=hostname
             )
         except OSError as exc:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            if exc.errno == errno.EADDRNOTAVAIL and own_connect_shortage(
-                exc, [(family, (host, origin.port))]
-            ):
-                raise _OwnShortageError(exc) from exc
-            raise
+            raise shortage_or(exc, host, origin.port) from exc
         return link
     found = await loop.getaddrinfo(host, origin.port, type=socket.SOCK_STREAM)
-    errors: list[OSError] = []
-    ours: OSError | None = None
-    for family, kind, proto, _, address in found:
-        sock = None
-        try:
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            await loop.sock_connect(sock, address)
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            errors.append(exc)
-            if ours is None and own_connect_shortage(exc, [(family, address)]):
-                ours = exc
-            continue
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        _, link = await loop.create_connection(
-            lambda: _Link(origin), sock=sock, ssl=tls, server_hostname=hostname
-        )
-        return link
-    if ours is not None:
-        raise _OwnShortageError(ours) from ours
-    if not errors:
-        raise OSError(f"the name {host} has no address to connect to")
-    if len({str(error) for error in errors}) == 1:
-        raise errors[0]
-    raise OSError(f"Multiple exceptions: {', '.join(map(str, errors))}")
+    sock = await connect_one_of(host, found)
+    _, link = await loop.create_connection(
+        lambda: _Link(origin), sock=sock, ssl=tls, server_hostname=hostname
+    )
+    return link
 
 
 def _kernel_unsent(transport: asyncio.BaseTransport, sent_taken: bool = False) -> bool:
@@ -610,8 +570,8 @@ class Pool:
         except TimeoutError as exc:
             late = max(loop.time() - deadline, lateness_of(loop).across(deadline))
             raise ConnectError(f"no connection in {self._connect_timeout:g} s", late=late) from exc
-        except _OwnShortageError as shortage:
-            raise ConnectError(str(shortage.error), ours=True) from shortage.error
+        except OwnShortageError as exc:
+            raise ConnectError(str(exc), ours=True) from exc
         except (OSError, ssl.SSLError) as exc:
             ours = out_of_files(exc) or trust_unread(exc, short)
             raise ConnectError(str(exc) or type(exc).__name__, ours=ours) from exc

@@ -27,16 +27,18 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, cast
+from typing import cast
 from urllib.parse import SplitResult, quote, urlsplit
 
 from llmhealth import http1
 from llmhealth.lateness import LATE_ENOUGH, lateness_of
 from llmhealth.openfiles import (
+    OwnShortageError,
+    connect_one_of,
     default_tls,
     out_of_files,
-    own_connect_shortage,
     short_of_descriptors,
+    shortage_or,
     tls_leftover,
     trust_unread,
 )
@@ -101,7 +103,7 @@ Accept = Callable[[int, Mapping[str, str]], None]
 class _Progress:
     """Where one attempt got to: what a timeout or a reset is then reported as."""
 
-    __slots__ = ("connected", "head_bytes", "opened_at", "own_shortage", "received", "secured")
+    __slots__ = ("connected", "head_bytes", "opened_at", "received", "secured")
 
     def __init__(self, started: float) -> None:
         self.connected = False  # a TCP connection is made (a TLS handshake may follow)
@@ -112,8 +114,6 @@ class _Progress:
         # then), or this attempt began on a kept one: no server can have given up on a
         # connection for this process's silence before it.
         self.opened_at = started
-        # The connection failed for this process's own want (``own_connect_shortage``).
-        self.own_shortage = False
 
 
 class Connection:
@@ -227,7 +227,7 @@ class Connection:
                 if (
                     not progress.connected
                     and isinstance(exc, OSError)
-                    and (progress.own_shortage or out_of_files(exc))
+                    and (isinstance(exc, OwnShortageError) or out_of_files(exc))
                 ):
                     raise WireError(
                         Failure.STARVED,
@@ -614,9 +614,7 @@ async def _open(
         try:
             return await asyncio.open_connection(host, port, limit=MAX_HEAD_BYTES)
         except OSError as exc:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            progress.own_shortage = own_connect_shortage(exc, [(family, (host, port))])
-            raise
+            raise shortage_or(exc, host, port) from exc
     loop = asyncio.get_running_loop()
     bound.hold(functools.partial(_looking_up, host))
     try:
@@ -634,39 +632,8 @@ async def _open(
     finally:
         bound.unhold()
     progress.opened_at = loop.time()
-    errors: list[OSError] = []
-    tried: list[tuple[int, Any]] = []
-    for family, kind, proto, _name, address in found:
-        sock = None
-        try:
-            # Made here, not before: a family this host cannot open (IPv6 turned off)
-            # is one address failed, and the next is tried, as asyncio does.
-            sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            await loop.sock_connect(sock, address)
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            errors.append(exc)
-            tried.append((family, address))
-            continue
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-        return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
-    if not errors:
-        raise OSError(f"the name {host} has no address to connect to")
-    # This process's own want of descriptors or ports is said as such, or the merged
-    # error below would judge the server down for it.
-    pairs = zip(errors, tried, strict=True)
-    ours = next((error for error, to in pairs if own_connect_shortage(error, [to])), None)
-    if ours is not None:
-        progress.own_shortage = True
-        raise ours
-    if len({str(error) for error in errors}) == 1:
-        raise errors[0]
-    raise OSError(f"every address of {host} failed: {'; '.join(map(str, errors))}")
+    sock = await connect_one_of(host, found)
+    return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
 
 
 def _cut_off(exc: OSError) -> bool:
