@@ -436,14 +436,17 @@ def test_a_shard_reader_in_read_workers_keeps_the_step_of_a_backend_a_reload_ren
     assert "wedged" not in after
 
 
-def test_a_leaders_fenced_settle_gives_the_routers_failures_back_for_the_next(
-    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("cut_off", ["fenced out", "etcd away past the renew deadline"])
+def test_a_leaders_settle_that_writes_nothing_gives_the_routers_failures_back(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch, cut_off: str
 ) -> None:
-    """A leader's settle that fails in etcd (fenced out here; cut off, deposed) stands by
-    for the cycle: it returned as a settle, and the failures of real traffic it drained
-    from the router were never given back, as a save that fails on disk gives them. They
-    were lost: the push after it let the failing backend back into the router's choice
-    at once, and the next settle, leader again, had never heard of them."""
+    """A leader's settle that fails in etcd (fenced out; cut off, deposed) stands by for
+    the cycle, and so does a leader stepping down with etcd away past its renew deadline
+    (a few seconds of a lease_ttl). The failures of real traffic it drained from the
+    router were never given back, as a save that fails on disk gives them: the push
+    after it let the failing backend back into the router's choice, each wait for as
+    long as etcd stayed away, and the next settle, leader again, had never heard of
+    them."""
     import asyncio  # noqa: PLC0415
 
     import httpx  # noqa: PLC0415
@@ -492,10 +495,14 @@ def test_a_leaders_fenced_settle_gives_the_routers_failures_back_for_the_next(
                     timeout=10.0,
                 )
             assert answer.status_code >= 500 and "a" not in router._pick_set()
-            # Another member took the leader key: this one's cached view still leads, and
-            # its save fails on the fence (FencedOutError), after the drain.
-            seat.etcd.txn([], [{"request_delete_range": {"key": _b64(keys.leader)}}])
-            seat.etcd.txn([], [put(keys.leader, b'{"member": "other"}')])
+            if cut_off == "fenced out":
+                # Another member took the leader key: this one's cached view still leads,
+                # and its save fails on the fence (FencedOutError), after the drain.
+                seat.etcd.txn([], [{"request_delete_range": {"key": _b64(keys.leader)}}])
+                seat.etcd.txn([], [put(keys.leader, b'{"member": "other"}')])
+            else:  # no renewal answered for longer than the renew deadline
+                clock.now += seat.elector.timing.renew_deadline + 1
+                assert not seat.elector.decision().may_act
             looping = asyncio.create_task(daemon._loop())
             for _ in range(500):
                 if daemon._state.cycles:
@@ -514,88 +521,6 @@ def test_a_leaders_fenced_settle_gives_the_routers_failures_back_for_the_next(
         kept, chosen, notes = asyncio.run(scenario())
     finally:
         seat.elector.stop()
-    assert "did not settle" in notes, notes
-    assert kept, "the failure the fenced settle drained was lost"
-    assert not chosen, "the failing backend went back to the router's choice"
-
-
-def test_a_leader_stepping_down_with_etcd_away_keeps_the_routers_failures(
-    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """etcd away past the renew deadline (a few seconds of a lease_ttl): the leader steps
-    down and its settle writes nothing, as one cut off mid-settle. The router's failures
-    it drained were dropped there (a stand-by's), and the push after it let the failing
-    backend back into the choice each wait for as long as etcd stayed away; the settle
-    after etcd came back, this member leading again, had never heard of them."""
-    import asyncio  # noqa: PLC0415
-
-    import httpx  # noqa: PLC0415
-
-    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
-    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
-    from llmhealth.router import Router  # noqa: PLC0415
-    from tests.etcdproc import free_port  # noqa: PLC0415
-
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    closed = f"http://127.0.0.1:{free_port()}"  # refused: every request through it fails
-    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
-    backends = (Backend("a", closed), Backend("b", "http://127.0.0.1:9"))
-    config = Config(backends=backends, cluster=cluster_config)
-    targets = [Target(b.name, b.url) for b in backends]
-    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
-    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
-    with verb.locked():
-        verb.load(dict)
-        verb.save(record.to_dict())
-    seat = Seat.for_config(cluster_config, [].append)
-    clock = Clock()
-    seat.elector._clock = clock  # leads while the test runs, however slowly
-    seat.elector.step()
-    assert seat.elector.decision().may_act
-
-    async def scenario() -> tuple[bool, bool, str]:
-        router = Router(RouterConfig(connect_timeout=1.0), backends)
-        daemon = Daemon(
-            lambda: (config, targets),
-            seat,
-            listen=None,
-            wait_override=0.2,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
-        port = free_port()
-        await router.start("127.0.0.1", port)
-        try:
-            router.push({"a": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
-            async with httpx.AsyncClient() as client:
-                answer = await client.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "m", "prompt": "x"},
-                    timeout=10.0,
-                )
-            assert answer.status_code >= 500 and "a" not in router._pick_set()
-            # No renewal answered for longer than the renew deadline (etcd away).
-            clock.now += seat.elector.timing.renew_deadline + 1
-            assert not seat.elector.decision().may_act
-            looping = asyncio.create_task(daemon._loop())
-            for _ in range(500):
-                if daemon._state.cycles:
-                    break
-                await asyncio.sleep(0.01)
-            daemon.stop()
-            await asyncio.wait_for(looping, 20.0)
-            assert daemon._state.cycles, "no cycle ran"
-            notes = " ".join(daemon._state.notes)
-            return router._log.has_failure("a"), "a" in router._pick_set(), notes
-        finally:
-            await daemon._reading.close()
-            await router.close()
-
-    try:
-        kept, chosen, notes = asyncio.run(scenario())
-    finally:
-        seat.elector.stop()
-    assert "standby" in notes, notes
-    assert kept, "the failure the stepped-down settle drained was lost"
+    assert ("did not settle" if cut_off == "fenced out" else "standby") in notes, notes
+    assert kept, "the failure the settle drained was lost"
     assert not chosen, "the failing backend went back to the router's choice"

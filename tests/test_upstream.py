@@ -557,6 +557,35 @@ def test_the_origin_keeps_the_urls_path_and_brackets_an_ipv6_host() -> None:
     assert Origin.parse("https://[::1]/").port == 443
 
 
+def _request_taken_over_tls(
+    connection: socket.socket, server_side: ssl.SSLContext
+) -> tuple[ssl.SSLObject, ssl.MemoryBIO]:
+    """A backend's side of TLS done by hand on ``connection``, up to the request (a body
+    of ``{}``) read: the TLS object and its outgoing bytes, so that a test ends the answer
+    as it wants (with close_notify or without, its TCP end when it wants)."""
+    connection.settimeout(20)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
+
+    def more() -> None:
+        connection.sendall(outgoing.read())
+        incoming.write(connection.recv(65536) or b"")
+
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            more()
+    request = b""
+    while not request.endswith(b"{}"):
+        try:
+            request += tls.read(65536)
+        except ssl.SSLWantReadError:
+            more()
+    return tls, outgoing
+
+
 @pytest.mark.usefixtures("each_loop")
 @pytest.mark.parametrize("close_notify", [True, False], ids=["close_notify", "ragged"])
 def test_a_tls_answer_read_to_its_close_is_whole_only_after_close_notify(
@@ -574,27 +603,8 @@ def test_a_tls_answer_read_to_its_close_is_whole_only_after_close_notify(
     listener.settimeout(20)
 
     def answers() -> None:
-        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
         with contextlib.suppress(OSError), listener.accept()[0] as connection:
-            connection.settimeout(20)
-
-            def more() -> None:
-                connection.sendall(outgoing.read())
-                incoming.write(connection.recv(65536) or b"")
-
-            while True:
-                try:
-                    tls.do_handshake()
-                    break
-                except ssl.SSLWantReadError:
-                    more()
-            request = b""
-            while not request.endswith(b"{}"):
-                try:
-                    request += tls.read(65536)
-                except ssl.SSLWantReadError:
-                    more()
+            tls, outgoing = _request_taken_over_tls(connection, server_side)
             tls.write(b'HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{"choices": [{"text": "hal')
             if close_notify:
                 with contextlib.suppress(ssl.SSLWantReadError):
@@ -733,27 +743,8 @@ def test_a_tls_answer_read_to_its_close_notify_while_paused_is_whole(
     sent = threading.Event()
 
     def answers() -> None:
-        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        tls = server_side.wrap_bio(incoming, outgoing, server_side=True)
         with contextlib.suppress(OSError), listener.accept()[0] as connection:
-            connection.settimeout(20)
-
-            def more() -> None:
-                connection.sendall(outgoing.read())
-                incoming.write(connection.recv(65536) or b"")
-
-            while True:
-                try:
-                    tls.do_handshake()
-                    break
-                except ssl.SSLWantReadError:
-                    more()
-            request = b""
-            while not request.endswith(b"{}"):
-                try:
-                    request += tls.read(65536)
-                except ssl.SSLWantReadError:
-                    more()
+            tls, outgoing = _request_taken_over_tls(connection, server_side)
             tls.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + big)
             with contextlib.suppress(ssl.SSLWantReadError):
                 tls.unwrap()
