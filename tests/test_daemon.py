@@ -1378,13 +1378,10 @@ def _fast_daemon_over_one_busy_backend(urls: Urls, tmp_path: Path) -> Daemon:
     )
 
 
-def test_a_hold_saved_after_the_settle_that_issued_a_restart_withdraws_its_command(
-    tmp_path: Path,
-) -> None:
-    # watch saves a restart as issued (RESTARTING), lets go of the state lock, and only
-    # then launches its command. An operator's hold waiting for that lock was saved in
-    # between and answered as applied, and the command ran all the same; check looks at
-    # the record again before a command for this very reason.
+def _restart_launched_after_a_hold(tmp_path: Path) -> tuple[Daemon, Path, list[CommandDone]]:
+    """A settle issues a restart of "w" (RESTARTING saved, the state lock let go), an
+    operator's hold is saved, and then the daemon launches the command: the daemon, the
+    file the command would make, and what the daemon heard of it."""
     marker = tmp_path / "restarted"
     target = Target("w", REFUSED_URL)
     backend = config_module.Backend("w", REFUSED_URL, restart=("touch", str(marker)))
@@ -1414,8 +1411,18 @@ def test_a_hold_saved_after_the_settle_that_issued_a_restart_withdraws_its_comma
             await daemon._reading.close()
 
     asyncio.run(launch())
+    return daemon, marker, daemon._take_commands()
+
+
+def test_a_hold_saved_after_the_settle_that_issued_a_restart_withdraws_its_command(
+    tmp_path: Path,
+) -> None:
+    # watch saves a restart as issued (RESTARTING), lets go of the state lock, and only
+    # then launches its command. An operator's hold waiting for that lock was saved in
+    # between and answered as applied, and the command ran all the same; check looks at
+    # the record again before a command for this very reason.
+    _, marker, [done] = _restart_launched_after_a_hold(tmp_path)
     assert not marker.exists(), "the restart command ran though its backend was held"
-    [done] = daemon._take_commands()
     assert done.withdrawn and "on hold" in done.result.stderr, done
 
 
@@ -3763,35 +3770,7 @@ def test_a_withdrawn_restart_is_not_counted_as_a_failed_restart_in_the_metrics(
     # withdraws the command: it never ran, so it is no failed restart, in the ledger
     # (no failure, no attempt) nor on /metrics, where two such holds fired
     # LLMHealthRestartsFailing ("restarting w failed 2 times").
-    marker = tmp_path / "restarted"
-    target = Target("w", REFUSED_URL)
-    backend = config_module.Backend("w", REFUSED_URL, restart=("touch", str(marker)))
-    config = config_module.Config(backends=(backend,))
-    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
-    wedge = Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
-    settled = settle_fleet(
-        store, config, {"w": REFUSED_URL}, lambda _record: [wedge], mode=Mode.ACT, audit=audit
-    )
-    [order] = settled.orders
-    assert operate.hold(store, audit, config, "w", 3600, "weight sync").applied
-    daemon = Daemon(
-        lambda: (config, [target]),
-        store,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
-
-    async def launch() -> None:
-        try:
-            daemon._launch(order)
-            await asyncio.wait(set(daemon._commands_running))
-        finally:
-            await daemon._reading.close()
-
-    asyncio.run(launch())
-    done = daemon._take_commands()
+    daemon, marker, done = _restart_launched_after_a_hold(tmp_path)
     assert [d.withdrawn for d in done] == [True]
     heard = daemon._settle(daemon_module.News([], done))
     daemon._after_cycle(heard.report, 0.0, None, None)
