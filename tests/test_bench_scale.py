@@ -11,12 +11,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from bench_scale import child_watch
 from simproc import running_simulator
 
 
+@pytest.mark.slow
 def test_a_watch_child_counts_only_the_read_workers_its_daemon_started() -> None:
     # The simulator is this test's child, as the simulators are a driver's.
     with running_simulator(["busy", "idle", "wedge:0", "busy"]) as simulator:

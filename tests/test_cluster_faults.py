@@ -135,6 +135,7 @@ def test_a_standby_sends_no_tiny_request_and_starts_asking_once_it_leads(
     assert page.state("gpu") == "healthy"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top", ["", "read_workers = 2"], ids=["own loop", "read workers"])
 def test_a_sharded_standby_asks_a_stale_backend_of_its_share_that_others_keep_moving(
     entry_point: str, tmp_path: Path, httpserver: HTTPServer, top: str

@@ -66,6 +66,7 @@ def expected_verdict(name: str) -> str:
     return {"busy": "busy", "wedge": "wedged", "idle": "idle"}[name.split("-", 1)[0]]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_read_workers_judge_the_fleet_survive_a_killed_worker_and_stop_on_sigterm(
     entry_point: str, sim: Simulator, tmp_path: Path

@@ -43,6 +43,7 @@ def backend_state(route_url: str, name: str) -> str:
     return states[name]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_a_backend_busy_to_probes_but_failing_every_request_is_condemned_by_traffic(
     tmp_path: Path, entry_point: str
@@ -91,6 +92,7 @@ def test_a_backend_busy_to_probes_but_failing_every_request_is_condemned_by_traf
     assert [r["at"] for r in requests] == sorted(r["at"] for r in requests)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_a_request_failure_seen_while_settles_cannot_be_saved_reaches_the_ledger_after(
     tmp_path: Path, entry_point: str
