@@ -526,9 +526,12 @@ def audit(
                     print(f"llmhealth: no audit log at {printable(where)} yet", file=sys.stderr)
         malformed += unprintable
     if malformed:
+        # The path is the operator's or the config's (a TOML "\u001b" in audit_log), yet
+        # printed: escaped, as every other line naming it is.
         with output_may_fail(sys.stderr):
             print(
-                f"llmhealth: {malformed} malformed audit lines skipped in {where}", file=sys.stderr
+                f"llmhealth: {malformed} malformed audit lines skipped in {printable(where)}",
+                file=sys.stderr,
             )
 
 

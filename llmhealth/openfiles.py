@@ -457,22 +457,32 @@ def output_may_fail(stream: IO[str]) -> Iterator[None]:
         with reader_may_leave(stream):
             yield
     except OSError as exc:
-        if exc.errno not in _OUTPUT_GONE:
+        if not output_gone(exc):
             raise
         discard_output(stream)
         if stream is not sys.stderr:
-            # Said where it can be: silent, `check -f json > report.json` on a full disk
-            # left an empty or cut-off report and an exit code that says all is well.
-            with contextlib.suppress(OSError, ValueError), reader_may_leave(sys.stderr):
-                print(
-                    f"llmhealth: the output could not be written ({os.strerror(exc.errno)}); "
-                    "the rest of it was dropped",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            say_output_dropped(exc)
 
 
 _OUTPUT_GONE: Final = frozenset({errno.EIO, errno.ENOSPC, errno.EDQUOT})
+
+
+def output_gone(error: OSError) -> bool:
+    """Whether ``error`` is an output that cannot be written (``output_may_fail``)."""
+    return error.errno in _OUTPUT_GONE
+
+
+def say_output_dropped(error: OSError) -> None:
+    """The one line on stderr for a run's output that could not be written. Said where it
+    can be: silent, `check -f json > report.json` on a full disk left an empty or cut-off
+    report and an exit code that says all is well."""
+    why = os.strerror(error.errno) if error.errno is not None else str(error)
+    with contextlib.suppress(OSError, ValueError), reader_may_leave(sys.stderr):
+        print(
+            f"llmhealth: the output could not be written ({why}); the rest of it was dropped",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def discard_output(stream: IO[str]) -> None:

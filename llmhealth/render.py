@@ -11,7 +11,7 @@ from rich.text import Text
 
 from llmhealth.classify import VerdictKind
 from llmhealth.ledger import BackendSnapshot, State
-from llmhealth.openfiles import discard_output
+from llmhealth.openfiles import discard_output, output_gone, say_output_dropped
 from llmhealth.policy import Hold
 from llmhealth.report import (
     BackendReport,
@@ -125,8 +125,12 @@ class _Output(Console):
         # every Live refresh, and ended the daemon.
         try:
             super()._check_buffer()
-        except OSError:
+        except OSError as exc:
             self.on_broken_pipe()
+            if not self.stderr and output_gone(exc):
+                # The table of `check > report.txt` on a full disk, dropped with nothing
+                # said, where its JSON (``output_may_fail``) says so on stderr.
+                say_output_dropped(exc)
 
 
 def _row(backend: BackendReport) -> tuple[Text, ...]:

@@ -688,6 +688,19 @@ def test_audit_prints_the_local_trail_as_json_lines_with_nothing_raw_for_the_ter
     assert "1 malformed audit lines skipped" in result.stderr
 
 
+def test_audit_names_a_log_path_holding_a_control_character_escaped(tmp_path: Path) -> None:
+    # The count of skipped lines named the log raw: a TOML "\u001b" in audit_log, or an
+    # ESC in --state, reached the terminal as a control sequence.
+    where = tmp_path / "d\x1b[31mX"
+    where.mkdir()
+    (where / "audit.jsonl").write_bytes(b'{"time": 1, "event": "x"}\n{torn\n')
+    result = CliRunner().invoke(app, ["audit", "--state", str(where / "state.json")])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stderr
+    assert "1 malformed audit lines skipped in " in result.stderr
+    assert "d\\x1b[31mX" in result.stderr
+
+
 def test_audit_of_a_path_with_no_log_says_so_and_with_no_state_either_exits_3(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -958,12 +971,12 @@ def test_an_output_on_a_full_disk_changes_no_exit_code(entry_point: str, tmp_pat
     for output in ("nagios", "json", "table"):
         result = run_full(entry_point, "check", closed_port_url(), "-f", output, full="stdout")
         assert result.returncode == 2, (output, result.stderr)
-        if output != "table":  # rich's console drops its output as a closed pipe's
-            # Said on stderr: an empty report.json and exit 0 told nobody anything.
-            assert result.stderr == (
-                "llmhealth: the output could not be written (No space left on device); "
-                "the rest of it was dropped\n"
-            ), (output, result.stderr)
+        # Said on stderr: an empty report.json and exit 0 told nobody anything. The table
+        # too, which rich's console dropped as a closed pipe's, with nothing said.
+        assert result.stderr == (
+            "llmhealth: the output could not be written (No space left on device); "
+            "the rest of it was dropped\n"
+        ), (output, result.stderr)
     missing = str(tmp_path / "absent.toml")
     for full in ("stdout", "stderr"):
         refused = run_full(entry_point, "check", "--config", missing, "-f", "json", full=full)
