@@ -354,8 +354,10 @@ class Daemon:
             self._seat.elector.start()
         try:
             baselines, learned = await asyncio.to_thread(self._read_baselines)
-            # What the record saw, until the first settle says it again (``_asleep``).
-            self._news = (baselines, self._news[1])
+            # What the record saw, until the first settle says it again (``_asleep``), its
+            # steps included: a read worker started again before that settle (not started
+            # at first, or lost) was sent none, and its share's long steps wedged at two waits.
+            self._news = (baselines, learned)
             workers = worker_count(self._config.read_workers, len(self._targets), usable_cores())
             if workers > 1:
                 self._reading = ReadPool(

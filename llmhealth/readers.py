@@ -716,7 +716,10 @@ class ReadPool:
         if isinstance(item, _Alive):
             return
         if isinstance(item, _TaskDied):
-            self._died(item.name, item.cause)
+            # Of a target a reload has since taken from it, as an examination below: told,
+            # a removed backend's probe_task_restarts series came back and stayed.
+            if item.name in worker.share:
+                self._died(item.name, item.cause)
             return
         if not isinstance(item, _Heard):
             raise ValueError(f"unexpected {type(item).__name__}")

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from captures import asleep_capture
 from pytest_httpserver import HTTPServer
+from rich.console import Console
 from simproc import Simulator, alive, children, running_simulator
 from test_daemon import fleet_config, watching, write_config
 from test_wire import read_request, tcp_server
@@ -36,9 +37,14 @@ from werkzeug import Request, Response
 
 from llmhealth import config as config_module
 from llmhealth import readers
-from llmhealth.classify import Read, Target, Verdict, VerdictKind
+from llmhealth.actions import AuditLog
+from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
+from llmhealth.cycle import settle_fleet
+from llmhealth.daemon import Daemon
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import ProbeSettings
+from llmhealth.remediate import Mode
+from llmhealth.state import StateFile
 from llmhealth.window import LongestStep, WedgeRules
 
 MODES = ["busy", "busy", "wedge:0", "wedge:0", "idle"]
@@ -777,6 +783,25 @@ def test_an_examination_of_an_address_a_reload_moved_the_backend_from_is_dropped
     assert delivered == [refused]
 
 
+def test_a_probing_task_death_of_a_target_a_reload_removed_is_not_told() -> None:
+    # In flight at the reload, as an examination of it is (dropped above): told, the
+    # removed backend's probe_task_restarts series came back to /metrics after the reload
+    # forgot it, and stayed, beside a log line saying it was started again.
+    died: list[str] = []
+    pool = readers.ReadPool(
+        1,
+        ProbeSettings,
+        lambda *_: None,
+        lambda name, _cause: died.append(name),
+        lambda _m: None,
+        lambda: ({}, {}),
+    )
+    worker = readers._Worker(0, share={"kept": Target("kept", "http://127.0.0.1:9")})
+    for name in ("removed", "kept"):
+        pool._hear(worker, pickle.loads(pickle.dumps(readers._TaskDied(name, "RuntimeError"))))
+    assert died == ["kept"]
+
+
 def test_the_daemons_copy_of_a_window_holds_unchanged_values_once_as_the_workers_does() -> None:
     """Each read arrives unpickled, with values of its own; the daemon's copy shares
     them again: an idle engine's reads one set of signals, a busy one's its gauges."""
@@ -1018,3 +1043,63 @@ def test_a_probing_task_started_again_does_not_ask_a_server_its_predecessor_read
     asyncio.run(main())
     assert died and len(reads) >= 4
     assert not completions, [v.evidence for v in heard if v is not None]
+
+
+def test_a_worker_started_again_before_the_first_settle_reads_with_the_steps_on_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A worker not started at first (out of processes) is started again a wait later,
+    with what the record last saw of its share: before the first settle that was the
+    record's baselines without its longest steps, and a backend inside a long step the
+    record knew of was wedged at two waits and restarted."""
+    step = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
+    target = Target("d", "http://127.0.0.1:9")  # read by worker 1 of 2, started first
+    assert readers.share_of(target.name, 2) == 0
+    config = config_module.Config(read_workers=2)
+    store = StateFile(tmp_path / "state.json")
+    learned = Verdict(VerdictKind.BUSY, True, "busy", longest_step=step)
+    settle_fleet(
+        store,
+        config,
+        {"d": target.url},
+        lambda _record: [Outcome(target, learned)],
+        mode=Mode.ACT,
+        audit=AuditLog(tmp_path / "audit.jsonl"),
+    )
+    real = asyncio.create_subprocess_exec
+    failures = [BlockingIOError(11, "Resource temporarily unavailable")]
+
+    async def exhausted(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        if failures:
+            raise failures.pop(0)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", exhausted)
+    framed = readers._frame
+    shares: list[readers._Share] = []
+
+    def frame(message: object) -> bytes:
+        if isinstance(message, readers._Share):
+            shares.append(message)
+        return framed(message)
+
+    monkeypatch.setattr(readers, "_frame", frame)
+    daemon = Daemon(
+        lambda: (config, [target]),
+        store,
+        listen=None,
+        wait_override=0.05,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    async def until_its_share_is_sent(_self: Daemon) -> None:
+        # No settle meanwhile: what the worker is sent comes from the start's reads alone.
+        async with asyncio.timeout(30):
+            while not any(share.targets == (target,) for share in shares):
+                await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(Daemon, "_loop", until_its_share_is_sent)
+    asyncio.run(daemon.run())
+    [sent] = [share for share in shares if share.targets == (target,)]
+    assert sent.learned == {"d": step}
