@@ -215,6 +215,12 @@ def decide(
         unasked = left_unasked(reads, decision, f"asleep on purpose ({asleep})")
         unproven = (VerdictKind.RESTARTED, VerdictKind.NO_METRICS)
         return replace(unasked, healthy=decision.good not in unproven)
+    if isinstance(decision, SendTinyRequest) and (work := work_shown(reads)):
+        # A /metrics that failed since (HTTP 503, past the size cap) shows no work gone:
+        # asked, the request queued behind it, timed out, and a busy backend was failed
+        # for the check's own request. Unproven, as a server asleep is, until a read shows.
+        unasked = left_unasked(reads, decision, f"the last read with vLLM series showed {work}")
+        return replace(unasked, healthy=False)
     if isinstance(decision, Verdict):
         return replace(decision, longest_step=longer(known, _learned_before_restarts(reads)))
     return decision
@@ -236,6 +242,17 @@ def asleep_now(reads: Sequence[Read], baseline: Signals | None) -> str:
         if start is not None and start != sleeper.process_start:
             return ""
     return asleep
+
+
+def work_shown(reads: Sequence[Read]) -> str:
+    """The work the read before the newest showed on an awake engine, for evidence, when
+    the newest has no vLLM series; "" otherwise. No request goes to a backend with work,
+    and one failed read after it does not show the work gone. Only one: a server whose
+    /metrics keeps failing (restarted without metrics, past the size cap) is asked at the
+    next, or a window keeping its last busy read never asked it again."""
+    if len(reads) < 2 or _has_vllm(reads[-1]) or not _has_vllm(reads[-2]):
+        return ""
+    return _describe_work(_signals(reads[-2])) if _had_work(reads[-2]) else ""
 
 
 def newest_vllm_read(reads: Sequence[Read]) -> int | None:
@@ -462,6 +479,11 @@ def _judge_work(
             had_work = previous is not None and _had_work(previous)
             kind = VerdictKind.BUSY if had_work else VerdictKind.IDLE
             progressed = _healthy_if_progressing(reads, kind, answer)
+            if _failed_after(answer, reads[-1]):
+                # Asked because an answer is wanted, it failed: what moved before it went
+                # out says nothing of it. Taken as healthy, a replacement failing every
+                # request counted towards recovery in place, its failures never counted.
+                progressed = None
             if progressed is not None and answer is None and answer_wanted:
                 wanted = "an answer is wanted to re-admit it"
                 return SendTinyRequest(f"no work ({_describe_work(last_signals)}); {wanted}", kind)
@@ -720,6 +742,15 @@ def _healthy_if_progressing(
     )
     return _verdict(
         kind, True, evidence, reads, answer, steps_per_s=steps_rate, tokens_per_s=tokens_rate
+    )
+
+
+def _failed_after(answer: Answer | None, newest: Read) -> bool:
+    """The tiny request failed, and no read was taken since it was answered: nothing
+    shows the engine moved while it held the request (a key turned away is no failure
+    of the engine)."""
+    return (
+        answer is not None and not answer.ok and not answer.refused and _apart(newest, answer) >= 0
     )
 
 

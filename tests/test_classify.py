@@ -187,6 +187,35 @@ def test_an_engine_that_moved_and_has_no_work_is_asked_only_when_an_answer_is_wa
     assert isinstance(decide(sleeping, answer_wanted=True), Verdict)
 
 
+@pytest.mark.parametrize(
+    ("names", "kind"),
+    [
+        (("apifreeze-0", "apifreeze-after"), VerdictKind.IDLE),
+        (("busy-1", "busy-after"), VerdictKind.BUSY),
+    ],
+)
+@pytest.mark.parametrize("timed_out", [False, True])
+def test_a_wanted_answer_that_failed_is_unanswered_whatever_moved_before_it(
+    fixture_text: Load, names: tuple[str, str], kind: VerdictKind, timed_out: bool
+) -> None:
+    # Asked because an answer is wanted (STALE, or DEAD with request failures), the
+    # request failed: the counters had moved before it went out, which says nothing of
+    # it. Taken as healthy, a replacement failing every request counted good verdicts
+    # towards recovery in place, and its failures were never counted.
+    reads = reads_of(fixture_text, *names)
+    assert isinstance(decide(reads, answer_wanted=True), SendTinyRequest)
+    failed = Answer(reads[-1].at + 0.5, False, "HTTP 500", timed_out=timed_out)
+    decision = decide(reads, failed, answer_wanted=True)
+    if timed_out and isinstance(decision, TakeRead):
+        # A young engine may hold it inside a long step: a read after it tells.
+        again = Read(reads[-1].at + WAIT, reads[-1].signals)
+        decision = decide([*reads, again], failed, answer_wanted=True)
+        assert settled(decision).kind is VerdictKind.STALLED
+    else:
+        assert settled(decision).kind is VerdictKind.UNANSWERED
+    assert not settled(decision).healthy and settled(decision).requests_sent == 1
+
+
 def test_a_busy_server_shown_from_any_prefix_is_never_sent_a_request(fixture_text: Load) -> None:
     reads = reads_of(fixture_text, "busy-1", "busy-2", "busy-3")
     for end in range(len(reads) + 1):
@@ -459,6 +488,28 @@ def test_a_server_read_asleep_is_not_asked_when_a_later_metrics_read_is_unusable
         assert not verdict.healthy
         assert verdict.requests_sent == 0
         assert "engine 0 weights_offloaded" in verdict.evidence
+
+
+def test_a_server_read_with_work_is_not_asked_when_a_later_metrics_read_is_unusable(
+    fixture_text: Load,
+) -> None:
+    # 4 running, 8 waiting, then a /metrics answered HTTP 503: nothing shows the work
+    # gone, so no request may go to it (it queued behind the work, timed out, and the
+    # busy backend was failed as no_metrics for the check's own request).
+    busy = reads_of(fixture_text, "busy-1")
+    failed = problem(ReadProblem.UNUSABLE, "GET /metrics answered HTTP 503", T0 + WAIT)
+    verdict = settled(decide([*busy, failed]))
+    assert verdict.kind is VerdictKind.NO_METRICS
+    assert not verdict.healthy
+    assert verdict.requests_sent == 0
+    assert "showed 4 running, 8 waiting" in verdict.evidence
+    # Nothing shown before it, or nothing to do: asked as before.
+    assert isinstance(decide([failed]), SendTinyRequest)
+    idle = reads_of(fixture_text, "idle-1")
+    assert isinstance(decide([*idle, failed]), SendTinyRequest)
+    # Failing again (restarted without metrics, say): asked, or never judged again.
+    again = problem(ReadProblem.UNUSABLE, "GET /metrics answered HTTP 404", T0 + 2 * WAIT)
+    assert isinstance(decide([*busy, failed, again], max_reads=4), SendTinyRequest)
 
 
 @pytest.mark.parametrize("sleeper", ["idle-2", "wedge-1"])
