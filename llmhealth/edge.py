@@ -58,6 +58,9 @@ SWEEP: Final = 1.0  # seconds between looks for connections idle past their time
 # RFC 9112 3: method SP request-target SP HTTP-version; the target holds no space or CTL.
 _REQUEST_LINE: Final = re.compile(rf"({http1.TOKEN}) ([^\x00-\x20\x7f]+) (HTTP/1\.[01])")
 _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
+# A line end that is not CRLF: an LF without its CR, a CR before anything but LF. A head
+# holding one is a 400 whenever it ends, and a head of such lines never ends at all.
+_BARE_LINE_END: Final = re.compile(rb"(?<!\r)\n|\r(?=[^\n])")
 # Linux's TCP_INFO, whose first byte is the connection's state: CLOSE (reset) and
 # CLOSE_WAIT (the client ended its side) say a client is gone without reading the socket.
 _TCP_INFO: Final = getattr(socket, "TCP_INFO", None)
@@ -124,8 +127,14 @@ class Request:
         return await self._conn.read_body()
 
     async def answer(self, status: int, headers: Fields, body: bytes, reason: str = "") -> None:
-        """A whole answer in one write: its head and body together."""
-        if "content-length" not in headers and not _bodiless_status(status):
+        """A whole answer in one write: its head and body together. An answer to a HEAD
+        given no body (a backend's, relayed) is given no length either: its GET's is not
+        known here, and "0" would misstate it (RFC 9110 8.6)."""
+        if (
+            "content-length" not in headers
+            and not _bodiless_status(status)
+            and (body or self.method != "HEAD")
+        ):
             headers.add("Content-Length", str(len(body)))
         head = self._head(status, reason, headers)
         self.started = True
@@ -200,6 +209,12 @@ def _bodiless_status(status: int) -> bool:
     return status < 200 or status in (204, 304)
 
 
+def _fresh_from(size: int, fresh: int | None) -> int:
+    """Where a search of a buffer of ``size`` bytes, the last ``fresh`` of them new, starts:
+    at the byte before the new ones, which a CR among them may follow."""
+    return 0 if fresh is None else max(0, size - fresh - 1)
+
+
 def _path(target: str) -> str:
     path = target.partition("?")[0]
     return unquote(path) if "%" in path else path
@@ -256,7 +271,7 @@ class _Connection(asyncio.Protocol):
             return  # read and dropped: the answer is already on its way
         self._buffer += data
         if self._request is None:
-            self._next()
+            self._next(len(data))
             return
         if not self._body_done:
             self._feed_body()
@@ -277,8 +292,10 @@ class _Connection(asyncio.Protocol):
 
     # --- requests ---------------------------------------------------------------------
 
-    def _next(self) -> None:
-        """Start the next request if its head is whole; refuse one beyond the bounds."""
+    def _next(self, fresh: int | None = None) -> None:
+        """Start the next request if its head is whole; refuse one beyond the bounds.
+        ``fresh``: how many of the buffer's last bytes came since it was last looked at
+        (None: all of them)."""
         buffer = self._buffer
         while buffer.startswith(b"\r\n"):
             # RFC 9112 2.2: blank lines before a request line are skipped, counted in the
@@ -293,6 +310,13 @@ class _Connection(asyncio.Protocol):
         if end < 0:
             if self._blank + len(buffer) > MAX_HEAD_BYTES:
                 self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            elif _BARE_LINE_END.search(buffer, _fresh_from(len(buffer), fresh)) is not None:
+                # Refused now, as it would be once whole: a client ending its lines with a
+                # bare LF ("GET / HTTP/1.1\n\n") sends no CRLFCRLF, and heard nothing
+                # until idle_timeout closed its connection. Only the bytes new since the
+                # last look (and the one before them) are searched: a head sent a byte at
+                # a time is not searched whole for each byte.
+                self._refuse(400, "a bare CR or LF in the request head")
             return
         if self._blank + end + 4 > MAX_HEAD_BYTES:
             self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")

@@ -562,6 +562,43 @@ def test_a_truncated_body_gets_the_handlers_timeout_and_a_gone_client_ends_it(
     run(scenario())
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /x HTTP/1.1\nHost: x\n\n",
+        b"GET /x HTTP/1.1\r\nHost: x\n\r\n",
+        b"GET /x HTTP/1.1\rHost: x\r\r",
+    ],
+    ids=["lf-only", "one-bare-lf", "cr-only"],
+)
+@pytest.mark.parametrize("trickled", [False, True], ids=["whole", "a-byte-at-a-time"])
+def test_a_head_whose_lines_do_not_end_in_crlf_is_refused_without_waiting(
+    head: bytes, trickled: bool
+) -> None:
+    """Such a head never holds the CRLFCRLF that ends one: its client heard nothing, and
+    its connection was closed at idle_timeout. A 400 now, as a bare CR or LF ever was."""
+
+    async def scenario() -> None:
+        async with edge() as (server, reader, writer):
+            for piece in [bytes([byte]) for byte in head] if trickled else [head]:
+                writer.write(piece)
+                await writer.drain()
+            got, fields, body = await answer(reader)  # long before the idle timeout
+            assert got == 400, body
+            assert fields["connection"] == "close"
+            assert await closed(reader)
+            # And a head whose CRLFs come split between reads is still read whole.
+            again, sending = await asyncio.open_connection("127.0.0.1", server.port)
+            for byte in b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n":
+                sending.write(bytes([byte]))
+                await sending.drain()
+                await asyncio.sleep(0)
+            assert (await answer(again))[0] == 200
+            sending.close()
+
+    run(scenario())
+
+
 def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_idle_timeout() -> None:
     async def scenario() -> None:
         async with edge(idle_timeout=0.3) as (server, reader, writer):

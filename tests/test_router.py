@@ -1328,6 +1328,37 @@ def test_an_answer_framed_both_ways_reaches_the_client_whole_as_chunked(length: 
     run(scenario())
 
 
+def test_a_head_answer_without_a_length_is_relayed_without_one() -> None:
+    # RFC 9110 8.6: a HEAD's Content-Length must be the length its GET's body would have.
+    # Relayed, the backend's (chunked, so none) became "Content-Length: 0".
+    async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if not head.startswith(b"HEAD "):
+            writer.write(b"5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(chunked) as backend,
+            routing({"a": backend}) as (router, url),
+            client() as http,
+        ):
+            response = await http.head(url + CHAT)
+            assert response.status_code == 200
+            assert "content-length" not in response.headers
+            assert (await http.get(url + CHAT)).content == b"hello"
+            # The router's own answers to a HEAD still say their GET's length.
+            own = await http.head(url + "/health")
+            assert int(own.headers["content-length"]) == len(
+                (await http.get(url + "/health")).content
+            )
+            assert await failures(router) == [("a", None, None)]
+
+    run(scenario())
+
+
 # --- streaming and disconnects ---------------------------------------------------------
 
 
