@@ -411,7 +411,8 @@ async def list_models(
         max_bytes=_SMALL_BODY,
         headers=headers,
     )
-    if response.status != 200:
+    # Any 2xx with a list (DESIGN: a proxy is `up` by one): a balancer's 203 was `down`.
+    if not 200 <= response.status < 300:
         raise _RequestFailedError(
             ReadProblem.UNUSABLE, f"GET /v1/models answered HTTP {response.status}", response.status
         )
@@ -739,7 +740,10 @@ async def examine_proxy(client: Client, target: Target, settings: ProbeSettings)
             return replace(judge_proxy(False, why, ()), judged=False, answer=refused)
         return judge_proxy(False, failure.detail, ())
     except Exception as exc:  # one proxy's problem must not end the fleet's check
-        return judge_proxy(False, _not_judged(exc), ())
+        # Our own failure (a read cut off by this process's lateness, a lookup that failed
+        # for now, a bug): not judged, as a backend's is (``_unexamined``); judged, it was
+        # a proxy `down` that paged as a failed balancer.
+        return replace(judge_proxy(False, _not_judged(exc), ()), judged=False)
     return judge_proxy(True, "", tuple(map(printable, models)))
 
 

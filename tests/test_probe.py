@@ -607,12 +607,37 @@ def test_a_proxy_is_asked_only_for_its_model_list(httpserver: HTTPServer) -> Non
     assert [request.path for request, _ in httpserver.log] == ["/v1/models"]
 
 
+def test_a_proxy_is_up_by_any_2xx_with_a_model_list(httpserver: HTTPServer) -> None:
+    # DESIGN: "answered 2xx with a model list"; only a 200 was read, and a balancer that
+    # marks its answers 203 (Non-Authoritative Information) was `down`.
+    httpserver.expect_request("/v1/models").respond_with_json(MODELS, status=203)
+    proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
+    (outcome,) = asyncio.run(check_fleet([proxy], FAST))
+    assert outcome.verdict.kind is VerdictKind.UP, outcome.verdict.evidence
+
+
 def test_a_proxy_that_turns_our_key_away_is_not_judged_down(httpserver: HTTPServer) -> None:
     # It answers: our key failed, not the proxy. "down" paged as a failed balancer.
     httpserver.expect_request("/v1/models").respond_with_json({"error": "no"}, status=401)
     proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
     (outcome,) = asyncio.run(check_fleet([proxy], FAST))
     assert not outcome.verdict.judged and "api_key_env" in outcome.verdict.evidence
+    assert verdict_exit_code(outcome.verdict) is ExitCode.UNKNOWN
+
+
+def test_a_proxy_the_checker_could_not_read_is_not_judged_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its name could not be looked up for now: the evidence said "the server was not
+    # judged", and the verdict was a judged `down`, CRITICAL as a failed balancer.
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_AGAIN, "lookup failed")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    proxy = Target("lb", "http://lb.test:8000", "proxy")
+    (outcome,) = asyncio.run(check_fleet([proxy], FAST))
+    assert not outcome.verdict.judged, outcome.verdict.evidence
+    assert "could not be looked up for now" in outcome.verdict.evidence
     assert verdict_exit_code(outcome.verdict) is ExitCode.UNKNOWN
 
 
