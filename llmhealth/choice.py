@@ -10,11 +10,12 @@ hashing, kept while the sticky backend is less than ``slack`` requests busier).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, TypeVar
 
-from llmhealth.http1 import HeaderSource
+from llmhealth.http1 import TOKEN, HeaderSource
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -61,6 +62,13 @@ class Affinity:
         if source not in ("header", "body") or not name:
             raise ValueError(
                 f"{spec!r} is not an affinity source (write 'header:NAME' or 'body:FIELD')"
+            )
+        if source == "header" and re.fullmatch(TOKEN, name) is None:
+            # The edge refuses a request whose field name is not a token (a space, a
+            # control character): taken, the affinity found no session key in any request.
+            raise ValueError(
+                f"{spec!r}: {name!r} is not a header name (letters, digits and "
+                "!#$%&'*+-.^_`|~ only), so no request could carry it"
             )
         return cls("header" if source == "header" else "body", name)
 

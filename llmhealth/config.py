@@ -54,6 +54,11 @@ LONGEST_DURATION = 366 * 86400.0
 # A read, a tiny request and the wait between reads: past an hour, a check from cron
 # holding the state's lock for hours (`timeout = 5000`, meant in milliseconds).
 LONGEST_READ = 3600.0
+# No timer here counts less than a millisecond (uvloop's count in it), so a shorter
+# duration is a slip: `wait = 1e-310` was taken, and the reads a check may take
+# (max_check_time over the wait) overflowed a float: every backend `no_metrics` with an
+# OverflowError, and `watch`'s reading tasks died and were started again in a loop.
+SHORTEST_DURATION = 0.001
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _FLOAT_LIMIT = 10**308  # any integer up to it converts to a float
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -308,8 +313,8 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
 
 
 def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
-    """Seconds from a number or a string such as "90s", "15m", "24h", at most ``most``;
-    ValueError otherwise."""
+    """Seconds from a number or a string such as "90s", "15m", "24h", from a millisecond
+    (``SHORTEST_DURATION``) up to ``most``; ValueError otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
     if isinstance(value, int) and abs(value) > _FLOAT_LIMIT:
@@ -324,6 +329,10 @@ def parse_duration(value: object, most: float = LONGEST_DURATION) -> float:
         raise ValueError(f"{value!r} is not a duration (a number of seconds, or like '90s', '15m')")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{value!r} must be a positive, finite duration")
+    if seconds < SHORTEST_DURATION:
+        raise ValueError(
+            f"{value!r} is shorter than a millisecond, the least duration a timer here counts"
+        )
     if seconds > most:
         longest = f"{most / 86400:g} days" if most >= 86400 else f"{most / 3600:g} h"
         raise ValueError(f"{value!r} is longer than {longest}: a unit missed?")
@@ -639,9 +648,16 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
         )
     for endpoint in endpoints:
         try:
-            check_url(endpoint)
+            checked = check_url(endpoint)
         except ValueError as exc:
             raise reader.fail("cluster.etcd", str(exc)) from exc
+        if urlsplit(checked).path:
+            # Only its host and port are used (etcd_http: POST /v3/... at the root): a
+            # gateway's path was dropped without a word, each request sent where no etcd is.
+            raise reader.fail(
+                "cluster.etcd",
+                f"{checked!r}: a path is not used: etcd's gateway is at the root (/v3/...)",
+            )
     prefix = reader.optional_string(table, "cluster.prefix") or DEFAULT_PREFIX
     if not prefix.startswith("/") or prefix.endswith("/") or not prefix.isprintable():
         raise reader.fail(

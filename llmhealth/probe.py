@@ -41,7 +41,7 @@ from llmhealth.classify import (
     reads_still_needed,
     window_for,
 )
-from llmhealth.config import LONGEST_READ
+from llmhealth.config import LONGEST_READ, SHORTEST_DURATION
 from llmhealth.localcpu import LocalCpu
 from llmhealth.metrics import Signals, parse_metrics, sharing
 from llmhealth.text import printable
@@ -85,15 +85,16 @@ RETIRED_ASKED_NOTHING = "it is retired; only a reset brings it back"
 
 def seconds_argument(value: object, name: str) -> float:
     """A caller's number of seconds for a read or a wait, for the library's entry points:
-    positive and at most an hour, as in a config (``config.LONGEST_READ``): an infinite
-    timeout let a hung backend hold a call for ever, and 5000 meant milliseconds."""
+    from a millisecond to an hour, as in a config (``config.SHORTEST_DURATION``,
+    ``LONGEST_READ``): an infinite timeout let a hung backend hold a call for ever, 5000
+    meant milliseconds, and a wait of 1e-310 overflowed the count of reads it allows."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or not 0 < value <= LONGEST_READ
+        or not SHORTEST_DURATION <= value <= LONGEST_READ
     ):
         raise ValueError(
-            f"{name} must be a positive number of seconds, at most an hour, got {value!r}"
+            f"{name} must be a number of seconds from a millisecond to an hour, got {value!r}"
         )
     return float(value)
 

@@ -251,6 +251,7 @@ def test_check_from_code_with_its_cluster_away_acts_on_nothing_and_says_why(
         (["http://127.0.0.1:9"], {"wait": -1.0}, ValueError),
         (["http://127.0.0.1:9"], {"timeout": float("nan")}, ValueError),
         (["http://127.0.0.1:9"], {"timeout": 5000}, ValueError),  # milliseconds, as a config
+        (["http://127.0.0.1:9"], {"wait": 1e-310}, ValueError),  # no timer counts so little
         (b"http://127.0.0.1:9", {}, TypeError),
         (None, {}, TypeError),
         ([9], {}, TypeError),

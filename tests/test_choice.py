@@ -189,6 +189,14 @@ def test_a_bad_affinity_spec_is_refused_with_the_forms_it_takes(spec: str) -> No
         Affinity.parse(spec)
 
 
+@pytest.mark.parametrize("spec", ["header:X Session-Id", "header:X-Session\x1b", "header:Sessión"])
+def test_an_affinity_header_no_request_can_carry_is_refused(spec: str) -> None:
+    """The edge refuses a request whose field name is not a token (400): such an affinity
+    was taken, and no request ever had a session key, affinity off without a word."""
+    with pytest.raises(ValueError, match="not a header name"):
+        Affinity.parse(spec)
+
+
 @pytest.mark.parametrize("module", ["traffic", "fleet", "ledger"])
 def test_the_router_core_does_no_io(module: str) -> None:
     source = (ROOT / "llmhealth" / f"{module}.py").read_text(encoding="utf-8")

@@ -434,6 +434,7 @@ def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
         (["status", "--state", missing, "-f", "nagios"], "no state at"),
         (["check", "--format=nagios", "--wait", "soon", "http://127.0.0.1:9"], "soon"),
         (["check", "-f", "nagios", "--timeout", "5000", "http://127.0.0.1:9"], "longer than 1 h"),
+        (["check", "-f", "nagios", "--wait", "1e-310", "http://127.0.0.1:9"], "a millisecond"),
     ):
         result = run(entry_point, *args)
         assert result.returncode == 3, result.stderr

@@ -156,6 +156,7 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ),
         ("[router]\nlisten = 'nowhere'", "router.listen: 'nowhere' is not HOST:PORT"),
         ("[router]\naffinity = 'cookie:x'", "router.affinity: 'cookie:x' is not an affinity"),
+        ("[router]\naffinity = 'header:X Session'", "router.affinity: 'header:X Session'"),
         ("[router]\naffinity_slack = 0", "router.affinity_slack: 0 is below"),
         ("[router]\nroutes = ['/metrics']", "router.routes: '/metrics': a route is a path"),
         ("[router]\nroutes = ['v1/x']", "router.routes: 'v1/x': a route is a path"),
@@ -177,11 +178,19 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("answer_timeout = '61m'", "answer_timeout: '61m' is longer than 1 h"),
         ("[policy]\ncooldown = '400d'", "policy.cooldown: '400d' is longer than 366 days"),
         ("[router]\nfirst_byte_timeout = 1e308", "router.first_byte_timeout: 1e+308 is longer"),
+        # Below a millisecond (no timer counts less): `wait = 1e-310` passed, and the reads
+        # a check may take (max_check_time over the wait) overflowed, every backend
+        # `no_metrics` with an OverflowError and `watch`'s reading tasks dying in a loop.
+        ("wait = 1e-310", "wait: 1e-310 is shorter than a millisecond"),
+        ("[policy]\nwedge_after = '0.0001s'", "policy.wedge_after: '0.0001s' is shorter than"),
         ("[[backend]]\nurl = 'http://a:1'\nwedge_after = true", "backend[0].wedge_after"),
         ("wait = ", "not valid TOML"),
         ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
         ("[cluster]\netcd = 'http://e:2379'", "cluster.etcd: must be a list of strings"),
         ("[cluster]\netcd = ['e:2379']", "cluster.etcd: 'e:2379' is not an http(s) URL"),
+        # Only host and port are used (POST /v3/... at the root): a gateway path was dropped
+        # without a word, and every request went where no etcd answers.
+        ("[cluster]\netcd = ['http://e:2379/etcd']", "cluster.etcd: 'http://e:2379/etcd': a"),
         ("[cluster]\netcd = ['http://e:1']\nprefix = 'f'", "cluster.prefix: 'f' must be"),
         # Shown as it is by `audit` and in errors: an escape in it would drive a terminal.
         ('[cluster]\netcd = ["http://e:1"]\nprefix = "/a\\u001b[2J"', "cluster.prefix: '/a\\x1b"),
@@ -379,7 +388,9 @@ def test_durations_read_as_seconds(value: object, seconds: float) -> None:
     assert parse_duration(value) == seconds
 
 
-@pytest.mark.parametrize("value", [0, -3, "nan", "5 parsecs", True, None, float("inf")])
+@pytest.mark.parametrize(
+    "value", [0, -3, "nan", "5 parsecs", True, None, float("inf"), 1e-310, 0.0009, "0.5ms"]
+)
 def test_nonsense_durations_are_rejected(value: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(value)
