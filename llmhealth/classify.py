@@ -249,10 +249,16 @@ def work_shown(reads: Sequence[Read]) -> str:
     the newest has no vLLM series; "" otherwise. No request goes to a backend with work,
     and one failed read after it does not show the work gone. Only one: a server whose
     /metrics keeps failing (restarted without metrics, past the size cap) is asked at the
-    next, or a window keeping its last busy read never asked it again."""
+    next, or a window keeping its last busy read never asked it again. None when the
+    newest shows another process (its start time, without vLLM series): a new one starts
+    with no work, as it starts awake (``asleep_now``)."""
     if len(reads) < 2 or _has_vllm(reads[-1]) or not _has_vllm(reads[-2]):
         return ""
-    return _describe_work(_signals(reads[-2])) if _had_work(reads[-2]) else ""
+    shown, newest = _signals(reads[-2]), reads[-1].signals
+    start = newest.process_start if newest is not None else None
+    if start is not None and shown.process_start not in (None, start):
+        return ""
+    return _describe_work(shown) if _had_work(reads[-2]) else ""
 
 
 def newest_vllm_read(reads: Sequence[Read]) -> int | None:

@@ -512,6 +512,28 @@ def test_a_server_read_with_work_is_not_asked_when_a_later_metrics_read_is_unusa
     assert isinstance(decide([*busy, failed, again], max_reads=4), SendTinyRequest)
 
 
+def test_a_new_process_without_vllm_series_after_a_busy_read_is_asked(fixture_text: Load) -> None:
+    # Read busy, then another process answered /metrics without vLLM series (started
+    # again with --disable-log-stats): the work shown was the old process's, and a new
+    # one starts with none, as it starts awake (``asleep_now``). Left unasked, it was
+    # called unproven and its evidence named the old process's work as its own.
+    busy = reads_of(fixture_text, "busy-1")
+    start = _signals_of(busy[-1]).process_start
+    assert start is not None
+    other = parse_metrics(f"process_start_time_seconds {start + 60:.1f}\n")
+    assert not other.has_vllm and other.process_start != start
+    decision = decide([*busy, Read(T0 + WAIT, other)])
+    assert isinstance(decision, SendTinyRequest)
+    # The same process, still without its series: not asked, as the read showed work.
+    same = parse_metrics(f"process_start_time_seconds {start!r}\n")
+    assert settled(decide([*busy, Read(T0 + WAIT, same)])).requests_sent == 0
+
+
+def _signals_of(read: Read) -> Signals:
+    assert read.signals is not None
+    return read.signals
+
+
 @pytest.mark.parametrize("sleeper", ["idle-2", "wedge-1"])
 def test_an_idle_engine_beside_an_asleep_one_is_not_sent_a_request(
     fixture_text: Load, sleeper: str
