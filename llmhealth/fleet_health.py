@@ -180,7 +180,7 @@ class FleetHealth:
         A judgement, not an observation: ``reason`` must say why this backend is the
         culprit. DEAD rather than STALE, since a STALE process still joins the next sync.
         """
-        detail = _reason(reason, "condemning a backend")
+        detail = _reason(reason, "condemning")
         return self._apply(
             key, Condemned(now=self._clock(), reason="silent participant", detail=detail)
         )
