@@ -391,7 +391,8 @@ def parse_section() -> Section:
         intro=[
             "`llmhealth.metrics.parse_metrics` against `prometheus_client`'s full text "
             f"parser on every real vLLM 0.32 capture in `fixtures/` ({len(rows)}), both in "
-            f"one process, alternated, {PARSE_ROUNDS} rounds each; CPU time of the process "
+            f"one process, alternated, every capture in each of {PARSE_ROUNDS} rounds; CPU "
+            "time of the process "
             "per call (`time.process_time`), median and the slowest round; *worst round* is "
             "prometheus_client's fastest round over llmhealth's slowest. Load average "
             f"(1 min) {load_before:.1f} when it began, {os.getloadavg()[0]:.1f} at the end."
