@@ -23,7 +23,8 @@ collects the body and runs the handler in one task. Its rules:
   most ``MAX_HEAD_BYTES`` more are read, then the socket is not read until it ends (its
   TCP state is looked at instead, so that a client gone meanwhile still ends its request);
 - a response takes its Content-Length when it has one, else it is chunked (HTTP/1.1) or
-  ends with the connection (HTTP/1.0); every write waits while the transport holds more
+  ends with the connection (HTTP/1.0); an answer to a HEAD relayed without one gets
+  none (its GET's is not known here); every write waits while the transport holds more
   than its high-water mark, so a client that never reads costs a bounded buffer (the
   handler bounds that wait in time);
 - a client whose connection closes cancels its request's task;
