@@ -660,7 +660,8 @@ def _ask_or_doubt(
     shows no work while it computes, and the tiny request queues behind it. A timeout
     then proves nothing about an engine whose window is longer than the request waited
     (known long steps, a young process, a floor) while no counter moved: that is doubt,
-    never ``unanswered``, unless its processes used no CPU meanwhile.
+    not ``unanswered``, unless its processes used no CPU meanwhile, or no read is left to
+    show whether it moved (the reads a check may take ran out at the answer).
     """
     if answer is None or answer.ok or not answer.timed_out:
         return _by_answer(reads, answer, VerdictKind.IDLE, VerdictKind.UNANSWERED, context)
