@@ -742,9 +742,10 @@ async def examine_proxy(client: Client, target: Target, settings: ProbeSettings)
         return judge_proxy(False, failure.detail, ())
     except Exception as exc:  # one proxy's problem must not end the fleet's check
         # Our own failure (a read cut off by this process's lateness, a lookup that failed
-        # for now, a bug): not judged, as a backend's is (``_unexamined``); judged, it was
-        # a proxy `down` that paged as a failed balancer.
-        return replace(judge_proxy(False, _not_judged(exc), ()), judged=False)
+        # for now, a bug): not judged, the very verdict a backend's is. Judged, it was a
+        # proxy `down` that paged as a failed balancer; of kind `down`, `watch` still
+        # exported and counted it `down`, and LLMHealthBackendDown paged it all the same.
+        return _unexamined(exc)
     return judge_proxy(True, "", tuple(map(printable, models)))
 
 

@@ -4075,3 +4075,51 @@ def test_a_moved_backend_unread_there_stays_out_across_a_restart(tmp_path: Path)
             await router.close()
 
     assert asyncio.run(scenario()) == {"c"}
+
+
+@pytest.mark.slow  # a daemon over two cycles
+def test_a_proxy_watch_could_not_read_is_not_exported_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy whose name could not be looked up for now (no DNS server answered) is not
+    judged, as a backend by name is then: exported `down` and counted as a `down` probe
+    error, LLMHealthBackendDown paged it as a failed balancer after 5 minutes, where the
+    backends beside it were `no_metrics` and paged nothing."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_AGAIN, "lookup failed")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    targets = [Target("b", "http://b.test:8000"), Target("lb", "http://lb.test:8000", "proxy")]
+    daemon = Daemon(
+        lambda: (config, targets),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+
+    def examined() -> bool:
+        views = {view.name: view for view in daemon._collector.view.backends}
+        return all(name in views and (views[name].examinations or 0) >= 2 for name in ("b", "lb"))
+
+    async def scenario() -> None:
+        running = asyncio.create_task(daemon.run())
+        try:
+            deadline = time.monotonic() + 20.0
+            while not examined():
+                assert time.monotonic() < deadline and not running.done(), "not examined"
+                await asyncio.sleep(POLL)
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, STOP_BOUND) == 0
+
+    asyncio.run(scenario())
+    view = daemon._collector.view
+    verdicts = {backend.name: backend.verdict for backend in view.backends}
+    assert verdicts["b"] == "no_metrics"
+    assert verdicts["lb"] != "down", verdicts
+    assert ("lb", "down") not in view.probe_errors, view.probe_errors
