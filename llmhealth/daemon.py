@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from urllib.parse import urlsplit
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -434,6 +435,18 @@ class Daemon:
         # crashed it. From the start too: the saved serving set is routed before any read.
         return bool(asleep_engines(self._news[0].get(name)))
 
+    def _asleep_now(self) -> frozenset[str]:
+        """The backends read asleep (``_asleep``), for the settle's serving file: on the
+        loop's thread, where reads are heard. Only with a serving file to write, else a
+        walk over every backend per settle for nothing."""
+        if self._serving_file is None:
+            return frozenset()
+        return frozenset(
+            target.name
+            for target in self._targets
+            if target.kind == "backend" and self._asleep(target.name)
+        )
+
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the
         settle under way, the restart commands' grace and the last settle take up to
@@ -474,6 +487,7 @@ class Daemon:
                     commands_running=self._restarting_now(),
                     unread=self._unread(),
                     in_grace=self._in_grace(),
+                    asleep=self._asleep_now(),
                 )
                 try:
                     cycle = _in_daemon_thread(self._settle_and_give_back, news)
@@ -768,6 +782,7 @@ class Daemon:
                 commands_running=self._restarting_now(),
                 unread=self._unread(),
                 in_grace=self._in_grace(),
+                asleep=self._asleep_now(),
             )
             last = _in_daemon_thread(self._settle, news)
             async with asyncio.timeout(SHUTDOWN_GRACE):  # not wait_for (readers.py)
@@ -1073,7 +1088,9 @@ class Daemon:
             and _a_judged_read(backend.outcome.verdict)
         }
         self._moved = self._moved - read_there
-        serving = tuple(name for name in settled.record.ledger.serving if name not in self._moved)
+        # Nor one read asleep: as for the router, a completion a balancer sent it crashed it.
+        held_back = self._moved | news.asleep
+        serving = tuple(name for name in settled.record.ledger.serving if name not in held_back)
         self._write_serving(serving, backends)
         return settled
 
@@ -1368,6 +1385,13 @@ class Daemon:
         wait = self._wait
         was = {(t.kind, same_server(t.url)): t.name for t in self._targets}
         reading = {t.name: (t.url, t.cgroup) for t in self._targets}
+        # A moved one renamed at its new address (its record goes to the new name) is
+        # still unjudged there: held back under its new name too.
+        moved_to = {
+            same_server(t.url)
+            for t in self._targets
+            if t.kind == "backend" and t.name in self._moved
+        }
         self._moved = frozenset(
             t.name
             for t in targets
@@ -1375,6 +1399,7 @@ class Daemon:
             and (
                 t.name in self._moved
                 or (t.name in reading and other_server(t.url, reading[t.name][0]))
+                or (t.name not in reading and same_server(t.url) in moved_to)
             )
         )
         self._config, self._targets = config, targets
@@ -1514,6 +1539,7 @@ class News:
     commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
     unread: frozenset[str] = frozenset()  # backends not read yet where they are configured
     in_grace: frozenset[str] = frozenset()  # restart commands ended within the grace (steady)
+    asleep: frozenset[str] = frozenset()  # backends read asleep on purpose (``Daemon._asleep``)
 
 
 def watchdog_interval(environment: Mapping[str, str], pid: int) -> float | None:
@@ -1566,4 +1592,12 @@ def _in_daemon_thread(
 
 
 def _host_port(url: str) -> str:
-    return url.split("://", 1)[-1].split("/", 1)[0]
+    """``url``'s host and port for an nginx ``server`` line, the port always written:
+    nginx takes a bare host as port 80, so an https backend without one (443) was handed
+    clients on port 80, and an empty port (``http://h:``, which is ``http://h``) made a
+    line nginx refuses, failing its reload."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    host = netloc[: netloc.rindex(":")] if netloc.rfind(":") > netloc.rfind("]") else netloc
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    return f"{host}:{port}"

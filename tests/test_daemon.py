@@ -44,7 +44,7 @@ from typing import IO, Any, cast
 
 import httpx
 import pytest
-from captures import asleep_capture
+from captures import CAPTURES, asleep_capture
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from pytest_httpserver import HTTPServer
@@ -4123,3 +4123,132 @@ def test_a_proxy_watch_could_not_read_is_not_exported_down(
     assert verdicts["b"] == "no_metrics"
     assert verdicts["lb"] != "down", verdicts
     assert ("lb", "down") not in view.probe_errors, view.probe_errors
+
+
+def test_an_nginx_serving_file_names_the_port_each_backend_listens_on(tmp_path: Path) -> None:
+    """nginx reads a `server` line without a port as port 80: an https backend written
+    without one (its scheme's 443) was handed clients on port 80, and a URL with an
+    empty port (`http://h:`, taken as `http://h`) became `server h:;`, which nginx
+    refuses, so its reload failed and the balancer kept the old set."""
+    backends = [
+        Target("tls", "https://vllm-0.internal"),
+        Target("empty", "http://vllm-1.internal:"),
+        Target("six", "http://[::1]:8000"),
+        Target("bare", "http://vllm-3.internal/v1"),
+    ]
+    serving = tmp_path / "upstream.conf"
+    daemon = Daemon(
+        lambda: (config_module.Config(), backends),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=serving,
+        console=Console(stderr=True),
+    )
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+
+    async def settle() -> None:
+        try:
+            daemon._settle(News([Outcome(t, idle) for t in backends], []))
+        finally:
+            await daemon._reading.close()
+
+    asyncio.run(settle())
+    assert nginx_servers(serving.read_text()) == {
+        "server vllm-0.internal:443;",
+        "server vllm-1.internal:80;",
+        "server [::1]:8000;",
+        "server vllm-3.internal:80;",
+    }
+
+
+def test_a_server_read_asleep_is_left_out_of_the_serving_file_as_out_of_the_router(
+    tmp_path: Path,
+) -> None:
+    """A completion sent to a sleeping vLLM crashed it (vLLM #15483): `route` sends such a
+    server no client request, but `--serving-file` still listed it, and the balancer
+    reading that file sent it clients' completions. Listed again once a read shows it
+    awake."""
+    backends = [Target("b", "http://127.0.0.1:9"), Target("c", "http://127.0.0.3:9")]
+    serving = tmp_path / "serving.json"
+    daemon = Daemon(
+        lambda: (config_module.Config(), backends),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=serving,
+        console=Console(stderr=True),
+    )
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+    asleep = parse_metrics(asleep_capture().encode())
+    awake = parse_metrics((CAPTURES / "idle-1.txt").read_bytes())
+
+    def listed() -> list[str]:
+        return [entry["name"] for entry in json.loads(serving.read_text())["serving"]]
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        try:
+            daemon._heard(backends[0], None, 0.01, [Read(time.time(), asleep)])
+            read = [Outcome(t, idle) for t in backends]
+            daemon._settle(News(read, [], asleep=daemon._asleep_now()))
+            while_asleep = listed()
+            daemon._heard(backends[0], None, 0.01, [Read(time.time(), awake)])
+            daemon._settle(News([], [], asleep=daemon._asleep_now()))
+            return while_asleep, listed()
+        finally:
+            await daemon._reading.close()
+
+    while_asleep, once_awake = asyncio.run(scenario())
+    assert while_asleep == ["c"]
+    assert once_awake == ["b", "c"]
+
+
+def test_a_moved_backend_renamed_before_a_read_there_is_judged_stays_out(tmp_path: Path) -> None:
+    """A reload moved b; nothing judged was read at its new address yet (our key turned
+    away there, a read worker lost), and a second reload renamed it there (the same
+    server, so its record went to the new name). The new name was not held back as
+    moved: the router and the serving file were handed a server nothing had judged."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    old, new, other = "http://127.0.0.1:9", "http://127.0.0.2:9", "http://127.0.0.3:9"
+    fleets = [
+        [Target("b", old), Target("c", other)],
+        [Target("b", new), Target("c", other)],
+        [Target("b2", new), Target("c", other)],
+    ]
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0)
+    serving_file = tmp_path / "serving.json"
+    idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+    unjudged = probe.unjudged("not judged: read worker 1 exited (-9)")
+
+    async def scenario() -> tuple[set[str], list[str], str | None]:
+        router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+        daemon = Daemon(
+            lambda: (config, fleets[0]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=serving_file,
+            console=Console(stderr=True),
+            router=router,
+        )
+        try:
+            daemon._settle(News([Outcome(t, idle) for t in fleets[0]], []))
+            fleets.pop(0)
+            daemon._reload_config()
+            daemon._settle(News([Outcome(fleets[0][1], idle), Outcome(fleets[0][0], unjudged)], []))
+            fleets.pop(0)
+            daemon._reload_config()
+            daemon._settle(News([Outcome(fleets[0][1], idle), Outcome(fleets[0][0], unjudged)], []))
+            daemon._push_router()
+            listed = [e["name"] for e in json.loads(serving_file.read_text())["serving"]]
+            return set(router._serving), listed, _saved_state(tmp_path / "state.json", "b2")
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    names, listed, b2 = asyncio.run(scenario())
+    assert b2 == "healthy"  # renamed: b's record, serving, went to b2
+    assert names == {"c"} and listed == ["c"]
