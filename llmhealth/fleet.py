@@ -552,8 +552,9 @@ class FleetRecord:
         self, name: str, backends: Mapping[str, str], now: float
     ) -> list[MembershipChange]:
         """The renames a check would make (``reconcile``) that give ``name``, a configured
-        name the ledger lacks, a record, with those along its chain: its own record kept
-        aside, renamed on first (else it was dropped, its server's condemnation with it)."""
+        name, a record (the ledger lacks it, or holds it for another server), with those
+        along its chain: its own record renamed on first (else it was dropped, its
+        server's condemnation with it)."""
         pending = self.renames(backends)
         chain = {old: new for old, new in pending.items() if new == name}
         at = name

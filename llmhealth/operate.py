@@ -117,12 +117,15 @@ def _editing(
                 "a daemon keeping its state elsewhere does not see this"
             )
         added: tuple[MembershipChange, ...] = ()
-        if name not in record.ledger and name in configured:
+        if name in configured and (name not in record.ledger or _renamed(record, name, configured)):
             # A new name the config gives a saved backend's server is renamed, as a check
             # renames it (``reconcile``), its record kept: added, it shared the address.
             # Along its chain, as a check renames it: its own record kept aside goes on to
             # the name now at its server first (taken over, a condemned server's record was
-            # dropped, and it came in HEALTHY under that name at the next check).
+            # dropped, and it came in HEALTHY under that name at the next check). A saved
+            # name the config now gives another server likewise: its record goes on to the
+            # name at its server, or the verb acted on that server (the operator's hold or
+            # retirement followed the record there, and this name came in without it).
             try:
                 added = tuple(record.renamed_for(name, configured, clock()))
                 if name not in record.ledger:
@@ -133,6 +136,14 @@ def _editing(
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")
         yield _Edit(record, saved, name, added)
+
+
+def _renamed(record: FleetRecord, name: str, configured: Mapping[str, str]) -> bool:
+    """Whether a check would rename a saved record to ``name`` or give ``name``'s own
+    record another name (``FleetRecord.renames``): the config's ``name`` is not the record
+    the state holds under it."""
+    pending = record.renames(configured)
+    return name in pending or name in pending.values()
 
 
 def _spelled(name: str, known: Iterable[str]) -> str:

@@ -636,3 +636,41 @@ def test_a_verb_under_a_name_a_condemned_server_kept_aside_had_keeps_that_server
     assert loaded.ledger.state_of("gpu1") is State.HEALTHY  # gpu0's server
     assert loaded.ledger.state_of("gpu2") is State.DEAD  # the wedged server stays so
     assert loaded.ledger.serving == ("gpu1",)
+
+
+def test_a_verb_under_a_name_the_config_gave_another_server_acts_on_that_server(
+    state: Path, tmp_path: Path
+) -> None:
+    """The saved fleet has gpu1 DEAD at port 10; the config now calls port 10 "gpu1b" and
+    gives "gpu1" to port 11. A check renames the DEAD record to gpu1b and adds gpu1 at
+    port 11; a verb on gpu1 before it acted on the saved record at port 10: the hold (or
+    retirement) the operator gave gpu1 followed that record to gpu1b, and gpu1 at port 11
+    came in HEALTHY with neither."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n\n'
+        '[[backend]]\nname = "gpu1b"\nurl = "http://127.0.0.1:10"\n\n'
+        '[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:11"\n'
+    )
+    for verb in (
+        ["hold", "gpu1", "--for", "1h", "--reason", "sync"],
+        ["retire", "gpu1", "--reason", "bad GPU"],
+    ):
+        done = llmhealth(*verb, "--config", str(config), "--state", str(state))
+        assert done.returncode == 0, done.stderr
+    store = StateFile(state)
+    with store.locked():
+        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert loaded is not None
+    loaded.reconcile(
+        {
+            "gpu0": "http://127.0.0.1:9",
+            "gpu1b": "http://127.0.0.1:10",
+            "gpu1": "http://127.0.0.1:11",
+        },
+        T0 + 3,
+    )
+    assert loaded.ledger.url_of("gpu1") == "http://127.0.0.1:11"
+    assert loaded.ledger.state_of("gpu1") is State.RETIRED
+    assert "gpu1" in loaded.holds and "gpu1b" not in loaded.holds
+    assert loaded.ledger.state_of("gpu1b") is State.DEAD  # the wedged port 10 stays so
