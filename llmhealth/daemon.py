@@ -423,29 +423,44 @@ class Daemon:
         """Its newest read shows an engine put to sleep on purpose: healthy, but a client's
         completion sent to a sleeping vLLM crashed it (vLLM #15483), and a data-parallel
         server may route one to the sleeping engine. Not routed to until it wakes."""
+        return self._asleep_as_shown(name, self._shown_asleep(name))
+
+    def _shown_asleep(self, name: str) -> bool | None:
+        """Whether its own reads show it asleep; None when none shows it either way. On
+        the loop's thread, where reads are heard."""
         probe = self._state.probes.get(name)
         if probe is not None and probe.window_asleep is not None:
             return probe.window_asleep
         outcome = probe.outcome if probe is not None else None
         if outcome is not None and newest_vllm_read(outcome.verdict.reads) is not None:
             return asleep_on_purpose(outcome.verdict)
+        return None
+
+    def _asleep_as_shown(self, name: str, shown: bool | None) -> bool:
+        """``_asleep`` from what its reads showed (``_shown_asleep``)."""
+        if shown is not None:
+            return shown
         # No read of its own shows it (no verdict yet since this run or its task began, or
         # its /metrics failing since): as the record last saw it, asleep until a read shows
         # it awake, as its verdict judged it (``classify.decide``'s baseline), or clients
         # crashed it. From the start too: the saved serving set is routed before any read.
         return bool(asleep_engines(self._news[0].get(name)))
 
-    def _asleep_now(self) -> frozenset[str]:
-        """The backends read asleep (``_asleep``), for the settle's serving file: on the
-        loop's thread, where reads are heard. Only with a serving file to write, else a
-        walk over every backend per settle for nothing."""
+    def _asleep_now(self) -> dict[str, bool | None]:
+        """What each backend's reads show of its sleep (``_shown_asleep``), for the
+        settle's serving file: taken on the loop's thread, where reads are heard, and
+        judged by the settle against the record it settles (``_asleep_as_shown``), as the
+        router is pushed after it. Judged against the record before it, one renamed or
+        read by another member was listed a settle after the router left it out. Only
+        with a serving file to write, else a walk over every backend per settle for
+        nothing."""
         if self._serving_file is None:
-            return frozenset()
-        return frozenset(
-            target.name
+            return {}
+        return {
+            target.name: self._shown_asleep(target.name)
             for target in self._targets
-            if target.kind == "backend" and self._asleep(target.name)
-        )
+            if target.kind == "backend"
+        }
 
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the
@@ -1089,7 +1104,8 @@ class Daemon:
         }
         self._moved = self._moved - read_there
         # Nor one read asleep: as for the router, a completion a balancer sent it crashed it.
-        held_back = self._moved | news.asleep
+        asleep = {name for name, shown in news.asleep.items() if self._asleep_as_shown(name, shown)}
+        held_back = self._moved | asleep
         serving = tuple(name for name in settled.record.ledger.serving if name not in held_back)
         self._write_serving(serving, backends)
         return settled
@@ -1539,7 +1555,8 @@ class News:
     commands_running: frozenset[str] = frozenset()  # backends whose restart command runs
     unread: frozenset[str] = frozenset()  # backends not read yet where they are configured
     in_grace: frozenset[str] = frozenset()  # restart commands ended within the grace (steady)
-    asleep: frozenset[str] = frozenset()  # backends read asleep on purpose (``Daemon._asleep``)
+    # What each backend's reads show of a sleep on purpose (``Daemon._shown_asleep``)
+    asleep: Mapping[str, bool | None] = field(default_factory=dict)
 
 
 def watchdog_interval(environment: Mapping[str, str], pid: int) -> float | None:

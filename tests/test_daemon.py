@@ -4252,3 +4252,61 @@ def test_a_moved_backend_renamed_before_a_read_there_is_judged_stays_out(tmp_pat
     names, listed, b2 = asyncio.run(scenario())
     assert b2 == "healthy"  # renamed: b's record, serving, went to b2
     assert names == {"c"} and listed == ["c"]
+
+
+def test_a_server_the_record_saw_asleep_stays_out_of_the_serving_file_when_renamed(
+    tmp_path: Path,
+) -> None:
+    """b was read asleep and left out of the file and the router; a reload renamed it (the
+    same server: its record, asleep, went to the new name) and no read of b2 came before
+    the next settle. The file's asleep set was taken before the settle, from the record
+    that did not know b2 yet: the file listed b2, a sleeping vLLM handed clients'
+    completions (vLLM #15483), while the router, pushed after it, left it out; the
+    balancer's set changed twice, its hook run twice."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    url, other = "http://127.0.0.1:9", "http://127.0.0.3:9"
+    fleets = [
+        [Target("b", url), Target("c", other)],
+        [Target("b2", url), Target("c", other)],
+    ]
+    serving = tmp_path / "serving.json"
+    asleep = parse_metrics(asleep_capture().encode())
+
+    def listed() -> list[str]:
+        return [entry["name"] for entry in json.loads(serving.read_text())["serving"]]
+
+    async def scenario() -> tuple[list[str], list[str], set[str]]:
+        router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
+        daemon = Daemon(
+            lambda: (config_module.Config(), fleets[0]),
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=serving,
+            console=Console(stderr=True),
+            router=router,
+        )
+        try:
+            read = Read(time.time(), asleep)
+            slept = Verdict(VerdictKind.IDLE, True, "idle: asleep", reads=(read,))
+            idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
+            daemon._heard(fleets[0][0], None, 0.01, [read])
+            outcomes = [Outcome(fleets[0][0], slept), Outcome(fleets[0][1], idle)]
+            daemon._settle(News(outcomes, [], asleep=daemon._asleep_now()))
+            before = listed()
+            fleets.pop(0)
+            daemon._reload_config()
+            daemon._settle(News([Outcome(fleets[0][1], idle)], [], asleep=daemon._asleep_now()))
+            daemon._push_router()
+            return before, listed(), set(router._serving)
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    before, after, routed = asyncio.run(scenario())
+    assert before == ["c"]
+    assert routed == {"c"}
+    assert after == ["c"]
