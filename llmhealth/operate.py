@@ -103,7 +103,11 @@ def _editing(
         record = store.load(lambda doc: FleetRecord.from_dict(doc, _policy(config, doc)))
         configured = {backend.name: backend.url for backend in config.backends}
         saved_names = () if record is None else (*record.ledger.names, *record.holds)
-        name = _spelled(name, [*configured, *saved_names])
+        # The config's spelling first: the saved one (the same text in another form, a
+        # name the config dropped) held the record a check renames to another name.
+        name = _spelled(name, configured)
+        if name not in configured:
+            name = _spelled(name, saved_names)
         saved = f"saved to {store.path}"
         if record is None:
             if name not in configured:
@@ -126,12 +130,21 @@ def _editing(
             # name the config now gives another server likewise: its record goes on to the
             # name at its server, or the verb acted on that server (the operator's hold or
             # retirement followed the record there, and this name came in without it).
+            trial = FleetRecord.from_dict(record.to_dict(), record.ledger.policy)
             try:
-                added = tuple(record.renamed_for(name, configured, clock()))
-                if name not in record.ledger:
-                    added += (record.admit(name, configured[name], clock()),)
-            except ValueError as exc:  # e.g. its URL is another saved backend's
-                raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
+                added = tuple(trial.renamed_for(name, configured, clock()))
+                if name not in trial.ledger:
+                    added += (trial.admit(name, configured[name], clock()),)
+                record = trial
+            except ValueError:
+                # Its server is still a saved backend's that the config moves or drops
+                # (gpu0 leaves port 11 for 12, which the config now gives gpu1): only a
+                # check's whole reconcile moves that one off first. Refused, every verb
+                # on the name failed until a check ran ("share the URL").
+                try:
+                    added = tuple(record.reconcile(configured, clock()))
+                except ValueError as exc:
+                    raise StateError(f"cannot add {name!r} from the config: {exc}") from exc
         if name not in record.ledger and not (or_held and name in record.holds):
             known = ", ".join(record.ledger.names) or "none"
             raise StateError(f"no backend named {name!r} in the state (known: {known})")

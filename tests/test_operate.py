@@ -674,3 +674,93 @@ def test_a_verb_under_a_name_the_config_gave_another_server_acts_on_that_server(
     assert loaded.ledger.state_of("gpu1") is State.RETIRED
     assert "gpu1" in loaded.holds and "gpu1b" not in loaded.holds
     assert loaded.ledger.state_of("gpu1b") is State.DEAD  # the wedged port 10 stays so
+
+
+def test_a_verb_under_a_renamed_name_whose_server_the_config_moves_another_off_works(
+    tmp_path: Path,
+) -> None:
+    """The saved fleet has gpu1 DEAD at port 10 and gpu0 at port 11; the config now calls
+    port 10 "gpu1b", gives "gpu1" port 11 and moves gpu0 to port 12. A check renames,
+    moves gpu0 off port 11 and adds gpu1 there; the verb renamed and added before that
+    move, and every verb on gpu1 failed: "backends 'gpu0' and 'gpu1' share the URL"."""
+    ledger = Ledger(
+        LedgerPolicy(), [("gpu0", "http://127.0.0.1:11"), ("gpu1", "http://127.0.0.1:10")], now=T0
+    )
+    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
+    state = tmp_path / "state.json"
+    store = StateFile(state)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:12"\n\n'
+        '[[backend]]\nname = "gpu1b"\nurl = "http://127.0.0.1:10"\n\n'
+        '[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:11"\n'
+    )
+    done = llmhealth(
+        "hold",
+        "gpu1",
+        "--for",
+        "1h",
+        "--reason",
+        "sync",
+        "--config",
+        str(config),
+        "--state",
+        str(state),
+    )
+    assert done.returncode == 0, done.stderr
+    with store.locked():
+        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert loaded is not None
+    assert loaded.ledger.url_of("gpu1") == "http://127.0.0.1:11"
+    assert loaded.ledger.url_of("gpu0") == "http://127.0.0.1:12"
+    assert loaded.ledger.state_of("gpu1b") is State.DEAD
+    assert list(loaded.holds) == ["gpu1"]
+    events = [(line["backend"], line["event"]) for line in read(tmp_path / "audit.jsonl")]
+    assert ("gpu1b", "renamed") in events and ("gpu0", "readdressed") in events
+    # Each change is audited once: the next check finds nothing left to change.
+    assert (
+        loaded.reconcile(
+            {
+                "gpu0": "http://127.0.0.1:12",
+                "gpu1b": "http://127.0.0.1:10",
+                "gpu1": "http://127.0.0.1:11",
+            },
+            time.time(),
+        )
+        == []
+    )
+
+
+def test_a_name_typed_as_saved_is_the_configs_when_the_config_spells_it_another_way(
+    tmp_path: Path,
+) -> None:
+    """Saved: "café" decomposed, DEAD at port 10. The config, saved by another tool,
+    spells it composed at port 11 and calls port 10 "cafe2". Typed as the state spells it,
+    the verb held the saved record, which the next check renamed to cafe2: the hold on
+    port 10, the café the config names coming in without it. Typed composed, it did not."""
+    decomposed, composed = "cafe\u0301", "caf\u00e9"
+    ledger = Ledger(LedgerPolicy(), [(decomposed, "http://127.0.0.1:10")], now=T0)
+    ledger.apply(decomposed, WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
+    state = tmp_path / "state.json"
+    store = StateFile(state)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'[[backend]]\nname = "{composed}"\nurl = "http://127.0.0.1:11"\n\n'
+        '[[backend]]\nname = "cafe2"\nurl = "http://127.0.0.1:10"\n',
+        encoding="utf-8",
+    )
+    done = llmhealth(
+        "hold", decomposed, "--for", "1h", "--reason", "sync", "--config", str(config),
+        "--state", str(state),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with store.locked():
+        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert loaded is not None
+    loaded.reconcile({composed: "http://127.0.0.1:11", "cafe2": "http://127.0.0.1:10"}, T0 + 3)
+    assert list(loaded.holds) == [composed]
+    assert loaded.ledger.state_of("cafe2") is State.DEAD
