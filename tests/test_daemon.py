@@ -40,7 +40,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import httpx
 import pytest
@@ -67,6 +67,9 @@ from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
 from llmhealth.state import RecordMovedError, StateFile
 from llmhealth.window import LongestStep
+
+if TYPE_CHECKING:
+    from llmhealth.router import Router
 
 WAIT = 0.5
 STOP_BOUND = 5.0  # SIGTERM to exit; far above what a daemon with nothing to finish needs
@@ -1159,6 +1162,32 @@ def nginx_servers(text: str) -> set[str]:
 
 def server_line(url: str) -> str:
     return f"server {url.removeprefix('http://')};"
+
+
+def writing_serving(
+    tmp_path: Path,
+    fleet: Callable[[], list[Target]],
+    serving: Path,
+    *,
+    config: config_module.Config | None = None,
+    router: Router | None = None,
+) -> Daemon:
+    """A daemon over ``fleet()`` (read again at each reload) writing ``serving``, its state
+    in ``tmp_path``: settled by hand, as the serving-file tests drive it."""
+    return Daemon(
+        lambda: (config or config_module.Config(), fleet()),
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=serving,
+        console=Console(stderr=True),
+        router=router,
+    )
+
+
+def serving_names(serving: Path) -> list[str]:
+    """The names a JSON serving file lists, in its order."""
+    return [entry["name"] for entry in json.loads(serving.read_text())["serving"]]
 
 
 @pytest.mark.slow
@@ -4137,14 +4166,7 @@ def test_an_nginx_serving_file_names_the_port_each_backend_listens_on(tmp_path: 
         Target("bare", "http://vllm-3.internal/v1"),
     ]
     serving = tmp_path / "upstream.conf"
-    daemon = Daemon(
-        lambda: (config_module.Config(), backends),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=serving,
-        console=Console(stderr=True),
-    )
+    daemon = writing_serving(tmp_path, lambda: backends, serving)
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
 
     async def settle() -> None:
@@ -4171,30 +4193,20 @@ def test_a_server_read_asleep_is_left_out_of_the_serving_file_as_out_of_the_rout
     awake."""
     backends = [Target("b", "http://127.0.0.1:9"), Target("c", "http://127.0.0.3:9")]
     serving = tmp_path / "serving.json"
-    daemon = Daemon(
-        lambda: (config_module.Config(), backends),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=serving,
-        console=Console(stderr=True),
-    )
+    daemon = writing_serving(tmp_path, lambda: backends, serving)
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
     asleep = parse_metrics(asleep_capture().encode())
     awake = parse_metrics((CAPTURES / "idle-1.txt").read_bytes())
-
-    def listed() -> list[str]:
-        return [entry["name"] for entry in json.loads(serving.read_text())["serving"]]
 
     async def scenario() -> tuple[list[str], list[str]]:
         try:
             daemon._heard(backends[0], None, 0.01, [Read(time.time(), asleep)])
             read = [Outcome(t, idle) for t in backends]
             daemon._settle(News(read, [], asleep=daemon._asleep_now()))
-            while_asleep = listed()
+            while_asleep = serving_names(serving)
             daemon._heard(backends[0], None, 0.01, [Read(time.time(), awake)])
             daemon._settle(News([], [], asleep=daemon._asleep_now()))
-            return while_asleep, listed()
+            return while_asleep, serving_names(serving)
         finally:
             await daemon._reading.close()
 
@@ -4225,14 +4237,8 @@ def test_a_moved_backend_renamed_before_a_read_there_is_judged_stays_out(tmp_pat
 
     async def scenario() -> tuple[set[str], list[str], str | None]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = Daemon(
-            lambda: (config, fleets[0]),
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=serving_file,
-            console=Console(stderr=True),
-            router=router,
+        daemon = writing_serving(
+            tmp_path, lambda: fleets[0], serving_file, config=config, router=router
         )
         try:
             daemon._settle(News([Outcome(t, idle) for t in fleets[0]], []))
@@ -4243,7 +4249,7 @@ def test_a_moved_backend_renamed_before_a_read_there_is_judged_stays_out(tmp_pat
             daemon._reload_config()
             daemon._settle(News([Outcome(fleets[0][1], idle), Outcome(fleets[0][0], unjudged)], []))
             daemon._push_router()
-            listed = [e["name"] for e in json.loads(serving_file.read_text())["serving"]]
+            listed = serving_names(serving_file)
             return set(router._serving), listed, _saved_state(tmp_path / "state.json", "b2")
         finally:
             await daemon._reading.close()
@@ -4275,20 +4281,9 @@ def test_a_server_the_record_saw_asleep_stays_out_of_the_serving_file_when_renam
     serving = tmp_path / "serving.json"
     asleep = parse_metrics(asleep_capture().encode())
 
-    def listed() -> list[str]:
-        return [entry["name"] for entry in json.loads(serving.read_text())["serving"]]
-
     async def scenario() -> tuple[list[str], list[str], set[str]]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = Daemon(
-            lambda: (config_module.Config(), fleets[0]),
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=serving,
-            console=Console(stderr=True),
-            router=router,
-        )
+        daemon = writing_serving(tmp_path, lambda: fleets[0], serving, router=router)
         try:
             read = Read(time.time(), asleep)
             slept = Verdict(VerdictKind.IDLE, True, "idle: asleep", reads=(read,))
@@ -4296,12 +4291,12 @@ def test_a_server_the_record_saw_asleep_stays_out_of_the_serving_file_when_renam
             daemon._heard(fleets[0][0], None, 0.01, [read])
             outcomes = [Outcome(fleets[0][0], slept), Outcome(fleets[0][1], idle)]
             daemon._settle(News(outcomes, [], asleep=daemon._asleep_now()))
-            before = listed()
+            before = serving_names(serving)
             fleets.pop(0)
             daemon._reload_config()
             daemon._settle(News([Outcome(fleets[0][1], idle)], [], asleep=daemon._asleep_now()))
             daemon._push_router()
-            return before, listed(), set(router._serving)
+            return before, serving_names(serving), set(router._serving)
         finally:
             await daemon._reading.close()
             await router.close()

@@ -33,18 +33,30 @@ from llmhealth.traffic import FailureKind, RequestOutcome
 T0 = 1_796_000_000.0
 
 
-@pytest.fixture
-def state(tmp_path: Path) -> Path:
-    """A saved fleet of two: gpu0 healthy, gpu1 condemned for a wedge."""
-    ledger = Ledger(
-        LedgerPolicy(), [("gpu0", "http://127.0.0.1:9"), ("gpu1", "http://127.0.0.1:10")], now=T0
-    )
-    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
-    path = tmp_path / "state.json"
+def saved_fleet(path: Path, backends: list[tuple[str, str]], wedged: str) -> Path:
+    """A state at ``path`` holding ``backends`` (name, URL), ``wedged`` condemned for a
+    wedge and the rest healthy."""
+    ledger = Ledger(LedgerPolicy(), backends, now=T0)
+    ledger.apply(wedged, WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
     store = StateFile(path)
     with store.locked():
         store.save(FleetRecord(ledger).to_dict())
     return path
+
+
+def load_saved(path: Path) -> FleetRecord:
+    store = StateFile(path)
+    with store.locked():
+        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    """A saved fleet of two: gpu0 healthy, gpu1 condemned for a wedge."""
+    fleet = [("gpu0", "http://127.0.0.1:9"), ("gpu1", "http://127.0.0.1:10")]
+    return saved_fleet(tmp_path / "state.json", fleet, "gpu1")
 
 
 def llmhealth(*args: str) -> subprocess.CompletedProcess[str]:
@@ -629,9 +641,7 @@ def test_a_verb_under_a_name_a_condemned_server_kept_aside_had_keeps_that_server
         "--state", str(path),
     )  # fmt: skip
     assert held.returncode == 0, held.stderr
-    with store.locked():
-        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
-    assert loaded is not None
+    loaded = load_saved(path)
     loaded.reconcile({"gpu1": "http://127.0.0.1:9", "gpu2": "http://127.0.0.1:10"}, T0 + 3)
     assert loaded.ledger.state_of("gpu1") is State.HEALTHY  # gpu0's server
     assert loaded.ledger.state_of("gpu2") is State.DEAD  # the wedged server stays so
@@ -658,10 +668,7 @@ def test_a_verb_under_a_name_the_config_gave_another_server_acts_on_that_server(
     ):
         done = llmhealth(*verb, "--config", str(config), "--state", str(state))
         assert done.returncode == 0, done.stderr
-    store = StateFile(state)
-    with store.locked():
-        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
-    assert loaded is not None
+    loaded = load_saved(state)
     loaded.reconcile(
         {
             "gpu0": "http://127.0.0.1:9",
@@ -683,14 +690,8 @@ def test_a_verb_under_a_renamed_name_whose_server_the_config_moves_another_off_w
     port 10 "gpu1b", gives "gpu1" port 11 and moves gpu0 to port 12. A check renames,
     moves gpu0 off port 11 and adds gpu1 there; the verb renamed and added before that
     move, and every verb on gpu1 failed: "backends 'gpu0' and 'gpu1' share the URL"."""
-    ledger = Ledger(
-        LedgerPolicy(), [("gpu0", "http://127.0.0.1:11"), ("gpu1", "http://127.0.0.1:10")], now=T0
-    )
-    ledger.apply("gpu1", WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
-    state = tmp_path / "state.json"
-    store = StateFile(state)
-    with store.locked():
-        store.save(FleetRecord(ledger).to_dict())
+    fleet = [("gpu0", "http://127.0.0.1:11"), ("gpu1", "http://127.0.0.1:10")]
+    state = saved_fleet(tmp_path / "state.json", fleet, "gpu1")
     config = tmp_path / "fleet.toml"
     config.write_text(
         '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:12"\n\n'
@@ -710,9 +711,7 @@ def test_a_verb_under_a_renamed_name_whose_server_the_config_moves_another_off_w
         str(state),
     )
     assert done.returncode == 0, done.stderr
-    with store.locked():
-        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
-    assert loaded is not None
+    loaded = load_saved(state)
     assert loaded.ledger.url_of("gpu1") == "http://127.0.0.1:11"
     assert loaded.ledger.url_of("gpu0") == "http://127.0.0.1:12"
     assert loaded.ledger.state_of("gpu1b") is State.DEAD
@@ -741,12 +740,7 @@ def test_a_name_typed_as_saved_is_the_configs_when_the_config_spells_it_another_
     the verb held the saved record, which the next check renamed to cafe2: the hold on
     port 10, the café the config names coming in without it. Typed composed, it did not."""
     decomposed, composed = "cafe\u0301", "caf\u00e9"
-    ledger = Ledger(LedgerPolicy(), [(decomposed, "http://127.0.0.1:10")], now=T0)
-    ledger.apply(decomposed, WedgeProven(now=T0, evidence="steps 8660→8660→8660"))
-    state = tmp_path / "state.json"
-    store = StateFile(state)
-    with store.locked():
-        store.save(FleetRecord(ledger).to_dict())
+    state = saved_fleet(tmp_path / "state.json", [(decomposed, "http://127.0.0.1:10")], decomposed)
     config = tmp_path / "fleet.toml"
     config.write_text(
         f'[[backend]]\nname = "{composed}"\nurl = "http://127.0.0.1:11"\n\n'
@@ -758,9 +752,7 @@ def test_a_name_typed_as_saved_is_the_configs_when_the_config_spells_it_another_
         "--state", str(state),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    with store.locked():
-        loaded = store.load(lambda doc: FleetRecord.from_dict(doc, LedgerPolicy()))
-    assert loaded is not None
+    loaded = load_saved(state)
     loaded.reconcile({composed: "http://127.0.0.1:11", "cafe2": "http://127.0.0.1:10"}, T0 + 3)
     assert list(loaded.holds) == [composed]
     assert loaded.ledger.state_of("cafe2") is State.DEAD
