@@ -20,6 +20,7 @@ from llmhealth.classify import (
     Verdict,
     VerdictKind,
     decide,
+    freeze_began,
     judge_proxy,
     reads_still_needed,
 )
@@ -341,6 +342,16 @@ def test_a_frozen_engine_is_wedged_only_at_the_third_read(fixture_text: Load, ru
     assert (verdict.running, verdict.waiting) == (4, 8)
 
 
+def test_a_paced_freeze_of_exactly_its_least_span_proves_the_wedge(fixture_text: Load) -> None:
+    # A freeze proves a wedge once it spans PACED_SPAN paced waits: 1.5 x 2 s = 3 s.
+    texts = [capture(fixture_text, name) for name in ("wedge-1", "wedge-2", "wedge-3")]
+    reads = [
+        Read(T0 + at, parse_metrics(text)) for at, text in zip((0.0, 1.5, 3.0), texts, strict=True)
+    ]
+    verdict = decide(reads, paced_wait=2.0, max_reads=61)
+    assert isinstance(verdict, Verdict) and verdict.kind is VerdictKind.WEDGED, verdict
+
+
 def test_two_reads_in_one_wait_of_a_paced_reader_are_not_two_waits(fixture_text: Load) -> None:
     """``watch`` reads on a schedule: a read answered late (a slow /metrics, under load) and
     the next one on time came 0.05 s apart, and a freeze of one wait proved a wedge."""
@@ -443,6 +454,18 @@ def test_an_asleep_engine_with_frozen_work_is_never_wedged(fixture_text: Load) -
     assert result.verdict.kind not in (VerdictKind.WEDGED, VerdictKind.STALLED)
     assert result.verdict.requests_sent == 0
     assert "weights_offloaded" in result.verdict.evidence
+
+
+def test_a_wait_that_began_with_the_engine_asleep_does_not_count_towards_a_wedge(
+    fixture_text: Load,
+) -> None:
+    # A wedge is two waits of no progress with the engine awake: woken at the second
+    # read, the frozen engine has been watched awake over one wait only.
+    texts = [asleep(capture(fixture_text, "wedge-1"))]
+    texts += [capture(fixture_text, name) for name in ("wedge-2", "wedge-3")]
+    verdict = settled(decide(timed(texts)))
+    assert verdict.kind is VerdictKind.STALLED
+    assert not verdict.healthy
 
 
 def test_an_asleep_engine_beside_a_busy_one_does_not_wedge_the_backend(
@@ -1760,3 +1783,35 @@ def test_a_tiny_request_that_timed_out_is_kept_in_the_restart_verdict_after_it(
     assert verdict.kind is VerdictKind.RESTARTED, verdict.evidence
     assert verdict.requests_sent == 1, verdict.evidence
     assert verdict.answer is timed_out
+
+
+def test_progress_stands_when_the_tiny_request_was_turned_away_for_our_key(
+    fixture_text: Load,
+) -> None:
+    # A key turned away is no failure of the engine: the counters that moved while the
+    # work finished still prove it busy, as without the request.
+    reads = reads_of(fixture_text, "busy-3", "busy-after")
+    refused = Answer(T0 + WAIT + 0.1, False, "answered HTTP 401", refused=True)
+    verdict = settled(decide(reads, refused))
+    assert (verdict.kind, verdict.healthy) == (VerdictKind.BUSY, True)
+
+
+def test_a_freeze_ends_where_the_process_changed_across_a_failed_read(fixture_text: Load) -> None:
+    # Counters of two processes are never compared: a replacement frozen at counters
+    # no higher than its predecessor's did not continue its freeze across the gap.
+    def started(name: str, start: str) -> str:
+        return set_sample(capture(fixture_text, name), "process_start_time_seconds", start)
+
+    old = Read(T0, parse_metrics(started("wedge-1", "1796024376.26")))
+    failed = problem(ReadProblem.UNRESPONSIVE, "timed out after 5.0 s", T0 + WAIT)
+    new = [
+        Read(T0 + index * WAIT, parse_metrics(started(name, "1796024500.0")))
+        for index, name in ((2, "wedge-2"), (3, "wedge-3"))
+    ]
+    assert freeze_began([old, failed, *new]) == 2
+    # The same process on both sides of the gap: the freeze is read across it.
+    same = [
+        Read(read.at, parse_metrics(started(name, "1796024376.26")))
+        for read, name in zip(new, ("wedge-2", "wedge-3"), strict=True)
+    ]
+    assert freeze_began([old, failed, *same]) == 0

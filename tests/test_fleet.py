@@ -30,6 +30,7 @@ from llmhealth.fleet import (
     Sighting,
     _remember,
     events_for,
+    process_of,
     reads_per_wait,
     requests_finished,
     saved_floor,
@@ -451,6 +452,37 @@ def test_an_answer_readmits_only_when_the_expected_model_is_served(
 def test_without_an_expected_model_any_answer_readmits() -> None:
     events = events_for(idle_with(WRONG_MODEL), State.STALE, now=NOW, previous=None)
     assert events == [READMIT]
+
+
+def test_a_caller_that_readmits_by_its_own_proof_is_not_readmitted_by_an_answer() -> None:
+    # A trainer re-admits after a completed weight sync: an answered tiny request proves
+    # nothing more, in STALE or across a restart.
+    def events(made: Verdict, state: State) -> list[Event]:
+        return events_for(made, state, now=NOW, previous=REACHABLE_BEFORE, readmit_on_answer=False)
+
+    assert events(idle_with(RIGHT_MODEL), State.STALE) == []
+    assert events(restarted_with(RIGHT_MODEL), State.HEALTHY) == [UNPLANNED]
+    assert events(restarted_with(RIGHT_MODEL), State.DEAD) == [NEW_PROCESS]
+
+
+def test_a_replacement_whose_requests_finish_but_that_failed_the_tiny_request_is_not_working() -> (
+    None
+):
+    # Noted as working, its startup grace would never fail it; only a healthy verdict
+    # of a new process whose requests finish is noted so.
+    def finished(at: float, total: float) -> Read:
+        (engine,) = signals(start=90.0).engines
+        return Read(at, Signals((replace(engine, finished=total),), process_start=90.0))
+
+    reads = (finished(NOW - 0.3, 3.0), finished(NOW, 5.0))
+    failing = verdict(
+        VerdictKind.RESTARTED, False, RESTARTED_FAILED_DETAIL, reads=reads, answer=FAILED
+    )
+    events = events_for(failing, State.DEAD, now=NOW, previous=REACHABLE_BEFORE)
+    assert [type(event) for event in events] == [NewProcessUp]
+    working = replace(failing, healthy=True, answer=None)
+    events = events_for(working, State.DEAD, now=NOW, previous=REACHABLE_BEFORE)
+    assert [type(event) for event in events] == [NewProcessUp, GoodVerdict]
 
 
 def test_events_carry_the_time_they_were_given() -> None:
@@ -1014,6 +1046,36 @@ def test_after_our_restart_metrics_again_without_a_start_time_are_the_replacemen
     transitions = record.observe("gpu0", fresh, NOW + 30)
     assert [t.kind for t in transitions] == [EventKind.NEW_PROCESS_UP, EventKind.READMITTED]
     assert record.ledger.state_of("gpu0") is H
+
+
+def test_a_read_after_the_restart_command_ended_is_the_replacement_unless_it_is_the_old_one() -> (
+    None
+):
+    """Without start times, a replacement whose counters passed the wedged process's is
+    told by the reads since our command exited 0: any counter unlike the process the
+    restart replaced makes it the replacement; all alike, the wedged process still
+    answers; and a read from before the command ended decides nothing."""
+    wedged = signals(start=None, steps=100.0)
+    previous = Sighting(EARLIER, True, wedged)
+    ended = NOW - 10.0
+
+    def kinds(read_at: float, steps: float) -> list[EventKind]:
+        reads = (readable(read_at, start=None, running=0.0, steps=steps),)
+        idle = verdict(VerdictKind.IDLE, True, "idle", reads=reads, answer=ANSWERED)
+        events = events_for(
+            idle,
+            State.RESTARTING,
+            now=NOW,
+            previous=previous,
+            command_ended_at=ended,
+            restarted_from=process_of(wedged),
+        )
+        return [event.kind for event in events]
+
+    # Steps and tokens moved on, finished and prompt tokens did not: still another process.
+    assert kinds(NOW, 140.0) == [EventKind.NEW_PROCESS_UP, EventKind.READMITTED]
+    assert kinds(NOW, 100.0) == []
+    assert kinds(ended, 140.0) == []
 
 
 def test_a_dead_backend_with_a_restart_pending_says_so_to_the_ledger_and_stays_dead() -> None:

@@ -1070,6 +1070,22 @@ def test_another_process_never_recovers_in_place_and_goes_through_stale_as_befor
     assert walk.ledger.snapshot("a", walk.now).in_place_recoveries == 0
 
 
+def test_a_failure_read_from_another_process_while_dead_leaves_the_condemned_one_on_record() -> (
+    None
+):
+    # While DEAD the record keeps the process it condemned: a failure read from another
+    # process, taken as the one on record, let that process recover in place unproven.
+    ledger = Ledger(RECOVER, [("a", "http://a.example:8000")], now=0.0)
+    wedge = WedgeProven(now=1.0, evidence="no step in 2 waits", process=seen(start=1000.0))
+    ledger.apply("a", wedge)
+    other = seen(start=2000.0)
+    assert ledger.apply("a", ProbeFailure(now=2.0, reason="stalled", process=other)).applied
+    for now in (3.0, 4.0, 5.0):
+        t = ledger.apply("a", GoodVerdict(now=now, request_ok=True, process=other))
+        assert not t.applied and "another process" in t.reason
+    assert ledger.state_of("a") is State.DEAD
+
+
 def test_counters_that_went_back_mark_another_process_when_there_is_no_start_time() -> None:
     walk = Walk(RECOVER)
     condemned_by_probes(walk, seen(start=None, steps=400.0, finished=30.0))

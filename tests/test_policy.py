@@ -277,6 +277,15 @@ def test_no_previous_attempt_means_no_cooldown() -> None:
     assert cooldown_ends_at(RestartHistory(failures=3), None, POLICY) is None
 
 
+def test_the_later_of_the_historys_attempt_and_the_ledgers_restart_starts_the_cooldown() -> None:
+    # A history from an old state file must not make the policy restart sooner than the
+    # ledger's own last restart allows, nor the other way round.
+    old = RestartHistory(failures=1, last_attempt_at=T0)
+    assert cooldown_ends_at(old, T0 + 500, POLICY) == T0 + 500 + 120
+    newer = RestartHistory(failures=0, last_attempt_at=T0 + 500)
+    assert cooldown_ends_at(newer, T0, POLICY) == T0 + 500 + 60
+
+
 def test_one_restart_at_a_time_by_default_and_the_first_name_goes_first() -> None:
     f = fleet("b", "a", "c")
     for name in ("c", "b", "a"):
@@ -414,6 +423,20 @@ def test_a_command_running_for_a_name_a_reload_dropped_still_takes_its_place() -
     f.condemn("b", T0)
     f.commands_running.add("a")  # renamed or dropped while its command runs
     assert f.decision("b", T0).reason == "1 restart already under way (max_concurrent_restarts 1)"
+
+
+def test_a_backend_moved_to_another_server_waits_for_its_first_read_there() -> None:
+    # The wedge was proven on the server it left: the first read of the new one decides.
+    f = fleet("a", "b")
+    f.condemn("a", T0)
+    f.condemn("b", T0)
+    url = f.ledger.snapshot("a", T0).url
+    plan = plan_restarts(f.ledger, f.backends, {}, {}, POLICY, T0, unread={"a"})
+    assert [(d.name, d.action, d.reason) for d in plan] == [
+        ("a", Action.SKIP, f"moved to {url}: not read there yet"),
+        ("b", Action.RESTART, "condemned by wedged: restart 1 of 5 allowed in 24h"),
+    ]
+    assert f.decision("a", T0).action is Action.RESTART  # read there: the rules go on
 
 
 def test_a_command_still_running_does_not_keep_a_hold_from_naming_itself() -> None:
@@ -857,6 +880,51 @@ def test_a_replacement_that_wedged_again_holds_one_slot_and_a_failed_command_non
     g.fail("a", T0 + 1)
     assert not g.ledger.restart_unproven("a", T0 + 2)
     assert g.decision("b", T0 + 2).action is Action.RESTART
+
+
+def test_a_replacement_dead_again_holds_its_slot_only_within_the_grace_and_the_budget() -> None:
+    def wedged_again(f: Fleet) -> None:
+        for name in ("a", "b"):
+            f.condemn(name, T0)
+        f.issue("b", T0)
+        f.ledger.apply("b", NewProcessUp(now=T0 + 20, process=ProcessSeen(T0 + 10, {})))
+        f.ledger.apply("b", WedgeProven(now=T0 + 35))
+        assert f.ledger.state_of("b") is State.DEAD
+
+    f = fleet("a", "b")
+    wedged_again(f)
+    grace = f.ledger.policy.startup_grace
+    assert f.ledger.restart_unproven("b", T0 + grace - 1)
+    assert f.decision("a", T0 + grace - 1).action is Action.SKIP
+    # Its startup grace over, b's restart is no longer under way.
+    assert not f.ledger.restart_unproven("b", T0 + grace)
+    assert f.decision("a", T0 + grace).action is Action.RESTART
+    # Its budget spent, its next attempt retires it and starts nothing: no slot held.
+    g = fleet("a", "b", ledger_policy=LedgerPolicy(restart_budget=1))
+    wedged_again(g)
+    assert not g.ledger.restart_unproven("b", T0 + 100)
+    plan = {d.name: d.action for d in g.plan(T0 + 100)}
+    assert plan == {"a": Action.RESTART, "b": Action.RETIRE}
+
+
+def test_a_failed_command_holds_no_slot_after_an_earlier_restart_that_worked() -> None:
+    # The replacement seen after the first restart is no replacement of the second: that
+    # one's command failed, brought up nothing, and must not keep b waiting.
+    f = fleet("a", "b")
+    wedged = ProcessSeen(T0 - 5000, {"steps": 900.0})
+    f.ledger.apply("a", WedgeProven(now=T0, evidence="no step in 2 waits", process=wedged))
+    f.issue("a", T0)
+    new = ProcessSeen(T0 + 10, {"steps": 5.0})
+    f.ledger.apply("a", NewProcessUp(now=T0 + 20, process=new))
+    f.ledger.apply("a", Readmitted(now=T0 + 30))
+    f.histories["a"] = f.history("a").record_success()
+    again = ProcessSeen(T0 + 10, {"steps": 50.0})
+    f.ledger.apply("a", WedgeProven(now=T0 + 100, evidence="no step in 2 waits", process=again))
+    f.condemn("b", T0 + 100)
+    assert f.issue("a", T0 + 200) is State.RESTARTING
+    f.fail("a", T0 + 201)
+    assert not f.ledger.restart_unproven("a", T0 + 202)
+    assert f.decision("b", T0 + 202).action is Action.RESTART
 
 
 def test_a_replacement_on_a_host_whose_clock_is_behind_still_holds_the_slot() -> None:
