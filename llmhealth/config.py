@@ -59,6 +59,7 @@ LONGEST_READ = 3600.0
 # (max_check_time over the wait) overflowed a float: every backend `no_metrics` with an
 # OverflowError, and `watch`'s reading tasks died and were started again in a loop.
 SHORTEST_DURATION = 0.001
+_NEVER_IN_A_ROUTE = re.compile(r"[?#*\s\x00-\x1f\x7f]")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _FLOAT_LIMIT = 10**308  # any integer up to it converts to a float
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -226,7 +227,9 @@ def load(path: str | Path) -> Config:
         raise ConfigError("an empty config path: name a file, or leave it out")
     raw = _read_bounded(Path(path), where)
     try:
-        text = raw.decode("utf-8")
+        # A byte order mark first (saved so by some Windows editors) is not TOML, and
+        # tomllib's "Invalid statement (at line 1, column 1)" did not say what was wrong.
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
     try:
@@ -561,12 +564,24 @@ def _router(reader: _Reader, data: object) -> Router:
         except ValueError as exc:
             raise reader.fail("router.listen", str(exc)) from exc
     routes = reader.string_list(table, "router.routes", defaults.routes)
+    if not routes:
+        # Taken, every client request was a 404 and the router looked healthy.
+        raise reader.fail("router.routes", "is empty: no request would be forwarded")
     bad = [route for route in routes if not route.startswith("/") or route in _ROUTER_OWN]
     if bad:
         raise reader.fail(
             "router.routes",
             f"{bad[0]!r}: a route is a path starting with '/', and not one the router "
             f"answers itself ({', '.join(sorted(_ROUTER_OWN))})",
+        )
+    # A route is matched whole against a request's path (decoded, without its query): one
+    # holding a query, a fragment or a pattern never matched, its requests 404s.
+    never = [route for route in routes if _NEVER_IN_A_ROUTE.search(route)]
+    if never:
+        raise reader.fail(
+            "router.routes",
+            f"{never[0]!r}: a route is a whole path, matched exactly: no query ('?'), "
+            "fragment ('#'), pattern ('*') or white space",
         )
     affinity = reader.optional_string(table, "router.affinity")
     if affinity is not None:

@@ -160,6 +160,12 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[router]\naffinity_slack = 0", "router.affinity_slack: 0 is below"),
         ("[router]\nroutes = ['/metrics']", "router.routes: '/metrics': a route is a path"),
         ("[router]\nroutes = ['v1/x']", "router.routes: 'v1/x': a route is a path"),
+        # Matched whole against a request's path: taken, each of these was only 404s.
+        ("[router]\nroutes = []", "router.routes: is empty"),
+        ("[router]\nroutes = ['/v1/chat/completions?x=1']", "router.routes: '/v1/chat/com"),
+        ("[router]\nroutes = ['/v1/*']", "router.routes: '/v1/*': a route is a whole path"),
+        ("[router]\nroutes = ['/v1/x#y']", "no query"),
+        ("[router]\nroutes = ['/v1/x ']", "white space"),
         ("[router]\nno_backend_status = 200", "router.no_backend_status: 200 is below"),
         ("[router]\nno_backend_status = 700", "router.no_backend_status: 700 is not an HTTP"),
         ("[router]\nfirst_byte_timeout = 'never'", "router.first_byte_timeout: 'never'"),
@@ -279,6 +285,14 @@ def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load(binary)
+
+
+def test_a_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    # Some Windows editors save UTF-8 so: tomllib refused it as "Invalid statement (at
+    # line 1, column 1)", which did not say what was wrong.
+    marked = tmp_path / "fleet.toml"
+    marked.write_bytes(b"\xef\xbb\xbf" + b'wait = "7s"\n[[backend]]\nurl = "http://a:1"\n')
+    assert load(marked).wait == 7.0
 
 
 # Loads a config in a child with its memory capped and its time bounded: a regression
