@@ -536,6 +536,10 @@ class Elector:
         self.member_refused: str | None = None
         self._process = secrets.token_hex(8)
         self.transitions = 0  # times this daemon became leader
+        # Whether it led at the end of the last round etcd answered whole: a leader whose
+        # round past the renew deadline stepped down while etcd was away is a standby,
+        # and yet the last leader anyone can know of until etcd answers again.
+        self.led_last = False
         self.last_error: str | None = None
         self.observed = Observation()
 
@@ -589,6 +593,8 @@ class Elector:
         leader = read_leader(self.etcd, self.keys)
         self._renew_if_due()
         self.observed = Observation(True, leader, read_members(self.etcd, self.keys))
+        with self._lock:
+            self.led_last = self._fence is not None
 
     def _run(self) -> None:
         failures = 0  # rounds failed in a row

@@ -524,3 +524,92 @@ def test_a_leaders_settle_that_writes_nothing_gives_the_routers_failures_back(
     assert ("did not settle" if cut_off == "fenced out" else "standby") in notes, notes
     assert kept, "the failure the settle drained was lost"
     assert not chosen, "the failing backend went back to the router's choice"
+
+
+def test_a_leader_stepped_down_by_its_elector_with_etcd_away_keeps_the_routers_failures(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with the elector's thread doing what it does: its next round past the
+    renew deadline steps down (its lease forgotten) and fails to get another, so every
+    settle after that one sees a standby, not one stepping down. Those dropped the
+    router's failures, and the failing backend went back into the choice each wait for
+    as long as etcd stayed away, as before the fix."""
+    import asyncio  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+
+    from llmhealth import etcd_http  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from llmhealth.leadership import Standing  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+    from tests.etcdproc import free_port  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"  # refused: every request through it fails
+    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
+    backends = (Backend("a", closed), Backend("b", "http://127.0.0.1:9"))
+    config = Config(backends=backends, cluster=cluster_config)
+    targets = [Target(b.name, b.url) for b in backends]
+    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
+    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save(record.to_dict())
+    seat = Seat.for_config(cluster_config, [].append)
+    clock = Clock()
+    seat.elector._clock = clock
+    seat.elector.step_and_observe()
+    assert seat.elector.decision().may_act
+
+    async def scenario() -> tuple[bool, bool, str]:
+        router = Router(RouterConfig(connect_timeout=1.0), backends)
+        daemon = Daemon(
+            lambda: (config, targets),
+            seat,
+            listen=None,
+            wait_override=0.2,
+            serving_file=None,
+            console=Console(stderr=True),
+            router=router,
+        )
+        port = free_port()
+        await router.start("127.0.0.1", port)
+        try:
+            router.push({"a": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
+            async with httpx.AsyncClient() as client:
+                answer = await client.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": "m", "prompt": "x"},
+                    timeout=10.0,
+                )
+            assert answer.status_code >= 500 and "a" not in router._pick_set()
+            # etcd away (every endpoint refuses) past the renew deadline, and the
+            # elector's round: it steps down, and no lease is granted.
+            seat.etcd._wires = [etcd_http.Endpoint.from_url(closed)]
+            clock.now += seat.elector.timing.renew_deadline + 1
+            with contextlib.suppress(ClusterError):
+                seat.elector.step()
+            seat.elector.observed = Observation(False, None, seat.elector.observed.members)
+            assert seat.elector.decision().standing is Standing.STANDBY
+            looping = asyncio.create_task(daemon._loop())
+            for _ in range(500):
+                if daemon._state.cycles >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            daemon.stop()
+            await asyncio.wait_for(looping, 20.0)
+            assert daemon._state.cycles >= 2, "no second cycle ran"
+            notes = " ".join(daemon._state.notes)
+            return router._log.has_failure("a"), "a" in router._pick_set(), notes
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    try:
+        kept, chosen, notes = asyncio.run(scenario())
+    finally:
+        seat.elector.stop(resign=False)
+    assert "standby" in notes, notes
+    assert kept, "the failure the stepped-down settles drained was lost"
+    assert not chosen, "the failing backend went back to the router's choice"
