@@ -1045,15 +1045,16 @@ class Daemon:
         if seat is not None and not (decision := seat.elector.decision()).may_act:
             if shares is not None:
                 shares.stand_down()
-            elector = seat.elector
-            stepped_down = elector.led_last and not elector.observed.etcd_up
-            if decision.standing is Standing.STEPPING_DOWN or stepped_down:
+            if decision.standing is Standing.STEPPING_DOWN or seat.elector.led_last:
                 # It led when its router saw them, and no other leader is known (etcd
                 # away past the renew deadline): kept, as for a settle cut off mid-way.
                 # Dropped, the failing backend was back in the choice each wait while
                 # etcd stayed away, and the settle on leading again never heard of it.
                 # Kept too once its elector's next round has stepped down (a standby
                 # from then on): kept only until then, they were dropped a retry later.
+                # Until a whole round says otherwise, not until one fails: asked whether
+                # etcd answered, a settle during the round that stepped down (seconds on
+                # a silent etcd, after a pause) heard of the round before, and dropped them.
                 return self._not_settled(news, seat.standing())
             # A standby serves the serving set the leader's record holds: it may never
             # read a moved backend itself (another member's share), nor settle its read.

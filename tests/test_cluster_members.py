@@ -15,6 +15,7 @@ from llmhealth.choice import ANY_MODEL
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cluster import (
     ClusterError,
+    Elector,
     Etcd,
     EtcdStore,
     Keys,
@@ -32,6 +33,7 @@ from llmhealth.daemon import Daemon, News, Publication
 from llmhealth.fleet import FleetRecord
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.remediate import Mode
+from llmhealth.traffic import FailureKind, RequestOutcome
 from tests.etcdproc import EtcdCluster, running_etcd
 from tests.test_cluster import Clock, elector, read_posted
 from tests.test_wire import tcp_server
@@ -613,3 +615,179 @@ def test_a_leader_stepped_down_by_its_elector_with_etcd_away_keeps_the_routers_f
     assert "standby" in notes, notes
     assert kept, "the failure the stepped-down settles drained was lost"
     assert not chosen, "the failing backend went back to the router's choice"
+
+
+def _a_stepped_down_member(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Seat, Daemon, Clock, Etcd]:
+    """Member "m" leading on a saved record of backends a and b; its daemon has no router
+    (``_settle`` is given the router's outcomes as the loop drains them)."""
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
+    backends = (Backend("a", "http://127.0.0.1:9"), Backend("b", "http://127.0.0.2:9"))
+    config = Config(backends=backends, cluster=cluster_config)
+    targets = [Target(b.name, b.url) for b in backends]
+    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
+    admin = Etcd(etcd_server.endpoints)
+    verb = EtcdStore(admin, keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save(record.to_dict())
+    seat = Seat.for_config(cluster_config, [].append)
+    clock = Clock()
+    seat.elector._clock = clock
+    seat.elector.step_and_observe()
+    assert seat.elector.decision().may_act
+    daemon = Daemon(
+        lambda: (config, targets),
+        seat,
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    return seat, daemon, clock, admin
+
+
+def _failed_request() -> dict[str, tuple[RequestOutcome, ...]]:
+    import time  # noqa: PLC0415
+
+    failure = RequestOutcome(time.time(), "POST", "/v1/completions", FailureKind.REFUSED)
+    return {"a": (failure,)}
+
+
+def test_a_settle_during_the_round_that_steps_down_keeps_the_routers_failures(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader whose elector ran no round for a renew deadline (the process paused, as
+    a VM migrating does) while etcd went silent: its next round steps down, then waits
+    seconds on etcd for a new lease. A settle meanwhile (the loop is late too) saw a
+    standby whose last observation, the round before the pause, said etcd answered, and
+    dropped the router's failures: only a round that had failed since kept them."""
+    import threading  # noqa: PLC0415
+
+    seat, daemon, clock, _ = _a_stepped_down_member(etcd_server, keys, monkeypatch)
+    elector = seat.elector
+    asked, answer = threading.Event(), threading.Event()
+
+    def silent_grant(ttl: int) -> int:
+        asked.set()
+        answer.wait(20.0)
+        raise ClusterError("etcd: no answer")
+
+    monkeypatch.setattr(elector.etcd, "grant", silent_grant)
+    clock.now += elector.timing.renew_deadline + 1
+
+    def round_run() -> None:
+        with contextlib.suppress(ClusterError):
+            elector.step()
+
+    round_ = threading.Thread(target=round_run)
+    round_.start()
+    try:
+        assert asked.wait(20.0), "the round did not ask for a lease"
+        assert not elector.decision().may_act
+        requests = _failed_request()
+        kept = settled(daemon, requests)
+    finally:
+        answer.set()
+        round_.join(20.0)
+        elector.stop(resign=False)
+        asyncio_run_close(daemon)
+    assert kept == requests, "the failures drained in the stepping-down round were dropped"
+
+
+def test_a_stepped_down_member_drops_what_it_kept_once_etcd_shows_another_leader(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept while etcd is away; once a whole round shows another member leading, this one
+    is a standby like any other: the router's outcomes are not written down (the other
+    leader's record never hears of them) nor kept on."""
+    from llmhealth import etcd_http  # noqa: PLC0415
+    from tests.etcdproc import free_port  # noqa: PLC0415
+
+    seat, daemon, clock, admin = _a_stepped_down_member(etcd_server, keys, monkeypatch)
+    elector = seat.elector
+    lease = elector.lease_id
+    assert lease is not None
+    wires = seat.etcd._wires
+    other = elector_for(etcd_server, keys, "o")
+    try:
+        seat.etcd._wires = [etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")]
+        clock.now += elector.timing.renew_deadline + 1
+        with contextlib.suppress(ClusterError):
+            elector.step_and_observe()
+        elector.observed = Observation(False, None, elector.observed.members)  # as _run does
+        requests = _failed_request()
+        kept = settled(daemon, requests)
+        assert kept == requests
+        admin.revoke(lease)  # its lease ran out meanwhile: "o" leads
+        other.step_and_observe()
+        assert other.decision().may_act
+        seat.etcd._wires = wires
+        elector.step_and_observe()
+        assert not elector.decision().may_act and not elector.led_last
+        assert settled(daemon, kept) is None
+    finally:
+        other.stop()
+        elector.stop(resign=False)
+        asyncio_run_close(daemon)
+    store = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with store.locked():
+        saved = store.load(dict)
+    assert "request_streaks" not in saved or "a" not in saved["request_streaks"], saved
+
+
+def test_a_stepped_down_member_leading_again_settles_what_it_kept_once(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept while etcd is away; leading again when it answers, written down by the first
+    settle, and not given back to be counted a second time."""
+    from llmhealth import etcd_http  # noqa: PLC0415
+    from tests.etcdproc import free_port  # noqa: PLC0415
+
+    seat, daemon, clock, admin = _a_stepped_down_member(etcd_server, keys, monkeypatch)
+    elector = seat.elector
+    lease = elector.lease_id
+    assert lease is not None
+    wires = seat.etcd._wires
+    try:
+        seat.etcd._wires = [etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")]
+        clock.now += elector.timing.renew_deadline + 1
+        with contextlib.suppress(ClusterError):
+            elector.step_and_observe()
+        elector.observed = Observation(False, None, elector.observed.members)
+        requests = _failed_request()
+        kept = settled(daemon, requests)
+        assert kept == requests
+        admin.revoke(lease)
+        seat.etcd._wires = wires
+        elector.step_and_observe()
+        assert elector.decision().may_act and elector.led_last
+        assert settled(daemon, kept) is None
+        assert settled(daemon, None) is None
+        failures = daemon._snapshots["a"].request_failures
+    finally:
+        elector.stop(resign=False)
+        asyncio_run_close(daemon)
+    assert failures == 1, failures
+
+
+def settled(daemon: Daemon, requests: dict[str, tuple[RequestOutcome, ...]] | None) -> object:
+    """One settle of what the router drained, as the loop makes it: what it kept back."""
+    daemon._unsettled_requests = None
+    daemon._settle(News([], [], requests))
+    return daemon._unsettled_requests
+
+
+def elector_for(etcd_server: EtcdCluster, keys: Keys, member: str) -> Elector:
+    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, member)
+    return Seat.for_config(cluster_config, [].append).elector
+
+
+def asyncio_run_close(daemon: Daemon) -> None:
+    import asyncio  # noqa: PLC0415
+
+    asyncio.run(daemon._reading.close())
