@@ -511,3 +511,79 @@ def test_a_verb_whose_lost_write_was_offered_again_on_a_moved_record_is_made_aga
     assert held.applied, held
     trail = read_audit(plain.etcd, keys).records
     assert [r["event"] for r in trail] == ["hold", "release", "hold"], trail
+
+
+def test_a_settle_whose_write_landed_and_answer_was_lost_is_not_settled_twice(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The only endpoint takes the settle's write to etcd and loses its answer; the write
+    # offered again under the same compares fails them (the first moved the record). Its
+    # failed branch reads back this save's nonce at PREFIX/saved: written, not a moved
+    # record. Taken as moved, the daemon's next attempt (SETTLE_ATTEMPTS) settled the
+    # router's failures again on a record already holding them (two for one), and the
+    # restart it had written down (RESTARTING) was never ordered.
+    import time  # noqa: PLC0415
+
+    from llmhealth.traffic import FailureKind, RequestOutcome  # noqa: PLC0415
+
+    gpu0, gpu1 = Target("gpu0", "http://127.0.0.1:9"), Target("gpu1", "http://127.0.0.1:10")
+    config = Config(
+        backends=(Backend("gpu0", gpu0.url), Backend("gpu1", gpu1.url, restart=("true",)))
+    )
+    backends = {"gpu0": gpu0.url, "gpu1": gpu1.url}
+    wedged = [Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))]
+    failure = RequestOutcome(time.time(), "POST", "/v1/completions", FailureKind.REFUSED)
+    requests = {"gpu0": (failure,)}
+    dropped: list[bytes] = []
+    second: list[bytes] = []
+
+    def first_write_answer_lost(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        if head.startswith(b"POST /v3/kv/txn ") and b"request_put" in body and not dropped:
+            dropped.append(body)
+            host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+            with socket.create_connection((host, int(port)), timeout=5) as upstream:
+                upstream.sendall(head + b"\r\n\r\n" + body)
+                while upstream.recv(65536):  # etcd wrote it; its answer goes nowhere
+                    pass
+            return
+        if head.startswith(b"POST /v3/kv/txn ") and b"request_put" in body:
+            second.append(body)
+        _pass_through(etcd_server.endpoints[0], connection, head, body)
+
+    with tcp_server(first_write_answer_lost) as (lossy, _):
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(Etcd([lossy]), keys, leader)
+        attempts, orders = 0, []
+        for attempt in range(1, 4):  # as Daemon._settle does
+            attempts += 1
+            try:
+                settled = settle_fleet(
+                    store,
+                    config,
+                    backends,
+                    lambda _: wedged,
+                    mode=Mode.ACT,
+                    audit=store.audit,
+                    requests=requests,
+                )
+            except RecordMovedError:
+                if attempt == 3:
+                    raise
+            else:
+                orders.extend(order.name for order in settled.orders)
+                break
+        assert dropped and second  # the first went in unanswered; offered again
+        assert (attempts, orders) == (1, ["gpu1"])
+        reader = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+        with reader.locked():
+            stored = reader.load(dict)
+        assert stored is not None
+        (gpu0_saved,) = [b for b in stored["ledger"]["backends"] if b["name"] == "gpu0"]
+        assert gpu0_saved["request_failures"] == 1, gpu0_saved
+        trail = read_audit(Etcd(etcd_server.endpoints), keys).records
+        ordered = [r for r in trail if r.get("backend") == "gpu1" and "restart" in r["event"]]
+        assert len(ordered) == 1, trail
+        leader.stop()
