@@ -19,7 +19,13 @@ import pytest
 
 from llmhealth import eventloop
 from llmhealth.edge import BadRequestError, Edge, Request
-from llmhealth.http1 import MAX_FIELDS, MAX_HEAD_BYTES, Fields
+from llmhealth.http1 import (
+    MAX_FIELDS,
+    MAX_HEAD_BYTES,
+    Fields,
+    connection_tokens,
+    keep_alive,
+)
 
 BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
 MAX_BODY = 4096
@@ -681,3 +687,20 @@ def test_a_streamed_answer_that_can_have_no_body_is_its_head_alone(status: int) 
             await server.close()
 
     run(scenario())
+
+
+def test_header_fields_are_found_and_replaced_whatever_the_case_of_their_names() -> None:
+    # HTTP's field names are case-blind (RFC 9110 5.1): a client's "content-length" is
+    # the Content-Length the edge frames the body by.
+    fields = Fields([("Content-Type", "a"), ("X-A", "1"), ("x-a", "2")])
+    assert fields.get("content-type") == "a" and "CONTENT-TYPE" in fields
+    fields["X-a"] = "3"
+    assert fields.items() == [("Content-Type", "a"), ("X-a", "3")]
+
+
+def test_connection_options_are_read_whatever_their_case() -> None:
+    # "Close" is close (RFC 9110 7.6.1: the options are case-insensitive): kept alive,
+    # the next message on that connection met a peer that had closed it.
+    assert keep_alive("HTTP/1.1", connection_tokens([("connection", "Close")])) is False
+    assert keep_alive("HTTP/1.0", connection_tokens([("Connection", "Keep-Alive")])) is True
+    assert keep_alive("HTTP/1.0", connection_tokens([("Connection", "Keep-Alive, CLOSE")])) is False

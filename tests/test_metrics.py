@@ -1045,3 +1045,112 @@ def test_the_text_of_two_servers_in_one_is_not_read_as_one(fixture_text: Load) -
     assert not signals.has_vllm and signals.process_start is None
     assert signals.notes == ("2 process start times: the text of more than one server; not read",)
     assert metrics.parse_metrics(wedged + wedged).has_vllm  # one server's, twice
+
+
+@pytest.mark.parametrize(
+    ("capacity", "deferred", "waiting", "work"),
+    [("8.0", "0.0", "8.0", 12.0), ("5.0", "3.0", "8.0", 9.0), ("0.0", "8.0", "3.0", 4.0)],
+)
+def test_requests_waiting_deferred_are_no_work_for_the_engine(
+    fixture_text: Load, capacity: str, deferred: str, waiting: str, work: float
+) -> None:
+    # busy-1: 4 running, 8 waiting. A deferred request (a grammar compiling) is none of
+    # the engine's work; more deferred than waiting (the gauges read apart) is none, not
+    # less than none.
+    prefix = 'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason='
+    text = capture(fixture_text, "busy-1")
+    text = text.replace(f'{prefix}"capacity"}} 8.0', f'{prefix}"capacity"}} {capacity}')
+    text = text.replace(f'{prefix}"deferred"}} 0.0', f'{prefix}"deferred"}} {deferred}')
+    text = text.replace(
+        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 8.0',
+        f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}',
+    )
+    engine = only_engine(parse_metrics(text))
+    assert engine.waiting_deferred == float(deferred)
+    assert engine.work == work
+
+
+def test_a_sleep_gauge_that_is_no_number_says_no_sleep(fixture_text: Load) -> None:
+    # A sleep gauge must be finite: an infinite "weights_offloaded" is no clear report of
+    # sleep, and must not excuse an engine that stopped.
+    prefix = 'vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state='
+    text = capture(fixture_text, "busy-1")
+    text = text.replace(f'{prefix}"awake"}} 1.0', f'{prefix}"awake"}} 0.0')
+    text = text.replace(f'{prefix}"weights_offloaded"}} 0.0', f'{prefix}"weights_offloaded"}} +Inf')
+    engine = only_engine(parse_metrics(text))
+    assert (engine.sleep_state, engine.asleep) == (None, False)
+
+
+def test_finished_counts_that_add_up_past_a_float_are_absent(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1")
+    for reason in ("stop", "abort"):
+        text = text.replace(
+            f'finished_reason="{reason}",model_name="tiny"}} 0.0',
+            f'finished_reason="{reason}",model_name="tiny"}} 1e308',
+        )
+    engine = only_engine(parse_metrics(text))
+    assert engine.finished is None
+    assert engine.running == 4.0
+
+
+def test_a_step_past_the_last_token_bucket_is_no_gap_beyond(fixture_text: Load) -> None:
+    # gap_beyond speaks of the inter-token gaps only: a step of more tokens than the
+    # largest bucket says nothing of how long a gap was.
+    lines = []
+    for line in capture(fixture_text, "busy-1").splitlines():
+        head, _, value = line.rpartition(" ")
+        counted = head.startswith("vllm:iteration_tokens_total_count") or (
+            head.startswith("vllm:iteration_tokens_total_bucket") and 'le="+Inf"' in head
+        )
+        lines.append(f"{head} {float(value) + 1}" if counted else line)
+    engine = only_engine(parse_metrics("\n".join(lines)))
+    assert engine.largest_step_tokens == 16384.0
+    assert (engine.longest_gap, engine.gap_beyond) == (0.025, False)
+
+
+def test_an_engine_label_of_the_longest_allowed_length_is_read() -> None:
+    name = "e" * MAX_ENGINE_LABEL
+    signals = parse_metrics(f'vllm:num_requests_running{{engine="{name}"}} 1\n')
+    assert [engine.engine for engine in signals.engines] == [name]
+    assert signals.skipped_lines == 0
+
+
+def test_a_sleep_state_of_the_longest_allowed_length_is_read() -> None:
+    state = "s" * MAX_SLEEP_STATE
+    text = (
+        f'vllm:engine_sleep_state{{engine="0",sleep_state="{state}"}} 1\n'
+        'vllm:num_requests_running{engine="0"} 2\n'
+    )
+    signals = parse_metrics(text)
+    assert [(e.engine, e.sleep_state) for e in signals.engines] == [("0", state)]
+
+
+def test_a_start_time_with_labels_is_not_the_process_start(fixture_text: Load) -> None:
+    # busy-1's process started at 1.79602437626e+09; another process's start time, under
+    # labels, neither replaces it nor makes the text two servers'.
+    text = capture(fixture_text, "busy-1") + 'process_start_time_seconds{pid="7"} 1.8e+09\n'
+    signals = parse_metrics(text)
+    assert signals.process_start == 1.79602437626e09
+    assert only_engine(signals).running == 4.0
+
+
+def test_engines_are_listed_in_the_order_of_their_numbers(fixture_text: Load) -> None:
+    text = capture(fixture_text, "busy-1")
+    names = ["10", "2", "0"]
+    signals = parse_metrics("\n".join(relabel(text, name) for name in names))
+    assert [engine.engine for engine in signals.engines] == ["0", "2", "10"]
+
+
+def test_a_value_followed_by_more_than_a_timestamp_is_unusable() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0"} 3 1700000000000 junk\n'
+        'vllm:num_requests_waiting{engine="0"} 2 1700000000000\n'
+    )
+    signals = parse_metrics(text)
+    engine = only_engine(signals)
+    assert (engine.running, engine.waiting, signals.skipped_lines) == (None, 2.0, 1)
+
+
+def test_an_escaped_newline_in_a_label_value_is_a_newline() -> None:
+    signals = parse_metrics('vllm:num_requests_running{engine="dp\\nb"} 1\n')
+    assert [engine.engine for engine in signals.engines] == ["dp\nb"]

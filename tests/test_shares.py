@@ -446,3 +446,30 @@ def test_a_verdict_settled_before_its_name_left_the_config_is_not_settled_again_
     take_published(intake, {}, {"b": failed}, 3.0, 10.0, {})  # dropped by a reload
     back = take_published(intake, {"gpu1": "b"}, {"b": failed}, 4.0, 10.0, addresses)
     assert back.verdicts == {}
+
+
+def test_a_verdict_restarts_the_time_a_reader_may_examine_undecided() -> None:
+    # undecided_for counts from the last verdict: examinations soon after a fresh one are
+    # news, however long ago this leader started.
+    intake = Intake(started=0.0, undecided_for=30.0)
+    owners = {"gpu1": "b"}
+    take_published(intake, owners, {"b": reading("b", gpu1=1)}, 1.0, 5.0)
+    verdict = {"gpu1": Published("b", 1, healthy("x"), examined=2)}
+    assert take_published(intake, owners, {"b": verdict}, 100.0, 5.0).verdicts
+    more = {"gpu1": Published("b", 1, healthy("x"), examined=3)}
+    assert take_published(intake, owners, {"b": more}, 110.0, 5.0).stale == ()
+
+
+def test_an_answer_published_without_refused_was_not_refused() -> None:
+    # An earlier member wrote no "refused": its answers were all ones the backend took.
+    document = verdict_to_dict(
+        Verdict(
+            VerdictKind.IDLE,
+            healthy=True,
+            evidence="idle",
+            answer=Answer(12.0, True, "200", "tiny", ("tiny",), timed_out=False),
+        )
+    )
+    del document["answer"]["refused"]
+    answer = verdict_from_dict(document, "v").answer
+    assert answer is not None and answer.refused is False

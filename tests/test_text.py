@@ -7,7 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmhealth.config import check_url
-from llmhealth.text import dialable, other_server, printable, refuse_user_info, same_server
+from llmhealth.text import (
+    dialable,
+    header_safe,
+    nagios_text,
+    openai_root,
+    other_server,
+    printable,
+    refuse_user_info,
+    same_server,
+)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +51,7 @@ SECRET_URLS = [
     "http://:s3cret@10.0.0.5:8000",
     "https://s3cret@10.0.0.5",
     "http://alice:s3/cr@t@10.0.0.5:8000",  # '/' and '@' in the password
+    "http://alice:p@ss-s3cret@10.0.0.5:8000",  # what follows its first '@' is secret too
     "alice:s3cret@10.0.0.5:8000",  # no scheme
 ]
 
@@ -131,3 +141,30 @@ def test_other_server_takes_a_url_written_another_way_for_the_same_server() -> N
 )
 def test_an_ipv6_zone_is_dialled_as_the_resolver_writes_it(host: str, dialled: str) -> None:
     assert dialable(host) == dialled
+
+
+def test_a_nagios_line_shows_a_pipe_as_a_broken_bar_so_the_message_is_not_cut() -> None:
+    assert nagios_text("model a|b\x1b[2J") == "model a\N{BROKEN BAR}b\\x1b[2J"
+
+
+@pytest.mark.parametrize(
+    ("text", "safe"),
+    [("sk-abc123", True), ("sk-abc\r\nX-Evil: 1", False), ("sk-caf\u00e9", False), ("", True)],
+)
+def test_only_printable_ascii_goes_into_a_header(text: str, safe: bool) -> None:
+    assert header_safe(text) is safe
+
+
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://10.0.0.5:8000/v1", "http://10.0.0.5:8000"),
+        ("http://10.0.0.5:8000/v1/", "http://10.0.0.5:8000"),
+        ("http://10.0.0.5:8000/api/v1", "http://10.0.0.5:8000/api"),
+        ("http://10.0.0.5:8000", None),
+        ("http://v1", None),  # a host named v1 is no base URL
+        ("http://10.0.0.5:8000/apiv1", None),  # nor a path that only ends in "v1"
+    ],
+)
+def test_an_openai_base_url_is_known_by_its_v1_path(url: str, root: str | None) -> None:
+    assert openai_root(url) == root

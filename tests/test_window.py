@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from llmhealth.metrics import EngineSignals, Signals
@@ -9,9 +11,11 @@ from llmhealth.window import (
     CpuSample,
     LongestStep,
     WedgeRules,
+    cpu_span,
     cpu_used,
     describe_cpu,
     longest_step,
+    stopped_throughout,
     wedge_window,
 )
 
@@ -99,7 +103,40 @@ def test_a_little_cpu_above_idle_is_not_printed_as_none() -> None:
     assert describe_cpu(19.6, 10.0).endswith("used 19.6 s CPU in 10.0 s: compiling or computing")
 
 
-@pytest.mark.parametrize("bad", [None, [], {"seconds": -1, "why": "x"}, {"seconds": 1.0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        [],
+        {"seconds": -1, "why": "x"},
+        {"seconds": 1.0},
+        # JSON's "Infinity" and "NaN" load as floats: saved, no state could be read back.
+        {"seconds": math.inf, "why": "x"},
+        {"seconds": math.nan, "why": "x"},
+    ],
+)
 def test_a_malformed_longest_step_is_a_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="step"):
         LongestStep.from_dict(bad, "step")
+
+
+def test_a_process_exactly_startup_grace_old_is_no_longer_young() -> None:
+    # README: startup_wedge_after applies "while the process is younger than startup_grace".
+    rules = WedgeRules(wedge_after=120.0, startup_grace=900.0, startup_wedge_after=300.0)
+    assert wedge_window(rules, None, 899.0).seconds == 300.0
+    assert wedge_window(rules, None, 900.0).seconds == 120.0
+
+
+def test_cpu_is_timed_by_its_samples_own_clock_when_both_have_one() -> None:
+    # Two reads 200 s apart on the wall clock (stepped forward), their samples 30 s apart
+    # on the steady one: 0.5 s of CPU is idle over 200 s, not over the 30 s it took.
+    first, last = CpuSample(1.0, (5,), at=100.0), CpuSample(1.5, (5,), at=130.0)
+    assert cpu_span(first, last, 200.0) == 30.0
+    assert cpu_span(CpuSample(1.0, (5,)), last, 200.0) == 200.0
+
+
+def test_only_processes_stopped_in_every_sample_were_stopped_throughout() -> None:
+    samples = [CpuSample(1.0, (5, 6), stopped=(5, 6)), CpuSample(1.0, (5, 6), stopped=(5,))]
+    assert stopped_throughout(samples) == (5,)
+    assert stopped_throughout([*samples, CpuSample(1.0, (5, 6))]) == ()
+    assert stopped_throughout([]) == ()

@@ -673,6 +673,7 @@ def test_trailer_lines_under_the_cap_each_are_bounded_together() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n",
         b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",  # was read as 200
+        b"HTTP/1.1 099 Low\r\nContent-Length: 0\r\n\r\n",  # below 100: no status at all
         # A chunk-size or trailer line past the head's cap: was "closed before an answer".
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"x" * MAX_HEAD_BYTES,
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX: " + b"a" * MAX_HEAD_BYTES,
