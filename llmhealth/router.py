@@ -711,6 +711,10 @@ class Router:
         whole = None if event_stream else upstream.whole()
         watch = ErrorEventWatch() if event_stream and not counted else None
         cut = False  # the answer broke: never served, whatever is left in hand
+        # The last bytes relayed of an in-band stream: an error event written after half
+        # an event was glued to it, its "event: error" line read as the half's data, and
+        # the client's SSE parser handed on one broken message instead (``_between_events``).
+        tail = b""
         try:
             # A shared coarse timer, not wait_for nor asyncio.timeout: on Python 3.11
             # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
@@ -734,17 +738,19 @@ class Router:
                     detail = f"response silent for {seconds:g} s after it started"
                     if not counted:
                         self._fail(name, origin, request, FailureKind.STREAM_IDLE, status, detail)
-                    await self._end_broken(request, name, detail, in_band)
+                    await self._end_broken(request, name, detail, in_band and _between_events(tail))
                     return False
                 except BrokenError as exc:
                     cut = True
                     detail = f"response cut off: {_short(exc)}"
                     if not counted:
                         self._fail(name, origin, request, FailureKind.BROKEN, status, detail)
-                    await self._end_broken(request, name, detail, in_band)
+                    await self._end_broken(request, name, detail, in_band and _between_events(tail))
                     return False
                 if not chunk:
                     break
+                if in_band:
+                    tail = (tail + chunk[-3:])[-3:]
                 if watch is not None and (error := watch.feed(chunk)) is not None:
                     code, detail = error
                     if code is not None and code >= 500:  # below: the request's own fault
@@ -820,9 +826,9 @@ class Router:
         in_band: bool,
     ) -> None:
         """A response that broke after it started. An SSE client of a stream not framed by
-        length (``in_band``) hears an ``error`` event (the OpenAI SDKs raise it), then the
-        stream's end and the connection's close; any other body is cut off, so no client
-        takes part of a body for the whole."""
+        length and broken between two events (``in_band``) hears an ``error`` event (the
+        OpenAI SDKs raise it), then the stream's end and the connection's close; any other
+        body is cut off, so no client takes part of a body for the whole."""
         if not in_band:
             request.abort()
             return
@@ -973,6 +979,13 @@ class Router:
             self.metrics.answered("none", status)
         elif backend in self._backends:
             self.metrics.answered(backend, status)
+
+
+def _between_events(tail: bytes) -> bool:
+    """Whether an event stream whose relayed bytes end in ``tail`` (its last three) stopped
+    between two events: nothing yet, or a blank line last (SSE ends a line with CRLF, LF
+    or CR). Cut inside one, an event written after it would be read as part of it."""
+    return not tail or tail.endswith((b"\n\n", b"\r\r", b"\n\r\n"))
 
 
 def _json(status: int, body: object, headers: Mapping[str, str] | None = None) -> Answer:

@@ -1036,7 +1036,7 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
         )
         chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
         writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        writer.write(b"40\r\ndata: half a chu")  # a chunk begun, then the connection ends
+        writer.write(b"40\r\n")  # a chunk announced, then the connection ends
         await writer.drain()
         writer.close()
 
@@ -1053,6 +1053,67 @@ def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() 
             assert json.loads(event)["backend"] == "a"
             assert "response cut off" in json.loads(event)["error"]["message"]
             assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
+
+    run(scenario())
+
+
+def sse_events(text: str) -> list[tuple[str, str]]:
+    """What an SSE client's parser dispatches (WHATWG's rules): (event type, data) each."""
+    events: list[tuple[str, str]] = []
+    kind, data = "message", []
+    for line in text.replace("\r\n", "\n").split("\n"):
+        if not line:
+            if data:
+                events.append((kind, "\n".join(data)))
+            kind, data = "message", []
+            continue
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            kind = value
+        elif field == "data":
+            data.append(value)
+    return events
+
+
+@pytest.mark.parametrize("then", ["close", "silence"])
+def test_a_stream_broken_inside_an_event_is_cut_off_not_given_an_event_glued_to_it(
+    then: str,
+) -> None:
+    # The error event went out straight after half an event: its "event: error" line was
+    # read as the rest of the half's data line, and the client's parser dispatched one
+    # message of both, which is no JSON (the OpenAI SDKs raised a decode error, not it).
+    async def breaks_mid_event(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        writer.write(b"40\r\ndata: half a chu")  # a chunk begun inside an event
+        await writer.drain()
+        if then == "silence":
+            await reader.read()
+        writer.close()
+
+    async def scenario() -> None:
+        settings = RouterConfig(stream_idle_timeout=0.5)
+        async with (
+            raw_backend(breaks_mid_event) as cut,
+            routing({"a": cut}, settings) as (router, url),
+            client() as http,
+        ):
+            seen = ""
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                async with http.stream("POST", url + CHAT, content=BODY) as response:
+                    assert response.status_code == 200  # the headers had gone out already
+                    async for text in response.aiter_text():
+                        seen += text
+            assert all(kind == "message" for kind, _ in sse_events(seen))
+            assert "event: error" not in seen
+            kind = FailureKind.BROKEN if then == "close" else FailureKind.STREAM_IDLE
+            assert await failures(router) == [("a", kind, 200)]
 
     run(scenario())
 
