@@ -984,8 +984,9 @@ class Router:
 def _between_events(tail: bytes) -> bool:
     """Whether an event stream whose relayed bytes end in ``tail`` (its last three) stopped
     between two events: nothing yet, or a blank line last (SSE ends a line with CRLF, LF
-    or CR). Cut inside one, an event written after it would be read as part of it."""
-    return not tail or tail.endswith((b"\n\n", b"\r\r", b"\n\r\n"))
+    or CR: a line ended by CR, then a blank one by CRLF, is one too). Cut inside one, an
+    event written after it would be read as part of it."""
+    return not tail or tail.endswith((b"\n\n", b"\r\r", b"\n\r\n", b"\r\r\n"))
 
 
 def _json(status: int, body: object, headers: Mapping[str, str] | None = None) -> Answer:

@@ -9,6 +9,7 @@ import errno
 import itertools
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -1061,7 +1062,7 @@ def sse_events(text: str) -> list[tuple[str, str]]:
     """What an SSE client's parser dispatches (WHATWG's rules): (event type, data) each."""
     events: list[tuple[str, str]] = []
     kind, data = "message", []
-    for line in text.replace("\r\n", "\n").split("\n"):
+    for line in re.split(r"\r\n|\r|\n", text):
         if not line:
             if data:
                 events.append((kind, "\n".join(data)))
@@ -1114,6 +1115,59 @@ def test_a_stream_broken_inside_an_event_is_cut_off_not_given_an_event_glued_to_
             assert "event: error" not in seen
             kind = FailureKind.BROKEN if then == "close" else FailureKind.STREAM_IDLE
             assert await failures(router) == [("a", kind, 200)]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("ending", "between"),
+    [
+        (b"\n\n", True),
+        (b"\r\n\r\n", True),
+        (b"\r\r", True),
+        (b"\n\r\n", True),
+        (b"\r\r\n", True),  # a line ended by CR, then a blank one by CRLF
+        (b"\n", False),
+        (b"\r\n", False),
+        (b"\r", False),
+    ],
+)
+def test_a_stream_broken_after_an_event_hears_the_error_event_whatever_its_line_ends(
+    ending: bytes, between: bool
+) -> None:
+    # SSE ends a line with CRLF, LF or CR, and an event with a blank line: one whose
+    # last event ended so, its last byte in a chunk of its own, hears the error event as
+    # an event of its own; one stopped after a line but before the blank one is cut off.
+    async def breaks_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for chunk in (b'data: {"choices": []}' + ending[:-1], ending[-1:]):
+            if chunk:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                await asyncio.sleep(0.05)  # relayed apart, not read as one chunk
+        writer.write(b"40\r\n")  # a chunk announced, then the connection ends
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with (
+            raw_backend(breaks_after) as cut,
+            routing({"a": cut}) as (router, url),
+            client() as http,
+        ):
+            if between:
+                response = await http.post(url + CHAT, content=BODY)
+                events = sse_events(response.text)
+                assert [kind for kind, _ in events] == ["message", "error"]
+                assert json.loads(events[1][1])["backend"] == "a"
+            else:
+                with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                    await http.post(url + CHAT, content=BODY)
+            assert await failures(router) == [("a", FailureKind.BROKEN, 200)]
 
     run(scenario())
 
