@@ -44,7 +44,7 @@ from typing import IO, Any
 import aiohttp
 import httpx
 import report
-from report import Section, Table
+from report import Section, Table, nearest_rank
 
 from llmhealth.eventloop import ENV as LOOP_ENV
 from llmhealth.eventloop import loop_in_use
@@ -442,13 +442,6 @@ def _load_main(argv: list[str]) -> None:
 # --- measuring ---------------------------------------------------------------------------
 
 
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @dataclass
 class Speed:
     p50: float
@@ -483,20 +476,20 @@ def measure_speed(
         streams = load("streams", url, str(STREAMS), "3")
     latencies = small["latencies"]
     return Speed(
-        p50=quantile(latencies, 0.5) * 1000,
-        p99=quantile(latencies, 0.99) * 1000,
+        p50=nearest_rank(latencies, 0.5) * 1000,
+        p99=nearest_rank(latencies, 0.99) * 1000,
         worst=max(latencies) * 1000,
         rps=len(latencies) / small["seconds"],
         failures=small["failures"],
         cpu_per_request_ms=None if cpu is None else cpu / max(1, len(latencies)) * 1000,
         core_busy=None if cpu is None else cpu / wall,
-        first_p50=quantile(streams["first"], 0.5) * 1000,
-        first_p99=quantile(streams["first"], 0.99) * 1000,
-        gap_p50=quantile(streams["gaps"], 0.5) * 1000,
-        gap_p99=quantile(streams["gaps"], 0.99) * 1000,
+        first_p50=nearest_rank(streams["first"], 0.5) * 1000,
+        first_p99=nearest_rank(streams["first"], 0.99) * 1000,
+        gap_p50=nearest_rank(streams["gaps"], 0.5) * 1000,
+        gap_p99=nearest_rank(streams["gaps"], 0.99) * 1000,
         gap_worst=max(streams["gaps"]) * 1000,
-        paced_p50=quantile(paced["latencies"], 0.5) * 1000,
-        paced_p99=quantile(paced["latencies"], 0.99) * 1000,
+        paced_p50=nearest_rank(paced["latencies"], 0.5) * 1000,
+        paced_p99=nearest_rank(paced["latencies"], 0.99) * 1000,
         paced_worst=max(paced["latencies"]) * 1000,
         paced_late=paced["late"],
         paced_failures=paced["failures"],

@@ -21,7 +21,6 @@ import contextlib
 import io
 import itertools
 import json
-import math
 import os
 import resource
 import statistics
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import bench_parse
 from bench_check import fleet_modes
-from report import Section, Table, spread
+from report import Section, Table, nearest_rank, spread
 from simproc import Simulator, SimulatorStartError, child_env, running_simulator
 
 from llmhealth import config as config_module
@@ -522,12 +521,6 @@ def _simulate(simulators: contextlib.ExitStack, size: int) -> list[Simulator]:
     return sims
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    """The nearest-rank percentile: the value that ``fraction`` of them do not exceed."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
-
-
 def _read_by(workers: int) -> str:
     """How a `watch` kind reads, as the targets name it."""
     return "in its own loop" if workers == 1 else f"by {workers} read workers"
@@ -553,7 +546,7 @@ def _targets(
         if not periods[kind].get(3000):
             continue
         median = statistics.median(periods[kind][3000])
-        p90 = _percentile(periods[kind][3000], 0.9)
+        p90 = nearest_rank(periods[kind][3000], 0.9)
         how = _read_by(workers)
         notes.append(
             f"Target: a `watch` cycle over 3,000 backends holds its {WATCH_WAIT:g} s wait "
@@ -565,7 +558,7 @@ def _targets(
             continue
         used = statistics.median(cpu[kind][LARGE])
         median = statistics.median(periods[kind][LARGE])
-        p90 = _percentile(periods[kind][LARGE], 0.9)
+        p90 = nearest_rank(periods[kind][LARGE], 0.9)
         # CPU inside the wait proves nothing if the reads fell behind it: fewer were made.
         reads = statistics.median(cadence[kind].get(LARGE) or [0.0])
         cores = min(2, max(workers, 1) + (workers > 1))
@@ -972,13 +965,13 @@ def scale_section(
                 "its own loop" if WATCH_KINDS[kind] == 1 else f"{WATCH_KINDS[kind]} read workers",
                 str(len(periods[kind][size])),
                 f"{statistics.median(periods[kind][size]):.2f}",
-                f"{_percentile(periods[kind][size], 0.9):.2f}",
+                f"{nearest_rank(periods[kind][size], 0.9):.2f}",
                 f"{max(periods[kind][size]):.2f}",
                 " / ".join(
                     f"{value:.2f}"
                     for value in (
                         statistics.median(starts[kind][size]),
-                        _percentile(starts[kind][size], 0.9),
+                        nearest_rank(starts[kind][size], 0.9),
                         max(starts[kind][size]),
                     )
                 )

@@ -63,6 +63,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
 from bench_check import fleet_modes  # noqa: E402 - the same fleet mix as the check bench
+from report import nearest_rank  # noqa: E402
 from simproc import child_env, free_port_block, running_simulator  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -241,8 +242,8 @@ def report(
         "(llmhealth_cycle_duration_seconds: ledger, state file, metrics view)",
         f"  wrong verdicts  per cycle max {max(wrong)}, median {statistics.median(wrong):.0f} "
         f"of {size} (not what the backend's simulator mode calls for)",
-        f"  probe duration  last cycle median {probes[len(probes) // 2]:.3f} s, "
-        f"p90 {probes[int(len(probes) * 0.9)]:.3f} s, max {probes[-1]:.3f} s; slowest seen "
+        f"  probe duration  last cycle median {statistics.median(probes):.3f} s, "
+        f"p90 {nearest_rank(probes, 0.9):.3f} s, max {probes[-1]:.3f} s; slowest seen "
         f"{slowest:.3f} s (one read, plus the tiny request for idle backends)",
         f"  watch CPU       {watch_cpu:.2f} s per cycle = {watch_cpu / wait:.0%} of one core "
         f"({watch_cpu / size * 1000:.2f} ms per backend per cycle)",

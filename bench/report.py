@@ -9,6 +9,7 @@ a figure without its machine is not comparable with the next one.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -49,6 +50,16 @@ def spread(values: Sequence[float], digits: int = 2, unit: str = "") -> str:
     if len(values) == 1:
         return f"{med:.{digits}f}{unit}"
     return f"{med:.{digits}f}{unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def nearest_rank(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile, every bench's: the smallest value that ``fraction`` of
+    them do not exceed (NaN for none). ``sorted(values)[int(fraction * n)]`` took the next
+    one whenever ``fraction * n`` was whole: the maximum as the p99 of 100."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 def machine() -> dict[str, str]:

@@ -112,3 +112,39 @@ def test_make_bench_keeps_the_blocks_of_benchmarks_it_did_not_measure(tmp_path: 
     failed = [Section(title="FAILED: 5. takeover on etcd (bench_takeover)", command="c")]
     write(failed, datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC), 1.0, [], path)
     assert "## Not from this run: takeover on etcd (bench_takeover)" in headings(path)
+
+
+# The titles `make bench` (bench/run.py) gives its sections: what it measures again.
+MAKE_BENCH_TITLES = (
+    "1. Saturation without false restarts",
+    "2. Wedge detection",
+    "2b. Long engine steps and the wedge window (bench_longsteps)",
+    "3a. Signal extraction vs prometheus_client",
+    "3b. Bytes read per check",
+    "3c. One check and one watch cycle over 100, 1,000, 3,000, 10,000 backends",
+    "3d. One check over 200 backends (bench_check)",
+    "3e. CPU per /metrics read: llmhealth's read client against httpx",
+    "4. Start-up: exec to the first request on the wire",
+    "5. Several daemons on etcd: takeover and the fenced record (bench_takeover)",
+)
+MAKE_BENCH_BENCHES = {"bench_longsteps", "bench_check", "bench_takeover"}
+
+
+def test_make_bench_keeps_every_section_of_a_benchmark_it_does_not_run(tmp_path: Path) -> None:
+    """The figures of a benchmark `make bench` does not run (bench_window's, the README
+    quotes them) must sit in a ``## Not from this run:`` block, or the next `make bench`
+    drops them: a subsection inside a section it writes again goes with that section."""
+    real = Path(__file__).resolve().parent.parent / "bench" / "RESULTS.md"
+    path = tmp_path / "RESULTS.md"
+    path.write_text(real.read_text())
+    kept_apart = [
+        line
+        for line in headings(path)
+        if line.startswith("##") and line.endswith(")") and "(bench_" in line
+        if line.rsplit("(", 1)[1].split()[0].rstrip(")") not in MAKE_BENCH_BENCHES
+    ]
+    assert any("(bench_window)" in line for line in kept_apart)
+    measured = [Section(title=title, command="c") for title in MAKE_BENCH_TITLES]
+    write(measured, datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC), 1.0, [], path)
+    after = headings(path)
+    assert [line for line in kept_apart if line not in after] == []
