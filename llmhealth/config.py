@@ -54,7 +54,7 @@ LONGEST_DURATION = 366 * 86400.0
 # A read, a tiny request and the wait between reads: past an hour, a check from cron
 # holding the state's lock for hours (`timeout = 5000`, meant in milliseconds).
 LONGEST_READ = 3600.0
-# No timer here counts less than a millisecond (uvloop's count in it), so a shorter
+# No timer here counts less than a millisecond (uvloop's count in them), so a shorter
 # duration is a slip: `wait = 1e-310` was taken, and the reads a check may take
 # (max_check_time over the wait) overflowed a float: every backend `no_metrics` with an
 # OverflowError, and `watch`'s reading tasks died and were started again in a loop.
