@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from rich.console import Console
@@ -37,6 +39,9 @@ from llmhealth.traffic import FailureKind, RequestOutcome
 from tests.etcdproc import EtcdCluster, running_etcd
 from tests.test_cluster import Clock, elector, read_posted
 from tests.test_wire import tcp_server
+
+if TYPE_CHECKING:
+    from llmhealth.router import Router
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +443,94 @@ def test_a_shard_reader_in_read_workers_keeps_the_step_of_a_backend_a_reload_ren
     assert "wedged" not in after
 
 
+@dataclass
+class _Leading:
+    """Member "m" leading on a saved record of backends a (refusing every connection) and
+    b, with its config and targets and the clock its elector reads."""
+
+    config: Config
+    targets: list[Target]
+    seat: Seat
+    clock: Clock
+    refused: str
+
+
+def _leading_to_a_refusing_backend(
+    etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> _Leading:
+    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
+    from tests.etcdproc import free_port  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    refused = f"http://127.0.0.1:{free_port()}"  # every request through it fails
+    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
+    backends = (Backend("a", refused), Backend("b", "http://127.0.0.1:9"))
+    config = Config(backends=backends, cluster=cluster_config)
+    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
+    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save(record.to_dict())
+    seat = Seat.for_config(cluster_config, [].append)
+    clock = Clock()
+    seat.elector._clock = clock  # leads while the test runs, however slowly
+    seat.elector.step_and_observe()
+    assert seat.elector.decision().may_act
+    return _Leading(config, [Target(b.name, b.url) for b in backends], seat, clock, refused)
+
+
+@contextlib.asynccontextmanager
+async def _routing_a_failure(leading: _Leading) -> AsyncIterator[tuple[Router, Daemon]]:
+    """Its daemon and router, the router having failed one request on a (so out of its
+    choice until a settle says otherwise); both closed after."""
+    import httpx  # noqa: PLC0415
+
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+    from tests.etcdproc import free_port  # noqa: PLC0415
+
+    router = Router(RouterConfig(connect_timeout=1.0), leading.config.backends)
+    daemon = Daemon(
+        lambda: (leading.config, leading.targets),
+        leading.seat,
+        listen=None,
+        wait_override=0.2,
+        serving_file=None,
+        console=Console(stderr=True),
+        router=router,
+    )
+    port = free_port()
+    await router.start("127.0.0.1", port)
+    try:
+        router.push({"a": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
+        async with httpx.AsyncClient() as client:
+            answer = await client.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "m", "prompt": "x"},
+                timeout=10.0,
+            )
+        assert answer.status_code >= 500 and "a" not in router._pick_set()
+        yield router, daemon
+    finally:
+        await daemon._reading.close()
+        await router.close()
+
+
+async def _cycles(daemon: Daemon, count: int) -> str:
+    """Run its loop for ``count`` cycles, then stop it; the notes its cycles left."""
+    import asyncio  # noqa: PLC0415
+
+    looping = asyncio.create_task(daemon._loop())
+    for _ in range(500):
+        if daemon._state.cycles >= count:
+            break
+        await asyncio.sleep(0.01)
+    daemon.stop()
+    await asyncio.wait_for(looping, 20.0)
+    assert daemon._state.cycles >= count, f"{count} cycles did not run"
+    return " ".join(daemon._state.notes)
+
+
 @pytest.mark.parametrize("cut_off", ["fenced out", "etcd away past the renew deadline"])
 def test_a_leaders_settle_that_writes_nothing_gives_the_routers_failures_back(
     etcd_server: EtcdCluster, keys: Keys, monkeypatch: pytest.MonkeyPatch, cut_off: str
@@ -451,73 +544,21 @@ def test_a_leaders_settle_that_writes_nothing_gives_the_routers_failures_back(
     them."""
     import asyncio  # noqa: PLC0415
 
-    import httpx  # noqa: PLC0415
-
-    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
-    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
-    from llmhealth.router import Router  # noqa: PLC0415
-    from tests.etcdproc import free_port  # noqa: PLC0415
-
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    closed = f"http://127.0.0.1:{free_port()}"  # refused: every request through it fails
-    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
-    backends = (Backend("a", closed), Backend("b", "http://127.0.0.1:9"))
-    config = Config(backends=backends, cluster=cluster_config)
-    targets = [Target(b.name, b.url) for b in backends]
-    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
-    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
-    with verb.locked():
-        verb.load(dict)
-        verb.save(record.to_dict())
-    seat = Seat.for_config(cluster_config, [].append)
-    clock = Clock()
-    seat.elector._clock = clock  # leads while the test runs, however slowly
-    seat.elector.step()
-    assert seat.elector.decision().may_act
+    leading = _leading_to_a_refusing_backend(etcd_server, keys, monkeypatch)
+    seat = leading.seat
 
     async def scenario() -> tuple[bool, bool, str]:
-        router = Router(RouterConfig(connect_timeout=1.0), backends)
-        daemon = Daemon(
-            lambda: (config, targets),
-            seat,
-            listen=None,
-            wait_override=0.2,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
-        port = free_port()
-        await router.start("127.0.0.1", port)
-        try:
-            router.push({"a": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
-            async with httpx.AsyncClient() as client:
-                answer = await client.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "m", "prompt": "x"},
-                    timeout=10.0,
-                )
-            assert answer.status_code >= 500 and "a" not in router._pick_set()
+        async with _routing_a_failure(leading) as (router, daemon):
             if cut_off == "fenced out":
                 # Another member took the leader key: this one's cached view still leads,
                 # and its save fails on the fence (FencedOutError), after the drain.
                 seat.etcd.txn([], [{"request_delete_range": {"key": _b64(keys.leader)}}])
                 seat.etcd.txn([], [put(keys.leader, b'{"member": "other"}')])
             else:  # no renewal answered for longer than the renew deadline
-                clock.now += seat.elector.timing.renew_deadline + 1
+                leading.clock.now += seat.elector.timing.renew_deadline + 1
                 assert not seat.elector.decision().may_act
-            looping = asyncio.create_task(daemon._loop())
-            for _ in range(500):
-                if daemon._state.cycles:
-                    break
-                await asyncio.sleep(0.01)
-            daemon.stop()
-            await asyncio.wait_for(looping, 20.0)
-            assert daemon._state.cycles, "no cycle ran"
-            notes = " ".join(daemon._state.notes)
+            notes = await _cycles(daemon, 1)
             return router._log.has_failure("a"), "a" in router._pick_set(), notes
-        finally:
-            await daemon._reading.close()
-            await router.close()
 
     try:
         kept, chosen, notes = asyncio.run(scenario())
@@ -538,75 +579,24 @@ def test_a_leader_stepped_down_by_its_elector_with_etcd_away_keeps_the_routers_f
     as long as etcd stayed away, as before the fix."""
     import asyncio  # noqa: PLC0415
 
-    import httpx  # noqa: PLC0415
-
     from llmhealth import etcd_http  # noqa: PLC0415
-    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
-    from llmhealth.cycle import fresh_record, ledger_policy  # noqa: PLC0415
     from llmhealth.leadership import Standing  # noqa: PLC0415
-    from llmhealth.router import Router  # noqa: PLC0415
-    from tests.etcdproc import free_port  # noqa: PLC0415
 
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    closed = f"http://127.0.0.1:{free_port()}"  # refused: every request through it fails
-    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "m")
-    backends = (Backend("a", closed), Backend("b", "http://127.0.0.1:9"))
-    config = Config(backends=backends, cluster=cluster_config)
-    targets = [Target(b.name, b.url) for b in backends]
-    record = fresh_record(ledger_policy(config.policy), {b.name: b.url for b in backends}, 1e9)
-    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
-    with verb.locked():
-        verb.load(dict)
-        verb.save(record.to_dict())
-    seat = Seat.for_config(cluster_config, [].append)
-    clock = Clock()
-    seat.elector._clock = clock
-    seat.elector.step_and_observe()
-    assert seat.elector.decision().may_act
+    leading = _leading_to_a_refusing_backend(etcd_server, keys, monkeypatch)
+    seat = leading.seat
 
     async def scenario() -> tuple[bool, bool, str]:
-        router = Router(RouterConfig(connect_timeout=1.0), backends)
-        daemon = Daemon(
-            lambda: (config, targets),
-            seat,
-            listen=None,
-            wait_override=0.2,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
-        port = free_port()
-        await router.start("127.0.0.1", port)
-        try:
-            router.push({"a": ANY_MODEL}, {"a": "healthy", "b": "healthy"}, 1)
-            async with httpx.AsyncClient() as client:
-                answer = await client.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "m", "prompt": "x"},
-                    timeout=10.0,
-                )
-            assert answer.status_code >= 500 and "a" not in router._pick_set()
+        async with _routing_a_failure(leading) as (router, daemon):
             # etcd away (every endpoint refuses) past the renew deadline, and the
             # elector's round: it steps down, and no lease is granted.
-            seat.etcd._wires = [etcd_http.Endpoint.from_url(closed)]
-            clock.now += seat.elector.timing.renew_deadline + 1
+            seat.etcd._wires = [etcd_http.Endpoint.from_url(leading.refused)]
+            leading.clock.now += seat.elector.timing.renew_deadline + 1
             with contextlib.suppress(ClusterError):
                 seat.elector.step()
             seat.elector.observed = Observation(False, None, seat.elector.observed.members)
             assert seat.elector.decision().standing is Standing.STANDBY
-            looping = asyncio.create_task(daemon._loop())
-            for _ in range(500):
-                if daemon._state.cycles >= 2:
-                    break
-                await asyncio.sleep(0.01)
-            daemon.stop()
-            await asyncio.wait_for(looping, 20.0)
-            assert daemon._state.cycles >= 2, "no second cycle ran"
-            notes = " ".join(daemon._state.notes)
+            notes = await _cycles(daemon, 2)
             return router._log.has_failure("a"), "a" in router._pick_set(), notes
-        finally:
-            await daemon._reading.close()
-            await router.close()
 
     try:
         kept, chosen, notes = asyncio.run(scenario())
