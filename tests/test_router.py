@@ -47,6 +47,10 @@ from llmhealth.upstream import Origin, Pool
 
 BOUND = 20.0  # seconds: a generous bound on anything that must happen, never a timing claim
 CHAT = "/v1/chat/completions"
+# A streamed answer's head as vLLM sends it: an event stream framed in chunks.
+SSE_CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
 BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -715,10 +719,7 @@ def test_a_stream_that_goes_silent_ends_with_an_sse_error_event_and_is_counted()
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
         writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         await writer.drain()
@@ -1031,10 +1032,7 @@ def test_a_backend_that_trickles_its_response_head_is_bounded_by_first_byte_time
 def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() -> None:
     async def closes_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
         writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         writer.write(b"40\r\n")  # a chunk announced, then the connection ends
@@ -1086,10 +1084,7 @@ def test_a_stream_broken_inside_an_event_is_cut_off_not_given_an_event_glued_to_
     # message of both, which is no JSON (the OpenAI SDKs raised a decode error, not it).
     async def breaks_mid_event(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
         writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         writer.write(b"40\r\ndata: half a chu")  # a chunk begun inside an event
@@ -1140,10 +1135,7 @@ def test_a_stream_broken_after_an_event_hears_the_error_event_whatever_its_line_
     # an event of its own; one stopped after a line but before the blank one is cut off.
     async def breaks_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         for chunk in (b'data: {"choices": []}' + ending[:-1], ending[-1:]):
             if chunk:
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
@@ -1265,10 +1257,7 @@ def test_an_error_event_inside_a_200_stream_counts_by_its_code(
 
     async def fails_in_band(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         for piece in (TOKEN_EVENT, event[:20], event[20:], b"data: [DONE]\n\n", b""):
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
@@ -1484,10 +1473,7 @@ def test_each_chunk_reaches_the_client_before_the_backend_produces_the_next() ->
 
     async def lockstep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
+        writer.write(SSE_CHUNKED_HEAD)
         for index, event in enumerate(received):
             chunk = b"data: %d\n\n" % index
             writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
