@@ -94,6 +94,7 @@ def test_a_non_zero_exit_is_recorded_and_not_ok() -> None:
     assert result.stderr == "Job for vllm@0.service failed\n"
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
     # The command marks the moment it has run well past its 1 s timeout (5 s); killed at
@@ -122,6 +123,7 @@ def test_a_group_that_ignores_sigterm_gets_sigkill_after_the_grace() -> None:
     assert wait_until_gone(pgid) == []
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_command_that_closes_its_output_is_still_bounded_by_the_timeout() -> None:
     result = run_command(["sh", "-c", "exec >&- 2>&-; sleep 60"], timeout=1.0)

@@ -103,6 +103,7 @@ def test_a_leader_killed_just_after_committing_a_restart_is_not_repeated(
     assert written_by["fence"] is not None and written_by["fence"] > lines[0][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top", ["", "read_workers = 2"], ids=["own loop", "read workers"])
 def test_a_standby_sends_no_tiny_request_and_starts_asking_once_it_leads(
     scene: Scene, top: str
@@ -270,6 +271,7 @@ def test_routers_of_a_cluster_keep_one_ledger_in_etcd_and_only_the_leader_restar
     assert not scene.state("a").exists() and not scene.state("b").exists()
 
 
+@pytest.mark.slow
 def test_a_reload_that_drops_the_cluster_is_refused_and_the_member_goes_on(
     entry_point: str, tmp_path: Path
 ) -> None:

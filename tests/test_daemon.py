@@ -708,6 +708,7 @@ def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
     assert after.verdict("newcomer") == "idle"
 
 
+@pytest.mark.slow
 def test_sighup_that_drops_a_backend_forgets_it_aloud_and_an_empty_config_is_refused(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -769,6 +770,7 @@ def test_sighup_onto_a_fifo_or_an_oversize_file_is_refused_and_the_loop_goes_on(
     assert after.verdict("busy") == "busy"
 
 
+@pytest.mark.slow
 def test_sighup_with_a_config_that_names_a_command_line_backend_again_is_refused(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -802,6 +804,7 @@ def unwritable_audit(tmp_path: Path, backends: list[dict[str, object]]) -> Path:
     )
 
 
+@pytest.mark.slow
 def test_an_audit_log_that_cannot_be_written_skips_the_cycle_and_the_daemon_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -846,6 +849,7 @@ def test_a_daemon_whose_first_settles_cannot_be_saved_still_tells_systemd_it_is_
     assert sum("READY=1" in m for m in messages) == 1
 
 
+@pytest.mark.slow
 def test_watch_on_bare_urls_keeps_no_state_and_leaves_the_default_state_file_alone(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1116,6 +1120,7 @@ class DroppingBackend:
             return self.answered + self.dropped
 
 
+@pytest.mark.slow
 def test_a_kept_alive_connection_closed_by_the_server_is_retried_not_judged_down(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -2014,6 +2019,7 @@ def test_sigterm_while_a_restart_command_runs_leaves_the_restart_on_record(
     assert json.loads(status.stdout)["backends"][0]["state"] == "restarting"
 
 
+@pytest.mark.slow
 def test_sigterm_waits_for_a_restart_command_that_ends_within_the_grace_and_saves_it(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -2051,6 +2057,7 @@ SLOW_HOOK = (
 )
 
 
+@pytest.mark.slow
 def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -2845,6 +2852,7 @@ def test_a_reload_that_brings_a_condemned_record_back_keeps_the_longest_step_it_
     assert "wedged" not in asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_daemon_whose_backends_are_renamed_keeps_nothing_of_the_names_they_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

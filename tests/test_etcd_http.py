@@ -243,6 +243,7 @@ def test_a_proxy_in_the_environment_is_not_used(
     assert proxied == []
 
 
+@pytest.mark.slow
 def test_a_silent_endpoint_ends_at_the_silence_bound() -> None:
     arrived = threading.Event()
 

@@ -472,6 +472,7 @@ def test_a_scraper_that_stops_reading_mid_page_leaves_no_traceback(
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
     """A render of 10,000 backends takes seconds of CPU and tens of MB: eight scrapers at
     once rendered eight times over, and starved the loop that reads the fleet."""
@@ -603,6 +604,7 @@ def test_an_accept_header_the_encoder_chooser_cannot_read_gets_the_text_page_not
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_every_way_of_asking_is_rendered_once_per_view_however_often_asked() -> None:
     """prometheus_client answers ten content types (text 0.0.4; text 1.0.0 and OpenMetrics
     in each of four escapings; OpenMetrics unversioned), each compressed or not: twenty
