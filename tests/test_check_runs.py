@@ -185,6 +185,7 @@ def test_a_restart_between_runs_is_seen_from_the_saved_baseline(
     assert third.seen() == ("idle", "healthy", True, 2, False, 0)
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_take_turns_on_the_state(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -295,6 +296,7 @@ def test_a_fleet_below_its_floor_is_critical_and_says_why(entry_point: str, tmp_
     assert "gpu1 dead (last error: wedged: " in fleet["message"]
 
 
+@pytest.mark.slow
 def test_the_floor_alone_makes_a_run_critical(entry_point: str, tmp_path: Path) -> None:
     state = tmp_path / "state.json"
     with running_simulator(["busy", "busy"]) as sim:
@@ -317,6 +319,7 @@ def test_the_floor_alone_makes_a_run_critical(entry_point: str, tmp_path: Path) 
     assert second.seen("gpu1") == ("busy", "retired", False, 1, True, 2)
 
 
+@pytest.mark.slow
 def test_a_retired_backend_whose_address_the_config_changes_stays_retired(
     entry_point: str, tmp_path: Path
 ) -> None:

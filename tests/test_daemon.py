@@ -484,6 +484,7 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
             assert line.startswith("llmhealth_backend_probe_errors_total{"), line
 
 
+@pytest.mark.slow
 def test_watch_outlives_the_reader_of_its_log(entry_point: str) -> None:
     """`watch ... 2>&1 | logger`, the logger gone: the daemon's next log line raised
     BrokenPipeError and it exited 1, silently, its metrics, restarts and routing with it."""
@@ -1269,6 +1270,7 @@ def test_a_key_variable_a_reload_dropped_reaches_neither_the_hook_nor_a_restart_
     assert restarted[-1] == "changed\n"
 
 
+@pytest.mark.slow
 def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

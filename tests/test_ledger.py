@@ -2035,6 +2035,7 @@ def test_random_event_sequences_keep_every_invariant(
         check_ledger(ledger, now)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     sequence=steps,

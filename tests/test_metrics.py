@@ -426,6 +426,7 @@ def _engines_text(engines: int, series: tuple[str, ...]) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["one-line-engines", "three-line-engines", "32-engines"])
 def test_a_remembered_layout_is_counted_at_no_less_than_it_holds(
     shape: str, fixture_text: Load

@@ -104,6 +104,7 @@ def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call(
     assert metrics_reads == 4
 
 
+@pytest.mark.slow
 def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
     # The Prober stamped its reads with the monotonic clock: a process's age (read time
     # less its wall-clock start) came out about -1.8e9 s, not young, and a new engine
@@ -631,6 +632,7 @@ def test_counts_that_add_up_past_a_float_are_a_verdict_not_an_exception(
     assert report.backends[0].verdict is VerdictKind.IDLE
 
 
+@pytest.mark.slow
 def test_a_lease_that_outlived_a_restart_the_prober_saw_reports_nothing_on_the_new_process() -> (
     None
 ):

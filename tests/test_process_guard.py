@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 LEAKY_SUITE = """
@@ -78,6 +80,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_each_leak_fails_the_test_that_left_it_and_is_killed(tmp_path: Path) -> None:
     result = run_suite(tmp_path, LEAKY_SUITE)
     pids = [int(line) for line in (tmp_path / "pids").read_text().split()]

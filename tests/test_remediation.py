@@ -807,6 +807,7 @@ def test_a_restart_that_brings_up_no_process_within_the_startup_grace_fails_and_
     assert [e["by"] for e in gpu.launches()] == ["start", "restart", "restart"]
 
 
+@pytest.mark.slow
 def test_a_restart_of_a_backend_condemned_in_an_earlier_run_is_audited_with_its_proof(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:

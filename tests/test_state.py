@@ -304,6 +304,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_writer_killed_at_random_moments_never_leaves_an_unloadable_file(
     tmp_path: Path,
 ) -> None:

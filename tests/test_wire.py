@@ -547,6 +547,7 @@ def test_a_name_whose_addresses_fail_for_want_of_descriptors_is_not_the_servers_
     assert error.failure is Failure.STARVED, error.detail
 
 
+@pytest.mark.slow
 def test_a_lookup_held_up_with_its_loop_is_forgiven_once_not_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
