@@ -1170,16 +1170,16 @@ def server_line(url: str) -> str:
     return f"server {url.removeprefix('http://')};"
 
 
-def writing_serving(
+def settled_by_hand(
     tmp_path: Path,
     fleet: Callable[[], list[Target]],
-    serving: Path,
+    serving: Path | None = None,
     *,
     config: config_module.Config | None = None,
     router: Router | None = None,
 ) -> Daemon:
-    """A daemon over ``fleet()`` (read again at each reload) writing ``serving``, its state
-    in ``tmp_path``: settled by hand, as the serving-file tests drive it."""
+    """A daemon over ``fleet()`` (read again at each reload), its state in ``tmp_path``,
+    writing ``serving`` if given: settled and reloaded by hand, no loop running."""
     return Daemon(
         lambda: (config or config_module.Config(), fleet()),
         StateFile(tmp_path / "state.json"),
@@ -3093,15 +3093,7 @@ def test_a_reload_that_only_respells_or_renames_keeps_what_the_server_was_seen_s
 
     async def scenario() -> dict[str, object]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = Daemon(
-            lambda: (config, fleets[0]),
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
+        daemon = settled_by_hand(tmp_path, lambda: fleets[0], config=config, router=router)
         try:
             daemon._models.update(b=frozenset({"m1"}), c=frozenset({"m2"}))
             fleets.pop(0)
@@ -3880,14 +3872,7 @@ def test_a_member_restarted_under_its_name_never_repeats_a_serial_the_leader_set
     take_published(intake, {"b": "m"}, {}, 0.0, 1e9)  # the leader's first take primes it
 
     def one_process(verdict: Verdict) -> list[Verdict]:
-        daemon = Daemon(
-            lambda: (config_module.Config(), [target]),
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-        )
+        daemon = settled_by_hand(tmp_path, lambda: [target])
         daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
 
         async def one_wait() -> list[Verdict]:
@@ -3936,14 +3921,8 @@ def test_a_backend_a_reload_moved_is_routed_to_only_once_a_read_there_is_settled
 
     async def scenario() -> tuple[set[str], list[str], set[str], list[str]]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = Daemon(
-            lambda: (config, fleets[0]),
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=serving_file,
-            console=Console(stderr=True),
-            router=router,
+        daemon = settled_by_hand(
+            tmp_path, lambda: fleets[0], serving_file, config=config, router=router
         )
         try:
             daemon._settle(News([Outcome(t, idle) for t in fleets[0]], []))
@@ -4176,7 +4155,7 @@ def test_an_nginx_serving_file_names_the_port_each_backend_listens_on(tmp_path: 
         Target("bare", "http://vllm-3.internal/v1"),
     ]
     serving = tmp_path / "upstream.conf"
-    daemon = writing_serving(tmp_path, lambda: backends, serving)
+    daemon = settled_by_hand(tmp_path, lambda: backends, serving)
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
 
     async def settle() -> None:
@@ -4203,7 +4182,7 @@ def test_a_server_read_asleep_is_left_out_of_the_serving_file_as_out_of_the_rout
     awake."""
     backends = [Target("b", "http://127.0.0.1:9"), Target("c", "http://127.0.0.3:9")]
     serving = tmp_path / "serving.json"
-    daemon = writing_serving(tmp_path, lambda: backends, serving)
+    daemon = settled_by_hand(tmp_path, lambda: backends, serving)
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
     asleep = parse_metrics(asleep_capture().encode())
     awake = parse_metrics((CAPTURES / "idle-1.txt").read_bytes())
@@ -4247,7 +4226,7 @@ def test_a_moved_backend_renamed_before_a_read_there_is_judged_stays_out(tmp_pat
 
     async def scenario() -> tuple[set[str], list[str], str | None]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = writing_serving(
+        daemon = settled_by_hand(
             tmp_path, lambda: fleets[0], serving_file, config=config, router=router
         )
         try:
@@ -4293,7 +4272,7 @@ def test_a_server_the_record_saw_asleep_stays_out_of_the_serving_file_when_renam
 
     async def scenario() -> tuple[list[str], list[str], set[str]]:
         router = Router(RouterConfig(), [Backend(t.name, t.url) for t in fleets[0]])
-        daemon = writing_serving(tmp_path, lambda: fleets[0], serving, router=router)
+        daemon = settled_by_hand(tmp_path, lambda: fleets[0], serving, router=router)
         try:
             read = Read(time.time(), asleep)
             slept = Verdict(VerdictKind.IDLE, True, "idle: asleep", reads=(read,))
