@@ -481,6 +481,19 @@ def _name_for(monkeypatch: pytest.MonkeyPatch, name: str, found: list[Any], seco
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
+def _dual_stack(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+    """``dual.test`` looks up to ::1 first, then 127.0.0.1, both at ``port``, at once."""
+    _name_for(
+        monkeypatch,
+        "dual.test",
+        [
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ],
+        0.0,
+    )
+
+
 def _answer_after(seconds: float) -> Handler:
     def answer(connection: socket.socket, _number: int) -> None:
         while read_request(connection):
@@ -497,15 +510,7 @@ def test_an_address_this_host_cannot_open_is_one_address_failed(
     that could not be made failed the read, where asyncio tried the next address."""
     with tcp_server(_answer_after(0.0)) as (url, _):
         port = int(url.rsplit(":", 1)[1])
-        _name_for(
-            monkeypatch,
-            "dual.test",
-            [
-                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
-                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
-            ],
-            0.0,
-        )
+        _dual_stack(monkeypatch, port)
         real_socket = socket.socket
 
         def no_ipv6(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
@@ -524,15 +529,7 @@ def test_a_name_whose_addresses_fail_for_want_of_descriptors_is_not_the_servers_
     """One address of another family this host cannot open, the other out of descriptors:
     the two errors merged into one with no errno, and the server was judged down for
     this process's own shortage."""
-    _name_for(
-        monkeypatch,
-        "dual.test",
-        [
-            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 9, 0, 0)),
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9)),
-        ],
-        0.0,
-    )
+    _dual_stack(monkeypatch, 9)
     real_socket = socket.socket
 
     def short_of_everything(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
@@ -1491,15 +1488,7 @@ def test_a_server_this_host_has_no_address_to_send_to_is_judged_not_excused(
     # the kernel says it then: at every connect to ::1, a UDP socket's too.
     with socket.create_server(("127.0.0.1", 0)) as unused:
         port = unused.getsockname()[1]  # nothing listens there now: refused
-    _name_for(
-        monkeypatch,
-        "dual.test",
-        [
-            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
-        ],
-        0.0,
-    )
+    _dual_stack(monkeypatch, port)
     real_connect = socket.socket.connect
 
     def connect(sock: socket.socket, address: Any) -> None:
