@@ -401,9 +401,12 @@ def _reason(reason: object, doing: str) -> str:
     return _describe(reason)
 
 
-def _describe(error: BaseException | str) -> str:
+def _describe(error: BaseException | str | None) -> str:
     """Short and printable: an exception's text often quotes the server (an SDK's error
-    carries the response body), and it reaches snapshots, messages and terminals."""
+    carries the response body), and it reaches snapshots, messages and terminals. None,
+    an untyped caller's `str(e) if e else None`, is no text, not "NoneType: None"."""
+    if error is None:
+        return ""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
     text = printable(text)  # escaped first: an escape takes up to ten characters
     return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."

@@ -180,6 +180,18 @@ def test_a_failed_probe_makes_a_healthy_backend_suspect_and_still_serving() -> N
     assert f.snapshot()[0].last_error == "probe failed: timeout"
 
 
+def test_an_error_given_as_none_is_no_error_text() -> None:
+    """A caller's `error=str(e) if e else None` is no description, not Python's name of
+    None: "probe failed: NoneType: None" sent on-call looking for a missing object."""
+    f, _ = fleet()
+    f.record_probe(0, ok=False, error=None)  # type: ignore[arg-type]
+    assert f.snapshot()[0].last_error == "probe failed"
+    f.report_failure(1, None)  # type: ignore[arg-type]
+    assert f.snapshot()[1].last_error == "request failed"
+    f.record_actor_death(2, None)  # type: ignore[arg-type]
+    assert f.snapshot()[2].last_error == "process gone"
+
+
 def test_unhealthy_threshold_failed_probes_in_a_row_condemn() -> None:
     f, _ = fleet(policy=FleetPolicy(unhealthy_threshold=3))
     for _ in range(2):
