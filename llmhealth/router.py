@@ -703,7 +703,8 @@ class Router:
         headers = downstream_headers(Fields(upstream.headers))
         headers[BACKEND_HEADER] = name  # which backend answered, for the operator
         self._answered(name, status)
-        event_stream = (headers.get("Content-Type") or "").startswith("text/event-stream")
+        # Without regard to case, as media types are named (RFC 9110 8.3.1).
+        event_stream = (headers.get("Content-Type") or "").lower().startswith("text/event-stream")
         # An error event written past a declared length would end the client's body early,
         # or be cut into it, and pass for the whole: only a stream its chunks (or its
         # close) frame is told in-band that it broke; one framed by length is cut off.

@@ -1029,10 +1029,19 @@ def test_a_backend_that_trickles_its_response_head_is_bounded_by_first_byte_time
     run(scenario())
 
 
-def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted() -> None:
+# A media type's name is case-insensitive (RFC 9110 8.3.1): a backend's capitals must not
+# turn its broken stream into a body cut off without a word.
+@pytest.mark.parametrize(
+    "media_type",
+    ["text/event-stream", "Text/Event-Stream; charset=UTF-8"],
+    ids=["lower", "capitals"],
+)
+def test_a_stream_cut_off_mid_way_ends_with_an_sse_error_event_and_is_counted(
+    media_type: str,
+) -> None:
     async def closes_mid_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(SSE_CHUNKED_HEAD)
+        writer.write(SSE_CHUNKED_HEAD.replace(b"text/event-stream", media_type.encode()))
         chunk = b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n'
         writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         writer.write(b"40\r\n")  # a chunk announced, then the connection ends
