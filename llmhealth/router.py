@@ -938,15 +938,19 @@ class Router:
         )
 
     def _health(self) -> Answer:
-        serving = sorted(self._serving)
-        healthy = len(serving) >= self._min_healthy
+        """What the router can serve now: a backend dropped after a failure is sent
+        nothing until the next settle, so it does not count towards ``min_healthy``, and
+        is named apart (its state is the ledger's, as the settle left it)."""
+        serving = len(self._pick_set())
+        healthy = serving >= self._min_healthy
         body = {
             "status": "ok" if healthy else "floor breached",
-            "serving": len(serving),
+            "serving": serving,
             "min_healthy": self._min_healthy,
             "backends": {
                 name: self._states.get(name, "unknown") for name in sorted(self._backends)
             },
+            "dropped": sorted(self._dropped),
             "in_flight": self.in_flight,
         }
         return _json(200 if healthy else 503, body)

@@ -343,6 +343,32 @@ def test_the_router_answers_models_health_metrics_and_unrouted_paths_itself(
     assert httpserver.log == []
 
 
+def test_health_counts_a_backend_dropped_after_a_failure_as_not_serving(
+    httpserver: HTTPServer,
+) -> None:
+    """Until the next settle a dropped backend is sent nothing, so a router with none
+    left answers every request no_backend_status: its /health must not say "ok" then, or
+    the load balancer in front keeps sending it what it cannot serve."""
+    httpserver.expect_request(CHAT).respond_with_data("engine dead", status=500)
+
+    async def scenario() -> None:
+        async with routing({"a": httpserver.url_for("")}) as (router, url), client() as http:
+            assert (await http.get(url + "/health")).status_code == 200
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500
+            health = await http.get(url + "/health")
+            assert health.status_code == 503
+            assert health.json()["serving"] == 0
+            assert health.json()["backends"] == {"a": "healthy"}  # the ledger's, unchanged
+            assert health.json()["dropped"] == ["a"]
+            router.drain()  # the next settle hears the failure and keeps the backend
+            router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
+            health = await http.get(url + "/health")
+            assert (health.status_code, health.json()["serving"]) == (200, 1)
+            assert health.json()["dropped"] == []
+
+    run(scenario())
+
+
 def test_a_metrics_page_is_rendered_beside_the_loop_not_on_it() -> None:
     """The page holds every backend's series and, in `route`, the daemon's: at 1,000
     backends a render is 0.2 s of CPU, on the loop that every stream waits on, per
