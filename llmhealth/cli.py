@@ -8,6 +8,7 @@ alert on CRITICAL always means a server, not a typo.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -30,6 +31,8 @@ from llmhealth.report import ExitCode
 from llmhealth.state import StateError, given_path
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llmhealth.actions import Audit
     from llmhealth.cluster import Seat
     from llmhealth.operate import VerbResult
@@ -195,6 +198,25 @@ def check(
     raise typer.Exit(int(exit_code(report)))
 
 
+def _daemon_loader(
+    urls: list[str], proxies: list[str], config_file: str | None, state: str | None
+) -> Callable[[], tuple[config_module.Config, list[Target]]]:
+    """How `watch` and `route` load their config, at start and on SIGHUP. With --state,
+    the config's ``state`` is not where the ledger lives: it is taken as --state, so a
+    reload that changed only that key is not refused as moving the ledger."""
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        try:
+            loaded, targets = _fleet(urls, proxies, config_file)
+        except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
+            raise config_module.ConfigError(exc.format_message()) from exc
+        if state is not None:
+            loaded = dataclasses.replace(loaded, state=state)
+        return loaded, targets
+
+    return load
+
+
 def _daemon_store(
     loaded: config_module.Config, state: str | None, config_file: str | None
 ) -> Seat | StateFile | MemoryStore:
@@ -264,14 +286,7 @@ def watch(
     from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
     from llmhealth.render import console_for_log  # noqa: PLC0415
 
-    given_urls, given_proxies = urls or [], proxy or []
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        try:
-            return _fleet(given_urls, given_proxies, config_file)
-        except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
-            raise config_module.ConfigError(exc.format_message()) from exc
-
+    load = _daemon_loader(urls or [], proxy or [], config_file, state)
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")
@@ -314,14 +329,7 @@ def route(
     from llmhealth.render import console_for_log  # noqa: PLC0415
     from llmhealth.router import Router  # noqa: PLC0415
 
-    given_urls = urls or []
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        try:
-            return _fleet(given_urls, [], config_file)
-        except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
-            raise config_module.ConfigError(exc.format_message()) from exc
-
+    load = _daemon_loader(urls or [], [], config_file, state)
     loaded, targets = load()
     backends = routed_backends(loaded, targets)
     if not backends:

@@ -710,6 +710,31 @@ def test_sighup_loads_a_good_config_and_refuses_a_bad_one_keeping_the_old(
 
 
 @pytest.mark.slow
+def test_sighup_changing_the_configs_state_is_taken_when_state_is_given_on_the_command_line(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """`--state` decides where the ledger lives, whatever the config's `state` says: a
+    reload that changed only that key was refused as moving the ledger, and every other
+    change in it (a backend added) was lost with it."""
+    path = tmp_path / "fleet.toml"
+    write_config(path, fleet_config([{"name": "busy", "url": urls.busy}]))
+    with watching(entry_point, path, tmp_path / "state.json") as watch:
+        watch.until("a verdict on busy", lambda p: p.verdict("busy") == "busy")
+        two = [{"name": "busy", "url": urls.busy}, {"name": "newcomer", "url": urls.idle}]
+        elsewhere = tmp_path / "elsewhere" / "state.json"
+        write_config(path, f"state = {json.dumps(str(elsewhere))}\n" + fleet_config(two))
+        watch.signal(signal.SIGHUP)
+        watch.until("the added backend's verdict", lambda p: p.verdict("newcomer") == "idle")
+        rc, _ = watch.stop()
+        log = watch.stderr()
+    assert rc == 0
+    assert "reload refused" not in log and "config reloaded: 2 targets" in log
+    saved = json.loads((tmp_path / "state.json").read_text())
+    assert {b["name"] for b in saved["ledger"]["backends"]} == {"busy", "newcomer"}
+    assert not elsewhere.parent.exists()
+
+
+@pytest.mark.slow
 def test_sighup_that_drops_a_backend_forgets_it_aloud_and_an_empty_config_is_refused(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
