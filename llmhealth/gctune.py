@@ -35,7 +35,8 @@ class _Spacing:
 
 @contextlib.contextmanager
 def young_collections_spaced() -> Iterator[None]:
-    """Young collections every YOUNG allocations inside, the thresholds as they were after.
+    """Young collections every YOUNG allocations inside, the thresholds as they were after;
+    none inside where automatic collection was turned off (a young threshold of 0).
 
     Counted, so that two daemons in one process (the tests) leave the collector as the
     first found it whichever ends first.
@@ -44,7 +45,10 @@ def young_collections_spaced() -> Iterator[None]:
         if _Spacing.holders == 0:
             _Spacing.before = gc.get_threshold()
             young, *older = _Spacing.before
-            gc.set_threshold(max(YOUNG, young), *older)
+            # 0 is automatic collection turned off (an application embedding the library
+            # API may run so): raised to YOUNG, collections ran in all of it while a fleet
+            # was read.
+            gc.set_threshold(max(YOUNG, young) if young else 0, *older)
         _Spacing.holders += 1
     try:
         yield

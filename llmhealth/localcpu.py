@@ -172,14 +172,24 @@ def _local_address(url: str) -> tuple[tuple[IpAddress, ...], int] | None:
 def _listening_holder(hosts: tuple[IpAddress, ...], port: int) -> Holder | None:
     """The process that holds the listening socket behind one of these addresses and
     this port, from a scan of /proc that every backend shares (``_listeners``); scanned
-    again when none is in it, its process is gone or its socket listens no more (a
-    server started or restarted since)."""
-    taken, found = _listeners()
+    again when none is in it, its process is gone or its socket listens no more, and a
+    socket listens there that the scan did not look for (a server started or restarted
+    since)."""
+    taken, found, looked_for = _listeners()
     holder = _serving(found, hosts, port)
-    if holder is None or _start_of(holder[0]) is None or holder[1] not in _listening_sockets():
-        _, found = _listeners(newer_than=taken)
-        holder = _serving(found, hosts, port)
-    return holder
+    listening = _listening_sockets()
+    if holder is not None and _start_of(holder[0]) is not None and holder[1] in listening:
+        return holder
+    # Scanned again only for a socket that scan did not look for: one it looked for and
+    # found no holder of (another user's process, or one with capabilities, under the
+    # shipped unit's capability-less root; one in another PID namespace; past the bound)
+    # no scan finds either, and each sample of such a backend scanned the whole host
+    # again, once per backend as before the scan was shared.
+    started = {where: (0, inode) for inode, where in listening.items() if inode not in looked_for}
+    if _serving(started, hosts, port) is None:
+        return None
+    _, found, _ = _listeners(newer_than=taken)
+    return _serving(found, hosts, port)
 
 
 def _serving(found: dict[Socket, Holder], hosts: tuple[IpAddress, ...], port: int) -> Holder | None:
@@ -199,12 +209,15 @@ def _serving(found: dict[Socket, Holder], hosts: tuple[IpAddress, ...], port: in
 
 _SCAN_FRESH = 2.0  # seconds one scan of who listens where answers every lookup
 _scan_lock = threading.Lock()
-_scan: tuple[float, dict[Socket, Holder]] = (-math.inf, {})  # (when, socket -> holder)
+# (when, socket -> holder, the inodes of the listening sockets whose holders it looked for)
+Scan = tuple[float, dict[Socket, Holder], frozenset[int]]
+_scan: Scan = (-math.inf, {}, frozenset())
 
 
-def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, Holder]]:
-    """Which process listens on each local TCP port, and when that was scanned: at most
-    ``_SCAN_FRESH`` seconds ago and after ``newer_than``, by one thread at a time.
+def _listeners(newer_than: float = -math.inf) -> Scan:
+    """Which process listens on each local TCP port, when that was scanned, and which
+    listening sockets it looked for: at most ``_SCAN_FRESH`` seconds ago and after
+    ``newer_than``, by one thread at a time.
 
     One scan lists the listening sockets and reads every process's descriptors until
     it has found their holders, which on a host with tens of thousands of descriptors
@@ -215,18 +228,19 @@ def _listeners(newer_than: float = -math.inf) -> tuple[float, dict[Socket, Holde
     """
     global _scan  # noqa: PLW0603 - the one shared scan, replaced whole under its lock
     with _scan_lock:
-        taken, _ = _scan
+        taken = _scan[0]
         if time.monotonic() - taken > _SCAN_FRESH or taken <= newer_than:
-            _scan = (time.monotonic(), _scan_listeners())
+            listening = _listening_sockets()
+            _scan = (time.monotonic(), _scan_listeners(listening), frozenset(listening))
         return _scan
 
 
-def _scan_listeners() -> dict[Socket, Holder]:
-    """Every listening TCP socket of this host, by the process holding it: the sockets
-    from the kernel (``_listening_sockets``), their holders from each process's open
+def _scan_listeners(listening: Mapping[int, Socket]) -> dict[Socket, Holder]:
+    """Every listening TCP socket of this host (``listening``, from the kernel:
+    ``_listening_sockets``), by the process holding it, from each process's open
     descriptors, this process's own passed over (it is never a backend's engine, and a
     check of 3,000 backends holds 3,000 sockets of its own)."""
-    sockets = {f"socket:[{inode}]": (where, inode) for inode, where in _listening_sockets().items()}
+    sockets = {f"socket:[{inode}]": (where, inode) for inode, where in listening.items()}
     by_socket: dict[Socket, Holder] = {}
     ours = str(os.getpid())
     # Plain strings, not Paths: a simulated fleet's servers hold thousands of descriptors.
@@ -237,13 +251,23 @@ def _scan_listeners() -> dict[Socket, Holder]:
             continue
         descriptors = f"{_PROC}/{pid}/fd"
         try:
-            for fd in os.listdir(descriptors):
-                listening = sockets.pop(os.readlink(f"{descriptors}/{fd}"), None)
-                if listening is not None:
-                    where, inode = listening
-                    by_socket.setdefault(where, (int(pid), inode))
+            listed = os.listdir(descriptors)
         except OSError:
             continue  # gone meanwhile, or not ours to look into
+        for fd in listed:
+            try:
+                held = os.readlink(f"{descriptors}/{fd}")
+            except FileNotFoundError:
+                # Closed meanwhile: a server opens and closes connections all the time.
+                # Taken for the whole process, its listening socket, further on, went
+                # unfound.
+                continue
+            except OSError:
+                break  # not ours to look into: none of its descriptors is
+            found = sockets.pop(held, None)
+            if found is not None:
+                where, inode = found
+                by_socket.setdefault(where, (int(pid), inode))
     return by_socket
 
 

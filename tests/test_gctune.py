@@ -32,6 +32,19 @@ def test_two_holders_ending_in_either_order_leave_the_collector_as_the_first_fou
     assert gc.get_threshold() == before
 
 
+def test_collection_turned_off_stays_off_inside() -> None:
+    """A young threshold of 0 turns automatic collection off (an application embedding
+    ``llmhealth.check`` may run so): raised to YOUNG, it ran collections in all of it."""
+    before = gc.get_threshold()
+    gc.set_threshold(0, *before[1:])
+    try:
+        with young_collections_spaced():
+            assert gc.get_threshold()[0] == 0
+        assert gc.get_threshold() == (0, *before[1:])
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_a_failure_inside_still_gives_the_thresholds_back() -> None:
     before = gc.get_threshold()
     with pytest.raises(RuntimeError), young_collections_spaced():

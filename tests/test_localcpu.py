@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -466,15 +467,102 @@ def test_many_local_backends_share_one_scan_of_the_socket_tables(
     scans: list[None] = []
     real_scan = localcpu._scan_listeners
 
-    def counted() -> dict[localcpu.Socket, localcpu.Holder]:
+    def counted(listening: dict[int, localcpu.Socket]) -> dict[localcpu.Socket, localcpu.Holder]:
         scans.append(None)
-        return real_scan()
+        return real_scan(listening)
 
     monkeypatch.setattr(localcpu, "_scan_listeners", counted)
     with api_server_with_engine() as (port, _server, engine):
         samples = [LocalCpu(f"http://127.0.0.1:{port}").sample() for _ in range(20)]
     assert [sample.processes if sample else None for sample in samples] == [(engine,)] * 20
     assert 1 <= len(scans) <= 2  # the first scan, and one more at most
+
+
+def test_a_listener_whose_holder_no_scan_finds_is_not_scanned_for_at_each_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listening socket whose holder the scan cannot see (another user's process, or
+    one with capabilities, under the shipped unit's capability-less root; one in another
+    PID namespace): each sample of its backend scanned every process on the host again,
+    as before the scan was shared. This process's own listener stands in for it: the
+    scan passes this process over. A server started meanwhile is still found at once."""
+    from llmhealth import localcpu  # noqa: PLC0415 - its scan is counted below
+
+    scans: list[None] = []
+    real_scan = localcpu._scan_listeners
+
+    def counted(listening: dict[int, localcpu.Socket]) -> dict[localcpu.Socket, localcpu.Holder]:
+        scans.append(None)
+        return real_scan(listening)
+
+    monkeypatch.setattr(localcpu, "_scan_listeners", counted)
+    with socket.socket() as unseen:
+        unseen.bind(("127.0.0.1", 0))
+        unseen.listen()
+        url = f"http://127.0.0.1:{unseen.getsockname()[1]}"
+        assert [LocalCpu(url).sample() for _ in range(20)] == [None] * 20
+        assert 1 <= len(scans) <= 2
+        with api_server_with_engine() as (port, _server, engine):
+            sample = LocalCpu(f"http://127.0.0.1:{port}").sample()
+    assert sample is not None and sample.processes == (engine,)
+
+
+# A listener whose descriptor before its listening socket (a connection) is closed when
+# told to, as a server's connections close while its descriptors are read.
+CLOSING = (
+    ENGINE
+    + """
+import os, socket, sys
+early, _ = os.pipe()
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+engine = engine("import time\\nwhile True: time.sleep(1)")
+print(listener.getsockname()[1], engine.pid, early, listener.fileno(), flush=True)
+try:
+    sys.stdin.readline()
+    os.close(early)
+    print("closed", flush=True)
+    sys.stdin.read()
+finally:
+    engine.kill()
+    engine.wait()
+"""
+)
+
+
+def test_a_descriptor_closed_during_the_scan_hides_no_listening_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A descriptor closed between the listing of a process's descriptors and its own
+    read ended the read of all the others: the listening socket after it went unfound."""
+    from llmhealth import localcpu  # noqa: PLC0415 - its scan alone
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", CLOSING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdin is not None and process.stdout is not None
+        port, _engine, early, held = (int(field) for field in process.stdout.readline().split())
+        assert early < held  # read first: /proc lists descriptors in order
+        real_readlink = os.readlink
+
+        def closing_first(path: str) -> str:
+            if path == f"/proc/{process.pid}/fd/{early}" and process.stdin is not None:
+                process.stdin.write("close\n")
+                process.stdin.flush()
+                assert process.stdout is not None and process.stdout.readline() == "closed\n"
+            return real_readlink(path)
+
+        monkeypatch.setattr(os, "readlink", closing_first)
+        found = localcpu._scan_listeners(localcpu._listening_sockets())
+        monkeypatch.undo()
+    finally:
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+    assert found.get((ipaddress.ip_address("127.0.0.1"), port), (None,))[0] == process.pid
 
 
 def test_the_engine_is_found_without_reading_every_process_on_the_host(
@@ -779,3 +867,37 @@ def test_a_cgroup_holding_no_vllm_process_gives_no_evidence(tmp_path: Path) -> N
             client.kill()
     assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
     assert "window 240 s" in verdict.evidence
+
+
+# What the shipped units' root, stripped of every capability, sees of a backend.
+UNIT_ROOT = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+SAMPLED = """
+import sys
+from llmhealth.localcpu import LocalCpu
+sample = LocalCpu(*sys.argv[1:]).sample()
+print(None if sample is None else sample.processes)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="root, and util-linux setpriv"
+)
+def test_the_units_capability_less_root_finds_a_backend_by_its_cgroup_not_its_port(
+    tmp_path: Path,
+) -> None:
+    """README.md and systemd/llmhealth.service say so: the holder of a port is seen only
+    through its descriptors, which the kernel shows a capability-less root only for
+    root's processes without capabilities."""
+    with api_server_with_engine() as (port, server, engine):
+        (tmp_path / "cpu.stat").write_text("usage_usec 19600000\n")
+        (tmp_path / "cgroup.procs").write_text(f"{server}\n{engine}\n")
+        seen = [
+            subprocess.run(
+                [*UNIT_ROOT, sys.executable, "-c", SAMPLED, f"http://127.0.0.1:{port}", *where],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            for where in ([], [str(tmp_path)])
+        ]
+    assert seen == ["None", f"({os.stat(tmp_path).st_ino},)"]
