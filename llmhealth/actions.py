@@ -74,6 +74,23 @@ class CommandResult:
         }
 
 
+def how_it_ended(result: CommandResult) -> str:
+    """How a command that was not ``ok`` ended, as an operator reads it. A negative code
+    is no exit status but the signal that ended it: "exited -9" was read as one, for a
+    command the OOM killer or an operator's ``kill -9`` ended."""
+    if result.timed_out:  # its exit code None too, when it outlived SIGKILL
+        return "timed out"
+    if result.exit_code is None:
+        return "did not run"  # its stderr says why
+    if result.exit_code >= 0:
+        return f"exited {result.exit_code}"
+    try:
+        name = signal.Signals(-result.exit_code).name
+    except ValueError:  # a real-time signal, which has no name of its own
+        name = f"signal {-result.exit_code}"
+    return f"was killed by {name}"
+
+
 def without_keys(inherited: Mapping[str, str], secrets: Iterable[str]) -> dict[str, str]:
     """The environment for a command llmhealth runs (a restart, the serving-change hook):
     its own, less the variables some backend's ``api_key_env`` names. No such command has

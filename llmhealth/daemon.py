@@ -32,7 +32,15 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from llmhealth import config as config_module
-from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command, without_keys
+from llmhealth.actions import (
+    Audit,
+    AuditError,
+    AuditLog,
+    CommandResult,
+    how_it_ended,
+    run_command,
+    without_keys,
+)
 from llmhealth.choice import ANY_MODEL, Models
 from llmhealth.classify import (
     Outcome,
@@ -749,7 +757,7 @@ class Daemon:
             if error is not None:
                 self._log(f"on_serving_change could not be run: {error!r}")
             elif not (result := hook.result()).ok:
-                self._log(f"on_serving_change failed ({result.exit_code}): {result.stderr}")
+                self._log(f"on_serving_change {how_it_ended(result)}: {result.stderr}")
         if self._hook_again and not self._stop.is_set():
             self._hook_again = False
             self._run_serving_hook()

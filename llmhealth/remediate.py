@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from llmhealth.actions import Audit, CommandResult, restart_environment
+from llmhealth.actions import Audit, CommandResult, how_it_ended, restart_environment
 from llmhealth.classify import Verdict
 from llmhealth.config import Backend, Config
 from llmhealth.fleet import FleetRecord, process_of
@@ -363,12 +363,7 @@ def hear_commands(
                 # Its startup grace counts from now if the command took long.
                 record.ledger.apply(name, RestartRan(now=now))
             else:
-                if result.timed_out:  # its exit code None too, when it outlived SIGKILL
-                    why = "timed out"
-                elif result.exit_code is None:
-                    why = "did not run"  # the audit line says why (its stderr)
-                else:
-                    why = f"exited {result.exit_code}"
+                why = how_it_ended(result)  # "did not run": the audit line says why
                 stamped = record.ledger.snapshot(name, now).last_restart_at
                 failed = record.ledger.apply(
                     name,

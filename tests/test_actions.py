@@ -29,6 +29,7 @@ from llmhealth.actions import (
     AuditLog,
     CommandResult,
     encode_record,
+    how_it_ended,
     parse_records,
     read,
     restart_environment,
@@ -92,6 +93,15 @@ def test_a_non_zero_exit_is_recorded_and_not_ok() -> None:
     assert not result.ok
     assert (result.exit_code, result.timed_out) == (3, False)
     assert result.stderr == "Job for vllm@0.service failed\n"
+
+
+def test_a_command_a_signal_ended_is_told_by_the_signal_not_a_negative_exit() -> None:
+    """``subprocess``'s -15 is no exit status: "exited -15" in the daemon's log for its
+    serving hook, and in a failed restart's last error."""
+    result = run_command(["sh", "-c", "kill -TERM $$"], 30)
+    assert result.exit_code == -signal.SIGTERM
+    assert how_it_ended(result) == "was killed by SIGTERM"
+    assert how_it_ended(run_command(["sh", "-c", "exit 3"], 30)) == "exited 3"
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +17,7 @@ from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
 from llmhealth import operate
-from llmhealth.actions import AuditLog, CommandResult, read
+from llmhealth.actions import AuditLog, CommandResult, read, run_command
 from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import (
@@ -252,6 +254,24 @@ def test_a_failed_command_heard_later_sends_the_backend_back_to_dead(tmp_path: P
     assert saved(store.path)["gpu0"]["last_error"] == "restart failed: restart command exited 1"
     [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
     assert (line["from"], line["to"], line["command"]["exit_code"]) == ("restarting", "dead", 1)
+
+
+def test_a_command_a_signal_ended_is_said_killed_by_it_not_exited_with_a_negative_status(
+    tmp_path: Path,
+) -> None:
+    """``subprocess`` gives a signal's end as a negative code: "restart command exited -9"
+    read as an exit status in `status` and the audit trail, for an OOM kill."""
+    store, audit, order = issued(tmp_path)
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    ran = run_command(killed, 30.0)
+    assert ran.exit_code == -signal.SIGKILL and not ran.timed_out
+    record = hear(store, audit, CommandDone(order, ran))
+    assert record.ledger.state_of("gpu0") == "dead"
+    assert saved(store.path)["gpu0"]["last_error"] == (
+        "restart failed: restart command was killed by SIGKILL"
+    )
+    [line] = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert line["command"]["exit_code"] == -9  # the record keeps subprocess's code
 
 
 def test_a_command_that_exited_0_proves_nothing_and_changes_no_state(tmp_path: Path) -> None:
