@@ -414,6 +414,10 @@ class AuditLog:
         kept = (
             "the record was not kept" if count == 1 else f"not all of its {count} records were kept"
         )
+        # One bound for the lease and the lock together, as for the state's (README): each
+        # given its own, a lease broken late and a flock after it held a settle, and the
+        # state lock with it, twice as long.
+        deadline = time.monotonic() + self.lock_timeout
         try:
             # Where its links lead (as root, only where nobody else can redirect it),
             # opened there without following a link swapped in since. Checked before any
@@ -428,7 +432,7 @@ class AuditLog:
                 path,
                 os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
                 0o640,
-                self.lock_timeout,
+                max(0.0, deadline - time.monotonic()),
             )
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot open the audit log: {_why(exc)}") from exc
@@ -438,7 +442,7 @@ class AuditLog:
         try:
             # O_APPEND keeps each write whole on a local filesystem; the lock keeps it whole
             # on the others too, and for records larger than one atomic write.
-            self._lock(fd, kept)
+            self._lock(fd, kept, max(0.0, deadline - time.monotonic()))
             size = os.fstat(fd).st_size
             lines = _after_a_torn_line(fd) + lines
             written = os.write(fd, lines)
@@ -455,18 +459,26 @@ class AuditLog:
                 raise AuditError(
                     f"{self.path}: cannot make the records durable: {_why(exc)}"
                 ) from exc
+            if created:
+                # Cut back as for a failed fsync, under the lock: kept while the caller
+                # took the records for unwritten, its state unsaved, they were written
+                # again by the next try.
+                try:
+                    _fsync_dir(path.parent)
+                except AuditError:
+                    _take_back(fd, size, size + written)
+                    raise
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot write the audit log: {_why(exc)}") from exc
         finally:
             os.close(fd)  # also releases the lock
-        if created:
-            _fsync_dir(path.parent)
 
-    def _lock(self, fd: int, kept: str) -> None:
-        """Take the log's exclusive lock within ``lock_timeout``. Anything may flock it (a
-        backup, a log shipper): waited for without end, every writer hung behind it while
-        holding the state lock, and the daemon stopped petting the watchdog."""
-        if not lock_within(fd, self.lock_timeout):
+    def _lock(self, fd: int, kept: str, seconds: float) -> None:
+        """Take the log's exclusive lock within ``seconds`` (what the open left of
+        ``lock_timeout``). Anything may flock it (a backup, a log shipper): waited for
+        without end, every writer hung behind it while holding the state lock, and the
+        daemon stopped petting the watchdog."""
+        if not lock_within(fd, seconds):
             raise AuditError(
                 f"{self.path}: the audit log is locked by another process (a backup or "
                 f"log shipper holding flock on it?); gave up after "

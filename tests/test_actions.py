@@ -772,3 +772,63 @@ def test_an_error_of_the_records_taker_is_not_the_logs(tmp_path: Path) -> None:
 
     with pytest.raises(BrokenPipeError):
         scan(path, each=gone)
+
+
+_LEASED_THEN_LOCKED = """
+import fcntl, signal, sys, time
+broken = []
+signal.signal(signal.SIGIO, lambda *_: broken.append(1))  # a lease break would end us
+with open(sys.argv[1], "rb") as locked, open(sys.argv[1], "rb") as leased:
+    fcntl.flock(locked, fcntl.LOCK_EX)  # as flock(1) in a backup script
+    try:
+        fcntl.fcntl(leased, fcntl.F_SETLEASE, fcntl.F_RDLCK)  # as a file-syncing agent
+    except OSError as exc:  # a filesystem without leases
+        print(f"no lease: {exc}", flush=True)
+        sys.exit()
+    print("held", flush=True)
+    while not broken:
+        time.sleep(0.01)
+    time.sleep(float(sys.argv[2]))  # the lease given up late, the flock kept
+    fcntl.fcntl(leased, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_the_lease_and_the_lock_on_the_audit_log_share_one_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README: "An audit record waits at most 10 s for another holder of the audit log's
+    # lock ... (a file lease another process holds on either counts in those 10 s)".
+    # The flock was given the whole bound again after the open's wait for the lease: a
+    # settle, holding the state lock, waited twice as long.
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).append({"event": "before"})
+    bound, leased_for = 1.0, 0.5
+    given: list[float] = []
+    real = actions.lock_within
+
+    def lock_within(fd: int, seconds: float) -> bool:
+        given.append(seconds)
+        return real(fd, seconds)
+
+    monkeypatch.setattr(actions, "lock_within", lock_within)
+    with subprocess.Popen(
+        [PY, "-c", _LEASED_THEN_LOCKED, str(path), str(leased_for)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            said = holder.stdout.readline()
+            if said.startswith("no lease"):
+                pytest.skip(said)
+            assert said == "held\n"
+            with pytest.raises(AuditError, match="locked by another process"):
+                AuditLog(path, lock_timeout=bound).append({"event": "blocked"})
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=60)
+    # The open waited at least until the lease was given up: only the rest is the lock's.
+    assert len(given) == 1 and given[0] <= bound - leased_for
+    assert [record["event"] for record in read(path)] == ["before"]

@@ -756,3 +756,33 @@ def test_a_name_typed_as_saved_is_the_configs_when_the_config_spells_it_another_
     loaded.reconcile({composed: "http://127.0.0.1:11", "cafe2": "http://127.0.0.1:10"}, T0 + 3)
     assert list(loaded.holds) == [composed]
     assert loaded.ledger.state_of("cafe2") is State.DEAD
+
+
+def test_a_verb_whose_new_audit_logs_directory_will_not_sync_keeps_neither_record(
+    state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first record of a new log, written and synced, stayed in it when the sync of
+    its directory failed (a failing disk) and the verb, refused, saved nothing: the trail
+    said gpu0 was held, the state that it was not, and the hold tried again was in it
+    twice. README: a record "that would not sync, is cut back out of the log"."""
+    import errno  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+
+    from llmhealth import operate  # noqa: PLC0415
+    from llmhealth.actions import AuditError, AuditLog  # noqa: PLC0415
+    from llmhealth.config import Config  # noqa: PLC0415
+
+    before = state.read_bytes()
+    file_sync = os.fsync
+
+    def failing_disk(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        file_sync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", failing_disk)
+    log = state.with_name("audit.jsonl")
+    with pytest.raises(AuditError, match="directory"):
+        operate.hold(StateFile(state), AuditLog(log), Config(), "gpu0", 3600.0, "weight sync")
+    assert state.read_bytes() == before
+    assert read(log) == []
