@@ -1229,6 +1229,19 @@ class Daemon:
                 if read.signals is not None and read.signals.has_vllm:
                     signals[outcome.target.name] = read.signals
                     break
+        # A sharding standby hears of its share alone: the others' verdicts (their
+        # publications) are taken only by the leader's settle.
+        seat = self._seat
+        share_alone = (
+            self._share is not None and seat is not None and not seat.elector.decision().may_act
+        )
+        if share_alone:
+            # Standing by, the verdict last heard while leading of a backend another member
+            # reads stayed on /metrics for as long as this member stood by: a "wedged" or
+            # "down" there kept LLMHealthBackendWedged or Down firing for a mended backend.
+            for target in self._targets:
+                if not self._reads(target):
+                    state.latest.pop(target.name, None)
         for line in report.notes:
             if line not in state.notes:  # a standby's note holds from cycle to cycle
                 self._log(line)
@@ -1247,7 +1260,10 @@ class Daemon:
             if expired.name in configured:
                 state.restarts[(expired.name, "failed")] += 1
         state.stall.observe(signals, now)
-        stalled = state.stall.stalled(now, self._config.stall_timeout)
+        # Whether the fleet stalls is the leader's to say: a share with work pending and
+        # none finished was called a stalled fleet (LLMHealthFleetStalled, critical) while
+        # the others' backends finished requests. Observed all the same, for when it leads.
+        stalled = not share_alone and state.stall.stalled(now, self._config.stall_timeout)
         # Every backend's ledger state, not only those whose probe reported this cycle.
         snapshots = self._snapshots
         views = []

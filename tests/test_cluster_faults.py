@@ -295,3 +295,80 @@ def test_a_reload_that_drops_the_cluster_is_refused_and_the_member_goes_on(
     refusal = next(line for line in log.splitlines() if "reload refused" in line)
     assert "[cluster] changed" in refusal, refusal
     assert not scene.state("a").exists()
+
+
+@pytest.mark.slow  # 10-20 s of real daemons on etcd, one paused past its lease
+def test_a_sharded_member_that_stops_leading_exports_no_frozen_verdict_of_anothers_share(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # Leading with shard_reads, a member hears the verdicts of the backends the others
+    # read (their publications) and exports them. Standing by, it hears none of them:
+    # the one heard last stayed on its /metrics for as long as it stood by, a "wedged"
+    # or "down" there firing LLMHealthBackendWedged or Down for a backend long mended.
+    with staged(entry_point, tmp_path, cluster="shard_reads = true") as scene, ExitStack() as stack:
+        # Named so that the second daemon (the standby, then the leader) reads gpu.
+        names = ("one", "two") if owner("gpu", ["one", "two"]) == "two" else ("two", "one")
+        first = stack.enter_context(scene.daemon("a", names[0]))
+        first.until("the first daemon leading", leads)
+        second = stack.enter_context(scene.daemon("b", names[1]))
+        second.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
+        first.until(
+            "gpu busy as its reader, the second, says",
+            lambda p: (
+                len(p.samples("llmhealth_cluster_member_share_backends")) == 2
+                and p.verdict("gpu") == "busy"
+            ),
+        )
+        first.process.send_signal(signal.SIGSTOP)  # its lease runs out: the second leads
+        try:
+            second.until("the second daemon leading", leads)
+        finally:
+            first.process.send_signal(signal.SIGCONT)
+        page = first.until("the first cycling as a standby", lambda p: not leads(p))
+        switch_mode(scene.gpu, "idle")
+        second.until("gpu idle", lambda p: p.verdict("gpu") == "idle")
+        for _ in range(3):
+            page = first.next_cycle(page)
+            assert not leads(page)
+    # Before: "busy", heard while leading, for as long as it stood by. Now as a member
+    # that never led shows a backend it does not read: the ledger's state, no verdict, no
+    # examinations (which LLMHealthBackendWedged asks for before it calls DEAD alone).
+    assert page.verdict("gpu") is None, page.verdict("gpu")
+    assert page.get("llmhealth_backend_examinations_total", backend="gpu") is None
+    assert page.state("gpu") is not None
+
+
+@pytest.mark.slow  # 10-20 s of real daemons on etcd
+def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # The fleet stall is "work pending somewhere and no backend finished a request": a
+    # question about the whole fleet. With shard_reads a standby hears only its share,
+    # here gpu1 in a long prefill, while the leader's gpu finishes requests.
+    pairs = [(f"m{i}", f"n{i}") for i in range(50)]
+    names = next(
+        p for p in pairs if owner("gpu", list(p)) == p[0] and owner("gpu1", list(p)) == p[1]
+    )
+    top = 'stall_timeout = "2s"'
+    with (
+        staged(entry_point, tmp_path, more=1, cluster="shard_reads = true") as scene,
+        ExitStack() as stack,
+    ):
+        switch_mode(scene.servers["gpu1"][0], "prefill")  # work, and none of it finishes
+        leader = stack.enter_context(scene.daemon("a", names[0], top=top))
+        leader.until("the first daemon leading", leads)
+        standby = stack.enter_context(scene.daemon("b", names[1], top=top))
+        standby.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
+        page = leader.until(
+            "two members sharing the reads",
+            lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
+        )
+        begun = time.monotonic()
+        mine = standby.scrape() or Page("")
+        while time.monotonic() - begun < 5.0:
+            page = leader.next_cycle(page)
+            mine = standby.next_cycle(mine)
+            assert page.get("llmhealth_fleet_stalled") == 0.0, page.text
+        stalled = mine.get("llmhealth_fleet_stalled")
+    # Before: 1.0 on the standby (LLMHealthFleetStalled, critical), 0.0 on the leader.
+    assert stalled == 0.0, mine.get("llmhealth_fleet_seconds_since_last_finished_request")
