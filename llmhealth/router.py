@@ -938,13 +938,19 @@ class Router:
         )
 
     def _health(self) -> Answer:
-        """What the router can serve now: a backend dropped after a failure is sent
-        nothing until the next settle, so it does not count towards ``min_healthy``, and
-        is named apart (its state is the ledger's, as the settle left it)."""
-        serving = len(self._pick_set())
-        healthy = serving >= self._min_healthy
+        """The ledger's floor, and whether the router can send anywhere now: with every
+        serving backend dropped after a failure (sent nothing until the next settle, named
+        apart) each request gets ``no_backend_status``, and a load balancer that heard
+        "ok" kept sending. One dropped among others breaches nothing: the rest serve."""
+        serving = len(self._serving)
+        if serving < self._min_healthy:
+            status = "floor breached"
+        elif serving and not self._pick_set():
+            status = "every serving backend dropped after a failed request"
+        else:
+            status = "ok"
         body = {
-            "status": "ok" if healthy else "floor breached",
+            "status": status,
             "serving": serving,
             "min_healthy": self._min_healthy,
             "backends": {
@@ -953,7 +959,7 @@ class Router:
             "dropped": sorted(self._dropped),
             "in_flight": self.in_flight,
         }
-        return _json(200 if healthy else 503, body)
+        return _json(200 if status == "ok" else 503, body)
 
     def _models(self) -> Answer:
         models = sorted(

@@ -357,14 +357,36 @@ def test_health_counts_a_backend_dropped_after_a_failure_as_not_serving(
             assert (await http.post(url + CHAT, content=BODY)).status_code == 500
             health = await http.get(url + "/health")
             assert health.status_code == 503
-            assert health.json()["serving"] == 0
-            assert health.json()["backends"] == {"a": "healthy"}  # the ledger's, unchanged
+            assert health.json()["status"] == "every serving backend dropped after a failed request"
+            assert health.json()["serving"] == 1  # the ledger's count and states, unchanged
+            assert health.json()["backends"] == {"a": "healthy"}
             assert health.json()["dropped"] == ["a"]
             router.drain()  # the next settle hears the failure and keeps the backend
             router.push({"a": ANY_MODEL}, {"a": "healthy"}, 1)
             health = await http.get(url + "/health")
             assert (health.status_code, health.json()["serving"]) == (200, 1)
             assert health.json()["dropped"] == []
+
+    run(scenario())
+
+
+def test_health_stays_ok_with_one_backend_dropped_while_another_serves(
+    httpserver: HTTPServer,
+) -> None:
+    """The floor is the ledger's: one backend's failed request breaches nothing while
+    the router still sends to the others (a 503 there would take a working router out)."""
+    httpserver.expect_request(CHAT).respond_with_data("engine dead", status=500)
+    httpserver.expect_request("/b" + CHAT).respond_with_json({"ok": True})
+
+    async def scenario() -> None:
+        backends = {"a": httpserver.url_for(""), "b": httpserver.url_for("/b")}
+        async with routing(backends) as (router, url), client() as http:
+            router.push(dict.fromkeys(backends, ANY_MODEL), dict.fromkeys(backends, "healthy"), 2)
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 500  # "a" first
+            health = await http.get(url + "/health")
+            assert (health.status_code, health.json()["status"]) == (200, "ok")
+            assert health.json()["dropped"] == ["a"]
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 200
 
     run(scenario())
 
