@@ -425,7 +425,6 @@ class AuditLog:
             # made wherever that link led.
             path = trusted_target(self.path)
             make_directories(self.path.parent)
-            created = not path.exists()
             # Read as well as written: the last byte says whether a torn line needs ending.
             # Not waiting on a lease longer than on the lock (openfiles.open_within).
             fd = open_within(
@@ -459,7 +458,11 @@ class AuditLog:
                 raise AuditError(
                     f"{self.path}: cannot make the records durable: {_why(exc)}"
                 ) from exc
-            if created:
+            if size == 0:
+                # A new log's entry, or one whose first records were cut back below
+                # (the file stays, empty): told by its size under the lock, not by its
+                # existence before the open, which took such a log for an old one and
+                # synced no directory for the records of the retry.
                 # Cut back as for a failed fsync, under the lock: kept while the caller
                 # took the records for unwritten, its state unsaved, they were written
                 # again by the next try.
