@@ -901,3 +901,64 @@ def test_the_units_capability_less_root_finds_a_backend_by_its_cgroup_not_its_po
             for where in ([], [str(tmp_path)])
         ]
     assert seen == ["None", f"({os.stat(tmp_path).st_ino},)"]
+
+
+# What the server below does: start its engine as it was started itself.
+RUNS_ITSELF = "import subprocess, sys; subprocess.run([sys.executable, '-c', ''], check=True)"
+
+
+def granted(*capabilities: str) -> list[str]:
+    """The unit's root given back these capabilities alone, as systemd/llmhealth.service
+    suggests."""
+    some = ",".join(f"+{name}" for name in capabilities)
+    return [
+        "setpriv",
+        f"--bounding-set=-all,{some}",
+        f"--inh-caps=-all,{some}",
+        f"--ambient-caps=-all,{some}",
+        "--",
+    ]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="root, and util-linux setpriv"
+)
+def test_another_users_engine_is_found_by_its_port_with_dac_read_search_as_well_as_ptrace() -> None:
+    """README.md and systemd/llmhealth.service: CAP_SYS_PTRACE alone, given back to the
+    unit's root, found no vLLM of another user by its port: listing its /proc/<pid>/fd
+    is that user's alone, CAP_DAC_READ_SEARCH's besides."""
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    # The tests' interpreter may lie in a directory that user cannot enter (root's home).
+    tried = (os.path.realpath(sys.executable), "/usr/bin/python3")
+    ran = [
+        subprocess.run([*nobody, python, "-c", RUNS_ITSELF], check=False, stderr=subprocess.DEVNULL)
+        for python in tried
+    ]
+    runs = [python for python, done in zip(tried, ran, strict=True) if done.returncode == 0]
+    if not runs:
+        pytest.skip("no Python another user may run")
+    python = runs[0]
+    server = subprocess.Popen(
+        [*nobody, python, "-c", SERVER, "127.0.0.1", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port, engine = (int(field) for field in server.stdout.readline().split())
+        seen = [
+            subprocess.run(
+                [*given, sys.executable, "-c", SAMPLED, f"http://127.0.0.1:{port}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            for given in (granted("sys_ptrace"), granted("sys_ptrace", "dac_read_search"))
+        ]
+    finally:
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.close()
+        server.wait(timeout=10)
+        server.stdout.close()
+    assert seen == ["None", f"({engine},)"]
