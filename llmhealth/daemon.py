@@ -193,6 +193,7 @@ class WatchState:
     serving_written: tuple[tuple[str, str], ...] | None = None
     cycles: int = 0
     notes: tuple[str, ...] = ()  # the last settle's, so that each is logged once
+    share_alone: bool = False  # the last cycle heard this member's share alone (a standby)
 
 
 class Daemon:
@@ -1242,6 +1243,13 @@ class Daemon:
             for target in self._targets:
                 if not self._reads(target):
                     state.latest.pop(target.name, None)
+        elif state.share_alone:
+            # Hearing the whole fleet from now on: what it observed standing by was its
+            # share's alone, and kept, a share with work and nothing finished had the new
+            # leader call the fleet stalled at once, before the others' backends' finished
+            # requests were heard (their first verdicts come a settle or two later).
+            state.stall = StallWatch(started_at=now)
+        state.share_alone = share_alone
         for line in report.notes:
             if line not in state.notes:  # a standby's note holds from cycle to cycle
                 self._log(line)
@@ -1262,7 +1270,8 @@ class Daemon:
         state.stall.observe(signals, now)
         # Whether the fleet stalls is the leader's to say: a share with work pending and
         # none finished was called a stalled fleet (LLMHealthFleetStalled, critical) while
-        # the others' backends finished requests. Observed all the same, for when it leads.
+        # the others' backends finished requests. Observed all the same, for its gauge of
+        # the time since a request finished (of its share).
         stalled = not share_alone and state.stall.stalled(now, self._config.stall_timeout)
         # Every backend's ledger state, not only those whose probe reported this cycle.
         snapshots = self._snapshots

@@ -372,3 +372,45 @@ def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
         stalled = mine.get("llmhealth_fleet_stalled")
     # Before: 1.0 on the standby (LLMHealthFleetStalled, critical), 0.0 on the leader.
     assert stalled == 0.0, mine.get("llmhealth_fleet_seconds_since_last_finished_request")
+
+
+@pytest.mark.slow  # 10-20 s of real daemons on etcd, the leader killed
+def test_a_sharded_standby_that_takes_the_lead_does_not_call_the_fleet_stalled_from_its_share(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # Standing by, a member observes its share alone for the stall: its gpu1 in a long
+    # prefill, no request finished there since it started. Leading, it said the fleet
+    # stalled at once from that share-only history (its log line, the gauge, STATUS),
+    # while the gpu its killed leader read finished requests all along.
+    pairs = [(f"m{i}", f"n{i}") for i in range(50)]
+    names = next(
+        p for p in pairs if owner("gpu", list(p)) == p[0] and owner("gpu1", list(p)) == p[1]
+    )
+    top = 'stall_timeout = "4s"'
+    with (
+        staged(entry_point, tmp_path, more=1, cluster="shard_reads = true") as scene,
+        ExitStack() as stack,
+    ):
+        switch_mode(scene.servers["gpu1"][0], "prefill")  # work, and none of it finishes
+        leader = stack.enter_context(scene.daemon("a", names[0], top=top))
+        leader.until("the first daemon leading", leads)
+        standby = stack.enter_context(scene.daemon("b", names[1], top=top))
+        standby.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
+        page = leader.until(
+            "two members sharing the reads",
+            lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
+        )
+        mine = standby.scrape() or Page("")
+        begun = time.monotonic()
+        while time.monotonic() - begun < 5.0:  # past stall_timeout, standing by
+            page = leader.next_cycle(page)
+            mine = standby.next_cycle(mine)
+            assert page.get("llmhealth_fleet_stalled") == 0.0, page.text
+        leader.process.send_signal(signal.SIGKILL)
+        mine = standby.until("the standby leading", leads)
+        for _ in range(6):
+            mine = standby.next_cycle(mine)
+        log = standby.stderr()
+    # Before: "fleet stall: work is pending and no backend finished a request for N s"
+    # on its first cycles as leader, gpu's finished requests not yet heard.
+    assert "fleet stall" not in log, log
