@@ -20,10 +20,21 @@ WAITING_PER_SLOT = 2  # synthetic queue length, per slot
 SYNTHETIC_PROMPT_TOKENS = 12
 DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 MAX_MODEL_LEN = 2048  # what /v1/models reports, as the captured server did
-# Prefill time per prompt token, the captured server's own (busy-0.txt: 17 prompt tokens
-# read in 0.1003 s): a process shows the prefill time of the prompts it has read, which
-# llmhealth divides by its prompt tokens to learn how long a step can take.
-PREFILL_SECONDS_PER_PROMPT_TOKEN = 0.1003197850000106 / 17
+# Prefill time of one request, the captured server's own: busy-0.txt read two short
+# prompts in 0.1003 s, chunk-1.txt one of 2,000 tokens in 0.1008 s, so the time goes with
+# the request, not its prompt's length. A process shows the prefill time of the requests
+# it has finished, which llmhealth divides by its prompt tokens and multiplies by the
+# most tokens of one step to learn how long a step can take: at 5.9 ms a prompt token
+# (busy-0's 0.1003 s over its 17 tokens) one 2,000-token prompt was a 12 s step, where
+# the real server learns 0.1 s from it.
+PREFILL_SECONDS = 0.1003197850000106 / 2
+# The finite bucket bounds of vLLM's histogram of tokens per engine step, as the template
+# writes them. A request's prompt is read in the step that makes its first token
+# (chunk-1.txt: one 2,000-token prompt, one step of 2,001 tokens, under le="2048.0"), and
+# llmhealth learns from these buckets how many tokens one step can hold: every step
+# counted under le="8.0" said 8 whatever the prompts, with a sum no bucket could hold.
+STEP_TOKEN_BOUNDS: tuple[float, ...] = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+STEP_TOKEN_BOUNDS += (1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 
 class Load(Enum):
@@ -183,6 +194,17 @@ class EngineSnapshot:
     finished: int
     preemptions: int
     awake: bool
+    # Steps by how many tokens each held, one count per STEP_TOKEN_BOUNDS bucket and one
+    # over them (not cumulative); empty: none.
+    step_buckets: tuple[int, ...] = ()
+    # Requests that made their first token: every later token came one step (an
+    # inter-token gap of 1 / STEP_RATE s) after the one before it.
+    first_tokens: int = 0
+
+
+def _bucket(bounds: tuple[float, ...], value: float) -> int:
+    """The index of the first bucket of ``bounds`` that holds ``value``; len(bounds): +Inf."""
+    return next((index for index, bound in enumerate(bounds) if value <= bound), len(bounds))
 
 
 @dataclass(frozen=True)
@@ -206,6 +228,7 @@ class _EngineState:
     """Real requests of one engine in one simulated process; synthetic load is computed."""
 
     slot_free: list[float]  # when each slot frees, for loads without synthetic requests
+    first_step_extra: int = 1  # tokens of others in the step that reads a prompt
     last_event: int = -1  # last synthetic slot-free event handed to a real request
     in_flight: list[_RealRequest] = field(default_factory=list)
     steps: int = 0
@@ -213,6 +236,8 @@ class _EngineState:
     prompt_tokens: int = 0
     finished: int = 0
     first_done_at: float = math.inf
+    # The steps that read the finished requests' prompts, by STEP_TOKEN_BOUNDS bucket.
+    step_buckets: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BOUNDS) + 1))
 
     def fold(self, t: float) -> None:
         """Move requests finished by `t` into the totals, so reads stay O(requests in flight)."""
@@ -226,9 +251,14 @@ class _EngineState:
                 self.prompt_tokens += r.prompt_tokens
                 self.finished += 1
                 self.first_done_at = min(self.first_done_at, r.finish)
+                self.step_buckets[self.first_step(r.prompt_tokens)] += 1
             else:
                 still.append(r)
         self.in_flight = still
+
+    def first_step(self, prompt_tokens: int) -> int:
+        """The bucket of the step that reads this prompt and makes its first token."""
+        return _bucket(STEP_TOKEN_BOUNDS, prompt_tokens + self.first_step_extra)
 
 
 class SimBackend:
@@ -247,7 +277,12 @@ class SimBackend:
 
     def _fresh_engines(self) -> list[_EngineState]:
         n = self.config.max_num_seqs
-        return [_EngineState(slot_free=[-math.inf] * n) for _ in range(self.config.engines)]
+        # Busy: a prompt is read in a step with the other slots' decode tokens.
+        extra = n if self.spec.load is Load.BUSY else 1
+        return [
+            _EngineState(slot_free=[-math.inf] * n, first_step_extra=extra)
+            for _ in range(self.config.engines)
+        ]
 
     def _advance(self, now: float) -> tuple[float, float]:
         """Clamp time to run forward; switch process on a restart. Returns (now, start)."""
@@ -344,16 +379,22 @@ class SimBackend:
             begun = [
                 r.prompt_tokens for r, tokens in zip(state.in_flight, made, strict=True) if tokens
             ]
+            steps = state.steps + sum(made)
+            buckets = list(state.step_buckets)
+            for prompt in begun:
+                buckets[state.first_step(prompt)] += 1
             return EngineSnapshot(
                 running=real_running,
                 waiting=real_waiting,
                 kv_usage=0.002 * real_running + 0.00001 * sum(made),
-                steps=state.steps + sum(made),
+                steps=steps,
                 generation_tokens=state.generation_tokens + sum(made),
                 prompt_tokens=state.prompt_tokens + sum(begun),
                 finished=state.finished,
                 preemptions=0,
                 awake=True,
+                step_buckets=_with_steps(buckets, steps, 1),
+                first_tokens=state.finished + len(begun),
             )
         elapsed = t - start
         kv = _kv_usage(elapsed, n, self.config.request_seconds, load)
@@ -371,21 +412,37 @@ class SimBackend:
                 finished=state.finished,
                 preemptions=0,
                 awake=True,
+                step_buckets=_with_steps(list(state.step_buckets), state.steps, 1),
+                first_tokens=state.finished,
             )
         # Busy: real requests ride in slots whose steps the synthetic count already includes.
-        steps = int(elapsed * STEP_RATE)
+        # Each request's prompt was read in a step of its own (the first ones at once: no
+        # prompt is counted before a step read it).
         finished = int(elapsed // (self.config.request_seconds / n))
+        firsts = n + finished
+        steps = max(int(elapsed * STEP_RATE), firsts + state.finished)
+        buckets = list(state.step_buckets)
+        buckets[_bucket(STEP_TOKEN_BOUNDS, SYNTHETIC_PROMPT_TOKENS + n)] += firsts
         return EngineSnapshot(
             running=n,
             waiting=waiting,
             kv_usage=kv,
             steps=steps,
             generation_tokens=steps * n,
-            prompt_tokens=(n + finished) * SYNTHETIC_PROMPT_TOKENS + state.prompt_tokens,
+            prompt_tokens=firsts * SYNTHETIC_PROMPT_TOKENS + state.prompt_tokens,
             finished=finished + state.finished,
             preemptions=0,
             awake=True,
+            step_buckets=_with_steps(buckets, steps, n),
+            first_tokens=firsts + state.finished,
         )
+
+
+def _with_steps(buckets: list[int], steps: int, tokens: int) -> tuple[int, ...]:
+    """``buckets`` (the steps that read a prompt) and the rest of ``steps``, of ``tokens``
+    tokens each, in their bucket."""
+    buckets[_bucket(STEP_TOKEN_BOUNDS, tokens)] += steps - sum(buckets)
+    return tuple(buckets)
 
 
 def _tokens_made(request: _RealRequest, t: float) -> int:
@@ -418,6 +475,8 @@ _PROCESS_KEYS = frozenset({"start", "created"})
 _ENGINE_KEYS = frozenset(
     {"running", "waiting", "kv", "steps", "iter_sum", "gen", "prompt", "finished"}
     | {"preemptions", "awake", "offloaded", "prefill"}
+    | {f"steps_b{index}" for index in range(len(STEP_TOKEN_BOUNDS))}
+    | {"gaps", "gaps_sum"}
 )
 # Prometheus multiprocess mode leaves these out until the engine first reported stats.
 _LATE_GAUGES = frozenset(
@@ -557,6 +616,7 @@ class MetricsText:
 
 
 def _engine_values(e: EngineSnapshot) -> dict[str, str]:
+    gaps = max(0, e.generation_tokens - e.first_tokens)
     return {
         "running": format_value(e.running),
         "waiting": format_value(e.waiting),
@@ -566,8 +626,25 @@ def _engine_values(e: EngineSnapshot) -> dict[str, str]:
         "gen": format_value(e.generation_tokens),
         "prompt": format_value(e.prompt_tokens),
         "finished": format_value(e.finished),
-        "prefill": format_value(e.prompt_tokens * PREFILL_SECONDS_PER_PROMPT_TOKEN),
+        # Every finished request's prefill took PREFILL_SECONDS: all under le="0.3".
+        "prefill": format_value(e.finished * PREFILL_SECONDS),
         "preemptions": format_value(e.preemptions),
         "awake": "1.0" if e.awake else "0.0",
         "offloaded": "0.0" if e.awake else "1.0",
+        **_cumulative("steps", e.step_buckets, len(STEP_TOKEN_BOUNDS)),
+        # The gaps between a request's tokens, all under the lowest bound (0.01 s): the
+        # template's were a captured busy server's 6,059, which a process that had made
+        # no token showed too, and llmhealth learned its steps from them.
+        "gaps": format_value(gaps),
+        "gaps_sum": format_value(gaps / STEP_RATE),
     }
+
+
+def _cumulative(key: str, counts: tuple[int, ...], bounds: int) -> dict[str, str]:
+    """A histogram's finite buckets as vLLM writes them: each counts all below its bound."""
+    values: dict[str, str] = {}
+    total = 0
+    for index in range(bounds):
+        total += counts[index] if index < len(counts) else 0
+        values[f"{key}_b{index}"] = format_value(total)
+    return values

@@ -88,6 +88,19 @@ def _error(status: int, message: str) -> _Response:
     return _json(status, {"error": error})
 
 
+def _loads(body: bytes) -> Any:
+    """A request body's JSON; ValueError for any body that is not JSON we can take.
+
+    Bodies of 1 MiB reach further than json's own errors: 100,000 nested brackets raise
+    RecursionError, an integer of 5,000 digits a plain ValueError, and either answered
+    500 with a traceback on the simulator's stderr, where vLLM answers 400.
+    """
+    try:
+        return json.loads(body)  # its other errors are ValueErrors (bad UTF-8 too)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deep") from exc
+
+
 def _detail(status: int) -> _Response:
     # FastAPI's shape for routing errors (unknown path, wrong method).
     return _json(status, {"detail": http.HTTPStatus(status).phrase})
@@ -342,7 +355,10 @@ class _Backend:
         that stands another long-running process in its place.
         """
         try:
-            payload = json.loads(request.body or b"{}")
+            payload = _loads(request.body or b"{}")
+        except ValueError as exc:
+            return _error(400, f"body must be a JSON object: {exc}")
+        try:
             spec = simengine.parse_mode(str(payload.get("mode", self.spec.text)))
             age = payload.get("age", 0.0)
             if isinstance(age, bool) or not isinstance(age, int | float):
@@ -350,7 +366,7 @@ class _Backend:
             # float() first: an integer too large for one passed the checks, and then
             # every /metrics of the new process failed on it.
             config = replace(self.config, age=float(age))
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        except AttributeError as exc:
             return _error(400, f"body must be a JSON object: {exc}")
         except OverflowError:
             return _error(400, "age must be a finite number of seconds, 0 or more")
@@ -367,8 +383,8 @@ class _Backend:
     def _set_metrics_hang(self, request: _Request) -> _Response:
         """Make /metrics hang or answer again; the process (start time, counters) stays."""
         try:
-            payload = json.loads(request.body or b"{}")
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            payload = _loads(request.body or b"{}")
+        except ValueError as exc:
             return _error(400, f"body must be a JSON object: {exc}")
         hang = payload.get("hang") if isinstance(payload, dict) else None
         if not isinstance(hang, bool):
@@ -391,8 +407,8 @@ class _Backend:
     async def _completion(self, request: _Request, conn: _Connection) -> _Response | None:
         self.stats.completions_received += 1
         try:
-            payload = json.loads(request.body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            payload = _loads(request.body)
+        except ValueError:
             return _error(400, "request body is not valid JSON")
         if not isinstance(payload, dict):
             return _error(400, "request body must be a JSON object")
@@ -471,16 +487,26 @@ _GET_ROUTES: dict[str, Callable[[_Backend], _Response]] = {
 
 
 def _count_prompt_tokens(prompt: object) -> int | None:
-    """A rough token count (words for text), enough to move the prompt-token counters."""
+    """A rough token count (words for text), enough to move the prompt-token counters.
+
+    The prompts vLLM takes: a text, token ids, or a list of either. Any depth of lists
+    was counted by recursion, and 900 nested ones answered 500 with a RecursionError.
+    """
     if isinstance(prompt, str):
         return max(1, len(prompt.split()))
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return len(prompt)
-        counts = [_count_prompt_tokens(p) for p in prompt]
-        if all(c is not None for c in counts):
-            return sum(c for c in counts if c is not None)
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if _token_ids(prompt):
+        return len(prompt)
+    if all(isinstance(p, str) for p in prompt):
+        return sum(max(1, len(p.split())) for p in prompt)
+    if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+        return sum(len(p) for p in prompt)
     return None
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    return all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
 
 
 def _model_list(model: str, created: int) -> dict[str, object]:

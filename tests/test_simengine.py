@@ -15,7 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 import llmhealth.simengine as se
+from llmhealth.metrics import parse_metrics
 from llmhealth.simengine import Load, ModeError, Outcome, SimBackend, SimConfig, parse_mode
+from llmhealth.window import longest_step
 
 BORN = 1_796_024_376.26
 CAPTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
@@ -403,3 +405,90 @@ def test_an_idle_engine_decoding_a_long_request_shows_its_progress() -> None:
     done = b.observe(ticket.at + 1).engines[0]
     assert (done.running, done.steps, done.generation_tokens, done.finished) == (0, 2000, 2000, 1)
     assert done.prompt_tokens == 5
+
+
+def histogram_problems(text: str) -> list[str]:
+    """What no real histogram shows: buckets that fall, +Inf other than the count, or a
+    sum that the buckets' bounds cannot hold."""
+    problems = []
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        groups: dict[frozenset[tuple[str, str]], list[tuple[str, float, float]]] = {}
+        for s in family.samples:
+            key = frozenset((k, v) for k, v in s.labels.items() if k != "le")
+            groups.setdefault(key, []).append((s.name, float(s.labels.get("le", "nan")), s.value))
+        for samples in groups.values():
+            buckets = [(le, v) for name, le, v in samples if name.endswith("_bucket")]
+            (count,) = [v for name, _, v in samples if name.endswith("_count")]
+            (total,) = [v for name, _, v in samples if name.endswith("_sum")]
+            values = [v for _, v in buckets]
+            if values != sorted(values) or values[-1] != count:
+                problems.append(f"{family.name}: buckets {values}, count {count}")
+            below, most = 0.0, 0.0
+            for le, v in buckets:
+                if v > below:
+                    most += (v - below) * le
+                below = v
+            if total > most:
+                problems.append(f"{family.name}: sum {total} over the buckets' {most}")
+    return problems
+
+
+def test_the_real_captures_histograms_are_consistent() -> None:
+    for name in ("busy-2", "chunk-1", "chunk-2", "prefill2-3", "wedge-2"):
+        assert histogram_problems((CAPTURES / f"{name}.txt").read_text()) == [], name
+
+
+@pytest.mark.parametrize("mode", ["idle", "busy", "prefill"])
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_a_step_that_read_a_long_prompt_is_counted_in_the_bucket_that_holds_it(
+    mode: str, max_num_seqs: int
+) -> None:
+    """Every step was counted under le="8.0" whatever its tokens: one 2,000-token prompt
+    (or 64 sequences decoding) made a sum no bucket could hold, and llmhealth learned
+    that no step of the simulator held more than 8 tokens, where the real server's
+    buckets say 2,048 (chunk-1.txt)."""
+    b = backend(mode, max_num_seqs=max_num_seqs)
+    ticket = b.submit(at(0.5), 2000, 1)
+    assert histogram_problems(render(b, at(0.5))) == []
+    later = ticket.at + 0.1 if ticket.outcome is Outcome.ANSWER else at(3)
+    text = render(b, later)
+    assert histogram_problems(text) == []
+    if mode != "busy" or ticket.outcome is Outcome.ANSWER:
+        (engine,) = parse_metrics(text).engines
+        # Busy: the prompt shares its step with the other slots' tokens.
+        assert engine.finished and engine.largest_step_tokens == (
+            4096 if max_num_seqs == 64 and mode == "busy" else 2048
+        )
+    if mode != "busy":
+        # The one request read, as chunk-1.txt's server read it: the step learned is
+        # about its 0.10 s, not 12 s from busy-0's rate per prompt token.
+        real = parse_metrics((CAPTURES / "chunk-1.txt").read_text())
+        step, real_step = longest_step(parse_metrics(text)), longest_step(real)
+        assert step is not None and real_step is not None
+        assert step.seconds < 2 * real_step.seconds
+
+
+def test_a_fresh_busy_engine_counts_no_prompt_before_a_step_read_it() -> None:
+    (engine,) = backend("busy").observe(at(0.001)).engines
+    assert engine.prompt_tokens and engine.steps >= 4
+    assert histogram_problems(render(backend("busy"), at(0.001))) == []
+
+
+def test_a_process_that_made_no_token_shows_no_inter_token_gap() -> None:
+    """The template's inter-token histogram was a captured busy server's 6,059 gaps, in
+    every process: a fresh or restarted one that had made no token showed them, where a
+    real one shows none (restart-1.txt), and llmhealth learned its steps from them."""
+    real_new = parse_metrics((CAPTURES / "restart-1.txt").read_text()).engines[0]
+    assert real_new.longest_gap is None
+    b = backend("idle")
+    (fresh,) = parse_metrics(render(b, at(1))).engines
+    assert fresh.longest_gap is None
+    ticket = b.submit(at(1), 5, 16)
+    text = render(b, ticket.at + 1)
+    (served,) = parse_metrics(text).engines
+    assert served.longest_gap is not None and served.longest_gap <= 0.01
+    assert histogram_problems(text) == []
+    labels = frozenset({("engine", "0"), ("model_name", "tiny")})
+    assert series(text)[("vllm:inter_token_latency_seconds_count", labels)] == 15

@@ -599,7 +599,7 @@ def test_a_process_shows_the_prefill_time_of_the_prompts_it_read(client: httpx.C
     """The prefill time was the template's fixed 0.10 s whatever the prompts: a restarted
     process that had read none showed it (a real new one shows 0, restart-2.txt), and
     after one 1-token prompt llmhealth learned "prefill 100 ms per prompt token", a
-    0.8 s step, where the real server's own rate is 5.9 ms (busy-0.txt)."""
+    0.8 s step, where the real server took 0.05 s a request (busy-0.txt)."""
 
     def engine(body: bytes) -> EngineSignals:
         return parse_metrics(body).engines[0]
@@ -614,9 +614,12 @@ def test_a_process_shows_the_prefill_time_of_the_prompts_it_read(client: httpx.C
         assert fresh.prefill_seconds == real_new.prefill_seconds == 0
         assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
         served = engine(client.get(f"{url}/metrics").content)
-    assert served.prefill_seconds and served.prompt_tokens
-    assert served.prefill_seconds / served.prompt_tokens == pytest.approx(
-        real_served.prefill_seconds / real_served.prompt_tokens
+    assert served.prefill_seconds and served.prompt_tokens and served.finished == 1
+    # Per request, as the real server's prefill time goes (busy-0.txt: two short prompts
+    # in 0.10 s; chunk-1.txt: one of 2,000 tokens in 0.10 s), not per prompt token.
+    assert real_served.finished
+    assert served.prefill_seconds == pytest.approx(
+        real_served.prefill_seconds / real_served.finished
     )
 
 
@@ -630,5 +633,29 @@ def test_a_restart_whose_age_is_no_number_of_seconds_is_refused(client: httpx.Cl
             assert answer.status_code == 400, answer.text
         assert client.get(f"{url}/metrics").status_code == 200
         assert client.get(f"{url}/sim/stats").json()["restarts"] == 0
+        assert sim.stop() == 0
+        assert sim.stderr() == ""
+
+
+def test_a_body_json_cannot_take_is_refused_not_a_crash(client: httpx.Client) -> None:
+    """Bodies under the 1 MiB cap that json itself cannot take (100,000 nested brackets:
+    RecursionError; an integer of 5,000 digits: a ValueError that is no JSONDecodeError)
+    or that the prompt count recursed into answered 500, each with a traceback on the
+    simulator's stderr, at every endpoint that reads JSON; vLLM answers 400."""
+    deep = b"[" * 100_000
+    big = b"1" * 5_000
+    nested_prompt = b'{"prompt": ' + b"[" * 900 + b"1" + b"]" * 900 + b"}"
+    bodies = {
+        "/v1/completions": [deep, b'{"max_tokens": ' + big + b"}", nested_prompt],
+        "/sim/metrics": [deep, b'{"hang": ' + big + b"}"],
+        "/sim/restart": [deep, b'{"age": ' + big + b"}"],
+    }
+    with running_simulator(["idle"]) as sim:
+        url = sim.urls[0]
+        for path, payloads in bodies.items():
+            for body in payloads:
+                answer = client.post(f"{url}{path}", content=body)
+                assert answer.status_code == 400, (path, body[:20], answer.text)
+        assert client.post(f"{url}/v1/completions", json=TINY).status_code == 200
         assert sim.stop() == 0
         assert sim.stderr() == ""
