@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,12 +135,50 @@ def test_a_sticky_backend_slack_requests_busier_than_the_least_loses_the_session
     assert choose(pool, {"b": 7, "a": 4}, model="llama", key=key, slack=4) == "b"
 
 
+def test_a_session_never_goes_to_a_backend_that_does_not_serve_its_model() -> None:
+    pool = {"a": LLAMA, "b": frozenset({"mistral"})}
+    both = dict.fromkeys("ab", LLAMA)
+    key = next(f"k{i}" for i in range(100) if choose(both, {}, model="llama", key=f"k{i}") == "b")
+    assert choose(pool, {}, model="llama", key=key) == "a"
+
+
+def test_the_slack_is_counted_from_the_least_loaded_backend_serving_the_model() -> None:
+    pool = {"a": LLAMA, "b": LLAMA, "c": frozenset({"mistral"})}
+    both = dict.fromkeys("ab", LLAMA)
+    key = next(f"k{i}" for i in range(100) if choose(both, {}, model="llama", key=f"k{i}") == "b")
+    # Idle c serves another model: b is no busier than a, so the session stays.
+    assert choose(pool, {"a": 4, "b": 4, "c": 0}, model="llama", key=key, slack=4) == "b"
+
+
 def test_a_session_key_with_lone_surrogates_has_a_home_like_any_other() -> None:
     # A header's non-UTF-8 bytes as decoded, or a JSON "\udcff": a strict encode raised.
     pool = dict.fromkeys("abcd", LLAMA)
     for key in ("caf\udce9", "\udcff", "\ud800x"):
         home = choose(pool, {}, model="llama", key=key, slack=4)
         assert home in pool and choose(pool, {}, model="llama", key=key, slack=4) == home
+
+
+def test_a_session_goes_where_a_router_in_another_process_sent_it() -> None:
+    """A restarted router must send each session where the previous one did: Python
+    salts str hashes per process, so two interpreters with different seeds must agree."""
+    code = (
+        "from llmhealth.choice import choose\n"
+        "pool = dict.fromkeys('abcdefgh', None)\n"
+        "print(''.join(choose(pool, {}, model=None, key=f'user-{i}') for i in range(64)))\n"
+    )
+    homes = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(homes) == 1, homes
+    (home,) = homes
+    assert len(set(home.strip())) > 1  # the keys really spread over the backends
 
 
 def test_slack_below_one_is_refused() -> None:
@@ -165,6 +206,8 @@ def test_the_choice_is_never_more_than_slack_above_the_least(
         ("header:X-Session-Id", {"X-Session-Id": "s1"}, None, "s1"),
         ("body:user", {}, {"user": "alice"}, "alice"),
         ("body:user", {}, {"user": 42}, "42"),
+        # A JSON field name is case-sensitive, unlike a header's.
+        ("body:userId", {}, {"userid": "wrong", "userId": "bob"}, "bob"),
         ("body:user", {}, {"user": ["not", "a", "name"]}, None),
         ("body:user", {}, {"user": True}, None),
         ("body:user", {}, {"user": ""}, None),

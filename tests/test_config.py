@@ -220,6 +220,29 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ('on_serving_change = ["/bin/x", "a\\u0000b"]', "on_serving_change: holds a NUL"),
         ("state = '/'", "state: '/' names a directory, not a file"),
         ("audit_log = '.'", "audit_log: '.' names a directory, not a file"),
+        # Each bound one step past where it holds.
+        ("[policy]\nmin_healthy = -1", "policy.min_healthy: -1 is below"),
+        ("[policy]\nhealthy_threshold = 0", "policy.healthy_threshold: 0 is below"),
+        ("[policy]\nmax_concurrent_restarts = 0", "policy.max_concurrent_restarts: 0 is below"),
+        ("[policy]\nrestart_budget = 0", "policy.restart_budget: 0 is below"),
+        ("max_body = 1023", "max_body: 1023 is below the least allowed value, 1024"),
+        ("[router]\nmax_body = 1023", "router.max_body: 1023 is below"),
+        ("[router]\nno_backend_status = 399", "router.no_backend_status: 399 is below"),
+        ("[router]\nno_backend_status = 600", "router.no_backend_status: 600 is not an HTTP"),
+        (
+            "[router]\nfirst_byte_timeout = '3s'\nconnect_timeout = '3s'",
+            "router.first_byte_timeout: 3 s must be longer than router.connect_timeout",
+        ),
+        ("[router]\nlisten = '127.0.0.1:0'", "router.listen: '127.0.0.1:0' is not HOST:PORT"),
+        ("[router]\nlisten = '127.0.0.1:65536'", "router.listen: '127.0.0.1:65536' is not"),
+        ("[cluster]\netcd = ['http://e:1']\nprefix = '/f/'", "cluster.prefix: '/f/' must be"),
+        ("[[backend]]\nurl = 'http://a:1/x;y'", "a base URL takes no query, parameters or"),
+        ("[[backend]]\nurl = 'http://a:1'\nexpected_model = 'm|x'", "expected_model: 'm|x' must"),
+        ("[policy]\nmin_healthy = true", "policy.min_healthy: True is not a whole number"),
+        ("[[backend]]\nurl = 'http://a:99999'", "backend[0].url: 'http://a:99999' has a bad port"),
+        ("[[backend]]\nname = '  '\nurl = 'http://a:1'", "backend[0].name: '  ' is not a"),
+        # false is no duration of nothing: only a zero turns a wedge term off.
+        ("[[backend]]\nurl = 'http://a:1'\nwedge_after = false", "backend[0].wedge_after"),
     ],
 )
 def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
@@ -228,6 +251,26 @@ def test_each_mistake_names_the_file_and_the_key(tmp_path: Path, text: str, mess
         load(path)
     assert str(caught.value).startswith(f"{path}: ")
     assert message in str(caught.value)
+
+
+def test_each_bound_itself_is_taken(tmp_path: Path) -> None:
+    text = (
+        "wait = '1ms'\ntimeout = '1h'\nmax_body = 1024\n"
+        "[policy]\nmin_healthy = 0\ncooldown = '5m'\ncooldown_max = '5m'\n"
+        "max_in_place_recoveries = 0\nrestart_budget_window = '366d'\n"
+        "[router]\nlisten = '127.0.0.1:65535'\nno_backend_status = 599\n"
+        "[cluster]\netcd = ['http://e:1']\nlease_ttl = 2\n"
+    )
+    config = load(write(tmp_path, text))
+    assert (config.wait, config.timeout, config.max_body) == (0.001, 3600.0, 1024)
+    policy = config.policy
+    assert (policy.min_healthy, policy.cooldown, policy.cooldown_max) == (0, 300.0, 300.0)
+    assert policy.max_in_place_recoveries == 0
+    assert policy.restart_budget_window == 366 * 86400.0
+    assert (config.router.listen, config.router.no_backend_status) == ("127.0.0.1:65535", 599)
+    assert config.cluster is not None and config.cluster.lease_ttl == 2.0
+    status = load(write(tmp_path, "[router]\nno_backend_status = 400\n")).router
+    assert status.no_backend_status == 400
 
 
 def test_recovery_in_place_is_on_by_default_and_can_be_turned_off_or_capped(
@@ -781,6 +824,8 @@ def test_a_host_no_server_can_have_is_refused_not_judged_down(tmp_path: Path, ur
         load(path)
     assert "backend[0].url:" in str(caught.value)
     assert "no host name" in str(caught.value)
+    expanded = "(a variable is not expanded here)" in str(caught.value)
+    assert expanded == ("$" in url)
     with pytest.raises(ValueError, match="no host name"):
         check_url("http://\x1bc\x1b:8001")  # a bare URL on the command line
     for good in ("http://vllm_0.svc:8000", "http://[fe80::1%25eth0]:8000", "http://bücher.de"):

@@ -838,6 +838,9 @@ def test_a_lease_spares_a_clients_own_4xx_by_default(status: int) -> None:
     assert not counts_against_backend(error)
     assert counts_against_backend(_StatusError(503)) and counts_against_backend(OSError())
     assert not counts_against_backend(_StatusError(307))  # the router's rule: 5xx only
+    assert counts_against_backend(_StatusError(500)) and not counts_against_backend(
+        _StatusError(499)
+    )
 
 
 def test_a_retry_elsewhere_leaves_out_the_backend_that_failed() -> None:
@@ -906,6 +909,24 @@ def test_a_lease_that_outlived_its_process_reports_nothing_on_the_replacement() 
     with pytest.raises(TimeoutError), selector.lease() as key:
         raise TimeoutError("read timed out")
     assert key == 0 and f.snapshot()[0].request_failures == 1
+
+
+def test_a_lease_that_outlived_its_process_reports_no_success_on_the_replacement() -> None:
+    """An answer from the old process says nothing of the new one: counted, it cleared
+    the replacement's own failure streak."""
+    f, _ = fleet()
+    selector = Selector(f)
+    old = selector.lease(exclude={1, 2})
+    assert old.__enter__() == 0
+    f.record_actor_death(0, "actor died")
+    f.mark_restarting(0)
+    f.mark_loaded(0, base_url="http://10.0.0.1:8001")
+    f.report_refit(0, weight_version=2)
+    with pytest.raises(TimeoutError), selector.lease(exclude={1, 2}) as key:
+        raise TimeoutError("read timed out")
+    assert key == 0 and f.snapshot()[0].request_failures == 1
+    old.__exit__(None, None, None)
+    assert f.snapshot()[0].request_failures == 1 and selector.inflight(0) == 0
 
 
 def test_leases_spread_concurrent_requests_over_the_fleet() -> None:
