@@ -85,8 +85,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-engine = subprocess.Popen([sys.executable, "-c",
-    "import time\nwhile True:\n    sum(range(300000))\n    time.sleep(0.005)"])
+# Named as vLLM's engine core names itself: llmhealth samples no process that names no
+# vLLM (a forwarder's idle CPU proved wedges), and a stand-in named python gave none.
+engine = subprocess.Popen(["VLLM::EngineCore", "-c",
+    "import time\nwhile True:\n    sum(range(300000))\n    time.sleep(0.005)"],
+    executable=sys.executable)
 print(server.server_address[1], engine.pid, flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the engine goes too
 try:
