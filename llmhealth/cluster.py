@@ -153,7 +153,8 @@ def compare_modified(key: str, revision: int) -> dict[str, Any]:
 
 
 class Etcd:
-    """The etcd endpoints, tried in turn; the one that answered last is tried first."""
+    """The etcd endpoints, tried in turn; the one that answered last is tried first (or,
+    after a call that ran out of time, the first it did not reach)."""
 
     def __init__(
         self,
@@ -191,11 +192,13 @@ class Etcd:
         problems = []
         spent = self._call_seconds if within is None else min(within, self._call_seconds)
         deadline = self._clock() + spent
+        untried: int | None = None  # the first endpoint this call's bound did not reach
         for step in range(len(self._wires)):
             index = (first + step) % len(self._wires)
             left = deadline - self._clock()
             if left <= 0:
                 problems.append(f"{self.endpoints[index]}: not tried, {spent:g} s spent")
+                untried = index if untried is None else untried
                 continue
             bounds = replace(
                 self._bounds,
@@ -221,6 +224,12 @@ class Etcd:
             with self._lock:
                 self._current = index
             return result
+        if untried is not None:
+            # The next call starts where this one's bound ran out: started again at the
+            # first, three silent endpoints (paused members) ahead of a live one took every
+            # call's bound, and the live one was never asked while it would have answered.
+            with self._lock:
+                self._current = untried
         raise ClusterUnavailableError("no etcd endpoint answered (" + "; ".join(problems) + ")")
 
     def get(self, key: str) -> KeyValue | None:
@@ -1287,9 +1296,13 @@ class Seat:
     ) -> None:
         self.etcd = Etcd(endpoints)
         self.keys = Keys(prefix)
-        self.elector = Elector(
-            self.etcd, self.keys, member, LeaseTiming.for_ttl(lease_ttl), log=log
-        )
+        timing = LeaseTiming.for_ttl(lease_ttl)
+        # The elector's requests are small; each waits on one endpoint at most a third of
+        # the renew deadline. At the 2 s of the others, one paused etcd member of three
+        # (quorum kept) took the whole deadline of a 3 s lease before the next member was
+        # asked, and the leader stepped down, its lead handed on for nothing.
+        silence = min(REQUEST_TIMEOUT, timing.renew_deadline / 3)
+        self.elector = Elector(Etcd(endpoints, silence), self.keys, member, timing, log=log)
         # Fenced, for the leader; its audit trail rides in the same transactions.
         self.store = EtcdStore(self.etcd, self.keys, self.elector, audit_keep=audit_keep)
         self.reader = ReadOnlyStore(self.etcd, self.keys)  # for standbys and views

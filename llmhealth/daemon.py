@@ -712,7 +712,17 @@ class Daemon:
         that lock was saved in between, and answered as applied, while the restart went
         ahead; `check` looks again before each command for the same reason."""
         dropped = withdrawn_now(self._store, self._config, order, self._clock())
-        return dropped if dropped is not None else CommandDone(order, _run_order(order))
+        if dropped is not None:
+            return dropped
+        try:
+            # Asked again after that read: with etcd slow or away it takes a call's whole
+            # bound (5 s), and a command launched near the leader's renew deadline ran
+            # past it, and past the lease itself at the default 10 s TTL, while etcd could
+            # be giving the lead to another member.
+            self._store.command_env()
+        except StateError as exc:  # nothing ran: logged, no grace, no attempt spent
+            return not_run(order, str(exc), withdrawn=True)
+        return CommandDone(order, _run_order(order))
 
     def _drop_order(self, order: RestartOrder, why: str, *, withdrawn: bool = False) -> None:
         self._log(f"{order.name}: its restart command will not run: {why}")

@@ -1459,3 +1459,32 @@ def test_a_reload_that_lets_readers_examine_longer_undecided_reaches_the_leaders
     for seat in seats.values():
         seat.elector.stop()
     assert stale_at is None, f"doubted at wait {stale_at}"
+
+
+@pytest.mark.slow
+def test_a_leader_keeps_the_lead_when_one_etcd_member_of_three_is_paused(
+    tmp_path: Path,
+) -> None:
+    """etcd keeps its quorum with one member of three paused (SIGSTOP: it takes the
+    connection and never answers). Each request waited 2 s on it before the next member
+    was asked, all of a 3 s lease's 2 s renew deadline: the leader stepped down (with a
+    2 s lease, etcd even let the lease lapse) and the lead changed hands for nothing."""
+    log: list[str] = []
+    with running_etcd(tmp_path / "etcd", members=3) as etcd_cluster:
+        seat = Seat(etcd_cluster.endpoints, "/paused", "a", 3.0, log=log.append)
+        seat.elector.step_and_observe()
+        assert seat.elector.decision().may_act, log
+        paused = etcd_cluster.members[seat.elector.etcd._current]
+        seat.elector.start()
+        try:
+            paused.pause()
+            deadline = time.monotonic() + 2 * seat.elector.timing.ttl
+            while time.monotonic() < deadline:  # rounds go on in the elector's thread
+                time.sleep(0.1)
+            paused.resume()
+            assert seat.elector.decision().may_act, log
+        finally:
+            paused.resume()
+            seat.elector.stop()
+    assert seat.elector.transitions == 1, log
+    assert not any("steps down" in line or "no longer leader" in line for line in log), log

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from rich.console import Console
@@ -16,6 +16,7 @@ from rich.console import Console
 from llmhealth.choice import ANY_MODEL
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind
 from llmhealth.cluster import (
+    CALL_SECONDS,
     ClusterError,
     Elector,
     Etcd,
@@ -34,7 +35,7 @@ from llmhealth.cycle import settle_fleet
 from llmhealth.daemon import Daemon, News, Publication
 from llmhealth.fleet import FleetRecord
 from llmhealth.metrics import EngineSignals, Signals
-from llmhealth.remediate import Mode
+from llmhealth.remediate import Mode, RestartOrder
 from llmhealth.traffic import FailureKind, RequestOutcome
 from tests.etcdproc import EtcdCluster, running_etcd
 from tests.test_cluster import Clock, elector, read_posted
@@ -589,7 +590,9 @@ def test_a_leader_stepped_down_by_its_elector_with_etcd_away_keeps_the_routers_f
         async with _routing_a_failure(leading) as (router, daemon):
             # etcd away (every endpoint refuses) past the renew deadline, and the
             # elector's round: it steps down, and no lease is granted.
-            seat.etcd._wires = [etcd_http.Endpoint.from_url(leading.refused)]
+            seat.etcd._wires = seat.elector.etcd._wires = [
+                etcd_http.Endpoint.from_url(leading.refused)
+            ]
             leading.clock.now += seat.elector.timing.renew_deadline + 1
             with contextlib.suppress(ClusterError):
                 seat.elector.step()
@@ -705,7 +708,9 @@ def test_a_stepped_down_member_drops_what_it_kept_once_etcd_shows_another_leader
     wires = seat.etcd._wires
     other = elector_for(etcd_server, keys, "o")
     try:
-        seat.etcd._wires = [etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")]
+        seat.etcd._wires = seat.elector.etcd._wires = [
+            etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")
+        ]
         clock.now += elector.timing.renew_deadline + 1
         with contextlib.suppress(ClusterError):
             elector.step_and_observe()
@@ -716,7 +721,7 @@ def test_a_stepped_down_member_drops_what_it_kept_once_etcd_shows_another_leader
         admin.revoke(lease)  # its lease ran out meanwhile: "o" leads
         other.step_and_observe()
         assert other.decision().may_act
-        seat.etcd._wires = wires
+        seat.etcd._wires = seat.elector.etcd._wires = wires
         elector.step_and_observe()
         assert not elector.decision().may_act and not elector.led_last
         assert settled(daemon, kept) is None
@@ -744,7 +749,9 @@ def test_a_stepped_down_member_leading_again_settles_what_it_kept_once(
     assert lease is not None
     wires = seat.etcd._wires
     try:
-        seat.etcd._wires = [etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")]
+        seat.etcd._wires = seat.elector.etcd._wires = [
+            etcd_http.Endpoint.from_url(f"http://127.0.0.1:{free_port()}")
+        ]
         clock.now += elector.timing.renew_deadline + 1
         with contextlib.suppress(ClusterError):
             elector.step_and_observe()
@@ -753,7 +760,7 @@ def test_a_stepped_down_member_leading_again_settles_what_it_kept_once(
         kept = settled(daemon, requests)
         assert kept == requests
         admin.revoke(lease)
-        seat.etcd._wires = wires
+        seat.etcd._wires = seat.elector.etcd._wires = wires
         elector.step_and_observe()
         assert elector.decision().may_act and elector.led_last
         assert settled(daemon, kept) is None
@@ -781,3 +788,48 @@ def asyncio_run_close(daemon: Daemon) -> None:
     import asyncio  # noqa: PLC0415
 
     asyncio.run(daemon._reading.close())
+
+
+def test_a_restart_whose_last_look_outlasted_the_lead_is_not_run(
+    etcd_server: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    """The fencing token is given to the command when it is launched; its thread then
+    reads the record (has a verb withdrawn it?), which with etcd slow or away takes a
+    call's whole bound, and ran the command when that read ended: past the renew
+    deadline the lead had when the read began, as etcd may be giving it to another."""
+    target = Target("gpu0", "http://127.0.0.1:9")
+    cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "a")
+    config = Config(backends=(Backend("gpu0", target.url),), cluster=cluster_config)
+    seat = Seat.for_config(cluster_config, [].append)
+    clock = Clock()
+    seat.elector._clock = clock
+    daemon = Daemon(
+        lambda: (config, [target]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    ran = tmp_path / "ran"
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        with seat.store.locked():
+            seat.store.load(lambda document: document)
+            seat.store.save({})  # the save that committed the restart, under this fence
+        order = RestartOrder(
+            "gpu0", target.url, ("touch", str(ran)), 10.0, 0.0, "wedged", seat.store.command_env()
+        )
+        read = seat.store.read
+
+        def slow_read(decode: Callable[[dict[str, Any]], object]) -> object:
+            clock.now += CALL_SECONDS  # the read took its call's whole bound
+            return read(decode)
+
+        seat.store.read = slow_read  # type: ignore[method-assign]
+        done = daemon._run_unless_withdrawn(order)
+        assert not ran.exists()
+        assert done.result.exit_code is None and "not run" in done.result.stderr
+    finally:
+        seat.elector.stop()

@@ -351,3 +351,23 @@ def test_a_host_name_beyond_ascii_is_written_as_idna_in_the_host_header() -> Non
     encoding its head as ASCII."""
     assert Endpoint.from_url("http://bücher.example:2379").authority == "xn--bcher-kva.example:2379"
     assert Endpoint.from_url("http://[::1]:2379").authority == "[::1]:2379"
+
+
+@pytest.mark.slow
+def test_endpoints_a_failed_call_did_not_reach_are_asked_first_by_the_next(
+    etcd_server: EtcdCluster,
+) -> None:
+    """Three endpoints that take the connection and never answer (paused members) ahead
+    of a live one: each call spent its bound on the first three and never asked the
+    fourth, call after call, while it would have answered."""
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # never accepted
+    try:
+        urls = [f"http://127.0.0.1:{sock.getsockname()[1]}" for sock in silent]
+        etcd = Etcd([*urls, *etcd_server.endpoints], timeout=0.3, call_seconds=0.75)
+        with pytest.raises(ClusterUnavailableError) as first:
+            etcd.get("/silent/k")
+        assert first.match(f"{etcd_server.endpoints[0]}: not tried")
+        assert etcd.get("/silent/k") is None  # the next call asks it first
+    finally:
+        for sock in silent:
+            sock.close()
