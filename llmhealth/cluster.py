@@ -164,6 +164,7 @@ class Etcd:
         *,
         call_seconds: float = CALL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        hurried: float | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
@@ -173,6 +174,11 @@ class Etcd:
         self._bounds = bounds or etcd_http.Bounds(silence=timeout)
         self._call_seconds = call_seconds
         self._clock = clock
+        # The wait on an endpoint while a call has others left to ask (the elector's); the
+        # last has nobody to move on to and waits ``timeout``: hurried too, one endpoint
+        # (a one-member etcd) slow but answering within the renew deadline failed every
+        # request, and nobody led.
+        self._hurried = hurried
         self._current = 0
         self._lock = threading.Lock()
 
@@ -200,9 +206,12 @@ class Etcd:
                 problems.append(f"{self.endpoints[index]}: not tried, {spent:g} s spent")
                 untried = index if untried is None else untried
                 continue
+            silence = self._bounds.silence
+            if self._hurried is not None and step < len(self._wires) - 1:
+                silence = min(silence, self._hurried)
             bounds = replace(
                 self._bounds,
-                silence=min(self._bounds.silence, left),
+                silence=min(silence, left),
                 whole=min(self._bounds.whole, left),
             )
             try:
@@ -1298,11 +1307,13 @@ class Seat:
         self.keys = Keys(prefix)
         timing = LeaseTiming.for_ttl(lease_ttl)
         # The elector's requests are small; each waits on one endpoint at most a third of
-        # the renew deadline. At the 2 s of the others, one paused etcd member of three
-        # (quorum kept) took the whole deadline of a 3 s lease before the next member was
-        # asked, and the leader stepped down, its lead handed on for nothing.
+        # the renew deadline while others are left to ask. At the 2 s of the others, one
+        # paused etcd member of three (quorum kept) took the whole deadline of a 3 s lease
+        # before the next member was asked, and the leader stepped down, its lead handed
+        # on for nothing.
         silence = min(REQUEST_TIMEOUT, timing.renew_deadline / 3)
-        self.elector = Elector(Etcd(endpoints, silence), self.keys, member, timing, log=log)
+        elector_etcd = Etcd(endpoints, hurried=silence)
+        self.elector = Elector(elector_etcd, self.keys, member, timing, log=log)
         # Fenced, for the leader; its audit trail rides in the same transactions.
         self.store = EtcdStore(self.etcd, self.keys, self.elector, audit_keep=audit_keep)
         self.reader = ReadOnlyStore(self.etcd, self.keys)  # for standbys and views

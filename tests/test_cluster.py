@@ -1488,3 +1488,26 @@ def test_a_leader_keeps_the_lead_when_one_etcd_member_of_three_is_paused(
             seat.elector.stop()
     assert seat.elector.transitions == 1, log
     assert not any("steps down" in line or "no longer leader" in line for line in log), log
+
+
+@pytest.mark.slow
+def test_a_seat_on_one_etcd_endpoint_slow_to_answer_still_leads(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """One endpoint (a one-member etcd) answering each request in 0.8 s, within the 2 s
+    renew deadline of a 3 s lease: the elector's waits on one endpoint, cut to a third of
+    that deadline so that a paused member's successor is asked in time, failed every
+    request, though there was no other endpoint to ask, and nobody ever led."""
+    log: list[str] = []
+
+    def slow(_: str, answer: Any) -> Any:
+        time.sleep(0.8)
+        return answer
+
+    with tcp_server(editing(etcd_server.endpoints[0], slow)) as (url, _):
+        seat = Seat([url], keys.prefix, "a", 3.0, log=log.append)
+        try:
+            seat.elector.step_and_observe()
+        finally:
+            seat.elector.stop()
+    assert seat.elector.transitions == 1, log
