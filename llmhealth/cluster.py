@@ -1147,8 +1147,11 @@ class EtcdStore:
         The token is the leader key's creation revision, larger for every later leader, so
         a restart tool can refuse one smaller than the largest it has seen. Refused (and
         the command not run) once this daemon may not act, or leads under another token
-        than the one its last save was fenced with: the restart then stays RESTARTING in
-        the record and expires to DEAD after startup_grace, at most once, never twice.
+        than the one its last save was fenced with: refused at launch, the restart stays
+        RESTARTING in the record and expires to DEAD after startup_grace, at most once,
+        never twice; refused when asked again after the command's thread read the record
+        (the daemon's last look for an operator's withdrawal), the order is heard as not
+        run, with no attempt spent, by whoever settles next.
         """
         if self.elector is None:
             return {}
