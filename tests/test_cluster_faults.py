@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,7 +32,7 @@ from clusterscene import (
 )
 from pytest_httpserver import HTTPServer
 from routeproc import COMPLETION, free_port, running_route
-from test_daemon import MovedByOthers, write_config
+from test_daemon import MovedByOthers, Watch, write_config
 
 from llmhealth.cluster import Elector, Etcd, Keys
 from llmhealth.leadership import LeaseTiming, owner
@@ -338,23 +338,25 @@ def test_a_sharded_member_that_stops_leading_exports_no_frozen_verdict_of_anothe
     assert page.state("gpu") is not None
 
 
-@pytest.mark.slow  # 10-20 s of real daemons on etcd
-def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
-    entry_point: str, tmp_path: Path
-) -> None:
-    # The fleet stall is "work pending somewhere and no backend finished a request": a
-    # question about the whole fleet. With shard_reads a standby hears only its share,
-    # here gpu1 in a long prefill, while the leader's gpu finishes requests.
+@contextmanager
+def _standing_by_with_a_share_in_prefill(
+    entry_point: str, tmp_path: Path, stall_timeout: str
+) -> Iterator[tuple[Watch, Watch, Page]]:
+    """Two shard_reads members, the standby reading gpu1 in a long prefill (work, none of
+    it finishing) and the leader gpu, whose requests finish: the fleet stall, "work
+    pending somewhere and no backend finished a request", is a question of the whole
+    fleet. Yields the leader, the standby and its page after 5 s of cycles side by side,
+    the leader never saying stalled."""
     pairs = [(f"m{i}", f"n{i}") for i in range(50)]
     names = next(
         p for p in pairs if owner("gpu", list(p)) == p[0] and owner("gpu1", list(p)) == p[1]
     )
-    top = 'stall_timeout = "2s"'
+    top = f'stall_timeout = "{stall_timeout}"'
     with (
         staged(entry_point, tmp_path, more=1, cluster="shard_reads = true") as scene,
         ExitStack() as stack,
     ):
-        switch_mode(scene.servers["gpu1"][0], "prefill")  # work, and none of it finishes
+        switch_mode(scene.servers["gpu1"][0], "prefill")
         leader = stack.enter_context(scene.daemon("a", names[0], top=top))
         leader.until("the first daemon leading", leads)
         standby = stack.enter_context(scene.daemon("b", names[1], top=top))
@@ -363,12 +365,20 @@ def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
             "two members sharing the reads",
             lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
         )
-        begun = time.monotonic()
         mine = standby.scrape() or Page("")
-        while time.monotonic() - begun < 5.0:
+        begun = time.monotonic()
+        while time.monotonic() - begun < 5.0:  # past stall_timeout
             page = leader.next_cycle(page)
             mine = standby.next_cycle(mine)
             assert page.get("llmhealth_fleet_stalled") == 0.0, page.text
+        yield leader, standby, mine
+
+
+@pytest.mark.slow  # 10-20 s of real daemons on etcd
+def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
+    entry_point: str, tmp_path: Path
+) -> None:
+    with _standing_by_with_a_share_in_prefill(entry_point, tmp_path, "2s") as (_, _, mine):
         stalled = mine.get("llmhealth_fleet_stalled")
     # Before: 1.0 on the standby (LLMHealthFleetStalled, critical), 0.0 on the leader.
     assert stalled == 0.0, mine.get("llmhealth_fleet_seconds_since_last_finished_request")
@@ -378,38 +388,19 @@ def test_a_sharded_standby_does_not_call_the_fleet_stalled_for_its_own_share(
 def test_a_sharded_standby_that_takes_the_lead_does_not_call_the_fleet_stalled_from_its_share(
     entry_point: str, tmp_path: Path
 ) -> None:
-    # Standing by, a member observes its share alone for the stall: its gpu1 in a long
-    # prefill, no request finished there since it started. Leading, it said the fleet
-    # stalled at once from that share-only history (its log line, the gauge, STATUS),
-    # while the gpu its killed leader read finished requests all along.
-    pairs = [(f"m{i}", f"n{i}") for i in range(50)]
-    names = next(
-        p for p in pairs if owner("gpu", list(p)) == p[0] and owner("gpu1", list(p)) == p[1]
-    )
-    top = 'stall_timeout = "4s"'
-    with (
-        staged(entry_point, tmp_path, more=1, cluster="shard_reads = true") as scene,
-        ExitStack() as stack,
+    # Standing by, a member observes its share alone for the stall, no request finished
+    # there since it started. Leading, it said the fleet stalled at once from that
+    # share-only history (its log line, the gauge, STATUS), while the gpu its killed
+    # leader read finished requests all along.
+    with _standing_by_with_a_share_in_prefill(entry_point, tmp_path, "4s") as (
+        leader,
+        standby,
+        _,
     ):
-        switch_mode(scene.servers["gpu1"][0], "prefill")  # work, and none of it finishes
-        leader = stack.enter_context(scene.daemon("a", names[0], top=top))
-        leader.until("the first daemon leading", leads)
-        standby = stack.enter_context(scene.daemon("b", names[1], top=top))
-        standby.until("the second daemon cycling", lambda p: p.cycled and not leads(p))
-        page = leader.until(
-            "two members sharing the reads",
-            lambda p: len(p.samples("llmhealth_cluster_member_share_backends")) == 2,
-        )
-        mine = standby.scrape() or Page("")
-        begun = time.monotonic()
-        while time.monotonic() - begun < 5.0:  # past stall_timeout, standing by
-            page = leader.next_cycle(page)
-            mine = standby.next_cycle(mine)
-            assert page.get("llmhealth_fleet_stalled") == 0.0, page.text
         leader.process.send_signal(signal.SIGKILL)
-        mine = standby.until("the standby leading", leads)
+        page = standby.until("the standby leading", leads)
         for _ in range(6):
-            mine = standby.next_cycle(mine)
+            page = standby.next_cycle(page)
         log = standby.stderr()
     # Before: "fleet stall: work is pending and no backend finished a request for N s"
     # on its first cycles as leader, gpu's finished requests not yet heard.
