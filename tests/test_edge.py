@@ -113,6 +113,7 @@ def post(body: bytes, *extra: bytes) -> bytes:
         (b"GET /x HTTP/2.0\r\n\r\n", 400),
         (b"GET  /x HTTP/1.1\r\n\r\n", 400),
         (b"GET /x y HTTP/1.1\r\n\r\n", 400),
+        (b"GET /x\x7fy HTTP/1.1\r\n\r\n", 400),
         (b"G\x01T /x HTTP/1.1\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\n bad: fold\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nNo colon\r\n\r\n", 400),
@@ -137,12 +138,17 @@ def post(body: bytes, *extra: bytes) -> bytes:
         (b"POST /x HTTP/1.1\r\nTransfer-Encoding: ,chunked\r\n\r\n", 501),
         (b"GET /x HTTP/1.1\r\nX-A: \x01\r\n\r\n", 400),
         (b"GET /x HTTP/1.1\r\nX-A: \x7f\r\n\r\n", 400),
+        # A length of more than 18 digits is no length (a bound, not "too large": 400).
+        (b"POST /x HTTP/1.1\r\nContent-Length: 1234567890123456789\r\n\r\n", 400),
+        # Repeated fields are one list: the gzip is not dropped for the later "chunked".
+        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n", 501),
     ],
     ids=[
         "garbage",
         "http-2",
         "two-spaces",
         "space-in-target",
+        "delete-in-target",
         "control-in-method",
         "folded-field",
         "field-without-colon",
@@ -165,6 +171,8 @@ def post(body: bytes, *extra: bytes) -> bytes:
         "empty-coding-then-chunked",
         "control-in-value",
         "delete-in-value",
+        "length-of-19-digits",
+        "gzip-then-chunked-in-two-fields",
     ],
 )
 def test_a_head_beyond_the_rules_is_answered_its_4xx_or_501_and_the_connection_ends(
@@ -392,11 +400,39 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> 
                 status, fields, _ = await answer(reader)
                 assert status == 200
                 if kept:
+                    if b"HTTP/1.0" in request:  # such a client closes unless told otherwise
+                        assert fields["connection"] == "keep-alive"
                     writer.write(b"GET /again HTTP/1.1\r\n\r\n")
                     assert json.loads((await answer(reader))[2])["target"] == "/again"
                 else:
                     assert fields["connection"] == "close"
                     assert await closed(reader)
+
+    run(scenario())
+
+
+def test_a_streamed_answer_to_http_1_0_ends_with_the_connection_and_says_so() -> None:
+    """No chunks in HTTP/1.0: a body without a length ends with the connection, so the
+    answer says "close" even to a client that asked to keep it alive."""
+
+    async def streams(request: Request) -> None:
+        await request.start(200, Fields())
+        await request.write(b"hello")
+        await request.end()
+
+    async def scenario() -> None:
+        server = Edge(streams, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=4)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            assert b"\r\nConnection: close\r\n" in head, head
+            assert b"transfer-encoding" not in head.lower()
+            assert await asyncio.wait_for(reader.read(), BOUND) == b"hello"
+        finally:
+            writer.close()
+            await server.close()
 
     run(scenario())
 
@@ -427,8 +463,15 @@ def test_a_chunked_body_is_taken_whole_however_its_pieces_come() -> None:
         (b"2\r\nabXX0\r\n\r\n", 400),
         (b"%x\r\n%s\r\n0\r\n\r\n" % (MAX_BODY + 1, b"x" * (MAX_BODY + 1)), 413),
         (b"800\r\n" + b"x" * 0x800 + b"\r\n" + b"800\r\n" + b"x" * 0x800 + b"\r\n1\r\nx\r\n", 413),
+        (b"00000000000000001\r\nx\r\n0\r\n\r\n", 400),  # a size of more than 16 digits
     ],
-    ids=["bad-size", "no-crlf", "one-chunk-over-max-body", "chunks-adding-up-over-max-body"],
+    ids=[
+        "bad-size",
+        "no-crlf",
+        "one-chunk-over-max-body",
+        "chunks-adding-up-over-max-body",
+        "size-of-17-digits",
+    ],
 )
 def test_a_broken_or_oversize_chunked_body_is_the_clients_fault(
     chunked: bytes, status: int
@@ -468,6 +511,28 @@ def test_a_chunked_bodys_framing_is_held_to_max_body_as_its_data_is(chunked: byt
     run(scenario())
 
 
+@pytest.mark.parametrize(
+    "chunked",
+    [
+        # 1 KiB of data in 16-byte chunks: each charged CHUNK_COST, 64 of them over 4 KiB.
+        b"10\r\n%s\r\n" % (b"x" * 16) * 64 + b"0\r\n\r\n",
+        # A whole 4 KiB in 128-byte chunks whose lines pass it only with their CRLFs.
+        b"80;%s\r\n%s\r\n" % (b"e" * 119, b"x" * 128) * 32 + b"0\r\n\r\n",
+    ],
+    ids=["small-chunks", "lines-and-crlfs"],
+)
+def test_a_chunked_bodys_framing_costs_its_crlfs_and_each_chunk_at_least_chunk_cost(
+    chunked: bytes,
+) -> None:
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            got, _, body = await answer(reader)
+            assert got == 413, body
+
+    run(scenario())
+
+
 def test_a_body_of_max_body_in_chunks_of_ordinary_size_is_taken_whole() -> None:
     async def scenario() -> None:
         size = 256  # twice what a chunk costs at least (CHUNK_COST)
@@ -501,6 +566,40 @@ def test_blank_lines_before_a_request_line_count_in_the_heads_bound() -> None:
             assert got == 431
             assert fields["connection"] == "close"
             assert await closed(reader)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("blank", [0, 1000])
+@pytest.mark.parametrize(("size", "status"), [(MAX_HEAD_BYTES, 200), (MAX_HEAD_BYTES + 1, 431)])
+def test_a_head_of_max_head_bytes_with_its_blank_lines_and_final_crlf_is_read(
+    blank: int, size: int, status: int
+) -> None:
+    """The bound is on the head as sent: blank lines before it and its closing CRLFCRLF
+    count, a head of exactly MAX_HEAD_BYTES is read and one byte more is refused."""
+
+    async def scenario() -> None:
+        start = b"GET /x HTTP/1.1\r\nX-Pad: "
+        pad = size - blank - len(start) - 4
+        async with edge() as (_, reader, writer):
+            writer.write(b"\r\n" * (blank // 2) + start + b"p" * pad + b"\r\n\r\n")
+            got, _, body = await answer(reader)
+            assert got == status, body
+
+    run(scenario())
+
+
+def test_blank_lines_and_a_head_that_never_ends_count_together_in_the_bound() -> None:
+    """Neither alone passes MAX_HEAD_BYTES, both together do: refused as they arrive, not
+    when the head alone has grown past the bound."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"\r\n" * (MAX_HEAD_BYTES // 4))  # half the bound in blank lines
+            writer.write(b"GET /x HTTP/1.1\r\nX-Big: " + b"x" * (MAX_HEAD_BYTES // 2))
+            got, fields, _ = await answer(reader)
+            assert got == 431
+            assert fields["connection"] == "close"
 
     run(scenario())
 
@@ -589,6 +688,8 @@ def test_a_head_whose_lines_do_not_end_in_crlf_is_refused_without_waiting(
             for piece in [bytes([byte]) for byte in head] if trickled else [head]:
                 writer.write(piece)
                 await writer.drain()
+                if trickled:  # each byte its own read: a CR met at the end of one
+                    await asyncio.sleep(0.01)
             got, fields, body = await answer(reader)  # long before the idle timeout
             assert got == 400, body
             assert fields["connection"] == "close"
@@ -624,10 +725,11 @@ def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_idle_timeout() -> None:
     run(scenario())
 
 
-def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+@pytest.mark.parametrize("expect", [b"100-continue", b"100-Continue"])  # case-insensitive
+def test_expect_100_continue_is_answered_before_the_body_is_sent(expect: bytes) -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nExpect: %s\r\n\r\n" % expect)
             interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
             assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
             writer.write(b"hi")
@@ -649,6 +751,19 @@ def test_expect_100_continue_from_an_http_1_0_client_is_ignored() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("framing", [b"", b"Content-Length: 0\r\n"], ids=["none", "length-0"])
+def test_expect_100_continue_with_no_body_to_come_gets_the_answer_alone(framing: bytes) -> None:
+    # A client waiting for nothing: the 100 would be read as its answer, and the answer as
+    # the next one's.
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(b"GET /x HTTP/1.1\r\n%sExpect: 100-continue\r\n\r\n" % framing)
+            status, _, body = await answer(reader)
+            assert (status, json.loads(body)["body"]) == (200, "")
+
+    run(scenario())
+
+
 def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
@@ -658,6 +773,10 @@ def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
             writer.write(b"GET http://host:1/v1/y?z=1 HTTP/1.1\r\n\r\n")
             seen = json.loads((await answer(reader))[2])
             assert (seen["path"], seen["target"]) == ("/v1/y", "/v1/y?z=1")
+            # An absolute form without a path asks for the root (RFC 9112 3.2.2).
+            writer.write(b"GET http://host:1?z=1 HTTP/1.1\r\n\r\n")
+            seen = json.loads((await answer(reader))[2])
+            assert (seen["path"], seen["target"]) == ("/", "/?z=1")
 
     run(scenario())
 
@@ -682,6 +801,62 @@ def test_a_streamed_answer_that_can_have_no_body_is_its_head_alone(status: int) 
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
                 assert head.startswith(b"HTTP/1.1 %d " % status), head
                 assert b"transfer-encoding" not in head.lower()
+        finally:
+            writer.close()
+            await server.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-the-answer", "in-the-answer"])
+def test_a_handler_that_fails_is_a_500_only_before_its_answer_began(started: bool) -> None:
+    """Once its head is out, a 500 written after part of the answer would be read as its
+    body, or as the kept-alive client's next answer: the connection is cut off instead."""
+
+    async def fails(request: Request) -> None:
+        if started:
+            await request.start(200, Fields())
+            await request.write(b"hello")
+        raise RuntimeError("a bug")
+
+    async def scenario() -> None:
+        server = Edge(fails, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=4)
+        asyncio.get_running_loop().set_exception_handler(lambda *_: None)  # the bug's log
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            seen = b""
+            with contextlib.suppress(ConnectionResetError):
+                while piece := await asyncio.wait_for(reader.read(65536), BOUND):
+                    seen += piece
+            assert (b"HTTP/1.1 500 " in seen) is not started, seen
+        finally:
+            writer.close()
+            await server.close()
+
+    run(scenario())
+
+
+def test_an_answer_its_handler_left_unended_cuts_the_connection_off() -> None:
+    """A chunked answer with no last chunk (a relay that gave up): kept alive, its client
+    waited for the rest until the idle timeout; it is cut off at once."""
+
+    async def unended(request: Request) -> None:
+        await request.start(200, Fields())
+        await request.write(b"hello")
+
+    async def scenario() -> None:
+        server = Edge(unended, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
+        await server.start("127.0.0.1", 0, backlog=4)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            seen = b""
+            with contextlib.suppress(ConnectionResetError):
+                while piece := await asyncio.wait_for(reader.read(65536), BOUND):
+                    seen += piece
+            assert not seen.endswith(b"0\r\n\r\n"), seen
         finally:
             writer.close()
             await server.close()

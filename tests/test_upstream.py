@@ -270,6 +270,11 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
             + b"\r\n",
             "trailers over",
         ),
+        (b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok", "a NUL"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "Transfer-Encoding",
+        ),
     ],
     ids=[
         "huge-head",
@@ -286,6 +291,8 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         "endless-head",
         "endless-chunk-size-line",
         "trailers-past-the-bound",
+        "nul-in-reason",  # relayed in the router's own status line
+        "gzip-then-chunked-in-two-fields",
     ],
 )
 def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:
@@ -327,6 +334,28 @@ def test_a_broken_chunked_body_is_a_broken_exchange(body: bytes, why: str) -> No
         async with server:
             pool = Pool(connect_timeout=5, keepalive=60)
             with pytest.raises(BrokenError, match=why):
+                await exchange(pool, f"http://127.0.0.1:{port}")
+            pool.close()
+
+    run(scenario())
+
+
+def test_an_answer_whose_connection_ends_before_its_length_is_a_broken_exchange() -> None:
+    """Taken for whole, a body cut short was relayed as the backend's complete answer and
+    counted a success."""
+
+    async def scenario() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            with pytest.raises(BrokenError, match="5 bytes of the body still to come"):
                 await exchange(pool, f"http://127.0.0.1:{port}")
             pool.close()
 
@@ -405,6 +434,183 @@ def test_a_reused_connection_closed_before_answering_resends_only_what_is_idempo
                     await exchange(pool, url, method)
                 assert seen == [2]  # never sent twice
             pool.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("case", ["new-connection", "part-of-a-head"])
+def test_a_get_the_backend_may_have_begun_is_not_sent_again(case: str) -> None:
+    """Sent once more only from a reused connection closed before a byte of the answer
+    (closed while idle): a new connection closing unanswered, or one cut off inside its
+    answer's head, is the backend's own broken exchange."""
+    seen: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(seen)
+        seen.append(0)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_request(reader)
+                seen[index] += 1
+                if case == "new-connection":
+                    break  # closed unanswered
+                if index == 0 and seen[0] == 2:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-")
+                    break
+                writer.write(answer(b"ok"))
+                await writer.drain()
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            if case == "part-of-a-head":
+                await exchange(pool, url, "GET")  # the connection is kept, then reused
+            with pytest.raises(BrokenError, match="closed before the response head"):
+                await exchange(pool, url, "GET")
+            pool.close()
+        assert seen == ([1] if case == "new-connection" else [2])
+
+    run(scenario())
+
+
+def test_an_answer_released_before_its_body_came_does_not_leave_its_connection_kept() -> None:
+    """Kept, the connection would carry the next request while the last body was still
+    to come: that body would be read as the next answer's head."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+            await writer.drain()
+            while True:
+                await read_request(reader)  # the body only once another request came
+                writer.write(b"ok" + answer(b"next"))
+                await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with server:
+            pool = Pool(connect_timeout=5, keepalive=60)
+            response = await pool.request(origin, "GET", "/", [], b"")
+            assert not response.complete
+            response.release()
+            response = await pool.request(origin, "GET", "/", [], b"")
+            assert response.status == 200
+            assert response.headers == [("Content-Length", "2")]  # a new connection's first
+            response.close()
+            pool.close()
+
+    run(scenario())
+
+
+def test_the_most_recently_kept_connection_is_reused_first() -> None:
+    """The longest idle is the likeliest to be closed by its backend meanwhile."""
+    both = asyncio.Event()
+
+    async def reply(connection: int, _: bytes) -> bytes:
+        if connection < 2 and not both.is_set():
+            if connection == 1:
+                both.set()
+            await both.wait()  # two requests in flight at once: two connections
+        return answer(b"%d" % connection)
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            origin = Origin.parse(url)
+            responses = await asyncio.gather(
+                pool.request(origin, "GET", "/", [], b""), pool.request(origin, "GET", "/", [], b"")
+            )
+            bodies = [await response.read() for response in responses]
+            for _, response in sorted(zip(bodies, responses, strict=True)):
+                response.release()  # the first connection kept first, the second last
+            _, body = await exchange(pool, url, "GET")
+            assert body == b"1"
+            pool.close()
+        assert seen == [1, 2]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("method", "length"), [("POST", b"Content-Length: 0\r\n"), ("GET", b"")])
+def test_an_empty_body_is_sent_with_its_length_where_the_method_expects_one(
+    method: str, length: bytes
+) -> None:
+    requests: list[bytes] = []
+
+    async def reply(_: int, request: bytes) -> bytes:
+        requests.append(request)
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, _):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            response = await pool.request(Origin.parse(url), method, "/", [], b"")
+            response.close()
+            pool.close()
+        assert requests[0].endswith(b"\r\n" + length + b"\r\n")
+        assert (b"content-length" in requests[0].lower()) is bool(length)
+
+    run(scenario())
+
+
+def test_a_header_value_holding_a_line_break_is_not_sent() -> None:
+    """It would end its line and start another field (or the body) on the backend."""
+    requests: list[bytes] = []
+
+    async def reply(_: int, request: bytes) -> bytes:
+        requests.append(request)
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, _):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            headers = [("X-A", "1\r\nX-Injected: 2"), ("X-B", "3\nX-Injected: 4"), ("X-C", "5")]
+            response = await pool.request(Origin.parse(url), "GET", "/", headers, b"")
+            response.close()
+            pool.close()
+        assert b"X-Injected" not in requests[0]
+        assert b"\r\nX-C: 5\r\n" in requests[0]
+
+    run(scenario())
+
+
+def test_a_backend_is_not_read_past_read_high_while_its_answer_waits() -> None:
+    """An answer that comes faster than it is relayed waits in the backend's socket, not
+    in the router's memory."""
+    big = b"x" * (16 * 1024 * 1024)  # far more than the kernel's buffers on the way hold
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await read_request(reader)
+            writer.write(answer(big))
+            await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        origin = Origin.parse(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        pool = Pool(connect_timeout=5, keepalive=60)
+        try:
+            response = await pool.request(origin, "GET", "/", [], b"")
+            await asyncio.sleep(0.1)
+            assert writers[0].transport.get_write_buffer_size() > 0  # still backed up
+            body = bytearray()
+            while piece := await response.read():
+                body += piece
+            assert body == big
+            response.release()
+        finally:
+            pool.close()
+            server.close()
 
     run(scenario())
 
@@ -584,6 +790,39 @@ def _request_taken_over_tls(
         except ssl.SSLWantReadError:
             more()
     return tls, outgoing
+
+
+def test_a_connect_deadline_inside_a_stall_of_the_loop_is_as_late_as_the_stall() -> None:
+    # The stall began before the deadline and ended soon after: heard only a little late,
+    # the connect's deadline was still judged with nothing taken in for the whole stall.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    port = blackhole.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # a full accept queue: further SYNs are dropped (Linux)
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        lateness_of(loop)  # as the router starts it
+        await asyncio.sleep(0.2)
+        loop.call_later(0.3, time.sleep, 1.2)  # held from 0.3 s to 1.5 s; deadline 0.7 s
+        pool = Pool(connect_timeout=0.7, keepalive=60)
+        with pytest.raises(ConnectError) as raised:
+            await pool.request(Origin.parse(f"http://127.0.0.1:{port}"), "GET", "/", [], b"")
+        assert raised.value.late > 1.0, raised.value.late  # not its 0.8 s after the deadline
+
+    try:
+        run(scenario())
+    finally:
+        for filler in fillers:
+            filler.close()
+        blackhole.close()
 
 
 @pytest.mark.usefixtures("each_loop")
