@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from diskfaults import directory_syncs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -843,27 +844,12 @@ def test_a_log_left_empty_by_a_directory_that_would_not_sync_has_it_synced_by_th
     leaving the file there, empty: the next append took it for an old log and synced no
     directory, so the retried settle saved its state with its records in a log a crash
     could take away whole."""
-    import stat  # noqa: PLC0415
-
     path = tmp_path / "audit.jsonl"
-    dirs_synced: list[int] = []
-    file_sync = os.fsync
-
-    def failing_disk(descriptor: int) -> None:
-        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        file_sync(descriptor)
-
-    def mended_disk(descriptor: int) -> None:
-        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
-            dirs_synced.append(descriptor)
-        file_sync(descriptor)
-
-    monkeypatch.setattr(os, "fsync", failing_disk)
+    directory_syncs(monkeypatch, fail=True)
     with pytest.raises(AuditError, match="directory"):
         AuditLog(path).append({"event": "hold"})
     assert path.read_bytes() == b""
-    monkeypatch.setattr(os, "fsync", mended_disk)
+    dirs_synced = directory_syncs(monkeypatch, fail=False)
     AuditLog(path).append({"event": "hold"})
     assert [record["event"] for record in read(path)] == ["hold"]
     assert len(dirs_synced) == 1

@@ -330,17 +330,7 @@ def test_a_publication_without_a_lease_is_not_logged_as_published_again(
             tuple(etcd_cluster.endpoints), "/llmhealth-members/away", 3.0, "b", shard_reads=True
         )
         config = Config(backends=(Backend("gpu0", target.url),), cluster=cluster_config)
-        seat = Seat.for_config(cluster_config, list[str]().append)
-        clock = Clock()
-        seat.elector._clock = clock
-        daemon = Daemon(
-            lambda: (config, [target]),
-            seat,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-        )
+        seat, clock, daemon = on_a_seat(config, [target])
         shares = daemon._shares
         assert shares is not None
         down = Verdict(VerdictKind.DOWN, False, "down: refused")
@@ -772,6 +762,24 @@ def test_a_stepped_down_member_leading_again_settles_what_it_kept_once(
     assert failures == 1, failures
 
 
+def on_a_seat(config: Config, targets: list[Target]) -> tuple[Seat, Clock, Daemon]:
+    """A daemon on the seat of ``config``'s [cluster], its elector on a clock the test
+    moves (so that it leads however slowly the test runs)."""
+    assert config.cluster is not None
+    seat = Seat.for_config(config.cluster, [].append)
+    clock = Clock()
+    seat.elector._clock = clock
+    daemon = Daemon(
+        lambda: (config, targets),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    return seat, clock, daemon
+
+
 def settled(daemon: Daemon, requests: dict[str, tuple[RequestOutcome, ...]] | None) -> object:
     """One settle of what the router drained, as the loop makes it: what it kept back."""
     daemon._unsettled_requests = None
@@ -800,17 +808,7 @@ def test_a_restart_whose_last_look_outlasted_the_lead_is_not_run(
     target = Target("gpu0", "http://127.0.0.1:9")
     cluster_config = ClusterConfig(tuple(etcd_server.endpoints), keys.prefix, 3.0, "a")
     config = Config(backends=(Backend("gpu0", target.url),), cluster=cluster_config)
-    seat = Seat.for_config(cluster_config, [].append)
-    clock = Clock()
-    seat.elector._clock = clock
-    daemon = Daemon(
-        lambda: (config, [target]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    seat, clock, daemon = on_a_seat(config, [target])
     ran = tmp_path / "ran"
     try:
         seat.elector.step()

@@ -456,13 +456,9 @@ def test_a_stopped_engine_core_is_wedged_while_its_worker_spins(tmp_path: Path) 
     assert "compiling or computing" in verdict.evidence
 
 
-def test_many_local_backends_share_one_scan_of_the_socket_tables(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Finding who listens reads every socket on the host and every process's
-    descriptors: once per backend, 750 local backends cost 76 s of CPU on a host with
-    30,000 sockets, and starved the check."""
-    from llmhealth import localcpu  # noqa: PLC0415 - its scan is counted below
+def counted_scans(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """One item for each scan of every process's descriptors from now on."""
+    from llmhealth import localcpu  # noqa: PLC0415 - its scan is counted
 
     scans: list[None] = []
     real_scan = localcpu._scan_listeners
@@ -472,6 +468,16 @@ def test_many_local_backends_share_one_scan_of_the_socket_tables(
         return real_scan(listening)
 
     monkeypatch.setattr(localcpu, "_scan_listeners", counted)
+    return scans
+
+
+def test_many_local_backends_share_one_scan_of_the_socket_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding who listens reads every socket on the host and every process's
+    descriptors: once per backend, 750 local backends cost 76 s of CPU on a host with
+    30,000 sockets, and starved the check."""
+    scans = counted_scans(monkeypatch)
     with api_server_with_engine() as (port, _server, engine):
         samples = [LocalCpu(f"http://127.0.0.1:{port}").sample() for _ in range(20)]
     assert [sample.processes if sample else None for sample in samples] == [(engine,)] * 20
@@ -486,16 +492,7 @@ def test_a_listener_whose_holder_no_scan_finds_is_not_scanned_for_at_each_sample
     PID namespace): each sample of its backend scanned every process on the host again,
     as before the scan was shared. This process's own listener stands in for it: the
     scan passes this process over. A server started meanwhile is still found at once."""
-    from llmhealth import localcpu  # noqa: PLC0415 - its scan is counted below
-
-    scans: list[None] = []
-    real_scan = localcpu._scan_listeners
-
-    def counted(listening: dict[int, localcpu.Socket]) -> dict[localcpu.Socket, localcpu.Holder]:
-        scans.append(None)
-        return real_scan(listening)
-
-    monkeypatch.setattr(localcpu, "_scan_listeners", counted)
+    scans = counted_scans(monkeypatch)
     with socket.socket() as unseen:
         unseen.bind(("127.0.0.1", 0))
         unseen.listen()

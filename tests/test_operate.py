@@ -13,6 +13,7 @@ from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
+from diskfaults import directory_syncs
 
 from llmhealth.actions import read
 from llmhealth.fleet import FleetRecord
@@ -765,22 +766,12 @@ def test_a_verb_whose_new_audit_logs_directory_will_not_sync_keeps_neither_recor
     its directory failed (a failing disk) and the verb, refused, saved nothing: the trail
     said gpu0 was held, the state that it was not, and the hold tried again was in it
     twice. README: a record "that would not sync, is cut back out of the log"."""
-    import errno  # noqa: PLC0415
-    import stat  # noqa: PLC0415
-
     from llmhealth import operate  # noqa: PLC0415
     from llmhealth.actions import AuditError, AuditLog  # noqa: PLC0415
     from llmhealth.config import Config  # noqa: PLC0415
 
     before = state.read_bytes()
-    file_sync = os.fsync
-
-    def failing_disk(descriptor: int) -> None:
-        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        file_sync(descriptor)
-
-    monkeypatch.setattr(os, "fsync", failing_disk)
+    directory_syncs(monkeypatch, fail=True)
     log = state.with_name("audit.jsonl")
     with pytest.raises(AuditError, match="directory"):
         operate.hold(StateFile(state), AuditLog(log), Config(), "gpu0", 3600.0, "weight sync")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from diskfaults import directory_syncs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -498,14 +499,7 @@ def test_a_save_renamed_into_place_is_saved_though_its_directory_will_not_sync(
     """A failing disk's directory fsync raised after the rename: the daemon took the
     settle for unsaved and gave its requests back, and the next settle, loading the
     state saved all the same, counted them twice."""
-    file_sync = os.fsync
-
-    def failing_disk(descriptor: int) -> None:
-        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
-            raise OSError(errno.EIO, "Input/output error")
-        file_sync(descriptor)
-
-    monkeypatch.setattr(os, "fsync", failing_disk)
+    directory_syncs(monkeypatch, fail=True)
     store = StateFile(tmp_path / "state.json")
     store.save({"ledger": {"epoch": 2}})
     assert json.loads((tmp_path / "state.json").read_bytes())["ledger"] == {"epoch": 2}
