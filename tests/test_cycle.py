@@ -32,7 +32,7 @@ from llmhealth.cycle import (
     settle_fleet,
     withdrawn_now,
 )
-from llmhealth.fleet import FleetRecord, Sighting, process_of
+from llmhealth.fleet import PROOF_BYTES, FleetRecord, Sighting, process_of
 from llmhealth.ledger import (
     GoodVerdict,
     NewProcessUp,
@@ -1166,11 +1166,13 @@ def test_a_backend_traffic_condemned_and_restarted_in_one_settle_has_its_restart
     reads = (Read(T0 - 5, _serving(100, 3, start)), Read(T0 - 1, _serving(140, 5, start)))
     busy = Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
     target = Target("a", config.backends[0].url)
-    _, orders = settle(
+    report, orders = settle(
         record, config, [Outcome(target, busy)], T0, mode=Mode.ACT, audit=None,
         requests={"a": failed},
     )  # fmt: skip
     assert [order.name for order in orders] == ["a"]
+    [verdict] = report.backends[0].transitions  # the restart decides, not this process
+    assert not verdict.applied and "a restart is pending" in verdict.reason, verdict
     assert record.ledger.state_of("a") is State.RESTARTING
     # Its replacement comes up and fails every tiny request.
     later = T0 + 60
@@ -1626,3 +1628,139 @@ def test_our_replacement_put_to_sleep_is_not_restarted_by_its_startup_grace() ->
     assert isinstance(sleeping, Verdict) and sleeping.requests_sent == 0
     assert _settled(record, "a", sleeping, later) == []
     assert record.ledger.state_of("a") is State.STALE
+
+
+def _wedge_of(start: float, at: float, steps: float) -> Verdict:
+    """A wedge proven on the process started at ``start``, read at ``at``."""
+    reads = (Read(at - 2, _serving(steps, 1, start)), Read(at - 1, _serving(steps, 1, start)))
+    return Verdict(VerdictKind.WEDGED, False, f"wedged: steps {steps}→{steps}", reads=reads)
+
+
+def _working(start: float, at: float, steps: float) -> Verdict:
+    """The process started at ``start`` progressing and finishing requests, read at ``at``
+    (pass more ``steps`` each time: its requests finished climb with them)."""
+    reads = (
+        Read(at - 5, _serving(steps, steps / 10, start)),
+        Read(at - 1, _serving(steps + 40, steps / 10 + 2, start)),
+    )
+    return Verdict(VerdictKind.BUSY, True, "busy: progressing", reads=reads)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "not held"])
+def test_a_dead_backend_recovers_in_place_only_when_no_restart_of_it_is_pending(
+    held: bool,
+) -> None:
+    """A restart to come decides for a DEAD backend, not its own process (its command
+    still runs here, then a cooldown): it stays DEAD however well it reads. A hold keeps
+    the restart from coming (only remediation waits), so nothing decides for the held
+    process: it may prove its way back in place. Counted as a pending restart, it stayed
+    DEAD, out of serving, for the whole hold."""
+    record = fresh_record(ledger_policy(RESTARTABLE.policy), backend_urls([GPU0]), T0 - 100)
+    start = T0 - 5000
+    running = frozenset({"gpu0"})  # a command of its own: no restart now, one pending
+    settle(record, RESTARTABLE, [Outcome(GPU0, _wedge_of(start, T0, 5))], T0,
+           mode=Mode.ACT, audit=None, commands_running=running)  # fmt: skip
+    assert record.ledger.state_of("gpu0") is State.DEAD
+    if held:
+        record.holds["gpu0"] = Hold("weight sync", T0 + 3600, "trainer")
+    for later, steps in [(T0 + 60, 100), (T0 + 120, 200)]:  # healthy_threshold: 2
+        _, orders = settle(
+            record, RESTARTABLE, [Outcome(GPU0, _working(start, later, steps))], later,
+            mode=Mode.ACT, audit=None, commands_running=running,
+        )  # fmt: skip
+        assert orders == []
+    assert record.ledger.state_of("gpu0") is (State.STALE if held else State.DEAD)
+
+
+def test_a_skip_is_written_again_once_its_backend_left_dead_and_came_back(
+    tmp_path: Path,
+) -> None:
+    """A skip written once is not written again while its reason stands, but only while
+    the backend stays DEAD: condemned again after it recovered, the same reason is a new
+    decision on new proof, and belongs in the trail."""
+    config = Config(backends=(Backend("gpu0", GPU0.url),))  # no restart command
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    record = fresh_record(ledger_policy(config.policy), backend_urls([GPU0]), T0 - 100)
+    start = T0 - 5000
+    for at, verdict in [
+        (T0, _wedge_of(start, T0, 5)),
+        (T0 + 30, _wedge_of(start, T0 + 30, 5)),  # the same skip: not written again
+        (T0 + 60, _working(start, T0 + 60, 100)),
+        (T0 + 90, _working(start, T0 + 90, 200)),  # STALE: its own process proved itself
+        (T0 + 120, _wedge_of(start, T0 + 120, 300)),
+    ]:
+        settle(record, config, [Outcome(GPU0, verdict)], at, mode=Mode.ACT, audit=audit)
+    skips = [r["time"] for r in read(audit.path) if r["event"] == "restart_skipped"]
+    assert skips == [T0, T0 + 120]
+
+
+def test_a_backend_traffic_condemned_where_a_reload_moved_it_is_restarted_unread() -> None:
+    """Only a condemnation from before a move waits for the first read at the new server
+    (what condemned it was the server it left). Real traffic that condemned it at its new
+    server since judged that server: its restart does not wait for a read."""
+    policy = Policy(restart_on=("wedged", "request_failures"))
+    old = Config(backends=(Backend("a", "http://10.0.0.1:8000", restart=("true",)),), policy=policy)
+    new = replace(old, backends=(Backend("a", "http://10.0.0.2:8000", restart=("true",)),))
+    record = fresh_record(ledger_policy(policy), {"a": old.backends[0].url}, T0 - 100)
+    record.sightings["a"] = Sighting(T0 - 50, True, _serving(10, 1, T0 - 5000))
+    record.reconcile({"a": new.backends[0].url}, T0 - 20)  # the reload
+    failed = [
+        RequestOutcome(T0 - 8 + i, "POST", "/v1/completions", FailureKind.SERVER_ERROR, 500)
+        for i in range(3)
+    ]
+    _, orders = settle(record, new, [], T0, mode=Mode.ACT, audit=None, requests={"a": failed})
+    assert [order.name for order in orders] == ["a"]
+    assert record.ledger.state_of("a") is State.RESTARTING
+
+
+def test_a_restart_its_caller_has_not_read_yet_is_not_failed_by_its_grace() -> None:
+    """``unread`` (a daemon just started, a backend just added or moved): a restart past
+    its grace with no verdict of this settle waits for the first read. Failed unseen, a
+    server that came back meanwhile was restarted again, never read."""
+    record = fresh_record(ledger_policy(RESTARTABLE.policy), backend_urls([GPU0]), T0 - 100)
+    record.ledger.apply("gpu0", WedgeProven(now=T0 - 50, evidence="steps 5→5→5"))
+    record.ledger.apply("gpu0", RestartIssued(now=T0))
+    past = T0 + record.ledger.policy.startup_grace + 10
+    report, orders = settle(
+        record, RESTARTABLE, [], past, mode=Mode.ACT, audit=None, unread=frozenset({"gpu0"})
+    )
+    assert (report.expired, orders) == ((), [])
+    assert record.ledger.state_of("gpu0") is State.RESTARTING
+    report, _ = settle(record, RESTARTABLE, [], past + 1, mode=Mode.ACT, audit=None)
+    assert [t.name for t in report.expired] == ["gpu0"]  # once its caller has read it
+
+
+def test_a_skip_logged_in_a_dry_run_is_logged_again_by_the_next_run_that_acts(
+    tmp_path: Path,
+) -> None:
+    """A dry run logs every decision, marked ``dry_run``, and remembers none as written:
+    the real run after it logs its own skip, or the trail held only a dry run's word
+    for what the daemon decided."""
+    config = Config(backends=(Backend("gpu0", GPU0.url),))  # no restart command
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    record = fresh_record(ledger_policy(config.policy), backend_urls([GPU0]), T0 - 100)
+    settle(record, config, [wedged(GPU0)], T0, mode=Mode.DRY_RUN, audit=audit)
+    settle(record, config, [], T0 + 30, mode=Mode.DRY_RUN, audit=audit)
+    settle(record, config, [], T0 + 60, mode=Mode.ACT, audit=audit)
+    skips = [r for r in read(audit.path) if r["event"] == "restart_skipped"]
+    assert [(r["time"], r["dry_run"]) for r in skips] == [
+        (T0, True), (T0 + 30, True), (T0 + 60, False)
+    ]  # fmt: skip
+
+
+def test_a_proof_kept_with_the_record_is_cut_to_its_share_the_audit_line_is_not(
+    tmp_path: Path,
+) -> None:
+    """The record keeps a condemnation's reads only within ``PROOF_BYTES`` (it is one etcd
+    request); the condemnation's own audit line has them whole."""
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    record = fresh_record(ledger_policy(CONFIG.policy), backend_urls([GPU0]), T0 - 1000)
+    start = T0 - 5000
+    reads = tuple(Read(T0 - 400 + i, _serving(5, 1, start)) for i in range(400))
+    verdict = Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5", reads=reads)
+    settle(record, CONFIG, [Outcome(GPU0, verdict)], T0, mode=Mode.OFF, audit=audit)
+    proof = record.proofs["gpu0"]
+    assert proof["reads_left_out"] > 0
+    assert len(json.dumps(proof)) <= PROOF_BYTES
+    [line] = [r for r in read(audit.path) if r["event"] == "wedge_proven"]
+    assert len(line["evidence"]["reads"]) == 400

@@ -897,6 +897,40 @@ def test_a_command_already_run_is_heard_when_a_later_order_may_not_run(
     assert len(ran) == 1 and len(commands) == 1, "the command that ran is in no trail"
 
 
+@pytest.mark.slow  # three wedges read and a check's commands
+def test_no_order_after_one_its_store_refused_runs(fleet: Fleet, tmp_path: Path) -> None:
+    """Once the store refuses a command its environment (a cluster leader whose lease may
+    have passed on), the check runs none of the orders after it either, even if the store
+    would answer again: a leader that lost its lease for one order has lost it for all."""
+    servers = [fleet.start(f"gpu{i}", WEDGE) for i in range(3)]
+    markers = [tmp_path / f"gpu{i}-restarted" for i in range(3)]
+    setup = configure(
+        "unused",
+        tmp_path,
+        [
+            (f"gpu{i}", server.url, [sys.executable, "-c", TOUCH, str(markers[i])])
+            for i, server in enumerate(servers)
+        ],
+        max_concurrent_restarts=3,
+    )
+
+    class RefusesTheSecondOrderOnly(StateFile):
+        asked = 0
+
+        def command_env(self) -> dict[str, str]:
+            self.asked += 1
+            if self.asked == 2:
+                raise StateError("the lease may have passed on; not run")
+            return {}
+
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    until_frozen(*servers)
+    report = run_cycle(loaded, targets, settings_of(loaded), RefusesTheSecondOrderOnly(setup.state))
+    assert [marker.exists() for marker in markers] == [True, False, False]
+    assert any("gpu1: restart saved but not run" in note for note in report.notes), report.notes
+
+
 INTERRUPTIBLE = (
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
     " time.sleep(3); sys.stderr.write('restart failed'); sys.exit(7)"
@@ -1326,3 +1360,24 @@ def test_two_checks_interrupted_together_in_one_program_give_ctrl_c_back(
     assert after is before, after
     for _, setup, _ in runs:
         assert [r["command"]["exit_code"] for r in setup.audit() if r["event"] == COMMAND] == [0]
+
+
+def test_a_check_without_a_store_restarts_nothing_even_with_a_restart_command(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """No store, nothing to remember a restart by: a check called with none (the library's
+    ``check`` with no state) judges the wedge and runs no command, as bare URLs do."""
+    gpu0 = fleet.start("gpu0", WEDGE)
+    marker = tmp_path / "gpu0-restarted"
+    setup = configure(
+        "unused", tmp_path, [("gpu0", gpu0.url, [sys.executable, "-c", TOUCH, str(marker)])]
+    )
+    loaded = config_module.load(setup.config)
+    targets = config_module.targets_for(loaded, [], [])
+    until_frozen(gpu0)
+    report = run_cycle(loaded, targets, settings_of(loaded), None)
+    assert [(b.outcome.verdict.kind, b.snapshot and b.snapshot.state) for b in report.backends] == [
+        ("wedged", "dead")
+    ]
+    assert report.restarts == ()
+    assert not marker.exists(), "a restart command ran with no state to remember it by"
