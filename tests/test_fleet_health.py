@@ -1111,3 +1111,37 @@ def test_a_shard_is_found_by_its_url_as_given_and_in_any_case() -> None:
 def test_one_host_written_in_two_cases_is_one_backend_and_refused_twice() -> None:
     with pytest.raises(ValueError, match="share the URL"):
         FleetHealth(["http://LOCALHOST:9001", "http://localhost:9001"])
+
+
+def test_the_default_policy_is_seed_000s() -> None:
+    # FleetHealthPolicy's documented defaults: 3 to condemn, 2 to trust, 5 restarts, 1 floor.
+    policy = FleetPolicy()
+    assert (
+        policy.unhealthy_threshold,
+        policy.healthy_threshold,
+        policy.max_restart_attempts,
+        policy.min_healthy,
+    ) == (3, 2, 5, 1)
+
+
+def test_a_fleet_of_no_backends_or_an_empty_name_is_refused_whatever_the_floor() -> None:
+    with pytest.raises(ValueError, match="at least one backend"):
+        FleetHealth([], policy=FleetPolicy(min_healthy=0))
+    with pytest.raises(ValueError, match="non-empty strings"):
+        FleetHealth({"": URLS[0], "b": URLS[1]})
+
+
+def test_backends_awaiting_an_answer_come_in_the_order_given() -> None:
+    names = ["h", "c", "f", "a", "g", "b", "e", "d"]
+    clock = Clock()
+    f = FleetHealth(
+        dict(zip(names, [f"http://10.0.0.{i}:8000" for i in range(1, 9)], strict=True)),
+        policy=FleetPolicy(recover_in_place=True, min_healthy=0),
+        clock=clock,
+    )
+    for _ in range(3):
+        clock.tick()
+        for name in names:
+            f.report_failure(name, "router: failed generation")
+    assert f.absent_shards() == names
+    assert f.awaiting_an_answer() == names

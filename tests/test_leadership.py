@@ -36,6 +36,15 @@ def test_a_timing_whose_deadline_reaches_the_lease_is_refused() -> None:
         LeaseTiming(ttl=10.0, renew_deadline=2.0, retry_period=3.0)
 
 
+def test_a_timing_with_no_retry_period_or_one_as_long_as_the_deadline_is_refused() -> None:
+    # A zero retry period asks etcd in a loop; one as long as the renew deadline leaves
+    # a leader no second try before it must step down.
+    with pytest.raises(ValueError, match="0 < retry_period"):
+        LeaseTiming(ttl=10.0, renew_deadline=6.0, retry_period=0.0)
+    with pytest.raises(ValueError, match="retry_period < renew_deadline"):
+        LeaseTiming(ttl=10.0, renew_deadline=6.0, retry_period=6.0)
+
+
 def test_a_daemon_without_the_leader_key_is_a_standby() -> None:
     decision = decide(LeaseFacts(lease_id=7, renewed_at=100.0), TIMING, 100.5)
     assert decision.standing is Standing.STANDBY
@@ -64,6 +73,14 @@ def test_a_leader_paused_past_its_lease_steps_down_before_hearing_anything() -> 
 def test_a_leader_key_on_no_known_lease_is_never_acted_on() -> None:
     decision = decide(LeaseFacts(leader_since=1.0), TIMING, 1.0)
     assert decision.standing is Standing.STEPPING_DOWN
+
+
+def test_a_leader_key_whose_lease_was_lost_is_never_acted_on_though_renewed_lately() -> None:
+    # The lease id is gone (revoked, or a new one being granted) while the renewal time
+    # and leader key are still remembered: nothing proves the key is held.
+    decision = decide(LeaseFacts(lease_id=None, renewed_at=1.0, leader_since=1.0), TIMING, 1.5)
+    assert decision.standing is Standing.STEPPING_DOWN
+    assert not decision.may_act
 
 
 def test_renewal_is_due_a_retry_period_after_the_last_one_was_sent() -> None:
@@ -106,6 +123,27 @@ def test_without_a_lease_a_failing_etcd_is_retried_ever_later_up_to_a_limit() ->
     assert leadership.retry_due(
         gone, TIMING, 10.0 + TIMING.ttl, 3, 0.0, 10.0 + TIMING.ttl
     ) == pytest.approx(10.0 + TIMING.ttl + 4 * period)
+
+
+def test_a_lease_past_its_renew_deadline_but_inside_its_ttl_is_retried_at_the_renewal_pace() -> (
+    None
+):
+    # Between the renew deadline and the TTL the leader has stepped down, but etcd may
+    # still hold the lease: it is renewed a retry period after the failed try, however
+    # many rounds failed, rather than backed off and let lapse.
+    facts = LeaseFacts(7, 0.0, None)
+    now = (TIMING.renew_deadline + TIMING.ttl) / 2
+    due = leadership.retry_due(facts, TIMING, now, 5, 0.0, now)
+    assert due == pytest.approx(now + TIMING.retry_period)
+
+
+def test_the_longest_backoff_brings_a_member_back_within_a_renew_deadline() -> None:
+    # With no lease alive the wait doubles, but never past a renew deadline (jitter
+    # included): a member whose etcd came back campaigns again before a leader that
+    # was renewing through the outage would have to step down.
+    longest = leadership.retry_due(LeaseFacts(), TIMING, 50.0, 1000, 0.999, 50.0) - 50.0
+    assert longest == pytest.approx(4 * TIMING.retry_period * (1 + 0.999 * leadership.RETRY_JITTER))
+    assert longest < TIMING.renew_deadline
 
 
 @given(

@@ -26,6 +26,7 @@ from llmhealth import state as state_module
 from llmhealth.actions import AuditLog
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import LedgerPolicy
+from llmhealth.rows import Rows, Table, plain
 from llmhealth.state import (
     SCHEMA,
     MemoryStore,
@@ -962,3 +963,24 @@ def test_a_state_path_that_cannot_be_looked_at_is_a_state_error(tmp_path: Path) 
         with contextlib.suppress(FileNotFoundError):
             (tmp_path / "closed").chmod(0o700)
     assert said.startswith("StateError: "), said
+
+
+def test_rows_and_tables_make_only_the_rows_asked_for_and_read_back_whole() -> None:
+    made: list[int] = []
+
+    def row(item: int) -> dict[str, int]:
+        made.append(item)
+        return {"n": item}
+
+    rows = Rows([1, 2, 3, 4], row)
+    assert len(rows) == 4 and not made
+    assert rows[1:3] == [{"n": 2}, {"n": 3}]
+    assert made == [2, 3]  # a run makes its own rows, not the whole list
+    table = Table({"a": 1, "b": 2}, row)
+    document = {"rows": rows, "table": table}
+    assert json.loads(json.dumps(document, default=plain)) == {
+        "rows": [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 4}],
+        "table": {"a": {"n": 1}, "b": {"n": 2}},
+    }
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        plain(object())
