@@ -38,15 +38,19 @@ from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import (
     KEEP_ALIVE_LEAD,
     ProbeSettings,
+    ask_tiny,
     check_fleet,
     examine_backend,
     examine_once,
     keep_read,
     new_client,
     read_metrics,
+    seconds_argument,
+    with_birth,
 )
 from llmhealth.report import ExitCode, verdict_exit_code
 from llmhealth.shares import verdict_from_dict, verdict_to_dict
+from llmhealth.text import printable
 from llmhealth.window import DEFAULT_RULES, LongestStep
 
 CAPTURES = Path(__file__).parent.parent / "fixtures" / "vllm-0.32"
@@ -484,6 +488,24 @@ def test_a_redirect_is_not_followed(httpserver: HTTPServer) -> None:
     assert "redirected (302) to http://elsewhere.invalid/metrics; not followed" in verdict.evidence
 
 
+def test_a_multiple_choices_answer_is_a_redirect_not_followed(httpserver: HTTPServer) -> None:
+    # 300 is a redirection too (RFC 9110 15.4): its Location is named, not followed.
+    httpserver.expect_request("/metrics").respond_with_data(
+        "", status=300, headers={"Location": "http://elsewhere.invalid/metrics"}
+    )
+    read = asyncio.run(_read_once(httpserver.url_for("").rstrip("/"), FAST))
+    assert read.problem is ReadProblem.UNUSABLE
+    assert "redirected (300) to http://elsewhere.invalid/metrics; not followed" in read.detail
+
+
+def test_metrics_answered_with_any_2xx_are_read(httpserver: HTTPServer) -> None:
+    # As a proxy's model list: a front that marks its answers 203 still sent the text.
+    httpserver.expect_request("/metrics").respond_with_data(capture("busy-1"), status=203)
+    read = asyncio.run(_read_once(httpserver.url_for("").rstrip("/"), FAST))
+    assert read.problem is None, read.detail
+    assert read.signals is not None and read.signals.has_vllm
+
+
 def test_a_body_over_the_cap_is_cut_off_and_named(httpserver: HTTPServer) -> None:
     httpserver.expect_request("/metrics").respond_with_data(capture("busy-2"))
     httpserver.expect_request("/v1/models").respond_with_json(MODELS)
@@ -614,6 +636,76 @@ def test_a_proxy_is_up_by_any_2xx_with_a_model_list(httpserver: HTTPServer) -> N
     proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
     (outcome,) = asyncio.run(check_fleet([proxy], FAST))
     assert outcome.verdict.kind is VerdictKind.UP, outcome.verdict.evidence
+
+
+@pytest.mark.parametrize(("length", "up"), [(1024, True), (1025, False)])
+def test_a_listed_model_id_is_at_most_1024_characters(
+    httpserver: HTTPServer, length: int, up: bool
+) -> None:
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": "m" * length}]})
+    proxy = Target("lb", httpserver.url_for("").rstrip("/"), "proxy")
+    (outcome,) = asyncio.run(check_fleet([proxy], FAST))
+    assert (outcome.verdict.kind is VerdictKind.UP) == up, outcome.verdict.evidence
+
+
+def test_an_expected_model_is_asked_for_as_the_server_lists_it(httpserver: HTTPServer) -> None:
+    # A configured model is printable, so one listed with a no-break space is written
+    # "tiny\\xa0x"; asked for so, the server has no such model and an idle backend failed.
+    listed = "tiny\u00a0x"
+    asked = []
+
+    def complete(request: Request) -> Response:
+        asked.append(json.loads(request.get_data())["model"])
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+    httpserver.expect_request("/v1/models").respond_with_json({"data": [{"id": listed}]})
+    httpserver.expect_request("/v1/completions").respond_with_handler(complete)
+    target = Target("b", httpserver.url_for("").rstrip("/"), model=printable(listed))
+
+    async def run() -> Answer:
+        async with new_client() as client:
+            return await ask_tiny(client, target, FAST, FakeClock())
+
+    answer = asyncio.run(run())
+    assert answer.ok, answer.detail
+    assert asked == [listed]
+
+
+def test_a_tiny_request_no_connection_took_is_not_counted_as_sent() -> None:
+    # The model list answered and its server gone at once: the completion never went out.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_the_list_then_go() -> None:
+        connection, _ = listener.accept()
+        listener.close()  # before the list is sent: the completion's connection is refused
+        with connection:
+            connection.settimeout(5)
+            while b"\r\n\r\n" not in connection.recv(65536):
+                pass
+            body = json.dumps(MODELS).encode()
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+
+    server = threading.Thread(target=answer_the_list_then_go)
+    server.start()
+
+    async def run() -> Answer:
+        async with new_client() as client:
+            return await ask_tiny(
+                client, Target("b", f"http://127.0.0.1:{port}"), FAST, FakeClock()
+            )
+
+    try:
+        answer = asyncio.run(run())
+    finally:
+        server.join(5)
+        listener.close()
+    assert not answer.ok
+    assert "connection refused" in answer.detail
+    assert not answer.sent
 
 
 def test_a_proxy_that_turns_our_key_away_is_not_judged_down(httpserver: HTTPServer) -> None:
@@ -1659,3 +1751,155 @@ def test_a_tiny_request_that_timed_out_is_kept_in_the_verdict_after_it(
     assert verdict.requests_sent == 1, verdict.evidence
     assert verdict.answer is not None and verdict.answer.timed_out
     assert "no request sent" not in verdict.evidence
+
+
+@pytest.mark.parametrize("value", [True, False, "5", None, float("inf"), float("nan"), 0.0, 3601])
+def test_a_callers_seconds_outside_a_millisecond_to_an_hour_are_refused(value: object) -> None:
+    # A bool is an int to Python: True was one second, False nothing at all.
+    with pytest.raises(ValueError, match="from a millisecond to an hour"):
+        seconds_argument(value, "timeout")
+
+
+@pytest.mark.parametrize("value", [0.001, 5, 3600])
+def test_a_callers_seconds_from_a_millisecond_to_an_hour_are_taken(value: float) -> None:
+    assert seconds_argument(value, "timeout") == float(value)
+
+
+def test_a_verdict_may_take_three_reads_however_short_the_check_time() -> None:
+    assert ProbeSettings(wait=10.0, max_check_time=5.0).read_limit == 3
+
+
+def test_the_tiny_request_waits_longer_for_a_long_step_never_shorter_for_a_short_one() -> None:
+    settings = ProbeSettings(answer_timeout=10.0)
+    short = settings.for_answer([], LongestStep(0.5, "a short step"), DEFAULT_RULES)
+    assert short.answer_timeout == 10.0
+    long = settings.for_answer([], LongestStep(40.0, "a long step"), DEFAULT_RULES)
+    assert long.answer_timeout == DEFAULT_RULES.step_factor * 40.0
+
+
+def test_cpu_is_sampled_for_a_window_longer_than_two_waits() -> None:
+    learned = LongestStep(40.0, "a long step")  # a window of three such steps: 120 s
+    assert ProbeSettings(wait=48.0).wants_cpu([], learned, DEFAULT_RULES)
+    assert not ProbeSettings(wait=60.0).wants_cpu([], learned, DEFAULT_RULES)
+
+
+def test_a_refused_backend_examined_while_another_error_is_handled_is_refused() -> None:
+    # A cluster's `check` probes after etcd failed, inside that error's handler: the
+    # refused backend's evidence named the etcd error, not the refusal.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        raise RuntimeError("no etcd endpoint answered")
+    except RuntimeError:
+        verdict = examine(f"http://localhost:{port}")
+    assert verdict.kind is VerdictKind.DOWN
+    assert "connection refused" in verdict.evidence
+    assert "etcd" not in verdict.evidence
+
+
+def test_a_long_location_is_shortened_in_the_evidence(httpserver: HTTPServer) -> None:
+    far = "http://elsewhere.invalid/" + "a" * 1000
+    httpserver.expect_request("/metrics").respond_with_data(
+        "", status=302, headers={"Location": far}
+    )
+    read = asyncio.run(_read_once(httpserver.url_for("").rstrip("/"), FAST))
+    assert "redirected (302) to http://elsewhere.invalid/aaa" in read.detail
+    assert "a" * 200 not in read.detail
+    assert "..." in read.detail
+
+
+def test_a_backend_is_read_at_once_and_waited_for_only_between_reads(
+    httpserver: HTTPServer,
+) -> None:
+    backend = Backend(httpserver, [capture("busy-1"), capture("busy-2")])
+    clock = FakeClock()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await clock.sleep(seconds)
+
+    async def run() -> Verdict:
+        async with new_client() as client:
+            target = Target("b", backend.url)
+            return await examine_backend(client, target, FAST, clock=clock, sleep=sleep)
+
+    verdict = asyncio.run(run())
+    assert verdict.kind is VerdictKind.BUSY
+    assert (backend.metrics_reads, waits) == (2, [FAST.wait])
+
+
+def test_a_read_of_another_process_is_not_given_the_earlier_ones_birth() -> None:
+    old = parse_metrics(capture("busy-1"))
+    assert old.process_start is not None
+    new = replace(old, process_start=old.process_start + 100.0)
+    before = Read(old.process_start + 500.0, signals=old, tick=500.0, born=0.0)
+    read = with_birth(Read(new.process_start + 50.0, signals=new, tick=650.0), [before])
+    assert read.born == 600.0  # its own age, 50 s, before its tick
+    same = with_birth(Read(old.process_start + 560.0, signals=old, tick=560.0), [before])
+    assert same.born == 0.0
+
+
+def _ask(url: str, **target: str) -> Answer:
+    async def run() -> Answer:
+        async with new_client() as client:
+            return await ask_tiny(client, Target("b", url, **target), FAST, FakeClock())
+
+    return asyncio.run(run())
+
+
+def test_the_configured_model_is_asked_for_not_the_first_listed(httpserver: HTTPServer) -> None:
+    asked = []
+
+    def complete(request: Request) -> Response:
+        asked.append(json.loads(request.get_data())["model"])
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+    httpserver.expect_request("/v1/models").respond_with_json(
+        {"data": [{"id": "first"}, {"id": "second"}]}
+    )
+    httpserver.expect_request("/v1/completions").respond_with_handler(complete)
+    answer = _ask(httpserver.url_for("").rstrip("/"), model="second")
+    assert answer.ok, answer.detail
+    assert asked == ["second"]
+
+
+def test_an_empty_model_list_sends_no_tiny_request(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/v1/models").respond_with_json({"data": []})
+    answer = _ask(httpserver.url_for("").rstrip("/"))
+    assert (answer.ok, answer.sent) == (False, False)
+    assert "lists no model" in answer.detail
+
+
+def test_no_tcp_connection_within_the_timeout_is_down() -> None:
+    # A listener whose backlog is full drops new connections' SYNs, as a host gone from
+    # the network does: the connect times out, and the backend is down, not unresponsive.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    host, port = listener.getsockname()
+    url = f"http://{host}:{port}"
+    fillers = []
+    try:
+        for _ in range(4):  # more than Linux queues for a backlog of 0
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(listener.getsockname())
+            fillers.append(filler)
+        settings = ProbeSettings(wait=0.0, timeout=0.5, answer_timeout=0.5)
+        read = asyncio.run(_read_once(url, settings))
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+    assert read.problem is ReadProblem.DOWN, read.detail
+    assert "no TCP connection within 0.5 s" in read.detail
+
+
+def test_no_tiny_request_is_sent_when_the_model_list_fails(httpserver: HTTPServer) -> None:
+    httpserver.expect_request("/v1/models").respond_with_data("oops", status=500)
+    answer = _ask(httpserver.url_for("").rstrip("/"))
+    assert (answer.ok, answer.sent) == (False, False)
+    assert "not sent: GET /v1/models answered HTTP 500" in answer.detail

@@ -34,10 +34,11 @@ Handler = Callable[[socket.socket, int], None]  # a connection, and its number f
 
 
 @contextmanager
-def tcp_server(handle: Handler) -> Iterator[tuple[str, list[bytes]]]:
+def tcp_server(handle: Handler, host: str = "127.0.0.1") -> Iterator[tuple[str, list[bytes]]]:
     """Each accepted connection runs ``handle`` in its own thread; every byte received
     by the server is kept, so a test can see exactly what the client sent."""
-    listener = socket.create_server(("127.0.0.1", 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
     listener.settimeout(0.1)
     stop = threading.Event()
     received: list[bytes] = []
@@ -63,7 +64,8 @@ def tcp_server(handle: Handler) -> Iterator[tuple[str, list[bytes]]]:
     acceptor = threading.Thread(target=accept)
     acceptor.start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", received
+        name = f"[{host}]" if ":" in host else host
+        yield f"http://{name}:{listener.getsockname()[1]}", received
     finally:
         stop.set()
         acceptor.join(5)
@@ -173,6 +175,22 @@ def test_a_host_whose_last_label_is_long_is_read_its_port_apart_from_its_name() 
     zoned = "http://[fe80:0000:0000:0000:0000:0000:0000:0001%25abcdefghijklmno]:8000"
     assert Origin.parse(check_url(zoned)).host_header == zoned[7:].encode()
     assert Origin.parse("http://bücher.example:8000").host_header == b"xn--bcher-kva.example:8000"
+
+
+def test_an_ipv6_address_is_written_in_brackets_in_the_host_header() -> None:
+    # RFC 9110 7.2: the Host is the URL's authority, where an IPv6 address has brackets.
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with tcp_server(answer, "::1") as (url, received):
+        (response,) = get(f"{url}/metrics")
+    assert response.body == b"ok"
+    assert f"\r\nHost: [::1]:{url.rsplit(':', 1)[1]}\r\n".encode() in b"".join(received)
 
 
 @pytest.mark.usefixtures("each_loop")
@@ -590,6 +608,45 @@ def test_a_head_cut_off_on_a_kept_connection_is_the_servers_failure_not_an_idle_
     assert (attempts, idle_closes) == ([0], 0)
 
 
+def test_a_head_cut_off_by_a_reset_on_a_kept_connection_is_not_sent_again() -> None:
+    # The bytes of the head a reset cut off stay in the reader, not in the error: they
+    # too say the server took the request, which a GET sent again would hide.
+    attempts = []
+
+    def half_a_head_then_reset(connection: socket.socket, number: int) -> None:
+        attempts.append(number)
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 500 Internal Serv")
+        time.sleep(0.2)  # read by the client before the reset comes
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    with tcp_server(half_a_head_then_reset) as (url, _):
+        second, idle_closes = _get_then("GET", f"{url}/metrics")
+    assert isinstance(second, WireError) and second.failure is Failure.CLOSED
+    assert (attempts, idle_closes) == ([0], 0)
+
+
+def test_a_post_after_a_get_whose_connection_was_reset_goes_on_a_fresh_one() -> None:
+    # A reset the loop took in while the connection waited leaves it closing, with its
+    # error in the reader: the POST, never sent on it, must not be judged by that error.
+    posts = []
+
+    def answer_then_reset(connection: socket.socket, number: int) -> None:
+        request = read_request(connection)
+        if request.startswith(b"POST"):
+            posts.append(number)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        if number == 0:
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    with tcp_server(answer_then_reset) as (url, _):
+        second, _idle_closes = _get_then("POST", f"{url}/v1/completions", 0.3)
+    assert isinstance(second, WireResponse) and second.body == b"{}"
+    assert posts == [1]
+
+
 def test_an_answer_framed_by_both_length_and_chunks_does_not_keep_its_connection() -> None:
     connections = []
 
@@ -639,6 +696,31 @@ def test_a_body_ended_by_the_close_is_cut_off_at_the_cap() -> None:
     assert error.failure is Failure.TOO_BIG
 
 
+@pytest.mark.parametrize(("length", "refused"), [(1000, False), (1001, True)])
+def test_a_content_length_is_refused_from_one_byte_over_the_cap(length: int, refused: bool) -> None:
+    def announce(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % length)
+        connection.sendall(b"x" * length)
+
+    with tcp_server(announce) as (url, _):
+        if refused:
+            assert failure_of(f"{url}/metrics", max_bytes=1000).failure is Failure.TOO_BIG
+        else:
+            assert get(f"{url}/metrics", max_bytes=1000)[0].body == b"x" * length
+
+
+def test_a_not_modified_answer_has_no_body_whatever_its_length_says() -> None:
+    # RFC 9110 15.4.5: a 304's Content-Length is the representation's, not a body's.
+    def not_modified(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 304 Not Modified\r\nContent-Length: 100\r\n\r\n")
+
+    with tcp_server(not_modified) as (url, _):
+        (response,) = get(f"{url}/metrics")
+    assert (response.status, response.body) == (304, b"")
+
+
 def test_trailer_lines_under_the_cap_each_are_bounded_together() -> None:
     # Each line short of MAX_HEAD_BYTES, their sum past it: the trailers end the read.
     line = b"X-T: " + b"a" * 1000 + b"\r\n"
@@ -665,10 +747,13 @@ def test_trailer_lines_under_the_cap_each_are_bounded_together() -> None:
         b"HTTP/1.1 2x0 OK\r\n\r\n",
         b"HTTP/1.1 \xb200 OK\r\n\r\n",  # "\xb2" is "\u00b2" in latin-1: isdigit(), not int()
         b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nok",  # RFC 9112 5.1: no space
         b"HTTP/1.1 200 OK\r\nContent-Length: 5, 6\r\n\r\nhello",
         b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        # A chunk longer than its size says: its data does not end with the CRLF.
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXY0\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n",
         b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",  # was read as 200
         b"HTTP/1.1 099 Low\r\nContent-Length: 0\r\n\r\n",  # below 100: no status at all
@@ -685,6 +770,16 @@ def test_answers_that_are_not_http_as_framed_are_malformed(head: bytes) -> None:
     with tcp_server(send) as (url, _):
         error = failure_of(f"{url}/metrics")
     assert error.failure is Failure.MALFORMED
+
+
+def test_the_query_is_sent_with_the_path() -> None:
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    with tcp_server(answer) as (url, received):
+        get(f"{url}/metrics?name=vllm&x=1")
+    assert b"".join(received).startswith(b"GET /metrics?name=vllm&x=1 HTTP/1.1\r\n")
 
 
 def test_environment_proxies_are_never_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -825,6 +920,21 @@ def test_a_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() 
     assert isinstance(outcome, WireError)
     assert outcome.failure is Failure.STARVED
     assert "closed the connection" in outcome.detail
+
+
+def test_a_server_that_began_its_answer_and_closed_is_blamed_however_held_up_the_checker() -> None:
+    """Any byte of the answer says the server took the request: a close after it is the
+    server's failure, not an idle timeout our silence caused, however late this process
+    ran meanwhile."""
+
+    def half_a_head(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 500 Internal Serv")  # and the process is gone
+
+    with tcp_server(half_a_head) as (url, _):
+        outcome = _read_while_blocked(f"{url}/metrics", budget=5.0, blocked=1.5)
+    assert isinstance(outcome, WireError)
+    assert outcome.failure is Failure.CLOSED
 
 
 def _read_both(first: str, second: str, budgets: tuple[float, float]) -> list[object]:
@@ -1294,6 +1404,67 @@ def test_a_server_that_closes_at_once_is_closed_whatever_its_name_took_to_look_u
 
         error = eventloop.run(run())
     assert error.failure is Failure.CLOSED, error.detail
+
+
+def test_a_server_that_closes_at_once_is_closed_whatever_the_loop_ran_late_in_the_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As above, the loop held up while the name was looked up: the connection did not
+    # exist then, so no server can have given up on it for this process's silence.
+    def close_at_once(connection: socket.socket, _number: int) -> None:
+        time.sleep(0.2)  # the connection made on both sides, no request read
+
+    with tcp_server(close_at_once) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        found = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        _name_for(monkeypatch, "held.test", found, 0.0)
+
+        async def run() -> WireError:
+            connection = Connection(None, "llmhealth/test")
+            loop = asyncio.get_running_loop()
+            loop.call_soon(time.sleep, 1.5)  # while the lookup is under way
+            try:
+                await connection.request(
+                    "GET", f"http://held.test:{port}/", deadline=loop.time() + 5.0, max_bytes=100
+                )
+            except WireError as error:
+                return error
+            finally:
+                await connection.aclose()
+            raise AssertionError("answered")
+
+        error = asyncio.run(run())
+    assert error.failure is Failure.CLOSED, error.detail
+
+
+def test_a_connection_shut_while_its_name_is_looked_up_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its owner done with it (a check ended, a target removed): the connection made after
+    # the lookup is closed, not kept, and the server never sees the request.
+    with tcp_server(_answer_at_once) as (url, received):
+        port = int(url.rsplit(":", 1)[1])
+        found = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        _name_for(monkeypatch, "shut.test", found, 0.5)
+
+        async def run() -> WireResponse | WireError:
+            connection = Connection(None, "llmhealth/test")
+            loop = asyncio.get_running_loop()
+            read = asyncio.create_task(
+                connection.request(
+                    "GET", f"http://shut.test:{port}/", deadline=loop.time() + 5.0, max_bytes=100
+                )
+            )
+            await asyncio.sleep(0.1)  # the lookup under way
+            await connection.shut()
+            try:
+                return await read
+            except WireError as error:
+                return error
+
+        outcome = asyncio.run(run())
+    assert isinstance(outcome, WireError) and outcome.failure is Failure.STARVED, outcome
+    assert b"".join(received) == b""
 
 
 @pytest.mark.parametrize("ended_by", ["a malformed answer", "a cancel"])
