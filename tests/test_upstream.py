@@ -11,7 +11,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -792,22 +792,33 @@ def _request_taken_over_tls(
     return tls, outgoing
 
 
+@contextlib.contextmanager
+def never_accepting() -> Iterator[int]:
+    """A port on 127.0.0.1 whose accept queue is full: a connection to it is never made
+    (Linux drops further SYNs), as to a backend that stopped accepting."""
+    blackhole = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(0)
+        port = blackhole.getsockname()[1]
+        for _ in range(3):
+            filler = socket.socket()
+            fillers.append(filler)
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+        yield port
+    finally:
+        for filler in fillers:
+            filler.close()
+        blackhole.close()
+
+
 def test_a_connect_deadline_inside_a_stall_of_the_loop_is_as_late_as_the_stall() -> None:
     # The stall began before the deadline and ended soon after: heard only a little late,
     # the connect's deadline was still judged with nothing taken in for the whole stall.
-    blackhole = socket.socket()
-    blackhole.bind(("127.0.0.1", 0))
-    blackhole.listen(0)
-    port = blackhole.getsockname()[1]
-    fillers = []
-    for _ in range(3):  # a full accept queue: further SYNs are dropped (Linux)
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         loop = asyncio.get_running_loop()
         lateness_of(loop)  # as the router starts it
         await asyncio.sleep(0.2)
@@ -817,12 +828,8 @@ def test_a_connect_deadline_inside_a_stall_of_the_loop_is_as_late_as_the_stall()
             await pool.request(Origin.parse(f"http://127.0.0.1:{port}"), "GET", "/", [], b"")
         assert raised.value.late > 1.0, raised.value.late  # not its 0.8 s after the deadline
 
-    try:
-        run(scenario())
-    finally:
-        for filler in fillers:
-            filler.close()
-        blackhole.close()
+    with never_accepting() as port:
+        run(scenario(port))
 
 
 @pytest.mark.usefixtures("each_loop")
@@ -933,19 +940,7 @@ def test_stalls_of_the_loop_that_end_before_a_connects_deadline_excuse_nothing()
     # Only a stall the deadline falls inside can time out a connection made in time (the
     # kernel goes on connecting meanwhile): stalls before it, summed, let a backend that
     # never accepts pass for the router's own lateness, never charged nor dropped.
-    blackhole = socket.socket()
-    blackhole.bind(("127.0.0.1", 0))
-    blackhole.listen(0)
-    port = blackhole.getsockname()[1]
-    fillers = []
-    for _ in range(3):  # a full accept queue: further SYNs are dropped (Linux)
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         loop = asyncio.get_running_loop()
         lateness_of(loop)  # as the router starts it
         await asyncio.sleep(0.2)
@@ -955,12 +950,8 @@ def test_stalls_of_the_loop_that_end_before_a_connects_deadline_excuse_nothing()
             await pool.request(Origin.parse(f"http://127.0.0.1:{port}"), "GET", "/", [], b"")
         assert raised.value.late < 0.5, raised.value.late  # the router's LOOP_LATE
 
-    try:
-        run(scenario())
-    finally:
-        for filler in fillers:
-            filler.close()
-        blackhole.close()
+    with never_accepting() as port:
+        run(scenario(port))
 
 
 @pytest.mark.usefixtures("each_loop")
