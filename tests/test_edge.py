@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable
 import pytest
 
 from llmhealth import eventloop
-from llmhealth.edge import BadRequestError, Edge, Request
+from llmhealth.edge import BadRequestError, Edge, Handler, Request
 from llmhealth.http1 import (
     MAX_FIELDS,
     MAX_HEAD_BYTES,
@@ -56,10 +56,11 @@ async def echo(request: Request) -> None:
 
 @contextlib.asynccontextmanager
 async def edge(
-    idle_timeout: float = 60.0, cap: int = 100
+    idle_timeout: float = 60.0, cap: int = 100, handler: Handler = echo
 ) -> AsyncIterator[tuple[Edge, asyncio.StreamReader, asyncio.StreamWriter]]:
-    """An edge with the echo handler, and one client connection to it."""
-    server = Edge(echo, cap=cap, idle_timeout=idle_timeout, max_body=MAX_BODY)
+    """An edge with ``handler`` (the echo handler unless told), and one client
+    connection to it."""
+    server = Edge(handler, cap=cap, idle_timeout=idle_timeout, max_body=MAX_BODY)
     await server.start("127.0.0.1", 0, backlog=16)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
@@ -67,6 +68,15 @@ async def edge(
     finally:
         writer.close()
         await server.close()
+
+
+async def read_to_close(reader: asyncio.StreamReader) -> bytes:
+    """All a connection brings until the edge closes or resets it."""
+    seen = b""
+    with contextlib.suppress(ConnectionResetError):
+        while piece := await asyncio.wait_for(reader.read(65536), BOUND):
+            seen += piece
+    return seen
 
 
 async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
@@ -421,18 +431,12 @@ def test_a_streamed_answer_to_http_1_0_ends_with_the_connection_and_says_so() ->
         await request.end()
 
     async def scenario() -> None:
-        server = Edge(streams, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
-        await server.start("127.0.0.1", 0, backlog=4)
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        try:
+        async with edge(handler=streams) as (_, reader, writer):
             writer.write(b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
             assert b"\r\nConnection: close\r\n" in head, head
             assert b"transfer-encoding" not in head.lower()
             assert await asyncio.wait_for(reader.read(), BOUND) == b"hello"
-        finally:
-            writer.close()
-            await server.close()
 
     run(scenario())
 
@@ -792,18 +796,12 @@ def test_a_streamed_answer_that_can_have_no_body_is_its_head_alone(status: int) 
         await request.end()
 
     async def scenario() -> None:
-        server = Edge(bodiless, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
-        await server.start("127.0.0.1", 0, backlog=4)
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        try:
+        async with edge(handler=bodiless) as (_, reader, writer):
             writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
             for _ in range(2):  # the second head comes right after the first: nothing between
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
                 assert head.startswith(b"HTTP/1.1 %d " % status), head
                 assert b"transfer-encoding" not in head.lower()
-        finally:
-            writer.close()
-            await server.close()
 
     run(scenario())
 
@@ -820,20 +818,11 @@ def test_a_handler_that_fails_is_a_500_only_before_its_answer_began(started: boo
         raise RuntimeError("a bug")
 
     async def scenario() -> None:
-        server = Edge(fails, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
-        await server.start("127.0.0.1", 0, backlog=4)
         asyncio.get_running_loop().set_exception_handler(lambda *_: None)  # the bug's log
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        try:
+        async with edge(handler=fails) as (_, reader, writer):
             writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-            seen = b""
-            with contextlib.suppress(ConnectionResetError):
-                while piece := await asyncio.wait_for(reader.read(65536), BOUND):
-                    seen += piece
+            seen = await read_to_close(reader)
             assert (b"HTTP/1.1 500 " in seen) is not started, seen
-        finally:
-            writer.close()
-            await server.close()
 
     run(scenario())
 
@@ -847,19 +836,10 @@ def test_an_answer_its_handler_left_unended_cuts_the_connection_off() -> None:
         await request.write(b"hello")
 
     async def scenario() -> None:
-        server = Edge(unended, cap=4, idle_timeout=60.0, max_body=MAX_BODY)
-        await server.start("127.0.0.1", 0, backlog=4)
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        try:
+        async with edge(handler=unended) as (_, reader, writer):
             writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-            seen = b""
-            with contextlib.suppress(ConnectionResetError):
-                while piece := await asyncio.wait_for(reader.read(65536), BOUND):
-                    seen += piece
+            seen = await read_to_close(reader)
             assert not seen.endswith(b"0\r\n\r\n"), seen
-        finally:
-            writer.close()
-            await server.close()
 
     run(scenario())
 
