@@ -122,6 +122,7 @@ def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path: Path) 
     assert child not in live_members(pgid)
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_group_that_ignores_sigterm_gets_sigkill_after_the_grace() -> None:
     # An ignored signal stays ignored in children, so the whole group shrugs off SIGTERM.

@@ -283,6 +283,7 @@ def _write_config(path: Path, urls: list[str], min_healthy: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_fleet_below_its_floor_is_critical_and_says_why(entry_point: str, tmp_path: Path) -> None:
     with running_simulator(["busy", "wedge:0.5"]) as sim:
         config = _write_config(tmp_path / "fleet.toml", sim.urls, min_healthy=2)
@@ -456,6 +457,7 @@ def test_a_server_the_last_check_read_asleep_is_not_asked_while_its_metrics_fail
     assert "asleep" in second.backend()["evidence"]
 
 
+@pytest.mark.slow
 def test_a_backend_moved_off_a_server_read_asleep_is_asked_at_its_new_address(
     entry_point: str, tmp_path: Path, httpserver: HTTPServer
 ) -> None:
@@ -493,6 +495,7 @@ def test_a_backend_moved_off_a_server_read_asleep_is_asked_at_its_new_address(
     assert moved.code == 0, moved.backend()["evidence"]
 
 
+@pytest.mark.slow
 def test_a_server_read_asleep_then_replaced_by_a_process_without_vllm_series_is_asked(
     entry_point: str, tmp_path: Path
 ) -> None:

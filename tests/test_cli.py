@@ -270,6 +270,7 @@ def test_a_tiny_request_whose_connection_was_refused_is_not_counted_as_sent() ->
     assert backend["requests_sent"] == 0, backend
 
 
+@pytest.mark.slow
 def test_a_check_without_a_backends_key_variable_exits_3_asking_nothing(
     entry_point: str, httpserver: HTTPServer, tmp_path: Path
 ) -> None:
@@ -346,6 +347,7 @@ def test_a_state_path_that_is_the_configured_audit_log_is_refused(
     assert not audit.exists()
 
 
+@pytest.mark.slow
 def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
     result = run(entry_point, "check", "not-a-url")
     assert result.returncode == 3
@@ -422,6 +424,7 @@ def test_the_installed_command_exits_2_when_a_backend_is_down(entry_point: str) 
     assert result.stdout.startswith("LLMHEALTH CRITICAL - 1 down/suspect")
 
 
+@pytest.mark.slow
 def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -450,6 +453,7 @@ def test_a_check_that_cannot_run_still_gives_a_nagios_line_on_stdout(
     assert table.returncode == 3 and table.stdout == ""
 
 
+@pytest.mark.slow
 def test_a_check_that_cannot_run_still_gives_a_json_document_on_stdout(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -706,6 +710,7 @@ def test_audit_names_a_log_path_holding_a_control_character_escaped(tmp_path: Pa
     assert "d\\x1b[31mX" in result.stderr
 
 
+@pytest.mark.slow
 def test_audit_of_a_path_with_no_log_says_so_and_with_no_state_either_exits_3(
     entry_point: str, tmp_path: Path
 ) -> None:
@@ -811,6 +816,7 @@ def overflowing_metrics(hits: list[int]) -> Callable[[Request], Response]:
     return respond
 
 
+@pytest.mark.slow
 def test_a_rate_overflowing_to_infinity_is_null_in_json_and_absent_from_perfdata(
     entry_point: str, httpserver: HTTPServer
 ) -> None:
@@ -938,6 +944,7 @@ def run_unread(entry_point: str, *args: str, buffered: bool) -> subprocess.Compl
         os.close(write_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffered", [True, False])
 def test_a_check_whose_reader_is_gone_still_exits_with_its_verdicts_code(
     entry_point: str, buffered: bool
@@ -969,6 +976,7 @@ def run_full(entry_point: str, *args: str, full: str) -> subprocess.CompletedPro
         )
 
 
+@pytest.mark.slow
 def test_an_output_on_a_full_disk_changes_no_exit_code(entry_point: str, tmp_path: Path) -> None:
     """`check -f nagios > /dev/full` of a down backend exited 1 (WARNING) with two
     tracebacks, the UNKNOWN line it then tried failing as the verdicts had; a bad config
@@ -1221,6 +1229,7 @@ def run_closed(entry_point: str, *args: str, closed: str) -> subprocess.Complete
     )
 
 
+@pytest.mark.slow
 def test_a_run_started_with_stdout_or_stderr_closed_keeps_its_exit_code(
     entry_point: str, tmp_path: Path
 ) -> None:

@@ -1028,6 +1028,7 @@ def test_nan_or_infinity_another_member_wrote_never_reaches_status_json(
     json.dumps(shown, allow_nan=False)  # raised ValueError before
 
 
+@pytest.mark.slow
 def test_an_error_that_recurs_every_round_is_logged_once(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:

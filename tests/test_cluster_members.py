@@ -218,6 +218,7 @@ def test_a_process_takes_back_its_own_member_key_left_on_a_lease_it_lost(
         seat.elector.stop()
 
 
+@pytest.mark.slow
 def test_many_condemned_backends_keep_the_record_within_etcd(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
@@ -351,6 +352,7 @@ def test_a_publication_without_a_lease_is_not_logged_as_published_again(
             seat.elector.stop()
 
 
+@pytest.mark.slow
 def test_a_shard_reader_in_read_workers_keeps_the_step_of_a_backend_a_reload_renames(
     etcd_server: EtcdCluster, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -354,6 +354,7 @@ def watching(
 # --- the metrics page of a running daemon ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fleet(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -535,6 +536,7 @@ def test_a_hung_backend_does_not_hold_up_the_cycles_of_the_others(
     assert max(gaps) < 2.0, f"cycles {gaps} apart with a wait of {WAIT} s"
 
 
+@pytest.mark.slow
 def test_a_wedged_backend_goes_dead_and_one_with_a_restart_command_is_restarted(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -852,6 +854,7 @@ def test_an_audit_log_that_cannot_be_written_skips_the_cycle_and_the_daemon_goes
     assert not state.exists()  # nothing saved ahead of its records
 
 
+@pytest.mark.slow
 def test_a_daemon_whose_first_settles_cannot_be_saved_still_tells_systemd_it_is_ready(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -931,6 +934,7 @@ def test_sigterm_while_a_settle_waits_for_a_held_lock_still_exits_0(
     assert "is locked by a process that is not llmhealth" in log
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
     entry_point: str, urls: Urls, tmp_path: Path
@@ -972,6 +976,7 @@ def test_sigterm_exits_0_promptly_and_leaves_a_state_file_that_status_reads(
     assert {b["name"]: b["state"] for b in shown["backends"]} == saved
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_systemd_hears_ready_after_the_first_cycle_then_watchdogs_then_stopping(
     entry_point: str, urls: Urls, tmp_path: Path
@@ -1015,6 +1020,7 @@ def test_systemd_hears_ready_after_the_first_cycle_then_watchdogs_then_stopping(
     assert messages[-1] == ["STOPPING=1"]
 
 
+@pytest.mark.slow
 def test_the_watchdog_hears_from_a_daemon_waiting_longer_than_its_period(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1356,6 +1362,7 @@ def test_a_serving_file_that_can_no_longer_be_written_is_reported_and_watching_g
 # --- the fleet stall watch -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pending_work_with_no_finished_request_stalls_the_fleet_and_restarts_nothing(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:
@@ -1522,6 +1529,7 @@ def test_a_reload_that_shortens_the_wait_forgets_each_targets_timing_until_its_n
     assert asyncio.run(scenario()) == (None, 1.0)
 
 
+@pytest.mark.slow
 def test_the_daemon_keeps_no_more_tasks_after_many_cycles_than_after_one(
     urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1622,6 +1630,7 @@ def _saved_state(path: Path, name: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read_workers", [1, 2])
 def test_a_stale_backend_whose_engine_others_keep_moving_is_asked_and_readmitted(
     httpserver: HTTPServer,
@@ -2730,6 +2739,7 @@ def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
     assert asyncio.run(scenario()), "the backend SIGHUP added was not read"
 
 
+@pytest.mark.slow
 def test_a_reload_that_renames_a_backend_keeps_the_longest_step_it_was_seen_to_take(
     httpserver: HTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

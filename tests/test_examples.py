@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from simproc import child_env, running_simulator
 
 from llmhealth import FleetHealth, FleetPolicy, State
@@ -65,6 +66,7 @@ def test_the_health_script_never_sends_a_busy_server_a_request_nor_restarts_it(
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_the_health_script_restarts_a_proven_wedge(tmp_path: Path) -> None:
     marker = tmp_path / "restarted"
     with running_simulator(["wedge:0.1"]) as sim:
@@ -89,6 +91,7 @@ def test_the_health_script_is_unknown_for_a_bad_url() -> None:
     assert done.returncode == 3 and done.stdout.startswith("UNKNOWN - ")
 
 
+@pytest.mark.slow
 def test_the_trainer_loop_condemns_restarts_and_refits_back_to_a_full_fleet() -> None:
     with running_simulator(["idle", "unanswered"], request_seconds=0.2) as sim:
         done = run(TRAINER, *sim.urls, "--request-timeout", "1")

@@ -302,6 +302,7 @@ def test_backend_names_with_quotes_and_backslashes_survive_the_exposition() -> N
     assert page.value("llmhealth_backend_running_requests", backend=odd) == 4.0
 
 
+@pytest.mark.slow
 def test_a_scrape_sees_one_whole_view_while_views_are_being_published() -> None:
     collector = FleetCollector()
     registry = CollectorRegistry(auto_describe=False)
@@ -368,6 +369,7 @@ def test_serve_answers_a_real_scrape_on_loopback_and_then_shuts_down() -> None:
         httpx.get(url, timeout=2.0)
 
 
+@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_let_go_and_a_full_house_is_turned_away(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -411,6 +413,7 @@ def test_a_request_head_of_megabytes_is_refused_not_parsed() -> None:
     assert status_line.split()[1] == b"431", status_line
 
 
+@pytest.mark.slow
 def test_a_client_dribbling_its_request_is_cut_off_and_its_place_freed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1254,6 +1254,7 @@ def test_the_saved_document_writes_what_to_dict_holds_byte_for_byte(size: int) -
     assert json.dumps(record.to_document(), sort_keys=True, default=plain).encode() == whole
 
 
+@pytest.mark.slow
 def test_writing_the_saved_document_never_holds_every_entry_at_once() -> None:
     # Every entry's and sighting's dict at once was about 1.5 KB per backend of a settle's
     # peak at 3,000.

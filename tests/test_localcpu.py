@@ -431,6 +431,7 @@ def test_a_stopped_engine_behind_a_long_window_is_wedged_in_two_waits(
     assert "stopped or deadlocked, not computing" in verdict.evidence
 
 
+@pytest.mark.slow
 def test_an_engine_computing_behind_a_long_window_is_only_stalled(tmp_path: Path) -> None:
     with frozen_backend(tmp_path, "while True: pass") as (url, _engine):
         verdict = examine(url, LEARNED)
@@ -718,6 +719,7 @@ def test_a_forwarder_naming_vllm_outside_its_programs_name_gives_no_evidence(
     assert sample is None, sample
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["arguments", "directory"])
 def test_an_engine_inside_a_long_step_behind_such_a_forwarder_is_not_wedged(
     tmp_path: Path, where: str
@@ -840,6 +842,7 @@ def test_a_stopped_engine_core_in_a_configured_cgroup_is_named_stopped(tmp_path:
     assert sample.stopped == (engine,)
 
 
+@pytest.mark.slow
 def test_a_cgroup_holding_no_vllm_process_gives_no_evidence(tmp_path: Path) -> None:
     # A unit that runs `docker run`: its group holds the idle client, the engine computes
     # in the container's group. The group's flat CPU wedged that engine in two waits.

@@ -945,6 +945,7 @@ def test_a_mutated_real_capture_parses_without_raising(
     assert_sane(parse_metrics(body))
 
 
+@pytest.mark.slow
 @FAST
 @given(st.sampled_from(MUTATED_FROM), st.randoms(use_true_random=False))
 def test_shuffling_the_lines_of_a_capture_changes_nothing(

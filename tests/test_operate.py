@@ -114,6 +114,7 @@ def test_a_dead_backend_cannot_be_readmitted_and_nothing_changes(state: Path) ->
     )
 
 
+@pytest.mark.slow
 def test_retire_reset_readmit_walks_retired_stale_healthy_with_an_audit_line_each(
     state: Path,
 ) -> None:
@@ -146,6 +147,7 @@ def test_a_weight_version_past_64_bits_is_a_bad_argument_and_changes_nothing(
     assert state.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_hold_is_saved_shown_and_released(state: Path) -> None:
     result = llmhealth(
         "hold", "gpu1", "--for", "30m", "--reason", "weight sync", "--state", str(state)
@@ -185,6 +187,7 @@ def test_a_verb_run_through_sudo_names_the_operator_behind_it(state: Path) -> No
     assert [e["actor"] for e in read(state.with_name("audit.jsonl"))] == ["operator:alice"]
 
 
+@pytest.mark.slow
 def test_a_hold_over_a_running_one_names_what_it_replaced(state: Path) -> None:
     """One hold per backend: a trainer's half hour over an operator's four hours ends
     the longer one, and said nothing of it."""
@@ -260,6 +263,7 @@ def test_a_hold_longer_than_a_year_exits_3(state: Path) -> None:
     assert status(state)["gpu1"]["hold"] is None
 
 
+@pytest.mark.slow
 def test_a_hold_whose_backend_the_config_dropped_is_shown_and_released_by_name(
     tmp_path: Path,
 ) -> None:
@@ -306,6 +310,7 @@ def fleet_config(tmp_path: Path, *names: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_verbs_before_the_first_check_work_on_the_state_the_config_starts(
     tmp_path: Path,
 ) -> None:
@@ -496,6 +501,7 @@ _VERB = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", list(_VERB))
 def test_a_verb_whose_state_cannot_be_saved_leaves_no_audit_record(
     tmp_path: Path, verb: str
@@ -561,6 +567,7 @@ def test_a_verb_finds_a_name_typed_in_another_unicode_form(tmp_path: Path) -> No
     assert [r["backend"] for r in read(tmp_path / "audit.jsonl")] == [decomposed, decomposed]
 
 
+@pytest.mark.slow
 def test_a_state_with_keys_a_later_build_added_keeps_its_ledger_on_a_rollback(
     state: Path,
 ) -> None:

@@ -1109,6 +1109,7 @@ def engine_inside_a_long_step(server: HTTPServer) -> Iterator[Backend]:
 LONG_STEP_SETTINGS = ProbeSettings(wait=0.0, timeout=3.0, answer_timeout=0.3, max_check_time=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_local_cpu")
 def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_stalled(
     httpserver: HTTPServer,
@@ -1124,6 +1125,7 @@ def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_s
     assert "window 240 s" in verdict.evidence
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_local_cpu")
 def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     httpserver: HTTPServer,
@@ -1270,6 +1272,7 @@ def test_a_tiny_request_stuck_behind_a_long_step_gets_one_more_read_however_long
     assert isinstance(decision, TakeRead), decision
 
 
+@pytest.mark.slow
 def test_a_read_the_checker_was_too_held_up_to_time_is_not_judged_and_not_down(
     httpserver: HTTPServer,
 ) -> None:
@@ -1315,6 +1318,7 @@ def test_an_idle_server_that_closes_after_each_answer_is_idle_not_unanswered() -
     assert verdict.kind is VerdictKind.IDLE, verdict.evidence
 
 
+@pytest.mark.slow
 def test_a_read_watch_was_too_held_up_to_time_keeps_the_freeze_it_interrupted(
     httpserver: HTTPServer,
 ) -> None:

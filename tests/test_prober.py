@@ -62,6 +62,7 @@ def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
     assert second[1].verdict is VerdictKind.BUSY
 
 
+@pytest.mark.slow
 def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     async def main(urls: list[str]) -> FleetHealth:
         fleet = FleetHealth(urls)
@@ -76,6 +77,7 @@ def test_a_wedged_backend_is_condemned_and_no_longer_probed() -> None:
     assert fleet.snapshot()[0].condemned_by == "wedged"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interval", [WAIT, WAIT * (1 - KEEP_ALIVE_LEAD)])
 def test_a_loop_calling_every_wait_from_each_calls_start_reads_at_every_call(
     interval: float,
@@ -125,6 +127,7 @@ def test_a_young_process_gets_its_startup_window_from_the_prober_too() -> None:
     assert fleet.state_of(0) is State.HEALTHY
 
 
+@pytest.mark.slow
 def test_a_backend_that_restarted_by_itself_is_stale_until_a_refit() -> None:
     async def main(urls: list[str]) -> FleetHealth:
         fleet = FleetHealth(urls)
@@ -187,6 +190,7 @@ def test_a_dead_backend_is_probed_only_when_the_policy_allows_recovery_in_place(
     assert on.state_of(0) is State.HEALTHY
 
 
+@pytest.mark.slow
 def test_a_replacement_loaded_and_refit_between_two_probes_is_not_taken_for_a_restart() -> None:
     """The trainer restarts a dead shard on the same address, loads and refits it, all
     between two calls: the next read is of the new process, and comparing it with the old
@@ -396,6 +400,7 @@ def test_two_probes_at_once_are_refused_not_read_as_the_backends_failure() -> No
     assert isinstance(second, RuntimeError) and "already running" in str(second)
 
 
+@pytest.mark.slow
 def test_a_prober_called_from_one_runner_proves_a_wedge_and_from_a_new_loop_says_why_not() -> None:
     """A synchronous trainer ran each call in ``asyncio.run``: the kept connection was the
     closed loop's, every other read failed on our side and emptied the window, and a
@@ -441,6 +446,7 @@ def test_a_verdict_read_while_the_caller_rebuilt_the_backend_is_not_its_replacem
     assert fleet.state_of(0) is State.STALE, fleet.snapshot()[0]
 
 
+@pytest.mark.slow
 def test_a_backend_condemned_on_the_callers_word_is_not_probed_to_recover_in_place() -> None:
     """The ledger never lets it back in place, yet every call read it and, idle, sent it
     the tiny request: an orphaned server kept answering for nothing."""
@@ -481,6 +487,7 @@ def test_the_targets_of_a_large_fleet_recovering_in_place_ask_for_the_serving_se
     assert len(asked) == 1
 
 
+@pytest.mark.slow
 def test_the_prober_takes_no_busy_engine_without_a_start_time_for_a_restarted_one(
     httpserver: HTTPServer, fixture_text: Callable[[str], str]
 ) -> None:
@@ -578,6 +585,7 @@ def test_a_closed_prober_refuses_to_probe_rather_than_open_connections_nobody_cl
     assert fleet.state_of(0) is State.HEALTHY
 
 
+@pytest.mark.slow
 def test_the_stall_watch_is_fed_by_calls_cancelled_while_another_backend_hangs() -> None:
     """A controller bounding each call (``asyncio.wait_for``) while one backend's /metrics
     hangs: the verdicts of the others reach the fleet, but the StallWatch was fed only at
@@ -929,6 +937,7 @@ def test_a_shard_moved_to_a_server_that_learned_a_long_step_keeps_that_step(
     assert fleet.state_of(0) is State.HEALTHY, fleet.snapshot()[0]
 
 
+@pytest.mark.slow
 def test_the_servers_whose_step_is_remembered_are_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -97,6 +97,7 @@ def test_each_leak_fails_the_test_that_left_it_and_is_killed(tmp_path: Path) -> 
     assert f"pid {pids[2]} (fixture 'server' (module)" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_leak_found_at_the_sessions_end_is_named_in_the_last_lines_and_fails_the_run(
     tmp_path: Path,
 ) -> None:
@@ -114,6 +115,7 @@ def test_a_leak_found_at_the_sessions_end_is_named_in_the_last_lines_and_fails_t
     assert "while True: pass" in "\n".join(tail)
 
 
+@pytest.mark.slow
 def test_a_clean_suite_passes_untouched(tmp_path: Path) -> None:
     clean = """
     import subprocess, sys

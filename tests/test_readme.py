@@ -27,6 +27,7 @@ def test_the_library_section_has_examples() -> None:
     assert len(library_blocks()) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(library_blocks())))
 def test_a_readme_library_example_runs(index: int, capsys: pytest.CaptureFixture[str]) -> None:
     code = library_blocks()[index]

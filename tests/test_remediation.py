@@ -429,6 +429,7 @@ SPOILING = (
 )
 
 
+@pytest.mark.slow
 def test_a_command_whose_outcome_the_state_cannot_take_is_still_in_the_trail(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -702,6 +703,7 @@ def test_dry_run_logs_the_decision_without_acting_and_no_restart_logs_nothing(
     assert [r["dry_run"] for r in setup.restart_lines()] == [True, False]
 
 
+@pytest.mark.slow
 def test_two_checks_started_together_issue_exactly_one_restart(
     entry_point: str, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -836,6 +838,7 @@ def test_a_restart_of_a_backend_condemned_in_an_earlier_run_is_audited_with_its_
 DUMP_ENVIRONMENT = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
 
 
+@pytest.mark.slow
 def test_the_restart_command_gets_no_api_key_and_is_told_what_to_restart_and_why(
     entry_point: str, fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -863,6 +866,7 @@ def test_the_restart_command_gets_no_api_key_and_is_told_what_to_restart_and_why
     assert environment["LLMHEALTH_REASON"].startswith("wedged: engine 0 had work and made no")
 
 
+@pytest.mark.slow
 def test_a_command_already_run_is_heard_when_a_later_order_may_not_run(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1135,6 +1139,7 @@ BRIEFLY = (
 )
 
 
+@pytest.mark.slow
 def test_a_restart_a_ctrl_c_kept_from_running_is_heard_as_not_run_with_no_attempt_spent(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1165,6 +1170,7 @@ def test_a_restart_a_ctrl_c_kept_from_running_is_heard_as_not_run_with_no_attemp
     assert setup.saved("gpu1")["restart_times"] == []  # no command ran: no attempt spent
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_between_two_commands_of_a_check_runs_no_further_command(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -1362,6 +1368,7 @@ def test_two_checks_interrupted_together_in_one_program_give_ctrl_c_back(
         assert [r["command"]["exit_code"] for r in setup.audit() if r["event"] == COMMAND] == [0]
 
 
+@pytest.mark.slow
 def test_a_check_without_a_store_restarts_nothing_even_with_a_restart_command(
     fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -133,6 +133,7 @@ def saved_record(state: Path, name: str) -> dict[str, object]:
     return record
 
 
+@pytest.mark.slow
 def test_route_refuses_to_start_without_backends_or_with_a_bad_address(
     tmp_path: Path, entry_point: str
 ) -> None:
@@ -153,6 +154,7 @@ def test_route_refuses_to_start_without_backends_or_with_a_bad_address(
     assert "'nowhere' is not HOST:PORT" in bad.stderr
 
 
+@pytest.mark.slow
 def test_at_its_file_limit_the_router_closes_the_longest_idle_connection_for_a_new_one(
     tmp_path: Path, entry_point: str
 ) -> None:

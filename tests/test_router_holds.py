@@ -159,6 +159,7 @@ def test_a_prompt_is_held_once_while_the_backend_generates() -> None:
     assert held < 1.5 * len(body), f"{held / len(body):.1f} copies of the body held"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("each_loop")
 def test_a_request_a_frozen_tls_backend_never_read_does_not_keep_its_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -438,6 +438,7 @@ def test_each_engine_reports_separately_and_wedge_one_freezes_only_the_last() ->
 # --- proxy ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_proxy_forwards_to_the_least_busy_backend_and_has_no_metrics() -> None:
     with running_simulator(["unanswered", "idle"]) as backends:
         proxy_mode = "proxy:" + ",".join(backends.urls)
@@ -571,6 +572,7 @@ def test_metrics_can_be_made_to_hang_and_answer_again_from_the_same_process(
             assert client.post(f"{url}/sim/metrics", json=bad).status_code == 400
 
 
+@pytest.mark.slow
 def test_a_hung_backend_still_takes_its_control_requests_and_a_restart_revives_it(
     client: httpx.Client,
 ) -> None:

@@ -815,6 +815,7 @@ def never_accepting() -> Iterator[int]:
         blackhole.close()
 
 
+@pytest.mark.slow
 def test_a_connect_deadline_inside_a_stall_of_the_loop_is_as_late_as_the_stall() -> None:
     # The stall began before the deadline and ended soon after: heard only a little late,
     # the connect's deadline was still judged with nothing taken in for the whole stall.

@@ -425,6 +425,7 @@ def test_a_post_the_server_took_on_a_kept_connection_is_never_sent_twice() -> No
     assert (len(posts), idle_closes) == (1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pause", "connections"), [(0.0, [0]), (1.5, [0, 1])])
 def test_a_post_goes_on_a_connection_just_used_or_on_a_fresh_one(
     pause: float, connections: list[int]
@@ -899,6 +900,7 @@ def test_time_the_checker_could_not_run_is_not_counted_against_the_server() -> N
     assert (outcome.status, outcome.body) == (200, b"ok")
 
 
+@pytest.mark.slow
 def test_a_checker_held_longer_than_the_read_allows_says_so_instead_of_blaming_the_server() -> None:
     with tcp_server(_answer_at_once) as (url, _):
         outcome = _read_while_blocked(f"{url}/metrics", budget=0.2, blocked=1.5)
@@ -907,6 +909,7 @@ def test_a_checker_held_longer_than_the_read_allows_says_so_instead_of_blaming_t
     assert "could not run" in outcome.detail
 
 
+@pytest.mark.slow
 def test_a_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() -> None:
     """A server closes a connection that sends it nothing for a while (uvicorn: 5 s);
     when that silence was this process being held up, the close says nothing about the
@@ -922,6 +925,7 @@ def test_a_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() 
     assert "closed the connection" in outcome.detail
 
 
+@pytest.mark.slow
 def test_a_server_that_began_its_answer_and_closed_is_blamed_however_held_up_the_checker() -> None:
     """Any byte of the answer says the server took the request: a close after it is the
     server's failure, not an idle timeout our silence caused, however late this process
@@ -994,6 +998,7 @@ def test_bodies_beyond_the_gate_wait_and_their_wait_is_not_the_servers(
     ]
 
 
+@pytest.mark.slow
 def test_an_answer_held_at_the_gate_past_its_grace_says_so_not_that_the_host_was_busy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1368,6 +1373,7 @@ def test_a_body_of_one_byte_chunks_is_refused_by_its_framing_not_timed_out() -> 
     assert outcome.failure is Failure.TOO_BIG, (outcome.failure, outcome.detail)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reset", [False, True])
 def test_a_server_that_closes_at_once_is_closed_whatever_its_name_took_to_look_up(
     monkeypatch: pytest.MonkeyPatch, reset: bool
@@ -1406,6 +1412,7 @@ def test_a_server_that_closes_at_once_is_closed_whatever_its_name_took_to_look_u
     assert error.failure is Failure.CLOSED, error.detail
 
 
+@pytest.mark.slow
 def test_a_server_that_closes_at_once_is_closed_whatever_the_loop_ran_late_in_the_lookup(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1511,6 +1518,7 @@ def test_a_tls_read_ended_just_before_its_deadline_leaves_no_error_behind(
     assert errors == [], [context.get("exception") for context in errors]
 
 
+@pytest.mark.slow
 def test_a_tls_server_that_gave_up_on_a_held_up_checker_is_not_blamed_for_closing() -> None:
     """As over plain HTTP: a server gives up on a connection that says nothing (a TLS
     front's handshake timeout, Go's ReadHeaderTimeout); when the silence was this process
