@@ -164,7 +164,11 @@ class Prober:
     async def _probe(self) -> list[ProbeResult]:
         keys = self._targets()
         for key in [k for k in self._slots if k not in keys]:
-            await self._slots.pop(key).client.aclose()
+            # Gone already when an ``aclose`` emptied the slots (and closed this one's
+            # client) while the one before waited for a TLS server's goodbye: a KeyError
+            # out of the caller's probe().
+            if (slot := self._slots.pop(key, None)) is not None:
+                await slot.client.aclose()
         now = time.monotonic()
         unread = {key: why for key in keys if (why := self._not_due(key, now)) is not None}
         due = [key for key in keys if key not in unread]
@@ -282,6 +286,10 @@ class Prober:
             # process: its reads must not be compared with the old one's.
             if slot is not None:
                 await slot.client.aclose()
+                if self._closed:
+                    # Closed while that close waited for a TLS server's goodbye: the new
+                    # client would read after the close, its connection closed by nobody.
+                    return None
             # The client builds a TLS context only if an https backend needs one.
             fleet = self._fleet
             slot = _Slot(fleet.base_url_of(key), fleet.process_changes(key), new_client())

@@ -10,20 +10,23 @@ import contextlib
 import json
 import re
 import socket
+import ssl
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from pytest_httpserver import HTTPServer
 from simproc import running_simulator
+from tlsproc import make_certificate
 from werkzeug import Request, Response
 
 import llmhealth
+import llmhealth.prober
 from llmhealth import FleetHealth, FleetPolicy, Prober, ProbeResult, StallWatch, State, VerdictKind
-from llmhealth.probe import KEEP_ALIVE_LEAD
+from llmhealth.probe import KEEP_ALIVE_LEAD, Client
 from llmhealth.selector import Selector
 from llmhealth.text import same_server
 
@@ -964,3 +967,108 @@ def test_the_servers_whose_step_is_remembered_are_bounded(
     with running_simulator(["busy", "busy", "busy"]) as sim:
         remembered = asyncio.run(main(sim.urls))
     assert remembered == [same_server(url) for url in sim.urls[1:]], remembered
+
+
+@contextlib.contextmanager
+def _tls_backends_that_keep_quiet(
+    count: int, where: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[str]]:
+    """``count`` https backends that answer one read of /metrics on a kept connection,
+    then hold it open without a word: closing it, the Prober waits for a TLS goodbye that
+    never comes (``wire.Connection.aclose``). The Prober's clients trust their certificate."""
+    cert, key = make_certificate(where)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(llmhealth.prober, "new_client", lambda: Client(trusting))
+    metrics = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "busy-1.txt").read_bytes()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(metrics), metrics)
+    stop = threading.Event()
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+
+    def serve(listener: socket.socket) -> None:
+        listener.settimeout(5)
+        with contextlib.suppress(OSError):
+            connection, _ = listener.accept()
+            connection.settimeout(5)
+            with server_side.wrap_socket(connection, server_side=True) as tls:
+                tls.recv(65536)
+                tls.sendall(answer)
+                stop.wait(10)
+
+    threads = [threading.Thread(target=serve, args=(listener,)) for listener in listeners]
+    for thread in threads:
+        thread.start()
+    try:
+        yield [f"https://127.0.0.1:{listener.getsockname()[1]}" for listener in listeners]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        for listener in listeners:
+            listener.close()
+
+
+def test_a_prober_closed_while_it_lets_go_of_departed_tls_backends_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aclose`` from a controller's shutdown while a call let go of two backends that
+    left the serving set: the first one's TLS close waited for the goodbye, the close
+    emptied the slots meanwhile, and the call raised KeyError for the second."""
+
+    async def main(urls: list[str]) -> None:
+        fleet = FleetHealth(urls)
+        prober = Prober(fleet, wait=0.05, timeout=2.0)
+        await prober.probe()
+        fleet.record_actor_death(0, "gone")
+        fleet.record_actor_death(1, "gone")
+        reading = asyncio.create_task(prober.probe())
+        await asyncio.sleep(0.02)  # the call waits for shard 0's TLS goodbye
+        await prober.aclose()
+        assert [result.key for result in await reading] == [2]
+
+    with _tls_backends_that_keep_quiet(3, tmp_path, monkeypatch) as urls:
+        asyncio.run(main(urls))
+
+
+def test_a_prober_closed_while_it_lets_go_of_a_moved_tls_backend_reads_nothing_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aclose`` while a call closed the connection of a backend rebuilt at a new address:
+    that close waited for the TLS goodbye, and then the call read the new address anyway,
+    after the Prober was closed, on a connection nobody closed."""
+    replacement = socket.create_server(("127.0.0.1", 0))
+    replacement.settimeout(0.05)
+    stop = threading.Event()
+    accepted: list[int] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                connection, _ = replacement.accept()
+                accepted.append(1)
+                connection.close()
+
+    async def main(old: str) -> None:
+        fleet = FleetHealth([old])
+        prober = Prober(fleet, wait=0.05, timeout=2.0)
+        await prober.probe()
+        fleet.record_actor_death(0, "rebuilt")
+        fleet.mark_restarting(0)
+        fleet.mark_loaded(0, base_url=f"http://127.0.0.1:{replacement.getsockname()[1]}")
+        fleet.report_refit(0, weight_version=1)
+        reading = asyncio.create_task(prober.probe())
+        await asyncio.sleep(0.02)  # the call waits for the old connection's TLS goodbye
+        await prober.aclose()
+        await reading
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with _tls_backends_that_keep_quiet(1, tmp_path, monkeypatch) as urls:
+            asyncio.run(main(urls[0]))
+    finally:
+        stop.set()
+        thread.join(5)
+        replacement.close()
+    assert accepted == []
