@@ -476,8 +476,10 @@ def yield_to_the_settle() -> None:
 
 def main() -> None:
     # Ctrl-C at a terminal reaches the whole process group: the daemon decides, and
-    # closes this worker's pipe.
+    # closes this worker's pipe. So may a hangup (a terminal closed, `systemctl kill -s
+    # HUP`), the daemon's reload: each worker died of it, and its share was doubted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     yield_to_the_settle()
     # A worker allocates as the daemon's own loop does when it reads: the same spacing.
     with young_collections_spaced():
@@ -511,8 +513,8 @@ class _Worker:
         )
 
 
-async def _let_leave(process: asyncio.subprocess.Process) -> None:
-    """A worker whose pipe was closed: STOP_TIMEOUT to leave, then killed."""
+async def _let_leave(process: asyncio.subprocess.Process) -> bool:
+    """A worker whose pipe was closed: STOP_TIMEOUT to leave, then killed (True)."""
     try:
         async with asyncio.timeout(STOP_TIMEOUT):  # not wait_for (see every_wait)
             await process.wait()
@@ -520,6 +522,8 @@ async def _let_leave(process: asyncio.subprocess.Process) -> None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()
         await process.wait()
+        return True
+    return False
 
 
 class ReadPool:
@@ -673,7 +677,16 @@ class ReadPool:
                     self._hear(worker, item)
                 frame = asyncio.ensure_future(_next_frame(process.stdout))
         except asyncio.IncompleteReadError:
-            pass
+            # Its frames ended: it is leaving, or it lives on without them (its writer
+            # thread gone while its loop reads on, or its exit hung on a thread). Waited
+            # for without a bound, such a worker was never replaced: its backends kept
+            # their last verdicts, serving, and no silence bound came due. Told to leave
+            # as at a stop, then killed (at a stop, ``close`` does so itself).
+            if not self._closing:
+                if process.stdin is not None:
+                    process.stdin.close()
+                if await _let_leave(process):
+                    why = "; its frames ended and it did not leave"
         except Exception as exc:  # any frame not taken in: a TypeError of another version
             # Ending here unseen left the worker running, unread: its backends kept their
             # last verdicts, serving, and its frames piled up in this process.

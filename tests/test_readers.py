@@ -150,6 +150,40 @@ def test_a_worker_refused_its_niceness_reads_on(monkeypatch: pytest.MonkeyPatch)
     readers.yield_to_the_settle()
 
 
+def test_a_hangup_of_the_whole_group_reloads_the_daemon_and_kills_no_worker() -> None:
+    """SIGHUP is the daemon's reload, but it reaches the workers too when sent to the
+    group (`systemctl kill -s HUP`, a terminal hung up): each died of it, and every
+    backend was doubted, not judged, until workers were started again a wait later."""
+    heard: list[Verdict | None] = []
+    logged: list[str] = []
+
+    async def main() -> None:
+        pool = _delivering_pool(
+            lambda verdict, _w: heard.append(verdict),
+            lambda: ProbeSettings(wait=0.2, timeout=0.5),
+            logged.append,
+        )
+        await pool.start()
+        try:
+            pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+            for _ in range(400):  # its first examination: the worker is past its start
+                if heard:
+                    break
+                await asyncio.sleep(0.05)
+            assert heard, "the worker never read"
+            os.kill(pool.pids[0], signal.SIGHUP)
+            examined = len(heard)
+            for _ in range(400):
+                if logged or len(heard) >= examined + 3:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert not logged, logged
+
+
 @pytest.mark.slow  # 8 s: a worker stopped, noticed silent, killed, replaced
 def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
     entry_point: str, sim: Simulator, tmp_path: Path
@@ -458,6 +492,78 @@ def test_a_frame_that_cannot_be_taken_in_for_any_reason_replaces_the_worker(
     asyncio.run(main())
     assert logged and "it sent what cannot be read (TypeError: " in logged[0], logged
     assert "its 1 targets read afresh by a new one" in logged[0]
+    assert [v is not None and not v.judged for v in heard] == [True]
+
+
+SILENCED_WORKER = """
+import os, time
+os.close(1)  # its frames end (an exit hung on a thread that does not end)
+time.sleep(120)  # and it does not leave
+"""
+WRITERLESS_WORKER = """
+from llmhealth import readers
+
+def gone(self, pipe):  # the frame writer thread ends, its pipe closed; the loop reads on
+    with pipe:
+        raise OSError(5, "Input/output error")
+
+readers._Sender._write = gone
+readers.main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("program", "ended"),
+    [
+        (WRITERLESS_WORKER, "exited (0); its 1 targets"),  # it leaves when told to
+        (SILENCED_WORKER, "exited (-9); its frames ended and it did not leave; its 1 targets"),
+    ],
+    ids=["writer-gone", "exit-hung"],
+)
+def test_a_worker_whose_frames_end_but_that_does_not_leave_is_replaced(
+    monkeypatch: pytest.MonkeyPatch, program: str, ended: str
+) -> None:
+    """At the end of its frames the pool waited for the worker's exit without a bound:
+    one whose pipe ended while it lived on (its writer thread gone, its loop reading on;
+    or its exit hung on a thread that does not end) was never replaced, its backends
+    keeping their last verdicts, serving, and no silence bound ever came due."""
+    real = asyncio.create_subprocess_exec
+    spawned: list[asyncio.subprocess.Process] = []
+
+    async def silenced(*_args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        process = await real(sys.executable, "-P", "-c", program, **kwargs)
+        spawned.append(process)
+        return process
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", silenced)
+    monkeypatch.setattr(readers, "STOP_TIMEOUT", 0.5)
+    logged: list[str] = []
+    heard: list[Verdict | None] = []
+
+    async def main() -> None:
+        pool = _delivering_pool(
+            lambda verdict, _w: heard.append(verdict),
+            lambda: ProbeSettings(wait=60.0),
+            logged.append,
+        )
+        await pool.start()
+        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
+        for _ in range(200):  # 10 s: the silence bound at this wait is 600 s
+            if logged:
+                break
+            await asyncio.sleep(0.05)
+        await pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for process in spawned:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+    assert logged, "a worker whose frames ended lived on, its share never replaced"
+    assert f"(pid {spawned[0].pid}) {ended}" in logged[0], logged
+    assert "read afresh by a new one" in logged[0]
     assert [v is not None and not v.judged for v in heard] == [True]
 
 
