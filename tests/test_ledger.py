@@ -2273,3 +2273,265 @@ def test_two_retired_backends_at_one_address_answer_a_reset_alike_before_and_aft
         assert saved.by_url(URL_A) == name
         other = "b" if name == "a" else "a"
         assert not saved.apply(other, OperatorReset(now=6.0)).applied  # now taken
+
+
+# --- rules a mutation run found untested ----------------------------------------------
+
+
+def test_a_restart_replaces_the_process_as_last_read_not_as_condemned() -> None:
+    # Without start times (vLLM's multiprocess mode) only counters tell processes apart.
+    # RestartIssued names the process as last read: its counters moved on after it was
+    # condemned, and a replacement whose counters passed the condemned ones, not the last
+    # read ones, must still be told from it, or a busy replacement is never noted working.
+    ledger = one_backend()
+    condemned = ProcessSeen(start=None, counters={"finished": 10.0})
+    last_read = ProcessSeen(start=None, counters={"finished": 20.0})
+    ledger.apply("a", WedgeProven(now=1.0, process=condemned))
+    assert ledger.apply("a", RestartIssued(now=2.0, process=last_read)).applied
+    assert ledger.restarted_from("a") == last_read
+    ledger.apply("a", NewProcessUp(now=60.0))
+    replacement = ProcessSeen(start=None, counters={"finished": 15.0})
+    t = ledger.apply("a", GoodVerdict(now=70.0, requests_finished=True, process=replacement))
+    assert t.applied and t.to_state is State.STALE, t.reason
+    assert not ledger.restart_unproven("a", 70.0)
+
+
+def test_only_in_place_recoveries_inside_the_window_are_kept() -> None:
+    # "The record stays bounded": a recovery that left the window is dropped when the next
+    # is recorded, not carried in every state file for the backend's whole life.
+    policy = LedgerPolicy(recover_in_place=True, healthy_threshold=1, restart_budget_window=100.0)
+    ledger = one_backend(policy)
+    same = ProcessSeen(start=5.0, counters={"finished": 1.0})
+    ledger.apply("a", WedgeProven(now=1.0, process=same))
+    assert ledger.apply("a", GoodVerdict(now=2.0, request_ok=True, process=same)).applied
+    ledger.apply("a", Readmitted(now=3.0))
+    ledger.apply("a", WedgeProven(now=500.0, process=same))
+    back = ledger.apply("a", GoodVerdict(now=501.0, request_ok=True, process=same))
+    assert back.to_state is State.STALE, back.reason
+    assert ledger.entry("a")["recovery_times"] == [501.0]
+    assert ledger.snapshot("a", 501.0).in_place_recoveries == 1
+
+
+def test_a_replacement_put_to_sleep_is_noted_working_and_no_grace_fails_it() -> None:
+    # Never sent the tiny request (a completion crashed a sleeping vLLM), an engine its
+    # owner put to sleep loaded and works: failed by the grace, it would be restarted again.
+    ledger = one_backend()
+    new = ProcessSeen(start=90.0, counters={"steps": 5.0})
+    for event in (
+        WedgeProven(now=1.0),
+        RestartIssued(now=2.0),
+        NewProcessUp(now=60.0, process=new),
+    ):
+        assert ledger.apply("a", event).applied
+    t = ledger.apply("a", GoodVerdict(now=70.0, asleep=True, process=new))
+    assert t.applied and t.to_state is State.STALE and "put to sleep" in t.reason, t.reason
+    assert ledger.snapshot("a", 70.0).last_ok_at == 70.0
+    assert not ledger.restart_unproven("a", 70.0)
+    assert ledger.expire_restarts(2.0 + ledger.policy.startup_grace + 1) == []
+
+
+def test_a_replacement_of_a_process_never_read_is_the_first_one_a_read_shows() -> None:
+    # Condemned before any read showed its process (a server that never answered HTTP),
+    # the restart replaced no known process: the first one a read shows is its replacement.
+    ledger = one_backend()
+    for t in (1.0, 2.0, 3.0):
+        ledger.apply("a", ProbeFailure(now=t, reason="down"))
+    ledger.apply("a", RestartIssued(now=4.0))
+    assert ledger.restarted_from("a") is None
+    ledger.apply("a", NewProcessUp(now=60.0))
+    busy = ProcessSeen(start=50.0, counters={"steps": 400.0})
+    t = ledger.apply("a", GoodVerdict(now=70.0, requests_finished=True, process=busy))
+    assert t.applied and t.to_state is State.STALE, t.reason
+    assert ledger.expire_restarts(4.0 + ledger.policy.startup_grace + 1) == []
+
+
+def test_good_verdicts_before_a_callers_word_count_for_nothing_after_it() -> None:
+    ledger = one_backend(RECOVER)
+    same = ProcessSeen(start=5.0, counters={"finished": 1.0})
+    ledger.apply("a", WedgeProven(now=1.0, process=same))
+    ledger.apply("a", GoodVerdict(now=2.0, request_ok=True, process=same))
+    assert ledger.snapshot("a", 2.0).good_streak == 1
+    ledger.apply("a", ProcessGone(now=3.0, reason="actor died"))
+    snap = ledger.snapshot("a", 3.0)
+    assert (snap.good_streak, snap.caller_condemned) == (0, True)
+
+
+def test_a_process_seen_the_instant_a_restarts_grace_ran_out_is_not_that_restarts_to_fail() -> None:
+    # The grace ran out at 110 (expire_restarts failed it then): a new process seen while
+    # DEAD at that very instant is someone else's restart, as one seen later is. Taken for
+    # ours, it was failed as overdue the moment it was seen.
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=10.0))
+    assert [t.to_state for t in ledger.expire_restarts(110.0)] == [State.DEAD]
+    ledger.apply("a", NewProcessUp(now=110.0))
+    assert ledger.snapshot("a", 110.0).replaced_while_dead is True
+    assert ledger.overdue(1000.0) == []
+    assert not ledger.restart_unproven("a", 120.0)
+
+
+@pytest.mark.parametrize(
+    ("start", "replaced"),
+    [(970.0, True), (None, True), (900.0, False)],
+    ids=["started a minute before the restart", "no start time", "started long before"],
+)
+def test_a_state_that_did_not_keep_the_replaced_process_judges_by_start_time(
+    start: float | None, replaced: bool
+) -> None:
+    # An older state file kept neither the process a restart replaced nor whether a new
+    # one was seen since: a process started since the restart (hosts' clocks a minute
+    # apart at most), or with no start time at all, is taken for its replacement, so its
+    # dying again within the grace still holds the restart slot.
+    policy = LedgerPolicy(startup_grace=100.0)
+    ledger = Ledger(policy, [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0, process=ProcessSeen(start=0.0)))
+    ledger.apply("a", RestartIssued(now=1000.0))
+    ledger.apply("a", NewProcessUp(now=1010.0, process=ProcessSeen(start=start)))
+    ledger.apply("a", WedgeProven(now=1020.0))
+    assert ledger.restart_unproven("a", 1030.0)
+    data = ledger.to_dict()
+    for backend in data["backends"]:
+        del backend["restarted_from"], backend["replaced_since_restart"]
+    assert Ledger.from_dict(data, policy).restart_unproven("a", 1030.0) is replaced
+
+
+def test_a_replacement_does_not_inherit_the_doubt_its_predecessor_was_in_when_a_sync_broke() -> (
+    None
+):
+    ledger = one_backend()
+    ledger.apply("a", ProbeFailure(now=1.0, reason="stalled"))
+    ledger.apply("a", WeightsPartial(now=2.0))
+    assert ledger.suspected == ("a",)
+    ledger.apply("a", NewProcessUp(now=3.0))
+    assert ledger.suspected == () and ledger.snapshot("a", 3.0).state_before_partial is None
+    back = ledger.apply("a", Readmitted(now=4.0))
+    assert back.to_state is State.HEALTHY, back.reason
+
+
+def test_a_replacement_good_since_its_restart_frees_the_slot_when_it_dies_again() -> None:
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0, process=ProcessSeen(start=0.0)))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", NewProcessUp(now=20.0, process=ProcessSeen(start=15.0)))
+    ledger.apply("a", Readmitted(now=30.0))
+    ledger.apply("a", WedgeProven(now=40.0))
+    assert ledger.state_of("a") is State.DEAD
+    # Re-admitted, it proved the restart worked: dead again, it holds no slot.
+    assert not ledger.restart_unproven("a", 50.0)
+
+
+def test_a_caller_seeing_the_command_end_within_the_grace_keeps_the_slot_held() -> None:
+    # A wall clock stepped forward past the grace must not free the slot while the
+    # caller's steady clock says the command ended less than the grace ago.
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0, process=ProcessSeen(start=0.0)))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", NewProcessUp(now=20.0, process=ProcessSeen(start=15.0)))
+    ledger.apply("a", WedgeProven(now=30.0))
+    later = 10.0 + 3600.0
+    assert not ledger.restart_unproven("a", later)
+    assert ledger.restart_unproven("a", later, in_grace=True)
+
+
+def test_a_dead_backend_condemned_on_its_callers_word_awaits_no_answer() -> None:
+    # Only a new process comes back after the caller's word: asking the old one for an
+    # answer proves nothing, and spends a request slot on a server its actor left.
+    ledger = one_backend(RECOVER)
+    for t in (1.0, 2.0, 3.0):
+        ledger.apply("a", RequestFailure(now=t, reason="unanswered"))
+    assert ledger.awaiting_an_answer == frozenset({"a"})
+    ledger.apply("a", ProcessGone(now=4.0, reason="actor died"))
+    assert ledger.awaiting_an_answer == frozenset()
+    assert ledger.awaiting_readmission == frozenset()
+
+
+def test_times_less_than_a_minute_ahead_are_not_pulled_back() -> None:
+    # Hosts' clocks a minute apart are normal (CLOCKS_APART): only a time further ahead
+    # says the clock stepped back.
+    assert ledger_module.pulled_back([130.0, None], 100.0) is None
+    assert ledger_module.pulled_back([160.0], 100.0) is None
+    taken = ledger_module.pulled_back([161.0, 130.0], 100.0)
+    assert taken is not None and set(taken) == {130.0, 161.0}
+    assert taken[130.0] < taken[161.0] < 100.0
+    ledger = one_backend()
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=130.0))
+    assert ledger.pull_back(100.0) == {}
+    assert ledger.snapshot("a", 100.0).last_restart_at == 130.0
+
+
+def test_the_taken_back_restart_stamp_is_dropped_by_the_next_restart_withdrawal_or_reset() -> None:
+    # ``restart_stamped_at`` is what the last restart's command order bears once pull_back
+    # took its time back; a later restart, a withdrawn one or a reset has no such order.
+    def stamped_ahead() -> Ledger:
+        ledger = one_backend()
+        ledger.apply("a", WedgeProven(now=1.0))
+        ledger.apply("a", RestartIssued(now=10_000.0))  # a clock far ahead
+        assert "a" in ledger.pull_back(100.0)
+        assert ledger.restart_stamped_at("a") == 10_000.0
+        return ledger
+
+    again = stamped_ahead()
+    again.apply("a", RestartFailed(now=101.0, reason="exit status 1"))
+    assert again.apply("a", RestartIssued(now=200.0)).to_state is State.RESTARTING
+    assert again.restart_stamped_at("a") is None
+
+    withdrawn = stamped_ahead()
+    t = withdrawn.apply("a", RestartFailed(now=101.0, reason="held", withdrawn=True))
+    assert t.to_state is State.DEAD and withdrawn.snapshot("a", 101.0).restart_attempts == 0
+    assert withdrawn.restart_stamped_at("a") is None
+
+    reset = stamped_ahead()
+    reset.apply("a", Retire(now=101.0, reason="operator"))
+    reset.apply("a", OperatorReset(now=102.0))
+    assert reset.restart_stamped_at("a") is None
+
+
+def test_what_a_withdrawal_would_give_back_is_kept_only_while_restarting() -> None:
+    ledger = one_backend()
+    ledger.apply("a", WedgeProven(now=1.0, process=ProcessSeen(start=0.0)))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", NewProcessUp(now=20.0, process=ProcessSeen(start=15.0)))
+    ledger.apply("a", RestartRan(now=25.0))
+    ledger.apply("a", WedgeProven(now=30.0))
+    ledger.apply("a", RestartIssued(now=40.0))
+    entry = ledger.entry("a")
+    assert (entry["replaced_before_restart"], entry["ran_before_restart"]) == (True, 25.0)
+    ledger.apply("a", NewProcessUp(now=50.0))
+    entry = ledger.entry("a")
+    assert "replaced_before_restart" not in entry and "ran_before_restart" not in entry
+
+
+def test_a_restart_command_ending_after_its_replacement_showed_up_starts_the_grace() -> None:
+    # The command waits for readiness: its process shows up (STALE) before it exits 0,
+    # and the grace counts from its end, as for one that ends while RESTARTING.
+    ledger = Ledger(LedgerPolicy(startup_grace=100.0), [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", NewProcessUp(now=20.0))
+    ran = ledger.apply("a", RestartRan(now=500.0))
+    assert (ran.applied, ran.to_state) == (True, State.STALE), ran.reason
+    assert ledger.snapshot("a", 500.0).restart_ran_at == 500.0
+    assert ledger.overdue(550.0) == []
+    assert ledger.overdue(600.0) == ["a"]
+
+
+def test_a_stale_backend_awaits_readmission() -> None:
+    ledger = Ledger(POLICY, [("a", URL_A), ("b", URL_B)], now=0.0)
+    ledger.apply("a", UnplannedRestart(now=1.0))
+    assert ledger.awaiting_readmission == frozenset({"a"})
+
+
+def test_only_attempts_inside_the_window_keep_a_failing_replacement_short_of_its_budget() -> None:
+    # The first attempt left the budget window: the next one restarts, not retires, so
+    # the replacement dead again within its grace still holds its restart slot.
+    policy = LedgerPolicy(restart_budget=2, restart_budget_window=1000.0, startup_grace=100.0)
+    ledger = Ledger(policy, [("a", URL_A)], now=0.0)
+    ledger.apply("a", WedgeProven(now=1.0, process=ProcessSeen(start=0.0)))
+    ledger.apply("a", RestartIssued(now=10.0))
+    ledger.apply("a", RestartFailed(now=11.0, reason="exit status 1"))
+    ledger.apply("a", RestartIssued(now=1000.0))
+    ledger.apply("a", NewProcessUp(now=1010.0, process=ProcessSeen(start=1005.0)))
+    ledger.apply("a", WedgeProven(now=1020.0))
+    assert ledger.snapshot("a", 1050.0).restart_attempts == 1
+    assert ledger.restart_unproven("a", 1050.0)

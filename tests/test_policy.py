@@ -983,3 +983,35 @@ def test_a_replacement_of_no_known_start_that_wedged_again_holds_the_slot() -> N
     f.ledger.apply("a", WedgeProven(now=T0 + 35))
     assert f.ledger.restart_unproven("a", T0 + 40)
     assert f.decision("b", T0 + 40).action is Action.SKIP
+
+
+def test_a_restart_seen_within_its_grace_on_a_steady_clock_holds_its_slot_past_a_clock_step() -> (
+    None
+):
+    # b's replacement died again within the grace, as the caller's steady clock tells
+    # (``in_grace``); the wall clock stepped an hour forward since. Freeing b's slot by
+    # the wall clock restarted a, and a fault they share restarted the fleet in turn.
+    f = fleet("a", "b")
+    for name in ("a", "b"):
+        f.condemn(name, T0)
+    f.issue("b", T0)
+    f.ledger.apply("b", NewProcessUp(now=T0 + 20, process=ProcessSeen(T0 + 10, {})))
+    f.ledger.apply("b", WedgeProven(now=T0 + 35))
+    later = T0 + f.ledger.policy.startup_grace + 3600
+    assert f.decision("a", later).action is Action.RESTART
+    plan = plan_restarts(
+        f.ledger, f.backends, f.holds, f.histories, f.policy, later, in_grace={"b"}
+    )
+    (a,) = [d for d in plan if d.name == "a"]
+    assert a.action is Action.SKIP and "1 restart already under way" in a.reason
+
+
+def test_a_cooldown_with_under_a_second_left_never_reads_as_over() -> None:
+    f = fleet("a")
+    f.condemn("a", T0)
+    f.issue("a", T0)
+    f.fail("a", T0 + 1)
+    ready = T0 + cooldown_for(1, f.policy)
+    decision = f.decision("a", ready - 0.25)
+    assert decision.action is Action.SKIP
+    assert decision.reason == "cooling down: 1s left after 1 failed attempt"
