@@ -619,7 +619,11 @@ class ReadPool:
             "-P",
             "-c",
             # Not `-m`: run as __main__, the classes in the frames would not be the ones
-            # the daemon knows by name.
+            # the daemon knows by name. Ctrl-C and a hangup ignored first, as ``main``
+            # does: only from there, a group's SIGHUP during the import (0.2-1.5 s; at the
+            # daemon's start, or just after a worker was replaced) killed the new worker.
+            "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN); "
             "from llmhealth.readers import main; main()",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -184,6 +184,53 @@ def test_a_hangup_of_the_whole_group_reloads_the_daemon_and_kills_no_worker() ->
     assert not logged, logged
 
 
+# Put on a new worker's sys.path: its import of llmhealth.readers says so, then takes 3 s.
+SLOW_IMPORT = """
+import os, sys, time
+
+class Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llmhealth.readers":
+            sys.meta_path.remove(self)
+            open(os.environ["IMPORTING_MARK"], "w").close()
+            time.sleep(3)
+        return None
+
+sys.meta_path.insert(0, Slow())
+"""
+
+
+@pytest.mark.slow  # 4 s: a worker's import held 3 s
+def test_a_hangup_of_the_whole_group_while_a_worker_imports_kills_it_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ignored from ``main`` on, SIGHUP still killed a worker during its import of
+    llmhealth (0.2-1.5 s): a hangup of the group at the daemon's start, or just after a
+    worker was replaced, doubted its share until the next was started a wait later."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_IMPORT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    mark = tmp_path / "importing"
+    monkeypatch.setenv("IMPORTING_MARK", str(mark))
+    logged: list[str] = []
+
+    async def main() -> None:
+        pool = _delivering_pool(lambda _v, _w: None, lambda: ProbeSettings(wait=0.2), logged.append)
+        await pool.start()
+        try:
+            for _ in range(400):
+                if mark.exists():
+                    break
+                await asyncio.sleep(0.01)
+            assert mark.exists(), "the worker never imported llmhealth.readers"
+            os.kill(pool.pids[0], signal.SIGHUP)
+            await asyncio.sleep(0.5)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert not logged, logged
+
+
 @pytest.mark.slow  # 8 s: a worker stopped, noticed silent, killed, replaced
 def test_a_stopped_read_worker_is_noticed_killed_and_replaced(
     entry_point: str, sim: Simulator, tmp_path: Path
