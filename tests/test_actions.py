@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -208,6 +209,7 @@ def test_a_missing_executable_is_a_result_not_an_exception() -> None:
     assert (result.exit_code, result.timed_out, result.stdout) == (None, False, "")
     assert "/nonexistent/bin/systemctl" in result.stderr
     assert "No such file or directory" in result.stderr
+    assert how_it_ended(result) == "did not run"  # not "exited None"
 
 
 def test_a_file_without_execute_permission_is_a_result_not_an_exception(tmp_path: Path) -> None:
@@ -304,6 +306,9 @@ def test_a_record_with_a_bad_time_is_refused_loudly(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.jsonl")
     with pytest.raises(AuditError, match="time"):
         log.append({"time": "yesterday", "event": "restart"})
+    for stamp in (math.nan, math.inf):  # no moment, and not JSON: AuditError as any other
+        with pytest.raises(AuditError, match="time"):
+            log.append({"time": stamp, "event": "restart"})
     assert read(log.path) == []
 
 
@@ -856,3 +861,110 @@ def test_a_log_left_empty_by_a_directory_that_would_not_sync_has_it_synced_by_th
     assert len(dirs_synced) == 1
     AuditLog(path).append({"event": "release"})  # a log with records in it: none again
     assert len(dirs_synced) == 1
+
+
+def test_a_restart_reason_is_cut_to_its_bound_with_a_mark() -> None:
+    environment = restart_environment({}, (), backend="gpu0", url="http://h", reason="x" * 5000)
+    assert environment["LLMHEALTH_REASON"] == "x" * 997 + "..."
+
+
+def test_an_output_limit_that_is_a_bool_is_refused() -> None:
+    with pytest.raises(ValueError, match="output_limit"):
+        run_command(["true"], timeout=30, output_limit=True)
+
+
+def test_an_output_limit_of_zero_keeps_no_output_and_counts_it() -> None:
+    result = run_command(python("print('x' * 10_000)"), timeout=30, output_limit=0)
+    assert result.ok
+    assert result.stdout == "\n[... 10001 bytes omitted ...]\n"
+
+
+@needs_proc
+def test_the_command_never_reads_this_processs_stdin() -> None:
+    """A restart script that reads stdin (a prompt, `read`) waited on the daemon's own
+    stdin, or took what was meant for it: it gets /dev/null, whatever ours is."""
+    reading, writing = os.pipe()
+    saved = os.dup(0)
+    try:
+        os.dup2(reading, 0)
+        os.write(writing, b"meant for llmhealth\n")
+        result = run_command(python("import os; print(os.readlink('/proc/self/fd/0'))"), 30)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, reading, writing):
+            os.close(fd)
+    assert result.stdout == "/dev/null\n"
+
+
+@needs_proc
+def test_an_interrupted_run_kills_the_command_group_it_started(tmp_path: Path) -> None:
+    """Interrupted (KeyboardInterrupt, a bug), the command is not left running unowned."""
+    started = tmp_path / "pgid"
+
+    class InterruptError(Exception):
+        pass
+
+    def interrupt(*_: object) -> None:
+        if started.exists() and started.read_text().strip():
+            raise InterruptError
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # not started yet: look again
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        script = 'sleep 60 & echo "$$" > "$1"; wait'
+        with pytest.raises(InterruptError):
+            run_command(["sh", "-c", script, "sh", str(started)], timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert wait_until_gone(int(started.read_text())) == []
+
+
+def test_a_command_that_closes_its_output_then_exits_in_time_is_not_timed_out() -> None:
+    """Its streams at EOF, the command is still waited for until its timeout: taken for
+    timed out at once, it was killed mid-restart."""
+    result = run_command(["sh", "-c", "exec >&- 2>&-; sleep 0.3; exit 3"], timeout=30)
+    assert (result.exit_code, result.timed_out) == (3, False)
+
+
+def test_a_group_that_ends_on_sigterm_is_not_sent_sigkill() -> None:
+    """The leader reaped and the group gone, nothing is left to kill, nor said to be."""
+    result = run_command(["sleep", "30"], timeout=0.5)
+    assert result.timed_out and result.exit_code == -signal.SIGTERM
+    assert "SIGKILL" not in result.stderr, result.stderr
+    assert how_it_ended(result) == "timed out"  # not "killed by SIGTERM": we sent that
+
+
+def test_what_a_timed_out_command_says_as_it_stops_is_kept() -> None:
+    """Its last words after SIGTERM (a trap saying what it left undone) are still in the
+    pipes once it has died, and the audit record keeps them."""
+    result = run_command(["sh", "-c", "trap 'echo stopping vllm@0; exit 1' TERM; sleep 30"], 0.5)
+    assert result.timed_out and result.exit_code == 1
+    assert result.stdout == "stopping vllm@0\n"
+
+
+def test_a_number_past_a_floats_range_is_a_malformed_line() -> None:
+    """Read as infinity, it would be written again as ``Infinity``, which strict JSON
+    parsers reject (`audit -f json` piped on)."""
+    found = parse_records([b'{"n": 1e999}\n', b'{"n": -1e999}\n', b'{"n": 1.5}\n'])
+    assert (found.records, found.malformed) == ([{"n": 1.5}], 2)
+
+
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.ENOTSUP])
+def test_a_new_log_on_a_filesystem_that_cannot_sync_directories_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int
+) -> None:
+    """Some filesystems refuse to fsync a directory at all: the record is on disk, and
+    refusing it would stop every settle there for good."""
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(refusal, os.strerror(refusal))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "audit.jsonl"
+    AuditLog(path).append({"event": "hold"})
+    assert [record["event"] for record in read(path)] == ["hold"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -93,3 +94,83 @@ def test_many_blocks_each_expire_and_each_in_its_own_task() -> None:
         assert outcomes == ["timed out"] * 50
 
     asyncio.run(scenario())
+
+
+def test_a_bound_never_fires_before_its_time() -> None:
+    """Filed under the tick its deadline falls in, rounded up: late by a tick at most,
+    early never (a bound of whole seconds cut short is a backend wrongly charged)."""
+
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines()
+
+        async def bounded(seconds: float) -> float:
+            start = loop.time()
+            with pytest.raises(TimeoutError), deadlines.within(seconds):
+                await asyncio.Event().wait()
+            return loop.time() - start - seconds
+
+        return await asyncio.gather(*(bounded(0.013 * i) for i in range(1, 8)))
+
+    assert min(asyncio.run(scenario())) >= 0
+
+
+def test_another_error_the_expired_block_ends_with_is_left_as_it_is() -> None:
+    """Only the block's own cancellation reads as TimeoutError, as with asyncio.timeout."""
+
+    async def scenario() -> None:
+        deadlines = Deadlines()
+        with pytest.raises(ValueError, match="cleanup failed"), deadlines.within(0.01):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise ValueError("cleanup failed") from None
+
+    asyncio.run(scenario())
+
+
+def test_a_cancellation_from_elsewhere_as_the_bound_expires_stays_a_cancellation() -> None:
+    """The task cancelled from outside and by its deadline both before it ran again: the
+    outside one is not swallowed as a timeout."""
+
+    async def scenario() -> None:
+        deadlines = Deadlines()
+        entered = asyncio.Event()
+
+        async def bounded() -> None:
+            with deadlines.within(0.01):
+                entered.set()
+                await asyncio.Event().wait()
+
+        task = asyncio.create_task(bounded())
+        await entered.wait()
+        time.sleep(0.1)  # the loop held past the deadline: its timer is overdue
+        await asyncio.sleep(0)  # resumed in the turn that runs the overdue timer, first
+        task.cancel()  # so the bound expires too before the task runs again
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+
+    asyncio.run(scenario())
+
+
+def test_a_bound_entered_while_its_task_is_being_cancelled_still_times_out() -> None:
+    """A task's cleanup after a cancellation it has not uncancelled, bounded in time: its
+    bound's expiry is its own, read as a timeout, as with asyncio.timeout."""
+
+    async def scenario() -> str:
+        deadlines = Deadlines()
+        try:
+            current = asyncio.current_task()
+            assert current is not None
+            current.cancel()
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            try:
+                with deadlines.within(0.01):
+                    await asyncio.Event().wait()
+            except TimeoutError:
+                return "timed out"
+        return "not timed out"
+
+    assert asyncio.run(scenario()) == "timed out"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from diskfaults import directory_syncs
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmhealth import state as state_module
@@ -66,8 +66,21 @@ def test_a_saved_document_loads_back_with_its_schema(tmp_path: Path) -> None:
         b"",
         b"\x00" * 4096,
         b'{"a": ' * 200_000,
+        b"{}",
+        b'{"ledger": {"gpu0": "retired"}}',
     ],
-    ids=["broken-json", "past-schema", "binary", "empty", "zeros", "deeply-nested"],
+    ids=[
+        "broken-json",
+        "past-schema",
+        "binary",
+        "empty",
+        "zeros",
+        "deeply-nested",
+        # What is left of a state may be an empty object, or lack its schema alone: still
+        # a state's, not another program's file to leave in place.
+        "empty-object",
+        "no-schema",
+    ],
 )
 def test_a_corrupt_file_is_moved_aside_and_reported(tmp_path: Path, content: bytes) -> None:
     store = StateFile(tmp_path / "state.json")
@@ -457,7 +470,9 @@ _LONG = st.lists(st.integers() | st.text(max_size=3), min_size=60, max_size=200)
 )
 
 
-@settings(max_examples=40)  # each long example is a few hundred values
+# Each long example is a few hundred values: under load (the suite beside other work)
+# drawing them tripped the too_slow health check, failing the test about half the time.
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(_JSON_VALUES | st.dictionaries(st.text(max_size=6), _LONG | _JSON_VALUES, max_size=4))
 def test_a_document_in_pieces_is_the_whole_encoding_byte_for_byte(document: object) -> None:
     # `llmhealth status`, older versions and the etcd store read the same bytes.
@@ -984,3 +999,109 @@ def test_rows_and_tables_make_only_the_rows_asked_for_and_read_back_whole() -> N
     }
     with pytest.raises(TypeError, match="not JSON serializable"):
         plain(object())
+
+
+def test_the_size_bound_saved_is_the_bound_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state of exactly the bound saves and loads; a byte more is neither saved nor,
+    found on disk whole, read back."""
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 64)
+    store = StateFile(tmp_path / "state.json")
+    empty = len(b"".join(encode_pieces({"pad": "", "schema": SCHEMA})))
+    with store.locked():
+        store.save({"pad": "x" * (64 - empty)})
+        assert store.path.stat().st_size == 64
+        assert store.load(identity) == {"pad": "x" * (64 - empty), "schema": SCHEMA}
+        with pytest.raises(StateError, match="more than a run reads back"):
+            store.save({"pad": "x" * (65 - empty)})
+    store.path.write_bytes(store.path.read_bytes() + b" ")  # whole, and a byte too large
+    with store.locked(), pytest.raises(StateCorruptError, match="larger than 64 bytes"):
+        store.load(identity)
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_a_save_whose_before_fails_leaves_the_record_as_it_was(tmp_path: Path, kind: str) -> None:
+    """``before`` makes the settle's audit records durable: failing (a full disk), the
+    state must not run ahead of them."""
+    store: StateFile | MemoryStore = (
+        StateFile(tmp_path / "state.json") if kind == "file" else MemoryStore()
+    )
+
+    def audit_failed() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with store.locked():
+        store.save({"n": 1})
+        kept = store.mark()
+        with pytest.raises((OSError, StateError)):
+            store.save({"n": 2}, before=audit_failed)
+        assert store.load(identity) == {"n": 1, "schema": SCHEMA}
+        assert store.mark() == kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_both_locks_through_a_symlink_are_taken_within_one_lock_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock beside the link and the one beside its file share one bound (README): each
+    given its own, a run waited twice as long as it was told."""
+    asked: list[float] = []
+
+    def lock_within(descriptor: int, seconds: float) -> bool:
+        asked.append(seconds)
+        return True
+
+    monkeypatch.setattr(state_module, "lock_within", lock_within)
+    (tmp_path / "real.json").write_bytes(b"")
+    (tmp_path / "state.json").symlink_to(tmp_path / "real.json")
+    with StateFile(tmp_path / "state.json", lock_timeout=5.0).locked():
+        pass
+    assert len(asked) == 2 and all(seconds <= 5.0 for seconds in asked)
+
+
+def test_a_reader_leaves_a_corrupt_state_where_it_is(tmp_path: Path) -> None:
+    """`status` takes no lock: setting the file aside is the next writer's to do."""
+    store = StateFile(tmp_path / "state.json")
+    store.path.write_bytes(b"{not json")
+    with pytest.raises(StateCorruptError, match="left in place"):
+        store.read(identity)
+    assert store.path.read_bytes() == b"{not json"
+    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+def test_a_lock_note_past_any_pid_is_not_blamed_nor_a_crash(tmp_path: Path) -> None:
+    """The note is anyone's to write (a holder's own text): a number no PID can be made
+    ``os.kill`` raise OverflowError, a traceback of the waiting run."""
+    store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
+    with store.locked():
+        pass
+    store.lock_path.write_text("9" * 30)
+    assert "locked by a process that is not llmhealth" in refused_while_held(store)
+
+
+def test_three_corrupt_files_set_aside_in_one_second_are_all_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third took the second's name and replaced it: a record lost."""
+    monkeypatch.setattr(state_module.time, "strftime", lambda _: "20260101T000000")
+    store = StateFile(tmp_path / "state.json")
+    contents = [b"{one", b"{two", b"{three", b"{four"]
+    for content in contents:
+        store.path.write_bytes(content)
+        with store.locked(), pytest.raises(StateCorruptError):
+            store.load(identity)
+    aside = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert sorted(p.read_bytes() for p in aside) == sorted(contents)
+
+
+def test_a_save_syncs_the_directory_its_rename_is_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename is durable only once its directory is: a power loss after it could
+    bring the old state back, with its restarts issued again."""
+    synced = directory_syncs(monkeypatch, fail=False)
+    store = StateFile(tmp_path / "state.json")
+    with store.locked():
+        store.save({"n": 1})
+    assert len(synced) == 1
