@@ -996,6 +996,9 @@ def test_any_walk_ends_within_max_reads_and_never_asks_a_server_with_work(
 # A freeze read on both sides of two texts without vLLM series: the window let its first
 # read go, and a later decision measured the freeze from the second (20 s, not 25).
 @example(names=["busy-1", "busy-1", "no-vllm", "no-vllm", "busy-1", "busy-1"], learned_seconds=40.0)
+# A restart seen just before two failed reads: the window must keep the read before the
+# restart (``reads_still_needed``), or it decides the idle read after them otherwise.
+@example(names=["restart-1", "busy-1", "down", "down", "idle-1"], learned_seconds=None)
 def test_a_sliding_window_decides_as_one_that_keeps_every_read(
     pool: dict[str, Read], names: list[str], learned_seconds: float | None
 ) -> None:
@@ -1815,3 +1818,180 @@ def test_a_freeze_ends_where_the_process_changed_across_a_failed_read(fixture_te
         for read, name in zip(new, ("wedge-2", "wedge-3"), strict=True)
     ]
     assert freeze_began([old, failed, *same]) == 0
+
+
+def test_a_new_process_without_vllm_series_after_an_asleep_read_is_asked(
+    fixture_text: Load,
+) -> None:
+    # Read asleep, then another process answered /metrics without vLLM series: a new
+    # process starts awake (``asleep_now``), so it is asked as any server without series.
+    # Kept asleep, it was never asked, routed to nor re-admitted again.
+    sleeping = [Read(T0, parse_metrics(asleep(capture(fixture_text, "idle-1"))))]
+    start = _signals_of(sleeping[-1]).process_start
+    assert start is not None
+    other = parse_metrics(f"process_start_time_seconds {start + 60:.1f}\n")
+    assert isinstance(decide([*sleeping, Read(T0 + WAIT, other)]), SendTinyRequest)
+    # The same process, still without its series: asleep as last shown, not asked.
+    same = parse_metrics(f"process_start_time_seconds {start!r}\n")
+    assert settled(decide([*sleeping, Read(T0 + WAIT, same)])).requests_sent == 0
+
+
+def test_work_on_an_engine_with_no_comparable_read_before_it_waits_one_more_read(
+    fixture_text: Load,
+) -> None:
+    # Engine 0 had work, then only engine 1 is shown with work: no read before it to
+    # compare, so no baseline and no doubt yet; a check reads once more, not "stalled".
+    first = capture(fixture_text, "wedge-1")
+    moved = relabel(capture(fixture_text, "wedge-2"), "1")
+    reads = timed([first, moved])
+    decision = decide(reads, max_reads=3)
+    assert isinstance(decision, TakeRead), decision
+    assert "no baseline to compare yet" in decision.reason
+
+
+def test_a_restart_with_work_seen_at_the_third_read_gets_one_wait_of_its_own(
+    fixture_text: Load,
+) -> None:
+    # A new process with work at the third read: judged on its own next read where the
+    # run may take one, not at once from a single read of it.
+    reads = reads_of(fixture_text, "busy-2", "busy-3", "dead-1", "dead-2")
+    decision = decide(reads[:3], max_reads=4)
+    assert isinstance(decision, TakeRead), decision
+    assert "judging it from a fresh baseline" in decision.reason
+    verdict = settled(decide(reads, max_reads=4))
+    assert verdict.kind is VerdictKind.RESTARTED and not verdict.healthy
+
+
+def test_a_wall_clock_stepped_since_the_process_started_keeps_it_young(
+    fixture_text: Load,
+) -> None:
+    # The process is 200 s old on the steady clock (``Read.born``), though the wall
+    # clock, stepped an hour forward since it started, makes it over an hour old: its
+    # startup window applies, and two waits of a compiling engine prove nothing.
+    start = parse_metrics(capture(fixture_text, "wedge-1")).process_start
+    assert start is not None
+    reads = []
+    for index, read in enumerate(reads_of(fixture_text, "wedge-1", "wedge-2", "wedge-3")):
+        tick = 1000.0 + index * WAIT
+        wall = start + 3800.0 + index * WAIT
+        reads.append(replace(read, at=wall, tick=tick, sent_tick=tick, born=800.0))
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert "process 200 s old, within startup_grace" in verdict.evidence
+
+
+def test_no_work_beside_unknown_work_is_judged_as_unknown_work(fixture_text: Load) -> None:
+    # Engine 0 idle, engine 1 without running/waiting gauges (several API servers before
+    # their first request): its work is unknown, and the evidence says so.
+    text = (
+        capture(fixture_text, "idle-1")
+        + "\n"
+        + relabel(capture(fixture_text, "multiapi-idle-1"), "1")
+    )
+    decision = decide(timed([text]))
+    assert isinstance(decision, SendTinyRequest)
+    assert decision.reason.startswith("work unknown"), decision.reason
+
+
+def test_work_that_appeared_after_idle_reads_of_a_window_waits_for_its_baseline(
+    fixture_text: Load,
+) -> None:
+    # A watch window holds idle reads before the first one with work: that work has no
+    # baseline yet, so it is read once more where reads are left, not "stalled" at once.
+    idle = capture(fixture_text, "idle-1")
+    work = set_sample(idle, "vllm:num_requests_running", "2.0")
+    reads = timed([idle, idle, work])
+    decision = decide(reads, max_reads=4)
+    assert isinstance(decision, TakeRead), decision
+    assert "no baseline to compare yet" in decision.reason
+    assert settled(decide(reads, max_reads=3)).kind is VerdictKind.STALLED
+
+
+def test_a_freeze_on_the_steady_clock_lasts_until_the_newest_read_was_asked_for(
+    fixture_text: Load,
+) -> None:
+    # As on the wall clock: the third read asked for at tick 2.34, taken in at 3.2.
+    first, second, third = (
+        parse_metrics(capture(fixture_text, name)) for name in ("wedge-1", "wedge-2", "wedge-3")
+    )
+    paced = {"paced_wait": 2.0, "max_reads": 61}  # two waits: 3 s at least
+    reads = [
+        Read(T0, first, tick=0.0, sent_tick=-1.5),
+        Read(T0 + 0.43, second, tick=0.43, sent_tick=0.42),
+        Read(T0 + 3.2, third, tick=3.2, sent_tick=2.34),
+    ]
+    undecided = decide(reads, **paced)  # type: ignore[arg-type]
+    assert isinstance(undecided, TakeRead), undecided
+    assert "in 2.3 s, less than 3 s of waits" in undecided.reason
+
+
+def test_busy_rates_are_taken_on_the_steady_clock(fixture_text: Load) -> None:
+    # The wall clock stepped an hour forward between the two reads, 1.56 s apart.
+    reads = [
+        Read(1796024490.647, parse_metrics(capture(fixture_text, "busy-1")), tick=10.0),
+        Read(1796028092.207, parse_metrics(capture(fixture_text, "busy-2")), tick=11.56),
+    ]
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.BUSY
+    assert verdict.tokens_per_s == pytest.approx(1754, rel=0.01)
+    assert "progressed over 1.6 s" in verdict.evidence
+
+
+def test_a_timeout_exactly_as_long_as_the_window_is_unanswered(fixture_text: Load) -> None:
+    # Only a window longer than the request waited excuses its timeout: one just as
+    # long means the engine should have answered within it.
+    reads = reads_of(fixture_text, "idle-1", "idle-2")
+    verdict = settled(decide(reads, timed_out(T0 + 3.0), rules=WedgeRules(wedge_after=3.0)))
+    assert verdict.kind is VerdictKind.UNANSWERED, verdict.evidence
+    longer_window = decide(reads, timed_out(T0 + 3.0), rules=WedgeRules(wedge_after=3.5))
+    assert settled(longer_window).kind is VerdictKind.STALLED
+
+
+def test_a_process_stopped_in_one_sample_only_is_not_named_stopped(fixture_text: Load) -> None:
+    # Stopped "throughout" needs a sample when the request went out and one after it.
+    idle = parse_metrics(with_gap_histogram(capture(fixture_text, "idle-2"), "+Inf"))
+    reads = [
+        Read(T0, idle),
+        Read(T0 + WAIT, idle, cpu=CpuSample(50.0, (7, 8), stopped=(7,))),
+    ]
+    verdict = settled(decide(reads, timed_out(T0 + 3.0)))
+    assert verdict.kind is VerdictKind.STALLED, verdict.evidence
+    assert "stopped by a signal" not in verdict.evidence
+
+
+def test_counters_lost_from_one_side_of_a_wait_prove_no_freeze(fixture_text: Load) -> None:
+    """wedge-2 with only its work gauges and start time (counters filtered out or lost on
+    the way) between two whole texts: no counter is in both reads of either wait, so
+    neither shows a freeze (``_measurable``), and three reads prove no wedge."""
+    kept = ("vllm:num_requests_running", "vllm:num_requests_waiting", "process_start")
+
+    def gauges(name: str) -> str:
+        lines = capture(fixture_text, name).splitlines()
+        return "\n".join(line for line in lines if line.startswith(kept)) + "\n"
+
+    reads = timed(
+        [capture(fixture_text, "wedge-1"), gauges("wedge-2"), capture(fixture_text, "wedge-3")]
+    )
+    verdict = walk(reads).verdict
+    assert verdict.kind is not VerdictKind.WEDGED, verdict.evidence
+
+
+def test_a_restarted_process_with_work_only_on_an_asleep_engine_is_not_read_on(
+    fixture_text: Load,
+) -> None:
+    # Work gauges on an engine put to sleep are no work: the new process is news at
+    # once, unproven and unasked, as one asleep without work.
+    old = capture(fixture_text, "restart-0")
+    new = set_sample(asleep(capture(fixture_text, "restart-1")), "vllm:num_requests_running", "2.0")
+    verdict = settled(decide(timed([old, new])))
+    assert verdict.kind is VerdictKind.RESTARTED
+    assert not verdict.healthy and verdict.requests_sent == 0
+    assert "engine 0 weights_offloaded" in verdict.evidence
+
+
+def test_a_tiny_request_that_never_went_out_is_no_request_sent(fixture_text: Load) -> None:
+    reads = reads_of(fixture_text, "idle-1")
+    unsent = Answer(T0 + 1, False, "not sent: GET /v1/models answered HTTP 500", sent=False)
+    verdict = settled(decide(reads, unsent))
+    assert verdict.kind is VerdictKind.UNANSWERED
+    assert verdict.requests_sent == 0

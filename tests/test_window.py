@@ -110,6 +110,7 @@ def test_a_little_cpu_above_idle_is_not_printed_as_none() -> None:
         [],
         {"seconds": -1, "why": "x"},
         {"seconds": 1.0},
+        {"seconds": True, "why": "x"},  # a JSON true is no number of seconds
         # JSON's "Infinity" and "NaN" load as floats: saved, no state could be read back.
         {"seconds": math.inf, "why": "x"},
         {"seconds": math.nan, "why": "x"},
@@ -140,3 +141,26 @@ def test_only_processes_stopped_in_every_sample_were_stopped_throughout() -> Non
     assert stopped_throughout(samples) == (5,)
     assert stopped_throughout([*samples, CpuSample(1.0, (5, 6))]) == ()
     assert stopped_throughout([]) == ()
+
+
+def test_a_start_exactly_startup_grace_ahead_is_no_longer_taken_for_young() -> None:
+    # As for a process exactly startup_grace old: "less than startup_grace" apart only.
+    rules = WedgeRules(wedge_after=120.0, startup_grace=900.0, startup_wedge_after=300.0)
+    assert wedge_window(rules, None, -899.0).seconds == 300.0
+    assert wedge_window(rules, None, -900.0).seconds == 120.0
+
+
+def test_samples_that_name_no_process_say_nothing_of_cpu() -> None:
+    # No process to measure is no CPU known, not none used: 0 s over 0 s read as idle
+    # proved a wedge at two waits.
+    assert cpu_used(CpuSample(0.0, ()), CpuSample(0.0, ())) is None
+
+
+def test_cpu_exactly_at_the_idle_share_is_not_idle() -> None:
+    # "Less than this share" did nothing: 0.05 s in 10 s is the share itself.
+    assert describe_cpu(0.05, 10.0).endswith("polling, not computing")
+    assert describe_cpu(0.0499, 10.0).endswith("stopped or deadlocked, not computing")
+
+
+def test_an_empty_lowest_gap_bucket_teaches_no_step() -> None:
+    assert longest_step(Signals((EngineSignals("0", longest_gap=0.0),))) is None
