@@ -508,17 +508,9 @@ sys.stdin.buffer.read()
 """
 
 
-def test_a_frame_that_cannot_be_taken_in_for_any_reason_replaces_the_worker(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Only some errors were caught: a TypeError ended the reading of that worker's pipe
-    unseen, the worker ran on unread, its backends kept their last verdicts, serving."""
-    real = asyncio.create_subprocess_exec
-
-    async def forged(*_args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
-        return await real(sys.executable, "-P", "-c", FORGED_FRAME_WORKER, **kwargs)
-
-    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", forged)
+def _one_target_until_logged(polls: int) -> tuple[list[str], list[Verdict | None]]:
+    """A pool at a 60 s wait reading one target until its first log line (or `polls`
+    times 50 ms), then closed: what it logged, and the verdicts it delivered."""
     logged: list[str] = []
     heard: list[Verdict | None] = []
 
@@ -530,13 +522,28 @@ def test_a_frame_that_cannot_be_taken_in_for_any_reason_replaces_the_worker(
         )
         await pool.start()
         pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
-        for _ in range(400):
+        for _ in range(polls):
             if logged:
                 break
             await asyncio.sleep(0.05)
         await pool.close()
 
     asyncio.run(main())
+    return logged, heard
+
+
+def test_a_frame_that_cannot_be_taken_in_for_any_reason_replaces_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only some errors were caught: a TypeError ended the reading of that worker's pipe
+    unseen, the worker ran on unread, its backends kept their last verdicts, serving."""
+    real = asyncio.create_subprocess_exec
+
+    async def forged(*_args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        return await real(sys.executable, "-P", "-c", FORGED_FRAME_WORKER, **kwargs)
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", forged)
+    logged, heard = _one_target_until_logged(polls=400)
     assert logged and "it sent what cannot be read (TypeError: " in logged[0], logged
     assert "its 1 targets read afresh by a new one" in logged[0]
     assert [v is not None and not v.judged for v in heard] == [True]
@@ -584,25 +591,8 @@ def test_a_worker_whose_frames_end_but_that_does_not_leave_is_replaced(
 
     monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", silenced)
     monkeypatch.setattr(readers, "STOP_TIMEOUT", 0.5)
-    logged: list[str] = []
-    heard: list[Verdict | None] = []
-
-    async def main() -> None:
-        pool = _delivering_pool(
-            lambda verdict, _w: heard.append(verdict),
-            lambda: ProbeSettings(wait=60.0),
-            logged.append,
-        )
-        await pool.start()
-        pool.assign([Target("b", "http://127.0.0.1:9", "backend")])
-        for _ in range(200):  # 10 s: the silence bound at this wait is 600 s
-            if logged:
-                break
-            await asyncio.sleep(0.05)
-        await pool.close()
-
     try:
-        asyncio.run(main())
+        logged, heard = _one_target_until_logged(polls=200)  # 10 s: the silence bound is 600 s
     finally:
         for process in spawned:
             if process.returncode is None:
