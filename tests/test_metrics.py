@@ -1156,3 +1156,66 @@ def test_a_value_followed_by_more_than_a_timestamp_is_unusable() -> None:
 def test_an_escaped_newline_in_a_label_value_is_a_newline() -> None:
     signals = parse_metrics('vllm:num_requests_running{engine="dp\\nb"} 1\n')
     assert [engine.engine for engine in signals.engines] == ["dp\nb"]
+
+
+def test_the_longest_gap_of_several_model_names_counts_whichever_comes_last() -> None:
+    # A later label set (model name) with the longer gap is not hidden by an earlier one.
+    text = "\n".join(
+        f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="{le}",model_name="{model}"}} {n}'
+        for model, counts in (("a", ("3", "3", "3")), ("b", ("0", "2", "2")))
+        for le, n in zip(("0.01", "0.5", "+Inf"), counts, strict=True)
+    )
+    engine = only_engine(parse_metrics(text + '\nvllm:num_requests_running{engine="0"} 1\n'))
+    assert (engine.longest_gap, engine.gap_beyond) == (0.5, False)
+
+
+def test_an_engine_with_only_a_sleep_gauge_is_listed_asleep() -> None:
+    # "Listed whatever its histograms hold: it has ... a sleep gauge" (metrics._Engine).
+    text = (
+        'vllm:num_requests_running{engine="0"} 1\n'
+        'vllm:engine_sleep_state{engine="1",sleep_state="awake"} 0\n'
+        'vllm:engine_sleep_state{engine="1",sleep_state="weights_offloaded"} 1\n'
+    )
+    signals = parse_metrics(text)
+    assert [(engine.engine, engine.sleep_state) for engine in signals.engines] == [
+        ("0", None),
+        ("1", "weights_offloaded"),
+    ]
+
+
+def test_a_start_time_of_zero_beside_the_real_one_is_no_second_server(fixture_text: Load) -> None:
+    # A start time must be positive to be one: a zero is no second process's.
+    text = capture(fixture_text, "busy-1")
+    real = parse_metrics(text)
+    assert real.process_start is not None
+    signals = parse_metrics("process_start_time_seconds 0\n" + text)
+    assert (signals.engines, signals.process_start) == (real.engines, real.process_start)
+    assert (signals.engines, signals.process_start) == (real.engines, real.process_start)
+
+
+def test_a_histogram_with_only_its_inf_bucket_says_no_longest_gap() -> None:
+    # Its observations are known to exceed no finite bound: no longest gap, not +Inf.
+    text = (
+        'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 3\n'
+        'vllm:num_requests_running{engine="0"} 1\n'
+    )
+    engine = only_engine(parse_metrics(text))
+    assert (engine.longest_gap, engine.gap_beyond) == (None, False)
+
+
+def test_a_tab_before_the_closing_brace_reads_as_without_it() -> None:
+    signals = parse_metrics('vllm:num_requests_running{engine="1",\t} 3\n')
+    assert [(engine.engine, engine.running) for engine in signals.engines] == [("1", 3.0)]
+    assert signals.skipped_lines == 0
+
+
+def test_an_unknown_escape_in_a_label_value_keeps_its_backslash() -> None:
+    # Only \\, \" and \n are escapes (the text format; prometheus_client reads it so).
+    signals = parse_metrics('vllm:num_requests_running{engine="a\\qb"} 3\n')
+    assert [engine.engine for engine in signals.engines] == ["a\\qb"]
+
+
+def test_a_written_minus_zero_reads_as_zero() -> None:
+    engine = only_engine(parse_metrics('vllm:num_requests_running{engine="0"} -0\n'))
+    assert engine.running == 0.0
+    assert math.copysign(1.0, engine.running) == 1.0

@@ -3,13 +3,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
+import resource
+import socket
+import ssl
 from pathlib import Path
 
 import pytest
 from tlsproc import make_certificate, run_child, trusting
 
-from llmhealth.openfiles import UntrustedLinkError, trusted_target
+from llmhealth.openfiles import (
+    FILE_LIMIT_CEILING,
+    UntrustedLinkError,
+    connect_one_of,
+    output_gone,
+    raise_file_limit,
+    trust_unread,
+    trusted_target,
+)
 
 _BUILT_THEN_AGAIN = """
 import errno
@@ -76,3 +89,55 @@ def test_as_root_a_path_another_user_could_redirect_is_refused(tmp_path: Path) -
         trusted_target(open_to_all / "sub" / "state.json")
     open_to_all.chmod(0o1777)  # sticky, as /tmp: what root made there stays root's
     assert trusted_target(open_to_all / "sub" / "state.json") == open_to_all / "sub" / "state.json"
+
+
+def test_a_soft_file_limit_one_short_of_the_hard_one_is_raised_to_it() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = FILE_LIMIT_CEILING if hard == resource.RLIM_INFINITY else hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling - 1, hard))
+    try:
+        assert raise_file_limit() == ceiling
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == ceiling
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_unknown_issuer_is_our_want_of_descriptors_only_when_we_were_short() -> None:
+    refused = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    refused.verify_code = 20  # X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY
+    assert trust_unread(refused, short=True)
+    assert not trust_unread(refused, short=False)
+
+
+def test_every_address_refusing_alike_raises_that_one_error() -> None:
+    # The one error as it is (its type and errno), not an OSError naming it twice.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    found = socket.getaddrinfo("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM)
+    with pytest.raises(ConnectionRefusedError):
+        asyncio.run(connect_one_of("localhost", [found[0], found[0]]))
+
+
+def test_an_output_over_quota_is_an_output_gone() -> None:
+    assert output_gone(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not output_gone(OSError(errno.EACCES, "Permission denied"))
+
+
+def test_as_root_a_dot_dot_names_the_directory_above(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    (tmp_path / "a").mkdir()
+    assert trusted_target(tmp_path / "a" / ".." / "state.json") == tmp_path / "state.json"
+
+
+def test_as_root_no_more_links_are_followed_than_the_kernel_follows(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("as root only")
+    (tmp_path / "link41").symlink_to("state.json")
+    for number in range(41, 0, -1):
+        (tmp_path / f"link{number - 1}").symlink_to(f"link{number}")
+    # 40 links on the way are Linux's limit, and followed; 41 are not.
+    assert trusted_target(tmp_path / "link2") == tmp_path / "state.json"
+    with pytest.raises(UntrustedLinkError, match="too many levels"):
+        trusted_target(tmp_path / "link1")
