@@ -564,6 +564,7 @@ def test_shares_and_stale_verdicts_are_exported_only_when_reads_are_sharded() ->
     plain = _cluster_samples(ClusterView("a", True, True, "a", members={"a": 1.0, "b": 1.0}))
     assert "llmhealth_cluster_member_share_backends" not in plain
     assert "llmhealth_cluster_stale_verdicts" not in plain
+    assert [s.value for s in plain["llmhealth_cluster_members"]] == [2.0]
     sharded = _cluster_samples(
         ClusterView(
             "a",
@@ -641,3 +642,98 @@ def test_every_way_of_asking_is_rendered_once_per_view_however_often_asked() -> 
                     assert answer.status_code == 200
             rendered.append(len(renders))
     assert rendered == [rendered[0]] * 3, rendered
+
+
+def test_zero_counts_and_rates_are_exported_as_zero_not_left_out() -> None:
+    """A backend with nothing running, a stopped engine, no recoveries yet: each a 0
+    sample, not a missing series (an alert on ``== 0`` or ``> 0`` needs the sample)."""
+    idle = replace(busy("gpu0"), running=0, waiting=0, steps_per_s=0.0, tokens_per_s=0.0)
+    page = render(ExportView(backends=(replace(idle, in_place_recoveries=0, examinations=0),)))
+    for family in (
+        "llmhealth_backend_running_requests",
+        "llmhealth_backend_waiting_requests",
+        "llmhealth_backend_engine_steps_per_second",
+        "llmhealth_backend_generated_tokens_per_second",
+        "llmhealth_backend_in_place_recoveries",
+    ):
+        assert page.value(family, backend="gpu0") == 0.0, family
+    assert page.value("llmhealth_backend_examinations", backend="gpu0") == 0.0
+
+
+def test_a_leader_with_no_stale_verdicts_exports_zero() -> None:
+    """The leader of a sharded cluster with every verdict fresh says 0; only a member
+    that does not lead leaves the gauge out."""
+    leading = ClusterView(
+        "a", True, True, "a", members={"a": 1.0}, shares={"a": 3}, stale_verdicts=0
+    )
+    assert [s.value for s in _cluster_samples(leading)["llmhealth_cluster_stale_verdicts"]] == [0.0]
+
+
+def test_a_scrapers_name_filter_is_neither_applied_nor_kept_for_the_next_scraper() -> None:
+    """Every scraper is served the whole page: a ``name[]`` query, if prometheus_client
+    applied it, would be kept as the page of this view and served to every other
+    scraper with most families missing."""
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    with served(collector) as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+        whole = set(BACKEND_FAMILIES | FLEET_FAMILIES | ALWAYS_FAMILIES)
+        filtered = httpx.get(f"{url}?name[]=llmhealth_fleet_stalled", timeout=5.0)
+        assert set(Page(filtered.text).families) == whole
+        assert set(Page(httpx.get(url, timeout=5.0).text).families) == whole
+
+
+def test_a_request_line_past_its_bound_is_answered_414() -> None:
+    collector = FleetCollector()
+    collector.publish(ExportView())
+    path = b"/metrics?" + b"a" * (exporter._MAX_REQUEST_LINE + 100)
+    with served(collector) as port, socket.create_connection(("127.0.0.1", port), 10) as sock:
+        with contextlib.suppress(OSError):  # a server that stops reading ends the send
+            sock.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status_line = sock.makefile("rb").readline()
+    assert status_line.split()[1] == b"414", status_line[:80]
+
+
+def test_serve_listens_on_an_ipv6_address() -> None:
+    """The listen address's family is the server's: an IPv6 one failed at bind."""
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    server, thread = serve(collector, "::1", 0)
+    try:
+        answer = httpx.get(f"http://[::1]:{server.server_address[1]}/metrics", timeout=5.0)
+        assert Page(answer.text).ones("llmhealth_backend_state", "gpu1", "state") == ["dead"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+
+def test_a_request_cut_off_at_its_deadline_is_not_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head cut off unfinished reads as ended (the socket's EOF): answered, it had
+    the view rendered for a connection already shut."""
+    monkeypatch.setattr(exporter._ScrapeHandler, "timeout", 1.0)
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    renders: list[ExportView] = []
+    collect = collector.collect
+
+    def counted() -> Iterator[Any]:
+        renders.append(collector.view)
+        return collect()
+
+    collector.collect = counted  # type: ignore[method-assign]
+    with served(collector) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line after
+            assert sock.recv(1) == b""  # cut off at the deadline, unanswered
+        for thread in threading.enumerate():
+            if "process_request_thread" in thread.name:
+                thread.join(10.0)  # the handler is done with the connection
+    assert renders == []

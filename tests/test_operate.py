@@ -15,7 +15,10 @@ from unittest.mock import ANY
 import pytest
 from diskfaults import directory_syncs
 
-from llmhealth.actions import read
+from llmhealth import operate
+from llmhealth.actions import AuditLog, read
+from llmhealth.config import Config
+from llmhealth.config import load as load_config
 from llmhealth.fleet import FleetRecord
 from llmhealth.ledger import (
     GoodVerdict,
@@ -28,7 +31,7 @@ from llmhealth.ledger import (
     WedgeProven,
 )
 from llmhealth.policy import Hold
-from llmhealth.state import StateFile
+from llmhealth.state import StateError, StateFile
 from llmhealth.traffic import FailureKind, RequestOutcome
 
 T0 = 1_796_000_000.0
@@ -784,3 +787,68 @@ def test_a_verb_whose_new_audit_logs_directory_will_not_sync_keeps_neither_recor
         operate.hold(StateFile(state), AuditLog(log), Config(), "gpu0", 3600.0, "weight sync")
     assert state.read_bytes() == before
     assert read(log) == []
+
+
+def test_a_refused_verb_audits_the_ledgers_reason_and_an_applied_hold_what_it_replaced(
+    state: Path,
+) -> None:
+    """In process, on a clock: a refusal with no reason of the operator's carries the
+    ledger's; a hold over one that has ended replaces nothing, and says nothing of it."""
+    audit = AuditLog(state.with_name("audit.jsonl"))
+    store = StateFile(state)
+    refused = operate.readmit(store, audit, Config(), "gpu1", None)
+    assert not refused.applied
+    first = operate.hold(store, audit, Config(), "gpu0", 60.0, "sync", clock=lambda: T0)
+    second = operate.hold(store, audit, Config(), "gpu0", 60.0, "swap", clock=lambda: T0 + 120)
+    assert first.applied and second.applied
+    assert "replaces" not in second.message
+    records = read(state.with_name("audit.jsonl"))
+    assert "only a STALE backend can be re-admitted" in records[0]["reason"]
+    assert [("replaces" in r, r["reason"]) for r in records[1:]] == [
+        (False, "sync"),
+        (False, "swap"),
+    ]
+
+
+def test_a_config_files_floor_outranks_the_floor_the_record_was_saved_with(
+    tmp_path: Path,
+) -> None:
+    """The saved floor stands in only without a config file (``status`` with --state
+    alone); a config file's min_healthy is the floor its daemon judges by."""
+    ledger = Ledger(LedgerPolicy(min_healthy=3), [("gpu0", "http://127.0.0.1:9")], now=T0)
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[policy]\nmin_healthy = 2\n\n[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n'
+    )
+    assert operate.read_record(store, load_config(config)).ledger.policy.min_healthy == 2
+    assert operate.read_record(store, Config()).ledger.policy.min_healthy == 3
+    # A verb without a config file saves the floor as it found it, not the default (1).
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    assert operate.hold(store, audit, Config(), "gpu0", 60.0, "sync").applied
+    assert operate.read_record(store, Config()).ledger.policy.min_healthy == 3
+
+
+def test_only_release_acts_on_a_name_the_config_dropped_that_keeps_its_hold(
+    tmp_path: Path,
+) -> None:
+    """The kept hold lets ``release`` end it; a hold or retirement under that name has
+    no backend to act on and is refused, saving nothing."""
+    record = FleetRecord(Ledger(LedgerPolicy(), [("gpu0", "http://127.0.0.1:9")], now=T0))
+    record.holds["gone"] = Hold("weight sync", time.time() + 3600, "ops")
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(record.to_dict())
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    before = path.read_bytes()
+    with pytest.raises(StateError, match="no backend named 'gone'"):
+        operate.hold(store, audit, Config(), "gone", 60.0, "again")
+    assert path.read_bytes() == before
+    assert operate.release(store, audit, Config(), "gone").applied
+    assert [(r["event"], r["reason"]) for r in read(tmp_path / "audit.jsonl")] == [
+        ("release", "released hold: weight sync")
+    ]
