@@ -475,12 +475,8 @@ def test_a_scraper_that_stops_reading_mid_page_leaves_no_traceback(
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
-    """A render of 10,000 backends takes seconds of CPU and tens of MB: eight scrapers at
-    once rendered eight times over, and starved the loop that reads the fleet."""
-    collector = FleetCollector()
-    collector.publish(FLEET_VIEW)
+def counting_renders(collector: FleetCollector) -> list[ExportView]:
+    """The views the collector renders from here on, one entry a render."""
     renders: list[ExportView] = []
     collect = collector.collect
 
@@ -489,6 +485,16 @@ def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
         return collect()
 
     collector.collect = counted  # type: ignore[method-assign]
+    return renders
+
+
+@pytest.mark.slow
+def test_one_view_is_rendered_once_however_many_scrape_it() -> None:
+    """A render of 10,000 backends takes seconds of CPU and tens of MB: eight scrapers at
+    once rendered eight times over, and starved the loop that reads the fleet."""
+    collector = FleetCollector()
+    collector.publish(FLEET_VIEW)
+    renders = counting_renders(collector)
     with served(collector) as port:
         url = f"http://127.0.0.1:{port}/metrics"
 
@@ -616,14 +622,7 @@ def test_every_way_of_asking_is_rendered_once_per_view_however_often_asked() -> 
     whole view rendered at every scrape (1.6 s of CPU at 10,000 backends, with the GIL)."""
     collector = FleetCollector()
     collector.publish(FLEET_VIEW)
-    renders: list[ExportView] = []
-    collect = collector.collect
-
-    def counted() -> Iterator[Any]:
-        renders.append(collector.view)
-        return collect()
-
-    collector.collect = counted  # type: ignore[method-assign]
+    renders = counting_renders(collector)
     escapings = ["underscores", "dots", "values", "allow-utf-8"]
     accepts = [
         "text/plain; version=0.0.4",
@@ -721,14 +720,7 @@ def test_a_request_cut_off_at_its_deadline_is_not_answered(
     monkeypatch.setattr(exporter._ScrapeHandler, "timeout", 1.0)
     collector = FleetCollector()
     collector.publish(FLEET_VIEW)
-    renders: list[ExportView] = []
-    collect = collector.collect
-
-    def counted() -> Iterator[Any]:
-        renders.append(collector.view)
-        return collect()
-
-    collector.collect = counted  # type: ignore[method-assign]
+    renders = counting_renders(collector)
     with served(collector) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line after
