@@ -1190,7 +1190,6 @@ def test_a_start_time_of_zero_beside_the_real_one_is_no_second_server(fixture_te
     assert real.process_start is not None
     signals = parse_metrics("process_start_time_seconds 0\n" + text)
     assert (signals.engines, signals.process_start) == (real.engines, real.process_start)
-    assert (signals.engines, signals.process_start) == (real.engines, real.process_start)
 
 
 def test_a_histogram_with_only_its_inf_bucket_says_no_longest_gap() -> None:

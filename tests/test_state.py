@@ -1080,10 +1080,10 @@ def test_a_lock_note_past_any_pid_is_not_blamed_nor_a_crash(tmp_path: Path) -> N
     assert "locked by a process that is not llmhealth" in refused_while_held(store)
 
 
-def test_three_corrupt_files_set_aside_in_one_second_are_all_kept(
+def test_corrupt_files_set_aside_within_one_second_are_all_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The third took the second's name and replaced it: a record lost."""
+    """Set aside under one second's name, each took the last one's place: records lost."""
     monkeypatch.setattr(state_module.time, "strftime", lambda _: "20260101T000000")
     store = StateFile(tmp_path / "state.json")
     contents = [b"{one", b"{two", b"{three", b"{four"]
