@@ -226,13 +226,16 @@ def test_two_daemons_and_cron_restart_each_of_many_wedges_exactly_once(
     assert len(launches) == wedges + 1, launches
     assert len({fence for fence, _ in lines}) >= 1
     # The fleet's audit trail in etcd, as `llmhealth audit` prints it: each wedge is
-    # restarted once and proven back before the next restart, whoever led at the time.
+    # restarted once and proven back (re-admitted from STALE) before the next restart,
+    # whoever led at the time. A doubt and its end (suspect, healthy again: a read late on
+    # a slow host) are no restart's.
     steps = [
         "restart" if r["event"] == "restart" and r["to"] == "restarting" else "back"
         for r in trail
-        if (r["event"] == "restart" and r["to"] == "restarting") or r["to"] == "healthy"
+        if (r["event"] == "restart" and r["to"] == "restarting")
+        or (r["from"] == "stale" and r["to"] == "healthy")
     ]
-    assert steps == ["restart", "back"] * wedges, steps
+    assert steps == ["restart", "back"] * wedges, "\n".join(map(str, trail))
     assert [r["fence"] for r in audited] == [fence for fence, _ in lines]
     assert checks, "cron never ran a check"
     for done in checks:

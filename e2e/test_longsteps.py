@@ -113,8 +113,9 @@ def write_config(
         # Old at once: the young-process window must not be what keeps it from wedged.
         'startup_grace = "1s"\n'
         # Doubt is counted, but must not condemn it here: then a real wedge would find it
-        # DEAD already and the restart command (the positive control) could not show.
-        "unhealthy_threshold = 10\n"
+        # DEAD already and the restart command (the positive control) could not show. A
+        # slower host's long step (62 s, against 33 s) was eleven cron checks of doubt.
+        "unhealthy_threshold = 30\n"
         "[[backend]]\n"
         'name = "cpu0"\n'
         f'url = "{server.url}"\n'
