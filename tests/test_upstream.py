@@ -26,9 +26,12 @@ Reply = Callable[[int, bytes], Awaitable[bytes | None]]  # (connection, request)
 
 
 @contextlib.asynccontextmanager
-async def backend(reply: Reply) -> AsyncIterator[tuple[str, list[int]]]:
+async def backend(
+    reply: Reply, *, then_close: bool = False
+) -> AsyncIterator[tuple[str, list[int]]]:
     """A backend answering each request on each connection with ``reply``'s bytes (None:
-    close without answering); the list counts requests per connection."""
+    close without answering; ``then_close``: close after the first answer, which ends an
+    answer read to its close); the list counts requests per connection."""
     seen: list[int] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -43,6 +46,8 @@ async def backend(reply: Reply) -> AsyncIterator[tuple[str, list[int]]]:
                     break
                 writer.write(answer)
                 await writer.drain()
+                if then_close:
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -56,6 +61,15 @@ async def backend(reply: Reply) -> AsyncIterator[tuple[str, list[int]]]:
         server.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(server.wait_closed(), 2)
+
+
+def replying(raw: bytes) -> Reply:
+    """A reply of the same bytes to every request."""
+
+    async def reply(_: int, __: bytes) -> bytes:
+        return raw
+
+    return reply
 
 
 async def exchange(pool: Pool, url: str, method: str = "POST") -> tuple[Response, bytes]:
@@ -120,17 +134,11 @@ def test_a_connection_the_answer_does_not_leave_reusable_is_closed(reply_bytes: 
 
 def test_an_answer_read_to_its_close_ends_there() -> None:
     async def scenario() -> None:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\n\r\nall of it, until the end")
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
+        async with backend(
+            replying(b"HTTP/1.1 200 OK\r\n\r\nall of it, until the end"), then_close=True
+        ) as (url, _):
             pool = Pool(connect_timeout=5, keepalive=60)
-            _, body = await exchange(pool, f"http://127.0.0.1:{port}")
+            _, body = await exchange(pool, url)
             assert body == b"all of it, until the end"
             pool.close()
 
@@ -296,11 +304,8 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
     ],
 )
 def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, why: str) -> None:
-    async def reply(_: int, __: bytes) -> bytes:
-        return reply_bytes
-
     async def scenario() -> None:
-        async with backend(reply) as (url, _):
+        async with backend(replying(reply_bytes)) as (url, _):
             pool = Pool(connect_timeout=5, keepalive=60)
             with pytest.raises(BrokenError, match=why):
                 await exchange(pool, url)
@@ -323,18 +328,13 @@ def test_an_answer_that_is_not_http_1_is_a_broken_exchange(reply_bytes: bytes, w
 )
 def test_a_broken_chunked_body_is_a_broken_exchange(body: bytes, why: str) -> None:
     async def scenario() -> None:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body)
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
+        async with backend(
+            replying(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body),
+            then_close=True,
+        ) as (url, _):
             pool = Pool(connect_timeout=5, keepalive=60)
             with pytest.raises(BrokenError, match=why):
-                await exchange(pool, f"http://127.0.0.1:{port}")
+                await exchange(pool, url)
             pool.close()
 
     run(scenario())
@@ -345,18 +345,12 @@ def test_an_answer_whose_connection_ends_before_its_length_is_a_broken_exchange(
     counted a success."""
 
     async def scenario() -> None:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello")
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
+        async with backend(
+            replying(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello"), then_close=True
+        ) as (url, _):
             pool = Pool(connect_timeout=5, keepalive=60)
             with pytest.raises(BrokenError, match="5 bytes of the body still to come"):
-                await exchange(pool, f"http://127.0.0.1:{port}")
+                await exchange(pool, url)
             pool.close()
 
     run(scenario())
