@@ -34,7 +34,7 @@ def main() -> int:
     except (ValueError, TypeError) as exc:  # a bad URL or option: we could not check
         unknown(exc)
     backend = report.backends[0]
-    line = f"{report.exit_code.name} - {backend.verdict}: {backend.evidence}"
+    line = f"{report.exit_code.name} - {backend.evidence}"  # the evidence leads with the verdict
     if backend.verdict is llmhealth.VerdictKind.WEDGED and args.restart_cmd:
         try:  # its output to stderr: a plugin runner takes stdout's first line as the status
             done = subprocess.run(args.restart_cmd, timeout=600, check=False, stdout=sys.stderr)
