@@ -152,6 +152,11 @@ class ReadTasks:
             if now is None or was is None or _read_otherwise(now, was):
                 self._tasks.pop(name).cancel()
                 self._probing.pop(name, None)
+                if now is None:
+                    # Taken at its task's first read: one still asleep in its start's
+                    # spread left them for good, to a later target of the name too.
+                    self._baselines.pop(name, None)
+                    self._learned.pop(name, None)
             elif now != was:
                 # Its rules, model or key changed (a [policy] edit changes every target's
                 # rules): its task takes them from its next read on, its window kept.
@@ -585,10 +590,10 @@ class ReadPool:
             for name in [n for n in worker.told_not_read if n not in worker.share]:
                 del worker.told_not_read[name]
             self._send_share(worker)
-        # Sent once, as ReadTasks pops them; kept for a target not read yet.
-        read = {target.name for target in targets}
-        self._baselines = {n: s for n, s in self._baselines.items() if n not in read}
-        self._learned = {n: s for n, s in self._learned.items() if n not in read}
+        # Sent once, as ReadTasks pops them; kept for a target not read yet, one of a
+        # worker down included: dropped, the one started again was sent the record's
+        # news alone, and a step a reload gave a renamed backend was lost.
+        self._forget_sent()
 
     async def close(self) -> None:
         """Close every worker's pipe, give them STOP_TIMEOUT to leave, then kill."""
@@ -718,11 +723,25 @@ class ReadPool:
             except (OSError, RuntimeError) as exc:  # out of processes, threads or files
                 self._log(f"read worker {worker.index + 1} not started again: {exc}")
                 continue
-            pending = self._baselines, self._learned  # of targets no worker reads yet
-            self._baselines, self._learned = self._news()
+            # The record's news, and over it what was kept for targets not read yet (a
+            # reload's steps for this share's renamed backends among them).
+            pending = self._baselines, self._learned
+            baselines, learned = self._news()
+            self._baselines = {**baselines, **pending[0]}
+            self._learned = {
+                **learned,
+                **{n: longer(learned.get(n), s) or s for n, s in pending[1].items()},
+            }
             self._send_share(worker)
             self._baselines, self._learned = pending
+            self._forget_sent()
             return
+
+    def _forget_sent(self) -> None:
+        """What earlier runs saw of targets a running worker was sent: kept no longer."""
+        sent = {name for worker in self._workers if worker.reading for name in worker.share}
+        self._baselines = {n: s for n, s in self._baselines.items() if n not in sent}
+        self._learned = {n: s for n, s in self._learned.items() if n not in sent}
 
     def _silence_bound(self) -> float:
         """How long a worker with targets may send nothing: it says it is alive once a
@@ -743,7 +762,13 @@ class ReadPool:
         target = worker.share.get(item.name)
         if target is None or target.url != item.url:
             return  # no longer this worker's, or not there (a reload): the worker drops it too
-        window = [] if item.reset else worker.windows.get(item.name, [])
+        if not item.reset and item.name not in worker.windows:
+            # The rest of a window let go of here: a reload dropped the target and the next
+            # named it again before its old task's frames came in. The worker drops that
+            # task, and its new one starts with a reset; taken as a window of its own, it
+            # was a fragment of the worker's, its verdicts' reads cut short.
+            return
+        window = [] if item.reset else worker.windows[item.name]
         for read in item.fresh:
             # Unpickled, each read has values of its own: shared again as the worker's
             # window shares them, or an idle backend's 61 reads held 61 copies here.

@@ -1246,3 +1246,136 @@ def test_a_worker_started_again_before_the_first_settle_reads_with_the_steps_on_
     asyncio.run(daemon.run())
     [sent] = [share for share in shares if share.targets == (target,)]
     assert sent.learned == {"d": step}
+
+
+def test_a_target_two_quick_reloads_drop_and_give_back_gets_no_fragment_of_its_window(
+    httpserver: HTTPServer,
+) -> None:
+    """Dropped by one reload and named again by the next before the worker's frames of
+    its old window came in: the daemon had forgotten its copy of that window, and took
+    the reads sent after it as a window of their own (a fragment, its verdict's reads
+    cut short) until the worker's new window started."""
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "busy-1.txt").read_bytes())
+    target = Target("b", httpserver.url_for("").rstrip("/"))
+    heard: list[tuple[int, int]] = []  # (the daemon's copy's length, the worker's)
+
+    async def main() -> None:
+        pool = readers.ReadPool(
+            1,
+            lambda: ProbeSettings(wait=0.05),
+            lambda *_: None,
+            lambda _n, _c: None,
+            lambda _m: None,
+            lambda: ({}, {}),
+        )
+        hear = pool._hear
+
+        def counted(worker: readers._Worker, item: object) -> None:
+            hear(worker, item)
+            if isinstance(item, readers._Heard) and item.name in worker.windows:
+                heard.append((len(worker.windows[item.name]), item.kept))
+
+        pool._hear = counted  # type: ignore[method-assign]
+        await pool.start()
+        try:
+            pool.assign([target])
+            async with asyncio.timeout(30):
+                while len(heard) < 3:
+                    await asyncio.sleep(0.01)
+            # The daemon's loop busy (a settle) while the worker reads on: its frames wait
+            # in the pipe, and two reloads come in one turn.
+            time.sleep(0.5)
+            before = len(heard)
+            pool.assign([])
+            pool.assign([target])
+            async with asyncio.timeout(30):
+                while len(heard) < before + 3:
+                    await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert all(mine == theirs for mine, theirs in heard), heard
+
+
+def test_a_reload_while_a_worker_is_down_keeps_its_steps_for_the_worker_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reload's step for a target read afresh (a new name at its server) was sent to
+    every worker's share and then forgotten, a worker down at that moment included: the
+    one started in its place was sent the record's news alone, which knows the step by
+    the old name, and a backend inside a long step was judged without it."""
+    framed = readers._frame
+    shares: list[readers._Share] = []
+
+    def frame(message: object) -> bytes:
+        if isinstance(message, readers._Share):
+            shares.append(message)
+        return framed(message)
+
+    monkeypatch.setattr(readers, "_frame", frame)
+    step = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
+    target = Target("renamed", "http://127.0.0.1:9")
+
+    async def main() -> None:
+        pool = readers.ReadPool(
+            1,
+            lambda: ProbeSettings(wait=0.2),
+            lambda *_: None,
+            lambda _n, _c: None,
+            lambda _m: None,
+            lambda: ({}, {}),
+        )
+        await pool.start()
+        try:
+            [worker] = pool._workers
+            assert worker.process is not None
+            worker.process.kill()  # lost: started again a wait later
+            async with asyncio.timeout(30):
+                while worker.reading:
+                    await asyncio.sleep(0.01)
+            pool.remember({}, {"renamed": step})  # as the daemon's reload does, then assigns
+            pool.assign([target])
+            async with asyncio.timeout(30):
+                while not shares:
+                    await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert shares[0].targets == (target,)
+    assert shares[0].learned == {"renamed": step}
+
+
+def test_a_target_a_reload_removes_before_its_first_read_leaves_nothing_behind(
+    httpserver: HTTPServer,
+) -> None:
+    """Its task still asleep in its start's spread, what the record saw of it stayed for
+    good: each name a fleet ever had (pods) grew the reader by an entry, and a later
+    target of that name, at another server, was compared with this one's last read."""
+    httpserver.expect_request("/metrics").respond_with_data((CAPTURES / "busy-1.txt").read_bytes())
+    url = httpserver.url_for("").rstrip("/")
+    seen = Signals((EngineSignals(engine="0", running=1, waiting=0, steps=1.0),), 1.0)
+    step = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
+    heard: list[str] = []
+
+    async def main() -> readers.ReadTasks:
+        tasks = readers.ReadTasks(
+            lambda: ProbeSettings(wait=60.0),
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target.name),
+            lambda _n, _c: None,
+        )
+        tasks.remember({"first": seen, "later": seen}, {"first": step, "later": step})
+        tasks.assign([Target("first", url), Target("later", url)])  # "later" at 15 s
+        async with asyncio.timeout(30):
+            while not heard:
+                await asyncio.sleep(0.01)
+        tasks.assign([Target("first", url)])
+        await tasks.close()
+        return tasks
+
+    tasks = asyncio.run(main())
+    assert heard == ["first"]
+    assert list(tasks._tasks) == list(tasks._probing) == ["first"]
+    assert tasks._baselines == {} and tasks._learned == {}
