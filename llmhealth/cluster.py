@@ -109,6 +109,26 @@ class FencedOutError(ClusterError):
     """A fenced write failed: the leader key is not this leader's any more."""
 
 
+class SaveUnansweredError(ClusterUnavailableError):
+    """A leader's save neither of whose offers was answered: it may have gone in all the
+    same. ``nonce`` is its own (``Keys.saved``): a later load of this store finds whether
+    it did (``LostSaveLandedError``)."""
+
+    def __init__(self, message: str, nonce: bytes) -> None:
+        super().__init__(message)
+        self.nonce = nonce
+
+
+class LostSaveLandedError(ClusterError):
+    """A load found that a save said unanswered (``SaveUnansweredError``, ``nonce``) went
+    in: the record holds what that settle was given, and giving it to this one again
+    counts it twice. Nothing was done in this section; it may be made again at once."""
+
+    def __init__(self, message: str, nonce: bytes) -> None:
+        super().__init__(message)
+        self.nonce = nonce
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     value: bytes
@@ -868,6 +888,9 @@ class EtcdStore:
         self._pending: list[bytes] | None = None  # audit lines of the open section
         self._records_untrimmed: int | None = None  # None: not trimmed by this process yet
         self._saves_uncompacted = 0  # a leader's saves since its last compaction
+        # Nonces of this leader's saves whose offers all went unanswered since its last
+        # save that was answered: one of them may have gone in (``_find_unanswered``).
+        self._unanswered: list[bytes] = []
         self._compact_to = 0  # the revision the next compaction may drop history before
         # One section at a time, as the file's lock makes it: a section's revision, fence
         # and records live here, and two at once (a stop's last settle beside a cycle
@@ -900,6 +923,8 @@ class EtcdStore:
 
     def load(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
+        if self._unanswered:
+            self._find_unanswered()
         self._read_revision = 0 if found is None else found.mod_revision
         self._last_revision = self._read_revision
         if found is None:
@@ -916,6 +941,23 @@ class EtcdStore:
                 f"state {self.keys.state} is unreadable ({exc}); copied aside to {aside}; "
                 "the next settle starts a fresh ledger"
             ) from exc
+
+    def _find_unanswered(self) -> None:
+        """Raise ``LostSaveLandedError`` if a save of ours said unanswered went in.
+
+        Read after the record: found, it went in before this load read what it wrote;
+        not found, it has not gone in by the record this load read, and going in later it
+        fails this section's save (the record moved). The daemon had kept that settle's
+        command outcomes and the router's failures for the next settle, which heard them
+        again on the record already holding them: two request failures counted as four,
+        a backend condemned (and restarted) on half its threshold.
+        """
+        saved = self.etcd.get(self.keys.saved)
+        if saved is not None and saved.value in self._unanswered:
+            self._unanswered = []  # the others compared the record this one moved on
+            raise LostSaveLandedError(
+                f"a save of {self.keys.state} said unanswered went in after all", saved.value
+            )
 
     def read(self, decode: Callable[[dict[str, Any]], T]) -> T | None:
         found = self.etcd.get(self.keys.state)
@@ -997,7 +1039,13 @@ class EtcdStore:
                     compare, puts, read_back, within=REQUEST_TIMEOUT
                 )
             except ClusterUnavailableError:
-                raise exc from None
+                if not proof:
+                    raise exc from None
+                # Either may still have gone in: the next load finds out, before the
+                # settle after it hears again what this one was given.
+                nonce = proof[0][1]
+                self._unanswered.append(nonce)
+                raise SaveUnansweredError(str(exc), nonce) from None
             # Answered: its compares held (written) or failed for good, and then the first
             # fails them too. Found not ours, nothing went in: the record moved (a verb, a
             # leader's settle) or the fence did, told apart as for any failed compare; said
@@ -1035,6 +1083,9 @@ class EtcdStore:
                 revision = made.create_revision
         self._read_revision = self._last_revision = revision
         self._saved_fence = self._fence
+        # Went in on the record as this section read it, found without any unanswered
+        # save of ours in it: those compared older records, and none can go in any more.
+        self._unanswered = []
         self._pending = []
         self._trim_after(count)
         self._compact_after(revision, loaded)

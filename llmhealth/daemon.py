@@ -52,7 +52,13 @@ from llmhealth.classify import (
     asleep_now,
     newest_vllm_read,
 )
-from llmhealth.cluster import ClusterError, Seat, SharedReads
+from llmhealth.cluster import (
+    ClusterError,
+    LostSaveLandedError,
+    SaveUnansweredError,
+    Seat,
+    SharedReads,
+)
 from llmhealth.cycle import (
     Kept,
     Settled,
@@ -255,6 +261,12 @@ class Daemon:
         # What a leader's settle that wrote nothing drained from the router: the loop gives
         # it back (on the router's thread) for the next settle, as after a failed save.
         self._unsettled_requests: Mapping[str, Sequence[RequestOutcome]] | None = None
+        # What each leader's settle whose save went unanswered was given, by the save's
+        # nonce: kept for the next settle as any unsettled news, and taken out of it
+        # if the store finds that save went in after all (``_heard_already``).
+        self._unanswered: dict[
+            bytes, tuple[list[CommandDone], Mapping[str, Sequence[RequestOutcome]] | None]
+        ] = {}
         # What the read workers were last told: whether they may send tiny requests,
         # which backends to ask even when their engines moved, and which never to ask.
         self._told: tuple[bool, frozenset[str], frozenset[str]] = (True, frozenset(), frozenset())
@@ -1087,7 +1099,8 @@ class Daemon:
                 return self._not_settled(news, f"did not settle: {exc}")
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
-        for attempt in range(1, SETTLE_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             try:
                 settled = settle_fleet(
                     self._store,
@@ -1104,17 +1117,26 @@ class Daemon:
                     unread=news.unread,
                     in_grace=news.in_grace,
                 )
+            except LostSaveLandedError as exc:
+                # Nothing done yet: made again at once, without what the record holds.
+                news = self._heard_already(news, exc.nonce)
             except RecordMovedError:
                 # Nothing was written nor kept: the next attempt loads the verb's record.
                 # Standing by instead cost the cycle's verdicts, a wedge proven a wait late.
                 if attempt == SETTLE_ATTEMPTS:
                     raise
+                attempt += 1
+            except SaveUnansweredError as exc:
+                # Written or not, nobody can tell yet: kept as below, and remembered.
+                self._unanswered[exc.nonce] = (list(news.commands), news.requests)
+                return self._not_settled(news, f"did not settle: {exc}")
             except ClusterError as exc:
                 # Deposed, fenced out or cut off from etcd mid-settle: nothing was written,
                 # no restart ordered; this cycle's verdicts are still reported.
                 return self._not_settled(news, f"did not settle: {exc}")
             else:
                 break
+        self._unanswered.clear()  # none of them can go in after this save (EtcdStore)
         now = settled.report.checked_at
         self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
@@ -1133,6 +1155,30 @@ class Daemon:
         serving = tuple(name for name in settled.record.ledger.serving if name not in held_back)
         self._write_serving(serving, backends)
         return settled
+
+    def _heard_already(self, news: News, nonce: bytes) -> News:
+        """``news`` without what the settle whose unanswered save went in was given (its
+        command outcomes, the router's outcomes given back since): the record holds them,
+        and heard again a failure counted twice and a command's outcome was audited twice.
+        """
+        heard = self._unanswered.pop(nonce, None)
+        self._unanswered.clear()  # the others' saves compared a record this one moved on
+        if heard is None:
+            return news
+        commands, requests = heard
+        left: dict[str, list[RequestOutcome]] = {}
+        for name, seen in (news.requests or {}).items():
+            gone = list((requests or {}).get(name, ()))
+            for outcome in seen:
+                if outcome in gone:
+                    gone.remove(outcome)
+                else:
+                    left.setdefault(name, []).append(outcome)
+        return replace(
+            news,
+            commands=[done for done in news.commands if all(done is not c for c in commands)],
+            requests=left if news.requests is not None else None,
+        )
 
     def _publish(self, shares: SharedReads, published: Publication) -> None:
         """Best effort: a settle goes on without it. Logged once per cause, and when it

@@ -587,3 +587,85 @@ def test_a_settle_whose_write_landed_and_answer_was_lost_is_not_settled_twice(
         ordered = [r for r in trail if r.get("backend") == "gpu1" and "restart" in r["event"]]
         assert len(ordered) == 1, trail
         leader.stop()
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["went in", "cut before etcd"])
+def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_twice(
+    etcd_server: EtcdCluster, keys: Keys, landed: bool
+) -> None:
+    # The only endpoint takes the settle's write to etcd and loses its answer, and that
+    # of the write offered again (whose compare failed on the first): "no etcd endpoint
+    # answered". The daemon stood by and kept the cycle's news (a restart command's
+    # outcome, the router's failures) for the next settle, which heard them again on the
+    # record already holding them: two request failures counted as four (gpu0 DEAD, a
+    # restart, on two), the command's outcome twice in the trail. Cut before etcd, the
+    # next settle hears them once all the same.
+    import time  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.cluster import Seat  # noqa: PLC0415
+    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
+    from llmhealth.remediate import CommandDone  # noqa: PLC0415
+    from llmhealth.traffic import FailureKind, RequestOutcome  # noqa: PLC0415
+
+    gpu0, gpu1 = Target("gpu0", "http://127.0.0.1:9"), Target("gpu1", "http://127.0.0.1:10")
+    config = Config(
+        backends=(Backend("gpu0", gpu0.url), Backend("gpu1", gpu1.url, restart=("true",)))
+    )
+    log: list[str] = []
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=log.append)
+    daemon = Daemon(
+        lambda: (config, [gpu0, gpu1]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    direct = seat.store.etcd
+    state_key = base64.b64encode(keys.state.encode())
+
+    def state_answers_lost(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
+        if save and not landed:
+            return  # cut: never reached etcd
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                answer += chunk
+        if not save:
+            connection.sendall(answer)  # a save's answer goes nowhere; all else passes
+
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        (order,) = daemon._settle(News([wedged], [])).orders
+        ran = CommandDone(order, CommandResult(order.argv, 0, False, 0.1, "", ""))
+        now = time.time()
+        failures = {
+            "gpu0": tuple(
+                RequestOutcome(now + n, "POST", "/v1/completions", FailureKind.REFUSED)
+                for n in (0.0, 0.1)
+            )
+        }
+        with tcp_server(state_answers_lost) as (lossy, _):
+            seat.store.etcd = Etcd([lossy], timeout=0.5)
+            daemon._settle(News([], [ran], failures))  # went in; "no etcd endpoint answered"
+        seat.store.etcd = direct
+        # As the loop does: the router's failures back to it, drained by the next settle.
+        back, daemon._unsettled_requests = daemon._unsettled_requests, None
+        daemon._settle(News([], daemon._take_commands(), back))
+        found = direct.get(keys.state)
+        assert found is not None
+        saved = {b["name"]: b for b in json.loads(found.value)["ledger"]["backends"]}
+        trail = read_audit(direct, keys).records
+        assert [r["event"] for r in trail].count("restart_command") == 1, trail
+        assert (saved["gpu0"]["state"], saved["gpu0"]["request_failures"]) == ("suspect", 2)
+    finally:
+        seat.elector.stop()
