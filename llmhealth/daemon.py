@@ -399,6 +399,7 @@ class Daemon:
             self._start_probes()
             await self._loop()
             await self._finish_commands()
+            await self._finish_serving_hook()
         finally:
             if not self._stop.is_set():  # ended by an error: stopping from here on
                 self._notifier.send("STOPPING=1")
@@ -485,10 +486,11 @@ class Daemon:
 
     def stop(self) -> None:
         """Ask the loop to finish, as SIGTERM does. systemd hears STOPPING=1 at once: the
-        settle under way, the restart commands' grace and the last settle take up to
-        three SHUTDOWN_GRACE, without a watchdog ping, and told only at their end, a stop
-        systemd did not send itself (`kill`, `systemctl kill`) looked all that while like
-        a running daemon that had stopped petting its watchdog."""
+        settle under way, the restart commands' grace, the last settle and a running
+        on_serving_change take up to four SHUTDOWN_GRACE, without a watchdog ping, and
+        told only at their end, a stop systemd did not send itself (`kill`, `systemctl
+        kill`) looked all that while like a running daemon that had stopped petting its
+        watchdog."""
         if not self._stop.is_set():
             self._stop.set()
             self._notifier.send("STOPPING=1")
@@ -784,6 +786,26 @@ class Daemon:
         if self._hook_again and not self._stop.is_set():
             self._hook_again = False
             self._run_serving_hook()
+
+    async def _finish_serving_hook(self) -> None:
+        """On the way out, after the last settle, give a running ``on_serving_change`` up
+        to ``SHUTDOWN_GRACE`` to end and run it once more for a serving file it has not
+        announced: a change written while it ran, then a stop, left the balancer on the
+        old set (a condemned backend still sent traffic) with the file naming the new."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE
+        while True:
+            if self._hook is None and (self._hook_again or self._serving_changed):
+                self._hook_again = self._serving_changed = False
+                self._run_serving_hook()
+            hook = self._hook
+            if hook is None:
+                return
+            await asyncio.wait({hook}, timeout=max(0.0, deadline - time.monotonic()))
+            if not hook.done():
+                self._log("stopping with on_serving_change still running")
+                return
+            # Its done callback (``_serving_hook_finished``), added before the wait's, has
+            # let it go: at a stop it runs nothing again, which the next turn here does.
 
     def _take_commands(self) -> list[CommandDone]:
         """Restart commands finished since the last settle; called on the loop's thread."""

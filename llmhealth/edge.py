@@ -8,9 +8,10 @@ parses it with ``http1``'s rules (the ones ``upstream.py`` reads backends' answe
 collects the body and runs the handler in one task. Its rules:
 
 - a head, with any blank lines before it, is at most ``MAX_HEAD_BYTES`` and
-  ``MAX_FIELDS`` fields (else 431); a request line that is not ``METHOD SP target SP
-  HTTP/1.x``, a malformed field, a bare CR or LF, or a body framed both ways is 400; a
-  Transfer-Encoding other than chunked is 501;
+  ``MAX_FIELDS`` fields (else 431; 414 when the request line alone does not end within
+  the bound); a request line that is not ``METHOD SP target SP HTTP/1.x``, a malformed
+  field, a bare CR or LF, a body framed both ways, or an HTTP/1.1 request without
+  exactly one Host is 400; a Transfer-Encoding other than chunked is 501;
 - a body is framed by Content-Length or chunked (HTTP/1.1 only) and at most ``max_body``
   bytes, a chunked body's framing too (each chunk costing at least ``http1.CHUNK_COST``): the
   handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and the connection
@@ -310,7 +311,7 @@ class _Connection(asyncio.Protocol):
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
             if self._blank + len(buffer) > MAX_HEAD_BYTES:
-                self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+                self._refuse_oversize()
             elif _BARE_LINE_END.search(buffer, _fresh_from(len(buffer), fresh)) is not None:
                 # Refused now, as it would be once whole: a client ending its lines with a
                 # bare LF ("GET / HTTP/1.1\n\n") sends no CRLFCRLF, and heard nothing
@@ -320,7 +321,7 @@ class _Connection(asyncio.Protocol):
                 self._refuse(400, "a bare CR or LF in the request head")
             return
         if self._blank + end + 4 > MAX_HEAD_BYTES:
-            self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
+            self._refuse_oversize()
             return
         head = bytes(buffer[:end])
         del buffer[: end + 4]
@@ -334,6 +335,16 @@ class _Connection(asyncio.Protocol):
         self._edge.busy(self)
         self._start_body(request, framing)
         self._task = asyncio.get_running_loop().create_task(self._run(request))
+
+    def _refuse_oversize(self) -> None:
+        """A head past ``MAX_HEAD_BYTES``: 414 when its request line alone does not end
+        within it (RFC 9112 3: a target longer than the server parses), else 431. A long
+        URL was answered 431, which names the header fields, the one part not too large."""
+        line_end = self._buffer.find(b"\r\n", 0, MAX_HEAD_BYTES + 2)
+        if line_end < 0 or self._blank + line_end + 2 > MAX_HEAD_BYTES:
+            self._refuse(414, f"request line over {MAX_HEAD_BYTES} bytes")
+        else:
+            self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
 
     def _parse(self, head: bytes) -> tuple[Request, int | None]:
         """The request, and its body's length (None: chunked)."""
@@ -361,6 +372,13 @@ class _Connection(asyncio.Protocol):
             length = None
         elif length_text is not None:
             length = http1.content_length(length_text)
+        if (
+            version == "HTTP/1.1"
+            and sum(name.lower() == "host" for name, _ in headers.items()) != 1
+        ):
+            # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without a Host
+            # or with more than one; such requests were served.
+            raise FramingError("an HTTP/1.1 request needs exactly one Host field")
         alive = http1.keep_alive(version, http1.connection_tokens(headers.items()))
         return Request(self, method, target, version, headers, alive), length
 

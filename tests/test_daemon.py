@@ -2133,6 +2133,39 @@ def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
 
 
 @pytest.mark.slow
+def test_a_serving_change_pending_behind_a_running_hook_is_announced_at_a_stop(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    """The serving file changed while the hook ran, then the daemon was stopped: the file
+    on disk named the new set and the balancer was never told of it."""
+    ran, go = tmp_path / "hook.log", tmp_path / "hook.go"
+    serving = tmp_path / "serving.json"
+    config = write_config(
+        tmp_path / "fleet.toml",
+        fleet_config(
+            [{"name": "busy", "url": urls.busy}, {"name": "gone", "url": REFUSED_URL}],
+            on_serving_change=[sys.executable, "-c", SLOW_HOOK, str(ran), str(go)],
+        ),
+    )
+    release = threading.Timer(1.0, go.touch)  # the first hook ends during the stop
+    try:
+        with watching(
+            entry_point, config, tmp_path / "state.json", "--serving-file", str(serving)
+        ) as watch:
+            until_exists(ran, watch, "the hook started")
+            watch.until("gone condemned", lambda p: p.state("gone") == "dead")
+            assert [b["name"] for b in json.loads(serving.read_text())["serving"]] == ["busy"]
+            assert ran.read_text() == "ran\n"  # the change waits for the first run
+            release.start()
+            rc, _ = watch.stop()
+    finally:
+        release.cancel()
+        go.touch()
+    assert rc == 0
+    assert ran.read_text() == "ran\nran\n"
+
+
+@pytest.mark.slow
 def test_a_restart_command_longer_than_the_grace_neither_fails_it_nor_runs_twice(
     entry_point: str, urls: Urls, tmp_path: Path
 ) -> None:

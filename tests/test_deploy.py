@@ -29,6 +29,7 @@ from llmhealth.config import Router as RouterSettings
 from llmhealth.daemon import SHUTDOWN_GRACE
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector
 from llmhealth.ledger import State
+from llmhealth.readers import STOP_TIMEOUT
 from llmhealth.report import FleetSummary
 from llmhealth.router import Router
 from llmhealth.state import StateFile
@@ -223,8 +224,9 @@ def test_the_watch_service_watchdog_is_a_few_waits_and_outlasts_a_wait_for_the_l
     assert watchdog < Policy().restart_timeout + KILL_GRACE
     # READY=1 comes after the earlier reads (one lock wait) and the first cycle.
     assert _seconds(settings["Service.TimeoutStartSec"][-1]) > lock_wait + longest_gap
-    # SIGTERM: the settle in progress, the commands still running, the last settle.
-    assert _seconds(settings["Service.TimeoutStopSec"][-1]) > 3 * SHUTDOWN_GRACE
+    # SIGTERM: the settle in progress, the commands still running, the last settle, the
+    # serving hook still running, then the read workers' leave.
+    assert _seconds(settings["Service.TimeoutStopSec"][-1]) > 4 * SHUTDOWN_GRACE + STOP_TIMEOUT
     assert settings["Service.ExecReload"][-1] == "/bin/kill -HUP $MAINPID"
     assert settings["Service.StateDirectory"] == ["llmhealth"]
 

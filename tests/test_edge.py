@@ -203,7 +203,7 @@ def test_a_head_beyond_the_rules_is_answered_its_4xx_or_501_and_the_connection_e
 def test_a_head_that_never_ends_is_refused_once_it_passes_the_bound() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"GET /x HTTP/1.1\r\nX-Big: ")
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\nX-Big: ")
             for _ in range(MAX_HEAD_BYTES // 4096 + 2):  # no end of head, ever
                 writer.write(b"x" * 4096)
                 await writer.drain()
@@ -241,7 +241,7 @@ def test_bytes_past_a_head_are_not_read_while_a_request_is_in_progress() -> None
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         # Far more than the kernel's buffers on the way hold: if the edge kept reading,
         # the client's own buffer would empty.
-        writer.write(b"GET /first HTTP/1.1\r\n\r\n" + b"x" * (32 * 1024 * 1024))
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * (32 * 1024 * 1024))
         async with asyncio.timeout(BOUND):
             while writer.transport.get_write_buffer_size() == 0:
                 await asyncio.sleep(0.01)
@@ -250,7 +250,7 @@ def test_bytes_past_a_head_are_not_read_while_a_request_is_in_progress() -> None
         assert reads == ["/first"]
         release.set()
         assert (await answer(reader))[0] == 200
-        assert (await answer(reader))[0] == 431  # the x's: a head that never ends
+        assert (await answer(reader))[0] == 414  # the x's: a request line that never ends
         writer.transport.abort()
         await server.close()
 
@@ -273,7 +273,7 @@ def test_a_client_gone_while_its_pipelined_bytes_are_not_read_ends_its_request()
         server = Edge(waits, cap=10, idle_timeout=60, max_body=MAX_BODY)
         await server.start("127.0.0.1", 0, backlog=16)
         _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /first HTTP/1.1\r\n\r\n" + post(b"x" * (2 * MAX_HEAD_BYTES)))
+        writer.write(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"x" * (2 * MAX_HEAD_BYTES)))
         await writer.drain()
         async with asyncio.timeout(BOUND):
             while server.held == 0:
@@ -302,7 +302,7 @@ def test_at_the_cap_the_longest_idle_connection_makes_room_and_a_busy_one_never(
         port = server.port
         first = await asyncio.open_connection("127.0.0.1", port)
         second = await asyncio.open_connection("127.0.0.1", port)
-        second[1].write(b"GET /busy HTTP/1.1\r\n\r\n")
+        second[1].write(b"GET /busy HTTP/1.1\r\nHost: x\r\n\r\n")
         await second[1].drain()
         async with asyncio.timeout(BOUND):
             while server.held < 2:
@@ -310,7 +310,7 @@ def test_at_the_cap_the_longest_idle_connection_makes_room_and_a_busy_one_never(
         await asyncio.sleep(0.05)  # the busy one's head arrives
         third = await asyncio.open_connection("127.0.0.1", port)
         assert await closed(first[0])  # idle longest: closed for the third
-        third[1].write(b"GET /busy HTTP/1.1\r\n\r\n")
+        third[1].write(b"GET /busy HTTP/1.1\r\nHost: x\r\n\r\n")
         await third[1].drain()
         await asyncio.sleep(0.05)
         fourth = await asyncio.open_connection("127.0.0.1", port)
@@ -394,6 +394,58 @@ def test_a_connection_closed_after_its_answer_leaves_nothing_behind() -> None:
     assert kept < 750, f"{kept} bytes kept per connection closed"
 
 
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /x HTTP/1.1\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET http://a/x HTTP/1.1\r\n\r\n", 400),  # absolute-form needs one too
+        (b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n", 200),
+        (b"GET /x HTTP/1.1\r\nHost:\r\n\r\n", 200),  # empty: no authority (RFC 9110 7.2)
+        (b"GET /x HTTP/1.0\r\n\r\n", 200),  # HTTP/1.0 had no Host
+    ],
+    ids=["no-host", "two-hosts", "absolute-form-no-host", "host", "empty-host", "http-1.0"],
+)
+def test_an_http_1_1_request_without_exactly_one_host_is_answered_400(
+    head: bytes, status: int
+) -> None:
+    """RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request lacking Host or
+    carrying more than one; such requests were served."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(head)
+            got, _, body = await answer(reader)
+            assert got == status, body
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /" + b"x" * MAX_HEAD_BYTES + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /" + b"x" * MAX_HEAD_BYTES, 414),  # a request line that never ends
+        (b"GET /x HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * MAX_HEAD_BYTES, 431),
+    ],
+    ids=["long-target", "unending-target", "long-field"],
+)
+def test_a_request_line_past_the_head_bound_is_414_and_a_field_431(
+    head: bytes, status: int
+) -> None:
+    """RFC 9112 3: a target longer than the server will parse is a 414; 431 says the
+    header fields are too large (RFC 6585 5), which a client cannot fix by trimming them."""
+
+    async def scenario() -> None:
+        async with edge() as (_, reader, writer):
+            writer.write(head)
+            got, fields, body = await answer(reader)
+            assert got == status, body
+            assert fields["connection"] == "close"
+
+    run(scenario())
+
+
 def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
     async def scenario() -> None:
         for request, kept in [
@@ -402,8 +454,8 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> 
             # RFC 9112 9.3: close wins; such a client was answered keep-alive and kept.
             (b"GET /x HTTP/1.0\r\nConnection: keep-alive, close\r\n\r\n", False),
             (b"GET /x HTTP/1.0\r\nConnection: keep-alive\r\nConnection: close\r\n\r\n", False),
-            (b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n", False),
-            (b"GET /x HTTP/1.1\r\n\r\n", True),
+            (b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", False),
+            (b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n", True),
         ]:
             async with edge() as (_, reader, writer):
                 writer.write(request)
@@ -412,7 +464,7 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> 
                 if kept:
                     if b"HTTP/1.0" in request:  # such a client closes unless told otherwise
                         assert fields["connection"] == "keep-alive"
-                    writer.write(b"GET /again HTTP/1.1\r\n\r\n")
+                    writer.write(b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
                     assert json.loads((await answer(reader))[2])["target"] == "/again"
                 else:
                     assert fields["connection"] == "close"
@@ -482,7 +534,9 @@ def test_a_broken_or_oversize_chunked_body_is_the_clients_fault(
 ) -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+            )
             got, fields, _ = await answer(reader)
             assert got == status
             assert fields["connection"] == "close"
@@ -506,7 +560,9 @@ def test_a_chunked_bodys_framing_is_held_to_max_body_as_its_data_is(chunked: byt
 
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+            )
             got, fields, body = await answer(reader)
             assert got == 413, body
             assert fields["connection"] == "close"
@@ -530,7 +586,9 @@ def test_a_chunked_bodys_framing_costs_its_crlfs_and_each_chunk_at_least_chunk_c
 ) -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+            )
             got, _, body = await answer(reader)
             assert got == 413, body
 
@@ -546,7 +604,9 @@ def test_a_body_of_max_body_in_chunks_of_ordinary_size_is_taken_whole() -> None:
         )
         async with edge() as (_, reader, writer):
             writer.write(
-                b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
+                b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunked
+                + b"0\r\n\r\n"
             )
             got, _, body = await answer(reader)
             assert (got, len(json.loads(body)["body"])) == (200, MAX_BODY)
@@ -561,7 +621,7 @@ def test_blank_lines_before_a_request_line_count_in_the_heads_bound() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
             writer.write(b"\r\n" * 3)  # a few, as old clients send after a body: skipped
-            writer.write(b"GET /x HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
             assert (await answer(reader))[0] == 200
             for _ in range(MAX_HEAD_BYTES // 4096 + 2):  # blank lines, and never a request
                 writer.write(b"\r\n" * 2048)
@@ -583,7 +643,7 @@ def test_a_head_of_max_head_bytes_with_its_blank_lines_and_final_crlf_is_read(
     count, a head of exactly MAX_HEAD_BYTES is read and one byte more is refused."""
 
     async def scenario() -> None:
-        start = b"GET /x HTTP/1.1\r\nX-Pad: "
+        start = b"GET /x HTTP/1.1\r\nHost: x\r\nX-Pad: "
         pad = size - blank - len(start) - 4
         async with edge() as (_, reader, writer):
             writer.write(b"\r\n" * (blank // 2) + start + b"p" * pad + b"\r\n\r\n")
@@ -600,7 +660,7 @@ def test_blank_lines_and_a_head_that_never_ends_count_together_in_the_bound() ->
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
             writer.write(b"\r\n" * (MAX_HEAD_BYTES // 4))  # half the bound in blank lines
-            writer.write(b"GET /x HTTP/1.1\r\nX-Big: " + b"x" * (MAX_HEAD_BYTES // 2))
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\nX-Big: " + b"x" * (MAX_HEAD_BYTES // 2))
             got, fields, _ = await answer(reader)
             assert got == 431
             assert fields["connection"] == "close"
@@ -625,7 +685,9 @@ def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(framing: bytes)
 
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + framing)
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + framing
+            )
             got, _, body = await answer(reader)
             assert got == 400, body
             assert str(MAX_HEAD_BYTES).encode() in body
@@ -636,7 +698,9 @@ def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(framing: bytes)
 def test_a_content_length_over_max_body_is_refused_without_reading_the_body() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n{" % (MAX_BODY + 1))
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (MAX_BODY + 1)
+            )
             got, fields, _ = await answer(reader)
             assert got == 413
             assert fields["connection"] == "close"
@@ -652,9 +716,9 @@ def test_a_truncated_body_gets_the_handlers_timeout_and_a_gone_client_ends_it(
 ) -> None:
     async def scenario() -> None:
         if framing == "length":
-            request = b"POST /x HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"
+            request = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
         else:
-            request = b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n{"
+            request = b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n{"
         async with edge() as (server, reader, writer):
             writer.write(request)
             got, _, _ = await answer(reader)  # the echo handler's own 1 s bound
@@ -715,7 +779,7 @@ def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_idle_timeout() -> None:
         async with edge(idle_timeout=0.3) as (server, reader, writer):
 
             async def trickle() -> None:
-                for byte in b"GET /x HTTP/1.1\r\nX-Slow: " + b"x" * 1000:
+                for byte in b"GET /x HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"x" * 1000:
                     writer.write(bytes([byte]))
                     await asyncio.sleep(0.02)
 
@@ -733,7 +797,9 @@ def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_idle_timeout() -> None:
 def test_expect_100_continue_is_answered_before_the_body_is_sent(expect: bytes) -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"POST /x HTTP/1.1\r\nContent-Length: 2\r\nExpect: %s\r\n\r\n" % expect)
+            writer.write(
+                b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: %s\r\n\r\n" % expect
+            )
             interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
             assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
             writer.write(b"hi")
@@ -761,7 +827,7 @@ def test_expect_100_continue_with_no_body_to_come_gets_the_answer_alone(framing:
     # the next one's.
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"GET /x HTTP/1.1\r\n%sExpect: 100-continue\r\n\r\n" % framing)
+            writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\n%sExpect: 100-continue\r\n\r\n" % framing)
             status, _, body = await answer(reader)
             assert (status, json.loads(body)["body"]) == (200, "")
 
@@ -771,14 +837,14 @@ def test_expect_100_continue_with_no_body_to_come_gets_the_answer_alone(framing:
 def test_the_path_is_decoded_and_the_target_kept_as_sent() -> None:
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
-            writer.write(b"GET /v1/a%2Fb?x=%20 HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /v1/a%2Fb?x=%20 HTTP/1.1\r\nHost: x\r\n\r\n")
             seen = json.loads((await answer(reader))[2])
             assert (seen["path"], seen["target"]) == ("/v1/a/b", "/v1/a%2Fb?x=%20")
-            writer.write(b"GET http://host:1/v1/y?z=1 HTTP/1.1\r\n\r\n")
+            writer.write(b"GET http://host:1/v1/y?z=1 HTTP/1.1\r\nHost: x\r\n\r\n")
             seen = json.loads((await answer(reader))[2])
             assert (seen["path"], seen["target"]) == ("/v1/y", "/v1/y?z=1")
             # An absolute form without a path asks for the root (RFC 9112 3.2.2).
-            writer.write(b"GET http://host:1?z=1 HTTP/1.1\r\n\r\n")
+            writer.write(b"GET http://host:1?z=1 HTTP/1.1\r\nHost: x\r\n\r\n")
             seen = json.loads((await answer(reader))[2])
             assert (seen["path"], seen["target"]) == ("/", "/?z=1")
 

@@ -141,7 +141,8 @@ def test_a_prompt_is_held_once_while_the_backend_generates() -> None:
             try:
                 before, _ = tracemalloc.get_traced_memory()
                 writer.write(
-                    b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (CHAT.encode(), len(body))
+                    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                    % (CHAT.encode(), len(body))
                 )
                 writer.write(body)
                 await writer.drain()
