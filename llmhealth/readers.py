@@ -582,6 +582,12 @@ class ReadPool:
                 worker.receiving = asyncio.create_task(self._start_again(worker))
 
     def assign(self, targets: Sequence[Target]) -> None:
+        # Removed from a share (a reload, a reshard), a target takes what was kept for it
+        # along: its worker down, it stayed for good, to a later target of the name too.
+        named = {target.name for target in targets}
+        removed = {n for worker in self._workers for n in worker.share if n not in named}
+        self._baselines = {n: s for n, s in self._baselines.items() if n not in removed}
+        self._learned = {n: s for n, s in self._learned.items() if n not in removed}
         for worker in self._workers:
             count = len(self._workers)
             worker.share = {t.name: t for t in targets if share_of(t.name, count) == worker.index}
@@ -723,11 +729,13 @@ class ReadPool:
             except (OSError, RuntimeError) as exc:  # out of processes, threads or files
                 self._log(f"read worker {worker.index + 1} not started again: {exc}")
                 continue
-            # The record's news, and over it what was kept for targets not read yet (a
-            # reload's steps for this share's renamed backends among them).
+            # The record's news, with what was kept for targets not read yet (a reload's
+            # steps for this share's renamed backends among them). A kept sighting is an
+            # earlier record's: over the news, a restart the record has seen since was
+            # shown again at the first read.
             pending = self._baselines, self._learned
             baselines, learned = self._news()
-            self._baselines = {**baselines, **pending[0]}
+            self._baselines = {**pending[0], **baselines}
             self._learned = {
                 **learned,
                 **{n: longer(learned.get(n), s) or s for n, s in pending[1].items()},

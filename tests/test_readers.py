@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -1379,3 +1379,92 @@ def test_a_target_a_reload_removes_before_its_first_read_leaves_nothing_behind(
     assert heard == ["first"]
     assert list(tasks._tasks) == list(tasks._probing) == ["first"]
     assert tasks._baselines == {} and tasks._learned == {}
+
+
+def _pool_with_a_worker_down(
+    news: tuple[dict[str, Signals], dict[str, LongestStep]],
+) -> readers.ReadPool:
+    return readers.ReadPool(
+        1,
+        lambda: ProbeSettings(wait=0.2),
+        lambda *_: None,
+        lambda _n, _c: None,
+        lambda _m: None,
+        lambda: news,
+    )
+
+
+async def _kill_the_worker(pool: readers.ReadPool) -> None:
+    [worker] = pool._workers
+    assert worker.process is not None
+    worker.process.kill()  # lost: started again a wait later
+    async with asyncio.timeout(30):
+        while worker.reading:
+            await asyncio.sleep(0.01)
+
+
+def test_a_worker_started_again_is_sent_the_records_newest_sighting_not_an_older_kept_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend a reshard gave a worker while it was down kept the sighting the record
+    had then; by the time its worker was started again the record saw it newer (a
+    restart since, read by the member that read it before), and the older one was sent
+    over it: the first read, compared with it, showed again a restart the record knew."""
+    framed = readers._frame
+    shares: list[readers._Share] = []
+
+    def frame(message: object) -> bytes:
+        if isinstance(message, readers._Share):
+            shares.append(message)
+        return framed(message)
+
+    monkeypatch.setattr(readers, "_frame", frame)
+    old = Signals((EngineSignals(engine="0", running=1, waiting=0, steps=1.0),), 1.0)
+    new = Signals((EngineSignals(engine="0", running=1, waiting=0, steps=9.0),), 2.0)
+    target = Target("gained", "http://127.0.0.1:9")
+    news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
+
+    async def main() -> None:
+        pool = _pool_with_a_worker_down(news)
+        await pool.start()
+        try:
+            await _kill_the_worker(pool)
+            pool.remember({"gained": old}, {})  # as the daemon's reshard does, then assigns
+            pool.assign([target])
+            news[0]["gained"] = new  # a settle since: the record's newer sighting
+            async with asyncio.timeout(30):
+                while not shares:
+                    await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert shares[0].targets == (target,)
+    assert shares[0].baselines == {"gained": new}
+
+
+def test_a_target_a_reload_removes_while_its_worker_is_down_leaves_nothing_behind() -> None:
+    """A step kept for a share whose worker was down stayed for good once a reload
+    removed its target before the worker was started again: a name a fleet ever had
+    (pods) an entry each, and a later target of the name was sent it."""
+    step = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
+    kept: list[Mapping[str, LongestStep]] = []
+
+    async def main() -> None:
+        pool = _pool_with_a_worker_down(({}, {}))
+        await pool.start()
+        try:
+            await _kill_the_worker(pool)
+            pool.remember({}, {"renamed": step})
+            pool.assign([Target("renamed", "http://127.0.0.1:9")])
+            pool.assign([])
+            [worker] = pool._workers
+            async with asyncio.timeout(30):
+                while not worker.reading:
+                    await asyncio.sleep(0.01)
+            kept.append(pool._learned)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    assert kept == [{}]
