@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmhealth import etcd_http
 from llmhealth.actions import AuditError, AuditScan, encode_record, parse_records
@@ -66,6 +66,9 @@ from llmhealth.state import (
 )
 from llmhealth.text import printable
 
+if TYPE_CHECKING:
+    from llmhealth.remediate import RestartOrder
+
 T = TypeVar("T")
 Log = Callable[[str], None]
 _ETCD_SAID = 300  # characters of an etcd error's own text kept in ours
@@ -91,6 +94,11 @@ PUBLICATION_PAGE = 16  # such keys per read of them: 8 MiB, about 11 as etcd's J
 # (two minutes at the default wait) to the revision of its save that many before, so
 # etcd holds about two periods of history.
 COMPACT_EVERY_SAVES = 24
+# A leader's saves said unanswered that it remembers, the newest, until one answers: at
+# most one of them can go in, long before this many settles later. All of them, a leader
+# whose every save etcd refused (a record past its request bound, a slow disk's time-outs)
+# while its lease held grew by a settle's news, the router's outcomes, each cycle.
+UNANSWERED_KEPT = 8
 
 
 class ClusterError(StateError):
@@ -117,6 +125,9 @@ class SaveUnansweredError(ClusterUnavailableError):
     def __init__(self, message: str, nonce: bytes) -> None:
         super().__init__(message)
         self.nonce = nonce
+        # The restarts that save issued (``settle_fleet`` names them): gone in, the record
+        # holds them RESTARTING, and nobody runs them unless whoever finds it went in does.
+        self.orders: tuple[RestartOrder, ...] = ()
 
 
 class LostSaveLandedError(ClusterError):
@@ -1044,7 +1055,7 @@ class EtcdStore:
                 # Either may still have gone in: the next load finds out, before the
                 # settle after it hears again what this one was given.
                 nonce = proof[0][1]
-                self._unanswered.append(nonce)
+                self._unanswered = [*self._unanswered, nonce][-UNANSWERED_KEPT:]
                 raise SaveUnansweredError(str(exc), nonce) from None
             # Answered: its compares held (written) or failed for good, and then the first
             # fails them too. Found not ours, nothing went in: the record moved (a verb, a

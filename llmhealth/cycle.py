@@ -400,7 +400,14 @@ def _close(
             in_grace=in_grace,
         )
         if store is not None:
-            store.save(record.to_document(), before=batch.close)
+            try:
+                store.save(record.to_document(), before=batch.close)
+            except StateError as exc:
+                from llmhealth.cluster import SaveUnansweredError  # noqa: PLC0415
+
+                if isinstance(exc, SaveUnansweredError):
+                    exc.orders = tuple(orders)  # for the settle that finds it went in
+                raise
     if store is not None and kept is not None:
         kept.keep(store, record, opened.policy)
     return Settled(replace(report, checked_at=opened.started), record, tuple(orders))

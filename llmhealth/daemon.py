@@ -53,6 +53,7 @@ from llmhealth.classify import (
     newest_vllm_read,
 )
 from llmhealth.cluster import (
+    UNANSWERED_KEPT,
     ClusterError,
     LostSaveLandedError,
     SaveUnansweredError,
@@ -263,9 +264,15 @@ class Daemon:
         self._unsettled_requests: Mapping[str, Sequence[RequestOutcome]] | None = None
         # What each leader's settle whose save went unanswered was given, by the save's
         # nonce: kept for the next settle as any unsettled news, and taken out of it
-        # if the store finds that save went in after all (``_heard_already``).
+        # if the store finds that save went in after all (``_heard_already``); and the
+        # restarts it issued, run then.
         self._unanswered: dict[
-            bytes, tuple[list[CommandDone], Mapping[str, Sequence[RequestOutcome]] | None]
+            bytes,
+            tuple[
+                list[CommandDone],
+                Mapping[str, Sequence[RequestOutcome]] | None,
+                tuple[RestartOrder, ...],
+            ],
         ] = {}
         # What the read workers were last told: whether they may send tiny requests,
         # which backends to ask even when their engines moved, and which never to ask.
@@ -1122,6 +1129,7 @@ class Daemon:
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
         attempt = 1
+        landed: tuple[RestartOrder, ...] = ()  # issued by an unanswered save that went in
         while True:
             try:
                 settled = settle_fleet(
@@ -1141,7 +1149,7 @@ class Daemon:
                 )
             except LostSaveLandedError as exc:
                 # Nothing done yet: made again at once, without what the record holds.
-                news = self._heard_already(news, exc.nonce)
+                news, landed = self._heard_already(news, exc.nonce)
             except RecordMovedError:
                 # Nothing was written nor kept: the next attempt loads the verb's record.
                 # Standing by instead cost the cycle's verdicts, a wedge proven a wait late.
@@ -1150,7 +1158,9 @@ class Daemon:
                 attempt += 1
             except SaveUnansweredError as exc:
                 # Written or not, nobody can tell yet: kept as below, and remembered.
-                self._unanswered[exc.nonce] = (list(news.commands), news.requests)
+                self._unanswered[exc.nonce] = (list(news.commands), news.requests, exc.orders)
+                for nonce in list(self._unanswered)[:-UNANSWERED_KEPT]:  # as the store's
+                    del self._unanswered[nonce]
                 return self._not_settled(news, f"did not settle: {exc}")
             except ClusterError as exc:
                 # Deposed, fenced out or cut off from etcd mid-settle: nothing was written,
@@ -1159,6 +1169,11 @@ class Daemon:
             else:
                 break
         self._unanswered.clear()  # none of them can go in after this save (EtcdStore)
+        if landed:
+            # Saved RESTARTING by the save that went in, and run by nobody: the backend
+            # waited out its startup grace still wedged, an attempt spent on nothing.
+            # Run as this settle's own; one moved on since is withdrawn before it runs.
+            settled = replace(settled, orders=(*landed, *settled.orders))
         now = settled.report.checked_at
         self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}
@@ -1178,16 +1193,17 @@ class Daemon:
         self._write_serving(serving, backends)
         return settled
 
-    def _heard_already(self, news: News, nonce: bytes) -> News:
+    def _heard_already(self, news: News, nonce: bytes) -> tuple[News, tuple[RestartOrder, ...]]:
         """``news`` without what the settle whose unanswered save went in was given (its
         command outcomes, the router's outcomes given back since): the record holds them,
         and heard again a failure counted twice and a command's outcome was audited twice.
+        With the restarts that settle issued, which nobody ran.
         """
         heard = self._unanswered.pop(nonce, None)
         self._unanswered.clear()  # the others' saves compared a record this one moved on
         if heard is None:
-            return news
-        commands, requests = heard
+            return news, ()
+        commands, requests, orders = heard
         left: dict[str, list[RequestOutcome]] = {}
         for name, seen in (news.requests or {}).items():
             gone = list((requests or {}).get(name, ()))
@@ -1200,7 +1216,7 @@ class Daemon:
             news,
             commands=[done for done in news.commands if all(done is not c for c in commands)],
             requests=left if news.requests is not None else None,
-        )
+        ), orders
 
     def _publish(self, shares: SharedReads, published: Publication) -> None:
         """Best effort: a settle goes on without it. Logged once per cause, and when it

@@ -669,3 +669,118 @@ def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_tw
         assert (saved["gpu0"]["state"], saved["gpu0"]["request_failures"]) == ("suspect", 2)
     finally:
         seat.elector.stop()
+
+
+def test_saves_refused_cycle_after_cycle_keep_a_bounded_memory_of_what_they_were_given(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # etcd refuses every write of the record (its space quota reached, a record larger
+    # than its request bound) while the leader's lease is kept alive: each settle's save
+    # is said unanswered, and the daemon and the store each remembered it, with what the
+    # settle was given (the router's failures, command outcomes), until a save answered.
+    # A daemon running for days that way grew by a settle's news every cycle.
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cluster import UNANSWERED_KEPT, Seat  # noqa: PLC0415
+    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
+
+    gpu0 = Target("gpu0", "http://127.0.0.1:9")
+    config = Config(backends=(Backend("gpu0", gpu0.url),))
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
+    daemon = Daemon(
+        lambda: (config, [gpu0]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    state_key = base64.b64encode(keys.state.encode())
+    refused = (
+        b'{"error":"etcdserver: mvcc: database space exceeded","code":8,'
+        b'"message":"etcdserver: mvcc: database space exceeded"}'
+    )
+
+    def saves_refused(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        if head.startswith(b"POST /v3/kv/txn ") and state_key in body:
+            connection.sendall(
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(refused) + refused
+            )
+            return
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                connection.sendall(chunk)
+
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        daemon._settle(News([], []))  # a record to compare with
+        with tcp_server(saves_refused) as (refusing, _):
+            seat.store.etcd = Etcd([refusing], timeout=0.5)
+            for _ in range(UNANSWERED_KEPT + 5):
+                daemon._settle(News([], []))
+        assert len(daemon._unanswered) <= UNANSWERED_KEPT
+        assert len(seat.store._unanswered) <= UNANSWERED_KEPT
+    finally:
+        seat.elector.stop()
+
+
+def test_a_restart_issued_by_a_save_whose_answers_were_both_lost_is_run_once_found_in(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The settle's save went in, a restart of gpu1 with it (RESTARTING, "restart" in the
+    # trail), and both its offers lost their answers: the daemon stood by and ran no
+    # command. The next settle found that save in and settled without it, ordering
+    # nothing (gpu1 already RESTARTING): gpu1 stayed wedged until its startup grace ran
+    # out, an attempt spent on a restart nobody ran.
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cluster import Seat  # noqa: PLC0415
+    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
+
+    gpu1 = Target("gpu1", "http://127.0.0.1:10")
+    config = Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
+    daemon = Daemon(
+        lambda: (config, [gpu1]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    direct = seat.store.etcd
+    state_key = base64.b64encode(keys.state.encode())
+
+    def state_answers_lost(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                answer += chunk
+        if not save:
+            connection.sendall(answer)  # a save's answer goes nowhere; all else passes
+
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        daemon._settle(News([], []))
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        with tcp_server(state_answers_lost) as (lossy, _):
+            seat.store.etcd = Etcd([lossy], timeout=0.5)
+            assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
+        seat.store.etcd = direct
+        settled = daemon._settle(News([wedged], daemon._take_commands()))
+        assert [order.name for order in settled.orders] == ["gpu1"]
+        assert not daemon._run_unless_withdrawn(settled.orders[0]).withdrawn  # still its own
+        trail = read_audit(direct, keys).records
+        assert [r["event"] for r in trail].count("restart") == 1, trail
+    finally:
+        seat.elector.stop()
