@@ -8,10 +8,11 @@ parses it with ``http1``'s rules (the ones ``upstream.py`` reads backends' answe
 collects the body and runs the handler in one task. Its rules:
 
 - a head, with any blank lines before it, is at most ``MAX_HEAD_BYTES`` and
-  ``MAX_FIELDS`` fields (else 431; 414 when the request line alone does not end within
-  the bound); a request line that is not ``METHOD SP target SP HTTP/1.x``, a malformed
-  field, a bare CR or LF, a body framed both ways, or an HTTP/1.1 request without
-  exactly one Host is 400; a Transfer-Encoding other than chunked is 501;
+  ``MAX_FIELDS`` fields (else 431; 414 when the request line alone leaves no room within
+  the bound for the head's final CRLF); a request line that is not ``METHOD SP target
+  SP HTTP/1.x``, a malformed field, a bare CR or LF, a body framed both ways, or an
+  HTTP/1.1 request without exactly one Host is 400; a Transfer-Encoding other than
+  chunked is 501;
 - a body is framed by Content-Length or chunked (HTTP/1.1 only) and at most ``max_body``
   bytes, a chunked body's framing too (each chunk costing at least ``http1.CHUNK_COST``): the
   handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and the connection
@@ -337,12 +338,14 @@ class _Connection(asyncio.Protocol):
         self._task = asyncio.get_running_loop().create_task(self._run(request))
 
     def _refuse_oversize(self) -> None:
-        """A head past ``MAX_HEAD_BYTES``: 414 when its request line alone does not end
-        within it (RFC 9112 3: a target longer than the server parses), else 431. A long
-        URL was answered 431, which names the header fields, the one part not too large."""
+        """A head past ``MAX_HEAD_BYTES``: 414 when its request line alone leaves no room
+        within it for the head's final CRLF (RFC 9112 3: a target longer than the server
+        parses), else 431. A long URL was answered 431, which names the header fields, the
+        one part not too large; so was one ending within two bytes of the bound, with no
+        field at all."""
         line_end = self._buffer.find(b"\r\n", 0, MAX_HEAD_BYTES + 2)
-        if line_end < 0 or self._blank + line_end + 2 > MAX_HEAD_BYTES:
-            self._refuse(414, f"request line over {MAX_HEAD_BYTES} bytes")
+        if line_end < 0 or self._blank + line_end + 4 > MAX_HEAD_BYTES:
+            self._refuse(414, f"request line too long for a {MAX_HEAD_BYTES}-byte head")
         else:
             self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
 

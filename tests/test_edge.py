@@ -653,6 +653,30 @@ def test_a_head_of_max_head_bytes_with_its_blank_lines_and_final_crlf_is_read(
     run(scenario())
 
 
+@pytest.mark.parametrize("blank", [0, 1000])
+@pytest.mark.parametrize(
+    ("line", "status"),
+    [(MAX_HEAD_BYTES - 2, 200), (MAX_HEAD_BYTES - 1, 414), (MAX_HEAD_BYTES, 414)],
+    ids=["head-at-the-bound", "line-a-byte-short", "line-at-the-bound"],
+)
+def test_a_request_line_that_leaves_no_room_for_the_heads_end_is_414(
+    blank: int, line: int, status: int
+) -> None:
+    """A request line (its CRLF and the blank lines before it counted) ending within the
+    bound but too near it for the head's final CRLF: no header field makes it too large
+    (there is none), the target does; it was answered 431."""
+
+    async def scenario() -> None:
+        start, end = b"GET /", b" HTTP/1.0\r\n"
+        pad = line - blank - len(start) - len(end)
+        async with edge() as (_, reader, writer):
+            writer.write(b"\r\n" * (blank // 2) + start + b"x" * pad + end + b"\r\n")
+            got, _, body = await answer(reader)
+            assert got == status, body
+
+    run(scenario())
+
+
 def test_blank_lines_and_a_head_that_never_ends_count_together_in_the_bound() -> None:
     """Neither alone passes MAX_HEAD_BYTES, both together do: refused as they arrive, not
     when the head alone has grown past the bound."""
