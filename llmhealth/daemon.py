@@ -274,6 +274,11 @@ class Daemon:
                 tuple[RestartOrder, ...],
             ],
         ] = {}
+        # The restarts a save found gone in had issued, until a settle of this leader
+        # saves: the settle that found it may fail itself (its own save unanswered too,
+        # etcd away, deposed), and kept by that settle alone they were run by nobody.
+        # One per backend, the newest: an older one the record has moved past.
+        self._landed: dict[str, RestartOrder] = {}
         # What the read workers were last told: whether they may send tiny requests,
         # which backends to ask even when their engines moved, and which never to ask.
         self._told: tuple[bool, frozenset[str], frozenset[str]] = (True, frozenset(), frozenset())
@@ -1129,7 +1134,6 @@ class Daemon:
         # A standby that takes over never saw the processes the old leader wrote down: the
         # record's sightings show the ledger a restart its windows missed (fleet.py).
         attempt = 1
-        landed: tuple[RestartOrder, ...] = ()  # issued by an unanswered save that went in
         while True:
             try:
                 settled = settle_fleet(
@@ -1149,7 +1153,8 @@ class Daemon:
                 )
             except LostSaveLandedError as exc:
                 # Nothing done yet: made again at once, without what the record holds.
-                news, landed = self._heard_already(news, exc.nonce)
+                news, found = self._heard_already(news, exc.nonce)
+                self._landed.update((order.name, order) for order in found)
             except RecordMovedError:
                 # Nothing was written nor kept: the next attempt loads the verb's record.
                 # Standing by instead cost the cycle's verdicts, a wedge proven a wait late.
@@ -1169,10 +1174,21 @@ class Daemon:
             else:
                 break
         self._unanswered.clear()  # none of them can go in after this save (EtcdStore)
-        if landed:
+        if self._landed:
             # Saved RESTARTING by the save that went in, and run by nobody: the backend
             # waited out its startup grace still wedged, an attempt spent on nothing.
             # Run as this settle's own; one moved on since is withdrawn before it runs.
+            # Issued under the config before a reload, its command may be one the config
+            # no longer names: withdrawn (no attempt spent), the next settle issues the
+            # restart anew with the command configured now, if any.
+            commands = {same_server(b.url): b.restart for b in self._config.backends}
+            landed: list[RestartOrder] = []
+            for order in self._landed.values():
+                if commands.get(same_server(order.url)) == order.argv:
+                    landed.append(order)
+                else:
+                    self._drop_order(order, "a reload changed its command", withdrawn=True)
+            self._landed = {}
             settled = replace(settled, orders=(*landed, *settled.orders))
         now = settled.report.checked_at
         self._seen(settled.record)

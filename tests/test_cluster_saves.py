@@ -3,6 +3,7 @@ hand-written audit keys, a trail larger than one answer."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import socket
@@ -782,5 +783,127 @@ def test_a_restart_issued_by_a_save_whose_answers_were_both_lost_is_run_once_fou
         assert not daemon._run_unless_withdrawn(settled.orders[0]).withdrawn  # still its own
         trail = read_audit(direct, keys).records
         assert [r["event"] for r in trail].count("restart") == 1, trail
+    finally:
+        seat.elector.stop()
+
+
+def test_a_restart_found_in_by_a_settle_whose_own_save_went_unanswered_is_still_run(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # As above, and the settle that found that save in had its own save's answers lost
+    # too (etcd as flaky as before): the restart it was to run was kept nowhere, the
+    # settle after it found that second save in and ordered nothing (gpu1 RESTARTING),
+    # and gpu1 stayed wedged until its startup grace ran out.
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cluster import Seat  # noqa: PLC0415
+    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
+
+    gpu1 = Target("gpu1", "http://127.0.0.1:10")
+    config = Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
+    daemon = Daemon(
+        lambda: (config, [gpu1]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    direct = seat.store.etcd
+    state_key = base64.b64encode(keys.state.encode())
+
+    def state_answers_lost(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                answer += chunk
+        if not save:
+            connection.sendall(answer)
+
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        daemon._settle(News([], []))
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        with tcp_server(state_answers_lost) as (lossy, _):
+            seat.store.etcd = Etcd([lossy], timeout=0.5)
+            assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
+            # Finds it in, then its own save goes in unanswered as well.
+            assert daemon._settle(News([wedged], daemon._take_commands())).orders == ()
+        seat.store.etcd = direct
+        settled = daemon._settle(News([wedged], daemon._take_commands()))
+        assert [order.name for order in settled.orders] == ["gpu1"]
+        assert not daemon._run_unless_withdrawn(settled.orders[0]).withdrawn
+    finally:
+        seat.elector.stop()
+
+
+def test_a_restart_found_in_after_a_reload_changed_its_command_does_not_run_the_old_one(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # The save that went in while both its answers were lost ordered gpu1's restart with
+    # the command configured then; a reload before the settle that found it in gave gpu1
+    # another (the old one wrong, or its host's unit renamed). That settle ran the old
+    # command, which the config no longer names: a reload applies between two settles.
+    from rich.console import Console  # noqa: PLC0415
+
+    from llmhealth.cluster import Seat  # noqa: PLC0415
+    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
+
+    gpu1 = Target("gpu1", "http://127.0.0.1:10")
+    configs = [Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))]
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
+    daemon = Daemon(
+        lambda: (configs[-1], [gpu1]),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    direct = seat.store.etcd
+    state_key = base64.b64encode(keys.state.encode())
+
+    def state_answers_lost(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
+        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):
+                answer += chunk
+        if not save:
+            connection.sendall(answer)
+
+    try:
+        seat.elector.step()
+        assert seat.elector.decision().may_act
+        daemon._settle(News([], []))
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        with tcp_server(state_answers_lost) as (lossy, _):
+            seat.store.etcd = Etcd([lossy], timeout=0.5)
+            assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
+        seat.store.etcd = direct
+        configs.append(Config(backends=(Backend("gpu1", gpu1.url, restart=("false",)),)))
+
+        async def reload() -> None:  # SIGHUP, between two settles
+            daemon._reload_config()
+            await daemon._reading.close()
+
+        asyncio.run(reload())
+        assert daemon._config.backends[0].restart == ("false",)
+        settled = daemon._settle(News([wedged], daemon._take_commands()))
+        assert [order.argv for order in settled.orders if order.argv != ("false",)] == []
+        for _ in range(2):  # the withdrawal heard, no attempt spent: issued anew
+            settled = daemon._settle(News([wedged], daemon._take_commands()))
+            if settled.orders:
+                break
+        assert [order.argv for order in settled.orders] == [("false",)]
     finally:
         seat.elector.stop()
