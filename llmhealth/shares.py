@@ -395,6 +395,11 @@ def parse_publication(member: str, document: object) -> dict[str, Published]:
     return published
 
 
+# Members remembered per backend in ``Intake.settled``: a fleet whose member names
+# change (pods) would grow it by a name per deploy.
+SETTLED_MEMBERS = 8
+
+
 @dataclass(slots=True)
 class Intake:
     """The leader's memory of others' verdicts since it took the lead: which it settled,
@@ -409,7 +414,11 @@ class Intake:
     # starting its reads over (a crash loop under the same name) would otherwise keep an
     # undecided backend fresh for ever, a wedge in it never proven nor doubted.
     undecided_for: float
-    settled: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # By backend, the serial last settled of each member that published one: a share
+    # that moved away and back (a member cut off past its lease, and back still
+    # publishing a verdict it has not replaced) is no news of the member it came back
+    # to. The newest ``SETTLED_MEMBERS`` members' of each.
+    settled: dict[str, dict[str, int]] = field(default_factory=dict)
     examined: dict[str, tuple[str, int]] = field(default_factory=dict)  # as last heard
     news_at: dict[str, float] = field(default_factory=dict)  # of others' backends only
     verdict_at: dict[str, float] = field(default_factory=dict)  # likewise
@@ -485,13 +494,19 @@ def take_published(
             reading_on = intake.examined.get(name) != heard  # its reader reads on, undecided
             news = reading_on and now - intake.verdict_at[name] < intake.undecided_for
             intake.examined[name] = heard
+        if not intake.primed:
+            # Any member's then, not only the one taken: a share may have just moved.
+            for by in published.values():
+                early = by.get(name)
+                if early is not None and early is not found and early.verdict is not None:
+                    _settle(intake, name, early)
         if (
             found is not None
             and not read_elsewhere
             and found.verdict is not None
-            and intake.settled.get(name) != (found.member, found.serial)
+            and intake.settled.get(name, {}).get(found.member) != found.serial
         ):
-            intake.settled[name] = (found.member, found.serial)
+            _settle(intake, name, found)
             intake.verdict_at[name] = now
             news = True
             if intake.primed:  # else the former leader may have settled it already
@@ -508,6 +523,15 @@ def take_published(
             verdicts[name] = doubt(owner, found, age, address if elsewhere else None)
     intake.primed = True
     return Taken(verdicts, tuple(stale), urls)
+
+
+def _settle(intake: Intake, name: str, found: Published) -> None:
+    """``found``'s serial as the one of its member last settled for ``name``."""
+    by_member = intake.settled.setdefault(name, {})
+    by_member.pop(found.member, None)  # the newest last
+    by_member[found.member] = found.serial
+    for member in list(by_member)[:-SETTLED_MEMBERS]:
+        del by_member[member]
 
 
 def _apart(said: str | None, address: str | None) -> bool:

@@ -6,7 +6,7 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from llmhealth.config import Cluster as ClusterConfig
 from llmhealth.cycle import settle_fleet
 from llmhealth.daemon import Daemon, News, Publication
 from llmhealth.fleet import FleetRecord
+from llmhealth.leadership import owner
 from llmhealth.metrics import EngineSignals, Signals
 from llmhealth.remediate import Mode, RestartOrder
 from llmhealth.traffic import FailureKind, RequestOutcome
@@ -152,6 +153,46 @@ def test_a_second_process_under_one_member_name_is_refused_not_settled_as_news(
         assert twins[1].elector.member_refused is None
         readers[1].publish({name: 1}, {name: down}, {name: 1}, {})
         assert name in leader.take(backends, 10.0, 300.0).verdicts
+    finally:
+        for seat in seats:
+            seat.elector.stop()
+
+
+def test_a_verdict_settled_before_its_reader_was_cut_off_is_not_settled_again_on_its_return(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """A reader cut off from the leader's view (its member key gone past its lease: a
+    pause, a partition) and back, still publishing the verdict it had not replaced (its
+    backend undecided since, in a long step): the intake remembered only the newest
+    settled (member, serial), the share's reader meanwhile's, and the returning reader's
+    old failure was settled a second time."""
+    backends = {f"gpu{index}": f"http://10.0.0.{index}:8000" for index in range(24)}
+    clock = Clock()
+    logs: list[str] = []
+    seats = [Seat(etcd_server.endpoints, keys.prefix, n, 3.0, log=logs.append) for n in "abc"]
+    leader, cut_off, other = (SharedReads(seat, clock=clock) for seat in seats)
+    name = next(
+        n for n in backends if owner(n, ["a", "b", "c"]) == "b" and owner(n, ["a", "c"]) == "c"
+    )
+    try:
+        for seat in seats:
+            seat.elector.step()
+        everyone = read_members(seats[0].etcd, seats[0].keys)
+        for seat in seats:
+            seat.elector.observed = Observation(True, None, everyone)
+        assert seats[0].elector.decision().may_act
+        assert leader.take(backends, 60.0, 300.0).verdicts == {}
+        old = Verdict(VerdictKind.DOWN, False, "down: refused (b's)")
+        cut_off.publish({name: 5}, {name: old}, {name: 1}, {})
+        assert leader.take(backends, 60.0, 300.0).verdicts[name] == old
+        # b's member key gone from the leader's view: its share is c's now.
+        without_b = tuple(member for member in everyone if member[0] != "b")
+        seats[0].elector.observed = Observation(True, None, without_b)
+        other.publish({name: 9}, {name: replace(old, evidence="down: (c's)")}, {name: 1}, {})
+        assert leader.take(backends, 60.0, 300.0).verdicts[name].evidence == "down: (c's)"
+        seats[0].elector.observed = Observation(True, None, everyone)  # b back
+        again = leader.take(backends, 60.0, 300.0).verdicts
+        assert name not in again, again  # b's failure of before, a second time
     finally:
         for seat in seats:
             seat.elector.stop()

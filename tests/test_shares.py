@@ -473,3 +473,32 @@ def test_an_answer_published_without_refused_was_not_refused() -> None:
     del document["answer"]["refused"]
     answer = verdict_from_dict(document, "v").answer
     assert answer is not None and answer.refused is False
+
+
+def test_a_verdict_settled_before_its_share_moved_away_and_back_is_not_settled_again() -> None:
+    # b read gpu1, and its failure was settled; b was cut off from etcd past its lease
+    # (gpu1 went to c, whose verdict was settled), then came back still publishing that
+    # same verdict (gpu1 undecided since, inside a long step). Only the newest settled
+    # (member, serial) was remembered: b's old failure was settled a second time.
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    take_published(intake, {"gpu1": "b"}, {"b": {}}, 1.0, 10.0)
+    first = take_published(intake, {"gpu1": "b"}, {"b": published("b", gpu1=4)}, 2.0, 10.0)
+    assert first.verdicts == {"gpu1": healthy("b#4")}
+    moved = take_published(intake, {"gpu1": "c"}, {"c": published("c", gpu1=9)}, 3.0, 10.0)
+    assert moved.verdicts == {"gpu1": healthy("c#9")}
+    both = {"b": published("b", gpu1=4), "c": published("c", gpu1=9)}
+    assert take_published(intake, {"gpu1": "b"}, both, 4.0, 10.0).verdicts == {}
+    assert take_published(intake, {"gpu1": "c"}, both, 5.0, 10.0).verdicts == {}
+    later = {"b": published("b", gpu1=5), "c": published("c", gpu1=9)}
+    assert take_published(intake, {"gpu1": "b"}, later, 6.0, 10.0).verdicts == {
+        "gpu1": healthy("b#5")
+    }
+
+
+def test_a_new_leader_takes_every_member_s_publication_then_as_settled() -> None:
+    # Two members published gpu1 when this leader took over (its share had just moved):
+    # its predecessor may have settled either.
+    intake = Intake(started=0.0, undecided_for=UNDECIDED)
+    both = {"b": published("b", gpu1=4), "c": published("c", gpu1=9)}
+    assert take_published(intake, {"gpu1": "c"}, both, 1.0, 10.0).verdicts == {}
+    assert take_published(intake, {"gpu1": "b"}, both, 2.0, 10.0).verdicts == {}
