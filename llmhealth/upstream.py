@@ -11,7 +11,7 @@ one buffer, handing the body on piece by piece as it arrives. Its rules:
   router's client side applies too) is ``BrokenError``;
 - bodies are framed by Transfer-Encoding: chunked, Content-Length, or the end of the
   connection (then never reused); a response with both is read as chunked and its
-  connection closed afterwards;
+  connection closed afterwards, as after a chunked one in HTTP/1.0 (RFC 9112 6.1);
 - the backend's socket stops being read while ``READ_HIGH`` bytes wait for a slow client;
 - never connected (refused, unreachable, no connection in ``connect_timeout``) is
   ``ConnectError``, the one failure that proves the request never reached the backend;
@@ -486,8 +486,12 @@ class Pool:
         ``target`` is the path and query as the client sent them (already encoded).
         """
         head = _request_head(origin, method, target, headers, body)
+        reuse = True
         while True:
-            link = self._reused(origin)
+            # Sent once more at most, and then on a new connection: another kept one closing
+            # too was a retry of a failed retry (RFC 9112 9.3.1), a GET sent to a backend
+            # that takes each request and closes unanswered once per kept connection.
+            link = self._reused(origin) if reuse else None
             reused = link is not None
             if link is None:
                 link = await self._connect(origin)
@@ -503,6 +507,7 @@ class Pool:
                 # A generation (POST) the backend may have begun is never sent twice: its
                 # reused connection closing before the answer is the backend's failure.
                 if reused and link.received == received and method in http1.IDEMPOTENT:
+                    reuse = False
                     continue  # closed while idle, before this request: a new connection
                 raise
             except BaseException:
@@ -617,7 +622,9 @@ class Pool:
             if coding is not None:
                 http1.require_chunked(coding)
                 # Both framings: smuggling's shape; read as chunked, never reuse the connection.
-                reusable = reusable and length_text is None
+                # Nor after chunks in HTTP/1.0, which has none: a hop that did not know them
+                # may have kept part of the body back for the next answer (RFC 9112 6.1).
+                reusable = reusable and length_text is None and version == "HTTP/1.1"
                 return Response(self, link, status, reason, headers, "chunked", 0, reusable)
             if length_text is None:
                 return Response(self, link, status, reason, headers, "close", 0, False)

@@ -113,8 +113,12 @@ def test_sequential_requests_share_one_kept_alive_connection() -> None:
         # Both framings, the shape of request smuggling: read as chunked, never reused.
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 99\r\n\r\n"
         b"2\r\nok\r\n0\r\n\r\n",
+        # Chunked in HTTP/1.0, which has no chunks: faulty framing, its connection closed
+        # after it however it asks to be kept (RFC 9112 6.1).
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\n\r\n",
     ],
-    ids=["connection-close", "http-1.0", "chunked-and-length"],
+    ids=["connection-close", "http-1.0", "chunked-and-length", "chunked-in-http-1.0"],
 )
 def test_a_connection_the_answer_does_not_leave_reusable_is_closed(reply_bytes: bytes) -> None:
     async def reply(_: int, __: bytes) -> bytes:
@@ -467,6 +471,36 @@ def test_a_get_the_backend_may_have_begun_is_not_sent_again(case: str) -> None:
                 await exchange(pool, url, "GET")
             pool.close()
         assert seen == ([1] if case == "new-connection" else [2])
+
+    run(scenario())
+
+
+def test_a_get_resent_after_a_reused_connection_closed_goes_once_and_on_a_new_connection() -> None:
+    """Every kept connection of a backend that takes a request and closes unanswered: the
+    GET went again on each of them in turn, a retry of a failed retry (RFC 9112 9.3.1),
+    three times to a backend that may have begun each, before one new connection."""
+    all_three = asyncio.Event()
+    kept = 3
+
+    async def reply(connection: int, _: bytes) -> bytes | None:
+        if connection < kept:
+            if all_three.is_set():
+                return None  # the second request on a kept connection: taken, unanswered
+            if connection == kept - 1:
+                all_three.set()
+            await all_three.wait()  # three requests in flight at once: three connections
+        return answer(b"ok")
+
+    async def scenario() -> None:
+        async with backend(reply) as (url, seen):
+            pool = Pool(connect_timeout=5, keepalive=60)
+            await asyncio.gather(*(exchange(pool, url, "GET") for _ in range(kept)))
+            _, body = await exchange(pool, url, "GET")
+            assert body == b"ok"
+            pool.close()
+        # The first three answered at once; the GET then went to one kept connection and,
+        # once more, to a new one: never to the other two kept ones.
+        assert sorted(seen) == [1, 1, 1, 2]
 
     run(scenario())
 
