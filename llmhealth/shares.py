@@ -405,8 +405,9 @@ class Intake:
     """The leader's memory of others' verdicts since it took the lead: which it settled,
     and when (its monotonic clock) each backend last had news. A new leader starts a new
     one, and takes what is published then as already settled by its predecessor: at
-    worst one verdict per backend goes unsettled, never one settled twice (two failures
-    counted for one would condemn early)."""
+    worst each member's verdict of a backend published then goes unsettled (one, or one
+    of each member publishing it while its share moves), never one settled twice (two
+    failures counted for one would condemn early)."""
 
     started: float
     # The longest a reader may examine a backend without deciding (its max_check_time):
