@@ -130,7 +130,7 @@ class FleetHealth:
             for key in self._keys:
                 if not isinstance(key, str) or not key:
                     raise ValueError(f"backend names must be non-empty strings, got {key!r}")
-            urls = [_base_url(base_urls[str(key)]) for key in self._keys]
+            urls = [_base_url(url) for url in base_urls.values()]
         else:
             urls = [_base_url(url) for url in base_urls]
             self._keys = tuple(range(len(urls)))
@@ -141,7 +141,8 @@ class FleetHealth:
                 f"FleetPolicy.min_healthy is {self._policy.min_healthy}, more than the "
                 f"{len(self._keys)} backends given: the fleet would start exhausted"
             )
-        self._names = {key: str(key) for key in self._keys}
+        # A name's own text: str() of a (str, Enum) member is "Gpu.A", not its "gpu0".
+        self._names = {key: _text_of(key) for key in self._keys}
         # Per ledger name: how often the caller said the process ended or was replaced.
         self._process_changes: dict[str, int] = {}
         self._key_of = {name: key for key, name in self._names.items()}
@@ -336,10 +337,13 @@ class FleetHealth:
 
         An OpenAI base URL (``http://10.0.0.5:8000/v1``, what a rollout router knows its
         backends by) names the server at its root: looked up as given, it found none, and
-        every failure reported that way was lost.
+        every failure reported that way was lost. White space around it is dropped, as the
+        constructor and ``mark_loaded`` drop it: a URL read from a file ends in a newline,
+        and the fleet took it that way yet found nothing by it.
         """
         if not isinstance(url, str):
             raise TypeError(f"a backend URL must be a string, got {url!r}")
+        url = url.strip()
         name = self._ledger.by_url(openai_root(url) or url)
         return None if name is None else self._key_of[name]
 
@@ -367,14 +371,16 @@ class FleetHealth:
         return transition
 
     def _name(self, key: Key) -> str:
-        # bool is an int and 1.0 hashes as 1: either would silently mean shard 1.
-        if type(key) in (int, str):
+        # bool is an int and 1.0 hashes as 1: either would silently mean shard 1. A str
+        # subclass (a StrEnum, numpy's str_) is a name: the constructor took it as one, and
+        # refused here its own keys, so a Selector's lease() of them raised UnknownBackend.
+        if type(key) is int or isinstance(key, str):
             if key in self._names:
                 return self._names[key]
             if key in self._key_of:
                 # The ledger's name, as a Transition or snapshot carries it ("1" for shard
                 # 1): what the fleet hands out must be taken back.
-                return str(key)
+                return self._names[self._key_of[key]]
         raise UnknownBackend(f"no backend {key!r} in this fleet; it has {_listing(self._keys)}")
 
     def _in(self, names: Iterable[str]) -> list[Key]:
@@ -386,6 +392,12 @@ def _base_url(url: object) -> str:
     if not isinstance(url, str):
         raise ValueError(f"a backend URL must be a string, got {url!r}")
     return check_url(url)  # ValueError naming the URL when it is not http(s) with a host
+
+
+def _text_of(key: Key) -> str:
+    """A key's ledger name: an index's digits, or a name's own text (of a str subclass
+    too, whose str() may be something else)."""
+    return str(key) if isinstance(key, int) else str.__str__(key)
 
 
 def _listing(keys: Sequence[Key]) -> str:

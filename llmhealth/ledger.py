@@ -507,7 +507,12 @@ def check_weight_version(version: object, where: str) -> int:
         shown = repr(version) if not isinstance(version, int) else type(version).__name__
         raise ValueError(f"{where} must be an integer, got {shown[:80]}")
     if not -MAX_WEIGHT_VERSION <= version <= MAX_WEIGHT_VERSION:
-        raise ValueError(f"{where} must fit in 64 bits, got one of {version.bit_length()} bits")
+        # Counted with its sign: 2**63 is 64 bits unsigned, and "must fit in 64 bits, got
+        # one of 64 bits" refused it in words that said it fitted.
+        raise ValueError(
+            f"{where} must fit in 64 bits with its sign (at most 2**63 - 1 either way), "
+            f"got one of {version.bit_length() + 1} bits with its sign"
+        )
     return version
 
 

@@ -95,6 +95,10 @@ class Selector:
         replaced meanwhile (``FleetHealth.process_changes``): its end is the old process's,
         and requests hung on a wedged engine condemned its rebuilt replacement.
         """
+        if not callable(counts):
+            # Taken, it failed only when the request did: a TypeError in place of the
+            # request's own error, which the caller's handler missed, and no failure counted.
+            raise TypeError(f"counts must be a callable taking the exception, got {counts!r}")
         key = self.next_shard(exclude=exclude)
         self.acquire(key)
         process = self._fleet.process_changes(key)

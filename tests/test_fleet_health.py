@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Callable
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -526,9 +527,14 @@ def test_a_weight_version_past_64_bits_is_refused_and_the_one_before_kept() -> N
     f, _ = fleet()
     f.record_weight_version(0, weight_version=4)
     for version in (2**63, 10**5000):
-        with pytest.raises(ValueError, match="64 bits"):
+        with pytest.raises(ValueError, match="64 bits") as refused:
             f.record_weight_version(0, weight_version=version)
+        # The refusal says why: "must fit in 64 bits, got one of 64 bits" did not.
+        assert "one of 64 bits" not in str(refused.value)
     assert f.snapshot()[0].weight_version == 4
+    with pytest.raises(ValueError, match="one of 65 bits with its sign"):
+        f.record_weight_version(0, weight_version=-(2**63))
+    f.record_weight_version(0, weight_version=2**63 - 1)
 
 
 def test_a_weight_version_stamp_is_not_a_transition_and_clears_no_streak() -> None:
@@ -929,6 +935,50 @@ def test_a_lease_that_outlived_its_process_reports_no_success_on_the_replacement
     assert f.snapshot()[0].request_failures == 1 and selector.inflight(0) == 0
 
 
+def test_a_lease_refuses_a_counts_rule_it_could_not_call_before_the_request() -> None:
+    """counts=None was taken, and only a failed request called it: a TypeError replaced
+    the request's own error, so the caller's handler missed it and nothing was counted."""
+    f, _ = fleet()
+    selector = Selector(f)
+    with (
+        pytest.raises(TypeError, match="counts must be a callable"),
+        selector.lease(counts=None),  # type: ignore[arg-type]
+    ):
+        raise ConnectionResetError("engine went away")
+    assert selector.inflight(0) == 0 and f.snapshot()[0].request_failures == 0
+
+
+class Gpu(StrEnum):
+    A = "gpu0"
+    B = "gpu1"
+
+
+def test_a_fleet_named_by_a_str_subclass_takes_its_own_keys_back() -> None:
+    """The constructor took StrEnum names, then every verb refused them ("no backend
+    <Gpu.A: 'gpu0'>; it has backends <Gpu.A: 'gpu0'>, ..."), and so did lease()."""
+    f = FleetHealth({Gpu.A: URLS[0], Gpu.B: URLS[1]})
+    with Selector(f).lease() as key:
+        assert key is Gpu.A
+    assert f.snapshot()[Gpu.A].request_failures == 0
+    f.record_actor_death(Gpu.B, "actor died")
+    assert f.state_of("gpu1") is State.DEAD and f.serving_shards() == [Gpu.A]
+
+
+class OldGpu(str, Enum):  # noqa: UP042 - the pre-3.11 idiom, whose str() differs
+    A = "gpu0"
+    B = "gpu1"
+
+
+def test_a_fleet_named_by_a_str_enum_is_built_and_known_by_the_names_text() -> None:
+    """str() of a (str, Enum) member is "OldGpu.A": the constructor looked the URL up by
+    that, a KeyError, and no such fleet could be made."""
+    f = FleetHealth({OldGpu.A: URLS[0], OldGpu.B: URLS[1]})
+    t = f.record_actor_death(OldGpu.B, "actor died")
+    assert t.name == "gpu1" and f.key_for(t.name) is OldGpu.B
+    assert f.state_of("gpu1") is State.DEAD and f.serving_shards() == [OldGpu.A]
+    assert f.shard_for_base_url(URLS[0]) is OldGpu.A
+
+
 def test_leases_spread_concurrent_requests_over_the_fleet() -> None:
     f, _ = fleet()
     selector = Selector(f)
@@ -1106,6 +1156,15 @@ def test_a_shard_is_found_by_its_url_as_given_and_in_any_case() -> None:
     assert f.shard_for_base_url("http://gpu0:8000/") == 0
     assert f.shard_for_base_url("HTTP://GPU1:8000") == 1
     assert f.serving_base_urls() == ["http://GPU0:8000", "http://gpu1:8000"]
+
+
+def test_a_shard_is_found_by_its_url_with_the_white_space_the_fleet_took_it_with() -> None:
+    """The constructor strips a URL read from a file ("...\\n"); the lookup did not, so
+    the fleet found no shard by the very text it had been given."""
+    f = FleetHealth(["http://10.0.0.1:8000\n", " http://10.0.0.2:8000 "])
+    assert f.shard_for_base_url("http://10.0.0.1:8000\n") == 0
+    assert f.shard_for_base_url(" http://10.0.0.2:8000 ") == 1
+    assert f.shard_for_base_url("http://10.0.0.2:8000/v1\n") == 1
 
 
 def test_one_host_written_in_two_cases_is_one_backend_and_refused_twice() -> None:
