@@ -376,10 +376,15 @@ def name_problem(name: str) -> str | None:
 
     A name is shown as it is: a control character would reach the terminal, a '|' starts
     a Nagios line's performance data, and a perfdata label cannot hold '=' (one written
-    as '_' would merge two backends' graphs).
+    as '_' would merge two backends' graphs). "none" is the router's label for the
+    answers it gives itself (``llmhealth_router_requests_total{backend="none"}``): a
+    backend so named had its answers counted with the router's own, and its series kept
+    after a reload dropped it.
     """
     if not name.isprintable() or "|" in name or "=" in name:
         return "must be printable and have no '|' or '=' (Nagios perfdata labels)"
+    if name == "none":
+        return 'is taken: the router counts its own answers under backend="none"'
     return None
 
 

@@ -674,6 +674,25 @@ def test_a_name_breaking_the_label_rule_is_refused_explicit_or_from_the_url(
     assert "no '|' or '='" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[[backend]]\nname = 'none'\nurl = 'http://a:1'", "backend[0].name"),
+        ("[[backend]]\nurl = 'http://none'", "backend[0].url"),
+    ],
+)
+def test_a_backend_cannot_take_the_name_the_router_counts_its_own_answers_under(
+    tmp_path: Path, text: str, key: str
+) -> None:
+    """The router counts what it answers itself (a 404, a 503 with nothing serving) under
+    backend="none": a backend so named had its answers added to those, and its series
+    kept after a reload dropped it."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(f"{key}: ")) as caught:
+        load(path)
+    assert 'backend="none"' in str(caught.value)
+
+
 def test_a_name_from_a_clean_url_is_its_host_and_port() -> None:
     assert name_for_url("http://10.0.0.5:8000") == "10.0.0.5:8000"
     with pytest.raises(ValueError, match=re.escape("'http://x|y:8000' would be named 'x|y:8000'")):
