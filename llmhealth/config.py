@@ -59,6 +59,16 @@ LONGEST_READ = 3600.0
 # (max_check_time over the wait) overflowed a float: every backend `no_metrics` with an
 # OverflowError, and `watch`'s reading tasks died and were started again in a loop.
 SHORTEST_DURATION = 0.001
+# tomllib's time and memory grow with the square of a key's dotted parts (of a table
+# header's too, for each key under it): 20 KB of `a.a.a...` took 400 MB and 2 s, 80 KB
+# more memory than the host had, and a header of 10,000 parts over 20,000 short keys 40 s,
+# a reload holding the daemon's loop all the while. No config key has more than three
+# parts; a run of more, in a key or in a value (a host name), is refused unparsed: the
+# worst file left costs a few times what a flat one of its size does.
+MAX_KEY_PARTS = 16
+_KEY_PART = r"""(?:[A-Za-z0-9_-]++|"(?:[^"\\\n]|\\.)*+"|'[^'\n]*+')"""
+# Starting only where no bare key goes on, a run is scanned once (linear, not quadratic).
+_DEEP_KEY = re.compile(rf"(?<![A-Za-z0-9_-])(?:{_KEY_PART}[ \t]*+\.[ \t]*+){{{MAX_KEY_PARTS}}}")
 _NEVER_IN_A_ROUTE = re.compile(r"[?#*\s\x00-\x1f\x7f]")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _FLOAT_LIMIT = 10**308  # any integer up to it converts to a float
@@ -232,6 +242,12 @@ def load(path: str | Path) -> Config:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
+    if (deep := _DEEP_KEY.search(text)) is not None:
+        line = text.count("\n", 0, deep.start()) + 1
+        raise ConfigError(
+            f"{where}: line {line}: more than {MAX_KEY_PARTS} dotted parts in a row: no key of "
+            "a config is that deep"
+        )
     try:
         data = tomllib.loads(text)
     except ValueError as exc:  # TOMLDecodeError, and an integer past Python's digit limit
@@ -905,7 +921,10 @@ class _Reader:
         # Only an absolute path is looked at: a relative one is refused below, and one
         # found from here may not be from where the daemon runs.
         spaced = any(character.isspace() for character in program)
-        if spaced and not (program.startswith("/") and Path(program).exists()):
+        # os.path.exists: a path no lookup can take (ENAMETOOLONG, EACCES) is no program
+        # here; Path.exists raised OSError, a traceback from `config check` quoting the
+        # command line, and a reload to it ended `watch`.
+        if spaced and not (program.startswith("/") and os.path.exists(program)):
             raise self.fail(
                 key,
                 "its first word is a whole command line: no shell is used, so split it into"

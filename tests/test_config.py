@@ -217,6 +217,13 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nurl = 'http://a :1'", "has white space in its host and port"),
         ("[[backend]]\nurl = 'http://a:0'", "backend[0].url: 'http://a:0' has port 0"),
         ("[[backend]]\nurl = 'http://a:1'\nrestart = [\"/bin/x\\u0000\"]", "restart: holds a NUL"),
+        # Looked up as a path with a space in it: a name past the file system's limit
+        # raised OSError (ENAMETOOLONG), `config check` printed a traceback with the
+        # command line in it, and a reload to it ended `watch`.
+        (
+            f"[[backend]]\nurl = 'http://a:1'\nrestart = ['/{'a' * 5000} x']",
+            "backend[0].restart: its first word is a whole command line",
+        ),
         ('on_serving_change = ["/bin/x", "a\\u0000b"]', "on_serving_change: holds a NUL"),
         ("state = '/'", "state: '/' names a directory, not a file"),
         ("audit_log = '.'", "audit_log: '.' names a directory, not a file"),
@@ -373,6 +380,27 @@ def test_a_fifo_for_a_config_is_refused_at_once_not_waited_on(tmp_path: Path) ->
     fifo = tmp_path / "fleet.toml"
     os.mkfifo(fifo)
     assert load_in_child(fifo) == f"ConfigError: {fifo}: cannot read: not a regular file"
+
+
+def test_a_key_of_thousands_of_dotted_parts_is_refused_before_tomllib_reads_it(
+    tmp_path: Path,
+) -> None:
+    """tomllib's time and memory grow with the square of a key's parts: 80 KB of
+    `a.a.a...` took more memory than the host had (a reload, on the daemon's loop), and a
+    deep table header over many short keys held it for minutes."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text("wait = 5\n" + "a." * 200_000 + "a = 1\n")
+    assert load_in_child(deep) == (
+        f"ConfigError: {deep}: line 2: more than 16 dotted parts in a row: "
+        "no key of a config is that deep"
+    )
+    header = tmp_path / "header.toml"
+    header.write_text("[" + "'a' . " * 20 + "b]\n" + "".join(f"k{i} = 1\n" for i in range(9)))
+    assert "line 1: more than 16 dotted parts" in load_in_child(header)
+    # A long host name is no key, and well under the bound.
+    fine = tmp_path / "fine.toml"
+    fine.write_text("[[backend]]\nurl = 'http://vllm-0.vllm.llm.svc.cluster.local:8000'\n")
+    assert load_in_child(fine) == "loaded"
 
 
 def test_a_device_for_a_config_is_refused_unread() -> None:

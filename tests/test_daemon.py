@@ -3353,6 +3353,36 @@ def test_a_reload_to_a_duration_past_a_floats_range_is_refused_and_the_daemon_go
     assert "reload refused, keeping the running config" in capsys.readouterr().err
 
 
+def test_a_reload_to_a_restart_program_no_path_can_name_is_refused_and_the_daemon_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart program with a space, past the file system's name limit, was looked up
+    on disk and raised OSError (ENAMETOOLONG), which the reload did not take for a bad
+    config: SIGHUP ended `watch` with a traceback."""
+    path = tmp_path / "llmhealth.toml"
+    path.write_text('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9"\n')
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        loaded = config_module.load(path)
+        return loaded, config_module.targets_for(loaded, [], [])
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    path.write_text(path.read_text() + f'restart = ["/{"a" * 5000} x"]\n')
+    try:
+        daemon._reload_config()
+    finally:
+        asyncio.run(daemon._reading.close())
+    assert daemon._config.backends[0].restart == ()
+    assert "reload refused, keeping the running config" in capsys.readouterr().err
+
+
 def test_a_members_serials_keep_no_backend_the_config_no_longer_names(tmp_path: Path) -> None:
     """Counted by name for the leader's intake, every backend a daemon ever watched kept
     its count for as long as the daemon ran, copied into each wait's publication: a
