@@ -11,12 +11,23 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+from rich.console import Console
 
 from llmhealth import cluster, etcd_http
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
-from llmhealth.cluster import Etcd, EtcdStore, FencedOutError, Keys, read_audit, trim_audit
+from llmhealth.cluster import (
+    UNANSWERED_KEPT,
+    Etcd,
+    EtcdStore,
+    FencedOutError,
+    Keys,
+    Seat,
+    read_audit,
+    trim_audit,
+)
 from llmhealth.config import Backend, Config
 from llmhealth.cycle import settle_fleet
+from llmhealth.daemon import Daemon, News
 from llmhealth.fleet import FleetRecord
 from llmhealth.remediate import Mode
 from llmhealth.state import RecordMovedError
@@ -590,6 +601,46 @@ def test_a_settle_whose_write_landed_and_answer_was_lost_is_not_settled_twice(
         leader.stop()
 
 
+def leading_daemon(
+    etcd_server: EtcdCluster, keys: Keys, configs: list[Config], targets: list[Target]
+) -> tuple[Seat, Daemon]:
+    """A daemon in the lead of ``keys`` on the real etcd, its config the last of
+    ``configs`` (append one to reload), reading nothing: a test drives its settles."""
+    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
+    daemon = Daemon(
+        lambda: (configs[-1], targets),
+        seat,
+        listen=None,
+        wait_override=None,
+        serving_file=None,
+        console=Console(stderr=True),
+    )
+    seat.elector.step()
+    assert seat.elector.decision().may_act
+    return seat, daemon
+
+
+def state_answers_lost(
+    etcd_server: EtcdCluster, keys: Keys, *, landed: bool = True
+) -> Callable[[socket.socket, int], None]:
+    """An endpoint in front of the real etcd that loses the answer of every write of the
+    record (gone in; with ``landed`` False, cut before etcd) and passes all else on."""
+    state_key = base64.b64encode(keys.state.encode())
+
+    def handle(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        if not (head.startswith(b"POST /v3/kv/txn ") and state_key in body):
+            _pass_through(etcd_server.endpoints[0], connection, head, body)
+        elif landed:
+            host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
+            with socket.create_connection((host, int(port)), timeout=5) as upstream:
+                upstream.sendall(head + b"\r\n\r\n" + body)
+                while upstream.recv(65536):  # etcd wrote it; its answer goes nowhere
+                    pass
+
+    return handle
+
+
 @pytest.mark.parametrize("landed", [True, False], ids=["went in", "cut before etcd"])
 def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_twice(
     etcd_server: EtcdCluster, keys: Keys, landed: bool
@@ -603,11 +654,7 @@ def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_tw
     # next settle hears them once all the same.
     import time  # noqa: PLC0415
 
-    from rich.console import Console  # noqa: PLC0415
-
     from llmhealth.actions import CommandResult  # noqa: PLC0415
-    from llmhealth.cluster import Seat  # noqa: PLC0415
-    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
     from llmhealth.remediate import CommandDone  # noqa: PLC0415
     from llmhealth.traffic import FailureKind, RequestOutcome  # noqa: PLC0415
 
@@ -615,36 +662,9 @@ def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_tw
     config = Config(
         backends=(Backend("gpu0", gpu0.url), Backend("gpu1", gpu1.url, restart=("true",)))
     )
-    log: list[str] = []
-    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=log.append)
-    daemon = Daemon(
-        lambda: (config, [gpu0, gpu1]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    seat, daemon = leading_daemon(etcd_server, keys, [config], [gpu0, gpu1])
     direct = seat.store.etcd
-    state_key = base64.b64encode(keys.state.encode())
-
-    def state_answers_lost(connection: socket.socket, _: int) -> None:
-        head, body = read_posted(connection)
-        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
-        if save and not landed:
-            return  # cut: never reached etcd
-        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
-        answer = b""
-        with socket.create_connection((host, int(port)), timeout=5) as upstream:
-            upstream.sendall(head + b"\r\n\r\n" + body)
-            while chunk := upstream.recv(65536):
-                answer += chunk
-        if not save:
-            connection.sendall(answer)  # a save's answer goes nowhere; all else passes
-
     try:
-        seat.elector.step()
-        assert seat.elector.decision().may_act
         wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
         (order,) = daemon._settle(News([wedged], [])).orders
         ran = CommandDone(order, CommandResult(order.argv, 0, False, 0.1, "", ""))
@@ -655,7 +675,7 @@ def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_tw
                 for n in (0.0, 0.1)
             )
         }
-        with tcp_server(state_answers_lost) as (lossy, _):
+        with tcp_server(state_answers_lost(etcd_server, keys, landed=landed)) as (lossy, _):
             seat.store.etcd = Etcd([lossy], timeout=0.5)
             daemon._settle(News([], [ran], failures))  # went in; "no etcd endpoint answered"
         seat.store.etcd = direct
@@ -680,22 +700,9 @@ def test_saves_refused_cycle_after_cycle_keep_a_bounded_memory_of_what_they_were
     # is said unanswered, and the daemon and the store each remembered it, with what the
     # settle was given (the router's failures, command outcomes), until a save answered.
     # A daemon running for days that way grew by a settle's news every cycle.
-    from rich.console import Console  # noqa: PLC0415
-
-    from llmhealth.cluster import UNANSWERED_KEPT, Seat  # noqa: PLC0415
-    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
-
     gpu0 = Target("gpu0", "http://127.0.0.1:9")
     config = Config(backends=(Backend("gpu0", gpu0.url),))
-    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
-    daemon = Daemon(
-        lambda: (config, [gpu0]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    seat, daemon = leading_daemon(etcd_server, keys, [config], [gpu0])
     state_key = base64.b64encode(keys.state.encode())
     refused = (
         b'{"error":"etcdserver: mvcc: database space exceeded","code":8,'
@@ -710,15 +717,9 @@ def test_saves_refused_cycle_after_cycle_keep_a_bounded_memory_of_what_they_were
                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(refused) + refused
             )
             return
-        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
-        with socket.create_connection((host, int(port)), timeout=5) as upstream:
-            upstream.sendall(head + b"\r\n\r\n" + body)
-            while chunk := upstream.recv(65536):
-                connection.sendall(chunk)
+        _pass_through(etcd_server.endpoints[0], connection, head, body)
 
     try:
-        seat.elector.step()
-        assert seat.elector.decision().may_act
         daemon._settle(News([], []))  # a record to compare with
         with tcp_server(saves_refused) as (refusing, _):
             seat.store.etcd = Etcd([refusing], timeout=0.5)
@@ -730,115 +731,34 @@ def test_saves_refused_cycle_after_cycle_keep_a_bounded_memory_of_what_they_were
         seat.elector.stop()
 
 
+@pytest.mark.parametrize("lossy_settles", [1, 2], ids=["found in", "found in unanswered"])
 def test_a_restart_issued_by_a_save_whose_answers_were_both_lost_is_run_once_found_in(
-    etcd_server: EtcdCluster, keys: Keys
+    etcd_server: EtcdCluster, keys: Keys, lossy_settles: int
 ) -> None:
     # The settle's save went in, a restart of gpu1 with it (RESTARTING, "restart" in the
     # trail), and both its offers lost their answers: the daemon stood by and ran no
     # command. The next settle found that save in and settled without it, ordering
     # nothing (gpu1 already RESTARTING): gpu1 stayed wedged until its startup grace ran
-    # out, an attempt spent on a restart nobody ran.
-    from rich.console import Console  # noqa: PLC0415
-
-    from llmhealth.cluster import Seat  # noqa: PLC0415
-    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
-
+    # out, an attempt spent on a restart nobody ran. With two lossy settles, the one that
+    # found the first save in had its own save's answers lost too (etcd as flaky as
+    # before), and the restart it was to run was kept nowhere.
     gpu1 = Target("gpu1", "http://127.0.0.1:10")
     config = Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))
-    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
-    daemon = Daemon(
-        lambda: (config, [gpu1]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    seat, daemon = leading_daemon(etcd_server, keys, [config], [gpu1])
     direct = seat.store.etcd
-    state_key = base64.b64encode(keys.state.encode())
-
-    def state_answers_lost(connection: socket.socket, _: int) -> None:
-        head, body = read_posted(connection)
-        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
-        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
-        answer = b""
-        with socket.create_connection((host, int(port)), timeout=5) as upstream:
-            upstream.sendall(head + b"\r\n\r\n" + body)
-            while chunk := upstream.recv(65536):
-                answer += chunk
-        if not save:
-            connection.sendall(answer)  # a save's answer goes nowhere; all else passes
-
     try:
-        seat.elector.step()
-        assert seat.elector.decision().may_act
         daemon._settle(News([], []))
         wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
-        with tcp_server(state_answers_lost) as (lossy, _):
+        with tcp_server(state_answers_lost(etcd_server, keys)) as (lossy, _):
             seat.store.etcd = Etcd([lossy], timeout=0.5)
-            assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
+            for _ in range(lossy_settles):  # each went in, unanswered (the later found it)
+                assert daemon._settle(News([wedged], daemon._take_commands())).orders == ()
         seat.store.etcd = direct
         settled = daemon._settle(News([wedged], daemon._take_commands()))
         assert [order.name for order in settled.orders] == ["gpu1"]
         assert not daemon._run_unless_withdrawn(settled.orders[0]).withdrawn  # still its own
         trail = read_audit(direct, keys).records
         assert [r["event"] for r in trail].count("restart") == 1, trail
-    finally:
-        seat.elector.stop()
-
-
-def test_a_restart_found_in_by_a_settle_whose_own_save_went_unanswered_is_still_run(
-    etcd_server: EtcdCluster, keys: Keys
-) -> None:
-    # As above, and the settle that found that save in had its own save's answers lost
-    # too (etcd as flaky as before): the restart it was to run was kept nowhere, the
-    # settle after it found that second save in and ordered nothing (gpu1 RESTARTING),
-    # and gpu1 stayed wedged until its startup grace ran out.
-    from rich.console import Console  # noqa: PLC0415
-
-    from llmhealth.cluster import Seat  # noqa: PLC0415
-    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
-
-    gpu1 = Target("gpu1", "http://127.0.0.1:10")
-    config = Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))
-    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
-    daemon = Daemon(
-        lambda: (config, [gpu1]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
-    direct = seat.store.etcd
-    state_key = base64.b64encode(keys.state.encode())
-
-    def state_answers_lost(connection: socket.socket, _: int) -> None:
-        head, body = read_posted(connection)
-        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
-        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
-        answer = b""
-        with socket.create_connection((host, int(port)), timeout=5) as upstream:
-            upstream.sendall(head + b"\r\n\r\n" + body)
-            while chunk := upstream.recv(65536):
-                answer += chunk
-        if not save:
-            connection.sendall(answer)
-
-    try:
-        seat.elector.step()
-        assert seat.elector.decision().may_act
-        daemon._settle(News([], []))
-        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
-        with tcp_server(state_answers_lost) as (lossy, _):
-            seat.store.etcd = Etcd([lossy], timeout=0.5)
-            assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
-            # Finds it in, then its own save goes in unanswered as well.
-            assert daemon._settle(News([wedged], daemon._take_commands())).orders == ()
-        seat.store.etcd = direct
-        settled = daemon._settle(News([wedged], daemon._take_commands()))
-        assert [order.name for order in settled.orders] == ["gpu1"]
-        assert not daemon._run_unless_withdrawn(settled.orders[0]).withdrawn
     finally:
         seat.elector.stop()
 
@@ -850,43 +770,14 @@ def test_a_restart_found_in_after_a_reload_changed_its_command_does_not_run_the_
     # the command configured then; a reload before the settle that found it in gave gpu1
     # another (the old one wrong, or its host's unit renamed). That settle ran the old
     # command, which the config no longer names: a reload applies between two settles.
-    from rich.console import Console  # noqa: PLC0415
-
-    from llmhealth.cluster import Seat  # noqa: PLC0415
-    from llmhealth.daemon import Daemon, News  # noqa: PLC0415
-
     gpu1 = Target("gpu1", "http://127.0.0.1:10")
     configs = [Config(backends=(Backend("gpu1", gpu1.url, restart=("true",)),))]
-    seat = Seat(etcd_server.endpoints, keys.prefix, "a", 10.0, log=lambda _: None)
-    daemon = Daemon(
-        lambda: (configs[-1], [gpu1]),
-        seat,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    seat, daemon = leading_daemon(etcd_server, keys, configs, [gpu1])
     direct = seat.store.etcd
-    state_key = base64.b64encode(keys.state.encode())
-
-    def state_answers_lost(connection: socket.socket, _: int) -> None:
-        head, body = read_posted(connection)
-        save = head.startswith(b"POST /v3/kv/txn ") and state_key in body
-        host, _, port = etcd_server.endpoints[0].removeprefix("http://").partition(":")
-        answer = b""
-        with socket.create_connection((host, int(port)), timeout=5) as upstream:
-            upstream.sendall(head + b"\r\n\r\n" + body)
-            while chunk := upstream.recv(65536):
-                answer += chunk
-        if not save:
-            connection.sendall(answer)
-
     try:
-        seat.elector.step()
-        assert seat.elector.decision().may_act
         daemon._settle(News([], []))
         wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
-        with tcp_server(state_answers_lost) as (lossy, _):
+        with tcp_server(state_answers_lost(etcd_server, keys)) as (lossy, _):
             seat.store.etcd = Etcd([lossy], timeout=0.5)
             assert daemon._settle(News([wedged], [])).orders == ()  # went in, unanswered
         seat.store.etcd = direct

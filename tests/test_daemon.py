@@ -3324,11 +3324,21 @@ def test_a_route_reload_to_a_config_with_no_backend_is_refused_as_its_start_is(
     )
 
 
-def test_a_reload_to_a_duration_past_a_floats_range_is_refused_and_the_daemon_goes_on(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda text: "wait = 1" + "0" * 400 + "\n" + text,
+        lambda text: text + f'restart = ["/{"a" * 5000} x"]\n',
+    ],
+    ids=["a duration past a float's range", "a restart program no path can name"],
+)
+def test_a_reload_to_a_file_python_itself_refuses_is_refused_and_the_daemon_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Callable[[str], str]
 ) -> None:
     """`wait = 1000...0` (400 digits, within Python's digit limit) raised OverflowError,
-    which the reload did not take for a bad config: SIGHUP ended `watch` with a traceback."""
+    and a restart program with a space, past the file system's name limit, was looked up
+    on disk and raised OSError (ENAMETOOLONG): neither did the reload take for a bad
+    config, and SIGHUP ended `watch` with a traceback."""
     path = tmp_path / "llmhealth.toml"
     path.write_text('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9"\n')
 
@@ -3344,41 +3354,12 @@ def test_a_reload_to_a_duration_past_a_floats_range_is_refused_and_the_daemon_go
         serving_file=None,
         console=Console(stderr=True),
     )
-    path.write_text("wait = 1" + "0" * 400 + "\n" + path.read_text())
+    path.write_text(edit(path.read_text()))
     try:
         daemon._reload_config()
     finally:
         asyncio.run(daemon._reading.close())
     assert daemon._config.wait == config_module.DEFAULT_WAIT
-    assert "reload refused, keeping the running config" in capsys.readouterr().err
-
-
-def test_a_reload_to_a_restart_program_no_path_can_name_is_refused_and_the_daemon_goes_on(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A restart program with a space, past the file system's name limit, was looked up
-    on disk and raised OSError (ENAMETOOLONG), which the reload did not take for a bad
-    config: SIGHUP ended `watch` with a traceback."""
-    path = tmp_path / "llmhealth.toml"
-    path.write_text('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9"\n')
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        loaded = config_module.load(path)
-        return loaded, config_module.targets_for(loaded, [], [])
-
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
-    path.write_text(path.read_text() + f'restart = ["/{"a" * 5000} x"]\n')
-    try:
-        daemon._reload_config()
-    finally:
-        asyncio.run(daemon._reading.close())
     assert daemon._config.backends[0].restart == ()
     assert "reload refused, keeping the running config" in capsys.readouterr().err
 

@@ -1188,6 +1188,20 @@ def test_a_probing_task_started_again_does_not_ask_a_server_its_predecessor_read
     assert not completions, [v.evidence for v in heard if v is not None]
 
 
+def shares_sent(monkeypatch: pytest.MonkeyPatch) -> list[readers._Share]:
+    """Every share the daemon's pool sends a worker from now on, in order."""
+    framed = readers._frame
+    shares: list[readers._Share] = []
+
+    def frame(message: object) -> bytes:
+        if isinstance(message, readers._Share):
+            shares.append(message)
+        return framed(message)
+
+    monkeypatch.setattr(readers, "_frame", frame)
+    return shares
+
+
 def test_a_worker_started_again_before_the_first_settle_reads_with_the_steps_on_record(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -1218,15 +1232,7 @@ def test_a_worker_started_again_before_the_first_settle_reads_with_the_steps_on_
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", exhausted)
-    framed = readers._frame
-    shares: list[readers._Share] = []
-
-    def frame(message: object) -> bytes:
-        if isinstance(message, readers._Share):
-            shares.append(message)
-        return framed(message)
-
-    monkeypatch.setattr(readers, "_frame", frame)
+    shares = shares_sent(monkeypatch)
     daemon = Daemon(
         lambda: (config, [target]),
         store,
@@ -1305,15 +1311,7 @@ def test_a_reload_while_a_worker_is_down_keeps_its_steps_for_the_worker_started_
     every worker's share and then forgotten, a worker down at that moment included: the
     one started in its place was sent the record's news alone, which knows the step by
     the old name, and a backend inside a long step was judged without it."""
-    framed = readers._frame
-    shares: list[readers._Share] = []
-
-    def frame(message: object) -> bytes:
-        if isinstance(message, readers._Share):
-            shares.append(message)
-        return framed(message)
-
-    monkeypatch.setattr(readers, "_frame", frame)
+    shares = shares_sent(monkeypatch)
     step = LongestStep(214.0, "engine 0: an inter-token gap over 80 s")
     target = Target("renamed", "http://127.0.0.1:9")
 
@@ -1410,15 +1408,7 @@ def test_a_worker_started_again_is_sent_the_records_newest_sighting_not_an_older
     had then; by the time its worker was started again the record saw it newer (a
     restart since, read by the member that read it before), and the older one was sent
     over it: the first read, compared with it, showed again a restart the record knew."""
-    framed = readers._frame
-    shares: list[readers._Share] = []
-
-    def frame(message: object) -> bytes:
-        if isinstance(message, readers._Share):
-            shares.append(message)
-        return framed(message)
-
-    monkeypatch.setattr(readers, "_frame", frame)
+    shares = shares_sent(monkeypatch)
     old = Signals((EngineSignals(engine="0", running=1, waiting=0, steps=1.0),), 1.0)
     new = Signals((EngineSignals(engine="0", running=1, waiting=0, steps=9.0),), 2.0)
     target = Target("gained", "http://127.0.0.1:9")
