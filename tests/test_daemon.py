@@ -2093,12 +2093,10 @@ SLOW_HOOK = (
 )
 
 
-@pytest.mark.slow
-def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
-    entry_point: str, urls: Urls, tmp_path: Path
-) -> None:
+def busy_and_gone_behind_a_slow_hook(urls: Urls, tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """A busy backend and a refused one (condemned over a few settles), the serving file
+    announced by SLOW_HOOK: the config, the serving file, the hook's log and its go."""
     ran, go = tmp_path / "hook.log", tmp_path / "hook.go"
-    serving = tmp_path / "serving.json"
     config = write_config(
         tmp_path / "fleet.toml",
         fleet_config(
@@ -2106,6 +2104,14 @@ def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
             on_serving_change=[sys.executable, "-c", SLOW_HOOK, str(ran), str(go)],
         ),
     )
+    return config, tmp_path / "serving.json", ran, go
+
+
+@pytest.mark.slow
+def test_a_slow_serving_hook_holds_no_settle_and_runs_again_for_a_later_change(
+    entry_point: str, urls: Urls, tmp_path: Path
+) -> None:
+    config, serving, ran, go = busy_and_gone_behind_a_slow_hook(urls, tmp_path)
 
     def named() -> list[str]:
         return [b["name"] for b in json.loads(serving.read_text())["serving"]]
@@ -2138,15 +2144,7 @@ def test_a_serving_change_pending_behind_a_running_hook_is_announced_at_a_stop(
 ) -> None:
     """The serving file changed while the hook ran, then the daemon was stopped: the file
     on disk named the new set and the balancer was never told of it."""
-    ran, go = tmp_path / "hook.log", tmp_path / "hook.go"
-    serving = tmp_path / "serving.json"
-    config = write_config(
-        tmp_path / "fleet.toml",
-        fleet_config(
-            [{"name": "busy", "url": urls.busy}, {"name": "gone", "url": REFUSED_URL}],
-            on_serving_change=[sys.executable, "-c", SLOW_HOOK, str(ran), str(go)],
-        ),
-    )
+    config, serving, ran, go = busy_and_gone_behind_a_slow_hook(urls, tmp_path)
     release = threading.Timer(1.0, go.touch)  # the first hook ends during the stop
     try:
         with watching(

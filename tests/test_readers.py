@@ -685,6 +685,34 @@ def test_hung_workers_are_given_their_time_to_leave_together_not_in_turn(
     assert most_at_once == 3
 
 
+def quiet_pool(
+    *,
+    workers: int = 1,
+    wait: float = 0.2,
+    news: tuple[dict[str, Signals], dict[str, LongestStep]] | None = None,
+) -> readers.ReadPool:
+    """A pool whose verdicts, task deaths and log go nowhere: a test watches its workers
+    and frames; ``news`` is the record's, as the daemon's ``_record_news`` gives it."""
+    told = news if news is not None else ({}, {})
+    return readers.ReadPool(
+        workers,
+        lambda: ProbeSettings(wait=wait),
+        lambda *_: None,
+        lambda _n, _c: None,
+        lambda _m: None,
+        lambda: told,
+    )
+
+
+async def _kill_the_worker(pool: readers.ReadPool) -> None:
+    [worker] = pool._workers
+    assert worker.process is not None
+    worker.process.kill()  # lost: started again a wait later
+    async with asyncio.timeout(30):
+        while worker.reading:
+            await asyncio.sleep(0.01)
+
+
 def test_a_worker_started_again_while_the_pool_closes_does_not_outlive_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -707,14 +735,7 @@ def test_a_worker_started_again_while_the_pool_closes_does_not_outlive_it(
     monkeypatch.setattr(readers, "STOP_TIMEOUT", 0.5)
 
     async def main() -> list[int | None]:
-        pool = readers.ReadPool(
-            2,
-            lambda: ProbeSettings(wait=0.05),
-            lambda *_: None,
-            lambda _n, _c: None,
-            lambda _m: None,
-            lambda: ({}, {}),
-        )
+        pool = quiet_pool(workers=2, wait=0.05)
         await pool.start()
         pool.assign([])
         first, second = spawned
@@ -1266,14 +1287,7 @@ def test_a_target_two_quick_reloads_drop_and_give_back_gets_no_fragment_of_its_w
     heard: list[tuple[int, int]] = []  # (the daemon's copy's length, the worker's)
 
     async def main() -> None:
-        pool = readers.ReadPool(
-            1,
-            lambda: ProbeSettings(wait=0.05),
-            lambda *_: None,
-            lambda _n, _c: None,
-            lambda _m: None,
-            lambda: ({}, {}),
-        )
+        pool = quiet_pool(wait=0.05)
         hear = pool._hear
 
         def counted(worker: readers._Worker, item: object) -> None:
@@ -1316,22 +1330,10 @@ def test_a_reload_while_a_worker_is_down_keeps_its_steps_for_the_worker_started_
     target = Target("renamed", "http://127.0.0.1:9")
 
     async def main() -> None:
-        pool = readers.ReadPool(
-            1,
-            lambda: ProbeSettings(wait=0.2),
-            lambda *_: None,
-            lambda _n, _c: None,
-            lambda _m: None,
-            lambda: ({}, {}),
-        )
+        pool = quiet_pool()
         await pool.start()
         try:
-            [worker] = pool._workers
-            assert worker.process is not None
-            worker.process.kill()  # lost: started again a wait later
-            async with asyncio.timeout(30):
-                while worker.reading:
-                    await asyncio.sleep(0.01)
+            await _kill_the_worker(pool)
             pool.remember({}, {"renamed": step})  # as the daemon's reload does, then assigns
             pool.assign([target])
             async with asyncio.timeout(30):
@@ -1379,28 +1381,6 @@ def test_a_target_a_reload_removes_before_its_first_read_leaves_nothing_behind(
     assert tasks._baselines == {} and tasks._learned == {}
 
 
-def _pool_with_a_worker_down(
-    news: tuple[dict[str, Signals], dict[str, LongestStep]],
-) -> readers.ReadPool:
-    return readers.ReadPool(
-        1,
-        lambda: ProbeSettings(wait=0.2),
-        lambda *_: None,
-        lambda _n, _c: None,
-        lambda _m: None,
-        lambda: news,
-    )
-
-
-async def _kill_the_worker(pool: readers.ReadPool) -> None:
-    [worker] = pool._workers
-    assert worker.process is not None
-    worker.process.kill()  # lost: started again a wait later
-    async with asyncio.timeout(30):
-        while worker.reading:
-            await asyncio.sleep(0.01)
-
-
 def test_a_worker_started_again_is_sent_the_records_newest_sighting_not_an_older_kept_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1415,7 +1395,7 @@ def test_a_worker_started_again_is_sent_the_records_newest_sighting_not_an_older
     news: tuple[dict[str, Signals], dict[str, LongestStep]] = ({}, {})
 
     async def main() -> None:
-        pool = _pool_with_a_worker_down(news)
+        pool = quiet_pool(news=news)
         await pool.start()
         try:
             await _kill_the_worker(pool)
@@ -1441,7 +1421,7 @@ def test_a_target_a_reload_removes_while_its_worker_is_down_leaves_nothing_behin
     kept: list[Mapping[str, LongestStep]] = []
 
     async def main() -> None:
-        pool = _pool_with_a_worker_down(({}, {}))
+        pool = quiet_pool()
         await pool.start()
         try:
             await _kill_the_worker(pool)
