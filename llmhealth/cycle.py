@@ -47,7 +47,7 @@ from llmhealth.remediate import (
 )
 from llmhealth.report import BackendReport, CycleReport, RestartNote, summarize
 from llmhealth.state import StateError, StateFile, Store, default_path, given_path
-from llmhealth.text import other_server, printable
+from llmhealth.text import other_server, printable, same_server
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep
 
@@ -662,9 +662,16 @@ def withdrawn_now(
 
 
 def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: float) -> str | None:
-    """Why a restart this check saved must not run now, if it must not: its backend held,
-    retired or otherwise moved past that restart since (the record as stored now). None
-    when the record cannot be read: the settle that hears the commands says why."""
+    """Why a restart this check saved must not run now, if it must not: its command no
+    longer the one ``config`` gives its server (a daemon reloaded since it was issued), or
+    its backend held, retired or otherwise moved past that restart since (the record as
+    stored now). None when the record cannot be read: the settle that hears the commands
+    says why. Withdrawn, a command a reload changed spends no attempt, and the next
+    settle issues the restart anew with the command configured then, if any."""
+    server = same_server(order.url)
+    configured = next((b.restart for b in config.backends if same_server(b.url) == server), None)
+    if configured != order.argv:
+        return f"{order.name}'s restart command was changed by a reload since it was issued"
     policy = ledger_policy(config.policy)
     try:
         record = store.read(lambda document: FleetRecord.from_dict(document, policy))

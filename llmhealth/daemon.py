@@ -1177,19 +1177,10 @@ class Daemon:
         if self._landed:
             # Saved RESTARTING by the save that went in, and run by nobody: the backend
             # waited out its startup grace still wedged, an attempt spent on nothing.
-            # Run as this settle's own; one moved on since is withdrawn before it runs.
-            # Issued under the config before a reload, its command may be one the config
-            # no longer names: withdrawn (no attempt spent), the next settle issues the
-            # restart anew with the command configured now, if any.
-            commands = {same_server(b.url): b.restart for b in self._config.backends}
-            landed: list[RestartOrder] = []
-            for order in self._landed.values():
-                if commands.get(same_server(order.url)) == order.argv:
-                    landed.append(order)
-                else:
-                    self._drop_order(order, "a reload changed its command", withdrawn=True)
+            # Run as this settle's own; one moved on since, or whose command a reload
+            # changed, is withdrawn before it runs (``cycle.withdrawn_now``).
+            settled = replace(settled, orders=(*self._landed.values(), *settled.orders))
             self._landed = {}
-            settled = replace(settled, orders=(*landed, *settled.orders))
         now = settled.report.checked_at
         self._seen(settled.record)
         self._snapshots = {snap.name: snap for snap in settled.record.ledger.snapshots(now)}

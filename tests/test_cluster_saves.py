@@ -790,7 +790,11 @@ def test_a_restart_found_in_after_a_reload_changed_its_command_does_not_run_the_
         asyncio.run(reload())
         assert daemon._config.backends[0].restart == ("false",)
         settled = daemon._settle(News([wedged], daemon._take_commands()))
-        assert [order.argv for order in settled.orders if order.argv != ("false",)] == []
+        for order in settled.orders:  # as each order's command thread begins
+            done = daemon._run_unless_withdrawn(order)
+            assert done.withdrawn == (order.argv != ("false",)), done
+            daemon._commands_done.append(done)
+        assert [o.argv for o in settled.orders if o.argv != ("false",)] == [("true",)]
         for _ in range(2):  # the withdrawal heard, no attempt spent: issued anew
             settled = daemon._settle(News([wedged], daemon._take_commands()))
             if settled.orders:

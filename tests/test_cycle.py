@@ -1105,6 +1105,32 @@ def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_res
     assert record.restarts["gpu0"].failures == 0  # before: 1, the cooldown doubled
 
 
+@pytest.mark.parametrize(
+    "reloaded",
+    [
+        pytest.param(Backend("gpu0", GPU0.url, restart=("/bin/true", "gpu0")), id="changed"),
+        pytest.param(Backend("gpu0", GPU0.url), id="removed"),
+        pytest.param(Backend("gpu9", "http://127.0.0.1:99", restart=RESTART), id="gone"),
+    ],
+)
+def test_a_restart_whose_command_a_reload_changed_is_withdrawn_not_run(
+    tmp_path: Path, reloaded: Backend
+) -> None:
+    """A daemon's reload between the settle that issued a restart and its command's start
+    (the command thread asks ``withdrawn_now`` with the config as it is then) ran the
+    command the config no longer names: a wrong unit restarted, or one the operator took
+    away. Withdrawn, it spends no attempt, and its backend is owed its restart anew."""
+    store, audit, order = issued(tmp_path)
+    after = Config(backends=(reloaded,))
+    dropped = withdrawn_now(store, after, order, T0 + 20)
+    assert dropped is not None and dropped.withdrawn, dropped
+    assert "changed by a reload" in dropped.result.stderr
+    assert withdrawn_now(store, RESTARTABLE, order, T0 + 20) is None  # the same config: run
+    record = hear(store, audit, dropped, start=T0 + 30)
+    assert record.ledger.state_of("gpu0") == "dead"
+    assert record.ledger.snapshot("gpu0", T0 + 30).restart_attempts == 0
+
+
 def test_a_restart_withdrawn_because_an_operator_held_its_backend_spends_no_attempt(
     tmp_path: Path,
 ) -> None:
