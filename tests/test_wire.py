@@ -291,6 +291,26 @@ def test_at_most_eight_informational_answers_are_skipped(informational: int, rea
             assert failure_of(f"{url}/metrics").failure is Failure.MALFORMED
 
 
+@pytest.mark.parametrize(("fields", "read"), [(100, True), (101, False)])
+def test_at_most_a_hundred_header_fields_are_read_in_one_head(fields: int, read: bool) -> None:
+    # As the router and the etcd client read an answer (http1.MAX_FIELDS): 16,000 fields
+    # of one letter fit in a 64 KiB head, and each head's repeats were joined one by one.
+    def with_fields(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        many = b"X-A: a\r\n" * (fields - 1)
+        connection.sendall(b"HTTP/1.1 103 Early Hints\r\n" + many + b"Link: </>\r\n\r\n")
+        connection.sendall(b"HTTP/1.1 200 OK\r\n" + many + b"Content-Length: 1\r\n\r\nx")
+
+    with tcp_server(with_fields) as (url, _):
+        if read:
+            (response,) = get(f"{url}/metrics")
+            assert (response.body, response.headers["x-a"]) == (b"x", ", ".join(["a"] * 99))
+        else:
+            error = failure_of(f"{url}/metrics")
+            assert error.failure is Failure.MALFORMED
+            assert "more than 100 header fields" in str(error)
+
+
 @pytest.mark.usefixtures("each_loop")
 @pytest.mark.parametrize("when", ["with the answer", "after the answer"])
 def test_bytes_past_an_answers_end_never_become_the_next_answer(when: str) -> None:
