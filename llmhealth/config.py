@@ -468,10 +468,16 @@ def check_url(url: str) -> str:
 
 def check_audit_path(state: Path, audit: Path) -> None:
     """ConfigError when the audit log would be the state file or its lock: each save of the
-    state renames over the file, and the records appended to it would be lost."""
-    state = Path(os.path.abspath(state))
-    if Path(os.path.abspath(audit)) in (state, state.with_name(state.name + ".lock")):
-        raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
+    state renames over the file, and the records appended to it would be lost.
+
+    Told apart where their links lead too, as the state, its lock and the audit log are
+    opened: one path through a linked directory (``/var/lib/llmhealth`` a link to
+    ``/srv/llmhealth``) and the other without named one file, every audit record went
+    with the next save, and ``audit`` printed the state as the trail."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        resolved = Path(resolve(state))
+        if Path(resolve(audit)) in (resolved, resolved.with_name(resolved.name + ".lock")):
+            raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
 
 
 def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None) -> str | None:

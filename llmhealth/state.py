@@ -121,7 +121,10 @@ def default_path(environ: dict[str, str] | None = None) -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/llmhealth/state.json")
     base = env.get("XDG_STATE_HOME")
-    if not base:
+    # A relative one is no base at all (the XDG spec: "consider the path invalid and
+    # ignore it"): followed, the state was wherever the caller stood, and a cron job and
+    # an operator's `hold` from another directory used two ledgers.
+    if not base or not os.path.isabs(base):
         try:
             base = str(Path.home() / ".local" / "state")
         except RuntimeError as exc:  # no HOME, and no passwd entry: a bare service user

@@ -347,6 +347,25 @@ def test_a_state_path_that_is_the_configured_audit_log_is_refused(
     assert not audit.exists()
 
 
+def test_an_audit_log_that_is_the_state_file_through_a_linked_directory_is_refused(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """One path through a link to the state's directory, the other not: one file, and
+    each save renamed the state over the records appended to it."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'state = "{tmp_path / "link" / "state.json"}"\n'
+        f'audit_log = "{tmp_path / "real" / "state.json"}"\n'
+        '[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+    held = run(entry_point, "hold", "a", "--for", "1h", "--reason", "x", "--config", str(config))
+    assert held.returncode == 3
+    assert "is the state file or its lock" in held.stderr
+    assert not (tmp_path / "real" / "state.json").exists()
+
+
 @pytest.mark.slow
 def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
     result = run(entry_point, "check", "not-a-url")

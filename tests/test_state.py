@@ -361,6 +361,15 @@ def test_the_default_path_follows_systemd_then_root_then_the_user() -> None:
     assert default_path({"XDG_STATE_HOME": "/xdg"}) == expected
 
 
+def test_a_relative_xdg_state_home_is_ignored_not_taken_from_the_working_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    expected = Path.home() / ".local" / "state" / "llmhealth" / "state.json"
+    assert default_path({"XDG_STATE_HOME": "state"}) == expected
+    assert default_path({"XDG_STATE_HOME": "/xdg"}) == Path("/xdg/llmhealth/state.json")
+
+
 # --- who may read it --------------------------------------------------------------------
 
 
