@@ -43,9 +43,13 @@ if TYPE_CHECKING:
 # the simulator) inside its body: a shell check or a once-a-minute timer pays for the
 # interpreter and these few modules, not for every verb's, before its first request.
 
+# Help is read as rich markup, where a TOML table's name is a style tag: "[cluster]" and
+# "[router]" vanished from three help texts ("From etcd with a  config"). A help text
+# naming one escapes its bracket with a backslash, as rich markup reads it.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    rich_markup_mode="rich",
     help="Health checks for LLM inference fleets that read the server's own metrics first.",
 )
 
@@ -286,6 +290,13 @@ def watch(
     from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
     from llmhealth.render import console_for_log  # noqa: PLC0415
 
+    if serving_file is not None and not serving_file.strip():
+        # `--serving-file "$UNSET"` in a unit was taken for none given: the daemon ran,
+        # and the balancer it should feed was never written to, nor its hook run.
+        raise typer.BadParameter(
+            "an empty serving file path: name a file, or leave it out",
+            param_hint="--serving-file",
+        )
     load = _daemon_loader(urls or [], proxy or [], config_file, state)
     loaded, targets = load()
     if not targets:
@@ -296,7 +307,7 @@ def watch(
         _daemon_store(loaded, state, config_file),
         listen=None if listen == "off" else _host_port(listen),
         wait_override=_duration(wait, config_module.LONGEST_READ),
-        serving_file=Path(serving_file) if serving_file else None,
+        serving_file=None if serving_file is None else Path(serving_file),
         console=console_for_log(),
     )
     raise typer.Exit(run(daemon.run()))
@@ -313,7 +324,7 @@ def route(
         typer.Option(
             "--listen",
             help="HOST:PORT the router serves on (its /metrics included); else the "
-            f"config's [router] listen, else {DEFAULT_ROUTE_LISTEN}.",
+            f"config's \\[router] listen, else {DEFAULT_ROUTE_LISTEN}.",
         ),
     ] = None,
 ) -> None:
@@ -479,11 +490,12 @@ def audit(
     config_file: ConfigOption = None,
     state: StateOption = None,
 ) -> None:
-    """Print the audit trail as JSON lines, oldest first: every ledger move, restart
+    r"""Print the audit trail as JSON lines, oldest first: every ledger move, restart
     decision, command outcome and operator verb, with its evidence.
 
-    From etcd with a [cluster] config (the trail every leader wrote, with each record's
-    member and fence), else from the audit log beside the state file.
+    From etcd with a \[cluster] config (the trail every leader wrote, with each record's
+    member and fence), else from the audit log: the config's audit_log, or the one beside
+    the state file.
     """
     from llmhealth.actions import scan  # noqa: PLC0415
     from llmhealth.cycle import audit_path_for, state_path_for  # noqa: PLC0415
@@ -624,7 +636,9 @@ def release(
     _verb_exit(operate.release(store, audit, loaded, name))
 
 
-config_app = typer.Typer(help="Work with configuration files.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Work with configuration files.", no_args_is_help=True, rich_markup_mode="rich"
+)
 app.add_typer(config_app, name="config")
 
 
@@ -637,7 +651,7 @@ def config_check(
             "--for-reload",
             help="Check it as the new config of a `watch` or `route` started with --config "
             "alone (the units' ExecReload): one naming no backend or proxy, which its "
-            "reload refuses, is refused. A changed [cluster], state or audit_log, which "
+            "reload refuses, is refused. A changed \\[cluster], state or audit_log, which "
             "the reload refuses too, is not seen here.",
         ),
     ] = False,

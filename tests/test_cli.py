@@ -386,6 +386,11 @@ def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
         (["status", "--state", ".", "-f", "json"], "'.' names a directory"),
         (["hold", "gpu0", "--for", "1m", "--reason", "x", "--state", "./"], "names a directory"),
         (["audit", "--state", "/"], "'/' names a directory"),
+        # A unit's `--serving-file "$UNSET"`: the daemon ran, and fed its balancer nothing.
+        (
+            ["watch", "http://127.0.0.1:9", "--listen", "off", "--serving-file", ""],
+            "an empty serving file path",
+        ),
         # A host with a space was the server's `down`: CRITICAL (2) for a typo.
         (["check", "http://127.0.0.1 :9", "-f", "nagios"], "white space in its host"),
     ],
@@ -1359,3 +1364,21 @@ def test_a_down_backend_s_evidence_is_its_own_not_an_error_being_handled_around_
     except RuntimeError:
         report = library_check([down], wait=0.1)
     assert report.to_dict()["backends"][0]["evidence"] == "down: connection refused"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["audit", "--help"], "From etcd with a [cluster] config"),
+        (["config", "check", "--help"], "A changed [cluster], state or audit_log"),
+        (["route", "--help"], "else the config's [router] listen"),
+    ],
+)
+def test_help_that_names_a_toml_table_shows_its_name(args: list[str], named: str) -> None:
+    """Help is read as rich markup, where "[cluster]" is a style tag: it vanished, and
+    `audit --help` said "From etcd with a  config"."""
+    shown = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert shown.exit_code == 0, shown.output
+    # The panels' borders and the wrapping set aside: the words, in order.
+    words = " ".join(shown.output.replace("│", " ").split())
+    assert named in words, words
