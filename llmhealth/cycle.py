@@ -668,10 +668,9 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     stored now). None when the record cannot be read: the settle that hears the commands
     says why. Withdrawn, a command a reload changed spends no attempt, and the next
     settle issues the restart anew with the command configured then, if any."""
-    server = same_server(order.url)
-    configured = next((b.restart for b in config.backends if same_server(b.url) == server), None)
-    if configured != order.argv:
-        return f"{order.name}'s restart command was changed by a reload since it was issued"
+    changed = command_changed(config, order)
+    if changed is not None:
+        return changed
     policy = ledger_policy(config.policy)
     try:
         record = store.read(lambda document: FleetRecord.from_dict(document, policy))
@@ -689,6 +688,19 @@ def _no_longer_to_run(store: Store, config: Config, order: RestartOrder, now: fl
     hold = record.holds.get(name)
     if hold is not None and hold.active(now):
         return f"{name} is {hold.describe(now)}"
+    return None
+
+
+def command_changed(config: Config, order: RestartOrder) -> str | None:
+    """Why ``order`` must not run, if ``config`` no longer gives its server its command (a
+    daemon reloaded since it was issued): asked again by a daemon's command thread just
+    before it runs, as a reload may be applied while the thread reads the record."""
+    server = same_server(order.url)
+    configured = next((b.restart for b in config.backends if same_server(b.url) == server), None)
+    if configured is None:  # the backend dropped, or moved to another server
+        return f"{order.name}'s server was taken out of the config by a reload since it was issued"
+    if configured != order.argv:
+        return f"{order.name}'s restart command was changed by a reload since it was issued"
     return None
 
 

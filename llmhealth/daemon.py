@@ -66,6 +66,7 @@ from llmhealth.cycle import (
     audit_path_for,
     backend_urls,
     baselines_of,
+    command_changed,
     fresh_record,
     learned_steps_of,
     ledger_policy,
@@ -748,6 +749,12 @@ class Daemon:
             self._store.command_env()
         except StateError as exc:  # nothing ran: logged, no grace, no attempt spent
             return not_run(order, str(exc), withdrawn=True)
+        # The config asked again: the loop applies a reload once this settle's orders are
+        # launched, and one applied during those reads (etcd: each up to a call's bound)
+        # gave the backend another command, or none, while the old one ran.
+        changed = command_changed(self._config, order)
+        if changed is not None:
+            return not_run(order, changed, withdrawn=True)
         return CommandDone(order, _run_order(order))
 
     def _drop_order(self, order: RestartOrder, why: str, *, withdrawn: bool = False) -> None:

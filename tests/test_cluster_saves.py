@@ -9,6 +9,8 @@ import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -800,5 +802,41 @@ def test_a_restart_found_in_after_a_reload_changed_its_command_does_not_run_the_
             if settled.orders:
                 break
         assert [order.argv for order in settled.orders] == [("false",)]
+    finally:
+        seat.elector.stop()
+
+
+def test_a_reload_applied_while_a_command_reads_the_record_withdraws_its_old_command(
+    etcd_server: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    # The command's thread asks the config before it reads the record, which with etcd
+    # slow takes up to a call's bound: a reload the loop applied meanwhile (it applies
+    # one as soon as the settle's orders are launched) gave the backend another command,
+    # and the one the config no longer names ran anyway.
+    ran = tmp_path / "ran"
+    gpu1 = Target("gpu1", "http://127.0.0.1:10")
+    configs = [Config(backends=(Backend("gpu1", gpu1.url, restart=("touch", str(ran))),))]
+    seat, daemon = leading_daemon(etcd_server, keys, configs, [gpu1])
+    try:
+        daemon._settle(News([], []))
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        settled = daemon._settle(News([wedged], []))
+        assert [order.argv[0] for order in settled.orders] == ["touch"]
+        read = seat.store.read
+
+        def read_while_reloaded(decode: Callable[[dict[str, Any]], object]) -> object:
+            configs.append(Config(backends=(Backend("gpu1", gpu1.url, restart=("false",)),)))
+
+            async def reload() -> None:  # SIGHUP, applied by the loop meanwhile
+                daemon._reload_config()
+                await daemon._reading.close()
+
+            asyncio.run(reload())
+            return read(decode)
+
+        seat.store.read = read_while_reloaded  # type: ignore[method-assign]
+        done = daemon._run_unless_withdrawn(settled.orders[0])
+        assert daemon._config.backends[0].restart == ("false",)
+        assert done.withdrawn and not ran.exists(), done
     finally:
         seat.elector.stop()

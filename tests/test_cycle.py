@@ -1106,15 +1106,23 @@ def test_a_restart_dropped_because_an_operator_held_its_backend_is_no_failed_res
 
 
 @pytest.mark.parametrize(
-    "reloaded",
+    ("reloaded", "why"),
     [
-        pytest.param(Backend("gpu0", GPU0.url, restart=("/bin/true", "gpu0")), id="changed"),
-        pytest.param(Backend("gpu0", GPU0.url), id="removed"),
-        pytest.param(Backend("gpu9", "http://127.0.0.1:99", restart=RESTART), id="gone"),
+        pytest.param(
+            Backend("gpu0", GPU0.url, restart=("/bin/true", "gpu0")),
+            "restart command was changed by a reload",
+            id="changed",
+        ),
+        pytest.param(Backend("gpu0", GPU0.url), "restart command was changed", id="removed"),
+        pytest.param(  # not "its command changed": the audit trail said so of a dropped one
+            Backend("gpu9", "http://127.0.0.1:99", restart=RESTART),
+            "server was taken out of the config by a reload",
+            id="gone",
+        ),
     ],
 )
 def test_a_restart_whose_command_a_reload_changed_is_withdrawn_not_run(
-    tmp_path: Path, reloaded: Backend
+    tmp_path: Path, reloaded: Backend, why: str
 ) -> None:
     """A daemon's reload between the settle that issued a restart and its command's start
     (the command thread asks ``withdrawn_now`` with the config as it is then) ran the
@@ -1124,7 +1132,7 @@ def test_a_restart_whose_command_a_reload_changed_is_withdrawn_not_run(
     after = Config(backends=(reloaded,))
     dropped = withdrawn_now(store, after, order, T0 + 20)
     assert dropped is not None and dropped.withdrawn, dropped
-    assert "changed by a reload" in dropped.result.stderr
+    assert why in dropped.result.stderr
     assert withdrawn_now(store, RESTARTABLE, order, T0 + 20) is None  # the same config: run
     record = hear(store, audit, dropped, start=T0 + 30)
     assert record.ledger.state_of("gpu0") == "dead"
