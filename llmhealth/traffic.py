@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-# Per backend between two settles. A run of successes is kept as its newest one (the
-# ledger treats n answered requests in a row as one), so only failures fill this; past it
-# the oldest go, and by then the streak has long reached any sane unhealthy_threshold.
+# Per backend between two settles. A run of successes is kept as its first and its newest
+# one (the ledger treats n answered requests in a row as one, ``RequestLog.record``), so
+# mostly failures fill this; past it the oldest go, and by then the streak has long
+# reached any sane unhealthy_threshold.
 MAX_PENDING: Final = 256
 
 
@@ -68,8 +69,13 @@ class RequestLog:
         self._pending: dict[str, deque[RequestOutcome]] = {}
 
     def record(self, backend: str, outcome: RequestOutcome) -> None:
+        """Keep ``outcome``; a run of successes keeps its first one and its newest.
+
+        Both ends, not the newest alone: a settle places each outcome before or after the
+        backend's verdict by its time, and a run kept as its newest moved the answer that
+        broke a failure streak past an unanswered tiny request, which then condemned."""
         queue = self._pending.setdefault(backend, deque(maxlen=MAX_PENDING))
-        if outcome.ok and queue and queue[-1].ok:
+        if outcome.ok and len(queue) >= 2 and queue[-1].ok and queue[-2].ok:
             queue[-1] = outcome
             return
         queue.append(outcome)

@@ -52,13 +52,13 @@ def test_the_log_keeps_order_per_backend_and_empties_on_drain() -> None:
     assert log.drain() == {}
 
 
-def test_a_run_of_successes_is_kept_as_its_newest() -> None:
+def test_a_run_of_successes_is_kept_as_its_first_and_its_newest() -> None:
     log = RequestLog()
     for i in range(1000):
         log.record("a", ok(T0 + i))
     log.record("a", failed(T0 + 1000))
     log.record("a", ok(T0 + 1001))
-    assert log.drain()["a"] == (ok(T0 + 999), failed(T0 + 1000), ok(T0 + 1001))
+    assert log.drain()["a"] == (ok(T0), ok(T0 + 999), failed(T0 + 1000), ok(T0 + 1001))
 
 
 def test_the_log_is_bounded_and_keeps_the_newest() -> None:
@@ -91,8 +91,8 @@ def test_what_a_skipped_settle_gives_back_comes_before_what_came_since() -> None
     log.record("b", failed(T0 + 3))
     log.give_back(taken)
     assert log.has_failure("a")
-    # The two successes in a row are one, as when recorded in turn.
-    assert log.drain() == {"a": (failed(T0), ok(T0 + 2)), "b": (failed(T0 + 3),)}
+    # In the order they happened, as when recorded in turn.
+    assert log.drain() == {"a": (failed(T0), ok(T0 + 1), ok(T0 + 2)), "b": (failed(T0 + 3),)}
 
 
 def test_failures_in_a_row_condemn_with_the_requests_as_proof() -> None:
@@ -308,3 +308,31 @@ def test_a_backend_condemned_by_traffic_before_its_first_verdict_comes_back_in_p
     for i in range(2):
         fleet.ledger.apply("a", GoodVerdict(now=T0 + 5 + i, request_ok=True, process=process))
     assert fleet.ledger.state_of("a") is State.STALE
+
+
+def test_an_answer_before_an_unanswered_tiny_request_still_breaks_the_streak() -> None:
+    # Two real requests failed, one was answered, the tiny request then went unanswered,
+    # and one more was answered before the settle. The log kept the run of answers as its
+    # newest, after the verdict: the streak the ledger saw was three failures in a row,
+    # and a server whose real requests were answered was condemned.
+    log = RequestLog()
+    for outcome in (failed(T0), failed(T0 + 1), ok(T0 + 5), ok(T0 + 20)):
+        log.record("a", outcome)
+    fleet = record()
+    reads = (Read(T0 + 11, Signals()), Read(T0 + 12, Signals()))
+    timed_out = Answer(T0 + 12, False, "failed: no answer within 1 s", timed_out=True)
+    unanswered = Verdict(
+        VerdictKind.UNANSWERED, False, "unanswered: idle", reads=reads, answer=timed_out
+    )
+    config = Config(backends=(Backend("a", "http://a"), Backend("b", "http://b")))
+    settle(
+        fleet,
+        config,
+        [Outcome(Target("a", "http://a"), unanswered)],
+        T0 + 25,
+        mode=Mode.OFF,
+        audit=None,
+        requests=log.drain(),
+    )
+    snap = fleet.ledger.snapshot("a", T0 + 25)
+    assert (snap.state, snap.request_failures) == (State.SUSPECT, 0)
