@@ -1598,7 +1598,7 @@ class Daemon:
                 probe.gap = probe.heard_at = None
         self._start_probes()
         if self._router is not None:  # [router] settings themselves take a restart
-            self._router.configure(routed_backends(config, targets))
+            self._router.configure(routed_backends(config, targets), retry_after=self._wait)
         self._log(f"config reloaded: {len(targets)} targets")
 
     def _forget_series_of_removed(self, targets: Sequence[Target]) -> None:
@@ -1617,6 +1617,21 @@ class Daemon:
         for name in [name for name in self._serials if name not in names]:
             del self._serials[name]
         state.stall.forget_all_but(names)
+        # And leaves the page now, not when the next cycle publishes another: a wait on
+        # (minutes), or for as long as settles are skipped (a full disk), its last verdict
+        # and counters stayed there firing alerts.
+        view = self._collector.view
+        self._collector.publish(
+            replace(
+                view,
+                backends=tuple(backend for backend in view.backends if backend.name in names),
+                probe_errors={k: n for k, n in view.probe_errors.items() if k[0] in names},
+                restarts={k: n for k, n in view.restarts.items() if k[0] in names},
+                probe_task_restarts={
+                    k: n for k, n in view.probe_task_restarts.items() if k in names
+                },
+            )
+        )
 
     def _write_serving(self, serving: tuple[str, ...], urls: Mapping[str, str]) -> None:
         """Tell an existing balancer which backends serve: a file, then an optional hook."""

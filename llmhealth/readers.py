@@ -111,8 +111,8 @@ class ReadTasks:
     """A probing task per target, in the running event loop, reading it once per wait
     (KEEP_ALIVE_LEAD sooner once its server has closed an idle connection of ours).
 
-    ``settings`` is asked before every read, so a reload's new wait applies from each
-    target's next read (one asleep for a longer old wait sleeps it out).
+    ``settings`` is asked before every read, and again when ``assign`` finds the wait
+    changed (a reload): a task asleep for the old wait wakes and is paced by the new one.
     ``remember`` passes what earlier runs last read of some targets (a restart meanwhile
     is then seen at the next read) and the longest steps they took.
     """
@@ -133,6 +133,10 @@ class ReadTasks:
         self._baselines: dict[str, Signals] = {}
         self._learned: dict[str, LongestStep] = {}
         self._closing = False
+        # Each task asleep until its next read, by target: woken when a reload changes
+        # the wait (``_pace``), and the wait they were paced by.
+        self._asleep: dict[str, asyncio.Future[bool]] = {}
+        self._paced_by: float | None = None
 
     def remember(
         self, baselines: Mapping[str, Signals], learned: Mapping[str, LongestStep]
@@ -163,6 +167,13 @@ class ReadTasks:
                 self._probing[name] = now
         starting = [target for name, target in wanted.items() if name not in self._tasks]
         wait = self._settings().wait
+        if wait != self._paced_by:
+            # A reload changed the wait: asleep for the old one (ten minutes, cut to 5 s),
+            # a target was read again only once that had passed, and every settle
+            # meanwhile had nothing to settle. Each wakes and is paced by the new one.
+            self._paced_by = wait
+            for woken in self._asleep.values():
+                _wake(woken, False)
         for index, target in enumerate(starting):
             self._probing[target.name] = target
             # Spread over the first half of the wait: all at once, a big fleet's reads
@@ -241,10 +252,7 @@ class ReadTasks:
                         if newest_vllm_read(window) is not None:
                             baseline = None
                     self._deliver(target, verdict, time.monotonic() - started, window)
-                    pause = settings.wait
-                    if client.connection.idle_closes:
-                        pause -= KEEP_ALIVE_LEAD * settings.wait
-                    await asyncio.sleep(max(0.0, started + pause - time.monotonic()))
+                    await self._pace(target.name, started, bool(client.connection.idle_closes))
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -261,6 +269,41 @@ class ReadTasks:
             if last_seen is not None:
                 self._baselines.setdefault(target.name, last_seen)
             raise
+
+    async def _pace(self, name: str, started: float, idle_closes: bool) -> None:
+        """Until a target read at ``started`` is due again, one wait on (KEEP_ALIVE_LEAD
+        of it sooner once its server has closed an idle connection of ours), by the wait
+        as it is now: asked again when ``assign`` wakes the task for a changed one."""
+        loop = asyncio.get_running_loop()
+        woken_early = False
+        while True:
+            wait = self._settings().wait
+            pause = wait * (1 - KEEP_ALIVE_LEAD) if idle_closes else wait
+            left = started + pause - time.monotonic()
+            if left <= 0 and woken_early and pause > 0:
+                # Overdue only by the wait just shortened: on to its next turn at the new
+                # pace, where its phase puts it. Read at once, every target of a big fleet
+                # was read in one burst, every body in memory together.
+                left %= pause
+            if left <= 0:
+                return
+            woken: asyncio.Future[bool] = loop.create_future()
+            due = loop.call_later(left, _wake, woken, True)
+            self._asleep[name] = woken
+            try:
+                if await woken:
+                    return  # its time came
+            finally:
+                due.cancel()
+                if self._asleep.get(name) is woken:
+                    del self._asleep[name]
+            woken_early = True
+
+
+def _wake(woken: asyncio.Future[bool], due: bool) -> None:
+    """``woken`` done: True when its time came, False when a changed wait woke it."""
+    if not woken.done():
+        woken.set_result(due)
 
 
 def _read_otherwise(now: Target, was: Target) -> bool:

@@ -481,8 +481,10 @@ class Router:
 
     # --- what the daemon calls ---------------------------------------------------------
 
-    def configure(self, backends: Iterable[Backend]) -> None:
-        """The configured backends (at start and on reload): URLs and keys to use.
+    def configure(self, backends: Iterable[Backend], retry_after: float | None = None) -> None:
+        """The configured backends (at start and on reload): URLs and keys to use; and
+        on reload the wait, which a 503's Retry-After says (kept, a wait cut from ten
+        minutes still sent clients away for ten).
 
         A backend a reload dropped leaves the serving set at once, not at the next push
         (a settle away, or more while settles fail): it had no address left to send to.
@@ -490,6 +492,8 @@ class Router:
         until the next push: what answers there is unproven, and the settle drops the
         outcomes drained across a move (``fleet``), so failures there were not counted.
         """
+        if retry_after is not None:
+            self._retry_after = str(max(1, math.ceil(retry_after)))
         before = self._backends
         self._backends = {backend.name: backend for backend in backends}
         self._origins = {name: Origin.parse(b.url) for name, b in self._backends.items()}

@@ -3013,7 +3013,8 @@ def test_a_reload_that_shortens_the_wait_does_not_wait_out_the_old_one(
 ) -> None:
     """README: SIGHUP applies "the rest at once, between two settles, without waiting out
     the wait". A wait cut from 600 s to 0.5 s is still waited out: the next settle stays
-    due 600 s after the last, while the probes already read every 0.5 s."""
+    due 600 s after the last, while the probes already read every 0.5 s. Nor may the
+    probe sleep out the old wait: it slept 600 s, and the settles had nothing to settle."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     configs = [config_module.Config(wait=600.0, timeout=1.0, answer_timeout=1.0, read_workers=1)]
     targets = [Target("first", REFUSED_URL)]
@@ -3034,7 +3035,8 @@ def test_a_reload_that_shortens_the_wait_does_not_wait_out_the_old_one(
             )
             os.kill(os.getpid(), signal.SIGHUP)
             for _ in range(int(PATIENCE / 0.05)):
-                if state.exists():
+                probe = daemon._state.probes.get("first")
+                if state.exists() and probe is not None and probe.examinations >= 3:
                     return True
                 await asyncio.sleep(0.05)
             return False
@@ -3044,7 +3046,7 @@ def test_a_reload_that_shortens_the_wait_does_not_wait_out_the_old_one(
 
     settled = asyncio.run(scenario())
     assert daemon._wait == 0.5, "the reload was not applied"
-    assert settled, "no settle within PATIENCE of a reload to a 0.5 s wait (old wait 600 s)"
+    assert settled, "no settle, or no read, within PATIENCE of a reload to a 0.5 s wait (600 s)"
 
 
 @pytest.mark.slow
@@ -4371,3 +4373,95 @@ def test_a_server_the_record_saw_asleep_stays_out_of_the_serving_file_when_renam
     assert before == ["c"]
     assert routed == {"c"}
     assert after == ["c"]
+
+
+def test_a_backend_a_reload_drops_leaves_metrics_at_the_reload_not_a_settle_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: "A backend the config no longer names leaves /metrics at the reload". Its
+    series stayed on the page until the next cycle published another: a whole wait (here
+    600 s), or for as long as settles were skipped (a full disk), its "down" verdict and
+    error counter firing alerts for a backend nobody runs any more."""
+    from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    both = [Target("kept", REFUSED_URL), Target("gone", "http://127.0.0.1:10")]
+    fleets = [(config_module.Config(wait=0.3, timeout=1.0, answer_timeout=1.0), both)]
+    daemon = in_process(lambda: fleets[-1], tmp_path, None)
+    registry = CollectorRegistry()
+    registry.register(daemon._collector)
+
+    def page() -> str:
+        return generate_latest(registry).decode()
+
+    async def scenario() -> tuple[str, str]:
+        running = asyncio.create_task(daemon.run())
+        try:
+            for _ in range(int(PATIENCE / 0.05)):
+                if 'llmhealth_backend_probe_errors_total{backend="gone"' in page():
+                    break
+                await asyncio.sleep(0.05)
+            before = page()
+            fleets.append((replace(fleets[0][0], wait=600.0), both[:1]))
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(int(PATIENCE / 0.05)):
+                if daemon._wait == 600.0:
+                    break
+                await asyncio.sleep(0.05)
+            return before, page()
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, 10.0) == 0
+
+    before, after = asyncio.run(scenario())
+    assert 'backend="gone"' in before
+    assert daemon._wait == 600.0, "the reload was not applied"
+    assert 'backend="gone"' not in after
+    assert 'llmhealth_backend_verdict{backend="kept",verdict="down"} 1.0' in after
+
+
+def test_a_route_reload_that_changes_the_wait_has_the_router_say_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """README: no backend for the model is a 503 "with Retry-After (the wait)", and a
+    reload applies the wait at once. The router kept saying the wait it started with: cut
+    from 600 s to 5 s, clients were still told to come back in ten minutes."""
+    from llmhealth.config import Backend  # noqa: PLC0415
+    from llmhealth.config import Router as RouterConfig  # noqa: PLC0415
+    from llmhealth.router import Router  # noqa: PLC0415
+
+    backend = Target("b", REFUSED_URL)
+    fleets = [(config_module.Config(wait=600.0), [backend])]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def scenario() -> list[str]:
+        router = Router(RouterConfig(), [Backend(backend.name, backend.url)], retry_after=600.0)
+        daemon = Daemon(
+            lambda: fleets[-1],
+            StateFile(tmp_path / "state.json"),
+            listen=None,
+            wait_override=None,
+            serving_file=None,
+            console=Console(stderr=True),
+            router=router,
+        )
+        said = []
+        try:
+            await router.start("127.0.0.1", port)
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                for _ in range(2):
+                    answer = await http.post(
+                        f"http://127.0.0.1:{port}/v1/completions", json={"model": "m"}
+                    )
+                    assert answer.status_code == 503
+                    said.append(answer.headers["Retry-After"])
+                    fleets.append((config_module.Config(wait=5.0), [backend]))
+                    daemon._reload_config()
+            return said
+        finally:
+            await daemon._reading.close()
+            await router.close()
+
+    assert asyncio.run(scenario()) == ["600", "5"]

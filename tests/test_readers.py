@@ -1438,3 +1438,40 @@ def test_a_target_a_reload_removes_while_its_worker_is_down_leaves_nothing_behin
 
     asyncio.run(main())
     assert kept == [{}]
+
+
+def test_a_reload_that_shortens_the_wait_wakes_a_target_asleep_for_the_old_one(
+    httpserver: HTTPServer,
+) -> None:
+    """README: SIGHUP applies the wait "at once, ... without waiting out the wait". The
+    settle came at the new pace, but each probing task slept out the pause of the old
+    wait first: cut from 600 s to 0.1 s, no target was read again for ten minutes, and
+    every settle meanwhile settled nothing."""
+    httpserver.expect_request("/metrics").respond_with_data("", status=500)
+    target = Target("b", httpserver.url_for("").rstrip("/"))
+    settings = [ProbeSettings(wait=600.0)]
+    heard: list[Target] = []
+
+    async def main() -> int:
+        tasks = readers.ReadTasks(
+            lambda: settings[-1],
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target),
+            lambda _n, _c: None,
+        )
+        try:
+            tasks.assign([target])
+            async with asyncio.timeout(30):
+                while not heard:
+                    await asyncio.sleep(0.01)
+            settings.append(ProbeSettings(wait=0.1))
+            tasks.assign([target])  # as the daemon's reload does (``_start_probes``)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while len(heard) < 3:
+                        await asyncio.sleep(0.01)
+            return len(heard)
+        finally:
+            await tasks.close()
+
+    assert asyncio.run(main()) >= 3, "the old wait's pause was slept out"
