@@ -296,7 +296,7 @@ class Daemon:
         self._serials: dict[str, int] = {}
         self._serial = itertools.count(1 + secrets.randbelow(2**48))
         self._collector = FleetCollector()
-        self._state = WatchState(StallWatch(started_at=clock()))
+        self._state = WatchState(StallWatch(started_at=self._stall_now()))
         self._stop = asyncio.Event()
         self._reload = False
         self._reload_asked = asyncio.Event()  # wakes a wait, so a reload applies at once
@@ -600,7 +600,10 @@ class Daemon:
         """Until the next cycle is due, or a stop. Waiting is health: systemd hears so at
         least twice per watchdog period, as a `wait` may be longer than WatchdogSec (35 s
         against the unit's 30 s killed the daemon every cycle); a cycle that hangs still
-        starves the watchdog, as it should."""
+        starves the watchdog, as it should. Told as the wait ends too: the last notice
+        came up to half a period before the cycle (none in a shorter wait), and a settle
+        that waited out the state lock or etcd's calls was killed with time left in its
+        bound."""
         while not self._stop.is_set():
             if self._reload:  # between settles: none reads the config meanwhile
                 self._reload = False
@@ -621,7 +624,7 @@ class Daemon:
             )
             for waiting in woken:
                 waiting.cancel()
-            if every is not None and not self._stop.is_set() and time.monotonic() < due:
+            if every is not None and not self._stop.is_set():
                 self._notifier.send("WATCHDOG=1")
         return due
 
@@ -636,6 +639,13 @@ class Daemon:
             self._ready_told = True
             self._notifier.send("READY=1", f"STATUS={status}")
         self._notifier.send("WATCHDOG=1", f"STATUS={status}")
+
+    def _stall_now(self) -> float:
+        """Now for the fleet stall watch: on the steady clock where there is one. Fed the
+        wall clock, a step forward of ``stall_timeout`` (NTP, a VM resumed, `date -s`) in a
+        cycle with work pending and no request finished called a fleet seconds old stalled
+        (LLMHealthFleetStalled, critical) until a request finished."""
+        return self._clock() if self._steady is None else self._steady()
 
     def _reads_per_wait(self, now: float) -> float | None:
         """How often the targets read here are examined, per wait: the one sign that reads
@@ -1323,6 +1333,7 @@ class Daemon:
         state = self._state
         state.cycles += 1
         now = self._clock()
+        steady_now = self._stall_now()
         signals: dict[str, Signals] = {}
         for backend in report.backends:
             outcome = backend.outcome
@@ -1356,7 +1367,7 @@ class Daemon:
             # share's alone, and kept, a share with work and nothing finished had the new
             # leader call the fleet stalled at once, before the others' backends' finished
             # requests were heard (their first verdicts come a settle or two later).
-            state.stall = StallWatch(started_at=now)
+            state.stall = StallWatch(started_at=steady_now)
         state.share_alone = share_alone
         for line in report.notes:
             if line not in state.notes:  # a standby's note holds from cycle to cycle
@@ -1375,12 +1386,12 @@ class Daemon:
         for expired in report.expired:  # its command may have exited 0: the restart failed
             if expired.name in configured:
                 state.restarts[(expired.name, "failed")] += 1
-        state.stall.observe(signals, now)
+        state.stall.observe(signals, steady_now)
         # Whether the fleet stalls is the leader's to say: a share with work pending and
         # none finished was called a stalled fleet (LLMHealthFleetStalled, critical) while
         # the others' backends finished requests. Observed all the same, for its gauge of
         # the time since a request finished (of its share).
-        stalled = not share_alone and state.stall.stalled(now, self._config.stall_timeout)
+        stalled = not share_alone and state.stall.stalled(steady_now, self._config.stall_timeout)
         # Every backend's ledger state, not only those whose probe reported this cycle.
         snapshots = self._snapshots
         views = []
@@ -1417,7 +1428,7 @@ class Daemon:
             ExportView(
                 backends=tuple(views),
                 fleet=report.fleet,
-                seconds_since_finished=state.stall.seconds_since_finished(now),
+                seconds_since_finished=state.stall.seconds_since_finished(steady_now),
                 fleet_stalled=stalled,
                 last_cycle_at=now,
                 cycle_seconds=seconds,
@@ -1453,7 +1464,7 @@ class Daemon:
         if stalled:
             self._log(
                 "fleet stall: work is pending and no backend finished a request for "
-                f"{state.stall.seconds_since_finished(now):.0f} s (stall_timeout "
+                f"{state.stall.seconds_since_finished(steady_now):.0f} s (stall_timeout "
                 f"{self._config.stall_timeout:g} s); nothing is restarted for this"
             )
         if behind:

@@ -1041,6 +1041,39 @@ def test_the_watchdog_hears_from_a_daemon_waiting_longer_than_its_period(
     assert rc == 0
 
 
+def test_the_watchdog_hears_from_a_daemon_as_its_wait_ends_not_only_half_a_period_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait's last WATCHDOG=1 came up to half a period before the cycle (none at all
+    in a wait shorter than that), so a settle had only WatchdogSec less that much: with
+    a 15 s wait against the unit's 30 s, a settle that waited its 10 s for the state lock
+    (or three etcd calls of 5 s with etcd away) and then did its work was killed. The
+    wait's end is the loop turning too: systemd hears it, and the settle gets a period."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    daemon = in_process(lambda: (config, [Target("b", REFUSED_URL)]), tmp_path, 1.0)
+    told: list[tuple[float, tuple[str, ...]]] = []
+
+    class Heard:
+        def send(self, *fields: str) -> None:
+            told.append((time.monotonic(), fields))
+
+    monkeypatch.setattr(daemon, "_notifier", Heard())
+    monkeypatch.setattr(daemon, "_watchdog_every", 0.05)
+    daemon._ready_told = True
+
+    async def wait() -> float:
+        due = time.monotonic() + 0.2
+        assert await daemon._wait_until(due) == due
+        return due
+
+    due = asyncio.run(wait())
+    assert told, "no WATCHDOG=1 while waiting"
+    assert all(fields == ("WATCHDOG=1",) for _, fields in told)
+    at, _ = told[-1]
+    assert at >= due, "the last WATCHDOG=1 came before the wait ended"
+
+
 @pytest.mark.parametrize(
     ("environment", "expected"),
     [
@@ -2616,8 +2649,9 @@ def test_time_since_the_last_finished_request_is_never_negative() -> None:
 
 
 def test_a_wall_clock_stepped_back_holds_back_no_fleet_stall() -> None:
-    """watch feeds the stall watch the wall clock: stepped back two hours (NTP correcting a
-    clock that ran ahead), the last finished request stayed two hours in the future, and
+    """A stall watch fed the wall clock (watch's was, and a caller's may be): stepped back
+    two hours (NTP correcting a clock that ran ahead), the last finished request stayed
+    two hours in the future, and
     a fleet that stalled then was not reported stalled for two hours and the timeout."""
     watch = StallWatch(started_at=START)
     watch.observe({"a": engine(finished=1)}, START + 1)
@@ -2627,6 +2661,55 @@ def test_a_wall_clock_stepped_back_holds_back_no_fleet_stall() -> None:
         watch.observe({"a": engine(finished=2)}, at)
     assert watch.seconds_since_finished(back + 10) == 10.0
     assert watch.stalled(back + 10, 10.0)
+
+
+def test_a_wall_clock_stepped_forward_stalls_no_fleet(
+    urls: Urls, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watch fed the stall watch the wall clock: stepped forward an hour (NTP, a VM
+    resumed, `date -s`) while work was pending and no request had finished since the last
+    cycle, a fleet seconds old was called stalled (LLMHealthFleetStalled, critical) for a
+    stall_timeout of ten minutes. Time since a finished request is the steady clock's."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    step = [0.0]
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        config = config_module.Config(
+            timeout=1.0, answer_timeout=1.0, read_workers=1, stall_timeout=600.0
+        )
+        return config, [Target("reader", urls.prefill)]  # work pending, nothing finishes
+
+    daemon = Daemon(
+        load,
+        StateFile(tmp_path / "state.json"),
+        listen=None,
+        wait_override=0.1,
+        serving_file=None,
+        console=Console(stderr=True),
+        clock=lambda: time.time() + step[0],
+        steady=time.monotonic,
+    )
+
+    async def until_cycles(count: int, running: asyncio.Task[int]) -> None:
+        deadline = time.monotonic() + PATIENCE
+        while daemon._state.cycles < count:
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError(f"{count} cycles")
+            await asyncio.sleep(POLL)
+
+    async def scenario() -> None:
+        running = asyncio.create_task(daemon.run())
+        try:
+            await until_cycles(3, running)
+            step[0] = 3600.0
+            await until_cycles(daemon._state.cycles + 2, running)
+        finally:
+            daemon.stop()
+            assert await asyncio.wait_for(running, STOP_BOUND) == 0
+
+    asyncio.run(scenario())
+    assert daemon._state.stall.work_pending  # the stall watch saw the work
+    assert "fleet stall" not in capsys.readouterr().err
 
 
 def dies_at_call(monkeypatch: pytest.MonkeyPatch, call: int, message: str) -> Callable[[], int]:
