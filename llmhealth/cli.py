@@ -119,8 +119,9 @@ StateOption = Annotated[
         callback=_state_path,
         help="State file (ledger, holds, budgets). Default with --config: the config's "
         "'state', else $STATE_DIRECTORY, /var/lib/llmhealth (root) or the user's state "
-        "directory ($XDG_STATE_HOME, else ~/.local/state). Bare URLs without --state or "
-        "--config keep no state between runs; in a cluster the record is in etcd.",
+        "directory ($XDG_STATE_HOME when absolute, else ~/.local/state). Bare URLs "
+        "without --state or --config keep no state between runs; in a cluster the record "
+        "is in etcd.",
     ),
 ]
 
@@ -345,7 +346,10 @@ def route(
     backends = routed_backends(loaded, targets)
     if not backends:
         raise typer.BadParameter("nothing to route to: give backend URLs or --config")
-    address = _host_port(listen or loaded.router.listen or DEFAULT_ROUTE_LISTEN)
+    # `--listen "$UNSET"` in a unit is refused, as `watch` refuses it: taken for none
+    # given, the router served on the config's or the default address, and nothing told.
+    given = listen if listen is not None else loaded.router.listen or DEFAULT_ROUTE_LISTEN
+    address = _host_port(given)
     wait_seconds = _duration(wait, config_module.LONGEST_READ)
     raise_file_limit()  # each client connection holds a descriptor; see the systemd unit
     router = Router(loaded.router, backends, retry_after=wait_seconds or loaded.wait)

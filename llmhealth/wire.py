@@ -791,11 +791,18 @@ async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, progress: 
         except http1.FramingError as exc:
             raise WireError(Failure.MALFORMED, str(exc)) from None
         if size == 0:
-            trailers = 0
+            trailers, fields = 0, 0
             while (line := await _framing_line(reader, "trailer line")) != b"\r\n":  # ignored
                 trailers += len(line)
+                fields += 1
                 if trailers > MAX_HEAD_BYTES:
                     raise WireError(Failure.MALFORMED, f"trailers over {MAX_HEAD_BYTES} bytes")
+                if fields > http1.MAX_FIELDS:
+                    # As a head's fields and the etcd client's trailers: 16,000 lines of
+                    # three bytes fit in 64 KiB, read one by one, 25 ms of the event loop.
+                    raise WireError(
+                        Failure.MALFORMED, f"more than {http1.MAX_FIELDS} trailer fields"
+                    )
             return bytes(body)
         charged += len(size_line) + max(size, http1.CHUNK_COST) + 2
         if progress.received + size + 2 > max_bytes or charged > max_bytes:

@@ -391,6 +391,8 @@ def test_bad_arguments_exit_3_not_2(entry_point: str) -> None:
             ["watch", "http://127.0.0.1:9", "--listen", "off", "--serving-file", ""],
             "an empty serving file path",
         ),
+        # A unit's `route --listen "$UNSET"`: it served on the default address instead.
+        (["route", "http://127.0.0.1:9", "--listen", ""], "'' is not HOST:PORT"),
         # A host with a space was the server's `down`: CRITICAL (2) for a typo.
         (["check", "http://127.0.0.1 :9", "-f", "nagios"], "white space in its host"),
     ],

@@ -761,6 +761,28 @@ def test_trailer_lines_under_the_cap_each_are_bounded_together() -> None:
     assert f"trailers over {MAX_HEAD_BYTES} bytes" in str(error)
 
 
+@pytest.mark.parametrize(("fields", "read"), [(100, True), (101, False)])
+def test_at_most_a_hundred_trailer_fields_are_read(fields: int, read: bool) -> None:
+    # As a head's fields and the etcd client's trailers: 16,000 lines of three bytes fit
+    # under MAX_HEAD_BYTES, and each was read on its own.
+    def trailers(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+            + b"a:\r\n" * fields
+            + b"\r\n"
+        )
+
+    with tcp_server(trailers) as (url, _):
+        if read:
+            (response,) = get(f"{url}/metrics")
+            assert response.body == b"ok"
+        else:
+            error = failure_of(f"{url}/metrics")
+            assert error.failure is Failure.MALFORMED
+            assert "more than 100 trailer fields" in str(error)
+
+
 @pytest.mark.parametrize(
     "head",
     [
