@@ -246,6 +246,7 @@ class _Connection(asyncio.Protocol):
         self._body_error: BadRequestError | None = None
         self._body_waiter: asyncio.Future[None] | None = None
         self._framing = 0  # a chunked body's framing bytes so far, charged (CHUNK_COST)
+        self._trailers = 0  # the trailer fields of the chunked body in progress
         self._blank = 0  # bytes of blank lines skipped before the next request line
         # When a connection closing in order (what is buffered sent first) ends anyway:
         # cancelled once it has, so that a closed connection leaves no timer behind.
@@ -523,6 +524,11 @@ class _Connection(asyncio.Protocol):
                     self._body_left += len(line)  # trailers' bytes, dropped, bounded
                     if self._body_left > MAX_HEAD_BYTES:
                         raise FramingError(f"trailers over {MAX_HEAD_BYTES} bytes")
+                    self._trailers += 1
+                    if self._trailers > http1.MAX_FIELDS:
+                        # As a head's fields: 20,000 one-byte lines fit in the bytes'
+                        # bound, each taken alone while the router's loop waited.
+                        raise FramingError(f"more than {http1.MAX_FIELDS} trailer fields")
                     continue
                 size = http1.chunk_size(line)
                 if len(self._body) + size > max_body:
@@ -536,6 +542,7 @@ class _Connection(asyncio.Protocol):
                         413, f"request body's chunk framing over {max_body} bytes (tiny chunks)"
                     )
                 self._body_left, self._chunk_state = size, 2 if size else 3
+                self._trailers = 0
                 continue
             # data, then its CRLF
             if len(buffer) < self._body_left + 2:

@@ -383,11 +383,16 @@ class Response:
             except http1.FramingError as exc:
                 raise BrokenError(str(exc)) from None
             if size == 0:
-                trailers = 0
+                trailers = fields = 0
                 while (trailer := await _line(link, "the trailers")) != b"":
                     trailers += len(trailer)
+                    fields += 1
                     if trailers > MAX_HEAD_BYTES:
                         raise BrokenError(f"trailers over {MAX_HEAD_BYTES} bytes")
+                    if fields > http1.MAX_FIELDS:
+                        # As a head's fields: 20,000 one-byte lines fit in the bytes'
+                        # bound, each taken alone, the router's loop held for each answer.
+                        raise BrokenError(f"more than {http1.MAX_FIELDS} trailer fields")
                 self._done = True
                 return b""
             self._chunk_left = size

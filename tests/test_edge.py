@@ -679,16 +679,24 @@ TRAILER = b"X-T: " + b"a" * 1000 + b"\r\n"
 
 
 @pytest.mark.parametrize(
-    "framing",
+    ("framing", "why"),
     [
-        b"1;" + b"x" * (MAX_HEAD_BYTES + 10),  # a chunk-size line that never ends
-        b"2\r\nok\r\n0\r\n" + TRAILER * (MAX_HEAD_BYTES // len(TRAILER) + 2) + b"\r\n",
+        # a chunk-size line that never ends
+        (b"1;" + b"x" * (MAX_HEAD_BYTES + 10), str(MAX_HEAD_BYTES).encode()),
+        (
+            b"2\r\nok\r\n0\r\n" + TRAILER * (MAX_HEAD_BYTES // len(TRAILER) + 2) + b"\r\n",
+            str(MAX_HEAD_BYTES).encode(),
+        ),
+        (b"2\r\nok\r\n0\r\n" + b"X-T: 1\r\n" * 101 + b"\r\n", b"more than 100 trailer fields"),
     ],
-    ids=["endless-chunk-size-line", "trailers-past-the-bound"],
+    ids=["endless-chunk-size-line", "trailers-past-the-bound", "too-many-trailer-fields"],
 )
-def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(framing: bytes) -> None:
-    """A chunk-size line, or trailers each line short of it, past MAX_HEAD_BYTES: the
-    request is refused, not buffered for as long as the client sends."""
+def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(
+    framing: bytes, why: bytes
+) -> None:
+    """A chunk-size line, or trailers each line short of it, past MAX_HEAD_BYTES, or more
+    trailer fields than a head may have: the request is refused, not buffered for as long
+    as the client sends, nor each of 20,000 one-byte lines taken alone."""
 
     async def scenario() -> None:
         async with edge() as (_, reader, writer):
@@ -697,7 +705,7 @@ def test_a_chunked_bodys_framing_past_the_heads_bound_is_refused(framing: bytes)
             )
             got, _, body = await answer(reader)
             assert got == 400, body
-            assert str(MAX_HEAD_BYTES).encode() in body
+            assert why in body
 
     run(scenario())
 

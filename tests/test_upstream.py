@@ -282,6 +282,12 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
             + b"\r\n",
             "trailers over",
         ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"
+            + b"X-T: 1\r\n" * 101
+            + b"\r\n",
+            "more than 100 trailer fields",
+        ),
         (b"HTTP/1.1 200 O\x00K\r\nContent-Length: 2\r\n\r\nok", "a NUL"),
         (
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
@@ -303,6 +309,7 @@ def test_answers_that_have_no_body_by_definition_are_complete_at_once(
         "endless-head",
         "endless-chunk-size-line",
         "trailers-past-the-bound",
+        "too-many-trailer-fields",
         "nul-in-reason",  # relayed in the router's own status line
         "gzip-then-chunked-in-two-fields",
     ],
