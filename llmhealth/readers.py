@@ -214,7 +214,12 @@ class ReadTasks:
 
     async def _read_forever(self, target: Target, delay: float = 0.0) -> None:
         """Read one target every wait, forever; what it concludes goes to ``deliver``."""
-        await asyncio.sleep(delay)
+        # Its place in the start's spread, paced as if read a wait before: a reload that
+        # shortens the wait wakes it too (from 600 s to 5 s, the second half of a fleet
+        # started in the old wait's spread stayed unread for up to 300 s). Never later
+        # than that place, though: a lengthened wait does not hold back a first read.
+        first = time.monotonic() + delay
+        await self._pace(target.name, first - self._settings().wait, False, by=first)
         window: list[Read] = []
         cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
         learned: LongestStep | None = None
@@ -270,10 +275,13 @@ class ReadTasks:
                 self._baselines.setdefault(target.name, last_seen)
             raise
 
-    async def _pace(self, name: str, started: float, idle_closes: bool) -> None:
+    async def _pace(
+        self, name: str, started: float, idle_closes: bool, by: float | None = None
+    ) -> None:
         """Until a target read at ``started`` is due again, one wait on (KEEP_ALIVE_LEAD
         of it sooner once its server has closed an idle connection of ours), by the wait
-        as it is now: asked again when ``assign`` wakes the task for a changed one."""
+        as it is now: asked again when ``assign`` wakes the task for a changed one. Not
+        past ``by``, when given."""
         loop = asyncio.get_running_loop()
         woken_early = False
         while True:
@@ -285,6 +293,8 @@ class ReadTasks:
                 # pace, where its phase puts it. Read at once, every target of a big fleet
                 # was read in one burst, every body in memory together.
                 left %= pause
+            if by is not None:
+                left = min(left, by - time.monotonic())
             if left <= 0:
                 return
             woken: asyncio.Future[bool] = loop.create_future()

@@ -1475,3 +1475,76 @@ def test_a_reload_that_shortens_the_wait_wakes_a_target_asleep_for_the_old_one(
             await tasks.close()
 
     assert asyncio.run(main()) >= 3, "the old wait's pause was slept out"
+
+
+def test_a_reload_that_shortens_the_wait_wakes_a_target_still_in_its_starts_spread(
+    httpserver: HTTPServer,
+) -> None:
+    """The same for a target whose first read is still to come: started with the fleet
+    spread over half the old wait (the second of two, 150 s in at a 600 s wait), it slept
+    out its place in that spread after a reload cut the wait to 0.1 s."""
+    httpserver.expect_request("/metrics").respond_with_data("", status=500)
+    url = httpserver.url_for("").rstrip("/")
+    targets = [Target("a", url), Target("b", url)]
+    settings = [ProbeSettings(wait=600.0)]
+    heard: list[str] = []
+
+    async def main() -> list[str]:
+        tasks = readers.ReadTasks(
+            lambda: settings[-1],
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target.name),
+            lambda _n, _c: None,
+        )
+        try:
+            tasks.assign(targets)
+            async with asyncio.timeout(30):
+                while not heard:  # "a" read at once, "b" asleep in the spread
+                    await asyncio.sleep(0.01)
+            settings.append(ProbeSettings(wait=0.1))
+            tasks.assign(targets)  # as the daemon's reload does (``_start_probes``)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while heard.count("b") < 2:
+                        await asyncio.sleep(0.01)
+            return heard
+        finally:
+            await tasks.close()
+
+    assert asyncio.run(main()).count("b") >= 2, "its place in the old wait's spread was slept out"
+
+
+def test_a_reload_that_lengthens_the_wait_does_not_hold_back_a_first_read(
+    httpserver: HTTPServer,
+) -> None:
+    """Woken by a longer wait, a target still in its start's spread keeps its place in it:
+    its first read is not put off by the new wait."""
+    httpserver.expect_request("/metrics").respond_with_data("", status=500)
+    url = httpserver.url_for("").rstrip("/")
+    targets = [Target("a", url), Target("b", url)]
+    settings = [ProbeSettings(wait=2.0)]
+    heard: list[str] = []
+
+    async def main() -> list[str]:
+        tasks = readers.ReadTasks(
+            lambda: settings[-1],
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target.name),
+            lambda _n, _c: None,
+        )
+        try:
+            tasks.assign(targets)  # "b" first read half a second on
+            async with asyncio.timeout(30):
+                while not heard:
+                    await asyncio.sleep(0.01)
+            settings.append(ProbeSettings(wait=600.0))
+            tasks.assign(targets)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while "b" not in heard:
+                        await asyncio.sleep(0.01)
+            return heard
+        finally:
+            await tasks.close()
+
+    assert "b" in asyncio.run(main()), "a longer wait put off a first read"
