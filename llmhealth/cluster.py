@@ -574,6 +574,7 @@ class Elector:
         self._fence: int | None = None
         self._report: dict[str, Any] = {}
         self._stop = threading.Event()
+        self._resign = True  # whether the lease is revoked once stopped (``stop``)
         self._thread: threading.Thread | None = None
         # Whether this member reads a share of the backends (a daemon with shard_reads),
         # said in its member key: a `check` from cron holds a member key too, and counted
@@ -623,13 +624,23 @@ class Elector:
         self._thread.start()
 
     def stop(self, *, resign: bool = True) -> None:
-        """Stop renewing; resigning revokes the lease so a standby takes over at once."""
+        """Stop renewing; resigning revokes the lease so a standby takes over at once.
+
+        The round under way is waited for up to a TTL. One that outlasts that (etcd slow
+        to answer) campaigns no more, and its thread gives back the lease it took after
+        this gave its own back: it led on it, and that leader key, renewed by nobody,
+        kept every standby out for a TTL after the resign."""
+        self._resign = resign
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.timing.ttl)
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Forget the lease (and the lead); revoke it when resigning."""
         with self._lock:
             lease, self._facts, self._fence = self._facts.lease_id, LeaseFacts(), None
-        if resign and lease is not None:
+        if self._resign and lease is not None:
             with contextlib.suppress(StateError):
                 self.etcd.revoke(lease)
 
@@ -672,6 +683,7 @@ class Elector:
             else:
                 due = renewal_due(facts, self.timing, now)
             self._stop.wait(max(0.05, due - now))
+        self._give_back()  # a lease taken by a round that outlasted ``stop()``'s wait
 
     def step(self) -> None:
         """One round: step down if late, renew or get a lease, then hold or try the lead."""
@@ -692,6 +704,8 @@ class Elector:
             if self._facts.lease_id != lease:
                 return  # etcd no longer has it: the next round gets another
             leading = self._fence is not None
+        if self._stop.is_set():
+            return  # stopped while this round waited on etcd: no lead taken after that
         if leading:
             self._confirm()
         else:

@@ -1512,3 +1512,36 @@ def test_a_seat_on_one_etcd_endpoint_slow_to_answer_still_leads(
         finally:
             seat.elector.stop()
     assert seat.elector.transitions == 1, log
+
+
+@pytest.mark.slow
+def test_a_round_that_outlasts_stop_takes_no_lead_after_it(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    """``stop()`` waits a lease's TTL for the round under way. A round that outlasted it
+    (a revoke and a grant answered 1.8 s late, within every bound) took a new lease after
+    ``stop()`` had given the old one back, and the lead on it: nobody renewed nor revoked
+    that lease, and its leader key kept every standby out for a TTL after the resign."""
+    clock, log = Clock(), []
+    slow, revoking = threading.Event(), threading.Event()
+
+    def late(path: str, answer: Any) -> Any:
+        if slow.is_set() and "lease/" in path:  # the step-down's revoke, the new grant
+            revoking.set()
+            time.sleep(1.8)
+        return answer
+
+    with tcp_server(editing(etcd_server.endpoints[0], late)) as (url, _):
+        member = elector(Etcd([url], timeout=5.0), keys, "a", clock, log)
+        member.step()
+        assert member.decision().may_act
+        clock.now += TIMING.renew_deadline  # its next round steps down and asks for a lease
+        slow.set()
+        member.start()
+        assert revoking.wait(10.0)  # the round is under way
+        member.stop()  # gives up on the round after 3 s: it is then asking for its lease
+        assert member._thread is not None
+        member._thread.join(30.0)
+        assert not member._thread.is_alive()
+    assert read_leader(Etcd(etcd_server.endpoints), keys) is None, log
+    assert not member.decision().may_act
