@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -1440,6 +1440,46 @@ def test_a_target_a_reload_removes_while_its_worker_is_down_leaves_nothing_behin
     assert kept == [{}]
 
 
+def heard_across_a_wait_change(
+    httpserver: HTTPServer,
+    names: Sequence[str],
+    waits: tuple[float, float],
+    enough: Callable[[list[str]], bool],
+) -> list[str]:
+    """The targets read, in order, by ReadTasks over ``names`` (one server answering 500)
+    paced by the first of ``waits`` until a first read, then by the second, as a reload
+    sets it (``_start_probes``), until ``enough`` of them or 10 s."""
+    httpserver.expect_request("/metrics").respond_with_data("", status=500)
+    url = httpserver.url_for("").rstrip("/")
+    targets = [Target(name, url) for name in names]
+    settings = [ProbeSettings(wait=waits[0])]
+    heard: list[str] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: settings[-1],
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target.name),
+            lambda _n, _c: None,
+        )
+        try:
+            tasks.assign(targets)
+            async with asyncio.timeout(30):
+                while not heard:
+                    await asyncio.sleep(0.01)
+            settings.append(ProbeSettings(wait=waits[1]))
+            tasks.assign(targets)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while not enough(heard):
+                        await asyncio.sleep(0.01)
+        finally:
+            await tasks.close()
+
+    asyncio.run(main())
+    return heard
+
+
 def test_a_reload_that_shortens_the_wait_wakes_a_target_asleep_for_the_old_one(
     httpserver: HTTPServer,
 ) -> None:
@@ -1447,34 +1487,8 @@ def test_a_reload_that_shortens_the_wait_wakes_a_target_asleep_for_the_old_one(
     settle came at the new pace, but each probing task slept out the pause of the old
     wait first: cut from 600 s to 0.1 s, no target was read again for ten minutes, and
     every settle meanwhile settled nothing."""
-    httpserver.expect_request("/metrics").respond_with_data("", status=500)
-    target = Target("b", httpserver.url_for("").rstrip("/"))
-    settings = [ProbeSettings(wait=600.0)]
-    heard: list[Target] = []
-
-    async def main() -> int:
-        tasks = readers.ReadTasks(
-            lambda: settings[-1],
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target),
-            lambda _n, _c: None,
-        )
-        try:
-            tasks.assign([target])
-            async with asyncio.timeout(30):
-                while not heard:
-                    await asyncio.sleep(0.01)
-            settings.append(ProbeSettings(wait=0.1))
-            tasks.assign([target])  # as the daemon's reload does (``_start_probes``)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(10):
-                    while len(heard) < 3:
-                        await asyncio.sleep(0.01)
-            return len(heard)
-        finally:
-            await tasks.close()
-
-    assert asyncio.run(main()) >= 3, "the old wait's pause was slept out"
+    heard = heard_across_a_wait_change(httpserver, ["b"], (600.0, 0.1), lambda h: len(h) >= 3)
+    assert len(heard) >= 3, "the old wait's pause was slept out"
 
 
 def test_a_reload_that_shortens_the_wait_wakes_a_target_still_in_its_starts_spread(
@@ -1483,68 +1497,16 @@ def test_a_reload_that_shortens_the_wait_wakes_a_target_still_in_its_starts_spre
     """The same for a target whose first read is still to come: started with the fleet
     spread over half the old wait (the second of two, 150 s in at a 600 s wait), it slept
     out its place in that spread after a reload cut the wait to 0.1 s."""
-    httpserver.expect_request("/metrics").respond_with_data("", status=500)
-    url = httpserver.url_for("").rstrip("/")
-    targets = [Target("a", url), Target("b", url)]
-    settings = [ProbeSettings(wait=600.0)]
-    heard: list[str] = []
-
-    async def main() -> list[str]:
-        tasks = readers.ReadTasks(
-            lambda: settings[-1],
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target.name),
-            lambda _n, _c: None,
-        )
-        try:
-            tasks.assign(targets)
-            async with asyncio.timeout(30):
-                while not heard:  # "a" read at once, "b" asleep in the spread
-                    await asyncio.sleep(0.01)
-            settings.append(ProbeSettings(wait=0.1))
-            tasks.assign(targets)  # as the daemon's reload does (``_start_probes``)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(10):
-                    while heard.count("b") < 2:
-                        await asyncio.sleep(0.01)
-            return heard
-        finally:
-            await tasks.close()
-
-    assert asyncio.run(main()).count("b") >= 2, "its place in the old wait's spread was slept out"
+    heard = heard_across_a_wait_change(
+        httpserver, ["a", "b"], (600.0, 0.1), lambda h: h.count("b") >= 2
+    )
+    assert heard.count("b") >= 2, "its place in the old wait's spread was slept out"
 
 
 def test_a_reload_that_lengthens_the_wait_does_not_hold_back_a_first_read(
     httpserver: HTTPServer,
 ) -> None:
-    """Woken by a longer wait, a target still in its start's spread keeps its place in it:
-    its first read is not put off by the new wait."""
-    httpserver.expect_request("/metrics").respond_with_data("", status=500)
-    url = httpserver.url_for("").rstrip("/")
-    targets = [Target("a", url), Target("b", url)]
-    settings = [ProbeSettings(wait=2.0)]
-    heard: list[str] = []
-
-    async def main() -> list[str]:
-        tasks = readers.ReadTasks(
-            lambda: settings[-1],
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target.name),
-            lambda _n, _c: None,
-        )
-        try:
-            tasks.assign(targets)  # "b" first read half a second on
-            async with asyncio.timeout(30):
-                while not heard:
-                    await asyncio.sleep(0.01)
-            settings.append(ProbeSettings(wait=600.0))
-            tasks.assign(targets)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(10):
-                    while "b" not in heard:
-                        await asyncio.sleep(0.01)
-            return heard
-        finally:
-            await tasks.close()
-
-    assert "b" in asyncio.run(main()), "a longer wait put off a first read"
+    """Woken by a longer wait, a target still in its start's spread keeps its place in it
+    ("b", half a second on at a 2 s wait): its first read is not put off by the new one."""
+    heard = heard_across_a_wait_change(httpserver, ["a", "b"], (2.0, 600.0), lambda h: "b" in h)
+    assert "b" in heard, "a longer wait put off a first read"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle
 from llmhealth.fleet import TRAFFIC_CAUSE, FleetRecord
 from llmhealth.ledger import (
+    BackendSnapshot,
     GoodVerdict,
     Ledger,
     LedgerPolicy,
@@ -122,27 +124,28 @@ def test_a_failure_real_traffic_saw_outlives_an_answered_tiny_request() -> None:
     assert fleet.ledger.snapshot("a", T0 + 3).request_failures == 0
 
 
-def test_a_settle_hears_requests_and_a_verdict_in_the_order_they_happened() -> None:
-    # Verdicts went first whatever the time: an unanswered tiny request after a real
-    # request answered counted on the streak that answer had ended, and condemned.
-    fleet = record()
-    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+def settled_past_an_unanswered_tiny_request(
+    fleet: FleetRecord, requests: Mapping[str, Sequence[RequestOutcome]], at: float
+) -> BackendSnapshot:
+    """Backend a's snapshot after a settle at ``at`` of ``requests`` and a verdict whose
+    tiny request went unanswered at T0 + 12 (reads at T0 + 11 and + 12)."""
     reads = (Read(T0 + 11, Signals()), Read(T0 + 12, Signals()))
     timed_out = Answer(T0 + 12, False, "failed: no answer within 1 s", timed_out=True)
     unanswered = Verdict(
         VerdictKind.UNANSWERED, False, "unanswered: idle", reads=reads, answer=timed_out
     )
     config = Config(backends=(Backend("a", "http://a"), Backend("b", "http://b")))
-    settle(
-        fleet,
-        config,
-        [Outcome(Target("a", "http://a"), unanswered)],
-        T0 + 15,
-        mode=Mode.OFF,
-        audit=None,
-        requests={"a": [ok(T0 + 10)]},
-    )
-    snap = fleet.ledger.snapshot("a", T0 + 15)
+    outcome = Outcome(Target("a", "http://a"), unanswered)
+    settle(fleet, config, [outcome], at, mode=Mode.OFF, audit=None, requests=requests)
+    return fleet.ledger.snapshot("a", at)
+
+
+def test_a_settle_hears_requests_and_a_verdict_in_the_order_they_happened() -> None:
+    # Verdicts went first whatever the time: an unanswered tiny request after a real
+    # request answered counted on the streak that answer had ended, and condemned.
+    fleet = record()
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1)])
+    snap = settled_past_an_unanswered_tiny_request(fleet, {"a": [ok(T0 + 10)]}, T0 + 15)
     assert (snap.state, snap.request_failures) == (State.SUSPECT, 1)
 
 
@@ -318,21 +321,5 @@ def test_an_answer_before_an_unanswered_tiny_request_still_breaks_the_streak() -
     log = RequestLog()
     for outcome in (failed(T0), failed(T0 + 1), ok(T0 + 5), ok(T0 + 20)):
         log.record("a", outcome)
-    fleet = record()
-    reads = (Read(T0 + 11, Signals()), Read(T0 + 12, Signals()))
-    timed_out = Answer(T0 + 12, False, "failed: no answer within 1 s", timed_out=True)
-    unanswered = Verdict(
-        VerdictKind.UNANSWERED, False, "unanswered: idle", reads=reads, answer=timed_out
-    )
-    config = Config(backends=(Backend("a", "http://a"), Backend("b", "http://b")))
-    settle(
-        fleet,
-        config,
-        [Outcome(Target("a", "http://a"), unanswered)],
-        T0 + 25,
-        mode=Mode.OFF,
-        audit=None,
-        requests=log.drain(),
-    )
-    snap = fleet.ledger.snapshot("a", T0 + 25)
+    snap = settled_past_an_unanswered_tiny_request(record(), log.drain(), T0 + 25)
     assert (snap.state, snap.request_failures) == (State.SUSPECT, 0)
