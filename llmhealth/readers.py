@@ -218,8 +218,8 @@ class ReadTasks:
         # shortens the wait wakes it too (from 600 s to 5 s, the second half of a fleet
         # started in the old wait's spread stayed unread for up to 300 s). Never later
         # than that place, though: a lengthened wait does not hold back a first read.
-        first = time.monotonic() + delay
-        await self._pace(target.name, first - self._settings().wait, False, by=first)
+        first, wait = time.monotonic() + delay, self._settings().wait
+        await self._pace(target.name, first - wait, False, wait, by=first)
         window: list[Read] = []
         cpu = LocalCpu(target.url, target.cgroup)  # remembers who listens, across cycles
         learned: LongestStep | None = None
@@ -257,7 +257,8 @@ class ReadTasks:
                         if newest_vllm_read(window) is not None:
                             baseline = None
                     self._deliver(target, verdict, time.monotonic() - started, window)
-                    await self._pace(target.name, started, bool(client.connection.idle_closes))
+                    idle_closes = bool(client.connection.idle_closes)
+                    await self._pace(target.name, started, idle_closes, settings.wait)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -276,16 +277,18 @@ class ReadTasks:
             raise
 
     async def _pace(
-        self, name: str, started: float, idle_closes: bool, by: float | None = None
+        self, name: str, started: float, idle_closes: bool, wait: float, by: float | None = None
     ) -> None:
-        """Until a target read at ``started`` is due again, one wait on (KEEP_ALIVE_LEAD
-        of it sooner once its server has closed an idle connection of ours), by the wait
-        as it is now: asked again when ``assign`` wakes the task for a changed one. Not
+        """Until a target read at ``started`` is due again, one ``wait`` on (KEEP_ALIVE_LEAD
+        of it sooner once its server has closed an idle connection of ours; the wait the
+        read was made under): asked again only when ``assign`` wakes the task for a
+        changed one, or changed it while the read ran, not once more every read. Not
         past ``by``, when given."""
         loop = asyncio.get_running_loop()
         woken_early = False
         while True:
-            wait = self._settings().wait
+            if woken_early or wait != self._paced_by:
+                wait = self._settings().wait
             pause = wait * (1 - KEEP_ALIVE_LEAD) if idle_closes else wait
             left = started + pause - time.monotonic()
             if left <= 0 and woken_early and pause > 0:

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -1510,3 +1511,47 @@ def test_a_reload_that_lengthens_the_wait_does_not_hold_back_a_first_read(
     ("b", half a second on at a 2 s wait): its first read is not put off by the new one."""
     heard = heard_across_a_wait_change(httpserver, ["a", "b"], (2.0, 600.0), lambda h: "b" in h)
     assert "b" in heard, "a longer wait put off a first read"
+
+
+def test_a_wait_a_reload_changed_while_a_read_ran_paces_that_target(
+    httpserver: HTTPServer,
+) -> None:
+    """A task not asleep when ``assign`` saw the wait change (its read was still under
+    way) is not woken; it paces by the wait the reload set, not the one it read under."""
+    answering, reloaded = threading.Event(), threading.Event()
+
+    def metrics(_request: Request) -> Response:
+        answering.set()
+        reloaded.wait(10)  # the first read stays under way until the reload is in
+        return Response("", status=500)
+
+    httpserver.expect_request("/metrics").respond_with_handler(metrics)
+    target = Target("b", httpserver.url_for("").rstrip("/"))
+    settings = [ProbeSettings(wait=600.0)]
+    heard: list[str] = []
+
+    async def main() -> None:
+        tasks = readers.ReadTasks(
+            lambda: settings[-1],
+            time.time,
+            lambda target, _v, _s, _w: heard.append(target.name),
+            lambda _n, _c: None,
+        )
+        try:
+            tasks.assign([target])
+            async with asyncio.timeout(30):
+                while not answering.is_set():
+                    await asyncio.sleep(0.01)
+            settings.append(ProbeSettings(wait=0.1))
+            tasks.assign([target])
+            reloaded.set()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    while len(heard) < 3:
+                        await asyncio.sleep(0.01)
+        finally:
+            reloaded.set()
+            await tasks.close()
+
+    asyncio.run(main())
+    assert len(heard) >= 3, "paced by the wait the read began under"
