@@ -455,7 +455,7 @@ class Router:
     ) -> None:
         self._settings = settings
         self._clock = clock
-        self._retry_after = str(max(1, math.ceil(retry_after)))
+        self._retry_after = _retry_after(retry_after)
         self._routes = frozenset(settings.routes)
         self._affinity = Affinity.parse(settings.affinity) if settings.affinity else None
         self._log = RequestLog()
@@ -493,7 +493,7 @@ class Router:
         outcomes drained across a move (``fleet``), so failures there were not counted.
         """
         if retry_after is not None:
-            self._retry_after = str(max(1, math.ceil(retry_after)))
+            self._retry_after = _retry_after(retry_after)
         before = self._backends
         self._backends = {backend.name: backend for backend in backends}
         self._origins = {name: Origin.parse(b.url) for name, b in self._backends.items()}
@@ -1022,3 +1022,8 @@ def _method(request: Request) -> str:
 def _short(exc: BaseException) -> str:
     """An error's text, short and printable: it goes into logs and JSON answers."""
     return printable((str(exc) or type(exc).__name__)[:200])
+
+
+def _retry_after(wait: float) -> str:
+    """A 503's Retry-After for a wait: whole seconds, at least one (RFC 9110 10.2.3)."""
+    return str(max(1, math.ceil(wait)))
