@@ -180,6 +180,29 @@ def append_command(log: Path) -> list[str]:
 # --- the metrics page -----------------------------------------------------------------------
 
 
+def a_daemon(
+    load: daemon_module.Loader,
+    store: StateFile | daemon_module.MemoryStore,
+    *,
+    wait: float | None = None,
+    listen: tuple[str, int] | None = None,
+    serving_file: Path | None = None,
+    console: Console | None = None,
+    **more: Any,
+) -> Daemon:
+    """A daemon as most tests here run one: no metrics listener, no serving file, the
+    wait its config says, its lines on stderr; a test names only what it differs in."""
+    return Daemon(
+        load,
+        store,
+        listen=listen,
+        wait_override=wait,
+        serving_file=serving_file,
+        console=console or Console(stderr=True),
+        **more,
+    )
+
+
 class Page:
     """One scrape of the daemon's /metrics: the raw text and the parsed families."""
 
@@ -1244,13 +1267,10 @@ def settled_by_hand(
 ) -> Daemon:
     """A daemon over ``fleet()`` (read again at each reload), its state in ``tmp_path``,
     writing ``serving`` if given: settled and reloaded by hand, no loop running."""
-    return Daemon(
+    return a_daemon(
         lambda: (config or config_module.Config(), fleet()),
         StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
         serving_file=serving,
-        console=Console(stderr=True),
         router=router,
     )
 
@@ -1469,14 +1489,7 @@ def _fast_daemon_over_one_busy_backend(urls: Urls, tmp_path: Path) -> Daemon:
     def load() -> tuple[config_module.Config, list[Target]]:
         return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
 
-    return Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.05,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    return a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.05)
 
 
 def _restart_launched_after_a_hold(tmp_path: Path) -> tuple[Daemon, Path, list[CommandDone]]:
@@ -1495,14 +1508,7 @@ def _restart_launched_after_a_hold(tmp_path: Path) -> tuple[Daemon, Path, list[C
     [order] = settled.orders
     held = operate.hold(store, audit, config, "w", 3600, "weight sync")
     assert held.applied, held.message
-    daemon = Daemon(
-        lambda: (config, [target]),
-        store,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (config, [target]), store)
 
     async def launch() -> None:
         try:
@@ -1532,14 +1538,7 @@ def test_a_reload_that_shortens_the_wait_forgets_each_targets_timing_until_its_n
 ) -> None:
     target = Target("b", REFUSED_URL)
     configs = [config_module.Config(wait=5.0), config_module.Config(wait=0.5)]
-    daemon = Daemon(
-        lambda: (configs[0], [target]),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (configs[0], [target]), StateFile(tmp_path / "state.json"))
 
     async def scenario() -> tuple[float | None, float | None]:
         # Two examinations heard under the 5 s wait: the average gap is about 5 s, one
@@ -1633,14 +1632,7 @@ def _daemon_on_one(
     """A daemon watching backend "b" at ``url`` every 0.2 s, its state in ``tmp_path``."""
     config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=read_workers)
     state = tmp_path / "state.json"
-    daemon = Daemon(
-        lambda: (config, [Target("b", url)]),
-        StateFile(state),
-        listen=None,
-        wait_override=0.2,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (config, [Target("b", url)]), StateFile(state), wait=0.2)
     return config, state, daemon
 
 
@@ -1826,14 +1818,7 @@ class RacedSaves(StateFile):
 def quiet_daemon(target: Target, store: StateFile) -> Daemon:
     """A daemon over ``target`` alone with the default config, on ``store``: no listener,
     no serving file; driven by its methods, its loop never run."""
-    return Daemon(
-        lambda: (config_module.Config(), [target]),
-        store,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    return a_daemon(lambda: (config_module.Config(), [target]), store)
 
 
 def test_a_settle_raced_by_an_operator_verb_is_made_again_on_the_verbs_record(
@@ -2301,14 +2286,7 @@ def test_a_stop_during_a_long_restart_command_returns_after_the_grace_not_the_co
         config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
         return config, [Target("w", urls.wedge_b)]
 
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
 
     async def scenario() -> int:
         running = asyncio.create_task(daemon.run())
@@ -2358,10 +2336,7 @@ def test_a_stop_during_the_settle_that_issues_a_restart_runs_no_command(
     def load() -> tuple[config_module.Config, list[Target]]:
         return config, [Target("w", urls.wedge_b)]
 
-    daemon = Daemon(
-        load, StateFile(tmp_path / "state.json"), listen=None, wait_override=0.1,
-        serving_file=None, console=Console(stderr=True),
-    )  # fmt: skip
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
     entered, go_on = threading.Event(), threading.Event()
     settle = daemon._settle
 
@@ -2421,10 +2396,7 @@ def test_a_restart_commands_outcome_the_last_settle_cannot_save_is_still_in_the_
     def load() -> tuple[config_module.Config, list[Target]]:
         return config, [Target("w", urls.wedge_b)]
 
-    daemon = Daemon(
-        load, StateFile(state, lock_timeout=0.2), listen=None, wait_override=0.1,
-        serving_file=None, console=Console(stderr=True),
-    )  # fmt: skip
+    daemon = a_daemon(load, StateFile(state, lock_timeout=0.2), wait=0.1)
 
     async def scenario() -> int:
         running = asyncio.create_task(daemon.run())
@@ -2471,14 +2443,7 @@ def test_systemd_hears_stopping_when_the_stop_begins_not_after_the_grace(
     heard: list[bytes] = []
 
     async def scenario(sock: socket.socket) -> int:
-        daemon = Daemon(
-            load,
-            StateFile(state),
-            listen=None,
-            wait_override=0.1,
-            serving_file=None,
-            console=Console(stderr=True),
-        )
+        daemon = a_daemon(load, StateFile(state), wait=0.1)
         running = asyncio.create_task(daemon.run())
         deadline = time.monotonic() + PATIENCE
         while not (started.exists() and started.read_text()):
@@ -2679,13 +2644,10 @@ def test_a_wall_clock_stepped_forward_stalls_no_fleet(
         )
         return config, [Target("reader", urls.prefill)]  # work pending, nothing finishes
 
-    daemon = Daemon(
+    daemon = a_daemon(
         load,
         StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
+        wait=0.1,
         clock=lambda: time.time() + step[0],
         steady=time.monotonic,
     )
@@ -2741,13 +2703,8 @@ def test_a_probing_task_that_dies_is_logged_counted_and_started_again(
     def load() -> tuple[config_module.Config, list[Target]]:
         return config_module.Config(timeout=1.0, answer_timeout=1.0), [Target("b", urls.busy)]
 
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=("127.0.0.1", port),
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
+    daemon = a_daemon(
+        load, StateFile(tmp_path / "state.json"), wait=0.1, listen=("127.0.0.1", port)
     )
 
     async def scenario() -> Page:
@@ -2780,13 +2737,8 @@ def test_a_fleets_first_reads_start_spread_over_the_first_half_of_the_wait(
     backends = [{"name": f"b{i}", "url": f"http://127.0.0.1:{9 + i}"} for i in range(4)]
     config = config_module.from_mapping({"wait": 2.0, "backend": backends}, "<test>")
     targets = [Target(b.name, b.url) for b in config.backends]
-    daemon = Daemon(
-        lambda: (config, targets),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(quiet=True),
+    daemon = a_daemon(
+        lambda: (config, targets), StateFile(tmp_path / "state.json"), console=Console(quiet=True)
     )
     started: list[tuple[str, float]] = []
     reading = daemon._reading
@@ -2805,14 +2757,7 @@ def in_process(
     serving_file: Path | None = None,
 ) -> Daemon:
     """A daemon in this process, its state in ``tmp_path``, no metrics listener."""
-    return Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=wait,
-        serving_file=serving_file,
-        console=Console(stderr=True),
-    )
+    return a_daemon(load, StateFile(tmp_path / "state.json"), wait=wait, serving_file=serving_file)
 
 
 def test_sighup_reads_a_backend_it_adds_without_waiting_out_the_wait(
@@ -3291,14 +3236,7 @@ def test_a_restart_command_heard_after_a_rename_counts_under_the_new_name(
     configs = [(before, [Target("gpu0", url)]), (after, [Target("node-gpu0", url)])]
 
     async def scenario() -> dict[tuple[str, str], int]:
-        daemon = Daemon(
-            lambda: configs[0],
-            store,
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(file=io.StringIO()),
-        )
+        daemon = a_daemon(lambda: configs[0], store, console=Console(file=io.StringIO()))
         try:
             configs.pop(0)
             daemon._reload_config()  # SIGHUP while the command runs: a new name, same server
@@ -3384,15 +3322,7 @@ def test_a_route_reload_to_a_config_with_no_backend_is_refused_as_its_start_is(
 
     async def scenario() -> list[str]:
         router = Router(RouterConfig(), [Backend(backend.name, backend.url)])
-        daemon = Daemon(
-            lambda: fleets[0],
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
+        daemon = a_daemon(lambda: fleets[0], StateFile(tmp_path / "state.json"), router=router)
         try:
             fleets.pop(0)
             daemon._reload_config()
@@ -3429,14 +3359,7 @@ def test_a_reload_to_a_file_python_itself_refuses_is_refused_and_the_daemon_goes
         loaded = config_module.load(path)
         return loaded, config_module.targets_for(loaded, [], [])
 
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"))
     path.write_text(edit(path.read_text()))
     try:
         daemon._reload_config()
@@ -3454,13 +3377,8 @@ def test_a_members_serials_keep_no_backend_the_config_no_longer_names(tmp_path: 
     and comes back still never repeats a serial the leader may have settled."""
     names = iter(f"pod-{n}" for n in range(1000))
     current = [Target(next(names), REFUSED_URL)]
-    daemon = Daemon(
-        lambda: (config_module.Config(), list(current)),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
+    daemon = a_daemon(
+        lambda: (config_module.Config(), list(current)), StateFile(tmp_path / "state.json")
     )
     daemon._shares = cast(Any, object())  # a member's: only its presence is asked here
     idle = Verdict(VerdictKind.IDLE, True, "idle")
@@ -3525,14 +3443,7 @@ def test_the_last_settle_of_a_stop_does_not_fail_a_restart_whose_command_still_r
         )
         return config, [Target("slow", urls.wedge_a), Target("quick", urls.wedge_b)]
 
-    daemon = Daemon(
-        load,
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
 
     async def scenario() -> int:
         running = asyncio.create_task(daemon.run())
@@ -3565,12 +3476,9 @@ def clocked_daemon(
     ticks: list[float],
 ) -> Daemon:
     """A daemon on a wall clock and a steady one the test moves (``wall[0]``, ``ticks[0]``)."""
-    return Daemon(
+    return a_daemon(
         load,
         store,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
         console=Console(file=io.StringIO()),
         clock=lambda: wall[0],
         steady=lambda: ticks[0],
@@ -3822,13 +3730,8 @@ def test_a_daemon_started_while_the_state_is_locked_still_reads_with_the_steps_i
     record.sightings["a"] = Sighting(now - 10, True, parse_metrics(frozen), step)
     with holder.locked():
         holder.save(record.to_document())
-    daemon = Daemon(
-        lambda: (config, [Target("a", url)]),
-        StateFile(path, lock_timeout=0.2),
-        listen=None,
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
+    daemon = a_daemon(
+        lambda: (config, [Target("a", url)]), StateFile(path, lock_timeout=0.2), wait=0.1
     )
     release = threading.Event()
     held = threading.Event()
@@ -3884,14 +3787,7 @@ def test_a_probing_task_started_again_still_reads_with_the_step_the_record_keeps
     )
     with store.locked():
         store.save(record.to_document())
-    daemon = Daemon(
-        lambda: (config, [Target("a", url)]),
-        store,
-        listen=None,
-        wait_override=0.1,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (config, [Target("a", url)]), store, wait=0.1)
 
     async def scenario() -> str | None:
         running = asyncio.create_task(daemon.run())
@@ -3994,14 +3890,7 @@ def test_a_restart_heard_after_its_backend_left_the_config_leaves_no_series_behi
     )
     [order] = settled.orders
     reloaded = config_module.Config(backends=(kept,))
-    daemon = Daemon(
-        lambda: (reloaded, [other]),
-        store,
-        listen=None,
-        wait_override=None,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (reloaded, [other]), store)
     failed = CommandResult(order.argv, 1, False, 0.1, "", "unit not found")
     try:
         heard = daemon._settle(daemon_module.News([], [CommandDone(order, failed)]))
@@ -4128,13 +4017,10 @@ def _moved_scenario(
     idle = Verdict(VerdictKind.IDLE, True, "idle: answered")
 
     def made(router: Router) -> Daemon:
-        return Daemon(
+        return a_daemon(
             lambda: (config, fleets[0]),
             StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
             serving_file=serving_file,
-            console=Console(stderr=True),
             router=router,
         )
 
@@ -4225,13 +4111,10 @@ def test_a_moved_backend_unread_there_stays_out_across_a_restart(tmp_path: Path)
     unjudged = probe.unjudged("not judged: read worker 1 exited (-9)")
 
     def made(router: Router) -> Daemon:
-        return Daemon(
+        return a_daemon(
             lambda: (config, fleets[0]),
             StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
             serving_file=tmp_path / "serving.json",
-            console=Console(stderr=True),
             router=router,
         )
 
@@ -4273,14 +4156,7 @@ def test_a_proxy_watch_could_not_read_is_not_exported_down(
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
     targets = [Target("b", "http://b.test:8000"), Target("lb", "http://lb.test:8000", "proxy")]
-    daemon = Daemon(
-        lambda: (config, targets),
-        StateFile(tmp_path / "state.json"),
-        listen=None,
-        wait_override=0.2,
-        serving_file=None,
-        console=Console(stderr=True),
-    )
+    daemon = a_daemon(lambda: (config, targets), StateFile(tmp_path / "state.json"), wait=0.2)
 
     def examined() -> bool:
         views = {view.name: view for view in daemon._collector.view.backends}
@@ -4521,15 +4397,7 @@ def test_a_route_reload_that_changes_the_wait_has_the_router_say_the_new_one(
 
     async def scenario() -> list[str]:
         router = Router(RouterConfig(), [Backend(backend.name, backend.url)], retry_after=600.0)
-        daemon = Daemon(
-            lambda: fleets[-1],
-            StateFile(tmp_path / "state.json"),
-            listen=None,
-            wait_override=None,
-            serving_file=None,
-            console=Console(stderr=True),
-            router=router,
-        )
+        daemon = a_daemon(lambda: fleets[-1], StateFile(tmp_path / "state.json"), router=router)
         said = []
         try:
             await router.start("127.0.0.1", port)
