@@ -26,6 +26,7 @@ from typing import IO, Final, Protocol
 
 from llmhealth.openfiles import (
     LOCK_TIMEOUT,
+    OUT_OF_FILES,
     NotRegularFileError,
     lock_within,
     make_directories,
@@ -50,7 +51,11 @@ _MAX_DEPTH: Final = 32
 @dataclass(frozen=True, slots=True)
 class CommandResult:
     """What one command did. ``exit_code`` is None when it never ran (the reason is in
-    ``stderr``) and negative when a signal ended it, as in ``subprocess``."""
+    ``stderr``) and negative when a signal ended it, as in ``subprocess``.
+
+    ``own_shortage``: it never ran because this process had no descriptor left for its
+    pipes (``openfiles.OUT_OF_FILES``): llmhealth's own failure, no restart that failed.
+    """
 
     argv: tuple[str, ...]
     exit_code: int | None
@@ -58,6 +63,7 @@ class CommandResult:
     duration: float  # seconds, from start to the end of reading its output
     stdout: str
     stderr: str
+    own_shortage: bool = False
 
     @property
     def ok(self) -> bool:
@@ -160,7 +166,10 @@ def run_command(
             env=env,  # None: this process's own
         )
     except OSError as exc:  # missing, not executable, not a valid binary...
-        return _not_run(args, start, exc.strerror or str(exc))
+        # Or no descriptor left for its pipes: this process's want, said as such, so that
+        # it is not held against the backend as a failed restart (remediate.hear_commands).
+        own = exc.errno in OUT_OF_FILES
+        return _not_run(args, start, exc.strerror or str(exc), own_shortage=own)
     except ValueError as exc:  # an environment no process can be given (a NUL in a value)
         return _not_run(args, start, f"its environment cannot be passed: {exc}")
 
@@ -312,7 +321,9 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(KILL_GRACE if proc.poll() is None else None)
 
 
-def _not_run(args: tuple[str, ...], start: float, why: str) -> CommandResult:
+def _not_run(
+    args: tuple[str, ...], start: float, why: str, *, own_shortage: bool = False
+) -> CommandResult:
     return CommandResult(
         argv=args,
         exit_code=None,
@@ -320,6 +331,7 @@ def _not_run(args: tuple[str, ...], start: float, why: str) -> CommandResult:
         duration=time.monotonic() - start,
         stdout="",
         stderr=f"cannot run {args[0]!r}: {why}",
+        own_shortage=own_shortage,
     )
 
 

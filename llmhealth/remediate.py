@@ -365,16 +365,19 @@ def hear_commands(
             else:
                 why = how_it_ended(result)  # "did not run": the audit line says why
                 stamped = record.ledger.snapshot(name, now).last_restart_at
+                # A command this process had no descriptor to start spent no attempt: held
+                # against the backend, a daemon short of descriptors spent each wedged
+                # backend's budget and retired it. Its cooldown stands (failures not
+                # doubled), so the next try waits the base cooldown, not the next settle.
+                no_attempt = finished.withdrawn or result.own_shortage
                 failed = record.ledger.apply(
                     name,
-                    RestartFailed(
-                        now=now, reason=f"restart command {why}", withdrawn=finished.withdrawn
-                    ),
+                    RestartFailed(now=now, reason=f"restart command {why}", withdrawn=no_attempt),
                 )
                 entry["to"] = str(failed.to_state)
-                if failed.applied and not finished.withdrawn:
+                if failed.applied and not no_attempt:
                     record.restart_failed(name)
-                elif failed.applied:
+                elif failed.applied and finished.withdrawn:
                     _attempt_given_back(record, name, order, stamped)
         else:
             entry["superseded"] = True

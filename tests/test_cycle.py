@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -1798,3 +1799,40 @@ def test_a_proof_kept_with_the_record_is_cut_to_its_share_the_audit_line_is_not(
     assert len(json.dumps(proof)) <= PROOF_BYTES
     [line] = [r for r in read(audit.path) if r["event"] == "wedge_proven"]
     assert len(line["evidence"]["reads"]) == 400
+
+
+def _without_descriptors(action: Callable[[], T]) -> T:
+    """``action`` run while this process can open no file: its soft limit lowered to the
+    descriptors it holds, every one left taken."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    taken: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, soft), hard))
+    try:
+        try:
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        return action()
+    finally:
+        for descriptor in taken:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_restart_command_this_process_had_no_descriptor_to_start_spends_no_attempt() -> None:
+    """A command llmhealth could not start for want of its own descriptors (EMFILE for
+    its pipes) is no restart that failed: counted as one, a daemon short of descriptors
+    spent each wedged backend's budget, doubled its cooldown, and retired it."""
+    at = T0
+    record = _restarted(["a"], at)
+    order = RestartOrder("a", record.ledger.url_of("a"), ("true",), 60.0, at, "wedged", {})
+    result = _without_descriptors(lambda: run_command(order.argv, 5.0))
+    assert result.exit_code is None and result.own_shortage, result
+    done = CommandDone(order, result)
+    settle(record, SHARED_FAULT_FLEET, [], at + 5, mode=Mode.OFF, audit=None, commands=[done])
+    assert record.ledger.state_of("a") is State.DEAD
+    assert record.ledger.snapshot("a", at + 5).restart_attempts == 0
+    assert record.restarts["a"] == RestartHistory(0, at)  # its cooldown stands, undoubled
