@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
-from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from llmhealth.classify import VerdictKind
 from llmhealth.ledger import State
+from llmhealth.openfiles import OUT_OF_FILES
 from llmhealth.report import FleetSummary, finite
 
 
@@ -322,6 +323,11 @@ SCRAPE_TIMEOUT: Final = 10.0
 # job: a few servers and an operator's curl fit. Past it a connection is closed
 # unanswered, so idle sockets cannot pile up threads.
 SCRAPES_AT_ONCE: Final = 16
+# Seconds the listener waits before accepting again when this process has no descriptor
+# left (as asyncio's servers wait, one second): the connection waiting to be taken kept
+# the listening socket ready, and each accept failed at once, about 200,000 a second, a
+# core and the GIL taken from the loop whose own reads were failing for want of them.
+ACCEPT_PAUSE: Final = 1.0
 # What a scraper's own doing raises (it timed out, or went away): no traceback for the
 # daemon's log, wherever wsgiref or socketserver would print one.
 _SCRAPERS_OWN: Final = (TimeoutError, ConnectionError)
@@ -413,7 +419,22 @@ class _ScrapeServer(ThreadingWSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._places = threading.BoundedSemaphore(SCRAPES_AT_ONCE)
+        self._stopping = threading.Event()
         super().__init__(*args, **kwargs)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in OUT_OF_FILES:
+                # No descriptor for it: the connection stays queued and the socket
+                # ready, so retrying at once only spins (socketserver drops the error).
+                self._stopping.wait(ACCEPT_PAUSE)
+            raise
+
+    def shutdown(self) -> None:
+        self._stopping.set()  # a pause for descriptors delays no stop
+        super().shutdown()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._places.acquire(blocking=False):
@@ -526,8 +547,12 @@ def serve(collector: FleetCollector, host: str, port: int) -> tuple[WSGIServer, 
     class Server(_ScrapeServer):
         address_family = family  # an IPv6 listen address needs its family at bind
 
-    app = _PagePerView(collector, make_wsgi_app(registry))
-    server = make_server(str(address[0]), port, app, Server, handler_class=_ScrapeHandler)
+    # Bound to the address as resolved, whole: an IPv6 link-local one's zone
+    # ("fe80::1%eth0") is its scope ID, the fourth field. Given as (host, port), as
+    # make_server gives it, the zone was dropped and every such bind failed (EINVAL),
+    # where `route` listens there.
+    server = Server(address, _ScrapeHandler)
+    server.set_app(_PagePerView(collector, make_wsgi_app(registry)))
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
     return server, thread

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -729,3 +733,118 @@ def test_a_request_cut_off_at_its_deadline_is_not_answered(
             if "process_request_thread" in thread.name:
                 thread.join(10.0)  # the handler is done with the connection
     assert renders == []
+
+
+# Run in a network namespace of its own (unshare -n), where loopback gets a link-local
+# address: exit 77 when that cannot be set up here, else the status of a scrape.
+_LINK_LOCAL_SCRAPE = """
+import sys
+import socket
+from llmhealth.exporter import FleetCollector, serve
+try:
+    server, thread = serve(FleetCollector(), "fe80::1%lo", 0)
+except OSError as exc:
+    print(f"serve: {exc}")
+    sys.exit(1)
+with socket.create_connection(("fe80::1%lo", server.server_address[1]), timeout=10) as s:
+    s.sendall(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
+    print(s.makefile("rb").readline().decode().strip())
+server.shutdown()
+server.server_close()
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
+    reason="root, util-linux unshare and iproute2 ip (a network namespace of its own)",
+)
+def test_serve_listens_on_an_ipv6_link_local_address_with_its_zone() -> None:
+    """``--listen [fe80::1%eth0]:9464``: the zone is the address's scope. Bound as
+    (host, port), it was dropped, and the bind failed with EINVAL where `route` listens."""
+    setup = "ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad || exit 77"
+    done = subprocess.run(
+        [
+            "unshare",
+            "-n",
+            "sh",
+            "-c",
+            f'{setup}; exec "$0" -c "$1"',
+            sys.executable,
+            _LINK_LOCAL_SCRAPE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if done.returncode == 77 or "unshare:" in done.stderr:
+        pytest.skip(f"no network namespace here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split()[1] == "200", done.stdout
+
+
+# A listener in a process with no descriptor left: it counts its accept attempts while a
+# scraper's connection waits, then gives the descriptors back and answers it.
+_OUT_OF_FILES_SCRAPE = """
+import os, resource, sys, time
+from llmhealth import exporter
+from llmhealth.exporter import FleetCollector, serve
+attempts = 0
+accept = exporter._ScrapeServer.get_request
+def counted(server):
+    global attempts
+    attempts += 1
+    return accept(server)
+exporter._ScrapeServer.get_request = counted
+server, thread = serve(FleetCollector(), "127.0.0.1", 0)
+print(server.server_address[1], flush=True)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+while True:
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+print("full", flush=True)
+sys.stdin.readline()  # the scraper has connected
+time.sleep(0.5)
+before = attempts
+time.sleep(1.0)
+print(attempts - before, flush=True)
+for descriptor in held:
+    os.close(descriptor)
+sys.stdin.readline()  # the scraper has its answer
+server.shutdown()
+server.server_close()
+"""
+
+
+@pytest.mark.slow
+def test_a_listener_out_of_descriptors_waits_to_accept_again_not_spins() -> None:
+    """Each accept failed at once while a connection waited (about 200,000 a second),
+    a core and the GIL taken from the loop, itself short of descriptors. It waits."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _OUT_OF_FILES_SCRAPE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            port = int(child.stdout.readline())
+            assert child.stdout.readline().strip() == "full"
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                child.stdin.write("connected\n")
+                child.stdin.flush()
+                attempts = int(child.stdout.readline())
+                with sock.makefile("rb") as answer:
+                    status_line = answer.readline()  # taken once descriptors are back
+                child.stdin.write("answered\n")
+                child.stdin.flush()
+            assert child.wait(timeout=30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert attempts <= 5, attempts
+    assert status_line.split()[1] == b"200", status_line
