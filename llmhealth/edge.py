@@ -10,9 +10,9 @@ collects the body and runs the handler in one task. Its rules:
 - a head, with any blank lines before it, is at most ``MAX_HEAD_BYTES`` and
   ``MAX_FIELDS`` fields (else 431; 414 when the request line alone leaves no room within
   the bound for the head's final CRLF); a request line that is not ``METHOD SP target
-  SP HTTP/1.x``, a malformed field, a bare CR or LF, a body framed both ways, or an
-  HTTP/1.1 request without exactly one Host is 400; a Transfer-Encoding other than
-  chunked is 501;
+  SP HTTP/1.x`` (its target a path, a URL or ``*``), a malformed field, a bare CR or LF,
+  a body framed both ways, or an HTTP/1.1 request without exactly one Host is 400; a
+  Transfer-Encoding other than chunked is 501;
 - a body is framed by Content-Length or chunked (HTTP/1.1 only) and at most ``max_body``
   bytes, a chunked body's framing too (each chunk costing at least ``http1.CHUNK_COST``): the
   handler hears ``BadRequestError`` (413, or 400 for a broken chunk), and the connection
@@ -364,6 +364,12 @@ class _Connection(asyncio.Protocol):
             except ValueError as exc:  # "http://[::1/x": an IPv6 host never closed
                 raise FramingError(f"a request target that is no URL: {exc}") from None
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        elif not target.startswith("/") and target != "*":  # "*": OPTIONS' asterisk-form
+            # RFC 9112 3.2: neither a path nor a URL. "%2Fv1%2Fchat%2Fcompletions" decodes
+            # to a route, and went on to the backend as a request line with no path.
+            raise FramingError(
+                f"a request target that is neither a path nor a URL: {target[:80]!r}"
+            )
         headers = Fields(http1.fields(lines[1:]))
         coding, length_text = http1.body_fields(headers.items())
         length: int | None = 0

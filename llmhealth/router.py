@@ -945,11 +945,15 @@ class Router:
         """The ledger's floor, and whether the router can send anywhere now: with every
         serving backend dropped after a failure (sent nothing until the next settle, named
         apart) each request gets ``no_backend_status``, and a load balancer that heard
-        "ok" kept sending. One dropped among others breaches nothing: the rest serve."""
+        "ok" kept sending. One dropped among others breaches nothing: the rest serve.
+        Nor is a floor of 0 with nothing serving "ok": never breached, it said so while
+        every request was answered ``no_backend_status``."""
         serving = len(self._serving)
         if serving < self._min_healthy:
             status = "floor breached"
-        elif serving and not self._pick_set():
+        elif not serving:
+            status = "no backend serving"
+        elif not self._pick_set():
             status = "every serving backend dropped after a failed request"
         else:
             status = "ok"

@@ -370,6 +370,26 @@ def test_health_counts_a_backend_dropped_after_a_failure_as_not_serving(
     run(scenario())
 
 
+def test_health_with_a_floor_of_zero_and_nothing_serving_is_503() -> None:
+    """A floor of 0 is never breached, yet with nothing serving the router answers every
+    request no_backend_status: its /health said "ok" then, and the load balancer in front
+    kept sending it what it could not serve (README: 200 only while it has one to send to)."""
+
+    async def scenario() -> None:
+        async with routing({"a": refused_url()}) as (router, url), client() as http:
+            router.push({}, {"a": "dead"}, 0)
+            assert (await http.post(url + CHAT, content=BODY)).status_code == 503
+            health = await http.get(url + "/health")
+            assert health.status_code == 503
+            assert health.json()["status"] == "no backend serving"
+            assert (health.json()["serving"], health.json()["min_healthy"]) == (0, 0)
+            router.push({"a": ANY_MODEL}, {"a": "healthy"}, 0)
+            health = await http.get(url + "/health")
+            assert (health.status_code, health.json()["status"]) == (200, "ok")
+
+    run(scenario())
+
+
 def test_health_stays_ok_with_one_backend_dropped_while_another_serves(
     httpserver: HTTPServer,
 ) -> None:
@@ -637,6 +657,39 @@ def test_a_request_head_beyond_the_bounds_gets_a_4xx_and_counts_against_nobody(
             assert await failures(router) == [("a", None, None)]
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    "target", [b"%2Fv1%2Fchat%2Fcompletions", b"v1/chat/completions", b"host:443"]
+)
+def test_a_target_neither_a_path_nor_a_url_is_400_and_never_sent_on(target: bytes) -> None:
+    """RFC 9112 3.2: a request's target is a path (origin-form) or a URL (absolute-form,
+    sent on as its path). One that only decoded to a route was sent on as it came, a
+    request line with no path that backends read each their own way (served, refused),
+    and a backend closing on it had the client's malformed request counted against it."""
+    sent: list[bytes] = []
+
+    async def answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            sent.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with raw_backend(answers) as backend, routing({"a": backend}) as (router, url):
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(url.split(":")[-1]))
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (target, len(BODY), BODY)
+            )
+            status_line = await asyncio.wait_for(reader.readline(), BOUND)
+            writer.close()
+            assert status_line.split()[1] == b"400", status_line
+            assert await drained(router) == {}
+
+    run(scenario())
+    assert sent == []
 
 
 def test_nothing_serving_the_model_is_answered_at_once_naming_every_backend() -> None:
