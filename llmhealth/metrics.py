@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from itertools import count
 from operator import attrgetter, itemgetter
+from sys import getsizeof
 from typing import Any, TypeVar
 
 from llmhealth.pickling import pickled_as_a_call
@@ -443,9 +444,12 @@ _ZERO = 0.0
 
 
 def _combine(
-    samples: dict[_Key, float], sleep: dict[str, dict[str, float]]
+    samples: dict[_Key, float],
+    sleep: dict[str, dict[str, float]],
+    buckets: dict[_Key, dict[float, float]] | None = None,
 ) -> tuple[EngineSignals, ...]:
-    """The engines' signals from samples already read, by the rules ``_read`` uses."""
+    """The engines' signals from samples already read, by the rules ``_read`` uses;
+    ``buckets`` are each histogram's counts by bound."""
     values = list(samples.values())
     positions = dict(zip(samples, range(len(values)), strict=True))
     states = {}
@@ -453,7 +457,12 @@ def _combine(
         for state, reading in by_state.items():
             states[(engine, state)] = len(values)
             values.append(reading)
-    return _engines(_plan(positions, {}, states), values)
+    histograms: dict[_Key, dict[float, int]] = {}
+    for key, counts in (buckets or {}).items():
+        for bound, reading in counts.items():
+            histograms.setdefault(key, {})[bound] = len(values)
+            values.append(reading)
+    return _engines(_plan(positions, histograms, states), values)
 
 
 def _layout(heads: tuple[bytes, ...]) -> _Layout:
@@ -602,8 +611,25 @@ def _meaning(head: bytes) -> _Meaning | None:
     except KeyError:
         pass  # rare: a fleet's lines are understood once
     meaning = _interpret(head)
-    _MEANINGS.remember(head, meaning, len(head))
+    _MEANINGS.remember(head, meaning, _meaning_size(head, meaning))
     return meaning
+
+
+# What a remembered meaning holds besides its line's text (measured with tracemalloc): its
+# tuples, label set and the memo's entries for it, and per label a pair in the set, with
+# the label's name and value as strings of their own. Its text alone was counted: a server
+# sending lines of many short labels, new on each read, kept 20 times the memo's budget
+# (160 MB for its 8 MiB).
+_MEANING_COST = 512
+_LABEL_COST = 128
+
+
+def _meaning_size(head: bytes, meaning: _Meaning | None) -> int:
+    if meaning is None:
+        return len(head)
+    labels = meaning[1][2]
+    strings = sum(getsizeof(name) + getsizeof(value) for name, value in labels)
+    return len(head) + len(meaning[3]) + _MEANING_COST + _LABEL_COST * len(labels) + strings
 
 
 _MEANINGS_MAX = 4096

@@ -459,6 +459,44 @@ def test_a_remembered_layout_is_counted_at_no_less_than_it_holds(
     assert held <= counted + 64 * 1024  # and nothing when not kept (tracemalloc's own noise)
 
 
+@pytest.mark.parametrize(
+    "shape", ["short-labels", "labels-with-values", "wide-values", "leftover", "real-capture"]
+)
+def test_a_remembered_meaning_is_counted_at_no_less_than_it_holds(
+    shape: str, fixture_text: Load
+) -> None:
+    """The meaning memo's budget bounds what it keeps: counting only the lines' text, a
+    server sending lines of many short labels, new on each read, kept 20 times it (160 MB
+    for 8 MiB): each label is a pair of strings in a set, a dozen times its text."""
+    texts = {
+        "short-labels": "".join(f'l{index}="",' for index in range(2_000)),
+        "labels-with-values": "".join(f'l{index}="v{index}",' for index in range(2_000)),
+        "wide-values": "".join(f'l{index}="{"a" * 50}\U0001f600",' for index in range(200)),
+    }
+    if shape == "real-capture":
+        text = capture(fixture_text, "busy-1")
+    elif shape == "leftover":
+        text = 'vllm:num_requests_running{engine="0"}' + "x" * 100_000 + "} 1\n"
+    else:
+        text = f"vllm:num_requests_running{{{texts[shape]}}} 1\n"
+    metrics._LAYOUTS.clear()
+    metrics._MEANINGS.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        parse_metrics(text.encode())
+        metrics._LAYOUTS.clear()  # what is left is the meanings the memo keeps
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        counted = metrics._MEANINGS._bytes
+        kept = len(metrics._MEANINGS)
+    finally:
+        tracemalloc.stop()
+        metrics._MEANINGS.clear()
+    assert kept > 0  # kept, and counted at what it holds (tracemalloc's own noise aside)
+    assert held <= counted + 64 * 1024
+
+
 def test_more_kinds_of_text_than_the_layout_cache_holds_still_hit_it() -> None:
     """Read in turn, texts of more layouts than are kept: a full cache keeps what it holds
     (it was emptied before, so that every read missed) and admits a few newcomers."""
@@ -494,13 +532,16 @@ def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() ->
         for _ in range(2):
             assert only_engine(parse_metrics(text)).running == 3.0
         assert not any(huge.encode() in head for head in metrics._MEANINGS)
-        big = "b" * (metrics._MEANINGS.budget // 10)  # under an eighth: kept, while room lasts
+        # Under an eighth with its decoded copy: kept, while room lasts.
+        big = "b" * (metrics._MEANINGS.budget // 20)
         for index in range(3 * metrics._ADMIT_ONE_IN * 10):
             line = f'vllm:num_requests_running{{engine="0",model_name="{big}{index}"}} 1'
             assert only_engine(parse_metrics(line)).running == 1.0
         keys = list(metrics._MEANINGS)
         assert 0 < sum(map(len, keys)) <= metrics._MEANINGS.budget
-        assert metrics._MEANINGS._bytes == sum(map(len, keys))  # it counts what it holds
+        assert metrics._MEANINGS._bytes == sum(  # it counts what it holds
+            metrics._meaning_size(head, meaning) for head, meaning in metrics._MEANINGS.items()
+        )
         # A layout is counted with what it holds besides its lines' text.
         lines = [head for heads in metrics._LAYOUTS for head in heads]
         assert 0 < sum(map(len, lines)) < metrics._LAYOUTS._bytes <= metrics._LAYOUTS.budget
@@ -517,6 +558,7 @@ def test_what_a_server_invents_is_read_but_kept_only_within_the_memos_bytes() ->
             for engine in range(32)
             for series in ("num_requests_running", "num_requests_waiting") * 25
         )
+        metrics._LAYOUTS.clear()  # kept where there is room: no lottery of a full memo
         assert len(parse_metrics(engines).engines) == 32
         assert any(len(heads) == 32 * 50 for heads in metrics._LAYOUTS)
     finally:

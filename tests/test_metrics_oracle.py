@@ -4,7 +4,7 @@
 reads; a full parse by prometheus_client is the independent reading it must agree with.
 Its samples are fed through the same combination as ours (``_combine``), so what is
 compared is exactly what the speed work touched: which lines are found, and how their
-labels and values are read.
+labels and values are read. Every field is compared, the histograms' figures too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from llmhealth.metrics import Signals, parse_metrics
 FOLDER = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 # A real capture is a body with its response headers beside it (as in test_metrics.py).
 CAPTURES = sorted(FOLDER / f"{path.stem}.txt" for path in FOLDER.glob("*.headers"))
-READ = {**metrics._SERIES}  # series name -> field
+READ = {**metrics._SERIES, metrics._PREFILL_SUM: "prefill_seconds"}  # series name -> field
+BUCKETS = metrics._BUCKETS
 SLEEP, START = metrics._SLEEP_SERIES, metrics._START_SERIES
 BY_REASON = metrics._BY_REASON_SERIES
 
@@ -31,6 +32,7 @@ BY_REASON = metrics._BY_REASON_SERIES
 def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
     """Per engine its signals, and the process start, from prometheus_client's samples."""
     samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = {}
+    buckets: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, float]] = {}
     sleep: dict[str, dict[str, float]] = {}
     start = None
     starts = set()
@@ -48,6 +50,11 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                     sleep.setdefault(engine, {})[labels["sleep_state"]] = value
             elif name in READ and math.isfinite(value) and value >= 0:
                 samples[(READ[name], engine, frozenset(labels.items()))] = value
+            elif name in BUCKETS and math.isfinite(value) and value >= 0:
+                bound = _bound(labels.pop("le", None))
+                if bound is not None:
+                    key = (BUCKETS[name], engine, frozenset(labels.items()))
+                    buckets.setdefault(key, {})[bound] = value
             elif (
                 name == BY_REASON
                 and math.isfinite(value)
@@ -57,7 +64,16 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                 samples[("waiting_deferred", engine, frozenset(labels.items()))] = value
     if len(starts) > 1:  # more than one server's text: not read (parse_metrics's rule)
         return {}, None
-    return _by_engine(Signals(metrics._combine(samples, sleep))), start
+    return _by_engine(Signals(metrics._combine(samples, sleep, buckets))), start
+
+
+def _bound(text: str | None) -> float | None:
+    """A bucket's upper bound, as Prometheus reads ``le``; None for one no count can have."""
+    try:
+        bound = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return None if math.isnan(bound) or bound < 0 else bound
 
 
 def ours(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
@@ -74,6 +90,10 @@ def _by_engine(signals: Signals) -> dict[str, tuple[object, ...]]:
             engine.kv_usage,
             engine.sleep_state,
             tuple(sorted(engine.counters.items())),
+            engine.longest_gap,
+            engine.gap_beyond,
+            engine.largest_step_tokens,
+            engine.prefill_seconds,
         )
         for engine in signals.engines
     }
@@ -85,7 +105,7 @@ def test_every_capture_reads_as_prometheus_client_reads_it(path: Path) -> None:
     assert ours(text) == oracle(text)
 
 
-NAMES = [*READ, SLEEP, START, BY_REASON, "vllm:other_total"]
+NAMES = [*READ, *BUCKETS, SLEEP, START, BY_REASON, "vllm:other_total"]
 LABEL_NAMES = ["engine", "model_name", "finished_reason", "sleep_state", "le", "reason"]
 LABEL_VALUES = [
     "0",
@@ -100,6 +120,8 @@ LABEL_VALUES = [
     'q\\"t',
     "x\\\\y",
     "",
+    "0.5",
+    "+Inf",
 ]
 VALUES = ["0", "1", "3.5", "1e3", "-2", "NaN", "+Inf", "-Inf", "1796024376.26", "17"]
 
