@@ -43,6 +43,10 @@ _DRAIN_AFTER_EXIT: Final = 1.0
 _POLL: Final = 0.1  # how often exit is checked while the pipes stay quiet
 _CHUNK: Final = 65536
 _MAX_DEPTH: Final = 32
+# Errors starting a command that are this process's want, not the command's failing: no
+# descriptor for its pipes, or no process (a pids limit, as a thread not started is in
+# `watch`) or memory to fork. Not the backend's, so no restart of it that failed.
+_OWN_SHORTAGE: Final = OUT_OF_FILES | {errno.EAGAIN, errno.ENOMEM}
 
 
 # --- restart commands -----------------------------------------------------------------
@@ -54,7 +58,8 @@ class CommandResult:
     ``stderr``) and negative when a signal ended it, as in ``subprocess``.
 
     ``own_shortage``: it never ran because this process had no descriptor left for its
-    pipes (``openfiles.OUT_OF_FILES``): llmhealth's own failure, no restart that failed.
+    pipes (``openfiles.OUT_OF_FILES``), no process or memory to fork, or no thread to run
+    it in: llmhealth's own failure, no restart that failed.
     """
 
     argv: tuple[str, ...]
@@ -166,9 +171,10 @@ def run_command(
             env=env,  # None: this process's own
         )
     except OSError as exc:  # missing, not executable, not a valid binary...
-        # Or no descriptor left for its pipes: this process's want, said as such, so that
-        # it is not held against the backend as a failed restart (remediate.hear_commands).
-        own = exc.errno in OUT_OF_FILES
+        # Or no descriptor left for its pipes, no process or memory to fork: this process's
+        # want, said as such, so that it is not held against the backend as a failed
+        # restart (remediate.hear_commands).
+        own = exc.errno in _OWN_SHORTAGE
         return _not_run(args, start, exc.strerror or str(exc), own_shortage=own)
     except ValueError as exc:  # an environment no process can be given (a NUL in a value)
         return _not_run(args, start, f"its environment cannot be passed: {exc}")

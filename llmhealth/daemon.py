@@ -737,7 +737,8 @@ class Daemon:
         try:
             running = _in_daemon_thread(self._run_unless_withdrawn, order)
         except RuntimeError as exc:  # out of threads: not run, and the next settle hears so
-            self._drop_order(order, f"no thread to run it in: {exc}")
+            # This process's want, no restart that failed (``CommandResult.own_shortage``).
+            self._drop_order(order, f"no thread to run it in: {exc}", own_shortage=True)
             return
         self._commands_running[running] = order
         running.add_done_callback(self._command_finished)
@@ -767,9 +768,12 @@ class Daemon:
             return not_run(order, changed, withdrawn=True)
         return CommandDone(order, _run_order(order))
 
-    def _drop_order(self, order: RestartOrder, why: str, *, withdrawn: bool = False) -> None:
+    def _drop_order(
+        self, order: RestartOrder, why: str, *, withdrawn: bool = False, own_shortage: bool = False
+    ) -> None:
         self._log(f"{order.name}: its restart command will not run: {why}")
-        self._commands_done.append(not_run(order, why, withdrawn=withdrawn))
+        done = not_run(order, why, withdrawn=withdrawn, own_shortage=own_shortage)
+        self._commands_done.append(done)
 
     def _command_finished(self, running: asyncio.Future[CommandDone]) -> None:
         order = self._commands_running.pop(running)
@@ -782,7 +786,9 @@ class Daemon:
         done = running.result()
         if done.withdrawn:  # nothing ran: no grace starts
             self._log(f"{order.name}: its restart command will not run: {done.result.stderr}")
-        elif self._steady is not None:  # before the settle that starts the grace hears of it
+        elif self._steady is not None and not done.result.own_shortage:
+            # Before the settle that starts the grace hears of it. Not for one this process
+            # had no descriptor or process to start: nothing ran, as when withdrawn.
             self._commands_ended[order.name] = (same_server(order.url), self._steady())
         self._commands_done.append(done)
 

@@ -276,10 +276,14 @@ def _condemning_evidence(record: FleetRecord, name: str) -> str | None:
     return evidence if isinstance(evidence, str) and evidence else None
 
 
-def not_run(order: RestartOrder, why: str, *, withdrawn: bool = False) -> CommandDone:
+def not_run(
+    order: RestartOrder, why: str, *, withdrawn: bool = False, own_shortage: bool = False
+) -> CommandDone:
     """An order dropped before its command ran, heard and audited as any command's end.
-    ``withdrawn``: dropped for an operator's verb, not a failure (``CommandDone``)."""
-    result = CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}")
+    ``withdrawn``: dropped for an operator's verb, not a failure (``CommandDone``).
+    ``own_shortage``: dropped for want of this process's own (no thread to run it in),
+    no failed restart either (``CommandResult.own_shortage``), its cooldown kept."""
+    result = CommandResult(order.argv, None, False, 0.0, "", f"not run: {why}", own_shortage)
     return CommandDone(order, result, withdrawn)
 
 
@@ -365,9 +369,9 @@ def hear_commands(
             else:
                 why = how_it_ended(result)  # "did not run": the audit line says why
                 stamped = record.ledger.snapshot(name, now).last_restart_at
-                # A command this process had no descriptor to start spent no attempt: held
-                # against the backend, a daemon short of descriptors spent each wedged
-                # backend's budget and retired it. Its cooldown stands (failures not
+                # A command this process had no descriptor, process or thread to start
+                # spent no attempt: held against the backend, a daemon short of them spent
+                # each wedged backend's budget and retired it. Its cooldown stands (failures not
                 # doubled), so the next try waits the base cooldown, not the next settle.
                 no_attempt = finished.withdrawn or result.own_shortage
                 failed = record.ledger.apply(

@@ -210,6 +210,23 @@ def test_a_missing_executable_is_a_result_not_an_exception() -> None:
     assert "/nonexistent/bin/systemctl" in result.stderr
     assert "No such file or directory" in result.stderr
     assert how_it_ended(result) == "did not run"  # not "exited None"
+    assert not result.own_shortage  # the command's own failing, not this process's want
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.EAGAIN, errno.ENOMEM])
+def test_a_command_this_process_could_not_start_for_its_own_want_is_its_own_shortage(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """No descriptor for the pipes, or no process or memory to fork (a pids limit, as a
+    thread not started is in `watch`): llmhealth's want, not a restart that failed."""
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    result = run_command(["true"], timeout=30)
+    assert result.exit_code is None and result.own_shortage, result
+    assert os.strerror(code) in result.stderr
 
 
 def test_a_file_without_execute_permission_is_a_result_not_an_exception(tmp_path: Path) -> None:

@@ -1808,6 +1808,9 @@ def _without_descriptors(action: Callable[[], T]) -> T:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     taken: list[int] = []
+    # A file an earlier test left in a cycle, closed by a collection while ``action`` runs,
+    # would give it descriptors back: collected now, before every one is taken.
+    gc.collect()
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, soft), hard))
     try:
         try:
@@ -1836,3 +1839,28 @@ def test_a_restart_command_this_process_had_no_descriptor_to_start_spends_no_att
     assert record.ledger.state_of("a") is State.DEAD
     assert record.ledger.snapshot("a", at + 5).restart_attempts == 0
     assert record.restarts["a"] == RestartHistory(0, at)  # its cooldown stands, undoubled
+
+
+def test_a_restart_command_not_started_for_want_of_descriptors_keeps_its_undoubled_cooldown() -> (
+    None
+):
+    """README: one llmhealth could not start for want of its own descriptors is "back to
+    DEAD with no attempt spent, its next try after the cooldown, not doubled": not at the
+    very next settle (a withdrawn order's "no cooldown"), nor after a doubled one."""
+    at = T0
+    record = _restarted(["a"], at)
+    order = RestartOrder("a", record.ledger.url_of("a"), ("true",), 60.0, at, "wedged", {})
+    result = CommandResult(("true",), None, False, 0.0, "", "cannot run", own_shortage=True)
+    settle(
+        record, SHARED_FAULT_FLEET, [], at + 5, mode=Mode.OFF, audit=None,
+        commands=[CommandDone(order, result)],
+    )  # fmt: skip
+    cooldown = SHARED_FAULT_FLEET.policy.cooldown
+
+    def orders(now: float) -> list[str]:
+        _, issued = settle(record, SHARED_FAULT_FLEET, [], now, mode=Mode.ACT, audit=None)
+        return [issued_order.name for issued_order in issued]
+
+    assert orders(at + 6) == []
+    assert orders(at + cooldown - 1) == []
+    assert orders(at + cooldown + 1) == ["a"]

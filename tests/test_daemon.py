@@ -61,6 +61,7 @@ from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy, settle_
 from llmhealth.daemon import Daemon, News, Notifier
 from llmhealth.fleet import READS_KEEP_UP, Sighting, StallWatch
 from llmhealth.gctune import YOUNG
+from llmhealth.ledger import State
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
@@ -1531,6 +1532,78 @@ def test_a_hold_saved_after_the_settle_that_issued_a_restart_withdraws_its_comma
     _, marker, [done] = _restart_launched_after_a_hold(tmp_path)
     assert not marker.exists(), "the restart command ran though its backend was held"
     assert done.withdrawn and "on hold" in done.result.stderr, done
+
+
+def test_a_restart_command_watch_had_no_thread_to_run_spends_no_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of threads (a pids limit), a restart command `watch` could not start is its own
+    shortage, as one it had no descriptor for: held against the backend as a failed
+    restart, a daemon at its limit spent each wedged backend's budget and retired it."""
+    marker = tmp_path / "restarted"
+    target = Target("w", REFUSED_URL)
+    backend = config_module.Backend("w", REFUSED_URL, restart=("touch", str(marker)))
+    config = config_module.Config(backends=(backend,))
+    store = StateFile(tmp_path / "state.json")
+    wedge = Outcome(target, Verdict(VerdictKind.WEDGED, False, "wedged: steps 5→5→5"))
+    settled = settle_fleet(
+        store, config, {"w": REFUSED_URL}, lambda _record: [wedge], mode=Mode.ACT, audit=None
+    )
+    [order] = settled.orders
+    daemon = a_daemon(lambda: (config, [target]), store)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "llmhealth-cycle":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    async def launch() -> None:
+        try:
+            with monkeypatch.context() as patched:
+                patched.setattr(threading.Thread, "start", start)
+                daemon._launch(order)
+        finally:
+            await daemon._reading.close()
+
+    asyncio.run(launch())
+    [done] = daemon._take_commands()
+    assert not marker.exists() and "no thread" in done.result.stderr, done
+    heard = settle_fleet(
+        store, config, {"w": REFUSED_URL}, lambda _record: [], mode=Mode.OFF, audit=None,
+        commands=[done],
+    )  # fmt: skip
+    assert heard.record.ledger.state_of("w") is State.DEAD
+    assert heard.record.ledger.snapshot("w", time.time()).restart_attempts == 0
+    assert heard.record.restarts["w"].failures == 0  # its cooldown not doubled
+
+
+def test_a_restart_command_watch_had_no_descriptor_to_start_starts_no_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing ran, as for a withdrawn order: its "end" must not start a startup grace
+    on the steady clock, which kept the backend's restart before it (given back the
+    ledger's latest again) under way, holding a concurrency slot, for another 15 min."""
+    target = Target("w", REFUSED_URL)
+    backend = config_module.Backend("w", REFUSED_URL, restart=("true",))
+    config = config_module.Config(backends=(backend,))
+    daemon = a_daemon(lambda: (config, [target]), StateFile(tmp_path / "state.json"))
+    order = RestartOrder("w", REFUSED_URL, ("true",), 60.0, time.time(), "wedged", {})
+    short = CommandResult(("true",), None, False, 0.0, "", "cannot run", own_shortage=True)
+    monkeypatch.setattr(daemon_module, "_run_order", lambda _order: short)
+    monkeypatch.setattr(daemon_module, "withdrawn_now", lambda *_args: None)
+
+    async def launch() -> frozenset[str]:
+        try:
+            daemon._launch(order)
+            await asyncio.wait(set(daemon._commands_running))
+            return daemon._in_grace()
+        finally:
+            await daemon._reading.close()
+
+    assert asyncio.run(launch()) == frozenset()
+    [done] = daemon._take_commands()
+    assert done.result.own_shortage, done
 
 
 def test_a_reload_that_shortens_the_wait_forgets_each_targets_timing_until_its_next_read(
