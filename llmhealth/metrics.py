@@ -505,13 +505,21 @@ def _layout(heads: tuple[bytes, ...]) -> _Layout:
 # lines' bytes objects and their places in its tuples and getters, about 130 bytes a line,
 # and each engine's plan with its getters, about 450. Its text alone was counted: a server
 # inventing a text of 20,000 one-line engines on each read kept 15 times the memo's budget
-# (600 MB for its 32 MiB).
+# (600 MB for its 32 MiB). A line's leftover (what follows its label set's "}") is bytes
+# of its own, kept even when its meaning is not: up to three times its text (U+FFFD for
+# each byte not UTF-8), so a text of such lines kept four times what it was counted at.
 _LINE_COST = 144
 _ENGINE_COST = 512
 
 
 def _layout_size(heads: tuple[bytes, ...], layout: _Layout) -> int:
-    return sum(map(len, heads)) + _LINE_COST * len(heads) + _ENGINE_COST * len(layout.engines)
+    leftovers = layout.leftovers.values()
+    return (
+        sum(map(len, heads))
+        + sum(map(len, leftovers))
+        + _LINE_COST * (len(heads) + len(leftovers))
+        + _ENGINE_COST * len(layout.engines)
+    )
 
 
 _K = TypeVar("_K")
