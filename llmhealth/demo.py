@@ -28,6 +28,7 @@ from typing import Any, Final, TypeVar
 
 import httpx
 from rich.console import Console
+from rich.text import Text
 
 from llmhealth.actions import read
 from llmhealth.classify import Target, VerdictKind
@@ -40,6 +41,7 @@ from llmhealth.render import print_report, print_status
 from llmhealth.report import exit_code, summarize
 from llmhealth.router import Router
 from llmhealth.state import StateFile
+from llmhealth.text import printable
 
 _HOST = "127.0.0.1"
 _T = TypeVar("_T")
@@ -491,16 +493,24 @@ async def _stream_client(
                 backend, status, error = "-", 0, f"{type(exc).__name__}: {exc}"
             took = time.monotonic() - started
             streams.append((backend, bool(error) or status != 200))
-            line = f"  stream {number:>2} via {backend:<11} {tokens:>3} tokens in {took:4.1f} s"
+            # A Text of printable words, never markup: the error's words are the server's
+            # (the router relays a backend's own error event), and a "[/...]" in them
+            # ended the demo with a MarkupError, an escape character reached the terminal.
+            shown = Text(
+                printable(
+                    f"  stream {number:>2} via {backend:<11} {tokens:>3} tokens in {took:4.1f} s"
+                )
+            )
             if status != 200:
-                line += f"  HTTP {status}"
+                shown.append(f"  HTTP {status}")
             if error:
-                line += f"  [red]error event: {error}[/red]"
-            console.print(line)
+                shown.append(printable(f"  error event: {error}"), style="red")
+            console.print(shown, highlight=False)
             health = (await http.get(f"{url}/health")).json()["backends"]
             for name, state in health.items():
                 if states.get(name, state) != state:
-                    console.print(f"      [bold]{name}: {states[name]} → {state}[/bold]")
+                    moved = printable(f"      {name}: {states[name]} → {state}")
+                    console.print(Text(moved, style="bold"), highlight=False)
                 states[name] = state
 
 

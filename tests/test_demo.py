@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+import itertools
+import json
 import os
 import signal
 import socket
@@ -17,11 +19,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from pytest_httpserver import HTTPServer
 from rich.console import Console
 from simproc import alive, children, running_simulator
+from werkzeug import Response
 
 from llmhealth import demo
 from llmhealth.demo import _streams_told
@@ -106,6 +111,40 @@ def test_the_routing_part_tells_what_its_streams_showed(
     """Its closing words were fixed text ("steered the next ones to r1 at once"), true
     on a fast machine, told also where a stream after the first failure failed again."""
     assert _streams_told(streams) == told
+
+
+def test_the_routing_part_shows_a_streams_error_words_as_sent_not_as_markup(
+    httpserver: HTTPServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error event's message is the server's text (the router relays a backend's own
+    events unchanged): it went into a markup string, so a "[/...]" in it ended the demo
+    with rich's MarkupError, and an escape character in it reached the terminal."""
+    message = "[/red] engine gone \x1b[2J"
+    event = json.dumps({"error": {"message": message, "type": "internal_error"}})
+    said: list[str] = []
+
+    def health(_: object) -> Response:
+        # The first answer says the router is up, the second what r0 is, and the third
+        # moves r0 to a state the demo then shows: the router's words.
+        said.append("healthy" if len(said) < 2 else "[/bold] odd")
+        return Response(json.dumps({"backends": {"r0": said[-1]}}), content_type="application/json")
+
+    httpserver.expect_request("/health").respond_with_handler(health)
+    httpserver.expect_request("/v1/completions", method="POST").respond_with_data(
+        f"data: {event}\n\ndata: [DONE]\n\n",
+        content_type="text/event-stream",
+        headers={"X-LLMHealth-Backend": "r0"},
+    )
+    shown = io.StringIO()
+    streams: list[tuple[str, bool]] = []
+    url = httpserver.url_for("").rstrip("/")
+    # A clock that moves one second a look: three looks a stream, so three streams.
+    monkeypatch.setattr(demo, "time", SimpleNamespace(monotonic=itertools.count().__next__))
+    asyncio.run(demo._stream_client(Console(file=shown, width=200), url, 8, streams))
+    assert streams == [("r0", True)] * 3
+    assert "error event: [/red] engine gone \\x1b[2J" in shown.getvalue()
+    assert "r0: healthy → [/bold] odd" in shown.getvalue()
+    assert "\x1b" not in shown.getvalue()
 
 
 def _refusing_proxy() -> socket.socket:
