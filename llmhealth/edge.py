@@ -364,7 +364,10 @@ class _Connection(asyncio.Protocol):
             except ValueError as exc:  # "http://[::1/x": an IPv6 host never closed
                 raise FramingError(f"a request target that is no URL: {exc}") from None
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        elif not target.startswith("/") and target != "*":  # "*": OPTIONS' asterisk-form
+        # Looked at after a URL is taken apart too: "://" in a query or fragment passed
+        # "%2Fv1%2Fchat%2Fcompletions?next=http://x" for one, with no authority and a path
+        # not beginning with "/", and it went on as it came.
+        if not target.startswith("/") and target != "*":  # "*": OPTIONS' asterisk-form
             # RFC 9112 3.2: neither a path nor a URL. "%2Fv1%2Fchat%2Fcompletions" decodes
             # to a route, and went on to the backend as a request line with no path.
             raise FramingError(

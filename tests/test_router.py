@@ -660,7 +660,16 @@ def test_a_request_head_beyond_the_bounds_gets_a_4xx_and_counts_against_nobody(
 
 
 @pytest.mark.parametrize(
-    "target", [b"%2Fv1%2Fchat%2Fcompletions", b"v1/chat/completions", b"host:443"]
+    "target",
+    [
+        b"%2Fv1%2Fchat%2Fcompletions",
+        b"v1/chat/completions",
+        b"host:443",
+        # "://" in its query or fragment passed it for a URL, whose path had no "/"
+        b"%2Fv1%2Fchat%2Fcompletions?next=http://x",
+        b"%2Fv1%2Fchat%2Fcompletions#://",
+        b"http:%2Fv1%2Fchat%2Fcompletions?://",
+    ],
 )
 def test_a_target_neither_a_path_nor_a_url_is_400_and_never_sent_on(target: bytes) -> None:
     """RFC 9112 3.2: a request's target is a path (origin-form) or a URL (absolute-form,
