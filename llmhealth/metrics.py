@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from itertools import count
 from operator import attrgetter, itemgetter
-from sys import getsizeof
 from typing import Any, TypeVar
 
 from llmhealth.pickling import pickled_as_a_call
@@ -630,13 +629,20 @@ def _meaning(head: bytes) -> _Meaning | None:
 # (160 MB for its 8 MiB).
 _MEANING_COST = 512
 _LABEL_COST = 128
+# A string's size at most, by arithmetic (``sys.getsizeof`` is not for this pure module):
+# its header, under 80 bytes in CPython, and a byte a character, four unless all ASCII.
+_STRING_COST = 80
+
+
+def _string_size(text: str) -> int:
+    return _STRING_COST + (len(text) if text.isascii() else 4 * len(text))
 
 
 def _meaning_size(head: bytes, meaning: _Meaning | None) -> int:
     if meaning is None:
         return len(head)
     labels = meaning[1][2]
-    strings = sum(getsizeof(name) + getsizeof(value) for name, value in labels)
+    strings = sum(_string_size(name) + _string_size(value) for name, value in labels)
     return len(head) + len(meaning[3]) + _MEANING_COST + _LABEL_COST * len(labels) + strings
 
 
