@@ -876,6 +876,17 @@ def _last_restart(
     return last
 
 
+def answered_another_process(reads: Sequence[Read]) -> bool:
+    """The newest read, taken after the tiny request was answered (one that timed out
+    asks for one more read), shows another process than the readable read before it: the
+    answer was the old process's. Judged by it, a new process never asked "failed the
+    tiny request" (``restarted``, CRITICAL); it is asked its own."""
+    previous = _previous_readable(reads)
+    if previous is None or not reads or not _has_vllm(reads[-1]):
+        return False
+    return restarted_between(_signals(previous), _signals(reads[-1]))
+
+
 def restarted_between(older: Signals, newer: Signals) -> bool:
     """Start time changed; without start times (multiprocess mode), a counter went down.
 

@@ -31,6 +31,7 @@ from llmhealth.classify import (
     Target,
     Verdict,
     VerdictKind,
+    answered_another_process,
     asleep_engines,
     decide,
     freeze_began,
@@ -557,6 +558,8 @@ async def examine_backend(
                     await read_metrics(client, target, settings, clock, steady), reads
                 )
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
+                if answer is not None and answered_another_process(reads):
+                    answer = None  # the old process's: the new one is asked its own
             elif isinstance(decision, SendTinyRequest) and (
                 unasked := settings.why_unasked(target.name)
             ):
@@ -625,8 +628,9 @@ async def examine_once(
             if isinstance(decision, TakeRead):
                 # A timed-out tiny request wants one more read to see whether the engine
                 # moved meanwhile; the answer does not outlive this cycle, so read now.
+                # A new process found there was not asked: the next cycle asks it.
                 await read_into_window()
-                decision = judge(answer)
+                decision = judge(None if answered_another_process(window) else answer)
     except CheckerStarvedError as exc:
         # Cut off by this process's own lateness: no read of the server, as a failed read
         # is none, and the reads before it stand. Emptied, each overloaded moment started

@@ -1127,6 +1127,74 @@ def test_a_tiny_request_waits_longer_for_an_engine_with_long_steps_and_is_then_s
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_local_cpu")
+def test_a_process_restarted_while_the_tiny_request_timed_out_is_asked_its_own(
+    httpserver: HTTPServer,
+) -> None:
+    """The tiny request to an engine inside a long step times out, and the read after it
+    finds a new process: that timeout was the old process's. Judged by it, the new one,
+    idle and never asked, was a `restarted` that "failed the tiny request" (CRITICAL)."""
+    with restarted_while_asked(httpserver) as backend:
+        verdict = examine(backend.url, LONG_STEP_SETTINGS)
+    assert verdict.kind is VerdictKind.RESTARTED, verdict.evidence
+    assert verdict.healthy, verdict.evidence
+    assert verdict.answer is not None and verdict.answer.ok
+    assert verdict_exit_code(verdict) is ExitCode.WARNING
+    assert backend.completions == 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_local_cpu")
+def test_watch_asks_a_process_restarted_while_the_tiny_request_timed_out_its_own(
+    httpserver: HTTPServer,
+) -> None:
+    """As ``check`` above, in ``watch`` (and the ``Prober``): undecided in the cycle that
+    found the new process, which the next cycle asks."""
+    clock = FakeClock()
+    window: list[Read] = []
+
+    async def cycles(url: str) -> list[Verdict | None]:
+        verdicts = []
+        async with new_client() as client:
+            for _ in range(2):
+                verdicts.append(
+                    await examine_once(
+                        client, Target("b", url), LONG_STEP_SETTINGS, window, clock=clock
+                    )
+                )
+                clock.now += 5.0
+        return verdicts
+
+    with restarted_while_asked(httpserver) as backend:
+        found, asked = asyncio.run(cycles(backend.url))
+    assert found is None
+    assert asked is not None and asked.kind is VerdictKind.RESTARTED, asked
+    assert asked.healthy and asked.answer is not None and asked.answer.ok, asked.evidence
+    assert backend.completions == 2
+
+
+@contextmanager
+def restarted_while_asked(server: HTTPServer) -> Iterator[Backend]:
+    """An idle engine with a known 80 s+ step whose first tiny request queues past the
+    1 s it waits (``LONG_STEP_SETTINGS``); the read after it shows a new idle process,
+    which answers at once."""
+    backend = Backend(server, [with_long_gap(capture("idle-2")), capture("restart-1")])
+
+    def first_queued(_request: Request) -> Response:
+        backend.completions += 1
+        if backend.completions == 1:
+            time.sleep(1.5)
+            return Response("late")
+        return Response(json.dumps(COMPLETION), content_type="application/json")
+
+    server.clear()
+    server.expect_request("/metrics").respond_with_handler(backend._metrics)
+    server.expect_request("/v1/models").respond_with_json(MODELS)
+    server.expect_request("/v1/completions").respond_with_handler(first_queued)
+    yield backend
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_local_cpu")
 def test_watch_settles_a_tiny_request_stuck_behind_a_long_step_within_one_cycle(
     httpserver: HTTPServer,
 ) -> None:
