@@ -185,8 +185,13 @@ def _prepared(urls: Sequence[str], options: _Options, *, may_block: bool) -> _Pr
         raise TypeError("urls and proxies are lists of URLs, not None")
     urls, proxies = list(urls), list(proxies)  # an iterator is read once, here
     for name, given in (("urls", urls), ("proxies", proxies)):
-        if any(not isinstance(url, str) for url in given):
-            raise TypeError(f"{name}: each one a URL string, got {given!r}")
+        for index, url in enumerate(given):
+            if not isinstance(url, str):
+                # The culprit's type, not the list: the others are URLs, and one with a
+                # password in it would be repeated before refuse_user_info saw it.
+                raise TypeError(
+                    f"{name}: each one a URL string, got {type(url).__name__} at [{index}]"
+                )
     for name, flag in (("dry_run", options.dry_run), ("no_restart", options.no_restart)):
         if not isinstance(flag, bool):  # "no" would act as True: dry_run="no" ran dry
             raise TypeError(f"{name} is True or False, got {flag!r}")

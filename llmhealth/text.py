@@ -11,6 +11,7 @@ URLs, a replacement's new address) passes through ``refuse_user_info`` first.
 from __future__ import annotations
 
 import re
+import unicodedata
 
 _PERCENT = re.compile(r"%([0-9A-Fa-f]{2})")  # one percent-encoded byte (RFC 3986 2.1)
 
@@ -89,7 +90,14 @@ def refuse_user_info(url: str) -> None:
     password may itself hold ``/`` or ``@``, so only what follows the last one is safe;
     nor a query or fragment, where keys go too: an ``@`` only there (``?user=bob@x&key=``)
     shows nothing of the URL.
+
+    Read as NFKC, as ``urlsplit`` reads a host: an '@' typed by a CJK input method (the
+    full-width or small commercial at, U+FF20 or U+FE6B) passed here, and ``urlsplit``'s
+    own error then repeated the whole of user, password and host.
     """
+    if "@" not in url and url.isascii():
+        return
+    url = unicodedata.normalize("NFKC", url)
     if "@" in url:
         before_query = url[: min((at for at in map(url.find, "?#") if at >= 0), default=len(url))]
         host = before_query.rpartition("@")[2] if "@" in before_query else ""

@@ -284,6 +284,23 @@ def test_bad_arguments_are_errors_that_name_the_problem(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("urls", "proxies"),
+    [
+        (["http://alice:s3cret@127.0.0.1:9", 9], []),
+        (["http://127.0.0.1:9"], ["http://alice:s3cret@127.0.0.1:8", None]),
+    ],
+)
+def test_a_list_with_one_non_url_is_refused_without_repeating_the_others(
+    urls: list[Any], proxies: list[Any]
+) -> None:
+    # The TypeError repeated the whole list, the password of a URL in it too.
+    with pytest.raises(TypeError) as raised:
+        llmhealth.check(urls, proxies=proxies)
+    assert "s3cret" not in str(raised.value) and "alice" not in str(raised.value)
+    assert "[1]" in str(raised.value)
+
+
 def test_a_backend_that_is_down_is_in_the_report_not_an_exception() -> None:
     with running_simulator(["idle"]) as sim:
         url = sim.urls[0]

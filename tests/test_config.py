@@ -489,6 +489,7 @@ def test_nonsense_durations_are_rejected(value: object) -> None:
         "https://s3cret@10.0.0.5",
         "http://alice:s3/cr@t@10.0.0.5:8000",  # '/' and '@' in the password
         "alice:s3cret@10.0.0.5:8000",  # no scheme: still not echoed
+        "http://alice:s3cret\uff2010.0.0.5:8000",  # full-width '@': urlsplit's error echoed
     ],
 )
 @pytest.mark.parametrize("table", ["backend", "proxy", "cluster"])

@@ -53,6 +53,9 @@ SECRET_URLS = [
     "http://alice:s3/cr@t@10.0.0.5:8000",  # '/' and '@' in the password
     "http://alice:p@ss-s3cret@10.0.0.5:8000",  # what follows its first '@' is secret too
     "alice:s3cret@10.0.0.5:8000",  # no scheme
+    # A CJK input method's '@' (full-width, small): urlsplit's NFKC check repeated it all.
+    "http://alice:s3cret\uff2010.0.0.5:8000",
+    "http://alice:s3cret\ufe6b10.0.0.5:8000",
 ]
 
 
