@@ -24,11 +24,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from llmhealth import cli
 from llmhealth.actions import KILL_GRACE
 from llmhealth.classify import VerdictKind
-from llmhealth.config import DEFAULT_MAX_CHECK_TIME, DEFAULT_WAIT, Backend, Policy
+from llmhealth.config import (
+    DEFAULT_MAX_CHECK_TIME,
+    DEFAULT_TIMEOUT,
+    DEFAULT_WAIT,
+    Backend,
+    Policy,
+)
 from llmhealth.config import Router as RouterSettings
 from llmhealth.daemon import SHUTDOWN_GRACE
 from llmhealth.exporter import BackendView, ClusterView, ExportView, FleetCollector
 from llmhealth.ledger import State
+from llmhealth.localcpu import SAMPLE_LIMIT
+from llmhealth.probe import ProbeSettings
 from llmhealth.readers import STOP_TIMEOUT
 from llmhealth.report import FleetSummary
 from llmhealth.router import Router
@@ -275,11 +283,30 @@ def test_the_route_service_is_the_watch_service_with_a_router() -> None:
     ]
     assert route["Unit.Conflicts"] == ["llmhealth.service"]  # one ledger, one process
     assert int(route["Service.LimitNOFILE"][0]) >= 65536
-    differ = {"Unit.Description", "Unit.Conflicts", "Service.ExecStart"}
+    assert route["Unit.After"] == [*watch["Unit.After"], "llmhealth.service"]  # stop first
+    differ = {"Unit.Description", "Unit.Conflicts", "Unit.After", "Service.ExecStart"}
     differ |= {"Service.SyslogIdentifier", "Service.LimitNOFILE"}
     assert {k: v for k, v in route.items() if k not in differ} == {
         k: v for k, v in watch.items() if k not in differ
     }
+
+
+def test_switching_between_watch_and_route_stops_one_before_the_other_starts() -> None:
+    """Conflicts= orders nothing (systemd.unit(5)): `systemctl start llmhealth-route` with
+    `llmhealth.service` running queued the stop and the start side by side, so the new
+    daemon read and settled the ledger while the old one was still in its last settle
+    and restart commands, and the old one's stop removed /run/llmhealth, the shared
+    runtime directory, under the new one: llmhealth-check.timer's check then ran beside
+    it. An ordering either way makes systemd stop first, whichever unit is started."""
+    ordering = {"Unit.After", "Unit.Before"}
+
+    def ordered_against(name: str, other: str) -> bool:
+        settings = _unit_settings(name)
+        return any(other in value.split() for key in ordering for value in settings.get(key, []))
+
+    assert ordered_against("llmhealth-route.service", "llmhealth.service") or ordered_against(
+        "llmhealth.service", "llmhealth-route.service"
+    )
 
 
 @pytest.mark.parametrize("name", ["llmhealth.service", "llmhealth-route.service"])
@@ -315,13 +342,23 @@ def test_the_check_service_fails_only_on_critical_or_unknown() -> None:
 
 
 def test_the_check_service_outlasts_a_check_that_proves_a_wedge_and_restarts_it() -> None:
-    # A frozen backend is read for up to max_check_time (a CPU engine's wedge_after, a long
-    # step learned); then its restart command may take restart_timeout and the kill grace.
-    # Killed before that, the run saves nothing and the next one starts from zero again.
+    """A frozen backend is read as many times as span max_check_time one wait apart (a CPU
+    engine's wedge_after, a long step learned), each read taking its own time on top: up
+    to the read timeout, and a local engine's CPU sample. Then its restart command may
+    take restart_timeout and the kill grace, and its outcome a lock wait to be saved.
+    Killed before that, the run saves nothing and the next one starts from zero again.
+    The unit was sized for max_check_time alone: 61 reads answered in 3 s each (a slow
+    /metrics beside a busy CPU engine) ran past its 8 minutes before any verdict."""
     lock_wait = StateFile("unused").lock_timeout
-    worst = lock_wait + DEFAULT_MAX_CHECK_TIME + Policy().restart_timeout + KILL_GRACE
-    settings = _unit_settings("llmhealth-check.service")
-    assert _seconds(settings["Service.TimeoutStartSec"][-1]) > worst + 2 * DEFAULT_WAIT
+    settings = ProbeSettings(
+        wait=DEFAULT_WAIT, timeout=DEFAULT_TIMEOUT, max_check_time=DEFAULT_MAX_CHECK_TIME
+    )
+    reads = settings.read_limit
+    reading = (reads - 1) * settings.wait + reads * (settings.timeout + SAMPLE_LIMIT)
+    command = Policy().restart_timeout + KILL_GRACE
+    worst = lock_wait + reading + command + lock_wait
+    unit = _unit_settings("llmhealth-check.service")
+    assert _seconds(unit["Service.TimeoutStartSec"][-1]) > worst + 2 * DEFAULT_WAIT
 
 
 def test_the_timer_fires_every_minute() -> None:
