@@ -285,21 +285,27 @@ class Etcd:
         """The keys under ``prefix`` but those under ``skip``, in key order, ``page`` keys
         per request: read at once, the members' publications (a frozen backend's verdict
         carries up to 61 reads) outgrew the 32 MiB an answer may be, and the leader
-        settled nothing while they did."""
+        settled nothing while they did.
+
+        Only keys within the range asked: an endpoint answering full pages of keys past
+        it (a proxy that ignores ``range_end``) was asked for the next page for ever, a
+        leader's settle never ending, each key taken for a member's publication. A key
+        outside the range ends the span, as etcd's own answer would have."""
         spans = [(prefix, _after_prefix(prefix))]
         if skip is not None and skip.startswith(prefix):
             spans = [(prefix, skip), (_after_prefix(skip), _after_prefix(prefix))]
         for first, end in spans:
-            start = first.encode()
+            start, stop = first.encode(), end.encode()
             while True:
                 request = {"key": _b64(start), "range_end": _b64(end), "limit": page}
                 found = self._range(request)
-                yield from found
+                inside = [(name, value) for name, value in found if start <= value.key < stop]
+                yield from inside
                 # Past the last key by its bytes: its text re-encoded sorts elsewhere when
                 # it is not UTF-8, and the keys between were skipped.
-                following = found[-1][1].key + b"\0" if found else start
-                if len(found) < page or following <= start:
-                    break  # the span's end (or an answer that moved no further)
+                following = inside[-1][1].key + b"\0" if inside else start
+                if len(found) < page or len(inside) < len(found) or following <= start:
+                    break  # the span's end (or an answer that moved no further, or out)
                 start = following
 
     def scan_down(
@@ -1327,11 +1333,21 @@ def trim_audit(etcd: Etcd, keys: Keys, keep: int, fence: int | None) -> int:
     return deleted if written else 0
 
 
-def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditScan:
+def read_audit(
+    etcd: Etcd,
+    keys: Keys,
+    last: int | None = None,
+    each: Callable[[dict[str, object]], None] | None = None,
+) -> AuditScan:
     """The audit records under the prefix, oldest first; only the ``last`` ones if given.
 
     Read newest first a page of keys at a time, so ``--last 20`` reads a few keys, not
     the whole trail; ordered by the revision each batch was written at.
+
+    ``each``: as for ``parse_records``, every record handed to it as it is parsed and
+    none kept. The batches' bytes are held (at most ``audit_keep`` records of 8 KiB);
+    their records held as dicts too took seven times their bytes in all, GBs at the largest
+    ``audit_keep``, before ``audit`` printed its first line.
     """
     batches: list[tuple[int, str, bytes]] = []
     held, end = 0, None
@@ -1345,8 +1361,9 @@ def read_audit(etcd: Etcd, keys: Keys, last: int | None = None) -> AuditScan:
         # The next page below this one's last key, by its bytes: its text re-encoded sorts
         # above a key that is not UTF-8, and the same page came back for ever.
         end = page[-1][1].key
-    lines = (raw for _, _, value in sorted(batches) for raw in value.splitlines())
-    return parse_records(lines, last)
+    batches.sort()
+    lines = (raw for _, _, value in batches for raw in value.splitlines())
+    return parse_records(lines, last, each)
 
 
 class ReadOnlyStore(EtcdStore):

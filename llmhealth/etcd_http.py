@@ -247,19 +247,34 @@ class _Exchange:
         return self._take(length)
 
     def _chunked(self) -> bytes:
+        """A chunked body, its framing counted against ``max_bytes`` with its data, each
+        chunk as at least ``http1.CHUNK_COST``, as ``wire`` counts a backend's: counted by
+        its data alone, an answer of one-byte chunks each under 64 KiB of extensions, or
+        of a hundred trailer lines of 64 KiB, was read for gigabytes within its bound."""
         body = bytearray()
-        while size := http1.chunk_size(self._line(http1.MAX_HEAD_BYTES)):
-            self._refuse_past(len(body) + size)
+        charged = 0  # every byte on the wire, each chunk as at least CHUNK_COST
+        while True:
+            line = self._line(http1.MAX_HEAD_BYTES)
+            size = http1.chunk_size(line)
+            charged += len(line) + 2
+            if not size:
+                break
+            charged += max(size, http1.CHUNK_COST) + 2
+            self._refuse_past(charged)
             while len(self._buffer) < size + 2:
                 if not self._more():
                     raise http1.FramingError("closed inside a chunk")
             body += self._take(size)
             if self._take(2) != b"\r\n":
                 raise http1.FramingError("a chunk not followed by CRLF")
-        trailers = 0
-        while self._line(http1.MAX_HEAD_BYTES):  # trailers, read and dropped
-            trailers += 1
-            if trailers > http1.MAX_FIELDS:
+        trailers, fields = 0, 0
+        while line := self._line(http1.MAX_HEAD_BYTES):  # trailers, read and dropped
+            trailers += len(line) + 2
+            fields += 1
+            self._refuse_past(charged + trailers)
+            if trailers > http1.MAX_HEAD_BYTES:
+                raise http1.FramingError(f"trailers over {http1.MAX_HEAD_BYTES} bytes")
+            if fields > http1.MAX_FIELDS:
                 raise http1.FramingError(f"more than {http1.MAX_FIELDS} trailer fields")
         return bytes(body)
 

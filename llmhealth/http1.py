@@ -20,7 +20,8 @@ MAX_INFORMATIONAL: Final = 8  # 1xx answers skipped before the real one
 # Bytes each chunk of a chunked body costs at least, its data and framing together: a
 # chunk costs an await or a parse whatever its size, so one-byte chunks (16 million in a
 # 16 MiB body) or long extensions would otherwise hold a loop for seconds. The backends'
-# answers (``wire``) and the clients' requests (``edge``) are held to it.
+# answers (``wire``), etcd's (``etcd_http``) and the clients' requests (``edge``) are
+# held to it.
 CHUNK_COST: Final = 128
 TOKEN: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # RFC 9110 5.6.2: a method, a field name
 _FIELD_NAME: Final = re.compile(TOKEN)

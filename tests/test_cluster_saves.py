@@ -8,6 +8,7 @@ import base64
 import json
 import socket
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from llmhealth import cluster, etcd_http
+from llmhealth import cli, cluster, etcd_http
+from llmhealth.actions import encode_record
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.cluster import (
     UNANSWERED_KEPT,
@@ -34,7 +36,7 @@ from llmhealth.fleet import FleetRecord
 from llmhealth.remediate import Mode
 from llmhealth.state import RecordMovedError
 from tests.etcdproc import EtcdCluster, running_etcd
-from tests.test_cluster import Clock, elector, losing_txn_answers, read_posted, store_value
+from tests.test_cluster import Clock, b64, elector, losing_txn_answers, read_posted, store_value
 from tests.test_wire import read_request, tcp_server
 
 
@@ -265,6 +267,85 @@ def test_an_endpoint_answering_the_same_page_again_ends_the_audit_read_and_the_t
         else:
             assert trim_audit(etcd, keys, 10, None) == 54
     assert served[0] <= 3
+
+
+@pytest.mark.slow
+def test_audit_prints_an_etcd_trail_as_read_not_held_whole_as_records(
+    etcd_server: EtcdCluster, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `llmhealth audit` with a [cluster] read the whole trail, then parsed every record
+    # into dicts, then printed them: about four times the trail's bytes on top of them
+    # (audit_keep allows 100,000 records of 8 KiB: GBs) before its first line. Records
+    # are printed as parsed now, as a local log's are.
+    etcd = Etcd(etcd_server.endpoints)
+    reads = [{"at": 1000.0 + i, "sent": 999.5 + i, "detail": f"read {i}"} for i in range(40)]
+    raw = 0
+    for batch in range(20):
+        puts = []
+        for index in range(40):
+            number = batch * 40 + index
+            record = {"time": 1.0 + number, "backend": "gpu0", "event": "x", "reads": reads}
+            lines = encode_record(record) * 4
+            raw += len(lines)
+            key = keys.audit_batch(1000 + number, 4)
+            puts.append({"request_put": {"key": b64(key), "value": b64(lines)}})
+        etcd.txn([], puts)
+    config = tmp_path / "cluster.toml"
+    endpoints = ", ".join(json.dumps(url) for url in etcd_server.endpoints)
+    config.write_text(f"[cluster]\netcd = [{endpoints}]\nprefix = {json.dumps(keys.prefix)}\n")
+    with (tmp_path / "warm").open("w") as out:
+        monkeypatch.setattr("sys.stdout", out)
+        cli.audit(last=1, config_file=str(config), state=None)  # its imports, untraced
+    with (tmp_path / "out").open("w") as out:
+        monkeypatch.setattr("sys.stdout", out)
+        tracemalloc.start()
+        try:
+            cli.audit(last=None, config_file=str(config), state=None)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    printed = (tmp_path / "out").read_text().splitlines()
+    assert len(printed) == 3200
+    assert json.loads(printed[-1])["time"] == 800.0
+    assert peak < 3 * raw, (peak, raw)
+
+
+def keys_past_the_range(served: list[int]) -> Callable[[socket.socket, int], None]:
+    """An endpoint answering every range with a full page of new keys past any range it
+    was asked for (as a proxy that ignores ``range_end`` would, over a keyspace that goes
+    on); after 20 answers, an error page."""
+
+    def answer(connection: socket.socket, _: int) -> None:
+        read_request(connection)
+        served[0] += 1
+        if served[0] > 20:
+            connection.sendall(b"HTTP/1.1 500 Enough\r\nContent-Length: 0\r\n\r\n")
+            return
+        kvs = [
+            {
+                "key": base64.b64encode(b"~elsewhere/%06d" % (served[0] * 16 + index)).decode(),
+                "value": base64.b64encode(b"{}").decode(),
+            }
+            for index in range(16)
+        ]
+        body = json.dumps({"header": {"revision": "5000"}, "kvs": kvs}).encode()
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    return answer
+
+
+def test_an_endpoint_answering_keys_past_the_range_ends_the_read_of_publications(
+    keys: Keys,
+) -> None:
+    # get_prefix_paged asked for the page after the last key it had for as long as pages
+    # came back full, whatever keys they held: an endpoint answering keys past the range
+    # asked was asked again for ever, a leader's settle never ending, and every key it
+    # answered taken for a member's publication.
+    served = [0]
+    with tcp_server(keys_past_the_range(served)) as (url, _):
+        found = list(Etcd([url], timeout=2.0).get_prefix_paged(keys.verdicts, 16))
+    assert found == []
+    assert served[0] == 1
 
 
 def succeeded_in_words(endpoint: str) -> Callable[[socket.socket, int], None]:

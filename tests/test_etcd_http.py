@@ -117,8 +117,22 @@ def test_a_dripping_endpoint_is_left_for_the_next_one(etcd_server: EtcdCluster) 
             b"100\r\n" + b"x" * 256 + b"\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n0\r\n\r\n",
         ),
         answering(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"x" * 5000),
+        # Under the bound by their data alone: the framing is on the wire too.
+        answering(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"".join(b"1;ext=%s\r\n%c\r\n" % (b"e" * 2000, byte) for byte in b"{}") + b"0\r\n\r\n",
+        ),
+        answering(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"".join(b"1\r\n%c\r\n" % byte for byte in b'{"a": "' + b"x" * 20 + b'"}')
+            + b"0\r\n\r\n",
+        ),
+        answering(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"2\r\n{}\r\n0\r\n" + b"X-Trailer: %s\r\n" % (b"t" * 500) * 5 + b"\r\n",
+        ),
     ],
-    ids=["length", "chunked", "to-close"],
+    ids=["length", "chunked", "to-close", "chunk-extensions", "one-byte-chunks", "trailers"],
 )
 def test_an_answer_past_the_size_bound_is_refused(
     handler: Callable[[socket.socket, int], None],
