@@ -537,6 +537,7 @@ async def examine_backend(
     steady = steady_for(clock, steady)
     reads: list[Read] = []
     answer: Answer | None = None
+    dropped = 0  # tiny requests sent to a process found replaced: sent all the same
     cpu = LocalCpu(target.url, target.cgroup)
     try:
         while True:
@@ -550,7 +551,9 @@ async def examine_backend(
                 answer_wanted=settings.wants_answer(target.name),
             )
             if isinstance(decision, Verdict):
-                return decision
+                # Counted from the answer it was judged by: the old process's was sent too.
+                sent = decision.requests_sent + dropped
+                return replace(decision, requests_sent=sent) if dropped else decision
             if isinstance(decision, TakeRead):
                 if reads:
                     await sleep(settings.wait)
@@ -559,6 +562,7 @@ async def examine_backend(
                 )
                 reads.append(await _with_cpu(read, reads, cpu, settings, learned, target.rules))
                 if answer is not None and answered_another_process(reads):
+                    dropped += int(answer.sent)
                     answer = None  # the old process's: the new one is asked its own
             elif isinstance(decision, SendTinyRequest) and (
                 unasked := settings.why_unasked(target.name)

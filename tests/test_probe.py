@@ -1107,6 +1107,9 @@ def engine_inside_a_long_step(server: HTTPServer) -> Iterator[Backend]:
 
 
 LONG_STEP_SETTINGS = ProbeSettings(wait=0.0, timeout=3.0, answer_timeout=0.3, max_check_time=1.0)
+# As above, but a new process with no long step known is given 1 s, not 0.3 s, to answer:
+# at once, but on a loaded machine.
+ASKED_AGAIN_SETTINGS = replace(LONG_STEP_SETTINGS, answer_timeout=1.0)
 
 
 @pytest.mark.slow
@@ -1134,12 +1137,13 @@ def test_a_process_restarted_while_the_tiny_request_timed_out_is_asked_its_own(
     finds a new process: that timeout was the old process's. Judged by it, the new one,
     idle and never asked, was a `restarted` that "failed the tiny request" (CRITICAL)."""
     with restarted_while_asked(httpserver) as backend:
-        verdict = examine(backend.url, LONG_STEP_SETTINGS)
+        verdict = examine(backend.url, ASKED_AGAIN_SETTINGS)
     assert verdict.kind is VerdictKind.RESTARTED, verdict.evidence
     assert verdict.healthy, verdict.evidence
     assert verdict.answer is not None and verdict.answer.ok
     assert verdict_exit_code(verdict) is ExitCode.WARNING
     assert backend.completions == 2
+    assert verdict.requests_sent == 2  # the old process's was sent as well
 
 
 @pytest.mark.slow
@@ -1158,7 +1162,7 @@ def test_watch_asks_a_process_restarted_while_the_tiny_request_timed_out_its_own
             for _ in range(2):
                 verdicts.append(
                     await examine_once(
-                        client, Target("b", url), LONG_STEP_SETTINGS, window, clock=clock
+                        client, Target("b", url), ASKED_AGAIN_SETTINGS, window, clock=clock
                     )
                 )
                 clock.now += 5.0
@@ -1175,7 +1179,7 @@ def test_watch_asks_a_process_restarted_while_the_tiny_request_timed_out_its_own
 @contextmanager
 def restarted_while_asked(server: HTTPServer) -> Iterator[Backend]:
     """An idle engine with a known 80 s+ step whose first tiny request queues past the
-    1 s it waits (``LONG_STEP_SETTINGS``); the read after it shows a new idle process,
+    1 s it waits (``ASKED_AGAIN_SETTINGS``); the read after it shows a new idle process,
     which answers at once."""
     backend = Backend(server, [with_long_gap(capture("idle-2")), capture("restart-1")])
 
