@@ -342,7 +342,8 @@ class FleetHealth:
         and the fleet took it that way yet found nothing by it.
         """
         if not isinstance(url, str):
-            raise TypeError(f"a backend URL must be a string, got {url!r}")
+            # Its type, not its repr: b"http://alice:s3cret@host" is a URL with a password.
+            raise TypeError(f"a backend URL must be a string, got {type(url).__name__}")
         url = url.strip()
         name = self._ledger.by_url(openai_root(url) or url)
         return None if name is None else self._key_of[name]
@@ -390,7 +391,9 @@ class FleetHealth:
 
 def _base_url(url: object) -> str:
     if not isinstance(url, str):
-        raise ValueError(f"a backend URL must be a string, got {url!r}")
+        # Its type, not its repr: a bytes URL (os.environb's) with a password in it was
+        # repeated whole, before check_url's refusal of user info could see it.
+        raise ValueError(f"a backend URL must be a string, got {type(url).__name__}")
     return check_url(url)  # ValueError naming the URL when it is not http(s) with a host
 
 

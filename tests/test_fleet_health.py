@@ -412,6 +412,25 @@ def test_a_base_url_with_a_password_is_refused_without_repeating_it() -> None:
         assert "s3cret" not in str(refused.value) and "trainer" not in str(refused.value)
 
 
+def test_a_base_url_that_is_not_a_string_is_refused_by_its_type_not_repeated() -> None:
+    # bytes (os.environb's) with a password in it: the error repeated it whole.
+    secret = b"http://trainer:s3cret@10.0.0.2:8011"
+    with pytest.raises(ValueError, match="bytes") as given:
+        FleetHealth([URLS[0], secret])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="bytes") as named:
+        FleetHealth({"a": URLS[0], "b": secret})  # type: ignore[dict-item]
+    f, _ = fleet()
+    make_dead(f, 1)
+    f.mark_restarting(1)
+    with pytest.raises(ValueError, match="bytes") as moved:
+        f.mark_loaded(1, base_url=secret)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes") as looked_up:
+        f.shard_for_base_url(secret)  # type: ignore[arg-type]
+    assert f.base_url_of(1) == URLS[1]
+    for refused in (given, named, moved, looked_up):
+        assert "s3cret" not in str(refused.value) and "trainer" not in str(refused.value)
+
+
 def test_a_failed_restart_is_dead_again_and_says_what_the_reload_failed_on() -> None:
     f, _ = fleet()
     make_dead(f, 0)
