@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from llmhealth.classify import Verdict
 from llmhealth.config import check_url
@@ -46,6 +46,10 @@ from llmhealth.text import openai_root, printable
 # its name when it was given a mapping of names to URLs.
 Key: TypeAlias = int | str
 Clock: TypeAlias = Callable[[], float]
+# A mapping's names: any str type, a StrEnum's members too. Mapping is invariant in its key,
+# so typed Mapping[str, str] the constructor took a dict[Gpu, str] at run time, and mypy
+# refused it in the caller's code.
+_Name = TypeVar("_Name", bound=str)
 
 _MAX_ERROR_TEXT = 300  # an exception's text ends up in status output; keep it bounded
 
@@ -111,7 +115,7 @@ class FleetHealth:
 
     def __init__(
         self,
-        base_urls: Sequence[str] | Mapping[str, str],
+        base_urls: Sequence[str] | Mapping[_Name, str],
         *,
         policy: FleetPolicy | None = None,
         clock: Clock | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -31,6 +32,8 @@ class _Spacing:
     lock = threading.Lock()
     holders = 0
     before: tuple[int, ...] = ()
+    # Of them, the calling thread's: the one thread a forked child keeps.
+    mine = threading.local()
 
 
 @contextlib.contextmanager
@@ -50,10 +53,28 @@ def young_collections_spaced() -> Iterator[None]:
             # was read.
             gc.set_threshold(max(YOUNG, young) if young else 0, *older)
         _Spacing.holders += 1
+    _Spacing.mine.holders = getattr(_Spacing.mine, "holders", 0) + 1
     try:
         yield
     finally:
+        _Spacing.mine.holders -= 1
         with _Spacing.lock:
             _Spacing.holders -= 1
             if _Spacing.holders == 0:
                 gc.set_threshold(*_Spacing.before)
+
+
+def _only_this_thread_in_a_child() -> None:
+    """A forked child has only the thread that forked: the holders it counts are that
+    thread's alone. A trainer's data-loader workers, forked while a thread of its own ran
+    ``llmhealth.check``, kept young collections at YOUNG for good: the holder counted was
+    a thread the child does not have, so nothing gave the thresholds back; and forked
+    while that thread held the lock, the child's first check waited on it for ever."""
+    _Spacing.lock = threading.Lock()
+    left = getattr(_Spacing.mine, "holders", 0)
+    if _Spacing.holders and not left:
+        gc.set_threshold(*_Spacing.before)
+    _Spacing.holders = left
+
+
+os.register_at_fork(after_in_child=_only_this_thread_in_a_child)

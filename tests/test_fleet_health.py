@@ -998,6 +998,43 @@ def test_a_fleet_named_by_a_str_enum_is_built_and_known_by_the_names_text() -> N
     assert f.shard_for_base_url(URLS[0]) is OldGpu.A
 
 
+@pytest.mark.slow
+def test_a_fleet_named_by_a_str_enum_type_checks_in_the_callers_code(tmp_path: Path) -> None:
+    """The constructor takes a mapping keyed by a StrEnum (the test above), and the package
+    ships py.typed: typed ``Mapping[str, str]``, invariant in its key, mypy --strict
+    refused the caller's ``dict[Gpu, str]``. A key that is no str is still refused."""
+    code = tmp_path / "trainer.py"
+    code.write_text(
+        "from enum import StrEnum\n"
+        "from llmhealth import FleetHealth\n"
+        "class Gpu(StrEnum):\n"
+        "    A = 'gpu0'\n"
+        "urls: dict[Gpu, str] = {Gpu.A: 'http://10.0.0.1:8000'}\n"
+        "FleetHealth(urls).report_success(Gpu.A)\n"
+        "FleetHealth({'gpu0': 'http://10.0.0.1:8000'})\n"
+        "FleetHealth(['http://10.0.0.1:8000'])\n"
+        "FleetHealth({0: 'http://10.0.0.1:8000'})  # line 9: refused\n"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "trainer.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    errors = [line for line in run.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("trainer.py:9:"), run.stdout
+
+
 def test_leases_spread_concurrent_requests_over_the_fleet() -> None:
     f, _ = fleet()
     selector = Selector(f)

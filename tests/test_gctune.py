@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -78,3 +80,43 @@ def test_holders_in_several_threads_at_once_leave_the_collector_as_found(
     for thread in threads:
         thread.join(30)
     assert read() == before
+
+
+# Forks in a fresh interpreter of its own: pytest's has threads of its own.
+_FORK_WHILE_ANOTHER_THREAD_READS = """
+import gc, os, threading
+from llmhealth.gctune import YOUNG, young_collections_spaced
+before = gc.get_threshold()
+inside, done = threading.Event(), threading.Event()
+def check_in_a_thread():
+    with young_collections_spaced():
+        inside.set()
+        done.wait()
+reader = threading.Thread(target=check_in_a_thread)
+reader.start()
+inside.wait()
+pid = os.fork()
+if pid == 0:  # a data-loader worker: nothing reads in it
+    as_forked = gc.get_threshold()
+    with young_collections_spaced():  # a check of its own
+        spaced = gc.get_threshold()
+    os._exit(0 if as_forked == before == gc.get_threshold() and spaced[0] == YOUNG else 1)
+done.set()
+reader.join()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), gc.get_threshold() == before)
+"""
+
+
+def test_a_child_forked_while_another_thread_reads_gets_the_thresholds_back() -> None:
+    """A trainer's data-loader workers fork while a thread of the trainer runs
+    ``llmhealth.check``: they kept young collections every YOUNG allocations for good,
+    and their own checks never gave them back (counting a holder they do not have)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_ANOTHER_THREAD_READS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split() == ["0", "True"], done.stderr
