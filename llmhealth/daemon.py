@@ -338,6 +338,9 @@ class Daemon:
         self._serving_changed = False
         self._hook: asyncio.Future[CommandResult] | None = None
         self._hook_again = False
+        # The settle a stop gave up waiting for, and what it was given: its thread goes
+        # on, and may still save (its restarts issued) or fail (its news unsaved).
+        self._unfinished: tuple[asyncio.Future[Settled], News] | None = None
 
     @property
     def _wait(self) -> float:
@@ -550,9 +553,9 @@ class Daemon:
                     self._tell_systemd(f"cycle skipped: {exc}")
                     continue
                 # SIGTERM during a cycle: let it finish within a bound, then leave; the
-                # state file is only ever replaced whole, so an abandoned cycle loses
-                # its own verdicts and nothing else. It runs in a daemon thread, which
-                # the interpreter does not wait for at exit.
+                # state file is only ever replaced whole. It runs in a daemon thread,
+                # which the interpreter does not wait for at exit, but which goes on
+                # while the daemon stops: ``_finish_commands`` hears how it ended.
                 stopping = asyncio.ensure_future(self._stop.wait())
                 either: list[asyncio.Future[Any]] = [cycle, stopping]
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -563,6 +566,7 @@ class Daemon:
                     await asyncio.wait({cycle}, timeout=SHUTDOWN_GRACE)
                     if not cycle.done():
                         self._log("stopping with a cycle unfinished")
+                        self._unfinished = (cycle, news)
                         return
                 try:
                     settled = cycle.result()
@@ -857,14 +861,21 @@ class Daemon:
         beside the commands' grace): what it saw while they ended goes to the last settle
         too. Drained before them, an answer that broke a failure streak was dropped."""
         closing = None if self._router is None else asyncio.ensure_future(self._router.close())
+        unfinished = self._unfinished
+        waited: set[asyncio.Future[Any]] = set(self._commands_running)
         if self._commands_running:
             self._log(
                 f"waiting up to {SHUTDOWN_GRACE:g} s for "
                 f"{len(self._commands_running)} restart command(s)"
             )
-            await asyncio.wait(set(self._commands_running), timeout=SHUTDOWN_GRACE)
+        if unfinished is not None:
+            waited.add(unfinished[0])  # in the same grace: no longer a stop than before
+        if waited:
+            await asyncio.wait(waited, timeout=SHUTDOWN_GRACE)
             for order in self._commands_running.values():
                 self._log(f"{order.name}: restart command still running; its restart stays issued")
+        if unfinished is not None:
+            self._hear_unfinished(*unfinished)
         if closing is not None:
             await closing
         done = self._take_commands()
@@ -895,6 +906,26 @@ class Daemon:
         except (StateError, AuditError, RuntimeError) as exc:  # RuntimeError: no thread
             self._log(f"the restart commands' outcomes were not saved: {exc}")
             self._audit_unsettled(done, exc)
+
+    def _hear_unfinished(self, cycle: asyncio.Future[Settled], news: News) -> None:
+        """How the settle a stop gave up waiting for ended, for the last settle to hear.
+        Saved, it had issued restarts that nobody launched: saved RESTARTING, an attempt
+        spent, and the next start failed them after their grace; they are heard as not
+        run, as the loop drops any order once stopping. Failed, the restart commands'
+        outcomes it was given were in neither the state nor the audit log."""
+        if not cycle.done():
+            return  # still under way: abandoned with the process, as documented
+        error = None if cycle.cancelled() else cycle.exception()
+        if error is not None or cycle.cancelled():
+            self._commands_done[:0] = news.commands
+            if self._router is not None and news.requests:
+                self._router.give_back(news.requests)
+            return
+        back, self._unsettled_requests = self._unsettled_requests, None
+        if self._router is not None and back:
+            self._router.give_back(back)
+        for order in cycle.result().orders:
+            self._drop_order(order, "the daemon is stopping", withdrawn=True)
 
     def _audit_unsettled(self, done: Sequence[CommandDone], exc: Exception) -> None:
         """The outcomes the last settle could not record, in the audit log by themselves

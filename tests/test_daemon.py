@@ -66,7 +66,7 @@ from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.remediate import CommandDone, Mode, RestartOrder
 from llmhealth.simengine import MetricsText, SimBackend, SimConfig, parse_mode
 from llmhealth.simulate import TEMPLATE_NAME
-from llmhealth.state import RecordMovedError, StateFile
+from llmhealth.state import RecordMovedError, StateFile, StateLockedError
 from llmhealth.window import LongestStep
 
 if TYPE_CHECKING:
@@ -2449,6 +2449,127 @@ def test_a_stop_during_the_settle_that_issues_a_restart_runs_no_command(
     ]
     [entry] = json.loads((tmp_path / "state.json").read_text())["ledger"]["backends"]
     assert (entry["state"], entry["restart_times"]) == ("dead", [])
+
+
+def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_not_run(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM came while the settle that condemned a wedge and issued its restart was
+    held past the shutdown grace (the audit log flocked by a backup, a slow disk): the
+    loop gave up on it, but its thread went on and saved RESTARTING, an attempt spent,
+    while the daemon finished stopping, and nobody ran its command; the next start failed
+    that restart after its grace. Its orders are heard as not run, as at any stop."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 1.0)
+    marker = tmp_path / "restart.pid"
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(tmp_path / "go"))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
+    entered, go_on = threading.Event(), threading.Event()
+    settle, log = daemon._settle, daemon._log
+
+    def slow_settle(news: daemon_module.News) -> Any:
+        if any(o.verdict.kind is VerdictKind.WEDGED for o in news.verdicts):
+            entered.set()
+            go_on.wait(PATIENCE)
+        return settle(news)
+
+    def said(message: str) -> None:
+        log(message)
+        if message == "stopping with a cycle unfinished":
+            go_on.set()  # the held settle goes on while the daemon still stops
+
+    daemon._settle = slow_settle  # type: ignore[method-assign]
+    daemon._log = said  # type: ignore[method-assign]
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not entered.is_set():
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("no settle took the wedge")
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        return await asyncio.wait_for(running, PATIENCE)
+
+    try:
+        assert asyncio.run(scenario()) == 0
+        for thread in threading.enumerate():  # the held settle, whatever became of it
+            if thread.name == "llmhealth-cycle":
+                thread.join(PATIENCE)
+    finally:
+        go_on.set()
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert not marker.exists(), "a restart command was started after the stop"
+    [entry] = json.loads((tmp_path / "state.json").read_text())["ledger"]["backends"]
+    assert (entry["state"], entry["restart_times"]) == ("dead", [])
+    audit = read(tmp_path / "audit.jsonl")
+    assert [(r["event"], r.get("to")) for r in audit if r["backend"] == "w"] == [
+        ("wedge_proven", "dead"),
+        ("restart", "restarting"),
+        ("restart_command", "dead"),  # not run: the daemon was stopping
+    ]
+
+
+def test_a_restart_commands_outcome_given_to_a_settle_past_the_stops_grace_is_not_lost(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settle that took a finished restart command's outcome was held past the
+    shutdown grace and then failed (the state locked): that outcome was in neither the
+    state nor the audit log. The last settle hears it, as after any failed settle."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 1.0)
+    marker, go = tmp_path / "restart.pid", tmp_path / "go"
+    go.touch()  # the command ends at once, exit 0
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(go))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
+    entered, go_on = threading.Event(), threading.Event()
+    settle, log = daemon._settle, daemon._log
+
+    def failing_settle(news: daemon_module.News) -> Any:
+        if news.commands and not news.final:
+            entered.set()
+            go_on.wait(PATIENCE)
+            raise StateLockedError("state is locked by another llmhealth")
+        return settle(news)
+
+    def said(message: str) -> None:
+        log(message)
+        if message == "stopping with a cycle unfinished":
+            go_on.set()
+
+    daemon._settle = failing_settle  # type: ignore[method-assign]
+    daemon._log = said  # type: ignore[method-assign]
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not entered.is_set():
+            if time.monotonic() > deadline or running.done():
+                raise NotObservedError("no settle took the command's outcome")
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        return await asyncio.wait_for(running, PATIENCE)
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        go_on.set()
+    records = [r for r in read(tmp_path / "audit.jsonl") if r["backend"] == "w"]
+    assert [r["event"] for r in records] == ["wedge_proven", "restart", "restart_command"]
+    assert records[-1]["command"]["exit_code"] == 0
 
 
 def test_a_restart_commands_outcome_the_last_settle_cannot_save_is_still_in_the_audit_log(
