@@ -65,8 +65,9 @@ class Rule(StrEnum):
     # DEAD -> STALE when the process that was condemned, with no restart pending, shows
     # healthy_threshold good verdicts in a row proven by requests, doubled for each such
     # recovery in the budget window (recovery in place); refused when the policy is off,
-    # the process is another one or unknown, a restart is pending, no request proves it,
-    # or max_in_place_recoveries is reached.
+    # the process is another one or unknown (one never known, then or now, is proven by
+    # answered requests alone), a restart is pending, no request proves it, or
+    # max_in_place_recoveries is reached.
     RECOVER_IN_PLACE = "recover_in_place"
     # A failure in DEAD: the good streak towards recovery in place starts again.
     BREAK_RECOVERY = "break_recovery"
@@ -834,7 +835,20 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
         # itself since stands for it. Refused for good, it stayed DEAD while every read
         # showed it; were it a replacement, it would go to STALE all the same.
         condemned = event.process
-    if event.process is None or condemned is None:
+    # Never identified, then or now (its /metrics shows no process: metrics off, judged
+    # by the tiny request alone): its answer stands for the condemned process, as a first
+    # process does for one condemned unread. Refused, a backend condemned by failed
+    # requests answered every tiny request and stayed DEAD for good: nothing restarts a
+    # traffic condemnation by default, and no read will ever show its process. A verdict
+    # only: a request the router saw answered (in flight when it was condemned) was no
+    # read at all, so it shows nothing of what /metrics would.
+    unknowable = (
+        isinstance(event, GoodVerdict)
+        and event.request_ok
+        and condemned is None
+        and event.process is None
+    )
+    if (event.process is None or condemned is None) and not unknowable:
         if not answered or not b.request_failures:
             raise _Refused(
                 b.state,
@@ -849,7 +863,9 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
             "request answered: request failures cleared; which process answered is unknown, "
             "so it does not count towards recovery in place"
         )
-    other = event.process.differs_from(condemned)
+    other = None
+    if event.process is not None and condemned is not None:
+        other = event.process.differs_from(condemned)
     if other is not None:
         raise _Refused(
             b.state, event.kind, f"{other}; a new process goes through new_process_up and STALE"

@@ -1109,6 +1109,35 @@ def test_a_process_that_cannot_be_identified_never_recovers_in_place() -> None:
     assert "neither a start time nor a counter to compare" in t.reason
 
 
+def test_a_backend_never_identified_recovers_in_place_on_answered_tiny_requests() -> None:
+    """A backend whose /metrics shows no process (metrics off: ``no_metrics``, judged by
+    the tiny request alone), condemned by failed requests, answered every tiny request
+    and was refused each time ("which process answered is unknown"): no restart follows a
+    traffic condemnation by default, so it stayed DEAD for good. Nothing ever identified
+    the condemned process nor the one answering: the answers count, within the limits."""
+    walk = Walk(RECOVER)
+    failed = request_fail("upstream_5xx")
+    walk.feed(failed, state=State.SUSPECT, request_failures=1, last_error="upstream_5xx")
+    walk.feed(failed, request_failures=2)
+    walk.feed(failed, state=State.DEAD, request_failures=3, condemned_by="upstream_5xx")
+    walk.feed(good_from(None), request_failures=0, good_streak=1, last_ok_at=walk.now + 10.0)
+    t = walk.feed(
+        good_from(None),
+        state=State.STALE,
+        good_streak=0,
+        in_place_recoveries=1,
+        last_ok_at=walk.now + 10.0,
+    )
+    assert "in-place recovery 1 of 3" in t.reason
+    walk.feed(readmit(), state=State.HEALTHY, condemned_by=None, last_ok_at=walk.now + 10.0)
+    # Only an answer is proof then: a read alone shows nothing of an unknown process.
+    ledger = one_backend(RECOVER)
+    for now in (1.0, 2.0, 3.0):
+        ledger.apply("a", RequestFailure(now=now, reason="unanswered"))
+    t = ledger.apply("a", GoodVerdict(now=4.0, requests_finished=True))
+    assert not t.applied and "which process answered is unknown" in t.reason
+
+
 CALLERS_WORD = pytest.mark.parametrize(
     "word",
     [

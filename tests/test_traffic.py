@@ -323,3 +323,34 @@ def test_an_answer_before_an_unanswered_tiny_request_still_breaks_the_streak() -
         log.record("a", outcome)
     snap = settled_past_an_unanswered_tiny_request(record(), log.drain(), T0 + 25)
     assert (snap.state, snap.request_failures) == (State.SUSPECT, 0)
+
+
+def test_a_backend_without_metrics_condemned_by_traffic_comes_back_on_answers() -> None:
+    """Metrics off: every verdict is ``no_metrics``, judged by the tiny request alone, and
+    no read ever shows the process. Condemned by failed requests (which restart_on leaves
+    alone by default), it answered every tiny request and stayed DEAD for good."""
+    fleet = record(LedgerPolicy(recover_in_place=True))
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1), failed(T0 + 2)])
+    assert fleet.ledger.state_of("a") is State.DEAD
+    for at in (T0 + 10, T0 + 20):
+        answered = Answer(at, True, "answered in 0.05 s by model tiny", "tiny", ("tiny",))
+        verdict = Verdict(
+            VerdictKind.NO_METRICS, True, "no_metrics: answered", reads=(), answer=answered
+        )
+        fleet.observe("a", verdict, at)
+    assert fleet.ledger.state_of("a") is State.STALE
+    assert fleet.ledger.snapshot("a", T0 + 20).in_place_recoveries == 1
+    answered = Answer(T0 + 30, True, "answered in 0.05 s by model tiny", "tiny", ("tiny",))
+    readmitted = Verdict(VerdictKind.NO_METRICS, True, "no_metrics", answer=answered)
+    fleet.observe("a", readmitted, T0 + 30)
+    assert fleet.ledger.state_of("a") is State.HEALTHY
+
+
+def test_requests_answered_on_a_backend_never_read_clear_its_failures_and_prove_no_recovery() -> (
+    None
+):
+    fleet = record(LedgerPolicy(recover_in_place=True))
+    fleet.observe_requests("a", [failed(T0), failed(T0 + 1), failed(T0 + 2)])
+    fleet.observe_requests("a", [ok(T0 + 3), ok(T0 + 4), ok(T0 + 5)])
+    snap = fleet.ledger.snapshot("a", T0 + 6)
+    assert (snap.state, snap.request_failures, snap.good_streak) == (State.DEAD, 0, 0)
