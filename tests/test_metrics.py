@@ -426,6 +426,24 @@ def _engines_text(engines: int, series: tuple[str, ...]) -> str:
     )
 
 
+def _kept_by(memo: Any, other: Any, text: str | bytes) -> tuple[int, int, int]:
+    """What ``memo`` holds after reading ``text`` (traced), the bytes it counts it at, and
+    its entries; ``other``, the parse's other memo, emptied before the count so that what
+    is left traced is ``memo``'s alone."""
+    metrics._LAYOUTS.clear()
+    metrics._MEANINGS.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        parse_metrics(text if isinstance(text, bytes) else text.encode())
+        other.clear()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0], memo._bytes, len(memo)
+    finally:
+        tracemalloc.stop()
+        memo.clear()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "shape", ["one-line-engines", "three-line-engines", "32-engines", "leftovers"]
@@ -452,20 +470,7 @@ def test_a_remembered_layout_is_counted_at_no_less_than_it_holds(
         text = _engines_text(
             10_000, ("num_requests_running", "num_requests_waiting", "generation_tokens_total")
         )
-    metrics._LAYOUTS.clear()
-    metrics._MEANINGS.clear()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        parse_metrics(text if isinstance(text, bytes) else text.encode())
-        metrics._MEANINGS.clear()  # what is left is the layout the memo keeps
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0]
-        counted = metrics._LAYOUTS._bytes
-        kept = len(metrics._LAYOUTS)
-    finally:
-        tracemalloc.stop()
-        metrics._LAYOUTS.clear()
+    held, counted, kept = _kept_by(metrics._LAYOUTS, metrics._MEANINGS, text)
     assert held <= counted + 64 * 1024  # and nothing when not kept (tracemalloc's own noise)
     assert kept or shape != "leftovers"
 
@@ -490,20 +495,7 @@ def test_a_remembered_meaning_is_counted_at_no_less_than_it_holds(
         text = 'vllm:num_requests_running{engine="0"}' + "x" * 100_000 + "} 1\n"
     else:
         text = f"vllm:num_requests_running{{{texts[shape]}}} 1\n"
-    metrics._LAYOUTS.clear()
-    metrics._MEANINGS.clear()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        parse_metrics(text.encode())
-        metrics._LAYOUTS.clear()  # what is left is the meanings the memo keeps
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0]
-        counted = metrics._MEANINGS._bytes
-        kept = len(metrics._MEANINGS)
-    finally:
-        tracemalloc.stop()
-        metrics._MEANINGS.clear()
+    held, counted, kept = _kept_by(metrics._MEANINGS, metrics._LAYOUTS, text)
     assert kept > 0  # kept, and counted at what it holds (tracemalloc's own noise aside)
     assert held <= counted + 64 * 1024
 
