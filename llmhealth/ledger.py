@@ -886,7 +886,10 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     # Each recovery in the window doubles the good time asked of the next (Envoy's
     # ejection multiplier); at a steady probing interval, verdicts in a row are that time.
     needed = policy.healthy_threshold * 2**done
-    so_far = f"{b.good_streak} of {needed} good verdicts in a row from the same process"
+    # The audit trail says what was proven: of a process no read ever showed, only that
+    # something answered. Written "same process", a recovery read as one identified.
+    whose = "answered, no read showing which process" if unknowable else "from the same process"
+    so_far = f"{b.good_streak} of {needed} good verdicts in a row {whose}"
     if b.request_failures:
         return State.DEAD, (
             f"{so_far}; {b.request_failures} request failure(s) not yet cleared by an "
@@ -900,7 +903,8 @@ def _recover_in_place(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[
     _clear_streaks(b)
     last = done + 1 == policy.max_in_place_recoveries
     return State.STALE, (
-        f"same process, back after {max(0.0, event.now - since):.0f} s: in-place recovery "
+        f"{'process never read' if unknowable else 'same process'}, back after "
+        f"{max(0.0, event.now - since):.0f} s: in-place recovery "
         f"{done + 1} of {policy.max_in_place_recoveries} allowed in {_span(window)}"
         + ("; the last: condemned again, it stays DEAD for an operator" if last else "")
         + "; re-admission returns it to serving"

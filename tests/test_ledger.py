@@ -1138,6 +1138,22 @@ def test_a_backend_never_identified_recovers_in_place_on_answered_tiny_requests(
     assert not t.applied and "which process answered is unknown" in t.reason
 
 
+def test_a_recovery_no_read_identified_does_not_say_it_was_the_same_process() -> None:
+    """The audit trail keeps each recovery's reason: of a process no read ever showed,
+    answered tiny requests prove only that something answers. Written "same process",
+    an operator read the recovery as one whose process had been identified."""
+    ledger = one_backend(RECOVER)
+    for now in (1.0, 2.0, 3.0):
+        ledger.apply("a", RequestFailure(now=now, reason="upstream_5xx", traffic=True))
+    first = ledger.apply("a", GoodVerdict(now=4.0, request_ok=True))
+    back = ledger.apply("a", GoodVerdict(now=5.0, request_ok=True))
+    assert back.applied and ledger.state_of("a") is State.STALE
+    for t in (first, back):
+        assert "same process" not in t.reason
+    assert first.reason == "1 of 2 good verdicts in a row answered, no read showing which process"
+    assert back.reason.startswith("process never read, back after 2 s: in-place recovery 1 of 3")
+
+
 CALLERS_WORD = pytest.mark.parametrize(
     "word",
     [
