@@ -64,12 +64,23 @@ def young_collections_spaced() -> Iterator[None]:
                 gc.set_threshold(*_Spacing.before)
 
 
+def _settled_before_a_fork() -> None:
+    """Forks wait for a thread inside the lock to leave it: forked between its setting the
+    thresholds and its count of holders (either way round), the child found them raised
+    and no holder to give them back, and kept young collections at YOUNG for good."""
+    _Spacing.lock.acquire()
+
+
+def _settled_in_the_parent() -> None:
+    _Spacing.lock.release()
+
+
 def _only_this_thread_in_a_child() -> None:
     """A forked child has only the thread that forked: the holders it counts are that
     thread's alone. A trainer's data-loader workers, forked while a thread of its own ran
     ``llmhealth.check``, kept young collections at YOUNG for good: the holder counted was
-    a thread the child does not have, so nothing gave the thresholds back; and forked
-    while that thread held the lock, the child's first check waited on it for ever."""
+    a thread the child does not have, so nothing gave the thresholds back; and the lock,
+    taken for the fork, is the child's afresh."""
     _Spacing.lock = threading.Lock()
     left = getattr(_Spacing.mine, "holders", 0)
     if _Spacing.holders and not left:
@@ -77,4 +88,8 @@ def _only_this_thread_in_a_child() -> None:
     _Spacing.holders = left
 
 
-os.register_at_fork(after_in_child=_only_this_thread_in_a_child)
+os.register_at_fork(
+    before=_settled_before_a_fork,
+    after_in_parent=_settled_in_the_parent,
+    after_in_child=_only_this_thread_in_a_child,
+)

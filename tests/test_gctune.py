@@ -120,3 +120,49 @@ def test_a_child_forked_while_another_thread_reads_gets_the_thresholds_back() ->
         check=True,
     )
     assert done.stdout.split() == ["0", "True"], done.stderr
+
+
+# The reader's first hold is caught between raising the thresholds and counting itself.
+_FORK_WHILE_ANOTHER_THREAD_TAKES_ITS_FIRST_HOLD = """
+import gc, os, threading
+from llmhealth.gctune import YOUNG, young_collections_spaced
+before = gc.get_threshold()
+raised, go = threading.Event(), threading.Event()
+set_threshold = gc.set_threshold
+def set_then_wait(*thresholds):
+    set_threshold(*thresholds)
+    if threading.current_thread().name == "reader" and thresholds[0] == YOUNG:
+        raised.set()
+        go.wait()
+gc.set_threshold = set_then_wait
+def check_in_a_thread():
+    with young_collections_spaced():
+        pass
+reader = threading.Thread(target=check_in_a_thread, name="reader")
+reader.start()
+raised.wait()
+threading.Timer(0.2, go.set).start()  # the fork waits for it now
+pid = os.fork()
+if pid == 0:
+    gc.set_threshold = set_threshold
+    with young_collections_spaced():  # a check of its own
+        pass
+    os._exit(0 if gc.get_threshold() == before else 1)
+reader.join()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), gc.get_threshold() == before)
+"""
+
+
+def test_a_child_forked_while_another_thread_sets_the_thresholds_gets_them_back() -> None:
+    """Forked between another thread's raising the thresholds and its counting itself a
+    holder (under the lock), the child found them raised and no holder: its own checks
+    then took YOUNG for the thresholds to give back, for good."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_ANOTHER_THREAD_TAKES_ITS_FIRST_HOLD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split() == ["0", "True"], done.stderr
