@@ -883,7 +883,9 @@ class Daemon:
         # broke a failure streak was never heard, and the next run's first failure
         # condemned the backend "3 in a row".
         requests = self._router.drain() if self._router is not None else None
-        if not done and not requests:
+        # A leader's save said unanswered may have gone in with restarts nobody ran: the
+        # last settle finds out, and hears them as not run (``_settle``).
+        if not done and not requests and not self._landed and not self._unanswered:
             return
         try:
             # A command still running keeps its restart's grace from running out, in
@@ -1189,6 +1191,17 @@ class Daemon:
         # record's sightings show the ledger a restart its windows missed (fleet.py).
         attempt = 1
         while True:
+            if news.final and self._landed:
+                # Stopping: the last settle's orders are launched by nobody. Heard in it as
+                # not run, withdrawn, as the loop drops any order once stopping; taken as
+                # its orders, they stayed RESTARTING, an attempt spent on no command, and
+                # the next start failed them after their grace.
+                stopping, why = [], "the daemon is stopping"
+                for order in self._landed.values():
+                    self._log(f"{order.name}: its restart command will not run: {why}")
+                    stopping.append(not_run(order, why, withdrawn=True))
+                news = replace(news, commands=[*news.commands, *stopping])
+                self._landed = {}
             try:
                 settled = settle_fleet(
                     self._store,

@@ -29,7 +29,7 @@ from llmhealth.cluster import (
     read_audit,
     trim_audit,
 )
-from llmhealth.config import Backend, Config
+from llmhealth.config import Backend, Config, Policy
 from llmhealth.cycle import settle_fleet
 from llmhealth.daemon import Daemon, News
 from llmhealth.fleet import FleetRecord
@@ -771,6 +771,55 @@ def test_a_settle_whose_write_landed_and_both_answers_were_lost_hears_nothing_tw
         trail = read_audit(direct, keys).records
         assert [r["event"] for r in trail].count("restart_command") == 1, trail
         assert (saved["gpu0"]["state"], saved["gpu0"]["request_failures"]) == ("suspect", 2)
+    finally:
+        seat.elector.stop()
+
+
+@pytest.mark.parametrize("outcomes", [True, False], ids=["with outcomes", "nothing else"])
+def test_a_restart_a_stops_last_settle_finds_issued_by_a_lost_save_is_heard_as_not_run(
+    etcd_server: EtcdCluster, keys: Keys, outcomes: bool
+) -> None:
+    # The settle before a stop issued gpu1's restart; its save went in and the answer was
+    # lost. The last settle on the way out found it went in and took that restart as one
+    # of its own orders, which nobody launches nor hears once stopping: gpu1 stayed
+    # RESTARTING, an attempt spent, no command run, and the next start failed it after
+    # its grace. Heard as not run instead, as any order the stopping loop drops. With no
+    # outcome to save, no last settle ran at all, and none found it.
+    from llmhealth.actions import CommandResult  # noqa: PLC0415
+    from llmhealth.remediate import CommandDone  # noqa: PLC0415
+
+    gpu0, gpu1 = Target("gpu0", "http://127.0.0.1:9"), Target("gpu1", "http://127.0.0.1:10")
+    config = Config(
+        backends=(
+            Backend("gpu0", gpu0.url, restart=("true",)),
+            Backend("gpu1", gpu1.url, restart=("true",)),
+        ),
+        policy=Policy(max_concurrent_restarts=2),
+    )
+    seat, daemon = leading_daemon(etcd_server, keys, [config], [gpu0, gpu1])
+    direct = seat.store.etcd
+    try:
+        first = Outcome(gpu0, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        (order,) = daemon._settle(News([first], [])).orders
+        ran = [CommandDone(order, CommandResult(order.argv, 0, False, 0.1, "", ""))]
+        wedged = Outcome(gpu1, Verdict(VerdictKind.WEDGED, False, "wedged"))
+        with tcp_server(state_answers_lost(etcd_server, keys)) as (lossy, _):
+            seat.store.etcd = Etcd([lossy], timeout=0.5)
+            assert not daemon._settle(News([wedged], ran if outcomes else [])).orders
+        seat.store.etcd = direct
+        daemon.stop()
+        asyncio.run(daemon._finish_commands())  # the last settle: it finds that save went in
+        found = direct.get(keys.state)
+        assert found is not None
+        saved = {b["name"]: b for b in json.loads(found.value)["ledger"]["backends"]}
+        assert (saved["gpu1"]["state"], saved["gpu1"]["restart_times"]) == ("dead", [])
+        trail = read_audit(direct, keys).records
+        events = [(r["event"], r.get("to")) for r in trail if r.get("backend") == "gpu1"]
+        assert events == [
+            ("wedge_proven", "dead"),
+            ("restart", "restarting"),
+            ("restart_command", "dead"),  # not run: the daemon was stopping
+        ], trail
     finally:
         seat.elector.stop()
 

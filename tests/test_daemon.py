@@ -2482,7 +2482,10 @@ def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_no
     def said(message: str) -> None:
         log(message)
         if message == "stopping with a cycle unfinished":
-            go_on.set()  # the held settle goes on while the daemon still stops
+            # The held settle goes on while the daemon still stops; its save is given all
+            # the grace a loaded machine may take (a bound only, read when stopping waits).
+            monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)
+            go_on.set()
 
     daemon._settle = slow_settle  # type: ignore[method-assign]
     daemon._log = said  # type: ignore[method-assign]
@@ -2548,6 +2551,7 @@ def test_a_restart_commands_outcome_given_to_a_settle_past_the_stops_grace_is_no
     def said(message: str) -> None:
         log(message)
         if message == "stopping with a cycle unfinished":
+            monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)  # as above
             go_on.set()
 
     daemon._settle = failing_settle  # type: ignore[method-assign]
