@@ -2451,43 +2451,35 @@ def test_a_stop_during_the_settle_that_issues_a_restart_runs_no_command(
     assert (entry["state"], entry["restart_times"]) == ("dead", [])
 
 
-def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_not_run(
-    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _stopped_past_the_grace(
+    daemon: Daemon,
+    monkeypatch: pytest.MonkeyPatch,
+    held: Callable[[daemon_module.News], bool],
+    fail: Exception | None = None,
 ) -> None:
-    """SIGTERM came while the settle that condemned a wedge and issued its restart was
-    held past the shutdown grace (the audit log flocked by a backup, a slow disk): the
-    loop gave up on it, but its thread went on and saved RESTARTING, an attempt spent,
-    while the daemon finished stopping, and nobody ran its command; the next start failed
-    that restart after its grace. Its orders are heard as not run, as at any stop."""
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    """Run ``daemon`` until a settle ``held`` picks begins, stop it, and hold that settle
+    past the stop's first grace (1 s); then let it go on (raising ``fail`` if given) with
+    all the grace a loaded machine may take, a bound only. The daemon exits 0."""
     monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 1.0)
-    marker = tmp_path / "restart.pid"
-    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(tmp_path / "go"))
-    backend = config_module.Backend("w", urls.wedge_b, restart=command)
-    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
-
-    def load() -> tuple[config_module.Config, list[Target]]:
-        return config, [Target("w", urls.wedge_b)]
-
-    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
     entered, go_on = threading.Event(), threading.Event()
     settle, log = daemon._settle, daemon._log
 
-    def slow_settle(news: daemon_module.News) -> Any:
-        if any(o.verdict.kind is VerdictKind.WEDGED for o in news.verdicts):
+    def held_settle(news: daemon_module.News) -> Any:
+        if held(news):
             entered.set()
             go_on.wait(PATIENCE)
+            if fail is not None:
+                raise fail
         return settle(news)
 
     def said(message: str) -> None:
         log(message)
         if message == "stopping with a cycle unfinished":
-            # The held settle goes on while the daemon still stops; its save is given all
-            # the grace a loaded machine may take (a bound only, read when stopping waits).
+            # The held settle goes on while the daemon still stops (read when it waits).
             monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)
             go_on.set()
 
-    daemon._settle = slow_settle  # type: ignore[method-assign]
+    daemon._settle = held_settle  # type: ignore[method-assign]
     daemon._log = said  # type: ignore[method-assign]
 
     async def scenario() -> int:
@@ -2495,7 +2487,7 @@ def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_no
         deadline = time.monotonic() + PATIENCE
         while not entered.is_set():
             if time.monotonic() > deadline or running.done():
-                raise NotObservedError("no settle took the wedge")
+                raise NotObservedError("no settle was held")
             await asyncio.sleep(POLL)
         daemon.stop()
         return await asyncio.wait_for(running, PATIENCE)
@@ -2507,6 +2499,33 @@ def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_no
                 thread.join(PATIENCE)
     finally:
         go_on.set()
+
+
+def test_a_settle_still_running_past_the_stops_grace_has_its_restart_heard_as_not_run(
+    urls: Urls, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM came while the settle that condemned a wedge and issued its restart was
+    held past the shutdown grace (the audit log flocked by a backup, a slow disk): the
+    loop gave up on it, but its thread went on and saved RESTARTING, an attempt spent,
+    while the daemon finished stopping, and nobody ran its command; the next start failed
+    that restart after its grace. Its orders are heard as not run, as at any stop."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    marker = tmp_path / "restart.pid"
+    command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(tmp_path / "go"))
+    backend = config_module.Backend("w", urls.wedge_b, restart=command)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, backends=(backend,))
+
+    def load() -> tuple[config_module.Config, list[Target]]:
+        return config, [Target("w", urls.wedge_b)]
+
+    daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
+
+    def condemning(news: daemon_module.News) -> bool:
+        return any(o.verdict.kind is VerdictKind.WEDGED for o in news.verdicts)
+
+    try:
+        _stopped_past_the_grace(daemon, monkeypatch, condemning)
+    finally:
         with contextlib.suppress(ValueError, OSError):
             os.kill(int(marker.read_text()), signal.SIGKILL)
     assert not marker.exists(), "a restart command was started after the stop"
@@ -2527,7 +2546,6 @@ def test_a_restart_commands_outcome_given_to_a_settle_past_the_stops_grace_is_no
     shutdown grace and then failed (the state locked): that outcome was in neither the
     state nor the audit log. The last settle hears it, as after any failed settle."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", 1.0)
     marker, go = tmp_path / "restart.pid", tmp_path / "go"
     go.touch()  # the command ends at once, exit 0
     command = (sys.executable, "-c", SLOW_RESTART, str(marker), str(go))
@@ -2538,39 +2556,12 @@ def test_a_restart_commands_outcome_given_to_a_settle_past_the_stops_grace_is_no
         return config, [Target("w", urls.wedge_b)]
 
     daemon = a_daemon(load, StateFile(tmp_path / "state.json"), wait=0.1)
-    entered, go_on = threading.Event(), threading.Event()
-    settle, log = daemon._settle, daemon._log
 
-    def failing_settle(news: daemon_module.News) -> Any:
-        if news.commands and not news.final:
-            entered.set()
-            go_on.wait(PATIENCE)
-            raise StateLockedError("state is locked by another llmhealth")
-        return settle(news)
+    def hearing_the_command(news: daemon_module.News) -> bool:
+        return bool(news.commands) and not news.final
 
-    def said(message: str) -> None:
-        log(message)
-        if message == "stopping with a cycle unfinished":
-            monkeypatch.setattr(daemon_module, "SHUTDOWN_GRACE", PATIENCE)  # as above
-            go_on.set()
-
-    daemon._settle = failing_settle  # type: ignore[method-assign]
-    daemon._log = said  # type: ignore[method-assign]
-
-    async def scenario() -> int:
-        running = asyncio.create_task(daemon.run())
-        deadline = time.monotonic() + PATIENCE
-        while not entered.is_set():
-            if time.monotonic() > deadline or running.done():
-                raise NotObservedError("no settle took the command's outcome")
-            await asyncio.sleep(POLL)
-        daemon.stop()
-        return await asyncio.wait_for(running, PATIENCE)
-
-    try:
-        assert asyncio.run(scenario()) == 0
-    finally:
-        go_on.set()
+    locked = StateLockedError("state is locked by another llmhealth")
+    _stopped_past_the_grace(daemon, monkeypatch, hearing_the_command, fail=locked)
     records = [r for r in read(tmp_path / "audit.jsonl") if r["backend"] == "w"]
     assert [r["event"] for r in records] == ["wedge_proven", "restart", "restart_command"]
     assert records[-1]["command"]["exit_code"] == 0

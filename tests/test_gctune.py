@@ -108,18 +108,20 @@ print(os.waitstatus_to_exitcode(status), gc.get_threshold() == before)
 """
 
 
+def _forks_and_gets_them_back(script: str) -> None:
+    """``script`` in an interpreter of its own (a fork there leaves this one alone): it
+    prints the child's exit status and whether the parent's thresholds are as found."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["0", "True"], done.stderr
+
+
 def test_a_child_forked_while_another_thread_reads_gets_the_thresholds_back() -> None:
     """A trainer's data-loader workers fork while a thread of the trainer runs
     ``llmhealth.check``: they kept young collections every YOUNG allocations for good,
     and their own checks never gave them back (counting a holder they do not have)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_WHILE_ANOTHER_THREAD_READS],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert done.stdout.split() == ["0", "True"], done.stderr
+    _forks_and_gets_them_back(_FORK_WHILE_ANOTHER_THREAD_READS)
 
 
 # The reader's first hold is caught between raising the thresholds and counting itself.
@@ -158,11 +160,4 @@ def test_a_child_forked_while_another_thread_sets_the_thresholds_gets_them_back(
     """Forked between another thread's raising the thresholds and its counting itself a
     holder (under the lock), the child found them raised and no holder: its own checks
     then took YOUNG for the thresholds to give back, for good."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FORK_WHILE_ANOTHER_THREAD_TAKES_ITS_FIRST_HOLD],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert done.stdout.split() == ["0", "True"], done.stderr
+    _forks_and_gets_them_back(_FORK_WHILE_ANOTHER_THREAD_TAKES_ITS_FIRST_HOLD)
