@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from llmhealth.actions import Audit, AuditError, AuditLog, run_command
+from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
 from llmhealth.config import Backend, Cluster, Config, check_audit_path
 from llmhealth.config import Policy as ConfigPolicy
@@ -507,7 +507,14 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
         kept.append(await main)
 
     with young_collections_spaced():
-        asyncio.run(keep())
+        try:
+            asyncio.run(keep())
+        except RuntimeError:
+            # Raised by the loop's close once ``main`` ended: out of threads (a pids
+            # limit), it could not start the one that shuts its executor down. The check
+            # is done and recorded; raised, it ended as a bug, its report unprinted.
+            if not kept:
+                raise
     return kept[0]
 
 
@@ -597,9 +604,22 @@ async def run_cycle_async(
             break
         # A future, not a task: asyncio.run's close cancels every task left (a second
         # Ctrl-C), and a cancelled task would lose the result its thread still brings.
-        running = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(run_command, order.argv, order.timeout, env=env)
-        )
+        given_up = threading.Event()
+        try:
+            running = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(_run_unless_given_up, given_up, order, env)
+            )
+        except RuntimeError as exc:
+            # Out of threads (a pids limit): this process's want, no restart that failed
+            # (``CommandResult.own_shortage``), as in `watch`. Raised, the check ended
+            # with a traceback, its backend RESTARTING until the grace failed it as a
+            # tried restart. The executor queued the call before its thread failed to
+            # start: ``given_up`` keeps a thread freed later from running it after all.
+            # None of the orders after it runs either: each would queue another call.
+            given_up.set()
+            short = f"no thread to run it in: {exc}"
+            done += [not_run(later, short, own_shortage=True) for later in settled.orders[index:]]
+            break
         try:
             result = await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -650,6 +670,15 @@ async def run_cycle_async(
     if interrupted:
         raise asyncio.CancelledError  # recorded: now the interruption goes on
     return report
+
+
+def _run_unless_given_up(
+    given_up: threading.Event, order: RestartOrder, env: Mapping[str, str]
+) -> CommandResult:
+    """``order``'s command, unless the check gave it up as not run (``given_up``)."""
+    if given_up.is_set():
+        return not_run(order, "given up by its check: no thread to run it in").result
+    return run_command(order.argv, order.timeout, env=env)
 
 
 def withdrawn_now(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import json
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -1864,3 +1867,61 @@ def test_a_restart_command_not_started_for_want_of_descriptors_keeps_its_undoubl
     assert orders(at + 6) == []
     assert orders(at + cooldown - 1) == []
     assert orders(at + cooldown + 1) == ["a"]
+
+
+def test_a_checks_restart_command_with_no_thread_to_run_it_in_is_heard_as_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of threads (a pids limit), `check` could not hand its restart command to a
+    thread: the RuntimeError ended the check with a traceback after the restart was
+    saved, its backend left RESTARTING until the grace failed it as a tried restart.
+    It is heard as `watch` hears it: not run, no attempt spent, and the check reports."""
+    marker = tmp_path / "restarted"
+    config = Config(backends=(Backend("gpu0", GPU0.url, restart=("touch", str(marker))),))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+
+    async def probe(targets: Sequence[Target], *_args: object, **_kwargs: object) -> list[Outcome]:
+        return [wedged(target) for target in targets]
+
+    def start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr("llmhealth.cycle.check_fleet", probe)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    report = run_cycle(config, [GPU0], ProbeSettings(wait=0.0, timeout=1.0), store, audit=audit)
+    monkeypatch.undo()
+    assert not marker.exists()
+    [note] = [note for note in report.restarts if note.action == "restart"]
+    assert note.ok is False, note
+    assert saved(store.path)["gpu0"]["state"] == "dead"
+    assert saved(store.path)["gpu0"]["restart_times"] == [], "an attempt was spent"
+    commands = [r for r in read(audit.path) if r["event"] == "restart_command"]
+    assert len(commands) == 1 and "no thread" in commands[0]["command"]["stderr"], commands
+
+
+def test_a_restart_command_a_check_gave_up_for_want_of_a_thread_never_runs_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's executor queues a call before the thread it starts for it fails: one
+    of its threads still busy (a resolver's call for a name that does not answer) took
+    the queued command once free, and ran the restart the check had heard as not run."""
+    marker = tmp_path / "restarted"
+    config = Config(backends=(Backend("gpu0", GPU0.url, restart=("touch", str(marker))),))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("asyncio"):  # the loop's executor: no thread more
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    async def probe(targets: Sequence[Target], *_args: object, **_kwargs: object) -> list[Outcome]:
+        asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.5)  # still busy
+        monkeypatch.setattr(threading.Thread, "start", start)
+        return [wedged(target) for target in targets]
+
+    monkeypatch.setattr("llmhealth.cycle.check_fleet", probe)
+    run_cycle(config, [GPU0], ProbeSettings(wait=0.0, timeout=1.0), store, audit=audit)
+    monkeypatch.undo()
+    assert not marker.exists(), "the restart heard as not run ran after all"
+    assert saved(store.path)["gpu0"]["state"] == "dead"
