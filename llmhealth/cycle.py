@@ -8,8 +8,8 @@ two runs never both act on a fleet.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import functools
 import math
 import signal
 import threading
@@ -509,11 +509,15 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     with young_collections_spaced():
         try:
             asyncio.run(keep())
-        except RuntimeError:
+        except RuntimeError as exc:
             # Raised by the loop's close once ``main`` ended: out of threads (a pids
             # limit), it could not start the one that shuts its executor down. The check
             # is done and recorded; raised, it ended as a bug, its report unprinted.
+            # A check a Ctrl-C ended is interrupted still, no bug: the close raised in
+            # place of the KeyboardInterrupt it was leaving with.
             if not kept:
+                if isinstance(interrupt := exc.__context__, KeyboardInterrupt):
+                    raise interrupt from None
                 raise
     return kept[0]
 
@@ -604,22 +608,24 @@ async def run_cycle_async(
             break
         # A future, not a task: asyncio.run's close cancels every task left (a second
         # Ctrl-C), and a cancelled task would lose the result its thread still brings.
-        given_up = threading.Event()
+        handoff = _Handoff(order, env)
         try:
-            running = asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(_run_unless_given_up, given_up, order, env)
-            )
+            running = asyncio.get_running_loop().run_in_executor(None, handoff.run)
         except RuntimeError as exc:
             # Out of threads (a pids limit): this process's want, no restart that failed
             # (``CommandResult.own_shortage``), as in `watch`. Raised, the check ended
             # with a traceback, its backend RESTARTING until the grace failed it as a
             # tried restart. The executor queued the call before its thread failed to
-            # start: ``given_up`` keeps a thread freed later from running it after all.
+            # start: given up, a thread freed later does not run it after all; one freed
+            # in between took it, and it is heard as any command that ran.
             # None of the orders after it runs either: each would queue another call.
-            given_up.set()
-            short = f"no thread to run it in: {exc}"
-            done += [not_run(later, short, own_shortage=True) for later in settled.orders[index:]]
-            break
+            if handoff.give_up():
+                short = f"no thread to run it in: {exc}"
+                done += [
+                    not_run(later, short, own_shortage=True) for later in settled.orders[index:]
+                ]
+                break
+            running = asyncio.wrap_future(handoff.ran)
         try:
             result = await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -672,13 +678,33 @@ async def run_cycle_async(
     return report
 
 
-def _run_unless_given_up(
-    given_up: threading.Event, order: RestartOrder, env: Mapping[str, str]
-) -> CommandResult:
-    """``order``'s command, unless the check gave it up as not run (``given_up``)."""
-    if given_up.is_set():
-        return not_run(order, "given up by its check: no thread to run it in").result
-    return run_command(order.argv, order.timeout, env=env)
+class _Handoff:
+    """A check's command handed to its loop's executor: run by the thread that takes it,
+    or given up by the check, never both. The executor queues a call before it starts the
+    thread for it; that start failing, a thread of its own freed in between may have
+    taken the call already, and ran the restart the check would hear as not run."""
+
+    def __init__(self, order: RestartOrder, env: Mapping[str, str]) -> None:
+        self.order, self.env = order, env
+        self.ran: concurrent.futures.Future[CommandResult] = concurrent.futures.Future()
+        self._claimed = threading.Lock()
+
+    def run(self) -> CommandResult:
+        """The command's result, in the executor's thread; nothing run once given up."""
+        if not self._claimed.acquire(blocking=False):
+            return not_run(self.order, "given up by its check: no thread to run it in").result
+        try:
+            result = run_command(self.order.argv, self.order.timeout, env=self.env)
+        except BaseException as exc:
+            self.ran.set_exception(exc)
+            raise
+        self.ran.set_result(result)
+        return result
+
+    def give_up(self) -> bool:
+        """True when no thread has taken the call, which then never runs; False when one
+        has (its result comes in ``ran``)."""
+        return self._claimed.acquire(blocking=False)
 
 
 def withdrawn_now(

@@ -20,6 +20,7 @@ import pytest
 from pytest_httpserver import HTTPServer
 from werkzeug import Request, Response
 
+from llmhealth import cycle as cycle_module
 from llmhealth import operate
 from llmhealth.actions import AuditLog, CommandResult, read, run_command
 from llmhealth.classify import Answer, Outcome, Read, Target, Verdict, VerdictKind, decide
@@ -1915,13 +1916,93 @@ def test_a_restart_command_a_check_gave_up_for_want_of_a_thread_never_runs_later
             raise RuntimeError("can't start new thread")
         real_start(self)
 
+    # The busy thread is held until the check has given the command up, then takes it.
+    held, taken = threading.Event(), threading.Event()
+    real_run, real_give_up = cycle_module._Handoff.run, cycle_module._Handoff.give_up
+
+    def run(self: cycle_module._Handoff) -> CommandResult:
+        try:
+            return real_run(self)
+        finally:
+            taken.set()
+
+    def give_up(self: cycle_module._Handoff) -> bool:
+        try:
+            return real_give_up(self)
+        finally:
+            held.set()
+
     async def probe(targets: Sequence[Target], *_args: object, **_kwargs: object) -> list[Outcome]:
-        asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.5)  # still busy
+        asyncio.get_running_loop().run_in_executor(None, held.wait, 60.0)  # still busy
+        monkeypatch.setattr(threading.Thread, "start", start)
+        return [wedged(target) for target in targets]
+
+    monkeypatch.setattr(cycle_module._Handoff, "run", run)
+    monkeypatch.setattr(cycle_module._Handoff, "give_up", give_up)
+    monkeypatch.setattr("llmhealth.cycle.check_fleet", probe)
+    try:
+        run_cycle(config, [GPU0], ProbeSettings(wait=0.0, timeout=1.0), store, audit=audit)
+    finally:
+        held.set()
+    assert taken.wait(60.0), "the freed thread never took the queued call"
+    monkeypatch.undo()
+    assert not marker.exists(), "the restart heard as not run ran after all"
+    assert saved(store.path)["gpu0"]["state"] == "dead"
+
+
+def test_a_check_interrupted_when_its_loop_cannot_start_the_thread_that_closes_it_is_interrupted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of threads when the loop's close shuts its executor down, a check a Ctrl-C had
+    ended raised the close's RuntimeError in place of the KeyboardInterrupt: a traceback
+    as a bug report ("internal error") where the run was only interrupted."""
+
+    def start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def check() -> None:
+        await asyncio.get_running_loop().run_in_executor(None, int)  # the executor exists
+        monkeypatch.setattr(threading.Thread, "start", start)
+        signal.raise_signal(signal.SIGINT)  # asyncio.run's handler cancels the check
+        await asyncio.sleep(10)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_loop(check())
+    monkeypatch.undo()
+
+
+def test_a_restart_command_a_freed_thread_took_before_the_check_gave_it_up_is_heard_as_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread of the loop's executor freed after the call was queued and before the
+    check gave it up (its own thread failing to start) ran the restart, while the check
+    heard it as not run: DEAD, no attempt spent, a restart that did happen unrecorded."""
+    marker = tmp_path / "restarted"
+    config = Config(backends=(Backend("gpu0", GPU0.url, restart=("touch", str(marker))),))
+    store, audit = StateFile(tmp_path / "state.json"), AuditLog(tmp_path / "audit.jsonl")
+    real_start, release = threading.Thread.start, threading.Event()
+
+    def start(self: threading.Thread) -> None:
+        if not self.name.startswith("asyncio"):
+            real_start(self)
+            return
+        release.set()  # the busy thread frees now, and takes the queued command
+        queue = self._args[1]  # type: ignore[attr-defined]  # the executor's work queue
+        for _ in range(500):
+            if queue.empty():
+                break
+            time.sleep(0.01)
+        raise RuntimeError("can't start new thread")
+
+    async def probe(targets: Sequence[Target], *_args: object, **_kwargs: object) -> list[Outcome]:
+        asyncio.get_running_loop().run_in_executor(None, release.wait, 5.0)  # still busy
         monkeypatch.setattr(threading.Thread, "start", start)
         return [wedged(target) for target in targets]
 
     monkeypatch.setattr("llmhealth.cycle.check_fleet", probe)
-    run_cycle(config, [GPU0], ProbeSettings(wait=0.0, timeout=1.0), store, audit=audit)
+    report = run_cycle(config, [GPU0], ProbeSettings(wait=0.0, timeout=1.0), store, audit=audit)
     monkeypatch.undo()
-    assert not marker.exists(), "the restart heard as not run ran after all"
-    assert saved(store.path)["gpu0"]["state"] == "dead"
+    [note] = [note for note in report.restarts if note.action == "restart"]
+    ran = marker.exists()
+    assert note.ok is ran, (ran, note)
+    assert saved(store.path)["gpu0"]["state"] == ("restarting" if ran else "dead")
