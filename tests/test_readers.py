@@ -1348,6 +1348,13 @@ def test_a_reload_while_a_worker_is_down_keeps_its_steps_for_the_worker_started_
     assert shares[0].learned == {"renamed": step}
 
 
+def _naming_reads(settings: Callable[[], ProbeSettings], heard: list[str]) -> readers.ReadTasks:
+    """ReadTasks that name in ``heard`` each target they read, in order; deaths ignored."""
+    return readers.ReadTasks(
+        settings, time.time, lambda target, _v, _s, _w: heard.append(target.name), lambda *_: None
+    )
+
+
 def test_a_target_a_reload_removes_before_its_first_read_leaves_nothing_behind(
     httpserver: HTTPServer,
 ) -> None:
@@ -1361,12 +1368,7 @@ def test_a_target_a_reload_removes_before_its_first_read_leaves_nothing_behind(
     heard: list[str] = []
 
     async def main() -> readers.ReadTasks:
-        tasks = readers.ReadTasks(
-            lambda: ProbeSettings(wait=60.0),
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target.name),
-            lambda _n, _c: None,
-        )
+        tasks = _naming_reads(lambda: ProbeSettings(wait=60.0), heard)
         tasks.remember({"first": seen, "later": seen}, {"first": step, "later": step})
         tasks.assign([Target("first", url), Target("later", url)])  # "later" at 15 s
         async with asyncio.timeout(30):
@@ -1457,12 +1459,7 @@ def heard_across_a_wait_change(
     heard: list[str] = []
 
     async def main() -> None:
-        tasks = readers.ReadTasks(
-            lambda: settings[-1],
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target.name),
-            lambda _n, _c: None,
-        )
+        tasks = _naming_reads(lambda: settings[-1], heard)
         try:
             tasks.assign(targets)
             async with asyncio.timeout(30):
@@ -1531,12 +1528,7 @@ def test_a_wait_a_reload_changed_while_a_read_ran_paces_that_target(
     heard: list[str] = []
 
     async def main() -> None:
-        tasks = readers.ReadTasks(
-            lambda: settings[-1],
-            time.time,
-            lambda target, _v, _s, _w: heard.append(target.name),
-            lambda _n, _c: None,
-        )
+        tasks = _naming_reads(lambda: settings[-1], heard)
         try:
             tasks.assign([target])
             async with asyncio.timeout(30):
