@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmhealth.classify import Answer, Read, ReadProblem, Verdict, VerdictKind
@@ -146,6 +146,7 @@ def verdict_from_dict(data: object, where: str) -> Verdict:
             sent=_flag(raw, "sent", f"{where}.answer", missing=True),
         )
     step = table.get("longest_step")
+    learned = None if step is None else LongestStep.from_dict(step, f"{where}.longest_step")
     running, waiting = (_optional(table, name, where) for name in ("running", "waiting"))
     return Verdict(
         kind=kind,
@@ -158,7 +159,8 @@ def verdict_from_dict(data: object, where: str) -> Verdict:
         requests_sent=int(_number(table, "requests_sent", where)),
         reads=reads,
         answer=answer,
-        longest_step=None if step is None else LongestStep.from_dict(step, f"{where}.longest_step"),
+        # Its why too: settled, it goes on into the state and every later window's evidence.
+        longest_step=None if learned is None else replace(learned, why=printable(learned.why)),
         # A member's own failure (starved, a worker lost) read as judged was news of the
         # backend at the leader; absent in what an earlier member wrote: judged.
         judged=_flag(table, "judged", where, missing=True),

@@ -116,6 +116,15 @@ def test_text_from_another_member_reaches_nobody_raw() -> None:
     assert verdict_from_dict(document, "v").evidence == "busy \\x1b[2J now"
 
 
+def test_a_published_longest_step_reaches_nobody_raw() -> None:
+    """Its why goes on into the leader's state and every later window's evidence: it was
+    the one text of a published verdict taken as the member wrote it."""
+    step = LongestStep(2.0, "engine 0: \x1b]0;pwned\x07 gaps")
+    document = verdict_to_dict(Verdict(VerdictKind.BUSY, True, "busy", longest_step=step))
+    taken = verdict_from_dict(json.loads(json.dumps(document)), "v").longest_step
+    assert taken == LongestStep(2.0, "engine 0: \\x1b]0;pwned\\x07 gaps")
+
+
 def healthy(label: str) -> Verdict:
     return Verdict(VerdictKind.BUSY, True, f"busy: {label}")
 
