@@ -463,6 +463,14 @@ def check_url(url: str) -> str:
             f"{url!r} ends in /v1: give the server's root ({server}); "
             "llmhealth reads /metrics beside /v1"
         )
+    if root.endswith("/metrics"):
+        # The address a Prometheus scrape job names: read as a root it gives
+        # /metrics/metrics and /metrics/v1/models, 404s from a healthy server, judged
+        # no_metrics with its tiny request failed: CRITICAL, DEAD after three checks.
+        raise ValueError(
+            f"{url!r} ends in /metrics: give the server's root "
+            f"({root.removesuffix('/metrics')}); llmhealth reads /metrics and /v1 below it"
+        )
     return root
 
 
@@ -533,7 +541,9 @@ def _policy(reader: _Reader, data: object) -> Policy:
     }
     reader.known(table, "policy.", fields)
     defaults = Policy()
-    restart_on = reader.string_list(table, "policy.restart_on", defaults.restart_on)
+    restart_on = reader.string_list(
+        table, "policy.restart_on", defaults.restart_on, example='verdicts, e.g. ["wedged"]'
+    )
     unknown = sorted(set(restart_on) - _VERDICTS_RESTARTABLE)
     if unknown:
         raise ConfigError(
@@ -590,7 +600,9 @@ def _router(reader: _Reader, data: object) -> Router:
             parse_listen(listen)
         except ValueError as exc:
             raise reader.fail("router.listen", str(exc)) from exc
-    routes = reader.string_list(table, "router.routes", defaults.routes)
+    routes = reader.string_list(
+        table, "router.routes", defaults.routes, example='paths, e.g. ["/v1/completions"]'
+    )
     if not routes:
         # Taken, every client request was a 404 and the router looked healthy.
         raise reader.fail("router.routes", "is empty: no request would be forwarded")
@@ -683,7 +695,9 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
     reader.known(
         table, "cluster.", {"etcd", "prefix", "lease_ttl", "member", "audit_keep", "shard_reads"}
     )
-    endpoints = reader.string_list(table, "cluster.etcd", ())
+    endpoints = reader.string_list(
+        table, "cluster.etcd", (), example='etcd client URLs, e.g. ["http://10.0.0.1:2379"]'
+    )
     if not endpoints:
         raise reader.fail(
             "cluster.etcd", 'is required: etcd client URLs, e.g. ["http://10.0.0.1:2379"]'
@@ -898,11 +912,14 @@ class _Reader:
         return name
 
     def string_list(
-        self, table: Mapping[str, Any], key: str, default: tuple[str, ...]
+        self, table: Mapping[str, Any], key: str, default: tuple[str, ...], *, example: str
     ) -> tuple[str, ...]:
+        """A list of strings; ``example`` says what one holds. One hint for every list, "an
+        argv list", told an operator who wrote ``etcd = "http://..."`` or ``restart_on =
+        "wedged"`` that a command was expected there."""
         value = table.get(self._leaf(key), list(default))
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise self.fail(key, "must be a list of strings (an argv list, never a shell line)")
+            raise self.fail(key, f"must be a list of strings ({example})")
         return tuple(value)
 
     def command(
@@ -913,7 +930,7 @@ class _Reader:
         checked here, not when it first runs: a restart that cannot run spends the
         restart budget attempt by attempt until the backend is retired. The program is
         not repeated in a message, as a command line may carry a token."""
-        argv = self.string_list(table, key, ())
+        argv = self.string_list(table, key, (), example="an argv list, never a shell line")
         if self._leaf(key) not in table or (empty_is_none and not argv):
             return ()
         if not argv:
@@ -945,9 +962,13 @@ class _Reader:
         return argv
 
     def url(self, table: Mapping[str, Any], key: str) -> str:
+        """The base URL at ``key``. One there but not a string (``url = ["http://..."]``)
+        was told "is required", of a key the operator could see written; it is said to be
+        of the wrong type, and not repeated (it may hold a key)."""
         value = table.get(self._leaf(key))
         if not isinstance(value, str):
-            raise self.fail(key, "is required: the base URL, e.g. http://10.0.0.5:8000")
+            said = "is required" if value is None else "must be a string"
+            raise self.fail(key, f"{said}: the base URL, e.g. http://10.0.0.5:8000")
         try:
             return check_url(value)
         except ValueError as exc:

@@ -107,6 +107,8 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[policy]\nmax_in_place_recoveries = -1", "policy.max_in_place_recoveries: -1 is below"),
         ("wait = -1", "wait: -1 must be a positive"),
         ("[[backend]]\nname = 'a'", "backend[0].url: is required"),
+        ("[[backend]]\nurl = ['http://a:1']", "backend[0].url: must be a string: the base URL"),
+        ("[[proxy]]\nurl = 8080", "proxy[0].url: must be a string: the base URL"),
         ("[[backend]]\nurl = 'ftp://x'", "backend[0].url: 'ftp://x' is not an http(s) URL"),
         (
             "[[backend]]\nurl = 'http://a:1'\n[[backend]]\nname = 'b'\nurl = 'HTTP://A:1/'",
@@ -192,7 +194,20 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         ("[[backend]]\nurl = 'http://a:1'\nwedge_after = true", "backend[0].wedge_after"),
         ("wait = ", "not valid TOML"),
         ("[cluster]\nprefix = '/f'", "cluster.etcd: is required"),
-        ("[cluster]\netcd = 'http://e:2379'", "cluster.etcd: must be a list of strings"),
+        # Each said "(an argv list, never a shell line)", a command's hint, of a list that
+        # holds none: the fix it suggested was no fix.
+        (
+            "[cluster]\netcd = 'http://e:2379'",
+            'cluster.etcd: must be a list of strings (etcd client URLs, e.g. ["http://',
+        ),
+        (
+            "[policy]\nrestart_on = 'wedged'",
+            "restart_on: must be a list of strings (verdicts, e.g.",
+        ),
+        (
+            "[router]\nroutes = '/v1/completions'",
+            "router.routes: must be a list of strings (paths,",
+        ),
         ("[cluster]\netcd = ['e:2379']", "cluster.etcd: 'e:2379' is not an http(s) URL"),
         # Only host and port are used (POST /v3/... at the root): a gateway path was dropped
         # without a word, and every request went where no etcd answers.
@@ -888,6 +903,22 @@ def test_a_control_character_in_a_urls_path_is_refused(tmp_path: Path) -> None:
         load(path)
     with pytest.raises(ValueError, match="control character in its path"):
         check_url("http://127.0.0.1:8000/\x1b[31m")
+
+
+def test_a_metrics_url_is_refused_for_the_servers_root(tmp_path: Path) -> None:
+    # A Prometheus scrape target's address: taken as a root, a healthy idle server was
+    # `no_metrics` ("GET /metrics answered HTTP 404", its /v1/models too), CRITICAL and
+    # SUSPECT at once, DEAD after three checks; a proxy's /v1/models 404 read `down`.
+    path = write(tmp_path, "[[backend]]\nurl = 'http://a:8000/metrics/'\n")
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert "backend[0].url: 'http://a:8000/metrics/' ends in /metrics: give the server's " in (
+        str(caught.value)
+    )
+    assert "root (http://a:8000)" in str(caught.value)
+    with pytest.raises(ValueError, match="ends in /metrics"):
+        check_url("http://a:8000/gpu0/metrics")  # a bare URL, or behind a path prefix
+    assert check_url("http://a:8000/gpu0") == "http://a:8000/gpu0"  # a prefix is a root
 
 
 def test_two_names_that_are_one_text_in_two_unicode_forms_are_refused(tmp_path: Path) -> None:
