@@ -405,10 +405,35 @@ def name_problem(name: str) -> str | None:
 
 
 def check_url(url: str) -> str:
+    """A server's root (a backend's or a proxy's): a base URL (``check_base_url``) that is
+    not an OpenAI base URL nor a scrape target's address; ValueError otherwise."""
+    root = check_base_url(url)
+    if (server := openai_root(root)) is not None:
+        # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
+        # server, and every verdict after it wrong.
+        raise ValueError(
+            f"{url!r} ends in /v1: give the server's root ({server}); "
+            "llmhealth reads /metrics beside /v1"
+        )
+    if root.endswith("/metrics"):
+        # The address a Prometheus scrape job names: read as a root it gives
+        # /metrics/metrics and /metrics/v1/models, 404s from a healthy server, judged
+        # no_metrics with its tiny request failed: CRITICAL, DEAD after three checks.
+        raise ValueError(
+            f"{url!r} ends in /metrics: give the server's root "
+            f"({root.removesuffix('/metrics')}); llmhealth reads /metrics and /v1 below it"
+        )
+    return root
+
+
+def check_base_url(url: str) -> str:
     """A base URL with scheme and host, without trailing slash; ValueError otherwise.
 
     A URL with user-info is refused (``text.refuse_user_info``, the one rule for every URL
-    llmhealth keeps).
+    llmhealth keeps). An etcd endpoint is checked by this alone: ``check_url``'s "give the
+    server's root, llmhealth reads /metrics and /v1 below it" is not true of one (etcd
+    serves its own /metrics, a scrape target an operator may copy), whose path is refused
+    as not used.
     """
     refuse_user_info(url)
     parts = urlsplit(url.strip())
@@ -455,23 +480,7 @@ def check_url(url: str) -> str:
     # Rebuilt from its parts, case kept: an empty "?" or "#" left in place made every path
     # appended to it part of the query or the fragment (GET / for /metrics).
     scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it
-    root = f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
-    if (server := openai_root(root)) is not None:
-        # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
-        # server, and every verdict after it wrong.
-        raise ValueError(
-            f"{url!r} ends in /v1: give the server's root ({server}); "
-            "llmhealth reads /metrics beside /v1"
-        )
-    if root.endswith("/metrics"):
-        # The address a Prometheus scrape job names: read as a root it gives
-        # /metrics/metrics and /metrics/v1/models, 404s from a healthy server, judged
-        # no_metrics with its tiny request failed: CRITICAL, DEAD after three checks.
-        raise ValueError(
-            f"{url!r} ends in /metrics: give the server's root "
-            f"({root.removesuffix('/metrics')}); llmhealth reads /metrics and /v1 below it"
-        )
-    return root
+    return f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
 
 
 def check_audit_path(state: Path, audit: Path) -> None:
@@ -704,7 +713,7 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
         )
     for endpoint in endpoints:
         try:
-            checked = check_url(endpoint)
+            checked = check_base_url(endpoint)
         except ValueError as exc:
             raise reader.fail("cluster.etcd", str(exc)) from exc
         if urlsplit(checked).path:
@@ -736,7 +745,7 @@ def _cluster(reader: _Reader, data: object) -> Cluster:
         most=MAX_AUDIT_KEEP,
     )
     return Cluster(
-        tuple(check_url(e) for e in endpoints),
+        tuple(check_base_url(e) for e in endpoints),
         prefix,
         lease_ttl,
         member,

@@ -212,6 +212,16 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
         # Only host and port are used (POST /v3/... at the root): a gateway path was dropped
         # without a word, and every request went where no etcd answers.
         ("[cluster]\netcd = ['http://e:2379/etcd']", "cluster.etcd: 'http://e:2379/etcd': a"),
+        # etcd's own scrape target, or a /v1 path: told to give "the server's root" since
+        # "llmhealth reads /metrics and /v1 below it", of an etcd it reads neither from.
+        (
+            "[cluster]\netcd = ['http://e:2379/metrics']",
+            "cluster.etcd: 'http://e:2379/metrics': a path is not used: etcd's gateway",
+        ),
+        (
+            "[cluster]\netcd = ['http://e:2379/v1']",
+            "cluster.etcd: 'http://e:2379/v1': a path is not used: etcd's gateway",
+        ),
         ("[cluster]\netcd = ['http://e:1']\nprefix = 'f'", "cluster.prefix: 'f' must be"),
         # Shown as it is by `audit` and in errors: an escape in it would drive a terminal.
         ('[cluster]\netcd = ["http://e:1"]\nprefix = "/a\\u001b[2J"', "cluster.prefix: '/a\\x1b"),
