@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from itertools import count
 from operator import attrgetter, itemgetter
@@ -40,6 +40,13 @@ _BUCKETS: dict[str, str] = {
     "vllm:iteration_tokens_total_bucket": "largest_step_tokens",
 }
 _PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
+# One request's prefill time, read into ``longest_prefill`` only for an engine whose
+# prefill figure (``EngineSignals.prefill_step``) passes ``PREFILL_BOUNDED_OVER``: a scan of
+# its own, which most reads never pay (``parse_metrics``).
+_PREFILL_BUCKETS = "vllm:request_prefill_time_seconds_bucket"
+# Seconds. Below it the figure makes a window of a few seconds at most, whatever inflates
+# it; above it, prompts prefilled together in one step made it that many steps long.
+PREFILL_BOUNDED_OVER = 1.0
 _SLEEP_SERIES = "vllm:engine_sleep_state"
 _START_SERIES = "process_start_time_seconds"
 # Waiting requests by reason (vLLM 0.11 on): only the "deferred" ones are read, into
@@ -84,11 +91,29 @@ class EngineSignals:
     # From the histograms: the upper bound of the highest non-empty inter-token-latency
     # bucket (its largest finite bound when a gap landed in +Inf, with ``gap_beyond``
     # set: then it is a lower bound), the same for the tokens of one engine step, and
-    # the total time requests spent in prefill.
+    # the total time requests spent in prefill; then the upper bound of the highest
+    # non-empty bucket of one request's prefill time, read only where ``prefill_step``
+    # passes ``PREFILL_BOUNDED_OVER`` (None otherwise, and when a prefill landed in +Inf:
+    # then no bound is known).
     longest_gap: float | None = None
     gap_beyond: bool = False
     largest_step_tokens: float | None = None
     prefill_seconds: float | None = None
+    longest_prefill: float | None = None
+
+    @property
+    def prefill_step(self) -> float | None:
+        """The prefill time per prompt token times the most tokens put in one step: how
+        long the engine's largest step would take if it were all prefill; None where a
+        figure is missing or zero. Not bounded by ``longest_prefill`` (``window`` does)."""
+        prefill, prompts, tokens = (
+            self.prefill_seconds,
+            self.prompt_tokens,
+            self.largest_step_tokens,
+        )
+        if not (prefill and prompts and tokens) or prompts < 0:
+            return None
+        return prefill / prompts * tokens
 
     @property
     def work(self) -> float | None:
@@ -204,13 +229,65 @@ def parse_metrics(body: str | bytes) -> Signals:
     ``_Layout`` (which line feeds which field of which engine), because a backend sends
     the same lines read after read and only their values change; a read is then the scan,
     a ``float`` per line and a look-up per series, all in C but the last few steps.
+
+    An engine whose prefill figure passes ``PREFILL_BOUNDED_OVER`` has its prefill-time
+    buckets read by a second scan (``longest_prefill``, which bounds that figure): 22 more
+    lines per engine in the first scan cost every read about an eighth more, and most
+    engines' figures are a fraction of a second.
     """
     # Scanned as bytes, as they came: only the few label sets not seen before are decoded
     # (as the whole text would be, with U+FFFD for what is not UTF-8).
     data = body if isinstance(body, bytes) else body.encode("utf-8", errors="surrogatepass")
+    signals = _extract(data, _LINES, _FIRST_LINE, len(data))
+    if any(_unbounded(engine) for engine in signals.engines):
+        return with_prefill_bounds(signals, _prefill_bounds(data))
+    return signals
+
+
+def _prefill_bounds(data: bytes) -> Signals:
+    """The engines' ``longest_prefill`` alone, from the part of the text that can hold
+    their prefill-time buckets: from the line of the series' name's first appearance to
+    the end of the line of its last (found in C, scanned by the expression only there).
+    The whole text again cost a bound read nearly a second read of the text."""
+    first = data.find(_PREFILL_NAME)
+    if first < 0:
+        return Signals()
+    end = data.find(b"\n", data.rfind(_PREFILL_NAME))
+    start = data.rfind(b"\n", 0, first)  # the newline that starts its line, or -1
+    return _extract(data, _PREFILL_LINES, _FIRST_PREFILL_LINE, len(data) if end < 0 else end, start)
+
+
+def _unbounded(engine: EngineSignals) -> bool:
+    step = engine.prefill_step
+    return step is not None and step > PREFILL_BOUNDED_OVER
+
+
+def with_prefill_bounds(signals: Signals, bounds: Signals) -> Signals:
+    """``signals``, each engine whose prefill figure passes ``PREFILL_BOUNDED_OVER`` given
+    its ``longest_prefill`` from ``bounds`` (a text's prefill-time buckets alone)."""
+    engines = []
+    for engine in signals.engines:
+        bound = bounds.engine(engine.engine)
+        if _unbounded(engine) and bound is not None and bound.longest_prefill is not None:
+            engines.append(replace(engine, longest_prefill=bound.longest_prefill))
+        else:
+            engines.append(engine)
+    return Signals(tuple(engines), signals.process_start, signals.skipped_lines, signals.notes)
+
+
+def _extract(
+    data: bytes,
+    lines_of: re.Pattern[bytes],
+    first_line: re.Pattern[bytes],
+    end: int,
+    start: int = 0,
+) -> Signals:
+    """The signals of the lines these patterns find (``_LINES``, ``_FIRST_LINE``) in
+    ``data[start:end]``; a line found must begin after ``start`` (there a newline) or be
+    the text's first."""
     # (name and label text, the rest of the line) per line.
-    lines = _LINES.findall(data)
-    first = _FIRST_LINE.match(data)
+    lines = lines_of.findall(data, max(start, 0), end)
+    first = first_line.match(data, 0, end) if start <= 0 else None
     if first is not None:
         lines.insert(0, first.groups())
     if not lines:
@@ -425,6 +502,8 @@ def _engines(plans: tuple[_Engine, ...], values: list[float]) -> tuple[EngineSig
                     if highest is None or found[0] > highest:
                         highest = found[0]
                     beyond = beyond or found[1]
+            if highest is not None and beyond and name == "longest_prefill":
+                continue  # only known to exceed its last bound: it bounds nothing
             if highest is not None:
                 fields[name] = highest
                 if beyond and name == "longest_gap":
@@ -682,9 +761,9 @@ def _interpret(head: bytes) -> _Meaning | None:
         if labels.pop("reason", None) != _DEFERRED:
             return (_IGNORE, _NO_KEY, None, leftover)
         return (_SAMPLE, ("waiting_deferred", engine, frozenset(labels.items())), None, leftover)
-    if name in _BUCKETS:
+    if name in _BUCKETS or name == _PREFILL_BUCKETS:
         bound = _bucket_bound(labels.pop("le", None))
-        key = (_BUCKETS[name], engine, frozenset(labels.items()))
+        key = (_BUCKETS.get(name, "longest_prefill"), engine, frozenset(labels.items()))
         return (_BUCKET, key, bound, leftover)
     field_name = "prefill_seconds" if name == _PREFILL_SUM else _SERIES[name]
     return (_SAMPLE, (field_name, engine, frozenset(labels.items())), None, leftover)
@@ -692,7 +771,14 @@ def _interpret(head: bytes) -> _Meaning | None:
 
 # Fields of several label sets of one engine that combine by maximum, not by sum.
 _TAKE_MAXIMUM = frozenset(
-    {"kv_usage", "kv_usage_legacy", "longest_gap", "gap_beyond", "largest_step_tokens"}
+    {
+        "kv_usage",
+        "kv_usage_legacy",
+        "longest_gap",
+        "gap_beyond",
+        "largest_step_tokens",
+        "longest_prefill",
+    }
 )
 
 
@@ -793,12 +879,19 @@ def _alternatives(names: Iterable[str]) -> str:
 # with a blank), they cost a vLLM text about 4 %; they are outside the name and label
 # text, so an indented line is remembered as the same line unindented. The first line is
 # matched on its own, sparing a copy of the text to put a newline before it.
-_LINE = (
-    rf"((?:{_alternatives(_READ)})(?=[{{ \t])"
-    rf"(?:\{{[^\n]*\}}|[ \t]+\{{[^\n]*\}}|\{{|[ \t]+\{{|))([^\n]*)"
-).encode("ascii")
-_LINES = re.compile(b"\n[ \t]*+" + _LINE)
-_FIRST_LINE = re.compile(b"[ \t]*+" + _LINE)
+def _line_of(names: Iterable[str]) -> bytes:
+    return (
+        rf"((?:{_alternatives(names)})(?=[{{ \t])"
+        rf"(?:\{{[^\n]*\}}|[ \t]+\{{[^\n]*\}}|\{{|[ \t]+\{{|))([^\n]*)"
+    ).encode("ascii")
+
+
+_LINES = re.compile(b"\n[ \t]*+" + _line_of(_READ))
+_FIRST_LINE = re.compile(b"[ \t]*+" + _line_of(_READ))
+# The second scan: one request's prefill time, for an engine whose figure needs its bound.
+_PREFILL_NAME = _PREFILL_BUCKETS.encode("ascii")
+_PREFILL_LINES = re.compile(b"\n[ \t]*+" + _line_of([_PREFILL_BUCKETS]))
+_FIRST_PREFILL_LINE = re.compile(b"[ \t]*+" + _line_of([_PREFILL_BUCKETS]))
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}

@@ -38,6 +38,7 @@ _ENGINE_NUMBERS = (
     "longest_gap",
     "largest_step_tokens",
     "prefill_seconds",
+    "longest_prefill",
 )
 _VERDICT_NUMBERS = ("steps_per_s", "tokens_per_s")
 

@@ -107,7 +107,13 @@ def longest_step(signals: Signals) -> LongestStep | None:
 
     Two figures: the highest non-empty inter-token-latency bucket (a decode request
     waits out every step of the batch it is in), and the prefill time per prompt token
-    times the most tokens the engine has put in one step.
+    times the most tokens the engine has put in one step (``EngineSignals.prefill_step``),
+    at most the longest prefill one request took where that was read
+    (``longest_prefill``). Each of the prompts prefilled together in one step counts that
+    step's whole time in the prefill sum, so the product alone was that many steps long:
+    eight prompts in one 20 s step made a 205 s "step", a 614 s window a check could
+    never cover, and a real wedge there was never proven. A request's prefill spans every
+    step that holds a chunk of it, so that bound is no shorter than any such step.
     """
     best: LongestStep | None = None
     for engine in signals.engines:
@@ -119,23 +125,21 @@ def longest_step(signals: Signals) -> LongestStep | None:
                 else f"inter-token gaps up to {gap:g} s"
             )
             best = longer(best, LongestStep(gap, f"engine {engine.engine}: {why}"))
-        if (
-            engine.prefill_seconds
-            and engine.prompt_tokens
-            and engine.largest_step_tokens
-            and engine.prompt_tokens > 0
-        ):
+        seconds = engine.prefill_step
+        if seconds is not None and engine.prefill_seconds and engine.prompt_tokens:
             per_token = engine.prefill_seconds / engine.prompt_tokens
-            seconds = per_token * engine.largest_step_tokens
+            why = (
+                f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
+                f"x up to {engine.largest_step_tokens:g} tokens in one step"
+            )
+            if engine.longest_prefill is not None and engine.longest_prefill < seconds:
+                seconds = engine.longest_prefill
+                why += f", at most the longest prefill, up to {seconds:g} s"
             if not math.isfinite(seconds):
                 # Finite figures whose product is not (a server's 1e308 s of prefill):
                 # saved, an infinite step made the state unreadable, and a fresh ledger
                 # forgot every DEAD, RETIRED, hold and budget.
                 continue
-            why = (
-                f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
-                f"x up to {engine.largest_step_tokens:g} tokens in one step"
-            )
             best = longer(best, LongestStep(seconds, why))
     return best
 

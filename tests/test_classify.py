@@ -1176,6 +1176,33 @@ def test_a_freeze_inside_the_window_keeps_reading_and_is_wedged_once_it_is_cover
     assert "steps 8660→8660→…(47 more)…→8660" in verdict.evidence
 
 
+def test_a_step_of_prompts_prefilled_together_does_not_stretch_the_window_by_their_count(
+    fixture_text: Load,
+) -> None:
+    """Eight prompts prefilled in one 20 s step: each request counts the step in the
+    prefill sum, and the figure said 160 s (a 480 s window, past a check's 300 s), so a
+    real wedge there was never proven. No request's prefill took over 20 s: 60 s."""
+    text = capture(fixture_text, "wedge-1")
+    prompt_tokens = parse_metrics(text).engines[0].prompt_tokens
+    assert prompt_tokens is not None
+    # 160 s per 2,048 tokens (the largest step of the capture), as eight 20 s prefills.
+    text = set_sample(
+        text, "vllm:request_prefill_time_seconds_sum", f"{prompt_tokens * 160 / 2048!r}"
+    )
+    lines = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.startswith("vllm:request_prefill_time_seconds_bucket{"):
+            bound = head.split('le="')[1].split('"')[0]
+            if bound != "+Inf" and float(bound) < 20:
+                value = "0.0"
+        lines.append(f"{head} {value}")
+    reads = timed(["\n".join(lines) + "\n"] * 30, wait=WAIT)
+    verdict = settled(decide(reads[:14], max_reads=61))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "window 60 s: longest step seen 20 s x3" in verdict.evidence
+
+
 def test_a_check_that_runs_out_of_reads_inside_the_window_says_stalled(fixture_text: Load) -> None:
     frozen = with_gap_histogram(capture(fixture_text, "wedge-1"), "+Inf")
     result = walk(timed([frozen] * 5), max_reads=5)

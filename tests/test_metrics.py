@@ -9,6 +9,7 @@ import random
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,69 @@ def test_the_step_histograms_are_read(
     assert (engine.longest_gap, engine.gap_beyond) == (gap, False)
     assert engine.largest_step_tokens == step_tokens
     assert engine.prefill_seconds == prefill
+
+
+def _prefill_scaled(text: str, factor: float, past_the_last_bucket: bool = False) -> str:
+    """``text`` with its prefill time's sum ``factor`` times as long, and optionally one
+    request more whose prefill passed the histogram's last finite bound."""
+    lines = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.startswith("vllm:request_prefill_time_seconds_sum"):
+            lines.append(f"{head} {float(value) * factor!r}")
+        elif (
+            past_the_last_bucket
+            and head.startswith("vllm:request_prefill_time_seconds_bucket{")
+            and 'le="+Inf"' in head
+        ):
+            lines.append(f"{head} {float(value) + 1!r}")
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def test_the_longest_prefill_is_read_only_for_an_engine_whose_prefill_figure_needs_it(
+    fixture_text: Load,
+) -> None:
+    """Its buckets bound the prefill figure (``window.longest_step``) and cost a scan of
+    their own: read only where the figure passes PREFILL_BOUNDED_OVER (1 s)."""
+    text = capture(fixture_text, "busy-after")
+    engine = only_engine(parse_metrics(text))
+    assert engine.prefill_step is not None
+    assert engine.prefill_step < metrics.PREFILL_BOUNDED_OVER  # 0.14 s: not read
+    assert engine.longest_prefill is None
+    longer = only_engine(parse_metrics(_prefill_scaled(text, 10)))  # 1.4 s
+    assert longer.prefill_step is not None
+    assert longer.prefill_step > metrics.PREFILL_BOUNDED_OVER
+    assert longer.longest_prefill == 0.3  # the highest non-empty bucket of the capture
+    assert longer == replace(engine, prefill_seconds=longer.prefill_seconds, longest_prefill=0.3)
+    # One request's prefill past the last finite bound (7680 s): only a lower bound is
+    # known, so none is given.
+    beyond = _prefill_scaled(text, 10, past_the_last_bucket=True)
+    assert only_engine(parse_metrics(beyond)).longest_prefill is None
+
+
+def test_a_prefill_bound_goes_to_its_own_engine_and_the_largest_of_its_label_sets_counts(
+    fixture_text: Load,
+) -> None:
+    text = _prefill_scaled(capture(fixture_text, "busy-after"), 10)
+    idle = _prefill_scaled(capture(fixture_text, "idle-1"), 1)
+    by_name = {
+        engine.engine: engine
+        for engine in parse_metrics(relabel(text, "0") + "\n" + relabel(idle, "1")).engines
+    }
+    assert by_name["0"].longest_prefill == 0.3
+    assert by_name["1"].longest_prefill is None  # its figure is none: nothing to bound
+    # A second model name on engine 0, whose prefills took 2.5 s at most: the longer counts.
+    other = []
+    for line in relabel(text, "0").splitlines():
+        if line.startswith("vllm:request_prefill_time_seconds_bucket{"):
+            head, _, _ = line.rpartition(" ")
+            bound = float(head.split('le="')[1].split('"')[0])
+            head = head.replace('model_name="tiny"', 'model_name="other"')
+            other.append(f"{head} {3.0 if bound >= 2.5 else 0.0}")
+    both = parse_metrics(relabel(text, "0") + "\n" + "\n".join(other) + "\n")
+    assert only_engine(both).longest_prefill == 2.5
 
 
 def test_a_gap_past_the_last_bucket_is_known_only_to_exceed_it(fixture_text: Load) -> None:

@@ -25,6 +25,7 @@ FOLDER = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-0.32"
 CAPTURES = sorted(FOLDER / f"{path.stem}.txt" for path in FOLDER.glob("*.headers"))
 READ = {**metrics._SERIES, metrics._PREFILL_SUM: "prefill_seconds"}  # series name -> field
 BUCKETS = metrics._BUCKETS
+PREFILL_BUCKETS = metrics._PREFILL_BUCKETS  # read by a second scan, where needed
 SLEEP, START = metrics._SLEEP_SERIES, metrics._START_SERIES
 BY_REASON = metrics._BY_REASON_SERIES
 
@@ -33,6 +34,7 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
     """Per engine its signals, and the process start, from prometheus_client's samples."""
     samples: dict[tuple[str, str, frozenset[tuple[str, str]]], float] = {}
     buckets: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, float]] = {}
+    prefill: dict[tuple[str, str, frozenset[tuple[str, str]]], dict[float, float]] = {}
     sleep: dict[str, dict[str, float]] = {}
     start = None
     starts = set()
@@ -55,6 +57,11 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                 if bound is not None:
                     key = (BUCKETS[name], engine, frozenset(labels.items()))
                     buckets.setdefault(key, {})[bound] = value
+            elif name == PREFILL_BUCKETS and math.isfinite(value) and value >= 0:
+                bound = _bound(labels.pop("le", None))
+                if bound is not None:
+                    key = ("longest_prefill", engine, frozenset(labels.items()))
+                    prefill.setdefault(key, {})[bound] = value
             elif (
                 name == BY_REASON
                 and math.isfinite(value)
@@ -64,7 +71,9 @@ def oracle(text: str) -> tuple[dict[str, tuple[object, ...]], float | None]:
                 samples[("waiting_deferred", engine, frozenset(labels.items()))] = value
     if len(starts) > 1:  # more than one server's text: not read (parse_metrics's rule)
         return {}, None
-    return _by_engine(Signals(metrics._combine(samples, sleep, buckets))), start
+    signals = Signals(metrics._combine(samples, sleep, buckets))
+    bounds = Signals(metrics._combine({}, {}, prefill))
+    return _by_engine(metrics.with_prefill_bounds(signals, bounds)), start
 
 
 def _bound(text: str | None) -> float | None:
@@ -94,6 +103,7 @@ def _by_engine(signals: Signals) -> dict[str, tuple[object, ...]]:
             engine.gap_beyond,
             engine.largest_step_tokens,
             engine.prefill_seconds,
+            engine.longest_prefill,
         )
         for engine in signals.engines
     }
@@ -105,7 +115,32 @@ def test_every_capture_reads_as_prometheus_client_reads_it(path: Path) -> None:
     assert ours(text) == oracle(text)
 
 
-NAMES = [*READ, *BUCKETS, SLEEP, START, BY_REASON, "vllm:other_total"]
+def _prefill_stretched(text: str) -> str:
+    """``text`` with its prefill time's sum 100 times as long: every capture's prefill
+    figure then passes PREFILL_BOUNDED_OVER, so its prefill-time buckets are read too."""
+    lines = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        stretched = head.startswith(metrics._PREFILL_SUM)
+        lines.append(f"{head} {float(value) * 100!r}" if stretched else line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("path", CAPTURES, ids=[path.stem for path in CAPTURES])
+def test_every_capture_whose_prefill_needs_its_bound_reads_as_prometheus_client_reads_it(
+    path: Path,
+) -> None:
+    text = _prefill_stretched(path.read_text(encoding="utf-8"))
+    assert ours(text) == oracle(text)
+
+
+def test_a_stretched_capture_has_its_prefill_bound_read() -> None:
+    """The test above compares the second scan's reading, not two Nones."""
+    text = _prefill_stretched((FOLDER / "busy-after.txt").read_text(encoding="utf-8"))
+    assert [engine.longest_prefill for engine in parse_metrics(text).engines] == [0.3]
+
+
+NAMES = [*READ, *BUCKETS, PREFILL_BUCKETS, SLEEP, START, BY_REASON, "vllm:other_total"]
 LABEL_NAMES = ["engine", "model_name", "finished_reason", "sleep_state", "le", "reason"]
 LABEL_VALUES = [
     "0",
@@ -193,3 +228,16 @@ def test_a_quoted_label_name_holding_an_equals_sign_reads_as_prometheus_client_r
     )
     assert ours(text) == oracle(text)
     assert set(ours(text)[0]) == {"0", "1"}
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(exposition(), st.sampled_from(["", " ", "\t "]), st.booleans())
+def test_the_prefill_buckets_scanned_in_part_of_a_text_are_those_of_the_whole(
+    text: str, indent: str, leading_newline: bool
+) -> None:
+    """The second scan reads only from the first line naming the series to the last: it
+    finds every line a scan of the whole text finds, the first line, indented lines and
+    names inside other lines' labels included."""
+    data = (("\n" if leading_newline else "") + text.replace("\n", "\n" + indent)).encode()
+    whole = metrics._extract(data, metrics._PREFILL_LINES, metrics._FIRST_PREFILL_LINE, len(data))
+    assert metrics._prefill_bounds(data) == whole

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -38,6 +39,32 @@ def test_the_prefill_cost_of_the_largest_step_can_be_the_longest() -> None:
     assert step is not None
     assert step.seconds == pytest.approx(8.192)
     assert step.why == "engine 3: prefill 2 ms per prompt token x up to 4096 tokens in one step"
+
+
+def test_prompts_prefilled_together_in_one_step_are_one_step_not_one_each() -> None:
+    """Eight 400-token prompts prefilled in one 20 s step: each request counts the whole
+    step in the prefill sum, so the product alone said 205 s (a 614 s window, past what a
+    check can cover, where a real wedge was never proven). No request's prefill took over
+    20 s, and a step that holds a chunk of a prompt is no longer than its prefill."""
+    engine = EngineSignals(
+        "0",
+        prompt_tokens=8 * 400.0,
+        prefill_seconds=8 * 20.0,
+        largest_step_tokens=4096.0,
+        longest_prefill=20.0,
+        longest_gap=0.05,
+    )
+    step = longest_step(Signals((engine,)))
+    assert step is not None
+    assert step.seconds == 20.0
+    assert step.why == (
+        "engine 0: prefill 50 ms per prompt token x up to 4096 tokens in one step, "
+        "at most the longest prefill, up to 20 s"
+    )
+    assert wedge_window(WedgeRules(), step, 3600.0).seconds == 60.0
+    # A bound above the product bounds nothing: the product stands.
+    roomy = longest_step(Signals((replace(engine, longest_prefill=240.0),)))
+    assert roomy is not None and roomy.seconds == pytest.approx(204.8)
 
 
 def test_figures_whose_product_is_no_number_teach_nothing_and_save_as_they_load() -> None:
