@@ -497,6 +497,23 @@ def check_audit_path(state: Path, audit: Path) -> None:
             raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
 
 
+def check_serving_path(serving: Path, state: Path, audit: Path) -> None:
+    """ConfigError when ``watch``'s serving file would be the state file, its lock or the
+    audit log: each write of the serving list renames it over that file. Over the state,
+    the ledger (its holds, retirements and restart budgets) was gone, the file left
+    world-readable, and every settle after it skipped as "not a file llmhealth wrote";
+    over the lock, two runs each held a lock of their own. Told apart where their links
+    lead too, as ``check_audit_path`` does."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        resolved = Path(resolve(state))
+        kept = (resolved, resolved.with_name(resolved.name + ".lock"), Path(resolve(audit)))
+        if Path(resolve(serving)) in kept:
+            raise ConfigError(
+                f"the serving file {str(serving)!r} is the state file, its lock or the "
+                "audit log: give the balancer a file of its own"
+            )
+
+
 def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None) -> str | None:
     value = reader.optional_string(data, key)
     if value is None:

@@ -239,7 +239,10 @@ class Daemon:
         elif isinstance(store, MemoryStore):
             self._audit = None
         else:
-            self._audit = AuditLog(audit_path_for(self._config, store.path))
+            audit_path = audit_path_for(self._config, store.path)
+            if serving_file is not None:
+                config_module.check_serving_path(serving_file, store.path, audit_path)
+            self._audit = AuditLog(audit_path)
         self._listen = listen
         self._wait_override = wait_override
         self._serving_file = serving_file

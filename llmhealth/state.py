@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -185,11 +186,17 @@ class Store(Protocol):
 
 def _alive(note: str) -> bool:
     """Whether the PID a lock's note names is a live process: one SIGKILLed leaves its
-    note behind, and the next holder (flock(1) in a backup) was taken for it."""
+    note behind, and the next holder (flock(1) in a backup) was taken for it. Only a
+    PID: asked of 0 or a negative number, kill(2) answers for a process group or for
+    every process, and a live "llmhealth (PID 0)" was blamed."""
     try:
-        os.kill(int(note), 0)
+        pid = int(note)
     except ValueError:
         return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
     except PermissionError:
         return True  # alive, another user's
     except (ProcessLookupError, OverflowError):
@@ -502,16 +509,61 @@ def _someone_elses(raw: bytes) -> bool:
     """Whether a file that begins as a state does is still another program's: its first
     JSON value is a whole object, not empty, with neither a ``schema`` nor a ``ledger``
     (every save writes both). What damage leaves of a state (cut short, garbled, zeros)
-    does not parse so, or still has them."""
+    does not parse so, or still has them.
+
+    A file past the size bound is read only up to it, so its object is never whole there:
+    its keys are taken as far as their values are (``_leading_keys``). Every such file
+    was moved aside as a corrupt state, another program's JSON of 100 MB (`--state` a
+    slip away from it, as root) gone from where its program looks for it."""
+    cut = len(raw) > _MAX_STATE_BYTES
     try:
-        text = raw.decode(json.detect_encoding(raw))
-        first, _ = _DECODER.raw_decode(text.lstrip(" \t\r\n\ufeff"))
+        # Cut at the bound, the last character may be cut in two.
+        text = raw.decode(json.detect_encoding(raw), "ignore" if cut else "strict")
+        text = text.lstrip(" \t\r\n\ufeff")
+        try:
+            first, _ = _DECODER.raw_decode(text)
+        except ValueError:
+            if not cut:
+                raise
+            first = dict.fromkeys(_leading_keys(text))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return False
     return isinstance(first, dict) and bool(first) and not first.keys() & {"schema", "ledger"}
 
 
+def _leading_keys(text: str) -> list[str]:
+    """The keys of the JSON object ``text`` begins with, in order, up to the first whose
+    value is not whole in it (the key itself is taken): what a file cut at the size bound
+    shows of its object. Raises ValueError where it is no object."""
+    if not text.startswith("{"):
+        raise ValueError("not an object")
+    keys: list[str] = []
+    index = _past_space(text, 1)
+    while text.startswith('"', index):
+        key, index = _DECODER.raw_decode(text, index)
+        index = _past_space(text, index)
+        if not text.startswith(":", index):
+            raise ValueError("no ':' after a key")
+        keys.append(key)
+        try:
+            _, index = _DECODER.raw_decode(text, _past_space(text, index + 1))
+        except ValueError:  # cut off within this value
+            break
+        index = _past_space(text, index)
+        if not text.startswith(",", index):
+            break
+        index = _past_space(text, index + 1)
+    return keys
+
+
+def _past_space(text: str, index: int) -> int:
+    """Where JSON's whitespace from ``index`` on ends."""
+    found = _SPACE.match(text, index)
+    return index if found is None else found.end()
+
+
 _DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
 
 
 class MemoryStore:

@@ -1385,6 +1385,42 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
     ]
 
 
+@pytest.mark.parametrize("serving", ["state.json", "state.json.lock", "audit.jsonl", "linked"])
+def test_a_serving_file_that_is_the_state_its_lock_or_the_audit_log_is_refused_at_start(
+    entry_point: str, tmp_path: Path, serving: str
+) -> None:
+    # Each write of the serving list renames it over its path: over the state, the ledger
+    # (here an operator's hold) was gone and every settle after it skipped as "not a file
+    # llmhealth wrote"; over the lock or the audit log, the lock or the trail was.
+    config = write_config(
+        tmp_path / "fleet.toml", fleet_config([{"name": "gpu0", "url": "http://127.0.0.1:9"}])
+    )
+    state = tmp_path / "state.json"
+    hold = ["hold", "gpu0", "--for", "1h", "--reason", "weight sync"]
+    held = subprocess.run(
+        [entry_point, *hold, "--config", str(config), "--state", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+    )
+    assert held.returncode == 0, held.stderr
+    (tmp_path / "linked").symlink_to(state)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    serving_file = ["--serving-file", str(tmp_path / serving), "--listen", "off"]
+    result = subprocess.run(
+        [entry_point, "watch", "--config", str(config), "--state", str(state), *serving_file],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+        env=child_env(),
+    )
+    assert result.returncode == 3, result.stderr
+    assert "is the state file, its lock or the audit log" in result.stderr
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+
+
 @pytest.mark.slow
 def test_a_serving_file_that_can_no_longer_be_written_is_reported_and_watching_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path

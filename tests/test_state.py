@@ -1010,6 +1010,28 @@ def test_rows_and_tables_make_only_the_rows_asked_for_and_read_back_whole() -> N
         plain(object())
 
 
+def test_a_large_json_object_llmhealth_never_wrote_is_left_in_place_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read up to the bound, a JSON object past it was never whole, and every one was
+    moved aside as a corrupt state: a program's 100 MB JSON named by a slip, as root."""
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    packages = ", ".join(f'"p{i}": {{"version": "1.0.{i}"}}' for i in range(100))
+    content = f'{{"name": "app", "packages": {{{packages}}}}}'.encode()
+    _left_in_place(StateFile(tmp_path / "package-lock.json"), content)
+
+
+def test_a_state_cut_past_the_bound_within_its_ledger_is_still_moved_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    store = StateFile(tmp_path / "state.json")
+    backends = [{"name": f"gpu{i}", "state": "healthy"} for i in range(100)]
+    store.path.write_text(json.dumps({"holds": {}, "ledger": {"backends": backends}}))
+    with store.locked(), pytest.raises(StateCorruptError, match="larger than 1024 bytes"):
+        store.load(identity)
+
+
 def test_the_size_bound_saved_is_the_bound_read_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1079,13 +1101,16 @@ def test_a_reader_leaves_a_corrupt_state_where_it_is(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
 
 
-def test_a_lock_note_past_any_pid_is_not_blamed_nor_a_crash(tmp_path: Path) -> None:
+@pytest.mark.parametrize("note", ["9" * 30, "0", "-1", "-4194304"])
+def test_a_lock_note_past_any_pid_is_not_blamed_nor_a_crash(tmp_path: Path, note: str) -> None:
     """The note is anyone's to write (a holder's own text): a number no PID can be made
-    ``os.kill`` raise OverflowError, a traceback of the waiting run."""
+    ``os.kill`` raise OverflowError, a traceback of the waiting run; 0 or a negative one
+    asked it of this process group or of every process, and a live "llmhealth (PID 0)"
+    was blamed."""
     store = StateFile(tmp_path / "state.json", lock_timeout=0.2)
     with store.locked():
         pass
-    store.lock_path.write_text("9" * 30)
+    store.lock_path.write_text(note)
     assert "locked by a process that is not llmhealth" in refused_while_held(store)
 
 
