@@ -663,9 +663,13 @@ class ReadPool:
         left: set[asyncio.subprocess.Process] = set()
         # Again while any is new: a lost worker's replacement whose start was under way
         # when the close began comes in while the others leave, and read on unclosed.
-        while leaving := [
-            w.process for w in self._workers if w.process is not None and w.process not in left
-        ]:
+        # And the retries are stopped even when no worker has a process: a pool none of
+        # whose workers ever started left its retries running, and one under way started
+        # a worker after the close.
+        while True:
+            leaving = [
+                w.process for w in self._workers if w.process is not None and w.process not in left
+            ]
             for process in leaving:
                 if process.stdin is not None:
                     process.stdin.close()
@@ -673,10 +677,16 @@ class ReadPool:
             # systemd bounds (TimeoutStopSec), after the last settle's own 10 s.
             await asyncio.gather(*(_let_leave(process) for process in leaving))
             left.update(leaving)
-            receiving = [w.receiving for w in self._workers if w.receiving is not None]
+            receiving = [
+                w.receiving
+                for w in self._workers
+                if w.receiving is not None and not w.receiving.done()
+            ]
             for task in receiving:
                 task.cancel()
             await asyncio.gather(*receiving, return_exceptions=True)
+            if not leaving and not receiving:
+                return
 
     async def _spawn(self, worker: _Worker) -> None:
         worker.process = await asyncio.create_subprocess_exec(

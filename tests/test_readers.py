@@ -1547,3 +1547,49 @@ def test_a_wait_a_reload_changed_while_a_read_ran_paces_that_target(
 
     asyncio.run(main())
     assert len(heard) >= 3, "paced by the wait the read began under"
+
+
+def test_a_worker_started_again_while_a_pool_none_of_whose_workers_ran_closes_outlives_it_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No worker of the pool ever started (out of processes at start): close() found no
+    process to stop and returned at once, and the retry under way started a worker
+    after it, which read on after the pool had closed."""
+    real = asyncio.create_subprocess_exec
+    spawned: list[asyncio.subprocess.Process] = []
+    calls = 0
+    respawning = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def exhausted_then_gated(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:  # both workers, at start
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        respawning.set()
+        await gate.wait()  # a retry: held until close() is under way
+        process = await real(*args, **kwargs)
+        spawned.append(process)
+        return process
+
+    monkeypatch.setattr(readers.asyncio, "create_subprocess_exec", exhausted_then_gated)
+
+    async def main() -> list[int | None]:
+        pool = quiet_pool(workers=2, wait=0.05)
+        await pool.start()
+        pool.assign([])
+        await respawning.wait()
+        await pool.close()
+        gate.set()
+        for _ in range(50):  # what was left running of the pool runs on
+            await asyncio.sleep(0.01)
+        return [p.returncode for p in spawned]
+
+    try:
+        codes = asyncio.run(main())
+    finally:
+        for process in spawned:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+    assert codes == [], f"a worker was started after the pool's close: {codes}"
