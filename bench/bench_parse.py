@@ -10,8 +10,9 @@ Target: llmhealth at least 100x faster on every capture, with the same answers
 
 ``--prefill-bound`` times instead what an engine whose prefill figure passes
 ``PREFILL_BOUNDED_OVER`` costs: a few captures as they are, and with their prefill time's
-sum 100 times as long, which makes ``parse_metrics`` scan for that histogram's buckets too
-(every real capture's figure is under a second: none of the rows above pays for it).
+sum 100 times as long, which makes ``parse_metrics`` scan for the time-to-first-token
+buckets too (every real capture's figure is under a second: none of the rows above pays
+for it).
 """
 
 from __future__ import annotations

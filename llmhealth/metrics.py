@@ -40,10 +40,14 @@ _BUCKETS: dict[str, str] = {
     "vllm:iteration_tokens_total_bucket": "largest_step_tokens",
 }
 _PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
-# One request's prefill time, read into ``longest_prefill`` only for an engine whose
-# prefill figure (``EngineSignals.prefill_step``) passes ``PREFILL_BOUNDED_OVER``: a scan of
-# its own, which most reads never pay (``parse_metrics``).
-_PREFILL_BUCKETS = "vllm:request_prefill_time_seconds_bucket"
+# One request's time to its first token, read into ``longest_prefill`` only for an engine
+# whose prefill figure (``EngineSignals.prefill_step``) passes ``PREFILL_BOUNDED_OVER``: a
+# scan of its own, which most reads never pay (``parse_metrics``). Not the prefill time's
+# buckets: vLLM observes those when a request finishes (an aborted one, in some versions
+# never), but counts its prompt in ``vllm:iteration_tokens_total`` and its time to first
+# token when that token comes; bounded by the finished ones, a request still generating
+# after a 15 s prefill step taught 0.3 s, and the next such step was "wedged".
+_PREFILL_BUCKETS = "vllm:time_to_first_token_seconds_bucket"
 # Seconds. Below it the figure makes a window of a few seconds at most, whatever inflates
 # it; above it, prompts prefilled together in one step made it that many steps long.
 PREFILL_BOUNDED_OVER = 1.0
@@ -92,9 +96,10 @@ class EngineSignals:
     # bucket (its largest finite bound when a gap landed in +Inf, with ``gap_beyond``
     # set: then it is a lower bound), the same for the tokens of one engine step, and
     # the total time requests spent in prefill; then the upper bound of the highest
-    # non-empty bucket of one request's prefill time, read only where ``prefill_step``
-    # passes ``PREFILL_BOUNDED_OVER`` (None otherwise, and when a prefill landed in +Inf:
-    # then no bound is known).
+    # non-empty bucket of one request's time to its first token (from its arrival: it
+    # holds its whole prefill, and is observed as the prompt is counted), read only where
+    # ``prefill_step`` passes ``PREFILL_BOUNDED_OVER`` (None otherwise, and when one landed
+    # in +Inf: then no bound is known).
     longest_gap: float | None = None
     gap_beyond: bool = False
     largest_step_tokens: float | None = None
@@ -230,10 +235,10 @@ def parse_metrics(body: str | bytes) -> Signals:
     the same lines read after read and only their values change; a read is then the scan,
     a ``float`` per line and a look-up per series, all in C but the last few steps.
 
-    An engine whose prefill figure passes ``PREFILL_BOUNDED_OVER`` has its prefill-time
-    buckets read by a second scan (``longest_prefill``, which bounds that figure): 22 more
-    lines per engine in the first scan cost every read about an eighth more, and most
-    engines' figures are a fraction of a second.
+    An engine whose prefill figure passes ``PREFILL_BOUNDED_OVER`` has its time to first
+    token's buckets read by a second scan (``longest_prefill``, which bounds that figure):
+    23 more lines per engine in the first scan cost every read about an eighth more, and
+    most engines' figures are a fraction of a second.
     """
     # Scanned as bytes, as they came: only the few label sets not seen before are decoded
     # (as the whole text would be, with U+FFFD for what is not UTF-8).
@@ -246,8 +251,9 @@ def parse_metrics(body: str | bytes) -> Signals:
 
 def _prefill_bounds(data: bytes) -> Signals:
     """The engines' ``longest_prefill`` alone, from the part of the text that can hold
-    their prefill-time buckets: from the line of the series' name's first appearance to
-    the end of the line of its last (found in C, scanned by the expression only there).
+    their time-to-first-token buckets: from the line of the series' name's first
+    appearance to the end of the line of its last (found in C, scanned by the expression
+    only there).
     The whole text again cost a bound read nearly a second read of the text."""
     first = data.find(_PREFILL_NAME)
     if first < 0:
@@ -264,7 +270,7 @@ def _unbounded(engine: EngineSignals) -> bool:
 
 def with_prefill_bounds(signals: Signals, bounds: Signals) -> Signals:
     """``signals``, each engine whose prefill figure passes ``PREFILL_BOUNDED_OVER`` given
-    its ``longest_prefill`` from ``bounds`` (a text's prefill-time buckets alone)."""
+    its ``longest_prefill`` from ``bounds`` (a text's time-to-first-token buckets alone)."""
     engines = []
     for engine in signals.engines:
         bound = bounds.engine(engine.engine)
@@ -888,7 +894,7 @@ def _line_of(names: Iterable[str]) -> bytes:
 
 _LINES = re.compile(b"\n[ \t]*+" + _line_of(_READ))
 _FIRST_LINE = re.compile(b"[ \t]*+" + _line_of(_READ))
-# The second scan: one request's prefill time, for an engine whose figure needs its bound.
+# The second scan: one request's time to first token, for an engine whose figure needs it.
 _PREFILL_NAME = _PREFILL_BUCKETS.encode("ascii")
 _PREFILL_LINES = re.compile(b"\n[ \t]*+" + _line_of([_PREFILL_BUCKETS]))
 _FIRST_PREFILL_LINE = re.compile(b"[ \t]*+" + _line_of([_PREFILL_BUCKETS]))

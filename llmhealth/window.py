@@ -108,12 +108,15 @@ def longest_step(signals: Signals) -> LongestStep | None:
     Two figures: the highest non-empty inter-token-latency bucket (a decode request
     waits out every step of the batch it is in), and the prefill time per prompt token
     times the most tokens the engine has put in one step (``EngineSignals.prefill_step``),
-    at most the longest prefill one request took where that was read
+    at most the longest one request waited for its first token where that was read
     (``longest_prefill``). Each of the prompts prefilled together in one step counts that
     step's whole time in the prefill sum, so the product alone was that many steps long:
     eight prompts in one 20 s step made a 205 s "step", a 614 s window a check could
-    never cover, and a real wedge there was never proven. A request's prefill spans every
-    step that holds a chunk of it, so that bound is no shorter than any such step.
+    never cover, and a real wedge there was never proven. A request's wait for its first
+    token spans every step that holds a chunk of its prompt, and it is recorded as the
+    prompt's tokens are, so that bound is no shorter than any such step. (The prefill
+    time's own buckets are recorded when a request finishes: a request still generating
+    after a long prefill step was in none, and that step was bounded by shorter ones.)
     """
     best: LongestStep | None = None
     for engine in signals.engines:
@@ -134,7 +137,7 @@ def longest_step(signals: Signals) -> LongestStep | None:
             )
             if engine.longest_prefill is not None and engine.longest_prefill < seconds:
                 seconds = engine.longest_prefill
-                why += f", at most the longest prefill, up to {seconds:g} s"
+                why += f", at most the longest wait for a first token, up to {seconds:g} s"
             if not math.isfinite(seconds):
                 # Finite figures whose product is not (a server's 1e308 s of prefill):
                 # saved, an infinite step made the state unreadable, and a fresh ledger

@@ -27,6 +27,7 @@ from llmhealth.metrics import (
     parse_metrics,
     sharing,
 )
+from llmhealth.window import longest_step
 
 Load = Callable[[str], str]
 
@@ -174,7 +175,7 @@ def test_the_step_histograms_are_read(
 
 def _prefill_scaled(text: str, factor: float, past_the_last_bucket: bool = False) -> str:
     """``text`` with its prefill time's sum ``factor`` times as long, and optionally one
-    request more whose prefill passed the histogram's last finite bound."""
+    request more whose first token came past the histogram's last finite bound."""
     lines = []
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")
@@ -182,7 +183,7 @@ def _prefill_scaled(text: str, factor: float, past_the_last_bucket: bool = False
             lines.append(f"{head} {float(value) * factor!r}")
         elif (
             past_the_last_bucket
-            and head.startswith("vllm:request_prefill_time_seconds_bucket{")
+            and head.startswith("vllm:time_to_first_token_seconds_bucket{")
             and 'le="+Inf"' in head
         ):
             lines.append(f"{head} {float(value) + 1!r}")
@@ -204,10 +205,10 @@ def test_the_longest_prefill_is_read_only_for_an_engine_whose_prefill_figure_nee
     longer = only_engine(parse_metrics(_prefill_scaled(text, 10)))  # 1.4 s
     assert longer.prefill_step is not None
     assert longer.prefill_step > metrics.PREFILL_BOUNDED_OVER
-    assert longer.longest_prefill == 0.3  # the highest non-empty bucket of the capture
-    assert longer == replace(engine, prefill_seconds=longer.prefill_seconds, longest_prefill=0.3)
-    # One request's prefill past the last finite bound (7680 s): only a lower bound is
-    # known, so none is given.
+    assert longer.longest_prefill == 10.0  # the highest non-empty bucket of the capture
+    assert longer == replace(engine, prefill_seconds=longer.prefill_seconds, longest_prefill=10.0)
+    # One request's first token past the last finite bound (2560 s): only a lower bound
+    # is known, so none is given.
     beyond = _prefill_scaled(text, 10, past_the_last_bucket=True)
     assert only_engine(parse_metrics(beyond)).longest_prefill is None
 
@@ -221,18 +222,50 @@ def test_a_prefill_bound_goes_to_its_own_engine_and_the_largest_of_its_label_set
         engine.engine: engine
         for engine in parse_metrics(relabel(text, "0") + "\n" + relabel(idle, "1")).engines
     }
-    assert by_name["0"].longest_prefill == 0.3
+    assert by_name["0"].longest_prefill == 10.0
     assert by_name["1"].longest_prefill is None  # its figure is none: nothing to bound
-    # A second model name on engine 0, whose prefills took 2.5 s at most: the longer counts.
+    # A second model name on engine 0, whose first tokens took 20 s at most: the longer counts.
     other = []
     for line in relabel(text, "0").splitlines():
-        if line.startswith("vllm:request_prefill_time_seconds_bucket{"):
+        if line.startswith("vllm:time_to_first_token_seconds_bucket{"):
             head, _, _ = line.rpartition(" ")
             bound = float(head.split('le="')[1].split('"')[0])
             head = head.replace('model_name="tiny"', 'model_name="other"')
-            other.append(f"{head} {3.0 if bound >= 2.5 else 0.0}")
+            other.append(f"{head} {3.0 if bound >= 20 else 0.0}")
     both = parse_metrics(relabel(text, "0") + "\n" + "\n".join(other) + "\n")
-    assert only_engine(both).longest_prefill == 2.5
+    assert only_engine(both).longest_prefill == 20.0
+
+
+_HISTOGRAM_PARTS = ("bucket", "count", "sum")
+
+
+def test_a_prefill_bound_covers_a_step_whose_request_has_not_finished(
+    fixture_text: Load,
+) -> None:
+    """vLLM observes a request's prefill time when the request finishes (and, where it
+    records no aborted request, never when its client gave up), but its prompt tokens in
+    ``iteration_tokens_total`` and its time to first token when its first token comes.
+    Fourteen chat requests finished, none prefilled longer than 0.3 s; one long document
+    then took a 15 s step to its first token and is still generating. Bounded by the
+    finished prefills, the learned step was 0.3 s (a window of 0.9 s: the next such step
+    made a healthy engine "wedged"); its time to first token (from its arrival, so it
+    holds every step of its prefill) bounds it."""
+    lines = []
+    for line in _prefill_scaled(capture(fixture_text, "busy-after"), 200).splitlines():
+        head, _, value = line.rpartition(" ")
+        name = head.partition("{")[0]
+        if name in {f"vllm:time_to_first_token_seconds_{part}" for part in _HISTOGRAM_PARTS}:
+            bound = head.split('le="')[1].split('"')[0] if 'le="' in head else "+Inf"
+            if head.startswith("vllm:time_to_first_token_seconds_sum"):
+                value = repr(float(value) + 15.0)
+            elif bound == "+Inf" or float(bound) >= 15:
+                value = repr(float(value) + 1)
+        lines.append(f"{head} {value}")
+    signals = parse_metrics("\n".join(lines) + "\n")
+    step = longest_step(signals)
+    assert step is not None
+    assert step.seconds >= 15.0
+    assert only_engine(signals).prefill_step == pytest.approx(28.0, rel=0.1)  # not the bound
 
 
 def test_a_gap_past_the_last_bucket_is_known_only_to_exceed_it(fixture_text: Load) -> None:

@@ -117,7 +117,7 @@ def test_every_capture_reads_as_prometheus_client_reads_it(path: Path) -> None:
 
 def _prefill_stretched(text: str) -> str:
     """``text`` with its prefill time's sum 100 times as long: every capture's prefill
-    figure then passes PREFILL_BOUNDED_OVER, so its prefill-time buckets are read too."""
+    figure then passes PREFILL_BOUNDED_OVER, so its time-to-first-token buckets are read too."""
     lines = []
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")
@@ -137,7 +137,7 @@ def test_every_capture_whose_prefill_needs_its_bound_reads_as_prometheus_client_
 def test_a_stretched_capture_has_its_prefill_bound_read() -> None:
     """The test above compares the second scan's reading, not two Nones."""
     text = _prefill_stretched((FOLDER / "busy-after.txt").read_text(encoding="utf-8"))
-    assert [engine.longest_prefill for engine in parse_metrics(text).engines] == [0.3]
+    assert [engine.longest_prefill for engine in parse_metrics(text).engines] == [10.0]
 
 
 NAMES = [*READ, *BUCKETS, PREFILL_BUCKETS, SLEEP, START, BY_REASON, "vllm:other_total"]

@@ -44,8 +44,8 @@ def test_the_prefill_cost_of_the_largest_step_can_be_the_longest() -> None:
 def test_prompts_prefilled_together_in_one_step_are_one_step_not_one_each() -> None:
     """Eight 400-token prompts prefilled in one 20 s step: each request counts the whole
     step in the prefill sum, so the product alone said 205 s (a 614 s window, past what a
-    check can cover, where a real wedge was never proven). No request's prefill took over
-    20 s, and a step that holds a chunk of a prompt is no longer than its prefill."""
+    check can cover, where a real wedge was never proven). No request waited over 20 s
+    for its first token, and a step that holds a chunk of a prompt is no longer than that."""
     engine = EngineSignals(
         "0",
         prompt_tokens=8 * 400.0,
@@ -59,7 +59,7 @@ def test_prompts_prefilled_together_in_one_step_are_one_step_not_one_each() -> N
     assert step.seconds == 20.0
     assert step.why == (
         "engine 0: prefill 50 ms per prompt token x up to 4096 tokens in one step, "
-        "at most the longest prefill, up to 20 s"
+        "at most the longest wait for a first token, up to 20 s"
     )
     assert wedge_window(WedgeRules(), step, 3600.0).seconds == 60.0
     # A bound above the product bounds nothing: the product stands.
