@@ -830,7 +830,11 @@ def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
     """Any engine step, token, finished request or preemption, or a KV cache change.
 
     Output tokens alone would miss a long prompt being read: vLLM emits nothing then,
-    but its KV use moves every step.
+    but its KV use moves every step. A counter gone down counts too: two reads compared
+    here are of one process (a restart was judged first), and vLLM starts every counter
+    again from 0 in the same process when elastic EP scales up (its stat loggers are
+    made anew), work in flight; what they show then was counted since. Taken for "did
+    not rise", that wait was a frozen one, and one long step after it proved a wedge.
     """
     if older is newer:
         # A watch window's reads share one object while nothing changed (``keep_read``):
@@ -841,7 +845,7 @@ def _progressed(older: EngineSignals, newer: EngineSignals) -> bool:
     before = older.counters
     for name, value in newer.counters.items():
         previous = before.get(name)
-        if previous is not None and value > previous:
+        if previous is not None and value != previous:
             return True
     return (
         older.kv_usage is not None
@@ -1096,7 +1100,18 @@ def _describe_deltas(older: Signals, newer: Signals) -> str:
     ]
     if len(kv_moves) > 1:
         kv_moves = [f"kv moved on {len(kv_moves)} engines"]
-    return ", ".join(parts + kv_moves) or "no counter moved"
+    if parts or kv_moves:
+        return ", ".join(parts + kv_moves)
+    # Progress without a rise (``_progressed``): the same process started its counters
+    # again. Looked for only then: a busy verdict's evidence is built at every read.
+    again = [
+        f"engine {name}"
+        for name, before, after in _engine_pairs(older, newer)
+        if any(value < before.counters.get(key, value) for key, value in after.counters.items())
+    ]
+    if again:
+        return _first_few(again, "engines", "counters started again in the same process on ")
+    return "no counter moved"
 
 
 def _first_few(items: Sequence[str], what: str, prefix: str = "") -> str:

@@ -2023,3 +2023,34 @@ def test_a_tiny_request_that_never_went_out_is_no_request_sent(fixture_text: Loa
     verdict = settled(decide(reads, unsent))
     assert verdict.kind is VerdictKind.UNANSWERED
     assert verdict.requests_sent == 0
+
+
+def test_counters_started_again_under_the_same_start_time_are_no_frozen_wait(
+    fixture_text: Load,
+) -> None:
+    """vLLM re-creates its stat loggers when elastic EP scales up (``scale_elastic_ep``):
+    every counter starts again from 0 in the same process, the start time unchanged, and
+    with work in flight. What they show since is steps taken in that wait; compared as
+    "did not rise", that wait was a frozen one, and a busy engine scaled up and then
+    inside one long step for a single wait was proven wedged ("steps 8660→100→100")."""
+    counted_again = capture(fixture_text, "wedge-2")
+    for name, value, labels in (
+        ("vllm:iteration_tokens_total_count", "100.0", {}),
+        ("vllm:generation_tokens_total", "400.0", {}),
+        ("vllm:prompt_tokens_total", "60.0", {}),
+        ("vllm:request_success_total", "3.0", {"finished_reason": "length"}),
+    ):
+        counted_again = set_sample(counted_again, name, value, **labels)
+    texts = [capture(fixture_text, "wedge-1"), counted_again, counted_again]
+    reads = timed(texts)
+    assert reads[0].signals.process_start == reads[1].signals.process_start  # type: ignore[union-attr]
+    verdict = decide(reads, max_reads=61)
+    assert not (isinstance(verdict, Verdict) and verdict.kind is VerdictKind.WEDGED), verdict
+    scaled = settled(decide(reads[:2]))
+    assert scaled.kind is VerdictKind.BUSY, scaled.evidence
+    assert "counters started again in the same process on engine 0" in scaled.evidence
+    # Frozen past its window after the counters started again is a wedge, as any (the
+    # window: 3 x the longest wait for a first token the text shows, 10 s).
+    frozen = decide(timed([*texts, *[counted_again] * 6]), max_reads=61)
+    assert isinstance(frozen, Verdict) and frozen.kind is VerdictKind.WEDGED, frozen
+    assert "steps 100→100→" in frozen.evidence
