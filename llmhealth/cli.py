@@ -298,6 +298,8 @@ def watch(
             "an empty serving file path: name a file, or leave it out",
             param_hint="--serving-file",
         )
+    if serving_file is not None and config_file is not None:
+        config_module.check_serving_config(Path(serving_file), Path(config_file))
     load = _daemon_loader(urls or [], proxy or [], config_file, state)
     loaded, targets = load()
     if not targets:

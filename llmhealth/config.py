@@ -483,18 +483,30 @@ def check_base_url(url: str) -> str:
     return f"{scheme}://{parts.netloc}{parts.path}".rstrip("/")
 
 
+def _names_one_of(path: Path, others: Sequence[Path]) -> bool:
+    """Whether ``path`` names one of ``others``, told apart where their links lead too, as
+    the files are opened: one path through a linked directory (``/var/lib/llmhealth`` a
+    link to ``/srv/llmhealth``) and the other without name one file."""
+    return any(
+        Path(resolve(path)) in {Path(resolve(other)) for other in others}
+        for resolve in (os.path.abspath, os.path.realpath)
+    )
+
+
+def _with_lock(state: Path) -> tuple[Path, Path, Path]:
+    """The state file and its locks: beside the path given and beside the file it leads
+    to (``StateFile.locked`` holds both when it is a link)."""
+    target = Path(os.path.realpath(state))
+    return state, state.with_name(state.name + ".lock"), target.with_name(target.name + ".lock")
+
+
 def check_audit_path(state: Path, audit: Path) -> None:
     """ConfigError when the audit log would be the state file or its lock: each save of the
-    state renames over the file, and the records appended to it would be lost.
-
-    Told apart where their links lead too, as the state, its lock and the audit log are
-    opened: one path through a linked directory (``/var/lib/llmhealth`` a link to
-    ``/srv/llmhealth``) and the other without named one file, every audit record went
-    with the next save, and ``audit`` printed the state as the trail."""
-    for resolve in (os.path.abspath, os.path.realpath):
-        resolved = Path(resolve(state))
-        if Path(resolve(audit)) in (resolved, resolved.with_name(resolved.name + ".lock")):
-            raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
+    state renames over the file, and the records appended to it would be lost. Through a
+    linked directory too (``_names_one_of``): every audit record went with the next save,
+    and ``audit`` printed the state as the trail."""
+    if _names_one_of(audit, _with_lock(state)):
+        raise ConfigError(f"the audit log {str(audit)!r} is the state file or its lock")
 
 
 def check_serving_path(serving: Path, state: Path, audit: Path) -> None:
@@ -502,16 +514,24 @@ def check_serving_path(serving: Path, state: Path, audit: Path) -> None:
     audit log: each write of the serving list renames it over that file. Over the state,
     the ledger (its holds, retirements and restart budgets) was gone, the file left
     world-readable, and every settle after it skipped as "not a file llmhealth wrote";
-    over the lock, two runs each held a lock of their own. Told apart where their links
-    lead too, as ``check_audit_path`` does."""
-    for resolve in (os.path.abspath, os.path.realpath):
-        resolved = Path(resolve(state))
-        kept = (resolved, resolved.with_name(resolved.name + ".lock"), Path(resolve(audit)))
-        if Path(resolve(serving)) in kept:
-            raise ConfigError(
-                f"the serving file {str(serving)!r} is the state file, its lock or the "
-                "audit log: give the balancer a file of its own"
-            )
+    over the lock, two runs each held a lock of their own."""
+    if _names_one_of(serving, (*_with_lock(state), audit)):
+        raise ConfigError(
+            f"the serving file {str(serving)!r} is the state file, its lock or the "
+            "audit log: give the balancer a file of its own"
+        )
+
+
+def check_serving_config(serving: Path, config: Path) -> None:
+    """ConfigError when ``watch``'s serving file would be its config file: each write of
+    the serving list renamed it over the config, the backends gone from it, and the next
+    start or SIGHUP refused as an invalid config. Asked in every mode (a cluster's keeps
+    no state file here to check the serving file against)."""
+    if _names_one_of(serving, (config,)):
+        raise ConfigError(
+            f"the serving file {str(serving)!r} is the config file: give the balancer "
+            "a file of its own"
+        )
 
 
 def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None) -> str | None:

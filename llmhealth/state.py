@@ -534,14 +534,21 @@ def _someone_elses(raw: bytes) -> bool:
 def _leading_keys(text: str) -> list[str]:
     """The keys of the JSON object ``text`` begins with, in order, up to the first whose
     value is not whole in it (the key itself is taken): what a file cut at the size bound
-    shows of its object. Raises ValueError where it is no object."""
+    shows of its object. A key cut in two is not taken, and the keys before it stand: a
+    cut there raised, and a large object of many short members (a cache's map of hashes)
+    was moved aside as a corrupt state. Raises ValueError where it is no object."""
     if not text.startswith("{"):
         raise ValueError("not an object")
     keys: list[str] = []
     index = _past_space(text, 1)
     while text.startswith('"', index):
-        key, index = _DECODER.raw_decode(text, index)
+        try:
+            key, index = _DECODER.raw_decode(text, index)
+        except ValueError:  # cut off within this key: the keys before it stand
+            break
         index = _past_space(text, index)
+        if index == len(text):  # cut off before its ':'
+            break
         if not text.startswith(":", index):
             raise ValueError("no ':' after a key")
         keys.append(key)

@@ -1421,6 +1421,32 @@ def test_a_serving_file_that_is_the_state_its_lock_or_the_audit_log_is_refused_a
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
 
 
+@pytest.mark.parametrize("serving", ["fleet.toml", "linked"])
+def test_a_serving_file_that_is_the_config_is_refused_at_start(
+    entry_point: str, tmp_path: Path, serving: str
+) -> None:
+    # The first write of the serving list renamed it over the config: its backends gone,
+    # and the next start or SIGHUP refused it. A cluster's daemon has no state file here.
+    config = write_config(
+        tmp_path / "fleet.toml", fleet_config([{"name": "gpu0", "url": "http://127.0.0.1:9"}])
+    )
+    (tmp_path / "linked").symlink_to(config)
+    before = config.read_bytes()
+    serving_file = ["--serving-file", str(tmp_path / serving), "--listen", "off"]
+    state = ["--state", str(tmp_path / "state.json")]
+    result = subprocess.run(
+        [entry_point, "watch", "--config", str(config), *state, *serving_file],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+        env=child_env(),
+    )
+    assert result.returncode == 3, result.stderr
+    assert "is the config file" in result.stderr
+    assert config.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_a_serving_file_that_can_no_longer_be_written_is_reported_and_watching_goes_on(
     entry_point: str, urls: Urls, tmp_path: Path

@@ -1021,6 +1021,22 @@ def test_a_large_json_object_llmhealth_never_wrote_is_left_in_place_too(
     _left_in_place(StateFile(tmp_path / "package-lock.json"), content)
 
 
+@pytest.mark.parametrize("cut_after", ['"sha', '"sha256-0"'])
+def test_a_large_json_object_cut_within_a_key_or_before_its_colon_is_left_in_place_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut_after: str
+) -> None:
+    """A map of many short members (a cache's hashes) is as likely cut at the bound in a
+    key as in a value: the keys before it stand, and it was moved aside as corrupt."""
+    monkeypatch.setattr(state_module, "_MAX_STATE_BYTES", 1024)
+    head = '{"name": "'
+    # A run reads one byte past the bound: the cut falls just after ``cut_after``.
+    filler = "x" * (1025 - len(head) - len('", ') - len(cut_after))
+    members = "".join(f', "sha256-{i}": {i}' for i in range(1, 100))
+    content = f'{head}{filler}", "sha256-0": 0{members}}}'.encode()
+    assert content[:1025].endswith(cut_after.encode())
+    _left_in_place(StateFile(tmp_path / "cache.json"), content)
+
+
 def test_a_state_cut_past_the_bound_within_its_ledger_is_still_moved_aside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
