@@ -273,8 +273,19 @@ class Etcd:
         raise ClusterUnavailableError("no etcd endpoint answered (" + "; ".join(problems) + ")")
 
     def get(self, key: str) -> KeyValue | None:
-        found = self._range({"key": _b64(key)})
-        return found[0][1] if found else None
+        """``key``'s value, or None. An answer holding any other key is not etcd's to this
+        request (a proxy that ignores the key asked), and the next endpoint is asked: its
+        first key was taken for the record, called unreadable by a standby, and copied
+        aside by a leader's load as it settled on a fresh ledger."""
+        wanted = key.encode()
+
+        def read(answer: dict[str, Any]) -> KeyValue | None:
+            found = _ranged_keys(answer)
+            if any(value.key != wanted for _, value in found):
+                raise ValueError(f"a key other than {key!r} in the answer")
+            return found[0][1] if found else None
+
+        return self.call("kv/range", {"key": _b64(key)}, read)
 
     def get_prefix(self, prefix: str) -> dict[str, KeyValue]:
         return dict(self._range({"key": _b64(prefix), "range_end": _b64(_after_prefix(prefix))}))
@@ -331,7 +342,7 @@ class Etcd:
         return [(name, value) for name, value in found if low <= value.key < high]
 
     def _range(self, request: dict[str, Any]) -> list[tuple[str, KeyValue]]:
-        return self.call("kv/range", request, lambda answer: _key_values(answer.get("kvs")))
+        return self.call("kv/range", request, _ranged_keys)
 
     def txn(
         self,
@@ -352,16 +363,39 @@ class Etcd:
 
     def keepalive(self, lease: int) -> int:
         """Renew a lease; its TTL, or -1 when etcd no longer has it (no TTL in the answer)."""
-        return self.call(
-            "lease/keepalive", {"ID": lease}, lambda answer: int(answer["result"].get("TTL", -1))
-        )
+        return self.call("lease/keepalive", {"ID": lease}, _renewed_ttl)
 
     def revoke(self, lease: int) -> None:
-        self.call("kv/lease/revoke", {"ID": lease}, lambda _: None)
+        self.call("kv/lease/revoke", {"ID": lease}, _header)
 
     def compact(self, revision: int) -> None:
         """Drop the history of every key before ``revision`` (its current values stay)."""
-        self.call("kv/compaction", {"revision": revision, "physical": False}, lambda _: None)
+        self.call("kv/compaction", {"revision": revision, "physical": False}, _header)
+
+
+def _header(answer: dict[str, Any]) -> dict[str, Any]:
+    """The header etcd gives every answer (its revision, its member); TypeError without
+    one. Another service's JSON where an endpoint was listed (``{}``) read as etcd's
+    word was a range that found nothing and a transaction whose compares failed: the
+    record etcd held read as none, and the leader's every save "fenced out: nobody
+    leads", that endpoint asked first every time as the one that answered."""
+    header = answer.get("header")
+    if not isinstance(header, dict):
+        raise TypeError(f"no header in the answer (a {type(header).__name__})")
+    return header
+
+
+def _ranged_keys(answer: dict[str, Any]) -> list[tuple[str, KeyValue]]:
+    _header(answer)
+    return _key_values(answer.get("kvs"))
+
+
+def _renewed_ttl(answer: dict[str, Any]) -> int:
+    result = answer["result"]
+    if not isinstance(result, dict):
+        raise TypeError(f"result is a {type(result).__name__}")
+    _header(result)
+    return int(result.get("TTL", -1))
 
 
 def _key_values(kvs: object) -> list[tuple[str, KeyValue]]:
@@ -391,6 +425,7 @@ def _granted(answer: dict[str, Any]) -> int:
     would outlive its leader, and the leader key would be held until an operator came.
     Nor one past its int64: kept, every request on it was refused, no other lease was
     asked for, and the member was out of every election for as long as it ran."""
+    _header(answer)
     lease = int(answer["ID"])
     if not 0 < lease < 2**63:
         raise ValueError(f"lease ID {lease}")
@@ -401,7 +436,7 @@ def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None
     """Read whole inside the call, ranges included: a garbled failure branch (a proxy's
     ``{"response_range": null}``) read later escaped the call's guard and every caller's,
     and ended the daemon's loop."""
-    revision = int(answer.get("header", {}).get("revision", 0))
+    revision = int(_header(answer).get("revision", 0))
     responses = answer.get("responses") or []
     if not isinstance(responses, list):
         raise TypeError(f"responses is a {type(responses).__name__}")

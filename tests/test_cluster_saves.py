@@ -970,3 +970,62 @@ def test_a_reload_applied_while_a_command_reads_the_record_withdraws_its_old_com
         assert done.withdrawn and not ran.exists(), done
     finally:
         seat.elector.stop()
+
+
+def empty_objects(served: list[int]) -> Callable[[socket.socket, int], None]:
+    """Another service's JSON API where an etcd endpoint was listed: every request, its
+    body unread, answered 200 with an empty object (no ``header``, which etcd gives every
+    answer)."""
+
+    def answer(connection: socket.socket, _: int) -> None:
+        read_posted(connection)
+        served[0] += 1
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    return answer
+
+
+def test_an_endpoint_answering_an_empty_object_is_not_etcd_saying_no_record(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # `{}` read as etcd's word: a range that found nothing, a transaction whose compares
+    # failed. With such an endpoint first in the list, the record etcd held was read as
+    # none (`status` showed an empty fleet, a standby's router served nothing), and the
+    # leader's every save was "fenced out: nobody leads", nothing settled while etcd was
+    # there to answer, the endpoint that said so asked first every time.
+    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save({"value": 7})
+    served = [0]
+    with tcp_server(empty_objects(served)) as (other, _):
+        etcd = Etcd([other, *etcd_server.endpoints])
+        assert (cluster.ReadOnlyStore(etcd, keys).read(dict) or {}).get("value") == 7
+        clock, log = Clock(), []
+        leader = elector(Etcd(etcd_server.endpoints), keys, "a", clock, log)
+        leader.step()
+        store = EtcdStore(etcd, keys, leader)
+        with store.locked():
+            store.save({"value": (store.load(dict) or {"value": 0})["value"] + 1})
+        leader.stop()
+    assert served[0] >= 1
+    assert store_value(Etcd(etcd_server.endpoints), keys) == 8
+
+
+def test_an_endpoint_answering_another_key_is_not_read_for_the_record(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A range for one key answered with others (a proxy that ignores the key asked):
+    # the first was taken for the record, which a standby then called unreadable, and a
+    # leader's load "copied aside" and settled on as a fresh ledger. Not etcd's answer to
+    # that request: the next endpoint is asked, as for the paged reads.
+    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save({"value": 7})
+    served = [0]
+    with tcp_server(keys_past_the_range(served)) as (elsewhere, _):
+        etcd = Etcd([elsewhere, *etcd_server.endpoints])
+        assert (cluster.ReadOnlyStore(etcd, keys).read(dict) or {}).get("value") == 7
+        assert cluster.read_leader(Etcd([elsewhere, *etcd_server.endpoints]), keys) is None
+    assert served[0] >= 1
