@@ -273,13 +273,28 @@ def newest_vllm_read(reads: Sequence[Read]) -> int | None:
 def _learned_before_restarts(reads: Sequence[Read]) -> LongestStep | None:
     """The longest step the processes these reads saw restart had recorded: their last
     texts' histograms. Only the newest process's were taken, and a long step the old one
-    had just recorded was lost with it, though the hardware stays (``fleet.Sighting``)."""
+    had just recorded was lost with it, though the hardware stays (``fleet.Sighting``).
+    So too where a process started its series again (a counter gone down under the same
+    start time: vLLM's stat loggers made anew as elastic EP scales up), its histograms
+    with them."""
     readable = [_signals(read) for read in reads if _has_vllm(read)]
     best = None
     for older, newer in itertools.pairwise(readable):
-        if older is not newer and restarted_between(older, newer):
+        if older is not newer and (restarted_between(older, newer) or _went_down(older, newer)):
             best = longer(best, longest_step(older))
     return best
+
+
+def _went_down(older: Signals, newer: Signals) -> bool:
+    """Any engine's counter is lower in ``newer`` than in ``older``."""
+    return any(
+        _counter_went_down(before, after) for _, before, after in _engine_pairs(older, newer)
+    )
+
+
+def _counter_went_down(before: EngineSignals, after: EngineSignals) -> bool:
+    earlier = before.counters
+    return any(value < earlier.get(name, value) for name, value in after.counters.items())
 
 
 def reads_still_needed(reads: Sequence[Read]) -> int:
@@ -899,13 +914,7 @@ def restarted_between(older: Signals, newer: Signals) -> bool:
     """
     if older.process_start is not None and newer.process_start is not None:
         return older.process_start != newer.process_start
-    for _, before, after in _engine_pairs(older, newer):
-        earlier = before.counters
-        for name, value in after.counters.items():
-            previous = earlier.get(name)
-            if previous is not None and value < previous:
-                return True
-    return False
+    return _went_down(older, newer)
 
 
 def _judge_restarted(
@@ -1107,7 +1116,7 @@ def _describe_deltas(older: Signals, newer: Signals) -> str:
     again = [
         f"engine {name}"
         for name, before, after in _engine_pairs(older, newer)
-        if any(value < before.counters.get(key, value) for key, value in after.counters.items())
+        if _counter_went_down(before, after)
     ]
     if again:
         return _first_few(again, "engines", "counters started again in the same process on ")

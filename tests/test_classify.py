@@ -27,7 +27,7 @@ from llmhealth.classify import (
 from llmhealth.metrics import EngineSignals, Signals, parse_metrics
 from llmhealth.probe import ProbeSettings, keep_read
 from llmhealth.report import ExitCode, verdict_exit_code
-from llmhealth.window import CpuSample, LongestStep, WedgeRules, longer
+from llmhealth.window import CpuSample, LongestStep, WedgeRules, longer, longest_step
 
 Load = Callable[[str], str]
 
@@ -2054,3 +2054,28 @@ def test_counters_started_again_under_the_same_start_time_are_no_frozen_wait(
     frozen = decide(timed([*texts, *[counted_again] * 6]), max_reads=61)
     assert isinstance(frozen, Verdict) and frozen.kind is VerdictKind.WEDGED, frozen
     assert "steps 100→100→" in frozen.evidence
+
+
+def test_a_long_step_recorded_before_the_counters_started_again_is_kept(
+    fixture_text: Load,
+) -> None:
+    """vLLM's stat loggers made anew (elastic EP scaling up) start its histograms again
+    too: a long step the text recorded before then is gone from the next, as a restarted
+    process's is, though the engine and its hardware are the same. The verdict keeps it,
+    as it keeps the one a process recorded before it restarted."""
+    before = with_gap_histogram(capture(fixture_text, "wedge-1"), "40.0")
+    counted_again = capture(fixture_text, "wedge-2")
+    for name, value, labels in (
+        ("vllm:iteration_tokens_total_count", "100.0", {}),
+        ("vllm:generation_tokens_total", "400.0", {}),
+        ("vllm:prompt_tokens_total", "60.0", {}),
+        ("vllm:request_success_total", "3.0", {"finished_reason": "length"}),
+    ):
+        counted_again = set_sample(counted_again, name, value, **labels)
+    reads = timed([before, counted_again])
+    long_one = longest_step(reads[0].signals)  # type: ignore[arg-type]
+    assert long_one is not None and long_one.seconds >= 40
+    verdict = settled(decide(reads))
+    assert verdict.kind is VerdictKind.BUSY, verdict.evidence
+    assert verdict.longest_step is not None
+    assert verdict.longest_step.seconds >= long_one.seconds, verdict.longest_step
