@@ -2025,6 +2025,19 @@ def test_a_tiny_request_that_never_went_out_is_no_request_sent(fixture_text: Loa
     assert verdict.requests_sent == 0
 
 
+def _counted_again(text: str) -> str:
+    """``text`` with its counters started again from 0 and a few steps counted since,
+    the process start time unchanged (vLLM's stat loggers made anew)."""
+    for name, value, labels in (
+        ("vllm:iteration_tokens_total_count", "100.0", {}),
+        ("vllm:generation_tokens_total", "400.0", {}),
+        ("vllm:prompt_tokens_total", "60.0", {}),
+        ("vllm:request_success_total", "3.0", {"finished_reason": "length"}),
+    ):
+        text = set_sample(text, name, value, **labels)
+    return text
+
+
 def test_counters_started_again_under_the_same_start_time_are_no_frozen_wait(
     fixture_text: Load,
 ) -> None:
@@ -2033,14 +2046,7 @@ def test_counters_started_again_under_the_same_start_time_are_no_frozen_wait(
     with work in flight. What they show since is steps taken in that wait; compared as
     "did not rise", that wait was a frozen one, and a busy engine scaled up and then
     inside one long step for a single wait was proven wedged ("steps 8660→100→100")."""
-    counted_again = capture(fixture_text, "wedge-2")
-    for name, value, labels in (
-        ("vllm:iteration_tokens_total_count", "100.0", {}),
-        ("vllm:generation_tokens_total", "400.0", {}),
-        ("vllm:prompt_tokens_total", "60.0", {}),
-        ("vllm:request_success_total", "3.0", {"finished_reason": "length"}),
-    ):
-        counted_again = set_sample(counted_again, name, value, **labels)
+    counted_again = _counted_again(capture(fixture_text, "wedge-2"))
     texts = [capture(fixture_text, "wedge-1"), counted_again, counted_again]
     reads = timed(texts)
     assert reads[0].signals.process_start == reads[1].signals.process_start  # type: ignore[union-attr]
@@ -2064,14 +2070,7 @@ def test_a_long_step_recorded_before_the_counters_started_again_is_kept(
     process's is, though the engine and its hardware are the same. The verdict keeps it,
     as it keeps the one a process recorded before it restarted."""
     before = with_gap_histogram(capture(fixture_text, "wedge-1"), "40.0")
-    counted_again = capture(fixture_text, "wedge-2")
-    for name, value, labels in (
-        ("vllm:iteration_tokens_total_count", "100.0", {}),
-        ("vllm:generation_tokens_total", "400.0", {}),
-        ("vllm:prompt_tokens_total", "60.0", {}),
-        ("vllm:request_success_total", "3.0", {"finished_reason": "length"}),
-    ):
-        counted_again = set_sample(counted_again, name, value, **labels)
+    counted_again = _counted_again(capture(fixture_text, "wedge-2"))
     reads = timed([before, counted_again])
     long_one = longest_step(reads[0].signals)  # type: ignore[arg-type]
     assert long_one is not None and long_one.seconds >= 40

@@ -985,6 +985,14 @@ def empty_objects(served: list[int]) -> Callable[[socket.socket, int], None]:
     return answer
 
 
+def _save_seven(etcd_server: EtcdCluster, keys: Keys) -> None:
+    """A record of ``{"value": 7}`` in etcd, saved as an operator's verb saves it."""
+    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
+    with verb.locked():
+        verb.load(dict)
+        verb.save({"value": 7})
+
+
 def test_an_endpoint_answering_an_empty_object_is_not_etcd_saying_no_record(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
@@ -993,10 +1001,7 @@ def test_an_endpoint_answering_an_empty_object_is_not_etcd_saying_no_record(
     # none (`status` showed an empty fleet, a standby's router served nothing), and the
     # leader's every save was "fenced out: nobody leads", nothing settled while etcd was
     # there to answer, the endpoint that said so asked first every time.
-    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
-    with verb.locked():
-        verb.load(dict)
-        verb.save({"value": 7})
+    _save_seven(etcd_server, keys)
     served = [0]
     with tcp_server(empty_objects(served)) as (other, _):
         etcd = Etcd([other, *etcd_server.endpoints])
@@ -1019,10 +1024,7 @@ def test_an_endpoint_answering_another_key_is_not_read_for_the_record(
     # the first was taken for the record, which a standby then called unreadable, and a
     # leader's load "copied aside" and settled on as a fresh ledger. Not etcd's answer to
     # that request: the next endpoint is asked, as for the paged reads.
-    verb = EtcdStore(Etcd(etcd_server.endpoints), keys, None)
-    with verb.locked():
-        verb.load(dict)
-        verb.save({"value": 7})
+    _save_seven(etcd_server, keys)
     served = [0]
     with tcp_server(keys_past_the_range(served)) as (elsewhere, _):
         etcd = Etcd([elsewhere, *etcd_server.endpoints])

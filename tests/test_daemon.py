@@ -1385,6 +1385,22 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
     ]
 
 
+def _watch_refused(
+    entry_point: str, config: Path, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """``watch`` with these options, which must refuse to start (exit 3)."""
+    result = subprocess.run(
+        [entry_point, "watch", "--config", str(config), "--listen", "off", *options],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+        env=child_env(),
+    )
+    assert result.returncode == 3, result.stderr
+    return result
+
+
 @pytest.mark.parametrize("serving", ["state.json", "state.json.lock", "audit.jsonl", "linked"])
 def test_a_serving_file_that_is_the_state_its_lock_or_the_audit_log_is_refused_at_start(
     entry_point: str, tmp_path: Path, serving: str
@@ -1407,16 +1423,9 @@ def test_a_serving_file_that_is_the_state_its_lock_or_the_audit_log_is_refused_a
     assert held.returncode == 0, held.stderr
     (tmp_path / "linked").symlink_to(state)
     before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
-    serving_file = ["--serving-file", str(tmp_path / serving), "--listen", "off"]
-    result = subprocess.run(
-        [entry_point, "watch", "--config", str(config), "--state", str(state), *serving_file],
-        capture_output=True,
-        text=True,
-        timeout=PATIENCE,
-        check=False,
-        env=child_env(),
+    result = _watch_refused(
+        entry_point, config, "--state", str(state), "--serving-file", str(tmp_path / serving)
     )
-    assert result.returncode == 3, result.stderr
     assert "is the state file, its lock or the audit log" in result.stderr
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
 
@@ -1432,17 +1441,10 @@ def test_a_serving_file_that_is_the_config_is_refused_at_start(
     )
     (tmp_path / "linked").symlink_to(config)
     before = config.read_bytes()
-    serving_file = ["--serving-file", str(tmp_path / serving), "--listen", "off"]
-    state = ["--state", str(tmp_path / "state.json")]
-    result = subprocess.run(
-        [entry_point, "watch", "--config", str(config), *state, *serving_file],
-        capture_output=True,
-        text=True,
-        timeout=PATIENCE,
-        check=False,
-        env=child_env(),
+    state = str(tmp_path / "state.json")
+    result = _watch_refused(
+        entry_point, config, "--state", state, "--serving-file", str(tmp_path / serving)
     )
-    assert result.returncode == 3, result.stderr
     assert "is the config file" in result.stderr
     assert config.read_bytes() == before
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -714,6 +714,20 @@ async def _kill_the_worker(pool: readers.ReadPool) -> None:
             await asyncio.sleep(0.01)
 
 
+def _run_killing_what_is_left(
+    main: Coroutine[Any, Any, list[int | None]], spawned: list[asyncio.subprocess.Process]
+) -> list[int | None]:
+    """``main``'s worker exit codes; every worker it started that still runs is killed
+    after it, pass or fail, so none outlives the test."""
+    try:
+        return asyncio.run(main)
+    finally:
+        for process in spawned:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+
+
 def test_a_worker_started_again_while_the_pool_closes_does_not_outlive_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -750,13 +764,7 @@ def test_a_worker_started_again_while_the_pool_closes_does_not_outlive_it(
         await closing
         return [p.returncode for p in spawned]
 
-    try:
-        codes = asyncio.run(main())
-    finally:
-        for process in spawned:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
+    codes = _run_killing_what_is_left(main(), spawned)
     assert len(codes) == 3
     assert None not in codes, f"a worker outlived the pool's close: {codes}"
 
@@ -1585,11 +1593,5 @@ def test_a_worker_started_again_while_a_pool_none_of_whose_workers_ran_closes_ou
             await asyncio.sleep(0.01)
         return [p.returncode for p in spawned]
 
-    try:
-        codes = asyncio.run(main())
-    finally:
-        for process in spawned:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
+    codes = _run_killing_what_is_left(main(), spawned)
     assert codes == [], f"a worker was started after the pool's close: {codes}"
