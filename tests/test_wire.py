@@ -1295,6 +1295,54 @@ loop.run_until_complete(read())
     assert done.stdout.startswith("starved llmhealth's own process could not open a connection")
 
 
+def test_a_name_not_found_for_want_of_descriptors_freed_since_is_looked_up_again() -> None:
+    # At the limit, another read's connection closed between the failed lookup and the
+    # loop's asking whether it was short: the healthy server behind the name was `down`
+    # ("Name or service not known"), as if its name did not resolve.
+    script = """
+import asyncio, resource, socket
+from llmhealth import wire
+loop = asyncio.new_event_loop()
+"warm".encode("idna")  # imported on first use: a file to open
+loop.run_until_complete(loop.getaddrinfo("127.0.0.1", 9))  # the resolver thread, as a daemon has
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+while True:
+    try:
+        held.append(open("/dev/null"))
+    except OSError:
+        break
+real = socket.getaddrinfo
+def getaddrinfo(*args, **kwargs):
+    try:
+        return real(*args, **kwargs)  # the resolver, out of descriptors
+    finally:
+        held.pop().close()  # another read's connection closed meanwhile
+socket.getaddrinfo = getaddrinfo
+async def read():
+    connection = wire.Connection(None, "llmhealth/test")
+    try:
+        answer = await connection.request("GET", "URL/metrics",
+                                          deadline=loop.time() + 5, max_bytes=100)
+        print("answered", answer.status)
+    except wire.WireError as error:
+        print(error.failure.value, error.detail)
+loop.run_until_complete(read())
+"""
+
+    def answer(connection: socket.socket, _number: int) -> None:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    with tcp_server(answer) as (url, _):
+        by_name = url.replace("127.0.0.1", "localhost")
+        done = subprocess.run(
+            [sys.executable, "-c", script.replace("URL", by_name)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+    assert done.stdout == "answered 200\n", done.stdout
+
+
 _READ_TWICE = """
 import asyncio
 from llmhealth import wire
