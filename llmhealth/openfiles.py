@@ -18,6 +18,7 @@ ends, and a read neither blocks nor takes more than its caller's bound.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -293,6 +294,24 @@ def tls_leftover(transport: asyncio.BaseTransport | None) -> tuple[bytes, bool]:
     except (ssl.SSLError, ValueError):  # wants more: no close_notify (ValueError: closed)
         return bytes(held), False
     return bytes(held), True
+
+
+async def look_up(loop: asyncio.AbstractEventLoop, host: str, port: int) -> Sequence[AddressInfo]:
+    """``host``'s addresses for a TCP connection; a name not found is looked up once more
+    when this process has a descriptor free by then.
+
+    Out of descriptors, the resolver can open neither /etc/hosts nor a socket to DNS and
+    says only "Name or service not known" (``out_of_files``). Whether this process was
+    short is asked only once the failure is back on the loop: at the limit, another
+    connection closed meanwhile, and the healthy server behind the name was `down`
+    ("name does not resolve"). A name that does not resolve fails twice.
+    """
+    try:
+        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN or short_of_descriptors():
+            raise  # for now, or short still: told apart by the caller
+    return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def short_of_descriptors(wanted: int = 1) -> bool:

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import fcntl
 import ipaddress
-import socket
 import ssl
 import struct
 import sys
@@ -50,6 +49,7 @@ from llmhealth.openfiles import (
     connect_one_of,
     default_tls,
     end_with_reset,
+    look_up,
     out_of_files,
     short_of_descriptors,
     shortage_or,
@@ -268,7 +268,7 @@ async def _dial(origin: Origin, tls: ssl.SSLContext | None) -> _Link:
         except OSError as exc:
             raise shortage_or(exc, host, origin.port) from exc
         return link
-    found = await loop.getaddrinfo(host, origin.port, type=socket.SOCK_STREAM)
+    found = await look_up(loop, host, origin.port)
     sock = await connect_one_of(host, found)
     _, link = await loop.create_connection(
         lambda: _Link(origin), sock=sock, ssl=tls, server_hostname=hostname

@@ -24,7 +24,7 @@ import socket
 import ssl
 import traceback
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import cast
@@ -33,10 +33,10 @@ from urllib.parse import SplitResult, quote, urlsplit
 from llmhealth import http1
 from llmhealth.lateness import LATE_ENOUGH, lateness_of
 from llmhealth.openfiles import (
-    AddressInfo,
     OwnShortageError,
     connect_one_of,
     default_tls,
+    look_up,
     out_of_files,
     short_of_descriptors,
     shortage_or,
@@ -619,7 +619,7 @@ async def _open(
     loop = asyncio.get_running_loop()
     bound.hold(functools.partial(_looking_up, host))
     try:
-        found = await _look_up(loop, host, port)
+        found = await look_up(loop, host, port)
     except socket.gaierror as exc:
         if exc.errno != socket.EAI_AGAIN:
             raise  # the name does not resolve: the server's read fails, as it did
@@ -635,24 +635,6 @@ async def _open(
     progress.opened_at = loop.time()
     sock = await connect_one_of(host, found)
     return await asyncio.open_connection(sock=sock, limit=MAX_HEAD_BYTES)
-
-
-async def _look_up(loop: asyncio.AbstractEventLoop, host: str, port: int) -> Sequence[AddressInfo]:
-    """``host``'s addresses; a name not found is looked up once more when this process
-    has a descriptor free by then.
-
-    Out of descriptors, the resolver can open neither /etc/hosts nor a socket to DNS and
-    says only "Name or service not known" (``openfiles.out_of_files``). Whether this
-    process was short is asked only once the failure is back on the loop: at the limit,
-    another read's connection closed meanwhile, and the healthy server behind the name
-    was `down` ("name does not resolve"). A name that does not resolve fails twice.
-    """
-    try:
-        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        if exc.errno == socket.EAI_AGAIN or short_of_descriptors():
-            raise  # for now, or short still: told apart by the caller
-    return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _cut_off(exc: OSError) -> bool:
