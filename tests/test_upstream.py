@@ -9,6 +9,8 @@ import contextlib
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -970,6 +972,74 @@ def test_a_certificate_refused_for_want_of_the_routers_descriptors_is_its_own(
         )
     assert first == "connected" or first.startswith("ours "), first
     assert second == "connected"
+
+
+_CONNECT_BY_NAME = """
+import asyncio, resource, socket
+from llmhealth.upstream import ConnectError, Origin, Pool
+loop = asyncio.new_event_loop()
+"warm".encode("idna")  # imported on first use: a file to open
+loop.run_until_complete(loop.getaddrinfo("127.0.0.1", 9))  # the resolver thread, as a router has
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+while True:
+    try:
+        held.append(open("/dev/null"))
+    except OSError:
+        break
+real = socket.getaddrinfo
+def getaddrinfo(*args, **kwargs):
+    try:
+        return real(*args, **kwargs)  # the resolver, out of descriptors
+    finally:
+        held.pop().close()  # another connection closed meanwhile
+socket.getaddrinfo = getaddrinfo
+async def connect():
+    try:
+        (await Pool(connect_timeout=5, keepalive=60)._connect(Origin.parse("URL"))).close()
+        print("connected")
+    except ConnectError as error:
+        print("ours" if error.ours else "the backend's", error)
+loop.run_until_complete(connect())
+"""
+
+
+def test_a_name_not_found_for_want_of_the_routers_descriptors_freed_since_is_looked_up_again() -> (
+    None
+):
+    # At the limit, another connection closed between the failed lookup and the router's
+    # asking whether it was short: the backend behind the name was counted as failing
+    # ("Name or service not known"), as if its name did not resolve.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        url = f"http://localhost:{listener.getsockname()[1]}/"
+        done = subprocess.run(
+            [sys.executable, "-c", _CONNECT_BY_NAME.replace("URL", url)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+    assert done.stdout == "connected\n", done.stdout
+
+
+def test_a_name_that_does_not_resolve_is_the_backends_connect_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Looked up twice (the second for a descriptor maybe freed since), it fails both
+    # times and counts against the backend: the router's own process was not short.
+    asked: list[str] = []
+
+    def getaddrinfo(host: str, *args: object, **kwargs: object) -> object:
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def scenario() -> None:
+        pool = Pool(connect_timeout=5, keepalive=60)
+        with pytest.raises(ConnectError) as raised:
+            await pool.request(Origin.parse("http://backend.test:8000"), "GET", "/", [], b"")
+        assert not raised.value.ours, raised.value
+
+    run(scenario())
+    assert asked == ["backend.test", "backend.test"]
 
 
 def test_stalls_of_the_loop_that_end_before_a_connects_deadline_excuse_nothing() -> None:
