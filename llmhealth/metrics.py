@@ -45,8 +45,9 @@ _PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 # scan of its own, which most reads never pay (``parse_metrics``). Not the prefill time's
 # buckets: vLLM observes those when a request finishes (an aborted one, in some versions
 # never), but counts its prompt in ``vllm:iteration_tokens_total`` and its time to first
-# token when that token comes; bounded by the finished ones, a request still generating
-# after a 15 s prefill step taught 0.3 s, and the next such step was "wedged".
+# token when that token comes. A request still generating after a 15 s prefill step is in
+# no prefill-time bucket: bounded by the finished ones' 0.3 s, the next such step of a
+# healthy engine would be "wedged".
 _PREFILL_BUCKETS = "vllm:time_to_first_token_seconds_bucket"
 # Seconds. Below it the figure makes a window of a few seconds at most, whatever inflates
 # it; above it, prompts prefilled together in one step made it that many steps long.
@@ -253,8 +254,7 @@ def _prefill_bounds(data: bytes) -> Signals:
     """The engines' ``longest_prefill`` alone, from the part of the text that can hold
     their time-to-first-token buckets: from the line of the series' name's first
     appearance to the end of the line of its last (found in C, scanned by the expression
-    only there).
-    The whole text again cost a bound read nearly a second read of the text."""
+    only there): a second scan of the whole text cost nearly as much as the first."""
     first = data.find(_PREFILL_NAME)
     if first < 0:
         return Signals()
