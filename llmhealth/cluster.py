@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llmhealth import etcd_http
 from llmhealth.actions import AuditError, AuditScan, encode_record, parse_records
 from llmhealth.classify import Verdict
-from llmhealth.config import DEFAULT_AUDIT_KEEP, check_url
+from llmhealth.config import DEFAULT_AUDIT_KEEP, check_base_url
 from llmhealth.config import Cluster as ClusterConfig
 from llmhealth.leadership import (
     Decision,
@@ -200,7 +200,7 @@ class Etcd:
         if not endpoints:
             raise ValueError("no etcd endpoint")
         # Checked here too, not only in the config: an endpoint is named in every error.
-        self.endpoints = tuple(check_url(url) for url in endpoints)
+        self.endpoints = tuple(check_base_url(url) for url in endpoints)
         self._wires = [etcd_http.Endpoint.from_url(url) for url in self.endpoints]
         self._bounds = bounds or etcd_http.Bounds(silence=timeout)
         self._call_seconds = call_seconds

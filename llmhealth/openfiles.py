@@ -297,8 +297,9 @@ def tls_leftover(transport: asyncio.BaseTransport | None) -> tuple[bytes, bool]:
 
 
 async def look_up(loop: asyncio.AbstractEventLoop, host: str, port: int) -> Sequence[AddressInfo]:
-    """``host``'s addresses for a TCP connection; a name not found is looked up once more
-    when this process has a descriptor free by then.
+    """``host``'s addresses for a TCP connection; a lookup that failed (but for "try
+    again", ``EAI_AGAIN``) is made once more when this process has a descriptor free by
+    then.
 
     Out of descriptors, the resolver can open neither /etc/hosts nor a socket to DNS and
     says only "Name or service not known" (``out_of_files``). Whether this process was
