@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_router import read_request, run
+from test_wire import FREED_AFTER_EACH_LOOKUP, OUT_OF_DESCRIPTORS
 from tlsproc import make_certificate, run_child, tls_server, trusting
 
 from llmhealth import upstream
@@ -974,26 +975,11 @@ def test_a_certificate_refused_for_want_of_the_routers_descriptors_is_its_own(
     assert second == "connected"
 
 
-_CONNECT_BY_NAME = """
-import asyncio, resource, socket
-from llmhealth.upstream import ConnectError, Origin, Pool
-loop = asyncio.new_event_loop()
-"warm".encode("idna")  # imported on first use: a file to open
-loop.run_until_complete(loop.getaddrinfo("127.0.0.1", 9))  # the resolver thread, as a router has
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-held = []
-while True:
-    try:
-        held.append(open("/dev/null"))
-    except OSError:
-        break
-real = socket.getaddrinfo
-def getaddrinfo(*args, **kwargs):
-    try:
-        return real(*args, **kwargs)  # the resolver, out of descriptors
-    finally:
-        held.pop().close()  # another connection closed meanwhile
-socket.getaddrinfo = getaddrinfo
+_CONNECT_BY_NAME = (
+    "from llmhealth.upstream import ConnectError, Origin, Pool\n"
+    + OUT_OF_DESCRIPTORS
+    + FREED_AFTER_EACH_LOOKUP
+    + """
 async def connect():
     try:
         (await Pool(connect_timeout=5, keepalive=60)._connect(Origin.parse("URL"))).close()
@@ -1002,6 +988,7 @@ async def connect():
         print("ours" if error.ours else "the backend's", error)
 loop.run_until_complete(connect())
 """
+)
 
 
 def test_a_name_not_found_for_want_of_the_routers_descriptors_freed_since_is_looked_up_again() -> (

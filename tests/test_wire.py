@@ -1262,13 +1262,11 @@ def test_a_tls_close_cancelled_while_it_waits_for_the_goodbye_still_closes_the_s
             done.set()
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
-def test_no_file_descriptor_left_is_the_checkers_problem_not_the_servers(host: str) -> None:
-    # EMFILE from our own socket() read as the server's: `down`, and a restart if asked.
-    # By name, the resolver fails first, and says only "Name or service not known".
-    script = """
-import asyncio, resource
-from llmhealth import wire
+# A child process's start at its descriptor limit (after its own imports, which open
+# files): its resolver thread started, as a daemon's is, then every descriptor under a
+# limit of 64 taken and kept in ``held``.
+OUT_OF_DESCRIPTORS = """
+import asyncio, resource, socket
 loop = asyncio.new_event_loop()
 "warm".encode("idna")  # imported on first use: a file to open
 loop.run_until_complete(loop.getaddrinfo("127.0.0.1", 9))  # the resolver thread, as a daemon has
@@ -1279,6 +1277,27 @@ while True:
         held.append(open("/dev/null"))
     except OSError:
         break
+"""
+# ...and one of them freed as each lookup ends, as another connection closing would.
+FREED_AFTER_EACH_LOOKUP = """
+real = socket.getaddrinfo
+def getaddrinfo(*args, **kwargs):
+    try:
+        return real(*args, **kwargs)  # the resolver, out of descriptors
+    finally:
+        held.pop().close()  # another read's connection closed meanwhile
+socket.getaddrinfo = getaddrinfo
+"""
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_no_file_descriptor_left_is_the_checkers_problem_not_the_servers(host: str) -> None:
+    # EMFILE from our own socket() read as the server's: `down`, and a restart if asked.
+    # By name, the resolver fails first, and says only "Name or service not known".
+    script = (
+        "from llmhealth import wire\n"
+        + OUT_OF_DESCRIPTORS
+        + """
 async def read():
     connection = wire.Connection(None, "llmhealth/test")
     try:
@@ -1288,6 +1307,7 @@ async def read():
         print(error.failure.value, error.detail)
 loop.run_until_complete(read())
 """
+    )
     done = subprocess.run(
         [sys.executable, "-c", script.replace("HOST", host)],
         capture_output=True, text=True, timeout=60, check=True,
@@ -1299,26 +1319,11 @@ def test_a_name_not_found_for_want_of_descriptors_freed_since_is_looked_up_again
     # At the limit, another read's connection closed between the failed lookup and the
     # loop's asking whether it was short: the healthy server behind the name was `down`
     # ("Name or service not known"), as if its name did not resolve.
-    script = """
-import asyncio, resource, socket
-from llmhealth import wire
-loop = asyncio.new_event_loop()
-"warm".encode("idna")  # imported on first use: a file to open
-loop.run_until_complete(loop.getaddrinfo("127.0.0.1", 9))  # the resolver thread, as a daemon has
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-held = []
-while True:
-    try:
-        held.append(open("/dev/null"))
-    except OSError:
-        break
-real = socket.getaddrinfo
-def getaddrinfo(*args, **kwargs):
-    try:
-        return real(*args, **kwargs)  # the resolver, out of descriptors
-    finally:
-        held.pop().close()  # another read's connection closed meanwhile
-socket.getaddrinfo = getaddrinfo
+    script = (
+        "from llmhealth import wire\n"
+        + OUT_OF_DESCRIPTORS
+        + FREED_AFTER_EACH_LOOKUP
+        + """
 async def read():
     connection = wire.Connection(None, "llmhealth/test")
     try:
@@ -1329,6 +1334,7 @@ async def read():
         print(error.failure.value, error.detail)
 loop.run_until_complete(read())
 """
+    )
 
     def answer(connection: socket.socket, _number: int) -> None:
         read_request(connection)
