@@ -18,7 +18,6 @@ ends, and a read neither blocks nor takes more than its caller's bound.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
