@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from llmhealth.choice import Affinity
 from llmhealth.classify import Target
-from llmhealth.openfiles import read_regular_file
+from llmhealth.openfiles import lock_beside, read_regular_file
 from llmhealth.text import header_safe, openai_root, refuse_user_info, same_server, up_to_query
 from llmhealth.window import WedgeRules
 
@@ -496,8 +496,7 @@ def _names_one_of(path: Path, others: Sequence[Path]) -> bool:
 def _with_lock(state: Path) -> tuple[Path, Path, Path]:
     """The state file and its locks: beside the path given and beside the file it leads
     to (``StateFile.locked`` holds both when it is a link)."""
-    target = Path(os.path.realpath(state))
-    return state, state.with_name(state.name + ".lock"), target.with_name(target.name + ".lock")
+    return state, lock_beside(state), lock_beside(Path(os.path.realpath(state)))
 
 
 def check_audit_path(state: Path, audit: Path) -> None:

@@ -314,6 +314,12 @@ async def look_up(loop: asyncio.AbstractEventLoop, host: str, port: int) -> Sequ
     return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
+def lock_beside(target: Path) -> Path:
+    """The lock file of the state file ``target``: beside it, named after it (the state's
+    own lock, and ``config``'s checks that no other file llmhealth writes is one)."""
+    return target.with_name(target.name + ".lock")
+
+
 def short_of_descriptors(wanted: int = 1) -> bool:
     """Whether this process could not open ``wanted`` more files now."""
     opened: list[int] = []

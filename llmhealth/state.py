@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from llmhealth.ledger import SCHEMA as LEDGER_SCHEMA
 from llmhealth.openfiles import (
     LOCK_TIMEOUT,
+    lock_beside,
     lock_within,
     make_directories,
     open_within,
@@ -216,7 +217,7 @@ class StateFile:
         """Beside the file the state is (``_target``): beside a symbolic link, a run
         through the link and one through the file it names held two locks, and both
         wrote the one state."""
-        return _lock_beside(self._target())
+        return lock_beside(self._target())
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -240,8 +241,8 @@ class StateFile:
                 f"cannot read state {self.path}: {target} is not a regular file; "
                 "no lock made beside it"
             )
-        paths = [_lock_beside(target)]
-        beside_link = _lock_beside(self.path)
+        paths = [lock_beside(target)]
+        beside_link = lock_beside(self.path)
         if os.path.islink(self.path) and beside_link != paths[0]:  # not a link to itself
             paths.insert(0, beside_link)
         deadline = time.monotonic() + self.lock_timeout  # for both locks together
@@ -674,8 +675,3 @@ def _in_chunks(value: list[Any] | Rows[Any] | Mapping[str, Any], lead: bytes) ->
 
 
 _SORTED_JSON = json.JSONEncoder(sort_keys=True)  # json.dumps would build one a call
-
-
-def _lock_beside(target: Path) -> Path:
-    """The lock file of the state file ``target``: beside it, named after it."""
-    return target.with_name(target.name + ".lock")
