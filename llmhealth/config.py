@@ -404,9 +404,21 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+# A server's own endpoints, never a root: what a scrape job, an older health check, a
+# client or a curl line copied into a config names the server by.
+SERVER_ENDPOINTS: Final = (
+    "/metrics",
+    "/health",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+)
+
+
 def check_url(url: str) -> str:
     """A server's root (a backend's or a proxy's): a base URL (``check_base_url``) that is
-    not an OpenAI base URL nor a scrape target's address; ValueError otherwise."""
+    not an OpenAI base URL nor one of the server's own endpoints (``SERVER_ENDPOINTS``);
+    ValueError otherwise."""
     root = check_base_url(url)
     if (server := openai_root(root)) is not None:
         # An OpenAI base URL: read as a root it gives /v1/metrics, a 404 from a healthy
@@ -415,13 +427,15 @@ def check_url(url: str) -> str:
             f"{url!r} ends in /v1: give the server's root ({server}); "
             "llmhealth reads /metrics beside /v1"
         )
-    if root.endswith("/metrics"):
-        # The address a Prometheus scrape job names: read as a root it gives
-        # /metrics/metrics and /metrics/v1/models, 404s from a healthy server, judged
-        # no_metrics with its tiny request failed: CRITICAL, DEAD after three checks.
+    path = urlsplit(root).path  # a host named "health" is a root
+    if (endpoint := next(filter(path.endswith, SERVER_ENDPOINTS), None)) is not None:
+        # The address a Prometheus scrape job names, or an old health check's, or a
+        # request's: read as a root it gives /metrics/metrics, /health/v1/models and
+        # the like, 404s from a healthy server, judged no_metrics with its tiny request
+        # failed: CRITICAL, DEAD after three checks.
         raise ValueError(
-            f"{url!r} ends in /metrics: give the server's root "
-            f"({root.removesuffix('/metrics')}); llmhealth reads /metrics and /v1 below it"
+            f"{url!r} ends in {endpoint}: give the server's root "
+            f"({root.removesuffix(endpoint)}); llmhealth reads /metrics and /v1 below it"
         )
     return root
 

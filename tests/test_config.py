@@ -929,6 +929,30 @@ def test_a_metrics_url_is_refused_for_the_servers_root(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ends in /metrics"):
         check_url("http://a:8000/gpu0/metrics")  # a bare URL, or behind a path prefix
     assert check_url("http://a:8000/gpu0") == "http://a:8000/gpu0"  # a prefix is a root
+    assert check_url("http://metrics") == "http://metrics"  # a host so named too
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoint"),
+    [
+        ("http://a:8000/health", "/health"),  # the old health check's
+        ("http://a:8000/v1/models/", "/v1/models"),
+        ("https://a/gpu0/v1/chat/completions", "/v1/chat/completions"),
+        ("http://a:8000/v1/completions", "/v1/completions"),
+    ],
+)
+def test_a_servers_own_endpoint_is_refused_for_its_root(
+    tmp_path: Path, url: str, endpoint: str
+) -> None:
+    # Copied from an old health check or a client's curl line: read as a root, a healthy
+    # idle server answered /health/metrics and /health/v1/models with 404s, `no_metrics`
+    # with its tiny request failed, CRITICAL, DEAD after three checks.
+    path = write(tmp_path, f"[[backend]]\nurl = '{url}'\n[[proxy]]\nurl = 'http://lb:1'\n")
+    with pytest.raises(ConfigError, match=f"ends in {endpoint}: give the server's root"):
+        load(path)
+    with pytest.raises(ValueError, match=f"ends in {endpoint}"):
+        check_url(url)
+    assert check_url("http://health") == "http://health"  # a host so named is a root
 
 
 def test_two_names_that_are_one_text_in_two_unicode_forms_are_refused(tmp_path: Path) -> None:
