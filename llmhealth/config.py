@@ -732,7 +732,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:PORT`` for IPv6) as a host and a port; ValueError otherwise."""
     host, _, port = value.rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"{value!r} is not HOST:PORT")
     if not host.isprintable():
         # No host holds one, and a NUL passed `config check` to end `route` with a

@@ -572,6 +572,18 @@ def test_a_router_listen_address_with_a_control_character_is_refused(
         load(path)
 
 
+@pytest.mark.parametrize("port", ["\u00b2", "\u0661\u0662\u0663"])
+def test_a_listen_port_in_digits_other_than_ascii_is_refused_as_not_host_port(
+    tmp_path: Path, port: str
+) -> None:
+    """A superscript two passed str.isdigit and ended the load in int()'s own message
+    ("invalid literal for int() with base 10"); Arabic-Indic digits were taken as port
+    123, which no config or `ss` line shows."""
+    path = write(tmp_path, f'[router]\nlisten = "127.0.0.1:{port}"\n')
+    with pytest.raises(ConfigError, match=f"^{path}: router.listen: .* is not HOST:PORT"):
+        load(path)
+
+
 @pytest.mark.parametrize("workers", [4000, 10**9])
 def test_a_number_of_read_workers_no_machine_could_start_is_refused(
     tmp_path: Path, workers: int
