@@ -168,14 +168,7 @@ def check(
     steps between reads. Only a backend with nothing to do gets one tiny request.
     """
     # The cycle brings the HTTP client, the ledger and remediation: only a check needs them.
-    import signal  # noqa: PLC0415
-
-    from llmhealth.cycle import (  # noqa: PLC0415
-        run_cycle,
-        run_cycle_in_cluster,
-        state_path_for,
-        stop_signals_as_ctrl_c,
-    )
+    from llmhealth.cycle import run_cycle, run_cycle_in_cluster, state_path_for  # noqa: PLC0415
     from llmhealth.openfiles import raise_file_limit  # noqa: PLC0415
     from llmhealth.probe import ProbeSettings  # noqa: PLC0415
     from llmhealth.remediate import Mode  # noqa: PLC0415
@@ -194,19 +187,15 @@ def check(
     )
     mode = Mode.OFF if no_restart else Mode.DRY_RUN if dry_run else Mode.ACT
     raise_file_limit()  # a connection per backend, all at once
-    # A timer's stop, `timeout(1)` or a closed terminal, as Ctrl-C: a restart command
-    # under way is waited for and recorded.
-    with stop_signals_as_ctrl_c((signal.SIGTERM, signal.SIGHUP)):
-        if loaded.cluster is not None:
-            report = run_cycle_in_cluster(
-                loaded, loaded.cluster, targets, settings, mode=mode, log=_log_quoted
-            )
-        else:
-            # Bare URLs without --state or --config keep no state: a quick look changes
-            # nothing.
-            keeps_state = state is not None or config_file is not None
-            store = StateFile(state_path_for(loaded, state)) if keeps_state else None
-            report = run_cycle(loaded, targets, settings, store, mode=mode)
+    if loaded.cluster is not None:
+        report = run_cycle_in_cluster(
+            loaded, loaded.cluster, targets, settings, mode=mode, log=_log_quoted
+        )
+    else:
+        # Bare URLs without --state or --config keep no state: a quick look changes nothing.
+        keeps_state = state is not None or config_file is not None
+        store = StateFile(state_path_for(loaded, state)) if keeps_state else None
+        report = run_cycle(loaded, targets, settings, store, mode=mode)
     with output_may_fail(sys.stdout):  # the verdicts' exit code stands without a reader
         _print(report, output)
     from llmhealth.report import exit_code  # noqa: PLC0415

@@ -14,16 +14,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import (
-    Awaitable,
-    Callable,
-    Collection,
-    Coroutine,
-    Hashable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -814,38 +805,6 @@ def _hold_ctrl_c(*, pass_first: bool = False) -> Callable[[], object]:
             signal.signal(signal.SIGINT, held.before)
 
     return release
-
-
-def heard_as_ctrl_c(signum: int, frame: FrameType | None) -> None:
-    """A stop signal taken as a Ctrl-C, by whatever handles Ctrl-C now: inside
-    ``asyncio.run`` its handler cancels the main task where it waits, and a check's held
-    Ctrl-C (``_hold_ctrl_c``) holds this one off too. Raised where it landed instead, in a
-    task a gather started (one backend's read), the run's close raised it again from the
-    main task, and asyncio logged that task's exception as never retrieved. SIGINT
-    ignored (a background job of a script): raised here."""
-    ctrl_c = signal.getsignal(signal.SIGINT)
-    if not callable(ctrl_c):
-        raise KeyboardInterrupt(f"signal {signum}")
-    ctrl_c(signal.SIGINT, frame)
-
-
-@contextlib.contextmanager
-def stop_signals_as_ctrl_c(signums: Collection[int]) -> Iterator[None]:
-    """``signums`` (SIGTERM, SIGHUP) taken as Ctrl-C until the block ends. By default
-    either ended a check at once: a restart command it was running ran on unbounded and
-    unrecorded, its backend RESTARTING until the startup grace failed it as a tried
-    restart (`timeout 60 llmhealth check` from cron, a timer's unit stopped, a closed
-    terminal). A signal ignored (nohup's SIGHUP) stays ignored."""
-    before = {
-        signum: signal.signal(signum, heard_as_ctrl_c)
-        for signum in signums
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    }
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
 
 
 def _commands_unsettled(

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final, TypeVar
 
 import httpx
@@ -32,7 +33,7 @@ from rich.text import Text
 from llmhealth.actions import read
 from llmhealth.classify import Target, VerdictKind
 from llmhealth.config import Config, from_mapping
-from llmhealth.cycle import heard_as_ctrl_c, run_cycle, stop_signals_as_ctrl_c
+from llmhealth.cycle import run_cycle
 from llmhealth.daemon import Daemon
 from llmhealth.operate import read_record
 from llmhealth.probe import ProbeSettings
@@ -141,11 +142,29 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
 _STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _terminate_as_interrupt() -> contextlib.AbstractContextManager[None]:
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """Taken as a Ctrl-C, by whatever handles Ctrl-C now: inside ``asyncio.run`` its
+    handler cancels the main task where it waits. Raised where it landed instead, in a
+    task a gather started (one backend's read), the run's close raised it again from the
+    main task, and asyncio logged that task's exception as never retrieved: a traceback
+    on the demo's stderr. SIGINT ignored (a background job of a script): raised here."""
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    if not callable(ctrl_c):
+        raise KeyboardInterrupt(f"signal {signum}")
+    ctrl_c(signal.SIGINT, frame)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind the demo as Ctrl-C does, so every simulator, daemon and
     etcd it started is stopped on the way out; before, either ended it at once and left
     them."""
-    return stop_signals_as_ctrl_c(_STOPPING)
+    before = {signum: signal.signal(signum, _interrupted) for signum in _STOPPING}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 class _DemoDaemon(Daemon):
@@ -169,7 +188,7 @@ def _run(main: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run(main)
     finally:
         for signum in _STOPPING:
-            signal.signal(signum, heard_as_ctrl_c)
+            signal.signal(signum, _interrupted)
 
 
 def _stopped_early(daemon: asyncio.Task[int], demo_daemon: _DemoDaemon) -> None:

@@ -2006,20 +2006,3 @@ def test_a_restart_command_a_freed_thread_took_before_the_check_gave_it_up_is_he
     ran = marker.exists()
     assert note.ok is ran, (ran, note)
     assert saved(store.path)["gpu0"]["state"] == ("restarting" if ran else "dead")
-
-
-def test_stop_signals_taken_as_ctrl_c_leave_an_ignored_one_ignored_and_put_back_the_rest() -> None:
-    """`nohup llmhealth check` ignores SIGHUP: taken as Ctrl-C, a closed terminal would
-    have interrupted the check nohup was asked to keep running."""
-    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    term = signal.getsignal(signal.SIGTERM)
-    try:
-        with cycle_module.stop_signals_as_ctrl_c((signal.SIGTERM, signal.SIGHUP)):
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is cycle_module.heard_as_ctrl_c
-            with pytest.raises(KeyboardInterrupt):
-                signal.raise_signal(signal.SIGTERM)  # SIGINT's default handler raises
-        assert signal.getsignal(signal.SIGTERM) == term
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGHUP, before)
