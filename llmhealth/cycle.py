@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from llmhealth.actions import Audit, AuditError, AuditLog, CommandResult, run_command
 from llmhealth.classify import Outcome, Target, Verdict, VerdictKind
@@ -576,13 +576,37 @@ async def run_cycle_async(
     )
     if not settled.orders:
         return settled.report
+    assert store is not None  # orders come only from a settle that saved them
+    stops = _Stops()
+    try:
+        return await _run_orders(config, targets, store, audit, clock, kept, settled, stops)
+    finally:
+        stops.release()  # a stop that came ends the check here, its commands recorded
+
+
+async def _run_orders(
+    config: Config,
+    targets: list[Target],
+    store: Store,
+    audit: Audit | None,
+    clock: Clock,
+    kept: Kept,
+    settled: Settled,
+    stops: _Stops,
+) -> CycleReport:
+    """A check's restart commands, run one after another, and the settle that records
+    how they went; the check's report with their outcomes."""
     done: list[CommandDone] = []
     first, interrupted = settled.report, False
     held = contextlib.ExitStack()  # Ctrl-C held off, once it came, until it is recorded
     this = asyncio.current_task()
     why = "the check was interrupted (Ctrl-C) before it ran"
     for index, order in enumerate(settled.orders):
-        assert store is not None  # orders come only from a settle that saved them
+        if stops.came is not None:
+            # Stopped while an earlier command ran: no more commands, as for a Ctrl-C.
+            stopped = f"the check was stopped ({stops.came.name}) before it ran"
+            done += [not_run(later, stopped, withdrawn=True) for later in settled.orders[index:]]
+            break
         # An operator's verb saved while an earlier command ran (outside the lock, which
         # it must not hold up): a hold or a retire since the settle stops this one.
         dropped = withdrawn_now(store, config, order, clock()) if done else None
@@ -757,6 +781,45 @@ def command_changed(config: Config, order: RestartOrder) -> str | None:
     if configured != order.argv:
         return f"{order.name}'s restart command was changed by a reload since it was issued"
     return None
+
+
+# Signals whose default ends a check at once: `timeout` around it, a oneshot unit stopped,
+# a Kubernetes CronJob's deadline, the terminal of an ssh session closed.
+_STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
+
+
+class _Stops:
+    """SIGTERM and SIGHUP held off while a check's restart commands run and the settle
+    that records them does, then let through (``release``): the check ends as it would
+    have, once what it started is on record. Each ended the check at once: its command
+    ran on in its own session with nobody to hear it, its exit code and output in no
+    audit line, its backend RESTARTING until the startup grace (15 min) failed it, a
+    command that had failed at once included.
+
+    Only where the signal would end the process (its default handler, in the main
+    thread): one the caller handles or ignores (``nohup``) is left as it is."""
+
+    def __init__(self) -> None:
+        self.came: signal.Signals | None = None
+        self._put_aside: dict[
+            signal.Signals, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+        ] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _STOPPING:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                self._put_aside[signum] = signal.signal(signum, self._came)
+
+    def _came(self, signum: int, _frame: FrameType | None) -> None:
+        if self.came is None:
+            self.came = signal.Signals(signum)
+
+    def release(self) -> None:
+        """Each handler put back; the first stop that came, if one did, delivered now."""
+        for signum, before in self._put_aside.items():
+            signal.signal(signum, before)
+        if self.came is not None:
+            signal.raise_signal(self.came)
 
 
 @dataclass(eq=False)

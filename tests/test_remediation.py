@@ -1086,6 +1086,70 @@ def test_a_second_ctrl_c_while_the_record_waits_for_the_state_lock_keeps_it(
     assert check.returncode == 130
 
 
+@pytest.mark.slow  # a check and its command each time: 4 s a case
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_check_stopped_during_its_restart_command_records_how_it_went_then_ends(
+    entry_point: str, fleet: Fleet, tmp_path: Path, signum: signal.Signals
+) -> None:
+    """`timeout 10m llmhealth check` from cron, a oneshot unit stopped, a CronJob's
+    deadline, an ssh session closed: the check died at once, its command ran on in its
+    own session with nobody to hear it, its exit code and stderr in no audit line, and
+    its backend RESTARTING until the startup grace (15 min) failed it, a command that
+    had failed at once included. Held off until the outcome is recorded, the signal
+    still ends the check, as it would have."""
+    setup, check, started = check_running_a_failing_command(entry_point, fleet, tmp_path)
+    try:
+        command_started(check, started)
+        check.send_signal(signum)
+        out, err = check.communicate(timeout=60)
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+    commands = [r for r in setup.audit() if r["event"] == "restart_command"]
+    assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
+    assert setup.saved("gpu0")["state"] == "dead"  # failed now, not after its grace
+    assert check.returncode == -signum  # still ended by the signal it was sent
+
+
+@pytest.mark.slow
+def test_a_check_stopped_during_one_restart_command_runs_no_further_one(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """The orders after the command a SIGTERM came during are not run, and are heard as
+    not run (no attempt spent), as after a Ctrl-C."""
+    gpu0, gpu1 = fleet.start("gpu0", WEDGE), fleet.start("gpu1", WEDGE)
+    started, marker = tmp_path / "gpu0-command-started", tmp_path / "gpu1-restarted"
+    setup = configure(
+        entry_point,
+        tmp_path,
+        [
+            ("gpu0", gpu0.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)]),
+            ("gpu1", gpu1.url, [sys.executable, "-c", TOUCH, str(marker)]),
+        ],
+        max_concurrent_restarts=2,
+    )
+    until_frozen(gpu0, gpu1)
+    check = check_in_background(entry_point, setup)
+    try:
+        command_started(check, started)
+        check.send_signal(signal.SIGTERM)
+        check.communicate(timeout=60)
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+    assert check.returncode == -signal.SIGTERM
+    assert not marker.exists()  # gpu1's command was not run
+    heard = {r["backend"]: r for r in setup.audit() if r["event"] == COMMAND}
+    assert heard["gpu0"]["command"]["exit_code"] == 7
+    assert heard["gpu1"]["command"]["stderr"] == (
+        "not run: the check was stopped (SIGTERM) before it ran"
+    )
+    assert setup.saved("gpu1")["state"] == "dead"
+    assert setup.saved("gpu1")["restart_times"] == []  # no command ran: no attempt spent
+
+
 # Runs an operator's verb (the rest of its argv), as one typed while a check's command runs.
 VERB = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
 
