@@ -32,6 +32,7 @@ from llmhealth.openfiles import (
     make_directories,
     open_within,
     trusted_target,
+    unlock_and_close,
 )
 from llmhealth.text import printable
 
@@ -492,7 +493,7 @@ class AuditLog:
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot write the audit log: {_why(exc)}") from exc
         finally:
-            os.close(fd)  # also releases the lock
+            unlock_and_close(fd)
 
     def _lock(self, fd: int, kept: str, seconds: float) -> None:
         """Take the log's exclusive lock within ``seconds`` (what the open left of

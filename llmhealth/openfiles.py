@@ -404,6 +404,16 @@ def lock_within(descriptor: int, seconds: float) -> bool:
         time.sleep(_LOCK_POLL)
 
 
+def unlock_and_close(descriptor: int) -> None:
+    """Give up ``descriptor``'s flock, then close it. The close alone gives it up only once
+    every descriptor of that open file is closed: a process forked while it was held (a
+    trainer's data-loader workers, beside a thread running ``llmhealth.check``) keeps a
+    copy, and the lock stayed held for that process's whole life, every run after refused."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
+    os.close(descriptor)
+
+
 def open_within(path: Path, flags: int, mode: int, seconds: float) -> int:
     """``os.open(path, flags | O_NONBLOCK, mode)``, tried again for at most ``seconds``
     while it would block. An open for writing waits for a file lease (fcntl F_SETLEASE)

@@ -33,6 +33,7 @@ from llmhealth.openfiles import (
     open_within,
     read_regular_file,
     trusted_target,
+    unlock_and_close,
 )
 from llmhealth.rows import Rows, Table
 from llmhealth.text import printable
@@ -288,7 +289,7 @@ class StateFile:
                 with contextlib.suppress(OSError):
                     os.ftruncate(descriptor, 0)
         finally:
-            os.close(descriptor)  # closing releases the flock
+            unlock_and_close(descriptor)
 
     def _acquire(self, descriptor: int, lock_path: Path, seconds: float) -> None:
         try:

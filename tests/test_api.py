@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,6 +149,62 @@ def test_check_async_does_not_wait_for_an_audit_log_another_process_holds(
             llmhealth.AuditError, match=r"locked by another process.*gave up after 0 s"
         ):
             asyncio.run(llmhealth.check_async(["http://127.0.0.1:9"], state=state, **FAST))
+
+
+# Forks in a fresh interpreter of its own: pytest's has threads of its own.
+_FORK_WHILE_A_THREAD_CHECKS = """
+import asyncio, os, socket, sys, threading, time
+import llmhealth
+state = sys.argv[1]
+silent = socket.socket()  # accepts (the backlog does) and never answers
+silent.bind(("127.0.0.1", 0))
+silent.listen()
+url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+quick = {"wait": 0.2, "timeout": 2.0, "answer_timeout": 2.0}
+checking = threading.Thread(target=llmhealth.check, args=([url],), kwargs={"state": state, **quick})
+checking.start()
+note = f"{os.getpid()}\\n"
+while True:  # until the check holds the state's lock: its note names this process
+    try:
+        with open(state + ".lock") as lock:
+            if lock.read() == note:
+                break
+    except FileNotFoundError:
+        pass
+    time.sleep(0.01)
+worker_r, worker_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a data-loader worker: lives on, and touches nothing of the check
+    os.close(worker_w)
+    os.read(worker_r, 1)
+    os._exit(0)
+os.close(worker_r)
+checking.join()
+try:
+    asyncio.run(llmhealth.check_async([url], state=state, **{**quick, "timeout": 0.2}))
+    print("free")
+except llmhealth.StateLockedError as exc:
+    print("held:", exc)
+os.close(worker_w)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_process_forked_while_a_thread_checks_does_not_keep_the_state_locked(
+    tmp_path: Path,
+) -> None:
+    """A trainer's data-loader workers fork while a thread of the trainer runs
+    ``llmhealth.check``: each kept a copy of the lock's descriptor, and closing its own
+    let go of nothing while a copy stayed open, so the state stayed locked for the
+    workers' whole life and every check after it was refused."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_A_THREAD_CHECKS, str(tmp_path / "state.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.stdout.strip() == "free", done.stdout + done.stderr
 
 
 def test_what_a_check_raises_is_importable_from_the_package(tmp_path: Path) -> None:
