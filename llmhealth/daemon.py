@@ -111,7 +111,7 @@ from llmhealth.state import (
     StateLockedError,
     Store,
 )
-from llmhealth.text import other_server, printable, same_server
+from llmhealth.text import other_server, printable, same_server, url_host
 from llmhealth.traffic import RequestOutcome
 from llmhealth.window import LongestStep, longer
 
@@ -383,14 +383,14 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._ask_reload)
         server = None
         if self._listen is not None:
+            host, port = self._listen
             try:
-                server, _ = serve(self._collector, *self._listen)
+                server, _ = serve(self._collector, host, port)
             except OSError as exc:
-                host, port = self._listen
                 raise config_module.ConfigError(
                     f"--listen {host}:{port}: cannot serve metrics there: {exc.strerror or exc}"
                 ) from exc
-            self._log(f"metrics on http://{self._listen[0]}:{self._listen[1]}/metrics")
+            self._log(f"metrics on http://{url_host(host)}:{port}/metrics")
         if self._seat is not None:
             self._seat.elector.start()
         try:
@@ -442,7 +442,7 @@ class Daemon:
                 f"--listen {host}:{port}: cannot route there: {exc.strerror or exc}"
             ) from exc
         self._push_router()  # the saved ledger's serving set, until the first settle
-        self._log(f"routing on http://{host}:{port}")
+        self._log(f"routing on http://{url_host(host)}:{port}")
 
     def _push_router(self) -> None:
         """Hand the router the serving set, each backend with the models it serves."""

@@ -126,3 +126,13 @@ def dialable(host: str) -> str:
     if not escaped or ":" not in address:
         return host
     return f"{address}%{_PERCENT.sub(lambda code: chr(int(code[1], 16)), zone)}"
+
+
+def url_host(host: str) -> str:
+    """A listen address's host as a URL writes it, ``dialable`` undone: an IPv6 address in
+    brackets, its zone's '%' written "%25" (RFC 6874). Written bare, `watch --listen
+    [::1]:9464` logged "metrics on http://::1:9464/metrics", a URL no client takes."""
+    if ":" not in host:
+        return host
+    address, percent, zone = host.partition("%")
+    return f"[{address}%25{zone}]" if percent else f"[{address}]"

@@ -4669,3 +4669,35 @@ def test_a_route_reload_that_changes_the_wait_has_the_router_say_the_new_one(
             await router.close()
 
     assert asyncio.run(scenario()) == ["600", "5"]
+
+
+def test_the_metrics_address_watch_logs_on_ipv6_is_a_url_that_answers(entry_point: str) -> None:
+    """`watch --listen [::1]:PORT` logged "metrics on http://::1:PORT/metrics", which no
+    client takes as a URL: an operator's curl of it failed, though the page was served."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe_socket:
+            probe_socket.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = free_port_block(1)
+    environment = child_env()
+    environment.pop("NOTIFY_SOCKET", None)
+    process = subprocess.Popen(
+        [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT), "--listen", f"[::1]:{port}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=environment,
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline().decode()
+        assert line.startswith("metrics on "), line
+        url = line.removeprefix("metrics on ").strip()
+        assert url == f"http://[::1]:{port}/metrics"
+        assert httpx.get(url, timeout=5.0, trust_env=False).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(STOP_BOUND)
+        assert process.stderr is not None
+        process.stderr.close()

@@ -16,6 +16,7 @@ from llmhealth.text import (
     printable,
     refuse_user_info,
     same_server,
+    url_host,
 )
 
 
@@ -144,6 +145,20 @@ def test_other_server_takes_a_url_written_another_way_for_the_same_server() -> N
 )
 def test_an_ipv6_zone_is_dialled_as_the_resolver_writes_it(host: str, dialled: str) -> None:
     assert dialable(host) == dialled
+
+
+@pytest.mark.parametrize(
+    ("host", "written"),
+    [
+        ("::1", "[::1]"),
+        ("fe80::1%eth0", "[fe80::1%25eth0]"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("gpu0.example", "gpu0.example"),
+    ],
+)
+def test_a_listen_host_is_written_in_a_url_as_a_client_reads_it(host: str, written: str) -> None:
+    assert url_host(host) == written
+    assert dialable(written.strip("[]")) == host  # the resolver is given it back as it was
 
 
 def test_a_nagios_line_shows_a_pipe_as_a_broken_bar_so_the_message_is_not_cut() -> None:
