@@ -299,7 +299,11 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
     duplicates = sorted(name for name, count in named.items() if count > 1)
     if duplicates:
         raise ConfigError(f"{where}: name used twice: {', '.join(duplicates)}")
-    _refuse_shared_urls(where, [(f"backend[{i}]", b.url) for i, b in enumerate(backends)])
+    _refuse_shared_urls(
+        where,
+        [(f"backend[{i}]", b.url) for i, b in enumerate(backends)],
+        [(f"proxy[{i}]", p.url) for i, p in enumerate(proxies)],
+    )
     state = _path(reader, data, "state", base)
     audit_log = _path(reader, data, "audit_log", base)
     if state is not None and audit_log is not None:
@@ -567,16 +571,28 @@ def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None)
     return str(path)
 
 
-def _refuse_shared_urls(where: str, located: Sequence[tuple[str, str]]) -> None:
+def _refuse_shared_urls(
+    where: str, backends: Sequence[tuple[str, str]], proxies: Sequence[tuple[str, str]]
+) -> None:
     """Two backends at one URL are one server counted twice, and the ledger, which knows
-    a backend by its URL too, refuses them (a proxy is not in the ledger)."""
+    a backend by its URL too, refuses them. A backend at a proxy's URL is that proxy's
+    pool read as one server: each read's /metrics from whichever server the proxy chose,
+    its verdicts about none of them, and its restart command run on that evidence, a
+    restart through a proxy. Two proxies at one URL are left alone: no ledger, no
+    command."""
     first: dict[str, str] = {}
-    for key, url in located:
+    for key, url in backends:
         if same_server(url) in first:
             raise ConfigError(
                 f"{where}: {first[same_server(url)]} and {key} have the same URL {url!r}"
             )
         first[same_server(url)] = key
+    for key, url in proxies:
+        if same_server(url) in first:
+            raise ConfigError(
+                f"{where}: {first[same_server(url)]} and {key} have the same URL {url!r}: "
+                "a server is either a backend or a proxy in front of backends"
+            )
 
 
 def _policy(reader: _Reader, data: object) -> Policy:
@@ -1132,4 +1148,12 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
     if len(set(urls)) != len(urls):
         twice = sorted({url for url in urls if urls.count(url) > 1})
         raise BadTargetError(f"the same URL is given twice: {', '.join(twice)}", "URL")
+    fronted = sorted({same_server(t.url) for t in targets if t.kind == "proxy"}.intersection(urls))
+    if fronted:
+        # As in a config (``_refuse_shared_urls``): a backend read through a proxy.
+        raise BadTargetError(
+            f"{', '.join(fronted)} is given as a backend and as a proxy: a server is "
+            "either a backend or a proxy in front of backends",
+            "--proxy",
+        )
     return targets

@@ -122,12 +122,13 @@ def test_a_proxy_down_is_critical() -> None:
 
 def test_a_config_file_names_backends_and_proxies(httpserver: HTTPServer, tmp_path: Path) -> None:
     url = serve_idle(httpserver)
+    httpserver.expect_request("/lb/v1/models").respond_with_json(MODELS)  # another server
     config = tmp_path / "fleet.toml"
     # A state of its own: without one, run as root, it wrote the machine's own
     # /var/lib/llmhealth/state.json (and audit log) at every run of the suite.
     config.write_text(
         f'wait = "1s"\nstate = "{tmp_path / "state.json"}"\n[[backend]]\nname = "gpu0"\n'
-        f'url = "{url}"\n[[proxy]]\nname = "lb"\nurl = "{url}"\n'
+        f'url = "{url}"\n[[proxy]]\nname = "lb"\nurl = "{url}/lb"\n'
     )
     result = runner.invoke(app, ["check", "--config", str(config), "--format", "json"])
     assert result.exit_code == 0, result.output
@@ -332,6 +333,16 @@ def test_a_bare_url_of_a_configured_backend_is_refused_not_a_crash(
     assert result.returncode == 3
     assert "the same URL is given twice: http://127.0.0.1:9" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_proxy_at_a_backends_url_is_refused(entry_point: str, tmp_path: Path) -> None:
+    # The proxy's pool was read as one backend: each read's /metrics from whichever server
+    # it chose, and the backend's restart command run on that evidence.
+    config = tmp_path / "fleet.toml"
+    config.write_text('[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "check", "--config", str(config), "--proxy", "http://127.0.0.1:9/")
+    assert result.returncode == 3
+    assert "http://127.0.0.1:9 is given as a backend and as a proxy" in result.stderr
 
 
 def test_a_state_path_that_is_the_configured_audit_log_is_refused(

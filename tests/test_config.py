@@ -156,6 +156,10 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "[[backend]]\nurl = 'http://a:018100'\n[[backend]]\nname = 'b'\nurl = 'http://a:18100'",
             "backend[0] and backend[1] have the same URL",
         ),
+        (  # a proxy's pool read as one backend, its restart command run on that
+            "[[backend]]\nurl = 'http://a:1'\n[[proxy]]\nurl = 'HTTP://A:1/'",
+            "backend[0] and proxy[0] have the same URL 'HTTP://A:1': a server is either",
+        ),
         ("[router]\nlisten = 'nowhere'", "router.listen: 'nowhere' is not HOST:PORT"),
         ("[router]\naffinity = 'cookie:x'", "router.affinity: 'cookie:x' is not an affinity"),
         ("[router]\naffinity = 'header:X Session'", "router.affinity: 'header:X Session'"),

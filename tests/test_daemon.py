@@ -391,7 +391,7 @@ def test_the_metrics_page_shows_each_backend_its_verdict_state_errors_and_the_fl
                 {"name": "mute", "url": urls.unanswered},
                 {"name": "gone", "url": REFUSED_URL},
             ],
-            proxies=[{"name": "lb", "url": urls.busy}],
+            proxies=[{"name": "lb", "url": urls.busy2}],
         ),
     )
     names = ["busy", "idle", "mute", "gone"]
