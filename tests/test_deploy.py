@@ -361,6 +361,19 @@ def test_the_check_service_outlasts_a_check_that_proves_a_wedge_and_restarts_it(
     assert _seconds(unit["Service.TimeoutStartSec"][-1]) > worst + 2 * DEFAULT_WAIT
 
 
+def test_the_check_service_lets_a_stopped_check_record_the_command_it_runs() -> None:
+    """Stopped (`systemctl stop`, a shutdown, TimeoutStartSec passed), `check` holds the
+    SIGTERM off while its restart command runs and is recorded, a lock wait at most. The
+    unit had systemd's default TimeoutStopSec, 90 s, less than restart_timeout: the check
+    was SIGKILLed, and the command with it (KillMode=mixed), the restart unrecorded and its
+    backend RESTARTING until the startup grace failed it."""
+    command = Policy().restart_timeout + KILL_GRACE
+    lock_wait = StateFile("unused").lock_timeout
+    unit = _unit_settings("llmhealth-check.service")
+    assert "Service.TimeoutStopSec" in unit, "systemd's default, 90 s, is too short"
+    assert _seconds(unit["Service.TimeoutStopSec"][-1]) > command + lock_wait
+
+
 def test_the_timer_fires_every_minute() -> None:
     (spec,) = _unit_settings("llmhealth-check.timer")["Timer.OnCalendar"]
     status, output = _run(
