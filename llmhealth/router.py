@@ -85,6 +85,12 @@ MAX_METHOD: Final = 32  # characters of a request's method an outcome keeps (``_
 # escaped, and came back escaped twice in the 503: 58 MB answered to a 16 MiB request.
 MAX_MODEL: Final = 64 * 1024
 SHOWN_MODEL: Final = 200  # characters of it an answer repeats
+# Bytes of a whole answer (the router's own, or a short one relayed) written under one
+# ``client_timeout``, as a stream's pieces are (``upstream.READ_SIZE``): that bound is for
+# a client that takes no data. Written in one piece, a /metrics page of megabytes went to
+# a scraper reading it steadily, but slower than the page per ``client_timeout``, cut off
+# with a reset (24 MB at 10,000 backends: 400 KB/s at the default minute).
+WHOLE_PIECE: Final = 64 * 1024
 # File descriptors kept out of the client connections' share: the daemon's probe
 # connections (one per backend), the state file, the audit log, the event loop, stdio.
 RESERVED_FILES: Final = 64
@@ -573,8 +579,7 @@ class Router:
         if answer is None:
             return  # relayed from a backend
         try:
-            with self._deadlines.within(self._settings.client_timeout):
-                await request.answer(answer.status, answer.headers, answer.body)
+            await self._answer_whole(request, answer.status, answer.headers, answer.body)
         except (TimeoutError, ConnectionError):
             request.abort()  # a client that takes no answer is dropped, as below
 
@@ -725,10 +730,9 @@ class Router:
             # wait_for costs a task per call, asyncio.timeout a loop timer, and this path
             # runs for every chunk of every response.
             if whole is not None:
-                # The whole body came with the headers (a short answer): relayed in one
-                # send, headers and body together, without the read loop's waits.
-                with self._deadlines.within(self._settings.client_timeout):
-                    await request.answer(status, headers, whole, upstream.reason)
+                # The whole body came with the headers (a short answer): relayed without
+                # the read loop's waits, in one send with the headers up to WHOLE_PIECE.
+                await self._answer_whole(request, status, headers, whole, upstream.reason)
                 self._record_success(name, origin, request, status)
                 return True
             with self._deadlines.within(self._settings.client_timeout):
@@ -781,6 +785,28 @@ class Router:
         if watch is None or not watch.seen:
             self._record_success(name, origin, request, status)
         return True
+
+    async def _answer_whole(
+        self, request: Request, status: int, headers: Fields, body: bytes, reason: str = ""
+    ) -> None:
+        """A whole answer: a short one in one write with its head; a longer one framed by
+        its length and written in pieces of ``WHOLE_PIECE``, each bounded by
+        ``client_timeout`` on its own, so that only a client that stops taking data is
+        dropped (``TimeoutError``), never one taking a large answer slowly."""
+        client_timeout = self._settings.client_timeout
+        if len(body) <= WHOLE_PIECE:
+            with self._deadlines.within(client_timeout):
+                await request.answer(status, headers, body, reason)
+            return
+        if "content-length" not in headers:
+            headers.add("Content-Length", str(len(body)))  # as ``answer`` gives it
+        with self._deadlines.within(client_timeout):
+            await request.start(status, headers, reason)
+        for at in range(0, len(body), WHOLE_PIECE):
+            with self._deadlines.within(client_timeout):
+                await request.write(body[at : at + WHOLE_PIECE])
+        with self._deadlines.within(client_timeout):
+            await request.end()
 
     async def _metrics_page(self) -> bytes:
         """The ``/metrics`` page, rendered in a thread beside the loop, one render at a
