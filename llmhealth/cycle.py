@@ -14,7 +14,16 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Hashable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -479,11 +488,14 @@ def run_cycle_in_cluster(
         seat.elector.stop()
         return run_cycle(config, targets, standby, seat.reader, mode=Mode.OFF, notes=[note])
     seat.elector.start()  # keeps the lease renewed while the reads take their waits
-    try:
-        # Its audit records go to etcd with the state, as the daemons' do.
-        return run_cycle(config, targets, settings, seat.store, mode=mode, audit=seat.store.audit)
-    finally:
-        seat.elector.stop()  # resigns: the daemons' next round elects one of them
+    with _stops_delivered_after():  # a stop its commands held off ends it once resigned
+        try:
+            # Its audit records go to etcd with the state, as the daemons' do.
+            return run_cycle(
+                config, targets, settings, seat.store, mode=mode, audit=seat.store.audit
+            )
+        finally:
+            seat.elector.stop()  # resigns: the daemons' next round elects one of them
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -815,11 +827,40 @@ class _Stops:
             self.came = signal.Signals(signum)
 
     def release(self) -> None:
-        """Each handler put back; the first stop that came, if one did, delivered now."""
+        """Each handler put back; the first stop that came, if one did, delivered now, or
+        where ``_stops_delivered_after`` ends if the check is inside one."""
         for signum, before in self._put_aside.items():
             signal.signal(signum, before)
-        if self.came is not None:
+        if self.came is None:
+            return
+        if _DELIVERED_AFTER:  # came only in the main thread, the one these are taken in
+            _DELIVERED_AFTER[-1].append(self.came)
+        else:
             signal.raise_signal(self.came)
+
+
+# The main thread's places a held stop is delivered at instead (``_stops_delivered_after``),
+# the latest last.
+_DELIVERED_AFTER: list[list[signal.Signals]] = []
+
+
+@contextlib.contextmanager
+def _stops_delivered_after() -> Iterator[None]:
+    """A stop a check's commands held off (``_Stops``) delivered as this ends, not as the
+    check's cycle does: a cluster's check gives its lead back first. Delivered at the
+    cycle's end, the stop ended the check before its resign, and its leader key kept
+    every daemon from leading for a whole lease."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[signal.Signals] = []
+    _DELIVERED_AFTER.append(came)
+    try:
+        yield
+    finally:
+        _DELIVERED_AFTER.pop()  # taken and let go in order: one thread, one with each
+        if came:
+            signal.raise_signal(came[0])
 
 
 @dataclass(eq=False)

@@ -994,11 +994,11 @@ def check_in_background(entry_point: str, setup: Setup) -> subprocess.Popen[str]
     )
 
 
-def check_running_a_failing_command(
+def wedged_with_a_failing_command(
     entry_point: str, fleet: Fleet, tmp_path: Path
-) -> tuple[Setup, subprocess.Popen[str], Path]:
-    """A `check` in the background that condemns a wedged backend and runs its restart
-    command (3 s, then exit 7), and the file the command writes its pid to."""
+) -> tuple[Setup, Server, Path]:
+    """A wedging backend configured with a restart command (3 s, then exit 7), and the
+    file the command writes its pid to."""
     gpu = fleet.start("gpu0", WEDGE)
     started = tmp_path / "command-started"
     setup = configure(
@@ -1006,6 +1006,16 @@ def check_running_a_failing_command(
         tmp_path,
         [("gpu0", gpu.url, [sys.executable, "-c", INTERRUPTIBLE, str(started)])],
     )
+    return setup, gpu, started
+
+
+def check_running_a_failing_command(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> tuple[Setup, subprocess.Popen[str], Path]:
+    """A `check` in the background that condemns a wedged backend and runs its restart
+    command (``wedged_with_a_failing_command``), and the file the command writes its pid
+    to."""
+    setup, gpu, started = wedged_with_a_failing_command(entry_point, fleet, tmp_path)
     until_frozen(gpu)
     return setup, check_in_background(entry_point, setup), started
 
@@ -1020,6 +1030,26 @@ def command_started(check: subprocess.Popen[str], started: Path) -> Path:
     return Path(f"/proc/{started.read_text()}")
 
 
+def signalled(
+    check: subprocess.Popen[str], started: Path, signals: Sequence[int]
+) -> tuple[str, str]:
+    """``signals`` sent to ``check`` while its restart command runs, half a second apart,
+    each handled apart (not coalesced with the one before); its stdout and stderr once it
+    has exited. Killed if it does not exit in time."""
+    try:
+        command = command_started(check, started)
+        for sent, signum in enumerate(signals):
+            if sent:
+                time.sleep(0.5)
+                assert command.exists(), "the command ended before this signal"
+            check.send_signal(signum)
+        return check.communicate(timeout=60)
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait(10)
+
+
 @pytest.mark.slow  # a check and its command each time: 4 s a case
 @pytest.mark.parametrize("presses", [1, 2, 3], ids=["once", "twice", "three times"])
 def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
@@ -1032,18 +1062,7 @@ def test_ctrl_c_during_a_checks_restart_command_still_records_how_it_went(
     it again: asyncio.run's close then cancelled the thread's task and lost it again, and
     a third press abandoned the task ("Task was destroyed but it is pending!")."""
     setup, check, started = check_running_a_failing_command(entry_point, fleet, tmp_path)
-    try:
-        command = command_started(check, started)
-        for press in range(presses):
-            if press:
-                time.sleep(0.5)  # handled apart, not coalesced with the one before
-                assert command.exists(), "the command ended before this Ctrl-C"
-            check.send_signal(signal.SIGINT)  # Ctrl-C
-        out, err = check.communicate(timeout=60)
-    finally:
-        if check.poll() is None:
-            check.kill()
-            check.wait(10)
+    out, err = signalled(check, started, [signal.SIGINT] * presses)  # Ctrl-C
     commands = [r for r in setup.audit() if r["event"] == "restart_command"]
     assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
     assert check.returncode == 130  # still an interrupted run
@@ -1098,14 +1117,7 @@ def test_a_check_stopped_during_its_restart_command_records_how_it_went_then_end
     had failed at once included. Held off until the outcome is recorded, the signal
     still ends the check, as it would have."""
     setup, check, started = check_running_a_failing_command(entry_point, fleet, tmp_path)
-    try:
-        command_started(check, started)
-        check.send_signal(signum)
-        out, err = check.communicate(timeout=60)
-    finally:
-        if check.poll() is None:
-            check.kill()
-            check.wait(10)
+    out, err = signalled(check, started, [signum])
     commands = [r for r in setup.audit() if r["event"] == "restart_command"]
     assert [c["command"]["exit_code"] for c in commands] == [7], (setup.audit(), out, err)
     assert setup.saved("gpu0")["state"] == "dead"  # failed now, not after its grace
@@ -1131,14 +1143,7 @@ def test_a_check_stopped_during_one_restart_command_runs_no_further_one(
     )
     until_frozen(gpu0, gpu1)
     check = check_in_background(entry_point, setup)
-    try:
-        command_started(check, started)
-        check.send_signal(signal.SIGTERM)
-        check.communicate(timeout=60)
-    finally:
-        if check.poll() is None:
-            check.kill()
-            check.wait(10)
+    signalled(check, started, [signal.SIGTERM])
     assert check.returncode == -signal.SIGTERM
     assert not marker.exists()  # gpu1's command was not run
     heard = {r["backend"]: r for r in setup.audit() if r["event"] == COMMAND}
@@ -1148,6 +1153,41 @@ def test_a_check_stopped_during_one_restart_command_runs_no_further_one(
     )
     assert setup.saved("gpu1")["state"] == "dead"
     assert setup.saved("gpu1")["restart_times"] == []  # no command ran: no attempt spent
+
+
+@pytest.mark.slow  # an etcd, a check and its command
+def test_a_cluster_check_stopped_during_its_restart_command_gives_the_lead_back(
+    entry_point: str, fleet: Fleet, tmp_path: Path
+) -> None:
+    """A cluster's check from cron stopped (SIGTERM) while it ran a restart command: its
+    outcome went to etcd, and then the stop ended the check inside the cycle, before the
+    resign that follows it: its leader key stayed on its lease, and no daemon could
+    lead for a whole lease (10 s by default) after the check was gone."""
+    from llmhealth.cluster import Etcd, Keys, read_audit  # noqa: PLC0415 - only a cluster's
+    from tests.etcdproc import running_etcd  # noqa: PLC0415 - only this test needs etcd
+
+    setup, gpu, started = wedged_with_a_failing_command(entry_point, fleet, tmp_path)
+    keys = Keys("/llmhealth-test/stopped")
+    with running_etcd(tmp_path / "etcd") as cluster:
+        with setup.config.open("a") as config:
+            config.write(
+                f"\n[cluster]\netcd = {_toml(list(cluster.endpoints))}\n"
+                f'prefix = {_toml(keys.prefix)}\nlease_ttl = "60s"\n'  # a kept key outlasts it
+            )
+        until_frozen(gpu)
+        check = subprocess.Popen(
+            [entry_point, "check", "--config", str(setup.config), "--format", "json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = signalled(check, started, [signal.SIGTERM])
+        etcd = Etcd(cluster.endpoints)
+        records: list[dict[str, Any]] = read_audit(etcd, keys).records  # in etcd, settled
+        assert check.returncode == -signal.SIGTERM, (out, err)
+        commands = [r for r in records if r["event"] == COMMAND]
+        assert [c["command"]["exit_code"] for c in commands] == [7], (records, err)
+        assert etcd.get(keys.leader) is None  # given back: a daemon may lead at once
 
 
 # Runs an operator's verb (the rest of its argv), as one typed while a check's command runs.
