@@ -437,9 +437,13 @@ def check_url(url: str) -> str:
         # request's: read as a root it gives /metrics/metrics, /health/v1/models and
         # the like, 404s from a healthy server, judged no_metrics with its tiny request
         # failed: CRITICAL, DEAD after three checks.
+        server = root.removesuffix(endpoint)
+        # Above a /v1 as well: "http://a:8000/v1/metrics" (a base URL with /metrics put
+        # after it) was told to give http://a:8000/v1, a root refused in its turn.
+        server = openai_root(server) or server
         raise ValueError(
             f"{url!r} ends in {endpoint}: give the server's root "
-            f"({root.removesuffix(endpoint)}); llmhealth reads /metrics and /v1 below it"
+            f"({server}); llmhealth reads /metrics and /v1 below it"
         )
     return root
 
@@ -1150,10 +1154,13 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
         raise BadTargetError(f"the same URL is given twice: {', '.join(twice)}", "URL")
     fronted = sorted({same_server(t.url) for t in targets if t.kind == "proxy"}.intersection(urls))
     if fronted:
-        # As in a config (``_refuse_shared_urls``): a backend read through a proxy.
+        # As in a config (``_refuse_shared_urls``): a backend read through a proxy. Named
+        # by the argument that gave it: a bare URL at a configured proxy's address was
+        # told "Invalid value for --proxy", an option never given.
+        given_proxies = {same_server(check_url(url)) for url in proxies}
         raise BadTargetError(
             f"{', '.join(fronted)} is given as a backend and as a proxy: a server is "
             "either a backend or a proxy in front of backends",
-            "--proxy",
+            "--proxy" if given_proxies.intersection(fronted) else "URL",
         )
     return targets

@@ -335,14 +335,25 @@ def test_a_bare_url_of_a_configured_backend_is_refused_not_a_crash(
     assert "Traceback" not in result.stderr
 
 
-def test_a_proxy_at_a_backends_url_is_refused(entry_point: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("configured", "given", "named"),
+    [
+        ("backend", ["--proxy", "http://127.0.0.1:9/"], "--proxy"),
+        # A bare URL at a configured proxy's address was told "Invalid value for --proxy".
+        ("proxy", ["HTTP://127.0.0.1:9/"], "URL"),
+    ],
+)
+def test_a_proxy_at_a_backends_url_is_refused(
+    entry_point: str, tmp_path: Path, configured: str, given: list[str], named: str
+) -> None:
     # The proxy's pool was read as one backend: each read's /metrics from whichever server
     # it chose, and the backend's restart command run on that evidence.
     config = tmp_path / "fleet.toml"
-    config.write_text('[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n')
-    result = run(entry_point, "check", "--config", str(config), "--proxy", "http://127.0.0.1:9/")
+    config.write_text(f'[[{configured}]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n')
+    result = run(entry_point, "check", "--config", str(config), *given)
     assert result.returncode == 3
     assert "http://127.0.0.1:9 is given as a backend and as a proxy" in result.stderr
+    assert f"Invalid value for {named}:" in result.stderr
 
 
 def test_a_state_path_that_is_the_configured_audit_log_is_refused(

@@ -971,6 +971,15 @@ def test_a_servers_own_endpoint_is_refused_for_its_root(
     assert check_url("http://health") == "http://health"  # a host so named is a root
 
 
+@pytest.mark.parametrize("endpoint", ["/metrics", "/health"])
+def test_an_endpoint_put_after_a_base_url_names_the_root_above_the_v1(endpoint: str) -> None:
+    # A base URL with the endpoint put after it: told to give http://a:8000/v1, a root
+    # refused in its turn.
+    url = f"http://a:8000/gpu0/v1{endpoint}"
+    with pytest.raises(ValueError, match=r"give the server's root \(http://a:8000/gpu0\);"):
+        check_url(url)
+
+
 def test_two_names_that_are_one_text_in_two_unicode_forms_are_refused(tmp_path: Path) -> None:
     # "café" composed and decomposed: two backends that status, Nagios perfdata and every
     # log showed as one name, and a verb on "café" acted on whichever form was typed.
