@@ -27,6 +27,10 @@ DEFAULT_WAIT = 5.0
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_ANSWER_TIMEOUT = 10.0
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
+# The most a `max_body` may say (a /metrics read, a routed request's body): each is held
+# whole in memory, one per backend read at once or per client. A typo's extra digits
+# (16000000000) made the bound no bound, and one endless answer took the host's memory.
+MOST_MAX_BODY: Final = 1024 * 1024 * 1024
 DEFAULT_STALL_TIMEOUT = 600.0
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_PREFIX = "/llmhealth/default"
@@ -317,7 +321,9 @@ def from_mapping(data: Mapping[str, Any], where: str, *, base: Path | None = Non
         answer_timeout=reader.duration(
             data, "answer_timeout", DEFAULT_ANSWER_TIMEOUT, most=LONGEST_READ
         ),
-        max_body=reader.integer(data, "max_body", DEFAULT_MAX_BODY, minimum=1024),
+        max_body=reader.integer(
+            data, "max_body", DEFAULT_MAX_BODY, minimum=1024, most=MOST_MAX_BODY
+        ),
         state=state,
         audit_log=audit_log,
         stall_timeout=reader.duration(data, "stall_timeout", DEFAULT_STALL_TIMEOUT),
@@ -732,7 +738,9 @@ def _router(reader: _Reader, data: object) -> Router:
         affinity_slack=reader.integer(
             table, "router.affinity_slack", defaults.affinity_slack, minimum=1
         ),
-        max_body=reader.integer(table, "router.max_body", defaults.max_body, minimum=1024),
+        max_body=reader.integer(
+            table, "router.max_body", defaults.max_body, minimum=1024, most=MOST_MAX_BODY
+        ),
         body_timeout=reader.duration(table, "router.body_timeout", defaults.body_timeout),
         connect_timeout=connect_timeout,
         first_byte_timeout=first_byte_timeout,

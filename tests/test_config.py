@@ -160,6 +160,9 @@ def test_the_documented_example_loads(tmp_path: Path) -> None:
             "[[backend]]\nurl = 'http://a:1'\n[[proxy]]\nurl = 'HTTP://A:1/'",
             "backend[0] and proxy[0] have the same URL 'HTTP://A:1': a server is either",
         ),
+        # Held whole in memory per read or request: a typo's digits made it no bound.
+        ("max_body = 16000000000", "max_body: 16000000000 is above the most allowed value"),
+        ("[router]\nmax_body = 16000000000", "router.max_body: 16000000000 is above the most"),
         ("[router]\nlisten = 'nowhere'", "router.listen: 'nowhere' is not HOST:PORT"),
         ("[router]\naffinity = 'cookie:x'", "router.affinity: 'cookie:x' is not an affinity"),
         ("[router]\naffinity = 'header:X Session'", "router.affinity: 'header:X Session'"),
