@@ -971,16 +971,17 @@ def test_the_servers_whose_step_is_remembered_are_bounded(
 
 @contextlib.contextmanager
 def _tls_backends_that_keep_quiet(
-    count: int, where: Path, monkeypatch: pytest.MonkeyPatch
+    count: int, where: Path, monkeypatch: pytest.MonkeyPatch, client: type[Client] = Client
 ) -> Iterator[list[str]]:
     """``count`` https backends that answer one read of /metrics on a kept connection,
     then hold it open without a word: closing it, the Prober waits for a TLS goodbye that
-    never comes (``wire.Connection.aclose``). The Prober's clients trust their certificate."""
+    never comes (``wire.Connection.aclose``). The Prober's clients, of class ``client``,
+    trust their certificate."""
     cert, key = make_certificate(where)
     server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_side.load_cert_chain(cert, key)
     trusting = ssl.create_default_context(cafile=str(cert))
-    monkeypatch.setattr(llmhealth.prober, "new_client", lambda: Client(trusting))
+    monkeypatch.setattr(llmhealth.prober, "new_client", lambda: client(trusting))
     metrics = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "busy-1.txt").read_bytes()
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(metrics), metrics)
     stop = threading.Event()
@@ -1072,3 +1073,48 @@ def test_a_prober_closed_while_it_lets_go_of_a_moved_tls_backend_reads_nothing_a
         thread.join(5)
         replacement.close()
     assert accepted == []
+
+
+@pytest.mark.parametrize("parting", ["departed", "closed"])
+def test_the_goodbyes_of_departed_tls_backends_are_awaited_together_not_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, httpserver: HTTPServer, parting: str
+) -> None:
+    """A node lost with its shards (``record_actor_death`` for each): closing each one's
+    kept TLS connection waits up to 0.1 s for a goodbye that never comes, and the call
+    waited for them one after another before reading anything, so 30 of them held every
+    surviving backend's read back 3 s, past a controller's bound on its call. Counted,
+    not timed: how many of those closes were under way at once."""
+    departed = 30
+    metrics = (Path(__file__).parent.parent / "fixtures" / "vllm-0.32" / "busy-1.txt").read_text()
+    httpserver.expect_request("/metrics").respond_with_data(metrics, content_type="text/plain")
+    survivor = httpserver.url_for("").rstrip("/")
+    closing = [0, 0]  # under way now, the most at once
+
+    class Counted(Client):
+        async def aclose(self) -> None:
+            closing[0] += 1
+            closing[1] = max(closing)
+            try:
+                await super().aclose()
+            finally:
+                closing[0] -= 1
+
+    async def main(urls: list[str]) -> list[ProbeResult]:
+        fleet = FleetHealth([*urls, survivor])
+        async with Prober(fleet, wait=0.05, timeout=2.0) as prober:
+            results = await prober.probe()  # each keeps its connection
+            if parting == "closed":  # a controller's shutdown: every one at the exit
+                return results
+            for shard in range(departed):
+                fleet.record_actor_death(shard, "node lost")
+            await asyncio.sleep(0.1)
+            return await prober.probe()
+
+    with _tls_backends_that_keep_quiet(departed, tmp_path, monkeypatch, Counted) as urls:
+        results = asyncio.run(main(urls))
+    if parting == "closed":
+        assert len(results) == departed + 1
+        assert closing[1] == departed + 1  # all together (one after another: 1)
+    else:
+        assert [result.key for result in results] == [departed]
+        assert closing[1] == departed
