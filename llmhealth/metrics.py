@@ -108,18 +108,22 @@ class EngineSignals:
     longest_prefill: float | None = None
 
     @property
+    def prefill_per_token(self) -> float | None:
+        """The prefill time per prompt token; None where a figure is missing or zero."""
+        prefill, prompts = self.prefill_seconds, self.prompt_tokens
+        if not (prefill and prompts) or prompts < 0:
+            return None
+        return prefill / prompts
+
+    @property
     def prefill_step(self) -> float | None:
         """The prefill time per prompt token times the most tokens put in one step: how
         long the engine's largest step would take if it were all prefill; None where a
         figure is missing or zero. Not bounded by ``longest_prefill`` (``window`` does)."""
-        prefill, prompts, tokens = (
-            self.prefill_seconds,
-            self.prompt_tokens,
-            self.largest_step_tokens,
-        )
-        if not (prefill and prompts and tokens) or prompts < 0:
+        per_token, tokens = self.prefill_per_token, self.largest_step_tokens
+        if per_token is None or not tokens:
             return None
-        return prefill / prompts * tokens
+        return per_token * tokens
 
     @property
     def work(self) -> float | None:

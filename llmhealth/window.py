@@ -128,9 +128,8 @@ def longest_step(signals: Signals) -> LongestStep | None:
                 else f"inter-token gaps up to {gap:g} s"
             )
             best = longer(best, LongestStep(gap, f"engine {engine.engine}: {why}"))
-        seconds = engine.prefill_step
-        if seconds is not None and engine.prefill_seconds and engine.prompt_tokens:
-            per_token = engine.prefill_seconds / engine.prompt_tokens
+        seconds, per_token = engine.prefill_step, engine.prefill_per_token
+        if seconds is not None and per_token is not None:
             why = (
                 f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
                 f"x up to {engine.largest_step_tokens:g} tokens in one step"
