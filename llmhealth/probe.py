@@ -363,8 +363,10 @@ async def read_metrics(
         )
     except _RequestFailedError as failure:
         return Read(clock(), problem=failure.problem, detail=failure.detail, tick=_tick(steady))
-    if 300 <= response.status < 400:
-        location = _shortened(printable(response.headers.get("location", "?")))
+    if 300 <= response.status < 400 and "location" in response.headers:
+        # Without a Location (a 304 to a request that asked nothing conditional) it is no
+        # redirect: said as "redirected (304) to ?", it is answered as any other status.
+        location = _shortened(printable(response.headers["location"]))
         return Read(
             clock(),
             problem=ReadProblem.UNUSABLE,

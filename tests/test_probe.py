@@ -488,6 +488,16 @@ def test_a_redirect_is_not_followed(httpserver: HTTPServer) -> None:
     assert "redirected (302) to http://elsewhere.invalid/metrics; not followed" in verdict.evidence
 
 
+def test_a_not_modified_answer_without_a_location_is_said_as_its_status_not_a_redirect(
+    httpserver: HTTPServer,
+) -> None:
+    # It read "GET /metrics redirected (304) to ?; not followed": no redirect, no target.
+    httpserver.expect_request("/metrics").respond_with_data("", status=304)
+    read = asyncio.run(_read_once(httpserver.url_for("").rstrip("/"), FAST))
+    assert read.problem is ReadProblem.UNUSABLE
+    assert read.detail == "GET /metrics answered HTTP 304"
+
+
 def test_a_multiple_choices_answer_is_a_redirect_not_followed(httpserver: HTTPServer) -> None:
     # 300 is a redirection too (RFC 9110 15.4): its Location is named, not followed.
     httpserver.expect_request("/metrics").respond_with_data(
