@@ -287,7 +287,8 @@ async def _request(
     ``wire`` retries a GET once on a fresh connection when a kept-alive one turns out
     dead before any byte of the answer (a server closes idle connections on its own
     clock: uvicorn after 5 s, the default wait), within the same ``timeout``; the tiny
-    request, which may not be sent twice, goes on a fresh connection.
+    request, which may not be sent twice, is never retried, and goes on a fresh
+    connection unless the kept one was used just now (``wire.Connection.request``).
     """
     started = time.monotonic()
     deadline = asyncio.get_running_loop().time() + timeout
