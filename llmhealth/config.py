@@ -505,6 +505,17 @@ def check_base_url(url: str) -> str:
         # An IPv6 zone ("%25eth0") is not checked as a host name is: a NUL there passed,
         # and every restart command was "not run" (its LLMHEALTH_URL), a failed attempt.
         raise ValueError(f"{url!r} has a control character, or one beyond ASCII, in its IPv6 zone")
+    elif (odd := _NOT_IN_A_ZONE.search(parts.hostname.partition("%")[2])) is not None:
+        # "[fe80::1%25lo;}]" reached an nginx include (`watch --serving-file`) as written,
+        # its ";}" ending the upstream block there; RFC 6874 has a zone percent-encode it.
+        raise ValueError(
+            f"{url!r}: its IPv6 zone holds {odd.group()!r}, which a URL writes percent-encoded"
+        )
+    if _HOST_AND_PORT.fullmatch(parts.netloc) is None:
+        # "http://[::1]x;}:8000": every request went to the bracketed address, the rest
+        # dropped unseen, and `watch --serving-file` wrote it whole into an nginx include,
+        # where ";}" ended the upstream block and failed every reload of the balancer.
+        raise ValueError(f"{url!r} has more than a bracketed address and a port in its host")
     # Rebuilt from its parts, case kept: an empty "?" or "#" left in place made every path
     # appended to it part of the query or the fragment (GET / for /metrics).
     scheme = url.strip().partition(":")[0]  # as written: urlsplit lower-cases it
@@ -1066,6 +1077,11 @@ CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted
 # ASCII a host name or IPv4 address never holds: only letters, digits, '-', '.' and '_'
 # (a container's service name); other scripts are IDNA's to judge.
 _NOT_IN_A_HOST = re.compile(r"[\x00-\x2c/:-@\[-\^`{-\x7f]")
+# A URL's host and port: a bracketed address alone in its brackets, or a host that
+# ``_NOT_IN_A_HOST`` judges; and what an IPv6 zone holds (RFC 6874: unreserved, or
+# percent-encoded).
+_HOST_AND_PORT = re.compile(r"(\[[^\[\]]*\]|[^\[\]]*)(:[0-9]*)?")
+_NOT_IN_A_ZONE = re.compile(r"[^A-Za-z0-9._~%-]")
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ORDINARY_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]*")
 

@@ -1725,6 +1725,11 @@ class Daemon:
             with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
                 os.fchmod(handle.fileno(), 0o644)
                 handle.write(text)
+                # On disk before the rename, as the state is: renamed unsynced, a power
+                # loss could leave it empty, an upstream nginx refuses (no balancer at
+                # boot). The old file or the new one is whole; the next start rewrites it.
+                handle.flush()
+                os.fsync(handle.fileno())
             os.replace(temporary, path)
         except OSError as exc:
             if temporary is not None:

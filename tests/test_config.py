@@ -1034,6 +1034,30 @@ def test_a_control_character_in_an_ipv6_zone_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("url", "refusal"),
+    [
+        ("http://[::1]x;}:8000", "more than a bracketed address and a port"),
+        ("http://gpu[::1]:8000", "more than a bracketed address and a port"),
+        ("http://[::1]]:8000", "more than a bracketed address and a port"),
+        ("http://[fe80::1%25lo;}server{]:8000", "its IPv6 zone holds ';'"),
+    ],
+)
+def test_a_host_with_text_an_nginx_include_would_read_as_syntax_is_refused(
+    tmp_path: Path, url: str, refusal: str
+) -> None:
+    # Each passed: requests went to the bracketed address, and `watch --serving-file
+    # upstream.conf` wrote "server [::1]x;}:8000;", ending the upstream block, so that
+    # every `nginx -s reload` after it failed and the balancer kept a stale set.
+    path = write(tmp_path, f'[[backend]]\nname = "a"\nurl = "{url}"\n')
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        load(path)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        check_url(url)
+    for good in ("http://[::1]:8000", "http://[::1]", "http://[fe80::1%25eth0.7_a~b]:8000"):
+        assert check_url(good) == good
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "[policy]\nmin_healthy = {n}\n",

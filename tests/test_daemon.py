@@ -1385,6 +1385,27 @@ def test_a_json_serving_file_lists_the_serving_backends_by_name_and_url(
     ]
 
 
+def test_the_serving_file_is_on_disk_before_it_is_renamed_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renamed unsynced, a power loss could leave the nginx include empty: an upstream
+    without servers, which nginx refuses, so the balancer did not come up at boot."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    serving = tmp_path / "upstream.conf"
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    daemon = in_process(lambda: (config, []), tmp_path, None, serving_file=serving)
+    daemon._write_serving(("gpu0",), {"gpu0": "http://10.0.0.5:8000"})
+    assert nginx_servers(serving.read_text()) == {"server 10.0.0.5:8000;"}
+    assert [Path(name).name for name in synced if ".upstream.conf." in name], synced
+
+
 def _watch_refused(
     entry_point: str, config: Path, *options: str
 ) -> subprocess.CompletedProcess[str]:
@@ -1428,6 +1449,22 @@ def test_a_serving_file_that_is_the_state_its_lock_or_the_audit_log_is_refused_a
     )
     assert "is the state file, its lock or the audit log" in result.stderr
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+
+
+def test_a_url_that_would_break_the_nginx_include_is_refused_at_start(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # It started and wrote "server [::1]x;}:9;" into the include: the upstream block
+    # ended there, and the balancer's every reload failed on the file.
+    config = write_config(
+        tmp_path / "fleet.toml", fleet_config([{"name": "gpu0", "url": "http://[::1]x;}:9"}])
+    )
+    serving = tmp_path / "upstream.conf"
+    result = _watch_refused(
+        entry_point, config, "--state", str(tmp_path / "state.json"), "--serving-file", str(serving)
+    )
+    assert "more than a bracketed address and a port" in result.stderr
+    assert not serving.exists()
 
 
 @pytest.mark.parametrize("serving", ["fleet.toml", "linked"])
