@@ -253,7 +253,15 @@ def _one_check(console: Console, urls: list[str], proxy_url: str) -> None:
         "above named in a config ([[backend]], [[proxy]]), keeping no state:\n",
         markup=False,
     )
-    report = run_cycle(Config(), targets, ProbeSettings(wait=2.0, timeout=3.0), None)
+    # Its own note: run_cycle's, "bare URLs without --state or --config", is the reason of
+    # a run the sentence above says this is not.
+    report = run_cycle(
+        Config(),
+        targets,
+        ProbeSettings(wait=2.0, timeout=3.0),
+        None,
+        notes=["state not persisted: the demo's check keeps none"],
+    )
     print_report(report, console)
     code = exit_code(report)
     verdicts = {b.outcome.target.name: b.outcome.verdict for b in report.backends}

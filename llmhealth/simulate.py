@@ -597,7 +597,13 @@ class _Proxy:
         self.stats.completions_received += int(completion)
         self.stats.models_reads += int(path == "/v1/models")
         index = self._pick()
-        headers = {k: v for k, v in request.headers.items() if k not in _HOP_BY_HOP}
+        # The bytes as received (read as latin-1): httpx encodes a str value as ASCII, and
+        # a value of obs-text (a UTF-8 name), legal HTTP, was answered 500.
+        headers = [
+            (name.encode("latin-1"), value.encode("latin-1"))
+            for name, value in request.headers.items()
+            if name not in _HOP_BY_HOP
+        ]
         self._in_flight[index] += 1
         try:
             upstream = asyncio.ensure_future(
@@ -618,6 +624,10 @@ class _Proxy:
         if upstream.cancelled():
             return None  # the client left; the upstream request was cancelled with it
         exc = upstream.exception()
+        if isinstance(exc, httpx.InvalidURL):
+            # A target no URL can carry (a control character): refused, as a real proxy
+            # does; it was answered 500, with a traceback on stderr.
+            return _error(400, f"request target cannot be forwarded: {exc}")
         if isinstance(exc, httpx.HTTPError):
             return _error(502, f"backend {self.urls[index]}: {type(exc).__name__}: {exc}")
         if exc is not None:

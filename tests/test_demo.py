@@ -199,6 +199,21 @@ def test_a_taken_metrics_port_stops_the_watch_part_with_its_reason_not_an_interr
             demo._watch_live(console, urls, "http://127.0.0.1:5", tmp_path, port)
 
 
+def test_the_check_part_says_why_it_keeps_no_state_as_it_was_run() -> None:
+    """The part says it runs as a check over a fleet named in a config; its report's note
+    said "bare URLs without --state or --config", the reason of a run it was not."""
+    base = demo.free_port_block(len(demo._FLEET) + 1)
+    urls = [f"http://127.0.0.1:{base + index}" for index in range(len(demo._FLEET))]
+    proxy = f"http://127.0.0.1:{base + len(demo._FLEET)}"
+    modes = [mode for _, mode in demo._FLEET] + [f"proxy:{urls[0]},{urls[1]}"]
+    console = Console(file=io.StringIO(), width=200)
+    with demo.simulated_fleet(modes, base):
+        demo._one_check(console, urls, proxy)
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "bare URLs" not in shown
+    assert "note: state not persisted: the demo's check keeps none" in shown
+
+
 def test_a_simulator_that_cannot_listen_is_a_plain_failure_not_a_bug_report() -> None:
     """It was a RuntimeError, which the CLI prints as a traceback and "internal error
     (the traceback above is a bug report)"."""

@@ -463,6 +463,22 @@ def test_a_proxy_forwards_to_the_least_busy_backend_and_has_no_metrics() -> None
             assert (forwarded["completions_received"], forwarded["completions_answered"]) == (5, 4)
 
 
+def test_a_proxy_forwards_any_header_value_and_refuses_a_target_it_cannot_forward() -> None:
+    # Before: a header value of obs-text (a byte over 0x7f, legal HTTP: a UTF-8 name)
+    # and a control character in the target were each answered 500, with a traceback on
+    # the simulator's stderr, where the backend itself answered.
+    with (
+        running_simulator(["idle"]) as backend,
+        running_simulator([f"proxy:{backend.urls[0]}"]) as proxy,
+    ):
+        url = proxy.urls[0]
+        named = b"GET /v1/models HTTP/1.1\r\nX-User: Jos\xc3\xa9\r\nConnection: close\r\n\r\n"
+        assert raw_exchange(url, named).startswith(b"HTTP/1.1 200 ")
+        control = b"GET /v1/models\x01 HTTP/1.1\r\nConnection: close\r\n\r\n"
+        assert raw_exchange(url, control).startswith(b"HTTP/1.1 400 ")
+        assert "Traceback" not in proxy.stderr()
+
+
 # --- process lifecycle ---------------------------------------------------------------------
 
 
