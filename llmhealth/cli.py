@@ -204,17 +204,24 @@ def check(
 
 
 def _daemon_loader(
-    urls: list[str], proxies: list[str], config_file: str | None, state: str | None
+    urls: list[str],
+    proxies: list[str],
+    config_file: str | None,
+    state: str | None,
+    serving_file: str | None = None,
 ) -> Callable[[], tuple[config_module.Config, list[Target]]]:
     """How `watch` and `route` load their config, at start and on SIGHUP. With --state,
     the config's ``state`` is not where the ledger lives: it is taken as --state, so a
-    reload that changed only that key is not refused as moving the ledger."""
+    reload that changed only that key is not refused as moving the ledger. With an nginx
+    --serving-file, a backend it cannot name is refused (``check_nginx_servers``)."""
 
     def load() -> tuple[config_module.Config, list[Target]]:
         try:
             loaded, targets = _fleet(urls, proxies, config_file)
         except typer.BadParameter as exc:  # on SIGHUP this is a config to refuse
             raise config_module.ConfigError(exc.format_message()) from exc
+        if serving_file is not None:
+            config_module.check_nginx_servers(Path(serving_file), targets)
         if state is not None:
             loaded = dataclasses.replace(loaded, state=state)
         return loaded, targets
@@ -300,7 +307,7 @@ def watch(
         )
     if serving_file is not None and config_file is not None:
         config_module.check_serving_config(Path(serving_file), Path(config_file))
-    load = _daemon_loader(urls or [], proxy or [], config_file, state)
+    load = _daemon_loader(urls or [], proxy or [], config_file, state, serving_file)
     loaded, targets = load()
     if not targets:
         raise typer.BadParameter("nothing to watch: give backend URLs, --proxy or --config")

@@ -572,6 +572,25 @@ def check_serving_config(serving: Path, config: Path) -> None:
         )
 
 
+def check_nginx_servers(serving: Path, targets: Sequence[Target]) -> None:
+    """ConfigError when ``watch`` would write a backend into an nginx include
+    (``serving`` ends in .conf) as a ``server`` line nginx refuses: an IPv6 address with
+    a zone, which nginx's upstream parser does not take ("invalid IPv6 address"), so
+    every reload of the balancer failed on the file. Written without its zone, the
+    link-local address it names is reachable through no interface."""
+    if serving.suffix != ".conf":
+        return
+    for target in targets:
+        host = urlsplit(target.url).hostname or ""
+        if target.kind == "backend" and ":" in host and "%" in host:
+            raise ConfigError(
+                f"backend {target.name!r} ({target.url}) has an IPv6 zone, which nginx "
+                f"takes in no upstream server: the serving file {str(serving)!r} would "
+                "fail every reload of the balancer (give it a JSON serving file, or an "
+                "address without a zone)"
+            )
+
+
 def _path(reader: _Reader, data: Mapping[str, Any], key: str, base: Path | None) -> str | None:
     value = reader.optional_string(data, key)
     if value is None:

@@ -1842,9 +1842,13 @@ def _host_port(url: str) -> str:
     """``url``'s host and port for an nginx ``server`` line, the port always written:
     nginx takes a bare host as port 80, so an https backend without one (443) was handed
     clients on port 80, and an empty port (``http://h:``, which is ``http://h``) made a
-    line nginx refuses, failing its reload."""
+    line nginx refuses, failing its reload. A name is written as every request resolves
+    it (IDNA): nginx looks "bücher.example" up as written, finds no such host, and
+    refuses the whole file."""
     parts = urlsplit(url)
     netloc = parts.netloc
     host = netloc[: netloc.rindex(":")] if netloc.rfind(":") > netloc.rfind("]") else netloc
+    if not host.startswith("["):
+        host = host.encode("idna").decode("ascii")
     port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     return f"{host}:{port}"

@@ -52,9 +52,9 @@ from rich.console import Console
 from simproc import Simulator, child_env, free_port_block, running_simulator
 from werkzeug import Request, Response
 
+from llmhealth import cli, operate, probe, readers
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
-from llmhealth import operate, probe, readers
 from llmhealth.actions import AuditLog, CommandResult, read
 from llmhealth.classify import Outcome, Read, Target, Verdict, VerdictKind, decide
 from llmhealth.cycle import audit_path_for, fresh_record, ledger_policy, settle_fleet
@@ -1465,6 +1465,38 @@ def test_a_url_that_would_break_the_nginx_include_is_refused_at_start(
     )
     assert "more than a bracketed address and a port" in result.stderr
     assert not serving.exists()
+
+
+def test_a_zoned_ipv6_backend_is_refused_at_start_and_reload_with_an_nginx_serving_file(
+    entry_point: str, tmp_path: Path
+) -> None:
+    # It started and wrote "server [fe80::1%25lo]:9;": nginx's upstream parser takes no
+    # zone ("invalid IPv6 address"), and the balancer's every reload failed on the file.
+    zoned = fleet_config([{"name": "gpu0", "url": "http://[fe80::1%25lo]:9"}])
+    config = write_config(tmp_path / "fleet.toml", zoned)
+    serving = tmp_path / "upstream.conf"
+    result = _watch_refused(
+        entry_point, config, "--state", str(tmp_path / "state.json"), "--serving-file", str(serving)
+    )
+    assert "IPv6 zone, which nginx takes in no upstream server" in result.stderr
+    assert not serving.exists()
+    # On SIGHUP the same loader refuses it, the running config kept; a JSON file lists it.
+    with pytest.raises(config_module.ConfigError, match="IPv6 zone"):
+        cli._daemon_loader([], [], str(config), None, str(serving))()
+    _, targets = cli._daemon_loader([], [], str(config), None, str(tmp_path / "serving.json"))()
+    assert [target.url for target in targets] == ["http://[fe80::1%25lo]:9"]
+
+
+def test_an_idn_host_is_written_into_the_nginx_include_as_requests_resolve_it(
+    tmp_path: Path,
+) -> None:
+    # Written "server bücher.example:8000;": nginx looks the name up as written, finds no
+    # such host, and refuses the whole file, failing every reload of the balancer.
+    serving = tmp_path / "upstream.conf"
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    daemon = in_process(lambda: (config, []), tmp_path, None, serving_file=serving)
+    daemon._write_serving(("gpu0",), {"gpu0": "https://Bücher.example"})
+    assert nginx_servers(serving.read_text()) == {"server xn--bcher-kva.example:443;"}
 
 
 @pytest.mark.parametrize("serving", ["fleet.toml", "linked"])
