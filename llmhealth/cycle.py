@@ -795,9 +795,9 @@ def command_changed(config: Config, order: RestartOrder) -> str | None:
     return None
 
 
-# Signals whose default ends a check at once: `timeout` around it, a oneshot unit stopped,
-# a Kubernetes CronJob's deadline, the terminal of an ssh session closed.
-_STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
+# Signals whose default ends a run at once, what it started left unowned: `timeout`
+# around a check, a oneshot unit stopped, a CronJob's deadline, a terminal closed.
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stops:
@@ -818,7 +818,7 @@ class _Stops:
         ] = {}
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in _STOPPING:
+        for signum in STOP_SIGNALS:
             if signal.getsignal(signum) is signal.SIG_DFL:
                 self._put_aside[signum] = signal.signal(signum, self._came)
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from rich.console import Console
@@ -33,7 +33,7 @@ from rich.text import Text
 from llmhealth.actions import read
 from llmhealth.classify import Target, VerdictKind
 from llmhealth.config import Config, from_mapping
-from llmhealth.cycle import run_cycle
+from llmhealth.cycle import STOP_SIGNALS, run_cycle
 from llmhealth.daemon import Daemon
 from llmhealth.operate import read_record
 from llmhealth.probe import ProbeSettings
@@ -136,12 +136,6 @@ def _wait_ready(process: subprocess.Popen[str]) -> None:
     raise DemoError(f"the simulator was not ready within {_READY_WITHIN:g} s")
 
 
-# Signals whose default ends the demo at once, its children left running: SIGTERM, and
-# SIGHUP (its terminal closed, `kill -HUP`), after which the takeover part's two `watch`
-# daemons, which take SIGHUP as a reload, ran on for ever.
-_STOPPING: Final = (signal.SIGTERM, signal.SIGHUP)
-
-
 def _interrupted(signum: int, frame: FrameType | None) -> None:
     """Taken as a Ctrl-C, by whatever handles Ctrl-C now: inside ``asyncio.run`` its
     handler cancels the main task where it waits. Raised where it landed instead, in a
@@ -159,7 +153,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind the demo as Ctrl-C does, so every simulator, daemon and
     etcd it started is stopped on the way out; before, either ended it at once and left
     them."""
-    before = {signum: signal.signal(signum, _interrupted) for signum in _STOPPING}
+    before = {signum: signal.signal(signum, _interrupted) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -187,7 +181,7 @@ def _run(main: Coroutine[Any, Any, _T]) -> _T:
     try:
         return asyncio.run(main)
     finally:
-        for signum in _STOPPING:
+        for signum in STOP_SIGNALS:
             signal.signal(signum, _interrupted)
 
 
