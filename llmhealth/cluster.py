@@ -354,9 +354,20 @@ class Etcd:
     ) -> tuple[bool, int, list[KeyValue | None]]:
         """Whether the compares held, the revision after it, and what each operation of
         the branch that ran found: a ``request_range``'s first key, None for the others
-        (and for a range that found nothing)."""
+        (and for a range that found nothing).
+
+        Only an answer to these operations: one holding another key where a range asked
+        for one (a proxy that ignores the key asked), or more or fewer responses than the
+        branch that ran has operations, is not etcd's, and the next endpoint is asked. A
+        campaign's failed compare took such a key on this member's lease (its member key)
+        for the leader key: it led, its fence that key's revision, while another held the
+        lead."""
         body = {"compare": compare, "success": success, "failure": failure or []}
-        return self.call("kv/txn", body, _txn_result, within=within)
+
+        def read(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None]]:
+            return _txn_result(answer, success, failure or [])
+
+        return self.call("kv/txn", body, read, within=within)
 
     def grant(self, ttl: int) -> int:
         return self.call("lease/grant", {"TTL": ttl, "ID": 0}, _granted)
@@ -432,7 +443,9 @@ def _granted(answer: dict[str, Any]) -> int:
     return lease
 
 
-def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None]]:
+def _txn_result(
+    answer: dict[str, Any], success: list[dict[str, Any]], failure: list[dict[str, Any]]
+) -> tuple[bool, int, list[KeyValue | None]]:
     """Read whole inside the call, ranges included: a garbled failure branch (a proxy's
     ``{"response_range": null}``) read later escaped the call's guard and every caller's,
     and ended the daemon's loop."""
@@ -445,19 +458,36 @@ def _txn_result(answer: dict[str, Any]) -> tuple[bool, int, list[KeyValue | None
     succeeded = answer.get("succeeded", False)
     if not isinstance(succeeded, bool):
         raise TypeError(f"succeeded is a {type(succeeded).__name__}")
-    return succeeded, revision, [_ranged(item) for item in responses]
+    operations = success if succeeded else failure
+    if len(responses) != len(operations):
+        raise ValueError(f"{len(responses)} responses to {len(operations)} operations")
+    return (
+        succeeded,
+        revision,
+        [_ranged(operation, item) for operation, item in zip(operations, responses, strict=True)],
+    )
 
 
-def _ranged(response: object) -> KeyValue | None:
-    """The first key one response of a transaction found, if it is a range's that did."""
+def _ranged(operation: dict[str, Any], response: object) -> KeyValue | None:
+    """The first key one response of a transaction found, if it is a range's that did;
+    ValueError when a range for one key found another."""
     if not isinstance(response, dict):
         raise TypeError(f"a response is a {type(response).__name__}")
+    asked = operation.get("request_range")
     if "response_range" not in response:
+        if asked is not None:
+            raise ValueError("no response_range to a request_range")
         return None  # a put's or a delete's
+    if asked is None:
+        raise ValueError("a response_range to another request")
     ranged = response["response_range"]
     if not isinstance(ranged, dict):
         raise TypeError(f"response_range is a {type(ranged).__name__}")
     found = _key_values(ranged.get("kvs"))
+    if "range_end" not in asked:
+        wanted = base64.b64decode(asked["key"])
+        if any(value.key != wanted for _, value in found):
+            raise ValueError(f"a key other than {wanted!r} in a response_range")
     return found[0][1] if found else None
 
 

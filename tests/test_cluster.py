@@ -460,6 +460,86 @@ def losing_txn_answers(
     return forward
 
 
+def txns_rewritten(
+    endpoint: str, rewrite: Callable[[dict[str, Any]], None]
+) -> Callable[[socket.socket, int], None]:
+    """An etcd endpoint that passes each request on to ``endpoint`` and its answer back,
+    a transaction's body first given to ``rewrite``: etcd's own answer (its header, its
+    keys) to operations other than those asked, as a proxy that rewrote them gives."""
+    host, _, port = endpoint.removeprefix("http://").partition(":")
+
+    def forward(connection: socket.socket, _: int) -> None:
+        head, body = read_posted(connection)
+        if head.startswith(b"POST /v3/kv/txn "):
+            request = json.loads(body)
+            rewrite(request)
+            body = json.dumps(request).encode()
+            head = re.sub(rb"Content-Length: \d+", b"Content-Length: %d" % len(body), head)
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=5) as upstream:
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            while chunk := upstream.recv(65536):  # the request asks etcd to close
+                answer += chunk
+        connection.sendall(answer)
+
+    return forward
+
+
+def test_a_transaction_answered_with_another_key_does_not_make_a_leader(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # A campaign's failed compare reads the leader key; answered with another key on
+    # this member's lease (its member key, by a proxy that ignores the key asked), it
+    # was taken for the leader key created by a campaign whose answer was lost: the
+    # member led, its fence that key's revision, while another held the lead.
+    clock, log = Clock(), []
+    holder = elector(Etcd(etcd_server.endpoints), keys, "b", clock, log)
+    holder.step()
+    assert holder.decision().standing is Standing.LEADER
+    served = [0]
+
+    def member_key_for_every_range(request: dict[str, Any]) -> None:
+        served[0] += 1
+        for operation in [*request["success"], *request["failure"]]:
+            if "request_range" in operation:
+                operation["request_range"] = {"key": b64(keys.member("a"))}
+
+    with tcp_server(txns_rewritten(etcd_server.endpoints[0], member_key_for_every_range)) as (
+        proxy,
+        _,
+    ):
+        standby = elector(Etcd([proxy, *etcd_server.endpoints]), keys, "a", clock, log)
+        standby.step()
+        assert standby.decision().standing is Standing.STANDBY
+        assert standby.fence is None
+        standby.stop()
+    assert served[0] >= 2  # the member key's write, then the campaign
+    leader = read_leader(Etcd(etcd_server.endpoints), keys)
+    assert leader is not None and (leader.member, leader.fence) == ("b", holder.fence)
+    holder.stop()
+
+
+def test_a_transaction_answered_for_fewer_operations_is_not_etcds_answer(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Responses to other operations than the branch that ran: not etcd's answer to this
+    # transaction, and the next endpoint is asked.
+    etcd = Etcd(etcd_server.endpoints)
+    etcd.txn([], [cluster.put(keys.leader, b"held")])
+
+    def failure_dropped(request: dict[str, Any]) -> None:
+        request["failure"] = []
+
+    with tcp_server(txns_rewritten(etcd_server.endpoints[0], failure_dropped)) as (proxy, _):
+        written, _, found = Etcd([proxy, *etcd_server.endpoints]).txn(
+            [cluster.compare_created(keys.leader, 0)],
+            [cluster.put(keys.leader, b"mine")],
+            [{"request_range": {"key": b64(keys.leader)}}],
+        )
+    assert not written
+    assert [held.value if held else None for held in found] == [b"held"]
+
+
 @pytest.mark.parametrize("verb_on_top", [False, True], ids=["alone", "a verb on top"])
 def test_a_save_whose_answer_was_lost_is_found_written_not_reported_as_nothing_written(
     etcd_server: EtcdCluster, keys: Keys, verb_on_top: bool

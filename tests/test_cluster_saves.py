@@ -235,7 +235,11 @@ def the_same_page(keys: Keys, size: int, served: list[int]) -> Callable[[socket.
         for index in range(size, 0, -1)
     ]
     page = json.dumps({"header": {"revision": "5000"}, "kvs": kvs}).encode()
-    txn = json.dumps({"header": {"revision": "5001"}, "succeeded": True}).encode()
+    # The trim's one delete, answered as etcd answers it.
+    deleted = {"response_delete_range": {"header": {"revision": "5001"}, "deleted": "54"}}
+    txn = json.dumps(
+        {"header": {"revision": "5001"}, "succeeded": True, "responses": [deleted]}
+    ).encode()
 
     def answer(connection: socket.socket, _: int) -> None:
         request = read_request(connection)
