@@ -1188,9 +1188,8 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
             except ValueError as exc:
                 raise BadTargetError(str(exc), hint) from exc
             targets.append(Target(name, checked, kind, rules=config.wedge_rules()))
-    names = [target.name for target in targets]
-    if len(set(names)) != len(names):
-        raise BadTargetError("the same backend or proxy is named twice")
+    # URLs before names: a bare URL is named by its URL, so one given as a backend and as
+    # a proxy was told only "named twice".
     urls = [same_server(target.url) for target in targets if target.kind == "backend"]
     if len(set(urls)) != len(urls):
         twice = sorted({url for url in urls if urls.count(url) > 1})
@@ -1206,4 +1205,7 @@ def targets_for(config: Config, urls: Sequence[str], proxies: Sequence[str]) -> 
             "either a backend or a proxy in front of backends",
             "--proxy" if given_proxies.intersection(fronted) else "URL",
         )
+    names = [target.name for target in targets]
+    if len(set(names)) != len(names):
+        raise BadTargetError("the same backend or proxy is named twice")
     return targets

@@ -356,6 +356,16 @@ def test_a_proxy_at_a_backends_url_is_refused(
     assert f"Invalid value for {named}:" in result.stderr
 
 
+def test_one_bare_url_given_as_a_backend_and_as_a_proxy_is_refused_as_such(
+    entry_point: str,
+) -> None:
+    # Both named by their URL, they were told only "the same backend or proxy is named twice".
+    result = run(entry_point, "check", "http://127.0.0.1:9", "--proxy", "http://127.0.0.1:9/")
+    assert result.returncode == 3
+    assert "http://127.0.0.1:9 is given as a backend and as a proxy" in result.stderr
+    assert "Invalid value for --proxy:" in result.stderr
+
+
 def test_a_state_path_that_is_the_configured_audit_log_is_refused(
     entry_point: str, tmp_path: Path
 ) -> None:
