@@ -8,6 +8,7 @@ request ended.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
@@ -90,8 +91,9 @@ class Selector:
         Released on any exit. A normal exit reports a success to the ledger; an exception
         for which ``counts`` is true reports a failure (by default every one but those
         carrying a status below 500, as in ``counts_against_backend``: the router's
-        rule). Cancellation and interrupts are never the backend's fault, so they report
-        nothing; nor does a request whose backend's process a verb said ended or was
+        rule). Cancellation (asyncio's, or ``concurrent.futures``' from a future of another
+        thread) and interrupts are never the backend's fault, so they report nothing; nor
+        does a request whose backend's process a verb said ended or was
         replaced meanwhile (``FleetHealth.process_changes``): its end is the old process's,
         and requests hung on a wedged engine condemned its rebuilt replacement.
         """
@@ -104,6 +106,11 @@ class Selector:
         process = self._fleet.process_changes(key)
         try:
             yield key
+        except concurrent.futures.CancelledError:
+            # A cancellation heard through a future of another thread's loop
+            # (``asyncio.run_coroutine_threadsafe``) or a pool is an Exception, unlike
+            # asyncio's: counted, stragglers cancelled at a batch's end condemned a backend.
+            raise
         except Exception as exc:
             if counts(exc) and self._fleet.process_changes(key) == process:
                 self._fleet.report_failure(key, exc)

@@ -4,8 +4,10 @@ job-5925668 walk, and properties over random verb sequences. No I/O: the clock i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import subprocess
 import sys
+import threading
 import tomllib
 from collections.abc import Callable
 from enum import Enum, StrEnum
@@ -911,6 +913,36 @@ def test_a_cancelled_request_is_not_counted_against_the_backend() -> None:
     asyncio.run(main())
     assert selector.inflight(0) == 0
     assert f.snapshot()[0].request_failures == 0
+
+
+def test_a_request_cancelled_through_a_concurrent_future_is_not_counted() -> None:
+    """A trainer thread whose request runs on an event loop of its own thread
+    (``asyncio.run_coroutine_threadsafe``) hears a cancellation as
+    ``concurrent.futures.CancelledError``, an ``Exception``: counted, three stragglers
+    cancelled at a batch's end condemned a healthy backend."""
+    f, _ = fleet()
+    selector = Selector(f)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+
+    async def ended() -> None:  # the cancelled requests' tasks, before the loop stops
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        await asyncio.gather(*others, return_exceptions=True)
+
+    try:
+        for _ in range(3):
+            with pytest.raises(concurrent.futures.CancelledError), selector.lease():
+                request = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), loop)
+                request.cancel()
+                request.result(timeout=10)
+    finally:
+        asyncio.run_coroutine_threadsafe(ended(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+    assert selector.inflight(0) == 0
+    assert f.snapshot()[0].request_failures == 0 and f.state_of(0) is State.HEALTHY
 
 
 def test_a_lease_that_outlived_its_process_reports_nothing_on_the_replacement() -> None:
