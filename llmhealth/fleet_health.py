@@ -427,5 +427,9 @@ def _describe(error: BaseException | str | None) -> str:
     if error is None:
         return ""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
-    text = printable(text)  # escaped first: an escape takes up to ten characters
+    # Escaped before the cut (an escape takes up to ten characters), but only the part
+    # that can be shown: each character escapes to one or more, so the first
+    # _MAX_ERROR_TEXT + 1 say all the cut needs. A megabyte of an error body with its
+    # newlines, escaped whole, held the caller's event loop a quarter of a second.
+    text = printable(text[: _MAX_ERROR_TEXT + 1])
     return text if len(text) <= _MAX_ERROR_TEXT else text[: _MAX_ERROR_TEXT - 3] + "..."

@@ -31,6 +31,7 @@ from llmhealth import (
 )
 from llmhealth.ledger import SERVING
 from llmhealth.selector import counts_against_backend
+from llmhealth.text import printable
 
 ROOT = Path(__file__).resolve().parent.parent
 URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -1201,6 +1202,22 @@ def test_every_verb_keeps_a_callers_error_text_short_and_printable(
     with pytest.raises(FleetExhausted) as raised:
         f.raise_if_exhausted()
     assert "\x1b" not in str(raised.value) and len(str(raised.value)) < 2000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 900).flatmap(  # lengths drawn evenly: hypothesis's own favour short texts
+        lambda size: st.text(st.sampled_from("ab\n\x1b\u00e9 \t\x07"), min_size=size, max_size=size)
+    )
+)
+def test_an_error_text_is_its_escaped_form_cut_short(text: str) -> None:
+    """Only the part of a long error that can be shown is escaped: the same text as the
+    whole escaped and cut, and "..." exactly when something was left out."""
+    f, _ = fleet()
+    f.report_failure(0, text)
+    escaped = printable(text)
+    wanted = escaped if len(escaped) <= 300 else escaped[:297] + "..."
+    assert f.snapshot()[0].last_error == (f"request failed: {wanted}" if text else "request failed")
 
 
 @pytest.mark.parametrize("reason", ["", "  ", None])
