@@ -42,8 +42,12 @@ def loop_in_use() -> str:
 def _factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     if name == "asyncio":
         return None  # asyncio.Runner's own default, as asyncio.run
-    import uvloop  # noqa: PLC0415 - only when a loop is about to run
-
+    try:
+        import uvloop  # noqa: PLC0415 - only when a loop is about to run
+    except ImportError as exc:
+        # Found but not importable (built for another Python, a library of its missing):
+        # the installation's fault, not a bug of llmhealth's to report with a traceback.
+        raise ConfigError(f"{ENV}=uvloop, but uvloop cannot be imported: {exc}") from None
     return uvloop.new_event_loop
 
 

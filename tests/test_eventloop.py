@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +53,31 @@ def test_a_bad_setting_fails_before_the_coroutine_starts(monkeypatch: pytest.Mon
     with pytest.raises(ConfigError):
         eventloop.run(work())  # and no "never awaited" warning, an error under pytest
     assert not started
+
+
+def test_a_uvloop_installed_but_not_importable_is_a_config_error(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """Found, but its extension built for another Python: `watch` printed a traceback
+    and called it llmhealth's own bug, for an installation to fix."""
+    broken = tmp_path / "site" / "uvloop"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        'raise ImportError("loop.cpython-311-x86_64-linux-gnu.so: undefined symbol")\n'
+    )
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(broken.parent),
+        eventloop.ENV: "uvloop",
+    }
+    done = subprocess.run(
+        [entry_point, "watch", "http://127.0.0.1:9", "--state", str(tmp_path / "s.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environment,
+        check=False,
+    )
+    assert done.returncode == 3
+    assert "uvloop cannot be imported: loop.cpython-311" in done.stderr
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr
