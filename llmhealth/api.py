@@ -18,6 +18,7 @@ from typing import Any
 from llmhealth import config as config_module
 from llmhealth.classify import Target, VerdictKind
 from llmhealth.cycle import run_cycle_async, run_cycle_in_cluster, run_loop, state_path_for
+from llmhealth.lateness import lent_to
 from llmhealth.ledger import State, Transition
 from llmhealth.probe import ProbeSettings, seconds_argument
 from llmhealth.remediate import Mode
@@ -239,7 +240,12 @@ def _path_text(value: PathArg | None, name: str) -> str | None:
 
 
 async def _cycle(run: _Prepared) -> CycleReport:
-    return await run_cycle_async(run.config, run.targets, run.settings, run.store, mode=run.mode)
+    # The reads' measure of the loop's lateness ticks only while they run: in
+    # check_async's loop, the caller's, it ticked on after the check.
+    with lent_to(asyncio.get_running_loop()):
+        return await run_cycle_async(
+            run.config, run.targets, run.settings, run.store, mode=run.mode
+        )
 
 
 def _log(message: str) -> None:

@@ -32,6 +32,7 @@ class _Spacing:
     lock = threading.Lock()
     holders = 0
     before: tuple[int, ...] = ()
+    spaced: tuple[int, ...] = ()  # what the first holder set them to
     # Of them, the calling thread's: the one thread a forked child keeps.
     mine = threading.local()
 
@@ -51,7 +52,8 @@ def young_collections_spaced() -> Iterator[None]:
             # 0 is automatic collection turned off (an application embedding the library
             # API may run so): raised to YOUNG, collections ran in all of it while a fleet
             # was read.
-            gc.set_threshold(max(YOUNG, young) if young else 0, *older)
+            _Spacing.spaced = (max(YOUNG, young) if young else 0, *older)
+            gc.set_threshold(*_Spacing.spaced)
         _Spacing.holders += 1
     _Spacing.mine.holders = getattr(_Spacing.mine, "holders", 0) + 1
     try:
@@ -61,7 +63,15 @@ def young_collections_spaced() -> Iterator[None]:
         with _Spacing.lock:
             _Spacing.holders -= 1
             if _Spacing.holders == 0:
-                gc.set_threshold(*_Spacing.before)
+                _give_back()
+
+
+def _give_back() -> None:
+    """The thresholds as the first holder found them, unless the application set its own
+    meanwhile (a trainer's thread beside the one running ``llmhealth.check``): put back
+    over them, its setting was lost for good when the check ended."""
+    if gc.get_threshold() == _Spacing.spaced:
+        gc.set_threshold(*_Spacing.before)
 
 
 def _settled_before_a_fork() -> None:
@@ -84,7 +94,7 @@ def _only_this_thread_in_a_child() -> None:
     _Spacing.lock = threading.Lock()
     left = getattr(_Spacing.mine, "holders", 0)
     if _Spacing.holders and not left:
-        gc.set_threshold(*_Spacing.before)
+        _give_back()
     _Spacing.holders = left
 
 

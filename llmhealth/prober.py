@@ -17,6 +17,7 @@ from types import TracebackType
 from llmhealth.classify import Read, Target, Verdict, VerdictKind
 from llmhealth.fleet import StallWatch
 from llmhealth.fleet_health import FleetHealth, Key
+from llmhealth.lateness import lent_to
 from llmhealth.ledger import BackendSnapshot, State, Transition
 from llmhealth.metrics import Signals
 from llmhealth.probe import Client, ProbeSettings, examine_once, new_client, seconds_argument
@@ -165,7 +166,10 @@ class Prober:
             )
         self._probing = True
         try:
-            return await self._probe()
+            # The reads' measure of the loop's lateness ticks only during a call: it
+            # ticked on in the caller's loop between calls and after ``aclose``.
+            with lent_to(loop):
+                return await self._probe()
         finally:
             self._probing = False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import selectors
 import subprocess
 import sys
 import time
@@ -110,6 +111,36 @@ def test_check_async_runs_in_the_callers_loop_without_holding_it() -> None:
     assert report.backends[0].verdict is VerdictKind.BUSY
     # A busy verdict needs a wait between two reads; the loop kept running through it.
     assert ticks > 0
+
+
+class _CountedSelector(selectors.DefaultSelector):
+    """The loop's own selector, counting the times the loop woke from it."""
+
+    wakes = 0
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        self.wakes += 1
+        return list(super().select(timeout))
+
+
+def test_check_async_leaves_nothing_running_in_the_callers_loop() -> None:
+    """The reads' measure of the loop's lateness ticked every 0.1 s in the caller's loop
+    for the rest of its life, after one check."""
+    selector = _CountedSelector()
+    loop = asyncio.SelectorEventLoop(selector)
+
+    async def main(urls: list[str]) -> int:
+        await llmhealth.check_async(urls, **FAST)
+        wakes = selector.wakes
+        await asyncio.sleep(1.0)  # an idle second of the caller's own
+        return selector.wakes - wakes
+
+    try:
+        with running_simulator(["idle"]) as sim:
+            woke = loop.run_until_complete(main(sim.urls))
+    finally:
+        loop.close()
+    assert woke <= 2  # the sleep's own timer, not ten ticks
 
 
 def test_check_refuses_to_start_a_loop_inside_a_running_one() -> None:

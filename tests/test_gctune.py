@@ -54,6 +54,31 @@ def test_a_failure_inside_still_gives_the_thresholds_back() -> None:
     assert gc.get_threshold() == before
 
 
+def test_thresholds_the_application_set_meanwhile_are_left_as_it_set_them() -> None:
+    """A trainer's own thread tunes the collector while another runs ``llmhealth.check``:
+    the check's end put back what it had found over the trainer's setting, for good."""
+    before = gc.get_threshold()
+    inside, tuned = threading.Event(), threading.Event()
+
+    def check_in_a_thread() -> None:
+        with young_collections_spaced():
+            inside.set()
+            tuned.wait(30)
+
+    reader = threading.Thread(target=check_in_a_thread)
+    reader.start()
+    try:
+        assert inside.wait(30)
+        gc.set_threshold(2_000, 5, 5)  # the application's own, set while the check reads
+        tuned.set()
+        reader.join(30)
+        assert gc.get_threshold() == (2_000, 5, 5)
+    finally:
+        tuned.set()
+        reader.join(30)
+        gc.set_threshold(*before)
+
+
 def test_holders_in_several_threads_at_once_leave_the_collector_as_found(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

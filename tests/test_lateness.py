@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from llmhealth import eventloop
-from llmhealth.lateness import _LATE_KEPT, _TICK, LATE_ENOUGH, Lateness, lateness_of
+from llmhealth.lateness import _LATE_KEPT, _TICK, LATE_ENOUGH, Lateness, lateness_of, lent_to
 
 
 def test_a_loops_lateness_since_a_moment_counts_only_the_late_ticks_after_it() -> None:
@@ -129,3 +129,21 @@ def test_every_asker_on_one_loop_shares_its_one_lateness(clock: _Clock) -> None:
     """The probes and the router read the history one Lateness keeps: a new one per
     asker would know of no stall before it was made."""
     assert lateness_of(clock.loop) is lateness_of(clock.loop)
+
+
+def test_a_loops_lateness_lent_to_a_check_stops_after_it_and_one_kept_for_good_does_not() -> None:
+    """A check in its caller's loop (``check_async``) lends the loop ticks while it runs;
+    a router's or a daemon's, started before, tick on after the check."""
+
+    async def run() -> tuple[bool, bool, bool]:
+        loop = asyncio.get_running_loop()
+        with lent_to(loop), lent_to(loop):  # two checks gathered
+            lent = lateness_of(loop)
+        await asyncio.sleep(0.2)  # past its next tick's time
+        stopped = lent._next is None and lateness_of(loop) is not lent and not lent.since(0.0)
+        kept = lateness_of(loop)  # a router's, for good
+        with lent_to(loop):
+            pass
+        return stopped, kept._next is not None, lateness_of(loop) is kept
+
+    assert eventloop.run(run()) == (True, True, True)

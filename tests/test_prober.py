@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
+import selectors
 import socket
 import ssl
 import threading
@@ -16,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
@@ -63,6 +65,41 @@ def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
     # One read of a busy engine proves nothing yet; the next call's read does.
     assert first[1].verdict is None
     assert second[1].verdict is VerdictKind.BUSY
+
+
+class _CountedSelector(selectors.DefaultSelector):
+    """The loop's own selector, counting the times the loop woke from it."""
+
+    wakes = 0
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        self.wakes += 1
+        return list(super().select(timeout))
+
+
+def test_nothing_of_the_prober_runs_in_the_callers_loop_between_calls() -> None:
+    """The reads' measure of the loop's lateness ticked every 0.1 s in the trainer's
+    loop from the first call on, between calls and after ``aclose``."""
+    selector = _CountedSelector()
+    loop = asyncio.SelectorEventLoop(selector)
+
+    async def main(urls: list[str]) -> tuple[int, int]:
+        fleet = FleetHealth(urls)
+        async with Prober(fleet, wait=WAIT, timeout=2.0, answer_timeout=2.0) as prober:
+            await prober.probe()
+            wakes = selector.wakes
+            await asyncio.sleep(1.0)  # the trainer's own idle second between two calls
+            between = selector.wakes - wakes
+        wakes = selector.wakes
+        await asyncio.sleep(1.0)
+        return between, selector.wakes - wakes
+
+    try:
+        with running_simulator(["idle"]) as sim:
+            between, after = loop.run_until_complete(main(sim.urls))
+    finally:
+        loop.close()
+    assert between <= 2 and after <= 2  # the sleep's own timer, not ten ticks
 
 
 @pytest.mark.slow
