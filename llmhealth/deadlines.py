@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Final
 
 TICK: Final = 0.05  # seconds: how late a bound may fire
+_TIMER_GRAIN: Final = 0.001  # seconds: uvloop's timer resolution, the most it runs one early
 
 
 class Deadlines:
@@ -74,13 +75,24 @@ class Deadlines:
         loop = self._loop
         assert loop is not None
         now = loop.time()
+        passed = False
         while self._due and self._due[0] * TICK <= now:
+            passed = True
             for bound in self._ticks.pop(heapq.heappop(self._due)):
                 bound.expire()
-        if self._due:
+        if not self._due:
+            return
+        soonest = self._due[0] * TICK
+        if passed:
             # Ticks whose blocks all left early stay on the heap until their time: one
             # wake-up each at most, cheaper than finding them on every exit.
-            self._arm(loop, max(self._due[0] * TICK, now + TICK))
+            self._arm(loop, max(soonest, now + TICK))
+        else:
+            # Run before its time: uvloop rounds a timer to whole milliseconds and runs
+            # it up to one early. Armed a TICK on from here, its bounds fired up to
+            # 2 TICKs late; armed just past the tick instead (not at it: run early again,
+            # it would spin until then).
+            self._arm(loop, soonest + _TIMER_GRAIN)
 
 
 class Bound:

@@ -115,6 +115,33 @@ def test_a_bound_never_fires_before_its_time() -> None:
     assert min(asyncio.run(scenario())) >= 0
 
 
+def test_a_timer_run_early_is_armed_again_just_past_its_tick_not_a_tick_on() -> None:
+    """uvloop rounds a timer to whole milliseconds and runs it up to one early. Run so,
+    the timer expired nothing and was armed a TICK on: bounds fired up to two TICKs
+    late, where the README says at most one. Run early here by calling it early, with the
+    loop's clock half a millisecond short of its time."""
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines()
+        with deadlines.within(0.5):
+            handle = deadlines._handle
+            assert handle is not None
+            due = handle.when()
+            handle.cancel()
+            loop.time = lambda: due - 0.0005  # type: ignore[method-assign]
+            try:
+                deadlines._fire()  # half a millisecond before its time: nothing passed
+            finally:
+                del loop.time  # the loop's own clock again
+            again = deadlines._handle
+            assert again is not None
+            return due, again.when()
+
+    due, again = asyncio.run(scenario())
+    assert due < again <= due + 0.0011  # just past the tick, not 50 ms on
+
+
 def test_another_error_the_expired_block_ends_with_is_left_as_it_is() -> None:
     """Only the block's own cancellation reads as TimeoutError, as with asyncio.timeout."""
 
