@@ -27,6 +27,7 @@ _SERIES: dict[str, str] = {
     "vllm:iteration_tokens_total_count": "steps",
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prompt_tokens_cached_total": "prompt_tokens_cached",
     "vllm:request_success_total": "finished",
     "vllm:num_preemptions_total": "preemptions",
     "vllm:kv_cache_usage_perc": "kv_usage",
@@ -89,6 +90,9 @@ class EngineSignals:
     steps: float | None = None
     generation_tokens: float | None = None
     prompt_tokens: float | None = None
+    # Of the prompt tokens, those taken from a prefix cache (local, or transferred from a
+    # prefill instance) rather than prefilled; absent before vLLM counted them.
+    prompt_tokens_cached: float | None = None
     finished: float | None = None
     preemptions: float | None = None
     kv_usage: float | None = None
@@ -109,11 +113,26 @@ class EngineSignals:
 
     @property
     def prefill_per_token(self) -> float | None:
-        """The prefill time per prompt token; None where a figure is missing or zero."""
-        prefill, prompts = self.prefill_seconds, self.prompt_tokens
+        """The prefill time per prompt token computed; None where a figure is missing or
+        zero.
+
+        Tokens found in the prefix cache cost a step nothing: counted, a server whose
+        multi-turn prompts came 99 % from the cache had its prefill time spread over a
+        hundred times the tokens it computed, a 20 s step figured at 0.2 s, and the
+        engine was wedged inside its next one."""
+        prefill, prompts = self.prefill_seconds, self.computed_prompt_tokens
         if not (prefill and prompts) or prompts < 0:
             return None
         return prefill / prompts
+
+    @property
+    def computed_prompt_tokens(self) -> float | None:
+        """The prompt tokens prefilled: all of them, less those from a prefix cache where
+        vLLM counts those (and fewer than all)."""
+        prompts, cached = self.prompt_tokens, self.prompt_tokens_cached
+        if prompts is None or cached is None or not 0 < cached < prompts:
+            return prompts
+        return prompts - cached
 
     @property
     def prefill_step(self) -> float | None:

@@ -32,6 +32,7 @@ _ENGINE_NUMBERS = (
     "steps",
     "generation_tokens",
     "prompt_tokens",
+    "prompt_tokens_cached",
     "finished",
     "preemptions",
     "kv_usage",

@@ -130,9 +130,10 @@ def longest_step(signals: Signals) -> LongestStep | None:
             best = longer(best, LongestStep(gap, f"engine {engine.engine}: {why}"))
         seconds, per_token = engine.prefill_step, engine.prefill_per_token
         if seconds is not None and per_token is not None:
+            computed = " computed" if engine.computed_prompt_tokens != engine.prompt_tokens else ""
             why = (
-                f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token "
-                f"x up to {engine.largest_step_tokens:g} tokens in one step"
+                f"engine {engine.engine}: prefill {per_token * 1000:.3g} ms per prompt token"
+                f"{computed} x up to {engine.largest_step_tokens:g} tokens in one step"
             )
             if engine.longest_prefill is not None and engine.longest_prefill < seconds:
                 seconds = engine.longest_prefill

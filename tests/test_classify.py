@@ -1204,6 +1204,35 @@ def test_a_step_of_prompts_prefilled_together_does_not_stretch_the_window_by_the
     assert "window 60 s: longest step seen 20 s x3" in verdict.evidence
 
 
+def test_prompt_tokens_from_the_prefix_cache_do_not_shorten_the_prefill_step(
+    fixture_text: Load,
+) -> None:
+    """Multi-turn conversations: 99 % of the prompt tokens came from the prefix cache,
+    and only the rest were prefilled. Divided by every prompt token, the prefill time
+    made a 2,048-token step of 20 s one of 0.2 s: a window of two waits, and a healthy
+    engine inside its next such step was wedged at 10 s, and restarted."""
+    text = set_sample(capture(fixture_text, "wedge-1"), "vllm:prompt_tokens_total", "1000000.0")
+    text = set_sample(text, "vllm:prompt_tokens_cached_total", "990000.0")
+    # 20 s per 2,048 tokens computed (the largest step of the capture).
+    text = set_sample(text, "vllm:request_prefill_time_seconds_sum", f"{10_000 * 20 / 2048!r}")
+    lines = []
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.startswith("vllm:time_to_first_token_seconds_bucket{"):
+            bound = head.split('le="')[1].split('"')[0]
+            if bound != "+Inf" and float(bound) < 20:
+                value = "0.0"  # each request waited out a 20 s step for its first token
+        lines.append(f"{head} {value}")
+    reads = timed(["\n".join(lines) + "\n"] * 15, wait=WAIT)
+    decision = decide(reads[:3], max_reads=61)
+    assert isinstance(decision, TakeRead)
+    assert "inside its window 60 s" in decision.reason
+    assert "prefill 9.77 ms per prompt token computed" in decision.reason
+    verdict = settled(decide(reads[:14], max_reads=61))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "window 60 s: longest step seen 20 s x3" in verdict.evidence
+
+
 def test_a_check_that_runs_out_of_reads_inside_the_window_says_stalled(fixture_text: Load) -> None:
     frozen = with_gap_histogram(capture(fixture_text, "wedge-1"), "+Inf")
     result = walk(timed([frozen] * 5), max_reads=5)

@@ -142,6 +142,7 @@ def test_a_busy_capture_reads_exactly_as_written(fixture_text: Load) -> None:
             steps=998.0,
             generation_tokens=3329.0,
             prompt_tokens=57.0,
+            prompt_tokens_cached=0.0,
             finished=2.0,
             preemptions=0.0,
             kv_usage=0.001709088689495264,
