@@ -82,15 +82,17 @@ class Deadlines:
                 bound.expire()
         if not self._due:
             return
+        # Ticks whose blocks all left early stay on the heap until their time: one
+        # wake-up each at most, cheaper than finding them on every exit. Armed at the
+        # next one's time, not a TICK from now: run late (a loop held, and every run by
+        # a little), its next tick's bounds fired up to 2 TICKs late, and under a steady
+        # stream of bounds each run's lateness added to the next's.
         soonest = self._due[0] * TICK
         if passed:
-            # Ticks whose blocks all left early stay on the heap until their time: one
-            # wake-up each at most, cheaper than finding them on every exit.
-            self._arm(loop, max(soonest, now + TICK))
+            self._arm(loop, soonest)
         else:
             # Run before its time: uvloop rounds a timer to whole milliseconds and runs
-            # it up to one early. Armed a TICK on from here, its bounds fired up to
-            # 2 TICKs late; armed just past the tick instead (not at it: run early again,
+            # it up to one early. Armed just past the tick (not at it: run early again,
             # it would spin until then).
             self._arm(loop, soonest + _TIMER_GRAIN)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
 
-from llmhealth.deadlines import Deadlines
+from llmhealth.deadlines import TICK, Deadlines
 
 
 def test_a_block_past_its_deadline_raises_timeout_error() -> None:
@@ -140,6 +141,46 @@ def test_a_timer_run_early_is_armed_again_just_past_its_tick_not_a_tick_on() -> 
 
     due, again = asyncio.run(scenario())
     assert due < again <= due + 0.0011  # just past the tick, not 50 ms on
+
+
+def test_a_timer_run_late_is_armed_again_at_the_next_tick_not_a_tick_on() -> None:
+    """Run late (a loop held 40 ms), the timer was armed a TICK from then, not at the next
+    tick: that tick's bounds fired up to two TICKs late, and under a router's steady
+    stream of bounds each run's own lateness carried into the next. Run late here by
+    calling it with the loop's clock 40 ms past its time."""
+
+    async def scenario() -> tuple[float, float, float]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines()
+
+        async def bounded(seconds: float) -> None:
+            with pytest.raises(TimeoutError), deadlines.within(seconds):
+                await asyncio.Event().wait()
+
+        first = asyncio.create_task(bounded(10.0))
+        second = asyncio.create_task(bounded(10.0 + TICK))  # the tick after
+        await asyncio.sleep(0)  # both filed
+        handle = deadlines._handle
+        assert handle is not None
+        due = handle.when()
+        handle.cancel()
+        loop.time = lambda: due + 0.04  # type: ignore[method-assign]
+        try:
+            deadlines._fire()  # 40 ms late: the first bound's tick has passed
+        finally:
+            del loop.time  # the loop's own clock again
+        again = deadlines._handle
+        assert again is not None
+        await first  # expired by that run
+        next_tick = deadlines._due[0] * TICK
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+        return due, next_tick, again.when()
+
+    due, next_tick, again = asyncio.run(scenario())
+    assert due < next_tick < due + 0.04 + TICK  # the next tick is before a TICK on ...
+    assert again == next_tick  # ... and the timer is armed for it
 
 
 def test_another_error_the_expired_block_ends_with_is_left_as_it_is() -> None:
