@@ -773,6 +773,13 @@ def _spend_restart(b: _Backend, event: Event, policy: LedgerPolicy) -> tuple[Sta
     b.replaced_before_restart = _replaced_since(b, max(b.restart_times)) if earlier else None
     b.ran_before_restart = b.restart_ran_at if b.restart_times else None
     b.restart_times.append(event.now)
+    # Good news stamped after this restart came before it all the same: the wall clock
+    # stepped back by less than ``pull_back`` takes back (CLOCKS_APART). Left ahead, it
+    # read as good since the restart: its replacement passed for proven at once, holding
+    # no max_concurrent_restarts place, and no startup grace failed one that never
+    # answered. At the restart's instant it is before it (``_awaited_restart``).
+    if b.last_ok_at is not None and b.last_ok_at > event.now:
+        b.last_ok_at = event.now
     # Good verdicts towards recovery in place must be in a row, and RESTARTING ignores
     # every verdict: none seen during the attempt could break the streak, so it ends here.
     b.good_streak = 0

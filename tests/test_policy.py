@@ -1006,6 +1006,32 @@ def test_a_restart_seen_within_its_grace_on_a_steady_clock_holds_its_slot_past_a
     assert a.action is Action.SKIP and "1 restart already under way" in a.reason
 
 
+def test_a_restart_after_the_clock_stepped_back_under_a_minute_waits_for_its_replacement() -> None:
+    # The wall clock stepped back 30 s (NTP), less than pull_back takes back: a's last
+    # good verdict is stamped after its restart. Read as good since the restart, its
+    # replacement passed for proven at once: b was restarted beside it (a fault they
+    # share restarted the fleet), and no startup grace failed a replacement that never
+    # answered.
+    f = fleet("a", "b")
+    process = ProcessSeen(T0 - 5000, {"steps": 900.0})
+    for name in ("a", "b"):
+        f.ledger.apply(name, GoodVerdict(now=T0, request_ok=True, process=process))
+    back = T0 - 30
+    for name in ("a", "b"):
+        f.condemn(name, back)
+    assert f.decision("a", back).action is Action.RESTART
+    assert f.issue("a", back) is State.RESTARTING
+    f.ledger.apply("a", NewProcessUp(now=back + 10, process=ProcessSeen(back + 5, {})))
+    assert f.ledger.state_of("a") is State.STALE
+    assert f.ledger.restart_unproven("a", back + 15)
+    decision = f.decision("b", back + 15)
+    assert decision.action is Action.SKIP and "1 restart already under way" in decision.reason
+    grace = f.ledger.policy.startup_grace
+    assert f.ledger.overdue(back + grace) == ["a"]
+    # Good at the very instant of its restart is good before it, as for any restart.
+    assert f.ledger.snapshot("a", back).last_ok_at == back
+
+
 def test_a_cooldown_with_under_a_second_left_never_reads_as_over() -> None:
     f = fleet("a")
     f.condemn("a", T0)
