@@ -10,10 +10,12 @@ Restart commands and the serving hook run beside the loop, so no settle waits fo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -25,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 from rich.console import Console, Group
@@ -91,7 +93,7 @@ from llmhealth.heap import give_back_free_pages
 from llmhealth.leadership import Standing
 from llmhealth.ledger import BackendSnapshot
 from llmhealth.metrics import Signals
-from llmhealth.openfiles import reader_may_leave
+from llmhealth.openfiles import discard_output, reader_may_leave
 from llmhealth.probe import STANDBY_ASKS_NOTHING, ProbeSettings, steady_for
 from llmhealth.readers import ReadPool, ReadTasks, usable_cores, worker_count
 from llmhealth.remediate import (
@@ -122,6 +124,10 @@ if TYPE_CHECKING:  # `watch` without a router need not import the router
 # restart commands still running may take, their outcomes saved by one last settle.
 SHUTDOWN_GRACE = 10.0
 SERVING_HOOK_TIMEOUT = 30.0  # on_serving_change, e.g. `nginx -s reload`
+# Log lines waiting for a reader that stopped reading (its pipe full) before newer ones
+# are dropped, and how long an exit waits for those still waiting.
+LOG_LINES_WAITING = 1000
+LOG_FLUSH_TIMEOUT = 1.0
 # A cluster leader's settle made again, on the record as it now is, when an operator's
 # verb saved between its load and its save; past this the cycle is skipped as any failed
 # save is (its commands and traffic outcomes kept for the next).
@@ -138,6 +144,7 @@ _ERROR_KINDS = {
 Loader = Callable[[], tuple[config_module.Config, list[Target]]]
 T = TypeVar("T")
 A = TypeVar("A")
+P = ParamSpec("P")
 
 
 class Notifier:
@@ -156,6 +163,151 @@ class Notifier:
             # Never waits: on the loop's thread, a systemd too busy to take the datagram
             # (its queue full) must cost one lost notice, not the loop.
             sock.sendto(message, socket.MSG_DONTWAIT, self._address)
+
+
+class LogLines:
+    """The daemon's log on stderr, written by a thread of its own. A reader that stops
+    reading (`watch 2>&1 | less` left unscrolled, a stalled log shipper or container log
+    driver) fills the pipe, and a line written on the loop's thread blocked the loop, and
+    with it every cycle, watchdog ping and route, and the SIGTERM handler, for as long as
+    nobody read. Past LOG_LINES_WAITING lines waiting, newer ones are dropped and counted.
+    Written to the descriptor, not through ``sys.stderr``: a thread blocked holding its
+    buffer's lock aborts the interpreter's exit."""
+
+    def __init__(self) -> None:
+        self._waiting: queue.Queue[tuple[int, bytes] | threading.Event] = queue.Queue(
+            LOG_LINES_WAITING
+        )
+        self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self._dropped = 0
+
+    def write(self, message: str) -> None:
+        stream = sys.stderr
+        try:
+            descriptor = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a capture
+            descriptor = None
+        if descriptor is None or not self._started():
+            # Nothing to block on the way (a capture's memory), or no thread to write in
+            # (a process or pids limit): written here, as before.
+            with contextlib.suppress(OSError), reader_may_leave(stream):
+                print(message, file=stream, flush=True)
+            return
+        line = f"{message}\n".encode(stream.encoding or "utf-8", "backslashreplace")
+        try:
+            self._waiting.put_nowait((descriptor, line))
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def flush(self, timeout: float) -> None:
+        """Up to ``timeout`` for the lines waiting to be written: at exit, a reader that
+        stalls must not hold the stop past systemd's TimeoutStopSec."""
+        if self._writer is None:
+            return
+        written = threading.Event()
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(queue.Full):
+            self._waiting.put(written, timeout=timeout)
+            written.wait(max(0.0, deadline - time.monotonic()))
+
+    def _started(self) -> bool:
+        with self._lock:
+            if self._writer is None:
+                writer = threading.Thread(target=self._write, name="llmhealth-log", daemon=True)
+                try:
+                    writer.start()
+                except RuntimeError:
+                    return False
+                self._writer = writer
+            return True
+
+    def _write(self) -> None:
+        while True:
+            item = self._waiting.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            descriptor, line = item
+            with self._lock:
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                line = f"{dropped} log lines dropped: the log was not read\n".encode() + line
+            try:
+                while line:  # a write may take only part of it
+                    line = line[os.write(descriptor, line) :]
+            except BrokenPipeError:
+                discard_output(sys.stderr)  # its reader is gone: as ``reader_may_leave``
+            except OSError:
+                pass  # a log that cannot be written (a full disk: ENOSPC): the line is lost
+
+
+LOG_LINES = LogLines()  # one stderr per process
+
+
+class LeftAtExit(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor in `watch`: as many threads as asyncio's own, but
+    daemon threads, which neither the loop's close nor the interpreter's exit waits for.
+    A backend's name is looked up there (``loop.getaddrinfo``): with its DNS server not
+    answering (glibc: 5 s, twice, per server and search domain), a stopped daemon's exit
+    waited for the resolver, past the stop systemd allows (TimeoutStopSec), and was
+    killed. A lookup left running decides nothing; whatever else runs there is waited
+    for by its caller (the last state read, the elector's resignation)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # its own pool is never started: only its size is taken
+        self._threads_at_most = self._max_workers
+        # Calls to run; None tells the thread that takes it to end (``shutdown``).
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._started = 0
+        self._closed = False
+        self._starting = threading.Lock()
+
+    def submit(
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._starting:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if self._started < self._threads_at_most:
+                serving = threading.Thread(target=self._serve, name="llmhealth-pool", daemon=True)
+                try:
+                    serving.start()
+                    self._started += 1
+                except RuntimeError as exc:  # out of threads: told, unless one serves already
+                    if not self._started:
+                        future.set_exception(exc)
+                        return future
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # the caller's to hear, as ThreadPoolExecutor's
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self._calls.put(call)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Each thread told to end once it is free, none waited for: one held by a hung
+        lookup is left to the exit. Never told, the threads of every loop a daemon ran
+        in (a test's, a library's) stayed blocked on the queue for the process's life."""
+        with self._starting:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in range(self._started):
+                self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
 
 
 class Publication(NamedTuple):
@@ -374,10 +526,14 @@ class Daemon:
         """Watch until stopped; young garbage collections spaced meanwhile (gctune.py:
         at 10,000 backends the default's full collections were a quarter of the CPU)."""
         with young_collections_spaced():
-            return await self._run()
+            try:
+                return await self._run()
+            finally:
+                LOG_LINES.flush(LOG_FLUSH_TIMEOUT)
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(LeftAtExit())
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self._ask_reload)
@@ -1748,9 +1904,9 @@ class Daemon:
             self._console.log(message, markup=False, highlight=False, emoji=False)
         else:  # journald adds its own timestamp
             # A log's reader gone (a closed pipe) is no reason to stop watching or routing,
-            # nor is a log that cannot be written (a full disk: ENOSPC): the line is lost.
-            with contextlib.suppress(OSError), reader_may_leave(sys.stderr):
-                print(message, file=sys.stderr, flush=True)
+            # nor is a log that cannot be written (a full disk: ENOSPC): the line is lost;
+            # nor a reader that stops reading (``LogLines``).
+            LOG_LINES.write(message)
 
 
 def _a_judged_read(verdict: Verdict) -> bool:

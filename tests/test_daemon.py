@@ -52,7 +52,7 @@ from rich.console import Console
 from simproc import Simulator, child_env, free_port_block, running_simulator
 from werkzeug import Request, Response
 
-from llmhealth import cli, operate, probe, readers
+from llmhealth import cli, eventloop, operate, probe, readers
 from llmhealth import config as config_module
 from llmhealth import daemon as daemon_module
 from llmhealth.actions import AuditLog, CommandResult, read
@@ -3490,6 +3490,31 @@ def test_watch_outlives_the_terminal_it_logs_to(entry_point: str) -> None:
         assert watch.stop()[0] == 0
 
 
+@pytest.mark.slow
+def test_watch_goes_on_while_the_reader_of_its_log_stops_reading(entry_point: str) -> None:
+    """`watch ... 2>&1 | less` left unscrolled, a log shipper or container log driver that
+    stalls: its pipe full, the next log line's write blocked the event loop for as long
+    as nobody read. No cycle, no watchdog ping, no routing; and SIGTERM, whose handler
+    runs on that loop, was ignored until systemd's SIGKILL."""
+    read_end, write_end = os.pipe()
+    with ExitStack() as stack, os.fdopen(read_end, "rb"):  # held open, never read
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+        os.set_blocking(write_end, False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, b"x" * 512)  # full before the daemon's first line
+        os.set_blocking(write_end, True)
+        try:
+            watch = _watch_logging_to(entry_point, write_end, stack)
+        finally:
+            os.close(write_end)
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        watch.next_cycle(watch.next_cycle(first))  # each cycle a line nobody takes
+        code, took = watch.stop()
+        assert code == 0
+        assert took < STOP_BOUND
+
+
 def test_a_reload_that_only_respells_or_renames_keeps_what_the_server_was_seen_serving(
     tmp_path: Path,
 ) -> None:
@@ -4501,6 +4526,70 @@ def test_a_proxy_watch_could_not_read_is_not_exported_down(
     assert verdicts["b"] == "no_metrics"
     assert verdicts["lb"] != "down", verdicts
     assert ("lb", "down") not in view.probe_errors, view.probe_errors
+
+
+@pytest.mark.slow  # a lookup held for a while
+def test_a_stop_does_not_wait_for_a_name_lookup_that_hangs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend named by a host whose DNS server does not answer (glibc: 5 s, twice, per
+    server and search domain): its lookup ran in the loop's default executor, whose
+    threads the loop's close and the interpreter's exit both wait for, and a stopped
+    daemon's exit waited for the resolver, past the stop systemd allows."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    real = socket.getaddrinfo
+    asked, answer = threading.Event(), threading.Event()
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "hung.test":
+            asked.set()
+            answer.wait(STOP_BOUND * 3)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    config = config_module.Config(timeout=1.0, answer_timeout=1.0, read_workers=1)
+    targets = [Target("h", "http://hung.test:8000")]
+    daemon = a_daemon(lambda: (config, targets), StateFile(tmp_path / "state.json"), wait=0.2)
+
+    async def scenario() -> int:
+        running = asyncio.create_task(daemon.run())
+        deadline = time.monotonic() + PATIENCE
+        while not asked.is_set():
+            assert time.monotonic() < deadline and not running.done(), "never looked up"
+            await asyncio.sleep(POLL)
+        daemon.stop()
+        return await running
+
+    try:
+        started = time.monotonic()
+        assert eventloop.run(scenario()) == 0  # as `watch` runs it
+        took = time.monotonic() - started
+    finally:
+        answer.set()
+    assert took < STOP_BOUND, f"the stop waited {took:.1f} s for a name lookup"
+
+
+def test_the_daemons_default_executor_runs_calls_and_ends_its_threads_at_shutdown() -> None:
+    """Its threads are left to the exit, not waited for; told to end at shutdown all the
+    same, or each loop a daemon ran in (a test's, a library's) left them blocked for the
+    process's life."""
+
+    def pool_threads() -> int:
+        return sum(thread.name == "llmhealth-pool" for thread in threading.enumerate())
+
+    before = pool_threads()
+    executor = daemon_module.LeftAtExit()
+    futures = [executor.submit(pow, 2, n) for n in range(20)]
+    assert [future.result(PATIENCE) for future in futures] == [2**n for n in range(20)]
+    assert pool_threads() > before
+    executor.shutdown(wait=False)
+    with pytest.raises(RuntimeError):
+        executor.submit(pow, 2, 2)
+    deadline = time.monotonic() + PATIENCE
+    while pool_threads() > before:
+        assert time.monotonic() < deadline, "the pool's threads never ended"
+        time.sleep(POLL)
 
 
 def test_an_nginx_serving_file_names_the_port_each_backend_listens_on(tmp_path: Path) -> None:
