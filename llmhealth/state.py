@@ -465,11 +465,20 @@ class StateFile:
 
     def _target(self) -> Path:
         """The file the state is: where the path's symbolic links lead, if it has any; as
-        root, only where nobody else can redirect it (``trusted_target``)."""
+        root, only where nobody else can redirect it (``trusted_target``). Never another
+        state's lock file (``_lock_of``)."""
         try:
-            return trusted_target(self.path)
+            target = trusted_target(self.path)
         except OSError as exc:
             raise StateError(f"state {self.path}: {exc}") from exc
+        for path in (self.path, target):
+            state = _lock_of(path)
+            if state is not None:
+                raise StateError(
+                    f"state {self.path} is the lock file of the state {state}, not a state: "
+                    f"left in place (give --state {state})"
+                )
+        return target
 
     def _set_aside(self) -> Path:
         target = self._target()
@@ -485,6 +494,19 @@ class StateFile:
                 f"state {self.path} is unreadable and cannot be moved aside: {exc}"
             ) from exc
         return aside
+
+
+def _lock_of(path: Path) -> Path | None:
+    """The state file ``path`` is the lock of (``lock_beside``), when there is one beside it.
+
+    Given as a state (`--state state.json.lock`, a completion a key too far), the lock,
+    empty between runs, was read as a state a crash had emptied: moved aside as corrupt,
+    while a run beside it might hold it, and the next such run saved a ledger in its
+    place, which every run on the real state truncated as it took its lock."""
+    if not path.name.endswith(".lock"):
+        return None
+    state = path.with_name(path.name.removesuffix(".lock"))
+    return state if os.path.isfile(state) else None
 
 
 def _could_be_ours(raw: bytes) -> bool:

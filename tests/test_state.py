@@ -1155,3 +1155,32 @@ def test_a_save_syncs_the_directory_its_rename_is_in(
     with store.locked():
         store.save({"n": 1})
     assert len(synced) == 1
+
+
+@pytest.mark.parametrize("verb", ["check", "status"])
+def test_a_state_path_that_is_another_states_lock_is_left_in_place(
+    tmp_path: Path, verb: str
+) -> None:
+    # `--state state.json.lock`, a completion a key too far. The lock, empty between runs,
+    # was taken for a state a crash had emptied and moved aside as corrupt (a run beside
+    # it may hold it); the next such check saved a ledger in its place, renamed over the
+    # lock another run held, which every run on the real state then truncated.
+    state = StateFile(tmp_path / "state.json")
+    with state.locked():
+        state.save({"ledger": {}})
+    lock = state.lock_path
+    before = lock.stat()
+    command = Path(sys.executable).with_name("llmhealth")
+    args = ["http://127.0.0.1:9"] if verb == "check" else []
+    done = subprocess.run(
+        [str(command), verb, *args, "--state", str(lock)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 3, done.stderr
+    assert f"is the lock file of the state {state.path}" in done.stderr
+    after = lock.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, 0)
+    assert sorted(os.listdir(tmp_path)) == ["state.json", "state.json.lock"]
