@@ -388,6 +388,8 @@ class AuditLog:
         # A batch's encoded container values by identity (encode_record); a record's
         # values are not changed while its batch is open.
         self._shared: dict[int, tuple[object, str]] | None = None
+        # Where the last batch's write landed (``take_back_batch``), until the next batch.
+        self._landed: _Landed | None = None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -412,6 +414,7 @@ class AuditLog:
             return
         self._pending = []
         self._shared = {}
+        self._landed = None
         try:
             yield
         except BaseException:
@@ -419,7 +422,44 @@ class AuditLog:
             raise
         lines, self._pending, self._shared = self._pending, None, None
         if lines:
-            self._write(b"".join(lines), len(lines))
+            self._landed = self._write(b"".join(lines), len(lines))
+
+    def take_back_batch(self) -> None:
+        """Cut the last batch's records back out of the log: the state they led to was
+        written aside and then not put in place (its rename refused after they were made
+        durable: a state file that is a mount of its own, as a container's single-file
+        volume is, or an immutable one). Kept, the trail said a verb was applied, or a
+        restart issued, that never was, once more at every try. Only while the log still
+        ends where that write ended, in the same file: records appended since, by a
+        writer that takes no lock, stay, and with them ours. Best effort: the caller
+        already fails for its state."""
+        landed, self._landed = self._landed, None
+        if landed is None:
+            return
+        deadline = time.monotonic() + self.lock_timeout
+        try:
+            fd = open_within(
+                trusted_target(self.path),
+                os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0,
+                self.lock_timeout,
+            )
+        except OSError:
+            return
+        try:
+            if lock_within(fd, max(0.0, deadline - time.monotonic())):
+                status = os.fstat(fd)
+                if (status.st_dev, status.st_ino, status.st_size) == (
+                    landed.device,
+                    landed.inode,
+                    landed.end,
+                ):
+                    os.ftruncate(fd, landed.start)
+                    os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            unlock_and_close(fd)
 
     def append(self, record: Mapping[str, object]) -> None:
         """Write one record durably (fsync, or at the end of a batch) or raise AuditError."""
@@ -429,7 +469,7 @@ class AuditLog:
         else:
             self._write(line, 1)
 
-    def _write(self, lines: bytes, count: int) -> None:
+    def _write(self, lines: bytes, count: int) -> _Landed:
         kept = (
             "the record was not kept" if count == 1 else f"not all of its {count} records were kept"
         )
@@ -490,6 +530,8 @@ class AuditLog:
                 except AuditError:
                     _take_back(fd, size, size + written)
                     raise
+            status = os.fstat(fd)
+            return _Landed(status.st_dev, status.st_ino, size, size + written)
         except OSError as exc:
             raise AuditError(f"{self.path}: cannot write the audit log: {_why(exc)}") from exc
         finally:
@@ -506,6 +548,17 @@ class AuditLog:
                 f"log shipper holding flock on it?); gave up after "
                 f"{self.lock_timeout:g} s; {kept}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Landed:
+    """Where a write went: the log's file (device, inode), its size before the write,
+    and after it."""
+
+    device: int
+    inode: int
+    start: int
+    end: int
 
 
 def _after_a_torn_line(fd: int) -> bytes:

@@ -412,6 +412,8 @@ def _close(
             try:
                 store.save(record.to_document(), before=batch.close)
             except StateError as exc:
+                if isinstance(audit, AuditLog):  # its records may be durable already
+                    audit.take_back_batch()
                 from llmhealth.cluster import SaveUnansweredError  # noqa: PLC0415
 
                 if isinstance(exc, SaveUnansweredError):

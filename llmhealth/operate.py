@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ParamSpec
 
-from llmhealth.actions import Audit
+from llmhealth.actions import Audit, AuditLog
 from llmhealth.config import COMMAND_LINE, Config
 from llmhealth.cycle import fresh_record, ledger_policy
 from llmhealth.fleet import FleetRecord, MembershipChange, saved_floor
@@ -80,7 +80,12 @@ class _Edit:
             for change in self.added:
                 audit.append(change.audit_record(now, actor()))
             audit.append(entry)
-            store.save(self.record.to_document(), before=batch.close)
+            try:
+                store.save(self.record.to_document(), before=batch.close)
+            except StateError:
+                if isinstance(audit, AuditLog):  # its records may be durable already
+                    audit.take_back_batch()
+                raise
 
 
 @contextlib.contextmanager

@@ -483,6 +483,31 @@ def test_a_batch_ended_by_an_exception_writes_nothing(tmp_path: Path) -> None:
     assert [record["event"] for record in read(log.path)] == ["after"]
 
 
+def test_a_batch_taken_back_leaves_only_what_it_did_not_write(tmp_path: Path) -> None:
+    # Its state refused its rename (cycle._close, operate): the batch's records go, and
+    # nothing else does: not an earlier batch's, when the last one wrote nothing, nor a
+    # record another writer appended after it.
+    log = AuditLog(tmp_path / "audit.jsonl")
+    with log.batch():
+        log.append({"event": "saved"})
+    with log.batch():
+        log.append({"event": "unsaved"})
+    log.take_back_batch()
+    log.take_back_batch()  # once only
+    assert [record["event"] for record in read(log.path)] == ["saved"]
+    with pytest.raises(RuntimeError, match="before its write"), log.batch():
+        log.append({"event": "never written"})
+        raise RuntimeError("before its write")
+    log.take_back_batch()
+    assert [record["event"] for record in read(log.path)] == ["saved"]
+    with log.batch():
+        log.append({"event": "unsaved"})
+    AuditLog(log.path).append({"event": "another writer's"})
+    log.take_back_batch()
+    events = [record["event"] for record in read(log.path)]
+    assert events == ["saved", "unsaved", "another writer's"]
+
+
 def test_a_batch_that_cannot_be_written_raises_audit_error(
     tmp_path: Path,
 ) -> None:

@@ -852,3 +852,58 @@ def test_only_release_acts_on_a_name_the_config_dropped_that_keeps_its_hold(
     assert [(r["event"], r["reason"]) for r in read(tmp_path / "audit.jsonl")] == [
         ("release", "released hold: weight sync")
     ]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="root and util-linux unshare (a mount namespace of its own)",
+)
+@pytest.mark.parametrize(
+    "run", [("hold", "gpu0", "--for", "30m", "--reason", "weight sync"), ("check",)]
+)
+def test_a_run_whose_state_cannot_be_renamed_over_leaves_no_audit_record(
+    state: Path, run: tuple[str, ...]
+) -> None:
+    """A state file that is a mount of its own (a container's single-file volume, `docker
+    run -v state.json:...`) is written aside, then refused its rename (EBUSY) after the
+    run's audit records were made durable: kept, the trail said a verb was applied, or a
+    settle's moves made, that never were, once more at every try (every wait, in
+    `watch`)."""
+    config = state.with_name("fleet.toml")
+    config.write_text(
+        f'state = "{state}"\n'
+        '[[backend]]\nname = "gpu0"\nurl = "http://127.0.0.1:9"\n'
+        '[[backend]]\nname = "gpu1"\nurl = "http://127.0.0.1:10"\n'
+    )
+    audit = state.with_name("audit.jsonl")
+    done = llmhealth("retire", "gpu1", "--reason", "bad GPU", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    saved, trail = state.read_bytes(), audit.read_bytes()
+    command = shutil.which("llmhealth", path=str(Path(sys.executable).parent))
+    assert command is not None
+    failed = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount --bind "$0" "$0" || exit 77; for try in 1 2; do "$@"; done',
+            str(state),
+            command,
+            *run,
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if failed.returncode == 77 or "unshare:" in failed.stderr:
+        pytest.skip(f"no mount namespace here: {failed.stderr.strip()[:200]}")
+    assert failed.returncode == 3, failed.stderr
+    assert f"cannot write state {state}" in failed.stderr
+    assert "Device or resource busy" in failed.stderr
+    # Nothing was applied, and the trail does not say it was.
+    assert state.read_bytes() == saved
+    assert audit.read_bytes() == trail
