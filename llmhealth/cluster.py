@@ -83,7 +83,13 @@ AUDIT_RECORD_BYTES = 8 * 1024
 AUDIT_BATCH_BYTES = 256 * 1024
 AUDIT_SHARE_FLOOR = 384  # bytes per record when one write carries hundreds of them
 _AUDIT_WHOLE = frozenset({"time", "actor", "backend", "event", "from", "to", "member", "fence"})
-_AUDIT_PAGE = 64  # audit keys read per request, newest first
+_AUDIT_PAGE = 64  # audit keys' names read per request by ``read_audit``, newest first
+# The values of those read in one request, as their names' record counts bound them
+# (``_batch_bytes``): about 11 MiB as etcd's JSON, a third of what an answer may be, as a
+# record whose decision alone passes its share is kept whole. Read 64 at a time whatever
+# they held, the batches of settles of 1,500 records (500 KB each) made an answer past
+# the 32 MiB one may be, and `llmhealth audit` failed on every run.
+_AUDIT_VALUES_BYTES = 8 * 1024 * 1024
 _TRIM_PAGE = 10_000  # audit keys' names read per request by the trim: about 2 MiB
 PUBLICATION_BYTES = 512 * 1024  # one key of a member's published verdicts (shard_reads)
 PUBLICATION_PAGE = 16  # such keys per read of them: 8 MiB, about 11 as etcd's JSON
@@ -1406,8 +1412,9 @@ def read_audit(
 ) -> AuditScan:
     """The audit records under the prefix, oldest first; only the ``last`` ones if given.
 
-    Read newest first a page of keys at a time, so ``--last 20`` reads a few keys, not
-    the whole trail; ordered by the revision each batch was written at.
+    Read newest first a page of keys' names at a time, then their values in runs one
+    answer can carry, so ``--last 20`` reads a few keys, not the whole trail; ordered by
+    the revision each batch was written at.
 
     ``each``: as for ``parse_records``, every record handed to it as it is parsed and
     none kept. The batches' bytes are held (at most ``audit_keep`` records of 8 KiB);
@@ -1417,10 +1424,13 @@ def read_audit(
     batches: list[tuple[int, str, bytes]] = []
     held, end = 0, None
     while last is None or held < last:
-        page = etcd.scan_down(keys.audit, end, _AUDIT_PAGE)
-        for name, found in page:
-            batches.append((found.create_revision, name, found.value))
-            held += _records_in(name)
+        page = etcd.scan_down(keys.audit, end, _AUDIT_PAGE, keys_only=True)
+        for group in _value_groups(page):
+            if last is not None and held >= last:
+                break  # ``--last 20`` reads no run of values past those it shows
+            for name, found in _values_of(etcd, keys, group):
+                batches.append((found.create_revision, name, found.value))
+                held += _records_in(name)
         if len(page) < _AUDIT_PAGE:
             break
         # The next page below this one's last key, by its bytes: its text re-encoded sorts
@@ -1429,6 +1439,42 @@ def read_audit(
     batches.sort()
     lines = (raw for _, _, value in batches for raw in value.splitlines())
     return parse_records(lines, last, each)
+
+
+def _batch_bytes(key: str) -> int:
+    """About the most a batch key's value holds, by the record count its name gives
+    (``audit_value``): 8 KiB a record, within 256 KiB in all, or 384 bytes a record past
+    that (a settle of hundreds)."""
+    records = _records_in(key)
+    return min(records * AUDIT_RECORD_BYTES, max(AUDIT_BATCH_BYTES, records * AUDIT_SHARE_FLOOR))
+
+
+def _value_groups(
+    page: list[tuple[str, KeyValue]],
+) -> Iterator[list[tuple[str, KeyValue]]]:
+    """A page of audit keys, newest first, in runs whose values one answer can carry
+    (``_AUDIT_VALUES_BYTES``; one key at least)."""
+    group: list[tuple[str, KeyValue]] = []
+    size = 0
+    for name, found in page:
+        if group and size + _batch_bytes(name) > _AUDIT_VALUES_BYTES:
+            yield group
+            group, size = [], 0
+        group.append((name, found))
+        size += _batch_bytes(name)
+    if group:
+        yield group
+
+
+def _values_of(
+    etcd: Etcd, keys: Keys, group: list[tuple[str, KeyValue]]
+) -> list[tuple[str, KeyValue]]:
+    """The values of a run of audit keys (newest first), read at once: those below its
+    first key's bytes down to its last's (a trim since the names were read leaves fewer;
+    none below the run is taken, the next run reads those)."""
+    top, bottom = group[0][1].key + b"\0", group[-1][1].key
+    found = etcd.scan_down(keys.audit, top, len(group))
+    return [(name, value) for name, value in found if value.key >= bottom]
 
 
 class ReadOnlyStore(EtcdStore):

@@ -25,8 +25,9 @@ from llmhealth import http1
 from llmhealth.text import dialable
 
 WHOLE_SECONDS: Final = 5.0  # one exchange, connect to last byte (etcdctl's command timeout)
-# The largest answer read: a page of 64 audit keys of up to 256 KiB each, base64 in JSON
-# (about 22 MiB). Decoded, etcd's JSON takes about 1.5 times its bytes; a hostile answer
+# The largest answer read: a page of a member's published verdicts (8 MiB) or of audit
+# batches (8 MiB by their record counts), base64 in JSON (about 11 MiB), with room for
+# records past their share. Decoded, etcd's JSON takes about 1.5 times its bytes; a hostile answer
 # of empty objects up to about 20 times, so this also bounds the memory of the decoding.
 MAX_ANSWER_BYTES: Final = 32 * 1024 * 1024
 _READ_SIZE: Final = 256 * 1024

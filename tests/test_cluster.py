@@ -878,6 +878,34 @@ def test_a_settle_with_thousands_of_records_still_fits_one_etcd_request(
     assert sum(len(found.value) for found in etcd.get_prefix(keys.audit).values()) <= 600_000
 
 
+def test_a_trail_of_settles_of_thousands_of_records_is_still_read(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # 750 wedges proven at once write 1,500 records (about 500 KB). The trail was read 64
+    # keys' values at a time: 64 such settles made an answer past the 32 MiB one may be,
+    # and `llmhealth audit`, even `--last 1`, failed on every run while they were kept.
+    etcd = Etcd(etcd_server.endpoints)
+    store = EtcdStore(etcd, keys, None)
+    why = "wedged: engine 0 ran 3 requests and waited 1 for 412 s without a step"
+    evidence = f"{why}; tokens 120934 unchanged; window 300 s (two waits), prefill 0.2 s"
+    with store.locked():
+        store.load(dict)
+        for index in range(1500):
+            record = audit_record(index, member="node-a", fence=12, reason=why, evidence=evidence)
+            store.audit.append(record)
+        store.save({"value": 1})
+    [batch] = etcd.get_prefix(keys.audit).values()
+    assert len(batch.value) > 450_000
+    for index in range(1, 64):  # the next 63 such settles, newest last
+        later = f"{keys.audit}{batch.mod_revision + index:020d}-0000{index:04x}-001500"
+        etcd.txn([], [cluster.put(later, batch.value)])
+    trail = read_audit(etcd, keys, last=1)
+    assert [record["n"] for record in trail.records] == [1499]
+    counted: list[int] = []
+    read_audit(etcd, keys, each=lambda _record: counted.append(1))
+    assert len(counted) == 64 * 1500
+
+
 def test_operator_verbs_on_a_cluster_write_their_records_into_its_trail(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:
