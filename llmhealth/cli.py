@@ -78,15 +78,26 @@ def _number_or_text(value: str) -> float | str:
 
 WaitOption = Annotated[
     str | None,
-    typer.Option("--wait", help="Time between two reads of a backend (e.g. 5, '5s'). Default 5s."),
+    typer.Option(
+        "--wait",
+        help="Time between two reads of a backend (e.g. 5, '5s'). Default: the config's "
+        "wait, else 5s.",
+    ),
 ]
 TimeoutOption = Annotated[
     str | None,
-    typer.Option("--timeout", help="Bound on one HTTP read, connect to last byte. Default 5s."),
+    typer.Option(
+        "--timeout",
+        help="Bound on one HTTP read, connect to last byte. Default: the config's timeout, "
+        "else 5s.",
+    ),
 ]
 AnswerTimeoutOption = Annotated[
     str | None,
-    typer.Option("--answer-timeout", help="Bound on the tiny request. Default 10s."),
+    typer.Option(
+        "--answer-timeout",
+        help="Bound on the tiny request. Default: the config's answer_timeout, else 10s.",
+    ),
 ]
 ConfigOption = Annotated[
     str | None,
@@ -783,7 +794,11 @@ def simulate(
 
 @app.command()
 def demo() -> None:
-    """Start a small simulated fleet, check it once, show the verdicts, stop the fleet."""
+    """Start a simulated fleet and show check, watch, route and a takeover on it (about 45 s).
+
+    One check; `watch` proving a wedge and restarting it; `route` serving a client while a
+    backend wedges; with etcd installed, two daemons on one fleet and the leader killed.
+    Everything it started stops by itself, and on Ctrl-C."""
     from llmhealth.demo import run_demo  # noqa: PLC0415 - only the demo needs it
     from llmhealth.render import console_for_output  # noqa: PLC0415
 

@@ -70,17 +70,8 @@ def report_renderables(report: CycleReport) -> list[RenderableType]:
                     f"({transition.kind})"
                 )
         lines.append(line)
-    fleet = report.fleet
-    if fleet.floor_breached:
-        lines.append(Text.assemble(("fleet", "bold red"), ": ", printable(fleet.message)))
-    elif any(backend.snapshot is not None for backend in report.backends):
-        lines.append(
-            Text.assemble(
-                ("fleet", "bold"),
-                f": {fleet.serving} serving (min_healthy {fleet.min_healthy}), "
-                f"membership epoch {fleet.epoch}",
-            )
-        )
+    if report.fleet.floor_breached or any(b.snapshot is not None for b in report.backends):
+        lines.append(_fleet_line(report.fleet))
     for restart in report.restarts:
         if restart.dry_run and restart.action != "skip":
             done = "dry run: would " + restart.action
@@ -176,7 +167,10 @@ def print_status(
     table.add_column("hold / last error", overflow="fold")
     for snap in snapshots:
         hold = holds.get(snap.name)
-        note = hold.describe(now) if hold is not None and hold.active(now) else snap.last_error
+        # Both: a held backend's last error is shown nowhere else (the fleet's line names
+        # none), and the hold is why a DEAD one is not restarted.
+        held = hold.describe(now) if hold is not None and hold.active(now) else ""
+        note = "; ".join(part for part in (held, snap.last_error) if part)
         table.add_row(
             Text(printable(snap.name)),
             Text(str(snap.state)),
@@ -191,9 +185,20 @@ def print_status(
     console.print(table)
     for name, hold in unconfigured_holds(snapshots, holds, now).items():
         console.print(Text(printable(f"{name} (not configured): {hold.describe(now)}")))
-    style = "bold red" if fleet.floor_breached else "bold"
-    console.print(Text.assemble(("fleet", style), ": ", printable(fleet.message)))
-    console.print(Text(f"membership epoch {fleet.epoch}"))
+    console.print(_fleet_line(fleet))
+
+
+def _fleet_line(fleet: FleetSummary) -> Text:
+    """The fleet against its floor, in one short line. Not ``fleet.message``: that names
+    every backend's state and last error, each wedge's evidence in full, which the rows
+    above show already; below them it was a paragraph as long as the fleet (90 KB for 200
+    wedged backends) that pushed the table off the operator's screen."""
+    breached = "FLOOR BREACHED: " if fleet.floor_breached else ""
+    return Text.assemble(
+        ("fleet", "bold red" if fleet.floor_breached else "bold"),
+        f": {breached}{fleet.serving} serving (min_healthy {fleet.min_healthy}), "
+        f"membership epoch {fleet.epoch}",
+    )
 
 
 def _ago(seconds: float) -> str:

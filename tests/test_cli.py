@@ -1416,3 +1416,23 @@ def test_help_that_names_a_toml_table_shows_its_name(args: list[str], named: str
     # The panels' borders and the wrapping set aside: the words, in order.
     words = " ".join(shown.output.replace("│", " ").split())
     assert named in words, words
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["check", "--help"], "Default: the config's wait, else 5s."),
+        (["check", "--help"], "Default: the config's timeout, else 5s."),
+        (["check", "--help"], "Default: the config's answer_timeout, else 10s."),
+        (["watch", "--help"], "Default: the config's wait, else 5s."),
+        (["demo", "--help"], "watch"),
+    ],
+)
+def test_help_says_what_the_verb_does_by_default(args: list[str], said: str) -> None:
+    """`--wait` said "Default 5s" where a config's wait is the default (`check -c` with
+    `wait = "1s"` reads every second); `demo` said "check it once", and ran a check,
+    `watch`, `route` and a takeover for about 45 s."""
+    shown = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert shown.exit_code == 0, shown.output
+    words = " ".join(shown.output.replace("│", " ").split())
+    assert said in words, words

@@ -102,6 +102,45 @@ def test_status_shows_no_terminal_control_a_record_holds(tmp_path: Path) -> None
     assert "\x1b" not in table.stdout and "\x07" not in table.stdout
 
 
+def test_status_names_each_backend_s_last_error_once_not_again_below_the_table(
+    tmp_path: Path,
+) -> None:
+    """Below the table, the fleet's line repeated every backend's state and last error,
+    each wedge's evidence in full: 200 wedged backends put 90 KB more on the operator's
+    terminal in one paragraph, after the table that already shows them."""
+    backends = [(f"gpu{i}", f"http://127.0.0.1:{1000 + i}") for i in range(200)]
+    ledger = Ledger(LedgerPolicy(), backends, now=T0)
+    for name, _ in backends:
+        ledger.apply(name, WedgeProven(now=T0, evidence="steps 8660→8660→8660 " + "x" * 400))
+    path = tmp_path / "state.json"
+    store = StateFile(path)
+    with store.locked():
+        store.save(FleetRecord(ledger).to_dict())
+    table = llmhealth("status", "--state", str(path))
+    assert table.returncode == 2, table.stderr
+    below = table.stdout.rpartition("└")[2]
+    assert "last error" not in below and len(below) < 300, below[:600]
+    assert "floor breached" in below.lower() and "0 serving" in below, below
+
+
+def test_a_check_under_its_floor_says_so_in_one_short_line(tmp_path: Path) -> None:
+    """A check under the floor ended with the fleet's line naming every backend's state
+    and last error again, the evidence of each past wedge in full: at 3 a.m. the lines
+    that matter scrolled away behind it."""
+    backends = [(f"gpu{i}", f"http://127.0.0.1:{9 + i}") for i in range(2)]
+    path = saved_fleet(tmp_path / "state.json", backends, "gpu1")
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'state = "{path}"\n[policy]\nmin_healthy = 2\n'
+        + "".join(f'[[backend]]\nname = "{n}"\nurl = "{u}"\n' for n, u in backends)
+    )
+    result = llmhealth("check", "--config", str(config), "--no-restart", "--wait", "0.1")
+    assert result.returncode == 2, result.stderr
+    (fleet,) = [line for line in result.stdout.splitlines() if line.startswith("fleet")]
+    assert "FLOOR BREACHED" in fleet and "8660" not in result.stdout, result.stdout
+    assert len(fleet) < 100, fleet
+
+
 def test_a_dead_backend_cannot_be_readmitted_and_nothing_changes(state: Path) -> None:
     before = state.read_bytes()
     result = llmhealth("readmit", "gpu1", "--state", str(state))

@@ -83,6 +83,22 @@ def test_status_shows_a_hold_reason_and_a_name_as_written() -> None:
     assert "│ gpu0\\ " in text, text
 
 
+def test_status_shows_a_held_backend_s_last_error_beside_its_hold() -> None:
+    """The fleet's line below the table no longer names each last error: a held DEAD
+    backend's, hidden behind its hold in the table, was shown nowhere."""
+    out = io.StringIO()
+    hold = Hold(reason="weight sync", until=2000.0, by="op")
+    print_status(
+        [snapshot("gpu0", State.DEAD, last_error="wedged: steps 1→1→1")],
+        {"gpu0": hold},
+        FLEET,
+        1000.0,
+        Console(file=out, width=300, color_system=None),
+    )
+    text = out.getvalue()
+    assert "weight sync; wedged: steps 1→1→1" in text, text
+
+
 def test_the_daemons_log_on_a_terminal_shows_emoji_codes_as_written() -> None:
     # rich turned ":fire:" in a model id or an operator's reason into an emoji, so the
     # logged line no longer matched the real string.
