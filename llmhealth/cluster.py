@@ -1471,10 +1471,23 @@ def _values_of(
 ) -> list[tuple[str, KeyValue]]:
     """The values of a run of audit keys (newest first), read at once: those below its
     first key's bytes down to its last's (a trim since the names were read leaves fewer;
-    none below the run is taken, the next run reads those)."""
-    top, bottom = group[0][1].key + b"\0", group[-1][1].key
-    found = etcd.scan_down(keys.audit, top, len(group))
-    return [(name, value) for name, value in found if value.key >= bottom]
+    none below the run is taken, the next run reads those). Only the names read: a batch
+    written since may sort inside the run (records alone, under the revision last read,
+    and a random nonce), and taken in one answer asked by count, it pushed the run's
+    oldest out, a batch in no read of the trail; so the answer is read on below its last
+    key while a name is missing."""
+    wanted = {found.key for _, found in group}
+    end, bottom = group[0][1].key + b"\0", group[-1][1].key
+    values: list[tuple[str, KeyValue]] = []
+    while wanted:
+        found = etcd.scan_down(keys.audit, end, len(wanted))
+        inside = [(name, value) for name, value in found if value.key >= bottom]
+        values += [(name, value) for name, value in inside if value.key in wanted]
+        wanted -= {value.key for _, value in inside}
+        if len(inside) < len(found) or not inside:
+            break  # past the run's last key, or nothing left in it
+        end = inside[-1][1].key
+    return values
 
 
 class ReadOnlyStore(EtcdStore):

@@ -35,6 +35,7 @@ from llmhealth.cluster import (
     EtcdStore,
     FencedOutError,
     Keys,
+    KeyValue,
     NotLeaderError,
     Observation,
     ReadOnlyStore,
@@ -904,6 +905,35 @@ def test_a_trail_of_settles_of_thousands_of_records_is_still_read(
     counted: list[int] = []
     read_audit(etcd, keys, each=lambda _record: counted.append(1))
     assert len(counted) == 64 * 1500
+
+
+def test_a_batch_written_between_the_trails_names_and_values_hides_none_read(
+    etcd_server: EtcdCluster, keys: Keys
+) -> None:
+    # Sections that save nothing write their records alone, under the record's revision as
+    # read, and a random nonce: a later one's key may sort below an earlier one's. Written
+    # between the read of the trail's names and that of their values, it took a place in
+    # the run of values asked by count, and the run's oldest batch was in no audit read.
+    etcd = Etcd(etcd_server.endpoints)
+
+    def write(revision: int, nonce: str, index: int) -> None:
+        key = f"{keys.audit}{revision:020d}-{nonce}-000001"
+        etcd.txn([], [cluster.put(key, json.dumps(audit_record(index)).encode())])
+
+    write(10, "aaaaaaaa", 0)
+    write(20, "ffffffff", 1)
+
+    class Writing(Etcd):
+        def scan_down(
+            self, prefix: str, end: str | bytes | None, limit: int, *, keys_only: bool = False
+        ) -> list[tuple[str, KeyValue]]:
+            found = super().scan_down(prefix, end, limit, keys_only=keys_only)
+            if keys_only:  # another section's records, between the names and the values
+                write(20, "00000000", 2)
+            return found
+
+    trail = read_audit(Writing(etcd_server.endpoints), keys)
+    assert sorted(record["n"] for record in trail.records) == [0, 1]
 
 
 def test_operator_verbs_on_a_cluster_write_their_records_into_its_trail(
