@@ -260,7 +260,18 @@ def _daemon_store(
 def _seat(cluster: config_module.Cluster) -> Seat:
     from llmhealth.cluster import Seat  # noqa: PLC0415
 
-    return Seat.for_config(cluster, _log_quoted)
+    return Seat.for_config(cluster, _daemon_log_quoted)
+
+
+def _daemon_log_quoted(message: str) -> None:
+    """``_log_quoted`` for `watch` and `route`: written by the daemon's log thread
+    (``LogLines``). Written on the elector's own thread to a log nobody read, it blocked
+    that thread, which renewed the lease no more: leadership lost a TTL on, for as long
+    as nobody read, and a stop that waited the TTL for the thread."""
+    from llmhealth.daemon import LOG_LINES  # noqa: PLC0415
+    from llmhealth.text import printable  # noqa: PLC0415
+
+    LOG_LINES.write(printable(message))
 
 
 def _log_quoted(message: str) -> None:

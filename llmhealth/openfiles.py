@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import resource
 import socket
@@ -305,13 +306,19 @@ async def look_up(loop: asyncio.AbstractEventLoop, host: str, port: int) -> Sequ
     short is asked only once the failure is back on the loop: at the limit, another
     connection closed meanwhile, and the healthy server behind the name was `down`
     ("name does not resolve"). A name that does not resolve fails twice.
+
+    In the loop's default executor, as asyncio's ``loop.getaddrinfo`` looks it up, on
+    uvloop too: uvloop's looked it up in libuv's threads, which its loop's close waits
+    for, and a stop of `watch` waited out a DNS server that did not answer, where the
+    daemon's own executor leaves the lookup to the exit (``daemon.LeftAtExit``).
     """
+    lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return await loop.run_in_executor(None, lookup)
     except socket.gaierror as exc:
         if exc.errno == socket.EAI_AGAIN or short_of_descriptors():
             raise  # for now, or short still: told apart by the caller
-    return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return await loop.run_in_executor(None, lookup)
 
 
 def lock_beside(target: Path) -> Path:

@@ -45,6 +45,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import httpx
 import pytest
 from captures import CAPTURES, asleep_capture
+from etcdproc import running_etcd
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from pytest_httpserver import HTTPServer
@@ -3429,10 +3430,14 @@ def _watch_whose_log_reader_leaves(
 
 
 def _watch_logging_to(
-    entry_point: str, log: int, stack: ExitStack, forced: Mapping[str, str] | None = None
+    entry_point: str,
+    log: int,
+    stack: ExitStack,
+    forced: Mapping[str, str] | None = None,
+    given: Sequence[str] = (REFUSED_URL,),
 ) -> Watch:
-    """`watch` of a refused URL whose stderr is ``log`` (``forced``: environment
-    variables set for it); reaped by ``stack``."""
+    """`watch` of ``given`` (a refused URL) whose stderr is ``log`` (``forced``:
+    environment variables set for it); reaped by ``stack``."""
     port = free_port_block(1)
     environment = child_env()
     for name in ("NOTIFY_SOCKET", "FORCE_COLOR", "TTY_COMPATIBLE"):
@@ -3440,7 +3445,7 @@ def _watch_logging_to(
     environment.update(forced or {})
     unused = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - stack closes it
     process = subprocess.Popen(
-        [entry_point, "watch", REFUSED_URL, "--wait", str(WAIT), "--listen", f"127.0.0.1:{port}"],
+        [entry_point, "watch", *given, "--wait", str(WAIT), "--listen", f"127.0.0.1:{port}"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=log,
@@ -3510,6 +3515,45 @@ def test_watch_goes_on_while_the_reader_of_its_log_stops_reading(entry_point: st
             os.close(write_end)
         first = watch.until("a cycle", lambda page: page.last_cycle is not None)
         watch.next_cycle(watch.next_cycle(first))  # each cycle a line nobody takes
+        code, took = watch.stop()
+        assert code == 0
+        assert took < STOP_BOUND
+
+
+@pytest.mark.slow
+def test_a_cluster_member_goes_on_leading_while_the_reader_of_its_log_stops_reading(
+    entry_point: str, tmp_path: Path
+) -> None:
+    """The elector logs from its own thread ("cluster: ... leads"): written there to a
+    log nobody read, that thread blocked and kept the lease alive no more. The only
+    member of the fleet lost its leadership a TTL on, and with it every restart, for as
+    long as nobody read; its stop waited the TTL for the elector's thread."""
+    read_end, write_end = os.pipe()
+    with running_etcd(tmp_path / "etcd") as etcd, ExitStack() as stack:
+        config = tmp_path / "llmhealth.toml"
+        config.write_text(
+            f'[[backend]]\nname = "a"\nurl = "{REFUSED_URL}"\n\n'
+            f'[cluster]\netcd = ["{etcd.endpoints[0]}"]\nprefix = "/stalled"\nlease_ttl = "2s"\n'
+        )
+        stack.enter_context(os.fdopen(read_end, "rb"))  # held open, never read
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+        os.set_blocking(write_end, False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, b"x" * 512)  # full before the daemon's first line
+        os.set_blocking(write_end, True)
+        try:
+            watch = _watch_logging_to(
+                entry_point, write_end, stack, given=["--config", str(config)]
+            )
+        finally:
+            os.close(write_end)
+        first = watch.until("a cycle", lambda page: page.last_cycle is not None)
+        time.sleep(3 * 2.0)  # past the lease's TTL, many times its renewal
+        page = watch.next_cycle(first)
+        leads = [s.value for s in page.samples("llmhealth_cluster_leader")]
+        assert leads == [1.0], f"leadership lost: {page.text}"
+        assert (page.get("llmhealth_cluster_leader_fence") or 0.0) > 0
         code, took = watch.stop()
         assert code == 0
         assert took < STOP_BOUND
@@ -4530,12 +4574,13 @@ def test_a_proxy_watch_could_not_read_is_not_exported_down(
 
 @pytest.mark.slow  # a lookup held for a while
 def test_a_stop_does_not_wait_for_a_name_lookup_that_hangs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, each_loop: str
 ) -> None:
     """A backend named by a host whose DNS server does not answer (glibc: 5 s, twice, per
     server and search domain): its lookup ran in the loop's default executor, whose
     threads the loop's close and the interpreter's exit both wait for, and a stopped
-    daemon's exit waited for the resolver, past the stop systemd allows."""
+    daemon's exit waited for the resolver, past the stop systemd allows. On uvloop, in
+    libuv's threads, which its loop's close waits for likewise."""
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     real = socket.getaddrinfo
     asked, answer = threading.Event(), threading.Event()
