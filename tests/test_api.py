@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
-import selectors
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import httpx
 import pytest
 from etcdproc import EtcdCluster, free_port, running_etcd
 from simproc import running_simulator
+from wakes import CountedSelector
 
 import llmhealth
 from llmhealth import ConfigError, ExitCode, State, VerdictKind
@@ -113,20 +113,10 @@ def test_check_async_runs_in_the_callers_loop_without_holding_it() -> None:
     assert ticks > 0
 
 
-class _CountedSelector(selectors.DefaultSelector):
-    """The loop's own selector, counting the times the loop woke from it."""
-
-    wakes = 0
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        self.wakes += 1
-        return list(super().select(timeout))
-
-
 def test_check_async_leaves_nothing_running_in_the_callers_loop() -> None:
     """The reads' measure of the loop's lateness ticked every 0.1 s in the caller's loop
     for the rest of its life, after one check."""
-    selector = _CountedSelector()
+    selector = CountedSelector()
     loop = asyncio.SelectorEventLoop(selector)
 
     async def main(urls: list[str]) -> int:

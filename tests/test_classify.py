@@ -1190,6 +1190,15 @@ def test_a_step_of_prompts_prefilled_together_does_not_stretch_the_window_by_the
     text = set_sample(
         text, "vllm:request_prefill_time_seconds_sum", f"{prompt_tokens * 160 / 2048!r}"
     )
+    reads = timed([_first_tokens_waited_20_s(text)] * 30, wait=WAIT)
+    verdict = settled(decide(reads[:14], max_reads=61))
+    assert verdict.kind is VerdictKind.WEDGED
+    assert "window 60 s: longest step seen 20 s x3" in verdict.evidence
+
+
+def _first_tokens_waited_20_s(text: str) -> str:
+    """``text`` with every time-to-first-token bucket below 20 s emptied: each request
+    waited out a 20 s step for its first token."""
     lines = []
     for line in text.splitlines():
         head, _, value = line.rpartition(" ")
@@ -1198,10 +1207,7 @@ def test_a_step_of_prompts_prefilled_together_does_not_stretch_the_window_by_the
             if bound != "+Inf" and float(bound) < 20:
                 value = "0.0"
         lines.append(f"{head} {value}")
-    reads = timed(["\n".join(lines) + "\n"] * 30, wait=WAIT)
-    verdict = settled(decide(reads[:14], max_reads=61))
-    assert verdict.kind is VerdictKind.WEDGED
-    assert "window 60 s: longest step seen 20 s x3" in verdict.evidence
+    return "\n".join(lines) + "\n"
 
 
 def test_prompt_tokens_from_the_prefix_cache_do_not_shorten_the_prefill_step(
@@ -1215,15 +1221,7 @@ def test_prompt_tokens_from_the_prefix_cache_do_not_shorten_the_prefill_step(
     text = set_sample(text, "vllm:prompt_tokens_cached_total", "990000.0")
     # 20 s per 2,048 tokens computed (the largest step of the capture).
     text = set_sample(text, "vllm:request_prefill_time_seconds_sum", f"{10_000 * 20 / 2048!r}")
-    lines = []
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.startswith("vllm:time_to_first_token_seconds_bucket{"):
-            bound = head.split('le="')[1].split('"')[0]
-            if bound != "+Inf" and float(bound) < 20:
-                value = "0.0"  # each request waited out a 20 s step for its first token
-        lines.append(f"{head} {value}")
-    reads = timed(["\n".join(lines) + "\n"] * 15, wait=WAIT)
+    reads = timed([_first_tokens_waited_20_s(text)] * 15, wait=WAIT)
     decision = decide(reads[:3], max_reads=61)
     assert isinstance(decision, TakeRead)
     assert "inside its window 60 s" in decision.reason

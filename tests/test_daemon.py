@@ -3495,6 +3495,16 @@ def test_watch_outlives_the_terminal_it_logs_to(entry_point: str) -> None:
         assert watch.stop()[0] == 0
 
 
+def _fill(write_end: int) -> None:
+    """Fill a pipe (shrunk to 4 KiB) through its write end, which stays blocking."""
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 512)
+    os.set_blocking(write_end, True)
+
+
 @pytest.mark.slow
 def test_watch_goes_on_while_the_reader_of_its_log_stops_reading(entry_point: str) -> None:
     """`watch ... 2>&1 | less` left unscrolled, a log shipper or container log driver that
@@ -3503,12 +3513,7 @@ def test_watch_goes_on_while_the_reader_of_its_log_stops_reading(entry_point: st
     runs on that loop, was ignored until systemd's SIGKILL."""
     read_end, write_end = os.pipe()
     with ExitStack() as stack, os.fdopen(read_end, "rb"):  # held open, never read
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-        os.set_blocking(write_end, False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                os.write(write_end, b"x" * 512)  # full before the daemon's first line
-        os.set_blocking(write_end, True)
+        _fill(write_end)  # full before the daemon's first line
         try:
             watch = _watch_logging_to(entry_point, write_end, stack)
         finally:
@@ -3536,12 +3541,7 @@ def test_a_cluster_member_goes_on_leading_while_the_reader_of_its_log_stops_read
             f'[cluster]\netcd = ["{etcd.endpoints[0]}"]\nprefix = "/stalled"\nlease_ttl = "2s"\n'
         )
         stack.enter_context(os.fdopen(read_end, "rb"))  # held open, never read
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-        os.set_blocking(write_end, False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                os.write(write_end, b"x" * 512)  # full before the daemon's first line
-        os.set_blocking(write_end, True)
+        _fill(write_end)  # full before the daemon's first line
         try:
             watch = _watch_logging_to(
                 entry_point, write_end, stack, given=["--config", str(config)]

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import re
-import selectors
 import socket
 import ssl
 import threading
@@ -17,12 +16,12 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
 from simproc import running_simulator
 from tlsproc import make_certificate
+from wakes import CountedSelector
 from werkzeug import Request, Response
 
 import llmhealth
@@ -67,20 +66,10 @@ def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
     assert second[1].verdict is VerdictKind.BUSY
 
 
-class _CountedSelector(selectors.DefaultSelector):
-    """The loop's own selector, counting the times the loop woke from it."""
-
-    wakes = 0
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        self.wakes += 1
-        return list(super().select(timeout))
-
-
 def test_nothing_of_the_prober_runs_in_the_callers_loop_between_calls() -> None:
     """The reads' measure of the loop's lateness ticked every 0.1 s in the trainer's
     loop from the first call on, between calls and after ``aclose``."""
-    selector = _CountedSelector()
+    selector = CountedSelector()
     loop = asyncio.SelectorEventLoop(selector)
 
     async def main(urls: list[str]) -> tuple[int, int]:
