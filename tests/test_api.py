@@ -113,6 +113,7 @@ def test_check_async_runs_in_the_callers_loop_without_holding_it() -> None:
     assert ticks > 0
 
 
+@pytest.mark.slow
 def test_check_async_leaves_nothing_running_in_the_callers_loop() -> None:
     """The reads' measure of the loop's lateness ticked every 0.1 s in the caller's loop
     for the rest of its life, after one check."""

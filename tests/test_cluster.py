@@ -879,6 +879,7 @@ def test_a_settle_with_thousands_of_records_still_fits_one_etcd_request(
     assert sum(len(found.value) for found in etcd.get_prefix(keys.audit).values()) <= 600_000
 
 
+@pytest.mark.slow
 def test_a_trail_of_settles_of_thousands_of_records_is_still_read(
     etcd_server: EtcdCluster, keys: Keys
 ) -> None:

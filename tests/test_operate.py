@@ -893,6 +893,7 @@ def test_only_release_acts_on_a_name_the_config_dropped_that_keeps_its_hold(
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="root and util-linux unshare (a mount namespace of its own)",

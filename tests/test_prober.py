@@ -66,6 +66,7 @@ def test_an_idle_and_a_busy_backend_are_judged_and_stay_healthy() -> None:
     assert second[1].verdict is VerdictKind.BUSY
 
 
+@pytest.mark.slow
 def test_nothing_of_the_prober_runs_in_the_callers_loop_between_calls() -> None:
     """The reads' measure of the loop's lateness ticked every 0.1 s in the trainer's
     loop from the first call on, between calls and after ``aclose``."""
